@@ -1,0 +1,10 @@
+"""dgemma: run, watch, sweep and benchmark DiffusionGemma block text-diffusion checkpoints."""
+
+__version__ = "0.1.0"
+
+
+def load_model(path, device="cpu", dtype=None):
+    """Load a DiffusionGemma checkpoint directory (see `dgcli.loader.load_model`)."""
+    from .loader import load_model as _load
+
+    return _load(path, device=device, dtype=dtype)

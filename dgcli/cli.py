@@ -1,0 +1,57 @@
+"""The `dgemma` command line: thin Typer commands that resolve settings, load, call the library and
+hand results to a renderer. Heavy imports (torch) happen inside commands so `dgemma --help` is instant.
+Known errors become one line on stderr and exit code 2 (a traceback only with DGEMMA_DEBUG=1).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional
+
+import typer
+
+from . import __version__
+from .errors import UserError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  help="Run, watch, sweep and benchmark DiffusionGemma block text-diffusion checkpoints.")
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"dgemma {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Optional[bool] = typer.Option(None, "--version", callback=_version, is_eager=True,
+                                                  help="Print the version and exit.")) -> None:
+    pass
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except UserError as e:
+        if os.environ.get("DGEMMA_DEBUG") == "1":
+            raise
+        print(f"dgemma: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("dgemma: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except SystemExit:
+        raise
+    except Exception as e:  # click usage errors and the like
+        import click
+
+        if isinstance(e, click.exceptions.Exit):
+            sys.exit(e.exit_code)
+        if isinstance(e, click.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        if isinstance(e, click.exceptions.Abort):
+            print("dgemma: aborted", file=sys.stderr)
+            sys.exit(130)
+        raise

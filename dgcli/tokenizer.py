@@ -1,0 +1,246 @@
+"""Runtime tokenizer: checkpoint `tokenizer.json` + chat template → prompt ids, and ids → answer text.
+
+Owns: loading the tokenizer and chat template from a checkpoint directory, looking special ids up
+by name, rendering chats in a Jinja2 sandbox, BOS handling (exactly one), cutting generated ids at
+stop ids and separating the thought channel from the answer (spec §8). Must not: import torch or
+transformers, or know anything about the model or the sampler.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from functools import cached_property
+from pathlib import Path
+
+import jinja2
+from jinja2.exceptions import SecurityError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from dgcli.errors import UserError
+
+# Attribute name -> token string; ids always come from the checkpoint's vocab (never hard-coded).
+SPECIAL_TOKENS: dict[str, str] = {
+    "pad": "<pad>",
+    "eos": "<eos>",
+    "bos": "<bos>",
+    "turn_start": "<|turn>",
+    "turn_end": "<turn|>",
+    "channel_start": "<|channel>",
+    "channel_end": "<channel|>",
+    "think": "<|think|>",
+}
+THOUGHT_LABEL = "thought"  # a channel opens with "<|channel>thought\n"
+
+
+class _StrictSandbox(ImmutableSandboxedEnvironment):
+    """Sandbox that raises on any unsafe attribute instead of yielding a silent Undefined."""
+
+    def unsafe_undefined(self, obj: object, attribute: str) -> jinja2.Undefined:
+        raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} is not allowed")
+
+
+def _raise_exception(message: str) -> None:
+    # HF convention: templates call raise_exception('...') to reject a conversation.
+    raise jinja2.TemplateError(message)
+
+
+class ChatTokenizer:
+    """A checkpoint's tokenizer plus its chat template, with special ids resolved by name."""
+
+    pad_id: int
+    eos_id: int
+    bos_id: int
+    turn_start_id: int
+    turn_end_id: int
+    channel_start_id: int
+    channel_end_id: int
+    think_id: int
+
+    def __init__(self, tokenizer: Tokenizer, chat_template: str | None, *, source: str = "tokenizer") -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.source = source  # names the checkpoint in error messages
+        for attr, token in SPECIAL_TOKENS.items():
+            token_id = tokenizer.token_to_id(token)
+            if token_id is None:
+                raise UserError(
+                    f"{source}: special token {token} is missing from the vocabulary; "
+                    "use a Gemma-4 tokenizer.json"
+                )
+            setattr(self, f"{attr}_id", token_id)
+        self.bos_token = tokenizer.id_to_token(self.bos_id)
+        self.eos_token = tokenizer.id_to_token(self.eos_id)
+        # The model ends an answer with <turn|> (spec §7.4); <eos> is the other end-of-text id.
+        self.stop_ids: tuple[int, ...] = (self.eos_id, self.turn_end_id)
+        self.vocab_size: int = tokenizer.get_vocab_size()
+
+    # ---------------------------------------------------------------- prompt side
+    @cached_property
+    def _template(self) -> jinja2.Template:
+        if self.chat_template is None:
+            raise UserError(
+                f"{self.source} has no chat template (chat_template.jinja or tokenizer_config.json); "
+                "add one or send the prompt with --raw"
+            )
+        env = _StrictSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.globals["raise_exception"] = _raise_exception
+        try:
+            return env.from_string(self.chat_template)
+        except jinja2.TemplateError as exc:
+            raise UserError(
+                f"chat template of {self.source} does not parse: {exc}; fix the template"
+            ) from None
+
+    def render_chat(
+        self, messages: list[dict], *, thinking: bool = False, add_generation_prompt: bool = True
+    ) -> str:
+        """Render `messages` ([{role, content}]) with the checkpoint's chat template, sandboxed."""
+        template = self._template  # outside the try: its own UserError must pass through as is
+        try:
+            return template.render(
+                messages=messages,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+                enable_thinking=thinking,
+                add_generation_prompt=add_generation_prompt,
+            )
+        except SecurityError as exc:
+            raise UserError(
+                f"chat template of {self.source} was refused by the sandbox ({exc}); use a trusted template"
+            ) from None
+        except Exception as exc:  # any template bug (TemplateError, TypeError, ...) is one user-facing line
+            raise UserError(
+                f"chat template of {self.source} failed: {exc}; check the messages or template"
+            ) from None
+
+    def _with_one_bos(self, ids: list[int]) -> list[int]:
+        # The template (or the raw text) may already start with <bos>; never add a second one.
+        return ids if ids[:1] == [self.bos_id] else [self.bos_id, *ids]
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of `text` with no special tokens added (special token strings still match)."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(
+        self, prompt: str, *, raw: bool = False, thinking: bool = False, system: str | None = None
+    ) -> list[int]:
+        """Prompt ids: a chat-templated user turn + generation prompt, or `raw` text; one BOS either way."""
+        if raw:
+            return self._with_one_bos(self.encode_text(prompt))
+        messages = [{"role": "system", "content": system}] if system is not None else []
+        messages.append({"role": "user", "content": prompt})
+        return self._with_one_bos(self.encode_text(self.render_chat(messages, thinking=thinking)))
+
+    # ---------------------------------------------------------------- answer side
+    def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str:
+        """Text of `ids`; ids outside the vocabulary are dropped."""
+        ids = [int(i) for i in ids if 0 <= int(i) < self.vocab_size]
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
+
+    def cut_at_stop(self, ids: Iterable[int], stop_ids: Iterable[int] | None = None) -> list[int]:
+        """`ids` up to (not including) the first stop id (default: <eos> and <turn|>)."""
+        stops = set(self.stop_ids if stop_ids is None else stop_ids)
+        out: list[int] = []
+        for i in ids:
+            if int(i) in stops:
+                break
+            out.append(int(i))
+        return out
+
+    def _channel_body(self, ids: Sequence[int]) -> str:
+        # Text inside a channel, without its "thought\n" label.
+        text = self.decode(ids)
+        if text.startswith(THOUGHT_LABEL):
+            text = text[len(THOUGHT_LABEL):].lstrip("\n")
+        return text
+
+    def split_thinking(self, ids: Iterable[int], stop_ids: Iterable[int] | None = None) -> tuple[str, str]:
+        """(thinking, answer) of generated ids, cut at the first stop id.
+
+        Closed `<|channel>…<channel|>` blocks are thinking. A channel the model opens and never
+        closes holds the answer (spec §8.2 observed behaviour), so it is returned as the answer.
+        """
+        ids = self.cut_at_stop(ids, stop_ids)
+        thoughts: list[str] = []
+        answer: list[int] = []
+        pos = 0
+        while pos < len(ids):
+            if ids[pos] != self.channel_start_id:
+                answer.append(ids[pos])
+                pos += 1
+                continue
+            try:
+                end = ids.index(self.channel_end_id, pos + 1)
+            except ValueError:  # unterminated channel: its text is the answer
+                tail = self._channel_body(ids[pos + 1:])
+                return "\n".join(thoughts), self.decode(answer) + tail
+            thoughts.append(self._channel_body(ids[pos + 1:end]))
+            pos = end + 1
+        return "\n".join(t for t in thoughts if t), self.decode(answer)
+
+    def answer_text(
+        self, ids: Iterable[int], *, show_thinking: bool = False, stop_ids: Iterable[int] | None = None
+    ) -> str:
+        """The answer in generated `ids`; `show_thinking` keeps the thought channel, markers included."""
+        if show_thinking:
+            return self._decode_keep_channels(self.cut_at_stop(ids, stop_ids))
+        return self.split_thinking(ids, stop_ids)[1]
+
+    def _decode_keep_channels(self, ids: list[int]) -> str:
+        # Other special tokens are skipped, but the channel markers stay so thinking is delimited.
+        markers = {self.channel_start_id: "<|channel>", self.channel_end_id: "<channel|>"}
+        parts: list[str] = []
+        run: list[int] = []
+        for i in ids:
+            if i in markers:
+                parts += [self.decode(run), self.tokenizer.id_to_token(i)]
+                run = []
+            else:
+                run.append(i)
+        parts.append(self.decode(run))
+        return "".join(parts)
+
+    def token_strings(self, ids: Iterable[int]) -> list[str]:
+        """One display piece per id (specials verbatim, "▁" as space, lone non-ASCII bytes as "�")."""
+        pieces = []
+        for i in ids:
+            token = self.tokenizer.id_to_token(int(i))
+            pieces.append("\ufffd" if token is None else self.tokenizer.decoder.decode([token]))
+        return pieces
+
+
+def _template_from_config(config_path: Path) -> str | None:
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read {config_path}: {exc}; fix or remove the file") from None
+    template = config.get("chat_template")
+    if isinstance(template, list):  # HF: several named templates; "default" is the chat one
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def load_tokenizer(checkpoint_dir: str | Path) -> ChatTokenizer:
+    """Load `tokenizer.json` and the chat template (`chat_template.jinja`, else `tokenizer_config.json`)."""
+    root = Path(checkpoint_dir)
+    tok_path = root / "tokenizer.json"
+    if not tok_path.is_file():
+        raise UserError(
+            f"tokenizer file {tok_path} not found; the checkpoint needs its Hugging Face tokenizer.json"
+        )
+    try:
+        tokenizer = Tokenizer.from_file(str(tok_path))
+    except Exception as exc:  # tokenizers raises a bare Exception on malformed JSON
+        raise UserError(f"cannot load {tok_path}: {exc}; re-download the tokenizer") from None
+    template_path = root / "chat_template.jinja"
+    config_path = root / "tokenizer_config.json"
+    if template_path.is_file():
+        template = template_path.read_text(encoding="utf-8")
+    elif config_path.is_file():
+        template = _template_from_config(config_path)
+    else:
+        template = None
+    return ChatTokenizer(tokenizer, template, source=str(root))

@@ -1,0 +1,65 @@
+"""Build transformers' reference DiffusionGemma with every parameter and buffer randomised, save it with
+save_pretrained, and hand both to the parity tests. transformers is imported here only (tests' oracle)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dgcli.checkpoint import TINY_VISION, make_config
+
+S, F = "sliding_attention", "full_attention"
+
+# Random configs of several shapes: layer-type patterns, GQA groups 1, 2 and >=4, global head dim
+# != head dim, small sliding windows so prompts exceed them, canvases of 8..64.
+CONFIGS = {
+    "gqa2_window6": dict(vocab_size=96, hidden_size=32, intermediate_size=40, moe_intermediate_size=12,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                         num_global_key_value_heads=1, head_dim=8, global_head_dim=16, num_experts=4,
+                         top_k_experts=2, sliding_window=6, layer_types=[S, S, F], canvas=8),
+    "gqa1_full_first": dict(vocab_size=80, hidden_size=24, intermediate_size=32, moe_intermediate_size=8,
+                            num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2,
+                            num_global_key_value_heads=2, head_dim=12, global_head_dim=8, num_experts=3,
+                            top_k_experts=3, sliding_window=5, layer_types=[F, S, S, F], canvas=16),
+    "gqa4_moe8": dict(vocab_size=128, hidden_size=48, intermediate_size=64, moe_intermediate_size=16,
+                      num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                      num_global_key_value_heads=1, head_dim=8, global_head_dim=32, num_experts=8,
+                      top_k_experts=2, sliding_window=9, layer_types=[S, F], canvas=64),
+    "gqa8_deep": dict(vocab_size=64, hidden_size=32, intermediate_size=24, moe_intermediate_size=8,
+                      num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=1,
+                      num_global_key_value_heads=1, head_dim=4, global_head_dim=8, num_experts=5,
+                      top_k_experts=1, sliding_window=4, layer_types=[S, S, S, S, S, F], canvas=12),
+}
+
+
+def text_config(name: str) -> tuple[dict, int]:
+    cfg = dict(CONFIGS[name])
+    canvas = cfg.pop("canvas")
+    cfg["max_position_embeddings"] = 4096
+    return cfg, canvas
+
+
+@torch.no_grad()
+def randomise_(model, seed: int) -> None:
+    """Every parameter and buffer random; gains around 1 so activations stay O(1)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if "inv_freq" in name or "embed_scale" in name or "vision" in name:
+            continue  # derived constants, or not part of the text path
+        if t.ndim >= 2:
+            t.copy_(torch.randn(t.shape, generator=g) / math.sqrt(t.shape[-1]))
+        else:
+            t.copy_(torch.rand(t.shape, generator=g) + 0.5)
+
+
+def build_reference(name: str, seed: int = 0, dtype=torch.float32):
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+
+    tc, canvas = text_config(name)
+    full = make_config(tc, canvas_length=canvas)
+    cfg = DiffusionGemmaConfig(text_config=full["text_config"], vision_config=dict(TINY_VISION),
+                               canvas_length=canvas)
+    model = DiffusionGemmaForBlockDiffusion(cfg).eval()
+    randomise_(model, seed)
+    return model.to(dtype)
