@@ -45,29 +45,33 @@ def make_config(text_config: dict, canvas_length: int = 256, dtype: str = "bfloa
 
 @torch.no_grad()
 def randomize_(model: DiffusionGemma, seed: int = 0, std: float | None = None) -> DiffusionGemma:
-    """Give every parameter and buffer a random value (no tensor left at its init value).
+    """Give every parameter and buffer a random value (no tensor left at its init value), drawn on the
+    tensor's own device in its own dtype (a 26B dummy model never exists in fp32 on the host).
     Matrices ~ N(0, std) with std = 1/sqrt(fan_in) unless given; gains and scales ~ U(0.5, 1.5)."""
-    g = torch.Generator().manual_seed(seed)
+    gens: dict[torch.device, torch.Generator] = {}
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        g = gens.setdefault(t.device, torch.Generator(device=t.device).manual_seed(seed))
         if t.ndim >= 2:
             s = std if std is not None else 1.0 / math.sqrt(t.shape[-1])
-            t.copy_(torch.randn(t.shape, generator=g) * s)
+            t.normal_(0.0, s, generator=g)
         else:
-            t.copy_(torch.rand(t.shape, generator=g) + 0.5)
+            t.uniform_(0.5, 1.5, generator=g)
     return model
 
 
 def random_model(cfg_dict: dict, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                 device: str = "cpu") -> DiffusionGemma:
-    """A randomly initialised model of a config (dummy weights), built directly on `device`."""
+                 device: str | torch.device = "cpu") -> DiffusionGemma:
+    """A randomly initialised model of a config (dummy weights), allocated once, on `device`, in `dtype`
+    (layer scalars fp32 as in the checkpoint)."""
     cfg = parse_config(cfg_dict)
-    model = DiffusionGemma(cfg)
-    randomize_(model, seed)
+    with torch.device("meta"):
+        model = DiffusionGemma(cfg)
     model.to(dtype)
-    for layer in model.layers:  # scalars stay fp32 as in the checkpoint
+    for layer in model.layers:
         layer.layer_scalar.data = layer.layer_scalar.float()
         layer.encoder_layer_scalar.data = layer.encoder_layer_scalar.float()
-    return model.to(device).eval()
+    model.to_empty(device=device)
+    return randomize_(model, seed).eval()
 
 
 def checkpoint_state(model: DiffusionGemma) -> dict[str, torch.Tensor]:

@@ -30,6 +30,13 @@ def _root(version: Optional[bool] = typer.Option(None, "--version", callback=_ve
     pass
 
 
+# Commands (each module imports torch lazily, inside its command body, so --help stays instant).
+from . import cmd_generate  # noqa: E402
+
+app.command("generate")(cmd_generate.generate)
+# (more commands are registered below, one import + one line each)
+
+
 def main() -> None:
     try:
         app(standalone_mode=False)

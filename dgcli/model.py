@@ -312,25 +312,40 @@ class DiffusionGemma(nn.Module):
     @torch.no_grad()
     def forward_unified(self, prompt_ids: torch.Tensor, canvas_ids: torch.Tensor,
                         self_conditioning_logits: torch.Tensor | None = None) -> torch.Tensor:
-        """The same logits from one no-cache pass over [prefix | canvas] with a per-row mask, embedding
-        and layer scalar (spec §5.6 'unified' formulation). A cross-check for the cached path."""
+        """The same logits from one no-cache pass over [prefix | canvas] (spec §5.6 'unified'
+        formulation): a cross-check for the cached path."""
+        soft = None if self_conditioning_logits is None else self.soft_embedding(self_conditioning_logits)
+        return self.logits(self.unified_hidden(prompt_ids, canvas_ids, soft)[1])
+
+    def unified_hidden(self, prompt_ids: torch.Tensor, canvas_ids: torch.Tensor, soft: torch.Tensor | None = None,
+                       prefix_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Differentiable single pass over [prefix | canvas] with a per-row mask, embedding and layer
+        scalar; returns final-normed hidden states (prefix [B, P, H], canvas [B, C, H]). Prefix rows are
+        exactly encoder mode (causal, sliding window), canvas rows exactly decoder mode. `prefix_valid`
+        [B, P] (True = real token) hides padding keys, for training batches of unequal prompts."""
         p, c = prompt_ids.shape[1], canvas_ids.shape[1]
         dev = prompt_ids.device
-        soft = None if self_conditioning_logits is None else self.soft_embedding(self_conditioning_logits)
         x = torch.cat((self.embed(prompt_ids), self.self_conditioning.condition(self.embed(canvas_ids), soft)), dim=1)
         tables = self._tables(torch.arange(p + c, device=dev), x.dtype)
         pos = torch.arange(p + c, device=dev)
         qp, kp = pos[:, None], pos[None, :]
         q_prefix, k_prefix = qp < p, kp < p
         is_prefix_row = (pos < p)[None, :, None]
+        valid = None
+        if prefix_valid is not None:  # [B, 1, 1, P + C]: padding keys invisible to every row
+            valid = torch.cat((prefix_valid, prefix_valid.new_ones(prefix_valid.shape[0], c)), dim=1)[:, None, None, :]
         for layer, g in zip(self.layers, self.geometry):
             w = g.window
             causal = k_prefix & (kp <= qp) & ((kp > qp - w) if w else True)
             canvas_rows = ~q_prefix & (~k_prefix | ((kp >= p - (w - 1)) if w else True))
             mask = torch.where(q_prefix, causal, canvas_rows)
+            if valid is not None:
+                # Keep each row's own key visible so fully padded rows still have a finite softmax.
+                mask = (mask & valid) | torch.eye(p + c, dtype=torch.bool, device=dev)
             attn = layer.self_attn
             q, k, v = attn.project(layer.input_layernorm(x), *tables[g.kind])
             x = x + layer.post_attention_layernorm(attn.attend(q, k, v, mask))
             x = layer.feed_forward(x)
             x = torch.where(is_prefix_row, x * layer.encoder_layer_scalar, x * layer.layer_scalar).to(x.dtype)
-        return self.logits(self.norm(x[:, p:]))
+        x = self.norm(x)
+        return x[:, :p], x[:, p:]
