@@ -148,11 +148,11 @@ def generate(
     show_config: o.ShowConfig = False,
     fmt: Annotated[str, typer.Option("--format", "-f", help="text | json | ndjson")] = "text",
     input_jsonl: Annotated[Optional[str], typer.Option("--input-jsonl", help="Run every {\"prompt\": ...} line of FILE.")] = None,
-    trace: Annotated[Optional[str], typer.Option("--trace", help="Write the per-step JSONL trace to FILE.")] = None,
-    init_canvas: Annotated[Optional[str], typer.Option("--init-canvas", help="Warm-start the first block: ids (1,2,3) or text.")] = None,
-    thinking: Annotated[bool, typer.Option("--thinking", help="Let the model think first (template without the empty thought channel).")] = False,
-    show_thinking: Annotated[bool, typer.Option("--show-thinking", help="Print the thought channel too.")] = False,
-    raw: Annotated[bool, typer.Option("--raw", help="Send the prompt without the chat template.")] = False,
+    trace: o.Trace = None,
+    init_canvas: o.InitCanvas = None,
+    thinking: o.Thinking = False,
+    show_thinking: o.ShowThinking = False,
+    raw: o.Raw = False,
 ) -> None:
     """Generate text for a prompt (argument, stdin, or --input-jsonl)."""
     if fmt not in FORMATS:

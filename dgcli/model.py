@@ -18,11 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import KVCache
+from .kernels import dispatch
 from .config import FULL, LayerGeometry, ModelConfig
 
 
 class RMSNorm(nn.Module):
-    """x·(mean(x²)+eps)^-½ in fp32, times the stored gain (no +1 offset); `with_scale=False` is Norm_0."""
+    """x·(mean(x²)+eps)^-½ in fp32, times the stored gain (no +1 offset); `with_scale=False` is Norm_0.
+    The math is `kernels/reference_ops.py::rms_norm_reference` (a Triton kernel on CUDA)."""
 
     def __init__(self, dim: int, eps: float, with_scale: bool = True):
         super().__init__()
@@ -30,11 +32,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.float()
-        y = y * torch.pow(y.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
-        if self.weight is not None:
-            y = y * self.weight.float()
-        return y.type_as(x)
+        return dispatch.rms_norm(x, self.weight, self.eps)
 
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
@@ -124,7 +122,8 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Fused expert weights as stored: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
+    """Fused expert weights as stored: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
+    The math is `kernels/reference_ops.py::experts_reference`; CPU runs a grouped path, CUDA a Triton kernel."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -133,25 +132,8 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        # Group token-expert pairs by expert (one sort), then one GEMM pair per expert that has tokens.
-        n, k = idx.shape
-        flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        tokens = order // k  # [N*k] token of each sorted pair
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
-        out = torch.zeros_like(x)
-        start = 0
-        for e, c in enumerate(counts):
-            if c == 0:
-                continue
-            sel = order[start:start + c]
-            tok = tokens[start:start + c]
-            start += c
-            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[e])
-            y = y * w.reshape(-1)[sel, None]  # fp32 weights, as the reference multiplies
-            out.index_add_(0, tok, y.to(out.dtype))
-        return out
+        """x [N, H], routing weights w [N, k] fp32, expert ids idx [N, k] -> [N, H]."""
+        return dispatch.experts(x, w, idx, self.gate_up_proj, self.down_proj)
 
 
 class DecoderLayer(nn.Module):

@@ -29,6 +29,12 @@ Blocks = Annotated[Optional[int], typer.Option("--blocks", "--diffusion-blocks",
                                                help="Most blocks (canvases) to generate; 0 = derive from --max-tokens (default 1).")]
 MaxTokens = Annotated[Optional[int], typer.Option("--max-tokens", help="Token budget; without --blocks it sets the block count.")]
 
+Trace = Annotated[Optional[str], typer.Option("--trace", help="Write the per-step JSONL trace to FILE.")]
+InitCanvas = Annotated[Optional[str], typer.Option("--init-canvas", help="Warm-start the first block: ids (1,2,3) or text.")]
+Thinking = Annotated[bool, typer.Option("--thinking", help="Let the model think first (template without the empty thought channel).")]
+ShowThinking = Annotated[bool, typer.Option("--show-thinking", help="Print the thought channel too.")]
+Raw = Annotated[bool, typer.Option("--raw", help="Send the prompt without the chat template.")]
+
 
 def sampler_flags(*, steps=None, t_min=None, t_max=None, entropy_bound=None, stability=None, confidence=None,
                   seed=None, blocks=None, device=None, dtype=None, max_tokens=None) -> dict:

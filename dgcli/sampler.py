@@ -32,7 +32,8 @@ import torch
 
 from dgcli.errors import UserError
 from dgcli.events import BlockStart, Commit, Done, Event, Step
-from dgcli.kernels.reference import VocabPassOut, vocab_pass
+from dgcli.kernels.dispatch import vocab_pass
+from dgcli.kernels.reference import VocabPassOut
 
 Result = Done  # what `generate` returns: the Done event's data
 

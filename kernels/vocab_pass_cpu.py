@@ -34,6 +34,22 @@ def auto_tile(rows: int, vocab_size: int, tile_bytes: int = TILE_BYTES) -> int:
     return min(t, vocab_size)
 
 
+def _tile_max(x: torch.Tensor, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row max and first argmax of x [N, T]. torch's max-with-index is several times slower than a
+    plain max on CPU, so: block maxima (one vectorised pass), then the first block holding the row
+    max, then the first position inside that block (both on [N, block]-sized data)."""
+    n, t = x.shape
+    if t % block:
+        return x.max(dim=1)
+    blocks = x.view(n, t // block, block)  # [N, T/b, b]
+    bmax = blocks.amax(dim=2)  # [N, T/b]
+    mx = bmax.amax(dim=1)  # [N]
+    first_block = (bmax == mx[:, None]).int().argmax(dim=1)  # [N] argmax returns the first maximal index
+    seg = blocks[torch.arange(n, device=x.device), first_block]  # [N, b]
+    inner = (seg == mx[:, None]).int().argmax(dim=1)  # [N]
+    return mx, first_block * block + inner
+
+
 def _draw(e: torch.Tensor, zt: torch.Tensor, total: torch.Tensor, u: torch.Tensor, pick: torch.Tensor,
           lo: int) -> None:
     """Streaming categorical draw: after the pass, pick[r] ~ softmax(L[r]) exactly.
@@ -98,7 +114,7 @@ def vocab_pass_tiled(
         if softcap:
             logits.div_(softcap).tanh_().mul_(softcap)
         logits.div_(temperature)  # L
-        tmax, targ = logits.max(dim=1)  # [N]
+        tmax, targ = _tile_max(logits)  # [N]
         first = lo == 0
         if first:
             m_new, arg = tmax, targ
@@ -111,7 +127,7 @@ def vocab_pass_tiled(
         d = logits.sub_(shift)  # [N, T] L - m (in place: L is not needed any more)
         e = torch.exp(d)  # [N, T]
         zt = e.sum(dim=1)  # [N]
-        st = torch.mul(d, e, out=d).sum(dim=1)  # [N]
+        st = torch.mul(d, e, out=d).sum(dim=1)  # [N] Σ e·(L - m) (linalg.vecdot is slower on CPU)
 
         if want_soft:
             if stored is None:  # fp32 embedding: softmax(bf16(L)) is softmax(L); reuse e

@@ -257,7 +257,12 @@ def test_step_events_are_consistent():
     assert torch.cat(fresh).float().mean() > 0.8
 
 
-def test_self_conditioning_is_none_on_each_first_step_and_follows_the_reference():
+@pytest.mark.parametrize("kernels", ["reference", "auto"])
+def test_self_conditioning_is_none_on_each_first_step_and_follows_the_reference(kernels, monkeypatch):
+    # The reference vocab pass rounds softmax(L) to bf16 before the matmul, exactly as transformers does;
+    # the tiled CPU pass accumulates softmax(L)·E online in fp32 and rounds once: equal up to bf16 rounding.
+    monkeypatch.setenv("DGEMMA_KERNELS", kernels)
+    tol = dict(rtol=0, atol=0) if kernels == "reference" else dict(rtol=2**-7, atol=2**-6)
     m = MockModel(sharp=torch.linspace(0.0, 6.0, 8), dtype=torch.bfloat16)
     ev = run(m, params=P(max_denoising_steps=3, confidence_threshold=0.0), num_blocks=3)
     s = steps(ev)
@@ -273,7 +278,7 @@ def test_self_conditioning_is_none_on_each_first_step_and_follows_the_reference(
         L = (torch.tanh(F.linear(prev_hidden, E).float() / 30.0) * 30.0) / prev_t
         expect = torch.matmul(L.to(E.dtype).softmax(-1, dtype=torch.float32).to(E.dtype), E) * m.embed_scale
         assert soft.dtype == torch.bfloat16 and soft.shape == (1, 8, 64)
-        torch.testing.assert_close(soft, expect, rtol=0, atol=0)
+        torch.testing.assert_close(soft, expect, **tol)
 
 
 def test_history_resets_every_block():
@@ -429,8 +434,9 @@ def test_loop_matches_transformers_step_by_step(tmp_path):
                 L = raw / x.temperature  # [1, C, V]
                 want_h = torch.distributions.Categorical(logits=L).entropy()[0]
                 assert torch.equal(x.argmax, L.argmax(-1)[0])
-                # Same math in the same order so far: exact on CPU today; the tolerance is for BLAS changes.
-                torch.testing.assert_close(x.entropy, want_h, rtol=1e-5, atol=1e-5)
+                # fp32: the tiled CPU pass sums entropy terms online over vocab tiles, so its rounding
+                # differs from the one-shot reference at ~1e-5 relative (seen: 2.2e-5 at H = 2.8 nats).
+                torch.testing.assert_close(x.entropy, want_h, rtol=1e-4, atol=1e-4)
                 assert torch.equal(x.accepted_mask, accept_mask(want_h[None], 0.3)[0])
                 sc = L.to(ref.model.decoder.embed_tokens.weight.dtype)  # what the reference keeps between steps
             assert commits[block] == x.argmax.tolist()

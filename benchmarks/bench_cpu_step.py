@@ -1,0 +1,315 @@
+"""CPU end-to-end benchmark: dgemma vs transformers' generate at identical work, side by side in one run.
+
+Prints a static card (machine, model, FLOPs per step, the bf16 matmul rate measured now), then a table,
+then one JSON line last. Figures:
+* the machine's bf16 matmul rate (best of a few GEMM shapes, measured in this run);
+* dgemma: median denoising-step time and its achieved FLOP/s as a share of that rate, generate time;
+* transformers' `generate` on the same checkpoint, prompt and fixed work (16 steps per block);
+* the extra peak memory of the vocabulary pass at V = 262,144, H = 2816, C = 256 (fresh processes,
+  peak RSS above the RSS before the call; E random, no model), for the CPU path and the reference.
+
+Fixed work: confidence_threshold 0 for dgemma (the `fixed-work` preset); transformers rejects 0, so it
+gets 1e-30, which a random model's mean entropy never undercuts; both step counts are checked.
+
+    python benchmarks/bench_cpu_step.py [--steps 16] [--blocks 1] [--skip-hf] [--skip-memory] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import inspect
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+S, FULL = "sliding_attention", "full_attention"
+# ~200 M parameters, 32k vocabulary, 256-token canvas; MoE shaped like a scaled-down 26B-A4B
+# (dense MLP plus routed experts in every layer, 5 sliding : 1 full).
+TEXT = dict(vocab_size=32768, hidden_size=1024, intermediate_size=1536, moe_intermediate_size=512,
+            num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4, num_global_key_value_heads=2,
+            head_dim=128, global_head_dim=256, num_experts=12, top_k_experts=4, sliding_window=512,
+            max_position_embeddings=8192, layer_types=[S] * 5 + [FULL])
+CANVAS = 256
+PROMPT_LEN = 32
+
+
+# ---- machine ----------------------------------------------------------------------------------------------
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def load_avg() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def timed(fn, reps: int, warmup: int = 2) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2]
+
+
+def matmul_rate() -> dict:
+    """Best bf16 GEMM rate over a few shapes (F.linear, weight [out, in] as the model stores it)."""
+    h = TEXT["hidden_size"]
+    shapes = [(2048, 2048, 2048), (CANVAS, h, 4 * h), (CANVAS, h, TEXT["vocab_size"] // 4)]
+    best, rows = 0.0, []
+    for m, k, n in shapes:
+        a, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
+        t = median(timed(lambda: F.linear(a, w), reps=9))
+        rate = 2 * m * k * n / t
+        rows.append({"shape": [m, k, n], "gflops": rate / 1e9})
+        best = max(best, rate)
+    return {"best_flops": best, "shapes": rows}
+
+
+# ---- work accounting ------------------------------------------------------------------------------------
+
+
+def step_flops(cfg, prefix: int, with_soft_in: bool, want_soft_out: bool) -> float:
+    """Matmul FLOPs of one denoising step over the canvas (2 per multiply-add; routed experts at top-k)."""
+    c, h = cfg.canvas_length, cfg.hidden_size
+    total = 0.0
+    for i in range(cfg.num_hidden_layers):
+        g = cfg.layer(i)
+        q, kv = cfg.num_attention_heads * g.head_dim, g.num_kv_heads * g.head_dim
+        total += 2 * c * h * (2 * q + kv * (2 if g.has_v_proj else 1))  # q, o, k, (v)
+        keys = c + (prefix if g.window is None else min(prefix, g.window - 1))
+        total += 4 * c * keys * q  # scores and weighted values
+        total += 3 * 2 * c * h * cfg.intermediate_size  # dense MLP
+        total += 2 * c * h * cfg.num_experts  # router
+        total += cfg.top_k_experts * 3 * 2 * c * h * cfg.moe_intermediate_size  # routed experts
+    if with_soft_in:
+        total += 3 * 2 * c * h * cfg.self_conditioning_size
+    total += 2 * c * cfg.vocab_size * h * (2 if want_soft_out else 1)  # head (+ soft embedding)
+    return total
+
+
+# ---- dgemma -----------------------------------------------------------------------------------------------
+
+
+def wire_fast_paths() -> list[str]:
+    """Route the model's experts and the sampler's vocab pass through kernels.dispatch when the library
+    does not do so itself yet (reported in the output; a no-op once model.py / sampler.py use dispatch)."""
+    import dgcli.model as model_mod
+    import dgcli.sampler as sampler_mod
+    from dgcli.kernels import dispatch
+
+    patched = []
+    if "dispatch" not in inspect.getsource(model_mod.Experts.forward):
+        model_mod.Experts.forward = lambda self, x, w, idx: dispatch.experts(x, w, idx, self.gate_up_proj,
+                                                                             self.down_proj)
+        patched.append("Experts.forward")
+    if sampler_mod.vocab_pass is not dispatch.vocab_pass:
+        sampler_mod.vocab_pass = dispatch.vocab_pass
+        patched.append("sampler.vocab_pass")
+    return patched
+
+
+def run_dgemma(model, prompt: torch.Tensor, steps: int, blocks: int) -> dict:
+    from dgcli.sampler import generate_events
+    from dgcli.settings import DiffusionEbParams
+    from dgcli.events import Done, Step
+
+    params = DiffusionEbParams(max_denoising_steps=steps, confidence_threshold=0.0, seed=0)
+    t = time.perf_counter()
+    step_s, done = [], None
+    for ev in generate_events(model, prompt, params=params, num_blocks=blocks):
+        if isinstance(ev, Step):
+            step_s.append(ev.elapsed_s)
+        elif isinstance(ev, Done):
+            done = ev
+    total = time.perf_counter() - t
+    return {"total_s": total, "step_s": step_s, "steps": len(step_s), "timings": done.timings}
+
+
+# ---- transformers -----------------------------------------------------------------------------------------
+
+
+class _StepClock:
+    """A streamer whose put_draft (called once per denoising step) records the time."""
+
+    def __init__(self):
+        self.marks = []
+
+    def put(self, value):
+        self.marks.append(("put", time.perf_counter()))
+
+    def put_draft(self, value=None, logits=None):
+        self.marks.append(("draft", time.perf_counter()))
+
+    def end(self):
+        self.marks.append(("end", time.perf_counter()))
+
+
+def run_hf(path: Path, prompt: torch.Tensor, steps: int, blocks: int) -> dict:
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    model = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=torch.bfloat16).eval()
+    clock = _StepClock()
+    t = time.perf_counter()
+    extra = {"eos_token_id": [-1]} if blocks > 1 else {}  # no early stop on a random EOS between blocks
+    with torch.inference_mode():
+        model.generate(input_ids=prompt, max_new_tokens=CANVAS * blocks, max_denoising_steps=steps,
+                       confidence_threshold=1e-30, streamer=clock, **extra)
+    total = time.perf_counter() - t
+    drafts = [m for kind, m in clock.marks if kind == "draft"]
+    step_s = [b - a for a, b in zip(drafts, drafts[1:])]  # between consecutive steps (draft copy included)
+    return {"total_s": total, "step_s": step_s, "steps": len(drafts)}
+
+
+# ---- vocabulary-pass memory (fresh processes) ---------------------------------------------------------------
+
+MEM_CHILD = r"""
+import json, sys, torch
+impl, v, h, c = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+g = torch.Generator().manual_seed(0)
+E = torch.empty(v, h, dtype=torch.bfloat16)  # filled in small pieces: no large temporary before the call
+for i in range(0, v, 256):
+    E[i:i + 256] = torch.randn(min(256, v - i), h, generator=g).mul_(0.02)
+hidden = torch.randn(1, c, h, generator=g).bfloat16()
+if impl == "cpu":
+    from dgcli.kernels.vocab_pass_cpu import vocab_pass_tiled as fn
+else:
+    from dgcli.kernels.reference import vocab_pass as fn
+kw = dict(softcap=30.0, temperature=torch.tensor(0.6), embed_scale=torch.tensor(53.0).bfloat16(), generator=None)
+fn(hidden[:, :4], E[:4096], **kw)  # load libraries and thread pools on a tiny case
+open("/proc/self/clear_refs", "w").write("5")  # reset the peak-RSS mark (VmHWM)
+before = status("VmRSS:")
+out = fn(hidden, E, **kw)
+peak = status("VmHWM:")
+print(json.dumps({"impl": impl, "before": before, "peak": peak, "extra": peak - before}))
+"""
+
+
+def vocab_memory(impl: str, v: int = 262144, h: int = 2816, c: int = CANVAS) -> dict:
+    r = subprocess.run([sys.executable, "-c", MEM_CHILD, impl, str(v), str(h), str(c)],
+                       capture_output=True, text=True, check=True)
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# ---- main -----------------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--blocks", type=int, default=1)
+    ap.add_argument("--dir", default="/tmp/dgemma-bench-200m")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-memory", action="store_true")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--reference-too", action="store_true", help="also time dgemma with DGEMMA_KERNELS=reference")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    import dgcli
+    from dgcli.checkpoint import write_random_checkpoint
+
+    path = Path(args.dir)
+    if not (path / "config.json").exists():
+        write_random_checkpoint(path, TEXT, canvas_length=CANVAS, dtype=torch.bfloat16, tokenizer=False)
+    model = dgcli.load_model(path)
+    cfg = model.config
+    n_params = sum(p.numel() for p in model.parameters())
+    prompt = torch.randint(0, cfg.vocab_size, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
+    load0 = load_avg()
+    rate = matmul_rate()
+    patched = wire_fast_paths()
+
+    # FLOPs per step averaged over a block: no soft input on the first step, no soft output on the last.
+    fl = [step_flops(cfg, PROMPT_LEN, i > 0, i < args.steps - 1) for i in range(args.steps)]
+    flops_step = sum(fl) / len(fl)
+    print(f"machine: {cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, load avg {load0}")
+    print(f"model: {n_params / 1e6:.1f} M params, V={cfg.vocab_size}, H={cfg.hidden_size}, C={cfg.canvas_length}, "
+          f"{cfg.num_hidden_layers} layers, {cfg.num_experts} experts top-{cfg.top_k_experts}, bf16; "
+          f"prompt {PROMPT_LEN}, {args.blocks} block(s) x {args.steps} steps (fixed work)")
+    print(f"work: {flops_step / 1e9:.1f} GFLOP per denoising step (matmuls)")
+    print(f"bf16 matmul rate (this run): {rate['best_flops'] / 1e9:.0f} GFLOP/s "
+          + ", ".join(f"{r['shape']}: {r['gflops']:.0f}" for r in rate["shapes"]))
+    if patched:
+        print(f"note: fast paths wired by this script ({', '.join(patched)}); the library does not yet")
+
+    run_dgemma(model, prompt, 2, 1)  # warm-up: first-call costs (thread pools, GEMM plans)
+    ours = run_dgemma(model, prompt, args.steps, args.blocks)
+    step = median(ours["step_s"])
+    result = {
+        "date": datetime.date.today().isoformat(), "machine": cpu_name(), "cpus": os.cpu_count(),
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "params_m": n_params / 1e6,
+        "matmul_gflops": rate["best_flops"] / 1e9, "step_gflop": flops_step / 1e9,
+        "dgemma_step_ms": step * 1e3, "dgemma_generate_s": ours["total_s"], "dgemma_steps": ours["steps"],
+        "dgemma_step_share_of_matmul_rate": flops_step / step / rate["best_flops"], "patched": patched,
+    }
+    if args.reference_too:
+        os.environ["DGEMMA_KERNELS"] = "reference"
+        ref = run_dgemma(model, prompt, args.steps, args.blocks)
+        os.environ.pop("DGEMMA_KERNELS")
+        result.update(reference_step_ms=median(ref["step_s"]) * 1e3, reference_generate_s=ref["total_s"])
+    if not args.skip_hf:
+        hf = run_hf(path, prompt, args.steps, args.blocks)
+        result.update(hf_step_ms=median(hf["step_s"]) * 1e3 if hf["step_s"] else None,
+                      hf_generate_s=hf["total_s"], hf_steps=hf["steps"],
+                      speedup_generate=hf["total_s"] / ours["total_s"])
+    if not args.skip_memory:
+        for impl in ("cpu", "reference"):
+            result[f"vocab_extra_mib_{impl}"] = vocab_memory(impl)["extra"] / 2**20
+    result["load_avg"] = f"{load0} -> {load_avg()}"
+
+    print()
+    print("| figure | value |\n|---|---|")
+    print(f"| dgemma denoising step (median) | {result['dgemma_step_ms']:.0f} ms |")
+    print(f"| dgemma step FLOP/s / bf16 matmul rate | {flops_step / step / 1e9:.0f} / {result['matmul_gflops']:.0f} "
+          f"GFLOP/s = **{100 * result['dgemma_step_share_of_matmul_rate']:.0f} %** |")
+    print(f"| dgemma generate ({ours['steps']} steps) | {ours['total_s']:.2f} s |")
+    if "reference_step_ms" in result:
+        print(f"| dgemma, DGEMMA_KERNELS=reference: step / generate | {result['reference_step_ms']:.0f} ms / "
+              f"{result['reference_generate_s']:.2f} s |")
+    if "hf_generate_s" in result:
+        hs = result["hf_step_ms"]
+        print(f"| transformers generate ({result['hf_steps']} steps) | {result['hf_generate_s']:.2f} s"
+              f" (step {hs:.0f} ms) |" if hs else f"| transformers generate | {result['hf_generate_s']:.2f} s |")
+        print(f"| speed-up, generate end to end | **{result['speedup_generate']:.1f}x** |")
+    for impl in ("cpu", "reference"):
+        if f"vocab_extra_mib_{impl}" in result:
+            print(f"| vocab pass extra peak memory, V=262144 H=2816 C=256, {impl} | "
+                  f"{result[f'vocab_extra_mib_{impl}']:.1f} MiB |")
+    print(f"| load average (start -> end) | {result['load_avg']} |")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Routed experts as two grouped Triton GEMMs (CUDA): group pairs by expert, gate/up + gated GELU, down +
+routing weight, then add each token's k contributions.
+
+Owns: `experts_triton`, the kernel twin of `kernels/reference_ops.py::experts_reference` (same inputs:
+x [N, H], fp32 routing weights w [N, k], expert ids idx [N, k], gate_up_proj [E, 2I, H] with gate rows
+first, down_proj [E, H, I]). The reference's intermediate roundings to the storage dtype are mirrored
+(gate and up GEMM outputs, GELU, product, down output, weighted output), and a token's contributions
+are added in ascending expert order with one rounding per addition, as the reference does.
+Must not: route, pick devices, or sync with the host: the grouping is built with device ops and the
+launch grid is an upper bound on the number of row blocks (unused blocks exit at once).
+
+Layout: pair p = n·k + j after sorting each row's experts ascending. Pairs are laid out by expert in
+"slots", each expert's run padded to a multiple of BLOCK_M; block b of slots belongs to one expert
+(`block_expert[b]`, -1 past the end). Kernel 1 writes act[slot, I]; kernel 2 writes y[pair, H].
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_common import round_to
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, pair_ptr, block_expert_ptr, act_ptr, H, I, TOPK,
+                    stride_xn, stride_we, stride_wr, stride_an,
+                    IS_BF16: tl.constexpr, DOT_BF16: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e < 0:
+        return
+    slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pair_ptr + slots)
+    valid = pair >= 0
+    tok = tl.where(valid, pair // TOPK, 0).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # intermediate channels
+    col_ok = cols < I
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < H
+        a = tl.load(x_ptr + tok[:, None] * stride_xn + ks[None, :], mask=valid[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)  # [BM, BK]
+        wmask = col_ok[None, :] & k_ok[:, None]
+        wg = tl.load(w_base + cols[None, :] * stride_wr + ks[:, None], mask=wmask, other=0.0).to(tl.float32)
+        wu = tl.load(w_base + (cols[None, :] + I) * stride_wr + ks[:, None], mask=wmask, other=0.0).to(tl.float32)
+        if DOT_BF16:  # exact: the values are bf16 already; bf16 operands use the tensor cores at full rate
+            a, wg, wu = a.to(tl.bfloat16), wg.to(tl.bfloat16), wu.to(tl.bfloat16)
+            gate = tl.dot(a, wg, gate)
+            up = tl.dot(a, wu, up)
+        else:  # fp32 storage (or the interpreter): full fp32 products, not TF32
+            gate = tl.dot(a, wg, gate, input_precision="ieee")
+            up = tl.dot(a, wu, up, input_precision="ieee")
+    gate = round_to(gate, IS_BF16)  # the reference's GEMM output is in the storage dtype
+    up = round_to(up, IS_BF16)
+    # gelu_tanh(z) = 0.5·z·(1 + tanh(√(2/π)(z + 0.044715 z³))), tanh(y) = 1 - 2/(exp(2y) + 1)
+    inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+    th = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
+    act = round_to(round_to(0.5 * gate * (1.0 + th), IS_BF16) * up, IS_BF16)
+    tl.store(act_ptr + slots[:, None].to(tl.int64) * stride_an + cols[None, :], act.to(act_ptr.dtype.element_ty),
+             mask=valid[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(act_ptr, w_ptr, pair_ptr, block_expert_ptr, rw_ptr, y_ptr, H, I,
+                 stride_an, stride_we, stride_wr, stride_yn,
+                 IS_BF16: tl.constexpr, DOT_BF16: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e < 0:
+        return
+    slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pair_ptr + slots)
+    valid = pair >= 0
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # hidden channels
+    col_ok = cols < H
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < I
+        a = tl.load(act_ptr + slots[:, None].to(tl.int64) * stride_an + ks[None, :],
+                    mask=valid[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [BM, BK]
+        wd = tl.load(w_base + cols[None, :] * stride_wr + ks[:, None], mask=col_ok[None, :] & k_ok[:, None],
+                     other=0.0).to(tl.float32)  # [BK, BN]
+        if DOT_BF16:
+            acc = tl.dot(a.to(tl.bfloat16), wd.to(tl.bfloat16), acc)
+        else:
+            acc = tl.dot(a, wd, acc, input_precision="ieee")
+    rw = tl.load(rw_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0)  # fp32 routing weight
+    y = round_to(round_to(acc, IS_BF16) * rw[:, None], IS_BF16)
+    safe = tl.where(valid, pair, 0).to(tl.int64)
+    tl.store(y_ptr + safe[:, None] * stride_yn + cols[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=valid[:, None] & col_ok[None, :])
+
+
+def group_by_expert(flat: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pair ids [N·k] -> (pair_of_slot [S] int32, -1 = padding; block_expert [S/BLOCK_M] int32, -1 = unused),
+    with device ops only. S = an upper bound on the padded total, so no count is read back."""
+    nk = flat.numel()
+    dev = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m  # [E]
+    pad_end = torch.cumsum(padded, 0)  # [E]
+    order = torch.argsort(flat, stable=True)  # [N·k] pairs grouped by expert
+    expert = flat[order]
+    rank = torch.arange(nk, device=dev) - (torch.cumsum(counts, 0) - counts)[expert]
+    dest = (pad_end - padded)[expert] + rank  # [N·k] slot of each sorted pair
+    n_blocks = triton.cdiv(nk + num_experts * (block_m - 1), block_m)
+    pair_of_slot = torch.full((n_blocks * block_m,), -1, dtype=torch.int32, device=dev)
+    pair_of_slot[dest] = order.to(torch.int32)
+    starts = torch.arange(n_blocks, device=dev) * block_m
+    block_expert = torch.searchsorted(pad_end, starts, right=True)  # first expert whose padded run ends later
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return pair_of_slot, block_expert
+
+
+def experts_triton(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_proj: torch.Tensor,
+                   down_proj: torch.Tensor, *, block_m: int = 64, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
+    """x [N, H], w [N, k] fp32, idx [N, k] (distinct per row), gate_up_proj [E, 2I, H], down_proj [E, H, I]
+    -> [N, H] in x.dtype. Block sizes must be >= 16 (tl.dot)."""
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"experts_triton supports float32 and bfloat16, got {x.dtype}")
+    n, k = idx.shape
+    num_experts, h = gate_up_proj.shape[0], x.shape[1]
+    inter = down_proj.shape[2]
+    x = x.contiguous()
+    gate_up_proj, down_proj = gate_up_proj.contiguous(), down_proj.contiguous()
+    idx_sorted, perm = idx.sort(dim=1)  # ascending experts per row: the reference's addition order
+    rw = w.gather(1, perm).to(torch.float32).reshape(-1).contiguous()  # [N·k]
+    pair_of_slot, block_expert = group_by_expert(idx_sorted.reshape(-1), num_experts, block_m)
+    is_bf16 = x.dtype == torch.bfloat16
+    dot_bf16 = is_bf16 and not _interpreting()
+    act = torch.empty(pair_of_slot.numel(), inter, dtype=x.dtype, device=x.device)  # [S, I]
+    grid = (block_expert.numel(), triton.cdiv(inter, block_n))
+    _gate_up_kernel[grid](x, gate_up_proj, pair_of_slot, block_expert, act, h, inter, k,
+                          x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), act.stride(0),
+                          IS_BF16=is_bf16, DOT_BF16=dot_bf16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    y = torch.empty(n * k, h, dtype=x.dtype, device=x.device)  # [N·k, H]
+    grid = (block_expert.numel(), triton.cdiv(h, block_n))
+    _down_kernel[grid](act, down_proj, pair_of_slot, block_expert, rw, y, h, inter,
+                       act.stride(0), down_proj.stride(0), down_proj.stride(1), y.stride(0),
+                       IS_BF16=is_bf16, DOT_BF16=dot_bf16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    y = y.view(n, k, h)
+    out = y[:, 0].clone()
+    for j in range(1, k):
+        out += y[:, j]  # one rounding per addition, ascending experts (the reference's index_add_ order)
+    return out

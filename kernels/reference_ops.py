@@ -1,0 +1,55 @@
+"""Torch references for the MoE and RMSNorm kernels, as plain functions of tensors (the spec they are
+tested against). They restate `dgcli/model.py`'s `Experts.forward` and `RMSNorm.forward` op for op so
+kernels and tests need no nn.Module; `tests/test_kernel_moe.py` checks that they still equal the model's.
+
+Owns: `experts_reference`, `rms_norm_reference`. Must not: import the model, pick devices, or be fast.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def experts_reference(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_proj: torch.Tensor,
+                      down_proj: torch.Tensor) -> torch.Tensor:
+    """Routed experts: x [N, H], routing weights w [N, k] fp32, expert ids idx [N, k], gate_up_proj
+    [E, 2I, H] (gate rows first), down_proj [E, H, I] -> [N, H] in x.dtype.
+
+    Per expert e (ascending): y = down(gelu_tanh(gate·x) ⊙ up·x) in x.dtype, times w (fp32 result),
+    cast to x.dtype and added into the output: a token's k contributions are summed in ascending
+    expert order with one rounding to x.dtype per addition (the transformers reference's order)."""
+    n, k = idx.shape
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    tokens = order // k  # [N*k] token of each sorted pair
+    counts = torch.bincount(flat, minlength=gate_up_proj.shape[0]).tolist()
+    out = torch.zeros_like(x)
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        sel = order[start:start + c]
+        tok = tokens[start:start + c]
+        start += c
+        gate, up = F.linear(x[tok], gate_up_proj[e]).chunk(2, dim=-1)
+        y = F.linear(F.gelu(gate, approximate="tanh") * up, down_proj[e])
+        y = y * w.reshape(-1)[sel, None]
+        out.index_add_(0, tok, y.to(out.dtype))
+    return out
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                       residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Norm_w(x) = x·(mean(x²)+eps)^-½ ⊙ w in fp32, cast back to x.dtype; weight None is Norm_0.
+
+    With `residual`: the fused form of `r = residual + x; (r, Norm_w(r))` where the sum is rounded to
+    x.dtype first (as the model's `x = x + ...` is), and both r and the normed r are returned."""
+    if residual is not None:
+        x = residual + x
+    y = x.float()
+    y = y * torch.pow(y.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    if weight is not None:
+        y = y * weight.float()
+    y = y.type_as(x)
+    return (x, y) if residual is not None else y

@@ -1,0 +1,252 @@
+"""The fused vocabulary pass as Triton kernels (CUDA): tied head + softcap + temperature, online argmax,
+entropy, a Gumbel-max draw and the self-conditioning soft embedding, without a [N, V] float32 tensor.
+
+Owns: `vocab_pass_triton`, the kernel twin of `kernels/reference.py::vocab_pass` (same arguments and
+`VocabPassOut`). Must not: know about the denoising loop or sync with the host (the seed and the
+temperature stay on the device; every launch grid depends on shapes only).
+
+Three kernels:
+1. `_stats_kernel`, grid (row blocks, vocabulary splits): head GEMM tile by tile, per split the online
+   max / first argmax / Σexp(L-m) / Σexp(L-m)(L-m) (entropy) / best Gumbel score and its index /
+   Σexp(bf16(L)-m); a tiny torch combine merges the splits.
+2. `_probs_kernel`, per vocabulary chunk: recomputes the head tile (cheaper than storing [N, V]) and
+   writes p = bf16(exp(bf16(L) - M)/Zb) for the chunk: the reference's normalised, rounded probabilities.
+3. `_soft_gemm_kernel`: acc[N, H] (fp32) += p_chunk @ E_chunk. soft = bf16(acc)·scale at the end.
+Draws: Gumbel-max with a counter-based RNG, u = tl.rand(seed, row·V + col), seed drawn from
+`generator` on the device; a valid categorical draw, not the reference's stream.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import VocabPassOut
+from .triton_common import round_to
+
+# Vocabulary columns per probability chunk: bounds the one [N, chunk] bf16 buffer (16 MiB at N = 256).
+CHUNK = 32768
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _tanh(y):
+    return 1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)
+
+
+@triton.jit
+def _logits_tile(h_ptr, e_ptr, rows, row_ok, cols, col_ok, H, stride_h, stride_e, temp, softcap,
+                 HAS_SOFTCAP: tl.constexpr, IS_BF16: tl.constexpr, DOT_BF16: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """L = softcap·tanh(bf16(h·Eᵀ)/softcap)/temp for a [BLOCK_M, BLOCK_N] tile (fp32)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < H
+        a = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)  # [BM, BK]
+        b = tl.load(e_ptr + cols[None, :].to(tl.int64) * stride_e + ks[:, None], mask=col_ok[None, :] & k_ok[:, None],
+                    other=0.0).to(tl.float32)  # [BK, BN]
+        if DOT_BF16:  # exact: bf16 values; bf16 operands run the tensor cores at full rate
+            acc = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+        else:  # fp32 storage (or the interpreter): full fp32 products, not TF32
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+    raw = round_to(acc, IS_BF16)  # the reference's head GEMM output is in the model dtype
+    if HAS_SOFTCAP:
+        raw = _tanh(raw / softcap) * softcap
+    return raw / temp
+
+
+@triton.jit
+def _stats_kernel(h_ptr, e_ptr, temp_ptr, seed_ptr, m_ptr, z_ptr, s_ptr, amax_ptr, gbest_ptr, gidx_ptr, zb_ptr,
+                  N, V, H, cols_per_split, stride_h, stride_e, softcap,
+                  HAS_SOFTCAP: tl.constexpr, IS_BF16: tl.constexpr, DOT_BF16: tl.constexpr, WANT_SOFT: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < N
+    temp = tl.load(temp_ptr)
+    seed = tl.load(seed_ptr)
+    v_lo = split * cols_per_split
+    v_hi = tl.minimum(V, v_lo + cols_per_split)
+    neg_inf = float("-inf")
+    m = tl.full((BLOCK_M,), neg_inf, tl.float32)
+    z = tl.zeros((BLOCK_M,), tl.float32)
+    s = tl.zeros((BLOCK_M,), tl.float32)
+    zb = tl.zeros((BLOCK_M,), tl.float32)
+    amax = tl.zeros((BLOCK_M,), tl.int32)
+    gbest = tl.full((BLOCK_M,), neg_inf, tl.float32)
+    gidx = tl.zeros((BLOCK_M,), tl.int32)
+    for v0 in range(v_lo, v_hi, BLOCK_N):
+        cols = v0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < v_hi
+        L = _logits_tile(h_ptr, e_ptr, rows, row_ok, cols, col_ok, H, stride_h, stride_e, temp, softcap,
+                         HAS_SOFTCAP, IS_BF16, DOT_BF16, BLOCK_M, BLOCK_N, BLOCK_K)
+        L = tl.where(col_ok[None, :], L, neg_inf)
+        tmax = tl.max(L, axis=1)
+        targ = tl.argmax(L, axis=1).to(tl.int32) + v0  # first index on ties
+        amax = tl.where(tmax > m, targ, amax)  # strict: the earlier tile keeps ties
+        m_new = tl.maximum(m, tmax)
+        first = m == neg_inf
+        alpha = tl.where(first, 0.0, tl.exp(m - m_new))
+        dm = tl.where(first, 0.0, m - m_new)
+        d = tl.where(col_ok[None, :], L - m_new[:, None], 0.0)
+        e = tl.where(col_ok[None, :], tl.exp(d), 0.0)
+        s = alpha * (s + z * dm) + tl.sum(e * d, axis=1)  # Σ exp(L-m)(L-m) under the new max
+        z = alpha * z + tl.sum(e, axis=1)
+        # Gumbel-max: argmax(L + G), G = -log(-log U), is a draw from softmax(L).
+        u = tl.rand(seed, rows[:, None] * V + cols[None, :])
+        score = tl.where(col_ok[None, :], L - tl.log(-tl.log(u)), neg_inf)
+        smax = tl.max(score, axis=1)
+        sarg = tl.argmax(score, axis=1).to(tl.int32) + v0
+        gidx = tl.where(smax > gbest, sarg, gidx)
+        gbest = tl.maximum(gbest, smax)
+        if WANT_SOFT:
+            lb = round_to(L, IS_BF16)  # L as the reference stores it between steps
+            eb = tl.where(col_ok[None, :], tl.exp(lb - m_new[:, None]), 0.0)
+            zb = alpha * zb + tl.sum(eb, axis=1)
+        m = m_new
+    out = split * N + rows
+    tl.store(m_ptr + out, m, mask=row_ok)
+    tl.store(z_ptr + out, z, mask=row_ok)
+    tl.store(s_ptr + out, s, mask=row_ok)
+    tl.store(amax_ptr + out, amax, mask=row_ok)
+    tl.store(gbest_ptr + out, gbest, mask=row_ok)
+    tl.store(gidx_ptr + out, gidx, mask=row_ok)
+    tl.store(zb_ptr + out, zb, mask=row_ok)
+
+
+@triton.jit
+def _probs_kernel(h_ptr, e_ptr, temp_ptr, mb_ptr, zb_ptr, p_ptr, N, c0, c1, H, stride_h, stride_e, stride_p, softcap,
+                  HAS_SOFTCAP: tl.constexpr, IS_BF16: tl.constexpr, DOT_BF16: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < N
+    cols = c0 + tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < c1
+    temp = tl.load(temp_ptr)
+    L = _logits_tile(h_ptr, e_ptr, rows, row_ok, cols, col_ok, H, stride_h, stride_e, temp, softcap,
+                     HAS_SOFTCAP, IS_BF16, DOT_BF16, BLOCK_M, BLOCK_N, BLOCK_K)
+    mb = tl.load(mb_ptr + rows, mask=row_ok, other=0.0)
+    zb = tl.load(zb_ptr + rows, mask=row_ok, other=1.0)
+    p = round_to(tl.exp(round_to(L, IS_BF16) - mb[:, None]) / zb[:, None], IS_BF16)  # softmax_fp32(bf16 L) -> bf16
+    ptrs = p_ptr + rows[:, None].to(tl.int64) * stride_p + (cols - c0)[None, :]
+    tl.store(ptrs, p.to(p_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _soft_gemm_kernel(p_ptr, e_ptr, acc_ptr, N, K, H, stride_p, stride_e, stride_acc,
+                      DOT_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < N
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # hidden channels
+    col_ok = cols < H
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(p_ptr + rows[:, None].to(tl.int64) * stride_p + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)  # [BM, BK]
+        b = tl.load(e_ptr + ks[:, None].to(tl.int64) * stride_e + cols[None, :], mask=k_ok[:, None] & col_ok[None, :],
+                    other=0.0).to(tl.float32)  # [BK, BN]
+        if DOT_BF16:
+            acc = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+        else:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+    ptrs = acc_ptr + rows[:, None].to(tl.int64) * stride_acc + cols[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + acc, mask=mask)
+
+
+def _combine(m, z, s, amax, gbest, gidx, zb):
+    """Merge per-split statistics [S, N] -> per-row results (torch ops, no host sync)."""
+    mx = m.max(dim=0).values  # [N]
+    alpha = torch.exp(m - mx)  # [S, N]
+    zt = (alpha * z).sum(0)
+    st = (alpha * (s + z * (m - mx))).sum(0)
+    entropy = torch.log(zt) - st / zt
+    first = torch.argmax((m == mx).to(torch.int8), dim=0)  # earliest split holding the max: first argmax
+    argmax = amax.gather(0, first[None])[0].long()
+    sample = gidx.gather(0, gbest.argmax(dim=0)[None])[0].long()
+    zbt = (alpha * zb).sum(0)
+    return mx, entropy, argmax, sample, zbt
+
+
+def vocab_pass_triton(
+    hidden: torch.Tensor,
+    embed: torch.Tensor,
+    *,
+    softcap: float | None,
+    temperature: float | torch.Tensor,
+    embed_scale: torch.Tensor | float,
+    generator: torch.Generator | None,
+    want_soft: bool = True,
+    row_chunk: int | None = None,
+    splits: int | None = None,
+    block_m: int = 64,
+    block_n: int = 64,
+    block_k: int = 64,
+    chunk: int = CHUNK,
+) -> VocabPassOut:
+    """`kernels.reference.vocab_pass` with Triton kernels; `row_chunk` is ignored (no row chunking).
+    Block sizes must be >= 16 (tl.dot); `splits` = vocabulary splits of the stats kernel (default: enough
+    programs to fill the device)."""
+    del row_chunk
+    if embed.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"vocab_pass_triton supports float32 and bfloat16 embeddings, got {embed.dtype}")
+    b, c, h = hidden.shape
+    v = embed.shape[0]
+    dev = hidden.device
+    rows = hidden.reshape(b * c, h).to(embed.dtype).contiguous()  # [N, H]
+    embed = embed.contiguous()
+    n = rows.shape[0]
+    is_bf16 = embed.dtype == torch.bfloat16
+    dot_bf16 = is_bf16 and not _interpreting()
+    temp = torch.as_tensor(temperature, dtype=torch.float32, device=dev).reshape(1)
+    seed = torch.randint(0, 2**31 - 1, (1,), generator=generator, device=dev)  # on the device: no sync
+    row_blocks = triton.cdiv(n, block_m)
+    if splits is None:
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+        splits = max(1, min(triton.cdiv(v, block_n), triton.cdiv(2 * sms, row_blocks)))
+    cols_per_split = triton.cdiv(triton.cdiv(v, splits), block_n) * block_n
+    splits = triton.cdiv(v, cols_per_split)
+    stats = [torch.empty(splits, n, dtype=torch.float32, device=dev) for _ in range(6)]
+    m, z, s, gbest, zb, _ = stats
+    amax = torch.empty(splits, n, dtype=torch.int32, device=dev)
+    gidx = torch.empty(splits, n, dtype=torch.int32, device=dev)
+    cap = float(softcap) if softcap else 1.0
+    meta = dict(HAS_SOFTCAP=bool(softcap), IS_BF16=is_bf16, DOT_BF16=dot_bf16,
+                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    _stats_kernel[(row_blocks, splits)](rows, embed, temp, seed, m, z, s, amax, gbest, gidx, zb, n, v, h,
+                                        cols_per_split, rows.stride(0), embed.stride(0), cap,
+                                        WANT_SOFT=want_soft, **meta)
+    mx, entropy, argmax, sample, zbt = _combine(m, z, s, amax, gbest, gidx, zb)
+
+    soft = None
+    if want_soft:
+        acc = torch.zeros(n, h, dtype=torch.float32, device=dev)  # [N, H]
+        width = min(chunk, v)
+        probs = torch.empty(n, width, dtype=embed.dtype, device=dev)  # [N, chunk]
+        for c0 in range(0, v, width):
+            c1 = min(v, c0 + width)
+            _probs_kernel[(row_blocks, triton.cdiv(c1 - c0, block_n))](
+                rows, embed, temp, mx, zbt, probs, n, c0, c1, h, rows.stride(0), embed.stride(0), probs.stride(0),
+                cap, **meta)
+            _soft_gemm_kernel[(row_blocks, triton.cdiv(h, block_n))](
+                probs, embed[c0:], acc, n, c1 - c0, h, probs.stride(0), embed.stride(0), acc.stride(0),
+                DOT_BF16=dot_bf16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        scale = torch.as_tensor(embed_scale, device=dev).to(embed.dtype)
+        soft = acc.to(embed.dtype) * scale  # the reference's bf16 GEMM output, then × scale in bf16
+    return VocabPassOut(
+        sample=sample.view(b, c),
+        argmax=argmax.view(b, c),
+        entropy=entropy.view(b, c),
+        soft=None if soft is None else soft.view(b, c, h),
+    )

@@ -1,0 +1,62 @@
+"""kernels/dispatch.py picks the CPU fast paths on CPU, the references under DGEMMA_KERNELS=reference, and
+rejects unknown modes; its results equal what the chosen implementation returns."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dgcli.kernels import dispatch, reference, reference_ops
+from dgcli.kernels.moe_cpu import experts_grouped
+from dgcli.kernels.vocab_pass_cpu import vocab_pass_tiled
+
+
+def test_cpu_defaults(monkeypatch):
+    monkeypatch.delenv("DGEMMA_KERNELS", raising=False)
+    assert dispatch.implementation("vocab_pass", "cpu") == "cpu"
+    assert dispatch.implementation("experts", "cpu") == "cpu"
+    assert dispatch.implementation("rms_norm", "cpu") == "reference"
+
+
+def test_reference_forced(monkeypatch):
+    monkeypatch.setenv("DGEMMA_KERNELS", "reference")
+    for op in ("vocab_pass", "experts", "rms_norm"):
+        assert dispatch.implementation(op, "cpu") == "reference"
+        assert dispatch.implementation(op, "cuda") == "reference"
+
+
+def test_unknown_mode_is_an_error(monkeypatch):
+    monkeypatch.setenv("DGEMMA_KERNELS", "fastest")
+    with pytest.raises(ValueError, match="DGEMMA_KERNELS"):
+        dispatch.implementation("experts", "cpu")
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_calls_route_to_the_chosen_implementation(monkeypatch, forced):
+    if forced:
+        monkeypatch.setenv("DGEMMA_KERNELS", "reference")
+    else:
+        monkeypatch.delenv("DGEMMA_KERNELS", raising=False)
+    g = torch.Generator().manual_seed(0)
+    hidden, embed = torch.randn(1, 5, 8, generator=g), torch.randn(29, 8, generator=g)
+    kw = dict(softcap=30.0, temperature=0.7, embed_scale=2.0, want_soft=True)
+    got = dispatch.vocab_pass(hidden, embed, generator=torch.Generator().manual_seed(3), **kw)
+    fn = reference.vocab_pass if forced else vocab_pass_tiled
+    want = fn(hidden, embed, generator=torch.Generator().manual_seed(3), **kw)
+    assert torch.equal(got.sample, want.sample) and torch.equal(got.soft, want.soft)
+
+    x = torch.randn(6, 8, generator=g)
+    w, idx = torch.rand(6, 2, generator=g), torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(6)])
+    gu, dn = torch.randn(4, 10, 8, generator=g), torch.randn(4, 8, 5, generator=g)
+    fn = reference_ops.experts_reference if forced else experts_grouped
+    assert torch.equal(dispatch.experts(x, w, idx, gu, dn), fn(x, w, idx, gu, dn))
+    assert torch.equal(dispatch.rms_norm(x, None, 1e-6), reference_ops.rms_norm_reference(x, None, 1e-6))
+
+
+def test_kernels_package_is_this_repository():
+    import pathlib
+
+    import dgcli.kernels
+
+    assert pathlib.Path(dgcli.kernels.__file__).resolve().parent == pathlib.Path(dispatch.__file__).resolve().parent
+    assert (pathlib.Path(dispatch.__file__).parent / "reference.py").exists()

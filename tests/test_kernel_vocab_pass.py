@@ -1,0 +1,201 @@
+"""The fused vocabulary pass: the CPU tiled path (kernels/vocab_pass_cpu.py) and the Triton kernels
+(kernels/vocab_pass.py, under TRITON_INTERPRET=1) against kernels/reference.py::vocab_pass, plus seeded
+goodness-of-fit tests of their draws."""
+
+from __future__ import annotations
+
+import math
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel module is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from dgcli.kernels.reference import vocab_pass  # noqa: E402
+from dgcli.kernels.vocab_pass_cpu import auto_tile, vocab_pass_tiled  # noqa: E402
+
+TRITON = os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+needs_triton = pytest.mark.skipif(not TRITON, reason="Triton needs CUDA or TRITON_INTERPRET=1 (set before import)")
+
+# (dtype, entropy atol, soft atol, soft rtol):
+# fp32 — only summation order differs (online sums vs one softmax): ~1e-6 nats; soft to 1e-5.
+# bf16 — the head GEMM over a tile may round a logit differently from the full GEMM (1 bf16 ulp), and
+#   the soft embedding's bf16 probabilities are rounded unnormalised (CPU path) or per chunk: entropy
+#   to 1e-2 nats, soft to 3 bf16 ulps (rtol 3·2^-8) plus 2e-2 absolute for entries near zero.
+TOLS = [(torch.float32, 1e-5, 1e-5, 1e-5), (torch.bfloat16, 1e-2, 2e-2, 3 * 2**-8)]
+
+
+def make(b, c, h, v, dtype, seed=0, sharp=1.0):
+    g = torch.Generator().manual_seed(seed)
+    embed = (torch.randn(v, h, generator=g) * 0.5).to(dtype)  # [V, H]
+    hidden = (torch.randn(b, c, h, generator=g) * sharp).to(dtype)  # [B, C, H]
+    return hidden, embed, torch.tensor(math.sqrt(h)).to(dtype)
+
+
+def check(out, want, dtype, ent_atol, soft_atol, soft_rtol, want_soft=True, logits=None):
+    assert out.sample.shape == out.argmax.shape == out.entropy.shape == want.argmax.shape
+    assert out.argmax.dtype == out.sample.dtype == torch.long and out.entropy.dtype == torch.float32
+    if dtype == torch.float32:
+        assert torch.equal(out.argmax.cpu(), want.argmax)
+    else:  # a 1-ulp bf16 logit difference may swap near-ties: compare where the top-2 margin is clear
+        top2 = logits.topk(2, dim=-1).values
+        clear = (top2[..., 0] - top2[..., 1]) > 0.02 * top2[..., 0].abs() + 1e-3
+        assert torch.equal(out.argmax.cpu()[clear], want.argmax[clear]) and clear.float().mean() > 0.5
+    torch.testing.assert_close(out.entropy.cpu(), want.entropy, atol=ent_atol, rtol=0)
+    assert (out.sample >= 0).all()
+    if want_soft:
+        assert out.soft.dtype == dtype and out.soft.shape == want.soft.shape
+        torch.testing.assert_close(out.soft.cpu().float(), want.soft.float(), atol=soft_atol, rtol=soft_rtol)
+    else:
+        assert out.soft is None
+
+
+def logits_of(hidden, embed, softcap=30.0, temperature=0.7):
+    raw = torch.nn.functional.linear(hidden, embed).float()
+    return (torch.tanh(raw / softcap) * softcap if softcap else raw) / temperature
+
+
+def reference(hidden, embed, scale, softcap=30.0, temperature=0.7, want_soft=True):
+    return vocab_pass(hidden, embed, softcap=softcap, temperature=temperature, embed_scale=scale,
+                      generator=torch.Generator().manual_seed(1), want_soft=want_soft)
+
+
+# ---- CPU tiled path ------------------------------------------------------------------------------------
+
+# (B, C, H, V, tile): V not a multiple of the tile, a tile of 1 column (every column its own tile),
+# a tile larger than V, tiles that are multiples of the 64-column argmax block, the automatic tile.
+CPU_SHAPES = [(2, 5, 16, 37, 8), (1, 3, 8, 23, 1), (1, 4, 12, 50, 1000), (1, 6, 16, 300, 128), (1, 9, 16, 257, None)]
+
+
+@pytest.mark.parametrize("dtype,ent_atol,soft_atol,soft_rtol", TOLS)
+@pytest.mark.parametrize("b,c,h,v,tile", CPU_SHAPES)
+@pytest.mark.parametrize("softcap", [30.0, None])
+def test_tiled_matches_reference(dtype, ent_atol, soft_atol, soft_rtol, b, c, h, v, tile, softcap):
+    hidden, embed, scale = make(b, c, h, v, dtype)
+    out = vocab_pass_tiled(hidden, embed, softcap=softcap, temperature=torch.tensor(0.7), embed_scale=scale,
+                           generator=torch.Generator().manual_seed(2), tile=tile)
+    check(out, reference(hidden, embed, scale, softcap, torch.tensor(0.7)), dtype, ent_atol, soft_atol, soft_rtol,
+          logits=logits_of(hidden, embed, softcap))
+    assert (out.sample < v).all()
+
+
+def test_tiled_without_soft_and_ties():
+    hidden, embed, scale = make(1, 4, 8, 64, torch.float32)
+    embed[40] = embed[3]  # exact duplicate rows: equal logits, the first index must win
+    hidden[0, 0] = embed[3] * 4
+    out = vocab_pass_tiled(hidden, embed, softcap=None, temperature=1.0, embed_scale=scale, generator=None,
+                           want_soft=False, tile=16)
+    want = reference(hidden, embed, scale, None, 1.0, want_soft=False)
+    check(out, want, torch.float32, 1e-5, 0, 0, want_soft=False)
+    assert out.argmax[0, 0] == 3
+
+
+def test_tiled_rounds_logits_to_the_embedding_dtype_before_the_soft_softmax():
+    """Sharp tempered logits: softmax(bf16(L)) and softmax(L) differ visibly; only the former may match."""
+    hidden, embed, scale = make(1, 6, 16, 64, torch.bfloat16, seed=3, sharp=8.0)
+    out = vocab_pass_tiled(hidden, embed, softcap=30.0, temperature=0.41, embed_scale=scale, generator=None, tile=16)
+    want = reference(hidden, embed, scale, 30.0, 0.41)
+    torch.testing.assert_close(out.soft.float(), want.soft.float(), atol=2e-2, rtol=3 * 2**-8)
+    raw = torch.tanh(torch.nn.functional.linear(hidden, embed).float() / 30.0) * 30.0 / 0.41
+    unrounded = (torch.softmax(raw, -1).to(embed.dtype) @ embed) * scale  # fp32 L: the wrong semantics
+    # Measured: 0.23 for fp32 L vs 0.03 (1 bf16 ulp of the largest entries) for this path.
+    assert (unrounded.float() - want.soft.float()).abs().max() > 4 * (out.soft.float() - want.soft.float()).abs().max()
+
+
+def test_auto_tile_is_bounded():
+    assert auto_tile(256, 262144) == 4096 and auto_tile(1, 37) == 37 and auto_tile(10**6, 10**6) == 256
+
+
+def chi2_ok(samples: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:
+    """Pearson chi-square of `samples` against `probs` and its 0.999 quantile (Wilson-Hilferty)."""
+    n = samples.numel()
+    counts = torch.bincount(samples.flatten(), minlength=probs.numel()).double()
+    keep = probs * n >= 5  # pool cells too small for the chi-square approximation
+    obs = torch.cat((counts[keep], counts[~keep].sum()[None]))
+    exp = torch.cat((probs[keep] * n, (probs[~keep].sum() * n)[None])).double()
+    if exp[-1] < 5:
+        obs, exp = obs[:-1], exp[:-1]
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    df = obs.numel() - 1
+    q = df * (1 - 2 / (9 * df) + 3.090 * math.sqrt(2 / (9 * df))) ** 3
+    return stat, q
+
+
+def gof_case(rows: int, v: int, h: int = 8):
+    """`rows` identical positions: every draw comes from the same distribution softmax(L)."""
+    g = torch.Generator().manual_seed(5)
+    embed = torch.randn(v, h, generator=g)  # [V, H]
+    hidden = torch.randn(1, 1, h, generator=g).expand(1, rows, h).contiguous()  # [1, rows, H]
+    L = torch.tanh(hidden[0, 0] @ embed.T / 30.0) * 30.0 / 0.8
+    return hidden, embed, torch.softmax(L.double(), -1)
+
+
+def test_tiled_draws_fit_the_distribution():
+    hidden, embed, probs = gof_case(6000, 13)
+    out = vocab_pass_tiled(hidden, embed, softcap=30.0, temperature=0.8, embed_scale=1.0,
+                           generator=torch.Generator().manual_seed(11), want_soft=False, tile=3)  # 5 tiles
+    stat, q = chi2_ok(out.sample, probs)
+    assert stat < q, (stat, q)
+    again = vocab_pass_tiled(hidden, embed, softcap=30.0, temperature=0.8, embed_scale=1.0,
+                             generator=torch.Generator().manual_seed(11), want_soft=False, tile=3)
+    assert torch.equal(out.sample, again.sample)  # seeded: reproducible
+
+
+def test_tiled_draws_detect_a_wrong_distribution():
+    """The goodness-of-fit check can fail: draws at another temperature are rejected."""
+    hidden, embed, probs = gof_case(6000, 13)
+    out = vocab_pass_tiled(hidden, embed, softcap=30.0, temperature=0.5, embed_scale=1.0,
+                           generator=torch.Generator().manual_seed(11), want_soft=False, tile=3)
+    stat, q = chi2_ok(out.sample, probs)
+    assert stat > q
+
+
+# ---- Triton kernels (interpreter on CPU) -----------------------------------------------------------------
+
+# (B, C, H, V, splits): C not a multiple of the 16-row block, V not a multiple of the 16-column tile,
+# several splits (one shorter than the others), H not a multiple of the 16-wide K block.
+TRITON_SHAPES = [(1, 7, 24, 37, 2), (2, 9, 16, 101, 3), (1, 17, 20, 50, 1)]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype,ent_atol,soft_atol,soft_rtol", TOLS)
+@pytest.mark.parametrize("b,c,h,v,splits", TRITON_SHAPES)
+def test_triton_matches_reference(dtype, ent_atol, soft_atol, soft_rtol, b, c, h, v, splits):
+    from dgcli.kernels.vocab_pass import vocab_pass_triton
+
+    hidden, embed, scale = make(b, c, h, v, dtype)
+    out = vocab_pass_triton(hidden.to(DEVICE), embed.to(DEVICE), softcap=30.0, temperature=0.7,
+                            embed_scale=scale, generator=None, splits=splits,
+                            block_m=16, block_n=16, block_k=16, chunk=32)  # several probability chunks
+    check(out, reference(hidden, embed, scale), dtype, ent_atol, soft_atol, soft_rtol, logits=logits_of(hidden, embed))
+    assert (out.sample < v).all()
+
+
+@needs_triton
+def test_triton_no_softcap_no_soft_and_ties():
+    from dgcli.kernels.vocab_pass import vocab_pass_triton
+
+    hidden, embed, scale = make(1, 5, 16, 40, torch.float32)
+    embed[35] = embed[2]
+    hidden[0, 1] = embed[2] * 4
+    out = vocab_pass_triton(hidden.to(DEVICE), embed.to(DEVICE), softcap=None, temperature=torch.tensor(1.3),
+                            embed_scale=scale, generator=None, want_soft=False, splits=3,
+                            block_m=16, block_n=16, block_k=16)
+    check(out, reference(hidden, embed, scale, None, 1.3, want_soft=False), torch.float32, 1e-5, 0, 0, want_soft=False)
+    assert out.argmax[0, 1] == 2
+
+
+@needs_triton
+def test_triton_draws_fit_the_distribution():
+    from dgcli.kernels.vocab_pass import vocab_pass_triton
+
+    hidden, embed, probs = gof_case(2048, 13)
+    gen = torch.Generator(device=DEVICE).manual_seed(11)
+    out = vocab_pass_triton(hidden.to(DEVICE), embed.to(DEVICE), softcap=30.0, temperature=0.8, embed_scale=1.0,
+                            generator=gen, want_soft=False, splits=1, block_m=64, block_n=16, block_k=16)
+    stat, q = chi2_ok(out.sample.cpu(), probs)
+    assert stat < q, (stat, q)
+    wrong = torch.softmax(torch.log(probs) * 0.8 / 0.5, -1)  # the same logits at temperature 0.5
+    assert chi2_ok(out.sample.cpu(), wrong)[0] > q
