@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import inspect
 import json
 import os
 import platform
@@ -114,24 +113,6 @@ def step_flops(cfg, prefix: int, with_soft_in: bool, want_soft_out: bool) -> flo
 
 
 # ---- dgemma -----------------------------------------------------------------------------------------------
-
-
-def wire_fast_paths() -> list[str]:
-    """Route the model's experts and the sampler's vocab pass through kernels.dispatch when the library
-    does not do so itself yet (reported in the output; a no-op once model.py / sampler.py use dispatch)."""
-    import dgcli.model as model_mod
-    import dgcli.sampler as sampler_mod
-    from dgcli.kernels import dispatch
-
-    patched = []
-    if "dispatch" not in inspect.getsource(model_mod.Experts.forward):
-        model_mod.Experts.forward = lambda self, x, w, idx: dispatch.experts(x, w, idx, self.gate_up_proj,
-                                                                             self.down_proj)
-        patched.append("Experts.forward")
-    if sampler_mod.vocab_pass is not dispatch.vocab_pass:
-        sampler_mod.vocab_pass = dispatch.vocab_pass
-        patched.append("sampler.vocab_pass")
-    return patched
 
 
 def run_dgemma(model, prompt: torch.Tensor, steps: int, blocks: int) -> dict:
@@ -231,6 +212,7 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-memory", action="store_true")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile dgemma's decoder pass (dgemma --compile)")
     ap.add_argument("--reference-too", action="store_true", help="also time dgemma with DGEMMA_KERNELS=reference")
     args = ap.parse_args()
     if args.threads:
@@ -248,7 +230,10 @@ def main() -> None:
     prompt = torch.randint(0, cfg.vocab_size, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
     load0 = load_avg()
     rate = matmul_rate()
-    patched = wire_fast_paths()
+    if args.compile:
+        from dgcli.runtime import compile_decoder
+
+        compile_decoder(model)
 
     # FLOPs per step averaged over a block: no soft input on the first step, no soft output on the last.
     fl = [step_flops(cfg, PROMPT_LEN, i > 0, i < args.steps - 1) for i in range(args.steps)]
@@ -261,8 +246,7 @@ def main() -> None:
     print(f"work: {flops_step / 1e9:.1f} GFLOP per denoising step (matmuls)")
     print(f"bf16 matmul rate (this run): {rate['best_flops'] / 1e9:.0f} GFLOP/s "
           + ", ".join(f"{r['shape']}: {r['gflops']:.0f}" for r in rate["shapes"]))
-    if patched:
-        print(f"note: fast paths wired by this script ({', '.join(patched)}); the library does not yet")
+    print(f"dgemma decoder: {'torch.compile (compile time excluded: warm-up)' if args.compile else 'eager'}")
 
     run_dgemma(model, prompt, 2, 1)  # warm-up: first-call costs (thread pools, GEMM plans)
     ours = run_dgemma(model, prompt, args.steps, args.blocks)
@@ -272,7 +256,7 @@ def main() -> None:
         "threads": torch.get_num_threads(), "torch": torch.__version__, "params_m": n_params / 1e6,
         "matmul_gflops": rate["best_flops"] / 1e9, "step_gflop": flops_step / 1e9,
         "dgemma_step_ms": step * 1e3, "dgemma_generate_s": ours["total_s"], "dgemma_steps": ours["steps"],
-        "dgemma_step_share_of_matmul_rate": flops_step / step / rate["best_flops"], "patched": patched,
+        "dgemma_step_share_of_matmul_rate": flops_step / step / rate["best_flops"], "compiled": args.compile,
     }
     if args.reference_too:
         os.environ["DGEMMA_KERNELS"] = "reference"

@@ -34,12 +34,29 @@ def _root(version: Optional[bool] = typer.Option(None, "--version", callback=_ve
 from . import cmd_generate  # noqa: E402
 
 app.command("generate")(cmd_generate.generate)
+from . import cmd_bench  # noqa: E402
+
+app.command("bench")(cmd_bench.bench)
+from . import cmd_sweep  # noqa: E402
+
+app.command("sweep")(cmd_sweep.sweep)
+from . import cmd_info  # noqa: E402
+
+app.command("info")(cmd_info.info)
+from . import cmd_watch  # noqa: E402
+
+app.command("watch")(cmd_watch.watch)
 # (more commands are registered below, one import + one line each)
 
 
 def main() -> None:
     try:
-        app(standalone_mode=False)
+        rc = app(standalone_mode=False)
+        if rc == 130:  # click turns Ctrl-C into this return value when not standalone
+            print("dgemma: interrupted", file=sys.stderr)
+            sys.exit(130)
+        if isinstance(rc, int) and rc:
+            sys.exit(rc)
     except UserError as e:
         if os.environ.get("DGEMMA_DEBUG") == "1":
             raise

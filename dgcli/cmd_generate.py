@@ -153,6 +153,7 @@ def generate(
     thinking: o.Thinking = False,
     show_thinking: o.ShowThinking = False,
     raw: o.Raw = False,
+    compile: o.Compile = False,
 ) -> None:
     """Generate text for a prompt (argument, stdin, or --input-jsonl)."""
     if fmt not in FORMATS:
@@ -169,7 +170,7 @@ def generate(
     prompts = list(read_prompts(prompt, input_jsonl))
     if trace and len(prompts) > 1:
         raise UserError("--trace records one generation; run one prompt, or drop --trace for --input-jsonl")
-    session = open_session(model, preset, flags)
+    session = open_session(model, preset, flags, compile=compile)
     if session.tokenizer is None:
         raise UserError(f"{session.path}: no tokenizer.json; dgemma generate needs the checkpoint's tokenizer")
     canvas = parse_init_canvas(init_canvas, session, session.params.seed) if init_canvas else None
