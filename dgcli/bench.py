@@ -192,20 +192,20 @@ class Target:
 
 
 def open_target(model: str | None, dummy: str | None, layers: int | None, preset: str | None,
-                flags: dict, *, warn: Callable[[str], None]) -> Target:
+                flags: dict, *, warn: Callable[[str], None], compile: bool = False) -> Target:
     """A checkpoint's session, or one over dummy weights built directly on the device (no file read;
     fixed-work mode forced: confidence_threshold 0)."""
     import torch
 
     from .checkpoint import random_model
     from .loader import resolve_dtype
-    from .runtime import Session, open_session, pick_device
+    from .runtime import Session, compile_decoder, open_session, pick_device
     from .settings import blocks_for, resolve, stop_ids_from_generation_config
 
     if dummy is None:
         if layers is not None:
             raise UserError("--layers shrinks a --dummy config; it does not apply to a checkpoint")
-        session = open_session(model, preset, flags, need_tokenizer=False)
+        session = open_session(model, preset, flags, need_tokenizer=False, compile=compile)
         return Target(session, False, session.path.name)
     if model is not None:
         raise UserError("give either --model (a checkpoint) or --dummy CONFIG (random weights), not both")
@@ -219,6 +219,8 @@ def open_target(model: str | None, dummy: str | None, layers: int | None, preset
     dtype = resolve_dtype(dt if dt in ("bfloat16", "float32", "float16") else "bfloat16")
     preflight(parse_config(raw), torch.tensor([], dtype=dtype).element_size(), device, spec=dummy)
     m = random_model(raw, seed=resolved.params.seed, dtype=dtype, device=device)
+    if compile:
+        compile_decoder(m)
     cfg = m.config
     stop_ids = stop_ids_from_generation_config(gen) if gen else list(cfg.eos_token_ids)
     num_blocks = blocks_for(resolved.params, resolved.run.max_tokens, cfg.canvas_length)
@@ -501,7 +503,8 @@ def make_row(target: Target, *, prompts: list[Prompt], prompt_source: str, param
     row["provenance"] = provenance(
         device=s.device, dtype=model_dtype(s), model=str(s.path), model_name=target.name,
         parameters=counts["total"], active=counts["active_per_token"], settings=settings, seed=params.seed,
-        prompt_hash=prompt_set_hash(prompts), label=label, metadata=metadata, dummy=target.dummy)
+        prompt_hash=prompt_set_hash(prompts), label=label, metadata=metadata, dummy=target.dummy,
+        compiled=getattr(s.model, "compiled", False))
     return row
 
 

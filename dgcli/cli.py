@@ -31,22 +31,13 @@ def _root(version: Optional[bool] = typer.Option(None, "--version", callback=_ve
 
 
 # Commands (each module imports torch lazily, inside its command body, so --help stays instant).
-from . import cmd_generate  # noqa: E402
+from . import cmd_bench, cmd_generate, cmd_info, cmd_sweep, cmd_watch  # noqa: E402
 
 app.command("generate")(cmd_generate.generate)
-from . import cmd_bench  # noqa: E402
-
-app.command("bench")(cmd_bench.bench)
-from . import cmd_sweep  # noqa: E402
-
-app.command("sweep")(cmd_sweep.sweep)
-from . import cmd_info  # noqa: E402
-
-app.command("info")(cmd_info.info)
-from . import cmd_watch  # noqa: E402
-
 app.command("watch")(cmd_watch.watch)
-# (more commands are registered below, one import + one line each)
+app.command("sweep")(cmd_sweep.sweep)
+app.command("bench")(cmd_bench.bench)
+app.command("info")(cmd_info.info)
 
 
 def main() -> None:

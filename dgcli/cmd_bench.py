@@ -67,6 +67,7 @@ def bench(
     result_dir: Annotated[Optional[str], typer.Option("--result-dir", help="Folder for --save-result (default: .).")] = None,
     result_filename: Annotated[Optional[str], typer.Option("--result-filename", help="File name for --save-result.")] = None,
     label: Label = None, metadata: Metadata = None, measure_peaks: MeasurePeaks = True,
+    compile: o.Compile = False,
 ) -> None:
     """Benchmark one sampler setting: labelled throughput figures, step-count distribution, roofline."""
     if fmt not in FORMATS:
@@ -79,7 +80,7 @@ def bench(
                             stability=stability_threshold, confidence=confidence_threshold, seed=seed,
                             blocks=blocks, device=device, dtype=dtype, max_tokens=max_tokens)
     baseline = b.PeakMemory.maxrss()  # before the model exists, for the CPU peak-memory figure
-    target = b.open_target(model, dummy, layers, preset, flags, warn=warn)
+    target = b.open_target(model, dummy, layers, preset, flags, warn=warn, compile=compile)
     s = target.session
     params = s.params
     plist, source = b.build_prompts(s, prompts_file=prompts, random_ids=random_prompts or target.dummy,

@@ -50,6 +50,7 @@ def sweep(
     speed: Annotated[str, typer.Option("--speed-metric", help="The frontier's speed figure.")] = "output_throughput",
     fmt: Annotated[str, typer.Option("--format", "-f", help="md | csv | json | jsonl (the final rows)")] = "md",
     label: Label = None, metadata: Metadata = None, measure_peaks: MeasurePeaks = True,
+    compile: o.Compile = False,
 ) -> None:
     """Sweep sampler settings: per cell speed and quality, a resumable JSONL, the Pareto frontier."""
     from . import bench as b
@@ -83,7 +84,7 @@ def sweep(
         return
 
     baseline = b.PeakMemory.maxrss()  # before the model exists, for the CPU peak-memory figure
-    target = b.open_target(model, dummy, layers, preset, flags, warn=warn)
+    target = b.open_target(model, dummy, layers, preset, flags, warn=warn, compile=compile)
     s = target.session
     plist, source = b.build_prompts(s, prompts_file=prompts, random_ids=random_prompts or target.dummy,
                                     num_prompts=num_prompts, input_len=random_input_len, seed=seed_list[0], warn=warn)

@@ -63,7 +63,7 @@ def device_name(device: Any) -> str:
 
 def provenance(*, device: Any, dtype: str, model: str, model_name: str, parameters: int, active: int,
                settings: dict, seed: int, prompt_hash: str, label: str | None, metadata: dict,
-               dummy: bool) -> dict:
+               dummy: bool, compiled: bool = False) -> dict:
     import torch
 
     return {
@@ -73,17 +73,15 @@ def provenance(*, device: Any, dtype: str, model: str, model_name: str, paramete
         "model": model, "model_name": model_name, "model_parameters": parameters,
         "model_active_parameters": active, "dummy_weights": dummy, "settings": settings, "seed": seed,
         "prompt_set_hash": prompt_hash, "label": label, "metadata": metadata,
-        "kernels": kernel_choices(device),
+        "kernels": kernel_choices(device), "compiled_decoder": compiled,
         "host": platform.node(), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
 
-def kernel_choices(device: Any) -> dict[str, str] | None:
-    """Which implementation each fused op ran (triton | cpu | reference), when the dispatcher exists."""
-    try:
-        from .kernels.dispatch import implementation
-    except ImportError:
-        return None
+def kernel_choices(device: Any) -> dict[str, str]:
+    """Which implementation each fused op ran (triton | cpu | reference)."""
+    from .kernels.dispatch import implementation
+
     return {op: implementation(op, device) for op in ("vocab_pass", "experts", "rms_norm")}
 
 

@@ -69,6 +69,7 @@ def compile_decoder(model: Any) -> None:
     eager: it draws from a torch.Generator). About 2x on this CPU once compiled; the first compile
     takes tens of seconds (a C++ toolchain is needed on CPU) and inductor caches it between runs."""
     model.decode = torch.compile(model.decode)
+    model.compiled = True  # recorded in benchmark provenance
 
 
 def resolve_for(model: str | None, preset: str | None, flags: dict) -> tuple[Path, ModelConfig, dict | None, Resolved]:
