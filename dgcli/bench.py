@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from .config import ModelConfig, parse_config, read_json, real_config_path
 from .errors import UserError
+from .prompts import read_prompt_file
 from .events import BlockStart, Done
 from . import info
 
@@ -101,29 +102,6 @@ def default_prompt_file() -> Path | None:
     """The bundled held-out prompt set (dgcli/data/prompts/*.jsonl), once it exists."""
     files = sorted(BUNDLED_PROMPTS.glob("*.jsonl")) if BUNDLED_PROMPTS.is_dir() else []
     return files[0] if files else None
-
-
-def read_prompt_file(path: str | Path) -> list[dict]:
-    """Lines of {"prompt", "answer"?, "family"?}; one clear error per bad line."""
-    p = Path(path)
-    try:
-        lines = p.read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise UserError(f"--prompts {p}: cannot read it ({e.strerror}); pass a JSONL prompt file") from None
-    rows = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            raise UserError(f"--prompts {p}: line {n} is not JSON; one {{\"prompt\": ...}} object per line") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise UserError(f"--prompts {p}: line {n} has no string 'prompt' field")
-        rows.append(row)
-    if not rows:
-        raise UserError(f"--prompts {p}: no prompts in the file")
-    return rows
 
 
 def random_prompts(vocab: int, n: int, length: int, seed: int, avoid: set[int] = frozenset()) -> list[Prompt]:

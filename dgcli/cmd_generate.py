@@ -15,6 +15,7 @@ import typer
 
 from . import options as o
 from .errors import UserError
+from .prompts import read_prompt_file
 
 FORMATS = ("text", "json", "ndjson")
 
@@ -24,24 +25,8 @@ def read_prompts(prompt: str | None, input_jsonl: str | None) -> Iterator[tuple[
     if input_jsonl is not None:
         if prompt not in (None, "-"):
             raise UserError("give either a PROMPT argument or --input-jsonl, not both")
-        try:
-            lines = (sys.stdin if input_jsonl == "-" else open(input_jsonl, encoding="utf-8")).read().splitlines()
-        except OSError as e:
-            raise UserError(f"--input-jsonl {input_jsonl}: cannot read it ({e.strerror})") from None
-        rows = []
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                raise UserError(f"--input-jsonl {input_jsonl}: line {n} is not JSON; one object per line") from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise UserError(f"--input-jsonl {input_jsonl}: line {n} has no string 'prompt' field")
-            rows.append((row["prompt"], {k: v for k, v in row.items() if k != "prompt"}))
-        if not rows:
-            raise UserError(f"--input-jsonl {input_jsonl}: no prompts in the file")
-        yield from rows
+        for row in read_prompt_file(input_jsonl, flag="--input-jsonl"):
+            yield row["prompt"], {k: v for k, v in row.items() if k != "prompt"}
         return
     if prompt is None or prompt == "-":
         if prompt is None and sys.stdin.isatty():

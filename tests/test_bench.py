@@ -27,12 +27,6 @@ C = 16
 QUALITY = ("quality", "exact_match", "agreement")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 shared cores: oversubscription makes tiny ops 50x slower
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -29,12 +29,6 @@ SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=40, moe_intermedia
              max_position_embeddings=4096)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 shared cores: oversubscription makes tiny ops 50x slower
-    yield
-    torch.set_num_threads(n)
 
 
 def numel_of_model(cfg) -> int:

@@ -28,12 +28,6 @@ TEXT = dict(vocab_size=400, hidden_size=32, intermediate_size=48, moe_intermedia
 C = 16
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 shared cores: oversubscription makes tiny ops 50x slower
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
