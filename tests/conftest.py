@@ -5,9 +5,15 @@ from pathlib import Path
 # tests/ helpers (hf_oracle, fixtures) import as plain modules.
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The console script lives beside this interpreter (e.g. .venv/bin): subprocesses and tmux shells
+# must find `dgemma` there even when the venv is not activated (CI runs .venv/bin/python -m pytest).
+os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
+
+# Tests use tiny shapes on 2 shared cores: a second intra-op thread only adds barrier waits
+# (oversubscribed, tiny ops run up to 50x slower). OMP_NUM_THREADS reaches the subprocesses (and the
+# tmux shells) the tests start too.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
-# Tests use tiny shapes on 2 shared cores: a second intra-op thread only adds barrier waits
-# (oversubscribed, tiny ops run up to 50x slower). Subprocesses the tests start keep torch's default.
 torch.set_num_threads(1)
