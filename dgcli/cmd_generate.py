@@ -143,6 +143,7 @@ def generate(
     """Generate text for a prompt (argument, stdin, or --input-jsonl)."""
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt}: use one of {', '.join(FORMATS)}")
+    from .events import Done
     from .runtime import open_session, resolve_for
 
     flags = o.sampler_flags(steps=steps, t_min=t_min, t_max=t_max, entropy_bound=entropy_bound,
@@ -161,16 +162,14 @@ def generate(
     canvas = parse_init_canvas(init_canvas, session, session.params.seed) if init_canvas else None
     progress = Progress(sys.stderr.isatty() and fmt != "ndjson")
     try:
+        def on_event(event) -> None:
+            progress(event)
+            if fmt == "ndjson" and not isinstance(event, Done):  # the result line replaces `done`
+                sys.stdout.write(json.dumps(event.to_record(), separators=(",", ":")) + "\n")
+
         for text, extra in prompts:
-            emit = None
-            if fmt == "ndjson":
-                def emit(event):
-                    rec = event.to_record()
-                    if rec["type"] != "done":
-                        sys.stdout.write(json.dumps(rec, separators=(",", ":")) + "\n")
             result = run_prompt(session, text, raw=raw, thinking=thinking or session.resolved.run.thinking,
-                                show_thinking=show_thinking, trace=trace, init_canvas=canvas,
-                                on_event=lambda e: (progress(e), emit and emit(e)))
+                                show_thinking=show_thinking, trace=trace, init_canvas=canvas, on_event=on_event)
             if fmt == "text":
                 sys.stdout.write(result["text"].rstrip("\n") + "\n")
             elif fmt == "json":

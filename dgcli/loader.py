@@ -7,7 +7,6 @@ Owns: the checkpoint <-> module name map and every loading error message. Must n
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -152,10 +151,3 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
         model = DiffusionGemma(cfg)
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()
-
-
-def read_index_total(path: Path) -> int | None:
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        return json.loads(index.read_text()).get("metadata", {}).get("total_size")
-    return None

@@ -19,7 +19,7 @@ from torch import nn
 
 from .cache import KVCache
 from .kernels import dispatch
-from .config import FULL, LayerGeometry, ModelConfig
+from .config import LayerGeometry, ModelConfig
 
 
 class RMSNorm(nn.Module):

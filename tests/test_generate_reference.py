@@ -13,7 +13,7 @@ import torch
 from hf_oracle import TINY_VISION, make_config
 
 import dgcli
-from dgcli.sampler import generate, generate_events
+from dgcli.sampler import generate_events
 from dgcli.events import Step
 from dgcli.settings import DiffusionEbParams
 

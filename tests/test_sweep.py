@@ -13,7 +13,6 @@ import time
 import xml.etree.ElementTree as ET
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from dgcli import sweep as sw
