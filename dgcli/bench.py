@@ -177,7 +177,7 @@ def open_target(model: str | None, dummy: str | None, layers: int | None, preset
 
     from .checkpoint import random_model
     from .loader import resolve_dtype
-    from .runtime import Session, compile_decoder, open_session, pick_device
+    from .runtime import Session, compile_decoder, fit_threads, open_session, pick_device
     from .settings import blocks_for, resolve, stop_ids_from_generation_config
 
     if dummy is None:
@@ -197,6 +197,7 @@ def open_target(model: str | None, dummy: str | None, layers: int | None, preset
     dtype = resolve_dtype(dt if dt in ("bfloat16", "float32", "float16") else "bfloat16")
     preflight(parse_config(raw), torch.tensor([], dtype=dtype).element_size(), device, spec=dummy)
     m = random_model(raw, seed=resolved.params.seed, dtype=dtype, device=device)
+    fit_threads(m, device)
     if compile:
         compile_decoder(m)
     cfg = m.config

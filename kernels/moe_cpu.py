@@ -25,6 +25,7 @@ from .reference_ops import experts_reference
 MAX_PADDING = 2.0
 
 
+@torch.compiler.disable  # reads the largest group size back to the host: keep it out of compiled graphs
 def experts_grouped(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_proj: torch.Tensor,
                     down_proj: torch.Tensor) -> torch.Tensor:
     """x [N, H], w [N, k] fp32, idx [N, k] (distinct experts per row), gate_up_proj [E, 2I, H],
