@@ -55,15 +55,6 @@ class Session:
     def params(self):
         return self.resolved.params
 
-    @property
-    def name(self) -> str:
-        return self.path.name
-
-    def describe_model(self) -> dict:
-        n = sum(p.numel() for p in self.model.parameters())
-        return {"model": str(self.path), "model_name": self.path.name, "parameters": n,
-                "dtype": str(self.model.embed_weight.dtype).removeprefix("torch."), "device": str(self.device)}
-
 
 # Below this size a CPU model runs on one thread (see `fit_threads`).
 SMALL_MODEL_PARAMS = 50_000_000
