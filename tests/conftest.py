@@ -17,3 +17,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+# Without a GPU the Triton kernels run in the interpreter; the variable must be set before any kernel
+# module is imported, and test modules import each other's dependencies in any order.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
