@@ -22,3 +22,16 @@ torch.set_num_threads(1)
 # module is imported, and test modules import each other's dependencies in any order.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def cli_ckpt(tmp_path_factory):
+    """One random checkpoint (with tokenizer) shared by the CLI-level tests that only read it."""
+    from hf_oracle import CLI_CANVAS, CLI_TEXT
+
+    from dgcli.checkpoint import write_random_checkpoint
+
+    return write_random_checkpoint(tmp_path_factory.mktemp("cli") / "ckpt", CLI_TEXT, canvas_length=CLI_CANVAS)

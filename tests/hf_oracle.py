@@ -33,6 +33,14 @@ CONFIGS = {
 }
 
 
+# A tiny config with a vocabulary large enough for a tokenizer: CLI, bench and sweep tests.
+CLI_TEXT = dict(vocab_size=400, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, num_global_key_value_heads=1, head_dim=16,
+                global_head_dim=16, num_experts=4, top_k_experts=2, sliding_window=24, layer_types=[S, F],
+                max_position_embeddings=4096)
+CLI_CANVAS = 16
+
+
 def text_config(name: str) -> tuple[dict, int]:
     cfg = dict(CONFIGS[name])
     canvas = cfg.pop("canvas")

@@ -18,22 +18,15 @@ from dgcli.config import load_config
 from dgcli.errors import UserError
 from dgcli.events import Done
 
-S, F = "sliding_attention", "full_attention"
-TEXT = dict(vocab_size=400, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=1, num_global_key_value_heads=1, head_dim=16,
-            global_head_dim=16, num_experts=4, top_k_experts=2, sliding_window=24, layer_types=[S, F],
-            max_position_embeddings=4096)
-C = 16
+from hf_oracle import CLI_CANVAS as C
+from hf_oracle import F, S
+from hf_oracle import CLI_TEXT as TEXT
 QUALITY = ("quality", "exact_match", "agreement")
 
 
-
-
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    from dgcli.checkpoint import write_random_checkpoint
-
-    return write_random_checkpoint(tmp_path_factory.mktemp("bench") / "ckpt", TEXT, canvas_length=C)
+def ckpt(cli_ckpt):
+    return cli_ckpt
 
 
 def run(*args, code=0):
