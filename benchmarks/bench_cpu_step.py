@@ -112,6 +112,41 @@ def step_flops(cfg, prefix: int, with_soft_in: bool, want_soft_out: bool) -> flo
     return total
 
 
+# ---- components ---------------------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def components(model, prompt: torch.Tensor, compiled: bool) -> dict:
+    """Median times (ms, 7 reps) of the parts of a step, each before/after its fast path, side by side:
+    the decoder pass eager and (with --compile) compiled, the vocabulary pass with eager and with
+    compiled tile math, and the routed experts of one layer (padded batched GEMMs vs segments)."""
+    from dgcli.kernels.dispatch import vocab_pass
+    from dgcli.kernels.moe_cpu import experts_grouped, experts_segments
+
+    cfg, c = model.config, model.config.canvas_length
+    cache = model.new_cache(1, prompt.shape[1] + c)
+    model.encode(prompt, cache)
+    canvas = torch.randint(0, cfg.vocab_size, (1, c), generator=torch.Generator().manual_seed(1))
+    soft = torch.randn(1, c, cfg.hidden_size).to(model.embed_weight.dtype)
+    out = {"decode_eager_ms": median(timed(lambda: type(model).decode(model, canvas, cache, soft), reps=7)) * 1e3}
+    if compiled:
+        out["decode_compiled_ms"] = median(timed(lambda: model.decode(canvas, cache, soft), reps=7)) * 1e3
+    hidden = model.decode(canvas, cache, soft)
+    for tiles in (False, True) if compiled else (False,):
+        fn = lambda: vocab_pass(hidden, model.embed_weight, softcap=cfg.final_logit_softcapping,  # noqa: E731
+                                temperature=torch.tensor(0.6), embed_scale=model.embed_scale,
+                                generator=torch.Generator().manual_seed(0), compile_tiles=tiles)
+        out[f"vocab_pass_{'compiled' if tiles else 'eager'}_tiles_ms"] = median(timed(fn, reps=7)) * 1e3
+    experts = model.layers[0].experts
+    x = hidden[0]
+    w, idx = torch.softmax(torch.randn(c, cfg.num_experts, generator=torch.Generator().manual_seed(2)), -1).topk(
+        cfg.top_k_experts, -1)
+    for name, fn in (("grouped", experts_grouped), ("segments", experts_segments)):
+        out[f"experts_{name}_ms"] = median(timed(lambda: fn(x, w, idx, experts.gate_up_proj, experts.down_proj),
+                                                 reps=7)) * 1e3
+    return out
+
+
 # ---- dgemma -----------------------------------------------------------------------------------------------
 
 
@@ -258,6 +293,7 @@ def main() -> None:
         "dgemma_step_ms": step * 1e3, "dgemma_generate_s": ours["total_s"], "dgemma_steps": ours["steps"],
         "dgemma_step_share_of_matmul_rate": flops_step / step / rate["best_flops"], "compiled": args.compile,
     }
+    result["components"] = components(model, prompt, args.compile)
     if args.reference_too:
         os.environ["DGEMMA_KERNELS"] = "reference"
         ref = run_dgemma(model, prompt, args.steps, args.blocks)
@@ -291,6 +327,8 @@ def main() -> None:
         if f"vocab_extra_mib_{impl}" in result:
             print(f"| vocab pass extra peak memory, V=262144 H=2816 C=256, {impl} | "
                   f"{result[f'vocab_extra_mib_{impl}']:.1f} MiB |")
+    for k, v in result["components"].items():
+        print(f"| component: {k.removesuffix('_ms').replace('_', ' ')} | {v:.1f} ms |")
     print(f"| load average (start -> end) | {result['load_avg']} |")
     print(json.dumps(result))
 

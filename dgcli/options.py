@@ -29,7 +29,7 @@ Blocks = Annotated[Optional[int], typer.Option("--blocks", "--diffusion-blocks",
                                                help="Most blocks (canvases) to generate; 0 = derive from --max-tokens (default 1).")]
 MaxTokens = Annotated[Optional[int], typer.Option("--max-tokens", help="Token budget; without --blocks it sets the block count.")]
 
-Compile = Annotated[bool, typer.Option("--compile", help="torch.compile the decoder pass: faster steps after a one-off compile of tens of seconds.")]
+Compile = Annotated[bool, typer.Option("--compile", help="torch.compile the decoder pass and the vocabulary tile math: faster steps after a one-off compile of tens of seconds.")]
 Trace = Annotated[Optional[str], typer.Option("--trace", help="Write the per-step JSONL trace to FILE.")]
 InitCanvas = Annotated[Optional[str], typer.Option("--init-canvas", help="Warm-start the first block: ids (1,2,3) or text.")]
 Thinking = Annotated[bool, typer.Option("--thinking", help="Let the model think first (template without the empty thought channel).")]

@@ -87,7 +87,7 @@ def _denoise_step(model: Any, canvas: torch.Tensor, cache: Any, soft: torch.Tens
     hidden = model.decode(canvas, cache, soft)  # [B, C, H]
     out = vocab_pass(hidden, model.embed_weight, softcap=model.config.final_logit_softcapping,
                      temperature=temp, embed_scale=model.embed_scale, generator=generator,
-                     want_soft=want_soft)
+                     want_soft=want_soft, compile_tiles=getattr(model, "compiled", False))
     accepted = accept_mask(out.entropy, params.entropy_bound)  # [B, C]
     # Every position gets a fresh draw, used only where not accepted (as the reference consumes RNG).
     noise = torch.randint(0, model.config.vocab_size, canvas.shape, generator=generator, device=canvas.device)

@@ -14,7 +14,8 @@ continues in the next block; the block that holds `<turn|>` is the last one.
 Families (all answers are exact strings, compared after stripping surrounding whitespace):
 * reverse  "Reverse: c a t"            -> "t a c"          3-8 lowercase letters   (1 block)
 * sort     "Sort: 7 2 9 2"             -> "2 2 7 9"        3-8 digits              (1 block)
-* count    "Count from 7 to 31."       -> "7 8 9 ... 31"   8-40 numbers in 0..99   (1-3 blocks)
+* count    "Count from 7 to 31."       -> "7 8 9 ... 31"   8-40 numbers in 0..99   (1-3 blocks; training
+           may also draw shorter counts, `count_min`, so that the end is learned from b, not the length)
 * reverse_long  as reverse, 17-32 letters (2-3 blocks; optional, not in the shipped mix)
 * text     "Continue: And God said"    -> the verse's next words (public-domain KJV)  (free text)
 """
@@ -75,8 +76,8 @@ def make_sort(rng: random.Random) -> Example:
     return Example("Sort: " + " ".join(items), " ".join(sorted(items)), "sort")
 
 
-def make_count(rng: random.Random) -> Example:
-    n = rng.randint(8, 40)
+def make_count(rng: random.Random, lo: int = 8) -> Example:
+    n = rng.randint(lo, 40)
     a = rng.randint(0, 100 - n)
     return Example(f"Count from {a} to {a + n - 1}.", " ".join(str(i) for i in range(a, a + n)), "count")
 
@@ -115,13 +116,20 @@ def make_text(rng: random.Random, verses: list[str], max_words: int = 5) -> Exam
 
 
 # ---- mixtures and splits -------------------------------------------------------------------------
-def training_stream(seed: int, weights: dict[str, float], verses: list[str]) -> Iterator[Example]:
-    """Endless training examples in proportion to `weights` (family -> weight), never a held-out prompt."""
+def training_stream(seed: int, weights: dict[str, float], verses: list[str], count_min: int = 8) -> Iterator[Example]:
+    """Endless training examples in proportion to `weights` (family -> weight), never a held-out prompt.
+    `count_min` < 8 adds counts shorter than any held-out one: every such answer ends inside its first
+    canvas, so the model cannot end a count by a length prior and must learn to stop at b."""
     rng = random.Random(seed)
     names, w = list(weights), list(weights.values())
     while True:
         fam = rng.choices(names, w)[0]
-        ex = make_text(rng, verses) if fam == TEXT_FAMILY else MAKERS[fam](rng)
+        if fam == TEXT_FAMILY:
+            ex = make_text(rng, verses)
+        elif fam == "count":
+            ex = make_count(rng, count_min)
+        else:
+            ex = MAKERS[fam](rng)
         if not is_heldout(ex.prompt):
             yield ex
 

@@ -46,8 +46,10 @@ def implementation(op: str, device: torch.device | str) -> str:
     return "reference"
 
 
-def vocab_pass(hidden: torch.Tensor, embed: torch.Tensor, **kwargs) -> reference.VocabPassOut:
-    """`kernels.reference.vocab_pass` (same keywords), by the implementation for hidden's device."""
+def vocab_pass(hidden: torch.Tensor, embed: torch.Tensor, compile_tiles: bool = False,
+               **kwargs) -> reference.VocabPassOut:
+    """`kernels.reference.vocab_pass` (same keywords), by the implementation for hidden's device.
+    `compile_tiles` (CPU path only) runs the per-tile elementwise math through torch.compile."""
     impl = implementation("vocab_pass", hidden.device)
     if impl == "triton":
         from .vocab_pass import vocab_pass_triton
@@ -56,7 +58,7 @@ def vocab_pass(hidden: torch.Tensor, embed: torch.Tensor, **kwargs) -> reference
     if impl == "cpu":
         from .vocab_pass_cpu import vocab_pass_tiled
 
-        return vocab_pass_tiled(hidden, embed, **kwargs)
+        return vocab_pass_tiled(hidden, embed, compile_tiles=compile_tiles, **kwargs)
     return reference.vocab_pass(hidden, embed, **kwargs)
 
 
@@ -69,9 +71,9 @@ def experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_proj: t
 
         return experts_triton(x, w, idx, gate_up_proj, down_proj)
     if impl == "cpu":
-        from .moe_cpu import experts_grouped
+        from .moe_cpu import experts_segments
 
-        return experts_grouped(x, w, idx, gate_up_proj, down_proj)
+        return experts_segments(x, w, idx, gate_up_proj, down_proj)
     return reference_ops.experts_reference(x, w, idx, gate_up_proj, down_proj)
 
 

@@ -1,17 +1,19 @@
-"""Routed experts for CPU: token-expert pairs grouped by expert, two batched GEMMs over all experts.
+"""Routed experts for CPU: token-expert pairs grouped by expert, GEMMs over all experts at once.
 
-Owns: `experts_grouped`, equal to `kernels/reference_ops.py::experts_reference` (and so to the model's
-`Experts.forward`): same GEMM inputs and dtypes, same activation, the fp32 routing-weight product
-rounded to x.dtype, and a token's k contributions added in ascending expert order with one rounding
-per addition. Only the GEMM kernel differs (a batched GEMM instead of one GEMM per expert), so fp32
-agrees to accumulation order and bf16 to one rounding of a GEMM output.
-Must not: route (the router is the model's), or run on CUDA (it reads the largest group size back to
-the host; CUDA uses kernels/moe.py).
+Owns: `experts_segments` (the default on CPU: pairs sorted into contiguous per-expert segments, two
+`F.grouped_mm` calls, no padding, no host read, so it compiles into the decoder's graph) and
+`experts_grouped` (padded batched GEMMs; used where grouped_mm's 16-byte stride rule does not hold,
+and for non-bf16 inputs inside torch.compile).
+Both equal `kernels/reference_ops.py::experts_reference` (and so the model's `Experts.forward`): same
+GEMM inputs and dtypes, same activation, the fp32 routing-weight product rounded to x.dtype, and a
+token's k contributions added in ascending expert order with one rounding per addition. Only the GEMM
+kernel may differ, so fp32 agrees to accumulation order and bf16 to one rounding of a GEMM output.
+Must not: route (the router is the model's), or run on CUDA (kernels/moe.py does).
 
-Why batched: on this CPU a bf16 GEMM with ~20-80 rows runs at a fraction of the AMX rate and a Python
-loop over 128 experts pays that per expert; one bmm over [E, rows, H] padded to the largest group is
-several times faster as long as padding stays small. When the groups are very uneven (padding would
-more than double the work) the per-expert loop is used instead.
+Why grouped: on this CPU a bf16 GEMM with ~20-80 rows runs at a fraction of the AMX rate and a Python
+loop over 128 experts pays that per expert. Measured on the 200 M benchmark config's experts (256
+tokens, 12 experts top-4, H 1024, I 512, bf16, 1 thread, isolated; see benchmarks/RESULTS.md): per-expert loop
+29.6 ms, padded bmm 17.2 ms, segments 16.3 ms eager and 13.8 ms compiled.
 """
 
 from __future__ import annotations
@@ -60,4 +62,42 @@ def experts_grouped(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up
     out = pairs[:, 0].clone()  # 0 + y is exact, as the reference's first index_add_
     for j in range(1, k):
         out += pairs[:, j]  # one rounding to x.dtype per addition, like index_add_
+    return out
+
+
+def segments_fit(hidden: int, inter: int, dtype: torch.dtype) -> bool:
+    """`F.grouped_mm` needs every row stride to be a multiple of 16 bytes (true of released shapes),
+    and inside torch.compile bf16 inputs (its shape function rejects fp32, which eager CPU accepts)."""
+    if dtype != torch.bfloat16 and torch.compiler.is_compiling():
+        return False
+    size = torch.empty((), dtype=dtype).element_size()
+    return (hidden * size) % 16 == 0 and (inter * size) % 16 == 0
+
+
+def experts_segments(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_proj: torch.Tensor,
+                     down_proj: torch.Tensor) -> torch.Tensor:
+    """`experts_grouped` with no padding and no host read: pairs sorted by expert into contiguous
+    segments, two `F.grouped_mm` calls with the segment ends as offsets. Every shape is static, so it
+    compiles into the decoder's graph (`--compile`) without a break; the GEMM per segment is the same
+    as the reference's per-expert GEMM (bit-equal on this CPU)."""
+    n, k = idx.shape
+    num_experts, h, inter = gate_up_proj.shape[0], x.shape[1], down_proj.shape[2]
+    if not segments_fit(h, inter, x.dtype):
+        return experts_grouped(x, w, idx, gate_up_proj, down_proj)
+    idx_sorted, perm = idx.sort(dim=1)  # [N, k] ascending expert order inside each row (the reference's)
+    w_sorted = w.gather(1, perm)  # [N, k]
+    flat = idx_sorted.reshape(-1)  # [N*k] pair p = (token p // k, slot p % k)
+    order = torch.argsort(flat, stable=True)  # [N*k] pairs grouped by expert
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32))  # [E] (bincount's size depends on the data)
+    offs = counts.cumsum(0, dtype=torch.int32)  # [E] end of each expert's segment
+    gu = F.grouped_mm(x[order // k], gate_up_proj.transpose(1, 2), offs=offs)  # [N*k, 2I]
+    act = F.gelu(gu[:, :inter], approximate="tanh") * gu[:, inter:]  # [N*k, I]
+    y = F.grouped_mm(act, down_proj.transpose(1, 2), offs=offs)  # [N*k, H]
+    pairs = torch.empty_like(y).index_copy_(0, order, y)  # [N*k, H] back in pair order
+    # fp32 product rounded to x.dtype, as the reference (explicit upcast: faster than mixed-dtype mul)
+    pairs = (pairs.float() * w_sorted.reshape(-1, 1)).to(x.dtype).view(n, k, h)
+    out = pairs[:, 0]  # 0 + y is exact, as the reference's first index_add_
+    for j in range(1, k):
+        out = out + pairs[:, j]  # one rounding to x.dtype per addition, like index_add_
     return out

@@ -11,9 +11,9 @@ host, which is free on CPU and a sync on CUDA: CUDA uses the Triton kernel), or 
 Semantics kept from the reference: argmax of L (first index on ties), entropy of softmax(L) in fp32,
 and soft = bf16(softmax_fp32(bf16(L))) @ E · scale with L rounded to the embedding dtype before the
 softmax. Two differences, both within the reference's own rounding: the probabilities rounded to bf16
-before the soft GEMM are unnormalised (scaled by exp(-running max); the normalisation is applied to
-the fp32 accumulator at the end), and each tile's bf16 GEMM output is rounded to bf16 before the fp32
-accumulation. Draws come from `generator` but are not the reference's draws (see `_draw`).
+before the soft GEMM are unnormalised (scaled by exp(-tile max); the rescaling to the running max and
+the normalisation are applied to the fp32 accumulator), and each tile's bf16 GEMM output is rounded to
+bf16 before the fp32 accumulation. Draws come from `generator` but are not the reference's draws (see `_draw`).
 """
 
 from __future__ import annotations
@@ -50,20 +50,64 @@ def _tile_max(x: torch.Tensor, block: int = 64) -> tuple[torch.Tensor, torch.Ten
     return mx, first_block * block + inner
 
 
-def _draw(e: torch.Tensor, zt: torch.Tensor, total: torch.Tensor, u: torch.Tensor, pick: torch.Tensor,
-          lo: int) -> None:
+def _processed(logits: torch.Tensor, softcap: float | None, temperature: torch.Tensor) -> torch.Tensor:
+    """L = softcap(R) / temperature, in place on an fp32 buffer the caller owns."""
+    if softcap:
+        logits.div_(softcap).tanh_().mul_(softcap)
+    return logits.div_(temperature)
+
+
+def tile_stats(raw: torch.Tensor, softcap: float | None, temperature: torch.Tensor,
+               soft_dtype: torch.dtype | None) -> tuple[torch.Tensor, ...]:
+    """One vocabulary tile's statistics, all relative to the tile's own max (the caller rescales them to
+    the running max with [N]-sized factors, so this function has no state and no branches on it).
+
+    raw [N, T] head GEMM output -> tmax [N] (max of L), targ [N] (its first index), zt = Σ exp(L - tmax),
+    st = Σ exp(L - tmax)·(L - tmax), and for the soft embedding (soft_dtype not None) pb [N, T] =
+    exp(round(L) - tmax) rounded to soft_dtype with zbt [N] = the fp32 sum before that rounding.
+    Elementwise only plus row reductions: `--compile` fuses it into a couple of passes over the tile."""
+    logits = _processed(raw.to(torch.float32, copy=True), softcap, temperature)  # [N, T] L; raw kept for _draw
+    tmax, targ = _tile_max(logits)  # [N]
+    shift = tmax.unsqueeze(1)  # [N, 1]
+    stored = logits.to(soft_dtype) if soft_dtype not in (None, torch.float32) else None  # [N, T] round(L)
+    d = logits.sub_(shift)  # [N, T] L - tmax (in place: L is not needed any more)
+    e = torch.exp(d)  # [N, T]
+    zt = e.sum(dim=1)  # [N]
+    st = torch.mul(d, e, out=d).sum(dim=1)  # [N] Σ e·(L - tmax) (linalg.vecdot is slower on CPU)
+    if soft_dtype is None:
+        return tmax, targ, zt, st, None, None
+    if stored is None:  # fp32 embedding: softmax(round(L)) is softmax(L); reuse e
+        return tmax, targ, zt, st, e, zt
+    eb = stored.float().sub_(shift).exp_()  # [N, T]
+    return tmax, targ, zt, st, eb.to(soft_dtype), eb.sum(dim=1)
+
+
+_compiled_tile_stats = None
+
+
+def compiled_tile_stats():
+    """`tile_stats` through torch.compile (built once per process; inductor caches it across runs)."""
+    global _compiled_tile_stats
+    if _compiled_tile_stats is None:
+        _compiled_tile_stats = torch.compile(tile_stats, dynamic=False)
+    return _compiled_tile_stats
+
+
+def _draw(raw: torch.Tensor, softcap: float | None, temperature: torch.Tensor, zt: torch.Tensor,
+          total: torch.Tensor, u: torch.Tensor, pick: torch.Tensor, lo: int) -> None:
     """Streaming categorical draw: after the pass, pick[r] ~ softmax(L[r]) exactly.
 
-    The tile holds mass zt of the running total (both in the same exp(-m) scale); the current pick is
+    The tile holds mass zt of the running total (both in the running max's scale); the current pick is
     replaced by a draw from inside the tile with probability zt/total, so tile t ends up chosen with
-    probability w_t/W_t · Π_{s>t} W_{s-1}/W_s = w_t/W. Inside the tile: inverse CDF (cumsum, search).
-    Two uniforms per row per tile; only the replaced rows pay for the cumsum (usually a few per row
-    over the whole pass). Not the reference's Gumbel draws: equal seeds give equal samples only
-    between calls of this function with equal tiles."""
+    probability w_t/W_t · Π_{s>t} W_{s-1}/W_s = w_t/W. Inside the tile: inverse CDF over exp(L) of the
+    replaced rows only, recomputed from the raw GEMM output (usually a few rows over the whole pass).
+    Two uniforms per row per tile. Not the reference's Gumbel draws: equal seeds give equal samples
+    only between calls of this function with equal tiles."""
     rows = (u[0] * total < zt).nonzero().squeeze(1)  # [R]
     if rows.numel() == 0:
         return
-    cdf = e.index_select(0, rows).cumsum_(dim=1)  # [R, T]
+    logits = _processed(raw.index_select(0, rows).float(), softcap, temperature)  # [R, T] (index_select copies)
+    cdf = logits.sub_(logits.amax(dim=1, keepdim=True)).exp_().cumsum_(dim=1)  # [R, T]
     target = u[1].index_select(0, rows).mul_(cdf[:, -1]).unsqueeze(1)  # [R, 1]
     j = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)  # [R]
     pick.index_copy_(0, rows, j + lo)
@@ -81,12 +125,15 @@ def vocab_pass_tiled(
     want_soft: bool = True,
     tile: int | None = None,
     row_chunk: int | None = None,
+    compile_tiles: bool = False,
 ) -> VocabPassOut:
     """`kernels.reference.vocab_pass` over vocabulary tiles of `tile` columns (default `auto_tile`).
 
     Extra memory: a few [N, T] float32 tiles plus the [N, H] float32 soft accumulator, whatever V is.
-    `row_chunk` is accepted for signature compatibility with the reference and ignored (all rows go
-    through each tile together: one E read per step)."""
+    `compile_tiles` runs each tile's elementwise math through torch.compile (`dgemma --compile`); the
+    GEMMs, the running statistics and the random draws stay eager. `row_chunk` is accepted for
+    signature compatibility with the reference and ignored (all rows go through each tile together:
+    one E read per step)."""
     del row_chunk
     b, c, h = hidden.shape
     v = embed.shape[0]
@@ -96,63 +143,39 @@ def vocab_pass_tiled(
     if t_cols < 1:
         raise ValueError(f"tile must be >= 1, got {t_cols}")
     dev, f32 = hidden.device, torch.float32
-    low_precision = embed.dtype != f32  # L is rounded to the embedding dtype before the soft softmax
     scale = torch.as_tensor(embed_scale, device=embed.device).to(embed.dtype)  # 0-dim, like the reference
+    # 0-dim fp32 tensor, so that a compiled tile function does not recompile for each temperature
+    temp = torch.as_tensor(temperature, dtype=f32, device=dev).reshape(())
+    stats = compiled_tile_stats() if compile_tiles else tile_stats
+    soft_dtype = embed.dtype if want_soft else None
 
-    m = torch.empty(n, dtype=f32, device=dev)  # running max of L
-    z = torch.empty(n, dtype=f32, device=dev)  # Σ exp(L - m)
-    s = torch.empty(n, dtype=f32, device=dev)  # Σ exp(L - m)·(L - m): entropy = log z - s/z
-    arg = torch.empty(n, dtype=torch.long, device=dev)
+    m = z = s = zb = acc = arg = None  # running max of L, Σ exp(L - m), Σ exp(L - m)(L - m), ...
     pick = torch.zeros(n, dtype=torch.long, device=dev)
-    zb = torch.empty(n, dtype=f32, device=dev) if want_soft else None  # Σ exp(bf16(L) - m)
-    acc = torch.zeros(n, h, dtype=f32, device=dev) if want_soft else None  # Σ exp(bf16(L) - m)·E
-
     for lo in range(0, v, t_cols):
-        hi = min(v, lo + t_cols)
-        et = embed[lo:hi]  # [T, H]
-        logits = F.linear(rows, et).float()  # [N, T]; float() copies unless fp32 (then the buffer is ours)
-        if softcap:
-            logits.div_(softcap).tanh_().mul_(softcap)
-        logits.div_(temperature)  # L
-        tmax, targ = _tile_max(logits)  # [N]
-        first = lo == 0
-        if first:
-            m_new, arg = tmax, targ
+        et = embed[lo:min(v, lo + t_cols)]  # [T, H]
+        raw = F.linear(rows, et)  # [N, T] in the embedding dtype
+        tmax, targ, zt, st, pb, zbt = stats(raw, softcap, temp, soft_dtype)
+        if m is None:  # first tile: its max is the running max
+            m, arg, a_t = tmax, targ, None
+            z, s = zt, st
         else:
             m_new = torch.maximum(m, tmax)
             arg = torch.where(tmax > m, targ + lo, arg)  # strict: the earliest index wins ties
-        shift = m_new.unsqueeze(1)  # [N, 1]
-
-        stored = logits.to(embed.dtype) if (want_soft and low_precision) else None  # [N, T] bf16(L)
-        d = logits.sub_(shift)  # [N, T] L - m (in place: L is not needed any more)
-        e = torch.exp(d)  # [N, T]
-        zt = e.sum(dim=1)  # [N]
-        st = torch.mul(d, e, out=d).sum(dim=1)  # [N] Σ e·(L - m) (linalg.vecdot is slower on CPU)
-
-        if want_soft:
-            if stored is None:  # fp32 embedding: softmax(bf16(L)) is softmax(L); reuse e
-                pb, zbt = e, zt
-            else:
-                eb = stored.float().sub_(shift).exp_()  # [N, T]
-                zbt = eb.sum(dim=1)
-                pb = eb.to(embed.dtype)  # [N, T]
-                del eb
-            prod = torch.matmul(pb, et).float()  # [N, H]
-
-        if first:
-            z, s = zt, st
-            if want_soft:
-                zb, acc = zbt, prod
-        else:
-            alpha = torch.exp(m - m_new)  # [N] ≤ 1: rescale what was summed under the old max
+            alpha, a_t = torch.exp(m - m_new), torch.exp(tmax - m_new)  # [N] ≤ 1 each
+            st = a_t * (st + zt * (tmax - m_new))  # this tile's sums in the running max's scale
+            zt = a_t * zt
             s = alpha * (s + z * (m - m_new)) + st
             z = alpha * z + zt
-            if want_soft:
-                zb = alpha * zb + zbt
-                acc = acc.mul_(alpha.unsqueeze(1)).add_(prod)
-        m = m_new
-        _draw(e, zt, z, torch.rand(2, n, generator=generator, device=dev), pick, lo)
-        del logits, d, e, stored
+            m = m_new
+        if want_soft:
+            prod = torch.matmul(pb, et).float()  # [N, H]
+            if a_t is None:
+                zb, acc = zbt, prod
+            else:
+                zb = alpha * zb + a_t * zbt
+                acc = acc.mul_(alpha.unsqueeze(1)).add_(prod.mul_(a_t.unsqueeze(1)))
+        _draw(raw, softcap, temp, zt, z, torch.rand(2, n, generator=generator, device=dev), pick, lo)
+        del raw, pb
 
     entropy = torch.log(z) - s / z
     soft = None

@@ -152,6 +152,25 @@ def test_tiled_draws_detect_a_wrong_distribution():
     assert stat > q
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,ent_atol,soft_atol,soft_rtol", TOLS)
+def test_compiled_tiles_match_the_reference_and_the_eager_tiles(dtype, ent_atol, soft_atol, soft_rtol):
+    """`--compile` path: the tile math through torch.compile (one compile per dtype and tile shape; two
+    tile widths here, V not a multiple of the tile). Same reference tolerances; against the eager tiles,
+    equal argmax and samples where the draws pick the same tile, entropy to fp32 rounding."""
+    hidden, embed, scale = make(1, 9, 16, 300, dtype)
+    kw = dict(softcap=30.0, temperature=torch.tensor(0.7), embed_scale=scale, tile=128)
+    out = vocab_pass_tiled(hidden, embed, generator=torch.Generator().manual_seed(2), compile_tiles=True, **kw)
+    check(out, reference(hidden, embed, scale, 30.0, torch.tensor(0.7)), dtype, ent_atol, soft_atol, soft_rtol,
+          logits=logits_of(hidden, embed))
+    eager = vocab_pass_tiled(hidden, embed, generator=torch.Generator().manual_seed(2), **kw)
+    assert torch.equal(out.argmax, eager.argmax)
+    torch.testing.assert_close(out.entropy, eager.entropy, atol=1e-5, rtol=1e-5)
+    assert (out.sample == eager.sample).float().mean() > 0.8  # same uniforms; a tile choice may flip at a ulp
+    again = vocab_pass_tiled(hidden, embed, generator=torch.Generator().manual_seed(2), compile_tiles=True, **kw)
+    assert torch.equal(out.sample, again.sample)
+
+
 # ---- Triton kernels (interpreter on CPU) -----------------------------------------------------------------
 
 # (B, C, H, V, splits): C not a multiple of the 16-row block, V not a multiple of the 16-column tile,
