@@ -58,15 +58,19 @@ def main() -> None:
         sys.exit(130)
     except SystemExit:
         raise
-    except Exception as e:  # click usage errors and the like
-        import click
-
-        if isinstance(e, click.exceptions.Exit):
-            sys.exit(e.exit_code)
-        if isinstance(e, click.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
-        if isinstance(e, click.exceptions.Abort):
+    except Exception as e:  # click's exceptions: from click itself or from the copy newer typer vendors
+        name = type(e).__name__
+        if name == "Exit":
+            sys.exit(getattr(e, "exit_code", 0))
+        if name == "Abort":
             print("dgemma: aborted", file=sys.stderr)
             sys.exit(130)
+        if name == "NoArgsIsHelpError":  # bare `dgemma`: the help text
+            e.show()
+            sys.exit(e.exit_code)
+        if hasattr(e, "format_message") and hasattr(e, "exit_code"):  # usage errors: one line, like ours
+            ctx = getattr(e, "ctx", None)
+            hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+            print(f"dgemma: error: {e.format_message()}{hint}", file=sys.stderr)
+            sys.exit(e.exit_code)
         raise

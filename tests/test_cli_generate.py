@@ -145,6 +145,7 @@ def corrupt_shape(ckpt, tmp_path):
 @pytest.mark.parametrize("case", [
     "missing_model", "partial_checkpoint", "wrong_shape", "unknown_preset_key", "t_min_gt_t_max", "steps_zero",
     "negative_blocks", "prompt_too_long", "no_such_device", "empty_stdin", "bad_format", "bad_init_canvas",
+    "unknown_option",
 ])
 def test_bad_input_gives_one_line_and_nonzero_exit(case, ckpt, capsys, tmp_path, monkeypatch):
     m = ["--model", str(ckpt)]
@@ -178,6 +179,8 @@ def test_bad_input_gives_one_line_and_nonzero_exit(case, ckpt, capsys, tmp_path,
         argv, needle, stdin = [*m, "-"], "stdin is empty", "  \n"
     elif case == "bad_format":
         argv, needle = [*m, "--format", "xml", "hi"], "--format"
+    elif case == "unknown_option":
+        argv, needle = [*m, "--steps", "0", "hi"], "--steps"
     else:
         argv, needle = [*m, "--init-canvas", "1,2,99999", "hi"], "99999"
     code, out, err = run(["generate", *argv], capsys, stdin=stdin, monkeypatch=monkeypatch)
