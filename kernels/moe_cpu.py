@@ -27,6 +27,25 @@ from .reference_ops import experts_reference
 MAX_PADDING = 2.0
 
 
+def _pairs(idx: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-expert pairs in the reference's addition order: idx [N, k] -> flat [N*k] experts (pair p =
+    token p // k, slot p % k, slots in ascending expert order) and their weights w_sorted [N, k]."""
+    idx_sorted, perm = idx.sort(dim=1)  # [N, k]
+    return idx_sorted.reshape(-1), w.gather(1, perm)
+
+
+def _combine(pairs: torch.Tensor, w_sorted: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """pairs [N*k, H] expert outputs in pair order -> [N, H]: each weighted by its fp32 routing weight,
+    rounded to dtype (explicit upcast: faster than a mixed-dtype mul), then a token's k contributions
+    added in ascending expert order with one rounding per addition, like the reference's index_add_."""
+    n, k = w_sorted.shape
+    pairs = (pairs.float() * w_sorted.reshape(-1, 1)).to(dtype).view(n, k, pairs.shape[1])
+    out = pairs[:, 0]  # 0 + y is exact, as the reference's first index_add_
+    for j in range(1, k):
+        out = out + pairs[:, j]
+    return out
+
+
 @torch.compiler.disable  # reads the largest group size back to the host: keep it out of compiled graphs
 def experts_grouped(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_proj: torch.Tensor,
                     down_proj: torch.Tensor) -> torch.Tensor:
@@ -37,10 +56,7 @@ def experts_grouped(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up
     inter = down_proj.shape[2]
     if n == 0:
         return torch.zeros_like(x)
-    # Ascending expert order inside each row = the order in which the reference adds contributions.
-    idx_sorted, perm = idx.sort(dim=1)  # [N, k]
-    w_sorted = w.gather(1, perm)  # [N, k]
-    flat = idx_sorted.reshape(-1)  # [N*k] pair p = (token p // k, slot p % k)
+    flat, w_sorted = _pairs(idx, w)  # [N*k], [N, k]
     counts = torch.bincount(flat, minlength=num_experts)  # [E]
     cap = int(counts.max())
     if cap * num_experts > MAX_PADDING * n * k:
@@ -57,12 +73,7 @@ def experts_grouped(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up
 
     pairs = torch.empty(n * k, h, dtype=y.dtype, device=x.device)  # [N*k, H] back in pair order
     pairs[order] = y[expert, slot]
-    # fp32 product rounded to x.dtype, as the reference (explicit upcast: faster than mixed-dtype mul)
-    pairs = pairs.float().mul_(w_sorted.reshape(-1, 1)).to(x.dtype).view(n, k, h)
-    out = pairs[:, 0].clone()  # 0 + y is exact, as the reference's first index_add_
-    for j in range(1, k):
-        out += pairs[:, j]  # one rounding to x.dtype per addition, like index_add_
-    return out
+    return _combine(pairs, w_sorted, x.dtype)
 
 
 def segments_fit(hidden: int, inter: int, dtype: torch.dtype) -> bool:
@@ -84,9 +95,7 @@ def experts_segments(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_u
     num_experts, h, inter = gate_up_proj.shape[0], x.shape[1], down_proj.shape[2]
     if not segments_fit(h, inter, x.dtype):
         return experts_grouped(x, w, idx, gate_up_proj, down_proj)
-    idx_sorted, perm = idx.sort(dim=1)  # [N, k] ascending expert order inside each row (the reference's)
-    w_sorted = w.gather(1, perm)  # [N, k]
-    flat = idx_sorted.reshape(-1)  # [N*k] pair p = (token p // k, slot p % k)
+    flat, w_sorted = _pairs(idx, w)  # [N*k], [N, k]
     order = torch.argsort(flat, stable=True)  # [N*k] pairs grouped by expert
     counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device).scatter_add_(
         0, flat, torch.ones_like(flat, dtype=torch.int32))  # [E] (bincount's size depends on the data)
@@ -95,9 +104,4 @@ def experts_segments(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_u
     act = F.gelu(gu[:, :inter], approximate="tanh") * gu[:, inter:]  # [N*k, I]
     y = F.grouped_mm(act, down_proj.transpose(1, 2), offs=offs)  # [N*k, H]
     pairs = torch.empty_like(y).index_copy_(0, order, y)  # [N*k, H] back in pair order
-    # fp32 product rounded to x.dtype, as the reference (explicit upcast: faster than mixed-dtype mul)
-    pairs = (pairs.float() * w_sorted.reshape(-1, 1)).to(x.dtype).view(n, k, h)
-    out = pairs[:, 0]  # 0 + y is exact, as the reference's first index_add_
-    for j in range(1, k):
-        out = out + pairs[:, j]  # one rounding to x.dtype per addition, like index_add_
-    return out
+    return _combine(pairs, w_sorted, x.dtype)
