@@ -22,6 +22,7 @@ Families (all answers are exact strings, compared after stripping surrounding wh
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -116,20 +117,17 @@ def make_text(rng: random.Random, verses: list[str], max_words: int = 5) -> Exam
 
 
 # ---- mixtures and splits -------------------------------------------------------------------------
-def training_stream(seed: int, weights: dict[str, float], verses: list[str], count_min: int = 8) -> Iterator[Example]:
+def training_stream(seed: int, weights: dict[str, float], verses: list[str],
+                    count_min: int = 8) -> Iterator[Example]:
     """Endless training examples in proportion to `weights` (family -> weight), never a held-out prompt.
     `count_min` < 8 adds counts shorter than any held-out one: every such answer ends inside its first
     canvas, so the model cannot end a count by a length prior and must learn to stop at b."""
     rng = random.Random(seed)
     names, w = list(weights), list(weights.values())
+    makers = dict(MAKERS, count=functools.partial(make_count, lo=count_min),
+                  **{TEXT_FAMILY: functools.partial(make_text, verses=verses)})
     while True:
-        fam = rng.choices(names, w)[0]
-        if fam == TEXT_FAMILY:
-            ex = make_text(rng, verses)
-        elif fam == "count":
-            ex = make_count(rng, count_min)
-        else:
-            ex = MAKERS[fam](rng)
+        ex = makers[rng.choices(names, w)[0]](rng)
         if not is_heldout(ex.prompt):
             yield ex
 
