@@ -151,9 +151,9 @@ def components(model, prompt: torch.Tensor, compiled: bool) -> dict:
 
 
 def run_dgemma(model, prompt: torch.Tensor, steps: int, blocks: int) -> dict:
-    from dgcli.sampler import generate_events
-    from dgcli.settings import DiffusionEbParams
-    from dgcli.events import Done, Step
+    from dgcli.sampling.loop import generate_events
+    from dgcli.runtime.settings import DiffusionEbParams
+    from dgcli.sampling.events import Done, Step
 
     params = DiffusionEbParams(max_denoising_steps=steps, confidence_threshold=0.0, seed=0)
     t = time.perf_counter()
@@ -254,7 +254,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     import dgcli
-    from dgcli.checkpoint import write_random_checkpoint
+    from dgcli.model.random_weights import write_random_checkpoint
 
     path = Path(args.dir)
     if not (path / "config.json").exists():
@@ -266,7 +266,7 @@ def main() -> None:
     load0 = load_avg()
     rate = matmul_rate()
     if args.compile:
-        from dgcli.runtime import compile_decoder
+        from dgcli.runtime.session import compile_decoder
 
         compile_decoder(model)
 

@@ -23,11 +23,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dgcli import tasks  # noqa: E402
-from dgcli.config import load_generation_config  # noqa: E402
-from dgcli.settings import DiffusionEbParams, from_generation_config, stop_ids_from_generation_config  # noqa: E402
-from dgcli.tokenizer import load_tokenizer  # noqa: E402
-from dgcli.train import evaluate, summarize  # noqa: E402
+from dgcli.train import tasks
+from dgcli.model.config import load_generation_config  # noqa: E402
+from dgcli.runtime.settings import DiffusionEbParams, from_generation_config, stop_ids_from_generation_config  # noqa: E402
+from dgcli.text.tokenizer import load_tokenizer  # noqa: E402
+from dgcli.train.trainer import evaluate, summarize  # noqa: E402
 
 BUNDLED = ROOT / "dgcli" / "data" / "tiny"
 PROMPTS = ROOT / "dgcli" / "data" / "prompts" / "heldout.jsonl"

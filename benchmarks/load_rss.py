@@ -23,7 +23,7 @@ TEXT = dict(vocab_size=32768, hidden_size=1024, intermediate_size=2048, moe_inte
 CHILD = r"""
 import json, resource, sys, time, torch
 import dgcli
-from dgcli.checkpoint import write_random_checkpoint
+from dgcli.model.random_weights import write_random_checkpoint
 mode, path = sys.argv[1], sys.argv[2]
 if mode == "write":
     write_random_checkpoint(path, json.loads(sys.argv[3]), dtype=torch.bfloat16, shards=int(sys.argv[4]), tokenizer=False)

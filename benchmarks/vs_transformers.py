@@ -53,11 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, a.dtype)
 
     import dgcli
-    from dgcli.checkpoint import write_random_checkpoint
-    from dgcli.sampler import generate
-    from dgcli.settings import DiffusionEbParams
-    from dgcli.info import cpu_name
-    from dgcli.report import git_commit, kernel_choices
+    from dgcli.model.random_weights import write_random_checkpoint
+    from dgcli.sampling.loop import generate
+    from dgcli.runtime.settings import DiffusionEbParams
+    from dgcli.measure.card import cpu_name
+    from dgcli.measure.printers import git_commit, kernel_choices
     from transformers import DiffusionGemmaForBlockDiffusion
     from transformers.utils import logging as hf_logging
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import (DiffusionGemmaGenerationConfig,

@@ -4,7 +4,7 @@ __version__ = "0.1.0"
 
 
 def load_model(path, device="cpu", dtype=None):
-    """Load a DiffusionGemma checkpoint directory (see `dgcli.loader.load_model`)."""
-    from .loader import load_model as _load
+    """Load a DiffusionGemma checkpoint directory (see `dgcli.model.loader.load_model`)."""
+    from dgcli.model.loader import load_model as _load
 
     return _load(path, device=device, dtype=dtype)

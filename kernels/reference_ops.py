@@ -1,5 +1,5 @@
 """Torch references for the MoE and RMSNorm kernels, as plain functions of tensors (the spec they are
-tested against). They restate `dgcli/model.py`'s `Experts.forward` and `RMSNorm.forward` op for op so
+tested against). They restate `dgcli/model/gemma.py`'s `Experts.forward` and `RMSNorm.forward` op for op so
 kernels and tests need no nn.Module; `tests/test_kernel_moe.py` checks that they still equal the model's.
 
 Owns: `experts_reference`, `rms_norm_reference`. Must not: import the model, pick devices, or be fast.

@@ -1,0 +1,86 @@
+"""`dgemma info [MODEL]`: the checkpoint card, without reading weights.
+
+Config summary, parameter counts (total, active per token), bytes by dtype (from the safetensors headers
+of a checkpoint, or config x dtype for --dummy), memory to run (weights, KV cache for --context tokens,
+the sampler's per-step working set), FLOPs and bytes per denoising step and per commit, and the
+theoretical floor per step on this device (measured peaks on CPU) and on H100/H200 (datasheet table).
+Owns: the command's flags and output choice. Must not: load weights (dgcli.measure.card does the arithmetic).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from dgcli.cli import options as o
+from dgcli.cli.bench import Dummy, Layers, MeasurePeaks
+from dgcli.errors import UserError
+
+
+def info(
+    model: Annotated[Optional[str], typer.Argument(help="Checkpoint directory or config.json (default: the bundled tiny model).")] = None,
+    dummy: Dummy = None, layers: Layers = None, device: o.Device = None,
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Run dtype for memory and bytes: auto (the checkpoint's) | bfloat16 | float32")] = None,
+    context: Annotated[int, typer.Option("--context", help="Cached tokens the KV-cache figure is sized for.")] = 4096,
+    prompt_len: Annotated[int, typer.Option("--prompt-len", help="Cached tokens a denoising step attends to, for per-step costs.")] = 256,
+    fmt: Annotated[str, typer.Option("--format", "-f", help="md | json")] = "md",
+    measure_peaks: MeasurePeaks = True,
+) -> None:
+    """Show a checkpoint's card: parameters, bytes, memory, per-step FLOPs and bytes, roofline floor."""
+    if fmt not in ("md", "json"):
+        raise UserError(f"--format {fmt}: use md or json")
+    if context < 1 or prompt_len < 0:
+        raise UserError("--context must be >= 1 and --prompt-len >= 0")
+    from dgcli.measure import card as inf
+    from dgcli.measure import printers as report
+    from dgcli.measure.bench import dummy_config, peaks_for_card
+    from dgcli.model.config import load_config, parse_config
+    from dgcli.runtime.session import default_model_path
+
+    inventory = None
+    if dummy is not None:
+        if model is not None:
+            raise UserError("give either MODEL (a checkpoint) or --dummy CONFIG, not both")
+        raw, _, name = dummy_config(dummy, layers)
+        cfg = parse_config(raw)
+        name, source = f"dummy {name}", f"config {dummy} (random weights; nothing read but the config)"
+    else:
+        if layers is not None:
+            raise UserError("--layers shrinks a --dummy config; it does not apply to a checkpoint")
+        path = Path(model) if model else default_model_path()
+        cfg = load_config(path)
+        folder = path if path.is_dir() else path.parent
+        if any(folder.glob("*.safetensors")):
+            inventory = inf.safetensors_inventory(folder)
+        name, source = folder.name, f"checkpoint {folder}" + ("" if inventory else " (config only: no safetensors found)")
+    run_dtype = dtype if dtype not in (None, "auto") else _stored_dtype(inventory, cfg.dtype)
+    if run_dtype not in ("bfloat16", "float32", "float16"):
+        raise UserError(f"--dtype {run_dtype}: use auto, bfloat16 or float32")
+    card = inf.card(cfg, name=name, source=source, dtype=run_dtype, context=context, prompt_len=prompt_len,
+                    peaks=peaks_for_card(_local_peaks(device or "auto", measure_peaks)), inventory=inventory)
+    if fmt == "json":
+        sys.stdout.write(report.to_json(card))
+    else:
+        sys.stdout.write(report.card_markdown(card))
+
+
+def _stored_dtype(inventory: dict | None, fallback: str) -> str:
+    """The dtype holding most of a checkpoint's bytes (the run dtype dgemma's loader picks)."""
+    if inventory and inventory["text_bytes_by_dtype"]:
+        return max(inventory["text_bytes_by_dtype"].items(), key=lambda kv: kv[1])[0]
+    return fallback
+
+
+def _local_peaks(device: str, measure: bool):
+    from dgcli.measure import card as inf
+    from dgcli.runtime.session import pick_device
+
+    dev = pick_device(device)
+    if dev.type == "cuda":
+        import torch
+
+        return inf.gpu_peaks(torch.cuda.get_device_name(dev))
+    return inf.measure_cpu_peaks() if measure else None

@@ -1,0 +1,266 @@
+"""`dgemma sweep`: a Cartesian grid over sampler settings, several seeds per cell, speed and quality per
+cell, rows appended to a JSONL file as each cell finishes; then a table of the columns that vary, the
+Pareto frontier of speed against quality, and an optional plot.
+
+Owns: the sweep flags (axis flags take grid specs: `8,16,32`, `a-b+step`), the order of work (plan,
+reference outputs when agreement is the quality, warm-up, cells) and of output. Must not: measure,
+format or decide figures itself (dgcli.measure.bench, dgcli.measure.printers, dgcli.measure.sweep do); no denoising loop here.
+Ctrl-C: the finished cells stay in the file; `--resume` continues it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from dgcli.cli import options as o
+from dgcli.cli.bench import (Dummy, IgnoreEos, InputLen, Label, Layers, MeasurePeaks, Metadata, NumPrompts, Prompts,
+                        RandomPrompts, Warmup, emit, status, warn)
+from dgcli.errors import UserError
+
+
+def _grid(flag: str, *aliases: str, what: str, eg: str):
+    return Annotated[Optional[str], typer.Option(flag, *aliases, help=f"{what}: a comma list and/or ranges a-b+step, e.g. {eg}.")]
+
+
+TABLE_FIGURES = ["output_throughput", "diffusion_committed_throughput", "diffusion_steps_per_canvas",
+                 "p90_steps_per_block", "cap_hit_rate", "mean_step_ms", "quality"]
+
+
+def sweep(
+    model: o.Model = None, dummy: Dummy = None, layers: Layers = None, preset: o.Preset = None,
+    device: o.Device = None, dtype: o.Dtype = None, max_tokens: o.MaxTokens = None,
+    steps: _grid("--diffusion-steps", "--max-denoising-steps", what="Most denoising steps per block", eg="8,16,32 or 8-48+8") = None,
+    t_min: _grid("--t-min", what="Asymptotic temperature", eg="0.2-0.4+0.1") = None,
+    t_max: _grid("--t-max", what="First-step temperature", eg="0.6,0.8,1.0") = None,
+    entropy_bound: _grid("--entropy-bound", what="Accept rule bound", eg="0.05,0.1,0.2") = None,
+    stability_threshold: _grid("--stability-threshold", what="Equal argmax canvases to stop", eg="0,1,2") = None,
+    confidence_threshold: _grid("--confidence-threshold", what="Mean-entropy stop threshold", eg="0,0.005,0.05") = None,
+    blocks: _grid("--blocks", "--diffusion-blocks", what="Most blocks per request", eg="1,2,4") = None,
+    seeds: Annotated[str, typer.Option("--seeds", help="Seeds run in every cell (grid syntax), e.g. 0,1,2.")] = "0",
+    prompts: Prompts = None, random_prompts: RandomPrompts = False, num_prompts: NumPrompts = None,
+    random_input_len: InputLen = 128, ignore_eos: IgnoreEos = False, warmup: Warmup = 1,
+    runs: Annotated[int, typer.Option("--runs", "-r", help="Timed passes over the prompts per seed.")] = 1,
+    output: Annotated[str, typer.Option("--output", "-o", help="JSONL file the rows are appended to.")] = "sweep.jsonl",
+    resume: Annotated[bool, typer.Option("--resume", help="Continue --output: skip the cells it already holds.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and exit (nothing is loaded or run).")] = False,
+    plot: Annotated[Optional[str], typer.Option("--plot", help="Write the speed-quality frontier plot (FILE.svg, or FILE.png with matplotlib).")] = None,
+    speed: Annotated[str, typer.Option("--speed-metric", help="The frontier's speed figure.")] = "output_throughput",
+    fmt: Annotated[str, typer.Option("--format", "-f", help="md | csv | json | jsonl (the final rows)")] = "md",
+    label: Label = None, metadata: Metadata = None, measure_peaks: MeasurePeaks = True,
+    compile: o.Compile = False,
+) -> None:
+    """Sweep sampler settings: per cell speed and quality, a resumable JSONL, the Pareto frontier."""
+    from dgcli.measure import bench as b
+    from dgcli.measure import printers as report
+    from dgcli.measure import sweep as sw
+    from dgcli.measure.bench import DEFINITIONS
+
+    if fmt not in ("md", "csv", "json", "jsonl"):
+        raise UserError(f"--format {fmt}: use one of md, csv, json, jsonl")
+    if speed not in DEFINITIONS or speed.startswith(("quality", "exact", "agree")):
+        raise UserError(f"--speed-metric {speed}: use a figure such as output_throughput or diffusion_committed_throughput")
+    axes = sw.parse_axes({"max_denoising_steps": steps, "t_min": t_min, "t_max": t_max, "entropy_bound": entropy_bound,
+                          "stability_threshold": stability_threshold, "confidence_threshold": confidence_threshold,
+                          "max_blocks": blocks})
+    seed_list = sw.parse_seeds(seeds)
+    if plot:
+        sw.check_plot_path(plot)
+    meta = report.parse_metadata(metadata)
+    single = {k: v[0] for k, v in axes.items() if len(v) == 1}
+    flags = o.sampler_flags(steps=single.get("max_denoising_steps"), t_min=single.get("t_min"),
+                            t_max=single.get("t_max"), entropy_bound=single.get("entropy_bound"),
+                            stability=single.get("stability_threshold"), confidence=single.get("confidence_threshold"),
+                            seed=seed_list[0], blocks=single.get("max_blocks"), device=device, dtype=dtype,
+                            max_tokens=max_tokens)
+    store = sw.RowStore(output)
+    if store.path.exists() and store.path.stat().st_size and not (resume or dry_run):
+        raise UserError(f"--output {output} exists: add --resume to continue it, or choose another --output")
+
+    if dry_run:
+        _print_plan(model, dummy, layers, preset, flags, axes, seed_list, store, resume)
+        return
+
+    baseline = b.PeakMemory.maxrss()  # before the model exists, for the CPU peak-memory figure
+    target = b.open_target(model, dummy, layers, preset, flags, warn=warn, compile=compile)
+    s = target.session
+    plist, source = b.build_prompts(s, prompts_file=prompts, random_ids=random_prompts or target.dummy,
+                                    num_prompts=num_prompts, input_len=random_input_len, seed=seed_list[0], warn=warn)
+    ignore = ignore_eos or target.dummy
+    cells, skipped = sw.plan(s.params, axes)
+    for values, why in skipped:
+        warn(f"dgemma: note: cell {values} skipped: {why}")
+    if not cells:
+        raise UserError("the grid has no possible cell; check the axis values (e.g. t_min <= t_max)")
+    answered = [p for p in plist if p.answer is not None]
+    quality_metric = "exact_match" if answered and s.tokenizer is not None else "agreement"
+    swept = {k for k, v in axes.items() if len(v) > 1}  # single values are part of the fixed settings
+    fixed = {k: v for k, v in s.resolved.as_dict()["params"].items() if k not in swept and k != "seed"}
+    fp = sw.fingerprint({"model": str(s.path), "name": target.name, "dtype": b.model_dtype(s),
+                         "device": s.device.type, "prompts": b.prompt_set_hash(plist), "fixed": fixed,
+                         "seeds": seed_list, "runs": runs, "ignore_eos": ignore, "quality": quality_metric})
+    rows = store.load(warn) if resume else []
+    foreign = [r for r in rows if r.get("sweep_fingerprint") != fp]
+    if foreign:
+        raise UserError(f"--resume {output}: the file was written by a different sweep (model, prompts, seeds or "
+                        "fixed settings differ); rerun with those settings or choose another --output")
+    done_keys = {r["cell_key"] for r in rows if r.get("kind") == "cell"}
+    todo = [c for c in cells if c.key not in done_keys]
+
+    peaks = b.device_peaks(s.device, measure_cpu=measure_peaks)
+    card = b.target_card(target, prompt_len=round(sum(len(p.ids) for p in plist) / len(plist)),
+                         context=max(len(p.ids) for p in plist) + s.num_blocks * s.config.canvas_length,
+                         peaks=b.peaks_for_card(peaks))
+    (sys.stdout if fmt == "md" else sys.stderr).write("# dgemma sweep\n\n" + report.card_markdown(card) + "\n")
+    warn(f"dgemma: {len(cells)} cell(s) x {len(seed_list)} seed(s) x {len(plist)} prompt(s); "
+         f"{len(cells) - len(todo)} already in {output}, {len(todo)} to run; quality = {quality_metric}")
+
+    live, progress = status(sys.stderr.isatty())
+    try:
+        reference = _reference(rows, store, s, plist, ignore, quality_metric, fp, progress)
+        for i in range(warmup if todo else 0):
+            progress(f"warm-up {i + 1}/{warmup}")
+            b.run_request(s, plist[i % len(plist)], s.params, ignore_eos=ignore)
+        for n, cell in enumerate(todo, 1):
+            memory = b.PeakMemory(s.device, baseline)
+            row = _run_cell(target, cell, plist, source, seed_list, runs, ignore, quality_metric, reference,
+                            peaks, memory, label, meta, fp, progress)
+            store.append(row)
+            rows.append(row)
+            warn(f"dgemma: cell {n}/{len(todo)} {sw.cell_label(row, list(cell.values))}: "
+                 f"{speed}={report.fmt(row.get(speed))} quality={report.fmt(row.get('quality'))}")
+    except KeyboardInterrupt:
+        kept = sum(r.get("kind") == "cell" for r in store.load())  # the file, not memory: it is the truth
+        warn(f"dgemma: interrupted: {kept} of {len(cells)} cell(s) are saved in {output}; "
+             "rerun the same command with --resume to continue")
+        raise SystemExit(130)  # not typer.Exit: under standalone_mode=False click returns its code unraised
+    finally:
+        if live is not None:
+            live.stop()
+    _finish(rows, cells, axes, speed, plot, fmt, card, output)
+
+
+def _print_plan(model, dummy, layers, preset, flags, axes, seeds, store, resume) -> None:
+    from dgcli.measure import sweep as sw
+    from dgcli.measure.bench import dummy_config
+    from dgcli.runtime.session import resolve_for
+    from dgcli.runtime.settings import blocks_for, resolve
+
+    if dummy is not None:
+        raw, gen, name = dummy_config(dummy, layers)
+        resolved = resolve(gen, preset, dict(flags, confidence_threshold=0.0))
+        from dgcli.model.config import parse_config
+
+        canvas = parse_config(raw).canvas_length
+    else:
+        path, cfg, _, resolved = resolve_for(model, preset, flags)
+        name, canvas = path.name, cfg.canvas_length
+    cells, skipped = sw.plan(resolved.params, axes)
+    done = {r.get("cell_key") for r in store.load()} if resume else set()
+    print(f"plan: {len(cells)} cell(s) x {len(seeds)} seed(s) {seeds} on {name}; rows go to {store.path}")
+    keys = [k for k in sw.AXES if k in axes and len(axes[k]) > 1]
+    for c in cells:
+        nb = blocks_for(c.params, resolved.run.max_tokens, canvas)
+        state = "done" if c.key in done else "to run"
+        print(f"  {sw.cell_label({'cell': c.values}, keys)}  blocks={nb}  [{state}]")
+    for values, why in skipped:
+        print(f"  skipped {values}: {why}")
+    base = {k: v for k, v in resolved.as_dict()["params"].items() if k not in keys}
+    print(f"fixed settings: {base}")
+
+
+def _reference(rows, store, s, plist, ignore, metric, fp, progress):
+    """Agreement needs the base setting's output per prompt: taken from the file, or run once and saved."""
+    from dgcli.measure import bench as b
+    if metric != "agreement":
+        return None
+    for r in rows:
+        if r.get("kind") == "reference":
+            return r["outputs"]
+    outs = []
+    for i, p in enumerate(plist):
+        progress(f"reference output {i + 1}/{len(plist)}")
+        outs.append(b.run_request(s, p, s.params, ignore_eos=ignore).done.token_ids)
+    row = {"kind": "reference", "sweep_fingerprint": fp, "settings": s.resolved.as_dict()["params"], "outputs": outs}
+    store.append(row)
+    rows.append(row)
+    return outs
+
+
+def _run_cell(target, cell, plist, source, seeds, runs, ignore, metric, reference, peaks, memory, label, meta, fp,
+              progress):
+    """Every seed x run x prompt of one cell through the sampler; the bench figures plus quality."""
+    import dataclasses
+
+    from dgcli.measure import bench as b
+    from dgcli.measure import sweep as sw
+    session = dataclasses.replace(target.session, num_blocks=_blocks(target.session, cell.params))
+    name = sw.cell_label({"cell": cell.values}, list(cell.values))
+    all_runs, scores = [], []
+    memory.start()
+    for seed in seeds:
+        params = cell.params.replace(seed=seed)
+        for run in b.measure(session, plist, params, runs=runs, warmup=0, ignore_eos=ignore,
+                             progress=lambda t: progress(f"{name} seed {seed}: {t}")):
+            all_runs.append(run)
+            for i, (p, req) in enumerate(zip(plist, run)):
+                if metric == "agreement":
+                    scores.append(sw.agreement(req.done.token_ids, reference[i]))
+                elif p.answer is not None:
+                    text = session.tokenizer.answer_text(req.done.token_ids, stop_ids=session.stop_ids)
+                    scores.append(float(sw.exact_match(text, p.answer)))
+    summary = b.summarize(all_runs, session.config, cell.params.max_denoising_steps,
+                          weight_bytes=b.weight_bytes(session), peaks=peaks, peak_memory=memory.read())
+    row = b.make_row(dataclasses.replace(target, session=session), prompts=plist, prompt_source=source,
+                     params=cell.params, runs_done=runs, runs_asked=runs, warmup=0, ignore_eos=ignore,
+                     summary=summary, label=label, metadata=meta, kind="cell")
+    q = sw.quality_of(scores)
+    row.update({"seeds": seeds, "quality_metric": metric, "quality": q, metric: q, "cell": cell.values,
+                "cell_key": cell.key, "sweep_fingerprint": fp})
+    return row
+
+
+def _blocks(session, params) -> int:
+    from dgcli.runtime.settings import blocks_for
+
+    return blocks_for(params, session.resolved.run.max_tokens, session.config.canvas_length)
+
+
+def _finish(rows, cells, axes, speed, plot, fmt, card, output) -> None:
+    from dgcli.measure import printers as report
+    from dgcli.measure import sweep as sw
+    wanted = {c.key for c in cells}
+    done = [r for r in rows if r.get("kind") == "cell" and r.get("cell_key") in wanted]
+    keys = [k for k in sw.AXES if k in axes and len(axes[k]) > 1]
+    front = sw.pareto_frontier(done, speed, "quality")
+    front_keys = {r["cell_key"] for r in front}
+    for r in done:
+        r["pareto"] = r["cell_key"] in front_keys
+    if plot:
+        path = sw.write_plot(plot, done, front, speed, "quality", title=f"speed vs quality ({len(done)} cells)",
+                             label=lambda r: sw.cell_label(r, keys))
+        warn(f"dgemma: plot written to {path}")
+    if fmt != "md":
+        emit(done, card=card, fmt=fmt, title="Sweep")
+        return
+    cols = [k for k in report.varying_keys(done, keys)] or keys
+    figures = [f for f in TABLE_FIGURES if f != speed]
+    header = ["cell"] + cols + [speed] + figures + ["pareto"]
+    body = [[sw.cell_label(r, keys)] + [report.fmt(r["cell"].get(k)) for k in cols]
+            + [report.fmt(r.get(f)) for f in [speed] + figures] + ["*" if r["pareto"] else ""] for r in done]
+    out = [f"## Sweep: {len(done)} cell(s) from {output}", "", report.md_table(header, body), "",
+           f"### Pareto frontier ({speed} vs quality; * above)", ""]
+    out += [f"- {sw.cell_label(r, keys)}: {speed} {report.fmt(r.get(speed))}, quality {report.fmt(r.get('quality'))}"
+            for r in front] or ["(no cell has both figures)"]
+    out += ["", "Definitions: " + "; ".join(f"`{k}`: {report_def(k)}" for k in [speed] + figures)]
+    sys.stdout.write("\n".join(out) + "\n")
+    sys.stdout.write(report.headline_json([{"cells": len(done), "frontier": [
+        {**r["cell"], speed: r.get(speed), "quality": r.get("quality")} for r in front]}], ["cells", "frontier"]) + "\n")
+
+
+def report_def(key: str) -> str:
+    from dgcli.measure.bench import DEFINITIONS
+
+    return DEFINITIONS.get(key, "")

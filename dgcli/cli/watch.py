@@ -1,0 +1,176 @@
+"""`dgemma watch [PROMPT|-]` and `dgemma watch --replay TRACE`: the canvas denoising, block by block.
+
+Owns: where the animation goes (a terminal on stdout, else a terminal on stderr, else the last frame of
+each block on stderr with a note), feeding generate's per-prompt run (`run_prompt`: the same event
+stream and the same `--trace`) or a saved trace's records into `dgcli.render.watch`, the pictures, and the
+answer on stdout at the end (so the scrollback holds it). Must not: contain a denoising loop or draw
+frames itself (dgcli.render.watch does).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from dgcli.cli import options as o
+from dgcli.errors import UserError
+
+NOT_A_TERMINAL_NOTE = ("dgemma: note: not a terminal, so no animation: the last frame of each block goes to "
+                       "stderr and the answer to stdout")
+
+
+def _check_pacing(fps: float | None, step_delay: float, speed: float | None, replay: str | None) -> None:
+    if fps is not None and fps <= 0:
+        raise UserError(f"--fps {fps}: the redraw rate must be above 0 (leave it out to draw every step)")
+    if step_delay < 0:
+        raise UserError(f"--step-delay {step_delay}: use 0 or more seconds")
+    if speed is not None and replay is None:
+        raise UserError("--speed paces a replay; add --replay TRACE, or use --step-delay to slow a live run")
+    if speed is not None and speed < 0:
+        raise UserError(f"--speed {speed}: use a factor >= 0 (1 = as recorded, 2 = twice as fast, 0 = no waiting)")
+
+
+def _check_outputs(**paths: str | None) -> None:
+    """Before any model work: a picture that cannot be written must not cost a whole run."""
+    for flag, path in paths.items():
+        if path is not None and not Path(path).resolve().parent.is_dir():
+            raise UserError(f"--{flag.replace('_', '-')} {path}: its folder does not exist; create it or pick another path")
+
+
+def _screen():
+    """(console, mode, note): animate on whichever of stdout and stderr is a terminal, stdout first."""
+    from dgcli.render.watch import make_console
+
+    if sys.stdout.isatty():
+        return make_console(), "live", None
+    if sys.stderr.isatty():
+        return make_console(stderr=True), "live", None
+    return make_console(stderr=True), "blocks", NOT_A_TERMINAL_NOTE
+
+
+def _describe(model: str, settings: dict, prompt: str | None) -> tuple[str, str]:
+    """Title and one meta line for the pictures, from what both a live run and its trace know."""
+    p = settings.get("params", {})
+    title = f"dgemma watch · {Path(model).name}"
+    meta = (f"steps ≤ {p.get('max_denoising_steps')} · T {p.get('t_max')}→{p.get('t_min')} · "
+            f"entropy bound {p.get('entropy_bound')} · seed {p.get('seed')}")
+    return title, (f"prompt: {prompt}\n" if prompt else "") + meta
+
+
+def watch(
+    prompt: Annotated[Optional[str], typer.Argument(help="Prompt text; - or nothing reads stdin.")] = None,
+    model: o.Model = None, preset: o.Preset = None, device: o.Device = None, dtype: o.Dtype = None,
+    seed: o.Seed = None, steps: o.Steps = None, t_min: o.TMin = None, t_max: o.TMax = None,
+    entropy_bound: o.EntropyBound = None, stability_threshold: o.Stability = None,
+    confidence_threshold: o.Confidence = None, blocks: o.Blocks = None, max_tokens: o.MaxTokens = None,
+    show_config: o.ShowConfig = False,
+    replay: Annotated[Optional[str], typer.Option("--replay", help="Animate a trace written by generate/watch --trace; no model is loaded.")] = None,
+    speed: Annotated[Optional[float], typer.Option("--speed", help="Replay pace: 1 = as recorded (default), 2 = twice as fast, 0 = no waiting.")] = None,
+    fps: Annotated[Optional[float], typer.Option("--fps", help="Most redraws per second (default: every step, as fast as it comes).")] = None,
+    step_delay: Annotated[float, typer.Option("--step-delay", help="Seconds to pause after each step (slow motion for demos).")] = 0.0,
+    save_svg: Annotated[Optional[str], typer.Option("--save-svg", help="Write the last frame of every block to FILE as SVG.")] = None,
+    save_html: Annotated[Optional[str], typer.Option("--save-html", help="Write a self-contained HTML replay (play, pause, scrub) to FILE.")] = None,
+    trace: o.Trace = None,
+    init_canvas: o.InitCanvas = None,
+    thinking: o.Thinking = False,
+    show_thinking: o.ShowThinking = False,
+    raw: o.Raw = False,
+) -> None:
+    """Watch the canvas denoise live (or replay a saved trace), then print the answer."""
+    from dgcli.render.watch import Display, Pieces, Watch
+
+    _check_pacing(fps, step_delay, speed, replay)
+    _check_outputs(save_svg=save_svg, save_html=save_html)
+    flags = o.sampler_flags(steps=steps, t_min=t_min, t_max=t_max, entropy_bound=entropy_bound,
+                            stability=stability_threshold, confidence=confidence_threshold, seed=seed,
+                            blocks=blocks, device=device, dtype=dtype, max_tokens=max_tokens)
+    if replay is not None:
+        given = [name for name, v in (("PROMPT", prompt), ("--model", model), ("--preset", preset), ("--trace", trace),
+                                      ("--init-canvas", init_canvas)) if v is not None]
+        if given or any(v is not None for v in flags.values()) or show_config:
+            what = ", ".join(given) or "sampler options"
+            raise UserError(f"--replay animates a saved trace as recorded; drop {what} (or drop --replay to run the model)")
+        return _replay(replay, speed=1.0 if speed is None else speed, fps=fps, step_delay=step_delay,
+                       save_svg=save_svg, save_html=save_html)
+
+    from dgcli.cli.generate import parse_init_canvas, read_prompts, run_prompt
+    from dgcli.runtime.session import open_session, resolve_for
+
+    if show_config:
+        path, _, _, resolved = resolve_for(model, preset, flags)
+        typer.echo(f"model: {path}\n{resolved.describe()}")
+        return
+    text = next(read_prompts(prompt, None))[0]
+    session = open_session(model, preset, flags)
+    if session.tokenizer is None:
+        raise UserError(f"{session.path}: no tokenizer.json; dgemma watch needs the checkpoint's tokenizer")
+    canvas = parse_init_canvas(init_canvas, session, session.params.seed) if init_canvas else None
+    console, mode, note = _screen()
+    pieces = Pieces(fetch=session.tokenizer.token_strings)
+    w = Watch(pieces, session.params.max_denoising_steps, Display(console, mode, pieces, fps=fps, step_delay=step_delay))
+    if note:
+        print(note, file=sys.stderr)
+    try:
+        with w.display:
+            result = run_prompt(session, text, raw=raw, thinking=thinking or session.resolved.run.thinking,
+                                show_thinking=show_thinking, trace=trace, init_canvas=canvas,
+                                on_event=lambda event: w.feed(event.to_record()))
+    except KeyboardInterrupt:
+        _interrupted(w)
+    title, meta = _describe(str(session.path), session.resolved.as_dict(), text)
+    _pictures(w, title, meta, save_svg, save_html)
+    sys.stdout.write(result["text"].rstrip("\n") + "\n")
+    sys.stdout.flush()
+    if result["finish_reason"] == "length":
+        print(f"dgemma: note: the answer hit the block budget ({result['blocks']} block(s)); "
+              "raise --blocks or --max-tokens for more", file=sys.stderr)
+
+
+def _replay(path: str, *, speed: float, fps: float | None, step_delay: float, save_svg: str | None,
+            save_html: str | None) -> None:
+    from dgcli.render.trace import read_trace
+    from dgcli.render.watch import Display, Pieces, Watch
+
+    header, records = read_trace(path)  # one clear UserError for a truncated, foreign or other-version file
+    pieces = Pieces.from_trace(records[-1])
+    first_step = next((r for r in records if r["type"] == "step"), {})
+    max_steps = header.get("settings", {}).get("params", {}).get("max_denoising_steps") or first_step.get("max_steps", 0)
+    console, mode, note = _screen()
+    w = Watch(pieces, max_steps, Display(console, mode, pieces, fps=fps, step_delay=step_delay, speed=speed))
+    if note:
+        print(note, file=sys.stderr)
+    try:
+        with w.display:
+            for rec in records:
+                w.feed(rec)
+    except KeyboardInterrupt:
+        _interrupted(w)
+    except (KeyError, TypeError, IndexError):  # a record with fields missing or of the wrong type
+        raise UserError(f"{path}: a record lacks the fields a step trace has; re-record it with --trace") from None
+    title, meta = _describe(str(header.get("model", "trace")), header.get("settings", {}), header.get("prompt"))
+    _pictures(w, title, meta, save_svg, save_html)
+    sys.stdout.write(w.final_text().rstrip("\n") + "\n")
+    sys.stdout.flush()
+
+
+def _interrupted(w) -> None:
+    """Ctrl-C: the live view is already stopped (cursor back); say where, exit 130 like a shell would.
+    SystemExit, because Typer turns KeyboardInterrupt into a return value the CLI would not see."""
+    where = ""
+    if w.frames:
+        f = w.frames[-1]
+        where = f" at block {f.block + 1}/{f.num_blocks}, step {f.step}/{f.max_steps}"
+    print(f"dgemma: interrupted{where}", file=sys.stderr)
+    raise SystemExit(130)
+
+
+def _pictures(w, title: str, meta: str, svg: str | None, html: str | None) -> None:
+    from dgcli.render.watch import save_html, save_svg
+
+    if svg:
+        save_svg(svg, w, title)
+    if html:
+        save_html(html, w, title, meta)

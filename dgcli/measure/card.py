@@ -1,0 +1,384 @@
+"""The checkpoint card's arithmetic: parameter counts, bytes by dtype, memory to run, FLOPs and bytes per
+denoising step and per commit, device peaks and the theoretical floor per step (the roofline).
+
+Owns: counting from a `ModelConfig` alone (no weights are read; a checkpoint's safetensors *headers* may
+be read for bytes by dtype), the H100/H200 peak table, the brief CPU peak measurement, and `card()`, the
+one dict `dgemma info` prints and `dgemma bench` puts first. Must not: run the model, print, or load
+weights. torch is imported only inside `measure_cpu_peaks`.
+
+Counting conventions (every figure says which it is):
+* FLOPs = 2 x multiply-accumulates of the matmuls the model's math needs, as the reference ops run them
+  (projections, attention QK^T and AV, dense MLP, router, the top-k experts, LM head, self-conditioning);
+  norms, softmax, RoPE and other elementwise work are left out. Attention counts only the (query, key)
+  pairs the mask lets through. These are useful FLOPs: a fast path that pads (grouped experts) executes
+  more, and achieved FLOP/s in a bench counts only these.
+* Bytes = a lower bound on memory traffic: every weight a pass uses is read once per use (the tied
+  embedding twice per step: LM head and soft embedding), plus the KV cache read (and written, for a
+  commit); activations are left out. Experts: with T tokens each routed to k of E experts, the
+  expected number of distinct experts touched is E(1-(1-k/E)^T) under uniform routing; for a 256-token
+  canvas that is every expert, which is why a denoising step reads almost the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dgcli.model.config import FULL, LayerGeometry, ModelConfig
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "BF16": 2, "F16": 2, "F32": 4, "F64": 8,
+               "I64": 8, "I32": 4, "I8": 1, "U8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}
+_ST_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64",
+             "I32": "int32", "I8": "int8", "U8": "uint8", "F8_E4M3": "float8_e4m3", "F8_E5M2": "float8_e5m2",
+             "BOOL": "bool"}
+VISION_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
+
+
+# ---- parameters --------------------------------------------------------------------------------------
+
+
+def _attn_params(cfg: ModelConfig, g: LayerGeometry) -> int:
+    h, n, d, kv = cfg.hidden_size, cfg.num_attention_heads, g.head_dim, g.num_kv_heads
+    proj = h * n * d + h * kv * d * (2 if g.has_v_proj else 1) + n * d * h  # q, k, (v), o
+    return proj + 2 * d  # q_norm, k_norm gains
+
+
+def _expert_params(cfg: ModelConfig) -> int:
+    return 3 * cfg.hidden_size * cfg.moe_intermediate_size  # gate, up, down of one expert
+
+
+def _router_params(cfg: ModelConfig) -> int:
+    return cfg.num_experts * cfg.hidden_size + cfg.hidden_size + cfg.num_experts  # proj, scale, per_expert_scale
+
+
+def param_counts(cfg: ModelConfig) -> dict[str, int]:
+    """Text-model parameters by part, `total`, and `active_per_token` (embedding counted once, as it is
+    both the input table and the tied head; top_k of num_experts experts; everything else whole)."""
+    h = cfg.hidden_size
+    layers = cfg.layers
+    parts = {
+        "embedding": cfg.vocab_size * h,
+        "attention": sum(_attn_params(cfg, g) for g in layers),
+        "dense_mlp": len(layers) * 3 * h * cfg.intermediate_size,
+        "router": len(layers) * _router_params(cfg),
+        "experts": len(layers) * cfg.num_experts * _expert_params(cfg),
+        "norms": len(layers) * 7 * h + h,  # 7 gains per layer + the final norm
+        "self_conditioning": h + 3 * h * cfg.self_conditioning_size,
+        "layer_scalars": 2 * len(layers),  # decoder and encoder copies (fp32 in the checkpoint)
+    }
+    total = sum(parts.values())
+    active = total - parts["experts"] + len(layers) * cfg.top_k_experts * _expert_params(cfg)
+    return {**parts, "total": total, "active_per_token": active}
+
+
+def bytes_by_dtype_for(cfg: ModelConfig, dtype: str) -> dict[str, int]:
+    """Weights' bytes when every tensor is `dtype` except the fp32 layer scalars (dummy and random models)."""
+    n = param_counts(cfg)
+    scalars = n["layer_scalars"]
+    out = {dtype: (n["total"] - scalars) * DTYPE_BYTES[dtype]}
+    out["float32"] = out.get("float32", 0) + scalars * 4
+    return out
+
+
+def safetensors_inventory(path: Path) -> dict:
+    """Bytes and parameters by dtype of a checkpoint directory, from the safetensors headers only (the
+    8-byte length and the JSON header of each file; no tensor data is read). Vision tensors are counted
+    apart: text generation never loads them."""
+    files = sorted(path.glob("*.safetensors"))
+    text: dict[str, int] = {}
+    vision: dict[str, int] = {}
+    params = {"text": 0, "vision": 0}
+    for f in files:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            begin, end = meta["data_offsets"]
+            numel = 1
+            for s in meta["shape"]:
+                numel *= s
+            kind = "vision" if name.startswith(VISION_PREFIXES) else "text"
+            table = vision if kind == "vision" else text
+            dt = _ST_NAMES.get(meta["dtype"], meta["dtype"])
+            table[dt] = table.get(dt, 0) + (end - begin)
+            params[kind] += numel
+    return {"files": len(files), "text_bytes_by_dtype": text, "vision_bytes_by_dtype": vision,
+            "text_parameters": params["text"], "vision_parameters": params["vision"]}
+
+
+# ---- costs -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Cost:
+    flops: float = 0.0
+    bytes: float = 0.0
+
+    def __add__(self, other: Cost) -> Cost:
+        return Cost(self.flops + other.flops, self.bytes + other.bytes)
+
+    def scaled(self, k: float) -> Cost:
+        return Cost(self.flops * k, self.bytes * k)
+
+
+def distinct_experts(cfg: ModelConfig, tokens: int) -> float:
+    """Expected distinct experts touched by `tokens` tokens under uniform top-k routing."""
+    e, k = cfg.num_experts, cfg.top_k_experts
+    return e * (1.0 - (1.0 - k / e) ** tokens)
+
+
+def _causal_keys(start: int, t: int, window: int | None) -> int:
+    """Sum over queries at positions start..start+t-1 of the keys each sees: q+1, capped at the window."""
+    def upto(n: int) -> int:  # sum_{q=0}^{n-1} min(q + 1, window)
+        if window is None or n <= window:
+            return n * (n + 1) // 2
+        return window * (window + 1) // 2 + (n - window) * window
+    return upto(start + t) - upto(start)
+
+
+def _ffn(cfg: ModelConfig, t: int, wb: int) -> Cost:
+    """Dense MLP + router + top-k experts over t tokens."""
+    h = cfg.hidden_size
+    flops = 2 * t * (3 * h * cfg.intermediate_size + h * cfg.num_experts
+                     + cfg.top_k_experts * _expert_params(cfg))
+    weights = 3 * h * cfg.intermediate_size + _router_params(cfg) + 7 * h
+    weights += distinct_experts(cfg, t) * _expert_params(cfg)
+    return Cost(flops, weights * wb)
+
+
+def _kv_row(g: LayerGeometry, kvb: int) -> int:
+    return 2 * g.num_kv_heads * g.head_dim * kvb  # one position's K and V in one layer
+
+
+def step_cost(cfg: ModelConfig, prefix_len: int, *, self_cond: bool = True, soft: bool = True,
+              weight_bytes: int = 2, kv_bytes: int | None = None) -> Cost:
+    """One denoising step (decoder pass over the canvas with `prefix_len` cached tokens, plus the vocab
+    pass). `self_cond`: the self-conditioning MLP runs (every step but a block's first); `soft`: the next
+    step's soft embedding is computed (every step but the step cap)."""
+    kvb = weight_bytes if kv_bytes is None else kv_bytes
+    c, h, v, n = cfg.canvas_length, cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads
+    cost = Cost(0.0, c * h * weight_bytes)  # gathering the canvas' embedding rows
+    for g in cfg.layers:
+        proj = _attn_params(cfg, g) - 2 * g.head_dim
+        visible = (prefix_len if g.window is None else min(prefix_len, g.window - 1))
+        keys = visible + c
+        cost += Cost(2 * c * proj + 4 * n * g.head_dim * c * keys,
+                     (proj + 2 * g.head_dim) * weight_bytes + visible * _kv_row(g, kvb))
+        cost += _ffn(cfg, c, weight_bytes)
+    cost += Cost(2 * c * v * h, (v * h + h) * weight_bytes)  # tied LM head (+ final norm)
+    if soft:
+        cost += Cost(2 * c * v * h, v * h * weight_bytes)  # softmax(L) @ E
+    if self_cond:
+        cost += Cost(2 * c * 3 * h * cfg.self_conditioning_size,
+                     (3 * h * cfg.self_conditioning_size + h) * weight_bytes)
+    return cost
+
+
+def encode_cost(cfg: ModelConfig, start: int, tokens: int, *, weight_bytes: int = 2,
+                kv_bytes: int | None = None) -> Cost:
+    """One encoder pass (prefill or commit) over `tokens` tokens at positions start..: causal attention
+    (sliding window on sliding layers), K/V written to the cache; the last layer's feed-forward is
+    skipped because encoder outputs are only K/V (as dgemma's encoder does)."""
+    kvb = weight_bytes if kv_bytes is None else kv_bytes
+    h, n = cfg.hidden_size, cfg.num_attention_heads
+    cost = Cost(0.0, tokens * h * weight_bytes)
+    last = cfg.num_hidden_layers - 1
+    for i, g in enumerate(cfg.layers):
+        proj = _attn_params(cfg, g) - 2 * g.head_dim
+        pairs = _causal_keys(start, tokens, g.window)
+        read = start if g.window is None else min(start, g.window - 1)
+        cost += Cost(2 * tokens * proj + 4 * n * g.head_dim * pairs,
+                     (proj + 2 * g.head_dim) * weight_bytes + (read + tokens) * _kv_row(g, kvb))
+        if i != last:
+            cost += _ffn(cfg, tokens, weight_bytes)
+    return cost
+
+
+def block_cost(cfg: ModelConfig, prefix_len: int, steps: int, max_steps: int, **kw) -> Cost:
+    """All denoising steps of one block that ran `steps` of at most `max_steps` steps, exactly as the
+    sampler runs them: no self-conditioning on the first step, no soft embedding on the step cap."""
+    total = Cost()
+    for i in range(steps):
+        total += step_cost(cfg, prefix_len, self_cond=i > 0, soft=i < max_steps - 1, **kw)
+    return total
+
+
+# ---- memory --------------------------------------------------------------------------------------------
+
+
+def kv_cache_bytes(cfg: ModelConfig, context: int, kv_bytes: int = 2, *, trimmed: bool = False) -> int:
+    """K/V of `context` cached positions. dgemma keeps every position in every layer; `trimmed` is the
+    minimum, where sliding layers keep only their last window-1 positions."""
+    total = 0
+    for g in cfg.layers:
+        keep = context if (g.window is None or not trimmed) else min(context, g.window - 1)
+        total += keep * _kv_row(g, kv_bytes)
+    return total
+
+
+def working_set_bytes(cfg: ModelConfig, context: int, act_bytes: int = 2) -> dict[str, int]:
+    """Estimate of the transient memory of one denoising step (largest layer), by part."""
+    c, h, v, n = cfg.canvas_length, cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads
+    rows = min(c, max(1, (32 * 2**20) // (4 * v)))  # the reference vocab pass' row chunk (CHUNK_BYTES)
+    d = max(g.head_dim for g in cfg.layers)
+    kvh = max(g.num_kv_heads for g in cfg.layers)
+    keys = context + c
+    parts = {
+        "vocab_pass_chunk": 3 * rows * v * 4,  # fp32 logits, log-probs and noise of one row chunk
+        "step_outputs": c * (8 + 8 + 4 + 8 + 8) + c * h * act_bytes,  # sample, argmax, entropy, canvases; soft
+        "hidden_states": 4 * c * h * act_bytes,  # residual, normed input, attention out, feed-forward out
+        "attention": c * n * d * act_bytes + 2 * keys * kvh * d * act_bytes + n * c * keys * 4,  # q; [cache|canvas] K,V; scores
+        "feed_forward": c * 2 * cfg.intermediate_size * act_bytes
+                        + c * cfg.top_k_experts * 2 * cfg.moe_intermediate_size * act_bytes,
+    }
+    parts["total"] = sum(parts.values())
+    parts["unchunked_vocab_fp32"] = 3 * c * v * 4  # what a [C, V] fp32 sampler would hold instead
+    return parts
+
+
+# ---- devices -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Peaks:
+    name: str
+    flops_per_s: float  # dense bf16 matmul
+    bytes_per_s: float  # memory bandwidth
+    source: str
+
+
+# Vendor datasheet figures (dense bf16 tensor-core FLOP/s without sparsity, HBM bandwidth).
+DEVICE_TABLE = {
+    "H100": Peaks("NVIDIA H100 SXM", 989e12, 3.35e12, "NVIDIA H100 SXM datasheet: bf16 dense 989 TFLOP/s, HBM3 3.35 TB/s"),
+    "H200": Peaks("NVIDIA H200 SXM", 989e12, 4.8e12, "NVIDIA H200 SXM datasheet: bf16 dense 989 TFLOP/s, HBM3e 4.8 TB/s"),
+}
+
+_measured: dict[str, Peaks] = {}
+
+
+def measure_cpu_peaks(seconds: float = 1.0) -> Peaks:
+    """Best-of bf16 1024^3 matmul FLOP/s and 128 MiB copy bandwidth (read + write) on this CPU, over about
+    `seconds` in all; cached for the process. Measured, so it varies with load from other processes."""
+    if "cpu" in _measured:
+        return _measured["cpu"]
+    import platform
+
+    import torch
+
+    n = 1024
+    a, b = torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16()
+    out = torch.empty(n, n, dtype=torch.bfloat16)
+    best_f, t_end = 0.0, time.perf_counter() + seconds / 2
+    while time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        torch.mm(a, b, out=out)
+        best_f = max(best_f, 2 * n**3 / (time.perf_counter() - t0))
+    x = torch.ones(32 * 2**20)  # 128 MiB float32
+    y = torch.empty_like(x)
+    best_b, t_end = 0.0, time.perf_counter() + seconds / 2
+    while time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        y.copy_(x)
+        best_b = max(best_b, 2 * x.numel() * 4 / (time.perf_counter() - t0))
+    name = cpu_name() or platform.processor() or "CPU"
+    peaks = Peaks(f"{name} ({torch.get_num_threads()} threads)", best_f, best_b,
+                  f"measured here: best of bf16 {n}x{n} matmuls and 128 MiB copies over {seconds:g} s")
+    _measured["cpu"] = peaks
+    return peaks
+
+
+def cpu_name() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def gpu_peaks(device_name: str) -> Peaks | None:
+    """Table peaks for a CUDA device name (e.g. 'NVIDIA H100 80GB HBM3'), or None when not tabled."""
+    for key, peaks in DEVICE_TABLE.items():
+        if key in device_name.upper():
+            return peaks
+    return None
+
+
+def floor_seconds(cost: Cost, peaks: Peaks) -> tuple[float, str]:
+    """Roofline floor: the larger of compute time and memory time at the device's peaks, and which bound."""
+    compute, memory = cost.flops / peaks.flops_per_s, cost.bytes / peaks.bytes_per_s
+    return (compute, "compute") if compute >= memory else (memory, "memory")
+
+
+# ---- the card ------------------------------------------------------------------------------------------
+
+
+def layer_pattern(cfg: ModelConfig) -> str:
+    full = [i for i, t in enumerate(cfg.layer_types) if t == FULL]
+    return f"{cfg.num_hidden_layers} layers: {len(full)} full-attention at {full}, the rest sliding ({cfg.sliding_window})"
+
+
+def card(cfg: ModelConfig, *, name: str, source: str, dtype: str, context: int = 4096, prompt_len: int = 256,
+         peaks: list[Peaks] = (), inventory: dict | None = None) -> dict:
+    """Everything `dgemma info` shows, as one JSON-ready dict. `dtype` is the run dtype of weights and KV;
+    `inventory` (from `safetensors_inventory`) supplies the stored bytes by dtype of a real checkpoint."""
+    wb = DTYPE_BYTES[dtype]
+    counts = param_counts(cfg)
+    weights = counts["total"] * wb - counts["layer_scalars"] * (wb - 4)
+    step = step_cost(cfg, prompt_len, weight_bytes=wb)
+    first, last = (step_cost(cfg, prompt_len, self_cond=False, weight_bytes=wb),
+                   step_cost(cfg, prompt_len, soft=False, weight_bytes=wb))
+    commit = encode_cost(cfg, prompt_len, cfg.canvas_length, weight_bytes=wb)
+    prefill = encode_cost(cfg, 0, prompt_len, weight_bytes=wb)
+    ws = working_set_bytes(cfg, context, wb)
+    kv = kv_cache_bytes(cfg, context, wb)
+    devices = []
+    for p in peaks:
+        s, bound = floor_seconds(step, p)
+        cs, cbound = floor_seconds(commit, p)
+        devices.append({**asdict(p), "floor_step_ms": s * 1e3, "floor_step_bound": bound,
+                        "floor_commit_ms": cs * 1e3, "floor_commit_bound": cbound,
+                        "ceiling_canvas_tokens_per_s": cfg.canvas_length / s})
+    stored = inventory["text_bytes_by_dtype"] if inventory else bytes_by_dtype_for(cfg, dtype)
+    return {
+        "model": name,
+        "source": source,
+        "dtype": dtype,
+        "config": {
+            "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "layers": layer_pattern(cfg),
+            "attention_heads": cfg.num_attention_heads,
+            "kv_heads": {"sliding": cfg.num_key_value_heads, "full": cfg.num_global_key_value_heads},
+            "head_dim": {"sliding": cfg.head_dim, "full": cfg.global_head_dim},
+            "dense_mlp": cfg.intermediate_size,
+            "experts": f"{cfg.top_k_experts} of {cfg.num_experts} (width {cfg.moe_intermediate_size})",
+            "canvas_length": cfg.canvas_length, "max_position_embeddings": cfg.max_position_embeddings,
+        },
+        "parameters": counts,
+        "bytes_by_dtype": stored,
+        "bytes_source": "safetensors headers (text tensors)" if inventory else f"config x {dtype} (layer scalars fp32)",
+        "vision": ({"parameters": inventory["vision_parameters"], "bytes_by_dtype": inventory["vision_bytes_by_dtype"],
+                    "note": "not loaded for text generation"} if inventory and inventory["vision_parameters"] else None),
+        "memory": {
+            "weights": weights, "kv_context": context, "kv_cache": kv,
+            "kv_per_token": kv_cache_bytes(cfg, 1, wb),
+            "kv_cache_trimmed": kv_cache_bytes(cfg, context, wb, trimmed=True),
+            "step_working_set": ws["total"], "working_set_parts": ws,
+            "total": weights + kv + ws["total"],
+        },
+        "prompt_len": prompt_len,
+        "per_step": {"flops": step.flops, "bytes": step.bytes, "first_step_flops": first.flops,
+                     "last_step_flops": last.flops, "distinct_experts": distinct_experts(cfg, cfg.canvas_length)},
+        "per_commit": {"flops": commit.flops, "bytes": commit.bytes},
+        "prefill": {"flops": prefill.flops, "bytes": prefill.bytes},
+        "devices": devices,
+        "conventions": ("FLOPs: 2 x MACs of matmuls (unmasked attention pairs only); bytes: each weight read "
+                        "once per use + KV cache traffic, activations excluded; experts: expected distinct "
+                        "experts under uniform routing. Per step = a middle step (self-conditioning and soft "
+                        f"embedding on) with {prompt_len} cached tokens."),
+    }

@@ -1,0 +1,290 @@
+"""Printers of the one bench/sweep record (md, csv, json, jsonl) and of the info card, plus provenance.
+
+One record, many printers (llama-bench): every printer renders the same row dicts, so a figure has the same
+key and value in every format; md adds each figure's definition. Owns: number formatting, flattening
+nested fields for csv, the card's text, provenance (device, dtype, versions, git commit, model, settings,
+seed, prompt-set hash, timestamp), `--metadata k=v` parsing and saving a result file atomically.
+Must not: measure, run models, or decide what a figure means (bench.DEFINITIONS does).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+from dgcli import __version__
+from dgcli.errors import UserError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ---- provenance --------------------------------------------------------------------------------------------
+
+
+def git_commit() -> str:
+    """HEAD of the checkout dgemma runs from (+ '-dirty' with local changes), or 'unknown'."""
+    try:
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=5).stdout.strip()
+        if not head:
+            return "unknown"
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return head + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def device_name(device: Any) -> str:
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(device)
+    from dgcli.measure.card import cpu_name
+
+    return cpu_name() or platform.processor() or "CPU"
+
+
+def provenance(*, device: Any, dtype: str, model: str, model_name: str, parameters: int, active: int,
+               settings: dict, seed: int, prompt_hash: str, label: str | None, metadata: dict,
+               dummy: bool, compiled: bool = False) -> dict:
+    import torch
+
+    return {
+        "device": str(device), "device_name": device_name(device), "dtype": dtype,
+        "torch": torch.__version__, "triton": _version("triton"), "cuda": torch.version.cuda,
+        "torch_threads": torch.get_num_threads(), "dgemma": __version__, "git_commit": git_commit(),
+        "model": model, "model_name": model_name, "model_parameters": parameters,
+        "model_active_parameters": active, "dummy_weights": dummy, "settings": settings, "seed": seed,
+        "prompt_set_hash": prompt_hash, "label": label, "metadata": metadata,
+        "kernels": kernel_choices(device), "compiled_decoder": compiled,
+        "host": platform.node(), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def kernel_choices(device: Any) -> dict[str, str]:
+    """Which implementation each fused op ran (triton | cpu | reference)."""
+    from dgcli.kernels.dispatch import implementation
+
+    return {op: implementation(op, device) for op in ("vocab_pass", "experts", "rms_norm")}
+
+
+def parse_metadata(items: Iterable[str]) -> dict[str, str]:
+    out = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"--metadata {item!r}: use KEY=VALUE")
+        out[key.strip()] = value
+    return out
+
+
+# ---- numbers ------------------------------------------------------------------------------------------------
+
+
+def human(n: float | None, unit: str = "", base: int = 1000) -> str:
+    if n is None:
+        return "-"
+    prefixes = ["", "K", "M", "G", "T", "P"] if base == 1000 else ["", "Ki", "Mi", "Gi", "Ti", "Pi"]
+    i, x = 0, float(n)
+    while abs(x) >= base and i < len(prefixes) - 1:
+        x, i = x / base, i + 1
+    return f"{x:.4g} {prefixes[i]}{unit}".rstrip()
+
+
+def count(n: float) -> str:
+    """Parameter counts the way model cards write them: 25.25 B, 3.84 B, 12.6 M."""
+    for div, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.4g} {suffix}"
+    return str(int(n))
+
+
+def fmt(v: Any) -> str:
+    """One cell: ints with no decimals, floats to 4 significant digits, dicts as k:v lists."""
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if v != v:
+            return "nan"
+        return f"{v:.4g}" if abs(v) < 1e6 else f"{v:.4e}"
+    if isinstance(v, dict):
+        return ";".join(f"{k}:{fmt(x)}" for k, x in v.items())
+    if isinstance(v, list):
+        return ";".join(fmt(x) for x in v)
+    return str(v)
+
+
+# ---- flat printers -------------------------------------------------------------------------------------------
+
+
+def flatten(row: dict, skip: Iterable[str] = ()) -> dict[str, Any]:
+    """Nested dicts become dotted keys (provenance.device_name); the histogram stays one cell."""
+    out: dict[str, Any] = {}
+    for k, v in row.items():
+        if k in skip:
+            continue
+        if isinstance(v, dict) and k != "steps_histogram":
+            for k2, v2 in flatten(v).items():
+                out[f"{k}.{k2}"] = v2
+        else:
+            out[k] = v
+    return out
+
+
+def _columns(rows: list[dict]) -> list[str]:
+    cols: dict[str, None] = {}
+    for r in rows:
+        cols.update(dict.fromkeys(r))
+    return list(cols)
+
+
+def to_csv(rows: list[dict], skip: Iterable[str] = ()) -> str:
+    flat = [flatten(r, skip) for r in rows]
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    cols = _columns(flat)
+    w.writerow(cols)
+    for r in flat:
+        w.writerow(["" if r.get(c) is None else fmt(r[c]) if isinstance(r.get(c), (dict, list)) else r[c] for c in cols])
+    return buf.getvalue()
+
+
+def to_jsonl(rows: list[dict]) -> str:
+    return "".join(json.dumps(r, separators=(",", ":"), default=str) + "\n" for r in rows)
+
+
+def to_json(doc: dict) -> str:
+    return json.dumps(doc, indent=2, default=str) + "\n"
+
+
+def headline_json(rows: list[dict], keys: list[str]) -> str:
+    """The one JSON line printed last, for scripts: the headline figures of each row."""
+    pick = [{k: r.get(k) for k in keys if k in r} for r in rows]
+    return json.dumps(pick[0] if len(pick) == 1 else pick, separators=(",", ":"), default=str)
+
+
+def varying_keys(rows: list[dict], keys: Iterable[str]) -> list[str]:
+    return [k for k in keys if len({json.dumps(r.get(k), sort_keys=True, default=str) for r in rows}) > 1]
+
+
+def md_table(header: list[str], body: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in body]
+    return "\n".join(lines)
+
+
+def histogram_text(hist: dict[str, int], width: int = 40) -> str:
+    if not hist:
+        return "(no blocks)"
+    top = max(hist.values())
+    kw = max(len(k) for k in hist)
+    return "\n".join(f"{k:>{kw}} steps | {'#' * max(1, round(width * v / top))} {v}" for k, v in hist.items())
+
+
+def to_markdown(rows: list[dict], *, headline: list[str], definitions: dict[str, str], title: str,
+                skip: Iterable[str] = ()) -> str:
+    """A headline table (one line per row), then every figure with each row's value and its definition,
+    the step histogram(s), and the provenance (shared values once, varying ones per row)."""
+    names = [str(r.get("label") or f"row {i + 1}") for i, r in enumerate(rows)]
+    out = [f"## {title}", "", md_table(["label"] + headline, [[n] + [fmt(r.get(k)) for k in headline]
+                                                               for n, r in zip(names, rows)])]
+    skip = set(skip) | {"provenance", "steps_histogram", "label"}
+    keys = [k for k in _columns(rows) if k not in skip and not isinstance(rows[0].get(k), (list,))]
+    body = [[f"`{k}`"] + [fmt(r.get(k)) for r in rows] + [definitions.get(k, "")] for k in keys]
+    out += ["", "### Figures (each with its definition)", "", md_table(["figure"] + names + ["definition"], body)]
+    for n, r in zip(names, rows):
+        if r.get("steps_histogram"):
+            out += ["", f"### Denoising steps per block: {n}", "", "```", histogram_text(r["steps_histogram"]), "```"]
+    provs = [flatten(r.get("provenance") or {}) for r in rows]
+    if provs and provs[0]:
+        shared = [k for k in _columns(provs) if len({json.dumps(p.get(k), default=str) for p in provs}) == 1]
+        out += ["", "### Provenance", ""] + [f"- {k}: {fmt(provs[0].get(k))}" for k in shared]
+        for k in _columns(provs):
+            if k not in shared:
+                out += [f"- {k}: " + ", ".join(f"{n}={fmt(p.get(k))}" for n, p in zip(names, provs))]
+    return "\n".join(out) + "\n"
+
+
+# ---- the card ------------------------------------------------------------------------------------------------
+
+
+def card_markdown(card: dict) -> str:
+    p, m, cfg = card["parameters"], card["memory"], card["config"]
+    lines = [f"## {card['model']}", "", f"source: {card['source']}", ""]
+    lines += [f"- {k}: {v}" for k, v in cfg.items()]
+    parts = ", ".join(f"{k} {count(v)}" for k, v in p.items() if k not in ("total", "active_per_token"))
+    lines += ["", f"**parameters** (text): total **{count(p['total'])}** ({p['total']:,}), "
+              f"active per token **{count(p['active_per_token'])}** ({p['active_per_token']:,})",
+              f"  by part: {parts}",
+              "**bytes by dtype** (" + card["bytes_source"] + "): "
+              + ", ".join(f"{k} {human(v, 'B', 1024)}" for k, v in card["bytes_by_dtype"].items())]
+    if card.get("vision"):
+        v = card["vision"]
+        lines.append(f"vision tower: {count(v['parameters'])} parameters, {v['note']}")
+    ws = m["working_set_parts"]
+    lines += ["", f"**memory to run** ({card['dtype']}, KV for {m['kv_context']:,} tokens):",
+              f"- weights {human(m['weights'], 'B', 1024)}",
+              f"- KV cache {human(m['kv_cache'], 'B', 1024)} ({human(m['kv_per_token'], 'B', 1024)}/token; "
+              f"{human(m['kv_cache_trimmed'], 'B', 1024)} if sliding layers kept only their window)",
+              f"- sampler working set per step ~{human(m['step_working_set'], 'B', 1024)} (vocab chunk "
+              f"{human(ws['vocab_pass_chunk'], 'B', 1024)}; an unchunked fp32 [C, V] sampler would need "
+              f"{human(ws['unchunked_vocab_fp32'], 'B', 1024)})",
+              f"- total ~**{human(m['total'], 'B', 1024)}**", ""]
+    s, c, pf = card["per_step"], card["per_commit"], card["prefill"]
+    lines += [f"**per denoising step** (prompt {card['prompt_len']} tokens): {human(s['flops'], 'FLOP')}, "
+              f"{human(s['bytes'], 'B')} moved at least (first step {human(s['first_step_flops'], 'FLOP')}, "
+              f"last {human(s['last_step_flops'], 'FLOP')}; {s['distinct_experts']:.1f} distinct experts per layer)",
+              f"**per commit** (encode one block): {human(c['flops'], 'FLOP')}, {human(c['bytes'], 'B')}; "
+              f"**prefill**: {human(pf['flops'], 'FLOP')}, {human(pf['bytes'], 'B')}"]
+    if card["devices"]:
+        body = [[d["name"], human(d["flops_per_s"], "FLOP/s"), human(d["bytes_per_s"], "B/s"),
+                 f"{d['floor_step_ms']:.4g} ms ({d['floor_step_bound']})",
+                 f"{d['floor_commit_ms']:.4g} ms ({d['floor_commit_bound']})",
+                 f"{d['ceiling_canvas_tokens_per_s']:.4g}", d["source"]] for d in card["devices"]]
+        lines += ["", "**theoretical floor** (roofline: max(FLOPs/peak, bytes/bandwidth)):", "",
+                  md_table(["device", "peak bf16", "bandwidth", "floor / step", "floor / commit",
+                            "canvas tok/s ceiling (1 step/block)", "peaks source"], body)]
+    lines += ["", f"_{card['conventions']}_"]
+    return "\n".join(lines) + "\n"
+
+
+# ---- files ---------------------------------------------------------------------------------------------------
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def save_result(doc: dict, result_dir: str | None, filename: str | None, label: str | None) -> Path:
+    d = Path(result_dir or ".")
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        name = filename or f"dgemma-bench-{(label + '-') if label else ''}{time.strftime('%Y%m%d-%H%M%S')}.json"
+        path = d / name
+        write_atomic(path, to_json(doc))
+    except OSError as e:
+        raise UserError(f"--result-dir {d}: cannot write the result ({e.strerror}); pick a writable folder") from None
+    return path

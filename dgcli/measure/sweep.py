@@ -1,0 +1,278 @@
+"""Sweeps over sampler settings: the grid, the resumable row file, quality, the Pareto frontier, the plot.
+
+Owns: turning axis specs (`8,16,32`, `a-b+step`) into cells (the Cartesian product, impossible cells set
+aside with the reason), each cell's key, the sweep's fingerprint (what must match for --resume to continue
+a file), the JSONL store (one row per finished cell, appended with a single write + fsync; a torn last
+line from a kill is dropped on resume), exact-match and agreement quality, the speed-quality Pareto
+frontier and its SVG (or PNG, with matplotlib) plot. Must not: run the model or print (cmd_sweep does;
+measuring is dgcli.measure.bench's, the denoising loop is dgcli.sampling.loop's).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import html
+import itertools
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from dgcli.errors import UserError
+from dgcli.runtime.settings import CLI_FLAG, DiffusionEbParams, SettingsError, parse_grid_values
+
+# Sweepable settings, in table order: preset key -> value type.
+AXES: dict[str, type] = {"max_denoising_steps": int, "t_min": float, "t_max": float, "entropy_bound": float,
+                         "stability_threshold": int, "confidence_threshold": float, "max_blocks": int}
+
+
+@dataclass(frozen=True)
+class Cell:
+    values: dict  # axis key -> value, for the axes with more than one value
+    params: DiffusionEbParams  # the full settings of the cell (seed: the sweep's first seed)
+    key: str  # canonical JSON of `values`: a cell's identity in the row file
+
+
+def parse_axes(specs: dict[str, str | None]) -> dict[str, list]:
+    """{key: spec or None} -> {key: values}; a bad spec is one line naming the flag."""
+    out = {}
+    for key, spec in specs.items():
+        if spec is None:
+            continue
+        try:
+            out[key] = parse_grid_values(str(spec), AXES[key])
+        except UserError as e:
+            raise UserError(f"{CLI_FLAG[key]}: {e}") from None
+    return out
+
+
+def parse_seeds(spec: str) -> list[int]:
+    try:
+        seeds = parse_grid_values(spec, int)
+    except UserError as e:
+        raise UserError(f"--seeds: {e}") from None
+    if any(s < 0 for s in seeds):
+        raise UserError("--seeds: seeds must be >= 0")
+    return seeds
+
+
+def cell_key(values: dict) -> str:
+    return json.dumps({k: values[k] for k in AXES if k in values}, separators=(",", ":"))
+
+
+def plan(base: DiffusionEbParams, axes: dict[str, list]) -> tuple[list[Cell], list[tuple[dict, str]]]:
+    """Every combination of the multi-valued axes applied to `base` (single values are part of `base`
+    already). Returns (cells, skipped): impossible combinations (t_min > t_max, ...) with the reason."""
+    swept = {k: v for k, v in axes.items() if len(v) > 1}
+    keys = [k for k in AXES if k in swept]
+    cells, skipped = [], []
+    for combo in itertools.product(*(swept[k] for k in keys)):
+        values = dict(zip(keys, combo))
+        try:
+            params = base.replace(**values)
+        except SettingsError as e:
+            skipped.append((values, str(e)))
+            continue
+        cells.append(Cell(values, params, cell_key(values)))
+    return cells, skipped
+
+
+def fingerprint(parts: dict) -> str:
+    """What makes two row files the same sweep: model, workload, and the settings that are not swept."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# ---- the row file ---------------------------------------------------------------------------------------
+
+
+class RowStore:
+    """A JSONL file of finished rows. `append` is one O_APPEND write of the whole line, then fsync: a row
+    is either on disk whole or (after a kill mid-write) a torn last line that `load` drops."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def load(self, warn: Callable[[str], None] = lambda m: None) -> list[dict]:
+        if not self.path.exists():
+            return []
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"{self.path}: cannot read the sweep file ({e}); fix it or choose another --output") from None
+        lines = text.split("\n")
+        rows, torn = [], False
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise ValueError
+                rows.append(row)
+            except ValueError:
+                if n == len(lines) or all(not rest.strip() for rest in lines[n:]):
+                    torn = True  # the last line, cut short by a kill: the cell reruns
+                    continue
+                raise UserError(f"{self.path}: line {n} is not a JSON row; the file is damaged: "
+                                "remove that line or choose another --output") from None
+        if torn or (text and not text.endswith("\n")):
+            warn(f"dgemma: note: {self.path}: dropped a partly written last row (the run was killed); that cell reruns")
+            self.rewrite(rows)
+        return rows
+
+    def rewrite(self, rows: list[dict]) -> None:
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_text("".join(json.dumps(r, default=str) + "\n" for r in rows), encoding="utf-8")
+        os.replace(tmp, self.path)
+
+    def append(self, row: dict) -> None:
+        data = (json.dumps(row, default=str) + "\n").encode("utf-8")
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise UserError(f"--output {self.path}: cannot write ({e.strerror}); pick a writable path") from None
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+# ---- quality -------------------------------------------------------------------------------------------------
+
+
+def agreement(ids: list[int], reference: list[int]) -> float:
+    """Share of positions with equal ids, over the longer of the two sequences (a length difference counts
+    as disagreement); two empty outputs agree fully."""
+    n = max(len(ids), len(reference))
+    if n == 0:
+        return 1.0
+    return sum(a == b for a, b in zip(ids, reference)) / n
+
+
+def exact_match(text: str, answer: str) -> bool:
+    """The bundled tasks' rule: equal after stripping surrounding whitespace."""
+    return text.strip() == answer.strip()
+
+
+# ---- the frontier ----------------------------------------------------------------------------------------------
+
+
+def pareto_frontier(rows: list[dict], x: str, y: str) -> list[dict]:
+    """Rows no other row beats on both x and y (higher is better for both), sorted by x. A row is
+    dominated when another is >= on both and > on one; equal points are all kept. Rows lacking x or y
+    are left out."""
+    pts = [r for r in rows if isinstance(r.get(x), (int, float)) and isinstance(r.get(y), (int, float))]
+    front = [r for r in pts if not any(
+        o[x] >= r[x] and o[y] >= r[y] and (o[x] > r[x] or o[y] > r[y]) for o in pts)]
+    return sorted(front, key=lambda r: (r[x], r[y]))
+
+
+# ---- the plot --------------------------------------------------------------------------------------------------
+
+
+def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+    if hi <= lo:
+        return [lo]
+    return [lo + (hi - lo) * i / (n - 1) for i in range(n)]
+
+
+def svg_plot(rows: list[dict], front: list[dict], x: str, y: str, *, title: str,
+             label: Callable[[dict], str]) -> str:
+    """A self-contained SVG scatter: every cell grey, the frontier red and joined, frontier points labelled."""
+    w, h, ml, mr, mt, mb = 720, 480, 80, 200, 40, 60
+    xs = [r[x] for r in rows if isinstance(r.get(x), (int, float)) and isinstance(r.get(y), (int, float))]
+    ys = [r[y] for r in rows if isinstance(r.get(x), (int, float)) and isinstance(r.get(y), (int, float))]
+    if not xs:
+        raise UserError("nothing to plot: no finished cell has both a speed and a quality figure")
+    x0, x1 = min(xs), max(xs)
+    y0, y1 = min(min(ys), 0.0), max(max(ys), 1.0) if max(ys) <= 1 else max(ys)
+    pad = (x1 - x0) * 0.05 or max(abs(x0) * 0.05, 1e-9)
+    x0, x1 = x0 - pad, x1 + pad
+
+    def px(v: float) -> float:
+        return ml + (v - x0) / (x1 - x0) * (w - ml - mr)
+
+    def py(v: float) -> float:
+        return mt + (1 - (v - y0) / ((y1 - y0) or 1.0)) * (h - mt - mb)
+
+    e = html.escape
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" '
+           'font-family="sans-serif" font-size="12">',
+           f'<rect width="{w}" height="{h}" fill="white"/>',
+           f'<text x="{w / 2}" y="22" text-anchor="middle" font-size="15">{e(title)}</text>',
+           f'<line x1="{ml}" y1="{h - mb}" x2="{w - mr}" y2="{h - mb}" stroke="black"/>',
+           f'<line x1="{ml}" y1="{mt}" x2="{ml}" y2="{h - mb}" stroke="black"/>']
+    for t in _ticks(x0, x1):
+        out.append(f'<line x1="{px(t):.1f}" y1="{h - mb}" x2="{px(t):.1f}" y2="{h - mb + 5}" stroke="black"/>'
+                   f'<text x="{px(t):.1f}" y="{h - mb + 18}" text-anchor="middle">{t:.4g}</text>')
+    for t in _ticks(y0, y1):
+        out.append(f'<line x1="{ml - 5}" y1="{py(t):.1f}" x2="{ml}" y2="{py(t):.1f}" stroke="black"/>'
+                   f'<text x="{ml - 8}" y="{py(t) + 4:.1f}" text-anchor="end">{t:.3g}</text>')
+    out.append(f'<text x="{(ml + w - mr) / 2}" y="{h - 15}" text-anchor="middle">{e(x)}</text>')
+    out.append(f'<text x="18" y="{(mt + h - mb) / 2}" text-anchor="middle" '
+               f'transform="rotate(-90 18 {(mt + h - mb) / 2})">{e(y)}</text>')
+    for r in rows:
+        if isinstance(r.get(x), (int, float)) and isinstance(r.get(y), (int, float)):
+            out.append(f'<circle cx="{px(r[x]):.1f}" cy="{py(r[y]):.1f}" r="4" fill="#999"><title>{e(label(r))}</title></circle>')
+    if front:
+        pts = " ".join(f"{px(r[x]):.1f},{py(r[y]):.1f}" for r in front)
+        out.append(f'<polyline points="{pts}" fill="none" stroke="#d62728" stroke-width="2"/>')
+        for r in front:
+            out.append(f'<circle cx="{px(r[x]):.1f}" cy="{py(r[y]):.1f}" r="5" fill="#d62728"/>'
+                       f'<text x="{px(r[x]) + 8:.1f}" y="{py(r[y]) - 6:.1f}" font-size="10">{e(label(r))}</text>')
+    out.append(f'<text x="{w - mr + 10}" y="{mt + 10}" fill="#d62728">— Pareto frontier</text>'
+               f'<text x="{w - mr + 10}" y="{mt + 28}" fill="#999">● every cell</text>')
+    return "\n".join(out + ["</svg>"]) + "\n"
+
+
+def check_plot_path(path: str | Path) -> None:
+    """Before any work: the plot's format must be one we can write."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in (".svg", ".png"):
+        raise UserError(f"--plot {path}: use a .svg or .png file name")
+    if suffix == ".png":
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UserError(f"--plot {path}: PNG needs matplotlib (pip install matplotlib); or use a .svg name") from None
+
+
+def write_plot(path: str | Path, rows: list[dict], front: list[dict], x: str, y: str, *, title: str,
+               label: Callable[[dict], str]) -> Path:
+    check_plot_path(path)
+    p = Path(path)
+    if p.suffix.lower() == ".svg":
+        from dgcli.measure.printers import write_atomic
+
+        write_atomic(p, svg_plot(rows, front, x, y, title=title, label=label))
+        return p
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = [r for r in rows if isinstance(r.get(x), (int, float)) and isinstance(r.get(y), (int, float))]
+    fig, ax = plt.subplots(figsize=(7.2, 4.8))
+    ax.scatter([r[x] for r in pts], [r[y] for r in pts], c="#999", label="every cell")
+    ax.plot([r[x] for r in front], [r[y] for r in front], "o-", c="#d62728", label="Pareto frontier")
+    for r in front:
+        ax.annotate(label(r), (r[x], r[y]), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    ax.set_xlabel(x), ax.set_ylabel(y), ax.set_title(title), ax.legend()
+    fig.tight_layout()
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    return p
+
+
+def cell_label(row: dict, keys: list[str]) -> str:
+    short = {"max_denoising_steps": "steps", "entropy_bound": "eb", "stability_threshold": "stab",
+             "confidence_threshold": "conf", "max_blocks": "blocks"}
+    return " ".join(f"{short.get(k, k)}={row.get('cell', {}).get(k)}" for k in keys) or "base"
+
+
+def quality_of(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None

@@ -1,0 +1,333 @@
+"""DiffusionGemma text model: one Gemma-4 MoE backbone run in two modes (spec §5, §6).
+
+Encoder mode (prompt prefill, block commit): plain scaled embeddings, causal attention (sliding window
+on sliding layers), writes the KV cache, encoder layer scalars. Decoder mode (the canvas): RMS-normed
+embeddings plus self-conditioning, bidirectional over the canvas, the full prefix on full layers and
+the last W-1 prefix positions on sliding layers, reads the cache only, decoder layer scalars.
+
+Owns: the math. Must not: read files, print, tokenise, time, or sample. `decode` returns hidden states;
+`logits` projects only the rows it is given (the canvas). Module names follow the checkpoint's, so the
+key map in `loader.py` is near-identity. Numerics follow the transformers reference op for op (norms in
+fp32, router softmax fp32, RoPE tables cast to the activation dtype, logits softcapped in fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dgcli.model.cache import KVCache
+from dgcli.kernels import dispatch
+from dgcli.model.config import LayerGeometry, ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """x·(mean(x²)+eps)^-½ in fp32, times the stored gain (no +1 offset); `with_scale=False` is Norm_0.
+    The math is `kernels/reference_ops.py::rms_norm_reference` (a Triton kernel on CUDA)."""
+
+    def __init__(self, dim: int, eps: float, with_scale: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dispatch.rms_norm(x, self.weight, self.eps)
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """cos/sin [T, d] for rotate-half RoPE; computed in fp32, cast to the activation dtype as the reference does."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, d/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [B, T, n, d]; pairs (j, j + d/2), not interleaved.
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def inv_freq_for(g: LayerGeometry, device=None) -> torch.Tensor:
+    r = g.rope
+    # Same expression as the reference (fp32 pow), zero-padded beyond the rotating pairs (proportional RoPE).
+    rot = 1.0 / (r.theta ** (torch.arange(0, 2 * r.rotary_pairs, 2, dtype=torch.int64).float() / r.head_dim))
+    pad = torch.zeros(r.head_dim // 2 - r.rotary_pairs)
+    return torch.cat((rot, pad)).to(device)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, g: LayerGeometry):
+        super().__init__()
+        self.g = g
+        h, n, d = cfg.hidden_size, cfg.num_attention_heads, g.head_dim
+        self.q_proj = nn.Linear(h, n * d, bias=False)
+        self.k_proj = nn.Linear(h, g.num_kv_heads * d, bias=False)
+        # Full layers have no v_proj: V is the raw K projection (K = V), normalised without gain.
+        self.v_proj = nn.Linear(h, g.num_kv_heads * d, bias=False) if g.has_v_proj else None
+        self.o_proj = nn.Linear(n * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.v_norm = RMSNorm(d, cfg.rms_norm_eps, with_scale=False)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q [B, n, T, d], k and v [B, n_kv, T, d] for the tokens of this pass."""
+        b, t, _ = x.shape
+        d = self.g.head_dim
+        q = apply_rope(self.q_norm(self.q_proj(x).view(b, t, -1, d)), cos, sin)
+        k_raw = self.k_proj(x).view(b, t, -1, d)
+        v_raw = self.v_proj(x).view(b, t, -1, d) if self.v_proj is not None else k_raw
+        k = apply_rope(self.k_norm(k_raw), cos, sin)
+        v = self.v_norm(v_raw)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def attend(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
+        # Scale 1.0 (QK-norm absorbs 1/sqrt(d)); no attention softcap; GQA by kv-head groups.
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=True)
+        b, _, t, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    """Dense gated-GELU(tanh) MLP; also the self-conditioning MLP's shape."""
+
+    def __init__(self, hidden: int, inner: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, with_scale=False)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.ones(cfg.num_experts))
+        self.top_k = cfg.top_k_experts
+        self.root = cfg.hidden_size ** -0.5
+
+    def forward(self, r: torch.Tensor):
+        """r [N, H] (the un-normed residual) -> weights [N, k] fp32, expert ids [N, k]."""
+        z = self.norm(r) * self.scale * self.root
+        probs = torch.softmax(self.proj(z), dim=-1, dtype=torch.float32)  # over all experts
+        w, idx = torch.topk(probs, self.top_k, dim=-1)
+        w = w / w.sum(dim=-1, keepdim=True)
+        return w * self.per_expert_scale[idx], idx  # scale after renormalising
+
+
+class Experts(nn.Module):
+    """Fused expert weights as stored: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
+    The math is `kernels/reference_ops.py::experts_reference`; CPU runs a grouped path, CUDA a Triton kernel."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """x [N, H], routing weights w [N, k] fp32, expert ids idx [N, k] -> [N, H]."""
+        return dispatch.experts(x, w, idx, self.gate_up_proj, self.down_proj)
+
+
+class DecoderLayer(nn.Module):
+    """One backbone layer; the same weights serve both modes, only the layer scalar differs."""
+
+    def __init__(self, cfg: ModelConfig, i: int):
+        super().__init__()
+        g = cfg.layer(i)
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps)
+        self.self_attn = Attention(cfg, g)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps)
+        self.mlp = MLP(h, cfg.intermediate_size)
+        self.post_feedforward_layernorm_1 = RMSNorm(h, eps)
+        self.router = Router(cfg)
+        self.pre_feedforward_layernorm_2 = RMSNorm(h, eps)
+        self.experts = Experts(cfg)
+        self.post_feedforward_layernorm_2 = RMSNorm(h, eps)
+        self.post_feedforward_layernorm = RMSNorm(h, eps)
+        # Buffers, likely fp32 in the checkpoint: decoder-mode and encoder-mode residual scales.
+        self.register_buffer("layer_scalar", torch.ones(1))
+        self.register_buffer("encoder_layer_scalar", torch.ones(1))
+
+    def feed_forward(self, r: torch.Tensor) -> torch.Tensor:
+        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(r)))
+        flat = r.reshape(-1, r.shape[-1])
+        w, idx = self.router(flat)  # routes on the un-normed residual
+        moe = self.experts(self.pre_feedforward_layernorm_2(flat), w, idx).reshape(r.shape)
+        moe = self.post_feedforward_layernorm_2(moe)
+        return r + self.post_feedforward_layernorm(dense + moe)
+
+
+class SelfConditioning(MLP):
+    """Gated MLP over the previous step's soft embedding, added to the canvas embedding, then Norm_0."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg.hidden_size, cfg.self_conditioning_size)
+        self.pre_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, with_scale=False)
+
+    def condition(self, embeds: torch.Tensor, soft: torch.Tensor | None) -> torch.Tensor:
+        # soft = None is the zero soft embedding: Norm_w(0) = 0, so the MLP would add exactly 0.
+        if soft is not None:
+            embeds = embeds + super().forward(self.pre_norm(soft))
+        return self.post_norm(embeds)
+
+
+class DiffusionGemma(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_conditioning = SelfConditioning(cfg)
+        self.geometry = cfg.layers
+        self.layer_kinds = sorted(set(cfg.layer_types))
+        self._inv_freq: dict[str, torch.Tensor] = {}
+
+    # ---- small helpers -------------------------------------------------------------------------
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight  # [V, H], also the tied LM head
+
+    @property
+    def embed_scale(self) -> torch.Tensor:
+        # sqrt(H) cast to the weight dtype: 53.0 in bf16, as the reference multiplies.
+        w = self.embed_tokens.weight
+        return torch.tensor(self.config.embed_scale, device=w.device).to(w.dtype)
+
+    def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple]:
+        out = {}
+        for kind in self.layer_kinds:
+            g = next(g for g in self.geometry if g.kind == kind)
+            key = f"{kind}:{positions.device}"
+            if key not in self._inv_freq:
+                self._inv_freq[key] = inv_freq_for(g, positions.device)
+            out[kind] = rope_tables(positions, self._inv_freq[key], dtype)
+        return out
+
+    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+        w = self.embed_tokens.weight
+        shapes = [(g.num_kv_heads, g.head_dim) for g in self.geometry]
+        return KVCache(shapes, batch_size, max_len, w.device, w.dtype)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(ids) * self.embed_scale
+
+    def soft_embedding(self, sc_logits: torch.Tensor) -> torch.Tensor:
+        """Self-conditioning soft embedding softmax(L)·E·s of given (already tempered) logits [B, C, V]."""
+        w = self.embed_tokens.weight
+        p = torch.softmax(sc_logits, dim=-1, dtype=torch.float32).to(w.dtype)
+        return torch.matmul(p, w) * self.embed_scale
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Tied head + softcap, float32 [B, C, V]; call it on canvas rows only."""
+        out = F.linear(hidden, self.embed_tokens.weight).float()
+        cap = self.config.final_logit_softcapping
+        return torch.tanh(out / cap) * cap if cap else out
+
+    # ---- the two modes --------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode(self, ids: torch.Tensor, cache: KVCache) -> None:
+        """Encoder pass over ids [B, T] at positions cache.length.., appending their K/V to the cache.
+        The last layer's feed-forward is skipped: encoder outputs are only ever K/V."""
+        start, t = cache.length, ids.shape[1]
+        dev = ids.device
+        x = self.embed(ids)
+        tables = self._tables(torch.arange(start, start + t, device=dev), x.dtype)
+        qpos = torch.arange(start, start + t, device=dev)[:, None]
+        last = len(self.layers) - 1
+        for i, (layer, g) in enumerate(zip(self.layers, self.geometry)):
+            attn = layer.self_attn
+            q, k, v = attn.project(layer.input_layernorm(x), *tables[g.kind])
+            cache.write(i, start, k, v)
+            lo = 0 if g.window is None else max(0, start - g.window + 1)
+            keys, values = cache.read(i, lo, start + t)
+            kpos = torch.arange(lo, start + t, device=dev)[None, :]
+            mask = kpos <= qpos
+            if g.window is not None:
+                mask = mask & (kpos > qpos - g.window)
+            x = x + layer.post_attention_layernorm(attn.attend(q, keys, values, mask))
+            if i == last:
+                break
+            x = layer.feed_forward(x)
+            x *= layer.encoder_layer_scalar
+        cache.length = start + t
+
+    @torch.no_grad()
+    def decode(self, canvas: torch.Tensor, cache: KVCache, soft: torch.Tensor | None = None) -> torch.Tensor:
+        """Decoder pass over the canvas [B, C]; returns final-normed hidden states [B, C, H]."""
+        p, c = cache.length, canvas.shape[1]
+        x = self.self_conditioning.condition(self.embed(canvas), soft)
+        tables = self._tables(torch.arange(p, p + c, device=canvas.device), x.dtype)
+        for i, (layer, g) in enumerate(zip(self.layers, self.geometry)):
+            attn = layer.self_attn
+            q, k, v = attn.project(layer.input_layernorm(x), *tables[g.kind])
+            # Sliding layers: the same last W-1 prefix positions for every canvas row (a rectangle).
+            lo = 0 if g.window is None else max(0, p - (g.window - 1))
+            pk, pv = cache.read(i, lo, p)
+            out = attn.attend(q, torch.cat((pk, k), dim=2), torch.cat((pv, v), dim=2), None)
+            x = x + layer.post_attention_layernorm(out)
+            x = layer.feed_forward(x)
+            x *= layer.layer_scalar
+        return self.norm(x)
+
+    @torch.no_grad()
+    def forward_canvas(self, prompt_ids: torch.Tensor, canvas_ids: torch.Tensor,
+                       self_conditioning_logits: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits [B, C, V], meaning exactly DiffusionGemmaForBlockDiffusion(input_ids=prompt_ids,
+        decoder_input_ids=canvas_ids, self_conditioning_logits=...).logits."""
+        cache = self.new_cache(prompt_ids.shape[0], prompt_ids.shape[1])
+        self.encode(prompt_ids, cache)
+        soft = None if self_conditioning_logits is None else self.soft_embedding(self_conditioning_logits)
+        return self.logits(self.decode(canvas_ids, cache, soft))
+
+    @torch.no_grad()
+    def forward_unified(self, prompt_ids: torch.Tensor, canvas_ids: torch.Tensor,
+                        self_conditioning_logits: torch.Tensor | None = None) -> torch.Tensor:
+        """The same logits from one no-cache pass over [prefix | canvas] (spec §5.6 'unified'
+        formulation): a cross-check for the cached path."""
+        soft = None if self_conditioning_logits is None else self.soft_embedding(self_conditioning_logits)
+        return self.logits(self.unified_hidden(prompt_ids, canvas_ids, soft)[1])
+
+    def unified_hidden(self, prompt_ids: torch.Tensor, canvas_ids: torch.Tensor, soft: torch.Tensor | None = None,
+                       prefix_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Differentiable single pass over [prefix | canvas] with a per-row mask, embedding and layer
+        scalar; returns final-normed hidden states (prefix [B, P, H], canvas [B, C, H]). Prefix rows are
+        exactly encoder mode (causal, sliding window), canvas rows exactly decoder mode. `prefix_valid`
+        [B, P] (True = real token) hides padding keys, for training batches of unequal prompts."""
+        p, c = prompt_ids.shape[1], canvas_ids.shape[1]
+        dev = prompt_ids.device
+        x = torch.cat((self.embed(prompt_ids), self.self_conditioning.condition(self.embed(canvas_ids), soft)), dim=1)
+        tables = self._tables(torch.arange(p + c, device=dev), x.dtype)
+        pos = torch.arange(p + c, device=dev)
+        qp, kp = pos[:, None], pos[None, :]
+        q_prefix, k_prefix = qp < p, kp < p
+        is_prefix_row = (pos < p)[None, :, None]
+        valid = None
+        if prefix_valid is not None:  # [B, 1, 1, P + C]: padding keys invisible to every row
+            valid = torch.cat((prefix_valid, prefix_valid.new_ones(prefix_valid.shape[0], c)), dim=1)[:, None, None, :]
+        for layer, g in zip(self.layers, self.geometry):
+            w = g.window
+            causal = k_prefix & (kp <= qp) & ((kp > qp - w) if w else True)
+            canvas_rows = ~q_prefix & (~k_prefix | ((kp >= p - (w - 1)) if w else True))
+            mask = torch.where(q_prefix, causal, canvas_rows)
+            if valid is not None:
+                # Keep each row's own key visible so fully padded rows still have a finite softmax.
+                mask = (mask & valid) | torch.eye(p + c, dtype=torch.bool, device=dev)
+            attn = layer.self_attn
+            q, k, v = attn.project(layer.input_layernorm(x), *tables[g.kind])
+            x = x + layer.post_attention_layernorm(attn.attend(q, k, v, mask))
+            x = layer.feed_forward(x)
+            x = torch.where(is_prefix_row, x * layer.encoder_layer_scalar, x * layer.layer_scalar).to(x.dtype)
+        x = self.norm(x)
+        return x[:, :p], x[:, p:]

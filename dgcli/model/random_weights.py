@@ -1,0 +1,127 @@
+"""Random-weight DiffusionGemma checkpoints in the exact released layout (spec §3).
+
+Tests, benchmarks and the dummy-weights mode use these: `config.json` with a nested `text_config`,
+`model.safetensors` (or shards + `model.safetensors.index.json`) under the checkpoint's names (fused
+`experts.gate_up_proj`/`down_proj`, no `.weight` on experts/router scales, encoder layer scalars, no
+lm_head), `generation_config.json`, and optionally a tokenizer. Owns: random init and writing.
+Must not: run the model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from dgcli.model.config import parse_config
+from dgcli.model.loader import to_checkpoint_name
+from dgcli.model.gemma import DiffusionGemma
+
+REFERENCE_GENERATION_CONFIG = {
+    "max_denoising_steps": 48,
+    "sampler_config": {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": 0.1},
+    "t_max": 0.8, "t_min": 0.4, "stability_threshold": 1, "confidence_threshold": 0.005,
+    "max_new_tokens": 256, "eos_token_id": [1, 106, 50], "pad_token_id": 0,
+}
+
+TINY_VISION = {  # a tiny vision_config, so transformers does not build a full-size tower
+    "model_type": "gemma4_vision", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+    "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8, "global_head_dim": 8,
+}
+
+
+def make_config(text_config: dict, canvas_length: int = 256, dtype: str = "bfloat16") -> dict:
+    """A full config.json dict around a text_config (top-level keys as the released checkpoint has them)."""
+    text = {"model_type": "diffusion_gemma_text", "hidden_activation": "gelu_pytorch_tanh",
+            "rms_norm_eps": 1e-6, "final_logit_softcapping": 30.0, "pad_token_id": 0, "bos_token_id": 2,
+            "eos_token_id": 1, "tie_word_embeddings": True, "attention_bias": False, **text_config}
+    return {"architectures": ["DiffusionGemmaForBlockDiffusion"], "model_type": "diffusion_gemma",
+            "canvas_length": canvas_length, "text_config": text, "vision_config": dict(TINY_VISION),
+            "eos_token_id": [1, 106], "tie_word_embeddings": True, "dtype": dtype}
+
+
+@torch.no_grad()
+def randomize_(model: DiffusionGemma, seed: int = 0, std: float | None = None) -> DiffusionGemma:
+    """Give every parameter and buffer a random value (no tensor left at its init value), drawn on the
+    tensor's own device in its own dtype (a 26B dummy model never exists in fp32 on the host).
+    Matrices ~ N(0, std) with std = 1/sqrt(fan_in) unless given; gains and scales ~ U(0.5, 1.5)."""
+    gens: dict[torch.device, torch.Generator] = {}
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        g = gens.setdefault(t.device, torch.Generator(device=t.device).manual_seed(seed))
+        if t.ndim >= 2:
+            s = std if std is not None else 1.0 / math.sqrt(t.shape[-1])
+            t.normal_(0.0, s, generator=g)
+        else:
+            t.uniform_(0.5, 1.5, generator=g)
+    return model
+
+
+def random_model(cfg_dict: dict, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> DiffusionGemma:
+    """A randomly initialised model of a config (dummy weights), allocated once, on `device`, in `dtype`
+    (layer scalars fp32 as in the checkpoint)."""
+    cfg = parse_config(cfg_dict)
+    with torch.device("meta"):
+        model = DiffusionGemma(cfg)
+    model.to(dtype)
+    for layer in model.layers:
+        layer.layer_scalar.data = layer.layer_scalar.float()
+        layer.encoder_layer_scalar.data = layer.encoder_layer_scalar.float()
+    model.to_empty(device=device)
+    return randomize_(model, seed).eval()
+
+
+def checkpoint_state(model: DiffusionGemma) -> dict[str, torch.Tensor]:
+    return {to_checkpoint_name(k): v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+
+
+def write_checkpoint(model: DiffusionGemma, out_dir: str | Path, cfg_dict: dict, *, shards: int = 1,
+                     generation_config: dict | None = None) -> Path:
+    """Write a model's weights and config in the released layout."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = checkpoint_state(model)
+    cfg_dict = dict(cfg_dict, dtype=str(model.embed_weight.dtype).removeprefix("torch."))
+    (out / "config.json").write_text(json.dumps(cfg_dict, indent=2, sort_keys=True))
+    gen = generation_config if generation_config is not None else REFERENCE_GENERATION_CONFIG
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True))
+    if shards <= 1:
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return out
+    names = sorted(state)
+    per = math.ceil(len(names) / shards)
+    weight_map, total = {}, 0
+    for i in range(shards):
+        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: state[n] for n in names[i * per:(i + 1) * per]}
+        save_file(part, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in part})
+        total += sum(t.numel() * t.element_size() for t in part.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+    return out
+
+
+SAMPLE_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Block diffusion writes a whole canvas at once, "
+    "then refines it step by step until the tokens settle. Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12.\n"
+)
+
+
+def write_random_checkpoint(out_dir: str | Path, text_config: dict, *, canvas_length: int = 256,
+                            seed: int = 0, dtype: torch.dtype = torch.float32, shards: int = 1,
+                            generation_config: dict | None = None, tokenizer: bool = True) -> Path:
+    """A random-weight checkpoint of `text_config` (a dict of text_config keys), with a small
+    Gemma-4-style tokenizer and chat template when the vocabulary is large enough to hold one."""
+    from dgcli.text.build import MIN_VOCAB_SIZE, build_tokenizer, write_tokenizer_files
+
+    cfg_dict = make_config(text_config, canvas_length)
+    model = random_model(cfg_dict, seed=seed, dtype=dtype)
+    out = write_checkpoint(model, out_dir, cfg_dict, shards=shards, generation_config=generation_config)
+    vocab = int(text_config["vocab_size"])
+    if tokenizer and vocab >= MIN_VOCAB_SIZE:
+        write_tokenizer_files(build_tokenizer([SAMPLE_TEXT] * 4, vocab), out)
+    return out

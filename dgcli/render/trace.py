@@ -1,0 +1,97 @@
+"""The JSONL trace of one generation: a header line, then one record per sampler event.
+
+Owns: writing (`TraceWriter`, flushed per line so an interrupted run keeps what it did) and reading
+with validation (`read_trace`: one clear error for a file that is not a trace, from another format
+version, or truncated). The record schema is each event's `to_record()` (see dgcli/sampling/events.py and the
+README). Must not: run the model or render anything.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import IO, Any, Callable
+
+from dgcli import __version__
+from dgcli.errors import UserError
+
+FORMAT = "dgemma-trace"
+VERSION = 1
+RECORD_TYPES = ("block_start", "step", "commit", "done")
+
+
+def make_header(*, model: str, settings: dict, prompt_ids: list[int], canvas_length: int, vocab_size: int,
+                prompt: str | None = None) -> dict:
+    return {"type": "header", "format": FORMAT, "version": VERSION, "dgemma_version": __version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model": model,
+            "canvas_length": canvas_length, "vocab_size": vocab_size, "settings": settings,
+            "prompt": prompt, "prompt_ids": list(prompt_ids)}
+
+
+class TraceWriter:
+    """Writes the header, then `event(e)` per sampler event. The `done` record also gets `token_strings`: the
+    display string of every id the trace mentions (via `token_strings`), so a replay needs no tokenizer."""
+
+    def __init__(self, path: str | Path, header: dict, token_strings: Callable[[list[int]], list[str]] | None = None):
+        self.path = Path(path)
+        self.token_strings = token_strings
+        self.seen: set[int] = set(header.get("prompt_ids", []))
+        try:
+            self._f: IO[str] = open(self.path, "w", encoding="utf-8")
+        except OSError as e:
+            raise UserError(f"--trace {path}: cannot write ({e.strerror}); pick a writable path") from None
+        self.write(header)
+
+    def event(self, event: Any) -> None:
+        rec = event.to_record()
+        for key in ("canvas", "argmax", "tokens", "token_ids"):
+            if isinstance(rec.get(key), list):
+                self.seen.update(rec[key])
+        if rec["type"] == "done" and self.token_strings is not None:
+            ids = sorted(self.seen)
+            rec["token_strings"] = dict(zip(map(str, ids), self.token_strings(ids)))
+        self.write(rec)
+
+    def write(self, record: dict) -> None:
+        self._f.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_trace(path: str | Path) -> tuple[dict, list[dict]]:
+    """(header, records). Raises UserError naming the problem for anything that is not a whole trace."""
+    p = Path(path)
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise UserError(f"{p}: no such trace file; write one with `dgemma generate --trace FILE`") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{p}: cannot read it as a text trace ({e}); is it a dgemma trace?") from None
+    records: list[dict[str, Any]] = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            what = "the last line is cut off: the trace is truncated" if n == len(lines) else f"line {n} is not JSON"
+            raise UserError(f"{p}: {what}; re-run the generation with --trace") from None
+        if not isinstance(rec, dict) or "type" not in rec:
+            raise UserError(f"{p}: line {n} is not a trace record; is it a dgemma trace?")
+        records.append(rec)
+    if not records or records[0].get("format") != FORMAT:
+        raise UserError(f"{p}: not a dgemma trace (no '{FORMAT}' header line); write one with `dgemma generate --trace FILE`")
+    header = records[0]
+    if header.get("version") != VERSION:
+        raise UserError(f"{p}: trace format version {header.get('version')} is not {VERSION} "
+                        f"(written by dgemma {header.get('dgemma_version')}); re-record it with this version")
+    body = records[1:]
+    for rec in body:
+        if rec["type"] not in RECORD_TYPES:
+            raise UserError(f"{p}: unknown record type {rec['type']!r}; is the trace from another program?")
+    if not body or body[-1]["type"] != "done":
+        raise UserError(f"{p}: the trace is truncated (no 'done' record); the run was interrupted, re-run it")
+    return header, body

@@ -1,0 +1,5 @@
+"""`python -m dgcli.train ...`: train the bundled tiny model (see dgcli/train/trainer.py)."""
+
+from dgcli.train.trainer import main
+
+raise SystemExit(main())

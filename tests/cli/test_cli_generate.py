@@ -1,0 +1,206 @@
+"""`dgemma generate` end to end on a random checkpoint: inputs, formats, trace, and every bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from hf_oracle import text_config
+from safetensors.torch import load_file, save_file
+
+from dgcli import cli
+from dgcli.model.random_weights import write_random_checkpoint
+from dgcli.render.trace import read_trace
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    tc, _ = text_config("gqa4_moe8")
+    tc["vocab_size"] = 512
+    tc["max_position_embeddings"] = 96
+    return write_random_checkpoint(tmp_path_factory.mktemp("gen") / "ck", tc, canvas_length=16, seed=2)
+
+
+def run(argv, capsys, stdin=None, monkeypatch=None):
+    """In-process `dgemma ...` through the real entry point; returns (exit code, stdout, stderr)."""
+    if stdin is not None:
+        monkeypatch.setattr(sys, "stdin", _Stdin(stdin))
+    old = sys.argv
+    sys.argv = ["dgemma", *argv]
+    code = 0
+    try:
+        cli.main()
+    except SystemExit as e:
+        code = e.code or 0
+    finally:
+        sys.argv = old
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+class _Stdin:
+    def __init__(self, text):
+        self.text = text
+
+    def read(self):
+        return self.text
+
+    def isatty(self):
+        return False
+
+
+FAST = ["--diffusion-steps", "3"]
+
+
+def test_argument_prompt_prints_only_the_answer(ckpt, capsys):
+    code, out, err = run(["generate", "--model", str(ckpt), *FAST, "hello"], capsys)
+    assert code == 0
+    assert out.endswith("\n") and out.count("\n") >= 1
+    assert "step" not in out  # progress never reaches stdout
+
+
+def test_stdin_and_dash(ckpt, capsys, monkeypatch):
+    a = run(["generate", "--model", str(ckpt), *FAST, "-"], capsys, stdin="hello\n", monkeypatch=monkeypatch)
+    b = run(["generate", "--model", str(ckpt), *FAST], capsys, stdin="hello\n", monkeypatch=monkeypatch)
+    c = run(["generate", "--model", str(ckpt), *FAST, "hello"], capsys)
+    assert a[0] == b[0] == c[0] == 0
+    assert a[1] == b[1] == c[1]  # same seed, same prompt: the same answer
+
+
+def test_json_format_has_the_product_fields(ckpt, capsys):
+    code, out, _ = run(["generate", "--model", str(ckpt), *FAST, "--blocks", "2", "--format", "json", "hi"], capsys)
+    assert code == 0
+    rec = json.loads(out)
+    for key in ("text", "token_ids", "finish_reason", "blocks", "steps_per_block", "tokens_per_forward",
+                "timings", "settings"):
+        assert key in rec
+    assert rec["finish_reason"] in ("stop", "length")
+    assert rec["settings"]["params"]["max_denoising_steps"] == 3
+    assert rec["settings"]["sources"]["max_denoising_steps"] == "flag"
+    assert all(s <= 3 for s in rec["steps_per_block"]) and len(rec["steps_per_block"]) == rec["blocks"]
+
+
+def test_jsonl_batch_one_result_per_line(ckpt, capsys, tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "one", "id": 1}\n\n{"prompt": "two", "id": 2}\n')
+    code, out, _ = run(["generate", "--model", str(ckpt), *FAST, "--format", "json", "--input-jsonl", str(f)], capsys)
+    assert code == 0
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["id"] for r in rows] == [1, 2]
+
+
+def test_ndjson_streams_typed_events(ckpt, capsys):
+    code, out, _ = run(["generate", "--model", str(ckpt), *FAST, "--format", "ndjson", "hi"], capsys)
+    types = [json.loads(line)["type"] for line in out.splitlines()]
+    assert code == 0 and types[0] == "block_start" and types[-1] == "result" and "step" in types
+
+
+def test_trace_parses_and_its_last_argmax_is_the_output(ckpt, capsys, tmp_path):
+    trace = tmp_path / "t.jsonl"
+    code, out, _ = run(["generate", "--model", str(ckpt), *FAST, "--blocks", "2", "--format", "json",
+                        "--trace", str(trace), "hi"], capsys)
+    assert code == 0
+    rec = json.loads(out)
+    header, records = read_trace(trace)
+    assert header["prompt"] == "hi" and header["settings"] == rec["settings"]
+    steps = [r for r in records if r["type"] == "step"]
+    commits = [r for r in records if r["type"] == "commit"]
+    last_argmax = [s["argmax"] for s in steps if s["stop_reason"]]
+    assert [c["tokens"] for c in commits] == last_argmax  # each block commits its last argmax
+    generated = [t for c in commits for t in c["tokens"]]
+    assert rec["token_ids"] == generated[:len(rec["token_ids"])]
+    assert records[-1]["type"] == "done" and records[-1]["token_ids"] == rec["token_ids"]
+    assert set(records[-1]["token_strings"]) >= {str(t) for t in rec["token_ids"]}
+
+
+def test_show_config_names_sources(ckpt, capsys):
+    code, out, _ = run(["generate", "--model", str(ckpt), "--show-config", "--t-max", "0.9", "--preset", "fast"], capsys)
+    assert code == 0
+    line = next(l for l in out.splitlines() if l.startswith("t_max"))
+    assert "0.9" in line and "flag" in line
+    assert "preset" in next(l for l in out.splitlines() if l.startswith("max_denoising_steps"))
+
+
+def test_init_canvas_warm_start_is_used(ckpt, capsys, tmp_path):
+    trace = tmp_path / "t.jsonl"
+    ids = ",".join(str(i) for i in range(200, 216))
+    code, _, _ = run(["generate", "--model", str(ckpt), *FAST, "--init-canvas", ids, "--trace", str(trace), "hi"], capsys)
+    assert code == 0
+    _, records = read_trace(trace)
+    assert records[0]["canvas"] == list(range(200, 216))
+
+
+def corrupt_shape(ckpt, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    state = load_file(bad / "model.safetensors")
+    state["model.decoder.norm.weight"] = torch.ones(7)
+    save_file(state, str(bad / "model.safetensors"))
+    return bad
+
+
+@pytest.mark.parametrize("case", [
+    "missing_model", "partial_checkpoint", "wrong_shape", "unknown_preset_key", "t_min_gt_t_max", "steps_zero",
+    "negative_blocks", "prompt_too_long", "no_such_device", "empty_stdin", "bad_format", "bad_init_canvas",
+    "unknown_option",
+])
+def test_bad_input_gives_one_line_and_nonzero_exit(case, ckpt, capsys, tmp_path, monkeypatch):
+    m = ["--model", str(ckpt)]
+    stdin = None
+    if case == "missing_model":
+        argv, needle = ["--model", str(tmp_path / "nope"), "hi"], "no such checkpoint directory"
+    elif case == "partial_checkpoint":
+        import shutil
+
+        part = tmp_path / "part"
+        shutil.copytree(ckpt, part)
+        (part / "model.safetensors").unlink()
+        argv, needle = ["--model", str(part), "hi"], "model.safetensors"
+    elif case == "wrong_shape":
+        argv, needle = ["--model", str(corrupt_shape(ckpt, tmp_path)), "hi"], "model.decoder.norm.weight"
+    elif case == "unknown_preset_key":
+        p = tmp_path / "p.yaml"
+        p.write_text("entropy_bund: 0.2\n")
+        argv, needle = [*m, "--preset", str(p), "hi"], "entropy_bund"
+    elif case == "t_min_gt_t_max":
+        argv, needle = [*m, "--t-min", "0.9", "--t-max", "0.5", "hi"], "t_min"
+    elif case == "steps_zero":
+        argv, needle = [*m, "--diffusion-steps", "0", "hi"], "max_denoising_steps"
+    elif case == "negative_blocks":
+        argv, needle = [*m, "--blocks", "-1", "hi"], "max_blocks"
+    elif case == "prompt_too_long":
+        argv, needle = [*m, "--raw", "word " * 200], "context"
+    elif case == "no_such_device":
+        argv, needle = [*m, "--device", "cuda:7", "hi"], "cuda:7"
+    elif case == "empty_stdin":
+        argv, needle, stdin = [*m, "-"], "stdin is empty", "  \n"
+    elif case == "bad_format":
+        argv, needle = [*m, "--format", "xml", "hi"], "--format"
+    elif case == "unknown_option":
+        argv, needle = [*m, "--steps", "0", "hi"], "--steps"
+    else:
+        argv, needle = [*m, "--init-canvas", "1,2,99999", "hi"], "99999"
+    code, out, err = run(["generate", *argv], capsys, stdin=stdin, monkeypatch=monkeypatch)
+    assert code != 0
+    assert out == ""
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert len(lines) == 1 and needle in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_real_subprocess_pipeline(ckpt):
+    """The installed console script, as a shell pipeline would run it."""
+    ok = subprocess.run(["dgemma", "generate", "--model", str(ckpt), *FAST, "--format", "json"],
+                        input="hello", capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["finish_reason"] in ("stop", "length")
+    bad = subprocess.run(["dgemma", "generate", "--model", str(ckpt), "--t-min", "2", "hi"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stdout == "" and len(bad.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in bad.stderr
+    assert "transformers" not in subprocess.run(
+        [sys.executable, "-c", "import sys, dgcli.cli, dgcli.runtime.session, dgcli.sampling.loop, dgcli.model.gemma; print(sorted(sys.modules))"],
+        capture_output=True, text=True).stdout  # transformers is the test oracle only

@@ -1,0 +1,140 @@
+"""Routed experts: kernels/reference_ops.py::experts_reference equals the model's Experts.forward; the CPU
+grouped path (kernels/moe_cpu.py) and the Triton kernels (kernels/moe.py, under TRITON_INTERPRET=1)
+equal the reference."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel module is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from dgcli.kernels.moe_cpu import experts_grouped, experts_segments  # noqa: E402
+from dgcli.kernels.reference_ops import experts_reference  # noqa: E402
+
+TRITON = os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+needs_triton = pytest.mark.skipif(not TRITON, reason="Triton needs CUDA or TRITON_INTERPRET=1 (set before import)")
+
+# (dtype, atol, rtol): fp32 — only the GEMM's accumulation order differs (batched vs per-expert GEMM,
+# or tl.dot): a few fp32 ulps of O(1) values. bf16 — the same, after which the GEMM output is rounded to
+# bf16, so an element may land one bf16 ulp away (2^-8 relative) and carry that through the sum.
+TOLS = [(torch.float32, 1e-5, 1e-5), (torch.bfloat16, 2e-2, 2**-7)]
+
+
+def make(n, h, inter, e, k, dtype, seed=0, skew=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=g).to(dtype)
+    logits = torch.randn(n, e, generator=g)
+    if skew:  # most tokens pick the same experts: very uneven groups, some experts never picked
+        logits[:, :k] += 10
+    w, idx = torch.softmax(logits, -1).topk(k, -1)
+    w = w * (torch.rand(e, generator=g) + 0.5)[idx]  # like per_expert_scale: weights no longer sum to 1
+    gate_up = (torch.randn(e, 2 * inter, h, generator=g) / h**0.5).to(dtype)
+    down = (torch.randn(e, h, inter, generator=g) / inter**0.5).to(dtype)
+    return x, w, idx, gate_up, down
+
+
+def test_reference_equals_the_model_experts():
+    from dgcli.model.gemma import Experts
+
+    x, w, idx, gate_up, down = make(9, 16, 8, 5, 2, torch.bfloat16)
+    mod = Experts.__new__(Experts)
+    torch.nn.Module.__init__(mod)
+    mod.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=False)
+    mod.down_proj = torch.nn.Parameter(down, requires_grad=False)
+    assert torch.equal(experts_reference(x, w, idx, gate_up, down), mod(x, w, idx))
+
+
+# (N, H, I, E, k): a single token, experts with zero tokens (E > N·k), N not a multiple of any block,
+# odd widths, k = 1.
+SHAPES = [(1, 16, 8, 4, 2), (5, 24, 20, 12, 2), (33, 32, 16, 8, 3), (17, 20, 12, 6, 1)]
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", TOLS)
+@pytest.mark.parametrize("n,h,inter,e,k", SHAPES)
+@pytest.mark.parametrize("batched_always", [False, True])
+def test_grouped_cpu_matches_reference(dtype, atol, rtol, n, h, inter, e, k, batched_always, monkeypatch):
+    if batched_always:  # never fall back to the per-expert loop: the padded bmm sees empty experts too
+        monkeypatch.setattr("dgcli.kernels.moe_cpu.MAX_PADDING", float("inf"))
+    x, w, idx, gate_up, down = make(n, h, inter, e, k, dtype)
+    got = experts_grouped(x, w, idx, gate_up, down)
+    assert got.dtype == dtype and got.shape == x.shape
+    torch.testing.assert_close(got, experts_reference(x, w, idx, gate_up, down), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", TOLS)
+@pytest.mark.parametrize("n,h,inter,e,k", SHAPES)
+@pytest.mark.parametrize("skew", [False, True])
+def test_segments_cpu_matches_reference(dtype, atol, rtol, n, h, inter, e, k, skew):
+    x, w, idx, gate_up, down = make(n, h, inter, e, k, dtype, skew=skew)
+    got = experts_segments(x, w, idx, gate_up, down)
+    assert got.dtype == dtype and got.shape == x.shape
+    torch.testing.assert_close(got, experts_reference(x, w, idx, gate_up, down), atol=atol, rtol=rtol)
+
+
+def test_segments_cpu_order_and_empty_input():
+    x, w, idx, gate_up, down = make(64, 16, 8, 6, 4, torch.bfloat16, seed=2)
+    perm = torch.randperm(4, generator=torch.Generator().manual_seed(0))
+    want = experts_reference(x, w, idx, gate_up, down)
+    assert torch.equal(experts_segments(x, w[:, perm], idx[:, perm], gate_up, down), want)
+    assert experts_segments(x[:0], w[:0], idx[:0], gate_up, down).shape == (0, 16)
+
+
+@pytest.mark.slow
+def test_segments_cpu_compiles_without_a_graph_break():
+    """`--compile` on a bf16 model: the segments path inside a full graph equals the reference."""
+    x, w, idx, gate_up, down = make(64, 32, 16, 8, 2, torch.bfloat16)
+    got = torch.compile(experts_segments, fullgraph=True, dynamic=False)(x, w, idx, gate_up, down)
+    torch.testing.assert_close(got, experts_reference(x, w, idx, gate_up, down), atol=2e-2, rtol=2**-7)
+
+
+def test_grouped_cpu_uneven_groups_and_empty_input():
+    x, w, idx, gate_up, down = make(40, 16, 8, 10, 2, torch.float32, skew=True)  # falls back to the loop
+    torch.testing.assert_close(experts_grouped(x, w, idx, gate_up, down),
+                               experts_reference(x, w, idx, gate_up, down), atol=1e-5, rtol=1e-5)
+    empty = experts_grouped(x[:0], w[:0], idx[:0], gate_up, down)
+    assert empty.shape == (0, 16)
+
+
+def test_grouped_cpu_adds_contributions_in_ascending_expert_order():
+    """bf16 sums depend on order; with the slots of each row shuffled the result must not change."""
+    x, w, idx, gate_up, down = make(64, 16, 8, 6, 4, torch.bfloat16, seed=2)
+    perm = torch.randperm(4, generator=torch.Generator().manual_seed(0))
+    want = experts_reference(x, w, idx, gate_up, down)
+    assert torch.equal(experts_grouped(x, w[:, perm], idx[:, perm], gate_up, down), want)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype,atol,rtol", TOLS)
+@pytest.mark.parametrize("n,h,inter,e,k", SHAPES)
+def test_triton_matches_reference(dtype, atol, rtol, n, h, inter, e, k):
+    from dgcli.kernels.moe import experts_triton
+
+    x, w, idx, gate_up, down = make(n, h, inter, e, k, dtype)
+    got = experts_triton(*(t.to(DEVICE) for t in (x, w, idx, gate_up, down)), block_m=16, block_n=16, block_k=16)
+    assert got.dtype == dtype and got.shape == x.shape
+    torch.testing.assert_close(got.cpu(), experts_reference(x, w, idx, gate_up, down), atol=atol, rtol=rtol)
+
+
+@needs_triton
+def test_triton_uneven_groups():
+    from dgcli.kernels.moe import experts_triton
+
+    x, w, idx, gate_up, down = make(40, 16, 8, 10, 2, torch.bfloat16, skew=True)
+    got = experts_triton(*(t.to(DEVICE) for t in (x, w, idx, gate_up, down)), block_m=16, block_n=16, block_k=16)
+    torch.testing.assert_close(got.cpu(), experts_reference(x, w, idx, gate_up, down), atol=2e-2, rtol=2**-7)
+
+
+def test_group_by_expert_layout():
+    pytest.importorskip("triton")
+    from dgcli.kernels.moe import group_by_expert
+
+    flat = torch.tensor([2, 0, 2, 2, 0, 3])  # expert 1 has no pairs
+    pair_of_slot, block_expert = group_by_expert(flat, 4, 2)
+    # expert 0: pairs 1, 4 | expert 2: pairs 0, 2, 3 (+1 pad) | expert 3: pair 5 (+1 pad) | unused tail
+    assert pair_of_slot[:8].tolist() == [1, 4, 0, 2, 3, -1, 5, -1]
+    assert block_expert.tolist()[:4] == [0, 2, 2, 3] and all(b == -1 for b in block_expert.tolist()[4:])
+    assert (pair_of_slot[8:] == -1).all()

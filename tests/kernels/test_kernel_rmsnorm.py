@@ -1,0 +1,65 @@
+"""kernels/rmsnorm.py (Triton, run by the interpreter on CPU) against kernels/reference_ops.py, which is
+itself checked against the model's RMSNorm."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel module is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from dgcli.kernels.reference_ops import rms_norm_reference  # noqa: E402
+from dgcli.model.gemma import RMSNorm  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                                reason="Triton needs CUDA or TRITON_INTERPRET=1 (set before import)")
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
+# (dtype, atol, rtol): fp32 differs from the reference only by rsqrt vs pow(-0.5) and the reduction
+# order (a few ulps); bf16 outputs are the same fp32 values rounded once, so at most 1 bf16 ulp apart.
+TOLS = [(torch.float32, 1e-5, 1e-5), (torch.bfloat16, 1e-2, 2**-7)]
+# Rows × width: a power of two, an odd width (masked lanes), one row, a 3-D input.
+SHAPES = [(4, 64), (3, 37), (1, 5), (2, 3, 24)]
+
+
+def _inputs(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=g) * 3).to(dtype)
+    w = (torch.rand(shape[-1], generator=g) + 0.5).to(dtype)
+    r = torch.randn(shape, generator=g).to(dtype)
+    return x.to(DEVICE), w.to(DEVICE), r.to(DEVICE)
+
+
+def test_reference_equals_the_model_norm():
+    x, w, _ = _inputs((3, 16), torch.bfloat16)
+    norm = RMSNorm(16, 1e-6).to(torch.bfloat16)
+    norm.weight.data.copy_(w.cpu())
+    assert torch.equal(rms_norm_reference(x.cpu(), w.cpu(), 1e-6), norm(x.cpu()))
+    assert torch.equal(rms_norm_reference(x.cpu(), None, 1e-6), RMSNorm(16, 1e-6, with_scale=False)(x.cpu()))
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", TOLS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("gain", [True, False])
+def test_rms_norm_matches_reference(dtype, atol, rtol, shape, gain):
+    from dgcli.kernels.rmsnorm import rms_norm
+
+    x, w, _ = _inputs(shape, dtype)
+    weight = w if gain else None
+    got = rms_norm(x, weight, 1e-6)
+    assert got.shape == x.shape and got.dtype == dtype
+    torch.testing.assert_close(got, rms_norm_reference(x, weight, 1e-6), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", TOLS)
+@pytest.mark.parametrize("shape", SHAPES[:2])
+def test_fused_residual_add(dtype, atol, rtol, shape):
+    from dgcli.kernels.rmsnorm import rms_norm
+
+    x, w, r = _inputs(shape, dtype, seed=1)
+    got_sum, got = rms_norm(x, w, 1e-6, residual=r)
+    want_sum, want = rms_norm_reference(x, w, 1e-6, residual=r)
+    assert torch.equal(got_sum, want_sum)  # one rounding of an exact fp32 sum: bit-equal
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)

@@ -1,0 +1,186 @@
+"""`dgemma sweep`: a real process interrupted mid-sweep and resumed holds every cell exactly once; the
+frontier on hand-built rows; the row file's torn-line recovery; grid errors as one line; quality by
+exact match and by agreement; the plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+
+import pytest
+from typer.testing import CliRunner
+
+from dgcli.measure import sweep as sw
+from dgcli.errors import UserError
+from dgcli.runtime.settings import DiffusionEbParams
+
+from hf_oracle import CLI_CANVAS as C
+from hf_oracle import CLI_TEXT as TEXT
+
+
+@pytest.fixture(scope="module")
+def ckpt(cli_ckpt):
+    return cli_ckpt
+
+
+def cli(*args, code=0):
+    from dgcli.cli import app
+
+    r = CliRunner().invoke(app, ["sweep", *args])
+    assert r.exit_code == code, (r.output, r.exception)
+    return r
+
+
+def cells_in(path):
+    return [json.loads(ln) for ln in path.read_text().splitlines() if json.loads(ln).get("kind") == "cell"]
+
+
+# ---- kill and resume (the one real subprocess) ----------------------------------------------------------
+
+
+def test_interrupted_sweep_resumes_with_each_cell_once(ckpt, tmp_path):
+    out = tmp_path / "s.jsonl"
+    args = ["--model", str(ckpt), "--random-prompts", "--num-prompts", "2", "--random-input-len", "8",
+            "--diffusion-steps", "4-24+2", "--blocks", "2", "--warmup", "0", "--no-measure-peaks", "-o", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", DGEMMA_DEBUG="")
+    proc = subprocess.Popen([sys.executable, "-c", "from dgcli.cli import main; main()", "sweep", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.time() + 60
+    while time.time() < deadline and proc.poll() is None:
+        if out.exists() and len(cells_in(out)) >= 1:
+            break
+        time.sleep(0.01)
+    assert proc.poll() is None, "the sweep ended before it could be interrupted: " + proc.stderr.read()[-500:]
+    proc.send_signal(signal.SIGINT)  # Ctrl-C
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-800:]
+    assert "--resume" in err and "Traceback" not in err
+    first = cells_in(out)
+    assert 1 <= len(first) < 11  # 4, 6, ..., 24: 11 cells
+
+    with pytest.raises(AssertionError):  # without --resume an existing file is refused
+        cli(*args)
+    r = cli(*args, "--resume", "--format", "jsonl")
+    rows = cells_in(out)
+    keys = [r["cell_key"] for r in rows]
+    assert len(keys) == len(set(keys)) == 11
+    assert sorted(r["cell"]["max_denoising_steps"] for r in rows) == list(range(4, 25, 2))
+    assert rows[: len(first)] == first  # finished rows were kept as they were
+    refs = [json.loads(ln) for ln in out.read_text().splitlines() if json.loads(ln).get("kind") == "reference"]
+    assert len(refs) == 1 and len(refs[0]["outputs"]) == 2  # the reference ran once, before the kill
+    assert len(r.stdout.splitlines()) == 11  # --format jsonl: the final rows
+    again = cli(*args, "--resume")  # nothing left to run
+    assert "0 to run" in again.stderr and len(cells_in(out)) == 11
+
+
+# ---- pieces -----------------------------------------------------------------------------------------------
+
+
+def test_pareto_frontier_on_hand_built_rows():
+    rows = [{"id": "a", "s": 10, "q": 0.9}, {"id": "b", "s": 20, "q": 0.8}, {"id": "c", "s": 15, "q": 0.7},
+            {"id": "d", "s": 30, "q": 0.5}, {"id": "e", "s": 5, "q": 0.9}, {"id": "f", "s": 30, "q": 0.5},
+            {"id": "g", "s": 25, "q": None}, {"id": "h", "s": 1, "q": 1.0}]
+    front = sw.pareto_frontier(rows, "s", "q")
+    # c loses to b; e to a (same quality, slower); g has no quality; d and f tie and are both kept.
+    assert [r["id"] for r in front] == ["h", "a", "b", "d", "f"]
+    assert sw.pareto_frontier([], "s", "q") == []
+
+
+def test_bad_grid_spec_is_one_line(ckpt):
+    from dgcli.cli import app
+
+    for args in (["--diffusion-steps", "8-4+2"], ["--entropy-bound", "0.1,,0.2"], ["--t-min", "abc"],
+                 ["--blocks", "1.5"], ["--seeds", "x"], ["--plot", "f.pdf"]):
+        r = CliRunner().invoke(app, ["sweep", "--model", str(ckpt), *args, "--dry-run"])
+        assert isinstance(r.exception, UserError), (args, r.output)
+        msg = str(r.exception)
+        assert "\n" not in msg and ("--" in msg), msg
+
+
+def test_plan_skips_impossible_cells_and_dry_run_loads_nothing(ckpt, tmp_path):
+    axes = sw.parse_axes({"t_min": "0.2,0.6", "t_max": "0.4,0.8", "max_blocks": None})
+    cells, skipped = sw.plan(DiffusionEbParams(), axes)
+    assert [c.values for c in cells] == [{"t_min": 0.2, "t_max": 0.4}, {"t_min": 0.2, "t_max": 0.8},
+                                         {"t_min": 0.6, "t_max": 0.8}]
+    assert skipped[0][0] == {"t_min": 0.6, "t_max": 0.4} and "t_max" in skipped[0][1]
+    r = cli("--model", str(ckpt), "--diffusion-steps", "4,8", "--entropy-bound", "0.1-0.3+0.1", "--dry-run",
+            "-o", str(tmp_path / "x.jsonl"))
+    assert "plan: 6 cell(s)" in r.stdout and "steps=8 eb=0.3" in r.stdout
+    assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_row_store_drops_a_torn_last_line(tmp_path):
+    store = sw.RowStore(tmp_path / "r.jsonl")
+    store.append({"kind": "cell", "cell_key": "a"})
+    store.append({"kind": "cell", "cell_key": "b"})
+    with open(store.path, "a") as f:
+        f.write('{"kind": "cell", "cell_ke')  # killed mid-write
+    notes = []
+    assert [r["cell_key"] for r in store.load(notes.append)] == ["a", "b"] and notes
+    assert store.path.read_text().count("\n") == 2 and store.load() == store.load()
+    store.path.write_text('{"a": 1}\nnot json\n{"b": 2}\n')
+    with pytest.raises(UserError, match="line 2"):
+        store.load()
+
+
+def test_agreement_and_exact_match():
+    assert sw.agreement([1, 2, 3], [1, 2, 3]) == 1
+    assert sw.agreement([1, 9, 3, 4], [1, 2, 3]) == 0.5  # 2 equal positions over the longer length 4
+    assert sw.agreement([], []) == 1
+    assert sw.exact_match(" 2 3 \n", "2 3") and not sw.exact_match("2 3 4", "2 3")
+
+
+def test_exact_match_quality_from_answers(ckpt, tmp_path):
+    """Answers in the prompt file make quality an exact match: one prompt's answer is what the model
+    says at the cell's settings (run here through the same sampler), the other's is not."""
+    import dgcli
+    from dgcli.sampling.loop import generate
+    from dgcli.text.tokenizer import load_tokenizer
+
+    tok, model = load_tokenizer(ckpt), dgcli.load_model(ckpt)
+    params = DiffusionEbParams(max_denoising_steps=3, seed=0, max_blocks=1)
+    ids = tok.encode_prompt("The quick brown fox")
+    done = generate(model, ids, params=params, num_blocks=1, stop_ids=[1, 106, 50], pad_id=tok.pad_id)
+    said = tok.answer_text(done.token_ids, stop_ids=[1, 106, 50])
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "The quick brown fox", "answer": said}) + "\n"
+                 + json.dumps({"prompt": "jumps over", "answer": said + " not this"}) + "\n")
+    out = tmp_path / "q.jsonl"
+    cli("--model", str(ckpt), "--prompts", str(f), "--diffusion-steps", "3,4", "--blocks", "1", "--warmup", "0",
+        "--no-measure-peaks", "-o", str(out), "--plot", str(tmp_path / "p.svg"))
+    rows = {r["cell"]["max_denoising_steps"]: r for r in cells_in(out)}
+    assert rows[3]["quality_metric"] == "exact_match" and rows[3]["exact_match"] == 0.5
+    assert 0 <= rows[4]["quality"] <= 0.5
+    svg = ET.parse(tmp_path / "p.svg").getroot()
+    assert svg.tag.endswith("svg") and len([e for e in svg.iter() if e.tag.endswith("circle")]) >= 2
+
+
+def test_resume_refuses_a_different_sweep(ckpt, tmp_path):
+    out = tmp_path / "d.jsonl"
+    base = ["--model", str(ckpt), "--random-prompts", "--num-prompts", "1", "--random-input-len", "4",
+            "--diffusion-steps", "2,3", "--warmup", "0", "--no-measure-peaks", "-o", str(out)]
+    cli(*base)
+    from dgcli.cli import app
+
+    r = CliRunner().invoke(app, ["sweep", *base, "--resume", "--t-max", "0.9"])
+    assert isinstance(r.exception, UserError) and "different sweep" in str(r.exception)
+    r = cli(*base, "--resume", "--diffusion-steps", "2,3,5")  # a wider grid runs only the new cell
+    assert "1 to run" in r.stderr and len(cells_in(out)) == 3
+
+
+def test_svg_frontier_plot(tmp_path):
+    rows = [{"cell": {"max_denoising_steps": s}, "cell_key": str(s), "v": 100 / s, "quality": min(1, s / 32)}
+            for s in (4, 8, 16, 32, 48)]
+    front = sw.pareto_frontier(rows, "v", "quality")
+    p = sw.write_plot(tmp_path / "f.svg", rows, front, "v", "quality", title="t",
+                      label=lambda r: sw.cell_label(r, ["max_denoising_steps"]))
+    root = ET.parse(p).getroot()
+    poly = [e for e in root.iter() if e.tag.endswith("polyline")]
+    assert len(poly) == 1 and len(poly[0].get("points").split()) == len(front) == 4  # 48 is dominated by 32
+    with pytest.raises(UserError, match=".svg or .png"):
+        sw.write_plot(tmp_path / "f.pdf", rows, front, "v", "quality", title="t", label=str)

@@ -1,0 +1,130 @@
+"""The whole sampler against transformers' `generate` on the same checkpoint.
+
+(a) A near-identity model (orthogonal embeddings, tiny post-norm gains): every tempered distribution
+is one-hot to float precision, so the reference's `generate` is deterministic from a given initial
+canvas and ours must give the same block, the same number of denoising steps and the same
+tokens-per-forward. (b) A non-confident random model: our per-position samples follow the tempered
+softmax of the reference's logits (chi-square at a fixed seed)."""
+
+import math
+
+import pytest
+import torch
+from hf_oracle import TINY_VISION, make_config
+
+import dgcli
+from dgcli.sampling.loop import generate_events
+from dgcli.sampling.events import Step
+from dgcli.runtime.settings import DiffusionEbParams
+
+S, F = "sliding_attention", "full_attention"
+TEXT = dict(vocab_size=48, hidden_size=64, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, num_global_key_value_heads=1, head_dim=16,
+            global_head_dim=32, num_experts=4, top_k_experts=2, sliding_window=8, layer_types=[S, F],
+            max_position_embeddings=1024)
+CANVAS = 12
+
+
+@pytest.fixture(scope="module")
+def copy_model(tmp_path_factory):
+    """Transformers' model whose canvas logits copy the canvas: logit_j = h·E_j with orthogonal E rows."""
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+
+    cfg = DiffusionGemmaConfig(text_config=make_config(TEXT, CANVAS)["text_config"],
+                               vision_config=dict(TINY_VISION), canvas_length=CANVAS)
+    ref = DiffusionGemmaForBlockDiffusion(cfg).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, t in ref.named_parameters():
+            if "vision" in name:
+                continue
+            if t.ndim >= 2:
+                t.copy_(torch.randn(t.shape, generator=g) / math.sqrt(t.shape[-1]))
+        q, _ = torch.linalg.qr(torch.randn(64, 64, generator=g))
+        ref.model.decoder.embed_tokens.weight.copy_(q[:48] * 2.5)  # logit gap ~ sqrt(64)*2.5 = 20 before softcap
+        for layer in ref.model.decoder.layers:
+            layer.post_attention_layernorm.weight.fill_(0.01)
+            layer.post_feedforward_layernorm.weight.fill_(0.01)
+        ref.model.decoder.self_conditioning.down_proj.weight.mul_(0.01)
+    path = tmp_path_factory.mktemp("copy")
+    ref.save_pretrained(path)
+    return ref, dgcli.load_model(path)
+
+
+def reference_generate(ref, prompt, init, params, blocks, eos):
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import DiffusionGemmaGenerationConfig
+
+    gc = DiffusionGemmaGenerationConfig(
+        max_new_tokens=blocks * CANVAS, max_denoising_steps=params.max_denoising_steps,
+        sampler_config={"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": params.entropy_bound},
+        t_min=params.t_min, t_max=params.t_max, stability_threshold=params.stability_threshold,
+        confidence_threshold=params.confidence_threshold, eos_token_id=eos, pad_token_id=0)
+    out = ref.generate(input_ids=prompt, decoder_input_ids=init, generation_config=gc)
+    return out.sequences[0, prompt.shape[1]:].tolist(), float(out.tokens_per_forward)
+
+
+@pytest.mark.parametrize("stability,steps,stop_at", [(1, 48, None), (2, 48, 5), (0, 8, None), (1, 1, 3)])
+def test_block_steps_and_tokens_per_forward_equal_the_reference(copy_model, stability, steps, stop_at):
+    ref, ours = copy_model
+    g = torch.Generator().manual_seed(stability * 10 + steps)
+    prompt = torch.randint(5, 48, (1, 11), generator=g)
+    init = torch.randint(5, 48, (1, CANVAS), generator=g)
+    if stop_at is not None:
+        init[0, stop_at] = 1  # a stop id inside the first block ends generation there
+    params = DiffusionEbParams(max_denoising_steps=steps, stability_threshold=stability)
+    want, want_tpf = reference_generate(ref, prompt, init, params, blocks=1, eos=[1])
+    again, _ = reference_generate(ref, prompt, init, params, blocks=1, eos=[1])
+    assert want == again, "the oracle itself must be deterministic for this comparison to mean anything"
+
+    steps_seen = []
+    done = None
+    for ev in generate_events(ours, prompt, params=params, num_blocks=1, stop_ids=[1], init_canvas=init[0]):
+        if isinstance(ev, Step):
+            steps_seen.append(ev.step)
+        done = ev
+    # The reference pads after the first stop id and keeps the stop id itself; ours drops both.
+    cut = want.index(1) if 1 in want else len(want)
+    assert done.token_ids == want[:cut]
+    assert done.token_ids == init[0].tolist()[:cut]  # it is a copy model
+    assert done.finish_reason == ("stop" if stop_at is not None else "length")
+    assert done.tokens_per_forward == pytest.approx(want_tpf)
+    # Stable after stability+1 passes (history starts at -1), or at once with threshold 0.
+    assert done.steps_per_block == [min(steps, max(stability, 0) + 1)]
+    assert steps_seen == list(range(1, done.steps_per_block[0] + 1))
+
+
+def test_samples_follow_the_references_tempered_softmax(tmp_path):
+    """First step (T = t_max) of a non-confident random model, from a fixed canvas, over many seeds."""
+    from hf_oracle import build_reference
+
+    ref = build_reference("gqa2_window6", seed=4)
+    ref.save_pretrained(tmp_path / "ck")
+    ours = dgcli.load_model(tmp_path / "ck")
+    cfg = ours.config
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, cfg.vocab_size, (1, 7), generator=g)
+    init = torch.randint(0, cfg.vocab_size, (cfg.canvas_length,), generator=g)
+    params = DiffusionEbParams(max_denoising_steps=1)
+    with torch.no_grad():
+        logits = ref(input_ids=prompt, decoder_input_ids=init[None]).logits[0]  # [C, V]
+    probs = torch.softmax(logits / params.t_max, dim=-1)
+    n = 600
+    counts = torch.zeros_like(probs)
+    for seed in range(n):
+        for ev in generate_events(ours, prompt, params=params, num_blocks=1, init_canvas=init,
+                                  generator=torch.Generator().manual_seed(seed)):
+            if isinstance(ev, Step):
+                counts[torch.arange(cfg.canvas_length), ev.sample] += 1
+    # Pool the C positions into one chi-square over cells with expected count >= 5 (+ one rest cell).
+    expected = probs * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], (counts[~big].sum()).reshape(1)])
+    exp = torch.cat([expected[big], (expected[~big].sum()).reshape(1)])
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    dof = obs.numel() - cfg.canvas_length  # each position's counts sum to n
+    # Wilson-Hilferty: chi2 beyond dof + 6*sqrt(2*dof) has p < 1e-8; a wrong temperature lands far above.
+    assert probs.max(-1).values.mean() < 0.9, "the model must not be confident, or the test says nothing"
+    assert chi2 < dof + 6 * math.sqrt(2 * dof), (chi2, dof)
+    wrong = torch.softmax(logits / (params.t_max * 1.5), dim=-1) * n
+    wexp = torch.cat([wrong[big], wrong[~big].sum().reshape(1)])
+    assert float(((obs - wexp) ** 2 / wexp).sum()) > chi2 * 2  # the statistic can tell temperatures apart
