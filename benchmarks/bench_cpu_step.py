@@ -152,7 +152,7 @@ def components(model, prompt: torch.Tensor, compiled: bool) -> dict:
 
 def run_dgemma(model, prompt: torch.Tensor, steps: int, blocks: int) -> dict:
     from dgcli.sampling.loop import generate_events
-    from dgcli.runtime.settings import DiffusionEbParams
+    from dgcli.sampling.params import DiffusionEbParams
     from dgcli.sampling.events import Done, Step
 
     params = DiffusionEbParams(max_denoising_steps=steps, confidence_threshold=0.0, seed=0)

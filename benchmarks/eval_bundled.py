@@ -25,7 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 from dgcli.train import tasks
 from dgcli.model.config import load_generation_config  # noqa: E402
-from dgcli.runtime.settings import DiffusionEbParams, from_generation_config, stop_ids_from_generation_config  # noqa: E402
+from dgcli.runtime.settings import from_generation_config, stop_ids_from_generation_config  # noqa: E402
+from dgcli.sampling.params import DiffusionEbParams  # noqa: E402
 from dgcli.text.tokenizer import load_tokenizer  # noqa: E402
 from dgcli.train.trainer import evaluate, summarize  # noqa: E402
 

@@ -16,18 +16,17 @@ from typing import Annotated, Optional
 import typer
 
 from dgcli.cli import options as o
-from dgcli.cli.bench import Dummy, Layers, MeasurePeaks
 from dgcli.errors import UserError
 
 
 def info(
     model: Annotated[Optional[str], typer.Argument(help="Checkpoint directory or config.json (default: the bundled tiny model).")] = None,
-    dummy: Dummy = None, layers: Layers = None, device: o.Device = None,
+    dummy: o.Dummy = None, layers: o.Layers = None, device: o.Device = None,
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="Run dtype for memory and bytes: auto (the checkpoint's) | bfloat16 | float32")] = None,
     context: Annotated[int, typer.Option("--context", help="Cached tokens the KV-cache figure is sized for.")] = 4096,
     prompt_len: Annotated[int, typer.Option("--prompt-len", help="Cached tokens a denoising step attends to, for per-step costs.")] = 256,
     fmt: Annotated[str, typer.Option("--format", "-f", help="md | json")] = "md",
-    measure_peaks: MeasurePeaks = True,
+    measure_peaks: o.MeasurePeaks = True,
 ) -> None:
     """Show a checkpoint's card: parameters, bytes, memory, per-step FLOPs and bytes, roofline floor."""
     if fmt not in ("md", "json"):
@@ -36,7 +35,8 @@ def info(
         raise UserError("--context must be >= 1 and --prompt-len >= 0")
     from dgcli.measure import card as inf
     from dgcli.measure import printers as report
-    from dgcli.measure.bench import dummy_config, peaks_for_card
+    from dgcli.measure.bench import peaks_for_card
+    from dgcli.model.random_weights import dummy_config
     from dgcli.model.config import load_config, parse_config
     from dgcli.runtime.session import default_model_path
 

@@ -37,6 +37,20 @@ ShowThinking = Annotated[bool, typer.Option("--show-thinking", help="Print the t
 Raw = Annotated[bool, typer.Option("--raw", help="Send the prompt without the chat template.")]
 
 
+# bench, sweep and info: the workload and the target.
+Dummy = Annotated[Optional[str], typer.Option(
+    "--dummy", help="Random weights for a config.json path (or the word 26B-A4B, the shipped config): no weights read; fixed-work mode.")]
+Layers = Annotated[Optional[int], typer.Option("--layers", help="Keep only the first N layers of a --dummy config (last forced to full attention).")]
+Prompts = Annotated[Optional[str], typer.Option("--prompts", help="JSONL prompt file ({\"prompt\", \"answer\"?} per line; default: the bundled prompt set).")]
+RandomPrompts = Annotated[bool, typer.Option("--random-prompts", help="Use random token ids as prompts (a loud warning: early stopping behaves differently).")]
+NumPrompts = Annotated[Optional[int], typer.Option("--num-prompts", help="Use the first N prompts (random prompts: N, default 4).")]
+InputLen = Annotated[int, typer.Option("--random-input-len", help="Length of random-id prompts.")]
+IgnoreEos = Annotated[bool, typer.Option("--ignore-eos", help="Never stop at a stop id: every request runs all its blocks (forced for --dummy).")]
+Warmup = Annotated[int, typer.Option("--warmup", "--num-warmups", help="Untimed warm-up requests first.")]
+Label = Annotated[Optional[str], typer.Option("--label", help="A name for the row(s).")]
+Metadata = Annotated[Optional[list[str]], typer.Option("--metadata", help="KEY=VALUE recorded in every row's provenance (repeatable).")]
+MeasurePeaks = Annotated[bool, typer.Option("--measure-peaks/--no-measure-peaks", help="Measure this CPU's matmul and bandwidth peaks (~1 s) for the roofline.")]
+
 def sampler_flags(*, steps=None, t_min=None, t_max=None, entropy_bound=None, stability=None, confidence=None,
                   seed=None, blocks=None, device=None, dtype=None, max_tokens=None) -> dict:
     """The flags given on the command line, keyed as in presets (None = not given)."""

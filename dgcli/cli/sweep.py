@@ -4,7 +4,8 @@ Pareto frontier of speed against quality, and an optional plot.
 
 Owns: the sweep flags (axis flags take grid specs: `8,16,32`, `a-b+step`), the order of work (plan,
 reference outputs when agreement is the quality, warm-up, cells) and of output. Must not: measure,
-format or decide figures itself (dgcli.measure.bench, dgcli.measure.printers, dgcli.measure.sweep do); no denoising loop here.
+format or decide figures itself (dgcli.measure does); no denoising loop here (requests go through
+dgcli.runtime.request).
 Ctrl-C: the finished cells stay in the file; `--resume` continues it.
 """
 
@@ -16,8 +17,9 @@ from typing import Annotated, Optional
 import typer
 
 from dgcli.cli import options as o
-from dgcli.cli.bench import (Dummy, IgnoreEos, InputLen, Label, Layers, MeasurePeaks, Metadata, NumPrompts, Prompts,
-                        RandomPrompts, Warmup, emit, status, warn)
+from dgcli.cli.options import (Dummy, IgnoreEos, InputLen, Label, Layers, MeasurePeaks, Metadata, NumPrompts, Prompts,
+                               RandomPrompts, Warmup)
+from dgcli.cli.console import emit, status, warn
 from dgcli.errors import UserError
 
 
@@ -56,7 +58,10 @@ def sweep(
     from dgcli.measure import bench as b
     from dgcli.measure import printers as report
     from dgcli.measure import sweep as sw
-    from dgcli.measure.bench import DEFINITIONS
+    from dgcli.measure.metrics import DEFINITIONS
+    from dgcli.measure.workload import build_prompts, prompt_set_hash
+    from dgcli.runtime import request
+    from dgcli.runtime.session import open_any
 
     if fmt not in ("md", "csv", "json", "jsonl"):
         raise UserError(f"--format {fmt}: use one of md, csv, json, jsonl")
@@ -84,11 +89,10 @@ def sweep(
         return
 
     baseline = b.PeakMemory.maxrss()  # before the model exists, for the CPU peak-memory figure
-    target = b.open_target(model, dummy, layers, preset, flags, warn=warn, compile=compile)
-    s = target.session
-    plist, source = b.build_prompts(s, prompts_file=prompts, random_ids=random_prompts or target.dummy,
+    s = open_any(model, dummy, layers, preset, flags, warn=warn, compile=compile)
+    plist, source = build_prompts(s, prompts_file=prompts, random_ids=random_prompts or s.dummy,
                                     num_prompts=num_prompts, input_len=random_input_len, seed=seed_list[0], warn=warn)
-    ignore = ignore_eos or target.dummy
+    ignore = ignore_eos or s.dummy
     cells, skipped = sw.plan(s.params, axes)
     for values, why in skipped:
         warn(f"dgemma: note: cell {values} skipped: {why}")
@@ -98,8 +102,8 @@ def sweep(
     quality_metric = "exact_match" if answered and s.tokenizer is not None else "agreement"
     swept = {k for k, v in axes.items() if len(v) > 1}  # single values are part of the fixed settings
     fixed = {k: v for k, v in s.resolved.as_dict()["params"].items() if k not in swept and k != "seed"}
-    fp = sw.fingerprint({"model": str(s.path), "name": target.name, "dtype": b.model_dtype(s),
-                         "device": s.device.type, "prompts": b.prompt_set_hash(plist), "fixed": fixed,
+    fp = sw.fingerprint({"model": str(s.path), "name": s.name, "dtype": s.dtype_name,
+                         "device": s.device.type, "prompts": prompt_set_hash(plist), "fixed": fixed,
                          "seeds": seed_list, "runs": runs, "ignore_eos": ignore, "quality": quality_metric})
     rows = store.load(warn) if resume else []
     foreign = [r for r in rows if r.get("sweep_fingerprint") != fp]
@@ -110,7 +114,7 @@ def sweep(
     todo = [c for c in cells if c.key not in done_keys]
 
     peaks = b.device_peaks(s.device, measure_cpu=measure_peaks)
-    card = b.target_card(target, prompt_len=round(sum(len(p.ids) for p in plist) / len(plist)),
+    card = b.target_card(s, prompt_len=round(sum(len(p.ids) for p in plist) / len(plist)),
                          context=max(len(p.ids) for p in plist) + s.num_blocks * s.config.canvas_length,
                          peaks=b.peaks_for_card(peaks))
     (sys.stdout if fmt == "md" else sys.stderr).write("# dgemma sweep\n\n" + report.card_markdown(card) + "\n")
@@ -122,10 +126,10 @@ def sweep(
         reference = _reference(rows, store, s, plist, ignore, quality_metric, fp, progress)
         for i in range(warmup if todo else 0):
             progress(f"warm-up {i + 1}/{warmup}")
-            b.run_request(s, plist[i % len(plist)], s.params, ignore_eos=ignore)
+            request.run(s, plist[i % len(plist)].ids, ignore_eos=ignore)
         for n, cell in enumerate(todo, 1):
             memory = b.PeakMemory(s.device, baseline)
-            row = _run_cell(target, cell, plist, source, seed_list, runs, ignore, quality_metric, reference,
+            row = _run_cell(s, cell, plist, source, seed_list, runs, ignore, quality_metric, reference,
                             peaks, memory, label, meta, fp, progress)
             store.append(row)
             rows.append(row)
@@ -144,7 +148,7 @@ def sweep(
 
 def _print_plan(model, dummy, layers, preset, flags, axes, seeds, store, resume) -> None:
     from dgcli.measure import sweep as sw
-    from dgcli.measure.bench import dummy_config
+    from dgcli.model.random_weights import dummy_config
     from dgcli.runtime.session import resolve_for
     from dgcli.runtime.settings import blocks_for, resolve
 
@@ -173,7 +177,7 @@ def _print_plan(model, dummy, layers, preset, flags, axes, seeds, store, resume)
 
 def _reference(rows, store, s, plist, ignore, metric, fp, progress):
     """Agreement needs the base setting's output per prompt: taken from the file, or run once and saved."""
-    from dgcli.measure import bench as b
+    from dgcli.runtime import request
     if metric != "agreement":
         return None
     for r in rows:
@@ -182,21 +186,23 @@ def _reference(rows, store, s, plist, ignore, metric, fp, progress):
     outs = []
     for i, p in enumerate(plist):
         progress(f"reference output {i + 1}/{len(plist)}")
-        outs.append(b.run_request(s, p, s.params, ignore_eos=ignore).done.token_ids)
+        outs.append(request.run(s, p.ids, ignore_eos=ignore).token_ids)
     row = {"kind": "reference", "sweep_fingerprint": fp, "settings": s.resolved.as_dict()["params"], "outputs": outs}
     store.append(row)
     rows.append(row)
     return outs
 
 
-def _run_cell(target, cell, plist, source, seeds, runs, ignore, metric, reference, peaks, memory, label, meta, fp,
+def _run_cell(s, cell, plist, source, seeds, runs, ignore, metric, reference, peaks, memory, label, meta, fp,
               progress):
     """Every seed x run x prompt of one cell through the sampler; the bench figures plus quality."""
     import dataclasses
 
     from dgcli.measure import bench as b
     from dgcli.measure import sweep as sw
-    session = dataclasses.replace(target.session, num_blocks=_blocks(target.session, cell.params))
+    from dgcli.measure import metrics
+
+    session = dataclasses.replace(s, num_blocks=_blocks(s, cell.params))
     name = sw.cell_label({"cell": cell.values}, list(cell.values))
     all_runs, scores = [], []
     memory.start()
@@ -207,13 +213,12 @@ def _run_cell(target, cell, plist, source, seeds, runs, ignore, metric, referenc
             all_runs.append(run)
             for i, (p, req) in enumerate(zip(plist, run)):
                 if metric == "agreement":
-                    scores.append(sw.agreement(req.done.token_ids, reference[i]))
+                    scores.append(sw.agreement(req.token_ids, reference[i]))
                 elif p.answer is not None:
-                    text = session.tokenizer.answer_text(req.done.token_ids, stop_ids=session.stop_ids)
-                    scores.append(float(sw.exact_match(text, p.answer)))
-    summary = b.summarize(all_runs, session.config, cell.params.max_denoising_steps,
+                    scores.append(float(sw.exact_match(req.text, p.answer)))
+    summary = metrics.summarize(all_runs, session.config, cell.params.max_denoising_steps,
                           weight_bytes=b.weight_bytes(session), peaks=peaks, peak_memory=memory.read())
-    row = b.make_row(dataclasses.replace(target, session=session), prompts=plist, prompt_source=source,
+    row = b.make_row(session, prompts=plist, prompt_source=source,
                      params=cell.params, runs_done=runs, runs_asked=runs, warmup=0, ignore_eos=ignore,
                      summary=summary, label=label, metadata=meta, kind="cell")
     q = sw.quality_of(scores)
@@ -261,6 +266,6 @@ def _finish(rows, cells, axes, speed, plot, fmt, card, output) -> None:
 
 
 def report_def(key: str) -> str:
-    from dgcli.measure.bench import DEFINITIONS
+    from dgcli.measure.metrics import DEFINITIONS
 
     return DEFINITIONS.get(key, "")

@@ -1,8 +1,8 @@
 """`dgemma watch [PROMPT|-]` and `dgemma watch --replay TRACE`: the canvas denoising, block by block.
 
 Owns: where the animation goes (a terminal on stdout, else a terminal on stderr, else the last frame of
-each block on stderr with a note), feeding generate's per-prompt run (`run_prompt`: the same event
-stream and the same `--trace`) or a saved trace's records into `dgcli.render.watch`, the pictures, and the
+each block on stderr with a note), feeding one request's events (`dgcli.cli.console.run_one`: the same
+request API and the same `--trace` as generate) or a saved trace's records into `dgcli.render.watch`, the pictures, and the
 answer on stdout at the end (so the scrollback holds it). Must not: contain a denoising loop or draw
 frames itself (dgcli.render.watch does).
 """
@@ -96,7 +96,8 @@ def watch(
         return _replay(replay, speed=1.0 if speed is None else speed, fps=fps, step_delay=step_delay,
                        save_svg=save_svg, save_html=save_html)
 
-    from dgcli.cli.generate import parse_init_canvas, read_prompts, run_prompt
+    from dgcli.cli.console import print_answer, read_prompts, run_one
+    from dgcli.runtime.request import init_canvas_ids
     from dgcli.runtime.session import open_session, resolve_for
 
     if show_config:
@@ -107,7 +108,7 @@ def watch(
     session = open_session(model, preset, flags)
     if session.tokenizer is None:
         raise UserError(f"{session.path}: no tokenizer.json; dgemma watch needs the checkpoint's tokenizer")
-    canvas = parse_init_canvas(init_canvas, session, session.params.seed) if init_canvas else None
+    canvas = init_canvas_ids(session, init_canvas, session.params.seed) if init_canvas else None
     console, mode, note = _screen()
     pieces = Pieces(fetch=session.tokenizer.token_strings)
     w = Watch(pieces, session.params.max_denoising_steps, Display(console, mode, pieces, fps=fps, step_delay=step_delay))
@@ -115,18 +116,13 @@ def watch(
         print(note, file=sys.stderr)
     try:
         with w.display:
-            result = run_prompt(session, text, raw=raw, thinking=thinking or session.resolved.run.thinking,
-                                show_thinking=show_thinking, trace=trace, init_canvas=canvas,
-                                on_event=lambda event: w.feed(event.to_record()))
+            response = run_one(session, text, raw=raw, thinking=thinking, show_thinking=show_thinking, trace=trace,
+                               init_canvas=canvas, on_event=lambda event: w.feed(event.to_record()))
     except KeyboardInterrupt:
         _interrupted(w)
     title, meta = _describe(str(session.path), session.resolved.as_dict(), text)
     _pictures(w, title, meta, save_svg, save_html)
-    sys.stdout.write(result["text"].rstrip("\n") + "\n")
-    sys.stdout.flush()
-    if result["finish_reason"] == "length":
-        print(f"dgemma: note: the answer hit the block budget ({result['blocks']} block(s)); "
-              "raise --blocks or --max-tokens for more", file=sys.stderr)
+    print_answer(response)
 
 
 def _replay(path: str, *, speed: float, fps: float | None, step_delay: float, save_svg: str | None,

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Callable
 
 from dgcli.errors import UserError
-from dgcli.runtime.settings import CLI_FLAG, DiffusionEbParams, SettingsError, parse_grid_values
+from dgcli.measure.grid import parse_grid_values
+from dgcli.sampling.params import CLI_FLAG, DiffusionEbParams, SettingsError
 
 # Sweepable settings, in table order: preset key -> value type.
 AXES: dict[str, type] = {"max_denoising_steps": int, "t_min": float, "t_max": float, "entropy_bound": float,

@@ -3,7 +3,8 @@
 Tests, benchmarks and the dummy-weights mode use these: `config.json` with a nested `text_config`,
 `model.safetensors` (or shards + `model.safetensors.index.json`) under the checkpoint's names (fused
 `experts.gate_up_proj`/`down_proj`, no `.weight` on experts/router scales, encoder layer scalars, no
-lm_head), `generation_config.json`, and optionally a tokenizer. Owns: random init and writing.
+lm_head), `generation_config.json`, and optionally a tokenizer. Owns: random init and writing, and the
+`--dummy` config (a config.json, or the shipped 26B-A4B one, optionally cut to its first N layers).
 Must not: run the model.
 """
 
@@ -16,7 +17,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from dgcli.model.config import parse_config
+from dgcli.errors import UserError
+from dgcli.model.config import RELEASED_ROPE_PARAMETERS, parse_config, read_json, real_config_path
 from dgcli.model.loader import to_checkpoint_name
 from dgcli.model.gemma import DiffusionGemma
 
@@ -34,10 +36,13 @@ TINY_VISION = {  # a tiny vision_config, so transformers does not build a full-s
 
 
 def make_config(text_config: dict, canvas_length: int = 256, dtype: str = "bfloat16") -> dict:
-    """A full config.json dict around a text_config (top-level keys as the released checkpoint has them)."""
+    """A full config.json dict around a text_config (top-level keys as the released checkpoint has them;
+    `rope_parameters` per layer type as released unless `text_config` gives its own)."""
+    rope = {kind: dict(params) for kind, params in RELEASED_ROPE_PARAMETERS.items()}
     text = {"model_type": "diffusion_gemma_text", "hidden_activation": "gelu_pytorch_tanh",
             "rms_norm_eps": 1e-6, "final_logit_softcapping": 30.0, "pad_token_id": 0, "bos_token_id": 2,
-            "eos_token_id": 1, "tie_word_embeddings": True, "attention_bias": False, **text_config}
+            "eos_token_id": 1, "tie_word_embeddings": True, "attention_bias": False,
+            "rope_parameters": rope, **text_config}
     return {"architectures": ["DiffusionGemmaForBlockDiffusion"], "model_type": "diffusion_gemma",
             "canvas_length": canvas_length, "text_config": text, "vision_config": dict(TINY_VISION),
             "eos_token_id": [1, 106], "tie_word_embeddings": True, "dtype": dtype}
@@ -125,3 +130,41 @@ def write_random_checkpoint(out_dir: str | Path, text_config: dict, *, canvas_le
     if tokenizer and vocab >= MIN_VOCAB_SIZE:
         write_tokenizer_files(build_tokenizer([SAMPLE_TEXT] * 4, vocab), out)
     return out
+
+
+# ---- --dummy: a config's architecture with random weights ----------------------------------------------
+
+
+def dummy_config(spec: str, layers: int | None = None) -> tuple[dict, dict | None, str]:
+    """(config.json dict, generation_config dict or None, name) for --dummy: a config.json path, a
+    directory holding one, or the word 26B-A4B (the shipped config). `layers` keeps the first N layer
+    types and forces the last to full attention, as the reference does."""
+    if spec.strip().upper() in ("26B-A4B", "26B", "DIFFUSIONGEMMA-26B-A4B"):
+        path = real_config_path()
+    else:
+        path = Path(spec)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise UserError(f"--dummy {spec}: no such config.json; pass a config path or the word 26B-A4B")
+    raw = read_json(path)
+    parse_config(raw, source=str(path))  # validate before anything else
+    gen_path = path.parent / "generation_config.json"
+    gen = read_json(gen_path) if gen_path.exists() else None
+    name = path.parent.name if path.name == "config.json" else path.stem
+    if layers is not None:
+        raw = shrink_layers(raw, layers)
+        name += f" (first {layers} layers)"
+    return raw, gen, name
+
+
+def shrink_layers(raw: dict, n: int) -> dict:
+    text = raw["text_config"]
+    total = int(text["num_hidden_layers"])
+    if not 1 <= n <= total:
+        raise UserError(f"--layers {n}: the config has {total} layers; pick 1..{total}")
+    types = list(text.get("layer_types") or [])
+    types = types[:n] if types else None
+    if types:
+        types[-1] = "full_attention"
+    return {**raw, "text_config": {**text, "num_hidden_layers": n, "layer_types": types}}

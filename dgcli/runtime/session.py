@@ -1,8 +1,9 @@
-"""What every model-running command does first: resolve settings, pick device and dtype, load the
-model and its tokenizer, and tokenise prompts within the context limit.
+"""What every model-running command does first: resolve settings, pick device and dtype, and load the
+model and its tokenizer — from a checkpoint, or as random weights from a config (`--dummy`).
 
-Owns: `Session` and `open_session`, device/dtype choice, the bundled-model default, prompt encoding
-checks. Must not: run the sampler or print (commands and renderers do that).
+Owns: `Session` and `open_session` / `open_dummy_session`, device/dtype choice, the bundled-model default,
+thread count for small CPU models, `--compile`, and the memory preflight of dummy models. Must not: run
+the sampler, tokenise prompts (runtime/request.py does) or print.
 """
 
 from __future__ import annotations
@@ -10,12 +11,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from dgcli.model.config import ModelConfig, load_config, load_generation_config
 from dgcli.errors import UserError
+from dgcli.model.config import ModelConfig, load_config, load_generation_config, parse_config
 from dgcli.runtime.settings import Resolved, blocks_for, resolve, stop_ids_from_generation_config
 
 BUNDLED = Path(__file__).resolve().parents[1] / "data" / "tiny"
@@ -42,18 +43,29 @@ def pick_device(name: str) -> torch.device:
 
 @dataclass
 class Session:
-    path: Path
+    path: Path  # the checkpoint (or, for dummy weights, the config it was built from)
     config: ModelConfig
     model: Any
-    tokenizer: Any  # ChatTokenizer, or None for a checkpoint without tokenizer.json
+    tokenizer: Any  # ChatTokenizer, or None (dummy weights, a checkpoint without tokenizer.json)
     resolved: Resolved
     device: torch.device
     stop_ids: list[int]
     num_blocks: int
+    name: str = ""  # what rows and cards call the model
+    dummy: bool = False  # random weights (fixed work forced)
+    compiled: bool = False  # --compile: decoder and vocabulary tiles through torch.compile
 
     @property
     def params(self):
         return self.resolved.params
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_id if self.tokenizer is not None else self.config.pad_token_id
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.model.embed_weight.dtype).removeprefix("torch.")
 
 
 # Below this size a CPU model runs on one thread (see `fit_threads`).
@@ -71,12 +83,11 @@ def fit_threads(model: Any, device: torch.device) -> None:
 
 
 def compile_decoder(model: Any) -> None:
-    """torch.compile the decoder pass (the model half of a denoising step) and, through
-    `model.compiled`, the CPU vocabulary pass's per-tile elementwise math (its GEMMs, running statistics
-    and random draws stay eager). The first compile takes tens of seconds (a C++ toolchain is needed on
-    CPU) and inductor caches it between runs."""
+    """torch.compile the decoder pass (the model half of a denoising step); the session's `compiled`
+    flag also sends the CPU vocabulary pass's per-tile elementwise math through torch.compile (its GEMMs,
+    running statistics and random draws stay eager). The first compile takes tens of seconds (a C++
+    toolchain is needed on CPU) and inductor caches it between runs."""
     model.decode = torch.compile(model.decode)
-    model.compiled = True  # recorded in benchmark provenance
 
 
 def resolve_for(model: str | None, preset: str | None, flags: dict) -> tuple[Path, ModelConfig, dict | None, Resolved]:
@@ -85,6 +96,12 @@ def resolve_for(model: str | None, preset: str | None, flags: dict) -> tuple[Pat
     cfg = load_config(path)
     gen = load_generation_config(path)
     return path, cfg, gen, resolve(gen, preset, flags)
+
+
+def _finish(model: Any, device: torch.device, compile: bool) -> None:
+    fit_threads(model, device)
+    if compile:
+        compile_decoder(model)
 
 
 def open_session(model: str | None, preset: str | None, flags: dict, *, need_tokenizer: bool = True,
@@ -101,26 +118,70 @@ def open_session(model: str | None, preset: str | None, flags: dict, *, need_tok
     stop_ids = stop_ids_from_generation_config(gen) if gen else list(cfg.eos_token_ids)
     if tokenizer is not None and not stop_ids:
         stop_ids = list(tokenizer.stop_ids)
-    max_tokens = resolved.run.max_tokens
-    num_blocks = blocks_for(resolved.params, max_tokens, cfg.canvas_length)
+    num_blocks = blocks_for(resolved.params, resolved.run.max_tokens, cfg.canvas_length)
     m = load_model(path, device=device, dtype=dtype)
-    fit_threads(m, device)
-    if compile:
-        compile_decoder(m)
-    return Session(path, cfg, m, tokenizer, resolved, device, stop_ids, num_blocks)
+    _finish(m, device, compile)
+    return Session(path, cfg, m, tokenizer, resolved, device, stop_ids, num_blocks, name=path.name, compiled=compile)
 
 
-def encode_prompt(session: Session, text: str, *, raw: bool = False, thinking: bool = False) -> list[int]:
-    if not text.strip():
-        raise UserError("the prompt is empty; pass text as an argument or on stdin")
-    ids = session.tokenizer.encode_prompt(text, raw=raw, thinking=thinking)
-    check_context(session, len(ids))
-    return ids
+def open_dummy_session(spec: str, layers: int | None, preset: str | None, flags: dict, *,
+                       warn: Callable[[str], None], compile: bool = False) -> Session:
+    """Random weights for a config (`--dummy`), built directly on the device (nothing read but the config).
+    Random weights never converge, so fixed-work mode is forced (confidence_threshold 0), and said."""
+    from dgcli.model.config import real_config_path
+    from dgcli.model.loader import resolve_dtype
+    from dgcli.model.random_weights import dummy_config, random_model
+
+    raw, gen, name = dummy_config(spec, layers)
+    if flags.get("confidence_threshold") not in (None, 0, 0.0):
+        warn(f"dgemma: note: --confidence-threshold {flags['confidence_threshold']} ignored: dummy weights run fixed-work (0)")
+    resolved = resolve(gen, preset, dict(flags, confidence_threshold=0.0))
+    device = pick_device(resolved.run.device)
+    dt = resolved.run.dtype if resolved.run.dtype != "auto" else str(raw.get("dtype") or "bfloat16")
+    dtype = resolve_dtype(dt if dt in ("bfloat16", "float32", "float16") else "bfloat16")
+    preflight(parse_config(raw), torch.tensor([], dtype=dtype).element_size(), device, spec=spec)
+    m = random_model(raw, seed=resolved.params.seed, dtype=dtype, device=device)
+    _finish(m, device, compile)
+    cfg = m.config
+    stop_ids = stop_ids_from_generation_config(gen) if gen else list(cfg.eos_token_ids)
+    num_blocks = blocks_for(resolved.params, resolved.run.max_tokens, cfg.canvas_length)
+    source = Path(spec) if Path(spec).exists() else real_config_path()
+    name = name if name.lower().startswith("dummy") else f"dummy {name}"
+    return Session(source, cfg, m, None, resolved, device, stop_ids, num_blocks, name=name, dummy=True,
+                   compiled=compile)
 
 
-def check_context(session: Session, prompt_len: int) -> None:
-    cfg = session.config
-    need = prompt_len + session.num_blocks * cfg.canvas_length
-    if need > cfg.max_position_embeddings:
-        raise UserError(f"the prompt ({prompt_len} tokens) plus {session.num_blocks} block(s) of {cfg.canvas_length} "
-                        f"exceed the model's context of {cfg.max_position_embeddings}; shorten the prompt or lower --blocks")
+def open_any(model: str | None, dummy: str | None, layers: int | None, preset: str | None, flags: dict, *,
+             warn: Callable[[str], None], compile: bool = False) -> Session:
+    """bench and sweep: a checkpoint (tokenizer optional) or `--dummy` weights, never both."""
+    if dummy is None:
+        if layers is not None:
+            raise UserError("--layers shrinks a --dummy config; it does not apply to a checkpoint")
+        return open_session(model, preset, flags, need_tokenizer=False, compile=compile)
+    if model is not None:
+        raise UserError("give either --model (a checkpoint) or --dummy CONFIG (random weights), not both")
+    return open_dummy_session(dummy, layers, preset, flags, warn=warn, compile=compile)
+
+
+def preflight(cfg: ModelConfig, weight_bytes: int, device: Any, *, spec: str) -> None:
+    """Refuse a dummy model that cannot fit, before allocating it (an OOM half-way is worse), and say
+    how many layers would."""
+    from dgcli.measure import card
+
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        try:
+            meminfo = Path("/proc/meminfo").read_text().splitlines()
+            free = next(int(ln.split()[1]) * 1024 for ln in meminfo if ln.startswith("MemAvailable:"))
+        except (OSError, StopIteration, ValueError):
+            return  # no way to know here: try
+    counts = card.param_counts(cfg)
+    need = counts["total"] * weight_bytes + card.working_set_bytes(cfg, 4096, weight_bytes)["total"]
+    if need <= 0.9 * free:
+        return
+    per_layer = (counts["total"] - counts["embedding"]) / cfg.num_hidden_layers * weight_bytes
+    fits = int((0.9 * free - counts["embedding"] * weight_bytes) // per_layer)
+    hint = f"shrink it with --layers {fits}" if fits >= 1 else "it does not fit even with --layers 1"
+    raise UserError(f"--dummy {spec} needs ~{need / 2**30:.1f} GiB on {device} but only {free / 2**30:.1f} GiB "
+                    f"is free; {hint}")

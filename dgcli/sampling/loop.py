@@ -34,6 +34,7 @@ from dgcli.errors import UserError
 from dgcli.sampling.events import BlockStart, Commit, Done, Event, Step
 from dgcli.kernels.dispatch import vocab_pass
 from dgcli.kernels.reference import VocabPassOut
+from dgcli.sampling.params import DiffusionEbParams
 
 Result = Done  # what `generate` returns: the Done event's data
 
@@ -82,12 +83,12 @@ def is_confident(entropy: torch.Tensor, threshold: float) -> torch.Tensor:
 @torch.inference_mode()
 def _denoise_step(model: Any, canvas: torch.Tensor, cache: Any, soft: torch.Tensor | None,
                   temp: torch.Tensor, history: torch.Tensor, params: Any, generator: torch.Generator,
-                  want_soft: bool) -> tuple[VocabPassOut, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                  want_soft: bool, compile_tiles: bool) -> tuple[VocabPassOut, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode, vocab pass, accept, renoise, stop flags; every output stays on the device."""
     hidden = model.decode(canvas, cache, soft)  # [B, C, H]
     out = vocab_pass(hidden, model.embed_weight, softcap=model.config.final_logit_softcapping,
                      temperature=temp, embed_scale=model.embed_scale, generator=generator,
-                     want_soft=want_soft, compile_tiles=getattr(model, "compiled", False))
+                     want_soft=want_soft, compile_tiles=compile_tiles)
     accepted = accept_mask(out.entropy, params.entropy_bound)  # [B, C]
     # Every position gets a fresh draw, used only where not accepted (as the reference consumes RNG).
     noise = torch.randint(0, model.config.vocab_size, canvas.shape, generator=generator, device=canvas.device)
@@ -104,20 +105,6 @@ def _encode(model: Any, ids: torch.Tensor, cache: Any) -> None:
 
 
 # ---- input checks ------------------------------------------------------------------------------------
-
-
-def _check(params: Any, num_blocks: int) -> None:
-    n = params.max_denoising_steps
-    if not isinstance(n, int) or n < 1:
-        raise UserError(f"max_denoising_steps={n!r}: a block needs at least one denoising step; use 1 or more")
-    if not (0 <= params.t_min <= params.t_max and params.t_max > 0):
-        raise UserError(f"t_min={params.t_min}, t_max={params.t_max}: need 0 <= t_min <= t_max and t_max > 0")
-    if params.entropy_bound < 0 or params.confidence_threshold < 0:
-        raise UserError("entropy_bound and confidence_threshold must be >= 0")
-    if not isinstance(params.stability_threshold, int) or params.stability_threshold < 0:
-        raise UserError(f"stability_threshold={params.stability_threshold!r}: use a whole number >= 0")
-    if not isinstance(num_blocks, int) or num_blocks < 1:
-        raise UserError(f"num_blocks={num_blocks!r}: generate at least one block")
 
 
 def _ids_tensor(ids: Sequence[int] | torch.Tensor, what: str, vocab: int, device: torch.device) -> torch.Tensor:
@@ -150,12 +137,16 @@ def generate_events(
     pad_id: int = 0,
     init_canvas: Sequence[int] | torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    compile_tiles: bool = False,
 ) -> Iterator[Event]:
     """Run the entropy-bound sampler on one prompt, yielding BlockStart, Step..., Commit per block,
     then Done. `params` needs max_denoising_steps, t_min, t_max, entropy_bound, stability_threshold,
-    confidence_threshold, seed (e.g. `dgcli.runtime.settings.DiffusionEbParams`). `generator` overrides the
-    one seeded from `params.seed`; `init_canvas` [C] replaces the first block's random canvas."""
-    _check(params, num_blocks)
+    confidence_threshold, seed (e.g. `dgcli.sampling.params.DiffusionEbParams`). `generator` overrides the
+    one seeded from `params.seed`; `init_canvas` [C] replaces the first block's random canvas;
+    `compile_tiles` runs the vocabulary pass's tile math through torch.compile (the session's `--compile`)."""
+    params = DiffusionEbParams.check(params)  # the one validator (presets, flags and requests use it too)
+    if not isinstance(num_blocks, int) or num_blocks < 1:
+        raise UserError(f"num_blocks={num_blocks!r}: generate at least one block")
     vocab, c = model.config.vocab_size, model.config.canvas_length
     device = model.embed_weight.device
     prompt = _ids_tensor(prompt_ids, "prompt", vocab, device)  # [1, P]
@@ -200,7 +191,8 @@ def generate_events(
             t0 = time.perf_counter()
             last = i == n_steps - 1
             out, accepted, next_canvas, history, stop = _denoise_step(
-                model, canvas, cache, soft, temps_dev[i], history, params, gen, want_soft=not last)
+                model, canvas, cache, soft, temps_dev[i], history, params, gen, want_soft=not last,
+                compile_tiles=compile_tiles)
             converged = can_stop_early and bool(stop.all())  # the step's one host sync
             reason = "stable_confident" if converged else ("step_cap" if last else None)
             elapsed = time.perf_counter() - t0

@@ -135,7 +135,7 @@ def evaluate(model: DiffusionGemma, tok: ChatTokenizer, examples: list[tasks.Exa
              params=None, stop_ids=None, keep_outputs: bool = False) -> dict:
     """Exact match and steps per block per family, generating with `dgcli.sampling.loop.generate`."""
     from dgcli.sampling.loop import generate
-    from dgcli.runtime.settings import DiffusionEbParams
+    from dgcli.sampling.params import DiffusionEbParams
 
     params = params or DiffusionEbParams()
     stop_ids = stop_ids if stop_ids is not None else [tok.eos_id, tok.turn_end_id]

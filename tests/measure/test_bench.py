@@ -13,6 +13,10 @@ import torch
 from typer.testing import CliRunner
 
 from dgcli.measure import bench as b
+from dgcli.measure import metrics
+from dgcli.model.random_weights import dummy_config
+from dgcli.runtime import request, session
+from dgcli.runtime.request import Response
 from dgcli.measure import card as info
 from dgcli.measure import printers as report
 from dgcli.model.config import load_config
@@ -51,11 +55,11 @@ def doc(ckpt):
 
 def test_json_has_every_figure_with_sane_fixed_work_values(doc, ckpt):
     row = doc["rows"][0]
-    missing = [k for k in b.DEFINITIONS if k not in row and k not in QUALITY
+    missing = [k for k in metrics.DEFINITIONS if k not in row and k not in QUALITY
                and k not in ("peak_flops_per_s", "peak_bytes_per_s", "flops_utilization", "bandwidth_utilization",
                              "floor_step_ms", "floor_bound", "step_vs_floor")]  # need peaks: checked below
     assert not missing
-    assert set(doc["definitions"]) == set(b.DEFINITIONS)
+    assert set(doc["definitions"]) == set(metrics.DEFINITIONS)
     # Fixed work: every block runs the cap; --ignore-eos: every request runs both blocks.
     assert row["completed"] == 4 and row["mean_blocks_per_request"] == 2
     assert row["diffusion_steps_per_canvas"] == 3 and row["cap_hit_rate"] == 1 == row["cap_steps_share"]
@@ -92,8 +96,8 @@ def test_printers_render_the_same_record(doc):
     # jsonl: the row itself.
     assert json.loads(report.to_jsonl(rows)) == row
     # csv: every flattened scalar, same value.
-    parsed = next(csv.DictReader(io.StringIO(report.to_csv(rows, skip=b.NOT_IN_CSV))))
-    flat = report.flatten(row, skip=b.NOT_IN_CSV)
+    parsed = next(csv.DictReader(io.StringIO(report.to_csv(rows, skip=metrics.NOT_IN_CSV))))
+    flat = report.flatten(row, skip=metrics.NOT_IN_CSV)
     assert set(parsed) == set(flat)
     for k, v in flat.items():
         if v is None:
@@ -105,14 +109,14 @@ def test_printers_render_the_same_record(doc):
         else:
             assert parsed[k] == str(v), k
     # md: every figure with its formatted value and its definition.
-    md = report.to_markdown(rows, headline=["output_throughput"], definitions=b.DEFINITIONS, title="R",
-                            skip=b.NOT_IN_CSV)
+    md = report.to_markdown(rows, headline=["output_throughput"], definitions=metrics.DEFINITIONS, title="R",
+                            skip=metrics.NOT_IN_CSV)
     lines = {ln.split("|")[1].strip(): ln for ln in md.splitlines() if ln.startswith("| `")}
     for k, v in row.items():
         if k in ("provenance", "steps_histogram", "label", "runs_detail"):
             continue
         assert f"| {report.fmt(v)} |" in lines[f"`{k}`"], k
-        assert b.DEFINITIONS.get(k, "") in lines[f"`{k}`"]
+        assert metrics.DEFINITIONS.get(k, "") in lines[f"`{k}`"]
     assert "3 steps |" in md and "git_commit" in md
 
 
@@ -145,10 +149,10 @@ def test_dummy_config_fixed_work_in_every_row(ckpt):
 
 
 def test_dummy_layers_keep_the_pattern():
-    raw, _, name = b.dummy_config("26B-A4B", layers=7)
+    raw, _, name = dummy_config("26B-A4B", layers=7)
     types = raw["text_config"]["layer_types"]
     assert types == [S] * 5 + [F, F] and raw["text_config"]["num_hidden_layers"] == 7 and "7 layers" in name
-    assert b.dummy_config("26B-A4B", layers=4)[0]["text_config"]["layer_types"] == [S, S, S, F]
+    assert dummy_config("26B-A4B", layers=4)[0]["text_config"]["layer_types"] == [S, S, S, F]
 
 
 def test_peaks_give_the_roofline_columns(ckpt, monkeypatch):
@@ -163,7 +167,7 @@ def test_peaks_give_the_roofline_columns(ckpt, monkeypatch):
 
 def test_ctrl_c_keeps_finished_runs(ckpt, monkeypatch):
     calls = {"n": 0}
-    real = b.run_request
+    real = request.run
 
     def flaky(*a, **k):
         calls["n"] += 1
@@ -171,7 +175,7 @@ def test_ctrl_c_keeps_finished_runs(ckpt, monkeypatch):
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    monkeypatch.setattr(b, "run_request", flaky)
+    monkeypatch.setattr(request, "run", flaky)
     r = run("--model", str(ckpt), *FIXED, "--runs", "3", "--warmup", "1", "--format", "jsonl", code=130)
     row = json.loads(r.stdout)
     assert row["runs"] == 1 and row["completed"] == 2 and "1 of 3" in row["interrupted"]
@@ -192,11 +196,11 @@ def test_dummy_preflight_refuses_what_cannot_fit():
     from dgcli.model.random_weights import make_config
     from dgcli.model.config import parse_config
 
-    raw, _, _ = b.dummy_config("26B-A4B")
+    raw, _, _ = dummy_config("26B-A4B")
     huge = parse_config({**raw, "text_config": {**raw["text_config"], "num_experts": 128 * 64}})  # ~1.5 T params
     with pytest.raises(UserError, match=r"needs ~\d+.*GiB.*--layers"):
-        b.preflight(huge, 2, torch.device("cpu"), spec="huge")
-    b.preflight(parse_config(make_config(TEXT, canvas_length=C)), 4, torch.device("cpu"), spec="tiny")
+        session.preflight(huge, 2, torch.device("cpu"), spec="huge")
+    session.preflight(parse_config(make_config(TEXT, canvas_length=C)), 4, torch.device("cpu"), spec="tiny")
 
 
 def test_prompt_file_encodes_with_the_chat_template(ckpt, tmp_path):
@@ -217,7 +221,7 @@ def _req(steps, *, tokens=5, finish="stop", prefix=8):
     done = Done(token_ids=list(range(tokens)), finish_reason=finish, stop_id=1, blocks=len(steps),
                 steps_per_block=list(steps), decoder_passes=sum(steps), tokens_per_forward=tokens / sum(steps),
                 timings=t)
-    return b.Request(prefix, done, [prefix + i * C for i in range(len(steps))])
+    return Response([0] * prefix, done.token_ids, finish, done, None, [prefix + i * C for i in range(len(steps))])
 
 
 def test_summary_of_a_bimodal_step_distribution():
@@ -226,7 +230,7 @@ def test_summary_of_a_bimodal_step_distribution():
 
     cfg = parse_config(make_config(TEXT, canvas_length=C))
     runs = [[_req([48, 12]), _req([9])], [_req([48]), _req([10, 48, 11], tokens=40, finish="length")]]
-    row = b.summarize(runs, cfg, 48, weight_bytes=4, peaks=None)
+    row = metrics.summarize(runs, cfg, 48, weight_bytes=4, peaks=None)
     steps = [48, 12, 9, 48, 10, 48, 11]
     assert row["steps_histogram"] == {"9": 1, "10": 1, "11": 1, "12": 1, "48": 3}
     assert row["cap_hit_rate"] == pytest.approx(3 / 7)
@@ -242,4 +246,4 @@ def test_summary_of_a_bimodal_step_distribution():
     t1 = 10 / (0.011 * 2 + 0.001 * 69 + 0.002)
     t2 = 45 / (0.011 * 2 + 0.001 * 117 + 0.004)
     assert row["output_throughput"] == pytest.approx((t1 + t2) / 2)
-    assert b.percentile([1, 2, 3, 4], 50) == 2.5 and b.percentile([5], 99) == 5
+    assert metrics.percentile([1, 2, 3, 4], 50) == 2.5 and metrics.percentile([5], 99) == 5

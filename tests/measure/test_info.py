@@ -107,7 +107,7 @@ def test_step_flops_equal_torchs_flop_counter_on_a_real_decoder_step(monkeypatch
     from torch.utils.flop_counter import FlopCounterMode
 
     from dgcli.sampling.loop import _denoise_step
-    from dgcli.runtime.settings import DiffusionEbParams
+    from dgcli.sampling.params import DiffusionEbParams
 
     monkeypatch.setenv("DGEMMA_KERNELS", "reference")
     model = random_model(make_config(SMALL, canvas_length=8))
@@ -119,7 +119,7 @@ def test_step_flops_equal_torchs_flop_counter_on_a_real_decoder_step(monkeypatch
     for sc, soft in [(False, True), (True, True), (True, False)]:
         with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
             _denoise_step(model, canvas, cache, torch.zeros(1, 8, 32) if sc else None, torch.tensor(0.7), hist,
-                          DiffusionEbParams(), gen, want_soft=soft)
+                          DiffusionEbParams(), gen, want_soft=soft, compile_tiles=False)
         assert fc.get_total_flops() == info.step_cost(cfg, P, self_cond=sc, soft=soft).flops
     # Encoder: the projections and feed-forward are all matmuls the counter sees (masked attention on
     # CPU goes through a fused kernel it does not count), so compare everything but attention.

@@ -17,10 +17,8 @@ from typer.testing import CliRunner
 
 from dgcli.measure import sweep as sw
 from dgcli.errors import UserError
-from dgcli.runtime.settings import DiffusionEbParams
+from dgcli.sampling.params import DiffusionEbParams
 
-from hf_oracle import CLI_CANVAS as C
-from hf_oracle import CLI_TEXT as TEXT
 
 
 @pytest.fixture(scope="module")

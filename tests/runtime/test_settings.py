@@ -11,17 +11,17 @@ from dgcli.runtime.settings import (
     ALL_KEYS,
     PARAM_KEYS,
     RUN_KEYS,
-    DiffusionEbParams,
     RunSettings,
     blocks_for,
     from_generation_config,
     list_presets,
     load_preset,
-    parse_grid_values,
     preset_dirs,
     resolve,
     stop_ids_from_generation_config,
 )
+from dgcli.measure.grid import parse_grid_values
+from dgcli.sampling.params import DiffusionEbParams
 
 # The real checkpoint's generation_config.json (spec §2), verbatim values.
 REAL_GEN = {
@@ -166,7 +166,7 @@ def test_describe_and_as_dict(tmp_path):
     "flags, key",
     [
         ({"t_min": 0.9, "t_max": 0.8}, "t_min"),
-        ({"t_min": 0.0}, "t_min"),
+        ({"t_min": 0.5, "t_max": 0.5}, "t_min"),  # the reference rejects t_max <= t_min
         ({"t_min": -0.1, "t_max": 0.8}, "t_min"),
         ({"max_denoising_steps": 0}, "max_denoising_steps"),
         ({"max_blocks": -1}, "max_blocks"),
@@ -217,10 +217,10 @@ def test_loose_but_unambiguous_values_are_coerced(tmp_path):
 
 
 def test_valid_edge_values_pass():
-    r = resolve(None, None, {"t_min": 0.5, "t_max": 0.5, "entropy_bound": 0, "stability_threshold": 0,
+    r = resolve(None, None, {"t_min": 0.0, "t_max": 0.5, "entropy_bound": 0, "stability_threshold": 0,
                              "confidence_threshold": 0, "max_blocks": 0, "max_denoising_steps": 1,
                              "device": "cuda:1", "max_tokens": 1})
-    assert r.params.t_min == r.params.t_max == 0.5
+    assert (r.params.t_min, r.params.t_max) == (0.0, 0.5)
     assert r.run.device == "cuda:1"
 
 
@@ -434,3 +434,21 @@ def test_bad_grid_specs(spec, kind):
         parse_grid_values(spec, kind)
     msg = str(e.value)
     assert repr(spec) in msg and "a-b+step" in msg
+
+
+@pytest.mark.parametrize("t_min, t_max", [(0.0, 0.8), (0.4, 0.8), (0.5, 0.5), (0.9, 0.8), (-0.1, 0.8), (0.0, 0.0)])
+def test_temperature_rule_is_the_references(t_min, t_max):
+    """One rule, the reference's: DiffusionGemmaGenerationConfig accepts exactly what we accept."""
+    from transformers import DiffusionGemmaGenerationConfig
+
+    try:
+        DiffusionGemmaGenerationConfig(t_min=t_min, t_max=t_max).validate()
+        theirs = True
+    except ValueError:
+        theirs = False
+    try:
+        DiffusionEbParams(t_min=t_min, t_max=t_max).validate()
+        ours = True
+    except UserError:
+        ours = False
+    assert ours == theirs

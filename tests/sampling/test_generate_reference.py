@@ -15,7 +15,7 @@ from hf_oracle import TINY_VISION, make_config
 import dgcli
 from dgcli.sampling.loop import generate_events
 from dgcli.sampling.events import Step
-from dgcli.runtime.settings import DiffusionEbParams
+from dgcli.sampling.params import DiffusionEbParams
 
 S, F = "sliding_attention", "full_attention"
 TEXT = dict(vocab_size=48, hidden_size=64, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=2,

@@ -12,7 +12,8 @@ import dgcli
 from dgcli.train import tasks
 from dgcli.model.config import load_generation_config
 from dgcli.sampling.loop import generate
-from dgcli.runtime.settings import DiffusionEbParams, stop_ids_from_generation_config
+from dgcli.runtime.settings import stop_ids_from_generation_config
+from dgcli.sampling.params import DiffusionEbParams
 from dgcli.text.tokenizer import load_tokenizer
 
 BUNDLED = Path(dgcli.__file__).parent / "data" / "tiny"

@@ -1,0 +1,142 @@
+"""What commands share at the console: prompts in (argument, stdin, --input-jsonl), notes and a one-line
+progress display on stderr, one request run with its optional --trace file, and rows in a format (md,
+csv, json, jsonl) on stdout after the card.
+
+Owns: where input comes from and output goes. Must not: measure, decide figures (dgcli.measure does),
+or contain a denoising loop (requests go through dgcli.runtime.request).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from dgcli.errors import UserError
+from dgcli.text.prompts import read_prompt_file
+
+HEADLINE = ["mode", "max_denoising_steps", "blocks", "output_throughput", "diffusion_committed_throughput",
+            "diffusion_canvas_positions_per_s", "mean_ttft_ms", "mean_step_ms", "diffusion_committed_per_step",
+            "diffusion_steps_per_canvas", "p90_steps_per_block", "cap_hit_rate", "peak_memory_bytes", "step_vs_floor"]
+
+
+def warn(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+def status(enabled: bool):
+    """A one-line progress display on stderr when it is a terminal; a no-op otherwise."""
+    if not enabled:
+        return None, lambda text: None
+    from rich.console import Console
+    from rich.status import Status
+
+    live = Status("…", console=Console(stderr=True))
+    live.start()
+    return live, lambda text: live.update(text)
+
+
+def read_prompts(prompt: str | None, input_jsonl: str | None) -> Iterator[tuple[str, dict]]:
+    """(prompt text, extra fields) pairs, from --input-jsonl, the argument, or stdin."""
+    if input_jsonl is not None:
+        if prompt not in (None, "-"):
+            raise UserError("give either a PROMPT argument or --input-jsonl, not both")
+        for row in read_prompt_file(input_jsonl, flag="--input-jsonl"):
+            yield row["prompt"], {k: v for k, v in row.items() if k != "prompt"}
+        return
+    if prompt is None or prompt == "-":
+        if prompt is None and sys.stdin.isatty():
+            raise UserError("no prompt: pass PROMPT, or pipe text on stdin (use - to read stdin explicitly)")
+        text = sys.stdin.read()
+        if not text.strip():
+            raise UserError("stdin is empty; pipe a prompt in or pass it as an argument")
+        yield text.strip("\n"), {}
+        return
+    yield prompt, {}
+
+
+class Progress:
+    """A one-line Rich status on stderr while a block denoises (only when stderr is a terminal)."""
+
+    def __init__(self, enabled: bool):
+        self.live = None
+        if enabled:
+            from rich.console import Console
+            from rich.status import Status
+
+            self.live = Status("loading…", console=Console(stderr=True))
+            self.live.start()
+
+    def __call__(self, event) -> None:
+        if self.live is None:
+            return
+        from dgcli.sampling.events import Step
+
+        if isinstance(event, Step):
+            self.live.update(f"block {event.block + 1}  step {event.step}/{event.max_steps}  "
+                             f"T={event.temperature:.3f}  accepted {int(event.accepted_count)}  "
+                             f"mean entropy {float(event.mean_entropy):.4f}")
+
+    def stop(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+
+
+def document(card: dict, rows: list[dict]) -> dict:
+    from dgcli.measure.metrics import DEFINITIONS
+
+    return {"card": card, "definitions": DEFINITIONS, "rows": rows}
+
+
+def emit(rows: list[dict], *, card: dict, fmt: str, title: str, headline: list[str] = HEADLINE) -> None:
+    """Print rows in the chosen format on stdout (the card was printed first)."""
+    from dgcli.measure import printers as report
+    from dgcli.measure.metrics import DEFINITIONS, NOT_IN_CSV
+
+    if fmt == "md":
+        sys.stdout.write(report.to_markdown(rows, headline=headline, definitions=DEFINITIONS, title=title,
+                                            skip=NOT_IN_CSV) + "\n")
+        sys.stdout.write(report.headline_json(rows, ["label"] + headline) + "\n")
+    elif fmt == "csv":
+        sys.stdout.write(report.to_csv(rows, skip=NOT_IN_CSV))
+    elif fmt == "jsonl":
+        sys.stdout.write(report.to_jsonl(rows))
+    else:
+        sys.stdout.write(report.to_json(document(card, rows)))
+    sys.stdout.flush()
+
+
+def run_one(session: Any, text: str, *, raw: bool, thinking: bool, show_thinking: bool, trace: str | None,
+            init_canvas: list[int] | None, on_event: Callable | None = None) -> Any:
+    """One prompt through the request API, with the `--trace` file as one more event consumer."""
+    from dgcli.render.trace import TraceWriter, make_header
+    from dgcli.runtime import request
+
+    ids = request.encode(session, text, raw=raw, thinking=True if thinking else None)
+    writer = None
+    if trace:
+        header = make_header(model=str(session.path), settings=session.resolved.as_dict(), prompt_ids=ids,
+                             canvas_length=session.config.canvas_length, vocab_size=session.config.vocab_size,
+                             prompt=text)
+        writer = TraceWriter(trace, header, token_strings=session.tokenizer.token_strings)
+
+    def both(event) -> None:
+        if writer is not None:
+            writer.event(event)
+        if on_event is not None:
+            on_event(event)
+
+    try:
+        return request.run(session, ids, init_canvas=init_canvas, on_event=both, show_thinking=show_thinking)
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+def print_answer(response: Any) -> None:
+    """The answer on stdout (one line break at the end), and a note on stderr when it was cut short."""
+    sys.stdout.write(response.text.rstrip("\n") + "\n")
+    sys.stdout.flush()
+    if response.finish_reason == "length":
+        print(f"dgemma: note: the answer hit the block budget ({response.done.blocks} block(s)); "
+              "raise --blocks or --max-tokens for more", file=sys.stderr)

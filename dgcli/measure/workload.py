@@ -1,0 +1,78 @@
+"""The bench and sweep workload: a prompt file (the bundled held-out set by default) or random token ids.
+
+Owns: `Prompt`, reading and encoding a prompt set through the request API's encoder, random-id prompts
+(with the loud warning they need), and the prompt-set hash every row's provenance carries. Must not: run
+the model or measure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from dgcli.errors import UserError
+from dgcli.text.prompts import read_prompt_file
+
+BUNDLED_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "prompts"
+RANDOM_PROMPT_WARNING = (
+    "WARNING: prompts are random token ids. Early stopping does not fire on random text the way it does "
+    "on real text (one vendor under-reported throughput 3x this way): treat these numbers as fixed-work "
+    "measurements only, and use --prompts FILE for real workloads.")
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    text: str | None = None  # None for random token ids
+    answer: str | None = None
+    family: str | None = None
+
+
+def default_prompt_file() -> Path | None:
+    """The bundled held-out prompt set (dgcli/data/prompts/*.jsonl), once it exists."""
+    files = sorted(BUNDLED_PROMPTS.glob("*.jsonl")) if BUNDLED_PROMPTS.is_dir() else []
+    return files[0] if files else None
+
+
+def random_prompts(vocab: int, n: int, length: int, seed: int, avoid: set[int] = frozenset()) -> list[Prompt]:
+    """n prompts of `length` uniform token ids (stop ids avoided), reproducible from `seed`."""
+    import torch
+
+    if n < 1 or length < 1:
+        raise UserError("--num-prompts and --random-input-len must be >= 1")
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (length,), generator=g).tolist()
+        out.append(Prompt([i if i not in avoid else (i + 1) % vocab for i in ids]))
+    return out
+
+
+def prompt_set_hash(prompts: list[Prompt]) -> str:
+    """sha256 of the token ids (the model sees ids, so two tokenizers of one file hash differently)."""
+    h = hashlib.sha256(json.dumps([p.ids for p in prompts], separators=(",", ":")).encode())
+    return h.hexdigest()[:16]
+
+
+def build_prompts(session: Any, *, prompts_file: str | None, random_ids: bool, num_prompts: int | None,
+                  input_len: int, seed: int, warn: Callable[[str], None]) -> tuple[list[Prompt], str]:
+    """The workload and its description ('file:PATH' or 'random-token-ids'); warns loudly on random ids."""
+    from dgcli.runtime.request import check_context, encode
+
+    cfg = session.config
+    path = None if random_ids else (prompts_file or session.resolved.run.prompt_set or
+                                    (default_prompt_file() if session.tokenizer is not None else None))
+    if path is not None:
+        if session.tokenizer is None:
+            raise UserError(f"--prompts {path}: the model has no tokenizer.json to encode text prompts; "
+                            "use --random-prompts (dummy weights and tokenizer-less checkpoints)")
+        rows = read_prompt_file(path)[: num_prompts or None]
+        out = [Prompt(encode(session, r["prompt"]), r["prompt"], r.get("answer"), r.get("family")) for r in rows]
+        return out, f"file:{path}"
+    warn(RANDOM_PROMPT_WARNING)
+    out = random_prompts(cfg.vocab_size, num_prompts or 4, input_len, seed, set(session.stop_ids))
+    check_context(session, input_len)
+    return out, "random-token-ids"

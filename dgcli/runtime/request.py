@@ -1,0 +1,128 @@
+"""One request through the one denoising loop: the library's generate API, layered as mlx-lm's is
+(`sampling.loop.generate_events` -> `stream` -> `run` -> `generate`).
+
+`stream` yields one request's events; `run` drains them into a `Response` (the answer ids cut at the
+first stop id and at `max_tokens`, the finish reason, the loop's `Done`, the decoded text); `generate`
+is text in, `Response` out. generate, watch, bench, sweep (and the server to come) all call these, so
+the `--max-tokens` cut and the decoding happen in exactly one place.
+
+Owns: prompt encoding within the context limit, `--init-canvas` ids, the max_tokens cut, the response
+record. Must not: print, write files (a trace writer is just an `on_event` consumer), or contain a
+denoising loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from dgcli.errors import UserError
+from dgcli.runtime.settings import blocks_for
+from dgcli.sampling.events import BlockStart, Done, Event
+
+
+@dataclass
+class Response:
+    prompt_ids: list[int]
+    token_ids: list[int]  # the answer: before the first stop id, at most max_tokens ids
+    finish_reason: str  # "stop" (a stop id ended it) | "length" (blocks or max_tokens ran out)
+    done: Done  # the loop's summary: blocks, steps per block, decoder passes, timings
+    text: str | None = None  # the decoded answer; None without a tokenizer
+    block_prefix: list[int] = field(default_factory=list)  # cache length when each block started
+
+    def as_dict(self, settings: dict) -> dict:
+        """The `--format json` result (PRODUCT.md, README)."""
+        d = self.done
+        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                "blocks": d.blocks, "steps_per_block": d.steps_per_block, "tokens_per_forward": d.tokens_per_forward,
+                "timings": d.timings, "settings": settings, "prompt_tokens": len(self.prompt_ids)}
+
+
+def check_context(session: Any, prompt_len: int, num_blocks: int | None = None) -> None:
+    cfg = session.config
+    blocks = session.num_blocks if num_blocks is None else num_blocks
+    need = prompt_len + blocks * cfg.canvas_length
+    if need > cfg.max_position_embeddings:
+        raise UserError(f"the prompt ({prompt_len} tokens) plus {blocks} block(s) of {cfg.canvas_length} "
+                        f"exceed the model's context of {cfg.max_position_embeddings}; shorten the prompt or lower --blocks")
+
+
+def encode(session: Any, text: str, *, raw: bool = False, thinking: bool | None = None) -> list[int]:
+    """Prompt text -> ids through the checkpoint's chat template (`raw`: without it); thinking None = the
+    session's setting. Checked against the context for the session's block count."""
+    if session.tokenizer is None:
+        raise UserError(f"{session.path}: no tokenizer.json; text prompts need the checkpoint's tokenizer")
+    if not text.strip():
+        raise UserError("the prompt is empty; pass text as an argument or on stdin")
+    think = session.resolved.run.thinking if thinking is None else thinking
+    ids = session.tokenizer.encode_prompt(text, raw=raw, thinking=think)
+    check_context(session, len(ids))
+    return ids
+
+
+def init_canvas_ids(session: Any, spec: str, seed: int) -> list[int]:
+    """`--init-canvas`: comma-separated ids, or text that is tokenised; the rest of the canvas stays
+    uniform noise (seeded by `seed + 1`, so it differs from the sampler's own draws)."""
+    import torch
+
+    c, v = session.config.canvas_length, session.config.vocab_size
+    parts = [p.strip() for p in spec.split(",")]
+    if all(p.lstrip("-").isdigit() for p in parts if p) and any(parts):
+        ids = [int(p) for p in parts if p]
+        bad = [i for i in ids if not 0 <= i < v]
+        if bad:
+            raise UserError(f"--init-canvas: id {bad[0]} is outside the vocabulary [0, {v})")
+    else:
+        ids = session.tokenizer.encode_text(spec)
+    if len(ids) > c:
+        raise UserError(f"--init-canvas has {len(ids)} tokens; the canvas holds {c}: shorten it")
+    g = torch.Generator().manual_seed(seed + 1)
+    return ids + torch.randint(0, v, (c - len(ids),), generator=g).tolist()
+
+
+def cut(done: Done, max_tokens: int | None) -> tuple[list[int], str]:
+    """The answer ids and finish reason after the token budget: the loop works in whole blocks, so an
+    answer longer than `max_tokens` is cut here and finishes by length."""
+    if max_tokens is not None and len(done.token_ids) > max_tokens:
+        return done.token_ids[:max_tokens], "length"
+    return done.token_ids, done.finish_reason
+
+
+def stream(session: Any, prompt_ids: Sequence[int], *, params: Any = None, ignore_eos: bool = False,
+           init_canvas: Sequence[int] | None = None) -> Iterator[Event]:
+    """The loop's events for one request. `params` (default: the session's) may change per request;
+    its `max_blocks` sets the block count under the session's token budget."""
+    from dgcli.sampling.loop import generate_events
+
+    params = session.params if params is None else params
+    num_blocks = blocks_for(params, session.resolved.run.max_tokens, session.config.canvas_length)
+    return generate_events(session.model, prompt_ids, params=params, num_blocks=num_blocks,
+                           stop_ids=() if ignore_eos else session.stop_ids, pad_id=session.pad_id,
+                           init_canvas=init_canvas, compile_tiles=session.compiled)
+
+
+def run(session: Any, prompt_ids: Sequence[int], *, params: Any = None, ignore_eos: bool = False,
+        init_canvas: Sequence[int] | None = None, on_event: Callable[[Event], None] | None = None,
+        show_thinking: bool = False) -> Response:
+    """One request to its `Response`; `on_event` sees every event as it happens (progress, watch, trace)."""
+    starts: list[int] = []
+    done = None
+    for event in stream(session, prompt_ids, params=params, ignore_eos=ignore_eos, init_canvas=init_canvas):
+        if on_event is not None:
+            on_event(event)
+        if isinstance(event, BlockStart):
+            starts.append(event.prefix_len)
+        done = event
+    assert isinstance(done, Done), "the loop always ends with Done"
+    token_ids, finish = cut(done, session.resolved.run.max_tokens)
+    text = None
+    if session.tokenizer is not None:
+        text = session.tokenizer.answer_text(token_ids, show_thinking=show_thinking, stop_ids=session.stop_ids)
+    return Response(list(prompt_ids), token_ids, finish, done, text, starts)
+
+
+def generate(session: Any, text: str, *, raw: bool = False, thinking: bool | None = None,
+             show_thinking: bool = False, **kw: Any) -> Response:
+    """Text in, `Response` out: `encode` then `run` (keyword arguments as `run`'s)."""
+    return run(session, encode(session, text, raw=raw, thinking=thinking), show_thinking=show_thinking, **kw)
