@@ -17,6 +17,12 @@ from dgcli.errors import UserError
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
+# The released checkpoint's rope_parameters (spec §1.2), also transformers' DiffusionGemmaConfig
+# default; used when config.json has none, and written by `make_config`.
+RELEASED_ROPE_PARAMETERS: dict[str, dict] = {
+    SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+    FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
+}
 
 
 @dataclass(frozen=True)
@@ -26,14 +32,7 @@ class RopeSpec:
 
     theta: float
     head_dim: int
-    rotary_pairs: int
-
-    def inv_freq(self) -> list[float]:
-        half = self.head_dim // 2
-        return [
-            1.0 / (self.theta ** (2 * j / self.head_dim)) if j < self.rotary_pairs else 0.0
-            for j in range(half)
-        ]
+    rotary_pairs: int  # the frequencies themselves: dgcli.model.gemma.inv_freq_for (fp32, as the reference)
 
 
 @dataclass(frozen=True)
@@ -136,10 +135,7 @@ def parse_config(raw: dict[str, Any], *, source: str = "config.json") -> ModelCo
         n_global_kv = int(n_global_kv) if n_global_kv is not None else n_kv
         if text.get("use_bidirectional_attention") == "all":
             raise UserError(f"{source}: use_bidirectional_attention='all' is not supported (text models use 'vision')")
-        rope = text.get("rope_parameters") or {
-            SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
-            FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
-        }
+        rope = text.get("rope_parameters") or RELEASED_ROPE_PARAMETERS
         eos = raw.get("eos_token_id", text.get("eos_token_id", 1))
         eos_ids = tuple(eos) if isinstance(eos, list) else (int(eos),)
         n_heads = int(text["num_attention_heads"])

@@ -16,7 +16,9 @@ from tokenizers.pre_tokenizers import Whitespace
 
 from dgcli.errors import UserError
 from dgcli.text.tokenizer import ChatTokenizer, load_tokenizer
-from dgcli.text.build import build_tokenizer, write_tokenizer_files
+from dgcli.text.build import (
+    FIRST_LEARNED_ID, build_tokenizer, crosses_special, retire_cross_special, write_tokenizer_files,
+)
 
 VOCAB = 600
 CORPUS = [
@@ -106,6 +108,52 @@ def test_build_is_fast_and_deterministic():
     assert a.to_str() == build_tokenizer(CORPUS * 3, VOCAB).to_str()
     with pytest.raises(ValueError):
         build_tokenizer(CORPUS, 200)
+
+
+def _learned_and_merges(t: Tokenizer) -> tuple[dict[str, int], list[list[str]], list[str]]:
+    data = json.loads(t.to_str())
+    specials = [a["content"] for a in data["added_tokens"] if a["special"]]
+    learned = {k: i for k, i in data["model"]["vocab"].items() if i >= FIRST_LEARNED_ID and k not in specials}
+    return learned, data["model"]["merges"], specials
+
+
+def test_crosses_special_rule():
+    for token in ["<|", "<|turn", "<|turn>user", "<channel", ">th", "|>", ">thought", "t<turn|>", "a<"]:
+        assert crosses_special(token), token
+    for token in ["<", "|", "turn", "user", "channel", "thought", "a<z", "x>y", "x|y", "▁the"]:
+        assert not crosses_special(token), token
+
+
+def test_build_never_merges_across_specials():
+    # Chat-templated texts, as the tiny model's corpus has them: specials glued to words on both sides.
+    chats = []
+    for i, q in enumerate(["Reverse: c a t", "Sort: 7 2 9 2", "Count from 7 to 31.", "Why is the sky blue?"]):
+        think = "<|turn>system\n<|think|><turn|>\n" if i % 2 else ""
+        chats.append(f"<bos>{think}<|turn>user\n{q}<turn|>\n<|turn>model\n<|channel>thought\n<channel|>ok<turn|>")
+    t = build_tokenizer((chats + ["<|turn>user\n", "<|tool_call>call:f{}<tool_call|>"]) * 50 + CORPUS, VOCAB)
+    learned, merges, specials = _learned_and_merges(t)
+    assert learned and merges
+    for token in learned:
+        assert not crosses_special(token, specials) and "<|" not in token and "|>" not in token, token
+    for a, b in merges:
+        assert not any(crosses_special(x, specials) for x in (a, b, a + b)), (a, b)
+    # Nothing had to be retired: the trainer never saw the specials (placeholders only in the tail).
+    tail = sorted(i for k, i in t.get_vocab().items() if i >= FIRST_LEARNED_ID and k.startswith("<unused_"))
+    assert tail == list(range(VOCAB - len(tail), VOCAB))
+    assert t.encode("<|turn>user\nhi", add_special_tokens=False).ids[:1] == [105]
+
+
+def test_retire_cross_special_keeps_every_other_id():
+    vocab = {t: i for i, t in enumerate(["<pad>", "<unk>", "<|turn>", "a", "b", "<", "|", "ab", "<|"])}
+    merges = [("a", "b"), ("<", "|")]
+    from tokenizers.models import BPE
+
+    raw = Tokenizer(BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
+    raw.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<pad>", "<unk>", "<|turn>")])
+    new, retired = retire_cross_special(raw, first_learned=3)  # this toy vocab learns from id 3
+    assert retired == [8] and new.id_to_token(8) == "<unused_8>"
+    assert {k: i for k, i in new.get_vocab().items() if i != 8} == {k: i for k, i in vocab.items() if i != 8}
+    assert new.encode("ab<|x").tokens[:3] == ["ab", "<", "|"]
 
 
 # ------------------------------------------------------------------ text round trips
@@ -241,6 +289,11 @@ def test_written_files(ckpt):
     cfg = json.loads((ckpt / "tokenizer_config.json").read_text())
     got = (cfg["bos_token"], cfg["eos_token"], cfg["pad_token"], cfg["add_bos_token"])
     assert got == ("<bos>", "<eos>", "<pad>", True)
+    # Control tokens listed as special, as the real Gemma-4 tokenizer_config.json does.
+    assert (cfg["sot_token"], cfg["eot_token"], cfg["think_token"]) == ("<|turn>", "<turn|>", "<|think|>")
+    assert {"<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|think|>", "<|tool>"} <= set(cfg["extra_special_tokens"])
+    assert cfg["added_tokens_decoder"]["105"] == {"content": "<|turn>", "lstrip": False, "normalized": False,
+                                                 "rstrip": False, "single_word": False, "special": True}
     assert "<|channel>thought" in (ckpt / "chat_template.jinja").read_text()
 
 
@@ -297,3 +350,4 @@ def test_transformers_agrees_on_ids_and_rendering(tok, ckpt):
     )
     assert hf_think == tok.render_chat(msgs, thinking=True)
     assert auto("hello")["input_ids"] == tok.encode_prompt("hello", raw=True)  # add_bos_token honoured
+    assert {"<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|think|>"} <= set(auto.all_special_tokens)
