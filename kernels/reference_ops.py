@@ -39,17 +39,10 @@ def experts_reference(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_
     return out
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
-                       residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Norm_w(x) = x·(mean(x²)+eps)^-½ ⊙ w in fp32, cast back to x.dtype; weight None is Norm_0.
-
-    With `residual`: the fused form of `r = residual + x; (r, Norm_w(r))` where the sum is rounded to
-    x.dtype first (as the model's `x = x + ...` is), and both r and the normed r are returned."""
-    if residual is not None:
-        x = residual + x
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Norm_w(x) = x·(mean(x²)+eps)^-½ ⊙ w in fp32, cast back to x.dtype; weight None is Norm_0."""
     y = x.float()
     y = y * torch.pow(y.pow(2).mean(-1, keepdim=True) + eps, -0.5)
     if weight is not None:
         y = y * weight.float()
-    y = y.type_as(x)
-    return (x, y) if residual is not None else y
+    return y.type_as(x)

@@ -1,10 +1,8 @@
-"""RMSNorm as one Triton kernel: with or without gain, optionally fused with the residual add.
+"""RMSNorm as one Triton kernel, with or without gain.
 
-Owns: `rms_norm(x, weight, eps, residual=None)`, the kernel-backed twin of
-`kernels/reference_ops.py::rms_norm_reference` (Norm_w / Norm_0 in fp32, cast back to x.dtype; with
-`residual`, r = residual + x rounded to x.dtype is written once and normed in the same pass, saving a
-read and a write of the residual stream). Must not: pick devices (kernels/dispatch.py does), allocate
-more than its outputs, or sync with the host.
+Owns: `rms_norm(x, weight, eps)`, the kernel-backed twin of `kernels/reference_ops.py::rms_norm_reference`
+(Norm_w / Norm_0 in fp32, cast back to x.dtype). Must not: pick devices (kernels/dispatch.py does),
+allocate more than its output, or sync with the host.
 """
 
 from __future__ import annotations
@@ -17,18 +15,12 @@ from .triton_common import round_to
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, n_cols, stride_x, stride_r, stride_o, stride_s,
-                     eps, HAS_WEIGHT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, IS_BF16: tl.constexpr,
-                     BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, stride_x, stride_o, eps, HAS_WEIGHT: tl.constexpr,
+                     IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-        # The model rounds the residual sum to the activation dtype before norming it.
-        x = round_to(x + r, IS_BF16)
-        tl.store(sum_ptr + row * stride_s + cols, x.to(sum_ptr.dtype.element_ty), mask=mask)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     y = x * inv
     if HAS_WEIGHT:
@@ -36,9 +28,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, n_cols, stride_x, 
     tl.store(out_ptr + row * stride_o + cols, round_to(y, IS_BF16).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Norm over the last axis of x [..., H]; returns normed x, or (residual + x, its norm) with `residual`."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Norm over the last axis of x [..., H]."""
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"rms_norm supports float32 and bfloat16, got {x.dtype}")
     shape = x.shape
@@ -47,18 +38,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)  # [R, H]
-    if residual is not None:
-        r2 = residual.reshape(-1, h)
-        if r2.stride(-1) != 1:
-            r2 = r2.contiguous()
-        summed = torch.empty_like(out)  # [R, H]
-    else:
-        r2, summed = x2, out  # unused pointers
-    block = triton.next_power_of_2(h)
     _rms_norm_kernel[(x2.shape[0],)](
-        x2, r2, weight if weight is not None else x2, out, summed, h, x2.stride(0), r2.stride(0), out.stride(0),
-        summed.stride(0), eps, HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual is not None,
-        IS_BF16=x.dtype == torch.bfloat16, BLOCK=block)
-    if residual is not None:
-        return summed.view(shape), out.view(shape)
+        x2, weight if weight is not None else x2, out, h, x2.stride(0), out.stride(0), eps,
+        HAS_WEIGHT=weight is not None, IS_BF16=x.dtype == torch.bfloat16, BLOCK=triton.next_power_of_2(h))
     return out.view(shape)

@@ -1,7 +1,7 @@
 """Command-line options declared once (Typer `Annotated` types) and reused by every command.
 
 Owns: flag names, aliases and help texts (PRODUCT.md is the contract), and turning the sampler flags
-into the `flags` dict `settings.resolve` takes. Must not: import torch or load anything.
+into the `flags` dict `dgcli.runtime.settings.resolve` takes. Must not: import torch or load anything.
 """
 
 from __future__ import annotations

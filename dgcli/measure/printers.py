@@ -4,7 +4,7 @@ One record, many printers (llama-bench): every printer renders the same row dict
 key and value in every format; md adds each figure's definition. Owns: number formatting, flattening
 nested fields for csv, the card's text, provenance (device, dtype, versions, git commit, model, settings,
 seed, prompt-set hash, timestamp), `--metadata k=v` parsing and saving a result file atomically.
-Must not: measure, run models, or decide what a figure means (bench.DEFINITIONS does).
+Must not: measure, run models, or decide what a figure means (measure/metrics.py: DEFINITIONS does).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Owns: turning axis specs (`8,16,32`, `a-b+step`) into cells (the Cartesian produ
 aside with the reason), each cell's key, the sweep's fingerprint (what must match for --resume to continue
 a file), the JSONL store (one row per finished cell, appended with a single write + fsync; a torn last
 line from a kill is dropped on resume), exact-match and agreement quality, the speed-quality Pareto
-frontier and its SVG (or PNG, with matplotlib) plot. Must not: run the model or print (cmd_sweep does;
+frontier and its SVG (or PNG, with matplotlib) plot. Must not: run the model or print (dgcli.cli.sweep does;
 measuring is dgcli.measure.bench's, the denoising loop is dgcli.sampling.loop's).
 """
 
@@ -123,9 +123,9 @@ class RowStore:
         return rows
 
     def rewrite(self, rows: list[dict]) -> None:
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text("".join(json.dumps(r, default=str) + "\n" for r in rows), encoding="utf-8")
-        os.replace(tmp, self.path)
+        from dgcli.measure.printers import write_atomic
+
+        write_atomic(self.path, "".join(json.dumps(r, default=str) + "\n" for r in rows))
 
     def append(self, row: dict) -> None:
         data = (json.dumps(row, default=str) + "\n").encode("utf-8")

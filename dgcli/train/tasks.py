@@ -30,7 +30,6 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 FAMILIES = ("reverse", "sort", "count")  # the shipped recipe's verifiable families (exact-match answers)
 TEXT_FAMILY = "text"
@@ -191,13 +190,10 @@ def write_prompt_file(path: str | Path, examples: list[Example]) -> None:
 
 
 def read_prompt_file(path: str | Path) -> list[Example]:
-    rows: list[Example] = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                d: dict[str, Any] = json.loads(line)
-                rows.append(Example(d["prompt"], d.get("answer"), d.get("family", "unknown")))
-    return rows
+    """The held-out file as `Example`s, read by the one prompt-file reader (dgcli.text.prompts)."""
+    from dgcli.text.prompts import read_prompt_file as read_rows
+
+    return [Example(d["prompt"], d.get("answer"), d.get("family", "unknown")) for d in read_rows(path)]
 
 
 def main(argv: list[str] | None = None) -> int:

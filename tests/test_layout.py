@@ -1,0 +1,100 @@
+"""The layout is the architecture: which layer may import which, training code kept out of run time, no
+file over 400 lines, and `dgcli.kernels` resolving to this repository's top-level kernels/."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import dgcli
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "dgcli"
+
+# Layer -> the dgcli layers its modules may import (any import, also inside functions). Data flows one
+# way: cli -> runtime (settings, session, request) -> model + sampling; measure and render consume events.
+ALLOWED = {
+    "text": {"text"},
+    "sampling": {"sampling", "kernels"},
+    "model": {"model", "kernels", "text"},  # random checkpoints write a tokenizer (text.build)
+    "runtime": {"runtime", "model", "sampling", "text", "measure"},  # measure.card: the dummy-model preflight
+    "measure": {"measure", "runtime", "model", "sampling", "text", "kernels"},
+    "render": {"render", "sampling"},
+    "cli": {"cli", "runtime", "model", "sampling", "text", "measure", "render", "kernels"},
+    "train": {"train", "runtime", "model", "sampling", "text", "measure", "kernels"},
+}
+ALWAYS = {"", "errors"}  # dgcli itself (__version__, load_model) and dgcli.errors
+
+
+def _layer_of_import(node: ast.AST, module_parts: tuple[str, ...]) -> list[str]:
+    """The dgcli layers an import statement names ('' for dgcli itself)."""
+    names: list[str] = []
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom):
+        if node.level:  # relative: resolve against the module's package
+            base = list(module_parts[: len(module_parts) - node.level])
+            names = [".".join(base + ([node.module] if node.module else []))]
+        else:
+            names = [node.module or ""]
+        if names[0] == "dgcli":  # `from dgcli import x`: x may be a layer
+            return [a.name if a.name in ALLOWED or a.name == "errors" else "" for a in node.names]
+    out = []
+    for n in names:
+        parts = n.split(".")
+        if parts[0] == "dgcli":
+            out.append(parts[1] if len(parts) > 1 else "")
+    return out
+
+
+def _modules():
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG)
+        if rel.parts[0] == "kernels":  # the symlink to ../kernels; checked on its own below
+            continue
+        yield path, rel
+
+
+def test_every_layer_imports_only_what_it_may():
+    bad = []
+    for path, rel in _modules():
+        layer = rel.parts[0] if len(rel.parts) > 1 else None
+        if layer is None:
+            continue  # dgcli/__init__.py, errors.py
+        parts = ("dgcli",) + rel.with_suffix("").parts
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            for target in _layer_of_import(node, parts if rel.name != "__init__.py" else parts[:-1] + ("x",)):
+                if target not in ALWAYS and target not in ALLOWED[layer]:
+                    bad.append(f"{rel}:{node.lineno} imports dgcli.{target}")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_module_outside_train_imports_training_code():
+    seen = 0
+    for path, rel in _modules():
+        if rel.parts[0] == "train":
+            continue
+        seen += 1
+        parts = ("dgcli",) + rel.with_suffix("").parts
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            assert "train" not in _layer_of_import(node, parts), f"{rel}:{node.lineno} imports training code"
+    assert seen > 30  # the walk really saw the package
+
+
+def test_the_walk_catches_a_function_level_import():
+    tree = ast.parse("def f():\n    from dgcli.train import tasks\n")
+    assert [t for n in ast.walk(tree) for t in _layer_of_import(n, ("dgcli", "cli", "x"))] == ["train"]
+
+
+def test_no_file_over_400_lines():
+    files = [p for p in PKG.rglob("*.py") if "kernels" not in p.relative_to(PKG).parts]
+    files += list((ROOT / "kernels").glob("*.py"))
+    long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > 400}
+    assert len(files) > 40 and not long, long
+
+
+def test_kernels_import_from_this_repository():
+    import dgcli.kernels
+
+    here = Path(dgcli.kernels.__file__).resolve().parent
+    assert here == ROOT / "kernels" and Path(dgcli.__file__).resolve().parent == PKG
