@@ -1,4 +1,5 @@
-"""Tests for dgcli.render.watch (frames, colour classes, status line, pictures) and dgemma watch (live = replay).
+"""Tests for dgcli.render.frames and .watch (frames, colour classes, status line, pictures) and dgemma watch
+(live = replay).
 
 A scripted event stream (real `dgcli.sampling.events` objects, so the records are the sampler's) checks the
 rendering exactly; a random checkpoint checks that a replayed trace gives the live run's frames.
@@ -12,15 +13,17 @@ import json
 import re
 import subprocess
 import sys
+from importlib.resources import files
 from pathlib import Path
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
+from dgcli.render.frames import RENOISED, Frame, display_piece, kind_of, status_line
+from dgcli.render.watch import (Display, Pieces, Watch, canvas_text, html_page, make_console, plain, render_frame,
+                                save_html, save_svg)
 from dgcli.sampling.events import BlockStart, Commit, Done, Step
-from dgcli.render.watch import (RENOISED, Display, Frame, Pieces, Watch, canvas_text, display_piece, kind_of,
-                         make_console, plain, render_frame, save_html, save_svg, status_line)
 
 PIECES = {1: "<eos>", 10: " The", 11: " cat", 12: " sat", 13: " on", 14: " the", 15: " mat",
           20: "zq", 21: "\nxv", 22: "kk"}
@@ -153,6 +156,18 @@ def test_html_replay_is_self_contained_and_holds_every_frame(tmp_path):
     assert "".join(data["raw"][i] for b in data["blocks"] for i in b).startswith(" The cat</script>")
     for name in ("play", "scrub", "speed", "canvas", "status", "answer", "final"):
         assert f'id="{name}"' in page
+
+
+def test_html_template_is_filled_once_and_escaped():
+    template = (files("dgcli") / "data" / "replay.html").read_text(encoding="utf-8")
+    assert re.findall(r"\{\{(\w+)\}\}", template) == ["TITLE", "CLASSES", "TITLE", "META", "DATA"]
+    w = fed()
+    w.pieces.table[13] = " {{TITLE}}<!--"  # placeholder-like model text stays text (one pass, "<" escaped)
+    page = html_page(w, "t & <i>", "meta {{DATA}} <b>")
+    assert "<title>t &amp; &lt;i&gt;</title>" in page and '<div id="meta">meta {{DATA}} &lt;b&gt;</div>' in page
+    assert ".acc3{color:#5cff7a;font-weight:bold}" in page and "{{CLASSES}}" not in page
+    data = json.loads(re.search(r'id="data">(.*?)</script>', page, re.S).group(1))
+    assert " {{TITLE}}<!--" in data["raw"] and "<!--" not in page.split('id="data">')[1]
 
 
 def test_svg_holds_the_last_frame_of_every_block(tmp_path):
