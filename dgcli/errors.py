@@ -1,4 +1,7 @@
-"""User-facing errors: one line that names the problem and the fix. The CLI prints them without a traceback."""
+"""User-facing errors: one line that names the problem and the fix. The CLI prints them without a traceback.
+
+Owns: `UserError`. Must not: import anything (every layer raises it).
+"""
 
 
 class UserError(Exception):

@@ -6,7 +6,7 @@ classes of a position, the display string of a token (`Pieces`, `display_piece`)
 line. Live and replay feed the same records through the same `Watch`, so they produce the same frames
 by construction.
 Must not: import Rich, draw or write anything (dgcli.render.watch does), run the model, tokenize, or read
-or write traces (cmd_watch, the sampler and dgcli.render.trace do).
+or write traces (dgcli.cli.watch, the sampling loop and dgcli.render.trace do).
 
 Colour classes (terminal styles, SVG and HTML CSS share the names):
   renoised   the position was not accepted this step: its sample is replaced by noise (dim)

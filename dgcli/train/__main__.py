@@ -1,4 +1,4 @@
-"""`python -m dgcli.train ...`: train the bundled tiny model (see dgcli/train/trainer.py)."""
+"""`python -m dgcli.train ...`: train the bundled tiny model (see dgcli/train/trainer.py). Must not: hold logic."""
 
 from dgcli.train.trainer import main
 
