@@ -7,10 +7,13 @@ Owns: the checkpoint <-> module name map and every loading error message. Must n
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from torch import nn
 from safetensors import SafetensorError, safe_open
 
 from dgcli.model.config import ModelConfig, load_config, read_json
@@ -116,9 +119,32 @@ def load_state(path: Path, cfg: ModelConfig, device: str = "cpu", dtype: torch.d
     return state
 
 
+# torch.nn.init functions the modules' constructors call; skipped on the meta device (see `meta_model`).
+_INIT_FNS = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "xavier_uniform_", "ones_", "zeros_",
+             "constant_")
+
+
+@contextlib.contextmanager
+def _no_init() -> Iterator[None]:
+    saved = {n: getattr(nn.init, n) for n in _INIT_FNS}
+    try:
+        for n in _INIT_FNS:
+            setattr(nn.init, n, lambda t, *a, **k: t)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(nn.init, n, f)
+
+
+def meta_model(cfg: ModelConfig) -> DiffusionGemma:
+    """The module tree on the meta device, parameter init skipped: init ops on meta tensors go through
+    torch._refs, which imports torch._dynamo (~1 s of start-up), and every value is assigned later anyway."""
+    with torch.device("meta"), _no_init():
+        return DiffusionGemma(cfg)
+
+
 def expected_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
-    with torch.device("meta"):
-        model = DiffusionGemma(cfg)
+    model = meta_model(cfg)
     return {k: v.shape for k, v in model.state_dict().items()}
 
 
@@ -147,7 +173,6 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     for name, t in state.items():
         if not name.endswith("layer_scalar") and t.dtype != model_dtype:
             state[name] = t.to(model_dtype)
-    with torch.device("meta"):
-        model = DiffusionGemma(cfg)
+    model = meta_model(cfg)
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()

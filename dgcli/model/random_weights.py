@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from dgcli.errors import UserError
 from dgcli.model.config import RELEASED_ROPE_PARAMETERS, parse_config, read_json, real_config_path
-from dgcli.model.loader import to_checkpoint_name
+from dgcli.model.loader import meta_model, to_checkpoint_name
 from dgcli.model.gemma import DiffusionGemma
 
 REFERENCE_GENERATION_CONFIG = {
@@ -69,8 +69,7 @@ def random_model(cfg_dict: dict, *, seed: int = 0, dtype: torch.dtype = torch.fl
     """A randomly initialised model of a config (dummy weights), allocated once, on `device`, in `dtype`
     (layer scalars fp32 as in the checkpoint)."""
     cfg = parse_config(cfg_dict)
-    with torch.device("meta"):
-        model = DiffusionGemma(cfg)
+    model = meta_model(cfg)
     model.to(dtype)
     for layer in model.layers:
         layer.layer_scalar.data = layer.layer_scalar.float()
