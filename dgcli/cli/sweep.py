@@ -123,13 +123,13 @@ def sweep(
 
     live, progress = status(sys.stderr.isatty())
     try:
-        reference = _reference(rows, store, s, plist, ignore, quality_metric, fp, progress)
+        reference = sw.reference_outputs(rows, store, s, plist, ignore, quality_metric, fp, progress)
         for i in range(warmup if todo else 0):
             progress(f"warm-up {i + 1}/{warmup}")
             request.run(s, plist[i % len(plist)].ids, ignore_eos=ignore)
         for n, cell in enumerate(todo, 1):
             memory = b.PeakMemory(s.device, baseline)
-            row = _run_cell(s, cell, plist, source, seed_list, runs, ignore, quality_metric, reference,
+            row = sw.run_cell(s, cell, plist, source, seed_list, runs, ignore, quality_metric, reference,
                             peaks, memory, label, meta, fp, progress)
             store.append(row)
             rows.append(row)
@@ -173,64 +173,6 @@ def _print_plan(model, dummy, layers, preset, flags, axes, seeds, store, resume)
         print(f"  skipped {values}: {why}")
     base = {k: v for k, v in resolved.as_dict()["params"].items() if k not in keys}
     print(f"fixed settings: {base}")
-
-
-def _reference(rows, store, s, plist, ignore, metric, fp, progress):
-    """Agreement needs the base setting's output per prompt: taken from the file, or run once and saved."""
-    from dgcli.runtime import request
-    if metric != "agreement":
-        return None
-    for r in rows:
-        if r.get("kind") == "reference":
-            return r["outputs"]
-    outs = []
-    for i, p in enumerate(plist):
-        progress(f"reference output {i + 1}/{len(plist)}")
-        outs.append(request.run(s, p.ids, ignore_eos=ignore).token_ids)
-    row = {"kind": "reference", "sweep_fingerprint": fp, "settings": s.resolved.as_dict()["params"], "outputs": outs}
-    store.append(row)
-    rows.append(row)
-    return outs
-
-
-def _run_cell(s, cell, plist, source, seeds, runs, ignore, metric, reference, peaks, memory, label, meta, fp,
-              progress):
-    """Every seed x run x prompt of one cell through the sampler; the bench figures plus quality."""
-    import dataclasses
-
-    from dgcli.measure import bench as b
-    from dgcli.measure import sweep as sw
-    from dgcli.measure import metrics
-
-    session = dataclasses.replace(s, num_blocks=_blocks(s, cell.params))
-    name = sw.cell_label({"cell": cell.values}, list(cell.values))
-    all_runs, scores = [], []
-    memory.start()
-    for seed in seeds:
-        params = cell.params.replace(seed=seed)
-        for run in b.measure(session, plist, params, runs=runs, warmup=0, ignore_eos=ignore,
-                             progress=lambda t: progress(f"{name} seed {seed}: {t}")):
-            all_runs.append(run)
-            for i, (p, req) in enumerate(zip(plist, run)):
-                if metric == "agreement":
-                    scores.append(sw.agreement(req.token_ids, reference[i]))
-                elif p.answer is not None:
-                    scores.append(float(sw.exact_match(req.text, p.answer)))
-    summary = metrics.summarize(all_runs, session.config, cell.params.max_denoising_steps,
-                          weight_bytes=b.weight_bytes(session), peaks=peaks, peak_memory=memory.read())
-    row = b.make_row(session, prompts=plist, prompt_source=source,
-                     params=cell.params, runs_done=runs, runs_asked=runs, warmup=0, ignore_eos=ignore,
-                     summary=summary, label=label, metadata=meta, kind="cell")
-    q = sw.quality_of(scores)
-    row.update({"seeds": seeds, "quality_metric": metric, "quality": q, metric: q, "cell": cell.values,
-                "cell_key": cell.key, "sweep_fingerprint": fp})
-    return row
-
-
-def _blocks(session, params) -> int:
-    from dgcli.runtime.settings import blocks_for
-
-    return blocks_for(params, session.resolved.run.max_tokens, session.config.canvas_length)
 
 
 def _finish(rows, cells, axes, speed, plot, fmt, card, output) -> None:

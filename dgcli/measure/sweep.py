@@ -4,8 +4,10 @@ Owns: turning axis specs (`8,16,32`, `a-b+step`) into cells (the Cartesian produ
 aside with the reason), each cell's key, the sweep's fingerprint (what must match for --resume to continue
 a file), the JSONL store (one row per finished cell, appended with a single write + fsync; a torn last
 line from a kill is dropped on resume), exact-match and agreement quality, the speed-quality Pareto
-frontier and its SVG (or PNG, with matplotlib) plot. Must not: run the model or print (dgcli.cli.sweep does;
-measuring is dgcli.measure.bench's, the denoising loop is dgcli.sampling.loop's).
+frontier and its SVG (or PNG, with matplotlib) plot, and running one cell (every seed x run x prompt
+through `dgcli.measure.bench.measure`, the request API) or the reference outputs agreement needs.
+Must not: print (dgcli.cli.sweep does), time requests itself (dgcli.measure.bench does), or contain a
+denoising loop (dgcli.sampling.loop's is the one).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from dgcli.errors import UserError
 from dgcli.measure.grid import parse_grid_values
@@ -277,3 +279,60 @@ def cell_label(row: dict, keys: list[str]) -> str:
 
 def quality_of(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
+
+
+# ---- running: the reference outputs and one cell, through dgcli.measure.bench (the request API) ----------
+
+
+def reference_outputs(rows: list[dict], store: RowStore, s: Any, plist: list, ignore: bool, metric: str, fp: str,
+                      progress: Callable[[str], None]) -> list[list[int]] | None:
+    """Agreement needs the base setting's output per prompt: taken from the file, or run once and saved."""
+    from dgcli.runtime import request
+    if metric != "agreement":
+        return None
+    for r in rows:
+        if r.get("kind") == "reference":
+            return r["outputs"]
+    outs = []
+    for i, p in enumerate(plist):
+        progress(f"reference output {i + 1}/{len(plist)}")
+        outs.append(request.run(s, p.ids, ignore_eos=ignore).token_ids)
+    row = {"kind": "reference", "sweep_fingerprint": fp, "settings": s.resolved.as_dict()["params"], "outputs": outs}
+    store.append(row)
+    rows.append(row)
+    return outs
+
+
+def run_cell(s: Any, cell: Cell, plist: list, source: str, seeds: list[int], runs: int, ignore: bool, metric: str,
+             reference: list[list[int]] | None, peaks: Any, memory: Any, label: str | None, meta: dict, fp: str,
+             progress: Callable[[str], None]) -> dict:
+    """Every seed x run x prompt of one cell through the sampler; the bench figures plus quality."""
+    import dataclasses
+
+    from dgcli.measure import bench as b
+    from dgcli.measure import metrics
+    from dgcli.runtime.settings import blocks_for
+
+    session = dataclasses.replace(s, num_blocks=blocks_for(cell.params, s.resolved.run.max_tokens, s.config.canvas_length))
+    name = cell_label({"cell": cell.values}, list(cell.values))
+    all_runs, scores = [], []
+    memory.start()
+    for seed in seeds:
+        params = cell.params.replace(seed=seed)
+        for run in b.measure(session, plist, params, runs=runs, warmup=0, ignore_eos=ignore,
+                             progress=lambda t: progress(f"{name} seed {seed}: {t}")):
+            all_runs.append(run)
+            for i, (p, req) in enumerate(zip(plist, run)):
+                if metric == "agreement":
+                    scores.append(agreement(req.token_ids, reference[i]))
+                elif p.answer is not None:
+                    scores.append(float(exact_match(req.text, p.answer)))
+    summary = metrics.summarize(all_runs, session.config, cell.params.max_denoising_steps,
+                          weight_bytes=b.weight_bytes(session), peaks=peaks, peak_memory=memory.read())
+    row = b.make_row(session, prompts=plist, prompt_source=source,
+                     params=cell.params, runs_done=runs, runs_asked=runs, warmup=0, ignore_eos=ignore,
+                     summary=summary, label=label, metadata=meta, kind="cell")
+    q = quality_of(scores)
+    row.update({"seeds": seeds, "quality_metric": metric, "quality": q, metric: q, "cell": cell.values,
+                "cell_key": cell.key, "sweep_fingerprint": fp})
+    return row
