@@ -183,7 +183,7 @@ def save(model: DiffusionGemma, out: Path, cfg_dict: dict, dtype: torch.dtype, g
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m dgcli.train", description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--minutes", type=float, default=50.0, help="wall-clock cap; training stops there")
     ap.add_argument("--steps", type=int, default=20000, help="schedule length (cosine ends here)")

@@ -1,0 +1,80 @@
+"""The request API (dgcli/runtime/request.py) on the bundled model: one cut at stop ids and max_tokens for
+every command, the event stream and the response agree, init-canvas ids, and bad prompts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from dgcli.cli import app
+from dgcli.cli.options import sampler_flags
+from dgcli.errors import UserError
+from dgcli.runtime import request
+from dgcli.runtime.session import open_session
+from dgcli.sampling.events import BlockStart, Done, Step
+
+COUNT = "Count from 7 to 31."  # the bundled model answers it over 2 blocks
+
+
+def session_with(**flags):
+    return open_session(None, None, sampler_flags(device="cpu", **flags))
+
+
+def test_generate_matches_its_own_event_stream():
+    s = session_with(blocks=4)
+    r = request.generate(s, COUNT)
+    events = list(request.stream(s, r.prompt_ids))
+    done = events[-1]
+    assert isinstance(done, Done) and done.token_ids == r.token_ids == r.done.token_ids
+    assert r.finish_reason == "stop" and r.text == s.tokenizer.answer_text(r.token_ids, stop_ids=s.stop_ids)
+    assert r.block_prefix == [e.prefix_len for e in events if isinstance(e, BlockStart)]
+    assert len(r.block_prefix) == done.blocks >= 2
+    assert sum(isinstance(e, Step) for e in events) == sum(done.steps_per_block)
+
+
+def test_max_tokens_cuts_the_answer_and_finishes_by_length():
+    full = request.generate(session_with(blocks=4), COUNT)
+    s = session_with(blocks=4, max_tokens=5)
+    cut = request.generate(s, COUNT)
+    assert len(full.token_ids) > 5
+    assert cut.token_ids == full.token_ids[:5] and cut.finish_reason == "length"
+    assert cut.text == s.tokenizer.answer_text(full.token_ids[:5], stop_ids=s.stop_ids)
+    assert request.cut(full.done, None) == (full.done.token_ids, "stop")
+
+
+@pytest.mark.parametrize("command", [["generate", "--format", "json"], ["watch"]])
+def test_every_command_applies_the_same_cut(command):
+    r = CliRunner().invoke(app, [*command, "--blocks", "4", "--max-tokens", "5", COUNT])
+    assert r.exit_code == 0, (r.output, r.exception)
+    want = request.generate(session_with(blocks=4, max_tokens=5), COUNT).text
+    if command[0] == "generate":
+        row = json.loads(r.stdout)
+        assert len(row["token_ids"]) == 5 and row["finish_reason"] == "length" and row["text"] == want
+    else:
+        assert r.stdout.rstrip("\n").endswith(want.rstrip("\n"))
+
+
+def test_bench_counts_the_cut_answer(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": COUNT}) + "\n")
+    r = CliRunner().invoke(app, ["bench", "--prompts", str(f), "--blocks", "4", "--max-tokens", "5", "--runs", "1",
+                                 "--warmup", "0", "--no-measure-peaks", "--format", "jsonl"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    row = json.loads(r.stdout)
+    assert row["total_output_tokens"] == 5 and row["finish_length_rate"] == 1
+
+
+def test_init_canvas_ids_and_bad_prompts():
+    s = session_with()
+    c, v = s.config.canvas_length, s.config.vocab_size
+    ids = request.init_canvas_ids(s, "5,6,7", seed=0)
+    assert ids[:3] == [5, 6, 7] and len(ids) == c and all(0 <= i < v for i in ids)
+    assert request.init_canvas_ids(s, "5,6,7", seed=0) == ids  # seeded noise
+    with pytest.raises(UserError, match="outside the vocabulary"):
+        request.init_canvas_ids(s, f"1,{v}", seed=0)
+    with pytest.raises(UserError, match="canvas holds"):
+        request.init_canvas_ids(s, ",".join(["1"] * (c + 1)), seed=0)
+    with pytest.raises(UserError, match="empty"):
+        request.encode(s, "  \n")
