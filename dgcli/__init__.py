@@ -1,4 +1,8 @@
-"""dgemma: run, watch, sweep and benchmark DiffusionGemma block text-diffusion checkpoints."""
+"""dgemma: run, watch, sweep and benchmark DiffusionGemma block text-diffusion checkpoints.
+
+Owns: `__version__` and the `load_model` shortcut. Must not: import torch or any subpackage at import
+time (every `dgemma` run, `--help` included, imports this first).
+"""
 
 __version__ = "0.1.0"
 

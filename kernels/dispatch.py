@@ -77,10 +77,10 @@ def experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_proj: t
     return reference_ops.experts_reference(x, w, idx, gate_up_proj, down_proj)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None):
-    """Norm_w / Norm_0 of x, optionally fused with `residual + x` (see `reference_ops.rms_norm_reference`)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Norm_w / Norm_0 of x (see `reference_ops.rms_norm_reference`)."""
     if implementation("rms_norm", x.device) == "triton":
         from .rmsnorm import rms_norm as rms_norm_triton
 
-        return rms_norm_triton(x, weight, eps, residual)
-    return reference_ops.rms_norm_reference(x, weight, eps, residual)
+        return rms_norm_triton(x, weight, eps)
+    return reference_ops.rms_norm_reference(x, weight, eps)

@@ -8,7 +8,9 @@ Both equal `kernels/reference_ops.py::experts_reference` (and so the model's `Ex
 GEMM inputs and dtypes, same activation, the fp32 routing-weight product rounded to x.dtype, and a
 token's k contributions added in ascending expert order with one rounding per addition. Only the GEMM
 kernel may differ, so fp32 agrees to accumulation order and bf16 to one rounding of a GEMM output.
-Must not: route (the router is the model's), or run on CUDA (kernels/moe.py does).
+Must not: route (the router is the model's), run on CUDA (kernels/moe.py does), or import
+torch._dynamo (about 1 s) in a process that never compiles: `experts_grouped` is kept out of compiled
+graphs by `_outside_compiled_graphs`, which touches the compiler only once something compiles.
 
 Why grouped: on this CPU a bf16 GEMM with ~20-80 rows runs at a fraction of the AMX rate and a Python
 loop over 128 experts pays that per expert. Measured on the 200 M benchmark config's experts (256
@@ -17,6 +19,9 @@ tokens, 12 experts top-4, H 1024, I 512, bf16, 1 thread, isolated; see benchmark
 """
 
 from __future__ import annotations
+
+import functools
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +51,26 @@ def _combine(pairs: torch.Tensor, w_sorted: torch.Tensor, dtype: torch.dtype) ->
     return out
 
 
-@torch.compiler.disable  # reads the largest group size back to the host: keep it out of compiled graphs
+def _outside_compiled_graphs(fn):
+    """`torch.compiler.disable(fn)` without importing torch._dynamo where nothing compiles. If dynamo is
+    already loaded, disable now; otherwise nothing can be tracing yet, so eager calls go straight to fn
+    and the first call made while tracing builds the disabled wrapper (one extra graph break, once)."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.disable(fn)
+    disabled = {}  # filled by the first traced call (dynamo replays the store after its graph break)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not torch.compiler.is_compiling():  # a plain flag read: importing nothing
+            return fn(*args, **kwargs)
+        if "fn" not in disabled:
+            disabled["fn"] = torch.compiler.disable(fn)
+        return disabled["fn"](*args, **kwargs)
+
+    return wrapper
+
+
+@_outside_compiled_graphs  # reads the largest group size back to the host: keep it out of compiled graphs
 def experts_grouped(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_proj: torch.Tensor,
                     down_proj: torch.Tensor) -> torch.Tensor:
     """x [N, H], w [N, k] fp32, idx [N, k] (distinct experts per row), gate_up_proj [E, 2I, H],
@@ -81,7 +105,7 @@ def segments_fit(hidden: int, inter: int, dtype: torch.dtype) -> bool:
     and inside torch.compile bf16 inputs (its shape function rejects fp32, which eager CPU accepts)."""
     if dtype != torch.bfloat16 and torch.compiler.is_compiling():
         return False
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize  # no tensor allocated per call
     return (hidden * size) % 16 == 0 and (inter * size) % 16 == 0
 
 
@@ -91,7 +115,7 @@ def experts_segments(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_u
     segments, two `F.grouped_mm` calls with the segment ends as offsets. Every shape is static, so it
     compiles into the decoder's graph (`--compile`) without a break; the GEMM per segment is the same
     as the reference's per-expert GEMM (bit-equal on this CPU)."""
-    n, k = idx.shape
+    k = idx.shape[1]
     num_experts, h, inter = gate_up_proj.shape[0], x.shape[1], down_proj.shape[2]
     if not segments_fit(h, inter, x.dtype):
         return experts_grouped(x, w, idx, gate_up_proj, down_proj)

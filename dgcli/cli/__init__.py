@@ -1,6 +1,11 @@
 """The `dgemma` command line: thin Typer commands that resolve settings, load, call the library and
-hand results to a renderer. Heavy imports (torch) happen inside commands so `dgemma --help` is instant.
-Known errors become one line on stderr and exit code 2 (a traceback only with DGEMMA_DEBUG=1).
+hand results to a renderer.
+
+Owns: the Typer app, command registration, `--version`, and `main()`'s error contract: known errors
+become one line on stderr and exit code 2 (a traceback only with DGEMMA_DEBUG=1), Ctrl-C exits 130.
+Must not: import torch (or anything a command body imports) at module level, directly or through the
+command modules: `dgemma --help`, `--version` and `dgemma CMD --help` load only typer and dgcli.cli
+(tests/cli/test_startup.py checks it).
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ def _root(version: Optional[bool] = typer.Option(None, "--version", callback=_ve
     pass
 
 
-# Commands (each module imports torch lazily, inside its command body, so --help stays instant).
+# Commands: each module imports only typer and torch-free dgcli modules (options, errors, text.prompts)
+# at module level; torch and the library load inside command bodies, so help and usage errors stay instant.
 from dgcli.cli import bench as cmd_bench
 from dgcli.cli import generate as cmd_generate
 from dgcli.cli import info as cmd_info
