@@ -165,7 +165,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     cfg = load_config(path)
     if isinstance(dtype, str):
         dtype = resolve_dtype(dtype)
-    expected = expected_shapes(cfg)
+    model = meta_model(cfg)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
     dev = str(device)
     state = load_state(path, cfg, device=dev, dtype=dtype, expected=expected)
     # Mixed-dtype checkpoints run in the embedding's dtype (layer scalars stay fp32).
@@ -173,6 +174,5 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     for name, t in state.items():
         if not name.endswith("layer_scalar") and t.dtype != model_dtype:
             state[name] = t.to(model_dtype)
-    model = meta_model(cfg)
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()

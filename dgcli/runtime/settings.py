@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from dgcli.errors import UserError
 from dgcli.sampling.params import (
     CLI_FLAG, DiffusionEbParams, SettingsError, build, check_type, coerce, field_types, fix, reject_unknown, suggest,  # noqa: F401
@@ -147,6 +145,8 @@ def load_preset(name_or_path: str) -> dict[str, Any]:
     RunSettings keys. Unknown keys, malformed YAML or a non-mapping are `UserError`s naming the file.
     Values are returned as written (`resolve` coerces and validates them), except that a relative
     `prompt_set` is made relative to the preset's folder, so a preset works from any directory."""
+    import yaml  # here, not at import: most runs read no preset (start-up time)
+
     path = _preset_path(name_or_path)
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))

@@ -78,3 +78,10 @@ def test_init_canvas_ids_and_bad_prompts():
         request.init_canvas_ids(s, ",".join(["1"] * (c + 1)), seed=0)
     with pytest.raises(UserError, match="empty"):
         request.encode(s, "  \n")
+
+
+def test_the_package_shortcuts_are_the_request_api():
+    import dgcli
+
+    s = dgcli.open_session(settings={"max_blocks": 4, "device": "cpu"})
+    assert dgcli.generate(s, COUNT).token_ids == request.generate(session_with(blocks=4), COUNT).token_ids
