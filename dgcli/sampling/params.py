@@ -1,9 +1,9 @@
 """Sampler settings: `DiffusionEbParams` (the entropy-bound sampler's knobs) and its ONE validator, plus the
-value coercion every settings source goes through (flags, presets, generation_config.json, sweep cells,
+value typing every settings source goes through (flags, presets, generation_config.json, sweep cells,
 request fields).
 
-Owns: the field types and ranges, turning loosely typed values into them, and the one-line errors that
-name the key and the fix (`SettingsError`). The ranges follow the reference's
+Owns: the field types (validated by pydantic: lax at a source, strict for direct construction) and ranges,
+and the one-line errors that name the key and the fix (`SettingsError`). The ranges follow the reference's
 `DiffusionGemmaGenerationConfig.validate`: t_min >= 0 and t_max > t_min (t_min itself is never used as a
 temperature, so 0 is fine), steps >= 1. The loop calls `DiffusionEbParams.check` on whatever it is given,
 so there is no second validator. Must not: import torch, read files or know where a value came from
@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, FiniteFloat, Strict, TypeAdapter, ValidationError
 
 from dgcli.errors import UserError
 
@@ -65,14 +66,25 @@ def fix(key: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Type coercion. YAML, flags and JSON hand us loosely typed values: PyYAML reads `5e-3` as a
-# *string* (YAML 1.1 wants `5.0e-3`) and JSON may give 16.0 for 16, so numeric strings and integral
-# floats are accepted; anything else ("abc", true for a number, nan) is an error naming the key.
+# Value types, validated by pydantic (lax mode at a source, strict for direct construction). YAML, flags
+# and JSON hand us loosely typed values: PyYAML reads `5e-3` as a *string* (YAML 1.1 wants `5.0e-3`) and
+# JSON may give 16.0 for 16, so numeric strings and integral floats pass; `true` for a number, nan, inf,
+# 4.5 for a whole number or 0 for text do not. The messages stay ours: one line, key, source and fix.
 # ---------------------------------------------------------------------------------------------
 
 
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+def _not_bool(v: Any) -> Any:
+    if isinstance(v, bool):  # pydantic's lax int/float take booleans; a YAML `true` is no number
+        raise ValueError("a boolean is not a number")
+    return v
+
+
+_TYPES: dict[type, tuple[TypeAdapter, str, str]] = {  # field type -> (validator, expected, example)
+    float: (TypeAdapter(Annotated[FiniteFloat, BeforeValidator(_not_bool)]), "a finite number", "to e.g. 0.1"),
+    int: (TypeAdapter(Annotated[int, BeforeValidator(_not_bool)]), "a whole number", "to e.g. 16"),
+    bool: (TypeAdapter(bool), "true or false", "to true or false"),
+    str: (TypeAdapter(Annotated[str, Strict()]), "text", "to a quoted string"),
+}
 
 
 def _unwrap_optional(kind: Any) -> tuple[Any, bool]:
@@ -82,47 +94,17 @@ def _unwrap_optional(kind: Any) -> tuple[Any, bool]:
     return kind, False
 
 
-def coerce(key: str, value: Any, kind: Any, origin: str) -> Any:
+def coerce(key: str, value: Any, kind: Any, origin: str, *, strict: bool = False) -> Any:
+    """`value` as the field type `kind`, or a `SettingsError` naming the key, where it came from and the fix."""
     kind, optional = _unwrap_optional(kind)
     if optional and value is None:
         return None
-    where = f" (from {origin})" if origin else ""
-    if kind is float:
-        v = value
-        if isinstance(v, str):
-            try:
-                v = float(v.strip())
-            except ValueError:
-                pass
-        if not _is_number(v) or not math.isfinite(v):
-            raise SettingsError(key, f"{key}={value!r}{where}: expected a finite number; set {fix(key)} to e.g. 0.1")
-        return float(v)
-    if kind is int:
-        v = value
-        if isinstance(v, str):
-            try:
-                v = float(v.strip()) if any(c in v for c in ".eE") else int(v.strip())
-            except ValueError:
-                pass
-        if isinstance(v, float) and math.isfinite(v) and v.is_integer():
-            v = int(v)
-        if not (isinstance(v, int) and not isinstance(v, bool)):
-            raise SettingsError(key, f"{key}={value!r}{where}: expected a whole number; set {fix(key)} to e.g. 16")
-        return v
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        text = str(value).strip().lower()
-        if text in ("true", "yes", "on", "1"):
-            return True
-        if text in ("false", "no", "off", "0"):
-            return False
-        raise SettingsError(key, f"{key}={value!r}{where}: expected true or false; set {fix(key)} to true or false")
-    if kind is str:
-        if not isinstance(value, str):
-            raise SettingsError(key, f"{key}={value!r}{where}: expected text; quote it, e.g. {key}: \"...\"")
-        return value
-    raise TypeError(f"no coercion for {kind!r}")  # a new field type needs a rule above
+    adapter, expected, example = _TYPES[kind]  # a new field type needs a row above
+    try:
+        return adapter.validate_python(value, strict=strict)
+    except ValidationError:
+        where = f" (from {origin})" if origin else ""
+        raise SettingsError(key, f"{key}={value!r}{where}: expected {expected}; set {fix(key)} {example}") from None
 
 
 def field_types(cls: type) -> dict[str, Any]:
@@ -132,19 +114,7 @@ def field_types(cls: type) -> dict[str, Any]:
 
 def check_type(obj: Any, key: str) -> None:
     """Strict type check for `validate()`: catches values set by direct construction, e.g. t_min="abc"."""
-    value = getattr(obj, key)
-    kind, optional = _unwrap_optional(field_types(type(obj))[key])
-    if optional and value is None:
-        return
-    ok = {
-        int: isinstance(value, int) and not isinstance(value, bool),
-        float: _is_number(value) and math.isfinite(value),
-        bool: isinstance(value, bool),
-        str: isinstance(value, str),
-    }[kind]
-    if not ok:
-        expected = {int: "a whole number", float: "a finite number", bool: "true or false", str: "text"}[kind]
-        raise SettingsError(key, f"{key}={value!r}: expected {expected}; set {fix(key)} accordingly")
+    coerce(key, getattr(obj, key), field_types(type(obj))[key], "", strict=True)
 
 
 def build(cls: type, values: dict[str, Any], origin: str) -> Any:
