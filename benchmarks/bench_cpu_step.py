@@ -44,13 +44,9 @@ PROMPT_LEN = 32
 
 
 def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    from dgcli.measure.card import cpu_name  # one /proc/cpuinfo reader
+
+    return cpu_name() or platform.processor() or "unknown"
 
 
 def load_avg() -> str:

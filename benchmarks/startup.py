@@ -31,13 +31,9 @@ def console_script() -> str:
 
 
 def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    from dgcli.measure.card import cpu_name  # one /proc/cpuinfo reader
+
+    return cpu_name() or platform.processor() or "unknown"
 
 
 def wall(cmd: list[str]) -> float:
