@@ -18,6 +18,7 @@ from dgcli.errors import UserError
 
 FORMATS = ("md", "csv", "json", "jsonl")
 
+
 def bench(
     model: o.Model = None, dummy: o.Dummy = None, layers: o.Layers = None, preset: o.Preset = None,
     device: o.Device = None, dtype: o.Dtype = None, seed: o.Seed = None, steps: o.Steps = None,
@@ -50,7 +51,7 @@ def bench(
     s = open_any(model, dummy, layers, preset, flags, warn=warn, compile=compile)
     params = s.params
     plist, source = build_prompts(s, prompts_file=prompts, random_ids=random_prompts or s.dummy,
-                                    num_prompts=num_prompts, input_len=random_input_len, seed=params.seed, warn=warn)
+                                  num_prompts=num_prompts, input_len=random_input_len, seed=params.seed, warn=warn)
     if s.dummy and not ignore_eos:
         warn("dgemma: note: --ignore-eos is on: random weights would hit stop ids at random")
     ignore = ignore_eos or s.dummy
@@ -79,8 +80,8 @@ def bench(
     finally:
         if live is not None:
             live.stop()
-    summary = metrics.summarize(done, s.config, params.max_denoising_steps, weight_bytes=b.weight_bytes(s), peaks=peaks,
-                          peak_memory=memory.read())
+    summary = metrics.summarize(done, s.config, params.max_denoising_steps, weight_bytes=b.weight_bytes(s),
+                                peaks=peaks, peak_memory=memory.read())
     row = b.make_row(s, prompts=plist, prompt_source=source, params=params, runs_done=len(done),
                      runs_asked=runs, warmup=warmup, ignore_eos=ignore, summary=summary, label=label, metadata=meta)
     emit([row], card=card, fmt=fmt, title="Results")

@@ -91,7 +91,7 @@ def sweep(
     baseline = b.PeakMemory.maxrss()  # before the model exists, for the CPU peak-memory figure
     s = open_any(model, dummy, layers, preset, flags, warn=warn, compile=compile)
     plist, source = build_prompts(s, prompts_file=prompts, random_ids=random_prompts or s.dummy,
-                                    num_prompts=num_prompts, input_len=random_input_len, seed=seed_list[0], warn=warn)
+                                  num_prompts=num_prompts, input_len=random_input_len, seed=seed_list[0], warn=warn)
     ignore = ignore_eos or s.dummy
     cells, skipped = sw.plan(s.params, axes)
     for values, why in skipped:

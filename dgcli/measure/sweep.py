@@ -328,7 +328,7 @@ def run_cell(s: Any, cell: Cell, plist: list, source: str, seeds: list[int], run
                 elif p.answer is not None:
                     scores.append(float(exact_match(req.text, p.answer)))
     summary = metrics.summarize(all_runs, session.config, cell.params.max_denoising_steps,
-                          weight_bytes=b.weight_bytes(session), peaks=peaks, peak_memory=memory.read())
+                                weight_bytes=b.weight_bytes(session), peaks=peaks, peak_memory=memory.read())
     row = b.make_row(session, prompts=plist, prompt_source=source,
                      params=cell.params, runs_done=runs, runs_asked=runs, warmup=0, ignore_eos=ignore,
                      summary=summary, label=label, metadata=meta, kind="cell")
