@@ -98,3 +98,20 @@ def test_kernels_import_from_this_repository():
 
     here = Path(dgcli.kernels.__file__).resolve().parent
     assert here == ROOT / "kernels" and Path(dgcli.__file__).resolve().parent == PKG
+
+
+def test_a_plain_checkout_imports_the_kernels(tmp_path):
+    """Without the install's finder (a checkout on PYTHONPATH only), `dgcli.kernels` still resolves to the
+    top-level kernels/ through the dgcli/kernels symlink."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "sys.meta_path = [f for f in sys.meta_path if 'Editable' not in getattr(f, '__name__', '')]\n"
+            "sys.path_hooks = [h for h in sys.path_hooks if 'editable' not in repr(h).lower()]\n"
+            "sys.path = [p for p in sys.path if 'editable' not in p]\n"
+            f"sys.path.insert(0, {str(ROOT)!r})\n"
+            "import dgcli.kernels.dispatch as d, pathlib\n"
+            "print(pathlib.Path(d.__file__).resolve())\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(ROOT / "kernels" / "dispatch.py")
