@@ -38,6 +38,9 @@ def bench(
     """Benchmark one sampler setting: labelled throughput figures, step-count distribution, roofline."""
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt}: use one of {', '.join(FORMATS)}")
+    from dgcli.measure.workload import check_counts
+
+    check_counts(num_prompts=num_prompts, runs=runs, warmup=warmup, input_len=random_input_len)
     from dgcli.measure import bench as b
     from dgcli.measure import metrics
     from dgcli.measure import printers as report

@@ -56,7 +56,7 @@ def generate(
     session = open_session(model, preset, flags, compile=compile)
     if session.tokenizer is None:
         raise UserError(f"{session.path}: no tokenizer.json; dgemma generate needs the checkpoint's tokenizer")
-    canvas = init_canvas_ids(session, init_canvas, session.params.seed) if init_canvas else None
+    canvas = init_canvas_ids(session, init_canvas, session.params.seed) if init_canvas is not None else None
     progress = Progress(sys.stderr.isatty() and fmt != "ndjson")
     try:
         def on_event(event) -> None:

@@ -1,4 +1,4 @@
-"""`dgemma info [MODEL]`: the checkpoint card, without reading weights.
+"""`dgemma info [MODEL | -m MODEL]`: the checkpoint card, without reading weights.
 
 Config summary, parameter counts (total, active per token), bytes by dtype (from the safetensors headers
 of a checkpoint, or config x dtype for --dummy), memory to run (weights, KV cache for --context tokens,
@@ -20,8 +20,8 @@ from dgcli.errors import UserError
 
 
 def info(
-    model: Annotated[Optional[str], typer.Argument(help="Checkpoint directory or config.json (default: the bundled tiny model).")] = None,
-    dummy: o.Dummy = None, layers: o.Layers = None, device: o.Device = None,
+    model_arg: Annotated[Optional[str], typer.Argument(metavar="MODEL", help="Checkpoint directory or config.json, as -m/--model (default: the bundled tiny model).")] = None,
+    model_opt: o.Model = None, dummy: o.Dummy = None, layers: o.Layers = None, device: o.Device = None,
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="Run dtype for memory and bytes: auto (the checkpoint's) | bfloat16 | float32")] = None,
     context: Annotated[int, typer.Option("--context", help="Cached tokens the KV-cache figure is sized for.")] = 4096,
     prompt_len: Annotated[int, typer.Option("--prompt-len", help="Cached tokens a denoising step attends to, for per-step costs.")] = 256,
@@ -33,6 +33,10 @@ def info(
         raise UserError(f"--format {fmt}: use md or json")
     if context < 1 or prompt_len < 0:
         raise UserError("--context must be >= 1 and --prompt-len >= 0")
+    # The positional form came first; -m/--model is what every other command takes.
+    if model_arg is not None and model_opt is not None and model_arg != model_opt:
+        raise UserError(f"two models given (MODEL {model_arg} and --model {model_opt}): give one of them")
+    model = model_opt if model_opt is not None else model_arg
     from dgcli.measure import card as inf
     from dgcli.measure import printers as report
     from dgcli.measure.bench import peaks_for_card
@@ -43,7 +47,7 @@ def info(
     inventory = None
     if dummy is not None:
         if model is not None:
-            raise UserError("give either MODEL (a checkpoint) or --dummy CONFIG, not both")
+            raise UserError("give either a checkpoint (MODEL or --model) or --dummy CONFIG, not both")
         raw, _, name = dummy_config(dummy, layers)
         cfg = parse_config(raw)
         name, source = f"dummy {name}", f"config {dummy} (random weights; nothing read but the config)"

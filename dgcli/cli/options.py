@@ -31,7 +31,9 @@ MaxTokens = Annotated[Optional[int], typer.Option("--max-tokens", help="Token bu
 
 Compile = Annotated[bool, typer.Option("--compile", help="torch.compile the decoder pass and the vocabulary tile math: faster steps after a one-off compile of tens of seconds.")]
 Trace = Annotated[Optional[str], typer.Option("--trace", help="Write the per-step JSONL trace to FILE.")]
-InitCanvas = Annotated[Optional[str], typer.Option("--init-canvas", help="Warm-start the first block: ids (1,2,3) or text.")]
+InitCanvas = Annotated[Optional[str], typer.Option("--init-canvas", help=(
+    "Warm-start the first block: token ids (5,6,7) or text. Only digits, commas, minus signs and spaces, or a "
+    "whole number then a comma, means ids: each must be a valid id, none empty (1,,2 and 1,2,abc are errors)."))]
 Thinking = Annotated[bool, typer.Option("--thinking", help="Let the model think first (template without the empty thought channel).")]
 ShowThinking = Annotated[bool, typer.Option("--show-thinking", help="Print the thought channel too.")]
 Raw = Annotated[bool, typer.Option("--raw", help="Send the prompt without the chat template.")]

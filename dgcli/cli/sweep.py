@@ -55,6 +55,9 @@ def sweep(
     compile: o.Compile = False,
 ) -> None:
     """Sweep sampler settings: per cell speed and quality, a resumable JSONL, the Pareto frontier."""
+    from dgcli.measure.workload import check_counts
+
+    check_counts(num_prompts=num_prompts, runs=runs, warmup=warmup, input_len=random_input_len)  # --dry-run too
     from dgcli.measure import bench as b
     from dgcli.measure import printers as report
     from dgcli.measure import sweep as sw

@@ -108,7 +108,7 @@ def watch(
     session = open_session(model, preset, flags)
     if session.tokenizer is None:
         raise UserError(f"{session.path}: no tokenizer.json; dgemma watch needs the checkpoint's tokenizer")
-    canvas = init_canvas_ids(session, init_canvas, session.params.seed) if init_canvas else None
+    canvas = init_canvas_ids(session, init_canvas, session.params.seed) if init_canvas is not None else None
     console, mode, note = _screen()
     pieces = Pieces(fetch=session.tokenizer.token_strings)
     w = Watch(pieces, session.params.max_denoising_steps, Display(console, mode, pieces, fps=fps, step_delay=step_delay))

@@ -22,11 +22,13 @@ Counting conventions (every figure says which it is):
 from __future__ import annotations
 
 import json
+import math
 import struct
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dgcli.errors import UserError
 from dgcli.model.config import FULL, LayerGeometry, ModelConfig
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "BF16": 2, "F16": 2, "F32": 4, "F64": 8,
@@ -85,30 +87,43 @@ def bytes_by_dtype_for(cfg: ModelConfig, dtype: str) -> dict[str, int]:
 
 def safetensors_inventory(path: Path) -> dict:
     """Bytes and parameters by dtype of a checkpoint directory, from the safetensors headers only (the
-    8-byte length and the JSON header of each file; no tensor data is read). Vision tensors are counted
-    apart: text generation never loads them."""
+    8-byte length and the JSON header of each file, checked against its size; no tensor data is read).
+    Vision tensors are counted apart: text generation never loads them."""
     files = sorted(path.glob("*.safetensors"))
     text: dict[str, int] = {}
     vision: dict[str, int] = {}
     params = {"text": 0, "vision": 0}
     for f in files:
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
+        header = _read_header(f)
         for name, meta in header.items():
             if name == "__metadata__":
                 continue
             begin, end = meta["data_offsets"]
-            numel = 1
-            for s in meta["shape"]:
-                numel *= s
             kind = "vision" if name.startswith(VISION_PREFIXES) else "text"
             table = vision if kind == "vision" else text
             dt = _ST_NAMES.get(meta["dtype"], meta["dtype"])
             table[dt] = table.get(dt, 0) + (end - begin)
-            params[kind] += numel
+            params[kind] += math.prod(meta["shape"])
     return {"files": len(files), "text_bytes_by_dtype": text, "vision_bytes_by_dtype": vision,
             "text_parameters": params["text"], "vision_parameters": params["vision"]}
+
+
+def _read_header(f: Path) -> dict:
+    """One file's JSON header, checked against the file's size as the loader checks it (info reads no data)."""
+    size = f.stat().st_size
+    with open(f, "rb") as fh:
+        try:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            if 8 + n > size:  # checked before reading: a garbage length would be read whole
+                raise ValueError(f"header length {n} exceeds the file")
+            header = json.loads(fh.read(n))
+            end = 8 + n + max((m["data_offsets"][1] for k, m in header.items() if k != "__metadata__"), default=0)
+        except (struct.error, ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+            raise UserError(f"{f}: not a readable safetensors file ({e}); it may be truncated or corrupt: download it again") from None
+    if end != size:
+        raise UserError(f"{f}: {'truncated' if size < end else 'corrupt'} safetensors file: its header describes "
+                        f"{end} bytes, the file has {size}; download it again (or re-copy it)")
+    return header
 
 
 # ---- costs -----------------------------------------------------------------------------------------------

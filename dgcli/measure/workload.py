@@ -1,8 +1,8 @@
 """The bench and sweep workload: a prompt file (the bundled held-out set by default) or random token ids.
 
 Owns: `Prompt`, reading and encoding a prompt set through the request API's encoder, random-id prompts
-(with the loud warning they need), and the prompt-set hash every row's provenance carries. Must not: run
-the model or measure.
+(with the loud warning they need), the prompt-set hash every row's provenance carries, and the check of
+the workload's counts (prompts, runs, warm-ups). Must not: run the model or measure.
 """
 
 from __future__ import annotations
@@ -57,11 +57,25 @@ def prompt_set_hash(prompts: list[Prompt]) -> str:
     return h.hexdigest()[:16]
 
 
+def check_counts(*, num_prompts: int | None, runs: int, warmup: int, input_len: int) -> None:
+    """Reject impossible counts; the commands call it before the model, the card and the peak measurement
+    (seconds of work). A negative --num-prompts would slice from the end of the file, and 0 take all of it."""
+    if num_prompts is not None and num_prompts < 1:
+        raise UserError(f"--num-prompts {num_prompts}: must be >= 1 (leave it out to use every prompt)")
+    if runs < 1:
+        raise UserError(f"--runs {runs}: must be >= 1 (timed passes over the prompts)")
+    if warmup < 0:
+        raise UserError(f"--warmup {warmup}: must be >= 0 (0 skips the warm-up)")
+    if input_len < 1:
+        raise UserError(f"--random-input-len {input_len}: must be >= 1")
+
+
 def build_prompts(session: Any, *, prompts_file: str | None, random_ids: bool, num_prompts: int | None,
                   input_len: int, seed: int, warn: Callable[[str], None]) -> tuple[list[Prompt], str]:
     """The workload and its description ('file:PATH' or 'random-token-ids'); warns loudly on random ids."""
     from dgcli.runtime.request import check_context, encode
 
+    check_counts(num_prompts=num_prompts, runs=1, warmup=0, input_len=input_len)  # [:num_prompts] needs >= 1
     cfg = session.config
     path = None if random_ids else (prompts_file or session.resolved.run.prompt_set or
                                     (default_prompt_file() if session.tokenizer is not None else None))
@@ -69,7 +83,7 @@ def build_prompts(session: Any, *, prompts_file: str | None, random_ids: bool, n
         if session.tokenizer is None:
             raise UserError(f"--prompts {path}: the model has no tokenizer.json to encode text prompts; "
                             "use --random-prompts (dummy weights and tokenizer-less checkpoints)")
-        rows = read_prompt_file(path)[: num_prompts or None]
+        rows = read_prompt_file(path)[:num_prompts]
         out = [Prompt(encode(session, r["prompt"]), r["prompt"], r.get("answer"), r.get("family")) for r in rows]
         return out, f"file:{path}"
     warn(RANDOM_PROMPT_WARNING)

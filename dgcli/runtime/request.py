@@ -13,6 +13,7 @@ denoising loop.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,19 +62,39 @@ def encode(session: Any, text: str, *, raw: bool = False, thinking: bool | None 
     return ids
 
 
+_ID_CHARS = frozenset("0123456789,- \t")
+_INT = re.compile(r"-?\d+")
+
+
 def init_canvas_ids(session: Any, spec: str, seed: int) -> list[int]:
-    """`--init-canvas`: comma-separated ids, or text that is tokenised; the rest of the canvas stays
-    uniform noise (seeded by `seed + 1`, so it differs from the sampler's own draws)."""
+    """`--init-canvas`: token ids or text for the start of the first canvas; the rest of the canvas stays
+    uniform noise (seeded by `seed + 1`, so it differs from the sampler's own draws).
+
+    The value is an id list when it is made only of digits, commas, minus signs and spaces ("5,6,7", "42"),
+    or when it has a comma and its first item is a whole number ("1,2,abc"); an id list must be all
+    comma-separated ids in [0, vocab) with no empty item ("1,,2"), or it is an error. Anything else
+    ("hello world", "Hi, there") is text, tokenised without the chat template. An empty value is an error."""
     import torch
 
     c, v = session.config.canvas_length, session.config.vocab_size
+    if not spec.strip():
+        raise UserError("--init-canvas is empty; give token ids (e.g. 5,6,7) or text, or leave the flag out")
     parts = [p.strip() for p in spec.split(",")]
-    if all(p.lstrip("-").isdigit() for p in parts if p) and any(parts):
-        ids = [int(p) for p in parts if p]
+    # Prose rarely starts with "1," while a mistyped id list does: reading "1,2,abc" as text would silently
+    # warm-start from a canvas the user did not ask for, so it fails instead.
+    if set(spec) <= _ID_CHARS or (len(parts) > 1 and _INT.fullmatch(parts[0])):
+        for n, p in enumerate(parts, 1):
+            if not _INT.fullmatch(p):
+                what = "is empty" if not p else f"{p!r} is not a token id"
+                raise UserError(f"--init-canvas {spec!r}: item {n} {what}; give comma-separated token ids only "
+                                f"(e.g. 5,6,7), or text that starts with a word")
+        ids = [int(p) for p in parts]
         bad = [i for i in ids if not 0 <= i < v]
         if bad:
-            raise UserError(f"--init-canvas: id {bad[0]} is outside the vocabulary [0, {v})")
+            raise UserError(f"--init-canvas: id {bad[0]} is outside the vocabulary [0, {v}); use ids from 0 to {v - 1}")
     else:
+        if session.tokenizer is None:
+            raise UserError(f"--init-canvas {spec!r} is text, which needs the checkpoint's tokenizer; give token ids (e.g. 5,6,7)")
         ids = session.tokenizer.encode_text(spec)
     if len(ids) > c:
         raise UserError(f"--init-canvas has {len(ids)} tokens; the canvas holds {c}: shorten it")

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from dgcli.errors import UserError
 from dgcli.sampling.params import (
-    CLI_FLAG, DiffusionEbParams, SettingsError, build, check_type, coerce, field_types, fix, reject_unknown, suggest,  # noqa: F401
+    CLI_FLAG, DiffusionEbParams, SettingsError, build, check_type, coerce, field_types, fix, hint, reject_unknown,  # noqa: F401
+    suggest,
 )
 
 Source = Literal["default", "checkpoint", "preset", "flag"]
@@ -37,8 +38,10 @@ class RunSettings:
 
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | bfloat16 | float32
-    max_tokens: int | None = None  # None = the checkpoint's max_new_tokens, else one canvas
-    prompt_set: str | None = None  # path of a prompt file (relative paths in a preset: to the preset's folder)
+    # None = the checkpoint's max_new_tokens, else one canvas; `example` is what a hint suggests instead.
+    max_tokens: int | None = field(default=None, metadata={"example": 256})
+    # Path of a prompt file (relative paths in a preset: to the preset's folder).
+    prompt_set: str | None = field(default=None, metadata={"what": "the path of a prompt file"})
     thinking: bool = False
 
     @classmethod
@@ -51,14 +54,14 @@ class RunSettings:
         for key in field_types(type(self)):
             check_type(self, key)
         if not _DEVICE_RE.match(self.device):
-            raise SettingsError("device", f"device={self.device!r}: not a device; set {fix('device')} to one of {', '.join(DEVICE_CHOICES)}")
+            raise SettingsError("device", f"device={self.device!r}: not a device (one of {', '.join(DEVICE_CHOICES)}); {hint(RunSettings, 'device')}")
         if self.dtype not in DTYPE_CHOICES:
-            hint = suggest(self.dtype, DTYPE_CHOICES)
-            raise SettingsError("dtype", f"dtype={self.dtype!r}: unsupported{hint}; set {fix('dtype')} to one of {', '.join(DTYPE_CHOICES)}")
+            close = suggest(self.dtype, DTYPE_CHOICES)
+            raise SettingsError("dtype", f"dtype={self.dtype!r}: unsupported{close} (one of {', '.join(DTYPE_CHOICES)}); {hint(RunSettings, 'dtype')}")
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise SettingsError("max_tokens", f"max_tokens={self.max_tokens}: must be >= 1; set {fix('max_tokens')} to 1 or more, or leave it out")
+            raise SettingsError("max_tokens", f"max_tokens={self.max_tokens}: must be >= 1; {hint(RunSettings, 'max_tokens')}")
         if self.prompt_set is not None and not self.prompt_set.strip():
-            raise SettingsError("prompt_set", "prompt_set is empty: give the path of a prompt file or leave it out")
+            raise SettingsError("prompt_set", f"prompt_set={self.prompt_set!r}: empty; {hint(RunSettings, 'prompt_set')}")
 
 
 PARAM_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(DiffusionEbParams))
@@ -208,10 +211,11 @@ def resolve(generation_config: dict[str, Any] | None, preset: str | None, flags:
 
     `flags` maps preset keys to values; None means "not given". Unknown flag keys are an error (a
     misspelt key from a caller must not silently leave a default in place). Every value is coerced
-    at its source, so a type error names where it came from; the final settings are validated and a
-    range error also names the source of the offending value.
+    at its source, so a type error names where it came from (it is raised once every layer is in, so its
+    fix fits the other settings); the final settings are validated and a range error also names the
+    source of each value its rule involves.
     """
-    types = {**field_types(DiffusionEbParams), **field_types(RunSettings)}
+    owner = {**{k: DiffusionEbParams for k in PARAM_KEYS}, **{k: RunSettings for k in RUN_KEYS}}
     values: dict[str, Any] = {
         **dataclasses.asdict(DiffusionEbParams()),
         **dataclasses.asdict(RunSettings()),
@@ -219,11 +223,17 @@ def resolve(generation_config: dict[str, Any] | None, preset: str | None, flags:
     sources: dict[str, Source] = {k: "default" for k in ALL_KEYS}
     origins: dict[str, str] = {k: "the built-in default" for k in ALL_KEYS}
 
+    wrong_type: list[tuple[str, Any, str]] = []  # (key, value, origin) of values that are not of their type
+
     def apply(layer: dict[str, Any], source: Source, origin: str) -> None:
         for key, value in layer.items():
             if value is None:
                 continue
-            values[key] = coerce(key, value, types[key], origin)
+            try:
+                values[key] = coerce(owner[key], key, value, origin)
+            except SettingsError:
+                wrong_type.append((key, value, origin))
+                continue
             sources[key], origins[key] = source, origin
 
     if generation_config is not None:
@@ -234,6 +244,10 @@ def resolve(generation_config: dict[str, Any] | None, preset: str | None, flags:
         apply(load_preset(preset_path), "preset", f"preset {preset_path}")
     reject_unknown(flags, ALL_KEYS, "flags")
     apply(flags, "flag", "a command-line flag")
+    if wrong_type:
+        # Raised once every layer is in, so the hint fits the other settings (t_min="x" with --t-max 0.3).
+        key, value, origin = wrong_type[0]
+        coerce(owner[key], key, value, origin, current=values)  # raises the SettingsError again, with that hint
 
     try:
         params = DiffusionEbParams(**{k: values[k] for k in PARAM_KEYS})
@@ -241,7 +255,8 @@ def resolve(generation_config: dict[str, Any] | None, preset: str | None, flags:
         run = RunSettings(**{k: values[k] for k in RUN_KEYS})
         run.validate()
     except SettingsError as e:
-        raise SettingsError(e.key, f"{e} [{e.key} from {origins.get(e.key, 'unknown')}]") from None
+        where = ", ".join(f"{k} from {origins.get(k, 'unknown')}" for k in e.keys)
+        raise SettingsError(e.key, f"{e} [{where}]", also=e.keys[1:]) from None
     return Resolved(params=params, run=run, sources=sources, preset=preset_path)
 
 
@@ -260,7 +275,7 @@ def blocks_for(params: DiffusionEbParams, max_tokens: int | None, canvas_length:
     if max_tokens is None:
         return 1
     if max_tokens < 1:
-        raise SettingsError("max_tokens", f"max_tokens={max_tokens}: must be >= 1; set {fix('max_tokens')} to 1 or more")
+        raise SettingsError("max_tokens", f"max_tokens={max_tokens}: must be >= 1; {hint(RunSettings, 'max_tokens')}")
     return -(-max_tokens // canvas_length)
 
 

@@ -7,15 +7,18 @@ and the one-line errors that name the key and the fix (`SettingsError`). The ran
 `DiffusionGemmaGenerationConfig.validate`: t_min >= 0 and t_max > t_min (t_min itself is never used as a
 temperature, so 0 is fine), steps >= 1. The loop calls `DiffusionEbParams.check` on whatever it is given,
 so there is no second validator. Must not: import torch, read files or know where a value came from
-(runtime/settings.py adds the source to the message).
+(runtime/settings.py adds the source to the message). Every fix a message suggests is a value that passes
+validation given the other settings as they are (`hint`): the field's default where it fits.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -53,11 +56,13 @@ _ALIASES: dict[str, str] = {
 }
 
 class SettingsError(UserError):
-    """A bad setting; `key` names it so `resolve` can add where the value came from."""
+    """A bad setting; `key` names it, and `keys` every setting its rule involves (t_min and t_max), so
+    `resolve` can add where each value came from."""
 
-    def __init__(self, key: str, message: str) -> None:
+    def __init__(self, key: str, message: str, also: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.key = key
+        self.keys = (key, *also)
 
 
 def fix(key: str) -> str:
@@ -79,11 +84,11 @@ def _not_bool(v: Any) -> Any:
     return v
 
 
-_TYPES: dict[type, tuple[TypeAdapter, str, str]] = {  # field type -> (validator, expected, example)
-    float: (TypeAdapter(Annotated[FiniteFloat, BeforeValidator(_not_bool)]), "a finite number", "to e.g. 0.1"),
-    int: (TypeAdapter(Annotated[int, BeforeValidator(_not_bool)]), "a whole number", "to e.g. 16"),
-    bool: (TypeAdapter(bool), "true or false", "to true or false"),
-    str: (TypeAdapter(Annotated[str, Strict()]), "text", "to a quoted string"),
+_TYPES: dict[type, tuple[TypeAdapter, str]] = {  # field type -> (validator, expected)
+    float: (TypeAdapter(Annotated[FiniteFloat, BeforeValidator(_not_bool)]), "a finite number"),
+    int: (TypeAdapter(Annotated[int, BeforeValidator(_not_bool)]), "a whole number"),
+    bool: (TypeAdapter(bool), "true or false"),
+    str: (TypeAdapter(Annotated[str, Strict()]), "text"),
 }
 
 
@@ -94,17 +99,19 @@ def _unwrap_optional(kind: Any) -> tuple[Any, bool]:
     return kind, False
 
 
-def coerce(key: str, value: Any, kind: Any, origin: str, *, strict: bool = False) -> Any:
-    """`value` as the field type `kind`, or a `SettingsError` naming the key, where it came from and the fix."""
-    kind, optional = _unwrap_optional(kind)
+def coerce(cls: type, key: str, value: Any, origin: str, *, strict: bool = False,
+           current: Mapping[str, Any] | None = None) -> Any:
+    """`value` as the type of field `key` of `cls`, or a `SettingsError` naming the key, where it came from
+    and a fix that fits the `current` values of the other fields."""
+    kind, optional = _unwrap_optional(field_types(cls)[key])
     if optional and value is None:
         return None
-    adapter, expected, example = _TYPES[kind]  # a new field type needs a row above
+    adapter, expected = _TYPES[kind]  # a new field type needs a row above
     try:
         return adapter.validate_python(value, strict=strict)
     except ValidationError:
         where = f" (from {origin})" if origin else ""
-        raise SettingsError(key, f"{key}={value!r}{where}: expected {expected}; set {fix(key)} {example}") from None
+        raise SettingsError(key, f"{key}={value!r}{where}: expected {expected}; {hint(cls, key, current)}") from None
 
 
 def field_types(cls: type) -> dict[str, Any]:
@@ -114,15 +121,78 @@ def field_types(cls: type) -> dict[str, Any]:
 
 def check_type(obj: Any, key: str) -> None:
     """Strict type check for `validate()`: catches values set by direct construction, e.g. t_min="abc"."""
-    coerce(key, getattr(obj, key), field_types(type(obj))[key], "", strict=True)
+    coerce(type(obj), key, getattr(obj, key), "", strict=True, current=dataclasses.asdict(obj))
 
 
 def build(cls: type, values: dict[str, Any], origin: str) -> Any:
-    types = field_types(cls)
-    reject_unknown(values, tuple(types), origin)
-    obj = cls(**{k: coerce(k, v, types[k], origin) for k, v in values.items()})
+    reject_unknown(values, tuple(field_types(cls)), origin)
+    obj = cls(**{k: coerce(cls, k, v, origin, current=values) for k, v in values.items()})
     obj.validate()
     return obj
+
+
+# ---------------------------------------------------------------------------------------------
+# Hints: "set KEY (FLAG) to e.g. VALUE (the default)". A suggested value must pass validation as the other
+# settings stand (`--t-max 0.1` with t_min 0.4 must not be told "t_max to e.g. 0.1"), so it is the default
+# where that fits, else a value that does; tests/runtime/test_settings.py applies every hint and resolves.
+# ---------------------------------------------------------------------------------------------
+
+
+def _show(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _number(value: Any) -> float | None:
+    """`value` if it is a finite number, else None: `current` may hold a value that is not yet coerced."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def _short(x: float) -> float:
+    # 3 significant digits reads well and moves x by < 0.5%: half of t_max stays below it, twice t_min above.
+    return float(f"{x:.3g}")
+
+
+def _fitting(cls: type, key: str, current: Mapping[str, Any]) -> tuple[Any, str] | None:
+    """A value for `key` that passes validation given the other fields' `current` values, and why it was
+    picked; None where no value of `key` alone can (t_min when t_max <= 0)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    default = defaults[key]
+    if key not in ("t_min", "t_max") or not {"t_min", "t_max"} <= defaults.keys():
+        return default, "the default"
+    other = "t_max" if key == "t_min" else "t_min"
+    given = _number(current.get(other))
+    bound = defaults[other] if given is None else given
+    if key == "t_min":  # needs 0 <= t_min < t_max
+        if default < bound:
+            return default, "the default"
+        return (_short(bound / 2), f"below t_max={bound}") if bound > 0 else None
+    if default > bound:  # t_max needs t_max > t_min
+        return default, "the default"
+    above = _short(bound * 2)
+    return (above, f"above t_min={bound}") if math.isfinite(above) else None
+
+
+def _both_temperatures(cls: type) -> str:
+    d = {f.name: f.default for f in dataclasses.fields(cls)}
+    return f"set both: {fix('t_min')} to e.g. {_show(d['t_min'])} and {fix('t_max')} to e.g. {_show(d['t_max'])} (the defaults)"
+
+
+def hint(cls: type, key: str, current: Mapping[str, Any] | None = None) -> str:
+    """The fix for a bad `key` of `cls`: 'set KEY (FLAG) to e.g. V (the default)', V valid given `current`.
+    An optional field (default None) says "or leave it out"; its dataclass field's metadata may give an
+    `example` value, or `what` to give in words."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == key)
+    if f.default is None:
+        if "example" in f.metadata:
+            return f"set {fix(key)} to e.g. {_show(f.metadata['example'])} or leave it out (the default)"
+        return f"give {fix(key)} {f.metadata.get('what', 'a value')} or leave it out (the default)"
+    fit = _fitting(cls, key, current or {})
+    if fit is None:
+        return _both_temperatures(cls)
+    value, why = fit
+    return f"set {fix(key)} to e.g. {_show(value)} ({why})"
 
 
 def suggest(word: str, choices: tuple[str, ...] | list[str]) -> str:
@@ -176,27 +246,33 @@ class DiffusionEbParams:
         params.validate()
         return params
 
+    def _hint(self, key: str) -> str:
+        return hint(type(self), key, dataclasses.asdict(self))
+
     def validate(self) -> None:
         """Raise `SettingsError` (a `UserError`) naming the first impossible value and the fix."""
         for key in field_types(type(self)):
             check_type(self, key)
         if self.max_denoising_steps < 1:
-            raise SettingsError("max_denoising_steps", f"max_denoising_steps={self.max_denoising_steps}: a block needs at least one denoising step; set {fix('max_denoising_steps')} to 1 or more")
+            raise SettingsError("max_denoising_steps", f"max_denoising_steps={self.max_denoising_steps}: a block needs at least one denoising step; {self._hint('max_denoising_steps')}")
         if self.t_min < 0:
-            raise SettingsError("t_min", f"t_min={self.t_min}: temperatures cannot be negative; set {fix('t_min')} to 0 or more (default 0.4)")
+            raise SettingsError("t_min", f"t_min={self.t_min}: temperatures cannot be negative; {self._hint('t_min')}")
         if self.t_max <= self.t_min:
             # The reference rejects t_max <= t_min too: the schedule anneals from t_max towards t_min.
-            raise SettingsError("t_min", f"t_min={self.t_min} is not below t_max={self.t_max}: the temperature anneals from t_max down towards t_min; set {fix('t_min')} < {fix('t_max')}")
+            # Either field alone may be the one to change, so offer each value that fits the other as it is.
+            alone = [self._hint(k) for k in ("t_min", "t_max") if _fitting(type(self), k, dataclasses.asdict(self)) is not None]
+            fixes = ", or ".join(alone) or _both_temperatures(type(self))
+            raise SettingsError("t_min", f"t_min={self.t_min} is not below t_max={self.t_max}: the temperature anneals from t_max down towards t_min; {fixes}", also=("t_max",))
         if self.entropy_bound < 0:
-            raise SettingsError("entropy_bound", f"entropy_bound={self.entropy_bound}: entropies are >= 0 so a negative bound is meaningless; set {fix('entropy_bound')} to 0 or more (default 0.1)")
+            raise SettingsError("entropy_bound", f"entropy_bound={self.entropy_bound}: entropies are >= 0 so a negative bound is meaningless; {self._hint('entropy_bound')}")
         if self.stability_threshold < 0:
-            raise SettingsError("stability_threshold", f"stability_threshold={self.stability_threshold}: cannot compare with a negative number of previous steps; set {fix('stability_threshold')} to 0 or more (default 1)")
+            raise SettingsError("stability_threshold", f"stability_threshold={self.stability_threshold}: cannot compare with a negative number of previous steps; {self._hint('stability_threshold')}")
         if self.confidence_threshold < 0:
-            raise SettingsError("confidence_threshold", f"confidence_threshold={self.confidence_threshold}: must be >= 0 (0 = always run every step); set {fix('confidence_threshold')} to 0 or more (default 0.005)")
+            raise SettingsError("confidence_threshold", f"confidence_threshold={self.confidence_threshold}: must be >= 0 (0 = always run every step); {self._hint('confidence_threshold')}")
         if not 0 <= self.seed < 2**63:
             # torch generators take a 64-bit seed; keep to the range every backend accepts.
-            raise SettingsError("seed", f"seed={self.seed}: must be between 0 and 2**63-1; set {fix('seed')} accordingly")
+            raise SettingsError("seed", f"seed={self.seed}: must be between 0 and 2**63-1; {self._hint('seed')}")
         if self.max_blocks < 0:
-            raise SettingsError("max_blocks", f"max_blocks={self.max_blocks}: must be >= 0 (0 = derive from max_tokens); set {fix('max_blocks')} to 0 or more")
+            raise SettingsError("max_blocks", f"max_blocks={self.max_blocks}: must be >= 0 (0 = derive from max_tokens); {self._hint('max_blocks')}")
 
 

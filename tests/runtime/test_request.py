@@ -80,6 +80,35 @@ def test_init_canvas_ids_and_bad_prompts():
         request.encode(s, "  \n")
 
 
+@pytest.mark.parametrize("spec, needle", [
+    ("1,2,abc", r"item 3 'abc' is not a token id"),  # a mistyped id list, not text
+    ("1,,2", "item 2 is empty"),
+    ("5,6,", "item 3 is empty"),
+    ("1 2 3", "item 1 '1 2 3' is not a token id"),
+    ("", "--init-canvas is empty"),
+    ("  ", "--init-canvas is empty"),
+    ("-1,2", "outside the vocabulary"),
+])
+def test_init_canvas_that_looks_like_ids_parses_or_fails_in_one_line(spec, needle):
+    with pytest.raises(UserError, match=needle) as e:
+        request.init_canvas_ids(session_with(), spec, seed=0)
+    assert "\n" not in str(e.value) and "; " in str(e.value)  # one line: the problem; the fix
+
+
+@pytest.mark.parametrize("spec", ["hello world", "Hi, there", "count 1,2,3"])
+def test_init_canvas_text_is_tokenised(spec):
+    s = session_with()
+    ids = s.tokenizer.encode_text(spec)
+    assert request.init_canvas_ids(s, spec, seed=0)[:len(ids)] == ids
+    assert request.init_canvas_ids(s, " 5 , 6,7", seed=0)[:3] == [5, 6, 7]
+
+
+@pytest.mark.parametrize("command", ["generate", "watch"])
+def test_empty_init_canvas_flag_is_an_error_not_ignored(command):
+    r = CliRunner().invoke(app, [command, "--init-canvas", "", "hi"])
+    assert isinstance(r.exception, UserError) and "--init-canvas is empty" in str(r.exception), r.output
+
+
 def test_the_package_shortcuts_are_the_request_api():
     import dgcli
 

@@ -2,6 +2,7 @@
 block count, sweep-grid parsing. Pure Python; no torch, no model."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -205,6 +206,53 @@ def test_impossible_values_name_the_key(flags, key):
 def test_wrong_types_name_the_key(flags, key):
     with pytest.raises(UserError, match=rf"^{key}="):
         resolve(None, None, flags)
+
+
+# One or more bad values per field (issue 14, item 7): the fix each message suggests must then work.
+BAD_VALUES = [
+    {"max_denoising_steps": 0}, {"max_denoising_steps": "x"}, {"max_denoising_steps": 4.5},
+    {"t_min": -0.1}, {"t_min": "abc"}, {"t_min": 0.9}, {"t_min": float("inf")},
+    {"t_max": float("inf")}, {"t_max": 0.1}, {"t_max": 0}, {"t_max": -1}, {"t_max": "hot"},
+    {"t_min": 0.9, "t_max": 0.8}, {"t_min": 0.5, "t_max": 0.5}, {"t_min": -0.1, "t_max": 0.3},
+    {"t_min": -0.1, "t_max": -0.5}, {"t_min": "abc", "t_max": 0.3}, {"t_min": 2.0, "t_max": "x"},
+    {"t_min": 1e308, "t_max": 0.0}, {"t_min": 1e-9, "t_max": 1e-9},
+    {"entropy_bound": -0.01}, {"entropy_bound": float("nan")},
+    {"stability_threshold": -1}, {"stability_threshold": "one"},
+    {"confidence_threshold": -0.001}, {"confidence_threshold": True},
+    {"seed": -1}, {"seed": 2**63}, {"seed": True},
+    {"max_blocks": -1}, {"max_blocks": 1.5},
+    {"device": "gpu"}, {"device": 0}, {"dtype": "float16"}, {"dtype": 16},
+    {"max_tokens": 0}, {"max_tokens": "many"}, {"prompt_set": ""}, {"prompt_set": 5}, {"thinking": "maybe"},
+]
+SUGGESTED = re.compile(r"(\w+)(?: \(--[\w-]+\))? to e\.g\. (\S+)")
+
+
+def test_bad_values_cover_every_field():
+    assert {k for flags in BAD_VALUES for k in flags} == set(ALL_KEYS)
+
+
+@pytest.mark.parametrize("flags", BAD_VALUES, ids=repr)
+def test_every_suggested_fix_resolves(flags):
+    with pytest.raises(UserError) as e:
+        resolve(None, None, flags)
+    msg = str(e.value)
+    assert "\n" not in msg and re.match(rf"^({'|'.join(ALL_KEYS)})=", msg), msg
+    pairs = SUGGESTED.findall(msg)
+    fixes = [dict(pairs)] if "set both" in msg else [{k: v} for k, v in pairs]  # values as typed on a command line
+    if "leave it out" in msg:
+        fixes.append({msg.split("=", 1)[0]: None})  # None = not given: the default
+    assert fixes, msg
+    for fix in fixes:
+        resolve(None, None, {**flags, **fix})  # raises if the hint was not a valid value here
+
+
+def test_temperature_order_error_names_both_sources():
+    # `--t-max 0.1` alone: t_min is the default, so the message must not blame only t_min's source.
+    with pytest.raises(UserError) as e:
+        resolve(None, None, {"t_max": 0.1})
+    msg = str(e.value)
+    assert "t_min from the built-in default" in msg and "t_max from a command-line flag" in msg
+    assert "t_max (--t-max) to e.g. 0.8 (the default)" in msg and "t_min (--t-min) to e.g. 0.05" in msg
 
 
 def test_loose_but_unambiguous_values_are_coerced(tmp_path):

@@ -1,0 +1,127 @@
+"""Flag checks from issue 14: bench/sweep counts rejected before anything is loaded, `info` on a truncated
+safetensors file, and `info` taking the model both as MODEL and as -m/--model like every other command."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from dgcli.errors import UserError
+from dgcli.model.random_weights import write_random_checkpoint
+
+from hf_oracle import CLI_CANVAS, CLI_TEXT
+
+FAST = ["--random-prompts", "--random-input-len", "4", "--no-measure-peaks"]
+
+
+def invoke(*args):
+    from dgcli.cli import app
+
+    return CliRunner().invoke(app, list(args))
+
+
+def one_line_error(r, *words):
+    assert isinstance(r.exception, UserError), (r.output, r.exception)
+    msg = str(r.exception)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+    return msg
+
+
+@pytest.fixture
+def nothing_loaded(monkeypatch):
+    """Loading the model (or resolving its settings) fails the test: the checks must come first."""
+    from dgcli.measure import bench as b
+    from dgcli.runtime import session
+
+    def boom(*a, **k):
+        raise AssertionError("the model was opened before the flags were checked")
+
+    for mod, name in ((session, "open_any"), (session, "resolve_for"), (b, "device_peaks")):
+        monkeypatch.setattr(mod, name, boom)
+
+
+# ---- item 2: bench and sweep counts ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--num-prompts", "-3"], ["--num-prompts -3", ">= 1"]),
+    (["--num-prompts", "0"], ["--num-prompts 0", ">= 1"]),
+    (["--runs", "0"], ["--runs 0", ">= 1"]),
+    (["--warmup", "-1"], ["--warmup -1", ">= 0"]),
+    (["--random-input-len", "0"], ["--random-input-len 0", ">= 1"]),
+])
+def test_bench_rejects_bad_counts_before_loading(cli_ckpt, nothing_loaded, flags, words):
+    one_line_error(invoke("bench", "--model", str(cli_ckpt), *FAST, *flags), *words)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--runs", "0", "--dry-run"], ["--runs 0"]),
+    (["--num-prompts", "0", "--dry-run"], ["--num-prompts 0"]),
+    (["--num-prompts", "-2"], ["--num-prompts -2"]),
+    (["--warmup", "-1", "--dry-run"], ["--warmup -1"]),
+])
+def test_sweep_rejects_bad_counts_before_loading(cli_ckpt, nothing_loaded, tmp_path, flags, words):
+    out = tmp_path / "s.jsonl"
+    one_line_error(invoke("sweep", "--model", str(cli_ckpt), "--output", str(out), *FAST, *flags), *words)
+    assert not out.exists()
+
+
+def test_build_prompts_refuses_a_slice_from_the_end(tmp_path):
+    from dgcli.measure.workload import build_prompts
+
+    with pytest.raises(UserError, match="--num-prompts -3"):
+        build_prompts(None, prompts_file=str(tmp_path / "p.jsonl"), random_ids=False, num_prompts=-3,
+                      input_len=4, seed=0, warn=print)
+
+
+def test_bench_num_prompts_takes_the_first_n(cli_ckpt, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Say {i}."}) + "\n" for i in range(5)))
+    r = invoke("bench", "--model", str(cli_ckpt), "--prompts", str(prompts), "--num-prompts", "2", "--runs", "1",
+               "--warmup", "0", "--diffusion-steps", "2", "--no-measure-peaks", "--format", "json")
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert json.loads(r.stdout)["rows"][0]["num_prompts"] == 2
+
+
+# ---- item 5: info checks each file's size against its header ---------------------------------------------
+
+
+@pytest.fixture
+def small_ckpt(tmp_path):
+    return write_random_checkpoint(tmp_path / "c", CLI_TEXT, canvas_length=CLI_CANVAS, tokenizer=False)
+
+
+@pytest.mark.parametrize("cut, words", [(-100, ["truncated", "re-copy"]), (+7, ["corrupt"]),
+                                        ("head", ["not a readable safetensors file", "download it again"])])
+def test_info_rejects_a_file_that_does_not_match_its_header(small_ckpt, cut, words):
+    f = next(small_ckpt.glob("*.safetensors"))
+    data = f.read_bytes()
+    f.write_bytes(data[:20] if cut == "head" else data[:cut] if cut < 0 else data + b"\0" * cut)
+    msg = one_line_error(invoke("info", str(small_ckpt), "--no-measure-peaks"), str(f), *words)
+    if cut != "head":
+        assert f"describes {len(data)} bytes, the file has {f.stat().st_size}" in msg
+
+
+def test_info_accepts_a_whole_file(small_ckpt):
+    r = invoke("info", str(small_ckpt), "--no-measure-peaks", "--format", "json")
+    assert r.exit_code == 0, (r.output, r.exception)
+
+
+# ---- item 6: info takes -m/--model too ---------------------------------------------------------------------
+
+
+def test_info_takes_the_model_as_argument_or_option(cli_ckpt):
+    cards = []
+    for args in ([str(cli_ckpt)], ["-m", str(cli_ckpt)], ["--model", str(cli_ckpt)],
+                 [str(cli_ckpt), "--model", str(cli_ckpt)]):
+        r = invoke("info", *args, "--no-measure-peaks", "--format", "json")
+        assert r.exit_code == 0, (args, r.output, r.exception)
+        cards.append(json.loads(r.stdout)["source"])
+    assert len(set(cards)) == 1 and str(cli_ckpt) in cards[0]
+
+
+def test_info_two_different_models_is_one_line(cli_ckpt, tmp_path):
+    one_line_error(invoke("info", str(cli_ckpt), "-m", str(tmp_path), "--no-measure-peaks"), "two models")
+    one_line_error(invoke("info", "-m", str(cli_ckpt), "--dummy", "26B-A4B", "--no-measure-peaks"), "--dummy")
