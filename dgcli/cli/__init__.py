@@ -1,8 +1,9 @@
 """The `dgemma` command line: thin Typer commands that resolve settings, load, call the library and
 hand results to a renderer.
 
-Owns: the Typer app, command registration, `--version`, and `main()`'s error contract: known errors
-become one line on stderr and exit code 2 (a traceback only with DGEMMA_DEBUG=1), Ctrl-C exits 130.
+Owns: the Typer app, command registration (`-h`, summaries, example epilogs), `--version`, and `main()`'s
+error contract: known errors become one line on stderr and exit code 2 (a traceback only with
+DGEMMA_DEBUG=1), Ctrl-C exits 130, a closed stdout pipe exits 141 without a word.
 Must not: import torch (or anything a command body imports) at module level, directly or through the
 command modules: `dgemma --help`, `--version` and `dgemma CMD --help` load only typer and dgcli.cli
 (tests/cli/test_startup.py checks it).
@@ -15,12 +16,43 @@ import sys
 from typing import Optional
 
 import typer
+from typer.core import TyperCommand
 
 from dgcli import __version__
 from dgcli.errors import UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  context_settings={"help_option_names": ["-h", "--help"]},
                   help="Run, watch, sweep and benchmark DiffusionGemma block text-diffusion checkpoints.")
+
+
+class _Command(TyperCommand):
+    """Arguments show their metavar alone: Typer appends the Python type (`PROMPT <str>`), which says
+    nothing to a shell user."""
+
+    def format_options(self, ctx, formatter) -> None:
+        args, opts = [], []
+        for param in self.get_params(ctx):
+            rv = param.get_help_record(ctx)
+            if rv is None:
+                continue
+            if param.param_type_name == "argument":
+                args.append((param.metavar or rv[0], rv[1]))
+            else:
+                opts.append(rv)
+        for title, rows in (("Arguments", args), ("Options", opts)):
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+
+
+def _register(name: str, module) -> None:
+    """One command: its summary is the docstring's first line (given whole, so the top-level help never
+    cuts it with '...'), its epilog the module's EXAMPLES."""
+    fn = getattr(module, name)
+    summary = fn.__doc__.strip().splitlines()[0]
+    epilog = "Examples:\n\n\b\n" + "\n".join(f"  {line}" for line in module.EXAMPLES)
+    app.command(name, cls=_Command, short_help=summary, epilog=epilog)(fn)
 
 
 def _version(value: bool) -> None:
@@ -31,7 +63,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(version: Optional[bool] = typer.Option(None, "--version", callback=_version, is_eager=True,
-                                                  help="Print the version and exit.")) -> None:
+                                                  help="Print the version and exit.", show_default=False)) -> None:
     pass
 
 
@@ -43,16 +75,31 @@ from dgcli.cli import info as cmd_info
 from dgcli.cli import sweep as cmd_sweep
 from dgcli.cli import watch as cmd_watch
 
-app.command("generate")(cmd_generate.generate)
-app.command("watch")(cmd_watch.watch)
-app.command("sweep")(cmd_sweep.sweep)
-app.command("bench")(cmd_bench.bench)
-app.command("info")(cmd_info.info)
+for _name, _module in (("generate", cmd_generate), ("watch", cmd_watch), ("sweep", cmd_sweep),
+                      ("bench", cmd_bench), ("info", cmd_info)):
+    _register(_name, _module)
+
+
+def _closed_pipe() -> None:
+    """stdout's reader went away (`| head -1`): stop quietly with 141 (128 + SIGPIPE), as a shell reports
+    cat or grep killed by the signal. stdout now points at devnull, so the flush at exit cannot fail
+    again (the recipe in Python's signal docs, "Note on SIGPIPE")."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # no real stdout (captured by a test runner): nothing to redirect
+        pass
+    sys.exit(141)
+
+
+def _is_closed_pipe(e: BaseException) -> bool:
+    # click turns EPIPE into SystemExit(1), raised while handling the BrokenPipeError.
+    return isinstance(e, BrokenPipeError) or isinstance(e.__context__, BrokenPipeError)
 
 
 def main() -> None:
     try:
         rc = app(standalone_mode=False)
+        sys.stdout.flush()  # a write that is still buffered must fail here, not at interpreter exit
         if rc == 130:  # click turns Ctrl-C into this return value when not standalone
             print("dgemma: interrupted", file=sys.stderr)
             sys.exit(130)
@@ -66,7 +113,11 @@ def main() -> None:
     except KeyboardInterrupt:
         print("dgemma: interrupted", file=sys.stderr)
         sys.exit(130)
-    except SystemExit:
+    except BrokenPipeError:
+        _closed_pipe()
+    except SystemExit as e:
+        if _is_closed_pipe(e):
+            _closed_pipe()
         raise
     except Exception as e:  # click's exceptions: from click itself or from the copy newer typer vendors
         name = type(e).__name__

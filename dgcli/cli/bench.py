@@ -13,10 +13,13 @@ from typing import Annotated, Optional
 import typer
 
 from dgcli.cli import options as o
-from dgcli.cli.console import document, emit, status, warn
+from dgcli.cli.console import document, emit, loading, status, warn
 from dgcli.errors import UserError
 
 FORMATS = ("md", "csv", "json", "jsonl")
+EXAMPLES = ["dgemma bench --runs 3 --format md",
+            "dgemma bench --dummy 26B-A4B --layers 4 --device cuda --diffusion-steps 16",
+            "dgemma bench --label base --metadata gpu=h100 --result-dir results/"]
 
 
 def bench(
@@ -26,16 +29,19 @@ def bench(
     stability_threshold: o.Stability = None, confidence_threshold: o.Confidence = None, blocks: o.Blocks = None,
     max_tokens: o.MaxTokens = None, prompts: o.Prompts = None, random_prompts: o.RandomPrompts = False,
     num_prompts: o.NumPrompts = None, random_input_len: o.InputLen = 128, ignore_eos: o.IgnoreEos = False,
-    runs: Annotated[int, typer.Option("--runs", "-r", help="Timed passes over the prompts.")] = 3,
+    runs: Annotated[int, typer.Option("--runs", "-r", metavar="N", help="Timed passes over the prompts.")] = 3,
     warmup: o.Warmup = 1,
-    fmt: Annotated[str, typer.Option("--format", "-f", help="md | csv | json | jsonl")] = "md",
-    save_result: Annotated[bool, typer.Option("--save-result", help="Also write the JSON document to --result-dir.")] = False,
-    result_dir: Annotated[Optional[str], typer.Option("--result-dir", help="Folder for --save-result (default: .).")] = None,
-    result_filename: Annotated[Optional[str], typer.Option("--result-filename", help="File name for --save-result.")] = None,
+    fmt: Annotated[str, typer.Option("--format", "-f", metavar="FORMAT", help="md | csv | json | jsonl")] = "md",
+    save_result: Annotated[bool, typer.Option("--save-result", help="Also write the JSON document to a file (--result-dir and --result-filename imply it).")] = False,
+    result_dir: Annotated[Optional[str], typer.Option("--result-dir", metavar="DIR", help=o.dflt("Implies --save-result; the folder to write to.", "."))] = None,
+    result_filename: Annotated[Optional[str], typer.Option("--result-filename", metavar="NAME", help=o.dflt("Implies --save-result; the file name to use.", "a dated name"))] = None,
     label: o.Label = None, metadata: o.Metadata = None, measure_peaks: o.MeasurePeaks = True,
     compile: o.Compile = False,
 ) -> None:
-    """Benchmark one sampler setting: labelled throughput figures, step-count distribution, roofline."""
+    """Benchmark one sampler setting: labelled figures, roofline.
+
+    Labelled throughput figures, the step-count distribution and the roofline, with provenance.
+    """
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt}: use one of {', '.join(FORMATS)}")
     from dgcli.measure.workload import check_counts
@@ -51,7 +57,8 @@ def bench(
                             stability=stability_threshold, confidence=confidence_threshold, seed=seed,
                             blocks=blocks, device=device, dtype=dtype, max_tokens=max_tokens)
     baseline = b.PeakMemory.maxrss()  # before the model exists, for the CPU peak-memory figure
-    s = open_any(model, dummy, layers, preset, flags, warn=warn, compile=compile)
+    with loading("loading the model…"):
+        s = open_any(model, dummy, layers, preset, flags, warn=warn, compile=compile)
     params = s.params
     plist, source = build_prompts(s, prompts_file=prompts, random_ids=random_prompts or s.dummy,
                                   num_prompts=num_prompts, input_len=random_input_len, seed=params.seed, warn=warn)
@@ -70,7 +77,7 @@ def bench(
         sys.stderr.write(card_text + "\n")
 
     memory = b.PeakMemory(s.device, baseline)
-    live, progress = status(sys.stderr.isatty())
+    live, progress = status(sys.stderr.isatty(), compiling=s.compiled)
     done: list = []
     try:
         b.measure(s, plist, params, runs=runs, warmup=warmup, ignore_eos=ignore, memory=memory,
@@ -88,7 +95,7 @@ def bench(
     row = b.make_row(s, prompts=plist, prompt_source=source, params=params, runs_done=len(done),
                      runs_asked=runs, warmup=warmup, ignore_eos=ignore, summary=summary, label=label, metadata=meta)
     emit([row], card=card, fmt=fmt, title="Results")
-    if save_result:
+    if save_result or result_dir is not None or result_filename is not None:  # naming a place means "save it"
         path = report.save_result(document(card, [row]), result_dir, result_filename, label)
         warn(f"dgemma: saved {path}")
     if len(done) < runs:

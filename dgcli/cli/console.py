@@ -1,6 +1,6 @@
-"""What commands share at the console: prompts in (argument, stdin, --input-jsonl), notes and a one-line
-progress display on stderr, one request run with its optional --trace file, and rows in a format (md,
-csv, json, jsonl) on stdout after the card.
+"""What commands share at the console: prompts in (argument, stdin, --input-jsonl), notes, a status line
+while loading and a one-line progress display on stderr, one request run with its optional --trace
+file, and rows in a format (md, csv, json, jsonl) on stdout after the card.
 
 Owns: where input comes from and output goes. Must not: measure, decide figures (dgcli.measure does),
 or contain a denoising loop (requests go through dgcli.runtime.request).
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from dgcli.errors import UserError
@@ -24,16 +25,41 @@ def warn(msg: str) -> None:
     print(msg, file=sys.stderr)
 
 
-def status(enabled: bool):
-    """A one-line progress display on stderr when it is a terminal; a no-op otherwise."""
+COMPILING = "compiling the decoder (one-off, tens of seconds)…"
+THINKING_NOTE = "dgemma: note: --show-thinking has nothing to show without --thinking (the model does not think)"
+
+
+@contextmanager
+def loading(what: str, *, stream: Any = None) -> Iterator[None]:
+    """A Rich status line (`what`) on stderr while a slow start runs, only when stderr is a terminal:
+    in a pipe or a log file it would be noise. The line is erased when the block ends."""
+    stream = sys.stderr if stream is None else stream
+    if not stream.isatty():
+        yield
+        return
+    from rich.console import Console
+
+    with Console(file=stream).status(what):
+        yield
+
+
+def status(enabled: bool, *, compiling: bool = False):
+    """A one-line progress display on stderr when it is a terminal; a no-op otherwise. With `compiling`
+    (a --compile session) the first line says so: torch.compile compiles during the first request."""
     if not enabled:
         return None, lambda text: None
     from rich.console import Console
     from rich.status import Status
 
-    live = Status("…", console=Console(stderr=True))
+    live = Status(COMPILING if compiling else "…", console=Console(stderr=True))
     live.start()
-    return live, lambda text: live.update(text)
+    first = [compiling]
+
+    def update(text: str) -> None:
+        live.update(f"{text} · {COMPILING}" if first[0] else text)
+        first[0] = False
+
+    return live, update
 
 
 def read_prompts(prompt: str | None, input_jsonl: str | None) -> Iterator[tuple[str, dict]]:
@@ -58,13 +84,14 @@ def read_prompts(prompt: str | None, input_jsonl: str | None) -> Iterator[tuple[
 class Progress:
     """A one-line Rich status on stderr while a block denoises (only when stderr is a terminal)."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, *, compiling: bool = False):
         self.live = None
         if enabled:
             from rich.console import Console
             from rich.status import Status
 
-            self.live = Status("loading…", console=Console(stderr=True))
+            # The first step event comes after the first decoder pass, which is when torch.compile works.
+            self.live = Status(COMPILING if compiling else "starting…", console=Console(stderr=True))
             self.live.start()
 
     def __call__(self, event) -> None:

@@ -14,21 +14,25 @@ from typing import Annotated, Optional
 import typer
 
 from dgcli.cli import options as o
-from dgcli.cli.console import Progress, print_answer, read_prompts, run_one
+from dgcli.cli.console import THINKING_NOTE, Progress, loading, print_answer, read_prompts, run_one, warn
 from dgcli.errors import UserError
 
 FORMATS = ("text", "json", "ndjson")
+EXAMPLES = ['dgemma generate "Sort: 5 9 8 6 9 0 9 2"',
+            'echo "Count from 7 to 40." | dgemma generate --blocks 4',
+            'dgemma generate --input-jsonl prompts.jsonl --format json',
+            'dgemma generate --preset fixed-work --show-config']
 
 
 def generate(
-    prompt: Annotated[Optional[str], typer.Argument(help="Prompt text; - or nothing reads stdin.")] = None,
+    prompt: Annotated[Optional[str], typer.Argument(metavar="PROMPT|-", help="Prompt text; - or nothing reads stdin.")] = None,
     model: o.Model = None, preset: o.Preset = None, device: o.Device = None, dtype: o.Dtype = None,
     seed: o.Seed = None, steps: o.Steps = None, t_min: o.TMin = None, t_max: o.TMax = None,
     entropy_bound: o.EntropyBound = None, stability_threshold: o.Stability = None,
     confidence_threshold: o.Confidence = None, blocks: o.Blocks = None, max_tokens: o.MaxTokens = None,
     show_config: o.ShowConfig = False,
-    fmt: Annotated[str, typer.Option("--format", "-f", help="text | json | ndjson")] = "text",
-    input_jsonl: Annotated[Optional[str], typer.Option("--input-jsonl", help="Run every {\"prompt\": ...} line of FILE.")] = None,
+    fmt: Annotated[str, typer.Option("--format", "-f", metavar="FORMAT", help="text | json | ndjson")] = "text",
+    input_jsonl: Annotated[Optional[str], typer.Option("--input-jsonl", metavar="FILE", help="Run every {\"prompt\": ...} line of FILE.")] = None,
     trace: o.Trace = None,
     init_canvas: o.InitCanvas = None,
     thinking: o.Thinking = False,
@@ -36,7 +40,10 @@ def generate(
     raw: o.Raw = False,
     compile: o.Compile = False,
 ) -> None:
-    """Generate text for a prompt (argument, stdin, or --input-jsonl)."""
+    """Generate text for a prompt (argument, stdin or JSONL).
+
+    stdout carries only the answers; progress and notes go to stderr.
+    """
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt}: use one of {', '.join(FORMATS)}")
     from dgcli.runtime.request import init_canvas_ids
@@ -48,16 +55,22 @@ def generate(
                             blocks=blocks, device=device, dtype=dtype, max_tokens=max_tokens)
     if show_config:
         path, _, _, resolved = resolve_for(model, preset, flags)
-        typer.echo(f"model: {path}\n{resolved.describe()}")
+        if fmt == "text":
+            typer.echo(f"model: {path}\n{resolved.describe()}")
+        else:  # json and ndjson: one machine-readable line, like every other output of those formats
+            typer.echo(json.dumps({"model": str(path), **resolved.as_dict()}, ensure_ascii=False))
         return
     prompts = list(read_prompts(prompt, input_jsonl))
     if trace and len(prompts) > 1:
         raise UserError("--trace records one generation; run one prompt, or drop --trace for --input-jsonl")
-    session = open_session(model, preset, flags, compile=compile)
+    if show_thinking and not thinking:
+        warn(THINKING_NOTE)
+    with loading("loading the model…"):
+        session = open_session(model, preset, flags, compile=compile)
     if session.tokenizer is None:
         raise UserError(f"{session.path}: no tokenizer.json; dgemma generate needs the checkpoint's tokenizer")
     canvas = init_canvas_ids(session, init_canvas, session.params.seed) if init_canvas is not None else None
-    progress = Progress(sys.stderr.isatty() and fmt != "ndjson")
+    progress = Progress(sys.stderr.isatty() and fmt != "ndjson", compiling=session.compiled)
     try:
         def on_event(event) -> None:
             progress(event)

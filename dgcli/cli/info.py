@@ -19,16 +19,22 @@ from dgcli.cli import options as o
 from dgcli.errors import UserError
 
 
+EXAMPLES = ["dgemma info", "dgemma info -m ~/diffusiongemma-26B-A4B-it", "dgemma info --dummy 26B-A4B --format json"]
+
+
 def info(
-    model_arg: Annotated[Optional[str], typer.Argument(metavar="MODEL", help="Checkpoint directory or config.json, as -m/--model (default: the bundled tiny model).")] = None,
+    model_arg: Annotated[Optional[str], typer.Argument(metavar="MODEL", help=o.dflt("Checkpoint directory or config.json, as -m/--model.", "the bundled tiny model"))] = None,
     model_opt: o.Model = None, dummy: o.Dummy = None, layers: o.Layers = None, device: o.Device = None,
-    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Run dtype for memory and bytes: auto (the checkpoint's) | bfloat16 | float32")] = None,
-    context: Annotated[int, typer.Option("--context", help="Cached tokens the KV-cache figure is sized for.")] = 4096,
-    prompt_len: Annotated[int, typer.Option("--prompt-len", help="Cached tokens a denoising step attends to, for per-step costs.")] = 256,
-    fmt: Annotated[str, typer.Option("--format", "-f", help="md | json")] = "md",
+    dtype: Annotated[Optional[str], typer.Option("--dtype", metavar="DTYPE", help="Run dtype for memory and bytes: auto (the checkpoint's) | bfloat16 | float32")] = None,
+    context: Annotated[int, typer.Option("--context", metavar="N", help="Cached tokens the KV-cache figure is sized for.")] = 4096,
+    prompt_len: Annotated[int, typer.Option("--prompt-len", metavar="N", help="Cached tokens a denoising step attends to, for per-step costs.")] = 256,
+    fmt: Annotated[str, typer.Option("--format", "-f", metavar="FORMAT", help="md | json")] = "md",
     measure_peaks: o.MeasurePeaks = True,
 ) -> None:
-    """Show a checkpoint's card: parameters, bytes, memory, per-step FLOPs and bytes, roofline floor."""
+    """Show a checkpoint's card: sizes, memory, per-step costs.
+
+    Parameters, bytes by dtype, memory to run, per-step FLOPs and bytes, and the roofline floor.
+    """
     if fmt not in ("md", "json"):
         raise UserError(f"--format {fmt}: use md or json")
     if context < 1 or prompt_len < 0:

@@ -1,7 +1,8 @@
 """Command-line options declared once (Typer `Annotated` types) and reused by every command.
 
-Owns: flag names, aliases and help texts (PRODUCT.md is the contract), and turning the sampler flags
-into the `flags` dict `dgcli.runtime.settings.resolve` takes. Must not: import torch or load anything.
+Owns: flag names, aliases, metavars and help texts (PRODUCT.md is the contract), the one way defaults
+are written (`[default: X]`, as Typer prints them), and turning the sampler flags into the `flags` dict
+`dgcli.runtime.settings.resolve` takes. Must not: import torch or load anything.
 """
 
 from __future__ import annotations
@@ -10,48 +11,62 @@ from typing import Annotated, Optional
 
 import typer
 
-Model = Annotated[Optional[str], typer.Option("--model", "-m", help="Checkpoint directory (default: the bundled tiny model).")]
-Preset = Annotated[Optional[str], typer.Option("--preset", help="Preset name (presets/NAME.yaml) or YAML file.")]
-Device = Annotated[Optional[str], typer.Option("--device", help="auto | cpu | cuda | cuda:N")]
-Dtype = Annotated[Optional[str], typer.Option("--dtype", help="auto | bfloat16 | float32")]
-Seed = Annotated[Optional[int], typer.Option("--seed", "--diffusion-seed", help="Sampler seed (default 0).")]
+
+def dflt(help: str, default: str) -> str:
+    """Help for an option whose real default is resolved later (it defaults to None), written the way
+    Typer writes the others, so every help page shows defaults one way."""
+    return f"{help}  [default: {default}]"
+
+
+# Sampler options default to None: the value comes from defaults < checkpoint < preset < flag.
+CKPT = "or the checkpoint's"
+
+Model = Annotated[Optional[str], typer.Option("--model", "-m", metavar="DIR", help=dflt("Checkpoint directory.", "the bundled tiny model"))]
+Preset = Annotated[Optional[str], typer.Option("--preset", metavar="NAME|FILE", help="Preset name (presets/NAME.yaml) or YAML file.")]
+Device = Annotated[Optional[str], typer.Option("--device", metavar="DEVICE", help=dflt("auto | cpu | cuda | cuda:N", "auto"))]
+Dtype = Annotated[Optional[str], typer.Option("--dtype", metavar="DTYPE", help=dflt("auto | bfloat16 | float32", "auto"))]
+Seed = Annotated[Optional[int], typer.Option("--seed", "--diffusion-seed", metavar="N", help=dflt("Sampler seed.", "0"))]
 ShowConfig = Annotated[bool, typer.Option("--show-config", help="Print the resolved settings and their sources, then exit.")]
 
-Steps = Annotated[Optional[int], typer.Option("--diffusion-steps", "--max-denoising-steps",
-                                              help="Most denoising steps per block (default 48).")]
-TMin = Annotated[Optional[float], typer.Option("--t-min", help="Asymptotic temperature (default 0.4).")]
-TMax = Annotated[Optional[float], typer.Option("--t-max", help="Temperature of the first step (default 0.8).")]
-EntropyBound = Annotated[Optional[float], typer.Option("--entropy-bound", help="Accept rule bound in nats (default 0.1).")]
-Stability = Annotated[Optional[int], typer.Option("--stability-threshold", help="Equal argmax canvases needed to stop (default 1).")]
-Confidence = Annotated[Optional[float], typer.Option("--confidence-threshold",
-                                                     help="Mean entropy below which a stable block stops (default 0.005; 0 = always run every step).")]
-Blocks = Annotated[Optional[int], typer.Option("--blocks", "--diffusion-blocks",
-                                               help="Most blocks (canvases) to generate; 0 = derive from --max-tokens (default 1).")]
-MaxTokens = Annotated[Optional[int], typer.Option("--max-tokens", help="Token budget; without --blocks it sets the block count.")]
+Steps = Annotated[Optional[int], typer.Option("--diffusion-steps", "--max-denoising-steps", metavar="N",
+                                              help=dflt("Most denoising steps per block.", f"48, {CKPT}"))]
+TMin = Annotated[Optional[float], typer.Option("--t-min", metavar="X", help=dflt("Asymptotic temperature.", f"0.4, {CKPT}"))]
+TMax = Annotated[Optional[float], typer.Option("--t-max", metavar="X", help=dflt("Temperature of the first step.", f"0.8, {CKPT}"))]
+EntropyBound = Annotated[Optional[float], typer.Option("--entropy-bound", metavar="X", help=dflt("Accept rule bound in nats.", f"0.1, {CKPT}"))]
+Stability = Annotated[Optional[int], typer.Option("--stability-threshold", metavar="N",
+                                                  help=dflt("Equal argmax canvases needed to stop.", f"1, {CKPT}"))]
+Confidence = Annotated[Optional[float], typer.Option("--confidence-threshold", metavar="X", help=dflt(
+    "Mean entropy below which a stable block stops; 0 = always run every step.", f"0.005, {CKPT}"))]
+Blocks = Annotated[Optional[int], typer.Option("--blocks", "--diffusion-blocks", metavar="N", help=dflt(
+    "Most blocks (canvases) to generate; 0 = derive from --max-tokens.", f"1, {CKPT}"))]
+MaxTokens = Annotated[Optional[int], typer.Option("--max-tokens", metavar="N", help="Token budget; without --blocks it sets the block count.")]
 
 Compile = Annotated[bool, typer.Option("--compile", help="torch.compile the decoder pass and the vocabulary tile math: faster steps after a one-off compile of tens of seconds.")]
-Trace = Annotated[Optional[str], typer.Option("--trace", help="Write the per-step JSONL trace to FILE.")]
-InitCanvas = Annotated[Optional[str], typer.Option("--init-canvas", help=(
+Trace = Annotated[Optional[str], typer.Option("--trace", metavar="FILE", help="Write the per-step JSONL trace to FILE.")]
+InitCanvas = Annotated[Optional[str], typer.Option("--init-canvas", metavar="IDS|TEXT", help=(
     "Warm-start the first block: token ids (5,6,7) or text. Only digits, commas, minus signs and spaces, or a "
     "whole number then a comma, means ids: each must be a valid id, none empty (1,,2 and 1,2,abc are errors)."))]
 Thinking = Annotated[bool, typer.Option("--thinking", help="Let the model think first (template without the empty thought channel).")]
-ShowThinking = Annotated[bool, typer.Option("--show-thinking", help="Print the thought channel too.")]
+ShowThinking = Annotated[bool, typer.Option("--show-thinking", help="Print the thought channel too (with --thinking).")]
 Raw = Annotated[bool, typer.Option("--raw", help="Send the prompt without the chat template.")]
 
 
 # bench, sweep and info: the workload and the target.
 Dummy = Annotated[Optional[str], typer.Option(
-    "--dummy", help="Random weights for a config.json path (or the word 26B-A4B, the shipped config): no weights read; fixed-work mode.")]
-Layers = Annotated[Optional[int], typer.Option("--layers", help="Keep only the first N layers of a --dummy config (last forced to full attention).")]
-Prompts = Annotated[Optional[str], typer.Option("--prompts", help="JSONL prompt file ({\"prompt\", \"answer\"?} per line; default: the bundled prompt set).")]
+    "--dummy", metavar="CONFIG", help="Random weights for a config.json path (or the word 26B-A4B, the shipped config): no weights read; fixed-work mode.")]
+Layers = Annotated[Optional[int], typer.Option("--layers", metavar="N", help="Keep only the first N layers of a --dummy config (last forced to full attention).")]
+Prompts = Annotated[Optional[str], typer.Option("--prompts", metavar="FILE", help=dflt(
+    "JSONL prompt file ({\"prompt\", \"answer\"?} per line).", "the bundled prompt set"))]
 RandomPrompts = Annotated[bool, typer.Option("--random-prompts", help="Use random token ids as prompts (a loud warning: early stopping behaves differently).")]
-NumPrompts = Annotated[Optional[int], typer.Option("--num-prompts", help="Use the first N prompts (random prompts: N, default 4).")]
-InputLen = Annotated[int, typer.Option("--random-input-len", help="Length of random-id prompts.")]
+NumPrompts = Annotated[Optional[int], typer.Option("--num-prompts", metavar="N", help=dflt(
+    "Use the first N prompts (random prompts: N of them).", "every prompt, or 4 random ones"))]
+InputLen = Annotated[int, typer.Option("--random-input-len", metavar="N", help="Length of random-id prompts.")]
 IgnoreEos = Annotated[bool, typer.Option("--ignore-eos", help="Never stop at a stop id: every request runs all its blocks (forced for --dummy).")]
-Warmup = Annotated[int, typer.Option("--warmup", "--num-warmups", help="Untimed warm-up requests first.")]
-Label = Annotated[Optional[str], typer.Option("--label", help="A name for the row(s).")]
-Metadata = Annotated[Optional[list[str]], typer.Option("--metadata", help="KEY=VALUE recorded in every row's provenance (repeatable).")]
+Warmup = Annotated[int, typer.Option("--warmup", "--num-warmups", metavar="N", help="Untimed warm-up requests first.")]
+Label = Annotated[Optional[str], typer.Option("--label", metavar="NAME", help="A name for the row(s).")]
+Metadata = Annotated[Optional[list[str]], typer.Option("--metadata", metavar="KEY=VALUE", help="Recorded in every row's provenance (repeatable).")]
 MeasurePeaks = Annotated[bool, typer.Option("--measure-peaks/--no-measure-peaks", help="Measure this CPU's matmul and bandwidth peaks (~1 s) for the roofline.")]
+
 
 def sampler_flags(*, steps=None, t_min=None, t_max=None, entropy_bound=None, stability=None, confidence=None,
                   seed=None, blocks=None, device=None, dtype=None, max_tokens=None) -> dict:

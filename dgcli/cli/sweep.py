@@ -19,14 +19,17 @@ import typer
 from dgcli.cli import options as o
 from dgcli.cli.options import (Dummy, IgnoreEos, InputLen, Label, Layers, MeasurePeaks, Metadata, NumPrompts, Prompts,
                                RandomPrompts, Warmup)
-from dgcli.cli.console import emit, status, warn
+from dgcli.cli.console import emit, loading, status, warn
 from dgcli.errors import UserError
 
 
 def _grid(flag: str, *aliases: str, what: str, eg: str):
-    return Annotated[Optional[str], typer.Option(flag, *aliases, help=f"{what}: a comma list and/or ranges a-b+step, e.g. {eg}.")]
+    return Annotated[Optional[str], typer.Option(flag, *aliases, metavar="GRID", help=f"{what}: a comma list and/or ranges a-b+step, e.g. {eg}.")]
 
 
+EXAMPLES = ["dgemma sweep --diffusion-steps 8,16,32,48 --seeds 0,1 --plot frontier.svg",
+            "dgemma sweep --entropy-bound 0.05-0.2+0.05 --dry-run",
+            "dgemma sweep --diffusion-steps 8,16,32,48 --resume   # after Ctrl-C"]
 TABLE_FIGURES = ["output_throughput", "diffusion_committed_throughput", "diffusion_steps_per_canvas",
                  "p90_steps_per_block", "cap_hit_rate", "mean_step_ms", "quality"]
 
@@ -41,20 +44,23 @@ def sweep(
     stability_threshold: _grid("--stability-threshold", what="Equal argmax canvases to stop", eg="0,1,2") = None,
     confidence_threshold: _grid("--confidence-threshold", what="Mean-entropy stop threshold", eg="0,0.005,0.05") = None,
     blocks: _grid("--blocks", "--diffusion-blocks", what="Most blocks per request", eg="1,2,4") = None,
-    seeds: Annotated[str, typer.Option("--seeds", help="Seeds run in every cell (grid syntax), e.g. 0,1,2.")] = "0",
+    seeds: Annotated[str, typer.Option("--seeds", metavar="GRID", help="Seeds run in every cell (grid syntax), e.g. 0,1,2.")] = "0",
     prompts: Prompts = None, random_prompts: RandomPrompts = False, num_prompts: NumPrompts = None,
     random_input_len: InputLen = 128, ignore_eos: IgnoreEos = False, warmup: Warmup = 1,
-    runs: Annotated[int, typer.Option("--runs", "-r", help="Timed passes over the prompts per seed.")] = 1,
-    output: Annotated[str, typer.Option("--output", "-o", help="JSONL file the rows are appended to.")] = "sweep.jsonl",
+    runs: Annotated[int, typer.Option("--runs", "-r", metavar="N", help="Timed passes over the prompts per seed.")] = 1,
+    output: Annotated[str, typer.Option("--output", "-o", metavar="FILE", help="JSONL file the rows are appended to.")] = "sweep.jsonl",
     resume: Annotated[bool, typer.Option("--resume", help="Continue --output: skip the cells it already holds.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and exit (nothing is loaded or run).")] = False,
-    plot: Annotated[Optional[str], typer.Option("--plot", help="Write the speed-quality frontier plot (FILE.svg, or FILE.png with matplotlib).")] = None,
-    speed: Annotated[str, typer.Option("--speed-metric", help="The frontier's speed figure.")] = "output_throughput",
-    fmt: Annotated[str, typer.Option("--format", "-f", help="md | csv | json | jsonl (the final rows)")] = "md",
+    plot: Annotated[Optional[str], typer.Option("--plot", metavar="FILE", help="Write the speed-quality frontier plot (FILE.svg, or FILE.png with matplotlib).")] = None,
+    speed: Annotated[str, typer.Option("--speed-metric", metavar="NAME", help="The frontier's speed figure.")] = "output_throughput",
+    fmt: Annotated[str, typer.Option("--format", "-f", metavar="FORMAT", help="md | csv | json | jsonl (the final rows)")] = "md",
     label: Label = None, metadata: Metadata = None, measure_peaks: MeasurePeaks = True,
     compile: o.Compile = False,
 ) -> None:
-    """Sweep sampler settings: per cell speed and quality, a resumable JSONL, the Pareto frontier."""
+    """Sweep sampler settings: speed, quality, Pareto frontier.
+
+    Per cell speed and quality, rows appended to a resumable JSONL file, then the Pareto frontier.
+    """
     from dgcli.measure.workload import check_counts
 
     check_counts(num_prompts=num_prompts, runs=runs, warmup=warmup, input_len=random_input_len)  # --dry-run too
@@ -92,7 +98,8 @@ def sweep(
         return
 
     baseline = b.PeakMemory.maxrss()  # before the model exists, for the CPU peak-memory figure
-    s = open_any(model, dummy, layers, preset, flags, warn=warn, compile=compile)
+    with loading("loading the model…"):
+        s = open_any(model, dummy, layers, preset, flags, warn=warn, compile=compile)
     plist, source = build_prompts(s, prompts_file=prompts, random_ids=random_prompts or s.dummy,
                                   num_prompts=num_prompts, input_len=random_input_len, seed=seed_list[0], warn=warn)
     ignore = ignore_eos or s.dummy
@@ -124,7 +131,7 @@ def sweep(
     warn(f"dgemma: {len(cells)} cell(s) x {len(seed_list)} seed(s) x {len(plist)} prompt(s); "
          f"{len(cells) - len(todo)} already in {output}, {len(todo)} to run; quality = {quality_metric}")
 
-    live, progress = status(sys.stderr.isatty())
+    live, progress = status(sys.stderr.isatty(), compiling=s.compiled)
     try:
         reference = sw.reference_outputs(rows, store, s, plist, ignore, quality_metric, fp, progress)
         for i in range(warmup if todo else 0):

@@ -18,6 +18,10 @@ import typer
 from dgcli.cli import options as o
 from dgcli.errors import UserError
 
+EXAMPLES = ['dgemma watch "Count from 7 to 31." --blocks 3',
+            'dgemma watch "Sort: 7 2 9 2" --step-delay 0.3',
+            'dgemma watch "Reverse: c a t" --trace run.jsonl',
+            'dgemma watch --replay run.jsonl --speed 0.5']
 NOT_A_TERMINAL_NOTE = ("dgemma: note: not a terminal, so no animation: the last frame of each block goes to "
                        "stderr and the answer to stdout")
 
@@ -61,25 +65,28 @@ def _describe(model: str, settings: dict, prompt: str | None) -> tuple[str, str]
 
 
 def watch(
-    prompt: Annotated[Optional[str], typer.Argument(help="Prompt text; - or nothing reads stdin.")] = None,
+    prompt: Annotated[Optional[str], typer.Argument(metavar="PROMPT|-", help="Prompt text; - or nothing reads stdin.")] = None,
     model: o.Model = None, preset: o.Preset = None, device: o.Device = None, dtype: o.Dtype = None,
     seed: o.Seed = None, steps: o.Steps = None, t_min: o.TMin = None, t_max: o.TMax = None,
     entropy_bound: o.EntropyBound = None, stability_threshold: o.Stability = None,
     confidence_threshold: o.Confidence = None, blocks: o.Blocks = None, max_tokens: o.MaxTokens = None,
     show_config: o.ShowConfig = False,
-    replay: Annotated[Optional[str], typer.Option("--replay", help="Animate a trace written by generate/watch --trace; no model is loaded.")] = None,
-    speed: Annotated[Optional[float], typer.Option("--speed", help="Replay pace: 1 = as recorded (default), 2 = twice as fast, 0 = no waiting.")] = None,
-    fps: Annotated[Optional[float], typer.Option("--fps", help="Most redraws per second (default: every step, as fast as it comes).")] = None,
-    step_delay: Annotated[float, typer.Option("--step-delay", help="Seconds to pause after each step (slow motion for demos).")] = 0.0,
-    save_svg: Annotated[Optional[str], typer.Option("--save-svg", help="Write the last frame of every block to FILE as SVG.")] = None,
-    save_html: Annotated[Optional[str], typer.Option("--save-html", help="Write a self-contained HTML replay (play, pause, scrub) to FILE.")] = None,
+    replay: Annotated[Optional[str], typer.Option("--replay", metavar="TRACE", help="Animate a trace written by generate/watch --trace; no model is loaded.")] = None,
+    speed: Annotated[Optional[float], typer.Option("--speed", metavar="X", help=o.dflt("Replay pace: 1 = as recorded, 2 = twice as fast, 0 = no waiting.", "1"))] = None,
+    fps: Annotated[Optional[float], typer.Option("--fps", metavar="X", help=o.dflt("Most redraws per second.", "every step, as fast as it comes"))] = None,
+    step_delay: Annotated[float, typer.Option("--step-delay", metavar="SECONDS", help="Seconds to pause after each step (slow motion for demos).")] = 0.0,
+    save_svg: Annotated[Optional[str], typer.Option("--save-svg", metavar="FILE", help="Write the last frame of every block to FILE as SVG.")] = None,
+    save_html: Annotated[Optional[str], typer.Option("--save-html", metavar="FILE", help="Write a self-contained HTML replay (play, pause, scrub) to FILE.")] = None,
     trace: o.Trace = None,
     init_canvas: o.InitCanvas = None,
     thinking: o.Thinking = False,
     show_thinking: o.ShowThinking = False,
     raw: o.Raw = False,
 ) -> None:
-    """Watch the canvas denoise live (or replay a saved trace), then print the answer."""
+    """Watch the canvas denoise live, or replay a trace.
+
+    The answer is printed on stdout at the end, as `dgemma generate` prints it.
+    """
     from dgcli.render.watch import Display, Pieces, Watch
 
     _check_pacing(fps, step_delay, speed, replay)
@@ -96,7 +103,7 @@ def watch(
         return _replay(replay, speed=1.0 if speed is None else speed, fps=fps, step_delay=step_delay,
                        save_svg=save_svg, save_html=save_html)
 
-    from dgcli.cli.console import print_answer, read_prompts, run_one
+    from dgcli.cli.console import THINKING_NOTE, loading, print_answer, read_prompts, run_one
     from dgcli.runtime.request import init_canvas_ids
     from dgcli.runtime.session import open_session, resolve_for
 
@@ -105,7 +112,10 @@ def watch(
         typer.echo(f"model: {path}\n{resolved.describe()}")
         return
     text = next(read_prompts(prompt, None))[0]
-    session = open_session(model, preset, flags)
+    if show_thinking and not thinking:
+        print(THINKING_NOTE, file=sys.stderr)
+    with loading("loading the model…"):
+        session = open_session(model, preset, flags)
     if session.tokenizer is None:
         raise UserError(f"{session.path}: no tokenizer.json; dgemma watch needs the checkpoint's tokenizer")
     canvas = init_canvas_ids(session, init_canvas, session.params.seed) if init_canvas is not None else None

@@ -1,5 +1,6 @@
 """`dgemma generate` end to end on a random checkpoint: inputs, formats, trace, and every bad input."""
 
+import io
 import json
 import subprocess
 import sys
@@ -204,3 +205,92 @@ def test_real_subprocess_pipeline(ckpt):
     assert "transformers" not in subprocess.run(
         [sys.executable, "-c", "import sys, dgcli.cli, dgcli.runtime.session, dgcli.sampling.loop, dgcli.model.gemma; print(sorted(sys.modules))"],
         capture_output=True, text=True).stdout  # transformers is the test oracle only
+
+
+# ---- issue 14: closed pipes, --show-config as JSON, --show-thinking alone, the loading status ------------
+
+
+def test_closed_pipe_exits_141_quietly(ckpt, tmp_path):
+    """`dgemma generate ... | head -1`: the reader leaves after one line; dgemma stops with 141, says nothing."""
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "hi"}\n' * 40)
+    p = subprocess.Popen(["dgemma", "generate", "--model", str(ckpt), *FAST, "--format", "json", "--input-jsonl", str(f)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert json.loads(p.stdout.readline())["finish_reason"] in ("stop", "length")
+    p.stdout.close()  # what head does after its line; 39 answers are still to come
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141 and err == "", err
+
+
+def test_show_config_honours_format_json(ckpt, capsys):
+    code, out, _ = run(["generate", "--model", str(ckpt), "--show-config", "--t-max", "0.9", "--format", "json"], capsys)
+    assert code == 0
+    rec = json.loads(out)
+    assert rec["model"] == str(ckpt) and rec["params"]["t_max"] == 0.9 and rec["sources"]["t_max"] == "flag"
+
+
+@pytest.mark.parametrize("cmd", ["generate", "watch"])
+def test_show_thinking_without_thinking_says_so(ckpt, capsys, cmd):
+    code, _, err = run([cmd, "--model", str(ckpt), *FAST, "--show-thinking", "hi"], capsys)
+    assert code == 0 and "--show-thinking has nothing to show without --thinking" in err
+    code, _, err = run([cmd, "--model", str(ckpt), *FAST, "--show-thinking", "--thinking", "hi"], capsys)
+    assert code == 0 and "--show-thinking" not in err
+
+
+class _TTY(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.fixture
+def rich_terminal(monkeypatch):
+    """An environment where Rich draws a status on a terminal (no CI overrides of its detection)."""
+    monkeypatch.setenv("TERM", "xterm")
+    for var in ("TTY_INTERACTIVE", "TTY_COMPATIBLE", "FORCE_COLOR"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_loading_status_only_on_a_terminal(rich_terminal):
+    from dgcli.cli.console import loading
+
+    tty, pipe = _TTY(), io.StringIO()
+    with loading("loading the model…", stream=tty):
+        pass
+    with loading("loading the model…", stream=pipe):
+        pass
+    assert "loading the model…" in tty.getvalue() and pipe.getvalue() == ""
+
+
+BENCH = ["--random-prompts", "--random-input-len", "4", "--no-measure-peaks", "--num-prompts", "1", "--runs", "1",
+         "--warmup", "0", "--format", "json"]
+
+
+@pytest.mark.parametrize("cmd, args", [("generate", ["hi"]), ("watch", ["hi"]), ("bench", BENCH),
+                                       ("sweep", [*BENCH, "--output"])], ids=lambda v: v if isinstance(v, str) else "")
+def test_commands_show_loading_on_a_terminal_stderr_only(ckpt, capsys, monkeypatch, rich_terminal, tmp_path, cmd, args):
+    for i, tty in enumerate((None, _TTY())):
+        if tty is not None:
+            monkeypatch.setattr(sys, "stderr", tty)
+        extra = [str(tmp_path / f"s{i}.jsonl")] if cmd == "sweep" else []
+        code, _, err = run([cmd, "--model", str(ckpt), *FAST, *args, *extra], capsys)
+        assert code == 0
+        if tty is None:
+            assert "loading the model" not in err  # stderr is not a terminal here: no status text
+        else:
+            assert "loading the model…" in tty.getvalue()
+
+
+def test_compile_says_so_in_the_first_status(rich_terminal, monkeypatch):
+    """torch.compile compiles during the first request: its status line (bench/sweep) says so, then not."""
+    from dgcli.cli.console import COMPILING, Progress, status
+
+    monkeypatch.setattr(sys, "stderr", _TTY())
+    live, update = status(True, compiling=True)
+    update("warm-up 1/1")
+    first = str(live.status)
+    update("run 1/3")
+    assert first == f"warm-up 1/1 · {COMPILING}" and str(live.status) == "run 1/3"
+    live.stop()
+    progress = Progress(True, compiling=True)  # generate's line, until the first step event
+    assert str(progress.live.status) == COMPILING
+    progress.stop()

@@ -125,3 +125,18 @@ def test_info_takes_the_model_as_argument_or_option(cli_ckpt):
 def test_info_two_different_models_is_one_line(cli_ckpt, tmp_path):
     one_line_error(invoke("info", str(cli_ckpt), "-m", str(tmp_path), "--no-measure-peaks"), "two models")
     one_line_error(invoke("info", "-m", str(cli_ckpt), "--dummy", "26B-A4B", "--no-measure-peaks"), "--dummy")
+
+
+# ---- item 10c: --result-dir / --result-filename imply --save-result --------------------------------------
+
+
+@pytest.mark.parametrize("extra", [[], ["--result-filename", "r.json"]])
+def test_bench_result_dir_implies_save_result(cli_ckpt, tmp_path, extra):
+    out = tmp_path / "results"
+    r = invoke("bench", "--model", str(cli_ckpt), *FAST, "--num-prompts", "1", "--runs", "1", "--warmup", "0",
+               "--diffusion-steps", "2", "--format", "json", "--result-dir", str(out), *extra)
+    assert r.exit_code == 0, (r.output, r.exception)
+    saved = list(out.glob("*.json"))
+    assert len(saved) == 1 and len(json.loads(saved[0].read_text())["rows"]) == 1
+    if extra:
+        assert saved[0].name == "r.json"
