@@ -2,9 +2,9 @@
 
 Owns: folding the record dicts of one run (`event.to_record()` live, `read_trace` records in a replay)
 into `Frame`s (one per block start and per step) and `Committed` blocks (`Tracker`, `Watch`), the colour
-classes of a position, the display string of a token (`Pieces`, `display_piece`) and a frame's status
-line. Live and replay feed the same records through the same `Watch`, so they produce the same frames
-by construction.
+classes of a position, the display string of a token (`Pieces`, `display_piece`), the separator drawn
+between positions (`SEPARATOR`) and a frame's status line. Live and replay feed the same records through
+the same `Watch`, so they produce the same frames by construction.
 Must not: import Rich, draw or write anything (dgcli.render.watch does), run the model, tokenize, or read
 or write traces (dgcli.cli.watch, the sampling loop and dgcli.render.trace do).
 
@@ -23,6 +23,9 @@ RENOISED = 4  # kind of a position that was renoised; 0..3 are the accepted conf
 ENTROPY_EDGES = (1e-1, 1e-2, 1e-3)  # nats; accepted positions below edge i are at least level i + 1
 CLASSES = ("acc0", "acc1", "acc2", "acc3", "renoised")  # index = kind
 STOP_LABELS = {"stable_confident": "stable+confident", "step_cap": "step cap"}
+# Drawn between canvas positions (terminal, SVG, HTML): word pieces of one word would otherwise run
+# together and hide where a position ends. Never part of the answer text (`Pieces.text`).
+SEPARATOR = "│"
 
 
 def kind_of(accepted: int, entropy: float) -> int:

@@ -61,37 +61,61 @@ class TraceWriter:
         self._f.close()
 
 
+HOW_TO = "write one with --trace FILE on `dgemma generate` or `dgemma watch`"
+
+
 def read_trace(path: str | Path) -> tuple[dict, list[dict]]:
     """(header, records). Raises UserError naming the problem for anything that is not a whole trace."""
     p = Path(path)
     try:
         lines = p.read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
-        raise UserError(f"{p}: no such trace file; write one with `dgemma generate --trace FILE`") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"{p}: cannot read it as a text trace ({e}); is it a dgemma trace?") from None
-    records: list[dict[str, Any]] = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            what = "the last line is cut off: the trace is truncated" if n == len(lines) else f"line {n} is not JSON"
-            raise UserError(f"{p}: {what}; re-run the generation with --trace") from None
-        if not isinstance(rec, dict) or "type" not in rec:
-            raise UserError(f"{p}: line {n} is not a trace record; is it a dgemma trace?")
-        records.append(rec)
-    if not records or records[0].get("format") != FORMAT:
-        raise UserError(f"{p}: not a dgemma trace (no '{FORMAT}' header line); write one with `dgemma generate --trace FILE`")
-    header = records[0]
+        raise UserError(f"{p}: no such trace file; {HOW_TO}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{p}: not a dgemma trace (not UTF-8 text); {HOW_TO}") from None
+    except OSError as e:
+        raise UserError(f"{p}: cannot read it ({e.strerror}); check the path and its permissions") from None
+    numbered = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
+    if not numbered:
+        raise UserError(f"{p}: empty, not a dgemma trace; {HOW_TO}")
+    # The header decides what the file is: only a file that starts as a trace can be a truncated one.
+    n, first = numbered[0]
+    header = _record(first)
+    if header is None or header.get("format") != FORMAT:
+        if len(numbered) == 1 and f'"{FORMAT}"' in first:  # cut off inside its header line
+            raise UserError(f"{p}: the trace is truncated (its header line is cut off); re-run the generation with --trace")
+        raise UserError(f"{p}: not a dgemma trace (line {n} is not a '{FORMAT}' header); {HOW_TO}")
     if header.get("version") != VERSION:
         raise UserError(f"{p}: trace format version {header.get('version')} is not {VERSION} "
                         f"(written by dgemma {header.get('dgemma_version')}); re-record it with this version")
-    body = records[1:]
-    for rec in body:
+    body: list[dict[str, Any]] = []
+    for n, line in numbered[1:]:
+        rec = _record(line)
+        if rec is None:
+            # A line cut off mid-write is never a whole JSON object, so only an unparsable last line is truncation.
+            if n == numbered[-1][0] and not _is_json(line):
+                raise UserError(f"{p}: the last line is cut off: the trace is truncated; re-run the generation with --trace")
+            raise UserError(f"{p}: line {n} is not a trace record; re-run the generation with --trace")
         if rec["type"] not in RECORD_TYPES:
-            raise UserError(f"{p}: unknown record type {rec['type']!r}; is the trace from another program?")
+            raise UserError(f"{p}: line {n} has unknown record type {rec['type']!r}; is the trace from another program?")
+        body.append(rec)
     if not body or body[-1]["type"] != "done":
         raise UserError(f"{p}: the trace is truncated (no 'done' record); the run was interrupted, re-run it")
     return header, body
+
+
+def _record(line: str) -> dict | None:
+    """A line's record: a JSON object with a "type", else None."""
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return rec if isinstance(rec, dict) and "type" in rec else None
+
+
+def _is_json(line: str) -> bool:
+    try:
+        json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return True

@@ -25,13 +25,13 @@ from rich.text import Text
 from rich.theme import Theme
 
 from dgcli.errors import UserError
-from dgcli.render.frames import CLASSES, Committed, Frame, Pieces, Watch, display_piece, status_line
+from dgcli.render.frames import CLASSES, SEPARATOR, Committed, Frame, Pieces, Watch, display_piece, status_line
 
 __all__ = ["Display", "Pieces", "Watch", "canvas_text", "committed_text", "html_data", "html_page", "make_console",
            "plain", "render_frame", "save_html", "save_svg"]
 
 STYLES = {"acc0": "red", "acc1": "yellow", "acc2": "green", "acc3": "bold bright_green",
-          "renoised": "dim", "changed": "underline", "status": "bold"}
+          "renoised": "dim", "changed": "underline", "status": "bold", "sep": "dim"}
 # Underline (not only a colour) marks changed positions, so they still stand out under NO_COLOR.
 THEME = Theme({f"watch.{k}": v for k, v in STYLES.items()})
 SVG_WIDTH = 120  # columns of the exported pictures, so they look the same whatever the terminal was
@@ -41,9 +41,11 @@ SVG_WIDTH = 120  # columns of the exported pictures, so they look the same whate
 
 
 def canvas_text(f: Frame, pieces: Pieces) -> Text:
-    """One span per position, styled by its classes (theme names `watch.<class>`)."""
+    """One span per position, styled by its classes (theme names `watch.<class>`), a dim SEPARATOR between."""
     text = Text(overflow="fold")  # a noise run with no spaces still wraps at the edge
     for i, tid in enumerate(f.ids):
+        if i:
+            text.append(SEPARATOR, style="watch.sep")
         start = len(text)
         text.append(display_piece(pieces[tid]), style=f"watch.{CLASSES[f.kinds[i]]}")
         if f.changed[i]:
@@ -162,12 +164,13 @@ _PLACEHOLDER = re.compile(r"\{\{(TITLE|META|CLASSES|DATA)\}\}")
 
 
 def html_data(w: Watch, title: str, meta: str) -> dict:
-    """The replay page's data: a string table, then per frame its ids, kinds/changed codes and status."""
+    """The replay page's data: a string table, then per frame its ids, kinds/changed codes and status (the page
+    draws `sep` between canvas positions; `raw` is the answer text)."""
     ids = sorted({i for f in w.frames for i in f.ids} | {i for c in w.commits for i in c.ids})
     index = {tid: n for n, tid in enumerate(ids)}
     frames = [{"b": f.block, "i": [index[t] for t in f.ids], "status": status_line(f),
                "k": "".join(str(k + 5 * ch) for k, ch in zip(f.kinds, f.changed))} for f in w.frames]
-    return {"title": title, "meta": meta, "cell": [display_piece(w.pieces[t]) for t in ids],
+    return {"title": title, "meta": meta, "sep": SEPARATOR, "cell": [display_piece(w.pieces[t]) for t in ids],
             "raw": [w.pieces[t] for t in ids], "frames": frames,
             "blocks": [[index[t] for t in c.ids] for c in w.commits], "classes": list(CLASSES)}
 

@@ -1,13 +1,15 @@
 """What every model-running command does first: resolve settings, pick device and dtype, and load the
 model and its tokenizer — from a checkpoint, or as random weights from a config (`--dummy`).
 
-Owns: `Session` and `open_session` / `open_dummy_session`, device/dtype choice, the bundled-model default,
-thread count for small CPU models, `--compile`, and the memory preflight of dummy models. Must not: run
+Owns: `Session` and `open_session` / `open_dummy_session`, device/dtype choice (and the settings saying
+which ran), the bundled-model default, thread count for small CPU models, `--compile`, and the memory
+preflight of dummy models. Must not: run
 the sampler, tokenise prompts (runtime/request.py does) or print.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +49,7 @@ class Session:
     config: ModelConfig
     model: Any
     tokenizer: Any  # ChatTokenizer, or None (dummy weights, a checkpoint without tokenizer.json)
-    resolved: Resolved
+    resolved: Resolved  # run.device/dtype: what ran (`ran_with`), not the request ("auto")
     device: torch.device
     stop_ids: list[int]
     num_blocks: int
@@ -104,6 +106,15 @@ def _finish(model: Any, device: torch.device, compile: bool) -> None:
         compile_decoder(model)
 
 
+def ran_with(resolved: Resolved, model: Any) -> Resolved:
+    """The settings with run.device and run.dtype as the loaded model has them ("cpu", "cuda:0", "float32"),
+    not as asked ("auto"): results and traces say what ran. `sources` still says where the request came from;
+    `--show-config` (no model loaded) shows the request itself."""
+    w = model.embed_weight
+    run = dataclasses.replace(resolved.run, device=str(w.device), dtype=str(w.dtype).removeprefix("torch."))
+    return dataclasses.replace(resolved, run=run)
+
+
 def open_session(model: str | None, preset: str | None, flags: dict, *, need_tokenizer: bool = True,
                  compile: bool = False) -> Session:
     from dgcli.model.loader import load_model, resolve_dtype
@@ -121,7 +132,7 @@ def open_session(model: str | None, preset: str | None, flags: dict, *, need_tok
     num_blocks = blocks_for(resolved.params, resolved.run.max_tokens, cfg.canvas_length)
     m = load_model(path, device=device, dtype=dtype)
     _finish(m, device, compile)
-    return Session(path, cfg, m, tokenizer, resolved, device, stop_ids, num_blocks, name=path.name, compiled=compile)
+    return Session(path, cfg, m, tokenizer, ran_with(resolved, m), device, stop_ids, num_blocks, name=path.name, compiled=compile)
 
 
 def open_dummy_session(spec: str, layers: int | None, preset: str | None, flags: dict, *,
@@ -147,7 +158,7 @@ def open_dummy_session(spec: str, layers: int | None, preset: str | None, flags:
     num_blocks = blocks_for(resolved.params, resolved.run.max_tokens, cfg.canvas_length)
     source = Path(spec) if Path(spec).exists() else real_config_path()
     name = name if name.lower().startswith("dummy") else f"dummy {name}"
-    return Session(source, cfg, m, None, resolved, device, stop_ids, num_blocks, name=name, dummy=True,
+    return Session(source, cfg, m, None, ran_with(resolved, m), device, stop_ids, num_blocks, name=name, dummy=True,
                    compiled=compile)
 
 

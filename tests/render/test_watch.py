@@ -20,9 +20,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from dgcli.render.frames import RENOISED, Frame, display_piece, kind_of, status_line
-from dgcli.render.watch import (Display, Pieces, Watch, canvas_text, html_page, make_console, plain, render_frame,
-                                save_html, save_svg)
+from dgcli.render.frames import RENOISED, SEPARATOR, Committed, Frame, display_piece, kind_of, status_line
+from dgcli.render.watch import (Display, Pieces, Watch, canvas_text, committed_text, html_data, html_page, make_console,
+                                plain, render_frame, save_html, save_svg)
 from dgcli.sampling.events import BlockStart, Commit, Done, Step
 
 PIECES = {1: "<eos>", 10: " The", 11: " cat", 12: " sat", 13: " on", 14: " the", 15: " mat",
@@ -59,8 +59,8 @@ def fed(display: Display | None = None) -> Watch:
 
 
 def span_classes(text) -> list[set[str]]:
-    """The `watch.*` classes on each canvas cell (cells are the spans of the main class)."""
-    cells = [s for s in text.spans if s.style != "watch.changed"]
+    """The `watch.*` classes on each canvas cell (cells are the spans of the main class; separators are not cells)."""
+    cells = [s for s in text.spans if s.style not in ("watch.changed", "watch.sep")]
     changed = [s for s in text.spans if s.style == "watch.changed"]
     return [{s.style.removeprefix("watch.")} | {"changed" for c in changed if (c.start, c.end) == (s.start, s.end)}
             for s in cells]
@@ -102,7 +102,7 @@ def test_recorded_console_shows_status_styles_and_final_text():
     out = console.export_text()
     # "blocks" mode prints the last frame of each block: status line first, then the canvas.
     assert out.splitlines()[0] == status_line(w.frames[-1])
-    assert out.splitlines()[1] == " The cat sat on mat<eos>"
+    assert out.splitlines()[1] == " The│ cat│ sat│ on│ mat│<eos>"  # one cell per position, separated
     # The resolved styles per cell: the colour classes really reach the terminal.
     segs = [s for s in console.render(canvas_text(w.frames[1], w.pieces)) if s.text.strip()]
     by_text = {s.text: s.style for s in segs}
@@ -110,6 +110,25 @@ def test_recorded_console_shows_status_styles_and_final_text():
     assert by_text["↵xv"].dim and not by_text["↵xv"].underline  # renoised, unchanged
     assert by_text["kk"].dim and by_text["kk"].underline  # renoised, changed
     assert by_text[" sat"].color.name == "yellow"
+
+
+def test_adjacent_word_pieces_are_drawn_apart_but_the_answer_is_the_real_text(tmp_path):
+    # " G" + "od": two positions of one English word; drawn joined they would read as one cell " God".
+    pieces = Pieces(table={30: " And", 31: " G", 32: "od", 33: " said"})
+    ids = (30, 31, 32, 33)
+    f = Frame(0, 1, 1, 4, ids, (3,) * 4, (False,) * 4, 0.1, 0.5, 4, 0.0, "stable_confident")
+    w = Watch(pieces, 4)
+    w.frames.append(f)
+    w.commits.append(Committed(0, ids, f))
+    assert plain(canvas_text(f, pieces)) == " And│ G│od│ said\n"  # terminal: a boundary inside the word
+    assert plain(committed_text(w.commits[0], pieces)).endswith("\n And God said\n") and w.final_text() == " And God said"
+    save_svg(tmp_path / "run.svg", w, "t")
+    svg = (tmp_path / "run.svg").read_text().replace("&#160;", " ")
+    assert re.search(r">\s?G</text>.*?>│</text>.*?>od</text>", svg, re.S)  # SVG: the separator between them
+    data = html_data(w, "t", "")
+    assert data["sep"] == SEPARATOR and [data["cell"][i] for i in data["frames"][0]["i"]] == list(
+        map(pieces.__getitem__, ids))  # HTML: the page draws `sep` between cells (checked in Chromium)
+    assert "".join(data["raw"][i] for i in data["blocks"][0]) == " And God said"
 
 
 def test_no_color_keeps_dim_and_underline_but_drops_colours(monkeypatch):
@@ -257,16 +276,16 @@ def test_bad_traces_give_one_line_and_exit_2(tmp_path):
     good[-1]["token_strings"] = {str(k): v for k, v in PIECES.items()}  # as TraceWriter adds them
     header = {"type": "header", "format": "dgemma-trace", "version": 1, "settings": {}, "model": "m"}
     lines = [json.dumps(header)] + [json.dumps(r) for r in good]
-    cases = {"truncated.jsonl": "\n".join(lines[:-1]) + "\n" + lines[-1][:20],
-             "nodone.jsonl": "\n".join(lines[:-1]) + "\n",
-             "version.jsonl": "\n".join([json.dumps(header | {"version": 99})] + lines[1:]) + "\n",
-             "other.jsonl": "hello, world\n"}
-    for name, text in cases.items():
+    cases = {"truncated.jsonl": ("\n".join(lines[:-1]) + "\n" + lines[-1][:20], "truncated"),
+             "nodone.jsonl": ("\n".join(lines[:-1]) + "\n", "truncated"),
+             "version.jsonl": ("\n".join([json.dumps(header | {"version": 99})] + lines[1:]) + "\n", "version 99"),
+             "notes.txt": ("hello, world\n", "not a dgemma trace")}
+    for name, (text, message) in cases.items():
         (tmp_path / name).write_text(text)
         r = _dgemma("watch", "--replay", str(tmp_path / name))
         assert r.returncode == 2 and r.stdout == "", (name, r)
         assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith("dgemma: error: "), (name, r.stderr)
-    assert "truncated" in _dgemma("watch", "--replay", str(tmp_path / "nodone.jsonl")).stderr
+        assert message in r.stderr and (message == "truncated") == ("truncated" in r.stderr), (name, r.stderr)
     (tmp_path / "ok.jsonl").write_text("\n".join(lines) + "\n")
     ok = _dgemma("watch", "--replay", str(tmp_path / "ok.jsonl"), "--speed", "0")
     assert ok.returncode == 0 and ok.stdout == " The cat sat on mat\n", ok

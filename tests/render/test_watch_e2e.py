@@ -3,7 +3,8 @@
 tmux: `dgemma watch` on a random checkpoint inside a tmux pane, read with capture-pane: a mid-run frame,
 a resize, the final answer; then Ctrl-C mid-run must leave a usable shell with its cursor shown.
 Chromium (headless, driven over its DevTools pipe, no network): the --save-html replay is scrubbed to
-the last step with the mouse and screenshotted; the page must then show the final text.
+the last step with the mouse and screenshotted; the page must then show the final text, with the
+canvas positions drawn apart.
 Both tools are installed by .ci/run; where one is missing the test skips and says so.
 """
 
@@ -251,6 +252,12 @@ def test_html_replay_scrubbed_to_the_last_step_shows_the_final_text(ckpt, tmp_pa
                          buttons=0 if kind == "mouseReleased" else 1, clickCount=1)
         assert js("document.getElementById('pos').textContent") == f"frame {frames}/{frames}"
         assert "stopped: step cap" in js("document.getElementById('status').textContent")
+        # Positions are drawn apart: 16 cells with a visible separator between each two.
+        cells = json.loads(js("JSON.stringify([...document.getElementById('canvas').children]"
+                              ".map((e) => [e.className, e.textContent, e.getBoundingClientRect().width]))"))
+        seps = [c for c in cells if c[0] == "sep"]
+        assert len(cells) == 31 and len(seps) == 15 and all(c[1] == "│" and c[2] > 0 for c in seps), cells
+        assert [c[0] == "sep" for c in cells] == [n % 2 == 1 for n in range(31)]
         answer_rect = json.loads(js("JSON.stringify(document.getElementById('answer').getBoundingClientRect())"))
         assert answer_rect["height"] > 0
         shown = js("document.getElementById('final').innerText")
