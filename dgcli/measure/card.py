@@ -137,9 +137,6 @@ class Cost:
     def __add__(self, other: Cost) -> Cost:
         return Cost(self.flops + other.flops, self.bytes + other.bytes)
 
-    def scaled(self, k: float) -> Cost:
-        return Cost(self.flops * k, self.bytes * k)
-
 
 def distinct_experts(cfg: ModelConfig, tokens: int) -> float:
     """Expected distinct experts touched by `tokens` tokens under uniform top-k routing."""

@@ -28,6 +28,3 @@ class KVCache:
 
     def read(self, layer: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer][:, :, lo:hi], self.v[layer][:, :, lo:hi]
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)

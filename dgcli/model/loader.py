@@ -143,11 +143,6 @@ def meta_model(cfg: ModelConfig) -> DiffusionGemma:
         return DiffusionGemma(cfg)
 
 
-def expected_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
-    model = meta_model(cfg)
-    return {k: v.shape for k, v in model.state_dict().items()}
-
-
 def resolve_dtype(name: str | None, default: torch.dtype | None = None) -> torch.dtype | None:
     if name in (None, "auto"):
         return default

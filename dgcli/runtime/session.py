@@ -100,10 +100,20 @@ def resolve_for(model: str | None, preset: str | None, flags: dict) -> tuple[Pat
     return path, cfg, gen, resolve(gen, preset, flags)
 
 
-def _finish(model: Any, device: torch.device, compile: bool) -> None:
-    fit_threads(model, device)
+def _session(path: Path, m: Any, tokenizer: Any, resolved: Resolved, gen: dict | None, device: torch.device, *,
+             compile: bool, name: str, dummy: bool = False) -> Session:
+    """The part both kinds of session share: threads, --compile, stop ids (generation_config.json, else the
+    config's, else the tokenizer's), the block count, and the settings as they ran."""
+    fit_threads(m, device)
     if compile:
-        compile_decoder(model)
+        compile_decoder(m)
+    cfg = m.config
+    stop_ids = stop_ids_from_generation_config(gen) if gen else list(cfg.eos_token_ids)
+    if tokenizer is not None and not stop_ids:
+        stop_ids = list(tokenizer.stop_ids)
+    num_blocks = blocks_for(resolved.params, resolved.run.max_tokens, cfg.canvas_length)
+    return Session(path, cfg, m, tokenizer, ran_with(resolved, m), device, stop_ids, num_blocks, name=name,
+                   dummy=dummy, compiled=compile)
 
 
 def ran_with(resolved: Resolved, model: Any) -> Resolved:
@@ -126,13 +136,8 @@ def open_session(model: str | None, preset: str | None, flags: dict, *, need_tok
     tokenizer = None
     if need_tokenizer or (path / "tokenizer.json").exists():
         tokenizer = load_tokenizer(path)
-    stop_ids = stop_ids_from_generation_config(gen) if gen else list(cfg.eos_token_ids)
-    if tokenizer is not None and not stop_ids:
-        stop_ids = list(tokenizer.stop_ids)
-    num_blocks = blocks_for(resolved.params, resolved.run.max_tokens, cfg.canvas_length)
     m = load_model(path, device=device, dtype=dtype)
-    _finish(m, device, compile)
-    return Session(path, cfg, m, tokenizer, ran_with(resolved, m), device, stop_ids, num_blocks, name=path.name, compiled=compile)
+    return _session(path, m, tokenizer, resolved, gen, device, compile=compile, name=path.name)
 
 
 def open_dummy_session(spec: str, layers: int | None, preset: str | None, flags: dict, *,
@@ -152,14 +157,9 @@ def open_dummy_session(spec: str, layers: int | None, preset: str | None, flags:
     dtype = resolve_dtype(dt if dt in ("bfloat16", "float32", "float16") else "bfloat16")
     preflight(parse_config(raw), torch.tensor([], dtype=dtype).element_size(), device, spec=spec)
     m = random_model(raw, seed=resolved.params.seed, dtype=dtype, device=device)
-    _finish(m, device, compile)
-    cfg = m.config
-    stop_ids = stop_ids_from_generation_config(gen) if gen else list(cfg.eos_token_ids)
-    num_blocks = blocks_for(resolved.params, resolved.run.max_tokens, cfg.canvas_length)
     source = Path(spec) if Path(spec).exists() else real_config_path()
     name = name if name.lower().startswith("dummy") else f"dummy {name}"
-    return Session(source, cfg, m, None, ran_with(resolved, m), device, stop_ids, num_blocks, name=name, dummy=True,
-                   compiled=compile)
+    return _session(source, m, None, resolved, gen, device, compile=compile, name=name, dummy=True)
 
 
 def open_any(model: str | None, dummy: str | None, layers: int | None, preset: str | None, flags: dict, *,

@@ -36,8 +36,6 @@ from dgcli.kernels.dispatch import vocab_pass
 from dgcli.kernels.reference import VocabPassOut
 from dgcli.sampling.params import DiffusionEbParams
 
-Result = Done  # what `generate` returns: the Done event's data
-
 
 # ---- the rules, as pure functions (tested directly) ----------------------------------------------
 
@@ -247,7 +245,7 @@ def generate(
     pad_id: int = 0,
     init_canvas: Sequence[int] | torch.Tensor | None = None,
     generator: torch.Generator | None = None,
-) -> Result:
+) -> Done:
     """Drain `generate_events` and return its `Done` (for callers that want only the answer)."""
     for event in generate_events(model, prompt_ids, params=params, num_blocks=num_blocks, stop_ids=stop_ids,
                                  pad_id=pad_id, init_canvas=init_canvas, generator=generator):
