@@ -235,20 +235,7 @@ def generate_events(
                timings=timings)
 
 
-def generate(
-    model: Any,
-    prompt_ids: Sequence[int] | torch.Tensor,
-    *,
-    params: Any,
-    num_blocks: int,
-    stop_ids: Iterable[int] = (),
-    pad_id: int = 0,
-    init_canvas: Sequence[int] | torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
-) -> Done:
-    """Drain `generate_events` and return its `Done` (for callers that want only the answer)."""
-    for event in generate_events(model, prompt_ids, params=params, num_blocks=num_blocks, stop_ids=stop_ids,
-                                 pad_id=pad_id, init_canvas=init_canvas, generator=generator):
-        if isinstance(event, Done):
-            return event
-    raise AssertionError("generate_events ended without a Done event")  # unreachable by construction
+def generate(model: Any, prompt_ids: Sequence[int] | torch.Tensor, **kw: Any) -> Done:
+    """Drain `generate_events` (same arguments) and return its `Done`, for callers that want only the answer."""
+    *_, done = generate_events(model, prompt_ids, **kw)  # the loop always ends with Done
+    return done
