@@ -43,7 +43,7 @@ def loading(what: str, *, stream: Any = None) -> Iterator[None]:
         yield
 
 
-def status(enabled: bool, *, compiling: bool = False):
+def status(enabled: bool, *, compiling: bool = False, start: str = "…"):
     """A one-line progress display on stderr when it is a terminal; a no-op otherwise. With `compiling`
     (a --compile session) the first line says so: torch.compile compiles during the first request."""
     if not enabled:
@@ -51,7 +51,7 @@ def status(enabled: bool, *, compiling: bool = False):
     from rich.console import Console
     from rich.status import Status
 
-    live = Status(COMPILING if compiling else "…", console=Console(stderr=True))
+    live = Status(COMPILING if compiling else start, console=Console(stderr=True))
     live.start()
     first = [compiling]
 
@@ -85,14 +85,9 @@ class Progress:
     """A one-line Rich status on stderr while a block denoises (only when stderr is a terminal)."""
 
     def __init__(self, enabled: bool, *, compiling: bool = False):
-        self.live = None
-        if enabled:
-            from rich.console import Console
-            from rich.status import Status
-
-            # The first step event comes after the first decoder pass, which is when torch.compile works.
-            self.live = Status(COMPILING if compiling else "starting…", console=Console(stderr=True))
-            self.live.start()
+        # The first step event comes after the first decoder pass, which is when torch.compile works:
+        # so the compile note is the opening line, not a suffix on the first update.
+        self.live, _ = status(enabled, start=COMPILING if compiling else "starting…")
 
     def __call__(self, event) -> None:
         if self.live is None:

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from dgcli.errors import UserError
 from dgcli.sampling.params import (
-    CLI_FLAG, DiffusionEbParams, SettingsError, build, check_type, coerce, field_types, fix, hint, reject_unknown,  # noqa: F401
+    DiffusionEbParams, SettingsError, build, check_type, coerce, field_types, hint, reject_unknown,
     suggest,
 )
 

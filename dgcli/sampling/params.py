@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import types
 import typing
@@ -114,6 +115,7 @@ def coerce(cls: type, key: str, value: Any, origin: str, *, strict: bool = False
         raise SettingsError(key, f"{key}={value!r}{where}: expected {expected}; {hint(cls, key, current)}") from None
 
 
+@functools.cache  # get_type_hints re-evaluates the annotations; validate() asks once per field, per request
 def field_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
