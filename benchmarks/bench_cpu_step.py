@@ -131,7 +131,7 @@ def components(model, prompt: torch.Tensor, compiled: bool) -> dict:
     for tiles in (False, True) if compiled else (False,):
         fn = lambda: vocab_pass(hidden, model.embed_weight, softcap=cfg.final_logit_softcapping,  # noqa: E731
                                 temperature=torch.tensor(0.6), embed_scale=model.embed_scale,
-                                generator=torch.Generator().manual_seed(0), compile_tiles=tiles)
+                                uniform=torch.rand(1, c, dtype=torch.float64), compile_tiles=tiles)
         out[f"vocab_pass_{'compiled' if tiles else 'eager'}_tiles_ms"] = median(timed(fn, reps=7)) * 1e3
     experts = model.layers[0].experts
     x = hidden[0]
@@ -216,8 +216,9 @@ if impl == "cpu":
     from dgcli.kernels.vocab_pass_cpu import vocab_pass_tiled as fn
 else:
     from dgcli.kernels.reference import vocab_pass as fn
-kw = dict(softcap=30.0, temperature=torch.tensor(0.6), embed_scale=torch.tensor(53.0).bfloat16(), generator=None)
-fn(hidden[:, :4], E[:4096], **kw)  # load libraries and thread pools on a tiny case
+kw = dict(softcap=30.0, temperature=torch.tensor(0.6), embed_scale=torch.tensor(53.0).bfloat16())
+fn(hidden[:, :4], E[:4096], uniform=torch.rand(1, 4, dtype=torch.float64), **kw)  # load libraries and thread pools
+kw["uniform"] = torch.rand(1, hidden.shape[1], dtype=torch.float64)
 open("/proc/self/clear_refs", "w").write("5")  # reset the peak-RSS mark (VmHWM)
 before = status("VmRSS:")
 out = fn(hidden, E, **kw)

@@ -71,7 +71,7 @@ def cases(dev: torch.device, small: bool):
         hidden = torch.randn(1, n, h, device=dev, generator=g).to(bf)
         embed = (torch.randn(v, h, device=dev, generator=g) * 0.02).to(bf)
         kw = dict(softcap=30.0, temperature=torch.tensor(0.6, device=dev), embed_scale=torch.tensor(53.0).to(bf),
-                  generator=torch.Generator(device=dev).manual_seed(1))
+                  uniform=torch.rand(1, n, device=dev, generator=g, dtype=torch.float64))
         return (lambda: dispatch.vocab_pass(hidden, embed, **kw), lambda: reference.vocab_pass(hidden, embed, **kw))
 
     def experts():

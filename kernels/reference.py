@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 # A chunk's float32 logits stay within this many bytes (32 MiB: 32 rows at V = 262,144). Each chunk
-# holds about three such fp32 buffers at once (logits, log-probs, noise), so the extra memory of a
+# holds about three such fp32 buffers at once (logits, log-probs, the float64 CDF), so the extra memory of a
 # pass is ~100 MiB whatever the canvas length. The price: the head and the soft-embedding matmul
 # read E once per chunk (8x per step for C = 256); the fused kernel is meant to remove that.
 CHUNK_BYTES = 32 * 2**20
@@ -23,7 +23,7 @@ CHUNK_BYTES = 32 * 2**20
 
 @dataclass
 class VocabPassOut:
-    sample: torch.Tensor  # [B, C] int64: one draw from softmax(L) per position
+    sample: torch.Tensor  # [B, C] int64: one draw from softmax(L) per position (inverse CDF at `uniform`)
     argmax: torch.Tensor  # [B, C] int64: argmax of L (= argmax of the raw logits)
     entropy: torch.Tensor  # [B, C] float32: entropy of softmax(L) in nats
     soft: torch.Tensor | None  # [B, C, H] embedding dtype: the next step's self-conditioning input
@@ -41,7 +41,7 @@ def vocab_pass(
     softcap: float | None,
     temperature: float | torch.Tensor,
     embed_scale: torch.Tensor | float,
-    generator: torch.Generator | None,
+    uniform: torch.Tensor,
     want_soft: bool = True,
     row_chunk: int | None = None,
 ) -> VocabPassOut:
@@ -50,19 +50,23 @@ def vocab_pass(
 
     Per position: raw logits R = softcap·tanh(float32(h·Eᵀ)/softcap) (the matmul in the model dtype,
     as the reference's lm_head), processed logits L = R / temperature; returns a categorical sample
-    of softmax(L) (Gumbel-max, noise from `generator`), argmax(L), the entropy of softmax(L) and, if
+    of softmax(L), argmax(L), the entropy of softmax(L) and, if
     `want_soft`, soft = (bf16(softmax_fp32(bf16(L))) @ E) · embed_scale, where bf16 means "cast to
     the embedding dtype" (the reference stores L in that dtype between steps).
 
-    Rows are processed `row_chunk` at a time (default: `auto_row_chunk(V)`). Draws depend on the
-    chunking, so equal seeds give equal samples only with equal `row_chunk` (the default is a
-    function of V alone). `temperature` may be a 0-dim float32 tensor on the device: the reference
+    The draw is an inverse CDF at `uniform` [B, C] (float64 in [0, 1), one per position, from the
+    sampler's counter-based stream): the first j with Σ_{i≤j} exp(L_i - M) > u·Σ_i exp(L_i - M), M the
+    row max, the sums in float64. Every vocabulary path makes this draw (kernels/categorical.py for the
+    streaming ones), so the same uniforms give the same tokens whichever path runs, up to rounding
+    at a CDF boundary. Rows are processed `row_chunk` at a time (default: `auto_row_chunk(V)`); the
+    chunking changes nothing. `temperature` may be a 0-dim float32 tensor on the device: the reference
     divides by such a tensor, and a tensor keeps the step free of host values (graph capture).
     """
     b, c, h = hidden.shape
     v = embed.shape[0]
     rows = hidden.reshape(b * c, h)  # [N, H]
     n = rows.shape[0]
+    u = uniform.reshape(n).to(device=hidden.device, dtype=torch.float64)  # [N]
     step = row_chunk if row_chunk is not None else auto_row_chunk(v)
     if step < 1:
         raise ValueError(f"row_chunk must be >= 1, got {step}")
@@ -89,12 +93,14 @@ def vocab_pass(
         entropy[lo:hi] = -(p.mul_(logp)).sum(dim=-1)
         del logp, p
 
-        # Gumbel-max: argmax(L - log E), E ~ Exp(1), is an exact draw from softmax(L). The clamp
-        # only guards against E == 0, which would make an arbitrary token win outright.
-        noise = torch.empty_like(logits).exponential_(generator=generator)  # [r, V]
-        noise = noise.clamp_min_(torch.finfo(noise.dtype).tiny).log_().neg_().add_(logits)
-        sample[lo:hi] = noise.argmax(dim=-1)
-        del noise
+        # Inverse CDF: the first column whose cumulative mass exceeds u·total (u < 1, so some column
+        # with mass does, up to the rounding of u·total; `min` keeps that rare case on the last such column).
+        mx = logits.amax(dim=-1, keepdim=True)  # [r, 1]
+        p = torch.exp(logits - mx).double()  # [r, V]
+        cdf = p.cumsum_(dim=-1)  # [r, V]
+        j = torch.searchsorted(cdf, (u[lo:hi] * cdf[:, -1])[:, None], right=True)[:, 0]  # [r]
+        sample[lo:hi] = torch.minimum(j, (cdf < cdf[:, -1:]).sum(dim=-1))
+        del p, cdf
 
         if soft is not None:
             stored = logits.to(embed.dtype)  # [r, V] what the reference keeps between steps

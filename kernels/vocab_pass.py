@@ -2,18 +2,18 @@
 entropy, a Gumbel-max draw and the self-conditioning soft embedding, without a [N, V] float32 tensor.
 
 Owns: `vocab_pass_triton`, the kernel twin of `kernels/reference.py::vocab_pass` (same arguments and
-`VocabPassOut`). Must not: know about the denoising loop or sync with the host (the seed and the
+`VocabPassOut`). Must not: know about the denoising loop or sync with the host (the uniforms and the
 temperature stay on the device; every launch grid depends on shapes only).
 
 Three kernels:
 1. `_stats_kernel`, grid (row blocks, vocabulary splits): head GEMM tile by tile, per split the online
-   max / first argmax / Σexp(L-m) / Σexp(L-m)(L-m) (entropy) / best Gumbel score and its index /
-   Σexp(bf16(L)-m); a tiny torch combine merges the splits.
+   max / first argmax / Σexp(L-m) / Σexp(L-m)(L-m) (entropy) / Σexp(bf16(L)-m), and per tile of BLOCK_N
+   columns the running max m and Σexp(L-m) (the draw's statistics); a tiny torch combine merges the splits.
 2. `_probs_kernel`, per vocabulary chunk: recomputes the head tile (cheaper than storing [N, V]) and
    writes p = bf16(exp(bf16(L) - M)/Zb) for the chunk: the reference's normalised, rounded probabilities.
 3. `_soft_gemm_kernel`: acc[N, H] (fp32) += p_chunk @ E_chunk. soft = bf16(acc)·scale at the end.
-Draws: Gumbel-max with a counter-based RNG, u = tl.rand(seed, row·V + col), seed drawn from
-`generator` on the device; a valid categorical draw, not the reference's stream.
+Draws: the reference's inverse CDF at the given uniforms, located through the per-tile sums
+(kernels/categorical.py, torch): the same draws as every other path, up to rounding.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .categorical import draw_from_groups
 from .reference import VocabPassOut
 from .triton_common import round_to
 
@@ -64,8 +65,8 @@ def _logits_tile(h_ptr, e_ptr, rows, row_ok, cols, col_ok, H, stride_h, stride_e
 
 
 @triton.jit
-def _stats_kernel(h_ptr, e_ptr, temp_ptr, seed_ptr, m_ptr, z_ptr, s_ptr, amax_ptr, gbest_ptr, gidx_ptr, zb_ptr,
-                  N, V, H, cols_per_split, stride_h, stride_e, softcap,
+def _stats_kernel(h_ptr, e_ptr, temp_ptr, m_ptr, z_ptr, s_ptr, amax_ptr, zb_ptr, tm_ptr, tz_ptr,
+                  N, V, H, n_tiles, cols_per_split, stride_h, stride_e, softcap,
                   HAS_SOFTCAP: tl.constexpr, IS_BF16: tl.constexpr, DOT_BF16: tl.constexpr, WANT_SOFT: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -73,7 +74,6 @@ def _stats_kernel(h_ptr, e_ptr, temp_ptr, seed_ptr, m_ptr, z_ptr, s_ptr, amax_pt
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < N
     temp = tl.load(temp_ptr)
-    seed = tl.load(seed_ptr)
     v_lo = split * cols_per_split
     v_hi = tl.minimum(V, v_lo + cols_per_split)
     neg_inf = float("-inf")
@@ -82,8 +82,6 @@ def _stats_kernel(h_ptr, e_ptr, temp_ptr, seed_ptr, m_ptr, z_ptr, s_ptr, amax_pt
     s = tl.zeros((BLOCK_M,), tl.float32)
     zb = tl.zeros((BLOCK_M,), tl.float32)
     amax = tl.zeros((BLOCK_M,), tl.int32)
-    gbest = tl.full((BLOCK_M,), neg_inf, tl.float32)
-    gidx = tl.zeros((BLOCK_M,), tl.int32)
     for v0 in range(v_lo, v_hi, BLOCK_N):
         cols = v0 + tl.arange(0, BLOCK_N)
         col_ok = cols < v_hi
@@ -100,14 +98,12 @@ def _stats_kernel(h_ptr, e_ptr, temp_ptr, seed_ptr, m_ptr, z_ptr, s_ptr, amax_pt
         d = tl.where(col_ok[None, :], L - m_new[:, None], 0.0)
         e = tl.where(col_ok[None, :], tl.exp(d), 0.0)
         s = alpha * (s + z * dm) + tl.sum(e * d, axis=1)  # Σ exp(L-m)(L-m) under the new max
-        z = alpha * z + tl.sum(e, axis=1)
-        # Gumbel-max: argmax(L + G), G = -log(-log U), is a draw from softmax(L).
-        u = tl.rand(seed, rows[:, None] * V + cols[None, :])
-        score = tl.where(col_ok[None, :], L - tl.log(-tl.log(u)), neg_inf)
-        smax = tl.max(score, axis=1)
-        sarg = tl.argmax(score, axis=1).to(tl.int32) + v0
-        gidx = tl.where(smax > gbest, sarg, gidx)
-        gbest = tl.maximum(gbest, smax)
+        tile_z = tl.sum(e, axis=1)
+        z = alpha * z + tile_z
+        # The draw's statistics for this tile: its mass relative to m_new (>= the tile's own max).
+        at = rows.to(tl.int64) * n_tiles + v0 // BLOCK_N
+        tl.store(tm_ptr + at, m_new, mask=row_ok)
+        tl.store(tz_ptr + at, tile_z, mask=row_ok)
         if WANT_SOFT:
             lb = round_to(L, IS_BF16)  # L as the reference stores it between steps
             eb = tl.where(col_ok[None, :], tl.exp(lb - m_new[:, None]), 0.0)
@@ -118,8 +114,6 @@ def _stats_kernel(h_ptr, e_ptr, temp_ptr, seed_ptr, m_ptr, z_ptr, s_ptr, amax_pt
     tl.store(z_ptr + out, z, mask=row_ok)
     tl.store(s_ptr + out, s, mask=row_ok)
     tl.store(amax_ptr + out, amax, mask=row_ok)
-    tl.store(gbest_ptr + out, gbest, mask=row_ok)
-    tl.store(gidx_ptr + out, gidx, mask=row_ok)
     tl.store(zb_ptr + out, zb, mask=row_ok)
 
 
@@ -165,7 +159,7 @@ def _soft_gemm_kernel(p_ptr, e_ptr, acc_ptr, N, K, H, stride_p, stride_e, stride
     tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + acc, mask=mask)
 
 
-def _combine(m, z, s, amax, gbest, gidx, zb):
+def _combine(m, z, s, amax, zb):
     """Merge per-split statistics [S, N] -> per-row results (torch ops, no host sync)."""
     mx = m.max(dim=0).values  # [N]
     alpha = torch.exp(m - mx)  # [S, N]
@@ -174,9 +168,8 @@ def _combine(m, z, s, amax, gbest, gidx, zb):
     entropy = torch.log(zt) - st / zt
     first = torch.argmax((m == mx).to(torch.int8), dim=0)  # earliest split holding the max: first argmax
     argmax = amax.gather(0, first[None])[0].long()
-    sample = gidx.gather(0, gbest.argmax(dim=0)[None])[0].long()
     zbt = (alpha * zb).sum(0)
-    return mx, entropy, argmax, sample, zbt
+    return mx, entropy, argmax, zbt
 
 
 def vocab_pass_triton(
@@ -186,7 +179,7 @@ def vocab_pass_triton(
     softcap: float | None,
     temperature: float | torch.Tensor,
     embed_scale: torch.Tensor | float,
-    generator: torch.Generator | None,
+    uniform: torch.Tensor,
     want_soft: bool = True,
     row_chunk: int | None = None,
     splits: int | None = None,
@@ -210,24 +203,25 @@ def vocab_pass_triton(
     is_bf16 = embed.dtype == torch.bfloat16
     dot_bf16 = is_bf16 and not _interpreting()
     temp = torch.as_tensor(temperature, dtype=torch.float32, device=dev).reshape(1)
-    seed = torch.randint(0, 2**31 - 1, (1,), generator=generator, device=dev)  # on the device: no sync
     row_blocks = triton.cdiv(n, block_m)
     if splits is None:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
         splits = max(1, min(triton.cdiv(v, block_n), triton.cdiv(2 * sms, row_blocks)))
     cols_per_split = triton.cdiv(triton.cdiv(v, splits), block_n) * block_n
     splits = triton.cdiv(v, cols_per_split)
-    stats = [torch.empty(splits, n, dtype=torch.float32, device=dev) for _ in range(6)]
-    m, z, s, gbest, zb, _ = stats
+    m, z, s, zb = (torch.empty(splits, n, dtype=torch.float32, device=dev) for _ in range(4))
     amax = torch.empty(splits, n, dtype=torch.int32, device=dev)
-    gidx = torch.empty(splits, n, dtype=torch.int32, device=dev)
+    n_tiles = triton.cdiv(v, block_n)  # tiles start at multiples of block_n (cols_per_split is one)
+    tile_m, tile_z = (torch.empty(n, n_tiles, dtype=torch.float32, device=dev) for _ in range(2))
     cap = float(softcap) if softcap else 1.0
     meta = dict(HAS_SOFTCAP=bool(softcap), IS_BF16=is_bf16, DOT_BF16=dot_bf16,
                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
-    _stats_kernel[(row_blocks, splits)](rows, embed, temp, seed, m, z, s, amax, gbest, gidx, zb, n, v, h,
+    _stats_kernel[(row_blocks, splits)](rows, embed, temp, m, z, s, amax, zb, tile_m, tile_z, n, v, h, n_tiles,
                                         cols_per_split, rows.stride(0), embed.stride(0), cap,
                                         WANT_SOFT=want_soft, **meta)
-    mx, entropy, argmax, sample, zbt = _combine(m, z, s, amax, gbest, gidx, zb)
+    mx, entropy, argmax, zbt = _combine(m, z, s, amax, zb)
+    u = uniform.reshape(n).to(device=dev, dtype=torch.float64)  # [N]
+    sample = draw_from_groups(tile_m, tile_z, u, block_n, rows, embed, softcap, temp)
 
     soft = None
     if want_soft:

@@ -13,7 +13,8 @@ and soft = bf16(softmax_fp32(bf16(L))) @ E · scale with L rounded to the embedd
 softmax. Two differences, both within the reference's own rounding: the probabilities rounded to bf16
 before the soft GEMM are unnormalised (scaled by exp(-tile max); the rescaling to the running max and
 the normalisation are applied to the fp32 accumulator), and each tile's bf16 GEMM output is rounded to
-bf16 before the fp32 accumulation. Draws come from `generator` but are not the reference's draws (see `_draw`).
+bf16 before the fp32 accumulation. The categorical draw is the reference's inverse CDF at the given
+uniforms, located through per-group sums (kernels/categorical.py): the same draws up to rounding.
 """
 
 from __future__ import annotations
@@ -21,11 +22,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .categorical import draw_from_groups
 from .reference import VocabPassOut
 
 # A tile's float32 [N, T] buffers stay near this size (4 MiB: the 256-row canvas with T = 4096): large
 # enough that the head GEMM runs at full speed, small enough that the ~4 live buffers stay in cache.
 TILE_BYTES = 4 * 2**20
+# Columns per group of the draw's statistics (when the tile width is a multiple of it; else one group
+# per tile): the draw recomputes one group per row at the end, [N, GROUP, H] gathered embedding rows.
+GROUP = 64
 
 
 def auto_tile(rows: int, vocab_size: int, tile_bytes: int = TILE_BYTES) -> int:
@@ -58,28 +63,31 @@ def _processed(logits: torch.Tensor, softcap: float | None, temperature: torch.T
 
 
 def tile_stats(raw: torch.Tensor, softcap: float | None, temperature: torch.Tensor,
-               soft_dtype: torch.dtype | None) -> tuple[torch.Tensor, ...]:
+               soft_dtype: torch.dtype | None, width: int) -> tuple[torch.Tensor, ...]:
     """One vocabulary tile's statistics, all relative to the tile's own max (the caller rescales them to
     the running max with [N]-sized factors, so this function has no state and no branches on it).
 
     raw [N, T] head GEMM output -> tmax [N] (max of L), targ [N] (its first index), zt = Σ exp(L - tmax),
-    st = Σ exp(L - tmax)·(L - tmax), and for the soft embedding (soft_dtype not None) pb [N, T] =
+    st = Σ exp(L - tmax)·(L - tmax), gz [N, ceil(T/width)] = Σ exp(L - tmax) per group of `width`
+    columns (the draw's statistics), and for the soft embedding (soft_dtype not None) pb [N, T] =
     exp(round(L) - tmax) rounded to soft_dtype with zbt [N] = the fp32 sum before that rounding.
     Elementwise only plus row reductions: `--compile` fuses it into a couple of passes over the tile."""
-    logits = _processed(raw.to(torch.float32, copy=True), softcap, temperature)  # [N, T] L; raw kept for _draw
+    logits = _processed(raw.float(), softcap, temperature)  # [N, T] L (in place on an fp32 raw: the caller drops it)
     tmax, targ = _tile_max(logits)  # [N]
     shift = tmax.unsqueeze(1)  # [N, 1]
     stored = logits.to(soft_dtype) if soft_dtype not in (None, torch.float32) else None  # [N, T] round(L)
     d = logits.sub_(shift)  # [N, T] L - tmax (in place: L is not needed any more)
     e = torch.exp(d)  # [N, T]
     zt = e.sum(dim=1)  # [N]
+    pad = -e.shape[1] % width
+    gz = (F.pad(e, (0, pad)) if pad else e).view(e.shape[0], -1, width).sum(dim=2)  # [N, groups]
     st = torch.mul(d, e, out=d).sum(dim=1)  # [N] Σ e·(L - tmax) (linalg.vecdot is slower on CPU)
     if soft_dtype is None:
-        return tmax, targ, zt, st, None, None
+        return tmax, targ, zt, st, gz, None, None
     if stored is None:  # fp32 embedding: softmax(round(L)) is softmax(L); reuse e
-        return tmax, targ, zt, st, e, zt
+        return tmax, targ, zt, st, gz, e, zt
     eb = stored.float().sub_(shift).exp_()  # [N, T]
-    return tmax, targ, zt, st, eb.to(soft_dtype), eb.sum(dim=1)
+    return tmax, targ, zt, st, gz, eb.to(soft_dtype), eb.sum(dim=1)
 
 
 _compiled_tile_stats = None
@@ -93,26 +101,6 @@ def compiled_tile_stats():
     return _compiled_tile_stats
 
 
-def _draw(raw: torch.Tensor, softcap: float | None, temperature: torch.Tensor, zt: torch.Tensor,
-          total: torch.Tensor, u: torch.Tensor, pick: torch.Tensor, lo: int) -> None:
-    """Streaming categorical draw: after the pass, pick[r] ~ softmax(L[r]) exactly.
-
-    The tile holds mass zt of the running total (both in the running max's scale); the current pick is
-    replaced by a draw from inside the tile with probability zt/total, so tile t ends up chosen with
-    probability w_t/W_t · Π_{s>t} W_{s-1}/W_s = w_t/W. Inside the tile: inverse CDF over exp(L) of the
-    replaced rows only, recomputed from the raw GEMM output (usually a few rows over the whole pass).
-    Two uniforms per row per tile. Not the reference's Gumbel draws: equal seeds give equal samples
-    only between calls of this function with equal tiles."""
-    rows = (u[0] * total < zt).nonzero().squeeze(1)  # [R]
-    if rows.numel() == 0:
-        return
-    logits = _processed(raw.index_select(0, rows).float(), softcap, temperature)  # [R, T] (index_select copies)
-    cdf = logits.sub_(logits.amax(dim=1, keepdim=True)).exp_().cumsum_(dim=1)  # [R, T]
-    target = u[1].index_select(0, rows).mul_(cdf[:, -1]).unsqueeze(1)  # [R, 1]
-    j = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)  # [R]
-    pick.index_copy_(0, rows, j + lo)
-
-
 @torch.no_grad()
 def vocab_pass_tiled(
     hidden: torch.Tensor,
@@ -121,7 +109,7 @@ def vocab_pass_tiled(
     softcap: float | None,
     temperature: float | torch.Tensor,
     embed_scale: torch.Tensor | float,
-    generator: torch.Generator | None,
+    uniform: torch.Tensor,
     want_soft: bool = True,
     tile: int | None = None,
     row_chunk: int | None = None,
@@ -131,7 +119,7 @@ def vocab_pass_tiled(
 
     Extra memory: a few [N, T] float32 tiles plus the [N, H] float32 soft accumulator, whatever V is.
     `compile_tiles` runs each tile's elementwise math through torch.compile (`dgemma --compile`); the
-    GEMMs, the running statistics and the random draws stay eager. `row_chunk` is accepted for
+    GEMMs, the running statistics and the draw stay eager. `row_chunk` is accepted for
     signature compatibility with the reference and ignored (all rows go through each tile together:
     one E read per step)."""
     del row_chunk
@@ -148,13 +136,16 @@ def vocab_pass_tiled(
     temp = torch.as_tensor(temperature, dtype=f32, device=dev).reshape(())
     stats = compiled_tile_stats() if compile_tiles else tile_stats
     soft_dtype = embed.dtype if want_soft else None
+    width = GROUP if t_cols % GROUP == 0 else t_cols
+    gmax, gsum = [], []  # per tile: [N, groups] reference max and Σ exp(L - max) of each group
 
     m = z = s = zb = acc = arg = None  # running max of L, Σ exp(L - m), Σ exp(L - m)(L - m), ...
-    pick = torch.zeros(n, dtype=torch.long, device=dev)
     for lo in range(0, v, t_cols):
         et = embed[lo:min(v, lo + t_cols)]  # [T, H]
         raw = F.linear(rows, et)  # [N, T] in the embedding dtype
-        tmax, targ, zt, st, pb, zbt = stats(raw, softcap, temp, soft_dtype)
+        tmax, targ, zt, st, gz, pb, zbt = stats(raw, softcap, temp, soft_dtype, width)
+        gmax.append(tmax[:, None].expand_as(gz))
+        gsum.append(gz)
         if m is None:  # first tile: its max is the running max
             m, arg, a_t = tmax, targ, None
             z, s = zt, st
@@ -174,10 +165,11 @@ def vocab_pass_tiled(
             else:
                 zb = alpha * zb + a_t * zbt
                 acc = acc.mul_(alpha.unsqueeze(1)).add_(prod.mul_(a_t.unsqueeze(1)))
-        _draw(raw, softcap, temp, zt, z, torch.rand(2, n, generator=generator, device=dev), pick, lo)
         del raw, pb
 
     entropy = torch.log(z) - s / z
+    u = uniform.reshape(n).to(device=dev, dtype=torch.float64)  # [N]
+    pick = draw_from_groups(torch.cat(gmax, dim=1), torch.cat(gsum, dim=1), u, width, rows, embed, softcap, temp)
     soft = None
     if want_soft:
         soft = (acc / zb.unsqueeze(1)).to(embed.dtype) * scale  # the reference rounds, then scales

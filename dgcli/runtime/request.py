@@ -68,13 +68,15 @@ _INT = re.compile(r"-?\d+")
 
 def init_canvas_ids(session: Any, spec: str, seed: int) -> list[int]:
     """`--init-canvas`: token ids or text for the start of the first canvas; the rest of the canvas stays
-    uniform noise (seeded by `seed + 1`, so it differs from the sampler's own draws).
+    uniform noise (the counter stream's `PAD` draws for `seed`, apart from the sampler's own draws).
 
     The value is an id list when it is made only of digits, commas, minus signs and spaces ("5,6,7", "42"),
     or when it has a comma and its first item is a whole number ("1,2,abc"); an id list must be all
     comma-separated ids in [0, vocab) with no empty item ("1,,2"), or it is an error. Anything else
     ("hello world", "Hi, there") is text, tokenised without the chat template. An empty value is an error."""
     import torch
+
+    from dgcli.sampling import draws
 
     c, v = session.config.canvas_length, session.config.vocab_size
     if not spec.strip():
@@ -98,8 +100,8 @@ def init_canvas_ids(session: Any, spec: str, seed: int) -> list[int]:
         ids = session.tokenizer.encode_text(spec)
     if len(ids) > c:
         raise UserError(f"--init-canvas has {len(ids)} tokens; the canvas holds {c}: shorten it")
-    g = torch.Generator().manual_seed(seed + 1)
-    return ids + torch.randint(0, v, (c - len(ids),), generator=g).tolist()
+    pad = draws.token_ids(seed, draws.PAD, 0, 0, torch.arange(len(ids), c), v)  # random ids after the given ones
+    return ids + pad.tolist()
 
 
 def cut(done: Done, max_tokens: int | None) -> tuple[list[int], str]:

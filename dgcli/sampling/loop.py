@@ -1,9 +1,10 @@
 """The entropy-bound block-diffusion sampler (spec §7): the one denoising loop, and it yields events.
 
 Owns: the block loop (prefill, per-block canvas, denoising steps, commit, stop ids), the accept /
-stability / confidence / temperature rules as small pure functions, the RNG discipline (one seeded
-generator drives every draw: same seed, settings, device and dtype give identical events), and the
-run's summary (`Done`). `generate`, `watch`, `bench`, `sweep` and the trace writer all consume
+stability / confidence / temperature rules as small pure functions, the RNG discipline (every draw
+comes from the counter-based stream of `draws.py`, addressed by seed, block, step and position: same
+seed, settings, device and dtype give identical events whichever kernel path runs, up to rounding at
+a CDF boundary), and the run's summary (`Done`). `generate`, `watch`, `bench`, `sweep` and the trace writer all consume
 `generate_events`; there is no second copy of this loop anywhere.
 Must not: tokenize, print, write files, import transformers, or sync with the device inside a step
 other than once for the stop decision (and not at all when no step can stop early).
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 
 from dgcli.errors import UserError
+from dgcli.sampling import draws
 from dgcli.sampling.events import BlockStart, Commit, Done, Event, Step
 from dgcli.kernels.dispatch import vocab_pass
 from dgcli.kernels.reference import VocabPassOut
@@ -80,16 +82,15 @@ def is_confident(entropy: torch.Tensor, threshold: float) -> torch.Tensor:
 
 @torch.inference_mode()
 def _denoise_step(model: Any, canvas: torch.Tensor, cache: Any, soft: torch.Tensor | None,
-                  temp: torch.Tensor, history: torch.Tensor, params: Any, generator: torch.Generator,
+                  temp: torch.Tensor, history: torch.Tensor, params: Any, uniform: torch.Tensor, noise: torch.Tensor,
                   want_soft: bool, compile_tiles: bool) -> tuple[VocabPassOut, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Decode, vocab pass, accept, renoise, stop flags; every output stays on the device."""
+    """Decode, vocab pass (categorical draws at `uniform` [B, C]), accept, renoise (with `noise` [B, C]
+    token ids: every position has one, used only where not accepted), stop flags; all on the device."""
     hidden = model.decode(canvas, cache, soft)  # [B, C, H]
     out = vocab_pass(hidden, model.embed_weight, softcap=model.config.final_logit_softcapping,
-                     temperature=temp, embed_scale=model.embed_scale, generator=generator,
+                     temperature=temp, embed_scale=model.embed_scale, uniform=uniform,
                      want_soft=want_soft, compile_tiles=compile_tiles)
     accepted = accept_mask(out.entropy, params.entropy_bound)  # [B, C]
-    # Every position gets a fresh draw, used only where not accepted (as the reference consumes RNG).
-    noise = torch.randint(0, model.config.vocab_size, canvas.shape, generator=generator, device=canvas.device)
     next_canvas = torch.where(accepted, out.sample, noise)  # [B, C]
     stop = is_stable(history, out.argmax) & is_confident(out.entropy, params.confidence_threshold)  # [B]
     return out, accepted, next_canvas, push_history(history, out.argmax), stop
@@ -134,13 +135,12 @@ def generate_events(
     stop_ids: Iterable[int] = (),
     pad_id: int = 0,
     init_canvas: Sequence[int] | torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
     compile_tiles: bool = False,
 ) -> Iterator[Event]:
     """Run the entropy-bound sampler on one prompt, yielding BlockStart, Step..., Commit per block,
     then Done. `params` needs max_denoising_steps, t_min, t_max, entropy_bound, stability_threshold,
-    confidence_threshold, seed (e.g. `dgcli.sampling.params.DiffusionEbParams`). `generator` overrides the
-    one seeded from `params.seed`; `init_canvas` [C] replaces the first block's random canvas;
+    confidence_threshold, seed (e.g. `dgcli.sampling.params.DiffusionEbParams`); `params.seed` keys every
+    random draw (see `draws.py`); `init_canvas` [C] replaces the first block's random canvas;
     `compile_tiles` runs the vocabulary pass's tile math through torch.compile (the session's `--compile`)."""
     params = DiffusionEbParams.check(params)  # the one validator (presets, flags and requests use it too)
     if not isinstance(num_blocks, int) or num_blocks < 1:
@@ -153,7 +153,7 @@ def generate_events(
         first_canvas = _ids_tensor(init_canvas, "initial canvas", vocab, device)  # [1, C]
         if first_canvas.shape[1] != c:
             raise UserError(f"initial canvas has {first_canvas.shape[1]} ids; the model's canvas holds {c}")
-    gen = generator if generator is not None else torch.Generator(device=device).manual_seed(params.seed)
+    seed, positions = params.seed, torch.arange(c, device=device)  # [C]
     stops = {int(s) for s in stop_ids}
     n_steps = params.max_denoising_steps
     temps = [temperature(n, n_steps, params.t_min, params.t_max) for n in range(n_steps, 0, -1)]
@@ -177,7 +177,12 @@ def generate_events(
         if block == 0 and first_canvas is not None:
             canvas = first_canvas
         else:
-            canvas = torch.randint(0, vocab, (1, c), generator=gen, device=device)  # [1, C]
+            canvas = draws.token_ids(seed, draws.INIT, block, 0, positions, vocab, device=device)[None]  # [1, C]
+        # This block's draws for every step it may take, by counter (steps it does not take cost a few
+        # [N, C] integer ops and are never read).
+        steps = torch.arange(1, n_steps + 1, device=device)[:, None]  # [N, 1]
+        uniforms = draws.uniform(seed, draws.DRAW, block, steps, positions, device=device)  # [N, C]
+        noises = draws.token_ids(seed, draws.RENOISE, block, steps, positions, vocab, device=device)  # [N, C]
         history = torch.full((params.stability_threshold, 1, c), -1, dtype=torch.long, device=device)  # [S, 1, C]
         soft = None  # self-conditioning restarts from zero in every block
         busy += time.perf_counter() - mark
@@ -189,8 +194,8 @@ def generate_events(
             t0 = time.perf_counter()
             last = i == n_steps - 1
             out, accepted, next_canvas, history, stop = _denoise_step(
-                model, canvas, cache, soft, temps_dev[i], history, params, gen, want_soft=not last,
-                compile_tiles=compile_tiles)
+                model, canvas, cache, soft, temps_dev[i], history, params, uniforms[i][None], noises[i][None],
+                want_soft=not last, compile_tiles=compile_tiles)
             converged = can_stop_early and bool(stop.all())  # the step's one host sync
             reason = "stable_confident" if converged else ("step_cap" if last else None)
             elapsed = time.perf_counter() - t0

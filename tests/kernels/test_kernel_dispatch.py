@@ -11,6 +11,11 @@ from dgcli.kernels.moe_cpu import experts_grouped
 from dgcli.kernels.vocab_pass_cpu import vocab_pass_tiled
 
 
+def unif(hidden, seed):
+    """One uniform per position [B, C] (what the sampler's counter stream hands a vocabulary pass)."""
+    return torch.rand(hidden.shape[:2], generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
 def test_cpu_defaults(monkeypatch):
     monkeypatch.delenv("DGEMMA_KERNELS", raising=False)
     assert dispatch.implementation("vocab_pass", "cpu") == "cpu"
@@ -40,9 +45,9 @@ def test_calls_route_to_the_chosen_implementation(monkeypatch, forced):
     g = torch.Generator().manual_seed(0)
     hidden, embed = torch.randn(1, 5, 8, generator=g), torch.randn(29, 8, generator=g)
     kw = dict(softcap=30.0, temperature=0.7, embed_scale=2.0, want_soft=True)
-    got = dispatch.vocab_pass(hidden, embed, generator=torch.Generator().manual_seed(3), **kw)
+    got = dispatch.vocab_pass(hidden, embed, uniform=unif(hidden, 3), **kw)
     fn = reference.vocab_pass if forced else vocab_pass_tiled
-    want = fn(hidden, embed, generator=torch.Generator().manual_seed(3), **kw)
+    want = fn(hidden, embed, uniform=unif(hidden, 3), **kw)
     assert torch.equal(got.sample, want.sample) and torch.equal(got.soft, want.soft)
 
     x = torch.randn(6, 8, generator=g)

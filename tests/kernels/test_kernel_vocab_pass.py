@@ -34,6 +34,11 @@ TOLS = [(torch.float32, 1e-5, 0.0, 1e-5, 1e-5), (torch.bfloat16, 1e-4, 1e-2, 2e-
 ENT_NEAR_ZERO, ENT_ATOL_NEAR_ZERO = 0.05, 1e-4
 
 
+def unif(hidden, seed):
+    """One uniform per position [B, C] (what the sampler's counter stream hands a vocabulary pass)."""
+    return torch.rand(hidden.shape[:2], generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
 def make(b, c, h, v, dtype, seed=0, sharp=1.0):
     g = torch.Generator().manual_seed(seed)
     embed = (torch.randn(v, h, generator=g) * 0.5).to(dtype)  # [V, H]
@@ -77,7 +82,7 @@ def logits_of(hidden, embed, softcap=30.0, temperature=0.7):
 
 def reference(hidden, embed, scale, softcap=30.0, temperature=0.7, want_soft=True):
     return vocab_pass(hidden, embed, softcap=softcap, temperature=temperature, embed_scale=scale,
-                      generator=torch.Generator().manual_seed(1), want_soft=want_soft)
+                      uniform=unif(hidden, 1), want_soft=want_soft)
 
 
 # ---- CPU tiled path ------------------------------------------------------------------------------------
@@ -93,7 +98,7 @@ CPU_SHAPES = [(2, 5, 16, 37, 8), (1, 3, 8, 23, 1), (1, 4, 12, 50, 1000), (1, 6, 
 def test_tiled_matches_reference(dtype, ent_atol, ent_rtol, soft_atol, soft_rtol, b, c, h, v, tile, softcap):
     hidden, embed, scale = make(b, c, h, v, dtype)
     out = vocab_pass_tiled(hidden, embed, softcap=softcap, temperature=torch.tensor(0.7), embed_scale=scale,
-                           generator=torch.Generator().manual_seed(2), tile=tile)
+                           uniform=unif(hidden, 2), tile=tile)
     check(out, reference(hidden, embed, scale, softcap, torch.tensor(0.7)), dtype, ent_atol, ent_rtol, soft_atol, soft_rtol,
           logits=logits_of(hidden, embed, softcap))
     assert (out.sample < v).all()
@@ -103,7 +108,7 @@ def test_tiled_without_soft_and_ties():
     hidden, embed, scale = make(1, 4, 8, 64, torch.float32)
     embed[40] = embed[3]  # exact duplicate rows: equal logits, the first index must win
     hidden[0, 0] = embed[3] * 4
-    out = vocab_pass_tiled(hidden, embed, softcap=None, temperature=1.0, embed_scale=scale, generator=None,
+    out = vocab_pass_tiled(hidden, embed, softcap=None, temperature=1.0, embed_scale=scale, uniform=unif(hidden, 0),
                            want_soft=False, tile=16)
     want = reference(hidden, embed, scale, None, 1.0, want_soft=False)
     check(out, want, torch.float32, 1e-5, 0, 0, 0, want_soft=False)
@@ -113,7 +118,7 @@ def test_tiled_without_soft_and_ties():
 def test_tiled_rounds_logits_to_the_embedding_dtype_before_the_soft_softmax():
     """Sharp tempered logits: softmax(bf16(L)) and softmax(L) differ visibly; only the former may match."""
     hidden, embed, scale = make(1, 6, 16, 64, torch.bfloat16, seed=3, sharp=8.0)
-    out = vocab_pass_tiled(hidden, embed, softcap=30.0, temperature=0.41, embed_scale=scale, generator=None, tile=16)
+    out = vocab_pass_tiled(hidden, embed, softcap=30.0, temperature=0.41, embed_scale=scale, uniform=unif(hidden, 0), tile=16)
     want = reference(hidden, embed, scale, 30.0, 0.41)
     torch.testing.assert_close(out.soft.float(), want.soft.float(), atol=2e-2, rtol=3 * 2**-8)
     raw = torch.tanh(torch.nn.functional.linear(hidden, embed).float() / 30.0) * 30.0 / 0.41
@@ -153,11 +158,11 @@ def gof_case(rows: int, v: int, h: int = 8):
 def test_tiled_draws_fit_the_distribution():
     hidden, embed, probs = gof_case(6000, 13)
     out = vocab_pass_tiled(hidden, embed, softcap=30.0, temperature=0.8, embed_scale=1.0,
-                           generator=torch.Generator().manual_seed(11), want_soft=False, tile=3)  # 5 tiles
+                           uniform=unif(hidden, 11), want_soft=False, tile=3)  # 5 tiles
     stat, q = chi2_ok(out.sample, probs)
     assert stat < q, (stat, q)
     again = vocab_pass_tiled(hidden, embed, softcap=30.0, temperature=0.8, embed_scale=1.0,
-                             generator=torch.Generator().manual_seed(11), want_soft=False, tile=3)
+                             uniform=unif(hidden, 11), want_soft=False, tile=3)
     assert torch.equal(out.sample, again.sample)  # seeded: reproducible
 
 
@@ -165,7 +170,7 @@ def test_tiled_draws_detect_a_wrong_distribution():
     """The goodness-of-fit check can fail: draws at another temperature are rejected."""
     hidden, embed, probs = gof_case(6000, 13)
     out = vocab_pass_tiled(hidden, embed, softcap=30.0, temperature=0.5, embed_scale=1.0,
-                           generator=torch.Generator().manual_seed(11), want_soft=False, tile=3)
+                           uniform=unif(hidden, 11), want_soft=False, tile=3)
     stat, q = chi2_ok(out.sample, probs)
     assert stat > q
 
@@ -175,17 +180,18 @@ def test_tiled_draws_detect_a_wrong_distribution():
 def test_compiled_tiles_match_the_reference_and_the_eager_tiles(dtype, ent_atol, ent_rtol, soft_atol, soft_rtol):
     """`--compile` path: the tile math through torch.compile (one compile per dtype and tile shape; two
     tile widths here, V not a multiple of the tile). Same reference tolerances; against the eager tiles,
-    equal argmax and samples where the draws pick the same tile, entropy to fp32 rounding."""
+    equal argmax and samples (the same uniforms; only an fp32-rounding tie could move one), entropy to fp32
+    rounding."""
     hidden, embed, scale = make(1, 9, 16, 300, dtype)
     kw = dict(softcap=30.0, temperature=torch.tensor(0.7), embed_scale=scale, tile=128)
-    out = vocab_pass_tiled(hidden, embed, generator=torch.Generator().manual_seed(2), compile_tiles=True, **kw)
+    out = vocab_pass_tiled(hidden, embed, uniform=unif(hidden, 2), compile_tiles=True, **kw)
     check(out, reference(hidden, embed, scale, 30.0, torch.tensor(0.7)), dtype, ent_atol, ent_rtol, soft_atol, soft_rtol,
           logits=logits_of(hidden, embed))
-    eager = vocab_pass_tiled(hidden, embed, generator=torch.Generator().manual_seed(2), **kw)
+    eager = vocab_pass_tiled(hidden, embed, uniform=unif(hidden, 2), **kw)
     assert torch.equal(out.argmax, eager.argmax)
     torch.testing.assert_close(out.entropy, eager.entropy, atol=1e-5, rtol=1e-5)
-    assert (out.sample == eager.sample).float().mean() > 0.8  # same uniforms; a tile choice may flip at a ulp
-    again = vocab_pass_tiled(hidden, embed, generator=torch.Generator().manual_seed(2), compile_tiles=True, **kw)
+    assert torch.equal(out.sample, eager.sample)
+    again = vocab_pass_tiled(hidden, embed, uniform=unif(hidden, 2), compile_tiles=True, **kw)
     assert torch.equal(out.sample, again.sample)
 
 
@@ -204,7 +210,7 @@ def test_triton_matches_reference(dtype, ent_atol, ent_rtol, soft_atol, soft_rto
 
     hidden, embed, scale = make(b, c, h, v, dtype)
     out = vocab_pass_triton(hidden.to(DEVICE), embed.to(DEVICE), softcap=30.0, temperature=0.7,
-                            embed_scale=scale, generator=None, splits=splits,
+                            embed_scale=scale, uniform=unif(hidden, 0), splits=splits,
                             block_m=16, block_n=16, block_k=16, chunk=32)  # several probability chunks
     check(out, reference(hidden, embed, scale), dtype, ent_atol, ent_rtol, soft_atol, soft_rtol, logits=logits_of(hidden, embed))
     assert (out.sample < v).all()
@@ -218,7 +224,7 @@ def test_triton_no_softcap_no_soft_and_ties():
     embed[35] = embed[2]
     hidden[0, 1] = embed[2] * 4
     out = vocab_pass_triton(hidden.to(DEVICE), embed.to(DEVICE), softcap=None, temperature=torch.tensor(1.3),
-                            embed_scale=scale, generator=None, want_soft=False, splits=3,
+                            embed_scale=scale, uniform=unif(hidden, 0), want_soft=False, splits=3,
                             block_m=16, block_n=16, block_k=16)
     check(out, reference(hidden, embed, scale, None, 1.3, want_soft=False), torch.float32, 1e-5, 0, 0, 0, want_soft=False)
     assert out.argmax[0, 1] == 2
@@ -229,9 +235,8 @@ def test_triton_draws_fit_the_distribution():
     from dgcli.kernels.vocab_pass import vocab_pass_triton
 
     hidden, embed, probs = gof_case(2048, 13)
-    gen = torch.Generator(device=DEVICE).manual_seed(11)
     out = vocab_pass_triton(hidden.to(DEVICE), embed.to(DEVICE), softcap=30.0, temperature=0.8, embed_scale=1.0,
-                            generator=gen, want_soft=False, splits=1, block_m=64, block_n=16, block_k=16)
+                            uniform=unif(hidden, 11), want_soft=False, splits=1, block_m=64, block_n=16, block_k=16)
     stat, q = chi2_ok(out.sample.cpu(), probs)
     assert stat < q, (stat, q)
     wrong = torch.softmax(torch.log(probs) * 0.8 / 0.5, -1)  # the same logits at temperature 0.5
@@ -273,7 +278,7 @@ NEAR_ZERO = [(dtype, softcap, t) for dtype in (torch.float32, torch.bfloat16) fo
 def test_tiled_entropy_is_exact_near_zero(dtype, softcap, temperature):
     hidden, embed, scale, want = near_zero_case(dtype, softcap, temperature)
     out = vocab_pass_tiled(hidden, embed, softcap=softcap, temperature=torch.tensor(temperature), embed_scale=scale,
-                           generator=torch.Generator().manual_seed(2), want_soft=False, tile=16)
+                           uniform=unif(hidden, 2), want_soft=False, tile=16)
     check_entropy(out.entropy, want, ENT_ATOL_NEAR_ZERO, 0.0)
 
 
@@ -284,7 +289,7 @@ def test_triton_entropy_is_exact_near_zero(dtype, softcap, temperature):
 
     hidden, embed, scale, want = near_zero_case(dtype, softcap, temperature)
     out = vocab_pass_triton(hidden.to(DEVICE), embed.to(DEVICE), softcap=softcap, temperature=temperature,
-                            embed_scale=scale, generator=None, want_soft=False, splits=3,
+                            embed_scale=scale, uniform=unif(hidden, 0), want_soft=False, splits=3,
                             block_m=16, block_n=16, block_k=16)
     check_entropy(out.entropy, want, ENT_ATOL_NEAR_ZERO, 0.0)
 
@@ -296,3 +301,49 @@ def test_near_zero_tolerance_rejects_a_biased_entropy():
     biased = torch.distributions.Categorical(logits=logits_of(hidden, embed, 30.0, 0.4).bfloat16().float()).entropy()
     with pytest.raises(AssertionError, match="entropy off"):
         check_entropy(biased, want, ENT_ATOL_NEAR_ZERO, 0.0)
+
+
+# ---- one draw whichever path runs ---------------------------------------------------------------------------
+
+# Draws a path may make differently: those whose target u lies within this distance (in CDF units) of a
+# boundary of the reference's float64 CDF. The paths' logits and sums agree to ~1e-6 relative (fp32 sums
+# in another order). bf16 uses the same width: on CPU the tiled head GEMMs and the interpreter's tl.dot
+# round each logit exactly as the full GEMM does (fp32 accumulation over the same K, then one rounding),
+# so the bf16 logits agree bit for bit here. A GPU whose tensor-core GEMM rounds a logit one bf16 ulp
+# away moves a boundary by ~2^-8 of the neighbouring probabilities; there the width must grow, say so.
+TIE = {torch.float32: 1e-5, torch.bfloat16: 1e-5}
+
+
+def near_a_boundary(hidden, embed, u, softcap, temperature, tie):
+    """bool [B, C]: u within `tie` of a boundary of the reference CDF (a numerical tie between paths)."""
+    logits = torch.nn.functional.linear(hidden, embed).float()
+    logits = torch.tanh(logits / softcap) * softcap / temperature
+    cdf = logits.double().softmax(-1).cumsum(-1)  # [B, C, V]
+    return ((cdf - u[..., None]).abs() < tie).any(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_path_makes_the_same_draw_from_the_same_uniforms(dtype):
+    """Reference, CPU tiles (7 columns: a group per tile; 128, 192: 64-column groups; automatic: one tile) and
+    the Triton kernels (several splits and tile widths) pick the same token from the same uniform,
+    except for numerical ties, which must be rare for the check to mean anything."""
+    b, c, h, v = 2, 80, 32, 500  # 160 draws over a vocabulary several groups and tiles wide
+    hidden, embed, _ = make(b, c, h, v, dtype, seed=3, sharp=0.6)  # spread-out distributions: every draw counts
+    u = unif(hidden, 4)
+    kw = dict(softcap=30.0, temperature=0.9, embed_scale=1.0, uniform=u, want_soft=False)
+    want = vocab_pass(hidden, embed, **kw).sample
+    tie = near_a_boundary(hidden, embed, u, 30.0, 0.9, TIE[dtype])
+    assert int(tie.sum()) <= 0.02 * b * c, "too many ties: the comparison would say little"
+    probs = torch.nn.functional.linear(hidden, embed).float().div(0.9).softmax(-1)
+    assert float(probs.max(-1).values.mean()) < 0.5, "distributions must be spread for the draw to matter"
+    paths = {f"tiled T={t}": vocab_pass_tiled(hidden, embed, tile=t, **kw).sample for t in (7, 128, 192, None)}
+    if TRITON:
+        from dgcli.kernels.vocab_pass import vocab_pass_triton
+
+        for bn, splits in ((16, 3), (64, 2), (32, 1)):
+            got = vocab_pass_triton(hidden.to(DEVICE), embed.to(DEVICE), splits=splits, block_m=16, block_n=bn,
+                                    block_k=16, **kw).sample.cpu()
+            paths[f"triton N={bn} splits={splits}"] = got
+    for name, got in paths.items():
+        differ = (got != want) & ~tie
+        assert not differ.any(), f"{name}: {int(differ.sum())} draws differ from the reference's away from ties"

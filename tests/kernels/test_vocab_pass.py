@@ -12,6 +12,11 @@ import torch.nn.functional as F
 from dgcli.kernels.reference import CHUNK_BYTES, auto_row_chunk, vocab_pass
 
 
+def unif(hidden, seed):
+    """One uniform per position [B, C] (what the sampler's counter stream hands a vocabulary pass)."""
+    return torch.rand(hidden.shape[:2], generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
 def naive(hidden, embed, *, softcap, temperature, embed_scale):
     """Everything at once, [B, C, V] float32 included, the way transformers computes it."""
     raw = F.linear(hidden, embed).float()  # [B, C, V]
@@ -41,7 +46,7 @@ SHAPES = [(2, 5, 16, 37, 3), (1, 7, 8, 101, 1), (3, 4, 12, 50, 1000), (1, 9, 16,
 def test_matches_naive_fp32(b, c, h, v, chunk, softcap):
     hidden, embed, scale = make(b, c, h, v, torch.float32)
     out = vocab_pass(hidden, embed, softcap=softcap, temperature=0.7, embed_scale=scale,
-                     generator=torch.Generator().manual_seed(1), row_chunk=chunk)
+                     uniform=unif(hidden, 1), row_chunk=chunk)
     L, entropy, soft = naive(hidden, embed, softcap=softcap, temperature=0.7, embed_scale=scale)
     assert out.argmax.shape == out.sample.shape == out.entropy.shape == (b, c)
     assert out.argmax.dtype == out.sample.dtype == torch.long and out.entropy.dtype == torch.float32
@@ -57,7 +62,7 @@ def test_matches_naive_fp32(b, c, h, v, chunk, softcap):
 def test_matches_naive_bf16(b, c, h, v, chunk):
     hidden, embed, scale = make(b, c, h, v, torch.bfloat16)
     out = vocab_pass(hidden, embed, softcap=30.0, temperature=0.45, embed_scale=scale,
-                     generator=torch.Generator().manual_seed(1), row_chunk=chunk)
+                     uniform=unif(hidden, 1), row_chunk=chunk)
     L, entropy, soft = naive(hidden, embed, softcap=30.0, temperature=0.45, embed_scale=scale)
     # A bf16 GEMM over a subset of rows may round a logit differently (1 bf16 ulp ~ 0.4 %) than over
     # all rows, so argmax is only required to agree where the top-2 margin exceeds that.
@@ -88,7 +93,7 @@ def test_entropy_near_zero_matches_fp64(dtype, softcap, temperature):
     hidden = embed[torch.randint(0, 101, (48,), generator=g)] * gain[:, None]
     hidden = (hidden + torch.randint(-2, 3, (48, 16), generator=g) / 64)[None].to(dtype)  # [1, C, H]
     embed = embed.to(dtype)
-    out = vocab_pass(hidden, embed, softcap=softcap, temperature=temperature, embed_scale=1.0, generator=None,
+    out = vocab_pass(hidden, embed, softcap=softcap, temperature=temperature, embed_scale=1.0, uniform=unif(hidden, 0),
                      want_soft=False, row_chunk=5)
     raw = F.linear(hidden.double(), embed.double()).to(dtype).double()  # the exact sum, in the model dtype
     assert torch.equal(raw, F.linear(hidden, embed).double()), "test design: exact GEMM"
@@ -106,7 +111,7 @@ def test_soft_semantics_round_logits_to_embedding_dtype():
     large tempered logits make the two visibly different, and only the bf16 one may match."""
     hidden, embed, scale = make(1, 6, 16, 64, torch.bfloat16, seed=3)
     hidden = hidden * 8  # sharp logits: bf16 rounding of L changes softmax noticeably
-    out = vocab_pass(hidden, embed, softcap=30.0, temperature=0.41, embed_scale=scale, generator=None, row_chunk=2)
+    out = vocab_pass(hidden, embed, softcap=30.0, temperature=0.41, embed_scale=scale, uniform=unif(hidden, 0), row_chunk=2)
     L, _, soft = naive(hidden, embed, softcap=30.0, temperature=0.41, embed_scale=scale)
     fp32_soft = torch.matmul(L.softmax(-1).to(embed.dtype), embed) * scale
     err_ref = (out.soft.float() - soft.float()).abs().max()
@@ -117,27 +122,33 @@ def test_soft_semantics_round_logits_to_embedding_dtype():
 def test_want_soft_false_and_tensor_temperature():
     hidden, embed, scale = make(2, 3, 8, 40, torch.float32)
     a = vocab_pass(hidden, embed, softcap=30.0, temperature=0.6, embed_scale=scale,
-                   generator=torch.Generator().manual_seed(5), want_soft=False)
+                   uniform=unif(hidden, 5), want_soft=False)
     b = vocab_pass(hidden, embed, softcap=30.0, temperature=torch.tensor(0.6), embed_scale=scale,
-                   generator=torch.Generator().manual_seed(5), want_soft=True)
+                   uniform=unif(hidden, 5), want_soft=True)
     assert a.soft is None and b.soft is not None
     assert torch.equal(a.sample, b.sample) and torch.equal(a.entropy, b.entropy)
 
 
-def test_sample_is_gumbel_max_with_the_given_generator():
-    """With one chunk, the sample is exactly argmax(L - log E) for E ~ Exp(1) drawn from the generator."""
+def test_sample_is_the_inverse_cdf_at_the_given_uniforms():
+    """The sample is the first j with cdf_j > u (cdf of softmax(L) in float64), whatever the chunking;
+    other uniforms give other samples."""
     hidden, embed, scale = make(2, 6, 8, 33, torch.float32)
-    out = vocab_pass(hidden, embed, softcap=30.0, temperature=0.8, embed_scale=scale,
-                     generator=torch.Generator().manual_seed(7), row_chunk=12)
+    u = unif(hidden, 7)
     L, _, _ = naive(hidden, embed, softcap=30.0, temperature=0.8, embed_scale=scale)
-    e = torch.empty(12, 33).exponential_(generator=torch.Generator().manual_seed(7))
-    assert torch.equal(out.sample, (L.view(12, 33) - e.log()).argmax(-1).view(2, 6))
-    again = vocab_pass(hidden, embed, softcap=30.0, temperature=0.8, embed_scale=scale,
-                       generator=torch.Generator().manual_seed(7), row_chunk=12)
-    other = vocab_pass(hidden, embed, softcap=30.0, temperature=0.8, embed_scale=scale,
-                       generator=torch.Generator().manual_seed(8), row_chunk=12)
-    assert torch.equal(out.sample, again.sample)
+    cdf = L.double().softmax(-1).cumsum(-1)  # [B, C, V]
+    want = (cdf <= u[..., None]).sum(-1)  # [B, C] the first index whose cdf exceeds u
+    for chunk in (1, 5, 12):
+        out = vocab_pass(hidden, embed, softcap=30.0, temperature=0.8, embed_scale=scale, uniform=u, row_chunk=chunk)
+        assert torch.equal(out.sample, want)
+    other = vocab_pass(hidden, embed, softcap=30.0, temperature=0.8, embed_scale=scale, uniform=unif(hidden, 8))
     assert not torch.equal(out.sample, other.sample)
+    # u = 0 draws the first token with mass; u just below 1 the last one (never past the vocabulary).
+    edge = vocab_pass(hidden, embed, softcap=30.0, temperature=0.8, embed_scale=scale,
+                      uniform=torch.full((2, 6), 1 - 2**-53, dtype=torch.float64))
+    assert torch.equal(edge.sample, torch.full((2, 6), 32))
+    first = vocab_pass(hidden, embed, softcap=30.0, temperature=0.8, embed_scale=scale,
+                       uniform=torch.zeros(2, 6, dtype=torch.float64))
+    assert torch.equal(first.sample, torch.zeros(2, 6, dtype=torch.long))
 
 
 def chi2_p_value(observed: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
@@ -158,7 +169,7 @@ def test_sample_frequencies_fit_softmax(temperature):
     row = torch.randn(h, generator=g)  # [H]
     hidden = row.expand(1, n, h).contiguous()  # [1, N, H]
     out = vocab_pass(hidden, embed, softcap=30.0, temperature=temperature, embed_scale=1.0,
-                     generator=torch.Generator().manual_seed(0), want_soft=False, row_chunk=777)
+                     uniform=unif(hidden, 0), want_soft=False, row_chunk=777)
     observed = torch.bincount(out.sample.view(-1), minlength=v).double()  # [V]
 
     def expected(t):
@@ -184,4 +195,4 @@ def test_auto_row_chunk_bounds_the_fp32_chunk():
 def test_rejects_bad_chunk():
     hidden, embed, scale = make(1, 2, 4, 5, torch.float32)
     with pytest.raises(ValueError):
-        vocab_pass(hidden, embed, softcap=None, temperature=1.0, embed_scale=scale, generator=None, row_chunk=0)
+        vocab_pass(hidden, embed, softcap=None, temperature=1.0, embed_scale=scale, uniform=unif(hidden, 0), row_chunk=0)

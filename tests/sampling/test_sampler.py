@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from dgcli.errors import UserError
 from dgcli.sampling.events import BlockStart, Commit, Done, Step
+from dgcli.sampling import draws
 from dgcli.sampling.loop import (accept_mask, generate, generate_events, is_confident, is_stable, push_history,
                            temperature)
 
@@ -344,9 +345,27 @@ def test_same_seed_same_events_different_seed_different_canvas():
         assert torch.equal(x.sample, y.sample) and torch.equal(x.next_canvas, y.next_canvas)
     c = run(MockModel(sharp=sharp), params=P(max_denoising_steps=4, confidence_threshold=0.0, seed=1), num_blocks=2)
     assert not torch.equal(a[0].canvas, c[0].canvas)
-    # an explicit generator overrides params.seed
-    d = run(MockModel(sharp=sharp), generator=torch.Generator().manual_seed(1), **kw)
-    assert record_stream(d) == record_stream(c)
+
+
+def test_draws_come_from_the_counter_stream():
+    """A block's first canvas, each step's uniforms and its renoise ids are the counter stream's values for
+    (seed, block, step, position): nothing else feeds the sampler's randomness."""
+    from dgcli.kernels.reference import vocab_pass
+
+    seed, vocab, c = 9, 40, 8
+    sharp = torch.tensor([20.0, 0.0, 20.0, 2.0, 20.0, 0.5, 1.0, 20.0])
+    m = MockModel(sharp=sharp)
+    ev = run(m, params=P(max_denoising_steps=3, confidence_threshold=0.0, seed=seed), num_blocks=2)
+    pos = torch.arange(c)
+    for start in (e for e in ev if isinstance(e, BlockStart)):
+        assert torch.equal(start.canvas, draws.token_ids(seed, draws.INIT, start.block, 0, pos, vocab))
+    for x, (_, _, soft, hidden) in zip(steps(ev), m.decodes):
+        u = draws.uniform(seed, draws.DRAW, x.block, x.step, pos)
+        want = vocab_pass(hidden, m.embed_weight, softcap=30.0, temperature=torch.tensor(x.temperature),
+                          embed_scale=m.embed_scale, uniform=u[None], want_soft=False)
+        assert torch.equal(x.sample, want.sample[0])
+        noise = draws.token_ids(seed, draws.RENOISE, x.block, x.step, pos, vocab)
+        assert torch.equal(x.next_canvas[~x.accepted_mask], noise[~x.accepted_mask])
 
 
 def test_init_canvas_replaces_only_the_first_random_canvas():

@@ -1,0 +1,67 @@
+"""The sampler's random numbers: one counter-based stream, a pure function of (seed, purpose, block, step,
+position), so a draw never depends on which kernel path runs, on batch-mates, on a slot or on the order
+in which draws are made.
+
+Owns: `uniform` (float64 in [0, 1)) and `token_ids` (ints in [0, V)) over broadcastable counter
+tensors, the purposes (`INIT`, `DRAW`, `RENOISE`, `PAD`) and the hash behind them. Must not: keep state,
+read a torch.Generator, or know about models.
+
+Why not torch.Generator: its draws depend on how many numbers were taken before (the reference, CPU
+tiled and Triton vocabulary passes consume different amounts), and in a batch on the row's slot.
+Here each position's draw of each step is addressed by its counters; the vocabulary passes take
+one uniform per position and turn it into a categorical draw by inverse CDF (kernels/reference.py),
+so every path makes the same draw up to float rounding at a CDF boundary.
+
+The hash: words are folded one by one into a 32-bit state with Wellons' `lowbias32` mixer (bias 0.17,
+a good avalanche for two multiplies). Arithmetic is exact 32-bit unsigned, carried in int64 tensors
+(products split in 16-bit halves so nothing leaves int64), so CPU and CUDA give the same bits. It is
+not cryptographic; it only has to look independent across neighbouring counters (tests check it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+INIT, DRAW, RENOISE, PAD = 1, 2, 3, 4  # purposes: a block's first canvas, the categorical draw, renoise, init-canvas padding
+
+_M32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x·c mod 2^32 for x in [0, 2^32) held in int64: (lo + hi·2^16)·c, the hi part only mod 2^16."""
+    return ((x & 0xFFFF) * c + (((x >> 16) * (c & 0xFFFF)) << 16)) & _M32
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 (C. Wellons, "Hash function prospector"): a bijection on 32-bit words."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _hash(seed: int, *words: torch.Tensor | int, device: torch.device | str | None = None) -> torch.Tensor:
+    """A 32-bit hash (int64 tensor) of the seed (< 2^64) and the words (each < 2^32, broadcast together)."""
+    h = _mix(torch.tensor((seed & _M32) ^ _GOLDEN, dtype=torch.long, device=device))
+    for w in (seed >> 32, *words):
+        w = torch.as_tensor(w, dtype=torch.long, device=device)
+        h = _mix(((h ^ _mix(((w & _M32) + _GOLDEN) & _M32)) + 0x7F4A7C15) & _M32)
+    return h
+
+
+def uniform(seed: int, purpose: int, block: torch.Tensor | int, step: torch.Tensor | int,
+            position: torch.Tensor | int, device: torch.device | str | None = None) -> torch.Tensor:
+    """float64 uniforms in [0, 1) with 53 random bits, shaped as the counters broadcast."""
+    hi = _hash(seed, purpose, block, step, position, 0, device=device)
+    lo = _hash(seed, purpose, block, step, position, 1, device=device)
+    return ((hi << 21) | (lo >> 11)).double() * 2.0**-53
+
+
+def token_ids(seed: int, purpose: int, block: torch.Tensor | int, step: torch.Tensor | int,
+              position: torch.Tensor | int, vocab_size: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """int64 token ids in [0, vocab_size), uniform up to vocab_size/2^32 (multiply-shift, no modulo)."""
+    if not 0 < vocab_size < 2**31:
+        raise ValueError(f"vocab_size={vocab_size}: must be in [1, 2**31)")
+    return (_hash(seed, purpose, block, step, position, device=device) * vocab_size) >> 32

@@ -1,0 +1,57 @@
+"""The categorical draw of the vocabulary passes that never hold a row's full CDF: inverse CDF over
+column groups, then inside one group.
+
+Owns: `draw_from_groups`, the twin of the reference's one-line rule (kernels/reference.py: sample = the
+first j with Σ_{i≤j} exp(L_i - M) > u·Σ_i exp(L_i - M), sums in float64). A pass that streams the
+vocabulary keeps, per row and per group of `width` consecutive columns, a reference value m_g ≥ the
+group's logits and w_g = Σ_{j∈g} exp(L_j - m_g) (fp32); this finds the group where the cumulative mass
+crosses u·total, recomputes that group's logits for each row (`group_logits`: a [rows, width, H] gather
+of E, a few rows at a time) and finds the column inside it. Same draw as the reference's up to float
+rounding (group sums in fp32, a different summation order) when u·total falls within that rounding of
+a CDF boundary. Must not: know about devices beyond the tensors given, or sync with the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# A row chunk's gathered embedding rows [rows, width, H] stay within this many bytes.
+GATHER_BYTES = 32 * 2**20
+
+
+def group_logits(rows: torch.Tensor, embed: torch.Tensor, group: torch.Tensor, width: int,
+                 softcap: float | None, temperature: float | torch.Tensor) -> torch.Tensor:
+    """Processed logits L [N, width] (fp32; -inf past the vocabulary) of columns group·width + [0, width)
+    for rows [N, H]: the head in the embedding dtype, then softcap and temperature as the reference."""
+    n, h = rows.shape
+    v = embed.shape[0]
+    cols = group[:, None] * width + torch.arange(width, device=rows.device)  # [N, W]
+    out = torch.empty(n, width, dtype=torch.float32, device=rows.device)
+    step = max(1, GATHER_BYTES // max(1, width * h * embed.element_size()))
+    for lo in range(0, n, step):
+        e = embed[cols[lo:lo + step].clamp(max=v - 1)]  # [r, W, H]
+        out[lo:lo + step] = torch.bmm(e, rows[lo:lo + step, :, None].to(embed.dtype))[..., 0].float()
+    if softcap:
+        out = out.div_(softcap).tanh_().mul_(softcap)
+    out = out.div_(temperature)
+    return out.masked_fill_(cols >= v, float("-inf"))
+
+
+def draw_from_groups(gmax: torch.Tensor, gsum: torch.Tensor, u: torch.Tensor, width: int, rows: torch.Tensor,
+                     embed: torch.Tensor, softcap: float | None, temperature: float | torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draws [N] from per-group statistics gmax, gsum [N, G] (group g = columns g·width ..),
+    uniforms u [N] (float64) and the rows/embedding to recompute the chosen group's logits."""
+    top = gmax.max(dim=1, keepdim=True).values  # [N, 1] the row max M (a group's m_g may exceed its own max)
+    mass = gsum.double() * torch.exp((gmax - top).double())  # [N, G] Σ exp(L - M) per group
+    cum = mass.cumsum(dim=1)  # [N, G]
+    target = u.double() * cum[:, -1]  # [N]
+    g = torch.searchsorted(cum, target[:, None], right=True).clamp_(max=cum.shape[1] - 1)  # [N, 1]
+    before = torch.where(g > 0, cum.gather(1, (g - 1).clamp_(min=0)), torch.zeros_like(target[:, None]))  # [N, 1]
+    g = g[:, 0]
+    p = torch.exp(group_logits(rows, embed, g, width, softcap, temperature) - top).double()  # [N, W]
+    inner = p.cumsum(dim=1)  # [N, W]
+    j = torch.searchsorted(inner, target[:, None] - before, right=True)[:, 0]  # [N]
+    # Rounding (the group's fp32 sum vs this recomputation) can put the target past the group's last
+    # column: then the group's last column with mass is the nearest draw.
+    last = (torch.arange(width, device=p.device) * (p > 0)).amax(dim=1)  # [N]
+    return g * width + torch.minimum(j, last)
