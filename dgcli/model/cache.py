@@ -1,8 +1,11 @@
-"""Preallocated KV cache of the encoder prefix (prompt + committed blocks).
+"""Preallocated KV cache of the encoder prefix (prompt + committed blocks), one row per request.
 
-Owns: the K/V buffers and the running length. Only encoder passes write it; decoder (canvas) passes
-read it. Sliding layers keep every position too (simple and exact): the model slices the last W-1
-entries when a canvas reads them. Must not: know about attention masks or the model.
+Owns: the K/V buffers and each row's filled length. Row b's tokens sit at slots 0..lens[b]-1, and a
+token's slot is its position, so a row's numbers never depend on its batch-mates' lengths (the
+reference's left padding shifts every position of a row by the same amount, which RoPE's relative
+attention does not see). Only encoder passes write it; decoder (canvas) passes read it. Sliding
+layers keep every position too (simple and exact): the model slices the last W-1 entries when a
+canvas reads them. Must not: know about attention masks or the model.
 """
 
 from __future__ import annotations
@@ -17,14 +20,42 @@ class KVCache:
         self.k = [torch.zeros(batch_size, n, max_len, d, device=device, dtype=dtype) for n, d in shapes]
         self.v = [torch.zeros_like(k) for k in self.k]
         self.max_len = max_len
-        self.length = 0  # positions 0..length-1 are filled
+        self.lens = [0] * batch_size  # row b: slots 0..lens[b]-1 are filled (host ints: no device reads)
 
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    @property
+    def length(self) -> int:
+        """The filled length when every row has the same (the batch-of-one case); an error otherwise."""
+        if len(set(self.lens)) != 1:
+            raise ValueError(f"rows have different lengths {self.lens}; use cache.lens")
+        return self.lens[0]
+
+    @property
+    def uniform(self) -> bool:
+        return len(set(self.lens)) == 1
+
+    def write(self, layer: int, starts: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [B, n_kv, T, d] into slots starts[b]..starts[b]+T-1 of each row (one copy when all start
+        together; the slots past a row's real tokens hold padding until its next write)."""
         t = k.shape[2]
-        if start + t > self.max_len:
-            raise ValueError(f"KV cache overflow: {start + t} > {self.max_len} positions")
-        self.k[layer][:, :, start:start + t] = k
-        self.v[layer][:, :, start:start + t] = v
+        if max(starts) + t > self.max_len:
+            raise ValueError(f"KV cache overflow: {max(starts) + t} > {self.max_len} positions")
+        if len(set(starts)) == 1:
+            s = starts[0]
+            self.k[layer][:, :, s:s + t] = k
+            self.v[layer][:, :, s:s + t] = v
+            return
+        for b, s in enumerate(starts):
+            self.k[layer][b, :, s:s + t] = k[b]
+            self.v[layer][b, :, s:s + t] = v[b]
 
     def read(self, layer: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer][:, :, lo:hi], self.v[layer][:, :, lo:hi]
+
+    def keep(self, rows: list[int]) -> None:
+        """Drop every row not in `rows` (finished requests), in that order."""
+        if rows == list(range(len(self.lens))):
+            return
+        idx = torch.tensor(rows, dtype=torch.long, device=self.k[0].device)
+        self.k = [k.index_select(0, idx) for k in self.k]
+        self.v = [v.index_select(0, idx) for v in self.v]
+        self.lens = [self.lens[r] for r in rows]

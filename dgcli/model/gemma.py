@@ -36,17 +36,18 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-    """cos/sin [T, d] for rotate-half RoPE; computed in fp32, cast to the activation dtype as the reference does."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, d/2]
+    """cos/sin [T, d] (positions [T], shared by the batch) or [B, T, d] (positions [B, T], per row) for
+    rotate-half RoPE; computed in fp32, cast to the activation dtype as the reference does."""
+    freqs = positions.float()[..., None] * inv_freq  # [..., T, d/2]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [B, T, n, d]; pairs (j, j + d/2), not interleaved.
+    # x [B, T, n, d]; cos/sin [T, d] or [B, T, d]; pairs (j, j + d/2), not interleaved.
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    return x * cos[..., None, :] + rotated * sin[..., None, :]
 
 
 def inv_freq_for(g: LayerGeometry, device=None) -> torch.Tensor:
@@ -237,45 +238,68 @@ class DiffusionGemma(nn.Module):
 
     # ---- the two modes --------------------------------------------------------------------------
     @torch.no_grad()
-    def encode(self, ids: torch.Tensor, cache: KVCache) -> None:
-        """Encoder pass over ids [B, T] at positions cache.length.., appending their K/V to the cache.
-        The last layer's feed-forward is skipped: encoder outputs are only ever K/V."""
-        start, t = cache.length, ids.shape[1]
-        dev = ids.device
+    def encode(self, ids: torch.Tensor, cache: KVCache, lengths: list[int] | None = None) -> None:
+        """Encoder pass over ids [B, T] (row b's first lengths[b] ids are real, the rest padding; default
+        all T) at each row's positions cache.lens[b].., appending their K/V to the cache. The last
+        layer's feed-forward is skipped: encoder outputs are only ever K/V."""
+        t, dev = ids.shape[1], ids.device
+        starts = list(cache.lens)
+        lengths = [t] * len(starts) if lengths is None else list(lengths)
         x = self.embed(ids)
-        tables = self._tables(torch.arange(start, start + t, device=dev), x.dtype)
-        qpos = torch.arange(start, start + t, device=dev)[:, None]
+        j = torch.arange(t, device=dev)
+        same = len(set(starts)) == 1
+        # Query positions: [T] shared when every row starts at the same slot, else [B, T] per row.
+        qpos = starts[0] + j if same else torch.tensor(starts, device=dev)[:, None] + j  # [T] or [B, T]
+        tables = self._tables(qpos, x.dtype)
+        qcol = qpos[..., :, None]  # [T, 1] or [B, T, 1]
         last = len(self.layers) - 1
         for i, (layer, g) in enumerate(zip(self.layers, self.geometry)):
             attn = layer.self_attn
             q, k, v = attn.project(layer.input_layernorm(x), *tables[g.kind])
-            cache.write(i, start, k, v)
-            lo = 0 if g.window is None else max(0, start - g.window + 1)
-            keys, values = cache.read(i, lo, start + t)
-            kpos = torch.arange(lo, start + t, device=dev)[None, :]
-            mask = kpos <= qpos
+            cache.write(i, starts, k, v)
+            hi = max(starts) + t
+            lo = 0 if g.window is None else max(0, min(starts) - g.window + 1)
+            keys, values = cache.read(i, lo, hi)
+            kpos = torch.arange(lo, hi, device=dev)  # [S] slot = position
+            mask = kpos <= qcol  # causal; a padding query sees its own slot, so no row is empty
             if g.window is not None:
-                mask = mask & (kpos > qpos - g.window)
+                mask = mask & (kpos > qcol - g.window)
+            if not same:
+                mask = mask[:, None]  # [B, 1, T, S]
             x = x + layer.post_attention_layernorm(attn.attend(q, keys, values, mask))
             if i == last:
                 break
             x = layer.feed_forward(x)
             x *= layer.encoder_layer_scalar
-        cache.length = start + t
+        cache.lens = [s + n for s, n in zip(starts, lengths)]
 
     @torch.no_grad()
     def decode(self, canvas: torch.Tensor, cache: KVCache, soft: torch.Tensor | None = None) -> torch.Tensor:
-        """Decoder pass over the canvas [B, C]; returns final-normed hidden states [B, C, H]."""
-        p, c = cache.length, canvas.shape[1]
+        """Decoder pass over the canvas [B, C] (row b at positions cache.lens[b]..); returns final-normed
+        hidden states [B, C, H]."""
+        c, dev = canvas.shape[1], canvas.device
+        lens = cache.lens
+        same = len(set(lens)) == 1
         x = self.self_conditioning.condition(self.embed(canvas), soft)
-        tables = self._tables(torch.arange(p, p + c, device=canvas.device), x.dtype)
+        j = torch.arange(c, device=dev)
+        plen = torch.tensor(lens, device=dev)[:, None] if not same else None  # [B, 1]
+        tables = self._tables(lens[0] + j if same else plen + j, x.dtype)
+        hi = max(lens)
         for i, (layer, g) in enumerate(zip(self.layers, self.geometry)):
             attn = layer.self_attn
             q, k, v = attn.project(layer.input_layernorm(x), *tables[g.kind])
-            # Sliding layers: the same last W-1 prefix positions for every canvas row (a rectangle).
-            lo = 0 if g.window is None else max(0, p - (g.window - 1))
-            pk, pv = cache.read(i, lo, p)
-            out = attn.attend(q, torch.cat((pk, k), dim=2), torch.cat((pv, v), dim=2), None)
+            # Sliding layers: the same last W-1 prefix positions for every canvas row of a request (a
+            # rectangle); with rows of different lengths, a key mask cuts each row's own rectangle.
+            lo = 0 if g.window is None else max(0, min(lens) - (g.window - 1))
+            pk, pv = cache.read(i, lo, hi)
+            mask = None
+            if not same:
+                kpos = torch.arange(lo, hi, device=dev)  # [S]
+                seen = kpos < plen  # [B, S]
+                if g.window is not None:
+                    seen = seen & (kpos >= plen - (g.window - 1))
+                mask = torch.cat((seen, seen.new_ones(seen.shape[0], c)), dim=1)[:, None, None, :]  # [B, 1, 1, S + C]
+            out = attn.attend(q, torch.cat((pk, k), dim=2), torch.cat((pv, v), dim=2), mask)
             x = x + layer.post_attention_layernorm(out)
             x = layer.feed_forward(x)
             x *= layer.layer_scalar

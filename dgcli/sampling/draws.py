@@ -42,16 +42,19 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def _hash(seed: int, *words: torch.Tensor | int, device: torch.device | str | None = None) -> torch.Tensor:
-    """A 32-bit hash (int64 tensor) of the seed (< 2^64) and the words (each < 2^32, broadcast together)."""
-    h = _mix(torch.tensor((seed & _M32) ^ _GOLDEN, dtype=torch.long, device=device))
+def _hash(seed: torch.Tensor | int, *words: torch.Tensor | int,
+          device: torch.device | str | None = None) -> torch.Tensor:
+    """A 32-bit hash (int64 tensor) of the seed (< 2^63; a tensor of seeds broadcasts like the words) and
+    the words (each < 2^32, broadcast together)."""
+    seed = torch.as_tensor(seed, dtype=torch.long, device=device)
+    h = _mix((seed & _M32) ^ _GOLDEN)
     for w in (seed >> 32, *words):
         w = torch.as_tensor(w, dtype=torch.long, device=device)
         h = _mix(((h ^ _mix(((w & _M32) + _GOLDEN) & _M32)) + 0x7F4A7C15) & _M32)
     return h
 
 
-def uniform(seed: int, purpose: int, block: torch.Tensor | int, step: torch.Tensor | int,
+def uniform(seed: torch.Tensor | int, purpose: int, block: torch.Tensor | int, step: torch.Tensor | int,
             position: torch.Tensor | int, device: torch.device | str | None = None) -> torch.Tensor:
     """float64 uniforms in [0, 1) with 53 random bits, shaped as the counters broadcast."""
     hi = _hash(seed, purpose, block, step, position, 0, device=device)
@@ -59,7 +62,7 @@ def uniform(seed: int, purpose: int, block: torch.Tensor | int, step: torch.Tens
     return ((hi << 21) | (lo >> 11)).double() * 2.0**-53
 
 
-def token_ids(seed: int, purpose: int, block: torch.Tensor | int, step: torch.Tensor | int,
+def token_ids(seed: torch.Tensor | int, purpose: int, block: torch.Tensor | int, step: torch.Tensor | int,
               position: torch.Tensor | int, vocab_size: int, device: torch.device | str | None = None) -> torch.Tensor:
     """int64 token ids in [0, vocab_size), uniform up to vocab_size/2^32 (multiply-shift, no modulo)."""
     if not 0 < vocab_size < 2**31:

@@ -35,6 +35,7 @@ class BlockStart:
     num_blocks: int  # the most blocks this generation may produce
     prefix_len: int  # tokens in the cache before this block (prompt + committed blocks)
     canvas: torch.Tensor  # [C] int64
+    row: int = 0  # the request's index in a batch (not recorded: a trace holds one request)
 
     def to_record(self) -> dict:
         return {
@@ -63,7 +64,8 @@ class Step:
     mean_entropy: torch.Tensor  # 0-dim float32: what the confidence rule compares
     next_canvas: torch.Tensor  # [C] int64: sample where accepted, fresh uniform ids elsewhere
     stop_reason: StopReason | None  # set on the block's last step
-    elapsed_s: float  # host wall time of the step, up to and including its stop decision
+    elapsed_s: float  # host wall time of the step (the whole batch's), up to and including its stop decision
+    row: int = 0
 
     def to_record(self) -> dict:
         return {
@@ -90,6 +92,7 @@ class Commit:
     block: int  # 0-based
     tokens: list[int]  # all C ids of the block, as appended to the sequence
     stop_index: int | None  # position of the first stop id in `tokens`; generation ends there
+    row: int = 0
 
     def to_record(self) -> dict:
         return {"type": "commit", "block": self.block, "tokens": list(self.tokens), "stop_index": self.stop_index}
@@ -107,6 +110,7 @@ class Done:
     decoder_passes: int  # sum of steps_per_block
     tokens_per_forward: float  # reference (HF) definition, see dgcli.sampling.loop
     timings: dict[str, float] = field(default_factory=dict)  # seconds; keys documented in dgcli.sampling.loop
+    row: int = 0
 
     def to_record(self) -> dict:
         return {

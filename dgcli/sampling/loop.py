@@ -19,14 +19,16 @@ Decisions (kept from the reference unless noted):
   prefill_s (prompt encode), denoise_s (all blocks' steps up to the block-end read-back),
   commit_s (encodes of committed blocks), first_block_s (start to the first block's tokens),
   total_s.
-* Batch: one prompt per call. The step math is written over [B, C] rows, but a batch needs per-row
-  freezing and finishing (HF does both); until then B > 1 is a clear error.
+* Batch: `generate_batch_events` runs many prompts through this one loop (per-row lengths, seeds,
+  block caps, freezing and finishing, as HF's batched generate); `generate_events` is a batch of one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -97,8 +99,11 @@ def _denoise_step(model: Any, canvas: torch.Tensor, cache: Any, soft: torch.Tens
 
 
 @torch.inference_mode()
-def _encode(model: Any, ids: torch.Tensor, cache: Any) -> None:
-    model.encode(ids, cache)
+def _encode(model: Any, ids: torch.Tensor, cache: Any, lengths: list[int] | None = None) -> None:
+    if lengths is None:
+        model.encode(ids, cache)  # the common case, and the mock models' signature
+    else:
+        model.encode(ids, cache, lengths)
     if ids.device.type == "cuda":  # per block, so that prefill_s / commit_s are real durations
         torch.cuda.synchronize(ids.device)
 
@@ -114,8 +119,8 @@ def _ids_tensor(ids: Sequence[int] | torch.Tensor, what: str, vocab: int, device
     if t.dim() != 2 or t.dtype.is_floating_point:
         raise UserError(f"{what} must be a list of token ids or an integer tensor [1, T]; got shape {tuple(t.shape)}")
     if t.shape[0] != 1:
-        raise UserError(f"{what} has {t.shape[0]} rows: batched generation is not supported yet; "
-                        "pass one prompt at a time")
+        raise UserError(f"{what} has {t.shape[0]} rows; pass one prompt here, or a list of prompts to "
+                        "generate_batch_events")
     if t.shape[1] == 0:
         raise UserError(f"{what} is empty; give at least one token")
     if int(t.min()) < 0 or int(t.max()) >= vocab:  # once per generation, before any step
@@ -124,6 +129,178 @@ def _ids_tensor(ids: Sequence[int] | torch.Tensor, what: str, vocab: int, device
 
 
 # ---- the loop ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Row:
+    """One request's state in the batch loop (host values only)."""
+
+    request: int  # the caller's index, carried by every event
+    seed: int
+    num_blocks: int
+    first_canvas: torch.Tensor | None  # [C] or None: the first block's canvas
+    answer: list[int] = field(default_factory=list)
+    counted: int = 0  # ids for tokens_per_forward (HF definition)
+    steps_per_block: list[int] = field(default_factory=list)
+    denoise_s: float = 0.0
+    commit_s: float = 0.0
+    first_block_s: float = 0.0
+
+
+def generate_batch_events(
+    model: Any,
+    prompts: Sequence[Sequence[int] | torch.Tensor],
+    *,
+    params: Any,
+    num_blocks: int | Sequence[int],
+    seeds: Sequence[int] | None = None,
+    stop_ids: Iterable[int] = (),
+    pad_id: int = 0,
+    init_canvases: Sequence[Sequence[int] | torch.Tensor | None] | None = None,
+    compile_tiles: bool = False,
+) -> Iterator[Event]:
+    """Run the entropy-bound sampler on several prompts at once, yielding each row's BlockStart, Step...,
+    Commit per block and its Done, every event carrying `row` (the prompt's index). Rows may differ in
+    prompt length, seed (default `params.seed`), block cap and first canvas; the sampler settings are
+    shared. A row that met the stop rule is frozen for the rest of the block (its output is the argmax of
+    its stopping step, it emits no more steps; the batch still computes it, as the reference does); a row
+    that hit a stop id or its block cap finishes (Done) and leaves the batch at the block boundary.
+    Every random draw is addressed by the row's own seed, block, step and position (`draws.py`), and each
+    row's positions start at 0, so a row's result does not depend on its batch-mates or their order
+    (up to floating-point reduction order, which can differ with the batch's shape)."""
+    params = DiffusionEbParams.check(params)  # the one validator (presets, flags and requests use it too)
+    n_rows = len(prompts)
+    if n_rows < 1:
+        raise UserError("no prompts: give at least one")
+    blocks = [num_blocks] * n_rows if isinstance(num_blocks, int) else list(num_blocks)
+    seeds = [params.seed] * n_rows if seeds is None else [int(x) for x in seeds]
+    inits = [None] * n_rows if init_canvases is None else list(init_canvases)
+    if not len(blocks) == len(seeds) == len(inits) == n_rows:
+        raise UserError(f"{n_rows} prompts need as many block caps, seeds and initial canvases")
+    for nb in blocks:
+        if not isinstance(nb, int) or nb < 1:
+            raise UserError(f"num_blocks={nb!r}: generate at least one block")
+    for seed in seeds:
+        DiffusionEbParams.check(dataclasses.replace(params, seed=seed))  # one rule for every seed
+    vocab, c = model.config.vocab_size, model.config.canvas_length
+    device = model.embed_weight.device
+    ids = [_ids_tensor(p, "prompt", vocab, device)[0] for p in prompts]  # [P_r] each
+    rows = []
+    for r in range(n_rows):
+        first = None
+        if inits[r] is not None:
+            first = _ids_tensor(inits[r], "initial canvas", vocab, device)[0]  # [C]
+            if first.shape[0] != c:
+                raise UserError(f"initial canvas has {first.shape[0]} ids; the model's canvas holds {c}")
+        rows.append(_Row(request=r, seed=seeds[r], num_blocks=blocks[r], first_canvas=first))
+    stops = {int(s) for s in stop_ids}
+    n_steps = params.max_denoising_steps
+    temps = [temperature(n, n_steps, params.t_min, params.t_max) for n in range(n_steps, 0, -1)]
+    temps_dev = torch.tensor(temps, dtype=torch.float32, device=device)  # [N]: one copy, then device views
+    # Mean entropy is >= 0, so "< 0" never holds: no step can stop early and the loop never has to
+    # wait for the device inside a block (fixed-work mode).
+    can_stop_early = params.confidence_threshold > 0
+    positions = torch.arange(c, device=device)  # [C]
+    step_ids = torch.arange(1, n_steps + 1, device=device)[:, None]  # [N, 1]
+
+    busy, mark = 0.0, time.perf_counter()  # busy: own time; the clock pauses while a consumer holds an event
+    lengths = [len(p) for p in ids]
+    padded = torch.full((n_rows, max(lengths)), pad_id, dtype=torch.long, device=device)  # [B, P] right-padded
+    for r, p in enumerate(ids):
+        padded[r, :len(p)] = p
+    # Each row's last block is never encoded.
+    cache = model.new_cache(n_rows, max(n + (nb - 1) * c for n, nb in zip(lengths, blocks)))
+    _encode(model, padded, cache, None if len(set(lengths)) == 1 else lengths)
+    prefill_s = time.perf_counter() - mark
+
+    active = rows  # in cache order
+    block = 0
+    while active:
+        b = len(active)
+        seed_t = torch.tensor([row.seed for row in active], device=device)[:, None, None]  # [b, 1, 1]
+        canvas = draws.token_ids(seed_t[:, 0], draws.INIT, block, 0, positions, vocab, device=device)  # [b, C]
+        for k, row in enumerate(active):
+            if block == 0 and row.first_canvas is not None:
+                canvas[k] = row.first_canvas
+        # This block's draws for every step it may take, by counter (steps it does not take cost a few
+        # integer ops and are never read).
+        uniforms = draws.uniform(seed_t, draws.DRAW, block, step_ids, positions, device=device)  # [b, N, C]
+        noises = draws.token_ids(seed_t, draws.RENOISE, block, step_ids, positions, vocab, device=device)  # [b, N, C]
+        history = torch.full((params.stability_threshold, b, c), -1, dtype=torch.long, device=device)  # [S, b, C]
+        soft = None  # self-conditioning restarts from zero in every block
+        busy += time.perf_counter() - mark
+        for k, row in enumerate(active):
+            yield BlockStart(block=block, num_blocks=row.num_blocks, prefix_len=cache.lens[k], canvas=canvas[k],
+                             row=row.request)
+        mark = time.perf_counter()
+        running = [True] * b
+        final = torch.empty(b, c, dtype=torch.long, device=device)  # [b, C] each row's block output
+
+        for i in range(n_steps):
+            t0 = time.perf_counter()
+            last = i == n_steps - 1
+            out, accepted, next_canvas, history, stop = _denoise_step(
+                model, canvas, cache, soft, temps_dev[i], history, params, uniforms[:, i], noises[:, i],
+                want_soft=not last, compile_tiles=compile_tiles)
+            stopped = stop.tolist() if can_stop_early else [False] * b  # the step's one host sync
+            elapsed = time.perf_counter() - t0
+            busy += time.perf_counter() - mark
+            for k, row in enumerate(active):
+                if not running[k]:
+                    continue
+                reason = "stable_confident" if stopped[k] else ("step_cap" if last else None)
+                row.denoise_s += elapsed
+                yield Step(block=block, step=i + 1, max_steps=n_steps, temperature=temps[i], canvas_in=canvas[k],
+                           argmax=out.argmax[k], sample=out.sample[k], accepted_mask=accepted[k],
+                           accepted_count=accepted[k].sum(), entropy=out.entropy[k],
+                           mean_entropy=out.entropy[k].mean(), next_canvas=next_canvas[k],
+                           stop_reason=reason, elapsed_s=elapsed, row=row.request)
+                if reason is not None:
+                    running[k] = False
+                    row.steps_per_block.append(i + 1)
+                    final[k] = out.argmax[k]
+            mark = time.perf_counter()
+            if not any(running):
+                break
+            canvas, soft = next_canvas, out.soft  # frozen rows keep being computed; their results are unread
+
+        t0 = time.perf_counter()
+        tokens_all = final.tolist()  # the block's read-back: one sync per block
+        read_s = time.perf_counter() - t0
+        keep = []
+        for k, row in enumerate(active):
+            tokens = tokens_all[k]
+            row.denoise_s += read_s
+            stop_index = next((j for j, t in enumerate(tokens) if t in stops), None)
+            kept = tokens if stop_index is None else tokens[:stop_index]
+            row.answer += kept
+            row.counted += sum(t != pad_id for t in tokens[: len(kept) + (stop_index is not None)])
+            if block == 0:
+                row.first_block_s = busy + time.perf_counter() - mark
+            busy += time.perf_counter() - mark
+            yield Commit(block=block, tokens=tokens, stop_index=stop_index, row=row.request)
+            mark = time.perf_counter()
+            if stop_index is None and block < row.num_blocks - 1:
+                keep.append(k)
+                continue
+            finish, stop_id = ("stop", tokens[stop_index]) if stop_index is not None else ("length", None)
+            passes = sum(row.steps_per_block)
+            timings = {"prefill_s": prefill_s, "denoise_s": row.denoise_s, "commit_s": row.commit_s,
+                       "first_block_s": row.first_block_s, "total_s": busy + time.perf_counter() - mark}
+            busy += time.perf_counter() - mark
+            yield Done(token_ids=row.answer, finish_reason=finish, stop_id=stop_id, blocks=len(row.steps_per_block),
+                       steps_per_block=row.steps_per_block, decoder_passes=passes,
+                       tokens_per_forward=row.counted / passes, timings=timings, row=row.request)
+            mark = time.perf_counter()
+        if keep:
+            t0 = time.perf_counter()
+            cache.keep(keep)  # finished rows leave the batch
+            _encode(model, final[keep] if len(keep) < b else final, cache)  # commit: the block becomes prefix
+            commit_s = time.perf_counter() - t0
+            for k in keep:
+                active[k].commit_s += commit_s
+        active = [active[k] for k in keep]
+        block += 1
 
 
 def generate_events(
@@ -137,107 +314,17 @@ def generate_events(
     init_canvas: Sequence[int] | torch.Tensor | None = None,
     compile_tiles: bool = False,
 ) -> Iterator[Event]:
-    """Run the entropy-bound sampler on one prompt, yielding BlockStart, Step..., Commit per block,
-    then Done. `params` needs max_denoising_steps, t_min, t_max, entropy_bound, stability_threshold,
-    confidence_threshold, seed (e.g. `dgcli.sampling.params.DiffusionEbParams`); `params.seed` keys every
-    random draw (see `draws.py`); `init_canvas` [C] replaces the first block's random canvas;
-    `compile_tiles` runs the vocabulary pass's tile math through torch.compile (the session's `--compile`)."""
-    params = DiffusionEbParams.check(params)  # the one validator (presets, flags and requests use it too)
-    if not isinstance(num_blocks, int) or num_blocks < 1:
-        raise UserError(f"num_blocks={num_blocks!r}: generate at least one block")
-    vocab, c = model.config.vocab_size, model.config.canvas_length
-    device = model.embed_weight.device
-    prompt = _ids_tensor(prompt_ids, "prompt", vocab, device)  # [1, P]
-    first_canvas = None
-    if init_canvas is not None:
-        first_canvas = _ids_tensor(init_canvas, "initial canvas", vocab, device)  # [1, C]
-        if first_canvas.shape[1] != c:
-            raise UserError(f"initial canvas has {first_canvas.shape[1]} ids; the model's canvas holds {c}")
-    seed, positions = params.seed, torch.arange(c, device=device)  # [C]
-    stops = {int(s) for s in stop_ids}
-    n_steps = params.max_denoising_steps
-    temps = [temperature(n, n_steps, params.t_min, params.t_max) for n in range(n_steps, 0, -1)]
-    temps_dev = torch.tensor(temps, dtype=torch.float32, device=device)  # [N]: one copy, then device views
-    # Mean entropy is >= 0, so "< 0" never holds: no step can stop early and the loop never has to
-    # wait for the device inside a block (fixed-work mode).
-    can_stop_early = params.confidence_threshold > 0
-
-    timings = {"prefill_s": 0.0, "denoise_s": 0.0, "commit_s": 0.0, "first_block_s": 0.0, "total_s": 0.0}
-    busy, mark = 0.0, time.perf_counter()  # busy: own time; the clock pauses while a consumer holds an event
-
-    cache = model.new_cache(1, prompt.shape[1] + (num_blocks - 1) * c)  # the last block is never encoded
-    _encode(model, prompt, cache)
-    timings["prefill_s"] = time.perf_counter() - mark
-
-    answer: list[int] = []
-    counted = 0  # ids for tokens_per_forward (HF definition)
-    steps_per_block: list[int] = []
-    finish, stop_id = "length", None
-    for block in range(num_blocks):
-        if block == 0 and first_canvas is not None:
-            canvas = first_canvas
-        else:
-            canvas = draws.token_ids(seed, draws.INIT, block, 0, positions, vocab, device=device)[None]  # [1, C]
-        # This block's draws for every step it may take, by counter (steps it does not take cost a few
-        # [N, C] integer ops and are never read).
-        steps = torch.arange(1, n_steps + 1, device=device)[:, None]  # [N, 1]
-        uniforms = draws.uniform(seed, draws.DRAW, block, steps, positions, device=device)  # [N, C]
-        noises = draws.token_ids(seed, draws.RENOISE, block, steps, positions, vocab, device=device)  # [N, C]
-        history = torch.full((params.stability_threshold, 1, c), -1, dtype=torch.long, device=device)  # [S, 1, C]
-        soft = None  # self-conditioning restarts from zero in every block
-        busy += time.perf_counter() - mark
-        yield BlockStart(block=block, num_blocks=num_blocks, prefix_len=cache.length, canvas=canvas[0])
-        mark = time.perf_counter()
-        block_denoise = 0.0
-
-        for i in range(n_steps):
-            t0 = time.perf_counter()
-            last = i == n_steps - 1
-            out, accepted, next_canvas, history, stop = _denoise_step(
-                model, canvas, cache, soft, temps_dev[i], history, params, uniforms[i][None], noises[i][None],
-                want_soft=not last, compile_tiles=compile_tiles)
-            converged = can_stop_early and bool(stop.all())  # the step's one host sync
-            reason = "stable_confident" if converged else ("step_cap" if last else None)
-            elapsed = time.perf_counter() - t0
-            block_denoise += elapsed
-            busy += time.perf_counter() - mark
-            yield Step(block=block, step=i + 1, max_steps=n_steps, temperature=temps[i], canvas_in=canvas[0],
-                       argmax=out.argmax[0], sample=out.sample[0], accepted_mask=accepted[0],
-                       accepted_count=accepted[0].sum(), entropy=out.entropy[0],
-                       mean_entropy=out.entropy[0].mean(), next_canvas=next_canvas[0],
-                       stop_reason=reason, elapsed_s=elapsed)
-            mark = time.perf_counter()
-            if reason is not None:
-                break
-            canvas, soft = next_canvas, out.soft
-        steps_per_block.append(i + 1)
-
-        t0 = time.perf_counter()
-        tokens = out.argmax[0].tolist()  # the block's read-back: one sync per block
-        timings["denoise_s"] += block_denoise + time.perf_counter() - t0
-        stop_index = next((j for j, t in enumerate(tokens) if t in stops), None)
-        kept = tokens if stop_index is None else tokens[:stop_index]
-        answer += kept
-        counted += sum(t != pad_id for t in tokens[: len(kept) + (stop_index is not None)])
-        if block == 0:
-            timings["first_block_s"] = busy + time.perf_counter() - mark
-        busy += time.perf_counter() - mark
-        yield Commit(block=block, tokens=tokens, stop_index=stop_index)
-        mark = time.perf_counter()
-        if stop_index is not None:
-            finish, stop_id = "stop", tokens[stop_index]
-            break
-        if block < num_blocks - 1:
-            t0 = time.perf_counter()
-            _encode(model, out.argmax, cache)  # commit: the block becomes prefix for the next one
-            timings["commit_s"] += time.perf_counter() - t0
-
-    busy += time.perf_counter() - mark
-    timings["total_s"] = busy
-    passes = sum(steps_per_block)
-    yield Done(token_ids=answer, finish_reason=finish, stop_id=stop_id, blocks=len(steps_per_block),
-               steps_per_block=steps_per_block, decoder_passes=passes, tokens_per_forward=counted / passes,
-               timings=timings)
+    """Run the entropy-bound sampler on one prompt (a batch of one in `generate_batch_events`), yielding
+    BlockStart, Step..., Commit per block, then Done. `params` needs max_denoising_steps, t_min, t_max,
+    entropy_bound, stability_threshold, confidence_threshold, seed (e.g.
+    `dgcli.sampling.params.DiffusionEbParams`); `params.seed` keys every random draw (see `draws.py`);
+    `init_canvas` [C] replaces the first block's random canvas; `compile_tiles` runs the vocabulary
+    pass's tile math through torch.compile (the session's `--compile`)."""
+    params = DiffusionEbParams.check(params)
+    vocab = model.config.vocab_size
+    prompt = _ids_tensor(prompt_ids, "prompt", vocab, model.embed_weight.device)  # [1, P]: one row only
+    yield from generate_batch_events(model, [prompt[0]], params=params, num_blocks=num_blocks, stop_ids=stop_ids,
+                                     pad_id=pad_id, init_canvases=[init_canvas], compile_tiles=compile_tiles)
 
 
 def generate(model: Any, prompt_ids: Sequence[int] | torch.Tensor, **kw: Any) -> Done:

