@@ -59,3 +59,17 @@ class KVCache:
         self.k = [k.index_select(0, idx) for k in self.k]
         self.v = [v.index_select(0, idx) for v in self.v]
         self.lens = [self.lens[r] for r in rows]
+
+    def extend(self, other: KVCache) -> KVCache:
+        """A cache holding this one's rows, then `other`'s (rows joining a running batch): one copy of
+        both into buffers as long as the longer of the two."""
+        merged = KVCache([], 0, max(self.max_len, other.max_len), self.k[0].device, self.k[0].dtype)
+        for a, b in ((self.k, other.k), (self.v, other.v)):
+            out = merged.k if a is self.k else merged.v
+            for x, y in zip(a, b):
+                buf = x.new_zeros(x.shape[0] + y.shape[0], x.shape[1], merged.max_len, x.shape[3])
+                buf[:x.shape[0], :, :x.shape[2]] = x
+                buf[x.shape[0]:, :, :y.shape[2]] = y
+                out.append(buf)
+        merged.lens = self.lens + other.lens
+        return merged

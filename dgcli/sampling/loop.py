@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -139,9 +140,11 @@ class _Row:
     seed: int
     num_blocks: int
     first_canvas: torch.Tensor | None  # [C] or None: the first block's canvas
+    block: int = 0  # the block being denoised
     answer: list[int] = field(default_factory=list)
     counted: int = 0  # ids for tokens_per_forward (HF definition)
     steps_per_block: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
     denoise_s: float = 0.0
     commit_s: float = 0.0
     first_block_s: float = 0.0
@@ -158,6 +161,8 @@ def generate_batch_events(
     pad_id: int = 0,
     init_canvases: Sequence[Sequence[int] | torch.Tensor | None] | None = None,
     compile_tiles: bool = False,
+    max_batch: int | None = None,
+    stats: dict | None = None,
 ) -> Iterator[Event]:
     """Run the entropy-bound sampler on several prompts at once, yielding each row's BlockStart, Step...,
     Commit per block and its Done, every event carrying `row` (the prompt's index). Rows may differ in
@@ -167,7 +172,14 @@ def generate_batch_events(
     that hit a stop id or its block cap finishes (Done) and leaves the batch at the block boundary.
     Every random draw is addressed by the row's own seed, block, step and position (`draws.py`), and each
     row's positions start at 0, so a row's result does not depend on its batch-mates or their order
-    (up to floating-point reduction order, which can differ with the batch's shape)."""
+    (up to floating-point reduction order, which can differ with the batch's shape).
+
+    Continuous batching: at most `max_batch` rows (default: all) run at once; the others wait in input
+    order and take a slot at the next block boundary after a row finishes (their prompts are encoded
+    then and join the cache). Timings count from the call, so a queued request's first_block_s and
+    total_s include its wait. `stats` (a dict, if given) receives the run's decoder_passes,
+    encoder_passes, row_steps (rows computed over all passes) and busy_row_steps (rows that were
+    still denoising: the rest were frozen or idle)."""
     params = DiffusionEbParams.check(params)  # the one validator (presets, flags and requests use it too)
     n_rows = len(prompts)
     if n_rows < 1:
@@ -204,33 +216,49 @@ def generate_batch_events(
     step_ids = torch.arange(1, n_steps + 1, device=device)[:, None]  # [N, 1]
 
     busy, mark = 0.0, time.perf_counter()  # busy: own time; the clock pauses while a consumer holds an event
-    lengths = [len(p) for p in ids]
-    padded = torch.full((n_rows, max(lengths)), pad_id, dtype=torch.long, device=device)  # [B, P] right-padded
-    for r, p in enumerate(ids):
-        padded[r, :len(p)] = p
-    # Each row's last block is never encoded.
-    cache = model.new_cache(n_rows, max(n + (nb - 1) * c for n, nb in zip(lengths, blocks)))
-    _encode(model, padded, cache, None if len(set(lengths)) == 1 else lengths)
-    prefill_s = time.perf_counter() - mark
-
-    active = rows  # in cache order
-    block = 0
-    while active:
+    slots = n_rows if max_batch is None else max_batch
+    if not isinstance(slots, int) or slots < 1:
+        raise UserError(f"max_batch={max_batch!r}: must be a whole number >= 1")
+    stats = {} if stats is None else stats
+    stats.update(decoder_passes=0, encoder_passes=0, row_steps=0, busy_row_steps=0)
+    queue = deque(rows)
+    active: list[_Row] = []  # in cache order
+    cache = None
+    while active or queue:
+        # Block boundary: queued requests take the free slots; their prompts are encoded together and
+        # join the running rows' cache.
+        if queue and len(active) < slots:
+            joining = [queue.popleft() for _ in range(min(slots - len(active), len(queue)))]
+            t0 = time.perf_counter()
+            lengths = [len(ids[row.request]) for row in joining]
+            padded = torch.full((len(joining), max(lengths)), pad_id, dtype=torch.long, device=device)  # [j, P]
+            for k, row in enumerate(joining):
+                padded[k, :lengths[k]] = ids[row.request]
+            # A row's last block is never encoded.
+            fresh = model.new_cache(len(joining), max(n + (row.num_blocks - 1) * c for n, row in zip(lengths, joining)))
+            _encode(model, padded, fresh, None if len(set(lengths)) == 1 else lengths)
+            stats["encoder_passes"] += 1
+            cache = fresh if cache is None else cache.extend(fresh)
+            prefill_s = time.perf_counter() - t0
+            for row in joining:
+                row.prefill_s = prefill_s
+            active += joining
         b = len(active)
         seed_t = torch.tensor([row.seed for row in active], device=device)[:, None, None]  # [b, 1, 1]
-        canvas = draws.token_ids(seed_t[:, 0], draws.INIT, block, 0, positions, vocab, device=device)  # [b, C]
+        block_t = torch.tensor([row.block for row in active], device=device)[:, None, None]  # [b, 1, 1]
+        canvas = draws.token_ids(seed_t[:, 0], draws.INIT, block_t[:, 0], 0, positions, vocab, device=device)  # [b, C]
         for k, row in enumerate(active):
-            if block == 0 and row.first_canvas is not None:
+            if row.block == 0 and row.first_canvas is not None:
                 canvas[k] = row.first_canvas
         # This block's draws for every step it may take, by counter (steps it does not take cost a few
         # integer ops and are never read).
-        uniforms = draws.uniform(seed_t, draws.DRAW, block, step_ids, positions, device=device)  # [b, N, C]
-        noises = draws.token_ids(seed_t, draws.RENOISE, block, step_ids, positions, vocab, device=device)  # [b, N, C]
+        uniforms = draws.uniform(seed_t, draws.DRAW, block_t, step_ids, positions, device=device)  # [b, N, C]
+        noises = draws.token_ids(seed_t, draws.RENOISE, block_t, step_ids, positions, vocab, device=device)  # [b, N, C]
         history = torch.full((params.stability_threshold, b, c), -1, dtype=torch.long, device=device)  # [S, b, C]
         soft = None  # self-conditioning restarts from zero in every block
         busy += time.perf_counter() - mark
         for k, row in enumerate(active):
-            yield BlockStart(block=block, num_blocks=row.num_blocks, prefix_len=cache.lens[k], canvas=canvas[k],
+            yield BlockStart(block=row.block, num_blocks=row.num_blocks, prefix_len=cache.lens[k], canvas=canvas[k],
                              row=row.request)
         mark = time.perf_counter()
         running = [True] * b
@@ -244,13 +272,16 @@ def generate_batch_events(
                 want_soft=not last, compile_tiles=compile_tiles)
             stopped = stop.tolist() if can_stop_early else [False] * b  # the step's one host sync
             elapsed = time.perf_counter() - t0
+            stats["decoder_passes"] += 1
+            stats["row_steps"] += b
+            stats["busy_row_steps"] += sum(running)
             busy += time.perf_counter() - mark
             for k, row in enumerate(active):
                 if not running[k]:
                     continue
                 reason = "stable_confident" if stopped[k] else ("step_cap" if last else None)
                 row.denoise_s += elapsed
-                yield Step(block=block, step=i + 1, max_steps=n_steps, temperature=temps[i], canvas_in=canvas[k],
+                yield Step(block=row.block, step=i + 1, max_steps=n_steps, temperature=temps[i], canvas_in=canvas[k],
                            argmax=out.argmax[k], sample=out.sample[k], accepted_mask=accepted[k],
                            accepted_count=accepted[k].sum(), entropy=out.entropy[k],
                            mean_entropy=out.entropy[k].mean(), next_canvas=next_canvas[k],
@@ -275,17 +306,18 @@ def generate_batch_events(
             kept = tokens if stop_index is None else tokens[:stop_index]
             row.answer += kept
             row.counted += sum(t != pad_id for t in tokens[: len(kept) + (stop_index is not None)])
-            if block == 0:
+            if row.block == 0:
                 row.first_block_s = busy + time.perf_counter() - mark
             busy += time.perf_counter() - mark
-            yield Commit(block=block, tokens=tokens, stop_index=stop_index, row=row.request)
+            yield Commit(block=row.block, tokens=tokens, stop_index=stop_index, row=row.request)
             mark = time.perf_counter()
-            if stop_index is None and block < row.num_blocks - 1:
+            row.block += 1
+            if stop_index is None and row.block < row.num_blocks:
                 keep.append(k)
                 continue
             finish, stop_id = ("stop", tokens[stop_index]) if stop_index is not None else ("length", None)
             passes = sum(row.steps_per_block)
-            timings = {"prefill_s": prefill_s, "denoise_s": row.denoise_s, "commit_s": row.commit_s,
+            timings = {"prefill_s": row.prefill_s, "denoise_s": row.denoise_s, "commit_s": row.commit_s,
                        "first_block_s": row.first_block_s, "total_s": busy + time.perf_counter() - mark}
             busy += time.perf_counter() - mark
             yield Done(token_ids=row.answer, finish_reason=finish, stop_id=stop_id, blocks=len(row.steps_per_block),
@@ -296,11 +328,13 @@ def generate_batch_events(
             t0 = time.perf_counter()
             cache.keep(keep)  # finished rows leave the batch
             _encode(model, final[keep] if len(keep) < b else final, cache)  # commit: the block becomes prefix
+            stats["encoder_passes"] += 1
             commit_s = time.perf_counter() - t0
             for k in keep:
                 active[k].commit_s += commit_s
+        else:
+            cache = None
         active = [active[k] for k in keep]
-        block += 1
 
 
 def generate_events(

@@ -4,6 +4,7 @@ transformers' batched `generate` (left padding, per-row canvases) on a determini
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -14,7 +15,7 @@ from dgcli.cli.options import sampler_flags
 from dgcli.runtime import request
 from dgcli.runtime.session import open_session
 from dgcli.sampling.events import BlockStart, Commit, Done, Step
-from dgcli.sampling.loop import generate_batch_events, generate_events
+from dgcli.sampling.loop import generate, generate_batch_events, generate_events
 from dgcli.sampling.params import DiffusionEbParams
 from dgcli.text.prompts import read_prompt_file
 
@@ -95,3 +96,4 @@ def test_bad_batch_inputs_are_one_line_errors(bundled):
                                    init_canvases=[None, [1, 2, 3]]))
     with pytest.raises(UserError, match="seed"):
         list(generate_batch_events(session.model, prompts[:2], params=session.params, num_blocks=1, seeds=[0, -1]))
+

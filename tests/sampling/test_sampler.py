@@ -411,7 +411,7 @@ def test_prompt_forms():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(prompt_ids=torch.ones(2, 3, dtype=torch.long)), "batched"),
+    (dict(prompt_ids=torch.ones(2, 3, dtype=torch.long)), "pass one prompt here"),
     (dict(prompt_ids=[]), "empty"),
     (dict(prompt_ids=[1, 40]), "outside the vocabulary"),
     (dict(init_canvas=[1, 2, 3]), "canvas holds 8"),
