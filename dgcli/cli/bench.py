@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 import typer
 
 from dgcli.cli import options as o
-from dgcli.cli.console import document, emit, loading, status, warn
+from dgcli.cli.console import budget_note, document, emit, loading, status, warn
 from dgcli.errors import UserError
 
 FORMATS = ("md", "csv", "json", "jsonl")
@@ -36,7 +36,7 @@ def bench(
     result_dir: Annotated[Optional[str], typer.Option("--result-dir", metavar="DIR", help=o.dflt("Implies --save-result; the folder to write to.", "."))] = None,
     result_filename: Annotated[Optional[str], typer.Option("--result-filename", metavar="NAME", help=o.dflt("Implies --save-result; the file name to use.", "a dated name"))] = None,
     label: o.Label = None, metadata: o.Metadata = None, measure_peaks: o.MeasurePeaks = True,
-    compile: o.Compile = False,
+    compile: o.Compile = False, threads: o.Threads = None,
 ) -> None:
     """Benchmark one sampler setting: labelled figures, roofline.
 
@@ -50,6 +50,7 @@ def bench(
     from dgcli.measure import bench as b
     from dgcli.measure import metrics
     from dgcli.measure import printers as report
+    from dgcli.measure.quality import bench_quality
     from dgcli.measure.workload import build_prompts
     from dgcli.runtime.session import open_any
     meta = report.parse_metadata(metadata)
@@ -58,7 +59,7 @@ def bench(
                             blocks=blocks, device=device, dtype=dtype, max_tokens=max_tokens)
     baseline = b.PeakMemory.maxrss()  # before the model exists, for the CPU peak-memory figure
     with loading("loading the model…"):
-        s = open_any(model, dummy, layers, preset, flags, warn=warn, compile=compile)
+        s = open_any(model, dummy, layers, preset, flags, warn=warn, compile=compile, threads=threads)
     params = s.params
     plist, source = build_prompts(s, prompts_file=prompts, random_ids=random_prompts or s.dummy,
                                   num_prompts=num_prompts, input_len=random_input_len, seed=params.seed, warn=warn)
@@ -92,9 +93,15 @@ def bench(
             live.stop()
     summary = metrics.summarize(done, s.config, params.max_denoising_steps, weight_bytes=b.weight_bytes(s),
                                 peaks=peaks, peak_memory=memory.read())
+    summary.update(bench_quality(plist, done))
     row = b.make_row(s, prompts=plist, prompt_source=source, params=params, runs_done=len(done),
                      runs_asked=runs, warmup=warmup, ignore_eos=ignore, summary=summary, label=label, metadata=meta)
     emit([row], card=card, fmt=fmt, title="Results")
+    if not ignore:  # fixed work runs every block on purpose; otherwise say once if answers were cut short
+        last = done[-1]  # every pass runs the same prompts with the same seed: the same answers
+        note = budget_note(s, sum(r.finish_reason == "length" for r in last), len(last))
+        if note:
+            warn(note)
     if save_result or result_dir is not None or result_filename is not None:  # naming a place means "save it"
         path = report.save_result(document(card, [row]), result_dir, result_filename, label)
         warn(f"dgemma: saved {path}")

@@ -1,6 +1,7 @@
-"""What commands share at the console: prompts in (argument, stdin, --input-jsonl), notes, a status line
-while loading and a one-line progress display on stderr, one request run with its optional --trace
-file, and rows in a format (md, csv, json, jsonl) on stdout after the card.
+"""What commands share at the console: prompts in (argument, stdin, --input-jsonl), notes (the once-per-run
+note when answers end at the token budget), `--show-config`, a status line while loading and a one-line
+progress display on stderr, one request run with its optional --trace file, and rows in a format (md, csv,
+json, jsonl) on stdout after the card.
 
 Owns: where input comes from and output goes. Must not: measure, decide figures (dgcli.measure does),
 or contain a denoising loop (requests go through dgcli.runtime.request).
@@ -16,7 +17,7 @@ from typing import Any
 from dgcli.errors import UserError
 from dgcli.text.prompts import read_prompt_file
 
-HEADLINE = ["mode", "max_denoising_steps", "blocks", "output_throughput", "diffusion_committed_throughput",
+HEADLINE = ["mode", "max_denoising_steps", "blocks", "quality", "output_throughput", "diffusion_committed_throughput",
             "diffusion_canvas_positions_per_s", "mean_ttft_ms", "mean_step_ms", "diffusion_committed_per_step",
             "diffusion_steps_per_canvas", "p90_steps_per_block", "cap_hit_rate", "peak_memory_bytes", "step_vs_floor"]
 
@@ -156,9 +157,41 @@ def run_one(session: Any, text: str, *, raw: bool, thinking: bool, show_thinking
 
 
 def print_answer(response: Any) -> None:
-    """The answer on stdout (one line break at the end), and a note on stderr when it was cut short."""
+    """The answer on stdout (one line break at the end); `budget_note` says once if answers were cut short."""
     sys.stdout.write(response.text.rstrip("\n") + "\n")
     sys.stdout.flush()
-    if response.finish_reason == "length":
-        print(f"dgemma: note: the answer hit the block budget ({response.done.blocks} block(s)); "
-              "raise --blocks or --max-tokens for more", file=sys.stderr)
+
+
+def budget_note(session: Any, cut: int, total: int, *, what: str = "answers") -> str | None:
+    """One line for the end of a run when `cut` of `total` answers ended at the token budget (finish
+    reason length) rather than at a stop id; None when none did."""
+    if not cut:
+        return None
+    from dgcli.runtime.settings import token_budget
+
+    c, n = session.config.canvas_length, session.num_blocks
+    budget = token_budget(session.resolved.run.max_tokens, n, c)
+    who = "the answer" if total == 1 else f"{cut} of {total} {what}"
+    return (f"dgemma: note: {who} ended at the {budget}-token budget ({n} block{'s' if n != 1 else ''} of {c}); "
+            "raise it with --max-tokens or --blocks")
+
+
+def note_budget(session: Any, responses: list[Any]) -> None:
+    """`budget_note` for a run's responses, on stderr (once per run, not per prompt)."""
+    msg = budget_note(session, sum(r.finish_reason == "length" for r in responses), len(responses))
+    if msg:
+        warn(msg)
+
+
+def show_config(model: str | None, preset: str | None, flags: dict, fmt: str) -> None:
+    """`--show-config`: the resolved settings, where each came from, and the block count a run will use."""
+    import json
+
+    from dgcli.runtime.session import resolve_for
+
+    path, cfg, _, resolved = resolve_for(model, preset, flags)
+    if fmt == "text":
+        sys.stdout.write(f"model: {path}\n{resolved.describe(cfg.canvas_length)}\n")
+    else:  # json and ndjson: one machine-readable line, like every other output of those formats
+        doc = {"model": str(path), **resolved.as_dict(), "blocks": resolved.blocks(cfg.canvas_length)}
+        sys.stdout.write(json.dumps(doc, ensure_ascii=False) + "\n")

@@ -14,12 +14,13 @@ from typing import Annotated, Optional
 import typer
 
 from dgcli.cli import options as o
-from dgcli.cli.console import THINKING_NOTE, Progress, loading, print_answer, read_prompts, run_one, warn
+from dgcli.cli.console import (THINKING_NOTE, Progress, loading, note_budget, print_answer, read_prompts, run_one,
+                               show_config as print_config, warn)
 from dgcli.errors import UserError
 
 FORMATS = ("text", "json", "ndjson")
 EXAMPLES = ['dgemma generate "Sort: 5 9 8 6 9 0 9 2"',
-            'echo "Count from 7 to 40." | dgemma generate --blocks 4',
+            'echo "Count from 7 to 40." | dgemma generate',
             'dgemma generate --input-jsonl prompts.jsonl --format json',
             'dgemma generate --preset fixed-work --show-config']
 
@@ -30,7 +31,7 @@ def generate(
     seed: o.Seed = None, steps: o.Steps = None, t_min: o.TMin = None, t_max: o.TMax = None,
     entropy_bound: o.EntropyBound = None, stability_threshold: o.Stability = None,
     confidence_threshold: o.Confidence = None, blocks: o.Blocks = None, max_tokens: o.MaxTokens = None,
-    show_config: o.ShowConfig = False,
+    threads: o.Threads = None, show_config: o.ShowConfig = False,
     fmt: Annotated[str, typer.Option("--format", "-f", metavar="FORMAT", help="text | json | ndjson")] = "text",
     input_jsonl: Annotated[Optional[str], typer.Option("--input-jsonl", metavar="FILE", help="Run every {\"prompt\": ...} line of FILE.")] = None,
     trace: o.Trace = None,
@@ -47,18 +48,14 @@ def generate(
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt}: use one of {', '.join(FORMATS)}")
     from dgcli.runtime.request import init_canvas_ids
-    from dgcli.runtime.session import open_session, resolve_for
+    from dgcli.runtime.session import open_session
     from dgcli.sampling.events import Done
 
     flags = o.sampler_flags(steps=steps, t_min=t_min, t_max=t_max, entropy_bound=entropy_bound,
                             stability=stability_threshold, confidence=confidence_threshold, seed=seed,
                             blocks=blocks, device=device, dtype=dtype, max_tokens=max_tokens)
     if show_config:
-        path, _, _, resolved = resolve_for(model, preset, flags)
-        if fmt == "text":
-            typer.echo(f"model: {path}\n{resolved.describe()}")
-        else:  # json and ndjson: one machine-readable line, like every other output of those formats
-            typer.echo(json.dumps({"model": str(path), **resolved.as_dict()}, ensure_ascii=False))
+        print_config(model, preset, flags, fmt)
         return
     prompts = list(read_prompts(prompt, input_jsonl))
     if trace and len(prompts) > 1:
@@ -66,11 +63,12 @@ def generate(
     if show_thinking and not thinking:
         warn(THINKING_NOTE)
     with loading("loading the model…"):
-        session = open_session(model, preset, flags, compile=compile)
+        session = open_session(model, preset, flags, compile=compile, threads=threads)
     if session.tokenizer is None:
         raise UserError(f"{session.path}: no tokenizer.json; dgemma generate needs the checkpoint's tokenizer")
     canvas = init_canvas_ids(session, init_canvas, session.params.seed) if init_canvas is not None else None
     progress = Progress(sys.stderr.isatty() and fmt != "ndjson", compiling=session.compiled)
+    responses = []
     try:
         def on_event(event) -> None:
             progress(event)
@@ -80,6 +78,7 @@ def generate(
         for text, extra in prompts:
             response = run_one(session, text, raw=raw, thinking=thinking, show_thinking=show_thinking, trace=trace,
                                init_canvas=canvas, on_event=on_event)
+            responses.append(response)
             result = response.as_dict(session.resolved.as_dict())
             if fmt == "text":
                 print_answer(response)
@@ -90,3 +89,4 @@ def generate(
             sys.stdout.flush()
     finally:
         progress.stop()
+    note_budget(session, responses)

@@ -29,7 +29,7 @@ def info(
     context: Annotated[int, typer.Option("--context", metavar="N", help="Cached tokens the KV-cache figure is sized for.")] = 4096,
     prompt_len: Annotated[int, typer.Option("--prompt-len", metavar="N", help="Cached tokens a denoising step attends to, for per-step costs.")] = 256,
     fmt: Annotated[str, typer.Option("--format", "-f", metavar="FORMAT", help="md | json")] = "md",
-    measure_peaks: o.MeasurePeaks = True,
+    measure_peaks: o.MeasurePeaks = True, threads: o.Threads = None,
 ) -> None:
     """Show a checkpoint's card: sizes, memory, per-step costs.
 
@@ -69,8 +69,9 @@ def info(
     run_dtype = dtype if dtype not in (None, "auto") else _stored_dtype(inventory, cfg.dtype)
     if run_dtype not in ("bfloat16", "float32", "float16"):
         raise UserError(f"--dtype {run_dtype}: use auto, bfloat16 or float32")
+    dev, n_threads = _threads(cfg, device or "auto", threads)
     card = inf.card(cfg, name=name, source=source, dtype=run_dtype, context=context, prompt_len=prompt_len,
-                    peaks=peaks_for_card(_local_peaks(device or "auto", measure_peaks)), inventory=inventory)
+                    peaks=peaks_for_card(_local_peaks(dev, measure_peaks)), inventory=inventory, threads=n_threads)
     if fmt == "json":
         sys.stdout.write(report.to_json(card))
     else:
@@ -84,11 +85,18 @@ def _stored_dtype(inventory: dict | None, fallback: str) -> str:
     return fallback
 
 
-def _local_peaks(device: str, measure: bool):
-    from dgcli.measure import card as inf
-    from dgcli.runtime.session import pick_device
+def _threads(cfg, device: str, flag: int | None):
+    """The device, and the thread count a run of this model would use (the one rule every command follows),
+    applied here too: the CPU peaks are measured on it."""
+    from dgcli.runtime.session import pick_device, set_threads
 
     dev = pick_device(device)
+    return dev, set_threads(cfg, dev, flag)
+
+
+def _local_peaks(dev, measure: bool):
+    from dgcli.measure import card as inf
+
     if dev.type == "cuda":
         import torch
 

@@ -38,8 +38,13 @@ Stability = Annotated[Optional[int], typer.Option("--stability-threshold", metav
 Confidence = Annotated[Optional[float], typer.Option("--confidence-threshold", metavar="X", help=dflt(
     "Mean entropy below which a stable block stops; 0 = always run every step.", f"0.005, {CKPT}"))]
 Blocks = Annotated[Optional[int], typer.Option("--blocks", "--diffusion-blocks", metavar="N", help=dflt(
-    "Most blocks (canvases) to generate; 0 = derive from --max-tokens.", f"1, {CKPT}"))]
-MaxTokens = Annotated[Optional[int], typer.Option("--max-tokens", metavar="N", help="Token budget; without --blocks it sets the block count.")]
+    "Most blocks (canvases) to generate; 0 = derive from the token budget.",
+    "ceil(token budget / canvas): the checkpoint's max_new_tokens or --max-tokens; 1 without a budget"))]
+MaxTokens = Annotated[Optional[int], typer.Option("--max-tokens", metavar="N", help=dflt(
+    "Token budget: answers are cut there; without --blocks it sets the block count.", "the checkpoint's max_new_tokens"))]
+Threads = Annotated[Optional[int], typer.Option("--threads", metavar="N", help=dflt(
+    "CPU threads for torch (shown in the card and provenance).",
+    "OMP_NUM_THREADS if set, else 1 for a CPU model under 50 M parameters, else one per core"))]
 
 Compile = Annotated[bool, typer.Option("--compile", help="torch.compile the decoder pass and the vocabulary tile math: faster steps after a one-off compile of tens of seconds.")]
 Trace = Annotated[Optional[str], typer.Option("--trace", metavar="FILE", help="Write the per-step JSONL trace to FILE.")]

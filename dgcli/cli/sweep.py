@@ -47,7 +47,7 @@ def sweep(
     seeds: Annotated[str, typer.Option("--seeds", metavar="GRID", help="Seeds run in every cell (grid syntax), e.g. 0,1,2.")] = "0",
     prompts: Prompts = None, random_prompts: RandomPrompts = False, num_prompts: NumPrompts = None,
     random_input_len: InputLen = 128, ignore_eos: IgnoreEos = False, warmup: Warmup = 1,
-    runs: Annotated[int, typer.Option("--runs", "-r", metavar="N", help="Timed passes over the prompts per seed.")] = 1,
+    runs: Annotated[int, typer.Option("--runs", "-r", metavar="N", help="Timed passes over the prompts per seed: each cell's figures get a min-max spread over seeds x runs, and frontier points whose spreads overlap are marked.")] = 3,
     output: Annotated[str, typer.Option("--output", "-o", metavar="FILE", help="JSONL file the rows are appended to.")] = "sweep.jsonl",
     resume: Annotated[bool, typer.Option("--resume", help="Continue --output: skip the cells it already holds.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and exit (nothing is loaded or run).")] = False,
@@ -55,7 +55,7 @@ def sweep(
     speed: Annotated[str, typer.Option("--speed-metric", metavar="NAME", help="The frontier's speed figure.")] = "output_throughput",
     fmt: Annotated[str, typer.Option("--format", "-f", metavar="FORMAT", help="md | csv | json | jsonl (the final rows)")] = "md",
     label: Label = None, metadata: Metadata = None, measure_peaks: MeasurePeaks = True,
-    compile: o.Compile = False,
+    compile: o.Compile = False, threads: o.Threads = None,
 ) -> None:
     """Sweep sampler settings: speed, quality, Pareto frontier.
 
@@ -84,6 +84,10 @@ def sweep(
         sw.check_plot_path(plot)
     meta = report.parse_metadata(metadata)
     single = {k: v[0] for k, v in axes.items() if len(v) == 1}
+    if len(axes.get("max_blocks", [])) > 1 and min(axes["max_blocks"]) > 0:
+        # Swept block counts are flags too: they outrank the checkpoint's token budget (settings.resolve),
+        # so a cell of 8 blocks is 8 canvases of answer; each cell sets its own count over this one.
+        single["max_blocks"] = max(axes["max_blocks"])
     flags = o.sampler_flags(steps=single.get("max_denoising_steps"), t_min=single.get("t_min"),
                             t_max=single.get("t_max"), entropy_bound=single.get("entropy_bound"),
                             stability=single.get("stability_threshold"), confidence=single.get("confidence_threshold"),
@@ -99,7 +103,7 @@ def sweep(
 
     baseline = b.PeakMemory.maxrss()  # before the model exists, for the CPU peak-memory figure
     with loading("loading the model…"):
-        s = open_any(model, dummy, layers, preset, flags, warn=warn, compile=compile)
+        s = open_any(model, dummy, layers, preset, flags, warn=warn, compile=compile, threads=threads)
     plist, source = build_prompts(s, prompts_file=prompts, random_ids=random_prompts or s.dummy,
                                   num_prompts=num_prompts, input_len=random_input_len, seed=seed_list[0], warn=warn)
     ignore = ignore_eos or s.dummy
@@ -154,6 +158,18 @@ def sweep(
         if live is not None:
             live.stop()
     _finish(rows, cells, axes, speed, plot, fmt, card, output)
+    if not ignore:
+        _budget_note(rows, cells)
+
+
+def _budget_note(rows: list[dict], cells: list) -> None:
+    """Once, at the end: how many cells had answers end at their token budget rather than at a stop id."""
+    wanted = {c.key for c in cells}
+    cut = [r for r in rows if r.get("kind") == "cell" and r.get("cell_key") in wanted and r.get("finish_length_rate")]
+    if cut:
+        worst = max(r["finish_length_rate"] for r in cut)
+        warn(f"dgemma: note: in {len(cut)} of {len(wanted)} cell(s) answers ended at the token budget (finish_length_rate "
+             f"up to {worst:.2f}); raise it with --max-tokens or --blocks")
 
 
 def _print_plan(model, dummy, layers, preset, flags, axes, seeds, store, resume) -> None:
@@ -192,9 +208,10 @@ def _finish(rows, cells, axes, speed, plot, fmt, card, output) -> None:
     done = [r for r in rows if r.get("kind") == "cell" and r.get("cell_key") in wanted]
     keys = [k for k in sw.AXES if k in axes and len(axes[k]) > 1]
     front = sw.pareto_frontier(done, speed, "quality")
-    front_keys = {r["cell_key"] for r in front}
+    overlaps = sw.frontier_overlaps(front, speed, "quality")
     for r in done:
-        r["pareto"] = r["cell_key"] in front_keys
+        r["pareto"] = r["cell_key"] in overlaps
+        r["pareto_overlaps"] = overlaps.get(r["cell_key"], [])
     if plot:
         path = sw.write_plot(plot, done, front, speed, "quality", title=f"speed vs quality ({len(done)} cells)",
                              label=lambda r: sw.cell_label(r, keys))
@@ -202,19 +219,35 @@ def _finish(rows, cells, axes, speed, plot, fmt, card, output) -> None:
     if fmt != "md":
         emit(done, card=card, fmt=fmt, title="Sweep")
         return
+
+    def span(r: dict, key: str) -> str:
+        iv = sw.interval(r, key)
+        return "-" if iv is None else f"{report.fmt(r.get(key))} [{report.fmt(iv[0])}, {report.fmt(iv[1])}]"
+
     cols = [k for k in report.varying_keys(done, keys)] or keys
-    figures = [f for f in TABLE_FIGURES if f != speed]
-    header = ["cell"] + cols + [speed] + figures + ["pareto"]
-    body = [[sw.cell_label(r, keys)] + [report.fmt(r["cell"].get(k)) for k in cols]
-            + [report.fmt(r.get(f)) for f in [speed] + figures] + ["*" if r["pareto"] else ""] for r in done]
+    figures = [f for f in TABLE_FIGURES if f not in (speed, "quality")]
+    header = ["cell"] + cols + [f"{speed} [min, max]", "quality [min, max]"] + figures + ["pareto"]
+    body = [[sw.cell_label(r, keys)] + [report.fmt(r["cell"].get(k)) for k in cols] + [span(r, speed), span(r, "quality")]
+            + [report.fmt(r.get(f)) for f in figures]
+            + [("*~" if r["pareto_overlaps"] else "*") if r["pareto"] else ""] for r in done]
+    passes = max((r.get("spread_passes") or 1 for r in done), default=1)
     out = [f"## Sweep: {len(done)} cell(s) from {output}", "", report.md_table(header, body), "",
-           f"### Pareto frontier ({speed} vs quality; * above)", ""]
-    out += [f"- {sw.cell_label(r, keys)}: {speed} {report.fmt(r.get(speed))}, quality {report.fmt(r.get('quality'))}"
-            for r in front] or ["(no cell has both figures)"]
-    out += ["", "Definitions: " + "; ".join(f"`{k}`: {report_def(k)}" for k in [speed] + figures)]
+           f"### Pareto frontier ({speed} vs quality; * above)", "",
+           f"[min, max] over each cell's {passes} timed passes (seeds x runs); ~ = its interval overlaps another "
+           "frontier point's on speed or quality, so the measurements do not separate the two (more --runs or "
+           "--seeds narrow the intervals).", ""]
+    for r in front:
+        near = "; ".join(sw.cell_label({"cell": c}, keys) for c in r["pareto_overlaps"])
+        out.append(f"- {sw.cell_label(r, keys)}: {speed} {span(r, speed)}, quality {span(r, 'quality')}"
+                   + (f" ~ overlaps {near}" if near else ""))
+    if not front:
+        out.append("(no cell has both figures)")
+    out += ["", "Definitions: " + "; ".join(f"`{k}`: {report_def(k)}" for k in [speed, "quality"] + figures + ["spread"])]
     sys.stdout.write("\n".join(out) + "\n")
     sys.stdout.write(report.headline_json([{"cells": len(done), "frontier": [
-        {**r["cell"], speed: r.get(speed), "quality": r.get("quality")} for r in front]}], ["cells", "frontier"]) + "\n")
+        {**r["cell"], speed: r.get(speed), "quality": r.get("quality"), f"{speed}_interval": sw.interval(r, speed),
+         "quality_interval": sw.interval(r, "quality"), "overlaps": r["pareto_overlaps"]} for r in front]}],
+        ["cells", "frontier"]) + "\n")
 
 
 def report_def(key: str) -> str:

@@ -70,7 +70,7 @@ def watch(
     seed: o.Seed = None, steps: o.Steps = None, t_min: o.TMin = None, t_max: o.TMax = None,
     entropy_bound: o.EntropyBound = None, stability_threshold: o.Stability = None,
     confidence_threshold: o.Confidence = None, blocks: o.Blocks = None, max_tokens: o.MaxTokens = None,
-    show_config: o.ShowConfig = False,
+    threads: o.Threads = None, show_config: o.ShowConfig = False,
     replay: Annotated[Optional[str], typer.Option("--replay", metavar="TRACE", help="Animate a trace written by generate/watch --trace; no model is loaded.")] = None,
     speed: Annotated[Optional[float], typer.Option("--speed", metavar="X", help=o.dflt("Replay pace: 1 = as recorded, 2 = twice as fast, 0 = no waiting.", "1"))] = None,
     fps: Annotated[Optional[float], typer.Option("--fps", metavar="X", help=o.dflt("Most redraws per second.", "every step, as fast as it comes"))] = None,
@@ -96,26 +96,26 @@ def watch(
                             blocks=blocks, device=device, dtype=dtype, max_tokens=max_tokens)
     if replay is not None:
         given = [name for name, v in (("PROMPT", prompt), ("--model", model), ("--preset", preset), ("--trace", trace),
-                                      ("--init-canvas", init_canvas)) if v is not None]
+                                      ("--init-canvas", init_canvas), ("--threads", threads)) if v is not None]
         if given or any(v is not None for v in flags.values()) or show_config:
             what = ", ".join(given) or "sampler options"
             raise UserError(f"--replay animates a saved trace as recorded; drop {what} (or drop --replay to run the model)")
         return _replay(replay, speed=1.0 if speed is None else speed, fps=fps, step_delay=step_delay,
                        save_svg=save_svg, save_html=save_html)
 
-    from dgcli.cli.console import THINKING_NOTE, loading, print_answer, read_prompts, run_one
+    from dgcli.cli.console import THINKING_NOTE, loading, note_budget, print_answer, read_prompts, run_one
+    from dgcli.cli.console import show_config as print_config
     from dgcli.runtime.request import init_canvas_ids
-    from dgcli.runtime.session import open_session, resolve_for
+    from dgcli.runtime.session import open_session
 
     if show_config:
-        path, _, _, resolved = resolve_for(model, preset, flags)
-        typer.echo(f"model: {path}\n{resolved.describe()}")
+        print_config(model, preset, flags, "text")
         return
     text = next(read_prompts(prompt, None))[0]
     if show_thinking and not thinking:
         print(THINKING_NOTE, file=sys.stderr)
     with loading("loading the model…"):
-        session = open_session(model, preset, flags)
+        session = open_session(model, preset, flags, threads=threads)
     if session.tokenizer is None:
         raise UserError(f"{session.path}: no tokenizer.json; dgemma watch needs the checkpoint's tokenizer")
     canvas = init_canvas_ids(session, init_canvas, session.params.seed) if init_canvas is not None else None
@@ -133,6 +133,7 @@ def watch(
     title, meta = _describe(str(session.path), session.resolved.as_dict(), text)
     _pictures(w, title, meta, save_svg, save_html)
     print_answer(response)
+    note_budget(session, [response])
 
 
 def _replay(path: str, *, speed: float, fps: float | None, step_delay: float, save_svg: str | None,

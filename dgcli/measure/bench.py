@@ -114,7 +114,7 @@ def make_row(s: Any, *, prompts: list[Prompt], prompt_source: str, params: Any, 
         device=s.device, dtype=s.dtype_name, model=str(s.path), model_name=s.name,
         parameters=counts["total"], active=counts["active_per_token"], settings=settings, seed=params.seed,
         prompt_hash=prompt_set_hash(prompts), label=label, metadata=metadata, dummy=s.dummy,
-        compiled=s.compiled)
+        compiled=s.compiled, threads_source=getattr(s, "threads_source", None))
     return row
 
 
@@ -132,5 +132,6 @@ def target_card(s: Any, *, prompt_len: int, context: int, peaks: list[info.Peaks
     inventory = None if s.dummy else info.safetensors_inventory(s.path)
     source = (f"dummy weights from {s.path} (random, built on {s.device}; nothing read but the config)"
               if s.dummy else f"checkpoint {s.path}")
+    threads = (s.threads, s.threads_source) if getattr(s, "threads", 0) else None
     return info.card(s.config, name=s.name, source=source, dtype=s.dtype_name, context=context,
-                     prompt_len=prompt_len, peaks=peaks, inventory=inventory)
+                     prompt_len=prompt_len, peaks=peaks, inventory=inventory, threads=threads)

@@ -2,9 +2,9 @@
 denoising step and per commit, device peaks and the theoretical floor per step (the roofline).
 
 Owns: counting from a `ModelConfig` alone (no weights are read; a checkpoint's safetensors *headers* may
-be read for bytes by dtype), the H100/H200 peak table, the brief CPU peak measurement, and `card()`, the
-one dict `dgemma info` prints and `dgemma bench` puts first. Must not: run the model, print, or load
-weights. torch is imported only inside `measure_cpu_peaks`.
+be read for bytes by dtype), the roofline floor against a device's peaks (dgcli.measure.peaks: the H100/H200
+table and the CPU measurement), and `card()`, the one dict `dgemma info` prints and `dgemma bench` puts
+first. Must not: run the model, print, or load weights, or import torch.
 
 Counting conventions (every figure says which it is):
 * FLOPs = 2 x multiply-accumulates of the matmuls the model's math needs, as the reference ops run them
@@ -24,11 +24,12 @@ from __future__ import annotations
 import json
 import math
 import struct
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dgcli.errors import UserError
+# The peaks live in dgcli.measure.peaks; re-exported here, where the card's callers look for them.
+from dgcli.measure.peaks import DEVICE_TABLE, Peaks, _measured, cpu_name, gpu_peaks, measure_cpu_peaks  # noqa: F401
 from dgcli.model.config import FULL, LayerGeometry, ModelConfig
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "BF16": 2, "F16": 2, "F32": 4, "F64": 8,
@@ -256,72 +257,6 @@ def working_set_bytes(cfg: ModelConfig, context: int, act_bytes: int = 2) -> dic
 # ---- devices -------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Peaks:
-    name: str
-    flops_per_s: float  # dense bf16 matmul
-    bytes_per_s: float  # memory bandwidth
-    source: str
-
-
-# Vendor datasheet figures (dense bf16 tensor-core FLOP/s without sparsity, HBM bandwidth).
-DEVICE_TABLE = {
-    "H100": Peaks("NVIDIA H100 SXM", 989e12, 3.35e12, "NVIDIA H100 SXM datasheet: bf16 dense 989 TFLOP/s, HBM3 3.35 TB/s"),
-    "H200": Peaks("NVIDIA H200 SXM", 989e12, 4.8e12, "NVIDIA H200 SXM datasheet: bf16 dense 989 TFLOP/s, HBM3e 4.8 TB/s"),
-}
-
-_measured: dict[str, Peaks] = {}
-
-
-def measure_cpu_peaks(seconds: float = 1.0) -> Peaks:
-    """Best-of bf16 1024^3 matmul FLOP/s and 128 MiB copy bandwidth (read + write) on this CPU, over about
-    `seconds` in all; cached for the process. Measured, so it varies with load from other processes."""
-    if "cpu" in _measured:
-        return _measured["cpu"]
-    import platform
-
-    import torch
-
-    n = 1024
-    a, b = torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16()
-    out = torch.empty(n, n, dtype=torch.bfloat16)
-    best_f, t_end = 0.0, time.perf_counter() + seconds / 2
-    while time.perf_counter() < t_end:
-        t0 = time.perf_counter()
-        torch.mm(a, b, out=out)
-        best_f = max(best_f, 2 * n**3 / (time.perf_counter() - t0))
-    x = torch.ones(32 * 2**20)  # 128 MiB float32
-    y = torch.empty_like(x)
-    best_b, t_end = 0.0, time.perf_counter() + seconds / 2
-    while time.perf_counter() < t_end:
-        t0 = time.perf_counter()
-        y.copy_(x)
-        best_b = max(best_b, 2 * x.numel() * 4 / (time.perf_counter() - t0))
-    name = cpu_name() or platform.processor() or "CPU"
-    peaks = Peaks(f"{name} ({torch.get_num_threads()} threads)", best_f, best_b,
-                  f"measured here: best of bf16 {n}x{n} matmuls and 128 MiB copies over {seconds:g} s")
-    _measured["cpu"] = peaks
-    return peaks
-
-
-def cpu_name() -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
-def gpu_peaks(device_name: str) -> Peaks | None:
-    """Table peaks for a CUDA device name (e.g. 'NVIDIA H100 80GB HBM3'), or None when not tabled."""
-    for key, peaks in DEVICE_TABLE.items():
-        if key in device_name.upper():
-            return peaks
-    return None
-
-
 def floor_seconds(cost: Cost, peaks: Peaks) -> tuple[float, str]:
     """Roofline floor: the larger of compute time and memory time at the device's peaks, and which bound."""
     compute, memory = cost.flops / peaks.flops_per_s, cost.bytes / peaks.bytes_per_s
@@ -337,9 +272,10 @@ def layer_pattern(cfg: ModelConfig) -> str:
 
 
 def card(cfg: ModelConfig, *, name: str, source: str, dtype: str, context: int = 4096, prompt_len: int = 256,
-         peaks: list[Peaks] = (), inventory: dict | None = None) -> dict:
+         peaks: list[Peaks] = (), inventory: dict | None = None, threads: tuple[int, str] | None = None) -> dict:
     """Everything `dgemma info` shows, as one JSON-ready dict. `dtype` is the run dtype of weights and KV;
-    `inventory` (from `safetensors_inventory`) supplies the stored bytes by dtype of a real checkpoint."""
+    `inventory` (from `safetensors_inventory`) supplies the stored bytes by dtype of a real checkpoint;
+    `threads` is (count, source) from the thread rule (the CPU peaks are measured on that many)."""
     wb = DTYPE_BYTES[dtype]
     counts = param_counts(cfg)
     weights = counts["total"] * wb - counts["layer_scalars"] * (wb - 4)
@@ -389,6 +325,7 @@ def card(cfg: ModelConfig, *, name: str, source: str, dtype: str, context: int =
         "per_commit": {"flops": commit.flops, "bytes": commit.bytes},
         "prefill": {"flops": prefill.flops, "bytes": prefill.bytes},
         "devices": devices,
+        "threads": {"count": threads[0], "source": threads[1]} if threads else None,
         "conventions": ("FLOPs: 2 x MACs of matmuls (unmasked attention pairs only); bytes: each weight read "
                         "once per use + KV cache traffic, activations excluded; experts: expected distinct "
                         "experts under uniform routing. Per step = a middle step (self-conditioning and soft "

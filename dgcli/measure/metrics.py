@@ -65,12 +65,22 @@ DEFINITIONS: dict[str, str] = {
     "floor_step_ms": "[ms] roofline floor per denoising step: max(FLOPs/peak FLOP/s, bytes/peak B/s), averaged over the steps run",
     "floor_bound": "which peak sets the floor: compute or memory",
     "step_vs_floor": "mean_step_ms / floor_step_ms (1.0 = at the roofline)",
-    "quality": "exact_match when the prompts have reference answers, else agreement (see quality_metric)",
-    "exact_match": "share of answered prompts whose answer text equals the reference after stripping whitespace",
+    "quality": "exact_match when the prompts have reference answers, else (sweep) agreement (see quality_metric); null (n/a) when bench's prompts carry no answers",
+    "quality_metric": "which figure quality is: exact_match or agreement (null when there is none)",
+    "exact_match": "share of answered prompts whose answer text equals the reference after stripping whitespace (over every timed pass)",
+    "answered_prompts": "prompts of the set that carry a reference answer",
+    "spread": "{figure: [min, max]} over the timed passes (runs x seeds; each pass is every prompt once) of the timing figures and quality: how far one pass lands from another",
+    "spread_passes": "timed passes the spread is taken over",
+    "peak_flops_range": "[FLOP/s] [min, max] of the repeated CPU matmul peak measurement (peak_flops_per_s is their median); null for a datasheet peak",
+    "peak_bytes_range": "[B/s] [min, max] of the repeated CPU bandwidth measurement (peak_bytes_per_s is their median); null for a datasheet peak",
     "agreement": "share of token positions equal to the reference setting's output (over the longer of the two)",
 }
 
 NOT_IN_CSV = ("runs_detail",)
+
+# The timing figures whose spread over the timed passes every row carries (`spread`).
+SPREAD_KEYS = ("output_throughput", "diffusion_committed_throughput", "diffusion_canvas_positions_per_s",
+               "mean_ttft_ms", "mean_e2el_ms", "mean_step_ms", "mean_block_latency_ms")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -83,9 +93,10 @@ def _ratio(a: float, b: float) -> float | None:
 
 
 def summarize(runs: list[list[Response]], cfg: ModelConfig, max_steps: int, *, weight_bytes: int,
-              peaks: info.Peaks | None, peak_memory: tuple[int, str] | None = None) -> dict:
+              peaks: info.Peaks | None, peak_memory: tuple[int, str] | None = None, spread: bool = True) -> dict:
     """Every figure of DEFINITIONS (quality aside) from the measured responses (answer ids after the
-    max_tokens cut, as every command counts them)."""
+    max_tokens cut, as every command counts them); with `spread`, the min and max of each SPREAD_KEYS
+    figure over the passes (each pass summarised alone)."""
     reqs = [r for run in runs for r in run]
     c = cfg.canvas_length
     d = [r.done for r in reqs]
@@ -155,10 +166,21 @@ def summarize(runs: list[list[Response]], cfg: ModelConfig, max_steps: int, *, w
         row.update({
             "peak_flops_per_s": peaks.flops_per_s, "peak_bytes_per_s": peaks.bytes_per_s,
             "peaks_device": peaks.name, "peaks_source": peaks.source,
+            "peak_flops_range": list(peaks.flops_range) if peaks.flops_range else None,
+            "peak_bytes_range": list(peaks.bytes_range) if peaks.bytes_range else None,
             "flops_utilization": _ratio(row["achieved_flops_per_s"] or 0.0, peaks.flops_per_s),
             "bandwidth_utilization": _ratio(row["achieved_bytes_per_s"] or 0.0, peaks.bytes_per_s),
             "floor_step_ms": floor_s / passes * 1e3, "floor_bound": bound,
             "step_vs_floor": _ratio(denoise_s, floor_s),
         })
+    if spread:
+        passes = [summarize([run], cfg, max_steps, weight_bytes=weight_bytes, peaks=None, spread=False) for run in runs]
+        row["spread"] = {k: _min_max([p[k] for p in passes]) for k in SPREAD_KEYS}
+        row["spread_passes"] = len(runs)
     row["runs_detail"] = [{"output_throughput": t, "requests": len(run)} for t, run in zip(per_run, runs)]
     return row
+
+
+def _min_max(values: list[float | None]) -> list[float] | None:
+    got = [v for v in values if v is not None]
+    return [min(got), max(got)] if got else None

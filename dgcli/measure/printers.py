@@ -63,13 +63,14 @@ def device_name(device: Any) -> str:
 
 def provenance(*, device: Any, dtype: str, model: str, model_name: str, parameters: int, active: int,
                settings: dict, seed: int, prompt_hash: str, label: str | None, metadata: dict,
-               dummy: bool, compiled: bool = False) -> dict:
+               dummy: bool, compiled: bool = False, threads_source: str | None = None) -> dict:
     import torch
 
     return {
         "device": str(device), "device_name": device_name(device), "dtype": dtype,
         "torch": torch.__version__, "triton": _version("triton"), "cuda": torch.version.cuda,
-        "torch_threads": torch.get_num_threads(), "dgemma": __version__, "git_commit": git_commit(),
+        "torch_threads": torch.get_num_threads(), "threads_source": threads_source,
+        "dgemma": __version__, "git_commit": git_commit(),
         "model": model, "model_name": model_name, "model_parameters": parameters,
         "model_active_parameters": active, "dummy_weights": dummy, "settings": settings, "seed": seed,
         "prompt_set_hash": prompt_hash, "label": label, "metadata": metadata,
@@ -116,6 +117,15 @@ def count(n: float) -> str:
     return str(int(n))
 
 
+# Figures that are null when they do not apply (no reference answers): text printers say so.
+NOT_APPLICABLE = ("quality", "exact_match", "quality_metric")
+
+
+def cell(key: str, v: Any) -> str:
+    """`fmt`, except that a figure of NOT_APPLICABLE without a value reads n/a, not '-'."""
+    return "n/a" if v is None and key in NOT_APPLICABLE else fmt(v)
+
+
 def fmt(v: Any) -> str:
     """One cell: ints with no decimals, floats to 4 significant digits, dicts as k:v lists."""
     if v is None:
@@ -128,8 +138,9 @@ def fmt(v: Any) -> str:
         if v != v:
             return "nan"
         return f"{v:.4g}" if abs(v) < 1e6 else f"{v:.4e}"
-    if isinstance(v, dict):
-        return ";".join(f"{k}:{fmt(x)}" for k, x in v.items())
+    if isinstance(v, dict):  # an interval inside (spread) reads [min, max]
+        return ";".join(f"{k}:" + (f"[{', '.join(fmt(y) for y in x)}]" if isinstance(x, list) else fmt(x))
+                        for k, x in v.items())
     if isinstance(v, list):
         return ";".join(fmt(x) for x in v)
     return str(v)
@@ -207,11 +218,11 @@ def to_markdown(rows: list[dict], *, headline: list[str], definitions: dict[str,
     """A headline table (one line per row), then every figure with each row's value and its definition,
     the step histogram(s), and the provenance (shared values once, varying ones per row)."""
     names = [str(r.get("label") or f"row {i + 1}") for i, r in enumerate(rows)]
-    out = [f"## {title}", "", md_table(["label"] + headline, [[n] + [fmt(r.get(k)) for k in headline]
+    out = [f"## {title}", "", md_table(["label"] + headline, [[n] + [cell(k, r.get(k)) for k in headline]
                                                                for n, r in zip(names, rows)])]
     skip = set(skip) | {"provenance", "steps_histogram", "label"}
     keys = [k for k in _columns(rows) if k not in skip and not isinstance(rows[0].get(k), (list,))]
-    body = [[f"`{k}`"] + [fmt(r.get(k)) for r in rows] + [definitions.get(k, "")] for k in keys]
+    body = [[f"`{k}`"] + [cell(k, r.get(k)) for r in rows] + [definitions.get(k, "")] for k in keys]
     out += ["", "### Figures (each with its definition)", "", md_table(["figure"] + names + ["definition"], body)]
     for n, r in zip(names, rows):
         if r.get("steps_histogram"):
@@ -257,8 +268,10 @@ def card_markdown(card: dict) -> str:
               f"last {human(s['last_step_flops'], 'FLOP')}; {s['distinct_experts']:.1f} distinct experts per layer)",
               f"**per commit** (encode one block): {human(c['flops'], 'FLOP')}, {human(c['bytes'], 'B')}; "
               f"**prefill**: {human(pf['flops'], 'FLOP')}, {human(pf['bytes'], 'B')}"]
+    if card.get("threads"):
+        lines += [f"**threads**: {card['threads']['count']} ({card['threads']['source']})"]
     if card["devices"]:
-        body = [[d["name"], human(d["flops_per_s"], "FLOP/s"), human(d["bytes_per_s"], "B/s"),
+        body = [[d["name"], _peak(d, "flops", "FLOP/s"), _peak(d, "bytes", "B/s"),
                  f"{d['floor_step_ms']:.4g} ms ({d['floor_step_bound']})",
                  f"{d['floor_commit_ms']:.4g} ms ({d['floor_commit_bound']})",
                  f"{d['ceiling_canvas_tokens_per_s']:.4g}", d["source"]] for d in card["devices"]]
@@ -267,6 +280,15 @@ def card_markdown(card: dict) -> str:
                             "canvas tok/s ceiling (1 step/block)", "peaks source"], body)]
     lines += ["", f"_{card['conventions']}_"]
     return "\n".join(lines) + "\n"
+
+
+def _peak(d: dict, what: str, unit: str) -> str:
+    """A peak, with the min-max of its repeats when it was measured (the median is the figure)."""
+    text = human(d[f"{what}_per_s"], unit)
+    rng = d.get(f"{what}_range")
+    if rng:
+        text += f" (median of {d.get('repeats')}: {human(rng[0])}-{human(rng[1])})"
+    return text
 
 
 # ---- files ---------------------------------------------------------------------------------------------------

@@ -23,6 +23,8 @@ from typing import Any, Callable
 
 from dgcli.errors import UserError
 from dgcli.measure.grid import parse_grid_values
+# Quality has one definition, in dgcli.measure.quality (bench uses the same); re-exported for callers here.
+from dgcli.measure.quality import agreement, exact_match, pass_exact_match, quality_of  # noqa: F401
 from dgcli.sampling.params import CLI_FLAG, DiffusionEbParams, SettingsError
 
 # Sweepable settings, in table order: preset key -> value type.
@@ -144,23 +146,6 @@ class RowStore:
             os.close(fd)
 
 
-# ---- quality -------------------------------------------------------------------------------------------------
-
-
-def agreement(ids: list[int], reference: list[int]) -> float:
-    """Share of positions with equal ids, over the longer of the two sequences (a length difference counts
-    as disagreement); two empty outputs agree fully."""
-    n = max(len(ids), len(reference))
-    if n == 0:
-        return 1.0
-    return sum(a == b for a, b in zip(ids, reference)) / n
-
-
-def exact_match(text: str, answer: str) -> bool:
-    """The bundled tasks' rule: equal after stripping surrounding whitespace."""
-    return text.strip() == answer.strip()
-
-
 # ---- the frontier ----------------------------------------------------------------------------------------------
 
 
@@ -172,6 +157,30 @@ def pareto_frontier(rows: list[dict], x: str, y: str) -> list[dict]:
     front = [r for r in pts if not any(
         o[x] >= r[x] and o[y] >= r[y] and (o[x] > r[x] or o[y] > r[y]) for o in pts)]
     return sorted(front, key=lambda r: (r[x], r[y]))
+
+
+def interval(row: dict, key: str) -> tuple[float, float] | None:
+    """A figure's (min, max) over the cell's timed passes (`spread`), else its single value twice."""
+    sp = (row.get("spread") or {}).get(key)
+    if isinstance(sp, (list, tuple)) and len(sp) == 2 and all(isinstance(v, (int, float)) for v in sp):
+        return float(sp[0]), float(sp[1])
+    v = row.get(key)
+    return (float(v), float(v)) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _overlap(a: tuple[float, float] | None, b: tuple[float, float] | None) -> bool:
+    return a is not None and b is not None and a[0] <= b[1] and b[0] <= a[1]
+
+
+def frontier_overlaps(front: list[dict], x: str, y: str) -> dict[str, list[dict]]:
+    """For each frontier row (by cell_key), the other frontier rows whose x or y interval overlaps its own:
+    on that figure the passes do not separate the two, so which of them belongs on the frontier may be
+    noise (more --runs or --seeds narrow the intervals)."""
+    out: dict[str, list[dict]] = {}
+    for r in front:
+        out[r["cell_key"]] = [o["cell"] for o in front if o is not r and (
+            _overlap(interval(r, x), interval(o, x)) or _overlap(interval(r, y), interval(o, y)))]
+    return out
 
 
 # ---- the plot --------------------------------------------------------------------------------------------------
@@ -277,10 +286,6 @@ def cell_label(row: dict, keys: list[str]) -> str:
     return " ".join(f"{short.get(k, k)}={row.get('cell', {}).get(k)}" for k in keys) or "base"
 
 
-def quality_of(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
-
-
 # ---- running: the reference outputs and one cell, through dgcli.measure.bench (the request API) ----------
 
 
@@ -315,24 +320,28 @@ def run_cell(s: Any, cell: Cell, plist: list, source: str, seeds: list[int], run
 
     session = dataclasses.replace(s, num_blocks=blocks_for(cell.params, s.resolved.run.max_tokens, s.config.canvas_length))
     name = cell_label({"cell": cell.values}, list(cell.values))
-    all_runs, scores = [], []
+    all_runs, scores, per_pass = [], [], []
     memory.start()
     for seed in seeds:
         params = cell.params.replace(seed=seed)
         for run in b.measure(session, plist, params, runs=runs, warmup=0, ignore_eos=ignore,
                              progress=lambda t: progress(f"{name} seed {seed}: {t}")):
             all_runs.append(run)
-            for i, (p, req) in enumerate(zip(plist, run)):
-                if metric == "agreement":
-                    scores.append(agreement(req.token_ids, reference[i]))
-                elif p.answer is not None:
-                    scores.append(float(exact_match(req.text, p.answer)))
+            if metric == "agreement":
+                got = [agreement(req.token_ids, reference[i]) for i, req in enumerate(run)]
+            else:
+                got = pass_exact_match(plist, run)
+            scores += got
+            if got:
+                per_pass.append(quality_of(got))
     summary = metrics.summarize(all_runs, session.config, cell.params.max_denoising_steps,
                                 weight_bytes=b.weight_bytes(session), peaks=peaks, peak_memory=memory.read())
     row = b.make_row(session, prompts=plist, prompt_source=source,
                      params=cell.params, runs_done=runs, runs_asked=runs, warmup=0, ignore_eos=ignore,
                      summary=summary, label=label, metadata=meta, kind="cell")
     q = quality_of(scores)
+    if per_pass:
+        row["spread"]["quality"] = [min(per_pass), max(per_pass)]
     row.update({"seeds": seeds, "quality_metric": metric, "quality": q, metric: q, "cell": cell.values,
                 "cell_key": cell.key, "sweep_fingerprint": fp})
     return row

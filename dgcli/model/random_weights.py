@@ -29,6 +29,15 @@ REFERENCE_GENERATION_CONFIG = {
     "max_new_tokens": 256, "eos_token_id": [1, 106, 50], "pad_token_id": 0,
 }
 
+
+
+def reference_generation_config(canvas_length: int) -> dict:
+    """The released generation_config.json with its budget kept at one canvas, as released (256 new
+    tokens on the 256-token canvas): so a random checkpoint of an 8- or 16-token canvas generates one
+    block by default too, not 256 / 8 = 32 of them."""
+    return {**REFERENCE_GENERATION_CONFIG, "max_new_tokens": int(canvas_length)}
+
+
 TINY_VISION = {  # a tiny vision_config, so transformers does not build a full-size tower
     "model_type": "gemma4_vision", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
     "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8, "global_head_dim": 8,
@@ -90,7 +99,7 @@ def write_checkpoint(model: DiffusionGemma, out_dir: str | Path, cfg_dict: dict,
     state = checkpoint_state(model)
     cfg_dict = dict(cfg_dict, dtype=str(model.embed_weight.dtype).removeprefix("torch."))
     (out / "config.json").write_text(json.dumps(cfg_dict, indent=2, sort_keys=True))
-    gen = generation_config if generation_config is not None else REFERENCE_GENERATION_CONFIG
+    gen = generation_config if generation_config is not None else reference_generation_config(cfg_dict["canvas_length"])
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True))
     if shards <= 1:
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})

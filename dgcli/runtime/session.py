@@ -2,8 +2,8 @@
 model and its tokenizer — from a checkpoint, or as random weights from a config (`--dummy`).
 
 Owns: `Session` and `open_session` / `open_dummy_session`, device/dtype choice (and the settings saying
-which ran), the bundled-model default, thread count for small CPU models, `--compile`, and the memory
-preflight of dummy models. Must not: run
+which ran), the bundled-model default, the one thread rule every command uses (`thread_rule`), `--compile`,
+and the memory preflight of dummy models. Must not: run
 the sampler, tokenise prompts (runtime/request.py does) or print.
 """
 
@@ -56,6 +56,8 @@ class Session:
     name: str = ""  # what rows and cards call the model
     dummy: bool = False  # random weights (fixed work forced)
     compiled: bool = False  # --compile: decoder and vocabulary tiles through torch.compile
+    threads: int = 0  # torch intra-op threads the run uses (`thread_rule`)
+    threads_source: str = ""  # why: the --threads flag, OMP_NUM_THREADS, or the rule
 
     @property
     def params(self):
@@ -70,18 +72,40 @@ class Session:
         return str(self.model.embed_weight.dtype).removeprefix("torch.")
 
 
-# Below this size a CPU model runs on one thread (see `fit_threads`).
+# Below this size a CPU model runs on one thread (see `thread_rule`).
 SMALL_MODEL_PARAMS = 50_000_000
+TORCH_DEFAULT_THREADS = torch.get_num_threads()  # torch's own choice at start-up (the cores), before dgemma's
 
 
-def fit_threads(model: Any, device: torch.device) -> None:
-    """Small models on CPU run on one thread: their ops are too small to split, and when other cores
-    are busy, intra-op threads wait on each other (measured on this 2-core machine with one core busy:
-    the bundled 3.7 M-parameter model took 8.6 ms per denoising step on 1 thread, 1375 ms on 2).
-    An explicit OMP_NUM_THREADS is respected."""
-    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        if sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS:
-            torch.set_num_threads(1)
+def thread_rule(parameters: int, device_type: str, flag: int | None = None) -> tuple[int, str]:
+    """(threads, source): the one rule generate, watch, bench, sweep and info follow.
+
+    `--threads N` wins; else an explicit OMP_NUM_THREADS; else a CPU model under 50 M parameters runs on
+    one thread and everything else on torch's default (one per core). Why one thread for small models:
+    their ops are too small to split, so a second thread gains nothing on an idle machine, and when another
+    process holds a core the threads wait on each other at every op (measured on this 2-core machine with
+    the bundled 3.7 M-parameter model: 8.9-9.7 ms per denoising step on 1 thread, 8.4-10 ms on 2 when idle
+    but one pass at 425 ms; with one core busy 14-20 ms on 1 thread, 19-70 ms on 2). info uses the
+    same rule for the model it describes, so its measured peaks are those a run of that model gets."""
+    if flag is not None:
+        if flag < 1:
+            raise UserError(f"--threads {flag}: must be >= 1 (leave it out for the rule: 1 thread for a small CPU model, else one per core)")
+        return flag, f"flag: --threads {flag}"
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) >= 1:
+        return int(env), f"env: OMP_NUM_THREADS={env}"
+    if device_type == "cpu" and parameters < SMALL_MODEL_PARAMS:
+        return 1, f"rule: a CPU model under {SMALL_MODEL_PARAMS // 1_000_000} M parameters runs on 1 thread"
+    return TORCH_DEFAULT_THREADS, f"rule: torch's default, one per core ({TORCH_DEFAULT_THREADS})"
+
+
+def set_threads(cfg: ModelConfig, device: torch.device, flag: int | None) -> tuple[int, str]:
+    """Apply `thread_rule` for a model of `cfg` on `device` (before loading: loading uses threads too)."""
+    from dgcli.measure.card import param_counts
+
+    n, source = thread_rule(param_counts(cfg)["total"], device.type, flag)
+    torch.set_num_threads(n)
+    return n, source
 
 
 def compile_decoder(model: Any) -> None:
@@ -101,10 +125,9 @@ def resolve_for(model: str | None, preset: str | None, flags: dict) -> tuple[Pat
 
 
 def _session(path: Path, m: Any, tokenizer: Any, resolved: Resolved, gen: dict | None, device: torch.device, *,
-             compile: bool, name: str, dummy: bool = False) -> Session:
-    """The part both kinds of session share: threads, --compile, stop ids (generation_config.json, else the
+             compile: bool, name: str, threads: tuple[int, str], dummy: bool = False) -> Session:
+    """The part both kinds of session share: --compile, stop ids (generation_config.json, else the
     config's, else the tokenizer's), the block count, and the settings as they ran."""
-    fit_threads(m, device)
     if compile:
         compile_decoder(m)
     cfg = m.config
@@ -113,7 +136,7 @@ def _session(path: Path, m: Any, tokenizer: Any, resolved: Resolved, gen: dict |
         stop_ids = list(tokenizer.stop_ids)
     num_blocks = blocks_for(resolved.params, resolved.run.max_tokens, cfg.canvas_length)
     return Session(path, cfg, m, tokenizer, ran_with(resolved, m), device, stop_ids, num_blocks, name=name,
-                   dummy=dummy, compiled=compile)
+                   dummy=dummy, compiled=compile, threads=threads[0], threads_source=threads[1])
 
 
 def ran_with(resolved: Resolved, model: Any) -> Resolved:
@@ -126,22 +149,24 @@ def ran_with(resolved: Resolved, model: Any) -> Resolved:
 
 
 def open_session(model: str | None, preset: str | None, flags: dict, *, need_tokenizer: bool = True,
-                 compile: bool = False) -> Session:
+                 compile: bool = False, threads: int | None = None) -> Session:
+    """A checkpoint with its tokenizer and resolved settings; `threads` is `--threads` (None: the rule)."""
     from dgcli.model.loader import load_model, resolve_dtype
     from dgcli.text.tokenizer import load_tokenizer
 
     path, cfg, gen, resolved = resolve_for(model, preset, flags)
     device = pick_device(resolved.run.device)
     dtype = resolve_dtype(resolved.run.dtype)  # auto: the checkpoint's own dtype
+    n_threads = set_threads(cfg, device, threads)
     tokenizer = None
     if need_tokenizer or (path / "tokenizer.json").exists():
         tokenizer = load_tokenizer(path)
     m = load_model(path, device=device, dtype=dtype)
-    return _session(path, m, tokenizer, resolved, gen, device, compile=compile, name=path.name)
+    return _session(path, m, tokenizer, resolved, gen, device, compile=compile, name=path.name, threads=n_threads)
 
 
 def open_dummy_session(spec: str, layers: int | None, preset: str | None, flags: dict, *,
-                       warn: Callable[[str], None], compile: bool = False) -> Session:
+                       warn: Callable[[str], None], compile: bool = False, threads: int | None = None) -> Session:
     """Random weights for a config (`--dummy`), built directly on the device (nothing read but the config).
     Random weights never converge, so fixed-work mode is forced (confidence_threshold 0), and said."""
     from dgcli.model.config import real_config_path
@@ -155,23 +180,25 @@ def open_dummy_session(spec: str, layers: int | None, preset: str | None, flags:
     device = pick_device(resolved.run.device)
     dt = resolved.run.dtype if resolved.run.dtype != "auto" else str(raw.get("dtype") or "bfloat16")
     dtype = resolve_dtype(dt if dt in ("bfloat16", "float32", "float16") else "bfloat16")
-    preflight(parse_config(raw), torch.tensor([], dtype=dtype).element_size(), device, spec=spec)
+    cfg = parse_config(raw)
+    n_threads = set_threads(cfg, device, threads)
+    preflight(cfg, torch.tensor([], dtype=dtype).element_size(), device, spec=spec)
     m = random_model(raw, seed=resolved.params.seed, dtype=dtype, device=device)
     source = Path(spec) if Path(spec).exists() else real_config_path()
     name = name if name.lower().startswith("dummy") else f"dummy {name}"
-    return _session(source, m, None, resolved, gen, device, compile=compile, name=name, dummy=True)
+    return _session(source, m, None, resolved, gen, device, compile=compile, name=name, threads=n_threads, dummy=True)
 
 
 def open_any(model: str | None, dummy: str | None, layers: int | None, preset: str | None, flags: dict, *,
-             warn: Callable[[str], None], compile: bool = False) -> Session:
+             warn: Callable[[str], None], compile: bool = False, threads: int | None = None) -> Session:
     """bench and sweep: a checkpoint (tokenizer optional) or `--dummy` weights, never both."""
     if dummy is None:
         if layers is not None:
             raise UserError("--layers shrinks a --dummy config; it does not apply to a checkpoint")
-        return open_session(model, preset, flags, need_tokenizer=False, compile=compile)
+        return open_session(model, preset, flags, need_tokenizer=False, compile=compile, threads=threads)
     if model is not None:
         raise UserError("give either --model (a checkpoint) or --dummy CONFIG (random weights), not both")
-    return open_dummy_session(dummy, layers, preset, flags, warn=warn, compile=compile)
+    return open_dummy_session(dummy, layers, preset, flags, warn=warn, compile=compile, threads=threads)
 
 
 def preflight(cfg: ModelConfig, weight_bytes: int, device: Any, *, spec: str) -> None:

@@ -38,7 +38,9 @@ class RunSettings:
 
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | bfloat16 | float32
-    # None = the checkpoint's max_new_tokens, else one canvas; `example` is what a hint suggests instead.
+    # The token budget: answers are cut there and, while max_blocks is 0, it sets the block count. Resolved
+    # from the checkpoint's max_new_tokens < preset < --max-tokens; None = no budget (one block, no cut).
+    # `example` is what a hint suggests instead.
     max_tokens: int | None = field(default=None, metadata={"example": 256})
     # Path of a prompt file (relative paths in a preset: to the preset's folder).
     prompt_set: str | None = field(default=None, metadata={"what": "the path of a prompt file"})
@@ -183,6 +185,8 @@ class Resolved:
     run: RunSettings
     sources: dict[str, Source]
     preset: str | None = None  # path of the preset file used, if any
+    # (tokens, source) of a budget a higher-ranked max_blocks lifted (see `resolve`), for `blocks` to say so.
+    lifted_budget: tuple[int, Source] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready: {"params": {...}, "run": {...}, "sources": {...}, "preset": path|None}."""
@@ -193,14 +197,35 @@ class Resolved:
             "preset": self.preset,
         }
 
-    def describe(self) -> str:
-        """A plain-text table (key, value, source) for `--show-config`."""
+    def blocks(self, canvas_length: int) -> dict[str, Any]:
+        """The block count a run of these settings uses on a canvas of `canvas_length`, where it came from
+        and the rule in words: {"value": 4, "source": "checkpoint", "rule": "ceil(max_tokens 64 / canvas 16)"}."""
+        n = blocks_for(self.params, self.run.max_tokens, canvas_length)
+        if self.params.max_blocks > 0:
+            rule = f"max_blocks {n}"
+            if self.lifted_budget:
+                rule += f" (outranks the {self.lifted_budget[1]}'s {self.lifted_budget[0]}-token budget, which no longer cuts)"
+            return {"value": n, "source": self.sources["max_blocks"], "rule": rule}
+        if self.run.max_tokens is None:
+            return {"value": n, "source": "default", "rule": "no token budget anywhere: one canvas"}
+        rule = f"ceil(max_tokens {self.run.max_tokens} / canvas {canvas_length})"
+        return {"value": n, "source": self.sources["max_tokens"], "rule": rule}
+
+    def describe(self, canvas_length: int | None = None) -> str:
+        """A plain-text table (key, value, source) for `--show-config`; with the canvas length, a last row
+        gives the block count the run will use and why."""
         values = {**dataclasses.asdict(self.params), **dataclasses.asdict(self.run)}
         shown = {k: "(none)" if v is None else str(v).lower() if isinstance(v, bool) else str(v) for k, v in values.items()}
+        srcs = dict(self.sources)
+        keys = list(ALL_KEYS)
+        if canvas_length is not None:
+            b = self.blocks(canvas_length)
+            shown["blocks"], srcs["blocks"] = str(b["value"]), f"{b['source']}: {b['rule']}"
+            keys.append("blocks")
         kw = max(len("key"), *(len(k) for k in shown))
         vw = max(len("value"), *(len(v) for v in shown.values()))
         lines = [f"{'key':<{kw}}  {'value':<{vw}}  source", f"{'-' * kw}  {'-' * vw}  ------"]
-        lines += [f"{k:<{kw}}  {shown[k]:<{vw}}  {self.sources[k]}" for k in ALL_KEYS]
+        lines += [f"{k:<{kw}}  {shown[k]:<{vw}}  {srcs[k]}" for k in keys]
         if self.preset:
             lines.append(f"preset: {self.preset}")
         return "\n".join(lines)
@@ -249,6 +274,17 @@ def resolve(generation_config: dict[str, Any] | None, preset: str | None, flags:
         key, value, origin = wrong_type[0]
         coerce(owner[key], key, value, origin, current=values)  # raises the SettingsError again, with that hint
 
+    # A block count from a higher layer than the token budget wins over it whole: `--blocks 8` on a checkpoint
+    # whose max_new_tokens is 64 means 8 canvases of answer, not 8 canvases cut at 64 tokens. A budget from
+    # the same layer or above (--blocks 8 --max-tokens 50) still cuts.
+    lifted = None
+    rank = {"default": 0, "checkpoint": 1, "preset": 2, "flag": 3}
+    blocks = values["max_blocks"]
+    if (isinstance(blocks, int) and blocks > 0 and values["max_tokens"] is not None
+            and rank[sources["max_blocks"]] > rank[sources["max_tokens"]]):
+        lifted = (values["max_tokens"], sources["max_tokens"])
+        values["max_tokens"], sources["max_tokens"] = None, sources["max_blocks"]
+
     try:
         params = DiffusionEbParams(**{k: values[k] for k in PARAM_KEYS})
         params.validate()
@@ -257,16 +293,17 @@ def resolve(generation_config: dict[str, Any] | None, preset: str | None, flags:
     except SettingsError as e:
         where = ", ".join(f"{k} from {origins.get(k, 'unknown')}" for k in e.keys)
         raise SettingsError(e.key, f"{e} [{where}]", also=e.keys[1:]) from None
-    return Resolved(params=params, run=run, sources=sources, preset=preset_path)
+    return Resolved(params=params, run=run, sources=sources, preset=preset_path, lifted_budget=lifted)
 
 
 def blocks_for(params: DiffusionEbParams, max_tokens: int | None, canvas_length: int) -> int:
-    """How many blocks (canvases) to generate.
+    """How many blocks (canvases) to generate, following the settings' precedence.
 
-    `params.max_blocks` when it is > 0 (the default, 1, is one canvas whatever max_tokens says);
-    when it is 0, `ceil(max_tokens / canvas_length)` — HF's rule (spec §7.1: 256 new tokens on a
-    256 canvas = 1 block). `max_tokens` should be the resolved `RunSettings.max_tokens`, which
-    defaults to the checkpoint's `max_new_tokens`; None means one canvas, i.e. 1 block.
+    `params.max_blocks` when it is > 0 (only a preset, a flag or a request sets it: the built-in default is
+    0); when it is 0, `ceil(max_tokens / canvas_length)`: HF's rule (spec §7.1: 256 new tokens on a 256
+    canvas = 1 block). `max_tokens` is the resolved `RunSettings.max_tokens`, the checkpoint's
+    `max_new_tokens` unless a preset or `--max-tokens` says otherwise; None (no budget anywhere) means
+    one canvas, i.e. 1 block. `Resolved.blocks` says which of these applied.
     """
     if canvas_length < 1:
         raise ValueError(f"canvas_length must be >= 1, got {canvas_length}")
@@ -279,3 +316,7 @@ def blocks_for(params: DiffusionEbParams, max_tokens: int | None, canvas_length:
     return -(-max_tokens // canvas_length)
 
 
+def token_budget(max_tokens: int | None, num_blocks: int, canvas_length: int) -> int:
+    """The most answer tokens a run can give: its blocks' canvases, cut at max_tokens when that is lower."""
+    room = num_blocks * canvas_length
+    return room if max_tokens is None else min(max_tokens, room)

@@ -228,7 +228,9 @@ class DiffusionEbParams:
     stability_threshold: int = 1  # previous argmax canvases that must equal the current one
     confidence_threshold: float = 0.005  # mean entropy must be below this to stop; 0 = fixed work
     seed: int = 0
-    max_blocks: int = 1  # 0 = derive from max_tokens (see `blocks_for`)
+    # 0 = as many blocks as the token budget needs (the checkpoint's max_new_tokens, a preset's or the
+    # --max-tokens flag), one block without a budget; > 0 (a preset or flag) wins. See `blocks_for`.
+    max_blocks: int = 0
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], origin: str = "") -> DiffusionEbParams:

@@ -59,8 +59,12 @@ def test_defaults_written_one_way(args):
 def test_sampler_defaults_stay_visible():
     text = " ".join(help_text("generate", width=1000).split())
     for flag, default in (("--diffusion-steps", "48"), ("--t-min", "0.4"), ("--t-max", "0.8"),
-                          ("--entropy-bound", "0.1"), ("--confidence-threshold", "0.005"), ("--blocks", "1")):
+                          ("--entropy-bound", "0.1"), ("--confidence-threshold", "0.005")):
         assert re.search(re.escape(flag) + r"[^\[]*\[default: " + re.escape(default) + r", or the checkpoint's\]", text), flag
+    # The block count follows the token budget (issue 14): the help says so, and names --max-tokens.
+    assert re.search(r"--blocks[^\[]*\[default: ceil\(token budget / canvas\): the checkpoint's max_new_tokens or "
+                     r"--max-tokens; 1 without a budget\]", text)
+    assert re.search(r"--threads[^\[]*\[default: OMP_NUM_THREADS if set, else 1 for a CPU model under 50 M", text)
 
 
 @pytest.mark.parametrize("width", [80, 60])

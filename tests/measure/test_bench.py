@@ -26,7 +26,7 @@ from dgcli.sampling.events import Done
 from hf_oracle import CLI_CANVAS as C
 from hf_oracle import F, S
 from hf_oracle import CLI_TEXT as TEXT
-QUALITY = ("quality", "exact_match", "agreement")
+QUALITY = ("quality", "exact_match", "agreement", "quality_metric", "answered_prompts")
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,8 @@ def test_json_has_every_figure_with_sane_fixed_work_values(doc, ckpt):
     row = doc["rows"][0]
     missing = [k for k in metrics.DEFINITIONS if k not in row and k not in QUALITY
                and k not in ("peak_flops_per_s", "peak_bytes_per_s", "flops_utilization", "bandwidth_utilization",
-                             "floor_step_ms", "floor_bound", "step_vs_floor")]  # need peaks: checked below
+                             "floor_step_ms", "floor_bound", "step_vs_floor", "peak_flops_range",
+                             "peak_bytes_range")]  # need peaks: checked below
     assert not missing
     assert set(doc["definitions"]) == set(metrics.DEFINITIONS)
     # Fixed work: every block runs the cap; --ignore-eos: every request runs both blocks.
@@ -115,7 +116,7 @@ def test_printers_render_the_same_record(doc):
     for k, v in row.items():
         if k in ("provenance", "steps_histogram", "label", "runs_detail"):
             continue
-        assert f"| {report.fmt(v)} |" in lines[f"`{k}`"], k
+        assert f"| {report.cell(k, v)} |" in lines[f"`{k}`"], k
         assert metrics.DEFINITIONS.get(k, "") in lines[f"`{k}`"]
     assert "3 steps |" in md and "git_commit" in md
 

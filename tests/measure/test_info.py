@@ -106,7 +106,7 @@ def test_step_flops_equal_torchs_flop_counter_on_a_real_decoder_step(monkeypatch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    from dgcli.sampling.loop import _denoise_step
+    from dgcli.sampling.rules import denoise_step as _denoise_step
     from dgcli.sampling.params import DiffusionEbParams
 
     monkeypatch.setenv("DGEMMA_KERNELS", "reference")
@@ -116,10 +116,11 @@ def test_step_flops_equal_torchs_flop_counter_on_a_real_decoder_step(monkeypatch
     model.encode(torch.randint(0, 96, (1, P)), cache)
     canvas = torch.randint(0, 96, (1, 8))
     hist, gen = torch.full((1, 1, 8), -1), torch.Generator().manual_seed(0)
+    uniform, noise = torch.rand(1, 8, generator=gen), torch.randint(0, 96, (1, 8), generator=gen)  # the step's draws
     for sc, soft in [(False, True), (True, True), (True, False)]:
         with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
             _denoise_step(model, canvas, cache, torch.zeros(1, 8, 32) if sc else None, torch.tensor(0.7), hist,
-                          DiffusionEbParams(), gen, want_soft=soft, compile_tiles=False)
+                          DiffusionEbParams(), uniform, noise, want_soft=soft, compile_tiles=False)
         assert fc.get_total_flops() == info.step_cost(cfg, P, self_cond=sc, soft=soft).flops
     # Encoder: the projections and feed-forward are all matmuls the counter sees (masked attention on
     # CPU goes through a fused kernel it does not count), so compare everything but attention.

@@ -15,6 +15,7 @@ import xml.etree.ElementTree as ET
 import pytest
 from typer.testing import CliRunner
 
+from dgcli.measure import metrics
 from dgcli.measure import sweep as sw
 from dgcli.errors import UserError
 from dgcli.sampling.params import DiffusionEbParams
@@ -44,7 +45,8 @@ def cells_in(path):
 def test_interrupted_sweep_resumes_with_each_cell_once(ckpt, tmp_path):
     out = tmp_path / "s.jsonl"
     args = ["--model", str(ckpt), "--random-prompts", "--num-prompts", "2", "--random-input-len", "8",
-            "--diffusion-steps", "4-24+2", "--blocks", "2", "--warmup", "0", "--no-measure-peaks", "-o", str(out)]
+            "--diffusion-steps", "4-24+2", "--blocks", "2", "--warmup", "0", "--runs", "1", "--no-measure-peaks",
+            "-o", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", DGEMMA_DEBUG="")
     proc = subprocess.Popen([sys.executable, "-c", "from dgcli.cli import main; main()", "sweep", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -150,7 +152,7 @@ def test_exact_match_quality_from_answers(ckpt, tmp_path):
                  + json.dumps({"prompt": "jumps over", "answer": said + " not this"}) + "\n")
     out = tmp_path / "q.jsonl"
     cli("--model", str(ckpt), "--prompts", str(f), "--diffusion-steps", "3,4", "--blocks", "1", "--warmup", "0",
-        "--no-measure-peaks", "-o", str(out), "--plot", str(tmp_path / "p.svg"))
+        "--runs", "1", "--no-measure-peaks", "-o", str(out), "--plot", str(tmp_path / "p.svg"))
     rows = {r["cell"]["max_denoising_steps"]: r for r in cells_in(out)}
     assert rows[3]["quality_metric"] == "exact_match" and rows[3]["exact_match"] == 0.5
     assert 0 <= rows[4]["quality"] <= 0.5
@@ -161,7 +163,7 @@ def test_exact_match_quality_from_answers(ckpt, tmp_path):
 def test_resume_refuses_a_different_sweep(ckpt, tmp_path):
     out = tmp_path / "d.jsonl"
     base = ["--model", str(ckpt), "--random-prompts", "--num-prompts", "1", "--random-input-len", "4",
-            "--diffusion-steps", "2,3", "--warmup", "0", "--no-measure-peaks", "-o", str(out)]
+            "--diffusion-steps", "2,3", "--warmup", "0", "--runs", "1", "--no-measure-peaks", "-o", str(out)]
     cli(*base)
     from dgcli.cli import app
 
@@ -182,3 +184,61 @@ def test_svg_frontier_plot(tmp_path):
     assert len(poly) == 1 and len(poly[0].get("points").split()) == len(front) == 4  # 48 is dominated by 32
     with pytest.raises(UserError, match=".svg or .png"):
         sw.write_plot(tmp_path / "f.pdf", rows, front, "v", "quality", title="t", label=str)
+
+
+# ---- spread per cell and overlapping frontier points (issue 14, item 3) ------------------------------------
+
+
+def _row(key, speed, lo, hi, q, qlo=None, qhi=None):
+    return {"cell": {"max_denoising_steps": key}, "cell_key": str(key), "v": speed, "quality": q,
+            "spread": {"v": [lo, hi], "quality": [q if qlo is None else qlo, q if qhi is None else qhi]}}
+
+
+def test_frontier_points_whose_intervals_overlap_are_marked():
+    rows = [_row(8, 300, 290, 310, 0.80), _row(16, 250, 240, 295, 0.90),  # 16's speed reaches into 8's
+            _row(32, 150, 140, 160, 0.95), _row(48, 100, 95, 105, 0.96, 0.95, 0.97)]  # quality ties 32's
+    front = sw.pareto_frontier(rows, "v", "quality")
+    assert [r["cell_key"] for r in front] == ["48", "32", "16", "8"]
+    over = sw.frontier_overlaps(front, "v", "quality")
+    assert over["8"] == [{"max_denoising_steps": 16}] and over["16"] == [{"max_denoising_steps": 8}]
+    assert over["32"] == [{"max_denoising_steps": 48}] and over["48"] == [{"max_denoising_steps": 32}]
+    apart = [_row(8, 300, 290, 310, 0.80), _row(32, 150, 140, 160, 0.95)]
+    assert sw.frontier_overlaps(sw.pareto_frontier(apart, "v", "quality"), "v", "quality") == {"8": [], "32": []}
+    # A row without a spread counts as the point it is.
+    assert sw.interval({"v": 3.0}, "v") == (3.0, 3.0) and sw.interval({}, "v") is None
+
+
+def test_sweep_text_marks_overlaps(capsys):
+    from dgcli.cli.sweep import _finish
+
+    rows = [dict(_row(8, 300, 290, 310, 0.80), kind="cell"), dict(_row(16, 250, 240, 295, 0.90), kind="cell"),
+            dict(_row(32, 150, 140, 160, 0.95), kind="cell")]
+    for r in rows:
+        r["spread_passes"] = 3
+    cells = [sw.Cell(r["cell"], DiffusionEbParams(), r["cell_key"]) for r in rows]
+    _finish(rows, cells, {"max_denoising_steps": [8, 16, 32]}, "v", None, "md", {}, "f.jsonl")
+    out = capsys.readouterr().out
+    assert "| v [min, max] | quality [min, max] |" in out
+    assert "| steps=8 | 8 | 300 [290, 310] | 0.8 [0.8, 0.8] |" in out and out.count("| *~ |") == 2
+    assert "- steps=16: v 250 [240, 295], quality 0.9 [0.9, 0.9] ~ overlaps steps=8" in out
+    assert "- steps=32: v 150 [140, 160], quality 0.95 [0.95, 0.95]\n" in out
+    head = json.loads(out.strip().splitlines()[-1])
+    assert [f["overlaps"] for f in head["frontier"]] == [[], [{"max_denoising_steps": 8}], [{"max_denoising_steps": 16}]]
+    assert head["frontier"][0]["v_interval"] == [140, 160]
+
+
+def test_each_cell_has_a_spread_over_seeds_and_runs(ckpt, tmp_path):
+    out = tmp_path / "r.jsonl"
+    r = cli("--model", str(ckpt), "--random-prompts", "--num-prompts", "1", "--random-input-len", "4",
+            "--diffusion-steps", "2,3", "--seeds", "0,1", "--runs", "2", "--warmup", "0", "--no-measure-peaks",
+            "-o", str(out))
+    rows = cells_in(out)
+    assert len(rows) == 2
+    for row in rows:
+        assert row["spread_passes"] == 4 and row["runs"] == 2 and row["seeds"] == [0, 1]
+        lo, hi = row["spread"]["output_throughput"]
+        assert lo <= row["output_throughput"] <= hi
+        assert set(metrics.SPREAD_KEYS) | {"quality"} == set(row["spread"])
+        qlo, qhi = row["spread"]["quality"]  # agreement per pass, against the reference setting
+        assert 0 <= qlo <= row["quality"] <= qhi <= 1
+    assert "output_throughput [min, max]" in r.stdout and "over each cell's 4 timed passes" in r.stdout

@@ -133,7 +133,7 @@ def test_live_view_in_tmux_shows_frames_follows_resize_and_leaves_the_answer(ckp
     # Committed blocks stay above as plain text under their last status line; then the answer.
     assert "block 1/2 · step 6/6" in screen and "stopped: step cap" in screen
     before_end = screen[: screen.index("__END_0__")]
-    body = before_end[: before_end.rindex("dgemma: note: the answer hit")]
+    body = before_end[: before_end.rindex("dgemma: note: the answer ended at the")]
     assert _alnum(body).endswith(_alnum(answer)), (answer, screen)
     assert term.cursor_visible()
 

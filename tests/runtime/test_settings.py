@@ -61,7 +61,10 @@ def write_preset(tmp_path: Path, text: str, name: str = "p.yaml") -> str:
 def test_defaults_match_product_table():
     p = DiffusionEbParams()
     assert (p.max_denoising_steps, p.t_min, p.t_max, p.entropy_bound) == (48, 0.4, 0.8, 0.1)
-    assert (p.stability_threshold, p.confidence_threshold, p.seed, p.max_blocks) == (1, 0.005, 0, 1)
+    # max_blocks: the built-in is 0 = "from the token budget", which is 1 block when there is no budget
+    # anywhere (PRODUCT.md's "1"), and ceil(max_new_tokens / canvas) for a checkpoint that has one (issue 14).
+    assert (p.stability_threshold, p.confidence_threshold, p.seed, p.max_blocks) == (1, 0.005, 0, 0)
+    assert blocks_for(p, None, 256) == 1
     r = RunSettings()
     assert (r.device, r.dtype, r.max_tokens, r.prompt_set, r.thinking) == ("auto", "auto", None, None, False)
     p.validate()
@@ -128,7 +131,7 @@ def test_flags_override_preset_and_none_means_not_given(tmp_path):
     assert r.run.dtype == "bfloat16" and r.sources["dtype"] == "flag"
     assert r.params.seed == 7 and r.sources["seed"] == "flag"
     assert r.params.t_max == 0.7 and r.sources["t_max"] == "preset"  # None flag did not override
-    assert r.params.max_blocks == 1 and r.sources["max_blocks"] == "default"
+    assert r.params.max_blocks == 0 and r.sources["max_blocks"] == "default"
 
 
 def test_flag_overrides_checkpoint_and_default_without_preset():
@@ -416,7 +419,8 @@ def test_stop_ids():
 
 def test_blocks_for():
     p = DiffusionEbParams()
-    assert blocks_for(p, 1000, 256) == 1  # max_blocks=1 wins over max_tokens
+    assert blocks_for(p, 1000, 256) == 4  # the built-in derives from the budget
+    assert blocks_for(p.replace(max_blocks=1), 1000, 256) == 1  # a preset's or flag's max_blocks wins
     assert blocks_for(p.replace(max_blocks=3), None, 256) == 3
     derive = p.replace(max_blocks=0)
     assert blocks_for(derive, 256, 256) == 1
@@ -500,3 +504,31 @@ def test_temperature_rule_is_the_references(t_min, t_max):
     except UserError:
         ours = False
     assert ours == theirs
+
+
+def test_block_count_follows_the_precedence(tmp_path):
+    """Issue 14, item 1: built-in < checkpoint < preset < flags for the block count too. The checkpoint's
+    max_new_tokens sets it (the built-in "1 block" no longer wins over it); a preset's or a flag's
+    max_blocks, or a preset's or flag's max_tokens, beats the checkpoint; no budget anywhere is 1 block."""
+    gen = {**REAL_GEN, "max_new_tokens": 64}
+    b = resolve(gen, None, {}).blocks(16)
+    assert b == {"value": 4, "source": "checkpoint", "rule": "ceil(max_tokens 64 / canvas 16)"}
+    assert resolve(None, None, {}).blocks(16) == {"value": 1, "source": "default", "rule": "no token budget anywhere: one canvas"}
+    preset = write_preset(tmp_path, "max_blocks: 2\n")
+    assert resolve(gen, preset, {}).blocks(16)["value"] == 2 and resolve(gen, preset, {}).blocks(16)["source"] == "preset"
+    budget = write_preset(tmp_path, "max_tokens: 40\n", "b.yaml")
+    assert resolve(gen, budget, {}).blocks(16) == {"value": 3, "source": "preset", "rule": "ceil(max_tokens 40 / canvas 16)"}
+    assert resolve(gen, preset, {"max_blocks": 6}).blocks(16)["value"] == 6  # a flag beats the preset
+    assert resolve(gen, preset, {"max_blocks": 0, "max_tokens": 20}).blocks(16) == {  # --max-tokens alone
+        "value": 2, "source": "flag", "rule": "ceil(max_tokens 20 / canvas 16)"}
+    # A block count from a higher layer wins whole: the checkpoint's budget no longer cuts its answers;
+    # a budget from the same layer (--blocks 8 --max-tokens 50) still does.
+    lifted = resolve(gen, None, {"max_blocks": 8})
+    assert lifted.run.max_tokens is None and lifted.lifted_budget == (64, "checkpoint")
+    assert lifted.blocks(16)["rule"] == "max_blocks 8 (outranks the checkpoint's 64-token budget, which no longer cuts)"
+    both = resolve(gen, None, {"max_blocks": 8, "max_tokens": 50})
+    assert both.run.max_tokens == 50 and both.lifted_budget is None and both.blocks(16)["value"] == 8
+    table = resolve(gen, None, {}).describe(16)
+    assert table.splitlines()[-1].split() == ["blocks", "4", "checkpoint:", "ceil(max_tokens", "64", "/", "canvas", "16)"]
+    # The shipped default preset pins the reference sampler values but not a block count: the budget still rules.
+    assert resolve(gen, "default", {}).blocks(16)["value"] == 4
