@@ -29,6 +29,17 @@ class VocabPassOut:
     soft: torch.Tensor | None  # [B, C, H] embedding dtype: the next step's self-conditioning input
 
 
+def row_temperature(temperature: float | torch.Tensor, b: int, c: int, device: torch.device) -> torch.Tensor:
+    """The temperature as a float32 divisor for [B·C, ...] rows: 0-dim when one value serves the batch, [B·C, 1]
+    when `temperature` is a [B] tensor (one per batch row, as rows at different steps of their blocks have)."""
+    t = torch.as_tensor(temperature, dtype=torch.float32, device=device)
+    if t.dim() == 0 or t.numel() == 1:
+        return t.reshape(())
+    if t.shape != (b,):
+        raise ValueError(f"temperature has shape {tuple(t.shape)}; give one value or one per batch row ({b})")
+    return t.repeat_interleave(c)[:, None]
+
+
 def auto_row_chunk(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     """Rows per chunk so that one chunk of float32 logits [rows, V] fits in `chunk_bytes`."""
     return max(1, chunk_bytes // (4 * vocab_size))
@@ -59,7 +70,8 @@ def vocab_pass(
     row max, the sums in float64. Every vocabulary path makes this draw (kernels/categorical.py for the
     streaming ones), so the same uniforms give the same tokens whichever path runs, up to rounding
     at a CDF boundary. Rows are processed `row_chunk` at a time (default: `auto_row_chunk(V)`); the
-    chunking changes nothing. `temperature` may be a 0-dim float32 tensor on the device: the reference
+    chunking changes nothing. `temperature` may be a [B] tensor (one per batch row) or a 0-dim float32
+    tensor on the device: the reference
     divides by such a tensor, and a tensor keeps the step free of host values (graph capture).
     """
     b, c, h = hidden.shape
@@ -67,6 +79,7 @@ def vocab_pass(
     rows = hidden.reshape(b * c, h)  # [N, H]
     n = rows.shape[0]
     u = uniform.reshape(n).to(device=hidden.device, dtype=torch.float64)  # [N]
+    temp = row_temperature(temperature, b, c, hidden.device)  # 0-dim or [N, 1]
     step = row_chunk if row_chunk is not None else auto_row_chunk(v)
     if step < 1:
         raise ValueError(f"row_chunk must be >= 1, got {step}")
@@ -83,7 +96,7 @@ def vocab_pass(
         logits = F.linear(rows[lo:hi], embed).float()  # [r, V]
         if softcap:
             logits = logits.div_(softcap).tanh_().mul_(softcap)
-        logits = logits.div_(temperature)  # L, the processed logits
+        logits = logits.div_(temp if temp.dim() == 0 else temp[lo:hi])  # L, the processed logits
         argmax[lo:hi] = logits.argmax(dim=-1)
 
         # Entropy as torch.distributions.Categorical computes it (what the reference's accept and

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .categorical import draw_from_groups
-from .reference import VocabPassOut
+from .reference import VocabPassOut, row_temperature
 from .triton_common import round_to
 
 # Vocabulary columns per probability chunk: bounds the one [N, chunk] bf16 buffer (16 MiB at N = 256).
@@ -73,7 +73,7 @@ def _stats_kernel(h_ptr, e_ptr, temp_ptr, m_ptr, z_ptr, s_ptr, amax_ptr, zb_ptr,
     split = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < N
-    temp = tl.load(temp_ptr)
+    temp = tl.load(temp_ptr + rows, mask=row_ok, other=1.0)[:, None]  # [BM, 1] one per row
     v_lo = split * cols_per_split
     v_hi = tl.minimum(V, v_lo + cols_per_split)
     neg_inf = float("-inf")
@@ -125,7 +125,7 @@ def _probs_kernel(h_ptr, e_ptr, temp_ptr, mb_ptr, zb_ptr, p_ptr, N, c0, c1, H, s
     row_ok = rows < N
     cols = c0 + tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < c1
-    temp = tl.load(temp_ptr)
+    temp = tl.load(temp_ptr + rows, mask=row_ok, other=1.0)[:, None]  # [BM, 1]
     L = _logits_tile(h_ptr, e_ptr, rows, row_ok, cols, col_ok, H, stride_h, stride_e, temp, softcap,
                      HAS_SOFTCAP, IS_BF16, DOT_BF16, BLOCK_M, BLOCK_N, BLOCK_K)
     mb = tl.load(mb_ptr + rows, mask=row_ok, other=0.0)
@@ -202,7 +202,7 @@ def vocab_pass_triton(
     n = rows.shape[0]
     is_bf16 = embed.dtype == torch.bfloat16
     dot_bf16 = is_bf16 and not _interpreting()
-    temp = torch.as_tensor(temperature, dtype=torch.float32, device=dev).reshape(1)
+    temp = row_temperature(temperature, b, c, dev).expand(n, 1).reshape(n).contiguous()  # [N]: one per row
     row_blocks = triton.cdiv(n, block_m)
     if splits is None:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
@@ -221,7 +221,7 @@ def vocab_pass_triton(
                                         WANT_SOFT=want_soft, **meta)
     mx, entropy, argmax, zbt = _combine(m, z, s, amax, zb)
     u = uniform.reshape(n).to(device=dev, dtype=torch.float64)  # [N]
-    sample = draw_from_groups(tile_m, tile_z, u, block_n, rows, embed, softcap, temp)
+    sample = draw_from_groups(tile_m, tile_z, u, block_n, rows, embed, softcap, temp[:, None])
 
     soft = None
     if want_soft:

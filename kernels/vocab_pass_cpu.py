@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .categorical import draw_from_groups
-from .reference import VocabPassOut
+from .reference import VocabPassOut, row_temperature
 
 # A tile's float32 [N, T] buffers stay near this size (4 MiB: the 256-row canvas with T = 4096): large
 # enough that the head GEMM runs at full speed, small enough that the ~4 live buffers stay in cache.
@@ -130,10 +130,10 @@ def vocab_pass_tiled(
     t_cols = tile if tile is not None else auto_tile(n, v)
     if t_cols < 1:
         raise ValueError(f"tile must be >= 1, got {t_cols}")
-    dev, f32 = hidden.device, torch.float32
+    dev = hidden.device
     scale = torch.as_tensor(embed_scale, device=embed.device).to(embed.dtype)  # 0-dim, like the reference
-    # 0-dim fp32 tensor, so that a compiled tile function does not recompile for each temperature
-    temp = torch.as_tensor(temperature, dtype=f32, device=dev).reshape(())
+    # a tensor (0-dim, or [N, 1] per row), so that a compiled tile function does not recompile per temperature
+    temp = row_temperature(temperature, b, c, dev)
     stats = compiled_tile_stats() if compile_tiles else tile_stats
     soft_dtype = embed.dtype if want_soft else None
     width = GROUP if t_cols % GROUP == 0 else t_cols

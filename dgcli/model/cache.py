@@ -33,23 +33,30 @@ class KVCache:
     def uniform(self) -> bool:
         return len(set(self.lens)) == 1
 
-    def write(self, layer: int, starts: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [B, n_kv, T, d] into slots starts[b]..starts[b]+T-1 of each row (one copy when all start
-        together; the slots past a row's real tokens hold padding until its next write)."""
+    def write(self, layer: int, starts: list[int], k: torch.Tensor, v: torch.Tensor,
+              rows: list[int] | None = None) -> None:
+        """k, v [B, n_kv, T, d] into slots starts[b]..starts[b]+T-1 of each row (of cache rows `rows`, default
+        all; one copy when all rows start together; the slots past a row's real tokens hold padding until
+        its next write)."""
         t = k.shape[2]
         if max(starts) + t > self.max_len:
             raise ValueError(f"KV cache overflow: {max(starts) + t} > {self.max_len} positions")
-        if len(set(starts)) == 1:
+        if rows is None and len(set(starts)) == 1:
             s = starts[0]
             self.k[layer][:, :, s:s + t] = k
             self.v[layer][:, :, s:s + t] = v
             return
         for b, s in enumerate(starts):
-            self.k[layer][b, :, s:s + t] = k[b]
-            self.v[layer][b, :, s:s + t] = v[b]
+            r = b if rows is None else rows[b]
+            self.k[layer][r, :, s:s + t] = k[b]
+            self.v[layer][r, :, s:s + t] = v[b]
 
-    def read(self, layer: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[layer][:, :, lo:hi], self.v[layer][:, :, lo:hi]
+    def read(self, layer: int, lo: int, hi: int, rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [B, n_kv, hi - lo, d] of slots lo..hi-1 (of cache rows `rows`: a copy; default all: a view)."""
+        if rows is None:
+            return self.k[layer][:, :, lo:hi], self.v[layer][:, :, lo:hi]
+        idx = torch.tensor(rows, dtype=torch.long, device=self.k[layer].device)
+        return self.k[layer][idx, :, lo:hi], self.v[layer][idx, :, lo:hi]
 
     def keep(self, rows: list[int]) -> None:
         """Drop every row not in `rows` (finished requests), in that order."""

@@ -238,12 +238,14 @@ class DiffusionGemma(nn.Module):
 
     # ---- the two modes --------------------------------------------------------------------------
     @torch.no_grad()
-    def encode(self, ids: torch.Tensor, cache: KVCache, lengths: list[int] | None = None) -> None:
+    def encode(self, ids: torch.Tensor, cache: KVCache, lengths: list[int] | None = None,
+               rows: list[int] | None = None) -> None:
         """Encoder pass over ids [B, T] (row b's first lengths[b] ids are real, the rest padding; default
-        all T) at each row's positions cache.lens[b].., appending their K/V to the cache. The last
-        layer's feed-forward is skipped: encoder outputs are only ever K/V."""
+        all T) at each row's positions cache.lens[b].., appending their K/V to the cache; `rows` (default
+        all) names the cache rows the B rows of ids belong to. The last layer's feed-forward is skipped:
+        encoder outputs are only ever K/V."""
         t, dev = ids.shape[1], ids.device
-        starts = list(cache.lens)
+        starts = list(cache.lens) if rows is None else [cache.lens[r] for r in rows]
         lengths = [t] * len(starts) if lengths is None else list(lengths)
         x = self.embed(ids)
         j = torch.arange(t, device=dev)
@@ -256,10 +258,10 @@ class DiffusionGemma(nn.Module):
         for i, (layer, g) in enumerate(zip(self.layers, self.geometry)):
             attn = layer.self_attn
             q, k, v = attn.project(layer.input_layernorm(x), *tables[g.kind])
-            cache.write(i, starts, k, v)
+            cache.write(i, starts, k, v, rows)
             hi = max(starts) + t
             lo = 0 if g.window is None else max(0, min(starts) - g.window + 1)
-            keys, values = cache.read(i, lo, hi)
+            keys, values = cache.read(i, lo, hi, rows)
             kpos = torch.arange(lo, hi, device=dev)  # [S] slot = position
             mask = kpos <= qcol  # causal; a padding query sees its own slot, so no row is empty
             if g.window is not None:
@@ -271,7 +273,8 @@ class DiffusionGemma(nn.Module):
                 break
             x = layer.feed_forward(x)
             x *= layer.encoder_layer_scalar
-        cache.lens = [s + n for s, n in zip(starts, lengths)]
+        for b, (s, n) in enumerate(zip(starts, lengths)):
+            cache.lens[b if rows is None else rows[b]] = s + n
 
     @torch.no_grad()
     def decode(self, canvas: torch.Tensor, cache: KVCache, soft: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The entropy-bound block-diffusion sampler (spec §7): the one denoising loop, and it yields events.
 
-Owns: the block loop (prefill, per-block canvas, denoising steps, commit, stop ids), the accept /
-stability / confidence / temperature rules as small pure functions, the RNG discipline (every draw
+Owns: the block loop (prefill, per-block canvas, denoising steps, commit, stop ids; the rules and one
+step are `rules.py`), the RNG discipline (every draw
 comes from the counter-based stream of `draws.py`, addressed by seed, block, step and position: same
 seed, settings, device and dtype give identical events whichever kernel path runs, up to rounding at
 a CDF boundary), and the run's summary (`Done`). `generate`, `watch`, `bench`, `sweep` and the trace writer all consume
@@ -37,74 +37,17 @@ import torch
 from dgcli.errors import UserError
 from dgcli.sampling import draws
 from dgcli.sampling.events import BlockStart, Commit, Done, Event, Step
-from dgcli.kernels.dispatch import vocab_pass
-from dgcli.kernels.reference import VocabPassOut
 from dgcli.sampling.params import DiffusionEbParams
-
-
-# ---- the rules, as pure functions (tested directly) ----------------------------------------------
-
-
-def temperature(n: int, num_steps: int, t_min: float, t_max: float) -> float:
-    """T_n = t_min + (t_max - t_min)·n/N for n = N..1 (first step t_max, last t_min + (t_max-t_min)/N;
-    never t_min), rounded to float32 the way the reference computes it from an int32 step tensor."""
-    ratio = torch.tensor(n, dtype=torch.int32) / num_steps  # float32, as in the reference
-    return float(t_min + (t_max - t_min) * ratio)
-
-
-def accept_mask(entropy: torch.Tensor, bound: float) -> torch.Tensor:
-    """Entropy-bound acceptance [B, C] -> bool [B, C]: sort entropies ascending; the position of rank j
-    is accepted iff the sum of the strictly lower-ranked entropies (cumsum - self) is <= bound.
-    Rank 0 is always accepted. Ties are broken by position (stable sort), lower index first."""
-    sorted_h, order = torch.sort(entropy, dim=-1, stable=True)  # [B, C]
-    below = torch.cumsum(sorted_h, dim=-1) - sorted_h  # [B, C] the reference's formula, not an exclusive scan
-    keep = below <= bound  # [B, C] in sorted order
-    return torch.zeros_like(keep).scatter(-1, order, keep)
-
-
-def is_stable(history: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
-    """argmax [B, C] equals each of the previous argmaxes in history [S, B, C] -> bool [B].
-    History starts filled with -1 (never equal); S = 0 means always stable (`all` of nothing)."""
-    return (history == argmax[None]).all(dim=-1).all(dim=0)  # [B]
-
-
-def push_history(history: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
-    """Drop the oldest argmax canvas and append the newest: [S, B, C] -> [S, B, C]."""
-    if history.shape[0] == 0:
-        return history
-    return torch.cat((history[1:], argmax[None]), dim=0)
-
-
-def is_confident(entropy: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Mean entropy over the canvas strictly below threshold: [B, C] -> bool [B] (threshold 0: never)."""
-    return entropy.mean(dim=-1) < threshold
-
-
-# ---- one step and one block boundary ---------------------------------------------------------------
+from dgcli.sampling.rules import denoise_step, temperature
 
 
 @torch.inference_mode()
-def _denoise_step(model: Any, canvas: torch.Tensor, cache: Any, soft: torch.Tensor | None,
-                  temp: torch.Tensor, history: torch.Tensor, params: Any, uniform: torch.Tensor, noise: torch.Tensor,
-                  want_soft: bool, compile_tiles: bool) -> tuple[VocabPassOut, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Decode, vocab pass (categorical draws at `uniform` [B, C]), accept, renoise (with `noise` [B, C]
-    token ids: every position has one, used only where not accepted), stop flags; all on the device."""
-    hidden = model.decode(canvas, cache, soft)  # [B, C, H]
-    out = vocab_pass(hidden, model.embed_weight, softcap=model.config.final_logit_softcapping,
-                     temperature=temp, embed_scale=model.embed_scale, uniform=uniform,
-                     want_soft=want_soft, compile_tiles=compile_tiles)
-    accepted = accept_mask(out.entropy, params.entropy_bound)  # [B, C]
-    next_canvas = torch.where(accepted, out.sample, noise)  # [B, C]
-    stop = is_stable(history, out.argmax) & is_confident(out.entropy, params.confidence_threshold)  # [B]
-    return out, accepted, next_canvas, push_history(history, out.argmax), stop
-
-
-@torch.inference_mode()
-def _encode(model: Any, ids: torch.Tensor, cache: Any, lengths: list[int] | None = None) -> None:
-    if lengths is None:
+def _encode(model: Any, ids: torch.Tensor, cache: Any, lengths: list[int] | None = None,
+            rows: list[int] | None = None) -> None:
+    if lengths is None and rows is None:
         model.encode(ids, cache)  # the common case, and the mock models' signature
     else:
-        model.encode(ids, cache, lengths)
+        model.encode(ids, cache, lengths, rows)
     if ids.device.type == "cuda":  # per block, so that prefill_s / commit_s are real durations
         torch.cuda.synchronize(ids.device)
 
@@ -141,6 +84,7 @@ class _Row:
     num_blocks: int
     first_canvas: torch.Tensor | None  # [C] or None: the first block's canvas
     block: int = 0  # the block being denoised
+    step: int = 0  # the step of that block the next decoder pass runs (0-based)
     answer: list[int] = field(default_factory=list)
     counted: int = 0  # ids for tokens_per_forward (HF definition)
     steps_per_block: list[int] = field(default_factory=list)
@@ -167,19 +111,19 @@ def generate_batch_events(
     """Run the entropy-bound sampler on several prompts at once, yielding each row's BlockStart, Step...,
     Commit per block and its Done, every event carrying `row` (the prompt's index). Rows may differ in
     prompt length, seed (default `params.seed`), block cap and first canvas; the sampler settings are
-    shared. A row that met the stop rule is frozen for the rest of the block (its output is the argmax of
-    its stopping step, it emits no more steps; the batch still computes it, as the reference does); a row
-    that hit a stop id or its block cap finishes (Done) and leaves the batch at the block boundary.
-    Every random draw is addressed by the row's own seed, block, step and position (`draws.py`), and each
-    row's positions start at 0, so a row's result does not depend on its batch-mates or their order
-    (up to floating-point reduction order, which can differ with the batch's shape).
+    shared. Each row is at its own step of its own block: a decoder pass runs every row once (a [b]
+    temperature), and a row whose block ends (stop rule or step cap) commits it and starts its next
+    block at the next pass, or finishes (stop id or block cap: Done) and frees its slot. A row never
+    waits for, or runs extra steps for, its batch-mates. Every random draw is addressed by the row's
+    own seed, block, step and position (`draws.py`), and each row's positions start at 0, so a row's
+    result does not depend on its batch-mates or their order (up to floating-point reduction order,
+    which can differ with the batch's shape).
 
     Continuous batching: at most `max_batch` rows (default: all) run at once; the others wait in input
-    order and take a slot at the next block boundary after a row finishes (their prompts are encoded
-    then and join the cache). Timings count from the call, so a queued request's first_block_s and
-    total_s include its wait. `stats` (a dict, if given) receives the run's decoder_passes,
-    encoder_passes, row_steps (rows computed over all passes) and busy_row_steps (rows that were
-    still denoising: the rest were frozen or idle)."""
+    order and take a free slot at the next pass (their prompts are encoded then and join the cache).
+    Timings count from the call, so a queued request's first_block_s and total_s include its wait.
+    `stats` (a dict, if given) receives the run's decoder_passes, encoder_passes and row_steps (rows
+    computed over all passes; slot occupancy = row_steps / (decoder_passes · max_batch))."""
     params = DiffusionEbParams.check(params)  # the one validator (presets, flags and requests use it too)
     n_rows = len(prompts)
     if n_rows < 1:
@@ -213,20 +157,40 @@ def generate_batch_events(
     # wait for the device inside a block (fixed-work mode).
     can_stop_early = params.confidence_threshold > 0
     positions = torch.arange(c, device=device)  # [C]
-    step_ids = torch.arange(1, n_steps + 1, device=device)[:, None]  # [N, 1]
 
     busy, mark = 0.0, time.perf_counter()  # busy: own time; the clock pauses while a consumer holds an event
     slots = n_rows if max_batch is None else max_batch
     if not isinstance(slots, int) or slots < 1:
         raise UserError(f"max_batch={max_batch!r}: must be a whole number >= 1")
     stats = {} if stats is None else stats
-    stats.update(decoder_passes=0, encoder_passes=0, row_steps=0, busy_row_steps=0)
+    stats.update(decoder_passes=0, encoder_passes=0, row_steps=0)
     queue = deque(rows)
-    active: list[_Row] = []  # in cache order
-    cache = None
+    active: list[_Row] = []  # in cache order; row k's state is row k of every tensor below
+    cache = canvas = history = soft = None  # soft None: every row is at the first step of a block
+
+    @torch.inference_mode()  # canvas, history and soft come out of inference-mode steps
+    def start_block(ks: list[int]) -> None:
+        """Rows `ks` begin their current block: its first canvas, an empty history, no self-conditioning.
+        New tensors, never writes into old ones: events handed out hold views of them."""
+        nonlocal canvas, history, soft
+        canvas, history = canvas.clone(), history.clone()
+        soft = None if soft is None else soft.clone()
+        seed_k = torch.tensor([active[k].seed for k in ks], device=device)[:, None]  # [k, 1]
+        block_k = torch.tensor([active[k].block for k in ks], device=device)[:, None]  # [k, 1]
+        idx = torch.tensor(ks, device=device)
+        canvas[idx] = draws.token_ids(seed_k, draws.INIT, block_k, 0, positions, vocab, device=device)  # [k, C]
+        for k in ks:
+            row = active[k]
+            if row.block == 0 and row.first_canvas is not None:
+                canvas[k] = row.first_canvas
+            row.step = 0
+        history[:, idx] = -1
+        if soft is not None:
+            soft[idx] = 0  # the zero soft embedding is exactly "no self-conditioning"
+
     while active or queue:
-        # Block boundary: queued requests take the free slots; their prompts are encoded together and
-        # join the running rows' cache.
+        fresh: list[int] = []
+        # Free slots take queued requests; their prompts are encoded together and join the cache.
         if queue and len(active) < slots:
             joining = [queue.popleft() for _ in range(min(slots - len(active), len(queue)))]
             t0 = time.perf_counter()
@@ -235,72 +199,70 @@ def generate_batch_events(
             for k, row in enumerate(joining):
                 padded[k, :lengths[k]] = ids[row.request]
             # A row's last block is never encoded.
-            fresh = model.new_cache(len(joining), max(n + (row.num_blocks - 1) * c for n, row in zip(lengths, joining)))
-            _encode(model, padded, fresh, None if len(set(lengths)) == 1 else lengths)
+            new = model.new_cache(len(joining), max(n + (row.num_blocks - 1) * c for n, row in zip(lengths, joining)))
+            _encode(model, padded, new, None if len(set(lengths)) == 1 else lengths)
             stats["encoder_passes"] += 1
-            cache = fresh if cache is None else cache.extend(fresh)
-            prefill_s = time.perf_counter() - t0
+            cache = new if cache is None else cache.extend(new)
             for row in joining:
-                row.prefill_s = prefill_s
+                row.prefill_s = time.perf_counter() - t0
+            fresh = list(range(len(active), len(active) + len(joining)))
             active += joining
-        b = len(active)
-        seed_t = torch.tensor([row.seed for row in active], device=device)[:, None, None]  # [b, 1, 1]
-        block_t = torch.tensor([row.block for row in active], device=device)[:, None, None]  # [b, 1, 1]
-        canvas = draws.token_ids(seed_t[:, 0], draws.INIT, block_t[:, 0], 0, positions, vocab, device=device)  # [b, C]
-        for k, row in enumerate(active):
-            if row.block == 0 and row.first_canvas is not None:
-                canvas[k] = row.first_canvas
-        # This block's draws for every step it may take, by counter (steps it does not take cost a few
-        # integer ops and are never read).
-        uniforms = draws.uniform(seed_t, draws.DRAW, block_t, step_ids, positions, device=device)  # [b, N, C]
-        noises = draws.token_ids(seed_t, draws.RENOISE, block_t, step_ids, positions, vocab, device=device)  # [b, N, C]
-        history = torch.full((params.stability_threshold, b, c), -1, dtype=torch.long, device=device)  # [S, b, C]
-        soft = None  # self-conditioning restarts from zero in every block
+            j = len(joining)
+            canvas = torch.empty(j, c, dtype=torch.long, device=device) if canvas is None else \
+                torch.cat((canvas, canvas.new_empty(j, c)))
+            hist = torch.empty(params.stability_threshold, j, c, dtype=torch.long, device=device)
+            history = hist if history is None else torch.cat((history, hist), dim=1)
+            if soft is not None:
+                soft = torch.cat((soft, soft.new_zeros(j, c, soft.shape[2])))
+            start_block(fresh)
         busy += time.perf_counter() - mark
-        for k, row in enumerate(active):
-            yield BlockStart(block=row.block, num_blocks=row.num_blocks, prefix_len=cache.lens[k], canvas=canvas[k],
+        for k in fresh:
+            row = active[k]
+            yield BlockStart(block=0, num_blocks=row.num_blocks, prefix_len=cache.lens[k], canvas=canvas[k],
                              row=row.request)
         mark = time.perf_counter()
-        running = [True] * b
-        final = torch.empty(b, c, dtype=torch.long, device=device)  # [b, C] each row's block output
 
-        for i in range(n_steps):
-            t0 = time.perf_counter()
-            last = i == n_steps - 1
-            out, accepted, next_canvas, history, stop = _denoise_step(
-                model, canvas, cache, soft, temps_dev[i], history, params, uniforms[:, i], noises[:, i],
-                want_soft=not last, compile_tiles=compile_tiles)
-            stopped = stop.tolist() if can_stop_early else [False] * b  # the step's one host sync
-            elapsed = time.perf_counter() - t0
-            stats["decoder_passes"] += 1
-            stats["row_steps"] += b
-            stats["busy_row_steps"] += sum(running)
-            busy += time.perf_counter() - mark
-            for k, row in enumerate(active):
-                if not running[k]:
-                    continue
-                reason = "stable_confident" if stopped[k] else ("step_cap" if last else None)
-                row.denoise_s += elapsed
-                yield Step(block=row.block, step=i + 1, max_steps=n_steps, temperature=temps[i], canvas_in=canvas[k],
-                           argmax=out.argmax[k], sample=out.sample[k], accepted_mask=accepted[k],
-                           accepted_count=accepted[k].sum(), entropy=out.entropy[k],
-                           mean_entropy=out.entropy[k].mean(), next_canvas=next_canvas[k],
-                           stop_reason=reason, elapsed_s=elapsed, row=row.request)
-                if reason is not None:
-                    running[k] = False
-                    row.steps_per_block.append(i + 1)
-                    final[k] = out.argmax[k]
-            mark = time.perf_counter()
-            if not any(running):
-                break
-            canvas, soft = next_canvas, out.soft  # frozen rows keep being computed; their results are unread
-
+        # One decoder pass: every row at its own step of its own block.
         t0 = time.perf_counter()
-        tokens_all = final.tolist()  # the block's read-back: one sync per block
-        read_s = time.perf_counter() - t0
-        keep = []
+        b = len(active)
+        step_k = torch.tensor([row.step for row in active], device=device)  # [b]
+        seed_k = torch.tensor([row.seed for row in active], device=device)[:, None]  # [b, 1]
+        block_k = torch.tensor([row.block for row in active], device=device)[:, None]  # [b, 1]
+        uniform = draws.uniform(seed_k, draws.DRAW, block_k, step_k[:, None] + 1, positions, device=device)  # [b, C]
+        noise = draws.token_ids(seed_k, draws.RENOISE, block_k, step_k[:, None] + 1, positions, vocab, device=device)
+        out, accepted, next_canvas, history, stop = denoise_step(
+            model, canvas, cache, soft, temps_dev[step_k], history, params, uniform, noise,
+            want_soft=any(row.step < n_steps - 1 for row in active), compile_tiles=compile_tiles)
+        stopped = stop.tolist() if can_stop_early else [False] * b  # the step's one host sync
+        elapsed = time.perf_counter() - t0
+        stats["decoder_passes"] += 1
+        stats["row_steps"] += b
+        busy += time.perf_counter() - mark
+        ended = []
         for k, row in enumerate(active):
-            tokens = tokens_all[k]
+            i = row.step
+            reason = "stable_confident" if stopped[k] else ("step_cap" if i == n_steps - 1 else None)
+            row.denoise_s += elapsed
+            yield Step(block=row.block, step=i + 1, max_steps=n_steps, temperature=temps[i], canvas_in=canvas[k],
+                       argmax=out.argmax[k], sample=out.sample[k], accepted_mask=accepted[k],
+                       accepted_count=accepted[k].sum(), entropy=out.entropy[k],
+                       mean_entropy=out.entropy[k].mean(), next_canvas=next_canvas[k],
+                       stop_reason=reason, elapsed_s=elapsed, row=row.request)
+            if reason is not None:
+                row.steps_per_block.append(i + 1)
+                ended.append(k)
+            row.step += 1
+        mark = time.perf_counter()
+        canvas, soft = next_canvas, out.soft
+
+        # Rows whose block ended: commit, then finish (stop id or block cap) or go on to their next block.
+        t0 = time.perf_counter()
+        tokens_all = out.argmax[ended].tolist() if ended else []  # the block's read-back
+        read_s = time.perf_counter() - t0
+        going_on = []
+        leaving = set()
+        for k, tokens in zip(ended, tokens_all):
+            row = active[k]
             row.denoise_s += read_s
             stop_index = next((j for j, t in enumerate(tokens) if t in stops), None)
             kept = tokens if stop_index is None else tokens[:stop_index]
@@ -313,8 +275,9 @@ def generate_batch_events(
             mark = time.perf_counter()
             row.block += 1
             if stop_index is None and row.block < row.num_blocks:
-                keep.append(k)
+                going_on.append(k)
                 continue
+            leaving.add(k)
             finish, stop_id = ("stop", tokens[stop_index]) if stop_index is not None else ("length", None)
             passes = sum(row.steps_per_block)
             timings = {"prefill_s": row.prefill_s, "denoise_s": row.denoise_s, "commit_s": row.commit_s,
@@ -324,17 +287,33 @@ def generate_batch_events(
                        steps_per_block=row.steps_per_block, decoder_passes=passes,
                        tokens_per_forward=row.counted / passes, timings=timings, row=row.request)
             mark = time.perf_counter()
-        if keep:
+        if going_on:
             t0 = time.perf_counter()
-            cache.keep(keep)  # finished rows leave the batch
-            _encode(model, final[keep] if len(keep) < b else final, cache)  # commit: the block becomes prefix
+            # commit: the block becomes prefix (of these rows only; the others keep denoising)
+            _encode(model, out.argmax[going_on], cache, rows=None if len(going_on) == b else going_on)
             stats["encoder_passes"] += 1
             commit_s = time.perf_counter() - t0
-            for k in keep:
+            for k in going_on:
                 active[k].commit_s += commit_s
-        else:
-            cache = None
-        active = [active[k] for k in keep]
+            start_block(going_on)
+            busy += time.perf_counter() - mark
+            for k in going_on:
+                row = active[k]
+                yield BlockStart(block=row.block, num_blocks=row.num_blocks, prefix_len=cache.lens[k],
+                                 canvas=canvas[k], row=row.request)
+            mark = time.perf_counter()
+        if leaving:  # finished requests free their slots
+            keep = [k for k in range(b) if k not in leaving]
+            active = [active[k] for k in keep]
+            if not active:
+                cache = canvas = history = soft = None
+                continue
+            cache.keep(keep)
+            idx = torch.tensor(keep, device=device)
+            canvas, history = canvas[idx], history[:, idx]
+            soft = None if soft is None else soft[idx]
+        if soft is not None and all(row.step == 0 for row in active):
+            soft = None  # every row starts a block: the cheaper no-self-conditioning pass
 
 
 def generate_events(

@@ -347,3 +347,25 @@ def test_every_path_makes_the_same_draw_from_the_same_uniforms(dtype):
     for name, got in paths.items():
         differ = (got != want) & ~tie
         assert not differ.any(), f"{name}: {int(differ.sum())} draws differ from the reference's away from ties"
+
+
+def test_one_temperature_per_batch_row_equals_separate_passes():
+    """Rows of a batch at different steps of their blocks carry their own temperature ([B] tensor): each
+    row's outputs equal a pass of that row alone at its temperature, on every path."""
+    hidden, embed, scale = make(3, 6, 16, 90, torch.float32, seed=5)
+    temps = torch.tensor([0.8, 0.45, 1.3])
+    u = unif(hidden, 3)
+    paths = [lambda **k: vocab_pass(**k), lambda **k: vocab_pass_tiled(tile=32, **k)]
+    if TRITON:
+        from dgcli.kernels.vocab_pass import vocab_pass_triton
+
+        paths.append(lambda **k: vocab_pass_triton(splits=2, block_m=16, block_n=16, block_k=16, **k))
+    for fn in paths:
+        out = fn(hidden=hidden, embed=embed, softcap=30.0, temperature=temps, embed_scale=scale, uniform=u)
+        for b in range(3):
+            one = fn(hidden=hidden[b:b + 1], embed=embed, softcap=30.0, temperature=float(temps[b]),
+                     embed_scale=scale, uniform=u[b:b + 1])
+            assert torch.equal(out.sample[b], one.sample[0]) and torch.equal(out.argmax[b], one.argmax[0])
+            torch.testing.assert_close(out.entropy[b], one.entropy[0], rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(out.soft[b], one.soft[0], rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(out.entropy[0], out.entropy[1])  # the temperatures did differ per row

@@ -97,3 +97,36 @@ def test_bad_batch_inputs_are_one_line_errors(bundled):
     with pytest.raises(UserError, match="seed"):
         list(generate_batch_events(session.model, prompts[:2], params=session.params, num_blocks=1, seeds=[0, -1]))
 
+
+def test_continuous_batching_through_four_slots(bundled):
+    """24 requests of mixed prompt lengths, block caps and seeds through 4 slots: each result equals its
+    solo run, requests join as slots free up at block boundaries, and the batch needs well under half
+    the decoder passes the requests take one by one."""
+    session, prompts = bundled
+    params = session.params
+    picks = list(range(0, 96, 4))[:24]
+    caps = [1 + (i % 4) for i in range(24)]
+    seeds = [(i * 7919) % 1000 for i in range(24)]
+    chosen = [prompts[i] for i in picks]
+    assert len({len(p) for p in chosen}) >= 5
+    stats = {}
+    events = list(generate_batch_events(session.model, chosen, params=params, num_blocks=caps, seeds=seeds,
+                                        stop_ids=session.stop_ids, max_batch=4, stats=stats))
+    dones = {e.row: e for e in events if isinstance(e, Done)}
+    solo_passes = 0
+    for r in range(24):
+        want = generate(session.model, chosen[r], params=dataclasses.replace(params, seed=seeds[r]),
+                        num_blocks=caps[r], stop_ids=session.stop_ids)
+        got = dones[r]
+        assert (got.token_ids, got.steps_per_block, got.finish_reason) == \
+            (want.token_ids, want.steps_per_block, want.finish_reason), r
+        solo_passes += want.decoder_passes
+    # Never more than 4 rows at once; later requests started only after earlier ones finished.
+    assert stats["row_steps"] <= 4 * stats["decoder_passes"]
+    first_start = {}
+    for i, e in enumerate(events):
+        if isinstance(e, BlockStart):
+            first_start.setdefault(e.row, i)
+    done_at = {e.row: i for i, e in enumerate(events) if isinstance(e, Done)}
+    assert first_start[4] > min(done_at.values())
+    assert stats["decoder_passes"] < solo_passes / 2, (stats, solo_passes)

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from dgcli.errors import UserError
 from dgcli.sampling.events import BlockStart, Commit, Done, Step
 from dgcli.sampling import draws
-from dgcli.sampling.loop import (accept_mask, generate, generate_events, is_confident, is_stable, push_history,
+from dgcli.sampling.loop import generate, generate_events
+from dgcli.sampling.rules import (accept_mask, is_confident, is_stable, push_history,
                            temperature)
 
 

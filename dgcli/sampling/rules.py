@@ -1,0 +1,73 @@
+"""The entropy-bound sampler's rules (spec §7.2) as small pure functions, and one denoising step built
+from them (decoder pass, vocabulary pass, accept, renoise, stop flags), all on the device.
+
+Owns: temperature, accept_mask, is_stable / push_history, is_confident, denoise_step. Must not: loop over
+steps or blocks (that is `loop.py`), draw random numbers (the step is handed its uniforms and renoise
+ids), sync with the host, or know about requests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dgcli.kernels.dispatch import vocab_pass
+from dgcli.kernels.reference import VocabPassOut
+
+
+# ---- the rules, as pure functions (tested directly) ----------------------------------------------
+
+
+def temperature(n: int, num_steps: int, t_min: float, t_max: float) -> float:
+    """T_n = t_min + (t_max - t_min)·n/N for n = N..1 (first step t_max, last t_min + (t_max-t_min)/N;
+    never t_min), rounded to float32 the way the reference computes it from an int32 step tensor."""
+    ratio = torch.tensor(n, dtype=torch.int32) / num_steps  # float32, as in the reference
+    return float(t_min + (t_max - t_min) * ratio)
+
+
+def accept_mask(entropy: torch.Tensor, bound: float) -> torch.Tensor:
+    """Entropy-bound acceptance [B, C] -> bool [B, C]: sort entropies ascending; the position of rank j
+    is accepted iff the sum of the strictly lower-ranked entropies (cumsum - self) is <= bound.
+    Rank 0 is always accepted. Ties are broken by position (stable sort), lower index first."""
+    sorted_h, order = torch.sort(entropy, dim=-1, stable=True)  # [B, C]
+    below = torch.cumsum(sorted_h, dim=-1) - sorted_h  # [B, C] the reference's formula, not an exclusive scan
+    keep = below <= bound  # [B, C] in sorted order
+    return torch.zeros_like(keep).scatter(-1, order, keep)
+
+
+def is_stable(history: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
+    """argmax [B, C] equals each of the previous argmaxes in history [S, B, C] -> bool [B].
+    History starts filled with -1 (never equal); S = 0 means always stable (`all` of nothing)."""
+    return (history == argmax[None]).all(dim=-1).all(dim=0)  # [B]
+
+
+def push_history(history: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
+    """Drop the oldest argmax canvas and append the newest: [S, B, C] -> [S, B, C]."""
+    if history.shape[0] == 0:
+        return history
+    return torch.cat((history[1:], argmax[None]), dim=0)
+
+
+def is_confident(entropy: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Mean entropy over the canvas strictly below threshold: [B, C] -> bool [B] (threshold 0: never)."""
+    return entropy.mean(dim=-1) < threshold
+
+
+# ---- one step and one block boundary ---------------------------------------------------------------
+
+
+@torch.inference_mode()
+def denoise_step(model: Any, canvas: torch.Tensor, cache: Any, soft: torch.Tensor | None,
+                  temp: torch.Tensor, history: torch.Tensor, params: Any, uniform: torch.Tensor, noise: torch.Tensor,
+                  want_soft: bool, compile_tiles: bool) -> tuple[VocabPassOut, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Decode, vocab pass (categorical draws at `uniform` [B, C]), accept, renoise (with `noise` [B, C]
+    token ids: every position has one, used only where not accepted), stop flags; all on the device."""
+    hidden = model.decode(canvas, cache, soft)  # [B, C, H]
+    out = vocab_pass(hidden, model.embed_weight, softcap=model.config.final_logit_softcapping,
+                     temperature=temp, embed_scale=model.embed_scale, uniform=uniform,
+                     want_soft=want_soft, compile_tiles=compile_tiles)
+    accepted = accept_mask(out.entropy, params.entropy_bound)  # [B, C]
+    next_canvas = torch.where(accepted, out.sample, noise)  # [B, C]
+    stop = is_stable(history, out.argmax) & is_confident(out.entropy, params.confidence_threshold)  # [B]
+    return out, accepted, next_canvas, push_history(history, out.argmax), stop
