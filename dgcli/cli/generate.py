@@ -21,7 +21,7 @@ from dgcli.errors import UserError
 FORMATS = ("text", "json", "ndjson")
 EXAMPLES = ['dgemma generate "Sort: 5 9 8 6 9 0 9 2"',
             'echo "Count from 7 to 40." | dgemma generate',
-            'dgemma generate --input-jsonl prompts.jsonl --format json',
+            'dgemma generate --input-jsonl prompts.jsonl --batch-size 8 --format json',
             'dgemma generate --preset fixed-work --show-config']
 
 
@@ -33,7 +33,8 @@ def generate(
     confidence_threshold: o.Confidence = None, blocks: o.Blocks = None, max_tokens: o.MaxTokens = None,
     threads: o.Threads = None, show_config: o.ShowConfig = False,
     fmt: Annotated[str, typer.Option("--format", "-f", metavar="FORMAT", help="text | json | ndjson")] = "text",
-    input_jsonl: Annotated[Optional[str], typer.Option("--input-jsonl", metavar="FILE", help="Run every {\"prompt\": ...} line of FILE.")] = None,
+    input_jsonl: Annotated[Optional[str], typer.Option("--input-jsonl", metavar="FILE", help="Run every {\"prompt\": ...} line of FILE (rows may carry \"seed\" and \"init_canvas\"); results in input order.")] = None,
+    batch_size: o.BatchSize = 1,
     trace: o.Trace = None,
     init_canvas: o.InitCanvas = None,
     thinking: o.Thinking = False,
@@ -57,17 +58,35 @@ def generate(
     if show_config:
         print_config(model, preset, flags, fmt)
         return
-    prompts = list(read_prompts(prompt, input_jsonl))
-    if trace and len(prompts) > 1:
+    if isinstance(batch_size, bool) or batch_size < 1:
+        raise UserError(f"--batch-size {batch_size}: must be a whole number >= 1")
+    if batch_size > 1 and input_jsonl is None:
+        raise UserError("--batch-size batches the rows of --input-jsonl; give --input-jsonl FILE, or drop --batch-size")
+    if trace and input_jsonl is not None:
         raise UserError("--trace records one generation; run one prompt, or drop --trace for --input-jsonl")
+    rows = None
+    if input_jsonl is not None:
+        if prompt not in (None, "-"):
+            raise UserError("give either a PROMPT argument or --input-jsonl, not both")
+        from dgcli.text.prompts import read_prompt_file
+
+        rows = read_prompt_file(input_jsonl, flag="--input-jsonl")
+    prompts = [] if rows is not None else list(read_prompts(prompt, None))
     if show_thinking and not thinking:
         warn(THINKING_NOTE)
     with loading("loading the model…"):
         session = open_session(model, preset, flags, compile=compile, threads=threads)
     if session.tokenizer is None:
         raise UserError(f"{session.path}: no tokenizer.json; dgemma generate needs the checkpoint's tokenizer")
-    canvas = init_canvas_ids(session, init_canvas, session.params.seed) if init_canvas is not None else None
     progress = Progress(sys.stderr.isatty() and fmt != "ndjson", compiling=session.compiled)
+    if rows is not None:
+        try:
+            _run_file(session, rows, input_jsonl, batch_size=batch_size, fmt=fmt, raw=raw, thinking=thinking,
+                      show_thinking=show_thinking, init_canvas=init_canvas, progress=progress)
+        finally:
+            progress.stop()
+        return
+    canvas = init_canvas_ids(session, init_canvas, session.params.seed) if init_canvas is not None else None
     responses = []
     try:
         def on_event(event) -> None:
@@ -90,3 +109,32 @@ def generate(
     finally:
         progress.stop()
     note_budget(session, responses)
+
+
+def _run_file(session, rows, path, *, batch_size, fmt, raw, thinking, show_thinking, init_canvas, progress) -> None:
+    """--input-jsonl: the rows through the batched loop, results in input order; the budget note once."""
+    from dgcli.cli import batch
+
+    settings = session.resolved.as_dict()
+
+    def on_event(event) -> None:
+        progress(event)
+        if fmt == "ndjson" and not isinstance(event, Done):  # the result line replaces `done`
+            batch.write_event(event)
+
+    def write(index, row, response) -> None:
+        if fmt == "text":
+            print_answer(response)
+        else:
+            line = batch.json_result(index, row, response, settings)
+            sys.stdout.write(line + "\n" if fmt == "json" else '{"type":"result",' + line[1:] + "\n")
+            sys.stdout.flush()
+
+    from dgcli.sampling.events import Done
+
+    responses = []
+    try:
+        responses = batch.run_rows(session, rows, path, batch_size=batch_size, raw=raw, thinking=thinking,
+                                   show_thinking=show_thinking, init_flag=init_canvas, on_event=on_event, write=write)
+    finally:
+        note_budget(session, responses)

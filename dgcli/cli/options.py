@@ -46,6 +46,8 @@ Threads = Annotated[Optional[int], typer.Option("--threads", metavar="N", help=d
     "CPU threads for torch (shown in the card and provenance).",
     "OMP_NUM_THREADS if set, else 1 for a CPU model under 50 M parameters, else one per core"))]
 
+BatchSize = Annotated[int, typer.Option("--batch-size", metavar="N", help=(
+    "Requests denoised together (continuous batching: a finished request's slot takes the next)."))]
 Compile = Annotated[bool, typer.Option("--compile", help="torch.compile the decoder pass and the vocabulary tile math: faster steps after a one-off compile of tens of seconds.")]
 Trace = Annotated[Optional[str], typer.Option("--trace", metavar="FILE", help="Write the per-step JSONL trace to FILE.")]
 InitCanvas = Annotated[Optional[str], typer.Option("--init-canvas", metavar="IDS|TEXT", help=(

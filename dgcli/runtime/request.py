@@ -144,34 +144,31 @@ def run(session: Any, prompt_ids: Sequence[int], *, params: Any = None, ignore_e
 def run_batch(session: Any, prompts: Sequence[Sequence[int]], *, batch_size: int, seeds: Sequence[int] | None = None,
               init_canvases: Sequence[Sequence[int] | None] | None = None, params: Any = None,
               ignore_eos: bool = False, show_thinking: bool = False,
-              on_event: Callable[[Event], None] | None = None) -> Iterator[tuple[int, Response]]:
-    """Many requests through the batched loop, `batch_size` at a time in input order; yields (index,
-    Response) as each request finishes (events carry `row` = the index). Seeds default to the params'
-    seed; a request's answer does not depend on the batch it ran in (see `generate_batch_events`)."""
+              on_event: Callable[[Event], None] | None = None, stats: dict | None = None) -> Iterator[tuple[int, Response]]:
+    """Many requests through the batched loop with continuous batching (`batch_size` slots; the rest queue
+    in input order); yields (index, Response) as each request finishes (events carry `row` = the index).
+    Seeds default to the params' seed; a request's answer does not depend on its batch-mates (see
+    `generate_batch_events`). `stats` receives the loop's pass counts."""
     from dgcli.sampling.loop import generate_batch_events
 
-    if not isinstance(batch_size, int) or batch_size < 1:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise UserError(f"--batch-size {batch_size}: must be a whole number >= 1")
+    if not prompts:
+        return
     params = session.params if params is None else params
     num_blocks = blocks_for(params, session.resolved.run.max_tokens, session.config.canvas_length)
-    n = len(prompts)
-    seeds = [params.seed] * n if seeds is None else list(seeds)
-    inits = [None] * n if init_canvases is None else list(init_canvases)
-    for lo in range(0, n, batch_size):
-        idx = list(range(lo, min(n, lo + batch_size)))
-        starts: dict[int, list[int]] = {i: [] for i in idx}
-        events = generate_batch_events(
-            session.model, [prompts[i] for i in idx], params=params, num_blocks=num_blocks,
-            seeds=[seeds[i] for i in idx], stop_ids=() if ignore_eos else session.stop_ids, pad_id=session.pad_id,
-            init_canvases=[inits[i] for i in idx], compile_tiles=session.compiled)
-        for event in events:
-            event.row = idx[event.row]  # the batch's row -> the request's index
-            if on_event is not None:
-                on_event(event)
-            if isinstance(event, BlockStart):
-                starts[event.row].append(event.prefix_len)
-            elif isinstance(event, Done):
-                yield event.row, _response(session, prompts[event.row], event, starts[event.row], show_thinking)
+    starts: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    events = generate_batch_events(
+        session.model, prompts, params=params, num_blocks=num_blocks, seeds=seeds,
+        stop_ids=() if ignore_eos else session.stop_ids, pad_id=session.pad_id, init_canvases=init_canvases,
+        compile_tiles=session.compiled, max_batch=batch_size, stats=stats)
+    for event in events:
+        if on_event is not None:
+            on_event(event)
+        if isinstance(event, BlockStart):
+            starts[event.row].append(event.prefix_len)
+        elif isinstance(event, Done):
+            yield event.row, _response(session, prompts[event.row], event, starts.pop(event.row), show_thinking)
 
 
 def _response(session: Any, prompt_ids: Sequence[int], done: Done, starts: list[int], show_thinking: bool) -> Response:
