@@ -122,8 +122,9 @@ def generate_batch_events(
     Continuous batching: at most `max_batch` rows (default: all) run at once; the others wait in input
     order and take a free slot at the next pass (their prompts are encoded then and join the cache).
     Timings count from the call, so a queued request's first_block_s and total_s include its wait.
-    `stats` (a dict, if given) receives the run's decoder_passes, encoder_passes and row_steps (rows
-    computed over all passes; slot occupancy = row_steps / (decoder_passes · max_batch))."""
+    `stats` (a dict, if given) receives the run's decoder_passes, encoder_passes, row_steps (rows
+    computed over all passes; slot occupancy = row_steps / (decoder_passes · max_batch)), denoise_s (the
+    decoder passes' own time, each pass once) and encode_s (prefills and commits)."""
     params = DiffusionEbParams.check(params)  # the one validator (presets, flags and requests use it too)
     n_rows = len(prompts)
     if n_rows < 1:
@@ -163,7 +164,7 @@ def generate_batch_events(
     if not isinstance(slots, int) or slots < 1:
         raise UserError(f"max_batch={max_batch!r}: must be a whole number >= 1")
     stats = {} if stats is None else stats
-    stats.update(decoder_passes=0, encoder_passes=0, row_steps=0)
+    stats.update(decoder_passes=0, encoder_passes=0, row_steps=0, denoise_s=0.0, encode_s=0.0)
     queue = deque(rows)
     active: list[_Row] = []  # in cache order; row k's state is row k of every tensor below
     cache = canvas = history = soft = None  # soft None: every row is at the first step of a block
@@ -205,6 +206,7 @@ def generate_batch_events(
             cache = new if cache is None else cache.extend(new)
             for row in joining:
                 row.prefill_s = time.perf_counter() - t0
+            stats["encode_s"] += joining[0].prefill_s
             fresh = list(range(len(active), len(active) + len(joining)))
             active += joining
             j = len(joining)
@@ -237,6 +239,7 @@ def generate_batch_events(
         elapsed = time.perf_counter() - t0
         stats["decoder_passes"] += 1
         stats["row_steps"] += b
+        stats["denoise_s"] += elapsed
         busy += time.perf_counter() - mark
         ended = []
         for k, row in enumerate(active):
@@ -293,6 +296,7 @@ def generate_batch_events(
             _encode(model, out.argmax[going_on], cache, rows=None if len(going_on) == b else going_on)
             stats["encoder_passes"] += 1
             commit_s = time.perf_counter() - t0
+            stats["encode_s"] += commit_s
             for k in going_on:
                 active[k].commit_s += commit_s
             start_block(going_on)
