@@ -28,6 +28,7 @@ from .reference import VocabPassOut, row_temperature
 # A tile's float32 [N, T] buffers stay near this size (4 MiB: the 256-row canvas with T = 4096): large
 # enough that the head GEMM runs at full speed, small enough that the ~4 live buffers stay in cache.
 TILE_BYTES = 4 * 2**20
+TILE_ROWS = 256  # the rows the default tile width is sized for (one real canvas); more rows: more memory
 # Columns per group of the draw's statistics (when the tile width is a multiple of it; else one group
 # per tile): the draw recomputes one group per row at the end, [N, GROUP, H] gathered embedding rows.
 GROUP = 64
@@ -117,7 +118,8 @@ def vocab_pass_tiled(
 ) -> VocabPassOut:
     """`kernels.reference.vocab_pass` over vocabulary tiles of `tile` columns (default `auto_tile`).
 
-    Extra memory: a few [N, T] float32 tiles plus the [N, H] float32 soft accumulator, whatever V is.
+    Extra memory: a few [N, T] float32 tiles plus the [N, H] float32 soft accumulator, whatever V is
+    (T = `auto_tile(TILE_ROWS, V)` by default: ~16 MiB of tiles per 256 rows).
     `compile_tiles` runs each tile's elementwise math through torch.compile (`dgemma --compile`); the
     GEMMs, the running statistics and the draw stay eager. `row_chunk` is accepted for
     signature compatibility with the reference and ignored (all rows go through each tile together:
@@ -127,7 +129,9 @@ def vocab_pass_tiled(
     v = embed.shape[0]
     rows = hidden.reshape(b * c, h)  # [N, H]
     n = rows.shape[0]
-    t_cols = tile if tile is not None else auto_tile(n, v)
+    # The default width is that of one 256-row canvas whatever the batch: a row's numbers (online sums,
+    # the soft embedding's rounding) then do not depend on how many rows share the pass.
+    t_cols = tile if tile is not None else auto_tile(TILE_ROWS, v)
     if t_cols < 1:
         raise ValueError(f"tile must be >= 1, got {t_cols}")
     dev = hidden.device

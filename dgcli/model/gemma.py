@@ -84,10 +84,17 @@ class Attention(nn.Module):
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def attend(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
+        return self.out(self.sdpa(q, k, v, mask))
+
+    @staticmethod
+    def sdpa(q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
         # Scale 1.0 (QK-norm absorbs 1/sqrt(d)); no attention softcap; GQA by kv-head groups.
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=True)
-        b, _, t, _ = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=True)
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        """[B, n, T, d] attention output -> [B, T, H]."""
+        b, _, t, _ = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):
@@ -249,7 +256,9 @@ class DiffusionGemma(nn.Module):
         lengths = [t] * len(starts) if lengths is None else list(lengths)
         x = self.embed(ids)
         j = torch.arange(t, device=dev)
-        same = len(set(starts)) == 1
+        # Rows of equal start and length run as one batch; otherwise each row attends alone over exactly
+        # its own keys (a longer, masked key range rounds differently in bf16).
+        same = len(set(starts)) == 1 and len(set(lengths)) == 1
         # Query positions: [T] shared when every row starts at the same slot, else [B, T] per row.
         qpos = starts[0] + j if same else torch.tensor(starts, device=dev)[:, None] + j  # [T] or [B, T]
         tables = self._tables(qpos, x.dtype)
@@ -259,22 +268,34 @@ class DiffusionGemma(nn.Module):
             attn = layer.self_attn
             q, k, v = attn.project(layer.input_layernorm(x), *tables[g.kind])
             cache.write(i, starts, k, v, rows)
-            hi = max(starts) + t
-            lo = 0 if g.window is None else max(0, min(starts) - g.window + 1)
-            keys, values = cache.read(i, lo, hi, rows)
-            kpos = torch.arange(lo, hi, device=dev)  # [S] slot = position
-            mask = kpos <= qcol  # causal; a padding query sees its own slot, so no row is empty
-            if g.window is not None:
-                mask = mask & (kpos > qcol - g.window)
-            if not same:
-                mask = mask[:, None]  # [B, 1, T, S]
-            x = x + layer.post_attention_layernorm(attn.attend(q, keys, values, mask))
+            if same:
+                lo = 0 if g.window is None else max(0, starts[0] - g.window + 1)
+                keys, values = cache.read(i, lo, starts[0] + t, rows)
+                out = attn.sdpa(q, keys, values, self._causal(lo, starts[0] + t, qcol, g.window))
+            else:  # each row alone, over exactly the keys it has: the same numbers as a batch of one
+                out = q.new_zeros(q.shape)  # padding queries keep zeros (their K/V are never read)
+                for b, (s0, n) in enumerate(zip(starts, lengths)):
+                    lo = 0 if g.window is None else max(0, s0 - g.window + 1)
+                    keys, values = cache.read(i, lo, s0 + n, None if rows is None else rows[b:b + 1])
+                    if rows is None:
+                        keys, values = keys[b:b + 1], values[b:b + 1]
+                    out[b:b + 1, :, :n] = attn.sdpa(q[b:b + 1, :, :n], keys, values,
+                                                    self._causal(lo, s0 + n, qcol[b, :n], g.window))
+            x = x + layer.post_attention_layernorm(attn.out(out))
             if i == last:
                 break
             x = layer.feed_forward(x)
             x *= layer.encoder_layer_scalar
         for b, (s, n) in enumerate(zip(starts, lengths)):
             cache.lens[b if rows is None else rows[b]] = s + n
+
+    @staticmethod
+    def _causal(lo: int, hi: int, qcol: torch.Tensor, window: int | None) -> torch.Tensor:
+        """Encoder mask [T, S] for query positions qcol [T, 1] over key slots lo..hi-1 (slot = position):
+        causal, within the window on sliding layers; a padding query sees its own slot, so no row is empty."""
+        kpos = torch.arange(lo, hi, device=qcol.device)
+        mask = kpos <= qcol
+        return mask & (kpos > qcol - window) if window is not None else mask
 
     @torch.no_grad()
     def decode(self, canvas: torch.Tensor, cache: KVCache, soft: torch.Tensor | None = None) -> torch.Tensor:
@@ -285,25 +306,27 @@ class DiffusionGemma(nn.Module):
         same = len(set(lens)) == 1
         x = self.self_conditioning.condition(self.embed(canvas), soft)
         j = torch.arange(c, device=dev)
-        plen = torch.tensor(lens, device=dev)[:, None] if not same else None  # [B, 1]
-        tables = self._tables(lens[0] + j if same else plen + j, x.dtype)
-        hi = max(lens)
+        tables = self._tables(lens[0] + j if same else torch.tensor(lens, device=dev)[:, None] + j, x.dtype)
         for i, (layer, g) in enumerate(zip(self.layers, self.geometry)):
             attn = layer.self_attn
             q, k, v = attn.project(layer.input_layernorm(x), *tables[g.kind])
             # Sliding layers: the same last W-1 prefix positions for every canvas row of a request (a
-            # rectangle); with rows of different lengths, a key mask cuts each row's own rectangle.
-            lo = 0 if g.window is None else max(0, min(lens) - (g.window - 1))
-            pk, pv = cache.read(i, lo, hi)
-            mask = None
-            if not same:
-                kpos = torch.arange(lo, hi, device=dev)  # [S]
-                seen = kpos < plen  # [B, S]
-                if g.window is not None:
-                    seen = seen & (kpos >= plen - (g.window - 1))
-                mask = torch.cat((seen, seen.new_ones(seen.shape[0], c)), dim=1)[:, None, None, :]  # [B, 1, 1, S + C]
-            out = attn.attend(q, torch.cat((pk, k), dim=2), torch.cat((pv, v), dim=2), mask)
-            x = x + layer.post_attention_layernorm(out)
+            # rectangle). Rows of different lengths attend one by one over exactly their own keys (no
+            # padding mask: a masked, longer key range rounds differently in bf16, and a request's
+            # numbers must not depend on its batch-mates).
+            if same:
+                lo = 0 if g.window is None else max(0, lens[0] - (g.window - 1))
+                pk, pv = cache.read(i, lo, lens[0])
+                out = attn.sdpa(q, torch.cat((pk, k), dim=2), torch.cat((pv, v), dim=2), None)
+            else:
+                parts = []
+                for b, p in enumerate(lens):
+                    lo = 0 if g.window is None else max(0, p - (g.window - 1))
+                    pk, pv = cache.read(i, lo, p)
+                    parts.append(attn.sdpa(q[b:b + 1], torch.cat((pk[b:b + 1], k[b:b + 1]), dim=2),
+                                            torch.cat((pv[b:b + 1], v[b:b + 1]), dim=2), None))
+                out = torch.cat(parts)
+            x = x + layer.post_attention_layernorm(attn.out(out))
             x = layer.feed_forward(x)
             x *= layer.layer_scalar
         return self.norm(x)
