@@ -130,3 +130,44 @@ def test_continuous_batching_through_four_slots(bundled):
     done_at = {e.row: i for i, e in enumerate(events) if isinstance(e, Done)}
     assert first_start[4] > min(done_at.values())
     assert stats["decoder_passes"] < solo_passes / 2, (stats, solo_passes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_random_model_rows_are_bit_identical_at_every_batch_size(tmp_path, dtype):
+    """A random model (never confident: every draw and every rounding shows) with prompts of five lengths:
+    each row's step events are the same alone and in batches of 2, 3 and 5. bf16: bit for bit (samples,
+    argmaxes, entropies). What makes this hold: ragged rows attend one by one over exactly their own keys
+    (a masked, longer key range rounds differently), the CPU vocabulary tiles have a width that does not
+    depend on the row count, and oneDNN's bf16 GEMM rows do not depend on their batch-mates.
+    fp32: samples and argmaxes bit for bit, entropies within 1e-3 (not bit for bit: ~1e-6 at a block's
+    first step, grown to ~1e-4 by self-conditioning four steps later, measured). The cause: MKL's fp32
+    GEMM takes a small-matrix kernel for 1-2 rows (an expert that gets one or two of a request's tokens),
+    which rounds differently from the same rows inside a larger GEMM (measured: 1-6e-6 apart at M = 1, 2;
+    equal from M = 5 on), and a batch gives that expert more rows."""
+    from hf_oracle import CLI_CANVAS, CLI_TEXT
+
+    from dgcli.model.random_weights import write_random_checkpoint
+
+    path = write_random_checkpoint(tmp_path / "ck", CLI_TEXT, canvas_length=CLI_CANVAS, dtype=dtype, tokenizer=False)
+    model = dgcli.load_model(path)
+    assert model.embed_weight.dtype == dtype
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in (5, 19, 9, 12, 30)]
+    params = DiffusionEbParams(max_denoising_steps=4, confidence_threshold=0.0)
+
+    def steps(max_batch):
+        return {(e.row, e.block, e.step): e for e in generate_batch_events(
+            model, prompts, params=params, num_blocks=2, seeds=[1, 2, 3, 4, 5], max_batch=max_batch)
+            if isinstance(e, Step)}
+
+    solo = steps(1)
+    assert len(solo) == 5 * 2 * 4
+    for size in (2, 3, 5):
+        got = steps(size)
+        for k, want in solo.items():
+            x = got[k]
+            assert torch.equal(x.sample, want.sample) and torch.equal(x.argmax, want.argmax), (size, k)
+            if dtype == torch.bfloat16:
+                assert torch.equal(x.entropy, want.entropy), (size, k)
+            else:
+                torch.testing.assert_close(x.entropy, want.entropy, rtol=0, atol=1e-3)
