@@ -38,7 +38,7 @@ from dgcli.errors import UserError
 from dgcli.sampling import draws
 from dgcli.sampling.events import BlockStart, Commit, Done, Event, Step
 from dgcli.sampling.params import DiffusionEbParams
-from dgcli.sampling.rules import denoise_step, temperature
+from dgcli.sampling.rules import RowRules, denoise_step, temperature
 
 
 @torch.inference_mode()
@@ -80,6 +80,8 @@ class _Row:
     """One request's state in the batch loop (host values only)."""
 
     request: int  # the caller's index, carried by every event
+    params: Any  # its DiffusionEbParams
+    temps: list[float]  # T_n of each step of its schedule
     seed: int
     num_blocks: int
     first_canvas: torch.Tensor | None  # [C] or None: the first block's canvas
@@ -110,8 +112,9 @@ def generate_batch_events(
 ) -> Iterator[Event]:
     """Run the entropy-bound sampler on several prompts at once, yielding each row's BlockStart, Step...,
     Commit per block and its Done, every event carrying `row` (the prompt's index). Rows may differ in
-    prompt length, seed (default `params.seed`), block cap and first canvas; the sampler settings are
-    shared. Each row is at its own step of its own block: a decoder pass runs every row once (a [b]
+    prompt length, seed (default: their params' seed), block cap, first canvas, and in every sampler
+    setting when `params` is a list (one DiffusionEbParams per prompt: steps, temperatures, entropy
+    bound, thresholds; each row keeps its own schedule and stop rule). Each row is at its own step of its own block: a decoder pass runs every row once (a [b]
     temperature), and a row whose block ends (stop rule or step cap) commits it and starts its next
     block at the next pass, or finishes (stop id or block cap: Done) and frees its slot. A row never
     waits for, or runs extra steps for, its batch-mates. Every random draw is addressed by the row's
@@ -125,20 +128,24 @@ def generate_batch_events(
     `stats` (a dict, if given) receives the run's decoder_passes, encoder_passes, row_steps (rows
     computed over all passes; slot occupancy = row_steps / (decoder_passes · max_batch)), denoise_s (the
     decoder passes' own time, each pass once) and encode_s (prefills and commits)."""
-    params = DiffusionEbParams.check(params)  # the one validator (presets, flags and requests use it too)
     n_rows = len(prompts)
     if n_rows < 1:
         raise UserError("no prompts: give at least one")
+    many = isinstance(params, (list, tuple))
+    row_params = [DiffusionEbParams.check(p) for p in (params if many else [params])]  # the one validator
+    if many and len(row_params) != n_rows:
+        raise UserError(f"{n_rows} prompts need one params each, got {len(row_params)}")
+    row_params = row_params if many else row_params * n_rows
     blocks = [num_blocks] * n_rows if isinstance(num_blocks, int) else list(num_blocks)
-    seeds = [params.seed] * n_rows if seeds is None else [int(x) for x in seeds]
+    seeds = [p.seed for p in row_params] if seeds is None else [int(x) for x in seeds]
     inits = [None] * n_rows if init_canvases is None else list(init_canvases)
     if not len(blocks) == len(seeds) == len(inits) == n_rows:
         raise UserError(f"{n_rows} prompts need as many block caps, seeds and initial canvases")
     for nb in blocks:
         if not isinstance(nb, int) or nb < 1:
             raise UserError(f"num_blocks={nb!r}: generate at least one block")
-    for seed in seeds:
-        DiffusionEbParams.check(dataclasses.replace(params, seed=seed))  # one rule for every seed
+    for p, seed in zip(row_params, seeds):
+        DiffusionEbParams.check(dataclasses.replace(p, seed=seed))  # one rule for every seed
     vocab, c = model.config.vocab_size, model.config.canvas_length
     device = model.embed_weight.device
     ids = [_ids_tensor(p, "prompt", vocab, device)[0] for p in prompts]  # [P_r] each
@@ -149,14 +156,14 @@ def generate_batch_events(
             first = _ids_tensor(inits[r], "initial canvas", vocab, device)[0]  # [C]
             if first.shape[0] != c:
                 raise UserError(f"initial canvas has {first.shape[0]} ids; the model's canvas holds {c}")
-        rows.append(_Row(request=r, seed=seeds[r], num_blocks=blocks[r], first_canvas=first))
+        p = row_params[r]
+        n = p.max_denoising_steps
+        temps = [temperature(i, n, p.t_min, p.t_max) for i in range(n, 0, -1)]
+        rows.append(_Row(request=r, params=p, temps=temps, seed=seeds[r], num_blocks=blocks[r], first_canvas=first))
     stops = {int(s) for s in stop_ids}
-    n_steps = params.max_denoising_steps
-    temps = [temperature(n, n_steps, params.t_min, params.t_max) for n in range(n_steps, 0, -1)]
-    temps_dev = torch.tensor(temps, dtype=torch.float32, device=device)  # [N]: one copy, then device views
-    # Mean entropy is >= 0, so "< 0" never holds: no step can stop early and the loop never has to
-    # wait for the device inside a block (fixed-work mode).
-    can_stop_early = params.confidence_threshold > 0
+    # One setting for all rows (but the seed): scalars, as a batch of one runs; else per-row tensors.
+    shared = all(dataclasses.replace(p, seed=0) == dataclasses.replace(row_params[0], seed=0) for p in row_params)
+    depth = max(p.stability_threshold for p in row_params)  # the history's length
     positions = torch.arange(c, device=device)  # [C]
 
     busy, mark = 0.0, time.perf_counter()  # busy: own time; the clock pauses while a consumer holds an event
@@ -212,7 +219,7 @@ def generate_batch_events(
             j = len(joining)
             canvas = torch.empty(j, c, dtype=torch.long, device=device) if canvas is None else \
                 torch.cat((canvas, canvas.new_empty(j, c)))
-            hist = torch.empty(params.stability_threshold, j, c, dtype=torch.long, device=device)
+            hist = torch.empty(depth, j, c, dtype=torch.long, device=device)
             history = hist if history is None else torch.cat((history, hist), dim=1)
             if soft is not None:
                 soft = torch.cat((soft, soft.new_zeros(j, c, soft.shape[2])))
@@ -232,9 +239,14 @@ def generate_batch_events(
         block_k = torch.tensor([row.block for row in active], device=device)[:, None]  # [b, 1]
         uniform = draws.uniform(seed_k, draws.DRAW, block_k, step_k[:, None] + 1, positions, device=device)  # [b, C]
         noise = draws.token_ids(seed_k, draws.RENOISE, block_k, step_k[:, None] + 1, positions, vocab, device=device)
+        temp = torch.tensor([row.temps[row.step] for row in active], dtype=torch.float32, device=device)  # [b]
+        rules = row_params[0] if shared else RowRules.of([row.params for row in active], device)
         out, accepted, next_canvas, history, stop = denoise_step(
-            model, canvas, cache, soft, temps_dev[step_k], history, params, uniform, noise,
-            want_soft=any(row.step < n_steps - 1 for row in active), compile_tiles=compile_tiles)
+            model, canvas, cache, soft, temp, history, rules, uniform, noise,
+            want_soft=any(row.step < len(row.temps) - 1 for row in active), compile_tiles=compile_tiles)
+        # Mean entropy is >= 0, so "< 0" never holds: with confidence 0 (fixed work) no row can stop early
+        # and the loop never waits for the device inside a block.
+        can_stop_early = any(row.params.confidence_threshold > 0 for row in active)
         stopped = stop.tolist() if can_stop_early else [False] * b  # the step's one host sync
         elapsed = time.perf_counter() - t0
         stats["decoder_passes"] += 1
@@ -243,10 +255,10 @@ def generate_batch_events(
         busy += time.perf_counter() - mark
         ended = []
         for k, row in enumerate(active):
-            i = row.step
+            i, n_steps = row.step, len(row.temps)
             reason = "stable_confident" if stopped[k] else ("step_cap" if i == n_steps - 1 else None)
             row.denoise_s += elapsed
-            yield Step(block=row.block, step=i + 1, max_steps=n_steps, temperature=temps[i], canvas_in=canvas[k],
+            yield Step(block=row.block, step=i + 1, max_steps=n_steps, temperature=row.temps[i], canvas_in=canvas[k],
                        argmax=out.argmax[k], sample=out.sample[k], accepted_mask=accepted[k],
                        accepted_count=accepted[k].sum(), entropy=out.entropy[k],
                        mean_entropy=out.entropy[k].mean(), next_canvas=next_canvas[k],

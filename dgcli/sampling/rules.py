@@ -1,13 +1,14 @@
 """The entropy-bound sampler's rules (spec §7.2) as small pure functions, and one denoising step built
 from them (decoder pass, vocabulary pass, accept, renoise, stop flags), all on the device.
 
-Owns: temperature, accept_mask, is_stable / push_history, is_confident, denoise_step. Must not: loop over
+Owns: temperature, accept_mask, is_stable / push_history, is_confident, RowRules, denoise_step. Must not: loop over
 steps or blocks (that is `loop.py`), draw random numbers (the step is handed its uniforms and renoise
 ids), sync with the host, or know about requests.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ def temperature(n: int, num_steps: int, t_min: float, t_max: float) -> float:
     return float(t_min + (t_max - t_min) * ratio)
 
 
-def accept_mask(entropy: torch.Tensor, bound: float) -> torch.Tensor:
+def accept_mask(entropy: torch.Tensor, bound: float | torch.Tensor) -> torch.Tensor:
     """Entropy-bound acceptance [B, C] -> bool [B, C]: sort entropies ascending; the position of rank j
     is accepted iff the sum of the strictly lower-ranked entropies (cumsum - self) is <= bound.
     Rank 0 is always accepted. Ties are broken by position (stable sort), lower index first."""
@@ -36,10 +37,15 @@ def accept_mask(entropy: torch.Tensor, bound: float) -> torch.Tensor:
     return torch.zeros_like(keep).scatter(-1, order, keep)
 
 
-def is_stable(history: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
-    """argmax [B, C] equals each of the previous argmaxes in history [S, B, C] -> bool [B].
-    History starts filled with -1 (never equal); S = 0 means always stable (`all` of nothing)."""
-    return (history == argmax[None]).all(dim=-1).all(dim=0)  # [B]
+def is_stable(history: torch.Tensor, argmax: torch.Tensor, depth: torch.Tensor | None = None) -> torch.Tensor:
+    """argmax [B, C] equals each of the previous argmaxes in history [S, B, C] -> bool [B]; with `depth`
+    [B] (rows with their own stability thresholds <= S), only each row's newest depth[b] entries count.
+    History starts filled with -1 (never equal); S = 0 (or depth 0) means always stable (`all` of nothing)."""
+    same = (history == argmax[None]).all(dim=-1)  # [S, B]
+    if depth is not None:
+        s = history.shape[0]
+        same = same | (torch.arange(s, device=history.device)[:, None] < s - depth[None, :])  # older: ignored
+    return same.all(dim=0)  # [B]
 
 
 def push_history(history: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
@@ -49,9 +55,27 @@ def push_history(history: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
     return torch.cat((history[1:], argmax[None]), dim=0)
 
 
-def is_confident(entropy: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Mean entropy over the canvas strictly below threshold: [B, C] -> bool [B] (threshold 0: never)."""
+def is_confident(entropy: torch.Tensor, threshold: float | torch.Tensor) -> torch.Tensor:
+    """Mean entropy over the canvas strictly below threshold (a float, or [B] per row): [B, C] -> bool [B]
+    (threshold 0: never)."""
     return entropy.mean(dim=-1) < threshold
+
+
+@dataclass
+class RowRules:
+    """Accept and stop settings of rows that carry their own (a batch of requests with different
+    settings), as device tensors; `denoise_step` takes this or any object with float attributes
+    entropy_bound and confidence_threshold (one setting for the batch)."""
+
+    entropy_bound: torch.Tensor  # [B, 1] float32
+    confidence_threshold: torch.Tensor  # [B] float32
+    stability: torch.Tensor  # [B] int64: previous argmaxes that must match (<= the history's depth)
+
+    @classmethod
+    def of(cls, params: list[Any], device: torch.device) -> RowRules:
+        return cls(torch.tensor([[p.entropy_bound] for p in params], dtype=torch.float32, device=device),
+                   torch.tensor([p.confidence_threshold for p in params], dtype=torch.float32, device=device),
+                   torch.tensor([p.stability_threshold for p in params], dtype=torch.long, device=device))
 
 
 # ---- one step and one block boundary ---------------------------------------------------------------
@@ -69,5 +93,6 @@ def denoise_step(model: Any, canvas: torch.Tensor, cache: Any, soft: torch.Tenso
                      want_soft=want_soft, compile_tiles=compile_tiles)
     accepted = accept_mask(out.entropy, params.entropy_bound)  # [B, C]
     next_canvas = torch.where(accepted, out.sample, noise)  # [B, C]
-    stop = is_stable(history, out.argmax) & is_confident(out.entropy, params.confidence_threshold)  # [B]
+    stable = is_stable(history, out.argmax, getattr(params, "stability", None))
+    stop = stable & is_confident(out.entropy, params.confidence_threshold)  # [B]
     return out, accepted, next_canvas, push_history(history, out.argmax), stop

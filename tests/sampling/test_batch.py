@@ -171,3 +171,28 @@ def test_random_model_rows_are_bit_identical_at_every_batch_size(tmp_path, dtype
                 assert torch.equal(x.entropy, want.entropy), (size, k)
             else:
                 torch.testing.assert_close(x.entropy, want.entropy, rtol=0, atol=1e-3)
+
+
+def test_rows_with_their_own_sampler_settings_equal_their_solo_runs(bundled):
+    """Requests that differ in every setting that keeps the shapes (steps, temperatures, entropy bound,
+    stability and confidence thresholds, seed, block cap) share 3 slots; each equals its solo run, and a
+    row with 48 steps per block does not make a row with 4 run more than its own."""
+    session, prompts = bundled
+    base = session.params
+    settings = [dict(max_denoising_steps=4), dict(t_min=0.2, t_max=1.2), dict(entropy_bound=0.3),
+                dict(stability_threshold=2), dict(stability_threshold=0, confidence_threshold=0.02),
+                dict(confidence_threshold=0.0, max_denoising_steps=6), dict(seed=9), {}]
+    params = [dataclasses.replace(base, **kw) for kw in settings]
+    picks = [1, 33, 65, 90, 7, 40, 70, 94]
+    chosen = [prompts[i] for i in picks]
+    caps = [2, 3, 1, 4, 2, 1, 3, 2]
+    dones = {e.row: e for e in generate_batch_events(session.model, chosen, params=params, num_blocks=caps,
+                                                     stop_ids=session.stop_ids, max_batch=3)
+             if isinstance(e, Done)}
+    for r in range(len(chosen)):
+        want = generate(session.model, chosen[r], params=params[r], num_blocks=caps[r], stop_ids=session.stop_ids)
+        got = dones[r]
+        assert (got.token_ids, got.steps_per_block, got.finish_reason) == \
+            (want.token_ids, want.steps_per_block, want.finish_reason), (r, settings[r])
+        assert max(got.steps_per_block) <= params[r].max_denoising_steps
+    assert dones[5].steps_per_block == [6]  # fixed work: exactly its own 6 steps
