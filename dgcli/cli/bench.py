@@ -1,7 +1,7 @@
 """`dgemma bench`: warm-up, repeats, one row per setting, the static card first, then the table, then one
 JSON line. Formats md|csv|json|jsonl; --save-result writes the full JSON document (card, definitions, rows).
 
-Owns: the bench-only flags and the order of output. Must not: measure or format figures itself
+Owns: the bench-only flags and the order of output (one row per --batch-size). Must not: measure or format figures itself
 (dgcli.measure does), or contain a denoising loop. Ctrl-C keeps the runs that finished: they are summarised and printed.
 """
 
@@ -13,11 +13,12 @@ from typing import Annotated, Optional
 import typer
 
 from dgcli.cli import options as o
-from dgcli.cli.console import budget_note, document, emit, loading, status, warn
+from dgcli.cli.console import HEADLINE, budget_note, document, emit, loading, status, warn
 from dgcli.errors import UserError
 
 FORMATS = ("md", "csv", "json", "jsonl")
 EXAMPLES = ["dgemma bench --runs 3 --format md",
+            "dgemma bench --batch-size 1,2,4,8 --runs 3",
             "dgemma bench --dummy 26B-A4B --layers 4 --device cuda --diffusion-steps 16",
             "dgemma bench --label base --metadata gpu=h100 --result-dir results/"]
 
@@ -35,17 +36,21 @@ def bench(
     save_result: Annotated[bool, typer.Option("--save-result", help="Also write the JSON document to a file (--result-dir and --result-filename imply it).")] = False,
     result_dir: Annotated[Optional[str], typer.Option("--result-dir", metavar="DIR", help=o.dflt("Implies --save-result; the folder to write to.", "."))] = None,
     result_filename: Annotated[Optional[str], typer.Option("--result-filename", metavar="NAME", help=o.dflt("Implies --save-result; the file name to use.", "a dated name"))] = None,
+    batch_size: o.BatchSizes = "1",
     label: o.Label = None, metadata: o.Metadata = None, measure_peaks: o.MeasurePeaks = True,
     compile: o.Compile = False, threads: o.Threads = None,
 ) -> None:
     """Benchmark one sampler setting: labelled figures, roofline.
 
-    Labelled throughput figures, the step-count distribution and the roofline, with provenance.
+    Labelled throughput figures, the step-count distribution and the roofline, with provenance; one row
+    per --batch-size (every timed pass submits all prompts at once to an engine with that many slots).
     """
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt}: use one of {', '.join(FORMATS)}")
+    from dgcli.measure.grid import parse_batch_sizes
     from dgcli.measure.workload import check_counts
 
+    sizes = parse_batch_sizes(batch_size)  # before the model, the card and the peak measurement
     check_counts(num_prompts=num_prompts, runs=runs, warmup=warmup, input_len=random_input_len)
     from dgcli.measure import bench as b
     from dgcli.measure import metrics
@@ -77,33 +82,51 @@ def bench(
     else:
         sys.stderr.write(card_text + "\n")
 
-    memory = b.PeakMemory(s.device, baseline)
     live, progress = status(sys.stderr.isatty(), compiling=s.compiled)
-    done: list = []
+    rows, last, interrupted = [], None, False
     try:
-        b.measure(s, plist, params, runs=runs, warmup=warmup, ignore_eos=ignore, memory=memory,
-                  progress=progress, out=done)
-    except KeyboardInterrupt:
-        if not done:
-            warn("dgemma: interrupted before the first run finished; nothing to report")
-            raise SystemExit(130)  # not typer.Exit: under standalone_mode=False click returns its code unraised
-        warn(f"dgemma: interrupted: reporting the {len(done)} finished run(s) of {runs}")
+        for size in sizes:  # one row per batch size, each with its own warm-up and timed passes
+            memory = b.PeakMemory(s.device, baseline)
+            done: list = []
+            try:
+                b.measure(s, plist, params, runs=runs, warmup=warmup, ignore_eos=ignore, batch_size=size,
+                          memory=memory, progress=progress, out=done)
+            except KeyboardInterrupt:
+                interrupted = True
+                if done:
+                    warn(f"dgemma: interrupted: reporting the {len(done)} finished run(s) of {runs} at batch size {size}")
+            if done:
+                summary = metrics.summarize(done, s.config, params.max_denoising_steps, weight_bytes=b.weight_bytes(s),
+                                            peaks=peaks, peak_memory=memory.read())
+                summary.update(bench_quality(plist, [p.responses for p in done]))
+                rows.append(b.make_row(s, prompts=plist, prompt_source=source, params=params, runs_done=len(done),
+                                       runs_asked=runs, warmup=warmup, ignore_eos=ignore, summary=summary,
+                                       label=label, metadata=meta))
+                last = done[-1].responses
+            if interrupted:
+                break
     finally:
         if live is not None:
             live.stop()
-    summary = metrics.summarize(done, s.config, params.max_denoising_steps, weight_bytes=b.weight_bytes(s),
-                                peaks=peaks, peak_memory=memory.read())
-    summary.update(bench_quality(plist, done))
-    row = b.make_row(s, prompts=plist, prompt_source=source, params=params, runs_done=len(done),
-                     runs_asked=runs, warmup=warmup, ignore_eos=ignore, summary=summary, label=label, metadata=meta)
-    emit([row], card=card, fmt=fmt, title="Results")
+    if not rows:
+        warn("dgemma: interrupted before the first run finished; nothing to report")
+        raise SystemExit(130)  # not typer.Exit: under standalone_mode=False click returns its code unraised
+    if interrupted and len(rows) < len(sizes):
+        warn(f"dgemma: interrupted: batch size(s) {', '.join(map(str, sizes[len(rows):]))} not measured")
+    headline = HEADLINE
+    if len(sizes) > 1:  # the rows differ by batch size: say so next to the settings
+        at = HEADLINE.index("blocks") + 1
+        headline = HEADLINE[:at] + ["batch_size"] + HEADLINE[at:]
+        at = headline.index("output_throughput") + 1
+        headline = headline[:at] + ["request_throughput", "p99_e2el_ms", "slot_occupancy"] + headline[at:]
+    emit(rows, card=card, fmt=fmt, title="Results", headline=headline)
     if not ignore:  # fixed work runs every block on purpose; otherwise say once if answers were cut short
-        last = done[-1]  # every pass runs the same prompts with the same seed: the same answers
+        # every pass runs the same prompts with the same seed: the same answers, at every batch size
         note = budget_note(s, sum(r.finish_reason == "length" for r in last), len(last))
         if note:
             warn(note)
     if save_result or result_dir is not None or result_filename is not None:  # naming a place means "save it"
-        path = report.save_result(document(card, [row]), result_dir, result_filename, label)
+        path = report.save_result(document(card, rows), result_dir, result_filename, label)
         warn(f"dgemma: saved {path}")
-    if len(done) < runs:
+    if interrupted:
         raise SystemExit(130)

@@ -48,6 +48,11 @@ Threads = Annotated[Optional[int], typer.Option("--threads", metavar="N", help=d
 
 BatchSize = Annotated[int, typer.Option("--batch-size", metavar="N", help=(
     "Requests denoised together (continuous batching: a finished request's slot takes the next)."))]
+# bench and sweep: a comma list (one row, or one grid axis value, per size); parsed by
+# dgcli.measure.grid.parse_batch_sizes in the command body, before the model, the card and the peaks.
+BatchSizes = Annotated[str, typer.Option("--batch-size", metavar="N[,N...]", help=(
+    "Batch sizes to measure, e.g. 1,2,4,8: every timed pass submits all prompts at once to an engine with N "
+    "slots (continuous batching); one row (bench) or one grid axis value (sweep) per size."))]
 Compile = Annotated[bool, typer.Option("--compile", help="torch.compile the decoder pass and the vocabulary tile math: faster steps after a one-off compile of tens of seconds.")]
 Trace = Annotated[Optional[str], typer.Option("--trace", metavar="FILE", help="Write the per-step JSONL trace to FILE.")]
 InitCanvas = Annotated[Optional[str], typer.Option("--init-canvas", metavar="IDS|TEXT", help=(

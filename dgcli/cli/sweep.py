@@ -29,6 +29,7 @@ def _grid(flag: str, *aliases: str, what: str, eg: str):
 
 EXAMPLES = ["dgemma sweep --diffusion-steps 8,16,32,48 --seeds 0,1 --plot frontier.svg",
             "dgemma sweep --entropy-bound 0.05-0.2+0.05 --dry-run",
+            "dgemma sweep --diffusion-steps 8,48 --batch-size 1,4",
             "dgemma sweep --diffusion-steps 8,16,32,48 --resume   # after Ctrl-C"]
 TABLE_FIGURES = ["output_throughput", "diffusion_committed_throughput", "diffusion_steps_per_canvas",
                  "p90_steps_per_block", "cap_hit_rate", "mean_step_ms", "quality"]
@@ -54,6 +55,7 @@ def sweep(
     plot: Annotated[Optional[str], typer.Option("--plot", metavar="FILE", help="Write the speed-quality frontier plot (FILE.svg, or FILE.png with matplotlib).")] = None,
     speed: Annotated[str, typer.Option("--speed-metric", metavar="NAME", help="The frontier's speed figure.")] = "output_throughput",
     fmt: Annotated[str, typer.Option("--format", "-f", metavar="FORMAT", help="md | csv | json | jsonl (the final rows)")] = "md",
+    batch_size: o.BatchSizes = "1",
     label: Label = None, metadata: Metadata = None, measure_peaks: MeasurePeaks = True,
     compile: o.Compile = False, threads: o.Threads = None,
 ) -> None:
@@ -61,15 +63,16 @@ def sweep(
 
     Per cell speed and quality, rows appended to a resumable JSONL file, then the Pareto frontier.
     """
+    from dgcli.measure.grid import parse_batch_sizes
     from dgcli.measure.workload import check_counts
 
+    sizes = parse_batch_sizes(batch_size)  # --dry-run too
     check_counts(num_prompts=num_prompts, runs=runs, warmup=warmup, input_len=random_input_len)  # --dry-run too
     from dgcli.measure import bench as b
     from dgcli.measure import printers as report
     from dgcli.measure import sweep as sw
     from dgcli.measure.metrics import DEFINITIONS
     from dgcli.measure.workload import build_prompts, prompt_set_hash
-    from dgcli.runtime import request
     from dgcli.runtime.session import open_any
 
     if fmt not in ("md", "csv", "json", "jsonl"):
@@ -79,6 +82,7 @@ def sweep(
     axes = sw.parse_axes({"max_denoising_steps": steps, "t_min": t_min, "t_max": t_max, "entropy_bound": entropy_bound,
                           "stability_threshold": stability_threshold, "confidence_threshold": confidence_threshold,
                           "max_blocks": blocks})
+    axes[sw.BATCH] = sizes
     seed_list = sw.parse_seeds(seeds)
     if plot:
         sw.check_plot_path(plot)
@@ -116,6 +120,8 @@ def sweep(
     quality_metric = "exact_match" if answered and s.tokenizer is not None else "agreement"
     swept = {k for k, v in axes.items() if len(v) > 1}  # single values are part of the fixed settings
     fixed = {k: v for k, v in s.resolved.as_dict()["params"].items() if k not in swept and k != "seed"}
+    if sw.BATCH not in swept:  # one batch size is the whole sweep's (several: each cell's key has its own)
+        fixed[sw.BATCH] = sizes[0]
     fp = sw.fingerprint({"model": str(s.path), "name": s.name, "dtype": s.dtype_name,
                          "device": s.device.type, "prompts": prompt_set_hash(plist), "fixed": fixed,
                          "seeds": seed_list, "runs": runs, "ignore_eos": ignore, "quality": quality_metric})
@@ -138,9 +144,8 @@ def sweep(
     live, progress = status(sys.stderr.isatty(), compiling=s.compiled)
     try:
         reference = sw.reference_outputs(rows, store, s, plist, ignore, quality_metric, fp, progress)
-        for i in range(warmup if todo else 0):
-            progress(f"warm-up {i + 1}/{warmup}")
-            request.run(s, plist[i % len(plist)].ids, ignore_eos=ignore)
+        if todo:  # the batched path the cells take, at the largest batch size
+            b.warm_up(s, plist, s.params, warmup, batch_size=max(sizes), ignore_eos=ignore, progress=progress)
         for n, cell in enumerate(todo, 1):
             memory = b.PeakMemory(s.device, baseline)
             row = sw.run_cell(s, cell, plist, source, seed_list, runs, ignore, quality_metric, reference,
@@ -190,11 +195,12 @@ def _print_plan(model, dummy, layers, preset, flags, axes, seeds, store, resume)
     cells, skipped = sw.plan(resolved.params, axes)
     done = {r.get("cell_key") for r in store.load()} if resume else set()
     print(f"plan: {len(cells)} cell(s) x {len(seeds)} seed(s) {seeds} on {name}; rows go to {store.path}")
-    keys = [k for k in sw.AXES if k in axes and len(axes[k]) > 1]
+    keys = sw.swept_keys(axes)
     for c in cells:
         nb = blocks_for(c.params, resolved.run.max_tokens, canvas)
         state = "done" if c.key in done else "to run"
-        print(f"  {sw.cell_label({'cell': c.values}, keys)}  blocks={nb}  [{state}]")
+        size = "" if sw.BATCH in keys else f"  batch_size={c.batch_size}"
+        print(f"  {sw.cell_label({'cell': c.values}, keys)}  blocks={nb}{size}  [{state}]")
     for values, why in skipped:
         print(f"  skipped {values}: {why}")
     base = {k: v for k, v in resolved.as_dict()["params"].items() if k not in keys}
@@ -206,7 +212,7 @@ def _finish(rows, cells, axes, speed, plot, fmt, card, output) -> None:
     from dgcli.measure import sweep as sw
     wanted = {c.key for c in cells}
     done = [r for r in rows if r.get("kind") == "cell" and r.get("cell_key") in wanted]
-    keys = [k for k in sw.AXES if k in axes and len(axes[k]) > 1]
+    keys = sw.swept_keys(axes)
     front = sw.pareto_frontier(done, speed, "quality")
     overlaps = sw.frontier_overlaps(front, speed, "quality")
     for r in done:

@@ -1,21 +1,25 @@
 """Benchmark runs: warm-up and timed repeats of requests through the request API (the one loop), peak
 memory, the row record (label, settings, workload, figures, provenance) and the card of the target.
 
-Owns: `measure`, `PeakMemory`, `make_row`, `target_card`, the device's roofline peaks. Must not: print,
-write files, contain a denoising loop (it calls `dgcli.runtime.request.run`), define figures
+Owns: `measure` (warm-up, then timed passes that submit every prompt at once to the batched engine:
+`dgcli.runtime.request.run_batch` with --batch-size slots), `PeakMemory`, `make_row`, `target_card`, the
+device's roofline peaks. Must not: print, write files, contain a denoising loop, define figures
 (metrics.py) or format numbers (printers.py).
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Any, Callable
 
 from dgcli.errors import UserError
 from dgcli.measure import card as info
+from dgcli.measure.metrics import Pass
 from dgcli.measure.workload import RANDOM_PROMPT_WARNING, Prompt, prompt_set_hash
 from dgcli.runtime import request
 from dgcli.runtime.request import Response
+from dgcli.sampling.events import BlockStart, Commit, Done
 
 class PeakMemory:
     """CUDA: torch.cuda.max_memory_allocated since `start()`; CPU: growth of the process' ru_maxrss
@@ -47,27 +51,67 @@ class PeakMemory:
         return self.maxrss() - self.baseline, "cpu ru_maxrss growth since before the model was built (weights + working set)"
 
 
+def warm_up(session: Any, prompts: list[Prompt], params: Any, n: int, *, batch_size: int, ignore_eos: bool,
+            progress: Callable[[str], None] | None = None) -> None:
+    """`n` untimed requests (cycling the prompts) through the batched engine with `batch_size` slots, the
+    path the timed passes take."""
+    if n < 1:
+        return
+    if progress:
+        progress(f"warm-up: {n} request(s), batch size {batch_size} (untimed; the first run is cold)")
+    ids = [prompts[i % len(prompts)].ids for i in range(n)]
+    for _ in request.run_batch(session, ids, batch_size=batch_size, params=params, ignore_eos=ignore_eos):
+        pass
+
+
+def timed_pass(session: Any, prompts: list[Prompt], params: Any, *, batch_size: int, ignore_eos: bool,
+               progress: Callable[[str], None] | None = None) -> Pass:
+    """Every prompt submitted at once to the batched engine (`request.run_batch`, `batch_size` slots);
+    returns the responses in prompt order, the pass's wall time, the engine's counts and, per request on
+    the wall clock, its wait for a slot and its latencies from then (its first block's start, less its
+    prefill, is when it took the slot)."""
+    stats: dict = {}
+    began: dict[int, float] = {}
+    first: dict[int, float] = {}
+    ended: dict[int, float] = {}
+    out: list[Response | None] = [None] * len(prompts)
+    t0 = time.perf_counter()
+
+    def seen(event: Any) -> None:
+        if getattr(event, "block", None) == 0 and isinstance(event, (BlockStart, Commit)):
+            (began if isinstance(event, BlockStart) else first)[event.row] = time.perf_counter()
+        elif isinstance(event, Done):
+            ended[event.row] = time.perf_counter()
+
+    for n, (i, resp) in enumerate(request.run_batch(session, [p.ids for p in prompts], batch_size=batch_size,
+                                                    params=params, ignore_eos=ignore_eos, stats=stats,
+                                                    on_event=seen), 1):
+        out[i] = resp
+        if progress:
+            progress(f"{n}/{len(prompts)} requests done")
+    wall = time.perf_counter() - t0
+    slot = [began[i] - r.done.timings["prefill_s"] for i, r in enumerate(out)]  # when each took its slot
+    return Pass(out, wall, batch_size, stats["decoder_passes"], stats["row_steps"], stats["denoise_s"],
+                queue_s=[max(0.0, t - t0) for t in slot], ttft_s=[first[i] - t for i, t in enumerate(slot)],
+                e2el_s=[ended[i] - t for i, t in enumerate(slot)])
+
+
 def measure(session: Any, prompts: list[Prompt], params: Any, *, runs: int, warmup: int, ignore_eos: bool,
-            memory: PeakMemory | None = None, progress: Callable[[str], None] | None = None,
-            out: list | None = None) -> list[list[Response]]:
-    """`warmup` untimed requests (cycling the prompts), then `runs` passes over every prompt. Finished
-    runs are appended to `out` as they complete, so a caller interrupted by Ctrl-C still has them."""
+            batch_size: int = 1, memory: PeakMemory | None = None, progress: Callable[[str], None] | None = None,
+            out: list | None = None) -> list[Pass]:
+    """`warmup` untimed requests, then `runs` timed passes, each submitting every prompt at once to the
+    batched engine with `batch_size` slots (batch size 1 runs them one after another, through the same
+    path). Finished passes are appended to `out` as they complete, so a caller interrupted by Ctrl-C
+    still has them."""
     if runs < 1 or warmup < 0:
         raise UserError("--runs must be >= 1 and --warmup >= 0")
     out = [] if out is None else out
-    for i in range(warmup):
-        if progress:
-            progress(f"warm-up {i + 1}/{warmup} (untimed; the first run is cold)")
-        request.run(session, prompts[i % len(prompts)].ids, params=params, ignore_eos=ignore_eos)
+    warm_up(session, prompts, params, warmup, batch_size=batch_size, ignore_eos=ignore_eos, progress=progress)
     if memory is not None:
         memory.start()
     for r in range(runs):
-        reqs = []
-        for j, p in enumerate(prompts):
-            if progress:
-                progress(f"run {r + 1}/{runs}  prompt {j + 1}/{len(prompts)}")
-            reqs.append(request.run(session, p.ids, params=params, ignore_eos=ignore_eos))
-        out.append(reqs)
+        tell = (lambda t, r=r: progress(f"batch size {batch_size}  run {r + 1}/{runs}: {t}")) if progress else None
+        out.append(timed_pass(session, prompts, params, batch_size=batch_size, ignore_eos=ignore_eos, progress=tell))
     return out
 
 
@@ -101,7 +145,8 @@ def make_row(s: Any, *, prompts: list[Prompt], prompt_source: str, params: Any, 
 
     counts = info.param_counts(s.config)
     settings = settings_columns(params, s.num_blocks)
-    row = {"label": label, "kind": kind, **settings, "mode": workload_mode(params, s.dummy),
+    row = {"label": label, "kind": kind, **settings, "batch_size": summary.get("batch_size", 1),
+           "mode": workload_mode(params, s.dummy),
            "dummy_weights": s.dummy, "prompt_source": prompt_source, "num_prompts": len(prompts),
            "mean_input_len": statistics.fmean(len(p.ids) for p in prompts), "runs": runs_done,
            "warmups": warmup, "ignore_eos": ignore_eos}

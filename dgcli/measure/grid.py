@@ -1,6 +1,6 @@
 """Sweep grids: one axis spec (`8,16,32`, `8-48+8`, `0.05-0.2+0.05`, mixes) -> its values.
 
-Owns: the grid syntax and its errors. Must not: know about cells, models or measuring (measure/sweep.py).
+Owns: the grid syntax and its errors, and `parse_batch_sizes` (bench's and sweep's `--batch-size` list). Must not: know about cells, models or measuring (measure/sweep.py).
 """
 
 from __future__ import annotations
@@ -64,3 +64,18 @@ def parse_grid_values(spec: str, kind: type) -> list:
             else:
                 out.append(float(n))
     return list(dict.fromkeys(out))
+
+
+def parse_batch_sizes(spec: str) -> list[int]:
+    """`--batch-size 1,2,4,8` (bench and sweep; grid syntax, so 1-8+1 works too) -> whole numbers >= 1, in
+    the order given, duplicates dropped. A bad value is one line naming it (0, -1, x, 1,,2)."""
+    hint = "give whole numbers >= 1 (requests denoised together), e.g. 1,2,4,8"
+    try:
+        sizes = parse_grid_values(str(spec), int)
+    except UserError as e:  # "bad grid '1,,2': empty item between commas; use ..." -> the middle part
+        why = str(e).split(": ", 1)[-1].split("; use a ")[0]
+        raise UserError(f"--batch-size {spec!r}: {why}; {hint}") from None
+    bad = [n for n in sizes if n < 1]
+    if bad:
+        raise UserError(f"--batch-size {spec!r}: {bad[0]} is not a batch size; {hint}")
+    return sizes

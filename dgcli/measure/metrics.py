@@ -1,14 +1,17 @@
 """The figures of the one bench/sweep record: their definitions and how they come from measured requests.
 
 Every figure a row carries has a definition in `DEFINITIONS` (printed next to it) and keys reuse
-`vllm bench serve`'s names where one exists (PRODUCT.md). Owns: `summarize` (responses -> figures, incl.
-the per-request FLOP/byte accounting against the roofline floor). Must not: run anything, print, or
+`vllm bench serve`'s names where one exists (PRODUCT.md). Owns: `Pass` (one timed pass through the batched
+engine), `summarize` (passes -> figures, incl. the FLOP/byte accounting against the roofline floor: per
+request row, weights once per batched decoder pass). Must not: run anything, print, or
 format numbers (printers.py does).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,31 +22,38 @@ from dgcli.runtime.request import Response
 
 # Every figure a bench or sweep row carries, with its definition (printed next to it). Units in brackets.
 DEFINITIONS: dict[str, str] = {
+    "batch_size": "requests denoised together: the engine's slots (--batch-size); every timed pass submits all prompts at once and a finished request's slot takes the next (continuous batching)",
     "completed": "requests measured (prompts x runs; warm-up excluded)",
-    "duration": "[s] sum of the requests' end-to-end times (requests run one after another)",
+    "duration": "[s] wall time of the timed passes, summed: each pass from submitting every prompt to the last answer",
     "total_output_tokens": "answer tokens committed, up to (not incl.) the first stop id, summed over requests",
-    "output_throughput": "[tok/s] committed tokens/s end to end: answer tokens / end-to-end time incl. prefill (mean over runs)",
+    "output_throughput": "[tok/s] committed tokens/s end to end: a pass's answer tokens / its wall time incl. prefill (mean over passes)",
     "output_throughput_std": "[tok/s] standard deviation of output_throughput over runs",
-    "mean_ttft_ms": "[ms] time to first block: start of the request to the first block's tokens (prefill + its denoising)",
+    "request_throughput": "[req/s] requests / a pass's wall time (mean over passes)",
+    "mean_ttft_ms": "[ms] time to first block: from the request taking a slot to its first block's tokens (prefill + the block's denoising; the wait for a slot is mean_queue_ms)",
     "median_ttft_ms": "[ms] median time to first block",
+    "p90_ttft_ms": "[ms] 90th percentile of time to first block",
     "p99_ttft_ms": "[ms] 99th percentile of time to first block",
-    "mean_e2el_ms": "[ms] end-to-end latency per request (the sampler's own time)",
+    "mean_e2el_ms": "[ms] end-to-end latency per request: from taking a slot (its prefill) to its last block; the wait for a slot is mean_queue_ms (vllm bench serve --max-concurrency N times a request from when it is sent)",
     "median_e2el_ms": "[ms] median end-to-end latency",
+    "p90_e2el_ms": "[ms] 90th percentile end-to-end latency",
     "p99_e2el_ms": "[ms] 99th percentile end-to-end latency",
     "std_e2el_ms": "[ms] standard deviation of end-to-end latency",
-    "mean_prefill_ms": "[ms] prompt encoder pass per request",
+    "mean_queue_ms": "[ms] wait for a free slot: from submission (every prompt of a pass at its start) to the start of the request's prefill; 0 when every request fits in the batch",
+    "mean_prefill_ms": "[ms] prompt encoder pass per request (one pass encodes the requests that take slots together)",
     "diffusion_committed_tokens": "canvas tokens committed: blocks x canvas length (incl. positions after a stop id)",
-    "diffusion_committed_throughput": "[tok/s] canvas tokens/s while denoising: committed canvas tokens / denoising time",
-    "diffusion_canvas_positions": "canvas positions evaluated: decoder passes x canvas length",
+    "diffusion_committed_throughput": "[tok/s] canvas tokens/s while denoising: committed canvas tokens / denoising time (the batched decoder passes' own time)",
+    "diffusion_canvas_positions": "canvas positions evaluated: denoising steps (request rows of the decoder passes) x canvas length",
     "diffusion_canvas_positions_per_s": "[pos/s] canvas positions evaluated per second of denoising",
-    "diffusion_denoising_steps": "decoder passes (denoising steps), summed over requests",
+    "diffusion_denoising_steps": "denoising steps summed over requests (one per request per decoder pass it was in)",
+    "batched_decoder_passes": "decoder passes run: each denoises every occupied slot once (= diffusion_denoising_steps at batch size 1)",
+    "slot_occupancy": "diffusion_denoising_steps / (batched_decoder_passes x batch_size): share of the slots that held a request",
     "diffusion_steps_per_canvas": "mean denoising steps per block",
     "diffusion_committed_per_step": "canvas tokens committed per denoising step (committed tokens / steps)",
     "tokens_per_forward": "transformers' figure: generated ids up to and incl. the stop id, pads excluded, / decoder passes (mean per request)",
-    "mean_step_ms": "[ms] per denoising step: denoising time / decoder passes",
-    "mean_commit_ms": "[ms] per commit: encoder pass of a finished block (none when every request is one block)",
-    "mean_block_latency_ms": "[ms] per block: (denoising + commit time) / blocks",
-    "output_blocks_per_second": "[blocks/s] blocks / end-to-end time",
+    "mean_step_ms": "[ms] per decoder pass: denoising time / batched_decoder_passes (at batch size 1: per denoising step)",
+    "mean_commit_ms": "[ms] per commit as its request sees it: the encoder pass of a finished block, shared by the requests committing together (none when every request is one block)",
+    "mean_block_latency_ms": "[ms] per block as its request sees it: (the request's denoising + commit time) / its blocks",
+    "output_blocks_per_second": "[blocks/s] blocks / duration",
     "mean_blocks_per_request": "blocks generated per request",
     "p50_steps_per_block": "median denoising steps per block",
     "p90_steps_per_block": "90th percentile of denoising steps per block",
@@ -55,14 +65,14 @@ DEFINITIONS: dict[str, str] = {
     "finish_length_rate": "share of requests that ran out of blocks without a stop id (truncated)",
     "peak_memory_bytes": "[B] peak memory while measuring (method in peak_memory_method)",
     "denoise_flops": "[FLOP] matmul FLOPs of all denoising steps (dgcli.measure.card conventions)",
-    "denoise_bytes": "[B] weight + KV bytes the denoising steps must move at least (dgcli.measure.card conventions)",
+    "denoise_bytes": "[B] bytes the denoising steps must move at least: each request's KV, the weights once per batched decoder pass (for the experts its mean rows x canvas tokens touch; dgcli.measure.card conventions)",
     "achieved_flops_per_s": "[FLOP/s] denoise_flops / denoising time",
     "achieved_bytes_per_s": "[B/s] denoise_bytes / denoising time",
     "peak_flops_per_s": "[FLOP/s] the device's bf16 matmul peak (source in peaks_source)",
     "peak_bytes_per_s": "[B/s] the device's memory bandwidth peak (source in peaks_source)",
     "flops_utilization": "achieved_flops_per_s / peak_flops_per_s",
     "bandwidth_utilization": "achieved_bytes_per_s / peak_bytes_per_s",
-    "floor_step_ms": "[ms] roofline floor per denoising step: max(FLOPs/peak FLOP/s, bytes/peak B/s), averaged over the steps run",
+    "floor_step_ms": "[ms] roofline floor per decoder pass: max(FLOPs/peak FLOP/s, bytes/peak B/s), averaged over the batched passes run",
     "floor_bound": "which peak sets the floor: compute or memory",
     "step_vs_floor": "mean_step_ms / floor_step_ms (1.0 = at the roofline)",
     "quality": "exact_match when the prompts have reference answers, else (sweep) agreement (see quality_metric); null (n/a) when bench's prompts carry no answers",
@@ -79,8 +89,38 @@ DEFINITIONS: dict[str, str] = {
 NOT_IN_CSV = ("runs_detail",)
 
 # The timing figures whose spread over the timed passes every row carries (`spread`).
-SPREAD_KEYS = ("output_throughput", "diffusion_committed_throughput", "diffusion_canvas_positions_per_s",
-               "mean_ttft_ms", "mean_e2el_ms", "mean_step_ms", "mean_block_latency_ms")
+SPREAD_KEYS = ("output_throughput", "request_throughput", "diffusion_committed_throughput",
+               "diffusion_canvas_positions_per_s", "mean_ttft_ms", "mean_e2el_ms", "mean_step_ms",
+               "mean_block_latency_ms")
+
+
+@dataclass
+class Pass:
+    """One timed pass: every prompt submitted at once to an engine of `batch_size` slots (the responses in
+    prompt order), its wall time, the engine's counts (`dgcli.sampling.loop.generate_batch_events`' stats:
+    batched decoder passes, request rows computed over them, the passes' own time), and per request, on
+    one wall clock, the wait for a slot and the latencies from taking it (as `vllm bench serve
+    --max-concurrency N` times a request from when it is sent)."""
+
+    responses: list[Response]
+    wall_s: float
+    batch_size: int
+    decoder_passes: int
+    row_steps: int
+    denoise_s: float
+    queue_s: list[float]  # submission (the pass's start) to the start of the request's prefill
+    ttft_s: list[float]  # start of its prefill to its first block's commit
+    e2el_s: list[float]  # start of its prefill to its Done
+
+    @classmethod
+    def sequential(cls, responses: list[Response]) -> Pass:
+        """Requests run one after another, each alone (batch size 1, no wait): the figures of hand-made
+        responses, from their own timings."""
+        d = [r.done for r in responses]
+        steps = sum(sum(x.steps_per_block) for x in d)
+        return cls(list(responses), sum(x.timings["total_s"] for x in d), 1, steps, steps,
+                   sum(x.timings["denoise_s"] for x in d), [0.0] * len(d),
+                   [x.timings["first_block_s"] for x in d], [x.timings["total_s"] for x in d])
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -92,59 +132,88 @@ def _ratio(a: float, b: float) -> float | None:
     return a / b if b else None
 
 
-def summarize(runs: list[list[Response]], cfg: ModelConfig, max_steps: int, *, weight_bytes: int,
+def _cost(passes: list[Pass], cfg: ModelConfig, max_steps: int, weight_bytes: int) -> info.Cost:
+    """FLOPs and bytes of the denoising steps: FLOPs and KV bytes per request row (the card's per-block
+    accounting), weight bytes once per batched decoder pass. A pass's weight bytes are its rows' mean
+    (which steps skip self-conditioning or the soft embedding), with the experts that the pass's mean
+    rows x canvas tokens touch; at batch size 1 this is exactly the per-request sum."""
+    rows = sum(p.row_steps for p in passes)
+    batched = sum(p.decoder_passes for p in passes)
+    wide = dataclasses.replace(cfg, canvas_length=cfg.canvas_length * rows / batched) if batched else cfg
+    cost, weights, cache = info.Cost(), 0.0, {}
+    for p in passes:
+        for r in p.responses:
+            for prefix, s in zip(r.block_prefix, r.done.steps_per_block):
+                cost += info.block_cost(cfg, prefix, s, max_steps, weight_bytes=0, kv_bytes=weight_bytes)
+                if s not in cache:
+                    cache[s] = info.block_cost(wide, 0, s, max_steps, weight_bytes=weight_bytes, kv_bytes=0).bytes
+                weights += cache[s]
+    return cost + info.Cost(0.0, weights * batched / rows if rows else 0.0)
+
+
+def summarize(runs: list[Pass] | list[list[Response]], cfg: ModelConfig, max_steps: int, *, weight_bytes: int,
               peaks: info.Peaks | None, peak_memory: tuple[int, str] | None = None, spread: bool = True) -> dict:
-    """Every figure of DEFINITIONS (quality aside) from the measured responses (answer ids after the
-    max_tokens cut, as every command counts them); with `spread`, the min and max of each SPREAD_KEYS
-    figure over the passes (each pass summarised alone)."""
-    reqs = [r for run in runs for r in run]
+    """Every figure of DEFINITIONS (quality aside) from the timed passes (answer ids after the max_tokens
+    cut, as every command counts them); a plain list of responses is a pass run one request at a time
+    (`Pass.sequential`). With `spread`, the min and max of each SPREAD_KEYS figure over the passes (each
+    pass summarised alone)."""
+    passes = [p if isinstance(p, Pass) else Pass.sequential(p) for p in runs]
+    reqs = [r for p in passes for r in p.responses]
     c = cfg.canvas_length
     d = [r.done for r in reqs]
-    e2e = [x.timings["total_s"] for x in d]
-    ttft = [x.timings["first_block_s"] for x in d]
-    denoise_s = sum(x.timings["denoise_s"] for x in d)
+    e2e = [t for p in passes for t in p.e2el_s]
+    ttft = [t for p in passes for t in p.ttft_s]
+    wall = sum(p.wall_s for p in passes)
+    denoise_s = sum(p.denoise_s for p in passes)  # the batched decoder passes' own time, each pass once
+    batched = sum(p.decoder_passes for p in passes)
+    slots = sum(p.decoder_passes * p.batch_size for p in passes)
+    request_denoise_s = sum(x.timings["denoise_s"] for x in d)  # per request: every pass it was in
     commit_s = sum(x.timings["commit_s"] for x in d)
     tokens = sum(len(r.token_ids) for r in reqs)
     blocks = sum(x.blocks for x in d)
     steps = [s for x in d for s in x.steps_per_block]
-    passes = sum(steps)
+    row_steps = sum(steps)
     commits = sum(x.blocks - 1 for x in d)
-    per_run = [sum(len(r.token_ids) for r in run) / sum(r.done.timings["total_s"] for r in run) for run in runs]
+    per_run = [sum(len(r.token_ids) for r in p.responses) / p.wall_s for p in passes]
+    per_run_req = [len(p.responses) / p.wall_s for p in passes]
     hist: dict[str, int] = {}
     for s in sorted(steps):
         hist[str(s)] = hist.get(str(s), 0) + 1
     capped = [s for s in steps if s >= max_steps]
-
-    cost = info.Cost()
-    for r in reqs:
-        for prefix, s in zip(r.block_prefix, r.done.steps_per_block):
-            cost += info.block_cost(cfg, prefix, s, max_steps, weight_bytes=weight_bytes)
+    cost = _cost(passes, cfg, max_steps, weight_bytes)
     row: dict[str, Any] = {
+        "batch_size": passes[0].batch_size,
         "completed": len(reqs),
-        "duration": sum(e2e),
+        "duration": wall,
         "total_output_tokens": tokens,
         "output_throughput": statistics.fmean(per_run),
         "output_throughput_std": statistics.stdev(per_run) if len(per_run) > 1 else 0.0,
+        "request_throughput": statistics.fmean(per_run_req),
         "mean_ttft_ms": statistics.fmean(ttft) * 1e3,
         "median_ttft_ms": percentile(ttft, 50) * 1e3,
+        "p90_ttft_ms": percentile(ttft, 90) * 1e3,
         "p99_ttft_ms": percentile(ttft, 99) * 1e3,
         "mean_e2el_ms": statistics.fmean(e2e) * 1e3,
         "median_e2el_ms": percentile(e2e, 50) * 1e3,
+        "p90_e2el_ms": percentile(e2e, 90) * 1e3,
         "p99_e2el_ms": percentile(e2e, 99) * 1e3,
         "std_e2el_ms": (statistics.stdev(e2e) if len(e2e) > 1 else 0.0) * 1e3,
+        "mean_queue_ms": statistics.fmean(q for p in passes for q in p.queue_s) * 1e3,
         "mean_prefill_ms": statistics.fmean(x.timings["prefill_s"] for x in d) * 1e3,
         "diffusion_committed_tokens": blocks * c,
         "diffusion_committed_throughput": _ratio(blocks * c, denoise_s),
-        "diffusion_canvas_positions": passes * c,
-        "diffusion_canvas_positions_per_s": _ratio(passes * c, denoise_s),
-        "diffusion_denoising_steps": passes,
-        "diffusion_steps_per_canvas": passes / blocks,
-        "diffusion_committed_per_step": blocks * c / passes,
+        "diffusion_canvas_positions": row_steps * c,
+        "diffusion_canvas_positions_per_s": _ratio(row_steps * c, denoise_s),
+        "diffusion_denoising_steps": row_steps,
+        "batched_decoder_passes": batched,
+        "slot_occupancy": _ratio(row_steps, slots),
+        "diffusion_steps_per_canvas": row_steps / blocks,
+        "diffusion_committed_per_step": blocks * c / row_steps,
         "tokens_per_forward": statistics.fmean(x.tokens_per_forward for x in d),
-        "mean_step_ms": denoise_s / passes * 1e3,
+        "mean_step_ms": denoise_s / batched * 1e3,
         "mean_commit_ms": commit_s / commits * 1e3 if commits else None,
-        "mean_block_latency_ms": (denoise_s + commit_s) / blocks * 1e3,
-        "output_blocks_per_second": _ratio(blocks, sum(e2e)),
+        "mean_block_latency_ms": (request_denoise_s + commit_s) / blocks * 1e3,
+        "output_blocks_per_second": _ratio(blocks, wall),
         "mean_blocks_per_request": blocks / len(reqs),
         "p50_steps_per_block": percentile(steps, 50),
         "p90_steps_per_block": percentile(steps, 90),
@@ -152,7 +221,7 @@ def summarize(runs: list[list[Response]], cfg: ModelConfig, max_steps: int, *, w
         "steps_histogram": hist,
         "cap_hit_rate": len(capped) / len(steps),
         "cap_hit_rate_first_block": sum(x.steps_per_block[0] >= max_steps for x in d) / len(d),
-        "cap_steps_share": sum(capped) / passes,
+        "cap_steps_share": sum(capped) / row_steps,
         "finish_length_rate": sum(r.finish_reason == "length" for r in reqs) / len(reqs),
         "peak_memory_bytes": peak_memory[0] if peak_memory else None,
         "peak_memory_method": peak_memory[1] if peak_memory else None,
@@ -170,14 +239,15 @@ def summarize(runs: list[list[Response]], cfg: ModelConfig, max_steps: int, *, w
             "peak_bytes_range": list(peaks.bytes_range) if peaks.bytes_range else None,
             "flops_utilization": _ratio(row["achieved_flops_per_s"] or 0.0, peaks.flops_per_s),
             "bandwidth_utilization": _ratio(row["achieved_bytes_per_s"] or 0.0, peaks.bytes_per_s),
-            "floor_step_ms": floor_s / passes * 1e3, "floor_bound": bound,
+            "floor_step_ms": floor_s / batched * 1e3, "floor_bound": bound,
             "step_vs_floor": _ratio(denoise_s, floor_s),
         })
     if spread:
-        passes = [summarize([run], cfg, max_steps, weight_bytes=weight_bytes, peaks=None, spread=False) for run in runs]
-        row["spread"] = {k: _min_max([p[k] for p in passes]) for k in SPREAD_KEYS}
-        row["spread_passes"] = len(runs)
-    row["runs_detail"] = [{"output_throughput": t, "requests": len(run)} for t, run in zip(per_run, runs)]
+        each = [summarize([p], cfg, max_steps, weight_bytes=weight_bytes, peaks=None, spread=False) for p in passes]
+        row["spread"] = {k: _min_max([e[k] for e in each]) for k in SPREAD_KEYS}
+        row["spread_passes"] = len(passes)
+    row["runs_detail"] = [{"output_throughput": t, "requests": len(p.responses), "wall_s": p.wall_s,
+                           "batched_decoder_passes": p.decoder_passes} for t, p in zip(per_run, passes)]
     return row
 
 

@@ -213,11 +213,21 @@ def histogram_text(hist: dict[str, int], width: int = 40) -> str:
     return "\n".join(f"{k:>{kw}} steps | {'#' * max(1, round(width * v / top))} {v}" for k, v in hist.items())
 
 
+def row_names(rows: list[dict]) -> list[str]:
+    """Column names of the md tables: the label (else `row N`), and the batch size when rows differ by it."""
+    sizes = {r.get("batch_size") for r in rows}
+    out = []
+    for i, r in enumerate(rows):
+        name = str(r.get("label") or ("" if len(sizes) > 1 else f"row {i + 1}"))
+        out.append(f"{name} batch {r.get('batch_size')}".strip() if len(sizes) > 1 else name)
+    return out
+
+
 def to_markdown(rows: list[dict], *, headline: list[str], definitions: dict[str, str], title: str,
                 skip: Iterable[str] = ()) -> str:
     """A headline table (one line per row), then every figure with each row's value and its definition,
     the step histogram(s), and the provenance (shared values once, varying ones per row)."""
-    names = [str(r.get("label") or f"row {i + 1}") for i, r in enumerate(rows)]
+    names = row_names(rows)
     out = [f"## {title}", "", md_table(["label"] + headline, [[n] + [cell(k, r.get(k)) for k in headline]
                                                                for n, r in zip(names, rows)])]
     skip = set(skip) | {"provenance", "steps_histogram", "label"}

@@ -1,7 +1,7 @@
 """Sweeps over sampler settings: the grid, the resumable row file, quality, the Pareto frontier, the plot.
 
-Owns: turning axis specs (`8,16,32`, `a-b+step`) into cells (the Cartesian product, impossible cells set
-aside with the reason), each cell's key, the sweep's fingerprint (what must match for --resume to continue
+Owns: turning axis specs (`8,16,32`, `a-b+step`) into cells (the Cartesian product of the sampler axes and
+--batch-size, impossible cells set aside with the reason), each cell's key, the sweep's fingerprint (what must match for --resume to continue
 a file), the JSONL store (one row per finished cell, appended with a single write + fsync; a torn last
 line from a kill is dropped on resume), exact-match and agreement quality, the speed-quality Pareto
 frontier and its SVG (or PNG, with matplotlib) plot, and running one cell (every seed x run x prompt
@@ -30,13 +30,17 @@ from dgcli.sampling.params import CLI_FLAG, DiffusionEbParams, SettingsError
 # Sweepable settings, in table order: preset key -> value type.
 AXES: dict[str, type] = {"max_denoising_steps": int, "t_min": float, "t_max": float, "entropy_bound": float,
                          "stability_threshold": int, "confidence_threshold": float, "max_blocks": int}
+# The run axis after them: the engine's slots (--batch-size). Not a sampler setting: answers do not depend on it.
+BATCH = "batch_size"
+ALL_AXES = (*AXES, BATCH)
 
 
 @dataclass(frozen=True)
 class Cell:
-    values: dict  # axis key -> value, for the axes with more than one value
+    values: dict  # axis key -> value, for the axes with more than one value (batch_size among them)
     params: DiffusionEbParams  # the full settings of the cell (seed: the sweep's first seed)
     key: str  # canonical JSON of `values`: a cell's identity in the row file
+    batch_size: int = 1  # the engine's slots the cell's passes run with
 
 
 def parse_axes(specs: dict[str, str | None]) -> dict[str, list]:
@@ -63,23 +67,30 @@ def parse_seeds(spec: str) -> list[int]:
 
 
 def cell_key(values: dict) -> str:
-    return json.dumps({k: values[k] for k in AXES if k in values}, separators=(",", ":"))
+    return json.dumps({k: values[k] for k in ALL_AXES if k in values}, separators=(",", ":"))
+
+
+def swept_keys(axes: dict[str, list]) -> list[str]:
+    """The axes with more than one value, in table order (the sampler settings, then batch_size)."""
+    return [k for k in ALL_AXES if k in axes and len(axes[k]) > 1]
 
 
 def plan(base: DiffusionEbParams, axes: dict[str, list]) -> tuple[list[Cell], list[tuple[dict, str]]]:
     """Every combination of the multi-valued axes applied to `base` (single values are part of `base`
-    already). Returns (cells, skipped): impossible combinations (t_min > t_max, ...) with the reason."""
-    swept = {k: v for k, v in axes.items() if len(v) > 1}
-    keys = [k for k in AXES if k in swept]
+    already; a single batch size is the sweep's, in its fingerprint). Returns (cells, skipped): impossible
+    combinations (t_min > t_max, ...) with the reason."""
+    keys = swept_keys(axes)
+    sizes = axes.get(BATCH) or [1]
     cells, skipped = [], []
-    for combo in itertools.product(*(swept[k] for k in keys)):
+    for combo in itertools.product(*(axes[k] for k in keys)):
         values = dict(zip(keys, combo))
         try:
-            params = base.replace(**values)
+            params = base.replace(**{k: v for k, v in values.items() if k != BATCH})
         except SettingsError as e:
-            skipped.append((values, str(e)))
+            if values.get(BATCH, sizes[0]) == sizes[0]:  # one note per impossible setting, not per batch size
+                skipped.append(({k: v for k, v in values.items() if k != BATCH}, str(e)))
             continue
-        cells.append(Cell(values, params, cell_key(values)))
+        cells.append(Cell(values, params, cell_key(values), values.get(BATCH, sizes[0])))
     return cells, skipped
 
 
@@ -282,7 +293,7 @@ def write_plot(path: str | Path, rows: list[dict], front: list[dict], x: str, y:
 
 def cell_label(row: dict, keys: list[str]) -> str:
     short = {"max_denoising_steps": "steps", "entropy_bound": "eb", "stability_threshold": "stab",
-             "confidence_threshold": "conf", "max_blocks": "blocks"}
+             "confidence_threshold": "conf", "max_blocks": "blocks", BATCH: "batch"}
     return " ".join(f"{short.get(k, k)}={row.get('cell', {}).get(k)}" for k in keys) or "base"
 
 
@@ -311,7 +322,8 @@ def reference_outputs(rows: list[dict], store: RowStore, s: Any, plist: list, ig
 def run_cell(s: Any, cell: Cell, plist: list, source: str, seeds: list[int], runs: int, ignore: bool, metric: str,
              reference: list[list[int]] | None, peaks: Any, memory: Any, label: str | None, meta: dict, fp: str,
              progress: Callable[[str], None]) -> dict:
-    """Every seed x run x prompt of one cell through the sampler; the bench figures plus quality."""
+    """Every seed x run of one cell, each pass every prompt at once through the batched engine with the
+    cell's batch size; the bench figures plus quality (per pass: the answers do not depend on the batch size)."""
     import dataclasses
 
     from dgcli.measure import bench as b
@@ -324,13 +336,13 @@ def run_cell(s: Any, cell: Cell, plist: list, source: str, seeds: list[int], run
     memory.start()
     for seed in seeds:
         params = cell.params.replace(seed=seed)
-        for run in b.measure(session, plist, params, runs=runs, warmup=0, ignore_eos=ignore,
+        for one in b.measure(session, plist, params, runs=runs, warmup=0, ignore_eos=ignore, batch_size=cell.batch_size,
                              progress=lambda t: progress(f"{name} seed {seed}: {t}")):
-            all_runs.append(run)
+            all_runs.append(one)
             if metric == "agreement":
-                got = [agreement(req.token_ids, reference[i]) for i, req in enumerate(run)]
+                got = [agreement(req.token_ids, reference[i]) for i, req in enumerate(one.responses)]
             else:
-                got = pass_exact_match(plist, run)
+                got = pass_exact_match(plist, one.responses)
             scores += got
             if got:
                 per_pass.append(quality_of(got))

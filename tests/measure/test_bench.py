@@ -168,15 +168,15 @@ def test_peaks_give_the_roofline_columns(ckpt, monkeypatch):
 
 def test_ctrl_c_keeps_finished_runs(ckpt, monkeypatch):
     calls = {"n": 0}
-    real = request.run
+    real = request.run_batch
 
     def flaky(*a, **k):
         calls["n"] += 1
-        if calls["n"] == 4:  # warm-up 1 + run 1 (2 prompts) done; the second run is cut
+        if calls["n"] == 3:  # warm-up + run 1 (every prompt at once) done; the second run is cut
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    monkeypatch.setattr(request, "run", flaky)
+    monkeypatch.setattr(request, "run_batch", flaky)
     r = run("--model", str(ckpt), *FIXED, "--runs", "3", "--warmup", "1", "--format", "jsonl", code=130)
     row = json.loads(r.stdout)
     assert row["runs"] == 1 and row["completed"] == 2 and "1 of 3" in row["interrupted"]
