@@ -1,7 +1,8 @@
 """Preallocated KV cache of the encoder prefix (prompt + committed blocks), one row per request.
 
-Owns: the K/V buffers and each row's filled length. Row b's tokens sit at slots 0..lens[b]-1, and a
-token's slot is its position, so a row's numbers never depend on its batch-mates' lengths (the
+Owns: the K/V buffers and each row's filled length. A row is a slot the batched loop gives one running
+request (and frees when it finishes). Row b's tokens sit at slots 0..lens[b]-1, and a token's slot is
+its position, so a row's numbers never depend on its batch-mates' lengths (the
 reference's left padding shifts every position of a row by the same amount, which RoPE's relative
 attention does not see). Only encoder passes write it; decoder (canvas) passes read it. Sliding
 layers keep every position too (simple and exact): the model slices the last W-1 entries when a
@@ -57,26 +58,3 @@ class KVCache:
             return self.k[layer][:, :, lo:hi], self.v[layer][:, :, lo:hi]
         idx = torch.tensor(rows, dtype=torch.long, device=self.k[layer].device)
         return self.k[layer][idx, :, lo:hi], self.v[layer][idx, :, lo:hi]
-
-    def keep(self, rows: list[int]) -> None:
-        """Drop every row not in `rows` (finished requests), in that order."""
-        if rows == list(range(len(self.lens))):
-            return
-        idx = torch.tensor(rows, dtype=torch.long, device=self.k[0].device)
-        self.k = [k.index_select(0, idx) for k in self.k]
-        self.v = [v.index_select(0, idx) for v in self.v]
-        self.lens = [self.lens[r] for r in rows]
-
-    def extend(self, other: KVCache) -> KVCache:
-        """A cache holding this one's rows, then `other`'s (rows joining a running batch): one copy of
-        both into buffers as long as the longer of the two."""
-        merged = KVCache([], 0, max(self.max_len, other.max_len), self.k[0].device, self.k[0].dtype)
-        for a, b in ((self.k, other.k), (self.v, other.v)):
-            out = merged.k if a is self.k else merged.v
-            for x, y in zip(a, b):
-                buf = x.new_zeros(x.shape[0] + y.shape[0], x.shape[1], merged.max_len, x.shape[3])
-                buf[:x.shape[0], :, :x.shape[2]] = x
-                buf[x.shape[0]:, :, :y.shape[2]] = y
-                out.append(buf)
-        merged.lens = self.lens + other.lens
-        return merged

@@ -298,12 +298,14 @@ class DiffusionGemma(nn.Module):
         return mask & (kpos > qcol - window) if window is not None else mask
 
     @torch.no_grad()
-    def decode(self, canvas: torch.Tensor, cache: KVCache, soft: torch.Tensor | None = None) -> torch.Tensor:
-        """Decoder pass over the canvas [B, C] (row b at positions cache.lens[b]..); returns final-normed
-        hidden states [B, C, H]."""
+    def decode(self, canvas: torch.Tensor, cache: KVCache, soft: torch.Tensor | None = None,
+               rows: list[int] | None = None) -> torch.Tensor:
+        """Decoder pass over the canvas [B, C] (row b reads cache slot rows[b], default b, and sits at
+        positions cache.lens[slot]..); returns final-normed hidden states [B, C, H]."""
         c, dev = canvas.shape[1], canvas.device
-        lens = cache.lens
-        same = len(set(lens)) == 1
+        slots = list(range(canvas.shape[0])) if rows is None else list(rows)
+        lens = [cache.lens[r] for r in slots]
+        same = rows is None and len(set(cache.lens)) == 1
         x = self.self_conditioning.condition(self.embed(canvas), soft)
         j = torch.arange(c, device=dev)
         tables = self._tables(lens[0] + j if same else torch.tensor(lens, device=dev)[:, None] + j, x.dtype)
@@ -320,11 +322,11 @@ class DiffusionGemma(nn.Module):
                 out = attn.sdpa(q, torch.cat((pk, k), dim=2), torch.cat((pv, v), dim=2), None)
             else:
                 parts = []
-                for b, p in enumerate(lens):
+                for b, (r, p) in enumerate(zip(slots, lens)):
                     lo = 0 if g.window is None else max(0, p - (g.window - 1))
-                    pk, pv = cache.read(i, lo, p)
-                    parts.append(attn.sdpa(q[b:b + 1], torch.cat((pk[b:b + 1], k[b:b + 1]), dim=2),
-                                            torch.cat((pv[b:b + 1], v[b:b + 1]), dim=2), None))
+                    pk, pv = cache.read(i, lo, p)  # views: no copy
+                    parts.append(attn.sdpa(q[b:b + 1], torch.cat((pk[r:r + 1], k[b:b + 1]), dim=2),
+                                            torch.cat((pv[r:r + 1], v[b:b + 1]), dim=2), None))
                 out = torch.cat(parts)
             x = x + layer.post_attention_layernorm(attn.out(out))
             x = layer.feed_forward(x)

@@ -85,6 +85,7 @@ class _Row:
     seed: int
     num_blocks: int
     first_canvas: torch.Tensor | None  # [C] or None: the first block's canvas
+    slot: int = -1  # its rows in the KV cache while it runs
     block: int = 0  # the block being denoised
     step: int = 0  # the step of that block the next decoder pass runs (0-based)
     answer: list[int] = field(default_factory=list)
@@ -168,13 +169,24 @@ def generate_batch_events(
 
     busy, mark = 0.0, time.perf_counter()  # busy: own time; the clock pauses while a consumer holds an event
     slots = n_rows if max_batch is None else max_batch
-    if not isinstance(slots, int) or slots < 1:
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
         raise UserError(f"max_batch={max_batch!r}: must be a whole number >= 1")
     stats = {} if stats is None else stats
     stats.update(decoder_passes=0, encoder_passes=0, row_steps=0, denoise_s=0.0, encode_s=0.0)
     queue = deque(rows)
-    active: list[_Row] = []  # in cache order; row k's state is row k of every tensor below
-    cache = canvas = history = soft = None  # soft None: every row is at the first step of a block
+    active: list[_Row] = []  # row k's state is row k of every tensor below; its K/V are cache slot row.slot
+    canvas = history = soft = None  # soft None: every row is at the first step of a block
+    # One KV cache for the whole run, a fixed slot per running request: a request joins by encoding its
+    # prompt into a free slot and leaves by freeing it; nothing is copied. A row's last block is never
+    # encoded, so a slot holds at most its prompt and blocks - 1 canvases.
+    slots = min(slots, n_rows)
+    cache = model.new_cache(slots, max(len(ids[r.request]) + (r.num_blocks - 1) * c for r in rows))
+    free = list(range(slots))
+
+    def cache_rows() -> list[int] | None:
+        """The active rows' cache slots, or None when they are exactly the cache's rows in order."""
+        got = [row.slot for row in active]
+        return None if got == list(range(slots)) else got
 
     @torch.inference_mode()  # canvas, history and soft come out of inference-mode steps
     def start_block(ks: list[int]) -> None:
@@ -206,11 +218,13 @@ def generate_batch_events(
             padded = torch.full((len(joining), max(lengths)), pad_id, dtype=torch.long, device=device)  # [j, P]
             for k, row in enumerate(joining):
                 padded[k, :lengths[k]] = ids[row.request]
-            # A row's last block is never encoded.
-            new = model.new_cache(len(joining), max(n + (row.num_blocks - 1) * c for n, row in zip(lengths, joining)))
-            _encode(model, padded, new, None if len(set(lengths)) == 1 else lengths)
+            for row in joining:
+                row.slot = free.pop(0)
+                cache.lens[row.slot] = 0
+            into = [row.slot for row in joining]
+            _encode(model, padded, cache, None if len(set(lengths)) == 1 else lengths,
+                    None if into == list(range(slots)) else into)
             stats["encoder_passes"] += 1
-            cache = new if cache is None else cache.extend(new)
             for row in joining:
                 row.prefill_s = time.perf_counter() - t0
             stats["encode_s"] += joining[0].prefill_s
@@ -227,7 +241,7 @@ def generate_batch_events(
         busy += time.perf_counter() - mark
         for k in fresh:
             row = active[k]
-            yield BlockStart(block=0, num_blocks=row.num_blocks, prefix_len=cache.lens[k], canvas=canvas[k],
+            yield BlockStart(block=0, num_blocks=row.num_blocks, prefix_len=cache.lens[row.slot], canvas=canvas[k],
                              row=row.request)
         mark = time.perf_counter()
 
@@ -243,7 +257,8 @@ def generate_batch_events(
         rules = row_params[0] if shared else RowRules.of([row.params for row in active], device)
         out, accepted, next_canvas, history, stop = denoise_step(
             model, canvas, cache, soft, temp, history, rules, uniform, noise,
-            want_soft=any(row.step < len(row.temps) - 1 for row in active), compile_tiles=compile_tiles)
+            want_soft=any(row.step < len(row.temps) - 1 for row in active), compile_tiles=compile_tiles,
+            rows=cache_rows())
         # Mean entropy is >= 0, so "< 0" never holds: with confidence 0 (fixed work) no row can stop early
         # and the loop never waits for the device inside a block.
         can_stop_early = any(row.params.confidence_threshold > 0 for row in active)
@@ -305,7 +320,8 @@ def generate_batch_events(
         if going_on:
             t0 = time.perf_counter()
             # commit: the block becomes prefix (of these rows only; the others keep denoising)
-            _encode(model, out.argmax[going_on], cache, rows=None if len(going_on) == b else going_on)
+            into = [active[k].slot for k in going_on]
+            _encode(model, out.argmax[going_on], cache, rows=None if into == list(range(slots)) else into)
             stats["encoder_passes"] += 1
             commit_s = time.perf_counter() - t0
             stats["encode_s"] += commit_s
@@ -315,16 +331,19 @@ def generate_batch_events(
             busy += time.perf_counter() - mark
             for k in going_on:
                 row = active[k]
-                yield BlockStart(block=row.block, num_blocks=row.num_blocks, prefix_len=cache.lens[k],
+                yield BlockStart(block=row.block, num_blocks=row.num_blocks, prefix_len=cache.lens[row.slot],
                                  canvas=canvas[k], row=row.request)
             mark = time.perf_counter()
         if leaving:  # finished requests free their slots
+            for k in sorted(leaving):
+                free.append(active[k].slot)
+                cache.lens[active[k].slot] = 0
+            free.sort()
             keep = [k for k in range(b) if k not in leaving]
             active = [active[k] for k in keep]
             if not active:
-                cache = canvas = history = soft = None
+                canvas = history = soft = None
                 continue
-            cache.keep(keep)
             idx = torch.tensor(keep, device=device)
             canvas, history = canvas[idx], history[:, idx]
             soft = None if soft is None else soft[idx]

@@ -84,10 +84,12 @@ class RowRules:
 @torch.inference_mode()
 def denoise_step(model: Any, canvas: torch.Tensor, cache: Any, soft: torch.Tensor | None,
                   temp: torch.Tensor, history: torch.Tensor, params: Any, uniform: torch.Tensor, noise: torch.Tensor,
-                  want_soft: bool, compile_tiles: bool) -> tuple[VocabPassOut, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                  want_soft: bool, compile_tiles: bool,
+                  rows: list[int] | None = None) -> tuple[VocabPassOut, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode, vocab pass (categorical draws at `uniform` [B, C]), accept, renoise (with `noise` [B, C]
-    token ids: every position has one, used only where not accepted), stop flags; all on the device."""
-    hidden = model.decode(canvas, cache, soft)  # [B, C, H]
+    token ids: every position has one, used only where not accepted), stop flags; all on the device.
+    `rows`: the canvas rows' KV cache slots (default: the cache's rows in order)."""
+    hidden = model.decode(canvas, cache, soft) if rows is None else model.decode(canvas, cache, soft, rows=rows)
     out = vocab_pass(hidden, model.embed_weight, softcap=model.config.final_logit_softcapping,
                      temperature=temp, embed_scale=model.embed_scale, uniform=uniform,
                      want_soft=want_soft, compile_tiles=compile_tiles)

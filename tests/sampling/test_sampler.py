@@ -33,9 +33,6 @@ class MockCache:
     def lens(self) -> list[int]:
         return [self.length]
 
-    def keep(self, rows: list[int]) -> None:
-        assert rows == [0]
-
 
 class MockModel:
     """decode() returns hidden = sharp[i] · E[target_i] for canvas position i, so the logits peak at
