@@ -86,6 +86,7 @@ class _Row:
     num_blocks: int
     first_canvas: torch.Tensor | None  # [C] or None: the first block's canvas
     slot: int = -1  # its rows in the KV cache while it runs
+    stops: set[int] = field(default_factory=set)  # its stop ids
     block: int = 0  # the block being denoised
     step: int = 0  # the step of that block the next decoder pass runs (0-based)
     answer: list[int] = field(default_factory=list)
@@ -104,7 +105,7 @@ def generate_batch_events(
     params: Any,
     num_blocks: int | Sequence[int],
     seeds: Sequence[int] | None = None,
-    stop_ids: Iterable[int] = (),
+    stop_ids: Iterable[int] | Sequence[Iterable[int]] = (),
     pad_id: int = 0,
     init_canvases: Sequence[Sequence[int] | torch.Tensor | None] | None = None,
     compile_tiles: bool = False,
@@ -113,7 +114,8 @@ def generate_batch_events(
 ) -> Iterator[Event]:
     """Run the entropy-bound sampler on several prompts at once, yielding each row's BlockStart, Step...,
     Commit per block and its Done, every event carrying `row` (the prompt's index). Rows may differ in
-    prompt length, seed (default: their params' seed), block cap, first canvas, and in every sampler
+    prompt length, seed (default: their params' seed), block cap, first canvas, stop ids (`stop_ids`
+    as one list of ids per prompt), and in every sampler
     setting when `params` is a list (one DiffusionEbParams per prompt: steps, temperatures, entropy
     bound, thresholds; each row keeps its own schedule and stop rule). Each row is at its own step of its own block: a decoder pass runs every row once (a [b]
     temperature), and a row whose block ends (stop rule or step cap) commits it and starts its next
@@ -147,6 +149,13 @@ def generate_batch_events(
             raise UserError(f"num_blocks={nb!r}: generate at least one block")
     for p, seed in zip(row_params, seeds):
         DiffusionEbParams.check(dataclasses.replace(p, seed=seed))  # one rule for every seed
+    stop_list = list(stop_ids)
+    if stop_list and all(isinstance(x, (list, tuple, set, frozenset)) for x in stop_list):  # one set per row
+        if len(stop_list) != n_rows:
+            raise UserError(f"{n_rows} prompts need one set of stop ids each, got {len(stop_list)}")
+        row_stops = [{int(t) for t in x} for x in stop_list]
+    else:
+        row_stops = [{int(t) for t in stop_list}] * n_rows
     vocab, c = model.config.vocab_size, model.config.canvas_length
     device = model.embed_weight.device
     ids = [_ids_tensor(p, "prompt", vocab, device)[0] for p in prompts]  # [P_r] each
@@ -160,8 +169,8 @@ def generate_batch_events(
         p = row_params[r]
         n = p.max_denoising_steps
         temps = [temperature(i, n, p.t_min, p.t_max) for i in range(n, 0, -1)]
-        rows.append(_Row(request=r, params=p, temps=temps, seed=seeds[r], num_blocks=blocks[r], first_canvas=first))
-    stops = {int(s) for s in stop_ids}
+        rows.append(_Row(request=r, params=p, temps=temps, seed=seeds[r], num_blocks=blocks[r], first_canvas=first,
+                         stops=row_stops[r]))
     # One setting for all rows (but the seed): scalars, as a batch of one runs; else per-row tensors.
     shared = all(dataclasses.replace(p, seed=0) == dataclasses.replace(row_params[0], seed=0) for p in row_params)
     depth = max(p.stability_threshold for p in row_params)  # the history's length
@@ -294,7 +303,7 @@ def generate_batch_events(
         for k, tokens in zip(ended, tokens_all):
             row = active[k]
             row.denoise_s += read_s
-            stop_index = next((j for j, t in enumerate(tokens) if t in stops), None)
+            stop_index = next((j for j, t in enumerate(tokens) if t in row.stops), None)
             kept = tokens if stop_index is None else tokens[:stop_index]
             row.answer += kept
             row.counted += sum(t != pad_id for t in tokens[: len(kept) + (stop_index is not None)])

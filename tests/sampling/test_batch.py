@@ -196,3 +196,18 @@ def test_rows_with_their_own_sampler_settings_equal_their_solo_runs(bundled):
             (want.token_ids, want.steps_per_block, want.finish_reason), (r, settings[r])
         assert max(got.steps_per_block) <= params[r].max_denoising_steps
     assert dones[5].steps_per_block == [6]  # fixed work: exactly its own 6 steps
+
+
+def test_rows_with_their_own_stop_ids(bundled):
+    """One prompt twice: the row that may stop at the model's end-of-turn stops there; the row whose only
+    stop id never appears runs out of blocks (finish_reason length), as the same row alone does."""
+    session, prompts = bundled
+    p = prompts[0]
+    dones = {e.row: e for e in generate_batch_events(session.model, [p, p], params=session.params, num_blocks=2,
+                                                     stop_ids=[list(session.stop_ids), [session.config.vocab_size - 1]])
+             if isinstance(e, Done)}
+    solo = generate(session.model, p, params=session.params, num_blocks=2, stop_ids=[session.config.vocab_size - 1])
+    assert dones[0].finish_reason == "stop" and dones[1].finish_reason == "length"
+    assert (dones[1].token_ids, dones[1].steps_per_block) == (solo.token_ids, solo.steps_per_block)
+    with pytest.raises(Exception, match="one set of stop ids each"):
+        list(generate_batch_events(session.model, [p, p], params=session.params, num_blocks=1, stop_ids=[[1]]))
