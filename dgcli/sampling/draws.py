@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-INIT, DRAW, RENOISE, PAD = 1, 2, 3, 4  # purposes: a block's first canvas, the categorical draw, renoise, init-canvas padding
+# Purposes: a block's first canvas, the categorical draw, renoise ids, --init-canvas padding.
+INIT, DRAW, RENOISE, PAD = 1, 2, 3, 4
 
 _M32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9

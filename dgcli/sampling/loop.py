@@ -114,11 +114,11 @@ def generate_batch_events(
 ) -> Iterator[Event]:
     """Run the entropy-bound sampler on several prompts at once, yielding each row's BlockStart, Step...,
     Commit per block and its Done, every event carrying `row` (the prompt's index). Rows may differ in
-    prompt length, seed (default: their params' seed), block cap, first canvas, stop ids (`stop_ids`
-    as one list of ids per prompt), and in every sampler
-    setting when `params` is a list (one DiffusionEbParams per prompt: steps, temperatures, entropy
-    bound, thresholds; each row keeps its own schedule and stop rule). Each row is at its own step of its own block: a decoder pass runs every row once (a [b]
-    temperature), and a row whose block ends (stop rule or step cap) commits it and starts its next
+    prompt length, seed (default: their params' seed), block cap, first canvas, stop ids (`stop_ids` as
+    one list of ids per prompt), and in every sampler setting when `params` is a list (one
+    DiffusionEbParams per prompt: steps, temperatures, entropy bound, thresholds; each row keeps its own
+    schedule and stop rule). Each row is at its own step of its own block: a decoder pass runs every row
+    once (a [b] temperature), and a row whose block ends (stop rule or step cap) commits it and starts its next
     block at the next pass, or finishes (stop id or block cap: Done) and frees its slot. A row never
     waits for, or runs extra steps for, its batch-mates. Every random draw is addressed by the row's
     own seed, block, step and position (`draws.py`), and each row's positions start at 0, so a row's
