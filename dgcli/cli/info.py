@@ -3,7 +3,9 @@
 Config summary, parameter counts (total, active per token), bytes by dtype (from the safetensors headers
 of a checkpoint, or config x dtype for --dummy), memory to run (weights, KV cache for --context tokens,
 the sampler's per-step working set), FLOPs and bytes per denoising step and per commit, and the
-theoretical floor per step on this device (measured peaks on CPU) and on H100/H200 (datasheet table).
+theoretical floor per step on this device (measured peaks on CPU) and on H100/H200 (datasheet table);
+then the batch memory (dgcli.measure.memory): bytes per slot, and the largest batch that fits the H100,
+the H200, this device and --memory, with bf16 and FP8 weights.
 Owns: the command's flags and output choice. Must not: load weights (dgcli.measure.card does the arithmetic).
 """
 
@@ -19,7 +21,8 @@ from dgcli.cli import options as o
 from dgcli.errors import UserError
 
 
-EXAMPLES = ["dgemma info", "dgemma info -m ~/diffusiongemma-26B-A4B-it", "dgemma info --dummy 26B-A4B --format json"]
+EXAMPLES = ["dgemma info", "dgemma info -m ~/diffusiongemma-26B-A4B-it", "dgemma info --dummy 26B-A4B --format json",
+            "dgemma info --dummy 26B-A4B --context 1024 --memory 40"]
 
 
 def info(
@@ -28,6 +31,8 @@ def info(
     dtype: Annotated[Optional[str], typer.Option("--dtype", metavar="DTYPE", help="Run dtype for memory and bytes: auto (the checkpoint's) | bfloat16 | float32")] = None,
     context: Annotated[int, typer.Option("--context", metavar="N", help="Cached tokens the KV-cache figure is sized for.")] = 4096,
     prompt_len: Annotated[int, typer.Option("--prompt-len", metavar="N", help="Cached tokens a denoising step attends to, for per-step costs.")] = 256,
+    memory: Annotated[Optional[float], typer.Option("--memory", metavar="GB", help=o.dflt("Another memory budget (GiB) to size the largest batch for, on this device's path.", "the H100, the H200 and this machine"))] = None,
+    headroom: Annotated[float, typer.Option("--headroom", metavar="PCT", help="Percent of each budget left free (CUDA context, allocator fragmentation).")] = 10.0,
     fmt: Annotated[str, typer.Option("--format", "-f", metavar="FORMAT", help="md | json")] = "md",
     measure_peaks: o.MeasurePeaks = True, threads: o.Threads = None,
 ) -> None:
@@ -39,6 +44,10 @@ def info(
         raise UserError(f"--format {fmt}: use md or json")
     if context < 1 or prompt_len < 0:
         raise UserError("--context must be >= 1 and --prompt-len >= 0")
+    if memory is not None and not memory > 0:
+        raise UserError(f"--memory {memory}: give the budget in GiB, e.g. --memory 40")
+    if not 0 <= headroom < 100:
+        raise UserError(f"--headroom {headroom}: a percent in [0, 100)")
     # The positional form came first; -m/--model is what every other command takes.
     if model_arg is not None and model_opt is not None and model_arg != model_opt:
         raise UserError(f"two models given (MODEL {model_arg} and --model {model_opt}): give one of them")
@@ -71,11 +80,36 @@ def info(
         raise UserError(f"--dtype {run_dtype}: use auto, bfloat16 or float32")
     dev, n_threads = _threads(cfg, device or "auto", threads)
     card = inf.card(cfg, name=name, source=source, dtype=run_dtype, context=context, prompt_len=prompt_len,
-                    peaks=peaks_for_card(_local_peaks(dev, measure_peaks)), inventory=inventory, threads=n_threads)
+                    peaks=peaks_for_card(_local_peaks(dev, measure_peaks)), inventory=inventory, threads=n_threads,
+                    budgets=_budgets(dev, memory), headroom=headroom / 100)
     if fmt == "json":
         sys.stdout.write(report.to_json(card))
     else:
-        sys.stdout.write(report.card_markdown(card))
+        from dgcli.measure.memory import markdown
+
+        sys.stdout.write(report.card_markdown(card) + "\n" + markdown(card["batch_memory"]))
+
+
+def _budgets(dev, memory_gib: float | None) -> list[dict]:
+    """The memories the largest batch is sized for: the H100 and H200 (CUDA path), this device (its own
+    memory: the GPU's, or the machine's RAM for a CPU run) and --memory (on this device's path)."""
+    from dgcli.measure.memory import GIB, GPUS
+
+    out = [{"name": n, "bytes": b, "cpu": False, "sms": s} for n, b, s in GPUS]
+    cpu, sms = dev.type != "cuda", 132
+    if cpu:
+        import os
+
+        local = ("this machine", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    else:
+        import torch
+
+        props = torch.cuda.get_device_properties(dev)
+        local, sms = (props.name, props.total_memory), props.multi_processor_count
+    out.append({"name": local[0], "bytes": local[1], "cpu": cpu, "sms": sms})
+    if memory_gib is not None:
+        out.append({"name": f"--memory {memory_gib:g} GiB", "bytes": int(memory_gib * GIB), "cpu": cpu, "sms": sms})
+    return out
 
 
 def _stored_dtype(inventory: dict | None, fallback: str) -> str:

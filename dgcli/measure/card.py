@@ -4,7 +4,8 @@ denoising step and per commit, device peaks and the theoretical floor per step (
 Owns: counting from a `ModelConfig` alone (no weights are read; a checkpoint's safetensors *headers* may
 be read for bytes by dtype), the roofline floor against a device's peaks (dgcli.measure.peaks: the H100/H200
 table and the CPU measurement), and `card()`, the one dict `dgemma info` prints and `dgemma bench` puts
-first. Must not: run the model, print, or load weights, or import torch.
+first (its `batch_memory`, bytes per slot and the largest batch that fits, is dgcli.measure.memory's).
+Must not: run the model, print, or load weights, or import torch.
 
 Counting conventions (every figure says which it is):
 * FLOPs = 2 x multiply-accumulates of the matmuls the model's math needs, as the reference ops run them
@@ -272,10 +273,17 @@ def layer_pattern(cfg: ModelConfig) -> str:
 
 
 def card(cfg: ModelConfig, *, name: str, source: str, dtype: str, context: int = 4096, prompt_len: int = 256,
-         peaks: list[Peaks] = (), inventory: dict | None = None, threads: tuple[int, str] | None = None) -> dict:
+         peaks: list[Peaks] = (), inventory: dict | None = None, threads: tuple[int, str] | None = None,
+         budgets: list[dict] | None = None, headroom: float = 0.10) -> dict:
     """Everything `dgemma info` shows, as one JSON-ready dict. `dtype` is the run dtype of weights and KV;
     `inventory` (from `safetensors_inventory`) supplies the stored bytes by dtype of a real checkpoint;
-    `threads` is (count, source) from the thread rule (the CPU peaks are measured on that many)."""
+    `threads` is (count, source) from the thread rule (the CPU peaks are measured on that many);
+    `budgets` (dgcli.measure.memory.batch_memory's; default the H100 and H200) the memories the largest
+    batch is sized for, with `headroom` of each left free."""
+    from dgcli.measure import memory  # it builds on this module's counts
+
+    if budgets is None:
+        budgets = [{"name": n, "bytes": b, "cpu": False, "sms": s} for n, b, s in memory.GPUS]
     wb = DTYPE_BYTES[dtype]
     counts = param_counts(cfg)
     weights = counts["total"] * wb - counts["layer_scalars"] * (wb - 4)
@@ -319,6 +327,8 @@ def card(cfg: ModelConfig, *, name: str, source: str, dtype: str, context: int =
             "step_working_set": ws["total"], "working_set_parts": ws,
             "total": weights + kv + ws["total"],
         },
+        "batch_memory": memory.batch_memory(cfg, context=context, prompt_len=prompt_len, dtype=dtype,
+                                            budgets=budgets, headroom=headroom),
         "prompt_len": prompt_len,
         "per_step": {"flops": step.flops, "bytes": step.bytes, "first_step_flops": first.flops,
                      "last_step_flops": last.flops, "distinct_experts": distinct_experts(cfg, cfg.canvas_length)},

@@ -11,6 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from dgcli.measure import card as info
+from dgcli.measure import memory
 from dgcli.model.random_weights import make_config, random_model, write_random_checkpoint
 from dgcli.model.config import load_config, parse_config, real_config_path
 from dgcli.model.gemma import DiffusionGemma
@@ -198,3 +199,220 @@ def test_info_bad_input_is_one_line(tmp_path):
                  ["--format", "xml"]):
         r = CliRunner().invoke(app, ["info", *args])
         assert isinstance(r.exception, UserError) and "\n" not in str(r.exception), args
+
+
+# ---- batch memory (dgcli.measure.memory) ---------------------------------------------------------------
+
+# Where the vocabulary pass holds most (V large against the layers) and where the decoder pass does.
+VOCAB_HEAVY = {"vocab_size": 4096, "hidden_size": 256, "intermediate_size": 384, "moe_intermediate_size": 96,
+               "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "num_global_key_value_heads": 1, "head_dim": 64, "global_head_dim": 128, "num_experts": 8,
+               "top_k_experts": 2, "sliding_window": 16, "layer_types": [S, S, F], "max_position_embeddings": 8192}
+DECODE_HEAVY = {**VOCAB_HEAVY, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 64,
+                "moe_intermediate_size": 32, "num_key_value_heads": 4, "num_global_key_value_heads": 2}
+
+
+def _peak_allocated(fn) -> int:
+    """The most bytes `fn` holds allocated at once on the CPU, beyond what was there before: the allocator's
+    own events (torch.profiler with profile_memory), replayed in order. One thread, so every allocation is
+    this thread's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            fn()
+    finally:
+        torch.set_num_threads(threads)
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    now = peak = 0
+    for e in events:
+        now += e.nbytes()
+        peak = max(peak, now)
+    return peak
+
+
+def _storage_bytes(tensors) -> int:
+    seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_per_slot_is_what_new_cache_allocates(dtype):
+    model = random_model(make_config(SMALL, canvas_length=8), dtype=dtype)
+    cache = model.new_cache(3, 37)
+    held = _storage_bytes(cache.k + cache.v)
+    assert held / 3 == info.kv_cache_bytes(model.config, 37, dtype.itemsize)
+    sec = memory.batch_memory(model.config, context=37, prompt_len=5, dtype=str(dtype)[6:], budgets=[])
+    assert sec["per_slot"]["kv_cache"] == held / 3
+
+
+def test_loop_state_per_row_is_what_a_batched_run_holds():
+    """The loop's own tensors at a Step of a 3-row run minus a 2-row run (rows with their own settings, so
+    the per-row rules are tensors too; a step past the first, so the soft embedding is held) are
+    `loop_state_bytes` per row; at the Step the new canvas and soft embedding are held next to the old
+    ones (the loop swaps them after the event). The cache is one buffer of slots for the whole run."""
+    from dgcli.sampling.events import Step
+    from dgcli.sampling.loop import generate_batch_events
+    from dgcli.sampling.params import DiffusionEbParams
+
+    model = random_model(make_config(SMALL, canvas_length=8), dtype=torch.bfloat16)
+    cfg = model.config
+    a, b_ = (DiffusionEbParams(max_denoising_steps=4, stability_threshold=2, entropy_bound=e) for e in (0.1, 0.2))
+    held = {}
+    for b in (2, 3):
+        gen = generate_batch_events(model, [[3, 4, 5, 6, 7]] * b, params=[a, b_, a][:b], num_blocks=2)
+        for ev in gen:
+            if isinstance(ev, Step) and ev.step == 2:
+                loc = gen.gi_frame.f_locals
+                out, rules, cache = loc["out"], loc["rules"], loc["cache"]
+                held[b] = _storage_bytes([v for v in loc.values() if isinstance(v, torch.Tensor)]
+                                         + [out.sample, out.argmax, out.entropy, out.soft]
+                                         + [rules.entropy_bound, rules.confidence_threshold, rules.stability])
+                assert _storage_bytes(cache.k + cache.v) == b * info.kv_cache_bytes(cfg, 5 + 8, 2)
+                break
+        gen.close()
+    state = memory.loop_state_bytes(cfg, ab=2, stability=2, prompt_len=5)
+    assert state["soft"] == 8 * 32 * 2
+    assert held[3] - held[2] == state["total"] + 8 * 8 + state["soft"]
+
+
+@pytest.mark.parametrize("text", [VOCAB_HEAVY, DECODE_HEAVY])
+def test_step_and_prefill_temporaries_are_the_cpu_allocators_peak(text):
+    """One denoising step (decoder + vocabulary pass) and one prefill, b = 1 and 3 rows, on the CPU paths:
+    the formula's bytes against the allocator's peak (the fixed parts are a few KiB of attention scratch)."""
+    from dgcli.sampling.params import DiffusionEbParams
+    from dgcli.sampling.rules import denoise_step
+
+    model = random_model(make_config(text, canvas_length=32), dtype=torch.bfloat16)
+    cfg, v, p = model.config, text["vocab_size"], 100
+    got = {}
+    for b in (1, 3):
+        cache = model.new_cache(b, p)
+        ids = torch.randint(0, v, (b, p))
+        pre = _peak_allocated(lambda ids=ids, cache=cache: model.encode(ids, cache))
+        args = (model, torch.randint(0, v, (b, 32)), cache, torch.zeros(b, 32, cfg.hidden_size, dtype=torch.bfloat16),
+                torch.full((b,), 0.7), torch.full((1, b, 32), -1), DiffusionEbParams(),
+                torch.rand(b, 32, dtype=torch.float64), torch.randint(0, v, (b, 32)))
+        step = _peak_allocated(lambda args=args: denoise_step(*args, want_soft=True, compile_tiles=False))
+        want_step = memory.step_bytes(cfg, b, p, 2, cpu=True)["total"]
+        want_pre = memory.decode_bytes(cfg, b, p, 2, cpu=True, prefill=p)
+        # Not counted: the CPU flash-attention kernel's per-thread scratch (here 41 KiB: qk fp32 and bf16
+        # [32, keys], its fp32 output block [32, d]), which is the peak's when the peak is inside SDPA.
+        assert step == pytest.approx(want_step, rel=0.01, abs=64 * 2**10)
+        assert pre == pytest.approx(want_pre, rel=0.01, abs=64 * 2**10)
+        got[b] = (step, pre, want_step, want_pre)
+    per_row = [(got[3][i] - got[1][i]) / 2 for i in range(4)]
+    assert per_row[0] == pytest.approx(per_row[2], rel=0.005) and per_row[1] == pytest.approx(per_row[3], rel=0.005)
+
+
+@pytest.mark.parametrize("blocks, slots", [([12, 12], 2), ([2, 5, 3, 4], 2)])
+def test_a_whole_batched_run_peaks_where_the_formula_says(blocks, slots):
+    """generate_batch_events over one batch of equal requests, and over 4 requests through 2 slots (each
+    finished request's slot is taken by the next): the run's peak is its cache, the loop state and the
+    larger of prefill and step, as peak_bytes counts them (within the CPU attention kernel's scratch)."""
+    from dgcli.sampling.loop import generate_batch_events
+    from dgcli.sampling.params import DiffusionEbParams
+
+    model = random_model(make_config(VOCAB_HEAVY, canvas_length=32), dtype=torch.bfloat16)
+    prompts = [torch.randint(0, 4096, (32,)) for _ in blocks]
+    params = DiffusionEbParams(max_denoising_steps=2, confidence_threshold=0.0)
+    def run():
+        for _ in generate_batch_events(model, prompts, params=params, num_blocks=blocks, max_batch=slots):
+            pass
+
+    context = max(memory.cache_length(32, n, 32) for n in blocks)  # the cache is sized for the longest request
+    want = memory.peak_bytes(model.config, slots, context=context, prompt_len=32, cpu=True)
+    assert want["peak_phase"] == "step"
+    assert _peak_allocated(run) == pytest.approx(want["total"] - want["weights"], rel=0.01)
+
+
+def test_largest_batch_is_the_boundary_and_grows_with_memory():
+    cfg = load_config(real_config_path())
+    kw = {"context": 4096, "prompt_len": 256}
+    last = 0
+    for gib in (40, 48, 52.5, 60, 80, 100, 141, 200, 1000):
+        for fmt in memory.FORMATS:
+            for cpu in (False, True):
+                b = memory.largest_batch(cfg, gib * memory.GIB, fmt=fmt, cpu=cpu, **kw)
+                usable = gib * memory.GIB * 0.9
+                if b:
+                    assert memory.peak_bytes(cfg, b, fmt=fmt, cpu=cpu, **kw)["total"] <= usable
+                assert memory.peak_bytes(cfg, b + 1, fmt=fmt, cpu=cpu, **kw)["total"] > usable
+        b = memory.largest_batch(cfg, gib * memory.GIB, **kw)
+        assert b >= last
+        last = b
+        assert memory.largest_batch(cfg, gib * memory.GIB, fmt="fp8", **kw) >= b
+        assert memory.largest_batch(cfg, gib * memory.GIB, headroom=0.0, **kw) >= b
+        assert memory.largest_batch(cfg, gib * memory.GIB, context=1024, prompt_len=256) >= b
+    assert memory.largest_batch(cfg, 40 * memory.GIB, **kw) == 0  # 36 GiB usable < 47 GiB of bf16 weights
+
+
+def test_weight_formats():
+    cfg = load_config(real_config_path())
+    n = info.param_counts(cfg)
+    bf16, fp8 = memory.weights_bytes(cfg, "bf16"), memory.weights_bytes(cfg, "fp8")
+    assert bf16["bytes"] == (n["total"] - 60) * 2 + 60 * 4 == info.card(
+        cfg, name="x", source="y", dtype="bfloat16", budgets=[])["memory"]["weights"]
+    quantized = n["attention"] - sum(2 * g.head_dim for g in cfg.layers) + n["dense_mlp"] + n["experts"]
+    assert fp8["fp8_parameters"] == quantized and fp8["bytes"] == bf16["bytes"] - quantized
+    assert 50.4e9 < bf16["bytes"] < 50.6e9 and 25.9e9 < fp8["bytes"] < 26.1e9
+    with pytest.raises(ValueError):
+        memory.weights_bytes(cfg, "int4")
+
+
+def test_memory_constants_follow_the_kernels():
+    """The formula restates buffer sizes the kernels choose; they must move together. The Triton module
+    is read as text (it imports triton, absent on CPU-only installs)."""
+    import re
+    from pathlib import Path
+
+    from dgcli.kernels import categorical, vocab_pass_cpu
+
+    assert memory.GATHER_BYTES == categorical.GATHER_BYTES
+    assert (memory.CPU_TILE_BYTES, memory.CPU_TILE_ROWS, memory.GROUP) == (
+        vocab_pass_cpu.TILE_BYTES, vocab_pass_cpu.TILE_ROWS, vocab_pass_cpu.GROUP)
+    kernels = Path(categorical.__file__).parent
+    triton_src = (kernels / "vocab_pass.py").read_text()
+    assert re.search(rf"^CHUNK = {memory.PROBS_CHUNK}\b", triton_src, re.MULTILINE)
+    assert re.search(rf"block_n: int = {memory.GROUP},", triton_src)
+    assert re.search(rf"block_m: int = {memory.MOE_BLOCK},", (kernels / "moe.py").read_text())
+
+
+def test_info_dummy_26b_prints_the_batch_table():
+    cfg = load_config(real_config_path())
+    card = json.loads(_info("--dummy", "26B-A4B", "--no-measure-peaks", "--format", "json"))
+    sec = card["batch_memory"]
+    kv, state, step = 4096 * 225_280, sec["per_slot"]["loop_state"], sec["per_slot"]["step_per_row"]["cuda"]
+    assert sec["context"] == 4096 and sec["per_slot"]["kv_cache"] == kv  # 880 MiB: spec's 225,280 B/token
+    assert 1.3 * 2**20 < state < 1.5 * 2**20  # mostly the soft embedding [256, 2816] bf16
+    assert 20 * 2**20 < step < 60 * 2**20
+    fits = {(f["memory"], f["weights"]): f for f in sec["fits"]}
+    # bf16 on an H100: 72 GiB usable less 47 GiB of weights, over KV + state + a step's share per slot (less
+    # a slot's worth of the step's fixed chunks, which keeps the answer within one of this estimate).
+    w = memory.weights_bytes(cfg, "bf16")["bytes"]
+    h100, h200 = fits[("H100 80 GB", "bf16")], fits[("H200 141 GB", "bf16")]
+    estimate = (0.9 * 80 * 2**30 - w) / (kv + state + step)
+    assert h100["largest_batch"] in (int(estimate), int(estimate) - 1) and h100["largest_batch"] == 27
+    assert h100["peak_phase"] == "step" and h200["largest_batch"] > h100["largest_batch"]
+    for mem in ("H100 80 GB", "H200 141 GB"):
+        assert fits[(mem, "fp8")]["largest_batch"] > fits[(mem, "bf16")]["largest_batch"]
+    md = _info("--dummy", "26B-A4B", "--no-measure-peaks")
+    assert "**largest batch that fits**" in md and "| H100 80 GB (cuda) | bf16 47.03 GiB | 72 GiB | **27** |" in md
+    assert "per slot: KV cache 880 MiB" in md and "this machine (cpu)" in md
+
+
+def test_info_memory_and_headroom_options():
+    card = json.loads(_info("--dummy", "26B-A4B", "--no-measure-peaks", "--format", "json", "--memory", "100",
+                            "--headroom", "0", "--context", "1024"))
+    rows = [f for f in card["batch_memory"]["fits"] if f["memory"] == "--memory 100 GiB"]
+    assert [f["weights"] for f in rows] == ["bf16", "fp8"] and rows[0]["usable_bytes"] == 100 * 2**30
+    assert rows[0]["path"] == "cpu" and rows[0]["largest_batch"] > 0
+    from dgcli.cli import app
+    from dgcli.errors import UserError
+
+    for bad in (["--memory", "0"], ["--headroom", "100"]):
+        r = CliRunner().invoke(app, ["info", "--dummy", "26B-A4B", "--no-measure-peaks", *bad])
+        assert isinstance(r.exception, UserError), bad

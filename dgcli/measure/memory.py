@@ -1,0 +1,319 @@
+"""Memory of a batched run: what one slot (row) of `generate_batch_events` costs, what is fixed, and the
+largest batch that fits a memory budget.
+
+Owns: `weights_bytes` (bf16, or FP8 as an FP8 checkpoint would store it), `loop_state_bytes` (what the
+loop holds per row between passes), `step_bytes` (a denoising step's temporaries for b rows),
+`peak_bytes` (the whole for b rows), `largest_batch`, and `batch_memory` / `markdown`, the section
+`dgemma info` prints. Must not: run the model, allocate tensors, or import torch.
+
+Every term is a buffer of the code, named where it is counted (the tests measure them: the KV cache
+against `model.new_cache`, the loop state against a batched run's own tensors, a step's temporaries
+against the CPU allocator's peak). Notation: b rows, C canvas, T = b·C tokens, H hidden, V vocabulary,
+I dense width, Im expert width, k experts per token, S stability_threshold, ab the model dtype's bytes
+(weights, activations and KV; an FP8 checkpoint keeps bf16 activations and KV).
+
+The run holds one KV cache of b slots for its whole length (loop.py: `model.new_cache(slots, ...)` sized
+for the longest request, prompt + every block but the last; a request joins by encoding its prompt into
+a free slot and leaves by freeing it: nothing is copied). The peak of b slots = weights + b·KV +
+b·(loop state) + the larger of what is live on top of that at once:
+* a denoising step (rules.denoise_step): the decoder pass, then the vocabulary pass next to its input;
+  a commit's encoder pass holds less than the decoder pass (the same layers over C tokens without the
+  self-conditioning MLP, its keys read from the cache instead of concatenated with the canvas');
+* the prefill: b prompts of --prompt-len tokens encoded at once (a later join encodes fewer).
+Not counted: the CUDA context and the caching allocator's fragmentation (that is the headroom, 10 % of
+the budget by default), torch.compile's buffers, the CPU flash-attention kernel's per-thread scratch
+(a few hundred KiB per thread), the prompts' ids (8 bytes per token of every request, queued or not).
+"""
+
+from __future__ import annotations
+
+from dgcli.measure.card import DTYPE_BYTES, kv_cache_bytes, param_counts
+from dgcli.model.config import ModelConfig
+
+GIB = 2**30
+HEADROOM = 0.10  # of the budget: CUDA context (~0.5 GiB) and the caching allocator's fragmentation
+# (name, bytes, path): the GPUs' nominal memory (NVIDIA's "80 GB" and "141 GB" are ~GiB: nvidia-smi shows
+# 81,559 MiB and 143,771 MiB) and their streaming multiprocessors (the Triton vocab pass' split count).
+GPUS = (("H100 80 GB", 80 * GIB, 132), ("H200 141 GB", 141 * GIB, 132))
+FORMATS = ("bf16", "fp8")
+ACT_BYTES = {"bf16": 2, "fp8": 2, "fp32": 4}  # activations and KV of a run with these weights
+GATHER_BYTES = 32 * 2**20  # kernels/categorical.py: the draw's gathered embedding rows, per chunk
+CPU_TILE_BYTES = 4 * 2**20  # kernels/vocab_pass_cpu.py: TILE_BYTES
+CPU_TILE_ROWS = 256  # kernels/vocab_pass_cpu.py: TILE_ROWS (the tile width is auto_tile(TILE_ROWS, V))
+PROBS_CHUNK = 32768  # kernels/vocab_pass.py: CHUNK, vocabulary columns of the soft pass' probabilities
+GROUP = 64  # draw-statistics columns per group: vocab_pass_cpu.GROUP and vocab_pass_triton's block_n
+MOE_BLOCK = 64  # kernels/moe.py: experts_triton's block_m (each expert's rows padded to it)
+
+
+def cache_length(prompt_len: int, blocks: int, canvas: int) -> int:
+    """Cached positions of a request: its prompt and every block but the last (loop.py sizes the cache
+    `n + (num_blocks - 1) * c`: a row's last block is never encoded)."""
+    return prompt_len + (blocks - 1) * canvas
+
+
+def weights_bytes(cfg: ModelConfig, fmt: str = "bf16") -> dict:
+    """Weights in `fmt`. bf16: 2 bytes per parameter (layer scalars fp32); fp32: 4. fp8: what an FP8 checkpoint
+    stores (dgemma loads none yet; this sizes one): the big matmul weights at 1 byte (attention q/k/v/o
+    projections, dense MLP, experts), and in bf16 what such checkpoints keep unquantized: the embedding
+    (also the tied LM head), router, self-conditioning MLP, every norm gain (q_norm/k_norm included);
+    the layer scalars fp32. Quantization scales are left out (one fp32 per 128x128 block adds 0.02 %)."""
+    if fmt not in ACT_BYTES:
+        raise ValueError(f"weight format {fmt!r}: use one of {tuple(ACT_BYTES)}")
+    n = param_counts(cfg)
+    if fmt == "fp32":  # a float32 run (random checkpoints, the bundled model)
+        return {"format": fmt, "bytes": 4 * n["total"], "fp8_parameters": 0, "bf16_parameters": 0}
+    gains = sum(2 * g.head_dim for g in cfg.layers)  # q_norm, k_norm: counted in n["attention"]
+    fp8 = n["attention"] - gains + n["dense_mlp"] + n["experts"] if fmt == "fp8" else 0
+    bf16 = n["total"] - n["layer_scalars"] - fp8
+    return {"format": fmt, "bytes": fp8 + 2 * bf16 + 4 * n["layer_scalars"], "fp8_parameters": fp8,
+            "bf16_parameters": bf16}
+
+
+def loop_state_bytes(cfg: ModelConfig, ab: int = 2, stability: int = 1, prompt_len: int = 256) -> dict:
+    """Per row, what `generate_batch_events` holds between decoder passes (its tensors are [b, ...]):"""
+    c, h = cfg.canvas_length, cfg.hidden_size
+    parts = {
+        "soft": c * h * ab,  # soft [b, C, H] (= out.soft): the self-conditioning input of the next pass
+        "canvas": 8 * c,  # canvas [b, C] int64 (= next_canvas)
+        "history": 8 * stability * c,  # history [S, b, C] int64 (rules.push_history)
+        "last_step": c * (8 + 8 + 4 + 1),  # out.sample, out.argmax int64, out.entropy fp32, accepted bool
+        # uniform f64, noise int64 [b, C]; step_k, seed_k, block_k, temp, stop [b]; RowRules' [b] tensors
+        # (entropy bound, confidence threshold fp32, stability int64) when the rows' settings differ
+        "draws": c * (8 + 8) + 3 * 8 + 4 + 1 + 16,
+        "join_leftovers": 8 * stability * c + 8 * prompt_len,  # the last join's `hist` and `padded` prompt ids
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def _norm(t: int, width: int, ab: int, cpu: bool) -> int:
+    """The peak of an RMSNorm over [t, width], its output included: reference_ops.rms_norm_reference (CPU)
+    holds two fp32 copies at once (y and y·r; the output is cast when one is left); the Triton kernel
+    (CUDA) allocates only its output."""
+    return max(8, 4 + ab) * t * width if cpu else ab * t * width
+
+
+def decode_bytes(cfg: ModelConfig, b: int, context: int, ab: int = 2, cpu: bool = False,
+                 prefill: int | None = None) -> int:
+    """What the decoder pass (gemma.decode) allocates at its peak over b rows with `context` cached
+    positions, the larger of its two ways: rows of one length in slot order attend together (their
+    [cache | canvas] K and V concatenated at once), otherwise each row alone (its own K and V, the
+    outputs collected in `parts` and concatenated). `prefill` = P: the encoder pass over b prompts of P
+    tokens into their slots instead (gemma.encode: the slots' K and V read back as a copy, a causal mask
+    [P, P], no feed-forward in the last layer).
+    Per layer the loop keeps the previous layer's q, k, v and SDPA output (and `parts`) bound until
+    reassigned; SDPA is a fused kernel (flash / memory-efficient on CUDA, the flash kernel on CPU: no
+    score matrix, its output [b, T, n, d]-major, so the reshape before o_proj is a view); experts as the
+    dispatched kernel runs them (moe_cpu.experts_segments, moe.experts_triton)."""
+    if prefill is not None:
+        return _pass_bytes(cfg, b, context, ab, cpu, prefill, False)
+    return max(_pass_bytes(cfg, b, context, ab, cpu, None, False), _pass_bytes(cfg, b, context, ab, cpu, None, True))
+
+
+def _pass_bytes(cfg: ModelConfig, b: int, context: int, ab: int, cpu: bool, prefill: int | None,
+                per_row: bool) -> int:
+    c = cfg.canvas_length if prefill is None else prefill  # tokens per row in this pass
+    h, n, k = cfg.hidden_size, cfg.num_attention_heads, cfg.top_k_experts
+    t, e, im, i_d = b * c, cfg.num_experts, cfg.moe_intermediate_size, cfg.intermediate_size
+    x = t * h * ab  # the residual [T, H] (and every [T, H] activation)
+    nh = _norm(t, h, ab, cpu)
+    # RoPE tables cos, sin [tokens, d] per layer kind: one set for rows of one length, else one per row.
+    tables = (b if per_row else 1) * sum(2 * c * d * ab for d in {g.head_dim for g in cfg.layers})
+    # Prologue: embed(ids) and its scaled copy; the decoder then runs condition's MLP over the soft embedding
+    # (pre_norm(soft), then gelu(gate), up and their product [T, sc]).
+    peak = 2 * x if prefill else max(2 * x, x + nh, 2 * x + 3 * t * cfg.self_conditioning_size * ab)
+    carry = prev_out = 0  # the previous layer's q, k, v and SDPA output (bound until reassigned); its output
+    for i, g in enumerate(cfg.layers):
+        qd, kvd = n * g.head_dim, g.num_kv_heads * g.head_dim
+        q, kv = t * qd * ab, t * kvd * ab
+        raw = kv * (2 if g.has_v_proj else 1)  # k_proj (and v_proj) outputs; K = V layers share k_raw
+        ln = x + carry + x  # x, the previous layer's tensors, input_layernorm(x)
+        # project: q_proj -> q_norm -> apply_rope (5 live: input, rotated, x·cos, rotated·sin, sum), then
+        # k the same with k_raw (and v_raw) kept, then v_norm.
+        peak = max(peak, x + carry + nh, ln + max(q + _norm(t, qd, ab, cpu), 5 * q),
+                   ln + q + raw + max(_norm(t, kvd, ab, cpu), 5 * kv), ln + q + kv + raw + _norm(t, kvd, ab, cpu))
+        qkv = q + 2 * kv
+        lse = (1 if per_row else b) * n * c * 4  # SDPA's fp32 log-sum-exp
+        if prefill:  # the slots' K, V read back [b, n_kv, P, d]; _causal's bool [P, P] x3 and SDPA's float copy
+            attend = 2 * b * c * kvd * ab + c * c * ((3 if g.window else 1) + ab) + q + lse
+        else:
+            keys = (context if g.window is None else min(context, g.window - 1)) + c
+            # together: torch.cat((pk, k)) and (pv, v) [b, n_kv, keys, d] and the output; alone: one row's
+            # K and V next to the collected outputs (q's size), then their concatenation
+            attend = max(2 * keys * kvd * ab + q + lse, 2 * q) if per_row else 2 * b * keys * kvd * ab + q + lse
+        peak = max(peak, x + prev_out + qkv + attend)
+        out = 2 * q if per_row and not prefill else q  # the SDPA output (and `parts`)
+        base = x + qkv + out  # x, q, k, v, out
+        # attn.out: o_proj [T, H], post_attention_layernorm, x + ...
+        peak = max(peak, base + x + nh, base + 2 * x)
+        carry, prev_out = qkv + out, q
+        if prefill and i == len(cfg.layers) - 1:
+            return tables + peak  # the encoder's last layer has no feed-forward (its output is only K/V)
+        # Feed-forward: dense MLP (pre-norm, then gelu(gate), up and their product; post-norm), router
+        # (norm, ·scale, ·root; logits and fp32 softmax [T, E]), then experts next to the dense output.
+        peak = max(peak, base + nh, base + x + 3 * t * i_d * ab, base + x + nh, base + 3 * x,
+                   base + 2 * x + t * e * (ab + 4))
+        tk = t * k
+        xn = base + x + tk * (4 + 8)  # + dense out, routing w fp32 / idx int64 [T, k]
+        if cpu:  # moe_cpu.experts_segments: gather, gate_up, act, y, pairs, then _combine's fp32 copy and product
+            ints = tk * (8 + 8 + 4 + 8)  # idx_sorted, perm, w_sorted, order
+            moe = max(tk * (h + 2 * im) * ab, tk * 4 * im * ab, tk * ((3 * im + 2 * h) * ab + 8 * h)) + ints
+        else:  # moe.experts_triton: act [slots, Im] (each expert padded to MOE_BLOCK), y [T·k, H], out [T, H]
+            slots = -(-(tk + e * (MOE_BLOCK - 1)) // MOE_BLOCK) * MOE_BLOCK
+            moe = slots * (im * ab + 4) + tk * h * ab + x + tk * (8 + 8 + 4)
+        # pre_feedforward_layernorm_2, the experts over its output, then the post-norms and the sums
+        peak = max(peak, xn + nh, xn + x + moe, base + 2 * x + nh, base + 3 * x)
+    return tables + max(peak, x + carry + nh)  # epilogue: the final norm
+
+
+def vocab_bytes(cfg: ModelConfig, b: int, ab: int = 2, cpu: bool = False, sms: int = 132) -> int:
+    """What the vocabulary pass allocates at its peak over N = b·C rows (its input, hidden [N, H], is
+    the decoder's output). CUDA (kernels/vocab_pass.py): per-split statistics, the draw's per-tile
+    statistics [N, V/64] fp32 x2, then the draw or the soft pass. CPU (kernels/vocab_pass_cpu.py): one
+    tile's buffers, the per-tile group sums kept for the draw, the soft accumulator, then the draw.
+    The draw (kernels/categorical.py): float64 gsum, exp(gmax - top) and their product (3 x 8 bytes per
+    group), then the mass and its cumsum while the chosen group's logits are recomputed from gathered
+    embedding rows (chunks of GATHER_BYTES)."""
+    c, h, v = cfg.canvas_length, cfg.hidden_size, cfg.vocab_size
+    n = b * c
+    small = 64 * n  # a dozen [N] vectors: temperature, running max / sums / argmax, entropy, sample
+    acc = 4 * n * h  # the soft embedding's fp32 accumulator [N, H]
+    if cpu:
+        tile = min(max(256, (CPU_TILE_BYTES // (4 * CPU_TILE_ROWS)) // 256 * 256), v)  # auto_tile(TILE_ROWS, V)
+        width = GROUP if tile % GROUP == 0 else tile
+        tiles, per_tile = -(-v // tile), -(-tile // width)
+        groups = tiles * per_tile
+        # One tile: raw [N, T] (ab), L fp32, round(L) (ab), exp fp32, its bf16-rounded twin fp32 and pb (ab),
+        # next to the group sums [N, T/width] of the tiles so far (gsum), each tile's max (gmax's views), and
+        # from the second tile on acc and the previous tile's fp32 product [N, H] (bound until reassigned).
+        buffers = n * tile * (3 * ab + 12)
+        first = small + 4 * n * per_tile + buffers
+        last = small + 2 * acc + 4 * n * (groups + tiles) + buffers
+        kept = small + acc + 4 * n * (groups + tiles) + 8 * n * groups  # + torch.cat of gmax and gsum
+        soft = small + acc + 4 * n * (groups + tiles) + 8 * n * h  # acc / zb, .to(bf16), · scale
+        stats = max(first, last if tiles > 1 else 0, soft)
+    else:
+        width, groups = GROUP, -(-v // GROUP)
+        splits = max(1, min(groups, -(-2 * sms // -(-n // 64))))  # the stats kernel's vocabulary splits
+        kept = small + 20 * splits * n + 8 * n * groups  # m, z, s, zb, amax [splits, N]; tile_m, tile_z [N, V/64]
+        # soft pass: acc, one [N, CHUNK] probability chunk; then bf16(acc) and its scaled copy
+        stats = max(kept + acc + n * min(PROBS_CHUNK, v) * ab, kept + acc + 2 * n * h * ab)
+    rows = min(n, max(1, GATHER_BYTES // (width * h * ab)))
+    # group_logits: a chunk's gathered rows [r, W, H] (indexed by a clamped int64 copy of its columns), cols
+    # int64 and L fp32 [N, W]; then p float64, its cumsum, p > 0 and the last column with mass [N, W].
+    pick = max(rows * width * (h * ab + 8) + n * width * 12, n * width * 25)
+    draw = max(kept + 24 * n * groups, kept + 16 * n * groups + pick)
+    return max(stats, draw)
+
+
+def step_bytes(cfg: ModelConfig, b: int, context: int, ab: int = 2, cpu: bool = False, sms: int = 132) -> dict:
+    """A denoising step's temporaries for b rows (rules.denoise_step): the decoder pass, then the vocabulary
+    pass next to its input hidden [b, C, H]; the step holds the larger. The accept / renoise / history
+    work after them is tens of bytes per position, below either."""
+    dec = decode_bytes(cfg, b, context, ab, cpu)
+    voc = b * cfg.canvas_length * cfg.hidden_size * ab + vocab_bytes(cfg, b, ab, cpu, sms)
+    return {"decode": dec, "vocab_pass": voc, "total": max(dec, voc)}
+
+
+def peak_bytes(cfg: ModelConfig, b: int, *, context: int, prompt_len: int = 256, fmt: str = "bf16",
+               ab: int = 2, cpu: bool = False, sms: int = 132, stability: int = 1) -> dict:
+    """The most memory b slots hold at once (see the module's docstring), by part."""
+    weights = weights_bytes(cfg, fmt)["bytes"]
+    kv = b * kv_cache_bytes(cfg, context, ab)
+    state = b * loop_state_bytes(cfg, ab, stability, prompt_len)["total"]
+    phases = {"step": step_bytes(cfg, b, context, ab, cpu, sms)["total"],
+              "prefill": decode_bytes(cfg, b, context, ab, cpu, prefill=prompt_len)}
+    top = max(phases, key=phases.get)
+    return {"weights": weights, "kv_cache": kv, "loop_state": state, "phases": phases, "peak_phase": top,
+            "total": weights + kv + state + phases[top]}
+
+
+def largest_batch(cfg: ModelConfig, budget: int, *, headroom: float = HEADROOM, limit: int = 1 << 20,
+                  **kw) -> int:
+    """The largest b whose `peak_bytes` fits budget·(1 - headroom) (0: not even one row). peak_bytes grows
+    with b, so a bisection finds the boundary: b fits and b + 1 does not."""
+    usable = budget * (1.0 - headroom)
+    if peak_bytes(cfg, 1, **kw)["total"] > usable:
+        return 0
+    lo, hi = 1, 2
+    while hi < limit and peak_bytes(cfg, hi, **kw)["total"] <= usable:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if peak_bytes(cfg, mid, **kw)["total"] <= usable else (lo, mid)
+    return lo
+
+
+def step_per_row(cfg: ModelConfig, context: int, ab: int = 2, cpu: bool = False, sms: int = 132) -> float:
+    """A step's temporaries per extra row in large batches (the slope between 64 and 128 rows: the
+    per-chunk buffers, fixed in size, drop out)."""
+    return (step_bytes(cfg, 128, context, ab, cpu, sms)["total"] - step_bytes(cfg, 64, context, ab, cpu, sms)["total"]) / 64
+
+
+def batch_memory(cfg: ModelConfig, *, context: int, prompt_len: int, dtype: str, budgets: list[dict],
+                 headroom: float = HEADROOM, stability: int = 1) -> dict:
+    """The card's batch-memory section: per-slot bytes at `context` cached tokens (the card's run dtype),
+    and for each budget ({"name", "bytes", "cpu", "sms"}) and weight format (bf16 activations and KV) the
+    largest batch that fits."""
+    ab = DTYPE_BYTES[dtype]
+    kv = kv_cache_bytes(cfg, context, ab)
+    state = loop_state_bytes(cfg, ab, stability, prompt_len)
+    step = {"cuda": step_per_row(cfg, context, ab), "cpu": step_per_row(cfg, context, ab, cpu=True)}
+    fits = []
+    formats = FORMATS + (("fp32",) if dtype == "float32" else ())
+    for bud in budgets:
+        usable = int(bud["bytes"] * (1 - headroom))
+        for fmt in formats:
+            kw = {"context": context, "prompt_len": prompt_len, "fmt": fmt, "ab": ACT_BYTES[fmt], "cpu": bud["cpu"],
+                  "sms": bud.get("sms", 132), "stability": stability}
+            most = largest_batch(cfg, bud["bytes"], headroom=headroom, **kw)
+            w = weights_bytes(cfg, fmt)["bytes"]
+            fits.append({"memory": bud["name"], "memory_bytes": bud["bytes"], "path": "cpu" if bud["cpu"] else "cuda",
+                         "weights": fmt, "weights_bytes": w, "usable_bytes": usable, "largest_batch": most,
+                         "peak_phase": peak_bytes(cfg, most, **kw)["peak_phase"] if most else
+                         "weights" if w > usable else "one_slot"})
+    return {
+        "context": context, "dtype": dtype, "headroom": headroom,
+        "per_slot": {"kv_cache": kv, "loop_state": state["total"], "loop_state_parts": state,
+                     "step_per_row": step, "total": {p: kv + state["total"] + s for p, s in step.items()}},
+        "weights": {fmt: weights_bytes(cfg, fmt) for fmt in formats},
+        "fits": fits,
+        "assumptions": (
+            f"peak = weights + b x (KV + sampler state) + the larger of a denoising step's temporaries and "
+            f"the prefill's (b prompts of {prompt_len} tokens); usable = memory less {headroom:.0%} headroom "
+            f"(CUDA context, allocator fragmentation); bf16 activations and KV (fp32 for fp32); FP8 = attention, MLP and "
+            f"expert matrices at 1 byte/param, embedding/LM head, router, self-conditioning MLP and norms "
+            f"bf16 (dgemma loads no FP8 checkpoint yet: this sizes one)."),
+    }
+
+
+def _b(n: float) -> str:
+    """Bytes in binary units, 3-4 significant digits."""
+    for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.4g} {unit}"
+    return f"{n:.0f} B"
+
+
+_PHASES = {"step": "a step", "prefill": "the prefill", "weights": "weights alone exceed it",
+           "one_slot": "one slot does not fit"}
+
+
+def markdown(sec: dict) -> str:
+    """The section as `dgemma info` prints it."""
+    ps, w = sec["per_slot"], sec["weights"]
+    st = ps["loop_state_parts"]
+    lines = [(f"**batch memory** ({sec['dtype']} KV, {sec['context']:,} cached tokens per slot = the longest "
+              f"request's prompt + every block but the last; --context):"),
+             (f"- per slot: KV cache {_b(ps['kv_cache'])} + sampler state {_b(ps['loop_state'])} (soft embedding "
+              f"{_b(st['soft'])}, canvas, history, last step's outputs) + step temporaries "
+              f"{_b(ps['step_per_row']['cuda'])} on CUDA ({_b(ps['step_per_row']['cpu'])} on CPU) = "
+              f"**{_b(ps['total']['cuda'])}** (CUDA), {_b(ps['total']['cpu'])} (CPU)"),
+             "- weights: " + ", ".join(f"{k} {_b(v['bytes'])}" for k, v in w.items()), "",
+             f"**largest batch that fits** ({1 - sec['headroom']:.0%} of the memory usable):", "",
+             "| memory | weights | usable | largest batch | peak at |", "|---|---|---|---|---|"]
+    for f in sec["fits"]:
+        lines.append(f"| {f['memory']} ({f['path']}) | {f['weights']} {_b(f['weights_bytes'])} | "
+                     f"{_b(f['usable_bytes'])} | **{f['largest_batch']}** | {_PHASES[f['peak_phase']]} |")
+    lines += ["", f"_{sec['assumptions']}_"]
+    return "\n".join(lines) + "\n"
