@@ -195,3 +195,87 @@ def test_batched_rows_equal_the_references_batched_generate(copy_model, monkeypa
         assert dones[b].tokens_per_forward == pytest.approx(float(out.tokens_per_forward[b])), b
         finishes.append((dones[b].finish_reason, dones[b].blocks))
     assert finishes == [("stop", 1), ("stop", 2), ("length", 2)]
+
+
+def test_batched_rows_equal_the_reference_draw_for_draw(copy_model, tmp_path, monkeypatch):
+    """transformers' batched generate with our random numbers injected (its torch.multinomial draws by
+    inverse CDF at our counter-stream uniforms, its canvases and renoise ids are our counter-stream ids),
+    on a copy model whose tokens 40-47 are weak (embedding rows scaled by 0.15 and 0.34: their positions
+    are not confident, so the sampler's draws, acceptance and renoising all act; an injected uniform one
+    step off makes this test fail, checked). Rows of three prompt
+    lengths with none, one and three weak tokens in their first canvas take different numbers of steps
+    (measured: [2], [4, 2], [4, 3]); stop ids end them in
+    different blocks. Every row's tokens and decoder passes must equal the reference's."""
+    import copy
+
+    from transformers.models.diffusion_gemma import generation_diffusion_gemma as hf_gen
+
+    from dgcli.sampling import draws
+    from dgcli.sampling.loop import generate_batch_events
+
+    base, _ = copy_model
+    ref = copy.deepcopy(base)
+    with torch.no_grad():
+        ref.model.decoder.embed_tokens.weight[40:44] *= 0.15
+        ref.model.decoder.embed_tokens.weight[44:] *= 0.34
+    ref.save_pretrained(tmp_path / "weak")
+    ours = dgcli.load_model(tmp_path / "weak")
+    params = DiffusionEbParams(max_denoising_steps=12)
+    blocks, pos, seeds = 2, torch.arange(CANVAS), [3, 4, 5]
+    g = torch.Generator().manual_seed(8)
+    lengths = [11, 4, 7]
+    prompts = [torch.randint(5, 40, (n,), generator=g) for n in lengths]
+    inits = torch.randint(5, 40, (3, CANVAS), generator=g)
+    inits[1, 9] = 41
+    inits[2, [0, 3, 6]] = torch.tensor([44, 45, 46])
+    inits[0, 8] = 1  # row 0 stops in its first block
+    state = {"block": -1, "step": 0, "in_prepare": False}
+    original_prepare = ref._prepare_denoiser_inputs
+
+    def prepare(*a, **kw):
+        state.update(block=state["block"] + 1, step=0, in_prepare=True)
+        try:
+            return original_prepare(*a, **kw)
+        finally:
+            state["in_prepare"] = False
+
+    def canvas_ids(self, batch_size, device):  # the block's canvas, or this step's renoise ids
+        purpose, step = (draws.INIT, 0) if state["in_prepare"] else (draws.RENOISE, state["step"])
+        return torch.stack([draws.token_ids(s, purpose, state["block"], step, pos, 48) for s in seeds]).to(device)
+
+    def multinomial(probs, num_samples=1, **kw):  # inverse CDF at our uniforms, as every dgemma path draws
+        state["step"] += 1
+        u = torch.stack([draws.uniform(s, draws.DRAW, state["block"], state["step"], pos) for s in seeds]).reshape(-1)
+        cdf = probs.double().cumsum(-1)
+        j = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
+        return torch.minimum(j, (cdf < cdf[:, -1:]).sum(-1, keepdim=True))
+
+    monkeypatch.setattr(ref, "_prepare_denoiser_inputs", prepare)
+    monkeypatch.setattr(hf_gen.EntropyBoundSampler, "initialize_canvas", canvas_ids)
+    monkeypatch.setattr(hf_gen.torch, "multinomial", multinomial)
+    n = max(lengths)
+    ids = torch.zeros(3, n, dtype=torch.long)
+    mask = torch.zeros(3, n, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, n - len(p):], mask[b, n - len(p):] = p, 1
+    gc = hf_gen.DiffusionGemmaGenerationConfig(
+        max_new_tokens=blocks * CANVAS, max_denoising_steps=params.max_denoising_steps,
+        sampler_config={"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": params.entropy_bound},
+        t_min=params.t_min, t_max=params.t_max, stability_threshold=params.stability_threshold,
+        confidence_threshold=params.confidence_threshold, eos_token_id=[1], pad_token_id=0)
+    out = ref.generate(input_ids=ids, attention_mask=mask, decoder_input_ids=inits, generation_config=gc)
+    monkeypatch.undo()
+
+    events = list(generate_batch_events(ours, prompts, params=params, num_blocks=blocks, seeds=seeds, stop_ids=[1],
+                                        init_canvases=list(inits)))
+    dones = {e.row: e for e in events if isinstance(e, Done)}
+    for b in range(3):
+        want = out.sequences[b, n:].tolist()
+        cut = want.index(1) if 1 in want else len(want)
+        assert dones[b].token_ids == want[:cut], b
+        assert dones[b].tokens_per_forward == pytest.approx(float(out.tokens_per_forward[b])), b
+    steps = [d.steps_per_block for d in (dones[0], dones[1], dones[2])]
+    assert len({s[0] for s in steps}) >= 2 and len({tuple(s) for s in steps}) == 3, f"steps must differ: {steps}"
+    assert len({len(s) for s in steps}) >= 2, f"rows must end in different blocks: {steps}"
+    # the weak positions really were renoised: some step accepted fewer than all positions
+    assert any(int(e.accepted_count) < CANVAS for e in events if isinstance(e, Step))
