@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_cpu_step import CANVAS, TEXT, cpu_name, load_avg, matmul_rate, median, step_flops  # noqa: E402
+from bench_cpu_step import bench_model, cpu_name, load_avg, matmul_rate, median, step_flops  # noqa: E402
 
 
 def run_size(model, prompts, seeds, params, max_batch: int) -> dict:
@@ -69,16 +69,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     sizes = [int(x) for x in args.sizes.split(",")]
 
-    import dgcli
-    from dgcli.model.random_weights import write_random_checkpoint
     from dgcli.sampling.params import DiffusionEbParams
 
-    path = Path(args.dir)
-    if not (path / "config.json").exists():
-        write_random_checkpoint(path, TEXT, canvas_length=CANVAS, dtype=torch.bfloat16, tokenizer=False)
-    model = dgcli.load_model(path)
+    model, n_params = bench_model(Path(args.dir))
     cfg = model.config
-    n_params = sum(p.numel() for p in model.parameters())
     g = torch.Generator().manual_seed(0)
     lengths = [24 + (7 * i) % 17 for i in range(args.requests)]  # 24..40 tokens
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lengths]

@@ -86,6 +86,17 @@ def matmul_rate() -> dict:
     return {"best_flops": best, "shapes": rows}
 
 
+def bench_model(path: Path):
+    """The ~200 M bf16 random checkpoint at `path` (written on first use), loaded: (model, parameters)."""
+    import dgcli
+    from dgcli.model.random_weights import write_random_checkpoint
+
+    if not (path / "config.json").exists():
+        write_random_checkpoint(path, TEXT, canvas_length=CANVAS, dtype=torch.bfloat16, tokenizer=False)
+    model = dgcli.load_model(path)
+    return model, sum(p.numel() for p in model.parameters())
+
+
 # ---- work accounting ------------------------------------------------------------------------------------
 
 
@@ -250,15 +261,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    import dgcli
-    from dgcli.model.random_weights import write_random_checkpoint
-
     path = Path(args.dir)
-    if not (path / "config.json").exists():
-        write_random_checkpoint(path, TEXT, canvas_length=CANVAS, dtype=torch.bfloat16, tokenizer=False)
-    model = dgcli.load_model(path)
+    model, n_params = bench_model(path)
     cfg = model.config
-    n_params = sum(p.numel() for p in model.parameters())
     prompt = torch.randint(0, cfg.vocab_size, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
     load0 = load_avg()
     rate = matmul_rate()

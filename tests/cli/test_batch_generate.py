@@ -3,27 +3,13 @@ their index, the same answers at every batch size, rows with their own seed and 
 rows stopping the run after the rows before them have printed."""
 
 import json
-import sys
 
 import pytest
 
+from cli_run import run
 import dgcli
-from dgcli import cli
 
 HELDOUT = dgcli.__path__[0] + "/data/prompts/heldout.jsonl"
-
-
-def run(argv, capsys):
-    old, sys.argv = sys.argv, ["dgemma", *argv]
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as e:
-        code = e.code or 0
-    finally:
-        sys.argv = old
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,10 @@ import sys
 
 import pytest
 import torch
+from cli_run import run
 from hf_oracle import text_config
 from safetensors.torch import load_file, save_file
 
-from dgcli import cli
 from dgcli.model.random_weights import write_random_checkpoint
 from dgcli.render.trace import read_trace
 
@@ -21,34 +21,6 @@ def ckpt(tmp_path_factory):
     tc["vocab_size"] = 512
     tc["max_position_embeddings"] = 96
     return write_random_checkpoint(tmp_path_factory.mktemp("gen") / "ck", tc, canvas_length=16, seed=2)
-
-
-def run(argv, capsys, stdin=None, monkeypatch=None):
-    """In-process `dgemma ...` through the real entry point; returns (exit code, stdout, stderr)."""
-    if stdin is not None:
-        monkeypatch.setattr(sys, "stdin", _Stdin(stdin))
-    old = sys.argv
-    sys.argv = ["dgemma", *argv]
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as e:
-        code = e.code or 0
-    finally:
-        sys.argv = old
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-class _Stdin:
-    def __init__(self, text):
-        self.text = text
-
-    def read(self):
-        return self.text
-
-    def isatty(self):
-        return False
 
 
 FAST = ["--diffusion-steps", "3"]

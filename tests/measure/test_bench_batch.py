@@ -6,11 +6,10 @@ arithmetic on hand-made passes (weights counted once per batched decoder pass)."
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
-from dgcli import cli
+from cli_run import run
 from dgcli.errors import UserError
 from dgcli.measure import bench as b
 from dgcli.measure import card as info
@@ -23,20 +22,6 @@ from dgcli.sampling.events import Done
 SMALL = ["--num-prompts", "12", "--runs", "1", "--warmup", "0", "--no-measure-peaks"]
 NEW = ("batch_size", "request_throughput", "p90_ttft_ms", "p90_e2el_ms", "mean_queue_ms", "slot_occupancy",
        "batched_decoder_passes")
-
-
-def run(argv, capsys):
-    """`dgemma ARGV` in-process through main(): (exit code, stdout, stderr)."""
-    old, sys.argv = sys.argv, ["dgemma", *argv]
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as e:
-        code = e.code or 0
-    finally:
-        sys.argv = old
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.fixture(scope="module")

@@ -52,16 +52,32 @@ def copy_model(tmp_path_factory):
     return ref, dgcli.load_model(path)
 
 
-def reference_generate(ref, prompt, init, params, blocks, eos):
+def generation_config(params, blocks, eos):
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import DiffusionGemmaGenerationConfig
 
-    gc = DiffusionGemmaGenerationConfig(
+    return DiffusionGemmaGenerationConfig(
         max_new_tokens=blocks * CANVAS, max_denoising_steps=params.max_denoising_steps,
         sampler_config={"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": params.entropy_bound},
         t_min=params.t_min, t_max=params.t_max, stability_threshold=params.stability_threshold,
         confidence_threshold=params.confidence_threshold, eos_token_id=eos, pad_token_id=0)
-    out = ref.generate(input_ids=prompt, decoder_input_ids=init, generation_config=gc)
+
+
+def reference_generate(ref, prompt, init, params, blocks, eos):
+    out = ref.generate(input_ids=prompt, decoder_input_ids=init, generation_config=generation_config(params, blocks, eos))
     return out.sequences[0, prompt.shape[1]:].tolist(), float(out.tokens_per_forward)
+
+
+def reference_batch_generate(ref, prompts, inits, params, blocks, eos):
+    """The reference's batched generate over prompts of different lengths (left padding + attention_mask,
+    per-row first canvases): each row's new ids and tokens per forward."""
+    n = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), n, dtype=torch.long)
+    mask = torch.zeros(len(prompts), n, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, n - len(p):], mask[b, n - len(p):] = p, 1
+    out = ref.generate(input_ids=ids, attention_mask=mask, decoder_input_ids=inits,
+                       generation_config=generation_config(params, blocks, eos))
+    return [out.sequences[b, n:].tolist() for b in range(len(prompts))], out.tokens_per_forward.tolist()
 
 
 @pytest.mark.parametrize("stability,steps,stop_at", [(1, 48, None), (2, 48, 5), (0, 8, None), (1, 1, 3)])
@@ -171,17 +187,7 @@ def test_batched_rows_equal_the_references_batched_generate(copy_model, monkeypa
 
     monkeypatch.setattr(hf_gen.EntropyBoundSampler, "initialize_canvas", injected)
     monkeypatch.setattr(ref, "_prepare_denoiser_inputs", prepare)
-    n = max(lengths)
-    ids = torch.zeros(3, n, dtype=torch.long)
-    mask = torch.zeros(3, n, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, n - len(p):], mask[b, n - len(p):] = p, 1
-    gc = hf_gen.DiffusionGemmaGenerationConfig(
-        max_new_tokens=blocks * CANVAS, max_denoising_steps=params.max_denoising_steps,
-        sampler_config={"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": params.entropy_bound},
-        t_min=params.t_min, t_max=params.t_max, stability_threshold=params.stability_threshold,
-        confidence_threshold=params.confidence_threshold, eos_token_id=[1], pad_token_id=0)
-    out = ref.generate(input_ids=ids, attention_mask=mask, decoder_input_ids=inits, generation_config=gc)
+    seqs, tpf = reference_batch_generate(ref, prompts, inits, params, blocks, eos=[1])
     assert calls == [0, 1], "the reference must have drawn (our) canvases for both blocks"
 
     dones = {e.row: e for e in generate_batch_events(ours, prompts, params=params, num_blocks=blocks, seeds=seeds,
@@ -189,10 +195,10 @@ def test_batched_rows_equal_the_references_batched_generate(copy_model, monkeypa
              if isinstance(e, Done)}
     finishes = []
     for b in range(3):
-        want = out.sequences[b, n:].tolist()
+        want = seqs[b]
         cut = want.index(1) if 1 in want else len(want)
         assert dones[b].token_ids == want[:cut], b
-        assert dones[b].tokens_per_forward == pytest.approx(float(out.tokens_per_forward[b])), b
+        assert dones[b].tokens_per_forward == pytest.approx(tpf[b]), b
         finishes.append((dones[b].finish_reason, dones[b].blocks))
     assert finishes == [("stop", 1), ("stop", 2), ("length", 2)]
 
@@ -253,27 +259,17 @@ def test_batched_rows_equal_the_reference_draw_for_draw(copy_model, tmp_path, mo
     monkeypatch.setattr(ref, "_prepare_denoiser_inputs", prepare)
     monkeypatch.setattr(hf_gen.EntropyBoundSampler, "initialize_canvas", canvas_ids)
     monkeypatch.setattr(hf_gen.torch, "multinomial", multinomial)
-    n = max(lengths)
-    ids = torch.zeros(3, n, dtype=torch.long)
-    mask = torch.zeros(3, n, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, n - len(p):], mask[b, n - len(p):] = p, 1
-    gc = hf_gen.DiffusionGemmaGenerationConfig(
-        max_new_tokens=blocks * CANVAS, max_denoising_steps=params.max_denoising_steps,
-        sampler_config={"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": params.entropy_bound},
-        t_min=params.t_min, t_max=params.t_max, stability_threshold=params.stability_threshold,
-        confidence_threshold=params.confidence_threshold, eos_token_id=[1], pad_token_id=0)
-    out = ref.generate(input_ids=ids, attention_mask=mask, decoder_input_ids=inits, generation_config=gc)
+    seqs, tpf = reference_batch_generate(ref, prompts, inits, params, blocks, eos=[1])
     monkeypatch.undo()
 
     events = list(generate_batch_events(ours, prompts, params=params, num_blocks=blocks, seeds=seeds, stop_ids=[1],
                                         init_canvases=list(inits)))
     dones = {e.row: e for e in events if isinstance(e, Done)}
     for b in range(3):
-        want = out.sequences[b, n:].tolist()
+        want = seqs[b]
         cut = want.index(1) if 1 in want else len(want)
         assert dones[b].token_ids == want[:cut], b
-        assert dones[b].tokens_per_forward == pytest.approx(float(out.tokens_per_forward[b])), b
+        assert dones[b].tokens_per_forward == pytest.approx(tpf[b]), b
     steps = [d.steps_per_block for d in (dones[0], dones[1], dones[2])]
     assert len({s[0] for s in steps}) >= 2 and len({tuple(s) for s in steps}) == 3, f"steps must differ: {steps}"
     assert len({len(s) for s in steps}) >= 2, f"rows must end in different blocks: {steps}"
