@@ -56,8 +56,6 @@ def run_rows(session: Any, rows: list[dict], path: str, *, batch_size: int, raw:
     raises the bad row's error after the rows before it have been written."""
     from dgcli.runtime.request import run_batch
 
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise UserError(f"--batch-size {batch_size}: must be a whole number >= 1")
     parsed, bad = [], None
     for n, row in enumerate(rows):
         try:
