@@ -69,8 +69,9 @@ def weights_bytes(cfg: ModelConfig, fmt: str = "bf16") -> dict:
             "bf16_parameters": bf16}
 
 
-def loop_state_bytes(cfg: ModelConfig, ab: int = 2, stability: int = 1, prompt_len: int = 256) -> dict:
-    """Per row, what `generate_batch_events` holds between decoder passes (its tensors are [b, ...]):"""
+def loop_state_bytes(cfg: ModelConfig, ab: int = 2, stability: int = 1) -> dict:
+    """Per row, what the engine (`dgcli.sampling.engine.Engine`) holds during a decoder pass (its tensors
+    are [b, ...]; a prefill leaves nothing behind):"""
     c, h = cfg.canvas_length, cfg.hidden_size
     parts = {
         "soft": c * h * ab,  # soft [b, C, H] (= out.soft): the self-conditioning input of the next pass
@@ -80,7 +81,6 @@ def loop_state_bytes(cfg: ModelConfig, ab: int = 2, stability: int = 1, prompt_l
         # uniform f64, noise int64 [b, C]; step_k, seed_k, block_k, temp, stop [b]; RowRules' [b] tensors
         # (entropy bound, confidence threshold fp32, stability int64) when the rows' settings differ
         "draws": c * (8 + 8) + 3 * 8 + 4 + 1 + 16,
-        "join_leftovers": 8 * stability * c + 8 * prompt_len,  # the last join's `hist` and `padded` prompt ids
     }
     parts["total"] = sum(parts.values())
     return parts
@@ -220,7 +220,7 @@ def peak_bytes(cfg: ModelConfig, b: int, *, context: int, prompt_len: int = 256,
     """The most memory b slots hold at once (see the module's docstring), by part."""
     weights = weights_bytes(cfg, fmt)["bytes"]
     kv = b * kv_cache_bytes(cfg, context, ab)
-    state = b * loop_state_bytes(cfg, ab, stability, prompt_len)["total"]
+    state = b * loop_state_bytes(cfg, ab, stability)["total"]
     phases = {"step": step_bytes(cfg, b, context, ab, cpu, sms)["total"],
               "prefill": decode_bytes(cfg, b, context, ab, cpu, prefill=prompt_len)}
     top = max(phases, key=phases.get)
@@ -257,7 +257,7 @@ def batch_memory(cfg: ModelConfig, *, context: int, prompt_len: int, dtype: str,
     largest batch that fits."""
     ab = DTYPE_BYTES[dtype]
     kv = kv_cache_bytes(cfg, context, ab)
-    state = loop_state_bytes(cfg, ab, stability, prompt_len)
+    state = loop_state_bytes(cfg, ab, stability)
     step = {"cuda": step_per_row(cfg, context, ab), "cpu": step_per_row(cfg, context, ab, cpu=True)}
     fits = []
     formats = FORMATS + (("fp32",) if dtype == "float32" else ())

@@ -1,11 +1,12 @@
-"""The entropy-bound block-diffusion sampler (spec §7): the one denoising loop, and it yields events.
+"""The entropy-bound block-diffusion sampler (spec §7): the entry points of the one denoising loop.
 
-Owns: the block loop (prefill, per-block canvas, denoising steps, commit, stop ids; the rules and one
-step are `rules.py`), the RNG discipline (every draw
-comes from the counter-based stream of `draws.py`, addressed by seed, block, step and position: same
-seed, settings, device and dtype give identical events whichever kernel path runs, up to rounding at
-a CDF boundary), and the run's summary (`Done`). `generate`, `watch`, `bench`, `sweep` and the trace writer all consume
-`generate_events`; there is no second copy of this loop anywhere.
+Owns: `generate_batch_events` (many prompts: checks every input and setting once, builds the requests
+and runs them through `engine.Engine`, the loop itself), `generate_events` (one prompt: a batch of one)
+and `generate` (its `Done`). The rules and one step are `rules.py`; every random draw comes from the
+counter-based stream of `draws.py`, addressed by seed, block, step and position: same seed, settings,
+device and dtype give identical events whichever kernel path runs (up to rounding at a CDF boundary)
+and whatever the batch. `generate`, `watch`, `bench`, `sweep` and the trace writer all consume these;
+there is no second copy of the loop anywhere.
 Must not: tokenize, print, write files, import transformers, or sync with the device inside a step
 other than once for the stop decision (and not at all when no step can stop early).
 
@@ -18,38 +19,24 @@ Decisions (kept from the reference unless noted):
 * Timings (seconds, the loop's own time; time spent by the consumer between events is excluded):
   prefill_s (prompt encode), denoise_s (all blocks' steps up to the block-end read-back),
   commit_s (encodes of committed blocks), first_block_s (start to the first block's tokens),
-  total_s.
-* Batch: `generate_batch_events` runs many prompts through this one loop (per-row lengths, seeds,
-  block caps, freezing and finishing, as HF's batched generate); `generate_events` is a batch of one.
+  total_s; in a batch every request's clock starts at the call, so a queued request's include its wait.
+* Batch: each request at its own step of its own block, finished ones freeing their slot for the
+  next (continuous batching); HF's batched generate instead runs a batch's rows block by block
+  together, freezing finished rows: the same per-row results (tested), fewer passes here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
-from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from dgcli.errors import UserError
-from dgcli.sampling import draws
-from dgcli.sampling.events import BlockStart, Commit, Done, Event, Step
+from dgcli.sampling.engine import Engine, Request
+from dgcli.sampling.events import Done, Event
 from dgcli.sampling.params import DiffusionEbParams
-from dgcli.sampling.rules import RowRules, denoise_step, temperature
-
-
-@torch.inference_mode()
-def _encode(model: Any, ids: torch.Tensor, cache: Any, lengths: list[int] | None = None,
-            rows: list[int] | None = None) -> None:
-    if lengths is None and rows is None:
-        model.encode(ids, cache)  # the common case, and the mock models' signature
-    else:
-        model.encode(ids, cache, lengths, rows)
-    if ids.device.type == "cuda":  # per block, so that prefill_s / commit_s are real durations
-        torch.cuda.synchronize(ids.device)
 
 
 # ---- input checks ------------------------------------------------------------------------------------
@@ -73,29 +60,6 @@ def _ids_tensor(ids: Sequence[int] | torch.Tensor, what: str, vocab: int, device
 
 
 # ---- the loop ------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Row:
-    """One request's state in the batch loop (host values only)."""
-
-    request: int  # the caller's index, carried by every event
-    params: Any  # its DiffusionEbParams
-    temps: list[float]  # T_n of each step of its schedule
-    seed: int
-    num_blocks: int
-    first_canvas: torch.Tensor | None  # [C] or None: the first block's canvas
-    slot: int = -1  # its rows in the KV cache while it runs
-    stops: set[int] = field(default_factory=set)  # its stop ids
-    block: int = 0  # the block being denoised
-    step: int = 0  # the step of that block the next decoder pass runs (0-based)
-    answer: list[int] = field(default_factory=list)
-    counted: int = 0  # ids for tokens_per_forward (HF definition)
-    steps_per_block: list[int] = field(default_factory=list)
-    prefill_s: float = 0.0
-    denoise_s: float = 0.0
-    commit_s: float = 0.0
-    first_block_s: float = 0.0
 
 
 def generate_batch_events(
@@ -158,206 +122,24 @@ def generate_batch_events(
         row_stops = [{int(t) for t in stop_list}] * n_rows
     vocab, c = model.config.vocab_size, model.config.canvas_length
     device = model.embed_weight.device
-    ids = [_ids_tensor(p, "prompt", vocab, device)[0] for p in prompts]  # [P_r] each
-    rows = []
+    requests = []
     for r in range(n_rows):
         first = None
         if inits[r] is not None:
             first = _ids_tensor(inits[r], "initial canvas", vocab, device)[0]  # [C]
             if first.shape[0] != c:
                 raise UserError(f"initial canvas has {first.shape[0]} ids; the model's canvas holds {c}")
-        p = row_params[r]
-        n = p.max_denoising_steps
-        temps = [temperature(i, n, p.t_min, p.t_max) for i in range(n, 0, -1)]
-        rows.append(_Row(request=r, params=p, temps=temps, seed=seeds[r], num_blocks=blocks[r], first_canvas=first,
-                         stops=row_stops[r]))
-    # One setting for all rows (but the seed): scalars, as a batch of one runs; else per-row tensors.
-    shared = all(dataclasses.replace(p, seed=0) == dataclasses.replace(row_params[0], seed=0) for p in row_params)
-    depth = max(p.stability_threshold for p in row_params)  # the history's length
-    positions = torch.arange(c, device=device)  # [C]
-
-    busy, mark = 0.0, time.perf_counter()  # busy: own time; the clock pauses while a consumer holds an event
+        requests.append(Request(id=r, prompt=_ids_tensor(prompts[r], "prompt", vocab, device)[0], params=row_params[r],
+                                num_blocks=blocks[r], seed=seeds[r], stops=row_stops[r], first_canvas=first))
     slots = n_rows if max_batch is None else max_batch
-    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-        raise UserError(f"max_batch={max_batch!r}: must be a whole number >= 1")
-    stats = {} if stats is None else stats
-    stats.update(decoder_passes=0, encoder_passes=0, row_steps=0, denoise_s=0.0, encode_s=0.0)
-    queue = deque(rows)
-    active: list[_Row] = []  # row k's state is row k of every tensor below; its K/V are cache slot row.slot
-    canvas = history = soft = None  # soft None: every row is at the first step of a block
-    # One KV cache for the whole run, a fixed slot per running request: a request joins by encoding its
-    # prompt into a free slot and leaves by freeing it; nothing is copied. A row's last block is never
-    # encoded, so a slot holds at most its prompt and blocks - 1 canvases.
-    slots = min(slots, n_rows)
-    cache = model.new_cache(slots, max(len(ids[r.request]) + (r.num_blocks - 1) * c for r in rows))
-    free = list(range(slots))
-
-    def cache_rows() -> list[int] | None:
-        """The active rows' cache slots, or None when they are exactly the cache's rows in order."""
-        got = [row.slot for row in active]
-        return None if got == list(range(slots)) else got
-
-    @torch.inference_mode()  # canvas, history and soft come out of inference-mode steps
-    def start_block(ks: list[int]) -> None:
-        """Rows `ks` begin their current block: its first canvas, an empty history, no self-conditioning.
-        New tensors, never writes into old ones: events handed out hold views of them."""
-        nonlocal canvas, history, soft
-        canvas, history = canvas.clone(), history.clone()
-        soft = None if soft is None else soft.clone()
-        seed_k = torch.tensor([active[k].seed for k in ks], device=device)[:, None]  # [k, 1]
-        block_k = torch.tensor([active[k].block for k in ks], device=device)[:, None]  # [k, 1]
-        idx = torch.tensor(ks, device=device)
-        canvas[idx] = draws.token_ids(seed_k, draws.INIT, block_k, 0, positions, vocab, device=device)  # [k, C]
-        for k in ks:
-            row = active[k]
-            if row.block == 0 and row.first_canvas is not None:
-                canvas[k] = row.first_canvas
-            row.step = 0
-        history[:, idx] = -1
-        if soft is not None:
-            soft[idx] = 0  # the zero soft embedding is exactly "no self-conditioning"
-
-    while active or queue:
-        fresh: list[int] = []
-        # Free slots take queued requests; their prompts are encoded together and join the cache.
-        if queue and len(active) < slots:
-            joining = [queue.popleft() for _ in range(min(slots - len(active), len(queue)))]
-            t0 = time.perf_counter()
-            lengths = [len(ids[row.request]) for row in joining]
-            padded = torch.full((len(joining), max(lengths)), pad_id, dtype=torch.long, device=device)  # [j, P]
-            for k, row in enumerate(joining):
-                padded[k, :lengths[k]] = ids[row.request]
-            for row in joining:
-                row.slot = free.pop(0)
-                cache.lens[row.slot] = 0
-            into = [row.slot for row in joining]
-            _encode(model, padded, cache, None if len(set(lengths)) == 1 else lengths,
-                    None if into == list(range(slots)) else into)
-            stats["encoder_passes"] += 1
-            for row in joining:
-                row.prefill_s = time.perf_counter() - t0
-            stats["encode_s"] += joining[0].prefill_s
-            fresh = list(range(len(active), len(active) + len(joining)))
-            active += joining
-            j = len(joining)
-            canvas = torch.empty(j, c, dtype=torch.long, device=device) if canvas is None else \
-                torch.cat((canvas, canvas.new_empty(j, c)))
-            hist = torch.empty(depth, j, c, dtype=torch.long, device=device)
-            history = hist if history is None else torch.cat((history, hist), dim=1)
-            if soft is not None:
-                soft = torch.cat((soft, soft.new_zeros(j, c, soft.shape[2])))
-            start_block(fresh)
-        busy += time.perf_counter() - mark
-        for k in fresh:
-            row = active[k]
-            yield BlockStart(block=0, num_blocks=row.num_blocks, prefix_len=cache.lens[row.slot], canvas=canvas[k],
-                             row=row.request)
-        mark = time.perf_counter()
-
-        # One decoder pass: every row at its own step of its own block.
-        t0 = time.perf_counter()
-        b = len(active)
-        step_k = torch.tensor([row.step for row in active], device=device)  # [b]
-        seed_k = torch.tensor([row.seed for row in active], device=device)[:, None]  # [b, 1]
-        block_k = torch.tensor([row.block for row in active], device=device)[:, None]  # [b, 1]
-        uniform = draws.uniform(seed_k, draws.DRAW, block_k, step_k[:, None] + 1, positions, device=device)  # [b, C]
-        noise = draws.token_ids(seed_k, draws.RENOISE, block_k, step_k[:, None] + 1, positions, vocab, device=device)
-        temp = torch.tensor([row.temps[row.step] for row in active], dtype=torch.float32, device=device)  # [b]
-        rules = row_params[0] if shared else RowRules.of([row.params for row in active], device)
-        out, accepted, next_canvas, history, stop = denoise_step(
-            model, canvas, cache, soft, temp, history, rules, uniform, noise,
-            want_soft=any(row.step < len(row.temps) - 1 for row in active), compile_tiles=compile_tiles,
-            rows=cache_rows())
-        # Mean entropy is >= 0, so "< 0" never holds: with confidence 0 (fixed work) no row can stop early
-        # and the loop never waits for the device inside a block.
-        can_stop_early = any(row.params.confidence_threshold > 0 for row in active)
-        stopped = stop.tolist() if can_stop_early else [False] * b  # the step's one host sync
-        elapsed = time.perf_counter() - t0
-        stats["decoder_passes"] += 1
-        stats["row_steps"] += b
-        stats["denoise_s"] += elapsed
-        busy += time.perf_counter() - mark
-        ended = []
-        for k, row in enumerate(active):
-            i, n_steps = row.step, len(row.temps)
-            reason = "stable_confident" if stopped[k] else ("step_cap" if i == n_steps - 1 else None)
-            row.denoise_s += elapsed
-            yield Step(block=row.block, step=i + 1, max_steps=n_steps, temperature=row.temps[i], canvas_in=canvas[k],
-                       argmax=out.argmax[k], sample=out.sample[k], accepted_mask=accepted[k],
-                       accepted_count=accepted[k].sum(), entropy=out.entropy[k],
-                       mean_entropy=out.entropy[k].mean(), next_canvas=next_canvas[k],
-                       stop_reason=reason, elapsed_s=elapsed, row=row.request)
-            if reason is not None:
-                row.steps_per_block.append(i + 1)
-                ended.append(k)
-            row.step += 1
-        mark = time.perf_counter()
-        canvas, soft = next_canvas, out.soft
-
-        # Rows whose block ended: commit, then finish (stop id or block cap) or go on to their next block.
-        t0 = time.perf_counter()
-        tokens_all = out.argmax[ended].tolist() if ended else []  # the block's read-back
-        read_s = time.perf_counter() - t0
-        going_on = []
-        leaving = set()
-        for k, tokens in zip(ended, tokens_all):
-            row = active[k]
-            row.denoise_s += read_s
-            stop_index = next((j for j, t in enumerate(tokens) if t in row.stops), None)
-            kept = tokens if stop_index is None else tokens[:stop_index]
-            row.answer += kept
-            row.counted += sum(t != pad_id for t in tokens[: len(kept) + (stop_index is not None)])
-            if row.block == 0:
-                row.first_block_s = busy + time.perf_counter() - mark
-            busy += time.perf_counter() - mark
-            yield Commit(block=row.block, tokens=tokens, stop_index=stop_index, row=row.request)
-            mark = time.perf_counter()
-            row.block += 1
-            if stop_index is None and row.block < row.num_blocks:
-                going_on.append(k)
-                continue
-            leaving.add(k)
-            finish, stop_id = ("stop", tokens[stop_index]) if stop_index is not None else ("length", None)
-            passes = sum(row.steps_per_block)
-            timings = {"prefill_s": row.prefill_s, "denoise_s": row.denoise_s, "commit_s": row.commit_s,
-                       "first_block_s": row.first_block_s, "total_s": busy + time.perf_counter() - mark}
-            busy += time.perf_counter() - mark
-            yield Done(token_ids=row.answer, finish_reason=finish, stop_id=stop_id, blocks=len(row.steps_per_block),
-                       steps_per_block=row.steps_per_block, decoder_passes=passes,
-                       tokens_per_forward=row.counted / passes, timings=timings, row=row.request)
-            mark = time.perf_counter()
-        if going_on:
-            t0 = time.perf_counter()
-            # commit: the block becomes prefix (of these rows only; the others keep denoising)
-            into = [active[k].slot for k in going_on]
-            _encode(model, out.argmax[going_on], cache, rows=None if into == list(range(slots)) else into)
-            stats["encoder_passes"] += 1
-            commit_s = time.perf_counter() - t0
-            stats["encode_s"] += commit_s
-            for k in going_on:
-                active[k].commit_s += commit_s
-            start_block(going_on)
-            busy += time.perf_counter() - mark
-            for k in going_on:
-                row = active[k]
-                yield BlockStart(block=row.block, num_blocks=row.num_blocks, prefix_len=cache.lens[row.slot],
-                                 canvas=canvas[k], row=row.request)
-            mark = time.perf_counter()
-        if leaving:  # finished requests free their slots
-            for k in sorted(leaving):
-                free.append(active[k].slot)
-                cache.lens[active[k].slot] = 0
-            free.sort()
-            keep = [k for k in range(b) if k not in leaving]
-            active = [active[k] for k in keep]
-            if not active:
-                canvas = history = soft = None
-                continue
-            idx = torch.tensor(keep, device=device)
-            canvas, history = canvas[idx], history[:, idx]
-            soft = None if soft is None else soft[idx]
-        if soft is not None and all(row.step == 0 for row in active):
-            soft = None  # every row starts a block: the cheaper no-self-conditioning pass
+    if isinstance(slots, int) and not isinstance(slots, bool):
+        slots = min(slots, n_rows)
+    # A request's last block is never encoded: a slot holds at most its prompt and blocks - 1 canvases.
+    max_len = max(len(q.prompt) + (q.num_blocks - 1) * c for q in requests)
+    engine = Engine(model, slots=slots, max_len=max_len, pad_id=pad_id, compile_tiles=compile_tiles, stats=stats)
+    for q in requests:
+        engine.submit(q)
+    yield from engine.events()
 
 
 def generate_events(

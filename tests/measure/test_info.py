@@ -266,15 +266,20 @@ def test_loop_state_per_row_is_what_a_batched_run_holds():
         gen = generate_batch_events(model, [[3, 4, 5, 6, 7]] * b, params=[a, b_, a][:b], num_blocks=2)
         for ev in gen:
             if isinstance(ev, Step) and ev.step == 2:
-                loc = gen.gi_frame.f_locals
-                out, rules, cache = loc["out"], loc["rules"], loc["cache"]
+                inner = gen
+                while inner.gi_yieldfrom is not None:  # down to the engine's pass, where the event came from
+                    inner = inner.gi_yieldfrom
+                loc = inner.gi_frame.f_locals
+                engine = loc["self"]
+                out, rules, cache = loc["out"], loc["rules"], engine.cache
                 held[b] = _storage_bytes([v for v in loc.values() if isinstance(v, torch.Tensor)]
+                                         + [engine.canvas, engine.history, engine.soft]
                                          + [out.sample, out.argmax, out.entropy, out.soft]
                                          + [rules.entropy_bound, rules.confidence_threshold, rules.stability])
                 assert _storage_bytes(cache.k + cache.v) == b * info.kv_cache_bytes(cfg, 5 + 8, 2)
                 break
         gen.close()
-    state = memory.loop_state_bytes(cfg, ab=2, stability=2, prompt_len=5)
+    state = memory.loop_state_bytes(cfg, ab=2, stability=2)
     assert state["soft"] == 8 * 32 * 2
     assert held[3] - held[2] == state["total"] + 8 * 8 + state["soft"]
 

@@ -211,3 +211,36 @@ def test_rows_with_their_own_stop_ids(bundled):
     assert (dones[1].token_ids, dones[1].steps_per_block) == (solo.token_ids, solo.steps_per_block)
     with pytest.raises(Exception, match="one set of stop ids each"):
         list(generate_batch_events(session.model, [p, p], params=session.params, num_blocks=1, stop_ids=[[1]]))
+
+
+def test_a_request_submitted_while_the_engine_runs_joins_at_the_next_pass(bundled):
+    """The server's case: requests arrive while others denoise. One submitted between two events of a
+    running engine takes the free slot at the next pass and equals its solo run."""
+    from dgcli.sampling.engine import Engine, Request
+
+    session, prompts = bundled
+    p = session.params
+    engine = Engine(session.model, slots=2, max_len=200)
+
+    def request(i, rid, blocks):
+        return Request(id=rid, prompt=torch.tensor(prompts[i]), params=p, num_blocks=blocks, seed=rid,
+                       stops=set(session.stop_ids))
+
+    engine.submit(request(40, 0, 3))
+    seen, late_submitted = [], False
+    for ev in engine.events():
+        seen.append(ev)
+        if not late_submitted and isinstance(ev, Step) and ev.row == 0 and ev.step == 1:
+            engine.submit(request(70, 1, 2))  # arrives while request 0 runs
+            late_submitted = True
+    dones = {e.row: e for e in seen if isinstance(e, Done)}
+    first_of_1 = next(i for i, e in enumerate(seen) if e.row == 1)
+    assert isinstance(seen[first_of_1], BlockStart) and any(isinstance(e, Step) and e.row == 0
+                                                            for e in seen[:first_of_1])
+    for rid, i, blocks in ((0, 40, 3), (1, 70, 2)):
+        want = generate(session.model, prompts[i], params=dataclasses.replace(p, seed=rid), num_blocks=blocks,
+                        stop_ids=session.stop_ids)
+        assert (dones[rid].token_ids, dones[rid].steps_per_block) == (want.token_ids, want.steps_per_block)
+    assert engine.idle
+    with pytest.raises(Exception, match="cache positions"):
+        engine.submit(request(40, 2, 20))  # 20 blocks do not fit a 200-position slot
