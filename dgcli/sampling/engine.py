@@ -6,7 +6,9 @@ request's BlockStart / Step / Commit / Done (each with `row` = the request's id)
 at its own step of its own block: a pass runs every one once; a request whose block ends commits it
 (an encoder pass over its cache slot) and starts its next block at the next pass, or finishes and frees
 its slot, which the next queued request takes (its prompt is encoded into the slot). Requests submitted
-while `events()` runs (between two events) join at the next pass.
+while `events()` runs (between two events, from the thread that iterates it: the engine holds no lock)
+join at the next pass. A request's first_block_s and total_s count from its submit on the engine's
+clock, which runs only while the engine works (not while a consumer holds an event).
 Must not: tokenize, print, or validate settings (callers pass checked DiffusionEbParams; `loop.py`
 builds requests from user input); sync with the device inside a pass other than once for the stop
 decision (and not at all when no running request can stop early).
@@ -68,6 +70,7 @@ class Request:
     denoise_s: float = 0.0
     commit_s: float = 0.0
     first_block_s: float = 0.0
+    submitted: float = 0.0  # the engine's clock at submit: first_block_s and total_s count from here
 
 
 class Engine:
@@ -102,6 +105,7 @@ class Engine:
         n = p.max_denoising_steps
         request.temps = [temperature(i, n, p.t_min, p.t_max) for i in range(n, 0, -1)]
         self.depth = max(self.depth, p.stability_threshold)
+        request.submitted = self._now()
         self.queue.append(request)
 
     @property
@@ -260,7 +264,7 @@ class Engine:
             r.answer += kept
             r.counted += sum(t != self.pad_id for t in tokens[: len(kept) + (stop_index is not None)])
             if r.block == 0:
-                r.first_block_s = self._now()
+                r.first_block_s = self._now() - r.submitted
             self._clock()
             yield Commit(block=r.block, tokens=tokens, stop_index=stop_index, row=r.id)
             self.mark = time.perf_counter()
@@ -272,7 +276,7 @@ class Engine:
             finish, stop_id = ("stop", tokens[stop_index]) if stop_index is not None else ("length", None)
             passes = sum(r.steps_per_block)
             timings = {"prefill_s": r.prefill_s, "denoise_s": r.denoise_s, "commit_s": r.commit_s,
-                       "first_block_s": r.first_block_s, "total_s": self._now()}
+                       "first_block_s": r.first_block_s, "total_s": self._now() - r.submitted}
             self._clock()
             yield Done(token_ids=r.answer, finish_reason=finish, stop_id=stop_id, blocks=len(r.steps_per_block),
                        steps_per_block=r.steps_per_block, decoder_passes=passes,
