@@ -28,6 +28,7 @@ from .categorical import draw_from_groups
 from .reference import VocabPassOut, row_temperature
 from .triton_common import round_to
 
+SPLIT_ROWS = 256  # the row count the default split count is sized for (one real canvas)
 # Vocabulary columns per probability chunk: bounds the one [N, chunk] bf16 buffer (16 MiB at N = 256).
 CHUNK = 32768
 
@@ -190,7 +191,7 @@ def vocab_pass_triton(
 ) -> VocabPassOut:
     """`kernels.reference.vocab_pass` with Triton kernels; `row_chunk` is ignored (no row chunking).
     Block sizes must be >= 16 (tl.dot); `splits` = vocabulary splits of the stats kernel (default: enough
-    programs to fill the device)."""
+    programs to fill the device for a 256-row canvas, whatever the row count)."""
     del row_chunk
     if embed.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"vocab_pass_triton supports float32 and bfloat16 embeddings, got {embed.dtype}")
@@ -205,8 +206,10 @@ def vocab_pass_triton(
     temp = row_temperature(temperature, b, c, dev).expand(n, 1).reshape(n).contiguous()  # [N]: one per row
     row_blocks = triton.cdiv(n, block_m)
     if splits is None:
+        # Sized for one 256-row canvas whatever the batch: the split count sets the order in which a row's
+        # statistics are combined, and a row's numbers must not depend on how many rows share the pass.
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
-        splits = max(1, min(triton.cdiv(v, block_n), triton.cdiv(2 * sms, row_blocks)))
+        splits = max(1, min(triton.cdiv(v, block_n), triton.cdiv(2 * sms, triton.cdiv(SPLIT_ROWS, block_m))))
     cols_per_split = triton.cdiv(triton.cdiv(v, splits), block_n) * block_n
     splits = triton.cdiv(v, cols_per_split)
     m, z, s, zb = (torch.empty(splits, n, dtype=torch.float32, device=dev) for _ in range(4))
