@@ -78,9 +78,10 @@ def run_rows(session: Any, rows: list[dict], path: str, *, batch_size: int, raw:
     return done
 
 
-def json_result(index: int, row: dict, response: Any, settings: dict) -> str:
+def json_result(index: int, row: dict, response: Any, settings: dict) -> dict:
+    """A row's JSON result: its index, its pass-through keys, then the response record."""
     extra = {k: row[k] for k in PASS_THROUGH if k in row}
-    return json.dumps({"index": index, **extra, **response.as_dict(settings)}, ensure_ascii=False)
+    return {"index": index, **extra, **response.as_dict(settings)}
 
 
 def write_event(event: Any) -> None:

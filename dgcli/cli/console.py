@@ -15,7 +15,6 @@ from contextlib import contextmanager
 from typing import Any
 
 from dgcli.errors import UserError
-from dgcli.text.prompts import read_prompt_file
 
 HEADLINE = ["mode", "max_denoising_steps", "blocks", "quality", "output_throughput", "diffusion_committed_throughput",
             "diffusion_canvas_positions_per_s", "mean_ttft_ms", "mean_step_ms", "diffusion_committed_per_step",
@@ -63,23 +62,16 @@ def status(enabled: bool, *, compiling: bool = False, start: str = "…"):
     return live, update
 
 
-def read_prompts(prompt: str | None, input_jsonl: str | None) -> Iterator[tuple[str, dict]]:
-    """(prompt text, extra fields) pairs, from --input-jsonl, the argument, or stdin."""
-    if input_jsonl is not None:
-        if prompt not in (None, "-"):
-            raise UserError("give either a PROMPT argument or --input-jsonl, not both")
-        for row in read_prompt_file(input_jsonl, flag="--input-jsonl"):
-            yield row["prompt"], {k: v for k, v in row.items() if k != "prompt"}
-        return
+def read_prompt(prompt: str | None) -> str:
+    """The prompt text: the argument, or stdin for `-` or no argument (--input-jsonl is cli/batch.py's)."""
     if prompt is None or prompt == "-":
         if prompt is None and sys.stdin.isatty():
             raise UserError("no prompt: pass PROMPT, or pipe text on stdin (use - to read stdin explicitly)")
         text = sys.stdin.read()
         if not text.strip():
             raise UserError("stdin is empty; pipe a prompt in or pass it as an argument")
-        yield text.strip("\n"), {}
-        return
-    yield prompt, {}
+        return text.strip("\n")
+    return prompt
 
 
 class Progress:

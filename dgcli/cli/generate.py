@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 import typer
 
 from dgcli.cli import options as o
-from dgcli.cli.console import (THINKING_NOTE, Progress, loading, note_budget, print_answer, read_prompts, run_one,
+from dgcli.cli.console import (THINKING_NOTE, Progress, loading, note_budget, print_answer, read_prompt, run_one,
                                show_config as print_config, warn)
 from dgcli.errors import UserError
 
@@ -71,7 +71,7 @@ def generate(
         from dgcli.text.prompts import read_prompt_file
 
         rows = read_prompt_file(input_jsonl, flag="--input-jsonl")
-    prompts = [] if rows is not None else list(read_prompts(prompt, None))
+    text = None if rows is not None else read_prompt(prompt)
     if show_thinking and not thinking:
         warn(THINKING_NOTE)
     with loading("loading the model…"):
@@ -87,33 +87,30 @@ def generate(
             progress.stop()
         return
     canvas = init_canvas_ids(session, init_canvas, session.params.seed) if init_canvas is not None else None
-    responses = []
     try:
         def on_event(event) -> None:
             progress(event)
             if fmt == "ndjson" and not isinstance(event, Done):  # the result line replaces `done`
                 sys.stdout.write(json.dumps(event.to_record(), separators=(",", ":")) + "\n")
 
-        for text, extra in prompts:
-            response = run_one(session, text, raw=raw, thinking=thinking, show_thinking=show_thinking, trace=trace,
-                               init_canvas=canvas, on_event=on_event)
-            responses.append(response)
-            result = response.as_dict(session.resolved.as_dict())
-            if fmt == "text":
-                print_answer(response)
-            elif fmt == "json":
-                sys.stdout.write(json.dumps({**extra, **result}, ensure_ascii=False) + "\n")
-            else:
-                sys.stdout.write(json.dumps({"type": "result", **extra, **result}, ensure_ascii=False) + "\n")
+        response = run_one(session, text, raw=raw, thinking=thinking, show_thinking=show_thinking, trace=trace,
+                           init_canvas=canvas, on_event=on_event)
+        result = response.as_dict(session.resolved.as_dict())
+        if fmt == "text":
+            print_answer(response)
+        else:
+            sys.stdout.write(json.dumps(result if fmt == "json" else {"type": "result", **result}, ensure_ascii=False)
+                             + "\n")
             sys.stdout.flush()
     finally:
         progress.stop()
-    note_budget(session, responses)
+    note_budget(session, [response])
 
 
 def _run_file(session, rows, path, *, batch_size, fmt, raw, thinking, show_thinking, init_canvas, progress) -> None:
     """--input-jsonl: the rows through the batched loop, results in input order; the budget note once."""
     from dgcli.cli import batch
+    from dgcli.sampling.events import Done
 
     settings = session.resolved.as_dict()
 
@@ -126,11 +123,10 @@ def _run_file(session, rows, path, *, batch_size, fmt, raw, thinking, show_think
         if fmt == "text":
             print_answer(response)
         else:
-            line = batch.json_result(index, row, response, settings)
-            sys.stdout.write(line + "\n" if fmt == "json" else '{"type":"result",' + line[1:] + "\n")
+            result = batch.json_result(index, row, response, settings)
+            out = result if fmt == "json" else {"type": "result", **result}
+            sys.stdout.write(json.dumps(out, ensure_ascii=False) + "\n")
             sys.stdout.flush()
-
-    from dgcli.sampling.events import Done
 
     responses = []
     try:

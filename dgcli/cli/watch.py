@@ -103,7 +103,7 @@ def watch(
         return _replay(replay, speed=1.0 if speed is None else speed, fps=fps, step_delay=step_delay,
                        save_svg=save_svg, save_html=save_html)
 
-    from dgcli.cli.console import THINKING_NOTE, loading, note_budget, print_answer, read_prompts, run_one
+    from dgcli.cli.console import THINKING_NOTE, loading, note_budget, print_answer, read_prompt, run_one
     from dgcli.cli.console import show_config as print_config
     from dgcli.runtime.request import init_canvas_ids
     from dgcli.runtime.session import open_session
@@ -111,7 +111,7 @@ def watch(
     if show_config:
         print_config(model, preset, flags, "text")
         return
-    text = next(read_prompts(prompt, None))[0]
+    text = read_prompt(prompt)
     if show_thinking and not thinking:
         print(THINKING_NOTE, file=sys.stderr)
     with loading("loading the model…"):
