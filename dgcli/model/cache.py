@@ -2,9 +2,8 @@
 
 Owns: the K/V buffers and each row's filled length. A row is a slot the batched loop gives one running
 request (and frees when it finishes). Row b's tokens sit at slots 0..lens[b]-1, and a token's slot is
-its position, so a row's numbers never depend on its batch-mates' lengths (the
-reference's left padding shifts every position of a row by the same amount, which RoPE's relative
-attention does not see). Only encoder passes write it; decoder (canvas) passes read it. Sliding
+its position, so a row's numbers never depend on its batch-mates' lengths (the reference's left padding
+shifts every position of a row by the same amount, which RoPE's relative attention does not see). Only encoder passes write it; decoder (canvas) passes read it. Sliding
 layers keep every position too (simple and exact): the model slices the last W-1 entries when a
 canvas reads them. Must not: know about attention masks or the model.
 """
@@ -22,17 +21,6 @@ class KVCache:
         self.v = [torch.zeros_like(k) for k in self.k]
         self.max_len = max_len
         self.lens = [0] * batch_size  # row b: slots 0..lens[b]-1 are filled (host ints: no device reads)
-
-    @property
-    def length(self) -> int:
-        """The filled length when every row has the same (the batch-of-one case); an error otherwise."""
-        if len(set(self.lens)) != 1:
-            raise ValueError(f"rows have different lengths {self.lens}; use cache.lens")
-        return self.lens[0]
-
-    @property
-    def uniform(self) -> bool:
-        return len(set(self.lens)) == 1
 
     def write(self, layer: int, starts: list[int], k: torch.Tensor, v: torch.Tensor,
               rows: list[int] | None = None) -> None:

@@ -60,6 +60,7 @@ class Request:
     stops: set[int] = field(default_factory=set)
     first_canvas: torch.Tensor | None = None  # [C]: the first block's canvas instead of random ids
     temps: list[float] = field(default_factory=list)  # T_n of each step of its schedule (filled on submit)
+    settings: Any = None  # its params with the seed left out: equal settings batch as one (filled on submit)
     slot: int = -1  # its KV cache slot while it runs
     block: int = 0  # the block being denoised
     step: int = 0  # the step of that block the next decoder pass runs (0-based)
@@ -91,6 +92,7 @@ class Engine:
         self.queue: deque[Request] = deque()
         self.active: list[Request] = []  # request k's state is row k of canvas / history / soft
         self.canvas = self.history = self.soft = None  # soft None: every request is at a block's first step
+        self.per_row = None  # (seeds [b, 1], accept/stop rules) of the running set; rebuilt when it changes
         self.depth = 0  # the history's length: the largest stability threshold seen
         self.stats = {} if stats is None else stats
         self.stats.update(decoder_passes=0, encoder_passes=0, row_steps=0, denoise_s=0.0, encode_s=0.0)
@@ -104,6 +106,7 @@ class Engine:
         p = request.params
         n = p.max_denoising_steps
         request.temps = [temperature(i, n, p.t_min, p.t_max) for i in range(n, 0, -1)]
+        request.settings = dataclasses.replace(p, seed=0)
         self.depth = max(self.depth, p.stability_threshold)
         request.submitted = self._now()
         self.queue.append(request)
@@ -174,6 +177,7 @@ class Engine:
             r.prefill_s = prefill_s
         fresh = list(range(len(self.active), len(self.active) + len(joining)))
         self.active += joining
+        self.per_row = None
         j, c, dev = len(joining), self.c, self.device
         self.canvas = torch.empty(j, c, dtype=torch.long, device=dev) if self.canvas is None else \
             torch.cat((self.canvas, self.canvas.new_empty(j, c)))
@@ -187,14 +191,19 @@ class Engine:
         self._start_block(fresh)
         return fresh
 
-    def _rules(self) -> Any:
-        """The accept/stop settings: the shared params when every running request has the same (but the
-        seed) and the history is exactly as deep as their rule, else one tensor row per request."""
-        first = self.active[0].params
-        if first.stability_threshold == self.depth and all(
-                dataclasses.replace(r.params, seed=first.seed) == first for r in self.active):
-            return first
-        return RowRules.of([r.params for r in self.active], self.device)
+    def _per_row(self) -> tuple[torch.Tensor, Any]:
+        """The running set's seeds [b, 1] and accept/stop settings: the shared params when every request has
+        the same (but the seed) and the history is exactly as deep as their rule, else one tensor row per
+        request. Built once per running set (requests joining or leaving reset it), not per pass."""
+        if self.per_row is None:
+            active, first = self.active, self.active[0]
+            seeds = torch.tensor([r.seed for r in active], device=self.device)[:, None]
+            if first.params.stability_threshold == self.depth and all(r.settings == first.settings for r in active):
+                rules = first.params
+            else:
+                rules = RowRules.of([r.params for r in active], self.device)
+            self.per_row = seeds, rules
+        return self.per_row
 
     def _pass(self) -> Iterator[Event]:
         dev = self.device
@@ -211,12 +220,11 @@ class Engine:
         t0 = time.perf_counter()
         b = len(active)
         step_k = torch.tensor([r.step for r in active], device=dev)[:, None] + 1  # [b, 1] 1-based
-        seed_k = torch.tensor([r.seed for r in active], device=dev)[:, None]  # [b, 1]
+        seed_k, rules = self._per_row()  # [b, 1]
         block_k = torch.tensor([r.block for r in active], device=dev)[:, None]  # [b, 1]
         uniform = draws.uniform(seed_k, draws.DRAW, block_k, step_k, self.positions, device=dev)  # [b, C]
         noise = draws.token_ids(seed_k, draws.RENOISE, block_k, step_k, self.positions, self.vocab, device=dev)
         temp = torch.tensor([r.temps[r.step] for r in active], dtype=torch.float32, device=dev)  # [b]
-        rules = self._rules()
         out, accepted, next_canvas, self.history, stop = denoise_step(
             self.model, self.canvas, self.cache, self.soft, temp, self.history, rules, uniform, noise,
             want_soft=any(r.step < len(r.temps) - 1 for r in active), compile_tiles=self.compile_tiles,
@@ -311,6 +319,7 @@ class Engine:
         self.free.sort()
         keep = [k for k in range(len(self.active)) if k not in leaving]
         self.active = [self.active[k] for k in keep]
+        self.per_row = None
         if not self.active:
             self.canvas = self.history = self.soft = None
             return
