@@ -19,7 +19,8 @@ ALLOWED = {
     "runtime": {"runtime", "model", "sampling", "text", "measure"},  # measure.card: the dummy-model preflight
     "measure": {"measure", "runtime", "model", "sampling", "text", "kernels"},
     "render": {"render", "sampling"},
-    "cli": {"cli", "runtime", "model", "sampling", "text", "measure", "render", "kernels"},
+    "serve": {"serve", "runtime", "sampling", "text"},  # the HTTP server: requests in, the engine thread
+    "cli": {"cli", "runtime", "model", "sampling", "text", "measure", "render", "kernels", "serve"},
     "train": {"train", "runtime", "model", "sampling", "text", "measure", "kernels"},
 }
 ALWAYS = {"", "errors"}  # dgcli itself (__version__, load_model) and dgcli.errors

@@ -90,6 +90,7 @@ class Engine:
         self.cache = model.new_cache(slots, max_len)
         self.free = list(range(slots))
         self.queue: deque[Request] = deque()
+        self.cancelled: set[int] = set()  # ids of running requests to drop before the next pass
         self.active: list[Request] = []  # request k's state is row k of canvas / history / soft
         self.canvas = self.history = self.soft = None  # soft None: every request is at a block's first step
         self.per_row = None  # (seeds [b, 1], accept/stop rules) of the running set; rebuilt when it changes
@@ -120,7 +121,35 @@ class Engine:
     def events(self) -> Iterator[Event]:
         """Decoder passes while there is work; every request's events, in order."""
         while not self.idle:
+            yield from self.step()
+
+    def step(self) -> Iterator[Event]:
+        """One decoder pass (after dropping cancelled requests and admitting queued ones) and its events;
+        nothing when there is no work. A server's engine thread calls this between reading its inbox."""
+        if self.cancelled:
+            self._drop_cancelled()
+        if not self.idle:
             yield from self._pass()
+
+    def cancel(self, request_id: int) -> bool:
+        """Withdraw a request: a queued one leaves the queue now, a running one frees its slot before the
+        next pass (it gets no more events, no Done). False when the engine does not hold it."""
+        for r in self.queue:
+            if r.id == request_id:
+                self.queue.remove(r)
+                return True
+        if any(r.id == request_id for r in self.active):
+            self.cancelled.add(request_id)
+            return True
+        return False
+
+    def _drop_cancelled(self) -> None:
+        gone = {k for k, r in enumerate(self.active) if r.id in self.cancelled}
+        self.cancelled.clear()
+        if gone:
+            self._leave(gone)
+            if self.soft is not None and all(r.step == 0 for r in self.active):
+                self.soft = None
 
     def _clock(self) -> None:
         now = time.perf_counter()

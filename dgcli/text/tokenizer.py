@@ -133,6 +133,12 @@ class ChatTokenizer:
         messages.append({"role": "user", "content": prompt})
         return self._with_one_bos(self.encode_text(self.render_chat(messages, thinking=thinking)))
 
+    def encode_chat(self, messages: list[dict], *, thinking: bool = False) -> list[int]:
+        """Prompt ids of a conversation ([{role, content}]) through the chat template, with one BOS."""
+        if not any(m.get("content", "").strip() for m in messages):
+            raise UserError("the messages are empty; send some text")
+        return self._with_one_bos(self.encode_text(self.render_chat(messages, thinking=thinking)))
+
     # ---------------------------------------------------------------- answer side
     def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str:
         """Text of `ids`; ids outside the vocabulary are dropped."""

@@ -1,0 +1,59 @@
+"""`dgemma serve`: an OpenAI-compatible HTTP server over the batched engine (dgcli.serve).
+
+Owns: the serve flags (the sampler flags set the server's defaults, which each request may change with
+extra body fields) and loading the model. Must not: contain server logic (dgcli.serve does).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Optional
+
+import typer
+
+from dgcli.cli import options as o
+from dgcli.cli.console import loading, warn
+
+EXAMPLES = ["dgemma serve                                   # the bundled model on http://127.0.0.1:8000/v1",
+            "dgemma serve --model ~/diffusiongemma-26B-A4B-it --device cuda --max-batch-size 8 --max-model-len 8192",
+            "DGEMMA_API_KEY=secret dgemma serve --host 0.0.0.0 --port 8080",
+            "curl -s localhost:8000/v1/chat/completions -d '{\"messages\":[{\"role\":\"user\",\"content\":\"Reverse: c a t\"}]}'"]
+
+
+def serve(
+    model: o.Model = None, preset: o.Preset = None, device: o.Device = None, dtype: o.Dtype = None,
+    seed: o.Seed = None, steps: o.Steps = None, t_min: o.TMin = None, t_max: o.TMax = None,
+    entropy_bound: o.EntropyBound = None, stability_threshold: o.Stability = None,
+    confidence_threshold: o.Confidence = None, blocks: o.Blocks = None, max_tokens: o.MaxTokens = None,
+    threads: o.Threads = None, compile: o.Compile = False, thinking: o.Thinking = False,
+    host: Annotated[str, typer.Option("--host", metavar="ADDR", help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", metavar="N", help="TCP port.")] = 8000,
+    max_batch_size: Annotated[int, typer.Option("--max-batch-size", metavar="N", help="Requests denoised together (KV-cache slots; continuous batching).")] = 8,
+    max_queue: Annotated[int, typer.Option("--max-queue", metavar="M", help="Requests that may wait for a slot; beyond that a request gets 429 at once.")] = 256,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", metavar="KEY", help=o.dflt("Require 'Authorization: Bearer KEY'.", "$DGEMMA_API_KEY, else no key"))] = None,
+    served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", metavar="NAME", help=o.dflt("The model id clients send.", "the checkpoint directory's name"))] = None,
+    max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", metavar="N", help=o.dflt("Positions a request may use (prompt + canvases); the KV cache holds this many per slot.", "the model's context"))] = None,
+    shutdown_timeout: Annotated[float, typer.Option("--shutdown-timeout", metavar="S", help="On SIGINT/SIGTERM: seconds in-flight requests get to finish before they are cancelled.")] = 30.0,
+) -> None:
+    """Serve the model over HTTP, OpenAI-compatible (chat, completions, SSE).
+
+    POST /v1/chat/completions and /v1/completions (per-request sampler settings as extra body fields,
+    streaming one chunk per committed block, opt-in draft events), GET /v1/models, /health, /metrics.
+    """
+    from dgcli.runtime.session import open_session
+    from dgcli.serve.run import context_for, serve as run_server
+
+    flags = o.sampler_flags(steps=steps, t_min=t_min, t_max=t_max, entropy_bound=entropy_bound,
+                            stability=stability_threshold, confidence=confidence_threshold, seed=seed,
+                            blocks=blocks, device=device, dtype=dtype, max_tokens=max_tokens)
+    key = api_key if api_key is not None else (os.environ.get("DGEMMA_API_KEY") or None)
+    with loading("loading the model…"):
+        session = open_session(model, preset, flags, compile=compile, threads=threads)
+    if thinking:
+        import dataclasses
+
+        run = dataclasses.replace(session.resolved.run, thinking=True)
+        session.resolved = dataclasses.replace(session.resolved, run=run)
+    run_server(session, host=host, port=port, slots=max_batch_size, max_queue=max_queue, api_key=key,
+               model_name=served_model_name or session.name, context=context_for(session, max_model_len),
+               shutdown_timeout=shutdown_timeout, say=warn)

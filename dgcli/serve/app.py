@@ -1,0 +1,209 @@
+"""The ASGI app: OpenAI-compatible routes over one `Worker`.
+
+Owns: the routes (`/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`, `/metrics`), the API
+key check, admission (a full queue answers 429 at once, a server shutting down 503), SSE streaming, and
+cancelling a request whose client went away (streaming: Starlette cancels the response when the client
+disconnects; non-streaming: the handler watches the connection while it waits). Every error is OpenAI's
+error object. Must not: touch the engine (the worker's thread owns it) or parse request fields
+(protocol.py does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from dgcli.serve import protocol
+from dgcli.serve.metrics import Metrics
+from dgcli.serve.output import Output
+from dgcli.serve.protocol import ApiError, Context
+from dgcli.serve.worker import Job, Worker
+
+log = logging.getLogger("dgemma.serve")
+MAX_BODY = 8 * 1024 * 1024
+
+
+class State:
+    """What the routes share: the worker, the parsing context, the limits, the metrics."""
+
+    def __init__(self, worker: Worker, ctx: Context, *, max_queue: int, api_key: str | None):
+        self.worker, self.ctx, self.max_queue, self.api_key = worker, ctx, max_queue, api_key
+        self.metrics: Metrics = worker.metrics
+        self.closing = False  # set on shutdown: new requests get 503
+
+
+def _error(e: ApiError, state: State) -> JSONResponse:
+    state.metrics.count(e.status)
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def _authorized(request: Request, state: State) -> bool:
+    if not state.api_key:
+        return True
+    got = request.headers.get("authorization", "")
+    token = got[7:] if got.lower().startswith("bearer ") else ""
+    return hmac.compare_digest(token.encode(), state.api_key.encode())
+
+
+async def _body(request: Request) -> Any:
+    raw = await request.body()
+    if len(raw) > MAX_BODY:
+        raise ApiError(413, f"the request body has {len(raw)} bytes; the limit is {MAX_BODY}")
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def complete(request: Request, chat: bool) -> Response:
+    state: State = request.app.state.dgemma
+    try:
+        if not _authorized(request, state):
+            raise ApiError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+        spec = protocol.parse(await _body(request), chat=chat, ctx=state.ctx)
+        if state.closing:
+            raise ApiError(503, "the server is shutting down; retry on another server")
+        with state.metrics.lock:
+            waiting = state.metrics.queued
+        if waiting >= state.max_queue:
+            raise ApiError(429, f"the queue is full ({waiting} requests waiting for {state.worker.slots} slots); "
+                           "retry later", code="queue_full")
+    except ApiError as e:
+        return _error(e, state)
+    loop = asyncio.get_running_loop()
+    output = Output(state.ctx.tokenizer, stop_strings=spec.stop, max_tokens=spec.max_tokens)
+    job = Job(spec, output, loop, asyncio.Queue())
+    state.worker.submit(job)
+    if spec.stream:
+        state.metrics.count(200)
+        return StreamingResponse(_stream(job, state), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await _whole(request, job, state)
+
+
+async def _whole(request: Request, job: Job, state: State) -> Response:
+    """A non-streamed reply: wait for the end, watching the connection (a client gone cancels)."""
+    reasoning, content = [], []
+    name = state.ctx.model_name
+    while True:
+        try:
+            message = await asyncio.wait_for(job.queue.get(), timeout=0.5)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                state.worker.cancel(job)
+                state.metrics.count(499)  # nginx's "client closed request"
+                return Response(status_code=499)
+            continue
+        except asyncio.CancelledError:  # the server stopped waiting for this request (shutdown timeout)
+            state.worker.cancel(job)
+            raise
+        kind = message[0]
+        if kind == "text":
+            reasoning.append(message[1])
+            content.append(message[2])
+        elif kind == "end":
+            state.metrics.count(200)
+            return JSONResponse(protocol.reply(job.spec, name, "".join(reasoning), "".join(content),
+                                               message[1], message[2]))
+        elif kind == "error":
+            return _error(message[1], state)
+
+
+async def _stream(job: Job, state: State) -> AsyncIterator[bytes]:
+    """SSE: the role first, then one chunk per committed block's new text (drafts between, when asked), the
+    finish reason, the usage chunk when asked, [DONE]. A client that goes away cancels the generator here
+    (Starlette), and the `finally` withdraws the request."""
+    spec, name = job.spec, state.ctx.model_name
+    finished = False
+    try:
+        yield _sse(protocol.chunk(spec, name, content="", role=True))
+        while True:
+            message = await job.queue.get()
+            kind = message[0]
+            if kind == "text":
+                yield _sse(protocol.chunk(spec, name, reasoning=message[1], content=message[2]))
+            elif kind == "draft":
+                yield _sse(protocol.side_chunk(spec, name, dgemma_draft=message[1]))
+            elif kind == "end":
+                finished = True
+                yield _sse(protocol.chunk(spec, name, finish=message[1]))
+                if spec.include_usage:
+                    yield _sse(protocol.side_chunk(spec, name, usage=message[2]))
+                break
+            else:  # error: OpenAI's error object inside the stream, then the end
+                finished = True
+                yield _sse(message[1].body())
+                break
+        yield b"data: [DONE]\n\n"
+    finally:
+        if not finished:
+            state.worker.cancel(job)
+
+
+async def chat_completions(request: Request) -> Response:
+    return await complete(request, chat=True)
+
+
+async def completions(request: Request) -> Response:
+    return await complete(request, chat=False)
+
+
+async def models(request: Request) -> Response:
+    state: State = request.app.state.dgemma
+    if not _authorized(request, state):
+        return _error(ApiError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                               code="invalid_api_key"), state)
+    ctx = state.ctx
+    return JSONResponse({"object": "list", "data": [{"id": ctx.model_name, "object": "model", "created": 0,
+                                                     "owned_by": "dgemma", "max_model_len": ctx.context}]})
+
+
+async def health(request: Request) -> Response:
+    state: State = request.app.state.dgemma
+    if state.closing:
+        return JSONResponse({"status": "shutting down"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics(request: Request) -> Response:
+    state: State = request.app.state.dgemma
+    return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    state: State = request.app.state.dgemma
+    what = {404: f"no route {request.url.path}; see GET /v1/models, POST /v1/chat/completions, POST /v1/completions",
+            405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+    return _error(ApiError(exc.status_code, what), state)
+
+
+async def _crash(request: Request, exc: Exception) -> Response:
+    log.exception("unexpected error on %s", request.url.path)
+    state: State = request.app.state.dgemma
+    return _error(ApiError(500, f"internal error ({type(exc).__name__}); see the server log"), state)
+
+
+def build_app(state: State) -> Starlette:
+    routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+              Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/models", models, methods=["GET"]),
+              Route("/health", health, methods=["GET"]),
+              Route("/metrics", metrics, methods=["GET"])]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _crash})
+    app.state.dgemma = state
+    return app

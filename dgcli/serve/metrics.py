@@ -1,0 +1,87 @@
+"""The server's counters and histograms, and their Prometheus text (exposition format 0.0.4).
+
+Owns: `Metrics` (thread-safe: the engine thread observes passes and blocks, the HTTP side counts requests)
+and `render`. Names carry the `dgemma_` prefix; what each measures is in its HELP line.
+Must not: import a metrics library (the format is a few lines of text) or touch the engine.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+STEP_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...]):
+        self.buckets = buckets
+        self.counts = [0] * len(buckets)
+        self.total = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        for i, le in enumerate(self.buckets):
+            if value <= le:
+                self.counts[i] += 1
+        self.total += 1
+        self.sum += value
+
+    def lines(self, name: str) -> list[str]:
+        out = [f'{name}_bucket{{le="{_num(le)}"}} {n}' for le, n in zip(self.buckets, self.counts)]
+        return out + [f'{name}_bucket{{le="+Inf"}} {self.total}', f"{name}_sum {_num(self.sum)}",
+                      f"{name}_count {self.total}"]
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
+class Metrics:
+    def __init__(self, slots: int):
+        self.lock = threading.Lock()
+        self.slots = slots
+        self.requests: Counter[str] = Counter()  # by HTTP status code
+        self.queued = 0  # accepted requests not yet in a slot
+        self.running = 0  # requests holding a slot
+        self.cancelled = 0
+        self.committed_tokens = 0
+        self.steps_per_block = Histogram(STEP_BUCKETS)
+        self.pass_latency = Histogram(LATENCY_BUCKETS)
+
+    def count(self, status: int) -> None:
+        with self.lock:
+            self.requests[str(status)] += 1
+
+    def block(self, steps: int, tokens: int) -> None:
+        with self.lock:
+            self.steps_per_block.observe(steps)
+            self.committed_tokens += tokens
+
+    def decoder_pass(self, seconds: float) -> None:
+        with self.lock:
+            self.pass_latency.observe(seconds)
+
+    def render(self) -> str:
+        with self.lock:
+            lines = ["# HELP dgemma_requests_total HTTP requests answered, by status code.",
+                     "# TYPE dgemma_requests_total counter"]
+            lines += [f'dgemma_requests_total{{status="{code}"}} {n}' for code, n in sorted(self.requests.items())]
+            for name, kind, value, what in (
+                ("queue_depth", "gauge", self.queued, "Accepted requests waiting for a slot."),
+                ("slots_busy", "gauge", self.running, "Requests holding a KV-cache slot (being denoised)."),
+                ("slots_total", "gauge", self.slots, "Slots of the engine (--max-batch-size)."),
+                ("requests_cancelled_total", "counter", self.cancelled,
+                 "Requests withdrawn from the engine (client gone, stop string, max_tokens reached, shutdown)."),
+                ("committed_tokens_total", "counter", self.committed_tokens,
+                 "Answer tokens committed by finished blocks (up to a stop id; before a stop-string or max_tokens cut)."),
+            ):
+                lines += [f"# HELP dgemma_{name} {what}", f"# TYPE dgemma_{name} {kind}", f"dgemma_{name} {value}"]
+            lines += ["# HELP dgemma_denoising_steps_per_block Denoising steps each committed block took.",
+                      "# TYPE dgemma_denoising_steps_per_block histogram"]
+            lines += self.steps_per_block.lines("dgemma_denoising_steps_per_block")
+            lines += ["# HELP dgemma_step_latency_seconds One decoder pass (a denoising step of every running request).",
+                      "# TYPE dgemma_step_latency_seconds histogram"]
+            lines += self.pass_latency.lines("dgemma_step_latency_seconds")
+        return "\n".join(lines) + "\n"

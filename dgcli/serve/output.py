@@ -1,0 +1,102 @@
+"""One request's answer as its blocks commit: reasoning and content kept apart, append-only deltas,
+stop strings, the max_tokens cut.
+
+Owns: `Output`, fed each committed block's ids (`commit`) and told when the request ends (`finish`); both
+return the new (reasoning, content) text since the last call. The non-streamed reply is the sum of the same
+deltas, so streamed and non-streamed text are equal by construction; the final text is the same
+`ChatTokenizer.split_thinking` the CLI uses, so a server reply equals `dgemma generate`'s answer.
+
+Rules, decided here:
+* The thought channel (`<|channel>thought ... <channel|>`) goes to reasoning, never to content. A channel
+  still open at a block's end is held back (it may close in a later block); if the answer ends with it
+  still open, its text is the answer (the spec's observed behaviour, as `split_thinking` reads it).
+* Content is held back while its tail could still change: a trailing U+FFFD (a UTF-8 sequence split
+  across blocks) or a tail that is the start of a stop string.
+* Stop strings (OpenAI `stop`) apply to the content: the first match ends the answer, the match and
+  what follows are dropped, finish reason "stop".
+* `max_tokens` cuts the answer ids (as `request.cut` does for the CLI); reaching it ends the request,
+  finish reason "length".
+Must not: touch the engine, torch or the network.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+class Output:
+    def __init__(self, tokenizer: Any, *, stop_strings: Sequence[str] = (), max_tokens: int | None = None):
+        self.tok = tokenizer
+        self.stop_strings = [s for s in stop_strings if s]
+        self.max_tokens = max_tokens
+        self.ids: list[int] = []  # answer ids so far (before the first stop id)
+        self.sent_reasoning = ""
+        self.sent_content = ""
+        self.finish_reason: str | None = None  # set once the answer has ended
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self._cut())
+
+    def _cut(self) -> list[int]:
+        return self.ids if self.max_tokens is None else self.ids[: self.max_tokens]
+
+    def commit(self, tokens: Sequence[int], stop_index: int | None) -> tuple[str, str]:
+        """A block committed (`stop_index`: where a stop id sits in it). Returns the new text; sets
+        `finish_reason` when this block ends the answer (stop id, stop string, max_tokens)."""
+        if self.finish_reason is not None:
+            return "", ""
+        self.ids += list(tokens if stop_index is None else tokens[:stop_index])
+        if stop_index is not None:
+            self.finish_reason = "stop"
+        elif self.max_tokens is not None and len(self.ids) >= self.max_tokens:
+            self.finish_reason = "length"
+        return self._advance(final=self.finish_reason is not None)
+
+    def finish(self, reason: str) -> tuple[str, str]:
+        """The request ended (`reason` from the engine, unless the answer ended earlier): the rest of the text."""
+        if self.finish_reason is None:
+            self.finish_reason = reason
+        return self._advance(final=True)
+
+    # ---- text ----------------------------------------------------------------------------------------
+
+    def _split(self, final: bool) -> tuple[str, str]:
+        ids = self._cut()
+        if not final:  # an open channel may still close: hold it (and what follows) back
+            opened = [i for i, t in enumerate(ids) if t == self.tok.channel_start_id]
+            if opened and self.tok.channel_end_id not in ids[opened[-1]:]:
+                ids = ids[: opened[-1]]
+        return self.tok.split_thinking(ids, stop_ids=())
+
+    def _advance(self, final: bool) -> tuple[str, str]:
+        reasoning, content = self._split(final)
+        hits = [i for i in (content.find(s) for s in self.stop_strings) if i >= 0]
+        if hits:
+            content = content[: min(hits)]
+            self.finish_reason = "stop"
+            final = True
+        if not final:
+            content = content[: len(content) - self._held(content)]
+            reasoning = reasoning.rstrip("\ufffd")
+        return self._delta(reasoning, content)
+
+    def _held(self, content: str) -> int:
+        """How many trailing characters may still change: a split UTF-8 sequence, or a stop string's start."""
+        hold = len(content) - len(content.rstrip("\ufffd"))
+        for s in self.stop_strings:
+            for n in range(min(len(s) - 1, len(content)), 0, -1):
+                if content.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        return hold
+
+    def _delta(self, reasoning: str, content: str) -> tuple[str, str]:
+        """What is new past the text already sent (sent text is never taken back: should a decoder ever
+        rewrite earlier characters, the reply goes on after what was sent)."""
+        new_reasoning = reasoning[len(self.sent_reasoning):]
+        new_content = content[len(self.sent_content):]
+        self.sent_reasoning += new_reasoning
+        self.sent_content += new_content
+        return new_reasoning, new_content

@@ -1,0 +1,293 @@
+"""The OpenAI wire format as this server speaks it: request bodies in (checked, turned into a `Spec`), reply
+objects and stream chunks out, and OpenAI's error object.
+
+Decisions:
+* Fields that do not apply to the entropy-bound sampler (`temperature`, `top_p`, penalties, logprobs,
+  tools...) are rejected with 400 naming the field and what to use instead, unless null (or false).
+* The sampler's settings are extra body fields with the preset key names, checked by the one validator
+  (`DiffusionEbParams`): the server's settings (checkpoint < preset < `serve` flags) are the base a request
+  changes. OpenAI's `seed` is the sampler's seed.
+* Other unknown fields are ignored as vLLM does (clients send vendor fields), except a near-miss of a
+  field we know (`max_denoising_step`), which is an error with the fix: a typo must not pass silently.
+* `chat_template_kwargs: {"enable_thinking": true}` (vLLM's convention) turns thinking on; `ignore_eos: true`
+  (vLLM's name) runs every block whatever the model says, for fixed-length benchmarks.
+* Draft events (`stream_options.include_drafts`) are chunks with an empty `choices` list (as the usage
+  chunk has) and a `dgemma_draft` object, so a standard client reads no text from them.
+Must not: touch the engine, the network or torch.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from dgcli.errors import UserError
+from dgcli.runtime.settings import PARAM_KEYS, blocks_for
+from dgcli.sampling.params import SettingsError, suggest
+
+SAMPLER_KEYS = tuple(k for k in PARAM_KEYS if k != "seed")  # seed is OpenAI's own field
+
+NOT_APPLICABLE = {
+    "temperature": "the entropy-bound sampler anneals its own temperature: set t_min and t_max (extra body fields)",
+    "top_p": "there is no nucleus sampling here: entropy_bound sets how much of a canvas each step accepts",
+    "top_k": "there is no top-k sampling here: entropy_bound sets how much of a canvas each step accepts",
+    "min_p": "there is no min-p sampling here: entropy_bound sets how much of a canvas each step accepts",
+    "frequency_penalty": "diffusion sampling has no repetition penalties: leave it out",
+    "presence_penalty": "diffusion sampling has no repetition penalties: leave it out",
+    "repetition_penalty": "diffusion sampling has no repetition penalties: leave it out",
+    "logit_bias": "logit bias is not supported: leave it out",
+    "logprobs": "log-probabilities are not returned by this server: leave it out",
+    "top_logprobs": "log-probabilities are not returned by this server: leave it out",
+    "tools": "tool calls are not supported by dgemma serve: leave it out",
+    "tool_choice": "tool calls are not supported by dgemma serve: leave it out",
+    "functions": "function calls are not supported by dgemma serve: leave it out",
+    "function_call": "function calls are not supported by dgemma serve: leave it out",
+    "parallel_tool_calls": "tool calls are not supported by dgemma serve: leave it out",
+    "response_format": "structured output is not supported by dgemma serve: leave it out",
+    "best_of": "best_of is not supported: send one request per answer",
+    "echo": "echo is not supported: leave it out",
+    "suffix": "suffix (insertion) is not supported: leave it out",
+    "audio": "audio output is not supported: leave it out",
+    "modalities": "only text output is supported: leave it out",
+    "prediction": "predicted outputs are not supported: leave it out",
+}
+COMMON = ("model", "max_tokens", "max_completion_tokens", "seed", "stream", "stream_options", "stop", "n", "user",
+          "metadata", "store", "service_tier", "chat_template_kwargs", "ignore_eos")
+KNOWN = {True: ("messages",) + COMMON, False: ("prompt",) + COMMON}
+
+
+class ApiError(Exception):
+    """An error reply: HTTP status and OpenAI's error object (message, type, param, code)."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+             413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error", 500: "server_error"}
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Context:
+    """What parsing a request needs from the server: its tokenizer, settings and limits."""
+
+    tokenizer: Any
+    model_name: str
+    params: Any  # the server's DiffusionEbParams
+    max_tokens: int | None  # the server's token budget (generation_config < preset < flag)
+    canvas_length: int
+    context: int  # the most positions a request may use: prompt + its blocks' canvases
+    thinking: bool = False
+
+
+@dataclass
+class Spec:
+    """One checked request."""
+
+    chat: bool
+    prompt_ids: list[int]
+    params: Any
+    num_blocks: int
+    max_tokens: int | None  # the answer's cut
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    include_drafts: bool = False
+    ignore_eos: bool = False
+    id: str = ""
+    created: int = 0
+
+
+def _flagless(message: str) -> str:
+    return re.sub(r" \(--[a-z-]+\)", "", message)  # the validator names CLI flags; a request has fields
+
+
+def _int(body: dict, key: str, low: int) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ApiError(400, f"{key}={v!r}: must be a whole number >= {low}", param=key)
+    return v
+
+
+def _text_of(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: text only
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ApiError(400, f"{where}: content part of type {kind!r} is not supported; send text parts only",
+                               param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise ApiError(400, f"{where}: content must be a string or a list of text parts", param="messages")
+
+
+def _messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if msgs is None:
+        raise ApiError(400, "messages is missing: send a list of {role, content} messages", param="messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise ApiError(400, "messages must be a non-empty list of {role, content} messages", param="messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or "role" not in m:
+            raise ApiError(400, f"messages[{i}] must be an object with a role and content", param="messages")
+        role = m["role"]
+        if role == "developer":
+            role = "system"
+        if role not in ("system", "user", "assistant"):
+            raise ApiError(400, f"messages[{i}].role={role!r} is not supported; use system, user or assistant",
+                           param="messages")
+        out.append({"role": role, "content": _text_of(m.get("content"), f"messages[{i}]")})
+    return out
+
+
+def _prompt_ids(body: dict, ctx: Context, thinking: bool, chat: bool) -> list[int]:
+    tok = ctx.tokenizer
+    if chat:
+        ids = tok.encode_chat(_messages(body), thinking=thinking)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ApiError(400, "prompt is empty", param="prompt")
+            ids = tok.encode_prompt(prompt, raw=True)
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < tok.vocab_size]
+            if bad:
+                raise ApiError(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {tok.vocab_size})", param="prompt")
+            ids = list(prompt)
+        elif prompt is None:
+            raise ApiError(400, "prompt is missing: send a string", param="prompt")
+        else:
+            raise ApiError(400, "prompt must be a string, a list of token ids, or a list of one of these "
+                           "(one prompt per request)", param="prompt")
+    return ids
+
+
+def parse(body: Any, *, chat: bool, ctx: Context) -> Spec:
+    """A request body -> `Spec`, or `ApiError` naming the first problem."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    for key, why in NOT_APPLICABLE.items():
+        if body.get(key) not in (None, False):
+            raise ApiError(400, f"{key} is not supported: {why}", param=key, code="unsupported_parameter")
+    known = KNOWN[chat] + SAMPLER_KEYS + tuple(NOT_APPLICABLE)
+    for key in body:
+        if key not in known:
+            near = suggest(str(key), known)
+            if near:
+                raise ApiError(400, f"unknown field {key!r}{near}", param=str(key))
+    model = body.get("model")
+    if model is not None and model != ctx.model_name:
+        raise ApiError(404, f"model {model!r} does not exist; this server serves {ctx.model_name!r}",
+                       param="model", code="model_not_found")
+    n = body.get("n")
+    if n not in (None, 1):
+        raise ApiError(400, f"n={n!r}: this server returns one choice per request; send n requests instead", param="n")
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise ApiError(400, "stream must be true or false", param="stream")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict) or any(k not in ("include_usage", "include_drafts") for k in opts):
+        raise ApiError(400, "stream_options takes include_usage and include_drafts (booleans)", param="stream_options")
+    if opts and not stream:
+        raise ApiError(400, "stream_options needs stream: true", param="stream_options")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict) or any(k != "enable_thinking" for k in kwargs):
+        raise ApiError(400, "chat_template_kwargs takes enable_thinking (a boolean) only", param="chat_template_kwargs")
+    thinking = bool(kwargs.get("enable_thinking", ctx.thinking))
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > 16 or not all(isinstance(s, str) for s in stop):
+        raise ApiError(400, "stop must be a string or a list of at most 16 strings", param="stop")
+    ignore_eos = body.get("ignore_eos") or False
+    if not isinstance(ignore_eos, bool):
+        raise ApiError(400, "ignore_eos must be true or false", param="ignore_eos")
+    max_tokens = _int(body, "max_completion_tokens", 1)
+    max_tokens = _int(body, "max_tokens", 1) if max_tokens is None else max_tokens
+    changes = {k: body[k] for k in SAMPLER_KEYS if body.get(k) is not None}
+    seed = _int(body, "seed", 0)
+    if seed is not None:
+        changes["seed"] = seed
+    try:
+        params = ctx.params.replace(**changes) if changes else ctx.params
+    except SettingsError as e:
+        raise ApiError(400, _flagless(str(e)), param=e.key) from None
+    budget = max_tokens if max_tokens is not None else ctx.max_tokens
+    blocks = blocks_for(params, budget, ctx.canvas_length)
+    try:
+        ids = _prompt_ids(body, ctx, thinking, chat)
+    except UserError as e:
+        raise ApiError(400, str(e), param="messages" if chat else "prompt") from None
+    need = len(ids) + blocks * ctx.canvas_length
+    if need > ctx.context:
+        raise ApiError(400, f"the prompt ({len(ids)} tokens) plus {blocks} block(s) of {ctx.canvas_length} need "
+                       f"{need} positions; this server's context is {ctx.context}: shorten the prompt or lower "
+                       "max_tokens / max_blocks", param="messages" if chat else "prompt", code="context_length_exceeded")
+    return Spec(chat, ids, params, blocks, budget, stop, stream, bool(opts.get("include_usage")),
+                bool(opts.get("include_drafts")), ignore_eos, id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
+                created=int(time.time()))
+
+
+# ---- replies -------------------------------------------------------------------------------------------
+
+
+def usage(prompt_tokens: int, completion_tokens: int, steps_per_block: list[int]) -> dict:
+    """OpenAI's usage with the diffusion fields: blocks, denoising steps in all, and per block."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, "blocks": len(steps_per_block),
+            "denoising_steps": sum(steps_per_block), "steps_per_block": list(steps_per_block)}
+
+
+def reply(spec: Spec, model: str, reasoning: str, content: str, finish: str, use: dict) -> dict:
+    if spec.chat:
+        message = {"role": "assistant", "content": content}
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        kind = "chat.completion"
+    else:
+        choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish}
+        if reasoning:
+            choice["reasoning_content"] = reasoning
+        kind = "text_completion"
+    return {"id": spec.id, "object": kind, "created": spec.created, "model": model, "choices": [choice], "usage": use}
+
+
+def chunk(spec: Spec, model: str, *, reasoning: str = "", content: str | None = None, role: bool = False,
+          finish: str | None = None) -> dict:
+    """A stream chunk carrying text (or the first chunk's role, or the last chunk's finish reason)."""
+    if spec.chat:
+        delta: dict = {"role": "assistant"} if role else {}
+        if content is not None:
+            delta["content"] = content
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        kind = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": content or "", "logprobs": None, "finish_reason": finish}
+        if reasoning:
+            choice["reasoning_content"] = reasoning
+        kind = "text_completion"
+    return {"id": spec.id, "object": kind, "created": spec.created, "model": model, "choices": [choice]}
+
+
+def side_chunk(spec: Spec, model: str, **extra: Any) -> dict:
+    """A chunk without choices: the usage chunk, or a draft (`dgemma_draft`)."""
+    return {"id": spec.id, "object": "chat.completion.chunk" if spec.chat else "text_completion",
+            "created": spec.created, "model": model, "choices": [], **extra}

@@ -1,0 +1,110 @@
+"""Running the server: the worker thread, the app, uvicorn, and a clean stop.
+
+Owns: `serve(session, ...)`: the engine's context (the KV cache is allocated once for `slots` requests of
+`context` positions each), the startup line, and the shutdown. SIGINT/SIGTERM: the server stops admitting
+(503), stops listening, lets in-flight requests finish for up to `shutdown_timeout` seconds, then
+withdraws what is left (a stream ends with an error object, a waiting request gets 503), stops the
+engine thread and returns (the command exits 0). uvicorn re-raises a
+caught signal after its shutdown, which would turn that clean stop into a death by signal; `_Server` keeps
+the signal handling and drops the re-raise. A second Ctrl-C stops at once (uvicorn's force exit).
+Must not: parse requests or touch the engine directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import uvicorn
+
+from dgcli.errors import UserError
+from dgcli.serve.app import State, build_app
+from dgcli.serve.metrics import Metrics
+from dgcli.serve.protocol import Context
+from dgcli.serve.worker import Worker
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: State, shutdown_timeout: float):
+        super().__init__(config)
+        self.dgemma = state
+        # At the timeout the worker withdraws what is left: each stream ends with an error object and
+        # [DONE], each waiting request gets 503, so uvicorn's own wait ends without cancelling a task.
+        self.deadline = threading.Timer(shutdown_timeout, state.worker.abort)
+        self.deadline.daemon = True
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.dgemma.closing:
+            self.dgemma.closing = True
+            self.deadline.start()
+        super().handle_exit(sig, frame)
+
+
+def context_for(session: Any, max_model_len: int | None) -> int:
+    """The positions a request may use (prompt + its canvases): --max-model-len, at most the model's."""
+    cfg = session.config
+    limit = cfg.max_position_embeddings
+    if max_model_len is None:
+        return limit
+    if max_model_len < 2 * cfg.canvas_length:
+        raise UserError(f"--max-model-len {max_model_len}: needs room for a prompt and a canvas of "
+                        f"{cfg.canvas_length}; use at least {2 * cfg.canvas_length}")
+    if max_model_len > limit:
+        raise UserError(f"--max-model-len {max_model_len} is beyond the model's context of {limit}; use at most {limit}")
+    return max_model_len
+
+
+def build(session: Any, *, host: str, port: int, slots: int, max_queue: int, api_key: str | None,
+          model_name: str, context: int, shutdown_timeout: float) -> tuple[_Server, Worker]:
+    """The uvicorn server (not started) and the engine's worker (not started) for `session`."""
+    if slots < 1:
+        raise UserError(f"--max-batch-size {slots}: must be >= 1")
+    if max_queue < 0:
+        raise UserError(f"--max-queue {max_queue}: must be >= 0 (0 = no waiting: 429 when every slot is busy)")
+    if session.tokenizer is None:
+        raise UserError(f"{session.path}: no tokenizer.json; dgemma serve needs the checkpoint's tokenizer")
+    metrics = Metrics(slots)
+    # A slot holds a request's prompt and all but its last canvas (the last block is never encoded).
+    worker = Worker(session, slots=slots, max_len=context - session.config.canvas_length, metrics=metrics)
+    ctx = Context(session.tokenizer, model_name, session.params, session.resolved.run.max_tokens,
+                  session.config.canvas_length, context, thinking=session.resolved.run.thinking)
+    state = State(worker, ctx, max_queue=max_queue, api_key=api_key)
+    config = uvicorn.Config(build_app(state), host=host, port=port, log_level="warning", lifespan="off",
+                            timeout_graceful_shutdown=shutdown_timeout + 10, access_log=False)  # a backstop
+    return _Server(config, state, shutdown_timeout), worker
+
+
+def serve(session: Any, *, say: Callable[[str], None], **kw: Any) -> None:
+    """Serve until SIGINT/SIGTERM (keywords as `build`'s); returns after a clean stop."""
+    server, worker = build(session, **kw)
+    worker.start()
+    state, slots, context = server.dgemma, kw["slots"], kw["context"]
+    say(f"dgemma serve: {kw['model_name']} on http://{kw['host']}:{kw['port']}/v1 ({session.resolved.run.device}, "
+        f"{session.resolved.run.dtype}; {slots} slot(s) of {context} positions, queue up to {kw['max_queue']}"
+        f"{'; API key required' if kw['api_key'] else ''})")
+    try:
+        server.run()
+    finally:
+        state.closing = True
+        server.deadline.cancel()
+        worker.close(timeout=kw["shutdown_timeout"] + 10)
+    if not server.started:
+        raise UserError(f"could not listen on {kw['host']}:{kw['port']} (in use, or not an address here); "
+                        "pick another --port or --host")
+    say("dgemma serve: stopped")

@@ -1,0 +1,197 @@
+"""The engine thread: one `Engine` (continuous batching over fixed KV-cache slots) owned by one thread, fed
+through an inbox, its events turned into each request's messages on the HTTP side's event loop.
+
+Owns: `Job` (one HTTP request as the engine thread sees it: its `Spec`, its `Output`, the asyncio queue
+its handler reads) and `Worker`: submit / cancel / close from any thread; the thread runs a decoder pass
+whenever the engine has work and otherwise sleeps on the inbox. Messages to a handler: ("text", reasoning,
+content) per committed block, ("draft", dict) per step when asked, then ("end", finish_reason, usage) or
+("error", ApiError). A request whose answer ends early (stop string, max_tokens) or whose client went
+away is withdrawn from the engine (`Engine.cancel`): its slot is free before the next pass.
+Must not: parse HTTP or touch sockets; only this thread touches the engine (it has no lock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dgcli.sampling.engine import Engine, Request
+from dgcli.sampling.events import BlockStart, Commit, Done, Step
+from dgcli.serve.metrics import Metrics
+from dgcli.serve.output import Output
+from dgcli.serve.protocol import ApiError, Spec, usage
+
+log = logging.getLogger("dgemma.serve")
+
+
+@dataclass
+class Job:
+    spec: Spec
+    output: Output
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    id: int = -1
+    started: bool = False  # holds a slot
+    steps_per_block: list[int] = field(default_factory=list)
+
+    def send(self, *message: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, message)
+        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+            pass
+
+
+class Worker:
+    def __init__(self, session: Any, *, slots: int, max_len: int, metrics: Metrics):
+        self.session, self.slots, self.max_len, self.metrics = session, slots, max_len, metrics
+        self.engine = self._engine()
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.jobs: dict[int, Job] = {}
+        self.ids = itertools.count()
+        self.thread = threading.Thread(target=self._run, name="dgemma-engine", daemon=True)
+
+    def _engine(self) -> Engine:
+        s = self.session
+        return Engine(s.model, slots=self.slots, max_len=self.max_len, pad_id=s.pad_id, compile_tiles=s.compiled)
+
+    # ---- any thread --------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        job.id = next(self.ids)
+        with self.metrics.lock:
+            self.metrics.queued += 1
+        self.inbox.put(("submit", job))
+
+    def cancel(self, job: Job) -> None:
+        self.inbox.put(("cancel", job))
+
+    def abort(self) -> None:
+        """Withdraw every request (each handler gets a 503 error) and stop the thread."""
+        self.inbox.put(("close", None))
+
+    def close(self, timeout: float) -> None:
+        """`abort`, then wait for the thread."""
+        self.abort()
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+
+    # ---- the engine thread ---------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        torch.set_num_threads(self.session.threads or torch.get_num_threads())  # per thread under OpenMP
+        while True:
+            try:
+                message = self.inbox.get(block=self.engine.idle)
+            except queue.Empty:
+                message = None
+            while message is not None:
+                if not self._handle(*message):
+                    return
+                try:
+                    message = self.inbox.get_nowait()
+                except queue.Empty:
+                    message = None
+            if not self.engine.idle:
+                self._pass()
+
+    def _handle(self, kind: str, job: Job | None) -> bool:
+        if kind == "submit":
+            spec = job.spec
+            request = Request(id=job.id, prompt=torch.tensor(spec.prompt_ids, device=self.session.device),
+                              params=spec.params, num_blocks=spec.num_blocks, seed=spec.params.seed,
+                              stops=set() if spec.ignore_eos else set(self.session.stop_ids))
+            self.jobs[job.id] = job
+            self.engine.submit(request)
+        elif kind == "cancel":
+            if job.id in self.jobs:
+                self.engine.cancel(job.id)
+                self._forget(job, cancelled=True)
+        else:  # close
+            for j in list(self.jobs.values()):
+                self.engine.cancel(j.id)
+                self._forget(j, cancelled=True)
+                j.send("error", ApiError(503, "the server is shutting down; retry on another server"))
+            return False
+        return True
+
+    def _pass(self) -> None:
+        stats = self.engine.stats
+        before = stats["denoise_s"]
+        try:
+            for event in self.engine.step():
+                self._dispatch(event)
+        except Exception:  # a bug or out of memory: fail the running requests, keep serving
+            log.exception("the engine failed; its requests get an error and a new engine takes over")
+            for j in list(self.jobs.values()):
+                self._forget(j, cancelled=False)
+                j.send("error", ApiError(500, "the engine failed on this request's batch; see the server log"))
+            self.engine = None  # free the old cache before the new one is allocated
+            self.engine = self._engine()
+            return
+        if stats["denoise_s"] > before:
+            self.metrics.decoder_pass(stats["denoise_s"] - before)
+
+    def _forget(self, job: Job, *, cancelled: bool) -> None:
+        self.jobs.pop(job.id, None)
+        with self.metrics.lock:
+            if job.started:
+                self.metrics.running -= 1
+            else:
+                self.metrics.queued -= 1
+            self.metrics.cancelled += cancelled
+
+    def _end(self, job: Job) -> None:
+        out = job.output
+        job.send("end", out.finish_reason, usage(len(job.spec.prompt_ids), out.completion_tokens, job.steps_per_block))
+        self._forget(job, cancelled=False)
+
+    def _dispatch(self, event: Any) -> None:
+        job = self.jobs.get(event.row)
+        if job is None:  # withdrawn: its last events of the pass are dropped
+            return
+        if isinstance(event, BlockStart):
+            if not job.started:
+                job.started = True
+                with self.metrics.lock:
+                    self.metrics.queued -= 1
+                    self.metrics.running += 1
+        elif isinstance(event, Step):
+            if event.stop_reason is not None:
+                job.steps_per_block.append(event.step)
+            if job.spec.include_drafts:
+                job.send("draft", self._draft(event))
+        elif isinstance(event, Commit):
+            self.metrics.block(job.steps_per_block[-1], len(event.tokens) if event.stop_index is None else event.stop_index)
+            reasoning, content = job.output.commit(event.tokens, event.stop_index)
+            if reasoning or content:
+                job.send("text", reasoning, content)
+            if job.output.finish_reason is not None:
+                engine_ends = event.stop_index is not None or event.block + 1 >= job.spec.num_blocks
+                if not engine_ends:  # a stop string or max_tokens ended it first: free the slot now
+                    self.engine.cancel(job.id)
+                    with self.metrics.lock:
+                        self.metrics.cancelled += 1
+                self._end(job)
+        elif isinstance(event, Done):
+            reasoning, content = job.output.finish(event.finish_reason)
+            if reasoning or content:
+                job.send("text", reasoning, content)
+            self._end(job)
+
+    def _draft(self, event: Step) -> dict:
+        ids = event.argmax.tolist()
+        return {"block": event.block, "step": event.step, "max_steps": event.max_steps, "token_ids": ids,
+                "text": self.session.tokenizer.decode(ids), "accepted": event.accepted_mask.tolist(),
+                "mean_entropy": round(float(event.mean_entropy), 6), "final": event.stop_reason is not None,
+                "time": time.time()}

@@ -1,0 +1,98 @@
+"""`dgemma serve` under pressure and at its end: a full queue answers 429 at once, SIGTERM / SIGINT with
+requests in flight finish (or cancel) them within the timeout and exit 0 without a traceback."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from server_proc import serve
+
+# Fixed work (every block runs all its steps) over many blocks: a request that stays in flight for seconds.
+LONG = {"messages": [{"role": "user", "content": "Count from 7 to 31."}], "max_denoising_steps": 48,
+        "confidence_threshold": 0, "max_blocks": 6, "ignore_eos": True, "stream": True}
+
+
+def _stream(url, body, out, started):
+    """Stream `body`, recording each data line; `started` is set at the first content chunk."""
+    try:
+        with httpx.stream("POST", url, json=body, timeout=120) as r:
+            out.append(r.status_code)
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    out.append(line[6:])
+                    if '"content":"' in line and '"content":""' not in line:
+                        started.set()
+    except httpx.HTTPError as e:
+        out.append(e)
+
+
+def _start(url, body, n):
+    runs = []
+    for _ in range(n):
+        out, started = [], threading.Event()
+        t = threading.Thread(target=_stream, args=(url, body, out, started), daemon=True)
+        t.start()
+        runs.append((t, out, started))
+    return runs
+
+
+def test_full_queue_answers_429_and_the_server_keeps_serving(tmp_path):
+    with serve("--max-batch-size", "1", "--max-queue", "1", tmp_path=tmp_path) as s:
+        url = s.v1 + "/chat/completions"
+        runs = _start(url, LONG, 1)
+        assert runs[0][2].wait(60)  # running in the only slot
+        runs += _start(url, LONG, 1)  # waits in the queue
+        deadline = time.monotonic() + 30
+        while "dgemma_queue_depth 1" not in httpx.get(s.base_url + "/metrics").text:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        r = httpx.post(url, json={"messages": [{"role": "user", "content": "Reverse: c a t"}]}, timeout=30)
+        assert r.status_code == 429 and time.monotonic() - t0 < 5  # at once, not after the others
+        assert r.json()["error"]["code"] == "queue_full" and "queue is full" in r.json()["error"]["message"]
+        for t, out, _ in runs:
+            t.join(120)
+            assert out[0] == 200 and out[-1] == "[DONE]" and '"finish_reason":"length"' in "".join(out[1:-1])
+        r = httpx.post(url, json={"messages": [{"role": "user", "content": "Reverse: c a t"}]}, timeout=30)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "t a c"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_with_requests_in_flight_finishes_them_and_exits_0(tmp_path, sig):
+    with serve("--max-batch-size", "2", tmp_path=tmp_path) as s:
+        runs = _start(s.v1 + "/chat/completions", LONG, 3)  # two run, one waits
+        assert all(started.wait(60) for _, _, started in runs[:1])
+        t0 = time.monotonic()
+        code = s.stop(sig, timeout=60)
+        assert code == 0, s.log()
+        for t, out, _ in runs:
+            t.join(30)
+            assert out[-1] == "[DONE]" and '"finish_reason":"length"' in "".join(map(str, out[1:-1])), out[-3:]
+        log = s.log()
+    assert "Traceback" not in log and "dgemma serve: stopped" in log, log
+    assert time.monotonic() - t0 < 40
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(s.base_url + "/health", timeout=2)
+
+
+def test_sigterm_past_the_timeout_cancels_what_is_left_and_exits_0(tmp_path):
+    endless = {**LONG, "max_blocks": 200}  # far longer than the 1 s the server gives it
+    with serve("--max-batch-size", "2", "--shutdown-timeout", "1", tmp_path=tmp_path) as s:
+        runs = _start(s.v1 + "/chat/completions", endless, 2)
+        assert all(started.wait(60) for _, _, started in runs)
+        t0 = time.monotonic()
+        assert s.stop(signal.SIGTERM, timeout=30) == 0, s.log()
+        elapsed = time.monotonic() - t0
+        for t, out, _ in runs:
+            t.join(10)
+            assert not t.is_alive()
+            assert out[-1] == "[DONE]" and "shutting down" in out[-2]  # cut off, and told why
+            assert "finish_reason\":\"length" not in "".join(out[1:-1])
+        log = s.log()
+    assert elapsed < 15, elapsed
+    assert "Traceback" not in log and "dgemma serve: stopped" in log, log

@@ -1,0 +1,74 @@
+"""`dgemma serve` as a real subprocess on a free port, for the server and remote-bench tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, port: int, log: str):
+        self.proc, self.port, self.log_path = proc, port, log
+        self.base_url = f"http://127.0.0.1:{port}"
+
+    @property
+    def v1(self) -> str:
+        return self.base_url + "/v1"
+
+    def log(self) -> str:
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Send `sig`, wait for the exit; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"dgemma serve did not exit within {timeout} s of signal {sig}:\n{self.log()}")
+
+
+@contextmanager
+def serve(*args: str, tmp_path, env: dict | None = None, ready_s: float = 120.0):
+    """Start `dgemma serve --port P *args`, wait until /health answers, yield a `Server`; stop it (SIGTERM)
+    at the end."""
+    port = free_port()
+    log = str(tmp_path / f"serve-{port}.log")
+    cmd = [sys.executable, "-m", "dgcli.cli", "serve", "--port", str(port), *args]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    server = Server(proc, port, log)
+    deadline = time.monotonic() + ready_s
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"dgemma serve exited with {proc.returncode} before it was ready:\n{server.log()}")
+        try:
+            if httpx.get(server.base_url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            server.stop(signal.SIGKILL)
+            raise AssertionError(f"dgemma serve not ready after {ready_s} s:\n{server.log()}")
+        time.sleep(0.2)
+    try:
+        yield server
+    finally:
+        if proc.poll() is None:
+            server.stop()
