@@ -10,8 +10,9 @@ Rules, decided here:
 * The thought channel (`<|channel>thought ... <channel|>`) goes to reasoning, never to content. A channel
   still open at a block's end is held back (it may close in a later block); if the answer ends with it
   still open, its text is the answer (the spec's observed behaviour, as `split_thinking` reads it).
-* Content is held back while its tail could still change: a trailing U+FFFD (a UTF-8 sequence split
-  across blocks) or a tail that is the start of a stop string.
+* Text is held back while it could still change: a trailing run of byte-fallback tokens (a UTF-8
+  sequence may go on in the next block, and a run decodes as a whole; skipped special tokens inside a run
+  do not end it) or a content tail that is the start of a stop string.
 * Stop strings (OpenAI `stop`) apply to the content: the first match ends the answer, the match and
   what follows are dropped, finish reason "stop".
 * `max_tokens` cuts the answer ids (as `request.cut` does for the CLI); reaching it ends the request,
@@ -34,6 +35,10 @@ class Output:
         self.sent_reasoning = ""
         self.sent_content = ""
         self.finish_reason: str | None = None  # set once the answer has ended
+        # A trailing run of these may still decode differently: byte tokens join the bytes after them, and
+        # skipped specials let bytes on either side join (the channel markers are handled on their own).
+        self.pending = (tokenizer.byte_ids | tokenizer.special_ids) - {tokenizer.channel_start_id,
+                                                                       tokenizer.channel_end_id}
 
     @property
     def completion_tokens(self) -> int:
@@ -64,11 +69,13 @@ class Output:
 
     def _split(self, final: bool) -> tuple[str, str]:
         ids = self._cut()
-        if not final:  # an open channel may still close: hold it (and what follows) back
-            opened = [i for i, t in enumerate(ids) if t == self.tok.channel_start_id]
-            if opened and self.tok.channel_end_id not in ids[opened[-1]:]:
-                ids = ids[: opened[-1]]
-        return self.tok.split_thinking(ids, stop_ids=())
+        if final:
+            return self.tok.split_thinking(ids, stop_ids=())
+        bodies, answer, _ = self.tok.split_channels(ids)  # an open channel may still close: held back
+        end = len(answer)
+        while end and answer[end - 1] in self.pending:  # a byte run that may go on
+            end -= 1
+        return self.tok.thinking_text(bodies), self.tok.decode(answer[:end])
 
     def _advance(self, final: bool) -> tuple[str, str]:
         reasoning, content = self._split(final)
@@ -79,12 +86,11 @@ class Output:
             final = True
         if not final:
             content = content[: len(content) - self._held(content)]
-            reasoning = reasoning.rstrip("\ufffd")
         return self._delta(reasoning, content)
 
     def _held(self, content: str) -> int:
-        """How many trailing characters may still change: a split UTF-8 sequence, or a stop string's start."""
-        hold = len(content) - len(content.rstrip("\ufffd"))
+        """How many trailing characters may still turn into a stop string."""
+        hold = 0
         for s in self.stop_strings:
             for n in range(min(len(s) - 1, len(content)), 0, -1):
                 if content.endswith(s[:n]):

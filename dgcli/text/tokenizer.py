@@ -9,6 +9,7 @@ transformers, or know anything about the model or the sampler.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from functools import cached_property
 from pathlib import Path
@@ -162,14 +163,10 @@ class ChatTokenizer:
             text = text[len(THOUGHT_LABEL):].lstrip("\n")
         return text
 
-    def split_thinking(self, ids: Iterable[int], stop_ids: Iterable[int] | None = None) -> tuple[str, str]:
-        """(thinking, answer) of generated ids, cut at the first stop id.
-
-        Closed `<|channel>…<channel|>` blocks are thinking. A channel the model opens and never
-        closes holds the answer (spec §8.2 observed behaviour), so it is returned as the answer.
-        """
-        ids = self.cut_at_stop(ids, stop_ids)
-        thoughts: list[str] = []
+    def split_channels(self, ids: Sequence[int]) -> tuple[list[list[int]], list[int], list[int] | None]:
+        """(the bodies of closed `<|channel>…<channel|>` blocks, the ids outside them, the body of a channel
+        opened and not closed by the end, or None)."""
+        bodies: list[list[int]] = []
         answer: list[int] = []
         pos = 0
         while pos < len(ids):
@@ -179,12 +176,25 @@ class ChatTokenizer:
                 continue
             try:
                 end = ids.index(self.channel_end_id, pos + 1)
-            except ValueError:  # unterminated channel: its text is the answer
-                tail = self._channel_body(ids[pos + 1:])
-                return "\n".join(thoughts), self.decode(answer) + tail
-            thoughts.append(self._channel_body(ids[pos + 1:end]))
+            except ValueError:
+                return bodies, answer, list(ids[pos + 1:])
+            bodies.append(list(ids[pos + 1:end]))
             pos = end + 1
-        return "\n".join(t for t in thoughts if t), self.decode(answer)
+        return bodies, answer, None
+
+    def thinking_text(self, bodies: list[list[int]]) -> str:
+        """The closed channels' text, one per line (empty ones, like the template's, left out)."""
+        return "\n".join(t for t in (self._channel_body(b) for b in bodies) if t)
+
+    def split_thinking(self, ids: Iterable[int], stop_ids: Iterable[int] | None = None) -> tuple[str, str]:
+        """(thinking, answer) of generated ids, cut at the first stop id.
+
+        Closed `<|channel>…<channel|>` blocks are thinking. A channel the model opens and never
+        closes holds the answer (spec §8.2 observed behaviour), so it is returned as the answer.
+        """
+        bodies, answer, open_tail = self.split_channels(self.cut_at_stop(ids, stop_ids))
+        tail = "" if open_tail is None else self._channel_body(open_tail)
+        return self.thinking_text(bodies), self.decode(answer) + tail
 
     def answer_text(
         self, ids: Iterable[int], *, show_thinking: bool = False, stop_ids: Iterable[int] | None = None
@@ -208,6 +218,17 @@ class ChatTokenizer:
         parts.append(self.decode(run))
         return "".join(parts)
 
+    @cached_property
+    def byte_ids(self) -> frozenset[int]:
+        """Ids of the byte-fallback tokens (<0x00>..<0xFF>): a run of them decodes as one UTF-8 sequence,
+        so a run still growing may decode differently once it ends."""
+        return frozenset(i for t, i in self.tokenizer.get_vocab().items() if _BYTE_TOKEN.fullmatch(t))
+
+    @cached_property
+    def special_ids(self) -> frozenset[int]:
+        """Ids `decode` skips (the special added tokens)."""
+        return frozenset(i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special)
+
     def token_strings(self, ids: Iterable[int]) -> list[str]:
         """One display piece per id (specials verbatim, "▁" as space, lone non-ASCII bytes as "�")."""
         pieces = []
@@ -215,6 +236,9 @@ class ChatTokenizer:
             token = self.tokenizer.id_to_token(int(i))
             pieces.append("\ufffd" if token is None else self.tokenizer.decoder.decode([token]))
         return pieces
+
+
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 def _template_from_config(config_path: Path) -> str | None:
