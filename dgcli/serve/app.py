@@ -105,8 +105,8 @@ async def _whole(request: Request, job: Job, state: State) -> Response:
             message = await asyncio.wait_for(job.queue.get(), timeout=0.5)
         except asyncio.TimeoutError:
             if await request.is_disconnected():
-                state.worker.cancel(job)
                 state.metrics.count(499)  # nginx's "client closed request"
+                state.worker.cancel(job)
                 return Response(status_code=499)
             continue
         except asyncio.CancelledError:  # the server stopped waiting for this request (shutdown timeout)

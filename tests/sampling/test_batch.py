@@ -244,3 +244,34 @@ def test_a_request_submitted_while_the_engine_runs_joins_at_the_next_pass(bundle
     assert engine.idle
     with pytest.raises(Exception, match="cache positions"):
         engine.submit(request(40, 2, 20))  # 20 blocks do not fit a 200-position slot
+
+
+def test_cancelled_requests_leave_and_the_others_keep_their_solo_answers(bundled):
+    """The server's disconnects: a queued request withdrawn never runs; a running one withdrawn mid-block
+    frees its slot before the next pass (no more events, no Done) and the next queued request takes it;
+    the rest equal their solo runs."""
+    from dgcli.sampling.engine import Engine, Request
+
+    session, prompts = bundled
+    p = session.params
+    engine = Engine(session.model, slots=2, max_len=200)
+    jobs = {0: 40, 1: 70, 2: 5, 3: 60}  # request id -> prompt index
+    for rid, i in jobs.items():
+        engine.submit(Request(id=rid, prompt=torch.tensor(prompts[i]), params=p, num_blocks=3, seed=rid,
+                              stops=set(session.stop_ids)))
+    assert engine.cancel(3) and not engine.cancel(99)  # 3 is still queued: it leaves at once
+    seen, cut_at = [], None
+    for ev in engine.events():
+        seen.append(ev)
+        if cut_at is None and isinstance(ev, Step) and ev.row == 1 and ev.step == 1:
+            assert engine.cancel(1)  # running, mid-block
+            cut_at = len(seen)
+    assert cut_at is not None
+    assert not any(e.row == 1 for e in seen[cut_at:]) and not any(e.row == 3 for e in seen)
+    dones = {e.row: e for e in seen if isinstance(e, Done)}
+    assert set(dones) == {0, 2}
+    for rid in (0, 2):
+        want = generate(session.model, prompts[jobs[rid]], params=dataclasses.replace(p, seed=rid), num_blocks=3,
+                        stop_ids=session.stop_ids)
+        assert (dones[rid].token_ids, dones[rid].steps_per_block) == (want.token_ids, want.steps_per_block)
+    assert engine.idle and engine.free == [0, 1] and engine.cache.lens == [0, 0]

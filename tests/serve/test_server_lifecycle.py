@@ -12,9 +12,10 @@ import pytest
 
 from server_proc import serve
 
-# Fixed work (every block runs all its steps) over many blocks: a request that stays in flight for seconds.
+# Fixed work (every block runs all its steps) over many blocks, past the bundled budget of 64 tokens: a
+# request that stays in flight for seconds.
 LONG = {"messages": [{"role": "user", "content": "Count from 7 to 31."}], "max_denoising_steps": 48,
-        "confidence_threshold": 0, "max_blocks": 6, "ignore_eos": True, "stream": True}
+        "confidence_threshold": 0, "max_blocks": 6, "ignore_eos": True, "max_tokens": 4000, "stream": True}
 
 
 def _stream(url, body, out, started):
@@ -96,3 +97,20 @@ def test_sigterm_past_the_timeout_cancels_what_is_left_and_exits_0(tmp_path):
         log = s.log()
     assert elapsed < 15, elapsed
     assert "Traceback" not in log and "dgemma serve: stopped" in log, log
+
+
+def test_a_client_gone_from_a_non_streamed_request_frees_its_slot(tmp_path):
+    endless = {**LONG, "max_blocks": 200, "stream": False}
+    with serve("--max-batch-size", "1", tmp_path=tmp_path) as s:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(s.v1 + "/chat/completions", json=endless, timeout=1.5)  # gives up, closes the connection
+        deadline = time.monotonic() + 10
+        while True:
+            text = httpx.get(s.base_url + "/metrics").text
+            if "dgemma_slots_busy 0" in text and "dgemma_requests_cancelled_total 1" in text:
+                break
+            assert time.monotonic() < deadline, text
+            time.sleep(0.1)
+        assert 'dgemma_requests_total{status="499"} 1' in text
+        r = httpx.post(s.v1 + "/chat/completions", json={"messages": [{"role": "user", "content": "Reverse: c a t"}]})
+        assert r.json()["choices"][0]["message"]["content"] == "t a c"
