@@ -111,9 +111,7 @@ def load_state(path: Path, cfg: ModelConfig, device: str = "cpu", dtype: torch.d
                 if expected is not None and t.shape != expected[name]:
                     raise UserError(f"{f.name}: tensor {key!r} has shape {list(t.shape)}, "
                                     f"config.json implies {list(expected[name])}")
-                if name.endswith("layer_scalar"):
-                    t = t.float()  # exact for any stored dtype; the reference multiplies in fp32
-                elif dtype is not None and t.dtype != dtype:
+                if dtype is not None and t.dtype != dtype:
                     t = t.to(dtype)
                 state[name] = t
     return state
@@ -164,10 +162,13 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     expected = {k: v.shape for k, v in model.state_dict().items()}
     dev = str(device)
     state = load_state(path, cfg, device=dev, dtype=dtype, expected=expected)
-    # Mixed-dtype checkpoints run in the embedding's dtype (layer scalars stay fp32).
+    # Every tensor in one dtype, the layer scalars included: transformers loaded in a dtype rounds every
+    # parameter and buffer to it (the released checkpoint stores the scalars in fp32; in bf16 the reference
+    # multiplies by the bf16-rounded scalar). Its only fp32 buffers are the RoPE inverse frequencies,
+    # which we compute in fp32 (`gemma.inv_freq_for`). Mixed-dtype checkpoints run in the embedding's dtype.
     model_dtype = dtype or state["embed_tokens.weight"].dtype
     for name, t in state.items():
-        if not name.endswith("layer_scalar") and t.dtype != model_dtype:
+        if t.dtype != model_dtype:
             state[name] = t.to(model_dtype)
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()

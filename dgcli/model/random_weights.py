@@ -75,20 +75,21 @@ def randomize_(model: DiffusionGemma, seed: int = 0, std: float | None = None) -
 
 def random_model(cfg_dict: dict, *, seed: int = 0, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu") -> DiffusionGemma:
-    """A randomly initialised model of a config (dummy weights), allocated once, on `device`, in `dtype`
-    (layer scalars fp32 as in the checkpoint)."""
+    """A randomly initialised model of a config (dummy weights), allocated once, on `device`, every tensor
+    in `dtype` (the layer scalars too, as `loader.load_model` gives them: the model equals its own
+    checkpoint loaded back in that dtype)."""
     cfg = parse_config(cfg_dict)
     model = meta_model(cfg)
     model.to(dtype)
-    for layer in model.layers:
-        layer.layer_scalar.data = layer.layer_scalar.float()
-        layer.encoder_layer_scalar.data = layer.encoder_layer_scalar.float()
     model.to_empty(device=device)
     return randomize_(model, seed).eval()
 
 
 def checkpoint_state(model: DiffusionGemma) -> dict[str, torch.Tensor]:
-    return {to_checkpoint_name(k): v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    """The state under checkpoint names; layer scalars stored in fp32 whatever the model's dtype, as the
+    released checkpoint stores them (exact: fp32 holds every bf16/fp16 value)."""
+    return {to_checkpoint_name(k): (v.float() if k.endswith("layer_scalar") else v).detach().contiguous().cpu()
+            for k, v in model.state_dict().items()}
 
 
 def write_checkpoint(model: DiffusionGemma, out_dir: str | Path, cfg_dict: dict, *, shards: int = 1,

@@ -41,17 +41,27 @@ def test_single_file_and_sharded_load_the_same(tmp_path, model_and_cfg):
     assert torch.equal(logits(a), logits(model))
 
 
-def test_bf16_checkpoint_keeps_fp32_layer_scalars_and_casts_on_request(tmp_path, model_and_cfg):
+def test_bf16_checkpoint_stores_fp32_layer_scalars_and_loads_all_in_one_dtype(tmp_path, model_and_cfg):
+    # As released: bf16 weights, fp32 layer scalars. Loaded, every tensor is in the compute dtype, as
+    # transformers holds them (test_model_parity checks the values against it).
     model, cfg = model_and_cfg
     m16 = random_model(cfg, seed=1, dtype=torch.bfloat16)
+    assert {t.dtype for t in m16.state_dict().values()} == {torch.bfloat16}
     path = write_checkpoint(m16, tmp_path / "bf16", cfg)
     stored = load_file(path / "model.safetensors")
     assert stored["model.decoder.layers.0.layer_scalar"].dtype == torch.float32
+    assert stored["model.encoder.language_model.layers.0.layer_scalar"].dtype == torch.float32
     assert stored["model.decoder.embed_tokens.weight"].dtype == torch.bfloat16
     loaded = dgcli.load_model(path)
-    assert loaded.embed_weight.dtype == torch.bfloat16
-    assert loaded.layers[0].layer_scalar.dtype == torch.float32
-    assert dgcli.load_model(path, dtype="float32").embed_weight.dtype == torch.float32
+    assert {t.dtype for t in loaded.state_dict().values()} == {torch.bfloat16}
+    assert torch.equal(logits(loaded), logits(m16))  # the dummy model is its checkpoint, loaded back
+    m32 = dgcli.load_model(path, dtype="float32")
+    assert {t.dtype for t in m32.state_dict().values()} == {torch.float32}
+    # fp32 scalars loaded in bf16 are rounded (to nearest), as transformers rounds them.
+    stored["model.decoder.layers.0.layer_scalar"] = torch.tensor([0.3001])
+    save_file(stored, str(path / "model.safetensors"), metadata={"format": "pt"})
+    assert dgcli.load_model(path).layers[0].layer_scalar.item() == 0.30078125
+    assert dgcli.load_model(path, dtype="float32").layers[0].layer_scalar.item() == torch.tensor(0.3001).item()
 
 
 def test_vision_tensors_are_never_read(tmp_path, ckpt):
