@@ -32,7 +32,7 @@ def serve(
     max_queue: Annotated[int, typer.Option("--max-queue", metavar="M", help="Requests that may wait for a slot; beyond that a request gets 429 at once.")] = 256,
     api_key: Annotated[Optional[str], typer.Option("--api-key", metavar="KEY", help=o.dflt("Require 'Authorization: Bearer KEY'.", "$DGEMMA_API_KEY, else no key"))] = None,
     served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", metavar="NAME", help=o.dflt("The model id clients send.", "the checkpoint directory's name"))] = None,
-    max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", metavar="N", help=o.dflt("Positions a request may use (prompt + canvases); the KV cache holds this many per slot.", "the model's context"))] = None,
+    max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", metavar="N", help=o.dflt("Positions a request may use (prompt + canvases); the KV cache holds this many per slot, allocated at start.", "the model's context, at most 8192"))] = None,
     shutdown_timeout: Annotated[float, typer.Option("--shutdown-timeout", metavar="S", help="On SIGINT/SIGTERM: seconds in-flight requests get to finish before they are cancelled.")] = 30.0,
 ) -> None:
     """Serve the model over HTTP, OpenAI-compatible (chat, completions, SSE).

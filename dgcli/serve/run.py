@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 import uvicorn
 
 from dgcli.errors import UserError
@@ -56,12 +58,17 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+DEFAULT_CONTEXT = 8192
+
+
 def context_for(session: Any, max_model_len: int | None) -> int:
-    """The positions a request may use (prompt + its canvases): --max-model-len, at most the model's."""
+    """The positions a request may use (prompt + its canvases): --max-model-len, at most the model's;
+    by default the model's context up to 8192 (the cache is allocated up front for every slot: the real
+    model's 262144 positions would take tens of GB per slot)."""
     cfg = session.config
     limit = cfg.max_position_embeddings
     if max_model_len is None:
-        return limit
+        return min(limit, DEFAULT_CONTEXT)
     if max_model_len < 2 * cfg.canvas_length:
         raise UserError(f"--max-model-len {max_model_len}: needs room for a prompt and a canvas of "
                         f"{cfg.canvas_length}; use at least {2 * cfg.canvas_length}")
@@ -81,7 +88,13 @@ def build(session: Any, *, host: str, port: int, slots: int, max_queue: int, api
         raise UserError(f"{session.path}: no tokenizer.json; dgemma serve needs the checkpoint's tokenizer")
     metrics = Metrics(slots)
     # A slot holds a request's prompt and all but its last canvas (the last block is never encoded).
-    worker = Worker(session, slots=slots, max_len=context - session.config.canvas_length, metrics=metrics)
+    try:
+        worker = Worker(session, slots=slots, max_len=context - session.config.canvas_length, metrics=metrics)
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        if not isinstance(e, torch.OutOfMemoryError) and "alloc" not in str(e).lower():
+            raise
+        raise UserError(f"the KV cache for {slots} slot(s) of {context} positions does not fit in memory on "
+                        f"{session.device}; lower --max-model-len or --max-batch-size") from None
     ctx = Context(session.tokenizer, model_name, session.params, session.resolved.run.max_tokens,
                   session.config.canvas_length, context, thinking=session.resolved.run.thinking)
     state = State(worker, ctx, max_queue=max_queue, api_key=api_key)
@@ -90,21 +103,34 @@ def build(session: Any, *, host: str, port: int, slots: int, max_queue: int, api
     return _Server(config, state, shutdown_timeout), worker
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound here so that a port in use is one clear line (uvicorn would log and exit 3)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}; pick another --port or --host") from None
+    return sock
+
+
 def serve(session: Any, *, say: Callable[[str], None], **kw: Any) -> None:
     """Serve until SIGINT/SIGTERM (keywords as `build`'s); returns after a clean stop."""
     server, worker = build(session, **kw)
+    sock = listen(kw["host"], kw["port"])
     worker.start()
     state, slots, context = server.dgemma, kw["slots"], kw["context"]
+    cache = worker.engine.cache
+    mib = sum(t.numel() * t.element_size() for t in (*cache.k, *cache.v)) / 2**20
     say(f"dgemma serve: {kw['model_name']} on http://{kw['host']}:{kw['port']}/v1 ({session.resolved.run.device}, "
-        f"{session.resolved.run.dtype}; {slots} slot(s) of {context} positions, queue up to {kw['max_queue']}"
-        f"{'; API key required' if kw['api_key'] else ''})")
+        f"{session.resolved.run.dtype}; {slots} slot(s) of {context} positions, KV cache {mib:,.1f} MiB; "
+        f"queue up to {kw['max_queue']}{'; API key required' if kw['api_key'] else ''})")
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         state.closing = True
         server.deadline.cancel()
         worker.close(timeout=kw["shutdown_timeout"] + 10)
-    if not server.started:
-        raise UserError(f"could not listen on {kw['host']}:{kw['port']} (in use, or not an address here); "
-                        "pick another --port or --host")
+        sock.close()
     say("dgemma serve: stopped")

@@ -114,3 +114,22 @@ def test_a_client_gone_from_a_non_streamed_request_frees_its_slot(tmp_path):
         assert 'dgemma_requests_total{status="499"} 1' in text
         r = httpx.post(s.v1 + "/chat/completions", json={"messages": [{"role": "user", "content": "Reverse: c a t"}]})
         assert r.json()["choices"][0]["message"]["content"] == "t a c"
+
+
+def test_bad_serve_flags_are_one_line_errors(capsys):
+    import socket
+
+    from cli_run import run
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, _, err = run(["serve", "--port", str(port)], capsys)
+    assert code == 2 and err.strip().splitlines()[-1] == \
+        f"dgemma: error: cannot listen on 127.0.0.1:{port}: Address already in use; pick another --port or --host"
+    for argv, words in ((["--max-model-len", "99999"], "beyond the model's context of 4096"),
+                        (["--max-batch-size", "0"], "--max-batch-size 0: must be >= 1"),
+                        (["--max-queue", "-1"], "--max-queue -1: must be >= 0")):
+        code, _, err = run(["serve", "--port", "1", *argv], capsys)
+        assert code == 2 and words in err and "Traceback" not in err, err
