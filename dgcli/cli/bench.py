@@ -1,7 +1,8 @@
 """`dgemma bench`: warm-up, repeats, one row per setting, the static card first, then the table, then one
 JSON line. Formats md|csv|json|jsonl; --save-result writes the full JSON document (card, definitions, rows).
 
-Owns: the bench-only flags and the order of output (one row per --batch-size). Must not: measure or format figures itself
+Owns: the bench-only flags and the order of output (one row per --batch-size; with --base-url, one row per
+--concurrency against a server, measured by dgcli.measure.remote). Must not: measure or format figures itself
 (dgcli.measure does), or contain a denoising loop. Ctrl-C keeps the runs that finished: they are summarised and printed.
 """
 
@@ -20,11 +21,24 @@ FORMATS = ("md", "csv", "json", "jsonl")
 EXAMPLES = ["dgemma bench --runs 3 --format md",
             "dgemma bench --batch-size 1,2,4,8 --runs 3",
             "dgemma bench --dummy 26B-A4B --layers 4 --device cuda --diffusion-steps 16",
-            "dgemma bench --label base --metadata gpu=h100 --result-dir results/"]
+            "dgemma bench --base-url http://127.0.0.1:8000/v1 --concurrency 1,4,16 --label serve --result-dir results/"]
+REMOTE_ONLY = {"base_url", "api_key", "concurrency", "request_rate"}
+
+
+def _given(ctx: typer.Context, names) -> list[tuple[str, str]]:
+    """(flag, parameter name) of the parameters among `names` that the command line set (typer's vendored
+    click has its own ParameterSource: compared by name)."""
+    out = []
+    for p in ctx.command.params:
+        source = ctx.get_parameter_source(p.name) if p.name in names else None
+        if source is not None and source.name != "DEFAULT":
+            off = getattr(p, "secondary_opts", None) and ctx.params.get(p.name) is False
+            out.append(((p.secondary_opts if off else p.opts)[0], p.name))
+    return out
 
 
 def bench(
-    model: o.Model = None, dummy: o.Dummy = None, layers: o.Layers = None, preset: o.Preset = None,
+    ctx: typer.Context, model: o.Model = None, dummy: o.Dummy = None, layers: o.Layers = None, preset: o.Preset = None,
     device: o.Device = None, dtype: o.Dtype = None, seed: o.Seed = None, steps: o.Steps = None,
     t_min: o.TMin = None, t_max: o.TMax = None, entropy_bound: o.EntropyBound = None,
     stability_threshold: o.Stability = None, confidence_threshold: o.Confidence = None, blocks: o.Blocks = None,
@@ -39,14 +53,29 @@ def bench(
     batch_size: o.BatchSizes = "1",
     label: o.Label = None, metadata: o.Metadata = None, measure_peaks: o.MeasurePeaks = True,
     compile: o.Compile = False, threads: o.Threads = None,
+    base_url: Annotated[Optional[str], typer.Option("--base-url", metavar="URL", help="Measure a running OpenAI-compatible server (dgemma serve, vLLM...) from the client over HTTP instead of a local model: http://HOST:PORT or http://HOST:PORT/v1.")] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", metavar="KEY", help="With --base-url: sent as 'Authorization: Bearer KEY'.")] = None,
+    concurrency: Annotated[Optional[str], typer.Option("--concurrency", "--max-concurrency", metavar="N[,N...]", help=o.dflt("With --base-url: most requests in flight, e.g. 1,4,16; one row per value.", "1"))] = None,
+    request_rate: Annotated[Optional[float], typer.Option("--request-rate", metavar="R", help=o.dflt("With --base-url: requests/s as Poisson arrivals (seeded by --seed); inf sends every prompt at once, up to --concurrency.", "inf"))] = None,
 ) -> None:
     """Benchmark one sampler setting: labelled figures, roofline.
 
     Labelled throughput figures, the step-count distribution and the roofline, with provenance; one row
     per --batch-size (every timed pass submits all prompts at once to an engine with that many slots).
+    With --base-url: a running server, measured from the client; one row per --concurrency.
     """
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt}: use one of {', '.join(FORMATS)}")
+    if base_url is not None:
+        fields = {"steps": steps, "t_min": t_min, "t_max": t_max, "entropy_bound": entropy_bound,
+                  "stability": stability_threshold, "confidence": confidence_threshold, "blocks": blocks, "seed": seed,
+                  "max_tokens": max_tokens}
+        return _remote(ctx, base_url, api_key, concurrency, request_rate, fields, prompts=prompts, num_prompts=num_prompts,
+                       runs=runs, warmup=warmup, fmt=fmt, label=label, metadata=metadata,
+                       save=(save_result or result_dir is not None or result_filename is not None, result_dir, result_filename))
+    stray = _given(ctx, REMOTE_ONLY)
+    if stray:
+        raise UserError(f"{stray[0][0]} applies only with --base-url (a server); in-process bench measures --batch-size")
     from dgcli.measure.grid import parse_batch_sizes
     from dgcli.measure.workload import check_counts
 
@@ -130,3 +159,69 @@ def bench(
         warn(f"dgemma: saved {path}")
     if interrupted:
         raise SystemExit(130)
+
+
+def _remote(ctx: typer.Context, base_url: str, api_key: str | None, concurrency: str | None, request_rate: float | None,
+            flags: dict, *, prompts: str | None, num_prompts: int | None, runs: int, warmup: int, fmt: str,
+            label: str | None, metadata: list[str] | None, save: tuple) -> None:
+    """`bench --base-url`: the card, then one row per --concurrency (dgcli.measure.remote measures)."""
+    from dgcli.measure import printers as report
+    from dgcli.measure import remote as rm
+    from dgcli.measure import remote_row as rr
+    from dgcli.measure.workload import check_counts
+
+    stray = _given(ctx, rm.NOT_WITH_BASE_URL)
+    if stray:
+        flag, name = stray[0]
+        raise UserError(f"{flag} does not apply with --base-url: {rm.NOT_WITH_BASE_URL[name]}")
+    levels, rate = rm.parse_concurrency(concurrency or "1"), rm.check_rate(request_rate)
+    check_counts(num_prompts=num_prompts, runs=runs, warmup=warmup, input_len=1)
+    meta = report.parse_metadata(metadata)
+    fields = rm.request_fields(**flags)
+    plist, source = rm.load_prompts(prompts, num_prompts)
+    target = rm.connect(base_url, api_key)
+    card = rr.card(target, prompts=plist, prompt_source=source, fields=fields)
+    card_text = "# dgemma bench\n\n" + rr.card_markdown(card)
+    (sys.stdout if fmt == "md" else sys.stderr).write(card_text + "\n")
+    sys.stdout.flush()
+    live, progress = status(sys.stderr.isatty())
+    rows, interrupted = [], False
+    try:
+        for level in levels:
+            done: list = []
+            try:
+                failed, first = rm.measure(target, plist, fields, runs=runs, warmup=warmup, concurrency=level, rate=rate,
+                                           seed=flags["seed"] or 0, progress=progress, out=done)
+                if failed:
+                    warn(f"dgemma: warning: {failed} of {warmup} warm-up request(s) failed at concurrency {level}: {first}")
+            except KeyboardInterrupt:
+                interrupted = True
+                if done:
+                    warn(f"dgemma: interrupted: reporting the {len(done)} finished run(s) of {runs} at concurrency {level}")
+            if done:
+                row = rr.make_row(target, prompts=plist, prompt_source=source, fields=fields, concurrency=level,
+                                  rate=rate, runs_done=len(done), runs_asked=runs, warmup=warmup,
+                                  summary=rr.summarize(done, plist, fields), label=label, metadata=meta)
+                rows.append(row)
+                if row["failed"]:
+                    warn(f"dgemma: warning: {row['failed']} of {row['failed'] + row['completed']} requests failed at "
+                         f"concurrency {level}: {row['first_error']}")
+            if interrupted:
+                break
+    finally:
+        if live is not None:
+            live.stop()
+    if not rows:
+        warn("dgemma: interrupted before the first run finished; nothing to report")
+        raise SystemExit(130)
+    if interrupted and len(rows) < len(levels):
+        warn(f"dgemma: interrupted: concurrency {', '.join(map(str, levels[len(rows):]))} not measured")
+    sys.stdout.write(rr.render(rows, card, fmt))
+    sys.stdout.flush()
+    if save[0]:
+        warn(f"dgemma: saved {report.save_result(rr.document(card, rows), save[1], save[2], label)}")
+    if interrupted:
+        raise SystemExit(130)
+    if not any(r["completed"] for r in rows):
+        warn(f"dgemma: error: every request to {target.root} failed; first: {rows[0]['first_error']}")
+        raise SystemExit(1)
