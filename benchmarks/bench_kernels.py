@@ -82,20 +82,16 @@ def cases(dev: torch.device, small: bool):
         return (lambda: dispatch.experts(x, w, idx, gu, dn),
                 lambda: reference_ops.experts_reference(x, w, idx, gu, dn))
 
-    def norm(residual: bool):
-        def make():
-            x = torch.randn(n, h, device=dev, generator=g).to(bf)
-            r = torch.randn(n, h, device=dev, generator=g).to(bf) if residual else None
-            wt = torch.rand(h, device=dev, generator=g).to(bf)
-            return (lambda: dispatch.rms_norm(x, wt, 1e-6, r), lambda: reference_ops.rms_norm_reference(x, wt, 1e-6, r))
-        return make
+    def norm():
+        x = torch.randn(n, h, device=dev, generator=g).to(bf)
+        wt = torch.rand(h, device=dev, generator=g).to(bf)
+        return (lambda: dispatch.rms_norm(x, wt, 1e-6), lambda: reference_ops.rms_norm_reference(x, wt, 1e-6))
 
     return [
         ("vocab_pass", vocab, 4 * n * v * h, v * h * 2 + n * h * 2 * 2 + n * 20, dispatch.implementation("vocab_pass", dev)),
         ("experts", experts, 6 * n * k * h * inter, e * 3 * h * inter * 2 + n * h * 2 * 2 + n * k * 12,
          dispatch.implementation("experts", dev)),
-        ("rms_norm", norm(False), 4 * n * h, n * h * 2 * 2 + h * 2, dispatch.implementation("rms_norm", dev)),
-        ("rms_norm+residual", norm(True), 5 * n * h, n * h * 2 * 4 + h * 2, dispatch.implementation("rms_norm", dev)),
+        ("rms_norm", norm, 4 * n * h, n * h * 2 * 2 + h * 2, dispatch.implementation("rms_norm", dev)),
     ], dict(n=n, h=h, v=v, inter=inter, experts=e, top_k=k, dense=dense)
 
 

@@ -1,0 +1,164 @@
+"""The GPU suite: everything a CUDA machine should run, in one command, written up as one RESULTS.md section.
+
+On a CUDA machine (`python benchmarks/gpu_suite.py`):
+  1. env          the device, driver, torch / triton versions;
+  2. tests        the whole test suite (on CUDA the kernel tests run the compiled Triton kernels, not the
+                  interpreter: that is where the bf16 tensor-core paths `DOT_BF16` first run);
+  3. kernels      tests/kernels again on their own, so their result stands out in the section;
+  4. bench_kernels  per-kernel time and share of the device's peaks (benchmarks/bench_kernels.py);
+  5. bench_dummy  `dgemma bench --dummy 26B-A4B` at batch 1/4/8, bf16, fixed work; CUDA graphs on and
+                  off once the step can be captured (issue 15 item 3; until then the row says "off: not
+                  built yet");
+  6. bench_bundled  `dgemma bench` on the bundled model (quality and speed on the device).
+Each step runs as a subprocess with a time limit; a failing step is recorded (exit code and the tail of its
+output) and the suite goes on. The section goes to stdout and, with `--out FILE`, to FILE (append it to
+benchmarks/RESULTS.md by hand after reading it).
+
+On this CPU-only machine: `--device cpu` runs the same steps at CPU sizes (kernel tests in the Triton
+interpreter, `--small` kernel shapes, a 2-layer slice of the medium dummy config instead of 26B-A4B), and
+`--dry-run` prints the plan (every command) without running anything. `--only a,b` picks steps.
+
+    python benchmarks/gpu_suite.py [--device cuda|cpu] [--dry-run] [--only env,tests,...] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = ("env", "tests", "kernels", "bench_kernels", "bench_dummy", "bench_bundled")
+
+
+def plan(device: str) -> dict[str, tuple[list[str], int, dict]]:
+    """step -> (argv, time limit in seconds, extra environment)."""
+    py = sys.executable
+    cuda = device.startswith("cuda")
+    # CUDA: the real config at batch 1/4/8; CPU: two layers of the medium dummy config, one run.
+    dummy = ["--dummy", "26B-A4B"] if cuda else ["--dummy", str(ROOT / "benchmarks/dummy-medium.json"), "--layers", "2"]
+    bench = [py, "-m", "dgcli.cli", "bench", "--device", device, "--format", "json", "--no-measure-peaks"]
+    interp = {} if cuda else {"TRITON_INTERPRET": "1"}
+    return {
+        "env": ([py, "benchmarks/gpu_suite.py", "--print-env"], 60, {}),
+        "tests": ([py, "-m", "pytest", "-q", "-p", "no:cacheprovider"], 3600, interp),
+        "kernels": ([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels"], 1800, interp),
+        "bench_kernels": ([py, "benchmarks/bench_kernels.py", "--device", device]
+                          + ([] if cuda else ["--small", "--reps", "3"]), 1800, {}),
+        "bench_dummy": (bench + dummy + ["--dtype", "bfloat16", "--batch-size", "1,4,8", "--diffusion-steps", "16",
+                                         "--runs", "3" if cuda else "1", "--warmup", "1", "--num-prompts",
+                                         "8" if cuda else "4", "--random-input-len", "128" if cuda else "32"],
+                        3600, {}),
+        "bench_bundled": (bench + ["--runs", "3" if cuda else "1"], 1800, {}),
+    }
+
+
+def print_env() -> None:
+    import torch
+
+    try:
+        import triton
+
+        tv = triton.__version__
+    except ImportError:
+        tv = None
+    print(json.dumps({"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+                      "triton": tv, "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU only",
+                      "host": platform.node()}))
+
+
+def run_step(name: str, argv: list[str], limit: int, env: dict) -> dict:
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=limit,
+                           env={**os.environ, **env})
+        code, stdout, out = p.returncode, p.stdout, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        stdout = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        code, out = "timeout", stdout
+    return {"step": name, "command": shlex.join(argv), "exit": code, "seconds": round(time.perf_counter() - t0, 1),
+            "stdout": stdout, "output": out}
+
+
+def _bench_rows(stdout: str) -> list[dict]:
+    """The rows of `dgemma bench --format json` (its JSON document is the whole stdout)."""
+    try:
+        return json.loads(stdout).get("rows", [])
+    except (ValueError, AttributeError):
+        return []
+
+
+def section(results: list[dict], device: str) -> str:
+    when = datetime.date.today().isoformat()
+    lines = [f"## GPU suite ({device}, {when}, {platform.node()})", "",
+             f"Command: `python benchmarks/gpu_suite.py --device {device}`.", "",
+             "| step | exit | seconds | command |", "|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['step']} | {r['exit']} | {r['seconds']} | `{r['command']}` |")
+    for r in results:
+        lines += ["", f"### {r['step']}", ""]
+        rows = _bench_rows(r.get("stdout", "")) if r["step"] in ("bench_dummy", "bench_bundled") else []
+        if rows:
+            lines += ["| batch | output_throughput tok/s | mean_ttft_ms | ms/step | quality | cuda graphs |",
+                      "|---|---|---|---|---|---|"]
+            for row in rows:
+                lines.append(f"| {row.get('batch_size')} | {_f(row.get('output_throughput'))} | "
+                             f"{_f(row.get('mean_ttft_ms'))} | {_f(row.get('mean_step_ms'))} | "
+                             f"{_f(row.get('quality'))} | off: not built yet |")
+        tail = "\n".join(r["output"].strip().splitlines()[-25:])
+        lines += ["```", tail, "```"]
+    return "\n".join(lines) + "\n"
+
+
+def _f(x) -> str:
+    return f"{x:.4g}" if isinstance(x, (int, float)) else "n/a"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default=None, help="cuda (default when visible) or cpu")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
+    ap.add_argument("--only", default=",".join(STEPS), help=f"steps to run, of {','.join(STEPS)}")
+    ap.add_argument("--out", default=None, help="also write the section to this file")
+    ap.add_argument("--print-env", action="store_true", help=argparse.SUPPRESS)  # the env step itself
+    args = ap.parse_args()
+    if args.print_env:
+        print_env()
+        return
+    device = args.device
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    only = [s.strip() for s in args.only.split(",") if s.strip()]
+    bad = [s for s in only if s not in STEPS]
+    if bad:
+        sys.exit(f"gpu_suite: unknown step(s) {', '.join(bad)}; choose from {', '.join(STEPS)}")
+    steps = plan(device)
+    if args.dry_run:
+        for name in only:
+            argv, limit, env = steps[name]
+            pre = " ".join(f"{k}={v}" for k, v in env.items())
+            print(f"{name}: {(pre + ' ') if pre else ''}{shlex.join(argv)}  (limit {limit} s)")
+        return
+    results = []
+    for name in only:
+        print(f"gpu_suite: {name} …", file=sys.stderr, flush=True)
+        results.append(run_step(name, *steps[name]))
+        print(f"gpu_suite: {name}: exit {results[-1]['exit']} in {results[-1]['seconds']} s", file=sys.stderr)
+    text = section(results, device)
+    sys.stdout.write(text)
+    if args.out:
+        Path(args.out).write_text(text, encoding="utf-8")
+    sys.exit(0 if all(r["exit"] == 0 for r in results) else 1)
+
+
+if __name__ == "__main__":
+    main()

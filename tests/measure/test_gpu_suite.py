@@ -1,0 +1,48 @@
+"""benchmarks/gpu_suite.py on this CPU-only machine: the plan names every step with CPU sizes, the env step
+runs, and the section renders a bench document's rows."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "gpu_suite.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("gpu_suite", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_dry_run_plans_every_step_at_cpu_sizes():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--dry-run"], capture_output=True,
+                         text=True, check=True, cwd=ROOT).stdout
+    steps = [line.split(":")[0] for line in out.splitlines()]
+    assert steps == ["env", "tests", "kernels", "bench_kernels", "bench_dummy", "bench_bundled"]
+    assert "TRITON_INTERPRET=1" in out and "--small" in out and "dummy-medium.json --layers 2" in out
+    cuda = subprocess.run([sys.executable, str(SCRIPT), "--device", "cuda", "--dry-run", "--only", "bench_dummy"],
+                          capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    assert "--dummy 26B-A4B" in cuda and "--batch-size 1,4,8" in cuda and "TRITON_INTERPRET" not in cuda
+
+
+def test_env_step_runs_and_the_section_shows_bench_rows(tmp_path):
+    out = tmp_path / "section.md"
+    p = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--only", "env", "--out", str(out)],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    text = out.read_text()
+    assert text.startswith("## GPU suite (cpu, ") and '"torch": "2.13.0' in text and "| env | 0 |" in text
+    mod = _module()
+    doc = {"card": {}, "rows": [{"batch_size": b, "output_throughput": 10.0 * b, "mean_ttft_ms": 5.0,
+                                 "mean_step_ms": 2.5, "quality": None} for b in (1, 4)]}
+    section = mod.section([{"step": "bench_dummy", "command": "dgemma bench", "exit": 0, "seconds": 1.0,
+                            "stdout": json.dumps(doc, indent=2), "output": "card"}], "cpu")
+    assert "| 4 | 40 | 5 | 2.5 | n/a | off: not built yet |" in section
+    assert mod.section([{"step": "bench_kernels", "command": "x", "exit": 1, "seconds": 0.1,
+                         "output": "Traceback: boom"}], "cpu").count("boom") == 1
