@@ -44,7 +44,8 @@ class State:
 
 def _error(e: ApiError, state: State) -> JSONResponse:
     state.metrics.count(e.status)
-    return JSONResponse(e.body(), status_code=e.status)
+    headers = {"Retry-After": "1"} if e.status in (429, 503) else None  # clients back off, then retry
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 def _authorized(request: Request, state: State) -> bool:

@@ -55,6 +55,7 @@ def test_full_queue_answers_429_and_the_server_keeps_serving(tmp_path):
         t0 = time.monotonic()
         r = httpx.post(url, json={"messages": [{"role": "user", "content": "Reverse: c a t"}]}, timeout=30)
         assert r.status_code == 429 and time.monotonic() - t0 < 5  # at once, not after the others
+        assert r.headers["retry-after"] == "1"
         assert r.json()["error"]["code"] == "queue_full" and "queue is full" in r.json()["error"]["message"]
         for t, out, _ in runs:
             t.join(120)
