@@ -7,8 +7,9 @@ counter-based stream of `draws.py`, addressed by seed, block, step and position:
 device and dtype give identical events whichever kernel path runs (up to rounding at a CDF boundary)
 and whatever the batch. `generate`, `watch`, `bench`, `sweep` and the trace writer all consume these;
 there is no second copy of the loop anywhere.
-Must not: tokenize, print, write files, import transformers, or sync with the device inside a step
-other than once for the stop decision (and not at all when no step can stop early).
+Must not: tokenize, print, write files, import transformers, or sync with the device inside a block: on
+CUDA the engine reads a pass's stop flags one pass later (`async_stop.py`), elsewhere once per pass (and
+not at all when no step can stop early).
 
 Decisions (kept from the reference unless noted):
 * A block's output is the argmax of its last step, never the sampled canvas.
@@ -34,7 +35,8 @@ from typing import Any
 import torch
 
 from dgcli.errors import UserError
-from dgcli.sampling.engine import Engine, Request
+from dgcli.sampling.async_stop import new_engine
+from dgcli.sampling.engine import Request
 from dgcli.sampling.events import Done, Event
 from dgcli.sampling.params import DiffusionEbParams
 
@@ -136,7 +138,7 @@ def generate_batch_events(
         slots = min(slots, n_rows)
     # A request's last block is never encoded: a slot holds at most its prompt and blocks - 1 canvases.
     max_len = max(len(q.prompt) + (q.num_blocks - 1) * c for q in requests)
-    engine = Engine(model, slots=slots, max_len=max_len, pad_id=pad_id, compile_tiles=compile_tiles, stats=stats)
+    engine = new_engine(model, slots=slots, max_len=max_len, pad_id=pad_id, compile_tiles=compile_tiles, stats=stats)
     for q in requests:
         engine.submit(q)
     yield from engine.events()

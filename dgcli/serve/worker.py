@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from dgcli.sampling.async_stop import new_engine
 from dgcli.sampling.engine import Engine, Request
 from dgcli.sampling.events import BlockStart, Commit, Done, Step
 from dgcli.serve.metrics import Metrics
@@ -60,7 +61,7 @@ class Worker:
 
     def _engine(self) -> Engine:
         s = self.session
-        return Engine(s.model, slots=self.slots, max_len=self.max_len, pad_id=s.pad_id, compile_tiles=s.compiled)
+        return new_engine(s.model, slots=self.slots, max_len=self.max_len, pad_id=s.pad_id, compile_tiles=s.compiled)
 
     # ---- any thread --------------------------------------------------------------------------------------
 

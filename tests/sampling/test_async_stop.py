@@ -1,0 +1,99 @@
+"""`AsyncStopEngine` (the CUDA engine: pass n+1 launched before pass n's stop flags are read, a stopped
+request's speculative step discarded) gives every request exactly the synchronous engine's events: the
+same steps, stop reasons, argmax canvases, accepted masks, commits and answers. Forced on CPU here."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import dgcli
+from dgcli.cli.options import sampler_flags
+from dgcli.runtime import request
+from dgcli.runtime.session import open_session
+from dgcli.sampling.async_stop import AsyncStopEngine, new_engine
+from dgcli.sampling.engine import Engine, Request
+from dgcli.sampling.events import BlockStart, Commit, Done, Step
+from dgcli.text.prompts import read_prompt_file
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    session = open_session(None, None, sampler_flags(blocks=4, seed=0, device="cpu", dtype="float32"))
+    rows = read_prompt_file(dgcli.__path__[0] + "/data/prompts/heldout.jsonl")
+    return session, [request.encode(session, row["prompt"]) for row in rows]
+
+
+def record(ev):
+    if isinstance(ev, Step):
+        return ("step", ev.block, ev.step, ev.stop_reason, ev.argmax.tolist(), ev.accepted_mask.tolist(),
+                ev.next_canvas.tolist(), float(ev.mean_entropy))
+    if isinstance(ev, Commit):
+        return ("commit", ev.block, ev.tokens, ev.stop_index)
+    if isinstance(ev, Done):
+        return ("done", ev.token_ids, ev.steps_per_block, ev.finish_reason)
+    assert isinstance(ev, BlockStart)
+    return ("start", ev.block, ev.prefix_len, ev.canvas.tolist())
+
+
+def same(a: dict, b: dict) -> None:
+    """Equal event records, but mean entropies within 1e-4: in fp32 the two engines may batch a request with
+    different batch-mates in a pass, and MKL's small-matrix GEMM rounds differently (1e-6, grown by
+    self-conditioning; the fp32 caveat of tests/sampling/test_batch.py). Tokens, masks, steps: exact."""
+    assert a.keys() == b.keys()
+    for rid in a:
+        assert len(a[rid]) == len(b[rid]), rid
+        for x, y in zip(a[rid], b[rid]):
+            if x[0] == "step":
+                assert x[:7] == y[:7] and abs(x[7] - y[7]) < 1e-4, (rid, x[:4], y[:4])
+            else:
+                assert x == y, rid
+
+
+def per_request(engine_cls, session, jobs, slots, cancel=None):
+    """{request id: its events as records}; `cancel` = (id, after its Nth step event) withdraws it."""
+    engine = engine_cls(session.model, slots=slots, max_len=400, pad_id=session.pad_id)
+    for rid, (ids, params, blocks) in enumerate(jobs):
+        engine.submit(Request(id=rid, prompt=torch.tensor(ids), params=params, num_blocks=blocks, seed=rid,
+                              stops=set(session.stop_ids)))
+    got: dict[int, list] = {}
+    for ev in engine.events():
+        got.setdefault(ev.row, []).append(record(ev))
+        if cancel and ev.row == cancel[0] and sum(r[0] == "step" for r in got[ev.row]) == cancel[1]:
+            assert engine.cancel(cancel[0])
+    assert engine.idle and sorted(engine.free) == list(range(slots))
+    return got, engine.stats
+
+
+@pytest.mark.parametrize("slots", [1, 3, 8])
+def test_async_stop_gives_every_request_the_synchronous_events(bundled, slots):
+    session, prompts = bundled
+    p = session.params
+    jobs = [(prompts[i], p, 4) for i in range(0, 90, 5)]  # 18 requests through `slots` slots
+    sync, _ = per_request(Engine, session, jobs, slots)
+    fast, stats = per_request(AsyncStopEngine, session, jobs, slots)
+    same(fast, sync)
+    early = sum(r[3] == "stable_confident" for rows in sync.values() for r in rows if r[0] == "step")
+    assert early > 10 and stats["discarded_row_steps"] >= 1  # early stops happened: speculation was discarded
+
+
+def test_mixed_settings_depths_and_a_cancel(bundled):
+    session, prompts = bundled
+    p = session.params
+    jobs = [(prompts[3], dataclasses.replace(p, confidence_threshold=0.0, max_denoising_steps=5), 2),
+            (prompts[40], dataclasses.replace(p, stability_threshold=3), 3),
+            (prompts[70], p, 4),
+            (prompts[11], dataclasses.replace(p, entropy_bound=0.3, max_denoising_steps=7), 3),
+            (prompts[55], p, 3)]
+    for cancel in (None, (2, 3)):
+        sync, _ = per_request(Engine, session, jobs, 3, cancel)
+        fast, _ = per_request(AsyncStopEngine, session, jobs, 3, cancel)
+        same(fast, sync)
+
+
+def test_new_engine_picks_by_device(bundled):
+    session, _ = bundled
+    assert type(new_engine(session.model, slots=1, max_len=64)) is Engine  # CPU: nothing to overlap
+    assert type(new_engine(session.model, async_stop=True, slots=1, max_len=64)) is AsyncStopEngine
