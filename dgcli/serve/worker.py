@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from dgcli.errors import UserError
 from dgcli.sampling.async_stop import new_engine
 from dgcli.sampling.engine import Engine, Request
 from dgcli.sampling.events import BlockStart, Commit, Done, Step
@@ -113,7 +114,12 @@ class Worker:
                               params=spec.params, num_blocks=spec.num_blocks, seed=spec.params.seed,
                               stops=set() if spec.ignore_eos else set(self.session.stop_ids))
             self.jobs[job.id] = job
-            self.engine.submit(request)
+            try:
+                self.engine.submit(request)
+            except Exception as e:  # the engine refused it (the app's checks should have caught this)
+                log.exception("the engine refused request %s", job.id)
+                self._forget(job, cancelled=False)
+                job.send("error", ApiError(400 if isinstance(e, UserError) else 500, str(e)))
         elif kind == "cancel":
             if job.id in self.jobs:
                 self.engine.cancel(job.id)
