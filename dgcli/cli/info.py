@@ -4,8 +4,10 @@ Config summary, parameter counts (total, active per token), bytes by dtype (from
 of a checkpoint, or config x dtype for --dummy), memory to run (weights, KV cache for --context tokens,
 the sampler's per-step working set), FLOPs and bytes per denoising step and per commit, and the
 theoretical floor per step on this device (measured peaks on CPU) and on H100/H200 (datasheet table);
-then the batch memory (dgcli.measure.memory): bytes per slot, and the largest batch that fits the H100,
-the H200, this device and --memory, with bf16 and FP8 weights.
+then the batch memory (dgcli.measure.memory): bytes per slot (the KV cache as allocated: full layers'
+bytes per token, the sliding layers' rings of W-1 positions per slot, and what every-position buffers
+took before the rings), and the largest batch that fits the H100, the H200, this device and --memory,
+with bf16 and FP8 weights.
 Owns: the command's flags and output choice. Must not: load weights (dgcli.measure.card does the arithmetic).
 """
 

@@ -14,7 +14,8 @@ I dense width, Im expert width, k experts per token, S stability_threshold, ab t
 
 The run holds one KV cache of b slots for its whole length (loop.py: `model.new_cache(slots, ...)` sized
 for the longest request, prompt + every block but the last; a request joins by encoding its prompt into
-a free slot and leaves by freeing it: nothing is copied). The peak of b slots = weights + b·KV +
+a free slot and leaves by freeing it: nothing is copied); per slot, full layers keep every position and
+sliding layers a ring of their last W-1 (`kv_bytes`). The peak of b slots = weights + b·KV +
 b·(loop state) + the larger of what is live on top of that at once:
 * a denoising step (rules.denoise_step): the decoder pass, then the vocabulary pass next to its input;
   a commit's encoder pass holds less than the decoder pass (the same layers over C tokens without the
@@ -27,7 +28,7 @@ the budget by default), torch.compile's buffers, the CPU flash-attention kernel'
 
 from __future__ import annotations
 
-from dgcli.measure.card import DTYPE_BYTES, kv_cache_bytes, param_counts
+from dgcli.measure.card import DTYPE_BYTES, param_counts
 from dgcli.model.config import ModelConfig
 
 GIB = 2**30
@@ -49,6 +50,18 @@ def cache_length(prompt_len: int, blocks: int, canvas: int) -> int:
     """Cached positions of a request: its prompt and every block but the last (loop.py sizes the cache
     `n + (num_blocks - 1) * c`: a row's last block is never encoded)."""
     return prompt_len + (blocks - 1) * canvas
+
+
+def kv_bytes(cfg: ModelConfig, context: int, ab: int = 2) -> dict:
+    """One slot's KV cache sized for `context` positions, as `model.new_cache` allocates it (model/cache.py):
+    K and V of every position on full layers (`full_per_token` bytes a position), a ring of the last
+    min(W-1, context) positions on sliding layers (`rings`, fixed per slot); `was_per_token` and `was`:
+    the every-position buffers of every layer that the rings replaced."""
+    row = [2 * g.num_kv_heads * g.head_dim * ab for g in cfg.layers]  # K and V of one position
+    full = sum(r for r, g in zip(row, cfg.layers) if g.window is None)
+    rings = sum(r * min(g.window - 1, context) for r, g in zip(row, cfg.layers) if g.window is not None)
+    return {"context": context, "full_per_token": full, "rings": rings, "total": full * context + rings,
+            "was_per_token": sum(row), "was": sum(row) * context}
 
 
 def weights_bytes(cfg: ModelConfig, fmt: str = "bf16") -> dict:
@@ -134,8 +147,9 @@ def _pass_bytes(cfg: ModelConfig, b: int, context: int, ab: int, cpu: bool, pref
                    ln + q + raw + max(_norm(t, kvd, ab, cpu), 5 * kv), ln + q + kv + raw + _norm(t, kvd, ab, cpu))
         qkv = q + 2 * kv
         lse = (1 if per_row else b) * n * c * 4  # SDPA's fp32 log-sum-exp
-        if prefill:  # the slots' K, V read back [b, n_kv, P, d]; _causal's bool [P, P] x3 and SDPA's float copy
-            attend = 2 * b * c * kvd * ab + c * c * ((3 if g.window else 1) + ab) + q + lse
+        if prefill:  # the slots' K, V read back [b, n_kv, P, d]; _causal's bool [P, P] x3 and SDPA's float copy;
+            # a sliding layer's keys and values concatenated (ring prefix + the pass's own, here none): a copy
+            attend = 2 * b * c * kvd * ab * (2 if g.window else 1) + c * c * ((3 if g.window else 1) + ab) + q + lse
         else:
             keys = (context if g.window is None else min(context, g.window - 1)) + c
             # together: torch.cat((pk, k)) and (pv, v) [b, n_kv, keys, d] and the output; alone: one row's
@@ -219,7 +233,7 @@ def peak_bytes(cfg: ModelConfig, b: int, *, context: int, prompt_len: int = 256,
                ab: int = 2, cpu: bool = False, sms: int = 132, stability: int = 1) -> dict:
     """The most memory b slots hold at once (see the module's docstring), by part."""
     weights = weights_bytes(cfg, fmt)["bytes"]
-    kv = b * kv_cache_bytes(cfg, context, ab)
+    kv = b * kv_bytes(cfg, context, ab)["total"]
     state = b * loop_state_bytes(cfg, ab, stability)["total"]
     phases = {"step": step_bytes(cfg, b, context, ab, cpu, sms)["total"],
               "prefill": decode_bytes(cfg, b, context, ab, cpu, prefill=prompt_len)}
@@ -256,7 +270,7 @@ def batch_memory(cfg: ModelConfig, *, context: int, prompt_len: int, dtype: str,
     and for each budget ({"name", "bytes", "cpu", "sms"}) and weight format (bf16 activations and KV) the
     largest batch that fits."""
     ab = DTYPE_BYTES[dtype]
-    kv = kv_cache_bytes(cfg, context, ab)
+    kv = kv_bytes(cfg, context, ab)
     state = loop_state_bytes(cfg, ab, stability)
     step = {"cuda": step_per_row(cfg, context, ab), "cpu": step_per_row(cfg, context, ab, cpu=True)}
     fits = []
@@ -274,12 +288,13 @@ def batch_memory(cfg: ModelConfig, *, context: int, prompt_len: int, dtype: str,
                          "weights" if w > usable else "one_slot"})
     return {
         "context": context, "dtype": dtype, "headroom": headroom,
-        "per_slot": {"kv_cache": kv, "loop_state": state["total"], "loop_state_parts": state,
-                     "step_per_row": step, "total": {p: kv + state["total"] + s for p, s in step.items()}},
+        "per_slot": {"kv_cache": kv["total"], "kv": kv, "loop_state": state["total"], "loop_state_parts": state,
+                     "step_per_row": step, "total": {p: kv["total"] + state["total"] + s for p, s in step.items()}},
         "weights": {fmt: weights_bytes(cfg, fmt) for fmt in formats},
         "fits": fits,
         "assumptions": (
-            f"peak = weights + b x (KV + sampler state) + the larger of a denoising step's temporaries and "
+            f"peak = weights + b x (KV: full layers every position, sliding layers a ring of their last window-1; "
+            f"+ sampler state) + the larger of a denoising step's temporaries and "
             f"the prefill's (b prompts of {prompt_len} tokens); usable = memory less {headroom:.0%} headroom "
             f"(CUDA context, allocator fragmentation); bf16 activations and KV (fp32 for fp32); FP8 = attention, MLP and "
             f"expert matrices at 1 byte/param, embedding/LM head, router, self-conditioning MLP and norms "
@@ -302,13 +317,16 @@ _PHASES = {"step": "a step", "prefill": "the prefill", "weights": "weights alone
 def markdown(sec: dict) -> str:
     """The section as `dgemma info` prints it."""
     ps, w = sec["per_slot"], sec["weights"]
-    st = ps["loop_state_parts"]
+    st, kv = ps["loop_state_parts"], ps["kv"]
     lines = [(f"**batch memory** ({sec['dtype']} KV, {sec['context']:,} cached tokens per slot = the longest "
               f"request's prompt + every block but the last; --context):"),
              (f"- per slot: KV cache {_b(ps['kv_cache'])} + sampler state {_b(ps['loop_state'])} (soft embedding "
               f"{_b(st['soft'])}, canvas, history, last step's outputs) + step temporaries "
               f"{_b(ps['step_per_row']['cuda'])} on CUDA ({_b(ps['step_per_row']['cpu'])} on CPU) = "
               f"**{_b(ps['total']['cuda'])}** (CUDA), {_b(ps['total']['cpu'])} (CPU)"),
+             (f"- KV cache: {_b(kv['full_per_token'])}/token for full layers + {_b(kv['rings'])} per slot for the "
+              f"sliding rings (was {_b(kv['was_per_token'])}/token): {_b(kv['total'])} per slot at "
+              f"{kv['context']:,} tokens (was {_b(kv['was'])})"),
              "- weights: " + ", ".join(f"{k} {_b(v['bytes'])}" for k, v in w.items()), "",
              f"**largest batch that fits** ({1 - sec['headroom']:.0%} of the memory usable):", "",
              "| memory | weights | usable | largest batch | peak at |", "|---|---|---|---|---|"]

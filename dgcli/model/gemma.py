@@ -223,10 +223,11 @@ class DiffusionGemma(nn.Module):
             out[kind] = rope_tables(positions, self._inv_freq[key], dtype)
         return out
 
-    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
-        w = self.embed_tokens.weight
-        shapes = [(g.num_kv_heads, g.head_dim) for g in self.geometry]
-        return KVCache(shapes, batch_size, max_len, w.device, w.dtype)
+    def new_cache(self, batch_size: int, max_len: int, rings: bool = True) -> KVCache:
+        """Sliding layers keep a ring of their last W-1 positions (`rings=False`: every position, as before)."""
+        w, geo = self.embed_tokens.weight, self.geometry
+        return KVCache([(g.num_kv_heads, g.head_dim) for g in geo], batch_size, max_len, w.device, w.dtype,
+                       [g.window for g in geo] if rings else None)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(ids) * self.embed_scale
@@ -267,20 +268,24 @@ class DiffusionGemma(nn.Module):
         for i, (layer, g) in enumerate(zip(self.layers, self.geometry)):
             attn = layer.self_attn
             q, k, v = attn.project(layer.input_layernorm(x), *tables[g.kind])
-            cache.write(i, starts, k, v, rows)
+            ring = cache.ring[i] is not None  # a ring is read before the write (see _keys)
+            if not ring:
+                cache.write(i, starts, k, v, rows)
             if same:
                 lo = 0 if g.window is None else max(0, starts[0] - g.window + 1)
-                keys, values = cache.read(i, lo, starts[0] + t, rows)
-                out = attn.sdpa(q, keys, values, self._causal(lo, starts[0] + t, qcol, g.window))
+                out = attn.sdpa(q, *self._keys(cache, i, lo, starts[0], starts[0] + t, k, v, rows, ring),
+                                self._causal(lo, starts[0] + t, qcol, g.window))
             else:  # each row alone, over exactly the keys it has: the same numbers as a batch of one
                 out = q.new_zeros(q.shape)  # padding queries keep zeros (their K/V are never read)
                 for b, (s0, n) in enumerate(zip(starts, lengths)):
                     lo = 0 if g.window is None else max(0, s0 - g.window + 1)
-                    keys, values = cache.read(i, lo, s0 + n, None if rows is None else rows[b:b + 1])
-                    if rows is None:
-                        keys, values = keys[b:b + 1], values[b:b + 1]
-                    out[b:b + 1, :, :n] = attn.sdpa(q[b:b + 1, :, :n], keys, values,
-                                                    self._causal(lo, s0 + n, qcol[b, :n], g.window))
+                    kv = self._keys(cache, i, lo, s0, s0 + n, k[b:b + 1, :, :n], v[b:b + 1, :, :n],
+                                    [b if rows is None else rows[b]], ring)  # a ring's: a copy, dropped below
+                    out[b:b + 1, :, :n] = attn.sdpa(q[b:b + 1, :, :n], *kv, self._causal(lo, s0 + n, qcol[b, :n],
+                                                                                         g.window))
+                    del kv
+            if ring:
+                cache.write(i, starts, k, v, rows, lengths)
             x = x + layer.post_attention_layernorm(attn.out(out))
             if i == last:
                 break
@@ -288,6 +293,15 @@ class DiffusionGemma(nn.Module):
             x *= layer.encoder_layer_scalar
         for b, (s, n) in enumerate(zip(starts, lengths)):
             cache.lens[b if rows is None else rows[b]] = s + n
+
+    @staticmethod
+    def _keys(cache: KVCache, i: int, lo: int, s: int, hi: int, k, v, rows, ring: bool):
+        """Encoder K, V of positions lo..hi-1: the full buffer's view (the new tokens written first), or the
+        ring's lo..s-1 in order (read before the write, which may overwrite them) and the new tokens' k, v."""
+        if not ring:
+            return cache.read(i, lo, hi, rows)
+        pk, pv = cache.parts(i, lo, s, rows)
+        return torch.cat((*pk, k), dim=2), torch.cat((*pv, v), dim=2)
 
     @staticmethod
     def _causal(lo: int, hi: int, qcol: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -318,15 +332,15 @@ class DiffusionGemma(nn.Module):
             # numbers must not depend on its batch-mates).
             if same:
                 lo = 0 if g.window is None else max(0, lens[0] - (g.window - 1))
-                pk, pv = cache.read(i, lo, lens[0])
-                out = attn.sdpa(q, torch.cat((pk, k), dim=2), torch.cat((pv, v), dim=2), None)
+                pk, pv = cache.parts(i, lo, lens[0])  # views, in position order (two of a wrapped ring)
+                out = attn.sdpa(q, torch.cat((*pk, k), dim=2), torch.cat((*pv, v), dim=2), None)
             else:
                 parts = []
                 for b, (r, p) in enumerate(zip(slots, lens)):
                     lo = 0 if g.window is None else max(0, p - (g.window - 1))
-                    pk, pv = cache.read(i, lo, p)  # views: no copy
-                    parts.append(attn.sdpa(q[b:b + 1], torch.cat((pk[r:r + 1], k[b:b + 1]), dim=2),
-                                            torch.cat((pv[r:r + 1], v[b:b + 1]), dim=2), None))
+                    pk, pv = cache.parts(i, lo, p, [r])  # views of row r: no copy
+                    parts.append(attn.sdpa(q[b:b + 1], torch.cat((*pk, k[b:b + 1]), dim=2),
+                                            torch.cat((*pv, v[b:b + 1]), dim=2), None))
                 out = torch.cat(parts)
             x = x + layer.post_attention_layernorm(attn.out(out))
             x = layer.feed_forward(x)

@@ -240,13 +240,31 @@ def _storage_bytes(tensors) -> int:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kv_per_slot_is_what_new_cache_allocates(dtype):
+@pytest.mark.parametrize("context", [37, 4])  # longer and shorter than the sliding layers' ring (window 6: 5)
+def test_kv_per_slot_is_what_new_cache_allocates(dtype, context):
     model = random_model(make_config(SMALL, canvas_length=8), dtype=dtype)
-    cache = model.new_cache(3, 37)
-    held = _storage_bytes(cache.k + cache.v)
-    assert held / 3 == info.kv_cache_bytes(model.config, 37, dtype.itemsize)
-    sec = memory.batch_memory(model.config, context=37, prompt_len=5, dtype=str(dtype)[6:], budgets=[])
-    assert sec["per_slot"]["kv_cache"] == held / 3
+    held = _storage_bytes(model.new_cache(3, context).k + model.new_cache(3, context).v)
+    kv = memory.kv_bytes(model.config, context, dtype.itemsize)
+    assert held / 3 == kv["total"] == info.kv_cache_bytes(model.config, context, dtype.itemsize, trimmed=True)
+    # SMALL: sliding layers 2 kv heads x 8, the full layer 1 x 16: K and V of a position 2 x 16 values each.
+    assert kv["full_per_token"] == 2 * 16 * dtype.itemsize
+    assert kv["rings"] == 2 * 2 * 2 * 8 * dtype.itemsize * min(5, context)
+    every = model.new_cache(3, context, rings=False)  # what the cache was: every position on every layer
+    assert _storage_bytes(every.k + every.v) / 3 == kv["was"] == info.kv_cache_bytes(model.config, context,
+                                                                                      dtype.itemsize)
+    sec = memory.batch_memory(model.config, context=context, prompt_len=5, dtype=str(dtype)[6:], budgets=[])
+    assert sec["per_slot"]["kv_cache"] == held / 3 and sec["per_slot"]["kv"] == kv
+
+
+def test_real_config_kv_per_slot_with_rings():
+    """The released config, bf16: 5 full layers (2 kv heads x 512) keep every position, 20 KiB a token; 25
+    sliding layers (8 x 256, window 1024) a ring of 1023 positions, 199.8 MiB a slot; every position on
+    every layer was 225,280 B a token (spec §5.9): 1.72 GiB -> 360 MiB a slot at 8K, 27.5 -> 2.7 GiB at 128K."""
+    cfg = load_config(real_config_path())
+    for context, after, before in ((8192, 377_282_560, 1_845_493_760), (131072, 2_893_864_960, 29_527_900_160)):
+        kv = memory.kv_bytes(cfg, context, 2)
+        assert (kv["full_per_token"], kv["rings"], kv["was_per_token"]) == (20_480, 209_510_400, 225_280)
+        assert (kv["total"], kv["was"]) == (after, before)
 
 
 def test_loop_state_per_row_is_what_a_batched_run_holds():
@@ -276,7 +294,7 @@ def test_loop_state_per_row_is_what_a_batched_run_holds():
                                          + [engine.canvas, engine.history, engine.soft]
                                          + [out.sample, out.argmax, out.entropy, out.soft]
                                          + [rules.entropy_bound, rules.confidence_threshold, rules.stability])
-                assert _storage_bytes(cache.k + cache.v) == b * info.kv_cache_bytes(cfg, 5 + 8, 2)
+                assert _storage_bytes(cache.k + cache.v) == b * memory.kv_bytes(cfg, 5 + 8, 2)["total"]
                 break
         gen.close()
     state = memory.loop_state_bytes(cfg, ab=2, stability=2)
@@ -390,8 +408,9 @@ def test_info_dummy_26b_prints_the_batch_table():
     cfg = load_config(real_config_path())
     card = json.loads(_info("--dummy", "26B-A4B", "--no-measure-peaks", "--format", "json"))
     sec = card["batch_memory"]
-    kv, state, step = 4096 * 225_280, sec["per_slot"]["loop_state"], sec["per_slot"]["step_per_row"]["cuda"]
-    assert sec["context"] == 4096 and sec["per_slot"]["kv_cache"] == kv  # 880 MiB: spec's 225,280 B/token
+    kv, state, step = 4096 * 20_480 + 209_510_400, sec["per_slot"]["loop_state"], sec["per_slot"]["step_per_row"]["cuda"]
+    # 279.8 MiB: full layers' 20 KiB/token and the sliding rings (880 MiB when every layer kept every position)
+    assert sec["context"] == 4096 and sec["per_slot"]["kv_cache"] == kv
     assert 1.3 * 2**20 < state < 1.5 * 2**20  # mostly the soft embedding [256, 2816] bf16
     assert 20 * 2**20 < step < 60 * 2**20
     fits = {(f["memory"], f["weights"]): f for f in sec["fits"]}
@@ -400,13 +419,15 @@ def test_info_dummy_26b_prints_the_batch_table():
     w = memory.weights_bytes(cfg, "bf16")["bytes"]
     h100, h200 = fits[("H100 80 GB", "bf16")], fits[("H200 141 GB", "bf16")]
     estimate = (0.9 * 80 * 2**30 - w) / (kv + state + step)
-    assert h100["largest_batch"] in (int(estimate), int(estimate) - 1) and h100["largest_batch"] == 27
+    assert h100["largest_batch"] in (int(estimate), int(estimate) - 1) and h100["largest_batch"] == 81  # 27 before the rings
     assert h100["peak_phase"] == "step" and h200["largest_batch"] > h100["largest_batch"]
     for mem in ("H100 80 GB", "H200 141 GB"):
         assert fits[(mem, "fp8")]["largest_batch"] > fits[(mem, "bf16")]["largest_batch"]
     md = _info("--dummy", "26B-A4B", "--no-measure-peaks")
-    assert "**largest batch that fits**" in md and "| H100 80 GB (cuda) | bf16 47.03 GiB | 72 GiB | **27** |" in md
-    assert "per slot: KV cache 880 MiB" in md and "this machine (cpu)" in md
+    assert "**largest batch that fits**" in md and "| H100 80 GB (cuda) | bf16 47.03 GiB | 72 GiB | **81** |" in md
+    assert "per slot: KV cache 279.8 MiB" in md and "this machine (cpu)" in md
+    assert ("KV cache: 20 KiB/token for full layers + 199.8 MiB per slot for the sliding rings (was 220 KiB/token): "
+            "279.8 MiB per slot at 4,096 tokens (was 880 MiB)") in md
 
 
 def test_info_memory_and_headroom_options():
