@@ -10,7 +10,10 @@ Three kernels:
    max / first argmax / Σexp(L-m) / Σexp(L-m)(L-m) (entropy) / Σexp(bf16(L)-m), and per tile of BLOCK_N
    columns the running max m and Σexp(L-m) (the draw's statistics); a tiny torch combine merges the splits.
 2. `_probs_kernel`, per vocabulary chunk: recomputes the head tile (cheaper than storing [N, V]) and
-   writes p = bf16(exp(bf16(L) - M)/Zb) for the chunk: the reference's normalised, rounded probabilities.
+   writes p = bf16(exp(bf16(L) - Mb)/Zb) for the chunk, Mb = bf16(max L), the max the reference's softmax
+   subtracts: the reference's normalised, rounded probabilities. Not bit for bit: the reference's softmax
+   sums exp in its own order (torch's CPU fp32 softmax is off the exact sum by ~1e-5 relative at
+   V = 262,144, which moves ~0.2 % of the bf16 probabilities by one step) and with its own exp.
 3. `_soft_gemm_kernel`: acc[N, H] (fp32) += p_chunk @ E_chunk. soft = bf16(acc)·scale at the end.
 Draws: the reference's inverse CDF at the given uniforms, located through the per-tile sums
 (kernels/categorical.py, torch): the same draws as every other path, up to rounding.
@@ -106,9 +109,13 @@ def _stats_kernel(h_ptr, e_ptr, temp_ptr, m_ptr, z_ptr, s_ptr, amax_ptr, zb_ptr,
         tl.store(tm_ptr + at, m_new, mask=row_ok)
         tl.store(tz_ptr + at, tile_z, mask=row_ok)
         if WANT_SOFT:
+            # Σ exp(bf16(L) - bf16(m)): the reference's softmax reads the rounded logits and subtracts their
+            # max, which is the rounded max of L (rounding is monotone); the same shift, the same exp args.
             lb = round_to(L, IS_BF16)  # L as the reference stores it between steps
-            eb = tl.where(col_ok[None, :], tl.exp(lb - m_new[:, None]), 0.0)
-            zb = alpha * zb + tl.sum(eb, axis=1)
+            mb_new = round_to(m_new, IS_BF16)
+            alpha_b = tl.where(first, 0.0, tl.exp(round_to(m, IS_BF16) - mb_new))
+            eb = tl.where(col_ok[None, :], tl.exp(lb - mb_new[:, None]), 0.0)
+            zb = alpha_b * zb + tl.sum(eb, axis=1)
         m = m_new
     out = split * N + rows
     tl.store(m_ptr + out, m, mask=row_ok)
@@ -160,8 +167,9 @@ def _soft_gemm_kernel(p_ptr, e_ptr, acc_ptr, N, K, H, stride_p, stride_e, stride
     tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + acc, mask=mask)
 
 
-def _combine(m, z, s, amax, zb):
-    """Merge per-split statistics [S, N] -> per-row results (torch ops, no host sync)."""
+def _combine(m, z, s, amax, zb, soft_dtype):
+    """Merge per-split statistics [S, N] -> per-row results (torch ops, no host sync). The soft embedding's
+    max and sum are those of the logits rounded to `soft_dtype` (each split's zb is relative to its rounded m)."""
     mx = m.max(dim=0).values  # [N]
     alpha = torch.exp(m - mx)  # [S, N]
     zt = (alpha * z).sum(0)
@@ -169,8 +177,9 @@ def _combine(m, z, s, amax, zb):
     entropy = torch.log(zt) - st / zt
     first = torch.argmax((m == mx).to(torch.int8), dim=0)  # earliest split holding the max: first argmax
     argmax = amax.gather(0, first[None])[0].long()
-    zbt = (alpha * zb).sum(0)
-    return mx, entropy, argmax, zbt
+    mb = mx.to(soft_dtype).float()  # [N] the max of the rounded logits
+    zbt = (torch.exp(m.to(soft_dtype).float() - mb) * zb).sum(0)
+    return mb, entropy, argmax, zbt
 
 
 def vocab_pass_triton(
@@ -222,7 +231,7 @@ def vocab_pass_triton(
     _stats_kernel[(row_blocks, splits)](rows, embed, temp, m, z, s, amax, zb, tile_m, tile_z, n, v, h, n_tiles,
                                         cols_per_split, rows.stride(0), embed.stride(0), cap,
                                         WANT_SOFT=want_soft, **meta)
-    mx, entropy, argmax, zbt = _combine(m, z, s, amax, zb)
+    mb, entropy, argmax, zbt = _combine(m, z, s, amax, zb, embed.dtype)
     u = uniform.reshape(n).to(device=dev, dtype=torch.float64)  # [N]
     sample = draw_from_groups(tile_m, tile_z, u, block_n, rows, embed, softcap, temp[:, None])
 
@@ -234,7 +243,7 @@ def vocab_pass_triton(
         for c0 in range(0, v, width):
             c1 = min(v, c0 + width)
             _probs_kernel[(row_blocks, triton.cdiv(c1 - c0, block_n))](
-                rows, embed, temp, mx, zbt, probs, n, c0, c1, h, rows.stride(0), embed.stride(0), probs.stride(0),
+                rows, embed, temp, mb, zbt, probs, n, c0, c1, h, rows.stride(0), embed.stride(0), probs.stride(0),
                 cap, **meta)
             _soft_gemm_kernel[(row_blocks, triton.cdiv(h, block_n))](
                 probs, embed[c0:], acc, n, c1 - c0, h, probs.stride(0), embed.stride(0), acc.stride(0),

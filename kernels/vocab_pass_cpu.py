@@ -1,20 +1,26 @@
-"""The vocabulary pass for CPU: vocabulary tiles, online statistics, never a [C, V] tensor.
+"""The vocabulary pass for CPU: vocabulary tiles, online statistics, never a [C, V] float32 tensor.
 
 Owns: `vocab_pass_tiled`, same contract and outputs as `kernels/reference.py::vocab_pass` (tied head +
 softcap, temperature, one categorical draw, argmax, entropy, self-conditioning soft embedding), computed
 one vocabulary tile at a time for all rows: one bf16 head GEMM [N, H]x[H, T] per tile, fp32 online
-statistics (running max, sum of exp, entropy numerator, argmax), a streaming categorical draw and the
-soft embedding accumulated flash-attention style (rescaled when the running max grows).
+statistics (running max, sum of exp, entropy numerator, argmax) and a streaming categorical draw.
 Must not: know about the denoising loop, devices other than CPU (it reads a few row counts back to the
 host, which is free on CPU and a sync on CUDA: CUDA uses the Triton kernel), or models.
 
 Semantics kept from the reference: argmax of L (first index on ties), entropy of softmax(L) in fp32,
 and soft = bf16(softmax_fp32(bf16(L))) @ E · scale with L rounded to the embedding dtype before the
-softmax. Two differences, both within the reference's own rounding: the probabilities rounded to bf16
-before the soft GEMM are unnormalised (scaled by exp(-tile max); the rescaling to the running max and
-the normalisation are applied to the fp32 accumulator), and each tile's bf16 GEMM output is rounded to
-bf16 before the fp32 accumulation. The categorical draw is the reference's inverse CDF at the given
-uniforms, located through per-group sums (kernels/categorical.py): the same draws up to rounding.
+softmax. The soft embedding in a low-precision dtype (bf16) is the reference's (transformers') own ops on
+the same values, so its bits are the reference's: each tile writes bf16(L) into one [N, V] buffer in the
+embedding dtype (the tensor transformers keeps between steps; 128 MiB at N = 256, V = 262,144), then
+torch's softmax (fp32, a few rows at a time) overwrites it with the bf16 probabilities, and one bf16
+GEMM [N, V]x[V, H] over the whole vocabulary (oneDNN's result for a row does not depend on the other rows
+when N >= 2, measured; transformers runs it on [B·C, V]). Why not online: a bf16 probability must be
+rounded after normalising by the full row's sum, and torch's fp32 softmax uses its own exp and sum order,
+so probabilities rounded per tile (the earlier design: unnormalised, rescaled in fp32 afterwards) moved
+~40 % of the soft embedding's entries by a bf16 step and step 2's logits by 0.3-1.9 on the parity configs.
+In fp32 the soft embedding stays online (flash-attention style, rescaled when the running max grows),
+equal to the reference up to fp32 summation order. The categorical draw is the reference's inverse CDF at
+the given uniforms, located through per-group sums (kernels/categorical.py): the same draws up to rounding.
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ TILE_ROWS = 256  # the rows the default tile width is sized for (one real canvas
 # Columns per group of the draw's statistics (when the tile width is a multiple of it; else one group
 # per tile): the draw recomputes one group per row at the end, [N, GROUP, H] gathered embedding rows.
 GROUP = 64
+# The low-precision soft embedding's softmax runs over this many bytes of float32 [rows, V] at a time
+# (its float32 input copy and its output: twice this at once).
+SOFTMAX_BYTES = 4 * 2**20
 
 
 def auto_tile(rows: int, vocab_size: int, tile_bytes: int = TILE_BYTES) -> int:
@@ -70,8 +79,9 @@ def tile_stats(raw: torch.Tensor, softcap: float | None, temperature: torch.Tens
 
     raw [N, T] head GEMM output -> tmax [N] (max of L), targ [N] (its first index), zt = Σ exp(L - tmax),
     st = Σ exp(L - tmax)·(L - tmax), gz [N, ceil(T/width)] = Σ exp(L - tmax) per group of `width`
-    columns (the draw's statistics), and for the soft embedding (soft_dtype not None) pb [N, T] =
-    exp(round(L) - tmax) rounded to soft_dtype with zbt [N] = the fp32 sum before that rounding.
+    columns (the draw's statistics), and for the soft embedding (soft_dtype not None) `keep` [N, T]:
+    float32 soft_dtype: exp(L - tmax) (the online soft accumulation's weights, their sum is zt);
+    otherwise round(L) in soft_dtype, the values the reference's softmax reads.
     Elementwise only plus row reductions: `--compile` fuses it into a couple of passes over the tile."""
     logits = _processed(raw.float(), softcap, temperature)  # [N, T] L (in place on an fp32 raw: the caller drops it)
     tmax, targ = _tile_max(logits)  # [N]
@@ -84,11 +94,10 @@ def tile_stats(raw: torch.Tensor, softcap: float | None, temperature: torch.Tens
     gz = (F.pad(e, (0, pad)) if pad else e).view(e.shape[0], -1, width).sum(dim=2)  # [N, groups]
     st = torch.mul(d, e, out=d).sum(dim=1)  # [N] Σ e·(L - tmax) (linalg.vecdot is slower on CPU)
     if soft_dtype is None:
-        return tmax, targ, zt, st, gz, None, None
+        return tmax, targ, zt, st, gz, None
     if stored is None:  # fp32 embedding: softmax(round(L)) is softmax(L); reuse e
-        return tmax, targ, zt, st, gz, e, zt
-    eb = stored.float().sub_(shift).exp_()  # [N, T]
-    return tmax, targ, zt, st, gz, eb.to(soft_dtype), eb.sum(dim=1)
+        return tmax, targ, zt, st, gz, e
+    return tmax, targ, zt, st, gz, stored
 
 
 _compiled_tile_stats = None
@@ -100,6 +109,20 @@ def compiled_tile_stats():
     if _compiled_tile_stats is None:
         _compiled_tile_stats = torch.compile(tile_stats, dynamic=False)
     return _compiled_tile_stats
+
+
+def soft_from_stored(stored: torch.Tensor, embed: torch.Tensor, scale: torch.Tensor,
+                     chunk_bytes: int = SOFTMAX_BYTES) -> torch.Tensor:
+    """The reference's soft embedding from the rounded logits `stored` [N, V] (embedding dtype; overwritten
+    with the probabilities): torch's fp32 softmax a few rows at a time (its float32 [r, V] input copy and
+    output within ~2·chunk_bytes), each rounded back into `stored`, then one GEMM [N, V]x[V, H] and the
+    scale in the embedding dtype: transformers' ops on transformers' values (modeling: softmax(dim=-1,
+    dtype=float32).to(E.dtype) @ E · embed_scale)."""
+    n, v = stored.shape
+    step = max(1, chunk_bytes // (4 * v))
+    for lo in range(0, n, step):
+        stored[lo:lo + step] = stored[lo:lo + step].softmax(dim=-1, dtype=torch.float32)  # rounds as .to() does
+    return torch.matmul(stored, embed) * scale  # [N, H]
 
 
 @torch.no_grad()
@@ -118,12 +141,13 @@ def vocab_pass_tiled(
 ) -> VocabPassOut:
     """`kernels.reference.vocab_pass` over vocabulary tiles of `tile` columns (default `auto_tile`).
 
-    Extra memory: a few [N, T] float32 tiles plus the [N, H] float32 soft accumulator, whatever V is
-    (T = `auto_tile(TILE_ROWS, V)` by default: ~16 MiB of tiles per 256 rows).
+    Extra memory: a few [N, T] float32 tiles (T = `auto_tile(TILE_ROWS, V)` by default: ~16 MiB of tiles
+    per 256 rows); for the soft embedding, in fp32 an [N, H] float32 accumulator, in a low-precision
+    dtype the [N, V] rounded logits in that dtype plus the softmax's float32 rows (`soft_from_stored`).
     `compile_tiles` runs each tile's elementwise math through torch.compile (`dgemma --compile`); the
     GEMMs, the running statistics and the draw stay eager. `row_chunk` is accepted for
     signature compatibility with the reference and ignored (all rows go through each tile together:
-    one E read per step)."""
+    the head reads E once per step; the low-precision soft GEMM reads it once more)."""
     del row_chunk
     b, c, h = hidden.shape
     v = embed.shape[0]
@@ -140,14 +164,17 @@ def vocab_pass_tiled(
     temp = row_temperature(temperature, b, c, dev)
     stats = compiled_tile_stats() if compile_tiles else tile_stats
     soft_dtype = embed.dtype if want_soft else None
+    # Low-precision soft embedding: the rounded logits of every tile, for the reference's own softmax and GEMM.
+    stored = torch.empty(n, v, dtype=embed.dtype, device=dev) if want_soft and embed.dtype != torch.float32 else None
     width = GROUP if t_cols % GROUP == 0 else t_cols
     gmax, gsum = [], []  # per tile: [N, groups] reference max and Σ exp(L - max) of each group
 
-    m = z = s = zb = acc = arg = None  # running max of L, Σ exp(L - m), Σ exp(L - m)(L - m), ...
+    m = z = s = acc = arg = None  # running max of L, Σ exp(L - m), Σ exp(L - m)(L - m), fp32 soft, argmax
     for lo in range(0, v, t_cols):
-        et = embed[lo:min(v, lo + t_cols)]  # [T, H]
+        hi = min(v, lo + t_cols)
+        et = embed[lo:hi]  # [T, H]
         raw = F.linear(rows, et)  # [N, T] in the embedding dtype
-        tmax, targ, zt, st, gz, pb, zbt = stats(raw, softcap, temp, soft_dtype, width)
+        tmax, targ, zt, st, gz, keep = stats(raw, softcap, temp, soft_dtype, width)
         gmax.append(tmax[:, None].expand_as(gz))
         gsum.append(gz)
         if m is None:  # first tile: its max is the running max
@@ -162,21 +189,22 @@ def vocab_pass_tiled(
             s = alpha * (s + z * (m - m_new)) + st
             z = alpha * z + zt
             m = m_new
-        if want_soft:
-            prod = torch.matmul(pb, et).float()  # [N, H]
-            if a_t is None:
-                zb, acc = zbt, prod
-            else:
-                zb = alpha * zb + a_t * zbt
-                acc = acc.mul_(alpha.unsqueeze(1)).add_(prod.mul_(a_t.unsqueeze(1)))
-        del raw, pb
+        if stored is not None:
+            stored[:, lo:hi] = keep  # round(L)
+        elif want_soft:  # fp32: Σ exp(L - m)·E online; its normaliser is z
+            prod = torch.matmul(keep, et)  # [N, H]
+            acc = prod if a_t is None else acc.mul_(alpha.unsqueeze(1)).add_(prod.mul_(a_t.unsqueeze(1)))
+        del raw, keep
 
     entropy = torch.log(z) - s / z
+    soft = None
+    if stored is not None:
+        soft = soft_from_stored(stored, embed, scale)  # before the draw: the [N, V] buffer goes first
+        del stored
+    elif want_soft:
+        soft = (acc / z.unsqueeze(1)) * scale
     u = uniform.reshape(n).to(device=dev, dtype=torch.float64)  # [N]
     pick = draw_from_groups(torch.cat(gmax, dim=1), torch.cat(gsum, dim=1), u, width, rows, embed, softcap, temp)
-    soft = None
-    if want_soft:
-        soft = (acc / zb.unsqueeze(1)).to(embed.dtype) * scale  # the reference rounds, then scales
     return VocabPassOut(
         sample=pick.view(b, c),
         argmax=arg.view(b, c),

@@ -41,6 +41,7 @@ ACT_BYTES = {"bf16": 2, "fp8": 2, "fp32": 4}  # activations and KV of a run with
 GATHER_BYTES = 32 * 2**20  # kernels/categorical.py: the draw's gathered embedding rows, per chunk
 CPU_TILE_BYTES = 4 * 2**20  # kernels/vocab_pass_cpu.py: TILE_BYTES
 CPU_TILE_ROWS = 256  # kernels/vocab_pass_cpu.py: TILE_ROWS (the tile width is auto_tile(TILE_ROWS, V))
+CPU_SOFTMAX_BYTES = 4 * 2**20  # kernels/vocab_pass_cpu.py: SOFTMAX_BYTES (float32 [rows, V] per softmax call)
 PROBS_CHUNK = 32768  # kernels/vocab_pass.py: CHUNK, vocabulary columns of the soft pass' probabilities
 GROUP = 64  # draw-statistics columns per group: vocab_pass_cpu.GROUP and vocab_pass_triton's block_n
 MOE_BLOCK = 64  # kernels/moe.py: experts_triton's block_m (each expert's rows padded to it)
@@ -197,14 +198,27 @@ def vocab_bytes(cfg: ModelConfig, b: int, ab: int = 2, cpu: bool = False, sms: i
         width = GROUP if tile % GROUP == 0 else tile
         tiles, per_tile = -(-v // tile), -(-tile // width)
         groups = tiles * per_tile
-        # One tile: raw [N, T] (ab), L fp32, round(L) (ab), exp fp32, its bf16-rounded twin fp32 and pb (ab),
-        # next to the group sums [N, T/width] of the tiles so far (gsum), each tile's max (gmax's views), and
-        # from the second tile on acc and the previous tile's fp32 product [N, H] (bound until reassigned).
-        buffers = n * tile * (3 * ab + 12)
-        first = small + 4 * n * per_tile + buffers
-        last = small + 2 * acc + 4 * n * (groups + tiles) + buffers
-        kept = small + acc + 4 * n * (groups + tiles) + 8 * n * groups  # + torch.cat of gmax and gsum
-        soft = small + acc + 4 * n * (groups + tiles) + 8 * n * h  # acc / zb, .to(bf16), · scale
+        draws = 4 * n * (groups + tiles)  # the group sums [N, T/width] of the tiles so far, each tile's max
+        if ab < 4:
+            # Low precision: every tile's round(L) in one [N, V] buffer (ab) for the whole pass; one tile:
+            # raw [N, T] (ab), L fp32, round(L) (ab), exp fp32. Then the softmax, r rows at a time (its fp32
+            # copy of the rows and its fp32 output), then the GEMM's [N, H] and its scaled copy; the buffer
+            # goes before the draw, the soft embedding [N, H] (ab) stays through it.
+            stored = n * v * ab
+            buffers = n * tile * (2 * ab + 8)
+            r = min(n, max(1, CPU_SOFTMAX_BYTES // (4 * v)))
+            first = small + stored + 4 * n * per_tile + buffers
+            last = small + stored + draws + buffers
+            soft = small + stored + draws + max(8 * r * v, 2 * n * h * ab)
+            kept = small + n * h * ab + draws + 8 * n * groups  # + torch.cat of gmax and gsum
+        else:
+            # fp32: one tile: raw [N, T], L, exp fp32 (the exp is the soft GEMM's weights), next to the group
+            # sums and tile maxima, and from the second tile on acc and the tile's product [N, H].
+            buffers = n * tile * (3 * ab + 12)
+            first = small + 4 * n * per_tile + buffers
+            last = small + 2 * acc + draws + buffers
+            kept = small + acc + draws + 8 * n * groups  # + torch.cat of gmax and gsum
+            soft = small + acc + draws + 8 * n * h  # acc / z, · scale
         stats = max(first, last if tiles > 1 else 0, soft)
     else:
         width, groups = GROUP, -(-v // GROUP)

@@ -328,7 +328,11 @@ def test_step_and_prefill_temporaries_are_the_cpu_allocators_peak(text):
         assert pre == pytest.approx(want_pre, rel=0.01, abs=64 * 2**10)
         got[b] = (step, pre, want_step, want_pre)
     per_row = [(got[3][i] - got[1][i]) / 2 for i in range(4)]
-    assert per_row[0] == pytest.approx(per_row[2], rel=0.005) and per_row[1] == pytest.approx(per_row[3], rel=0.005)
+    # The slope within 0.5 %, or within half the uncounted attention scratch: at b = 1 a bf16 step's peak can
+    # sit inside SDPA (the draw phase holds a bf16 [N, H] soft embedding, smaller than the scratch-free
+    # decoder peak of b = 3), so one end of the slope carries the ~41 KiB the formula leaves out.
+    assert per_row[0] == pytest.approx(per_row[2], rel=0.005, abs=24 * 2**10)
+    assert per_row[1] == pytest.approx(per_row[3], rel=0.005)
 
 
 @pytest.mark.parametrize("blocks, slots", [([12, 12], 2), ([2, 5, 3, 4], 2)])
@@ -395,8 +399,8 @@ def test_memory_constants_follow_the_kernels():
     from dgcli.kernels import categorical, vocab_pass_cpu
 
     assert memory.GATHER_BYTES == categorical.GATHER_BYTES
-    assert (memory.CPU_TILE_BYTES, memory.CPU_TILE_ROWS, memory.GROUP) == (
-        vocab_pass_cpu.TILE_BYTES, vocab_pass_cpu.TILE_ROWS, vocab_pass_cpu.GROUP)
+    assert (memory.CPU_TILE_BYTES, memory.CPU_TILE_ROWS, memory.GROUP, memory.CPU_SOFTMAX_BYTES) == (
+        vocab_pass_cpu.TILE_BYTES, vocab_pass_cpu.TILE_ROWS, vocab_pass_cpu.GROUP, vocab_pass_cpu.SOFTMAX_BYTES)
     kernels = Path(categorical.__file__).parent
     triton_src = (kernels / "vocab_pass.py").read_text()
     assert re.search(rf"^CHUNK = {memory.PROBS_CHUNK}\b", triton_src, re.MULTILINE)

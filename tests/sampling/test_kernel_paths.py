@@ -81,6 +81,28 @@ def test_random_model_same_draws_on_every_path(cli_ckpt, monkeypatch):
     assert not all(torch.equal(a, b) for a, b in zip(other, ref_samples))  # the seed does matter
 
 
+def test_bf16_self_conditioned_run_same_draws_on_reference_and_cpu_paths(cli_ckpt, monkeypatch):
+    """bf16 with self-conditioning on: the reference pass and the CPU tiled pass build the soft embedding
+    with the same ops on the same bf16 values (bit-equal), so every step's decoder input, and hence every
+    draw, is the same on both; the earlier tiled pass (probabilities rounded per tile before normalising)
+    fed step 2 a soft embedding ~40 % of whose entries were a bf16 step off, which this random model
+    amplifies. The Triton pass computes its own softmax (an entry a bf16 step off now and then,
+    tests/kernels), so it is not held to this."""
+    model = dgcli.load_model(cli_ckpt, dtype=torch.bfloat16)
+    prompt = torch.randint(0, model.config.vocab_size, (9,), generator=torch.Generator().manual_seed(1))
+    for seed in (7, 2**33 + 1):
+        params = DiffusionEbParams(max_denoising_steps=8, seed=seed)
+        runs = {}
+        for path in ("reference", "cpu"):
+            with monkeypatch.context() as m:
+                use_path(m, path)
+                runs[path] = run_events(model, prompt, params, blocks=2)
+        (ref_samples, ref_done), (samples, done) = runs["reference"], runs["cpu"]
+        assert sum(len(torch.unique(s)) for s in ref_samples) > 5 * len(ref_samples), "draws must be spread out"
+        assert done.token_ids == ref_done.token_ids and done.steps_per_block == ref_done.steps_per_block
+        assert len(samples) == len(ref_samples) and all(torch.equal(a, b) for a, b in zip(samples, ref_samples))
+
+
 def test_bundled_model_same_answers_on_every_path(monkeypatch):
     """The newcomer's report: `DGEMMA_KERNELS=reference` gave other text for the same seed. Held-out
     prompts at a high temperature (so the draws matter), fp32: the same answers and steps with every op on
