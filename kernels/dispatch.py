@@ -1,9 +1,10 @@
 """Which implementation runs each fused op: Triton kernels on CUDA, the fast torch paths on CPU, the torch
 references when asked (`DGEMMA_KERNELS=reference`) or when nothing better applies.
 
-Owns: `vocab_pass`, `experts`, `rms_norm` (same signatures as their references) and `implementation`,
-which names the choice (benchmarks and traces record it). The environment is read at each call, so a
-test or a benchmark can flip it. Must not: hold math of its own, or import Triton unless a CUDA tensor
+Owns: `vocab_pass`, `experts`, `rms_norm` (same signatures as their references), the FP8 ops `fp8_linear`
+and `fp8_experts` with `fp8_semantics` (DGEMMA_FP8: weight-only, the default, or dynamic FP8 activations;
+see kernels/fp8.py), and `implementation`, which names the choice (benchmarks and traces record it). The
+environment is read at each call, so a test or a benchmark can flip it. Must not: hold math of its own, or import Triton unless a CUDA tensor
 asks for a kernel (so CPU-only installs without Triton work).
 """
 
@@ -16,6 +17,7 @@ import torch
 from . import reference, reference_ops
 
 MODES = ("auto", "reference")
+FP8_SEMANTICS = ("weight-only", "dynamic")
 
 
 def mode() -> str:
@@ -34,14 +36,26 @@ def _triton_ok() -> bool:
     return True
 
 
+def fp8_semantics() -> str:
+    """DGEMMA_FP8: how FP8 weights run. 'weight-only' (default): dequantized per tile, activations stay in
+    the model dtype; 'dynamic': activations quantized per token to e4m3 as vLLM runs FP8-dynamic checkpoints."""
+    m = os.environ.get("DGEMMA_FP8", "weight-only").strip().lower() or "weight-only"
+    if m not in FP8_SEMANTICS:
+        raise ValueError(f"DGEMMA_FP8={m!r}: use one of {', '.join(FP8_SEMANTICS)}")
+    return m
+
+
 def implementation(op: str, device: torch.device | str) -> str:
-    """'triton', 'cpu' or 'reference': what `op` ('vocab_pass', 'experts', 'rms_norm') runs on `device`."""
+    """'triton', 'cuda', 'cpu' or 'reference': what `op` ('vocab_pass', 'experts', 'rms_norm', 'fp8_experts',
+    'fp8_linear') runs on `device`. 'cuda' is torch's CUDA ops (FP8 linears: tiles or torch._scaled_mm)."""
     dev = torch.device(device)
     if mode() == "reference":
         return "reference"
+    if dev.type == "cuda" and op == "fp8_linear":
+        return "cuda"
     if dev.type == "cuda" and _triton_ok():
         return "triton"
-    if dev.type == "cpu" and op in ("vocab_pass", "experts"):
+    if dev.type == "cpu" and op in ("vocab_pass", "experts", "fp8_experts", "fp8_linear"):
         return "cpu"  # RMSNorm has no faster CPU form than the reference's few torch ops
     return "reference"
 
@@ -84,3 +98,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
         return rms_norm_triton(x, weight, eps)
     return reference_ops.rms_norm_reference(x, weight, eps)
+
+
+def fp8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """x [..., K] by FP8 weights q [N, K] with per-channel scales s [N, 1] -> [..., N] in x.dtype, with the
+    DGEMMA_FP8 semantics (kernels/fp8.py). Reference: the whole matrix dequantized at once (weight-only)."""
+    from . import fp8
+
+    impl = implementation("fp8_linear", x.device)
+    if fp8_semantics() == "dynamic":
+        return fp8.linear_dynamic(x, q, s, scaled_mm=impl == "cuda" and fp8.scaled_mm_fits(x, q))
+    return fp8.linear_weight_only(x, q, s, tile_bytes=None if impl == "reference" else fp8.TILE_BYTES)
+
+
+def fp8_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_proj: torch.Tensor,
+                gate_up_scale: torch.Tensor, down_proj: torch.Tensor, down_scale: torch.Tensor) -> torch.Tensor:
+    """Routed FP8 experts x [N, H] -> [N, H] (gate_up_proj [E, 2I, H] and down_proj [E, H, I] float8_e4m3fn,
+    scales [E, 2I, 1] and [E, H, 1]), with the DGEMMA_FP8 semantics (kernels/fp8.py)."""
+    from . import fp8
+
+    dynamic = fp8_semantics() == "dynamic"
+    impl = implementation("fp8_experts", x.device)
+    if impl == "triton" and gate_up_scale.dtype in (torch.bfloat16, torch.float32) and (
+            not dynamic or torch.cuda.get_device_capability(x.device) >= (8, 9)):  # e4m3 dots: SM 8.9+
+        from .moe import experts_triton
+
+        return experts_triton(x, w, idx, gate_up_proj, down_proj, gate_up_scale=gate_up_scale,
+                              down_scale=down_scale, dynamic=dynamic)
+    if impl == "cpu" and not dynamic:
+        return fp8.experts_fp8_segments(x, w, idx, gate_up_proj, gate_up_scale, down_proj, down_scale)
+    return fp8.experts_fp8_reference(x, w, idx, gate_up_proj, gate_up_scale, down_proj, down_scale, dynamic=dynamic)

@@ -5,7 +5,11 @@ Owns: `experts_triton`, the kernel twin of `kernels/reference_ops.py::experts_re
 x [N, H], fp32 routing weights w [N, k], expert ids idx [N, k], gate_up_proj [E, 2I, H] with gate rows
 first, down_proj [E, H, I]). The reference's intermediate roundings to the storage dtype are mirrored
 (gate and up GEMM outputs, GELU, product, down output, weighted output), and a token's contributions
-are added in ascending expert order with one rounding per addition, as the reference does.
+are added in ascending expert order with one rounding per addition, as the reference does. FP8 experts
+(float8_e4m3fn weights, one scale per output channel) run through the same kernels: weight-only, each weight
+tile dequantized in the kernel (`kernels/fp8.py::dequantize`), or with dynamic FP8 activations (tokens and
+the intermediate quantized per row by `kernels/fp8.py::quantize_per_token` in torch, since the Triton
+interpreter rounds fp32 -> e4m3 wrongly; e4m3 x e4m3 dots; the twin of `kernels/fp8.py::experts_fp8_reference`).
 Must not: route, pick devices, or sync with the host: the grouping is built with device ops and the
 launch grid is an upper bound on the number of row blocks (unused blocks exit at once).
 
@@ -22,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import round_to
+from .fp8 import quantize_per_token
+from .triton_common import round_bf16, round_to
 
 
 def _interpreting() -> bool:
@@ -30,10 +35,22 @@ def _interpreting() -> bool:
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, pair_ptr, block_expert_ptr, act_ptr, H, I, TOPK,
-                    stride_xn, stride_we, stride_wr, stride_an,
-                    IS_BF16: tl.constexpr, DOT_BF16: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _dequant(w, scale, W_FP8: tl.constexpr, W_ROUND: tl.constexpr):
+    """A weight tile [BK, BN] as fp32; FP8 times its columns' scales, rounded to bf16 when the reference's
+    dequantized weight is bf16 (`kernels/fp8.py::dequantize`: bf16 scale or bf16 activations)."""
+    w = w.to(tl.float32)
+    if W_FP8:
+        w = w * scale[None, :]
+        if W_ROUND:
+            w = round_bf16(w)
+    return w
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, pair_ptr, block_expert_ptr, act_ptr, xs_ptr, ws_ptr, H, I, TOPK,
+                    stride_xn, stride_we, stride_wr, stride_an, stride_se,
+                    IS_BF16: tl.constexpr, DOT_BF16: tl.constexpr, W_FP8: tl.constexpr, A_FP8: tl.constexpr,
+                    W_ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -46,23 +63,39 @@ def _gate_up_kernel(x_ptr, w_ptr, pair_ptr, block_expert_ptr, act_ptr, H, I, TOP
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # intermediate channels
     col_ok = cols < I
     w_base = w_ptr + e.to(tl.int64) * stride_we
+    sg = tl.full((BLOCK_N,), 1.0, tl.float32)  # FP8 weights: this expert's gate and up channel scales
+    su = sg
+    if W_FP8:
+        sg = tl.load(ws_ptr + e.to(tl.int64) * stride_se + cols, mask=col_ok, other=0.0).to(tl.float32)
+        su = tl.load(ws_ptr + e.to(tl.int64) * stride_se + I + cols, mask=col_ok, other=0.0).to(tl.float32)
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < H
         a = tl.load(x_ptr + tok[:, None] * stride_xn + ks[None, :], mask=valid[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)  # [BM, BK]
+                    other=0.0)  # [BM, BK]
         wmask = col_ok[None, :] & k_ok[:, None]
-        wg = tl.load(w_base + cols[None, :] * stride_wr + ks[:, None], mask=wmask, other=0.0).to(tl.float32)
-        wu = tl.load(w_base + (cols[None, :] + I) * stride_wr + ks[:, None], mask=wmask, other=0.0).to(tl.float32)
-        if DOT_BF16:  # exact: the values are bf16 already; bf16 operands use the tensor cores at full rate
-            a, wg, wu = a.to(tl.bfloat16), wg.to(tl.bfloat16), wu.to(tl.bfloat16)
+        wg = tl.load(w_base + cols[None, :] * stride_wr + ks[:, None], mask=wmask, other=0.0)
+        wu = tl.load(w_base + (cols[None, :] + I) * stride_wr + ks[:, None], mask=wmask, other=0.0)
+        if A_FP8:  # dynamic FP8: e4m3 x e4m3 products, fp32 accumulation; the scales come after the loop
             gate = tl.dot(a, wg, gate)
             up = tl.dot(a, wu, up)
-        else:  # fp32 storage (or the interpreter): full fp32 products, not TF32
-            gate = tl.dot(a, wg, gate, input_precision="ieee")
-            up = tl.dot(a, wu, up, input_precision="ieee")
+        else:
+            a = a.to(tl.float32)
+            wg = _dequant(wg, sg, W_FP8, W_ROUND)
+            wu = _dequant(wu, su, W_FP8, W_ROUND)
+            if DOT_BF16:  # exact: the values are bf16 already; bf16 operands use the tensor cores at full rate
+                a, wg, wu = a.to(tl.bfloat16), wg.to(tl.bfloat16), wu.to(tl.bfloat16)
+                gate = tl.dot(a, wg, gate)
+                up = tl.dot(a, wu, up)
+            else:  # fp32 storage (or the interpreter): full fp32 products, not TF32
+                gate = tl.dot(a, wg, gate, input_precision="ieee")
+                up = tl.dot(a, wu, up, input_precision="ieee")
+    if A_FP8:  # (acc x token scale) x channel scale, as vLLM's fused-MoE epilogue
+        xs = tl.load(xs_ptr + tok, mask=valid, other=0.0)
+        gate = gate * xs[:, None] * sg[None, :]
+        up = up * xs[:, None] * su[None, :]
     gate = round_to(gate, IS_BF16)  # the reference's GEMM output is in the storage dtype
     up = round_to(up, IS_BF16)
     # gelu_tanh(z) = 0.5·z·(1 + tanh(√(2/π)(z + 0.044715 z³))), tanh(y) = 1 - 2/(exp(2y) + 1)
@@ -74,10 +107,10 @@ def _gate_up_kernel(x_ptr, w_ptr, pair_ptr, block_expert_ptr, act_ptr, H, I, TOP
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, pair_ptr, block_expert_ptr, rw_ptr, y_ptr, H, I,
-                 stride_an, stride_we, stride_wr, stride_yn,
-                 IS_BF16: tl.constexpr, DOT_BF16: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _down_kernel(act_ptr, w_ptr, pair_ptr, block_expert_ptr, rw_ptr, y_ptr, as_ptr, ws_ptr, H, I,
+                 stride_an, stride_we, stride_wr, stride_yn, stride_se,
+                 IS_BF16: tl.constexpr, DOT_BF16: tl.constexpr, W_FP8: tl.constexpr, A_FP8: tl.constexpr,
+                 W_ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -89,18 +122,29 @@ def _down_kernel(act_ptr, w_ptr, pair_ptr, block_expert_ptr, rw_ptr, y_ptr, H, I
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # hidden channels
     col_ok = cols < H
     w_base = w_ptr + e.to(tl.int64) * stride_we
+    sd = tl.full((BLOCK_N,), 1.0, tl.float32)  # FP8 weights: this expert's output channel scales
+    if W_FP8:
+        sd = tl.load(ws_ptr + e.to(tl.int64) * stride_se + cols, mask=col_ok, other=0.0).to(tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < I
         a = tl.load(act_ptr + slots[:, None].to(tl.int64) * stride_an + ks[None, :],
-                    mask=valid[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [BM, BK]
+                    mask=valid[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
         wd = tl.load(w_base + cols[None, :] * stride_wr + ks[:, None], mask=col_ok[None, :] & k_ok[:, None],
-                     other=0.0).to(tl.float32)  # [BK, BN]
-        if DOT_BF16:
-            acc = tl.dot(a.to(tl.bfloat16), wd.to(tl.bfloat16), acc)
+                     other=0.0)  # [BK, BN]
+        if A_FP8:
+            acc = tl.dot(a, wd, acc)
         else:
-            acc = tl.dot(a, wd, acc, input_precision="ieee")
+            a = a.to(tl.float32)
+            wd = _dequant(wd, sd, W_FP8, W_ROUND)
+            if DOT_BF16:
+                acc = tl.dot(a.to(tl.bfloat16), wd.to(tl.bfloat16), acc)
+            else:
+                acc = tl.dot(a, wd, acc, input_precision="ieee")
+    if A_FP8:
+        a_s = tl.load(as_ptr + slots, mask=valid, other=0.0)  # the intermediate's per-row scale
+        acc = acc * a_s[:, None] * sd[None, :]
     rw = tl.load(rw_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0)  # fp32 routing weight
     y = round_to(round_to(acc, IS_BF16) * rw[:, None], IS_BF16)
     safe = tl.where(valid, pair, 0).to(tl.int64)
@@ -130,11 +174,18 @@ def group_by_expert(flat: torch.Tensor, num_experts: int, block_m: int) -> tuple
 
 
 def experts_triton(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_proj: torch.Tensor,
-                   down_proj: torch.Tensor, *, block_m: int = 64, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
+                   down_proj: torch.Tensor, *, gate_up_scale: torch.Tensor | None = None,
+                   down_scale: torch.Tensor | None = None, dynamic: bool = False,
+                   block_m: int = 64, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
     """x [N, H], w [N, k] fp32, idx [N, k] (distinct per row), gate_up_proj [E, 2I, H], down_proj [E, H, I]
-    -> [N, H] in x.dtype. Block sizes must be >= 16 (tl.dot)."""
+    -> [N, H] in x.dtype. Block sizes must be >= 16 (tl.dot). FP8 experts (float8_e4m3fn weights with
+    gate_up_scale [E, 2I, 1] and down_scale [E, H, 1], bf16 or fp32): weight-only, each tile dequantized as
+    `kernels/fp8.py::dequantize`, or `dynamic` (FP8 activations, `kernels/fp8.py::experts_fp8_reference`)."""
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"experts_triton supports float32 and bfloat16, got {x.dtype}")
+    fp8 = gate_up_scale is not None
+    if dynamic and not fp8:
+        raise ValueError("dynamic FP8 activations need FP8 expert weights and their scales")
     n, k = idx.shape
     num_experts, h = gate_up_proj.shape[0], x.shape[1]
     inter = down_proj.shape[2]
@@ -145,16 +196,23 @@ def experts_triton(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_
     pair_of_slot, block_expert = group_by_expert(idx_sorted.reshape(-1), num_experts, block_m)
     is_bf16 = x.dtype == torch.bfloat16
     dot_bf16 = is_bf16 and not _interpreting()
+    gus = gate_up_scale.reshape(num_experts, -1).contiguous() if fp8 else x  # [E, 2I] (else unused)
+    dns = down_scale.reshape(num_experts, -1).contiguous() if fp8 else x  # [E, H]
+    w_round = fp8 and (is_bf16 or gus.dtype == torch.bfloat16)
+    xin, xs = quantize_per_token(x) if dynamic else (x, x)  # [N, H] e4m3 and [N, 1] fp32 scales
+    flags = dict(IS_BF16=is_bf16, DOT_BF16=dot_bf16, W_FP8=fp8, A_FP8=dynamic, W_ROUND=w_round,
+                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     act = torch.empty(pair_of_slot.numel(), inter, dtype=x.dtype, device=x.device)  # [S, I]
     grid = (block_expert.numel(), triton.cdiv(inter, block_n))
-    _gate_up_kernel[grid](x, gate_up_proj, pair_of_slot, block_expert, act, h, inter, k,
-                          x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), act.stride(0),
-                          IS_BF16=is_bf16, DOT_BF16=dot_bf16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    _gate_up_kernel[grid](xin, gate_up_proj, pair_of_slot, block_expert, act, xs, gus, h, inter, k,
+                          xin.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), act.stride(0),
+                          gus.stride(0), **flags)
+    # Dynamic: the intermediate quantized per row (padding slots too: rows are independent, never read)
+    act, a_s = quantize_per_token(act) if dynamic else (act, act)
     y = torch.empty(n * k, h, dtype=x.dtype, device=x.device)  # [N·k, H]
     grid = (block_expert.numel(), triton.cdiv(h, block_n))
-    _down_kernel[grid](act, down_proj, pair_of_slot, block_expert, rw, y, h, inter,
-                       act.stride(0), down_proj.stride(0), down_proj.stride(1), y.stride(0),
-                       IS_BF16=is_bf16, DOT_BF16=dot_bf16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    _down_kernel[grid](act, down_proj, pair_of_slot, block_expert, rw, y, a_s, dns, h, inter,
+                       act.stride(0), down_proj.stride(0), down_proj.stride(1), y.stride(0), dns.stride(0), **flags)
     y = y.view(n, k, h)
     out = y[:, 0].clone()
     for j in range(1, k):

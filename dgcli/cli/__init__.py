@@ -72,12 +72,13 @@ def _root(version: Optional[bool] = typer.Option(None, "--version", callback=_ve
 from dgcli.cli import bench as cmd_bench
 from dgcli.cli import generate as cmd_generate
 from dgcli.cli import info as cmd_info
+from dgcli.cli import quantize as cmd_quantize
 from dgcli.cli import serve as cmd_serve
 from dgcli.cli import sweep as cmd_sweep
 from dgcli.cli import watch as cmd_watch
 
 for _name, _module in (("generate", cmd_generate), ("watch", cmd_watch), ("sweep", cmd_sweep),
-                      ("bench", cmd_bench), ("info", cmd_info), ("serve", cmd_serve)):
+                      ("bench", cmd_bench), ("info", cmd_info), ("serve", cmd_serve), ("quantize", cmd_quantize)):
     _register(_name, _module)
 
 

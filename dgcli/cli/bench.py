@@ -57,6 +57,8 @@ def bench(
     api_key: Annotated[Optional[str], typer.Option("--api-key", metavar="KEY", help="With --base-url: sent as 'Authorization: Bearer KEY'.")] = None,
     concurrency: Annotated[Optional[str], typer.Option("--concurrency", "--max-concurrency", metavar="N[,N...]", help=o.dflt("With --base-url: most requests in flight, e.g. 1,4,16; one row per value.", "1"))] = None,
     request_rate: Annotated[Optional[float], typer.Option("--request-rate", metavar="R", help=o.dflt("With --base-url: requests/s as Poisson arrivals (seeded by --seed); inf sends every prompt at once, up to --concurrency.", "inf"))] = None,
+    weights: Annotated[str, typer.Option("--weights", metavar="FORMAT", help="With --dummy: bf16 | fp8 (e4m3 attention, MLP and expert matrices with per-channel scales, as an FP8-dynamic checkpoint). A checkpoint runs in its own format.")] = "bf16",
+    fp8_activations: Annotated[bool, typer.Option("--fp8-activations", help="FP8 weights: quantize activations per token to e4m3 (vLLM's FP8-dynamic semantics) instead of dequantizing the weights (weight-only, the default); the row's fp8_semantics says which ran.")] = False,
 ) -> None:
     """Benchmark one sampler setting: labelled figures, roofline.
 
@@ -76,6 +78,15 @@ def bench(
     stray = _given(ctx, REMOTE_ONLY)
     if stray:
         raise UserError(f"{stray[0][0]} applies only with --base-url (a server); in-process bench measures --batch-size")
+    if weights not in ("bf16", "fp8"):
+        raise UserError(f"--weights {weights}: use bf16 or fp8")
+    if weights == "fp8" and dummy is None:
+        raise UserError("--weights fp8 builds --dummy weights in FP8; a checkpoint runs in its own format "
+                        "(make an FP8 one with `dgemma quantize SRC DST --fp8`)")
+    if fp8_activations:
+        import os
+
+        os.environ["DGEMMA_FP8"] = "dynamic"  # read by dgcli.kernels.dispatch at every FP8 matmul
     from dgcli.measure.grid import parse_batch_sizes
     from dgcli.measure.workload import check_counts
 
@@ -93,7 +104,10 @@ def bench(
                             blocks=blocks, device=device, dtype=dtype, max_tokens=max_tokens)
     baseline = b.PeakMemory.maxrss()  # before the model exists, for the CPU peak-memory figure
     with loading("loading the model…"):
-        s = open_any(model, dummy, layers, preset, flags, warn=warn, compile=compile, threads=threads)
+        s = open_any(model, dummy, layers, preset, flags, warn=warn, compile=compile, threads=threads, weights=weights)
+    fp8_row = _fp8_fields(s.model)
+    if fp8_activations and fp8_row["weights"] != "fp8":
+        warn("dgemma: note: --fp8-activations has no effect: these weights are not FP8")
     params = s.params
     plist, source = build_prompts(s, prompts_file=prompts, random_ids=random_prompts or s.dummy,
                                   num_prompts=num_prompts, input_len=random_input_len, seed=params.seed, warn=warn)
@@ -128,9 +142,9 @@ def bench(
                 summary = metrics.summarize(done, s.config, params.max_denoising_steps, weight_bytes=b.weight_bytes(s),
                                             peaks=peaks, peak_memory=memory.read())
                 summary.update(bench_quality(plist, [p.responses for p in done]))
-                rows.append(b.make_row(s, prompts=plist, prompt_source=source, params=params, runs_done=len(done),
-                                       runs_asked=runs, warmup=warmup, ignore_eos=ignore, summary=summary,
-                                       label=label, metadata=meta))
+                rows.append({**b.make_row(s, prompts=plist, prompt_source=source, params=params, runs_done=len(done),
+                                          runs_asked=runs, warmup=warmup, ignore_eos=ignore, summary=summary,
+                                          label=label, metadata=meta), **fp8_row})
                 last = done[-1].responses
             if interrupted:
                 break
@@ -159,6 +173,16 @@ def bench(
         warn(f"dgemma: saved {path}")
     if interrupted:
         raise SystemExit(130)
+
+
+def _fp8_fields(model) -> dict:
+    """What the row says about the weights: their format and, for FP8, the semantics that ran."""
+    from dgcli.kernels import dispatch
+    from dgcli.model.fp8 import is_fp8
+
+    if not is_fp8(model):
+        return {"weights": str(model.embed_weight.dtype).removeprefix("torch."), "fp8_semantics": None}
+    return {"weights": "fp8", "fp8_semantics": dispatch.fp8_semantics()}
 
 
 def _remote(ctx: typer.Context, base_url: str, api_key: str | None, concurrency: str | None, request_rate: float | None,

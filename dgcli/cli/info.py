@@ -115,9 +115,11 @@ def _budgets(dev, memory_gib: float | None) -> list[dict]:
 
 
 def _stored_dtype(inventory: dict | None, fallback: str) -> str:
-    """The dtype holding most of a checkpoint's bytes (the run dtype dgemma's loader picks)."""
-    if inventory and inventory["text_bytes_by_dtype"]:
-        return max(inventory["text_bytes_by_dtype"].items(), key=lambda kv: kv[1])[0]
+    """The dtype holding most of a checkpoint's bytes (the run dtype dgemma's loader picks); FP8 weights are not
+    a run dtype (an FP8 checkpoint runs in the dtype of its unquantized tensors)."""
+    stored = {k: v for k, v in (inventory or {}).get("text_bytes_by_dtype", {}).items() if not k.startswith("float8")}
+    if stored:
+        return max(stored.items(), key=lambda kv: kv[1])[0]
     return fallback
 
 

@@ -15,7 +15,9 @@ Counting conventions (every figure says which it is):
   more, and achieved FLOP/s in a bench counts only these.
 * Bytes = a lower bound on memory traffic: every weight a pass uses is read once per use (the tied
   embedding twice per step: LM head and soft embedding), plus the KV cache read (and written, for a
-  commit); activations are left out. Experts: with T tokens each routed to k of E experts, the
+  commit); activations are left out. An FP8 checkpoint (cfg.quantization) reads its e4m3 matrices
+  (attention projections, dense MLP, experts) at 1 byte per weight plus one scale per output channel,
+  everything else at the run dtype; KV and activations stay in the run dtype. Experts: with T tokens each routed to k of E experts, the
   expected number of distinct experts touched is E(1-(1-k/E)^T) under uniform routing; for a 256-token
   canvas that is every expert, which is why a denoising step reads almost the whole model.
 """
@@ -78,11 +80,44 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     return {**parts, "total": total, "active_per_token": active}
 
 
+def quantized_counts(cfg: ModelConfig) -> tuple[int, int]:
+    """(parameters, output channels) of the matrices an FP8 checkpoint stores in e4m3 (attention projections,
+    dense MLP, experts: llm-compressor's FP8_DYNAMIC recipe), one scale per output channel."""
+    h, layers = cfg.hidden_size, cfg.layers
+    params = sum(_attn_params(cfg, g) - 2 * g.head_dim for g in layers)
+    rows = sum(cfg.num_attention_heads * g.head_dim + g.num_kv_heads * g.head_dim * (2 if g.has_v_proj else 1) + h
+               for g in layers)
+    params += len(layers) * (3 * h * cfg.intermediate_size + cfg.num_experts * _expert_params(cfg))
+    rows += len(layers) * (2 * cfg.intermediate_size + h + cfg.num_experts * (2 * cfg.moe_intermediate_size + h))
+    return params, rows
+
+
+def _quant_bytes(cfg: ModelConfig, weight_bytes: float) -> tuple[float, float]:
+    """(bytes per quantized weight, bytes per channel scale): an FP8 config (cfg.quantization) keeps its
+    quantized matrices at 1 byte plus one scale per output channel (the checkpoint's dtype); otherwise every
+    weight costs weight_bytes and there are no scales. weight_bytes 0 (weights not counted) counts none."""
+    if cfg.quantization is None or not weight_bytes:
+        return weight_bytes, 0
+    return 1, DTYPE_BYTES.get(cfg.dtype, 2)
+
+
+def weights_bytes_total(cfg: ModelConfig, wb: int) -> int:
+    """The weights' bytes at `wb` bytes per unquantized parameter (layer scalars fp32; FP8 matrices 1 byte + scales)."""
+    n = param_counts(cfg)
+    qb, sb = _quant_bytes(cfg, wb)
+    q, rows = quantized_counts(cfg) if cfg.quantization is not None else (0, 0)
+    return int((n["total"] - n["layer_scalars"] - q) * wb + q * qb + rows * sb + 4 * n["layer_scalars"])
+
+
 def bytes_by_dtype_for(cfg: ModelConfig, dtype: str) -> dict[str, int]:
-    """Weights' bytes when every tensor is `dtype` except the fp32 layer scalars (dummy and random models)."""
+    """Weights' bytes when every tensor is `dtype` except the fp32 layer scalars (dummy and random models), and
+    an FP8 config's quantized matrices (e4m3, their scales in `dtype`)."""
     n = param_counts(cfg)
     scalars = n["layer_scalars"]
-    out = {dtype: (n["total"] - scalars) * DTYPE_BYTES[dtype]}
+    q, rows = quantized_counts(cfg) if cfg.quantization is not None else (0, 0)
+    out = {dtype: (n["total"] - scalars - q + rows) * DTYPE_BYTES[dtype]}
+    if q:
+        out["float8_e4m3"] = q
     out["float32"] = out.get("float32", 0) + scalars * 4
     return out
 
@@ -156,13 +191,22 @@ def _causal_keys(start: int, t: int, window: int | None) -> int:
 
 
 def _ffn(cfg: ModelConfig, t: int, wb: int) -> Cost:
-    """Dense MLP + router + top-k experts over t tokens."""
+    """Dense MLP + router + top-k experts over t tokens (FP8 configs: dense MLP and experts at 1 byte + scales)."""
     h = cfg.hidden_size
+    qb, sb = _quant_bytes(cfg, wb)
     flops = 2 * t * (3 * h * cfg.intermediate_size + h * cfg.num_experts
                      + cfg.top_k_experts * _expert_params(cfg))
-    weights = 3 * h * cfg.intermediate_size + _router_params(cfg) + 7 * h
-    weights += distinct_experts(cfg, t) * _expert_params(cfg)
-    return Cost(flops, weights * wb)
+    dense = 3 * h * cfg.intermediate_size * qb + (2 * cfg.intermediate_size + h) * sb
+    expert = _expert_params(cfg) * qb + (2 * cfg.moe_intermediate_size + h) * sb
+    weights = dense + (_router_params(cfg) + 7 * h) * wb + distinct_experts(cfg, t) * expert
+    return Cost(flops, weights)
+
+
+def _proj_bytes(cfg: ModelConfig, g: LayerGeometry, wb: int) -> float:
+    """One layer's attention projections and q/k norm gains, in bytes (FP8 configs: projections at 1 byte + scales)."""
+    qb, sb = _quant_bytes(cfg, wb)
+    rows = cfg.num_attention_heads * g.head_dim + g.num_kv_heads * g.head_dim * (2 if g.has_v_proj else 1) + cfg.hidden_size
+    return (_attn_params(cfg, g) - 2 * g.head_dim) * qb + rows * sb + 2 * g.head_dim * wb
 
 
 def _kv_row(g: LayerGeometry, kvb: int) -> int:
@@ -182,7 +226,7 @@ def step_cost(cfg: ModelConfig, prefix_len: int, *, self_cond: bool = True, soft
         visible = (prefix_len if g.window is None else min(prefix_len, g.window - 1))
         keys = visible + c
         cost += Cost(2 * c * proj + 4 * n * g.head_dim * c * keys,
-                     (proj + 2 * g.head_dim) * weight_bytes + visible * _kv_row(g, kvb))
+                     _proj_bytes(cfg, g, weight_bytes) + visible * _kv_row(g, kvb))
         cost += _ffn(cfg, c, weight_bytes)
     cost += Cost(2 * c * v * h, (v * h + h) * weight_bytes)  # tied LM head (+ final norm)
     if soft:
@@ -207,7 +251,7 @@ def encode_cost(cfg: ModelConfig, start: int, tokens: int, *, weight_bytes: int 
         pairs = _causal_keys(start, tokens, g.window)
         read = start if g.window is None else min(start, g.window - 1)
         cost += Cost(2 * tokens * proj + 4 * n * g.head_dim * pairs,
-                     (proj + 2 * g.head_dim) * weight_bytes + (read + tokens) * _kv_row(g, kvb))
+                     _proj_bytes(cfg, g, weight_bytes) + (read + tokens) * _kv_row(g, kvb))
         if i != last:
             cost += _ffn(cfg, tokens, weight_bytes)
     return cost
@@ -286,7 +330,7 @@ def card(cfg: ModelConfig, *, name: str, source: str, dtype: str, context: int =
         budgets = [{"name": n, "bytes": b, "cpu": False, "sms": s} for n, b, s in memory.GPUS]
     wb = DTYPE_BYTES[dtype]
     counts = param_counts(cfg)
-    weights = counts["total"] * wb - counts["layer_scalars"] * (wb - 4)
+    weights = weights_bytes_total(cfg, wb)
     step = step_cost(cfg, prompt_len, weight_bytes=wb)
     first, last = (step_cost(cfg, prompt_len, self_cond=False, weight_bytes=wb),
                    step_cost(cfg, prompt_len, soft=False, weight_bytes=wb))
@@ -306,6 +350,8 @@ def card(cfg: ModelConfig, *, name: str, source: str, dtype: str, context: int =
         "model": name,
         "source": source,
         "dtype": dtype,
+        "weights": (f"fp8 ({cfg.quantization.scheme}: e4m3 attention, MLP and expert matrices + per-channel scales; "
+                    f"the rest {dtype})" if cfg.quantization is not None else dtype),
         "config": {
             "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "layers": layer_pattern(cfg),
             "attention_heads": cfg.num_attention_heads,

@@ -28,7 +28,7 @@ the budget by default), torch.compile's buffers, the CPU flash-attention kernel'
 
 from __future__ import annotations
 
-from dgcli.measure.card import DTYPE_BYTES, param_counts
+from dgcli.measure.card import DTYPE_BYTES, param_counts, quantized_counts
 from dgcli.model.config import ModelConfig
 
 GIB = 2**30
@@ -66,20 +66,19 @@ def kv_bytes(cfg: ModelConfig, context: int, ab: int = 2) -> dict:
 
 
 def weights_bytes(cfg: ModelConfig, fmt: str = "bf16") -> dict:
-    """Weights in `fmt`. bf16: 2 bytes per parameter (layer scalars fp32); fp32: 4. fp8: what an FP8 checkpoint
-    stores (dgemma loads none yet; this sizes one): the big matmul weights at 1 byte (attention q/k/v/o
-    projections, dense MLP, experts), and in bf16 what such checkpoints keep unquantized: the embedding
-    (also the tied LM head), router, self-conditioning MLP, every norm gain (q_norm/k_norm included);
-    the layer scalars fp32. Quantization scales are left out (one fp32 per 128x128 block adds 0.02 %)."""
+    """Weights in `fmt`. bf16: 2 bytes per parameter (layer scalars fp32); fp32: 4. fp8: what dgemma holds for
+    an FP8-dynamic checkpoint (`dgemma quantize --fp8`): the big matmul weights at 1 byte (attention q/k/v/o
+    projections, dense MLP, experts) plus one bf16 scale per output channel (card.quantized_counts), and in
+    bf16 what such checkpoints keep unquantized: the embedding (also the tied LM head), router,
+    self-conditioning MLP, every norm gain (q_norm/k_norm included); the layer scalars fp32."""
     if fmt not in ACT_BYTES:
         raise ValueError(f"weight format {fmt!r}: use one of {tuple(ACT_BYTES)}")
     n = param_counts(cfg)
     if fmt == "fp32":  # a float32 run (random checkpoints, the bundled model)
         return {"format": fmt, "bytes": 4 * n["total"], "fp8_parameters": 0, "bf16_parameters": 0}
-    gains = sum(2 * g.head_dim for g in cfg.layers)  # q_norm, k_norm: counted in n["attention"]
-    fp8 = n["attention"] - gains + n["dense_mlp"] + n["experts"] if fmt == "fp8" else 0
+    fp8, scales = quantized_counts(cfg) if fmt == "fp8" else (0, 0)
     bf16 = n["total"] - n["layer_scalars"] - fp8
-    return {"format": fmt, "bytes": fp8 + 2 * bf16 + 4 * n["layer_scalars"], "fp8_parameters": fp8,
+    return {"format": fmt, "bytes": fp8 + 2 * (bf16 + scales) + 4 * n["layer_scalars"], "fp8_parameters": fp8,
             "bf16_parameters": bf16}
 
 
@@ -311,8 +310,8 @@ def batch_memory(cfg: ModelConfig, *, context: int, prompt_len: int, dtype: str,
             f"+ sampler state) + the larger of a denoising step's temporaries and "
             f"the prefill's (b prompts of {prompt_len} tokens); usable = memory less {headroom:.0%} headroom "
             f"(CUDA context, allocator fragmentation); bf16 activations and KV (fp32 for fp32); FP8 = attention, MLP and "
-            f"expert matrices at 1 byte/param, embedding/LM head, router, self-conditioning MLP and norms "
-            f"bf16 (dgemma loads no FP8 checkpoint yet: this sizes one)."),
+            f"expert matrices at 1 byte/param + a bf16 scale per output channel, embedding/LM head, router, self-conditioning MLP and norms "
+            f"bf16 (as dgemma holds an FP8-dynamic checkpoint: `dgemma quantize --fp8`)."),
     }
 
 

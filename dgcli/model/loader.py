@@ -2,13 +2,17 @@
 
 Single-file or sharded safetensors; the model is built on the `meta` device and every tensor is
 assigned straight from the file, so no second full copy is made. Vision tensors are never read.
+Compressed-tensors FP8 checkpoints (config.py's `Quantization`) load as FP8 modules (model/fp8.py) at one
+byte per parameter, their per-expert tensors read into the fused expert layout.
 Owns: the checkpoint <-> module name map and every loading error message. Must not: do math.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import re
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +20,7 @@ import torch
 from torch import nn
 from safetensors import SafetensorError, safe_open
 
+from dgcli.model import fp8
 from dgcli.model.config import ModelConfig, load_config, read_json
 from dgcli.errors import UserError
 from dgcli.model.gemma import DiffusionGemma
@@ -76,21 +81,35 @@ def _open(f: Path, device: str = "cpu"):
 
 
 def load_state(path: Path, cfg: ModelConfig, device: str = "cpu", dtype: torch.dtype | None = None,
-               expected: dict[str, torch.Size] | None = None) -> dict[str, torch.Tensor]:
-    """Read every text tensor once, checked against the shapes the config implies."""
-    files = checkpoint_files(path)
+               expected: dict[str, torch.Size] | None = None, keep: frozenset[str] = frozenset(),
+               files: dict[str, Path] | None = None) -> dict[str, torch.Tensor]:
+    """Read every text tensor once, checked against the shapes the config implies. Per-expert tensors
+    (`experts.{i}.gate_proj.weight`..., the quantized layout) are read straight into the fused tensors;
+    `keep` names tensors left in their stored dtype (FP8 weights and their scales)."""
+    files = checkpoint_files(path) if files is None else files
     wanted: dict[str, str] = {}  # module name -> checkpoint key
+    pieces: dict[str, list[str]] = {}  # fused expert tensor -> its per-expert module keys
     for key, f in files.items():
         name = to_module_name(key)
         if name is None:
             continue
-        if expected is not None and name not in expected:
+        slot = fp8.expert_slot(name, cfg.moe_intermediate_size)
+        target = slot[0] if slot else name
+        if expected is not None and target not in expected:
             if key == "lm_head.weight":
                 continue  # a tied head saved explicitly: the embedding serves
             raise UserError(f"{f.name}: unexpected tensor {key!r}; config.json does not describe these weights")
+        if slot and slot[1] >= cfg.num_experts:
+            raise UserError(f"{f.name}: tensor {key!r} is expert {slot[1]}; config.json has {cfg.num_experts} experts")
         wanted[name] = key
+        if slot:
+            pieces.setdefault(target, []).append(name)
     if expected is not None:
-        missing = [n for n in expected if n not in wanted]
+        missing = [n for n in expected if n not in wanted and n not in pieces]
+        for target in pieces:  # every expert's gate, up and down (and scales), or a shard is missing
+            layer = int(target.split(".")[1])
+            need = [n for e in range(cfg.num_experts) for n in fp8.expert_keys(layer, e, target in keep)]
+            missing += [n for n in need if n not in wanted and fp8.expert_slot(n, 1)[0] == target]
         if missing:
             raise UserError(f"{path}: checkpoint lacks tensor {to_checkpoint_name(missing[0])!r}"
                             f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; is a shard missing?")
@@ -102,19 +121,70 @@ def load_state(path: Path, cfg: ModelConfig, device: str = "cpu", dtype: torch.d
         with _open(f, device) as st:
             for name in names:
                 key = wanted[name]
+                if fp8.expert_slot(name, 1) is not None:
+                    continue  # read below, straight into its fused tensor
                 try:
                     t = st.get_tensor(key)
                 except (SafetensorError, OSError, ValueError) as e:
                     raise UserError(f"{f}: tensor {key!r} cannot be read ({e}); the file may be truncated") from None
-                if not t.is_floating_point():
-                    raise UserError(f"{f.name}: tensor {key!r} has dtype {t.dtype}; expected a floating-point tensor")
-                if expected is not None and t.shape != expected[name]:
-                    raise UserError(f"{f.name}: tensor {key!r} has shape {list(t.shape)}, "
-                                    f"config.json implies {list(expected[name])}")
-                if dtype is not None and t.dtype != dtype:
+                _check(f, key, t.dtype, t.shape, expected[name] if expected is not None else None, name in keep)
+                if dtype is not None and t.dtype != dtype and name not in keep:
                     t = t.to(dtype)
                 state[name] = t
+        if any(fp8.expert_slot(n, 1) is not None for n in names):
+            _read_experts(f, [n for n in names if fp8.expert_slot(n, 1) is not None], wanted, cfg, state,
+                          expected, keep, device)
+    for target, tensor in list(state.items()):
+        if target in pieces and dtype is not None and tensor.dtype != dtype and target not in keep:
+            state[target] = tensor.to(dtype)
     return state
+
+
+def _check(f: Path, key: str, dt: torch.dtype, shape, want, quantized: bool) -> None:
+    if not dt.is_floating_point:
+        raise UserError(f"{f.name}: tensor {key!r} has dtype {dt}; expected a floating-point tensor")
+    if quantized and not key.endswith("_scale") and dt != fp8.FP8:
+        raise UserError(f"{f.name}: tensor {key!r} has dtype {dt}; a quantized weight must be float8_e4m3fn")
+    if want is not None and tuple(shape) != tuple(want):
+        raise UserError(f"{f.name}: tensor {key!r} has shape {list(shape)}, config.json implies {list(want)}")
+
+
+ST_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
+             "F64": torch.float64}
+
+
+def _read_experts(f: Path, names: list[str], wanted: dict[str, str], cfg: ModelConfig, state: dict,
+                  expected: dict | None, keep: frozenset[str], device: str) -> None:
+    """Per-expert tensors of one file read with plain file reads into their fused tensors (allocated at the
+    first piece, in its stored dtype): copying out of the memory map instead would leave the mapped pages
+    resident next to the copy, twice the experts' bytes."""
+    try:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+            for name in names:
+                key = wanted[name]
+                meta = header[key]
+                target, e, rows = fp8.expert_slot(name, cfg.moe_intermediate_size)
+                dt = ST_DTYPES.get(meta["dtype"])
+                if dt is None:
+                    raise UserError(f"{f.name}: tensor {key!r} has dtype {meta['dtype']}; expected a floating-point tensor")
+                shape = tuple(expected[target]) if expected is not None else None
+                if target not in state:
+                    state[target] = torch.empty(shape, dtype=dt, device=device)
+                dst = state[target][e, rows]
+                _check(f, key, dt, meta["shape"], dst.shape, target in keep)
+                if dt != dst.dtype:
+                    raise UserError(f"{f.name}: tensor {key!r} has dtype {dt}, other experts' {dst.dtype}")
+                begin, end = meta["data_offsets"]
+                host = dst if dst.device.type == "cpu" else torch.empty(dst.shape, dtype=dt)
+                fh.seek(8 + n + begin)
+                if fh.readinto(host.view(torch.uint8).numpy().reshape(-1)) != end - begin:
+                    raise UserError(f"{f}: tensor {key!r} is cut short; the file may be truncated")
+                if host is not dst:
+                    dst.copy_(host)
+    except (OSError, ValueError, KeyError, struct.error) as e:
+        raise UserError(f"{f}: not a readable safetensors file ({e}); it may be truncated or corrupt") from None
 
 
 # torch.nn.init functions the modules' constructors call; skipped on the meta device (see `meta_model`).
@@ -141,6 +211,32 @@ def meta_model(cfg: ModelConfig) -> DiffusionGemma:
         return DiffusionGemma(cfg)
 
 
+def _convert_quantized(model: DiffusionGemma, cfg: ModelConfig, files: dict[str, Path], path: Path) -> None:
+    """FP8 modules wherever the checkpoint stores a `weight_scale`: its linears, and experts stored per expert."""
+    linears, experts = set(), set()
+    for key, f in files.items():
+        name = to_module_name(key)
+        if name is None or not name.endswith(".weight_scale"):
+            continue
+        m = fp8.EXPERT_KEY.match(name)
+        if m:
+            experts.add(int(m.group(1)))
+            continue
+        module = name.removesuffix(".weight_scale")
+        try:
+            ok = isinstance(model.get_submodule(module), nn.Linear)
+        except AttributeError:
+            ok = False
+        if not ok:
+            raise UserError(f"{f.name}: tensor {key!r}: dgemma runs quantized linears and experts only, "
+                            f"not a quantized {module!r}")
+        linears.add(module)
+    if not linears and not experts:
+        raise UserError(f"{path}: config.json's quantization_config says {cfg.quantization.scheme} "
+                        "but no tensor has a weight_scale; is this checkpoint quantized?")
+    fp8.convert_(model, linears, {e for e in experts if e < cfg.num_hidden_layers}, torch.bfloat16)
+
+
 def resolve_dtype(name: str | None, default: torch.dtype | None = None) -> torch.dtype | None:
     if name in (None, "auto"):
         return default
@@ -159,16 +255,21 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     if isinstance(dtype, str):
         dtype = resolve_dtype(dtype)
     model = meta_model(cfg)
+    files = checkpoint_files(path)
+    if cfg.quantization is not None:
+        _convert_quantized(model, cfg, files, path)
+    keep = frozenset(fp8.quantized_names(model))
     expected = {k: v.shape for k, v in model.state_dict().items()}
     dev = str(device)
-    state = load_state(path, cfg, device=dev, dtype=dtype, expected=expected)
+    state = load_state(path, cfg, device=dev, dtype=dtype, expected=expected, keep=keep, files=files)
     # Every tensor in one dtype, the layer scalars included: transformers loaded in a dtype rounds every
     # parameter and buffer to it (the released checkpoint stores the scalars in fp32; in bf16 the reference
     # multiplies by the bf16-rounded scalar). Its only fp32 buffers are the RoPE inverse frequencies,
     # which we compute in fp32 (`gemma.inv_freq_for`). Mixed-dtype checkpoints run in the embedding's dtype.
+    # FP8 weights and their scales stay as stored (1 byte per parameter; dequantized per tile when used).
     model_dtype = dtype or state["embed_tokens.weight"].dtype
     for name, t in state.items():
-        if t.dtype != model_dtype:
+        if t.dtype != model_dtype and name not in keep:
             state[name] = t.to(model_dtype)
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()

@@ -3,7 +3,8 @@
 Tests, benchmarks and the dummy-weights mode use these: `config.json` with a nested `text_config`,
 `model.safetensors` (or shards + `model.safetensors.index.json`) under the checkpoint's names (fused
 `experts.gate_up_proj`/`down_proj`, no `.weight` on experts/router scales, encoder layer scalars, no
-lm_head), `generation_config.json`, and optionally a tokenizer. Owns: random init and writing, and the
+lm_head), `generation_config.json`, and optionally a tokenizer; or FP8 weights in compressed-tensors'
+FP8-dynamic layout (per-expert linears, `weight_scale`s, a quantization_config). Owns: random init and writing, and the
 `--dummy` config (a config.json, or the shipped 26B-A4B one, optionally cut to its first N layers).
 Must not: run the model.
 """
@@ -19,6 +20,7 @@ from safetensors.torch import save_file
 
 from dgcli.errors import UserError
 from dgcli.model.config import RELEASED_ROPE_PARAMETERS, parse_config, read_json, real_config_path
+from dgcli.model import fp8
 from dgcli.model.loader import meta_model, to_checkpoint_name
 from dgcli.model.gemma import DiffusionGemma
 
@@ -61,15 +63,21 @@ def make_config(text_config: dict, canvas_length: int = 256, dtype: str = "bfloa
 def randomize_(model: DiffusionGemma, seed: int = 0, std: float | None = None) -> DiffusionGemma:
     """Give every parameter and buffer a random value (no tensor left at its init value), drawn on the
     tensor's own device in its own dtype (a 26B dummy model never exists in fp32 on the host).
-    Matrices ~ N(0, std) with std = 1/sqrt(fan_in) unless given; gains and scales ~ U(0.5, 1.5)."""
+    Matrices ~ N(0, std) with std = 1/sqrt(fan_in) unless given; gains and scales ~ U(0.5, 1.5).
+    FP8 weights (a quantized config): each matrix drawn so, then quantized (`fp8.randomize_fp8_`)."""
     gens: dict[torch.device, torch.Generator] = {}
+    quantized = fp8.quantized_names(model)
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if name in quantized:
+            continue
         g = gens.setdefault(t.device, torch.Generator(device=t.device).manual_seed(seed))
         if t.ndim >= 2:
             s = std if std is not None else 1.0 / math.sqrt(t.shape[-1])
             t.normal_(0.0, s, generator=g)
         else:
             t.uniform_(0.5, 1.5, generator=g)
+    if quantized:
+        fp8.randomize_fp8_(model, lambda d: gens.setdefault(d, torch.Generator(device=d).manual_seed(seed)), std)
     return model
 
 
@@ -77,28 +85,42 @@ def random_model(cfg_dict: dict, *, seed: int = 0, dtype: torch.dtype = torch.fl
                  device: str | torch.device = "cpu") -> DiffusionGemma:
     """A randomly initialised model of a config (dummy weights), allocated once, on `device`, every tensor
     in `dtype` (the layer scalars too, as `loader.load_model` gives them: the model equals its own
-    checkpoint loaded back in that dtype)."""
+    checkpoint loaded back in that dtype). A config with a quantization_config (`with_fp8`) gets FP8
+    linears and experts (1 byte per parameter, scales in `dtype`), drawn without an unquantized copy."""
     cfg = parse_config(cfg_dict)
     model = meta_model(cfg)
     model.to(dtype)
+    if cfg.quantization is not None:
+        fp8.convert_(model, *fp8.targets(model), dtype)
     model.to_empty(device=device)
     return randomize_(model, seed).eval()
 
 
+def with_fp8(cfg_dict: dict) -> dict:
+    """The config with the quantization_config of an FP8-dynamic checkpoint (compressed-tensors' layout)."""
+    n = int(cfg_dict["text_config"]["num_hidden_layers"])
+    return dict(cfg_dict, quantization_config=fp8.quantization_config(n))
+
+
 def checkpoint_state(model: DiffusionGemma) -> dict[str, torch.Tensor]:
     """The state under checkpoint names; layer scalars stored in fp32 whatever the model's dtype, as the
-    released checkpoint stores them (exact: fp32 holds every bf16/fp16 value)."""
+    released checkpoint stores them (exact: fp32 holds every bf16/fp16 value); FP8 experts unfused into
+    per-expert linears, as compressed-tensors checkpoints store them."""
     return {to_checkpoint_name(k): (v.float() if k.endswith("layer_scalar") else v).detach().contiguous().cpu()
-            for k, v in model.state_dict().items()}
+            for k, v in fp8.unfused_state(model).items()}
 
 
 def write_checkpoint(model: DiffusionGemma, out_dir: str | Path, cfg_dict: dict, *, shards: int = 1,
                      generation_config: dict | None = None) -> Path:
-    """Write a model's weights and config in the released layout."""
+    """Write a model's weights and config in the released layout (an FP8 model: the FP8-dynamic layout,
+    with its quantization_config)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = checkpoint_state(model)
     cfg_dict = dict(cfg_dict, dtype=str(model.embed_weight.dtype).removeprefix("torch."))
+    cfg_dict.pop("quantization_config", None)
+    if fp8.is_fp8(model):
+        cfg_dict = with_fp8(cfg_dict)
     (out / "config.json").write_text(json.dumps(cfg_dict, indent=2, sort_keys=True))
     gen = generation_config if generation_config is not None else reference_generation_config(cfg_dict["canvas_length"])
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True))
@@ -127,13 +149,19 @@ SAMPLE_TEXT = (
 
 def write_random_checkpoint(out_dir: str | Path, text_config: dict, *, canvas_length: int = 256,
                             seed: int = 0, dtype: torch.dtype = torch.float32, shards: int = 1,
-                            generation_config: dict | None = None, tokenizer: bool = True) -> Path:
+                            generation_config: dict | None = None, tokenizer: bool = True,
+                            weights: str = "plain") -> Path:
     """A random-weight checkpoint of `text_config` (a dict of text_config keys), with a small
-    Gemma-4-style tokenizer and chat template when the vocabulary is large enough to hold one."""
+    Gemma-4-style tokenizer and chat template when the vocabulary is large enough to hold one.
+    `weights="fp8"`: the same random model quantized (`fp8.quantize_model_`), in the FP8-dynamic layout."""
     from dgcli.text.build import MIN_VOCAB_SIZE, build_tokenizer, write_tokenizer_files
 
+    if weights not in ("plain", "fp8"):
+        raise ValueError(f"weights={weights!r}: plain or fp8")
     cfg_dict = make_config(text_config, canvas_length)
     model = random_model(cfg_dict, seed=seed, dtype=dtype)
+    if weights == "fp8":
+        fp8.quantize_model_(model)
     out = write_checkpoint(model, out_dir, cfg_dict, shards=shards, generation_config=generation_config)
     vocab = int(text_config["vocab_size"])
     if tokenizer and vocab >= MIN_VOCAB_SIZE:

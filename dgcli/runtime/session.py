@@ -166,14 +166,18 @@ def open_session(model: str | None, preset: str | None, flags: dict, *, need_tok
 
 
 def open_dummy_session(spec: str, layers: int | None, preset: str | None, flags: dict, *,
-                       warn: Callable[[str], None], compile: bool = False, threads: int | None = None) -> Session:
+                       warn: Callable[[str], None], compile: bool = False, threads: int | None = None,
+                       weights: str = "bf16") -> Session:
     """Random weights for a config (`--dummy`), built directly on the device (nothing read but the config).
-    Random weights never converge, so fixed-work mode is forced (confidence_threshold 0), and said."""
+    Random weights never converge, so fixed-work mode is forced (confidence_threshold 0), and said.
+    `weights="fp8"`: the config as an FP8-dynamic checkpoint would have it, its matrices drawn in e4m3."""
     from dgcli.model.config import real_config_path
     from dgcli.model.loader import resolve_dtype
-    from dgcli.model.random_weights import dummy_config, random_model
+    from dgcli.model.random_weights import dummy_config, random_model, with_fp8
 
     raw, gen, name = dummy_config(spec, layers)
+    if weights == "fp8":
+        raw, name = with_fp8(raw), f"{name} FP8"
     if flags.get("confidence_threshold") not in (None, 0, 0.0):
         warn(f"dgemma: note: --confidence-threshold {flags['confidence_threshold']} ignored: dummy weights run fixed-work (0)")
     resolved = resolve(gen, preset, dict(flags, confidence_threshold=0.0))
@@ -182,7 +186,7 @@ def open_dummy_session(spec: str, layers: int | None, preset: str | None, flags:
     dtype = resolve_dtype(dt if dt in ("bfloat16", "float32", "float16") else "bfloat16")
     cfg = parse_config(raw)
     n_threads = set_threads(cfg, device, threads)
-    preflight(cfg, torch.tensor([], dtype=dtype).element_size(), device, spec=spec)
+    preflight(cfg, torch.tensor([], dtype=dtype).element_size(), device, spec=spec)  # (bf16-sized: FP8 needs less)
     m = random_model(raw, seed=resolved.params.seed, dtype=dtype, device=device)
     source = Path(spec) if Path(spec).exists() else real_config_path()
     name = name if name.lower().startswith("dummy") else f"dummy {name}"
@@ -190,7 +194,8 @@ def open_dummy_session(spec: str, layers: int | None, preset: str | None, flags:
 
 
 def open_any(model: str | None, dummy: str | None, layers: int | None, preset: str | None, flags: dict, *,
-             warn: Callable[[str], None], compile: bool = False, threads: int | None = None) -> Session:
+             warn: Callable[[str], None], compile: bool = False, threads: int | None = None,
+             weights: str = "bf16") -> Session:
     """bench and sweep: a checkpoint (tokenizer optional) or `--dummy` weights, never both."""
     if dummy is None:
         if layers is not None:
@@ -198,7 +203,7 @@ def open_any(model: str | None, dummy: str | None, layers: int | None, preset: s
         return open_session(model, preset, flags, need_tokenizer=False, compile=compile, threads=threads)
     if model is not None:
         raise UserError("give either --model (a checkpoint) or --dummy CONFIG (random weights), not both")
-    return open_dummy_session(dummy, layers, preset, flags, warn=warn, compile=compile, threads=threads)
+    return open_dummy_session(dummy, layers, preset, flags, warn=warn, compile=compile, threads=threads, weights=weights)
 
 
 def preflight(cfg: ModelConfig, weight_bytes: int, device: Any, *, spec: str) -> None:

@@ -384,7 +384,12 @@ def test_weight_formats():
     assert bf16["bytes"] == (n["total"] - 60) * 2 + 60 * 4 == info.card(
         cfg, name="x", source="y", dtype="bfloat16", budgets=[])["memory"]["weights"]
     quantized = n["attention"] - sum(2 * g.head_dim for g in cfg.layers) + n["dense_mlp"] + n["experts"]
-    assert fp8["fp8_parameters"] == quantized and fp8["bytes"] == bf16["bytes"] - quantized
+    rows = info.quantized_counts(cfg)[1]  # one bf16 scale per output channel
+    assert fp8["fp8_parameters"] == quantized and fp8["bytes"] == bf16["bytes"] - quantized + 2 * rows
+    from dgcli.model.random_weights import with_fp8
+    from dgcli.model.config import parse_config, read_json
+
+    assert fp8["bytes"] == info.weights_bytes_total(parse_config(with_fp8(read_json(real_config_path()))), 2)
     assert 50.4e9 < bf16["bytes"] < 50.6e9 and 25.9e9 < fp8["bytes"] < 26.1e9
     with pytest.raises(ValueError):
         memory.weights_bytes(cfg, "int4")

@@ -1,0 +1,105 @@
+"""`dgemma quantize SRC DST --fp8`: an FP8-dynamic (compressed-tensors) checkpoint from an unquantized one,
+tensor by tensor (the model is never built, so a 52 GB checkpoint needs about one shard of memory).
+
+What is written is what llm-compressor's FP8_DYNAMIC recipe writes for DiffusionGemma: the attention
+projections and the dense MLP as float8_e4m3fn `weight` + `weight_scale` [out, 1] (per-output-channel absmax,
+`fp8.quantize_rows`, the scale in the source dtype); the fused experts unfused into per-expert linears
+`experts.{i}.gate_proj/up_proj/down_proj`, quantized likewise; everything else (embedding = tied head, norms,
+router, self-conditioning MLP, layer scalars, vision tower) copied unchanged. Each source shard gives one
+output shard of the same name (and an index when sharded); config.json gains the `quantization_config`;
+every other file (tokenizer, chat template, generation and processor configs, ...) is copied.
+Owns: `quantize_checkpoint`. Must not: run the model.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from dgcli.errors import UserError
+from dgcli.model import fp8
+from dgcli.model.config import load_config, read_json
+from dgcli.model.loader import _open, checkpoint_files, to_module_name
+
+FUSED = re.compile(r"^(layers\.\d+\.experts)\.(gate_up_proj|down_proj)$")
+WEIGHT_FILES = ("model.safetensors.index.json",)
+
+
+def _quantized(key: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One source tensor -> its output tensors (checkpoint names)."""
+    name = to_module_name(key)
+    if name is not None and name.endswith(".weight") and fp8.QUANTIZED.match(name.removesuffix(".weight")):
+        q, s = fp8.quantize_rows(t)
+        return {key: q, key + "_scale": s}
+    m = FUSED.match(name or "")
+    if m is None:
+        return {key: t}
+    prefix = key[: -len(m.group(2))]  # "model.decoder.layers.L.experts."
+    q, s = fp8.quantize_rows(t)  # [E, rows, in] and [E, rows, 1]
+    inter = t.shape[1] // 2
+    out = {}
+    for e in range(t.shape[0]):
+        parts = {"gate": slice(0, inter), "up": slice(inter, None)} if m.group(2) == "gate_up_proj" else {"down": slice(None)}
+        for part, rows in parts.items():  # clones: safetensors refuses tensors sharing storage
+            out[f"{prefix}{e}.{part}_proj.weight"] = q[e, rows].clone()
+            out[f"{prefix}{e}.{part}_proj.weight_scale"] = s[e, rows].clone()
+    return out
+
+
+def quantize_checkpoint(src: str | Path, dst: str | Path, *,
+                        progress: Callable[[str], None] | None = None) -> dict:
+    """Write the FP8-dynamic twin of checkpoint `src` into `dst` (absent or empty). Returns a summary:
+    tensors quantized, bytes read and written."""
+    src, dst = Path(src), Path(dst)
+    cfg = load_config(src)
+    if cfg.quantization is not None:
+        raise UserError(f"{src}: already quantized ({cfg.quantization.scheme}); quantize an unquantized checkpoint")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise UserError(f"{dst}: exists and is not empty; pick a new directory (or remove it)")
+    if dst.resolve() == src.resolve():
+        raise UserError(f"{dst}: is the source checkpoint; pick a new directory")
+    files = checkpoint_files(src)
+    shards = sorted(set(files.values()))
+    dst.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    summary = {"quantized_tensors": 0, "bytes_in": 0, "bytes_out": 0, "files": len(shards)}
+    for n, f in enumerate(shards, 1):
+        if progress:
+            progress(f"quantizing {f.name} ({n}/{len(shards)})")
+        out: dict[str, torch.Tensor] = {}
+        with _open(f) as st:
+            for key in st.keys():
+                t = st.get_tensor(key)
+                if not t.is_floating_point():
+                    raise UserError(f"{f.name}: tensor {key!r} has dtype {t.dtype}; expected a floating-point tensor")
+                if t.dtype == fp8.FP8:
+                    raise UserError(f"{f.name}: tensor {key!r} is already float8; quantize an unquantized checkpoint")
+                summary["bytes_in"] += t.numel() * t.element_size()
+                parts = _quantized(key, t)
+                summary["quantized_tensors"] += sum(v.dtype == fp8.FP8 for v in parts.values())
+                out.update(parts)
+        save_file(out, str(dst / f.name), metadata={"format": "pt"})
+        summary["bytes_out"] += sum(v.numel() * v.element_size() for v in out.values())
+        weight_map.update({k: f.name for k in out})
+        del out
+    if (src / "model.safetensors.index.json").exists():
+        index = {"metadata": {"total_size": summary["bytes_out"]}, "weight_map": dict(sorted(weight_map.items()))}
+        (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+    raw = read_json(src / "config.json")
+    vision = any(k.startswith(("model.encoder.vision_tower.", "model.encoder.embed_vision.")) for k in files)
+    raw["quantization_config"] = fp8.quantization_config(cfg.num_hidden_layers, vision=vision or "vision_config" in raw)
+    (dst / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True))
+    for p in sorted(src.rglob("*")):  # tokenizer, templates, generation/processor configs, diffusers files
+        rel = p.relative_to(src)
+        if (p.is_dir() or rel.parts[0].startswith(".") or p.suffix == ".safetensors"
+                or str(rel) in WEIGHT_FILES + ("config.json",)):
+            continue
+        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(p, dst / rel)
+    return summary

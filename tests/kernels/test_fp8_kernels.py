@@ -1,0 +1,154 @@
+"""FP8 ops: the per-token activation quantizer and the dynamic-activation matmuls against a float64 computation
+of the same math; the FP8 Triton expert kernels (interpreted on CPU) against the torch references."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dgcli.kernels import dispatch
+from dgcli.kernels.fp8 import (FP8, FP8_MAX, MIN_SCALE, dequantize, experts_fp8_reference, experts_fp8_segments,
+                               linear_dynamic, linear_weight_only, quantize_per_token)
+from dgcli.kernels.reference_ops import experts_reference
+
+E4M3_STEP = 2.0 ** -3  # relative spacing of e4m3 values (3 mantissa bits)
+
+
+def quantize_rows(w):
+    s = w.abs().amax(-1, keepdim=True) / FP8_MAX
+    return (w / s).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
+
+
+def activations(shape, seed, dtype=torch.bfloat16, outlier=3000.0):
+    g = torch.Generator().manual_seed(seed)
+    rows = shape[:-1].numel() if isinstance(shape, torch.Size) else torch.Size(shape[:-1]).numel()
+    x = torch.randn(rows, shape[-1], generator=g) * torch.rand(rows, 1, generator=g).mul(8)  # rows of unequal range
+    x[1] = 0  # an all-zero token
+    x[2, 3] = outlier  # its row's scale is set by it
+    return x.reshape(shape).to(dtype)
+
+
+def test_per_token_quantizer_is_the_float64_math():
+    """scale = max(absmax / 448, 1/(448·512)) and q = e4m3(x / scale): the fp32 scale is the correctly rounded
+    float64 one (absmax and 448 are exact), and the quotients round to the same e4m3 values."""
+    x = activations((64, 96), 0)
+    q, s = quantize_per_token(x)
+    x64 = x.double()
+    s64 = (x64.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
+    assert s.dtype == torch.float32 and torch.equal(s, s64.float())
+    assert s[1].item() == pytest.approx(MIN_SCALE) and (q[1].float() == 0).all()
+    want = (x64 / s.double()).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
+    assert q.float().abs().amax(-1)[[0, 2, 5]].eq(FP8_MAX).all()  # each nonzero row reaches +-448
+    # round-trip error: at most half an e4m3 step of each value (relative), below the subnormals
+    back = q.float() * s
+    big = x.float().abs() > 2 ** -6 * s
+    assert ((back - x.float()).abs()[big] <= 0.5 * E4M3_STEP * x.float().abs()[big] * 1.0001).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dynamic_linear_is_the_float64_math(dtype):
+    """y = ((x_q · q^T) · s_x) · s_w in fp32, rounded to dtype, against the same quantized operands multiplied
+    in float64. Tolerance: the fp32 accumulation (K products, each exact) is within K·2^-24 of the sum of
+    |products| (times the scales), plus one rounding to dtype (2^-8 relative for bf16, 2^-24 for fp32)."""
+    x = activations((2, 7, 96), 1, dtype)
+    g = torch.Generator().manual_seed(2)
+    q, s = quantize_rows((torch.randn(40, 96, generator=g) / 10).to(dtype))
+    y = linear_dynamic(x, q, s, tile_bytes=2048)  # several row tiles
+    assert y.dtype == dtype and y.shape == (2, 7, 40)
+    xq, xs = quantize_per_token(x.reshape(-1, 96))
+    prod = xq.double() @ q.double().t()
+    y64 = prod * xs.double() * s.double().t()
+    bound = 96 * 2 ** -24 * (xq.double().abs() @ q.double().abs().t()) * xs.double() * s.double().abs().t()
+    rel = 2 ** -8 if dtype == torch.bfloat16 else 2 ** -24
+    for got in (y, linear_dynamic(x, q, s)):  # row tiles, or the whole matrix (fp32: another summation order)
+        assert ((got.reshape(-1, 40).double() - y64).abs() <= bound + rel * y64.abs() * 1.0001).all()
+
+
+def test_weight_only_linear_is_f_linear_on_the_dequantized_weight():
+    x = activations((3, 5, 64), 3)
+    q, s = quantize_rows(torch.randn(48, 64, generator=torch.Generator().manual_seed(4)).bfloat16())
+    want = F.linear(x, dequantize(q, s, torch.bfloat16))
+    assert torch.equal(linear_weight_only(x, q, s, tile_bytes=None), want)
+    assert torch.equal(linear_weight_only(x, q, s, tile_bytes=1024), want)  # 8-row tiles
+
+
+def experts_case(dtype, scale_dtype, n=20, h=32, inter=16, e=4, k=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = activations((n, h), seed, dtype, outlier=30.0)
+    guq, gus = quantize_rows((torch.randn(e, 2 * inter, h, generator=g) / 5).to(scale_dtype))
+    dnq, dns = quantize_rows((torch.randn(e, h, inter, generator=g) / 4).to(scale_dtype))
+    w, idx = torch.softmax(torch.randn(n, e, generator=g), -1).topk(k, -1)
+    return x, w, idx, guq, gus, dnq, dns
+
+
+CASES = [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+         (torch.bfloat16, torch.float32)]
+
+
+@pytest.mark.parametrize("dtype, scale_dtype", CASES)
+def test_weight_only_experts_are_the_dequantized_experts(dtype, scale_dtype):
+    x, w, idx, guq, gus, dnq, dns = experts_case(dtype, scale_dtype)
+    want = experts_reference(x, w, idx, dequantize(guq, gus, dtype), dequantize(dnq, dns, dtype))
+    assert torch.equal(experts_fp8_reference(x, w, idx, guq, gus, dnq, dns), want)
+    for chunk in (None, 1):  # every expert at once, or one expert per chunk
+        assert torch.equal(experts_fp8_segments(x, w, idx, guq, gus, dnq, dns, chunk_bytes=chunk), want)
+
+
+def test_dynamic_experts_are_the_float64_math():
+    """fp32 activations: each expert's two FP8 GEMMs against float64 products of the same quantized operands
+    (tokens quantized once, the intermediate per row). fp32 rounding differs from float64 by 2^-24 relative;
+    it could flip an intermediate's e4m3 rounding only within 2^-24 of a tie (none with this seed), so the
+    outputs agree to fp32 accumulation noise."""
+    x, w, idx, guq, gus, dnq, dns = experts_case(torch.float32, torch.float32, seed=5)
+    got = experts_fp8_reference(x, w, idx, guq, gus, dnq, dns, dynamic=True)
+    xq, xs = quantize_per_token(x)
+    want = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in sorted(range(idx.shape[1]), key=lambda j: idx[t, j].item()):
+            e = idx[t, j].item()
+            gu = (xq[t].double() @ guq[e].double().t()) * xs[t].double() * gus[e].double().t().squeeze(0)
+            gate, up = gu.chunk(2)
+            act = F.gelu(gate, approximate="tanh") * up
+            aq, a_s = quantize_per_token(act.float())  # the same quantizer (tested above against float64)
+            y = (aq.double() @ dnq[e].double().t()) * a_s.double() * dns[e].double().t().squeeze(0)
+            want[t] += y * w[t, j].double()
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+# The kernel's GELU computes tanh(y) as 1 - 2/(exp(2y) + 1): exp overflows to inf for gate values past ~9
+# (tanh = 1 exactly, as intended), which the interpreter's numpy reports.
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("dtype, scale_dtype", CASES)
+def test_triton_fp8_experts_match_the_references(dtype, scale_dtype, dynamic):
+    """The Triton kernels (interpreted on CPU): weight tiles dequantized in the kernel (or e4m3 x e4m3 dots
+    on quantized tokens) against the torch references. bf16: bit-equal (same roundings, fp32 accumulation
+    of bf16-exact operands); fp32: the accumulation order differs (measured <= 8e-7 of outputs ~2)."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and no Triton interpreter")
+    from dgcli.kernels.moe import experts_triton
+
+    x, w, idx, guq, gus, dnq, dns = experts_case(dtype, scale_dtype, n=24, seed=7)
+    want = experts_fp8_reference(x, w, idx, guq, gus, dnq, dns, dynamic=dynamic)
+    got = experts_triton(x, w, idx, guq, dnq, gate_up_scale=gus, down_scale=dns, dynamic=dynamic,
+                         block_m=16, block_n=16, block_k=16)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_fp8_semantics_come_from_the_environment(monkeypatch):
+    monkeypatch.delenv("DGEMMA_FP8", raising=False)
+    assert dispatch.fp8_semantics() == "weight-only"
+    monkeypatch.setenv("DGEMMA_FP8", "Dynamic")
+    assert dispatch.fp8_semantics() == "dynamic"
+    monkeypatch.setenv("DGEMMA_FP8", "fp4")
+    with pytest.raises(ValueError, match="DGEMMA_FP8"):
+        dispatch.fp8_semantics()
+    monkeypatch.delenv("DGEMMA_FP8")
+    assert dispatch.implementation("fp8_linear", "cpu") == "cpu"
+    assert dispatch.implementation("fp8_experts", "cpu") == "cpu"
