@@ -270,8 +270,8 @@ def block_cost(cfg: ModelConfig, prefix_len: int, steps: int, max_steps: int, **
 
 
 def kv_cache_bytes(cfg: ModelConfig, context: int, kv_bytes: int = 2, *, trimmed: bool = False) -> int:
-    """K/V of `context` cached positions. dgemma keeps every position in every layer; `trimmed` is the
-    minimum, where sliding layers keep only their last window-1 positions."""
+    """K/V of `context` cached positions in every layer; `trimmed`: as dgemma holds them, sliding layers keeping
+    a ring of their last window-1 positions (dgcli/model/cache.py)."""
     total = 0
     for g in cfg.layers:
         keep = context if (g.window is None or not trimmed) else min(context, g.window - 1)
@@ -337,7 +337,7 @@ def card(cfg: ModelConfig, *, name: str, source: str, dtype: str, context: int =
     commit = encode_cost(cfg, prompt_len, cfg.canvas_length, weight_bytes=wb)
     prefill = encode_cost(cfg, 0, prompt_len, weight_bytes=wb)
     ws = working_set_bytes(cfg, context, wb)
-    kv = kv_cache_bytes(cfg, context, wb)
+    kv = kv_cache_bytes(cfg, context, wb, trimmed=True)  # what dgemma's cache holds (sliding rings)
     devices = []
     for p in peaks:
         s, bound = floor_seconds(step, p)
@@ -368,8 +368,8 @@ def card(cfg: ModelConfig, *, name: str, source: str, dtype: str, context: int =
                     "note": "not loaded for text generation"} if inventory and inventory["vision_parameters"] else None),
         "memory": {
             "weights": weights, "kv_context": context, "kv_cache": kv,
-            "kv_per_token": kv_cache_bytes(cfg, 1, wb),
-            "kv_cache_trimmed": kv_cache_bytes(cfg, context, wb, trimmed=True),
+            "kv_per_token": kv_cache_bytes(cfg, 1, wb),  # every layer's K/V of one position
+            "kv_cache_every_position": kv_cache_bytes(cfg, context, wb),
             "step_working_set": ws["total"], "working_set_parts": ws,
             "total": weights + kv + ws["total"],
         },

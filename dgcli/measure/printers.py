@@ -266,8 +266,9 @@ def card_markdown(card: dict) -> str:
     ws = m["working_set_parts"]
     lines += ["", f"**memory to run** ({card['dtype']}, KV for {m['kv_context']:,} tokens):",
               f"- weights {human(m['weights'], 'B', 1024)}",
-              f"- KV cache {human(m['kv_cache'], 'B', 1024)} ({human(m['kv_per_token'], 'B', 1024)}/token; "
-              f"{human(m['kv_cache_trimmed'], 'B', 1024)} if sliding layers kept only their window)",
+              f"- KV cache {human(m['kv_cache'], 'B', 1024)} (sliding layers keep a ring of their window; every "
+              f"position in every layer would be {human(m['kv_cache_every_position'], 'B', 1024)}, "
+              f"{human(m['kv_per_token'], 'B', 1024)}/token)",
               f"- sampler working set per step ~{human(m['step_working_set'], 'B', 1024)} (vocab chunk "
               f"{human(ws['vocab_pass_chunk'], 'B', 1024)}; an unchunked fp32 [C, V] sampler would need "
               f"{human(ws['unchunked_vocab_fp32'], 'B', 1024)})",

@@ -48,7 +48,8 @@ NOT_WITH_BASE_URL = {
     "compile": "the server decides how it runs", "threads": "the server decides how it runs",
     "batch_size": "use --concurrency (requests in flight)", "random_prompts": "text prompts only: use --prompts FILE",
     "random_input_len": "text prompts only: use --prompts FILE", "ignore_eos": "the server decides where answers stop",
-    "measure_peaks": "a remote target has no roofline"}
+    "measure_peaks": "a remote target has no roofline", "weights": "the server has loaded its own model",
+    "fp8_activations": "the server decides how it runs (DGEMMA_FP8 in the server's environment)"}
 
 
 # ---- the target ------------------------------------------------------------------------------------------

@@ -188,7 +188,8 @@ def test_info_random_checkpoint_reads_headers_only(tmp_path):
     assert inv["text_bytes_by_dtype"] == {"float32": info.param_counts(cfg)["total"] * 4}
     card = json.loads(_info(str(ckpt), "--no-measure-peaks", "--format", "json", "--context", "100"))
     assert card["dtype"] == "float32" and card["memory"]["kv_context"] == 100
-    assert card["memory"]["kv_cache"] == info.kv_cache_bytes(cfg, 100, 4)
+    assert card["memory"]["kv_cache"] == info.kv_cache_bytes(cfg, 100, 4, trimmed=True)
+    assert card["memory"]["kv_cache_every_position"] == info.kv_cache_bytes(cfg, 100, 4)
 
 
 def test_info_bad_input_is_one_line(tmp_path):
