@@ -5,11 +5,12 @@ On a CUDA machine (`python benchmarks/gpu_suite.py`):
   2. tests        the whole test suite (on CUDA the kernel tests run the compiled Triton kernels, not the
                   interpreter: that is where the bf16 tensor-core paths `DOT_BF16` first run);
   3. kernels      tests/kernels again on their own, so their result stands out in the section;
-  4. bench_kernels  per-kernel time and share of the device's peaks (benchmarks/bench_kernels.py);
-  5. bench_dummy  `dgemma bench --dummy 26B-A4B` at batch 1/4/8, bf16, fixed work; CUDA graphs on and
+  4. sync_check   host syncs inside a block, by code line (benchmarks/sync_check.py; CUDA only);
+  5. bench_kernels  per-kernel time and share of the device's peaks (benchmarks/bench_kernels.py);
+  6. bench_dummy  `dgemma bench --dummy 26B-A4B` at batch 1/4/8, bf16, fixed work; CUDA graphs on and
                   off once the step can be captured (issue 15 item 3; until then the row says "off: not
                   built yet");
-  6. bench_bundled  `dgemma bench` on the bundled model (quality and speed on the device).
+  7. bench_bundled  `dgemma bench` on the bundled model (quality and speed on the device).
 Each step runs as a subprocess with a time limit; a failing step is recorded (exit code and the tail of its
 output) and the suite goes on. The section goes to stdout and, with `--out FILE`, to FILE (append it to
 benchmarks/RESULTS.md by hand after reading it).
@@ -35,7 +36,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ("env", "tests", "kernels", "bench_kernels", "bench_dummy", "bench_bundled")
+STEPS = ("env", "tests", "kernels", "sync_check", "bench_kernels", "bench_dummy", "bench_bundled")
 
 
 def plan(device: str) -> dict[str, tuple[list[str], int, dict]]:
@@ -50,6 +51,7 @@ def plan(device: str) -> dict[str, tuple[list[str], int, dict]]:
         "env": ([py, "benchmarks/gpu_suite.py", "--print-env"], 60, {}),
         "tests": ([py, "-m", "pytest", "-q", "-p", "no:cacheprovider"], 3600, interp),
         "kernels": ([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels"], 1800, interp),
+        "sync_check": ([py, "benchmarks/sync_check.py"], 600, {}),
         "bench_kernels": ([py, "benchmarks/bench_kernels.py", "--device", device]
                           + ([] if cuda else ["--small", "--reps", "3"]), 1800, {}),
         "bench_dummy": (bench + dummy + ["--dtype", "bfloat16", "--batch-size", "1,4,8", "--diffusion-steps", "16",

@@ -48,6 +48,15 @@ class _Launched:
     seconds: float  # host time of the launch (the pass itself on CPU)
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a device tensor without stalling: on CUDA a plain `torch.tensor(..., device=cuda)`
+    copies from pageable memory and waits for the stream to drain (a host sync per pass); a pinned buffer
+    copied with non_blocking does not (the caching host allocator keeps it alive until the copy is done)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def new_engine(model: Any, *, async_stop: bool | None = None, **kw: Any) -> Engine:
     """The engine for `model`'s device: `AsyncStopEngine` on CUDA, `Engine` elsewhere (or as asked)."""
     if async_stop is None:
@@ -125,17 +134,20 @@ class AsyncStopEngine(Engine):
         if any(s is not None for s in soft) and any(st > 0 for st in steps):
             zero = next(s for s in soft if s is not None).new_zeros(c, self.model.config.hidden_size)
             soft_in = torch.stack([zero if s is None or st == 0 else s for s, st in zip(soft, steps)])
-        seed_k = torch.tensor([r.seed for r in rows], device=dev)[:, None]
-        block_k = torch.tensor([r.block for r in rows], device=dev)[:, None]
-        step_k = torch.tensor(steps, device=dev)[:, None] + 1
+        seed_k = to_device([r.seed for r in rows], torch.long, dev)[:, None]
+        block_k = to_device([r.block for r in rows], torch.long, dev)[:, None]
+        step_k = to_device(steps, torch.long, dev)[:, None] + 1
         uniform = draws.uniform(seed_k, draws.DRAW, block_k, step_k, self.positions, device=dev)
         noise = draws.token_ids(seed_k, draws.RENOISE, block_k, step_k, self.positions, self.vocab, device=dev)
-        temp = torch.tensor([r.temps[s] for r, s in zip(rows, steps)], dtype=torch.float32, device=dev)
+        temp = to_device([r.temps[s] for r, s in zip(rows, steps)], torch.float32, dev)
         first = rows[0]
         if first.params.stability_threshold == depth and all(r.settings == first.settings for r in rows):
             rules = first.params
         else:
-            rules = RowRules.of([r.params for r in rows], dev)
+            ps = [r.params for r in rows]
+            rules = RowRules(to_device([[q.entropy_bound] for q in ps], torch.float32, dev),
+                             to_device([q.confidence_threshold for q in ps], torch.float32, dev),
+                             to_device([q.stability_threshold for q in ps], torch.long, dev))
         slots = [r.slot for r in rows]
         out, accepted, next_canvas, new_hist, stop = denoise_step(
             self.model, canvas_in, self.cache, soft_in, temp, hist, rules, uniform, noise,
@@ -193,7 +205,7 @@ class AsyncStopEngine(Engine):
         if not cur_idx:
             return
         # The settled rows' state: new tensors (events handed out hold views of the old ones).
-        ci, pi = torch.tensor(cur_idx, device=self.device), torch.tensor(p_idx, device=self.device)
+        ci, pi = to_device(cur_idx, torch.long, self.device), to_device(p_idx, torch.long, self.device)
         self.canvas = self.canvas.clone()
         self.canvas[ci] = p.next_canvas[pi]
         hist = p.history[:, pi]

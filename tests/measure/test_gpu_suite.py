@@ -24,7 +24,7 @@ def test_dry_run_plans_every_step_at_cpu_sizes():
     out = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--dry-run"], capture_output=True,
                          text=True, check=True, cwd=ROOT).stdout
     steps = [line.split(":")[0] for line in out.splitlines()]
-    assert steps == ["env", "tests", "kernels", "bench_kernels", "bench_dummy", "bench_bundled"]
+    assert steps == ["env", "tests", "kernels", "sync_check", "bench_kernels", "bench_dummy", "bench_bundled"]
     assert "TRITON_INTERPRET=1" in out and "--small" in out and "dummy-medium.json --layers 2" in out
     cuda = subprocess.run([sys.executable, str(SCRIPT), "--device", "cuda", "--dry-run", "--only", "bench_dummy"],
                           capture_output=True, text=True, check=True, cwd=ROOT).stdout
