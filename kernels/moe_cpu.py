@@ -124,8 +124,12 @@ def experts_segments(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_u
     counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device).scatter_add_(
         0, flat, torch.ones_like(flat, dtype=torch.int32))  # [E] (bincount's size depends on the data)
     offs = counts.cumsum(0, dtype=torch.int32)  # [E] end of each expert's segment
-    gu = F.grouped_mm(x[order // k], gate_up_proj.transpose(1, 2), offs=offs)  # [N*k, 2I]
+    # [N*k, H] rows copied whole (x[order // k] copies element by element), freed after the GEMM
+    gu = F.grouped_mm(x.index_select(0, order // k), gate_up_proj.transpose(1, 2), offs=offs)  # [N*k, 2I]
     act = F.gelu(gu[:, :inter], approximate="tanh") * gu[:, inter:]  # [N*k, I]
     y = F.grouped_mm(act, down_proj.transpose(1, 2), offs=offs)  # [N*k, H]
-    pairs = torch.empty_like(y).index_copy_(0, order, y)  # [N*k, H] back in pair order
+    # [N*k, H] back in pair order: rows gathered whole through the inverse permutation (index_copy_ into
+    # `order` moves the same rows element by element, ~3x slower on CPU)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
+    pairs = y.index_select(0, inverse)
     return _combine(pairs, w_sorted, x.dtype)

@@ -73,7 +73,8 @@ def _processed(logits: torch.Tensor, softcap: float | None, temperature: torch.T
 
 
 def tile_stats(raw: torch.Tensor, softcap: float | None, temperature: torch.Tensor,
-               soft_dtype: torch.dtype | None, width: int) -> tuple[torch.Tensor, ...]:
+               soft_dtype: torch.dtype | None, width: int,
+               store: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """One vocabulary tile's statistics, all relative to the tile's own max (the caller rescales them to
     the running max with [N]-sized factors, so this function has no state and no branches on it).
 
@@ -81,12 +82,15 @@ def tile_stats(raw: torch.Tensor, softcap: float | None, temperature: torch.Tens
     st = Σ exp(L - tmax)·(L - tmax), gz [N, ceil(T/width)] = Σ exp(L - tmax) per group of `width`
     columns (the draw's statistics), and for the soft embedding (soft_dtype not None) `keep` [N, T]:
     float32 soft_dtype: exp(L - tmax) (the online soft accumulation's weights, their sum is zt);
-    otherwise round(L) in soft_dtype, the values the reference's softmax reads.
-    Elementwise only plus row reductions: `--compile` fuses it into a couple of passes over the tile."""
+    otherwise round(L) in soft_dtype, the values the reference's softmax reads; with `store` (an [N, T]
+    view in soft_dtype) round(L) is written there (the same rounding as `.to()`, no temporary) and `keep`
+    is `store`. Elementwise only plus row reductions: `--compile` fuses it into a couple of passes."""
     logits = _processed(raw.float(), softcap, temperature)  # [N, T] L (in place on an fp32 raw: the caller drops it)
     tmax, targ = _tile_max(logits)  # [N]
     shift = tmax.unsqueeze(1)  # [N, 1]
-    stored = logits.to(soft_dtype) if soft_dtype not in (None, torch.float32) else None  # [N, T] round(L)
+    stored = None
+    if soft_dtype not in (None, torch.float32):  # [N, T] round(L)
+        stored = logits.to(soft_dtype) if store is None else store.copy_(logits)
     d = logits.sub_(shift)  # [N, T] L - tmax (in place: L is not needed any more)
     e = torch.exp(d)  # [N, T]
     zt = e.sum(dim=1)  # [N]
@@ -121,7 +125,12 @@ def soft_from_stored(stored: torch.Tensor, embed: torch.Tensor, scale: torch.Ten
     n, v = stored.shape
     step = max(1, chunk_bytes // (4 * v))
     for lo in range(0, n, step):
-        stored[lo:lo + step] = stored[lo:lo + step].softmax(dim=-1, dtype=torch.float32)  # rounds as .to() does
+        if stored.dtype == torch.bfloat16:
+            # torch's bf16 softmax on CPU computes in fp32 and rounds once: the same bits as the fp32 softmax
+            # rounded (checked in tests/kernels), without the fp32 copy of the rows and the fp32 output.
+            stored[lo:lo + step] = torch.softmax(stored[lo:lo + step], dim=-1)
+        else:
+            stored[lo:lo + step] = stored[lo:lo + step].softmax(dim=-1, dtype=torch.float32)  # rounds as .to()
     return torch.matmul(stored, embed) * scale  # [N, H]
 
 
@@ -174,7 +183,10 @@ def vocab_pass_tiled(
         hi = min(v, lo + t_cols)
         et = embed[lo:hi]  # [T, H]
         raw = F.linear(rows, et)  # [N, T] in the embedding dtype
-        tmax, targ, zt, st, gz, keep = stats(raw, softcap, temp, soft_dtype, width)
+        if stored is not None and not compile_tiles:  # round(L) straight into the [N, V] buffer
+            tmax, targ, zt, st, gz, keep = stats(raw, softcap, temp, soft_dtype, width, stored[:, lo:hi])
+        else:
+            tmax, targ, zt, st, gz, keep = stats(raw, softcap, temp, soft_dtype, width)
         gmax.append(tmax[:, None].expand_as(gz))
         gsum.append(gz)
         if m is None:  # first tile: its max is the running max
@@ -190,7 +202,8 @@ def vocab_pass_tiled(
             z = alpha * z + zt
             m = m_new
         if stored is not None:
-            stored[:, lo:hi] = keep  # round(L)
+            if compile_tiles:  # the compiled tile function returns round(L); eager wrote it in place
+                stored[:, lo:hi] = keep
         elif want_soft:  # fp32: Σ exp(L - m)·E online; its normaliser is z
             prod = torch.matmul(keep, et)  # [N, H]
             acc = prod if a_t is None else acc.mul_(alpha.unsqueeze(1)).add_(prod.mul_(a_t.unsqueeze(1)))

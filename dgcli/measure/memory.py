@@ -38,7 +38,7 @@ HEADROOM = 0.10  # of the budget: CUDA context (~0.5 GiB) and the caching alloca
 GPUS = (("H100 80 GB", 80 * GIB, 132), ("H200 141 GB", 141 * GIB, 132))
 FORMATS = ("bf16", "fp8")
 ACT_BYTES = {"bf16": 2, "fp8": 2, "fp32": 4}  # activations and KV of a run with these weights
-GATHER_BYTES = 32 * 2**20  # kernels/categorical.py: the draw's gathered embedding rows, per chunk
+GATHER_BYTES = 8 * 2**20  # kernels/categorical.py: the draw's gathered embedding rows, per chunk
 CPU_TILE_BYTES = 4 * 2**20  # kernels/vocab_pass_cpu.py: TILE_BYTES
 CPU_TILE_ROWS = 256  # kernels/vocab_pass_cpu.py: TILE_ROWS (the tile width is auto_tile(TILE_ROWS, V))
 CPU_SOFTMAX_BYTES = 4 * 2**20  # kernels/vocab_pass_cpu.py: SOFTMAX_BYTES (float32 [rows, V] per softmax call)
@@ -199,16 +199,17 @@ def vocab_bytes(cfg: ModelConfig, b: int, ab: int = 2, cpu: bool = False, sms: i
         groups = tiles * per_tile
         draws = 4 * n * (groups + tiles)  # the group sums [N, T/width] of the tiles so far, each tile's max
         if ab < 4:
-            # Low precision: every tile's round(L) in one [N, V] buffer (ab) for the whole pass; one tile:
-            # raw [N, T] (ab), L fp32, round(L) (ab), exp fp32. Then the softmax, r rows at a time (its fp32
-            # copy of the rows and its fp32 output), then the GEMM's [N, H] and its scaled copy; the buffer
-            # goes before the draw, the soft embedding [N, H] (ab) stays through it.
+            # Low precision: every tile's round(L) in one [N, V] buffer (ab) for the whole pass, written in
+            # place; one tile: raw [N, T] (ab), L fp32, exp fp32. Then the softmax, r rows at a time (ab = 2
+            # is taken as bf16: torch's bf16 softmax, its bf16 output only; fp16 would add an fp32 copy of the
+            # rows and an fp32 output), then the GEMM's [N, H] and its scaled copy; the buffer goes before the
+            # draw, the soft embedding [N, H] (ab) stays through it.
             stored = n * v * ab
-            buffers = n * tile * (2 * ab + 8)
+            buffers = n * tile * (ab + 8)
             r = min(n, max(1, CPU_SOFTMAX_BYTES // (4 * v)))
             first = small + stored + 4 * n * per_tile + buffers
             last = small + stored + draws + buffers
-            soft = small + stored + draws + max(8 * r * v, 2 * n * h * ab)
+            soft = small + stored + draws + max(ab * r * v, 2 * n * h * ab)
             kept = small + n * h * ab + draws + 8 * n * groups  # + torch.cat of gmax and gsum
         else:
             # fp32: one tile: raw [N, T], L, exp fp32 (the exp is the soft GEMM's weights), next to the group

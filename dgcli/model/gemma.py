@@ -23,13 +23,12 @@ from dgcli.model.config import LayerGeometry, ModelConfig
 
 
 class RMSNorm(nn.Module):
-    """x·(mean(x²)+eps)^-½ in fp32, times the stored gain (no +1 offset); `with_scale=False` is Norm_0.
-    The math is `kernels/reference_ops.py::rms_norm_reference` (a Triton kernel on CUDA)."""
+    """x·(mean(x²)+eps)^-½ in fp32, times the stored gain (no +1 offset); `with_scale=False` is Norm_0 (the math:
+    kernels/reference_ops.py::rms_norm_reference; a Triton kernel on CUDA)."""
 
     def __init__(self, dim: int, eps: float, with_scale: bool = True):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
+        self.eps, self.weight = eps, (nn.Parameter(torch.ones(dim)) if with_scale else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dispatch.rms_norm(x, self.weight, self.eps)
@@ -117,8 +116,7 @@ class Router(nn.Module):
         self.proj = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.scale = nn.Parameter(torch.ones(cfg.hidden_size))
         self.per_expert_scale = nn.Parameter(torch.ones(cfg.num_experts))
-        self.top_k = cfg.top_k_experts
-        self.root = cfg.hidden_size ** -0.5
+        self.top_k, self.root = cfg.top_k_experts, cfg.hidden_size ** -0.5
 
     def forward(self, r: torch.Tensor):
         """r [N, H] (the un-normed residual) -> weights [N, k] fp32, expert ids [N, k]."""
@@ -209,9 +207,12 @@ class DiffusionGemma(nn.Module):
 
     @property
     def embed_scale(self) -> torch.Tensor:
-        # sqrt(H) cast to the weight dtype: 53.0 in bf16, as the reference multiplies.
-        w = self.embed_tokens.weight
-        return torch.tensor(self.config.embed_scale, device=w.device).to(w.dtype)
+        # sqrt(H) in the weight dtype, as the reference multiplies; made once (a new CUDA tensor per step syncs)
+        w, got = self.embed_tokens.weight, self.__dict__.get("_embed_scale")
+        if got is None or (got.device, got.dtype) != (w.device, w.dtype):
+            with torch.inference_mode(False):  # a normal tensor: training multiplies by it too
+                self.__dict__["_embed_scale"] = got = torch.tensor(self.config.embed_scale).to(w.dtype).to(w.device)
+        return got
 
     def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple]:
         out = {}

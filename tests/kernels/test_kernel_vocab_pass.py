@@ -139,6 +139,16 @@ def test_tiled_soft_is_the_references_bit_for_bit(dtype, b, c, h, v, tile, sharp
     assert bare.soft is None and torch.equal(bare.sample, out.sample) and torch.equal(bare.entropy, out.entropy)
 
 
+@pytest.mark.parametrize("rows,v,spread", [(64, 32768, 3.0), (8, 262144, 8.0), (33, 5000, 0.5), (7, 3, 50.0)])
+def test_bf16_softmax_is_the_rounded_fp32_softmax(rows, v, spread):
+    """The tiled pass runs torch's bf16 softmax on the rounded logits (no fp32 copy): on CPU it must give the
+    bits of softmax(dtype=float32) rounded to bf16, the reference's (transformers') ops."""
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, v, generator=g) * spread).bfloat16()
+    x[0, :2] = 40.0  # a peaked row with a tie
+    assert torch.equal(torch.softmax(x, dim=-1), x.softmax(dim=-1, dtype=torch.float32).to(torch.bfloat16))
+
+
 def test_tiled_without_soft_and_ties():
     hidden, embed, scale = make(1, 4, 8, 64, torch.float32)
     embed[40] = embed[3]  # exact duplicate rows: equal logits, the first index must win

@@ -1,0 +1,267 @@
+"""Where one CPU denoising step's time goes, per component, against the bf16 GEMM rate of the same run
+(issue 15 item 5). The 200 M bf16 random checkpoint of bench_cpu_step.py, canvas 256, prompt 32, a middle
+step (soft embedding in and out); 1 and 2 threads in interleaved rounds, medians.
+
+Components (wall time by host timers; CPU ops are synchronous): decoder attention (q/k/v/o GEMMs, key
+concatenation, SDPA), dense MLP, self-conditioning MLP, routed experts (router + experts), norms / RoPE /
+elementwise (every RMSNorm, RoPE, residual adds, layer scalars, embedding), vocabulary pass (head GEMMs,
+per-tile statistics, soft embedding, draw), accept / renoise / stop. The instrumented decoder pass is
+checked bit-equal to `model.decode`. FLOPs: matmuls only, 2 per multiply-add, routed experts at top-k.
+
+    python benchmarks/step_components.py [--threads 1,2] [--rounds 5] [--hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_cpu_step import (
+    CANVAS,
+    PROMPT_LEN,
+    TEXT,
+    bench_model,
+    cpu_name,
+    load_avg,
+    median,
+)
+
+ORDER = ("attention", "dense_mlp", "selfcond_mlp", "experts", "norms_rope_elem", "vocab_pass", "accept_renoise")
+
+
+class Clock:
+    def __init__(self):
+        self.t = defaultdict(float)
+        self.last = time.perf_counter()
+
+    def lap(self, name: str):
+        now = time.perf_counter()
+        self.t[name] += now - self.last
+        self.last = now
+
+
+def component_flops(cfg, prefix: int) -> dict:
+    c, h = cfg.canvas_length, cfg.hidden_size
+    f = dict.fromkeys(ORDER, 0.0)
+    for i in range(cfg.num_hidden_layers):
+        g = cfg.layer(i)
+        q, kv = cfg.num_attention_heads * g.head_dim, g.num_kv_heads * g.head_dim
+        keys = c + (prefix if g.window is None else min(prefix, g.window - 1))
+        f["attention"] += 2 * c * h * (2 * q + kv * (2 if g.has_v_proj else 1)) + 4 * c * keys * q
+        f["dense_mlp"] += 6 * c * h * cfg.intermediate_size
+        f["experts"] += 2 * c * h * cfg.num_experts + cfg.top_k_experts * 6 * c * h * cfg.moe_intermediate_size
+    f["selfcond_mlp"] = 6 * c * h * cfg.self_conditioning_size
+    f["vocab_pass"] = 4 * c * cfg.vocab_size * h  # head + soft embedding
+    return f
+
+
+@torch.inference_mode()
+def instrumented_step(model, canvas, cache, soft, temp, history, params, uniform, noise):
+    """denoise_step (batch 1, rows None) with a clock: the same ops as model.decode's `same` path."""
+    from dgcli.kernels.dispatch import vocab_pass
+    from dgcli.model.gemma import apply_rope
+    from dgcli.sampling.rules import accept_mask, is_confident, is_stable, push_history
+
+    ck = Clock()
+    c, dev = canvas.shape[1], canvas.device
+    lens = [cache.lens[0]]
+    sc = model.self_conditioning
+    e = model.embed(canvas)
+    ck.lap("norms_rope_elem")
+    pre = sc.pre_norm(soft)
+    ck.lap("norms_rope_elem")
+    m = sc.down_proj(F.gelu(sc.gate_proj(pre), approximate="tanh") * sc.up_proj(pre))
+    ck.lap("selfcond_mlp")
+    x = sc.post_norm(e + m)
+    j = torch.arange(c, device=dev)
+    tables = model._tables(lens[0] + j, x.dtype)
+    ck.lap("norms_rope_elem")
+    for i, (layer, g) in enumerate(zip(model.layers, model.geometry)):
+        attn = layer.self_attn
+        xn = layer.input_layernorm(x)
+        ck.lap("norms_rope_elem")
+        b, t, _ = xn.shape
+        d = g.head_dim
+        qr = attn.q_proj(xn).view(b, t, -1, d)
+        k_raw = attn.k_proj(xn).view(b, t, -1, d)
+        v_raw = attn.v_proj(xn).view(b, t, -1, d) if attn.v_proj is not None else k_raw
+        ck.lap("attention")
+        cos, sin = tables[g.kind]
+        q = apply_rope(attn.q_norm(qr), cos, sin).transpose(1, 2)
+        k = apply_rope(attn.k_norm(k_raw), cos, sin).transpose(1, 2)
+        v = attn.v_norm(v_raw).transpose(1, 2)
+        ck.lap("norms_rope_elem")
+        lo = 0 if g.window is None else max(0, lens[0] - (g.window - 1))
+        pk, pv = cache.parts(i, lo, lens[0])
+        out = attn.sdpa(q, torch.cat((*pk, k), dim=2), torch.cat((*pv, v), dim=2), None)
+        o = attn.out(out)
+        ck.lap("attention")
+        x = x + layer.post_attention_layernorm(o)
+        r = x
+        xn = layer.pre_feedforward_layernorm(r)
+        ck.lap("norms_rope_elem")
+        dense = layer.mlp(xn)
+        ck.lap("dense_mlp")
+        dense = layer.post_feedforward_layernorm_1(dense)
+        flat = r.reshape(-1, r.shape[-1])
+        ck.lap("norms_rope_elem")
+        w, idx = layer.router(flat)
+        ck.lap("experts")
+        xe = layer.pre_feedforward_layernorm_2(flat)
+        ck.lap("norms_rope_elem")
+        moe = layer.experts(xe, w, idx).reshape(r.shape)
+        ck.lap("experts")
+        moe = layer.post_feedforward_layernorm_2(moe)
+        x = r + layer.post_feedforward_layernorm(dense + moe)
+        x *= layer.layer_scalar
+        ck.lap("norms_rope_elem")
+    hidden = model.norm(x)
+    ck.lap("norms_rope_elem")
+    out = vocab_pass(hidden, model.embed_weight, softcap=model.config.final_logit_softcapping,
+                     temperature=temp, embed_scale=model.embed_scale, uniform=uniform, want_soft=True)
+    ck.lap("vocab_pass")
+    accepted = accept_mask(out.entropy, params.entropy_bound)
+    next_canvas = torch.where(accepted, out.sample, noise)
+    stable = is_stable(history, out.argmax, None)
+    stop = stable & is_confident(out.entropy, params.confidence_threshold)
+    push_history(history, out.argmax)
+    ck.lap("accept_renoise")
+    return dict(ck.t), hidden, next_canvas, stop
+
+
+def gemm_rate() -> float:
+    h = TEXT["hidden_size"]
+    best = 0.0
+    for m, k, n in [(2048, 2048, 2048), (CANVAS, h, 4 * h), (CANVAS, h, TEXT["vocab_size"] // 4)]:
+        a, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
+        F.linear(a, w)
+        ts = []
+        for _ in range(5):
+            t = time.perf_counter()
+            F.linear(a, w)
+            ts.append(time.perf_counter() - t)
+        best = max(best, 2 * m * k * n / median(ts))
+    return best
+
+
+def vocab_gemms(hidden, embed) -> float:
+    """The vocabulary pass's two GEMMs alone (head per 4096-column tile, soft [N, V]x[V, H])."""
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    p = torch.empty(rows.shape[0], embed.shape[0], dtype=embed.dtype)
+    t = time.perf_counter()
+    for lo in range(0, embed.shape[0], 4096):
+        F.linear(rows, embed[lo:lo + 4096])
+    torch.matmul(p, embed)
+    return time.perf_counter() - t
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--dir", default="/tmp/dgemma-bench-200m")
+    ap.add_argument("--hf", action="store_true", help="time transformers' step too (generate, 6 steps per round)")
+    args = ap.parse_args()
+    threads = [int(t) for t in args.threads.split(",")]
+
+    from dgcli.sampling.params import DiffusionEbParams
+    from dgcli.sampling.rules import denoise_step
+
+    model, n_params = bench_model(Path(args.dir))
+    cfg = model.config
+    prompt = torch.randint(0, cfg.vocab_size, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
+    cache = model.new_cache(1, PROMPT_LEN + CANVAS)
+    model.encode(prompt, cache)
+    g = torch.Generator().manual_seed(1)
+    canvas = torch.randint(0, cfg.vocab_size, (1, CANVAS), generator=g)
+    noise = torch.randint(0, cfg.vocab_size, (1, CANVAS), generator=g)
+    soft = (torch.randn(1, CANVAS, cfg.hidden_size, generator=g) * 0.5).bfloat16()
+    uniform = torch.rand(1, CANVAS, dtype=torch.float64, generator=g)
+    temp = torch.tensor(0.6)
+    params = DiffusionEbParams(confidence_threshold=0.0)
+    history = torch.full((1, 1, CANVAS), -1, dtype=torch.long)
+    ref_hidden = model.decode(canvas, cache, soft)
+    _, hidden, _, _ = instrumented_step(model, canvas, cache, soft, temp, history, params, uniform, noise)
+    assert torch.equal(hidden, ref_hidden), "instrumented decoder pass differs from model.decode"
+    flops = component_flops(cfg, PROMPT_LEN)
+    total_flops = sum(flops.values())
+
+    hf = None
+    if args.hf:
+        from bench_cpu_step import _StepClock
+        from transformers import DiffusionGemmaForBlockDiffusion
+
+        hf = DiffusionGemmaForBlockDiffusion.from_pretrained(args.dir, dtype=torch.bfloat16).eval()
+
+        def hf_steps(n=6):
+            clock = _StepClock()
+            with torch.inference_mode():
+                hf.generate(input_ids=prompt, max_new_tokens=CANVAS, max_denoising_steps=n,
+                            confidence_threshold=1e-30, streamer=clock)
+            drafts = [m for kind, m in clock.marks if kind == "draft"]
+            return [b - a for a, b in itertools.pairwise(drafts)]
+    data = {t: defaultdict(list) for t in threads}
+    load0 = load_avg()
+    for rnd in range(args.rounds):
+        for t in threads:
+            torch.set_num_threads(t)
+            d = data[t]
+            d["gemm"].append(gemm_rate())
+            for _ in range(2):
+                s = time.perf_counter()
+                denoise_step(model, canvas, cache, soft, temp, history, params, uniform, noise, True, False)
+                d["step"].append(time.perf_counter() - s)
+                parts, *_ = instrumented_step(model, canvas, cache, soft, temp, history, params, uniform, noise)
+                for k, v in parts.items():
+                    d[k].append(v)
+                d["vocab_gemms"].append(vocab_gemms(ref_hidden, model.embed_weight))
+            if args.hf:
+                d["hf_step"].extend(hf_steps()[1:])
+        print(f"round {rnd} done, load {load_avg()}", file=sys.stderr)
+    load1 = load_avg()
+
+    result = {"machine": cpu_name(), "cpus": os.cpu_count(), "torch": torch.__version__,
+              "params_m": n_params / 1e6, "step_gflop": total_flops / 1e9, "load_avg": f"{load0} -> {load1}",
+              "rounds": args.rounds, "threads": {}}
+    print(f"machine: {cpu_name()}, torch {torch.__version__}, {n_params / 1e6:.1f} M params, "
+          f"{total_flops / 1e9:.1f} GFLOP/step (matmuls), load avg {load0} -> {load1}")
+    for t in threads:
+        d = data[t]
+        rate = median(d["gemm"])
+        step = median(d["step"])
+        inst = {k: median(d[k]) for k in ORDER}
+        inst_total = sum(inst.values())
+        row = {"gemm_gflops": rate / 1e9, "step_ms": step * 1e3, "step_share_of_gemm": total_flops / step / rate,
+               "instrumented_sum_ms": inst_total * 1e3, "vocab_gemms_ms": median(d["vocab_gemms"]) * 1e3,
+               "components": {}}
+        print(f"\n### {t} thread(s): bf16 GEMM rate {rate / 1e9:.0f} GFLOP/s; step (median) {step * 1e3:.1f} ms = "
+              f"{total_flops / step / 1e9:.0f} GFLOP/s = {100 * total_flops / step / rate:.1f} % of it; "
+              f"instrumented sum {inst_total * 1e3:.1f} ms")
+        if d.get("hf_step"):
+            hs = median(d["hf_step"])
+            row["hf_step_ms"] = hs * 1e3
+            print(f"transformers step (median of {len(d['hf_step'])}): {hs * 1e3:.0f} ms; ratio {hs / step:.2f}x")
+        print("| component | ms | share | GFLOP | GFLOP/s | % of GEMM rate |\n|---|---|---|---|---|---|")
+        for k in ORDER:
+            ms, fl = inst[k] * 1e3, flops[k]
+            gfs = fl / inst[k] / 1e9 if fl else 0.0
+            row["components"][k] = {"ms": ms, "share": inst[k] / inst_total, "gflop": fl / 1e9, "gflops": gfs}
+            print(f"| {k} | {ms:.1f} | {100 * inst[k] / inst_total:.0f} % | {fl / 1e9:.2f} | "
+                  + (f"{gfs:.0f} | {100 * gfs * 1e9 / rate:.0f} % |" if fl else "- | - |"))
+        print(f"(vocab pass's two GEMMs alone: {row['vocab_gemms_ms']:.1f} ms)")
+        result["threads"][t] = row
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
