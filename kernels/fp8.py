@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .moe_cpu import _combine, _outside_compiled_graphs, _pairs, segments_fit
+from .reference_ops import expert_groups
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -112,20 +113,9 @@ def experts_fp8_reference(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, g
     """`reference_ops.experts_reference` on FP8 experts, op for op: weight-only dequantizes one expert at a
     time; `dynamic` quantizes x per token once (as vLLM quantizes the MoE input) and each expert's
     intermediate per row."""
-    n, k = idx.shape
-    flat = idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    tokens = order // k  # [N*k] token of each sorted pair
-    counts = torch.bincount(flat, minlength=gu_q.shape[0]).tolist()
     xq, xs = quantize_per_token(x) if dynamic else (None, None)
     out = torch.zeros_like(x)
-    start = 0
-    for e, c in enumerate(counts):
-        if c == 0:
-            continue
-        sel = order[start:start + c]
-        tok = tokens[start:start + c]
-        start += c
+    for e, sel, tok in expert_groups(idx, gu_q.shape[0]):
         if dynamic:
             gate, up = _scaled(xq[tok], xs[tok], gu_q[e], gu_s[e], x.dtype).chunk(2, dim=-1)
             aq, a_s = quantize_per_token(F.gelu(gate, approximate="tanh") * up)

@@ -2,13 +2,29 @@
 tested against). They restate `dgcli/model/gemma.py`'s `Experts.forward` and `RMSNorm.forward` op for op so
 kernels and tests need no nn.Module; `tests/test_kernel_moe.py` checks that they still equal the model's.
 
-Owns: `experts_reference`, `rms_norm_reference`. Must not: import the model, pick devices, or be fast.
+Owns: `experts_reference` (and its routing order, `expert_groups`), `rms_norm_reference`. Must not: import the model, pick devices, or be fast.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
+
+
+def expert_groups(idx: torch.Tensor, num_experts: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(e, sel, tok) for each expert e that got tokens, ascending: `sel` the flat (token, slot) pairs routed to
+    it (indices into idx.reshape(-1)), `tok` their tokens, in token order (a stable sort)."""
+    k = idx.shape[1]
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    tokens = order // k  # [N*k] token of each sorted pair
+    start = 0
+    for e, c in enumerate(torch.bincount(flat, minlength=num_experts).tolist()):
+        if c:
+            yield e, order[start:start + c], tokens[start:start + c]
+        start += c
 
 
 def experts_reference(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_proj: torch.Tensor,
@@ -19,19 +35,8 @@ def experts_reference(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_
     Per expert e (ascending): y = down(gelu_tanh(gate·x) ⊙ up·x) in x.dtype, times w (fp32 result),
     cast to x.dtype and added into the output: a token's k contributions are summed in ascending
     expert order with one rounding to x.dtype per addition (the transformers reference's order)."""
-    n, k = idx.shape
-    flat = idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    tokens = order // k  # [N*k] token of each sorted pair
-    counts = torch.bincount(flat, minlength=gate_up_proj.shape[0]).tolist()
     out = torch.zeros_like(x)
-    start = 0
-    for e, c in enumerate(counts):
-        if c == 0:
-            continue
-        sel = order[start:start + c]
-        tok = tokens[start:start + c]
-        start += c
+    for e, sel, tok in expert_groups(idx, gate_up_proj.shape[0]):
         gate, up = F.linear(x[tok], gate_up_proj[e]).chunk(2, dim=-1)
         y = F.linear(F.gelu(gate, approximate="tanh") * up, down_proj[e])
         y = y * w.reshape(-1)[sel, None]
