@@ -3,8 +3,9 @@ references when asked (`DGEMMA_KERNELS=reference`) or when nothing better applie
 
 Owns: `vocab_pass`, `experts`, `rms_norm` (same signatures as their references), the FP8 ops `fp8_linear`
 and `fp8_experts` with `fp8_semantics` (DGEMMA_FP8: weight-only, the default, or dynamic FP8 activations;
-see kernels/fp8.py), and `implementation`, which names the choice (benchmarks and traces record it). The
-environment is read at each call, so a test or a benchmark can flip it. Must not: hold math of its own, or import Triton unless a CUDA tensor
+see kernels/fp8.py), and `implementation`, which names the choice (benchmarks and traces record it), decided
+once per op, device and DGEMMA_KERNELS value. The variable is read at each call, so a test or a benchmark
+can flip it. Must not: hold math of its own, or import Triton unless a CUDA tensor
 asks for a kernel (so CPU-only installs without Triton work).
 """
 
@@ -45,10 +46,22 @@ def fp8_semantics() -> str:
     return m
 
 
+_CHOSEN: dict[tuple, str] = {}  # (op, device, DGEMMA_KERNELS as set) -> implementation
+
+
 def implementation(op: str, device: torch.device | str) -> str:
     """'triton', 'cuda', 'cpu' or 'reference': what `op` ('vocab_pass', 'experts', 'rms_norm', 'fp8_experts',
-    'fp8_linear') runs on `device`. 'cuda' is torch's CUDA ops (FP8 linears: tiles or torch._scaled_mm)."""
-    dev = torch.device(device)
+    'fp8_linear') runs on `device`. 'cuda' is torch's CUDA ops (FP8 linears: tiles or torch._scaled_mm).
+    Decided once per op, device and DGEMMA_KERNELS value (a dict lookup afterwards: this runs ~13 times per
+    layer per step); only the variable itself is read at each call, so a test or a benchmark can flip it."""
+    key = (op, device, os.environ.get("DGEMMA_KERNELS"))
+    got = _CHOSEN.get(key)
+    if got is None:
+        got = _CHOSEN[key] = _choose(op, torch.device(device))
+    return got
+
+
+def _choose(op: str, dev: torch.device) -> str:
     if mode() == "reference":
         return "reference"
     if dev.type == "cuda" and op == "fp8_linear":
