@@ -151,11 +151,7 @@ def bench(
     finally:
         if live is not None:
             live.stop()
-    if not rows:
-        warn("dgemma: interrupted before the first run finished; nothing to report")
-        raise SystemExit(130)  # not typer.Exit: under standalone_mode=False click returns its code unraised
-    if interrupted and len(rows) < len(sizes):
-        warn(f"dgemma: interrupted: batch size(s) {', '.join(map(str, sizes[len(rows):]))} not measured")
+    _unmeasured(rows, interrupted, sizes, "batch size(s)")
     headline = HEADLINE
     if len(sizes) > 1:  # the rows differ by batch size: say so next to the settings
         at = HEADLINE.index("blocks") + 1
@@ -183,6 +179,15 @@ def _fp8_fields(model) -> dict:
     if not is_fp8(model):
         return {"weights": str(model.embed_weight.dtype).removeprefix("torch."), "fp8_semantics": None}
     return {"weights": "fp8", "fp8_semantics": dispatch.fp8_semantics()}
+
+
+def _unmeasured(rows: list, interrupted: bool, levels: list, what: str) -> None:
+    """After Ctrl-C: exit 130 when no row finished, else say which levels were not measured."""
+    if not rows:
+        warn("dgemma: interrupted before the first run finished; nothing to report")
+        raise SystemExit(130)  # not typer.Exit: under standalone_mode=False click returns its code unraised
+    if interrupted and len(rows) < len(levels):
+        warn(f"dgemma: interrupted: {what} {', '.join(map(str, levels[len(rows):]))} not measured")
 
 
 def _remote(ctx: typer.Context, base_url: str, api_key: str | None, concurrency: str | None, request_rate: float | None,
@@ -235,11 +240,7 @@ def _remote(ctx: typer.Context, base_url: str, api_key: str | None, concurrency:
     finally:
         if live is not None:
             live.stop()
-    if not rows:
-        warn("dgemma: interrupted before the first run finished; nothing to report")
-        raise SystemExit(130)
-    if interrupted and len(rows) < len(levels):
-        warn(f"dgemma: interrupted: concurrency {', '.join(map(str, levels[len(rows):]))} not measured")
+    _unmeasured(rows, interrupted, levels, "concurrency")
     sys.stdout.write(rr.render(rows, card, fmt))
     sys.stdout.flush()
     if save[0]:
