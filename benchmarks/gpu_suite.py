@@ -5,11 +5,12 @@ On a CUDA machine (`python benchmarks/gpu_suite.py`):
   2. tests        the whole test suite (on CUDA the kernel tests run the compiled Triton kernels, not the
                   interpreter: that is where the bf16 tensor-core paths `DOT_BF16` first run);
   3. kernels      tests/kernels again on their own, so their result stands out in the section;
-  4. sync_check   host syncs inside a block, by code line (benchmarks/sync_check.py; CUDA only);
+  4. sync_check   host syncs inside a block, by code line, with the default step and with the step
+                  replayed from CUDA graphs, whose events must equal the eager steps' (benchmarks/sync_check.py;
+                  CUDA only);
   5. bench_kernels  per-kernel time and share of the device's peaks (benchmarks/bench_kernels.py);
-  6. bench_dummy  `dgemma bench --dummy 26B-A4B` at batch 1/4/8, bf16, fixed work; CUDA graphs on and
-                  off once the step can be captured (issue 15 item 3; until then the row says "off: not
-                  built yet");
+  6. bench_dummy  `dgemma bench --dummy 26B-A4B` at batch 1/4/8, bf16, fixed work, CUDA graphs off;
+     bench_dummy_graphs  the same with `--cuda-graphs` (CUDA only: not in the CPU plan);
   7. bench_bundled  `dgemma bench` on the bundled model (quality and speed on the device).
 Each step runs as a subprocess with a time limit; a failing step is recorded (exit code and the tail of its
 output) and the suite goes on. The section goes to stdout and, with `--out FILE`, to FILE (append it to
@@ -36,7 +37,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ("env", "tests", "kernels", "sync_check", "bench_kernels", "bench_dummy", "bench_bundled")
+STEPS = ("env", "tests", "kernels", "sync_check", "sync_check_graphs", "bench_kernels", "bench_dummy",
+         "bench_dummy_graphs", "bench_bundled")
 
 
 def plan(device: str) -> dict[str, tuple[list[str], int, dict]]:
@@ -47,19 +49,24 @@ def plan(device: str) -> dict[str, tuple[list[str], int, dict]]:
     dummy = ["--dummy", "26B-A4B"] if cuda else ["--dummy", str(ROOT / "benchmarks/dummy-medium.json"), "--layers", "2"]
     bench = [py, "-m", "dgcli.cli", "bench", "--device", device, "--format", "json", "--no-measure-peaks"]
     interp = {} if cuda else {"TRITON_INTERPRET": "1"}
-    return {
+    dummy_run = bench + dummy + ["--dtype", "bfloat16", "--batch-size", "1,4,8", "--diffusion-steps", "16",
+                                 "--runs", "3" if cuda else "1", "--warmup", "1", "--num-prompts",
+                                 "8" if cuda else "4", "--random-input-len", "128" if cuda else "32"]
+    steps = {
         "env": ([py, "benchmarks/gpu_suite.py", "--print-env"], 60, {}),
         "tests": ([py, "-m", "pytest", "-q", "-p", "no:cacheprovider"], 3600, interp),
         "kernels": ([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels"], 1800, interp),
         "sync_check": ([py, "benchmarks/sync_check.py"], 600, {}),
+        "sync_check_graphs": ([py, "benchmarks/sync_check.py", "--step-mode", "graphs", "--compare"], 900, {}),
         "bench_kernels": ([py, "benchmarks/bench_kernels.py", "--device", device]
                           + ([] if cuda else ["--small", "--reps", "3"]), 1800, {}),
-        "bench_dummy": (bench + dummy + ["--dtype", "bfloat16", "--batch-size", "1,4,8", "--diffusion-steps", "16",
-                                         "--runs", "3" if cuda else "1", "--warmup", "1", "--num-prompts",
-                                         "8" if cuda else "4", "--random-input-len", "128" if cuda else "32"],
-                        3600, {}),
+        "bench_dummy": (dummy_run, 3600, {}),
+        "bench_dummy_graphs": (dummy_run + ["--cuda-graphs"], 3600, {}),
         "bench_bundled": (bench + ["--runs", "3" if cuda else "1"], 1800, {}),
     }
+    if not cuda:  # CUDA graphs exist only on CUDA
+        del steps["sync_check_graphs"], steps["bench_dummy_graphs"]
+    return steps
 
 
 def print_env() -> None:
@@ -106,14 +113,15 @@ def section(results: list[dict], device: str) -> str:
         lines.append(f"| {r['step']} | {r['exit']} | {r['seconds']} | `{r['command']}` |")
     for r in results:
         lines += ["", f"### {r['step']}", ""]
-        rows = _bench_rows(r.get("stdout", "")) if r["step"] in ("bench_dummy", "bench_bundled") else []
+        rows = _bench_rows(r.get("stdout", "")) if r["step"].startswith("bench_") else []
+        graphs = "on" if r["step"].endswith("_graphs") else "off"
         if rows:
             lines += ["| batch | output_throughput tok/s | mean_ttft_ms | ms/step | quality | cuda graphs |",
                       "|---|---|---|---|---|---|"]
             for row in rows:
                 lines.append(f"| {row.get('batch_size')} | {_f(row.get('output_throughput'))} | "
                              f"{_f(row.get('mean_ttft_ms'))} | {_f(row.get('mean_step_ms'))} | "
-                             f"{_f(row.get('quality'))} | off: not built yet |")
+                             f"{_f(row.get('quality'))} | {graphs} |")
         tail = "\n".join(r["output"].strip().splitlines()[-25:])
         lines += ["```", tail, "```"]
     return "\n".join(lines) + "\n"
@@ -144,6 +152,9 @@ def main() -> None:
     if bad:
         sys.exit(f"gpu_suite: unknown step(s) {', '.join(bad)}; choose from {', '.join(STEPS)}")
     steps = plan(device)
+    for name in [n for n in only if n not in steps]:
+        print(f"gpu_suite: {name}: CUDA only, skipped on {device}", file=sys.stderr)
+    only = [n for n in only if n in steps]
     if args.dry_run:
         for name in only:
             argv, limit, env = steps[name]

@@ -52,7 +52,7 @@ def bench(
     result_filename: Annotated[Optional[str], typer.Option("--result-filename", metavar="NAME", help=o.dflt("Implies --save-result; the file name to use.", "a dated name"))] = None,
     batch_size: o.BatchSizes = "1",
     label: o.Label = None, metadata: o.Metadata = None, measure_peaks: o.MeasurePeaks = True,
-    compile: o.Compile = False, threads: o.Threads = None,
+    compile: o.Compile = False, cuda_graphs: o.CudaGraphs = False, threads: o.Threads = None,
     base_url: Annotated[Optional[str], typer.Option("--base-url", metavar="URL", help="Measure a running OpenAI-compatible server (dgemma serve, vLLM...) from the client over HTTP instead of a local model: http://HOST:PORT or http://HOST:PORT/v1.")] = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", metavar="KEY", help="With --base-url: sent as 'Authorization: Bearer KEY'.")] = None,
     concurrency: Annotated[Optional[str], typer.Option("--concurrency", "--max-concurrency", metavar="N[,N...]", help=o.dflt("With --base-url: most requests in flight, e.g. 1,4,16; one row per value.", "1"))] = None,
@@ -104,7 +104,8 @@ def bench(
                             blocks=blocks, device=device, dtype=dtype, max_tokens=max_tokens)
     baseline = b.PeakMemory.maxrss()  # before the model exists, for the CPU peak-memory figure
     with loading("loading the model…"):
-        s = open_any(model, dummy, layers, preset, flags, warn=warn, compile=compile, threads=threads, weights=weights)
+        s = open_any(model, dummy, layers, preset, flags, warn=warn, compile=compile, threads=threads, weights=weights,
+                     cuda_graphs=cuda_graphs)
     fp8_row = _fp8_fields(s.model)
     if fp8_activations and fp8_row["weights"] != "fp8":
         warn("dgemma: note: --fp8-activations has no effect: these weights are not FP8")

@@ -41,6 +41,7 @@ def generate(
     show_thinking: o.ShowThinking = False,
     raw: o.Raw = False,
     compile: o.Compile = False,
+    cuda_graphs: o.CudaGraphs = False,
 ) -> None:
     """Generate text for a prompt (argument, stdin or JSONL).
 
@@ -75,7 +76,7 @@ def generate(
     if show_thinking and not thinking:
         warn(THINKING_NOTE)
     with loading("loading the model…"):
-        session = open_session(model, preset, flags, compile=compile, threads=threads)
+        session = open_session(model, preset, flags, compile=compile, threads=threads, cuda_graphs=cuda_graphs)
     if session.tokenizer is None:
         raise UserError(f"{session.path}: no tokenizer.json; dgemma generate needs the checkpoint's tokenizer")
     progress = Progress(sys.stderr.isatty() and fmt != "ndjson", compiling=session.compiled)

@@ -54,6 +54,7 @@ BatchSizes = Annotated[str, typer.Option("--batch-size", metavar="N[,N...]", hel
     "Batch sizes to measure, e.g. 1,2,4,8: every timed pass submits all prompts at once to an engine with N "
     "slots (continuous batching); one row (bench) or one grid axis value (sweep) per size."))]
 Compile = Annotated[bool, typer.Option("--compile", help="torch.compile the decoder pass and the vocabulary tile math: faster steps after a one-off compile of tens of seconds.")]
+CudaGraphs = Annotated[bool, typer.Option("--cuda-graphs", help="Capture each denoising step in CUDA graphs (one per batch size, key span and variant): CUDA only; off by default until measured on a GPU.")]
 Trace = Annotated[Optional[str], typer.Option("--trace", metavar="FILE", help="Write the per-step JSONL trace to FILE.")]
 InitCanvas = Annotated[Optional[str], typer.Option("--init-canvas", metavar="IDS|TEXT", help=(
     "Warm-start the first block: token ids (5,6,7) or text. Only digits, commas, minus signs and spaces, or a "

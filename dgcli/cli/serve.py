@@ -25,7 +25,8 @@ def serve(
     seed: o.Seed = None, steps: o.Steps = None, t_min: o.TMin = None, t_max: o.TMax = None,
     entropy_bound: o.EntropyBound = None, stability_threshold: o.Stability = None,
     confidence_threshold: o.Confidence = None, blocks: o.Blocks = None, max_tokens: o.MaxTokens = None,
-    threads: o.Threads = None, compile: o.Compile = False, thinking: o.Thinking = False,
+    threads: o.Threads = None, compile: o.Compile = False, cuda_graphs: o.CudaGraphs = False,
+    thinking: o.Thinking = False,
     host: Annotated[str, typer.Option("--host", metavar="ADDR", help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", metavar="N", help="TCP port.")] = 8000,
     max_batch_size: Annotated[int, typer.Option("--max-batch-size", metavar="N", help="Requests denoised together (KV-cache slots; continuous batching).")] = 8,
@@ -48,7 +49,7 @@ def serve(
                             blocks=blocks, device=device, dtype=dtype, max_tokens=max_tokens)
     key = api_key if api_key is not None else (os.environ.get("DGEMMA_API_KEY") or None)
     with loading("loading the model…"):
-        session = open_session(model, preset, flags, compile=compile, threads=threads)
+        session = open_session(model, preset, flags, compile=compile, threads=threads, cuda_graphs=cuda_graphs)
     if thinking:
         import dataclasses
 

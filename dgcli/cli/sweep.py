@@ -57,7 +57,7 @@ def sweep(
     fmt: Annotated[str, typer.Option("--format", "-f", metavar="FORMAT", help="md | csv | json | jsonl (the final rows)")] = "md",
     batch_size: o.BatchSizes = "1",
     label: Label = None, metadata: Metadata = None, measure_peaks: MeasurePeaks = True,
-    compile: o.Compile = False, threads: o.Threads = None,
+    compile: o.Compile = False, cuda_graphs: o.CudaGraphs = False, threads: o.Threads = None,
 ) -> None:
     """Sweep sampler settings: speed, quality, Pareto frontier.
 
@@ -107,7 +107,8 @@ def sweep(
 
     baseline = b.PeakMemory.maxrss()  # before the model exists, for the CPU peak-memory figure
     with loading("loading the model…"):
-        s = open_any(model, dummy, layers, preset, flags, warn=warn, compile=compile, threads=threads)
+        s = open_any(model, dummy, layers, preset, flags, warn=warn, compile=compile, threads=threads,
+                     cuda_graphs=cuda_graphs)
     plist, source = build_prompts(s, prompts_file=prompts, random_ids=random_prompts or s.dummy,
                                   num_prompts=num_prompts, input_len=random_input_len, seed=seed_list[0], warn=warn)
     ignore = ignore_eos or s.dummy

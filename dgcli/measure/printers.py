@@ -63,7 +63,8 @@ def device_name(device: Any) -> str:
 
 def provenance(*, device: Any, dtype: str, model: str, model_name: str, parameters: int, active: int,
                settings: dict, seed: int, prompt_hash: str, label: str | None, metadata: dict,
-               dummy: bool, compiled: bool = False, threads_source: str | None = None) -> dict:
+               dummy: bool, compiled: bool = False, step_mode: str = "dynamic",
+               threads_source: str | None = None) -> dict:
     import torch
 
     return {
@@ -74,7 +75,7 @@ def provenance(*, device: Any, dtype: str, model: str, model_name: str, paramete
         "model": model, "model_name": model_name, "model_parameters": parameters,
         "model_active_parameters": active, "dummy_weights": dummy, "settings": settings, "seed": seed,
         "prompt_set_hash": prompt_hash, "label": label, "metadata": metadata,
-        "kernels": kernel_choices(device), "compiled_decoder": compiled,
+        "kernels": kernel_choices(device), "compiled_decoder": compiled, "step_mode": step_mode,
         "host": platform.node(), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 

@@ -209,7 +209,8 @@ def make_row(target: Target, *, prompts: list[Prompt], prompt_source: str, field
         row["interrupted"] = f"Ctrl-C after {runs_done} of {runs_asked} runs"
     row.update(summary)
     unknown = ("device_name", "dtype", "torch", "triton", "cuda", "torch_threads", "threads_source",
-               "model_parameters", "model_active_parameters", "dummy_weights", "kernels", "compiled_decoder")
+               "model_parameters", "model_active_parameters", "dummy_weights", "kernels", "compiled_decoder",
+               "step_mode")
     row["provenance"] = {
         "device": f"remote: {target.root}", **dict.fromkeys(unknown), "dgemma": __version__,
         "git_commit": git_commit(), "model": target.model, "model_name": target.model, "settings": fields,

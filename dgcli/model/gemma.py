@@ -1,14 +1,14 @@
 """DiffusionGemma text model: one Gemma-4 MoE backbone run in two modes (spec §5, §6).
 
-Encoder mode (prompt prefill, block commit): plain scaled embeddings, causal attention (sliding window
-on sliding layers), writes the KV cache, encoder layer scalars. Decoder mode (the canvas): RMS-normed
-embeddings plus self-conditioning, bidirectional over the canvas, the full prefix on full layers and
-the last W-1 prefix positions on sliding layers, reads the cache only, decoder layer scalars.
+Encoder mode (prompt prefill, block commit): scaled embeddings, causal attention (sliding window on sliding
+layers), writes the KV cache, encoder layer scalars. Decoder mode (the canvas): RMS-normed embeddings plus
+self-conditioning, bidirectional over the canvas, the full prefix on full layers and the last W-1 prefix
+positions on sliding layers, reads the cache only, decoder layer scalars (static shapes: model/static.py).
 
-Owns: the math. Must not: read files, print, tokenise, time, or sample. `decode` returns hidden states;
-`logits` projects only the rows it is given (the canvas). Module names follow the checkpoint's, so the
-key map in `loader.py` is near-identity. Numerics follow the transformers reference op for op (norms in
-fp32, router softmax fp32, RoPE tables cast to the activation dtype, logits softcapped in fp32).
+Owns: the math. Must not: read files, print, tokenise, time, or sample. `decode` returns hidden states; `logits`
+projects only the rows it is given (the canvas). Module names follow the checkpoint's, so the key map in
+`loader.py` is near-identity. Numerics follow the transformers reference op for op (norms in fp32, router
+softmax fp32, RoPE tables cast to the activation dtype, logits softcapped in fp32).
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dgcli.model.cache import KVCache
 from dgcli.kernels import dispatch
+from dgcli.model.cache import KVCache
 from dgcli.model.config import LayerGeometry, ModelConfig
+from dgcli.model.static import decode_static
 
 
 class RMSNorm(nn.Module):
@@ -73,8 +74,7 @@ class Attention(nn.Module):
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """q [B, n, T, d], k and v [B, n_kv, T, d] for the tokens of this pass."""
-        b, t, _ = x.shape
-        d = self.g.head_dim
+        (b, t, _), d = x.shape, self.g.head_dim
         q = apply_rope(self.q_norm(self.q_proj(x).view(b, t, -1, d)), cos, sin)
         k_raw = self.k_proj(x).view(b, t, -1, d)
         v_raw = self.v_proj(x).view(b, t, -1, d) if self.v_proj is not None else k_raw
@@ -92,8 +92,7 @@ class Attention(nn.Module):
 
     def out(self, o: torch.Tensor) -> torch.Tensor:
         """[B, n, T, d] attention output -> [B, T, H]."""
-        b, _, t, _ = o.shape
-        return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+        return self.o_proj(o.transpose(1, 2).flatten(2))
 
 
 class MLP(nn.Module):
@@ -196,8 +195,7 @@ class DiffusionGemma(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_conditioning = SelfConditioning(cfg)
-        self.geometry = cfg.layers
-        self.layer_kinds = sorted(set(cfg.layer_types))
+        self.geometry, self.layer_kinds = cfg.layers, sorted(set(cfg.layer_types))
         self._inv_freq: dict[str, torch.Tensor] = {}
 
     # ---- small helpers -------------------------------------------------------------------------
@@ -347,6 +345,8 @@ class DiffusionGemma(nn.Module):
             x = layer.feed_forward(x)
             x *= layer.layer_scalar
         return self.norm(x)
+
+    decode_static = decode_static  # the same pass with static shapes, for captured steps (model/static.py)
 
     @torch.no_grad()
     def forward_canvas(self, prompt_ids: torch.Tensor, canvas_ids: torch.Tensor,

@@ -122,7 +122,8 @@ def stream(session: Any, prompt_ids: Sequence[int], *, params: Any = None, ignor
     num_blocks = blocks_for(params, session.resolved.run.max_tokens, session.config.canvas_length)
     return generate_events(session.model, prompt_ids, params=params, num_blocks=num_blocks,
                            stop_ids=() if ignore_eos else session.stop_ids, pad_id=session.pad_id,
-                           init_canvas=init_canvas, compile_tiles=session.compiled)
+                           init_canvas=init_canvas, compile_tiles=session.compiled,
+                           step_mode=session.step_mode)
 
 
 def run(session: Any, prompt_ids: Sequence[int], *, params: Any = None, ignore_eos: bool = False,
@@ -161,7 +162,7 @@ def run_batch(session: Any, prompts: Sequence[Sequence[int]], *, batch_size: int
     events = generate_batch_events(
         session.model, prompts, params=params, num_blocks=num_blocks, seeds=seeds,
         stop_ids=() if ignore_eos else session.stop_ids, pad_id=session.pad_id, init_canvases=init_canvases,
-        compile_tiles=session.compiled, max_batch=batch_size, stats=stats)
+        compile_tiles=session.compiled, max_batch=batch_size, stats=stats, step_mode=session.step_mode)
     for event in events:
         if on_event is not None:
             on_event(event)

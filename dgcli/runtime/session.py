@@ -3,7 +3,7 @@ model and its tokenizer — from a checkpoint, or as random weights from a confi
 
 Owns: `Session` and `open_session` / `open_dummy_session`, device/dtype choice (and the settings saying
 which ran), the bundled-model default, the one thread rule every command uses (`thread_rule`), `--compile`,
-and the memory preflight of dummy models. Must not: run
+`--cuda-graphs` (the step mode), and the memory preflight of dummy models. Must not: run
 the sampler, tokenise prompts (runtime/request.py does) or print.
 """
 
@@ -56,6 +56,7 @@ class Session:
     name: str = ""  # what rows and cards call the model
     dummy: bool = False  # random weights (fixed work forced)
     compiled: bool = False  # --compile: decoder and vocabulary tiles through torch.compile
+    step_mode: str = "dynamic"  # the engine's step: "graphs" with --cuda-graphs (dgcli.sampling.static_step)
     threads: int = 0  # torch intra-op threads the run uses (`thread_rule`)
     threads_source: str = ""  # why: the --threads flag, OMP_NUM_THREADS, or the rule
 
@@ -116,6 +117,19 @@ def compile_decoder(model: Any) -> None:
     model.decode = torch.compile(model.decode)
 
 
+def check_cuda_graphs(cuda_graphs: bool, device: torch.device, compile: bool = False) -> str:
+    """The step mode for `--cuda-graphs`: "graphs" (CUDA only, else a one-line error), or "dynamic". Not with
+    `--compile`: the captured step is the eager static one (capturing a compiled step is not built)."""
+    if not cuda_graphs:
+        return "dynamic"
+    if compile:
+        raise UserError("--cuda-graphs captures the eager step; --compile does not apply to it: drop one of them")
+    if device.type != "cuda":
+        raise UserError(f"--cuda-graphs needs a CUDA device (this run is on {device.type}): "
+                        "drop --cuda-graphs or pass --device cuda")
+    return "graphs"
+
+
 def resolve_for(model: str | None, preset: str | None, flags: dict) -> tuple[Path, ModelConfig, dict | None, Resolved]:
     """Settings without loading weights (for --show-config and plans)."""
     path = Path(model) if model else default_model_path()
@@ -125,9 +139,11 @@ def resolve_for(model: str | None, preset: str | None, flags: dict) -> tuple[Pat
 
 
 def _session(path: Path, m: Any, tokenizer: Any, resolved: Resolved, gen: dict | None, device: torch.device, *,
-             compile: bool, name: str, threads: tuple[int, str], dummy: bool = False) -> Session:
-    """The part both kinds of session share: --compile, stop ids (generation_config.json, else the
-    config's, else the tokenizer's), the block count, and the settings as they ran."""
+             compile: bool, name: str, threads: tuple[int, str], dummy: bool = False,
+             cuda_graphs: bool = False) -> Session:
+    """The part both kinds of session share: --compile, --cuda-graphs, stop ids (generation_config.json,
+    else the config's, else the tokenizer's), the block count, and the settings as they ran."""
+    step_mode = check_cuda_graphs(cuda_graphs, m.embed_weight.device, compile)
     if compile:
         compile_decoder(m)
     cfg = m.config
@@ -136,7 +152,7 @@ def _session(path: Path, m: Any, tokenizer: Any, resolved: Resolved, gen: dict |
         stop_ids = list(tokenizer.stop_ids)
     num_blocks = blocks_for(resolved.params, resolved.run.max_tokens, cfg.canvas_length)
     return Session(path, cfg, m, tokenizer, ran_with(resolved, m), device, stop_ids, num_blocks, name=name,
-                   dummy=dummy, compiled=compile, threads=threads[0], threads_source=threads[1])
+                   dummy=dummy, compiled=compile, step_mode=step_mode, threads=threads[0], threads_source=threads[1])
 
 
 def ran_with(resolved: Resolved, model: Any) -> Resolved:
@@ -149,25 +165,27 @@ def ran_with(resolved: Resolved, model: Any) -> Resolved:
 
 
 def open_session(model: str | None, preset: str | None, flags: dict, *, need_tokenizer: bool = True,
-                 compile: bool = False, threads: int | None = None) -> Session:
+                 compile: bool = False, threads: int | None = None, cuda_graphs: bool = False) -> Session:
     """A checkpoint with its tokenizer and resolved settings; `threads` is `--threads` (None: the rule)."""
     from dgcli.model.loader import load_model, resolve_dtype
     from dgcli.text.tokenizer import load_tokenizer
 
     path, cfg, gen, resolved = resolve_for(model, preset, flags)
     device = pick_device(resolved.run.device)
+    check_cuda_graphs(cuda_graphs, device, compile)  # before anything heavy is loaded
     dtype = resolve_dtype(resolved.run.dtype)  # auto: the checkpoint's own dtype
     n_threads = set_threads(cfg, device, threads)
     tokenizer = None
     if need_tokenizer or (path / "tokenizer.json").exists():
         tokenizer = load_tokenizer(path)
     m = load_model(path, device=device, dtype=dtype)
-    return _session(path, m, tokenizer, resolved, gen, device, compile=compile, name=path.name, threads=n_threads)
+    return _session(path, m, tokenizer, resolved, gen, device, compile=compile, name=path.name, threads=n_threads,
+                    cuda_graphs=cuda_graphs)
 
 
 def open_dummy_session(spec: str, layers: int | None, preset: str | None, flags: dict, *,
                        warn: Callable[[str], None], compile: bool = False, threads: int | None = None,
-                       weights: str = "bf16") -> Session:
+                       weights: str = "bf16", cuda_graphs: bool = False) -> Session:
     """Random weights for a config (`--dummy`), built directly on the device (nothing read but the config).
     Random weights never converge, so fixed-work mode is forced (confidence_threshold 0), and said.
     `weights="fp8"`: the config as an FP8-dynamic checkpoint would have it, its matrices drawn in e4m3."""
@@ -182,6 +200,7 @@ def open_dummy_session(spec: str, layers: int | None, preset: str | None, flags:
         warn(f"dgemma: note: --confidence-threshold {flags['confidence_threshold']} ignored: dummy weights run fixed-work (0)")
     resolved = resolve(gen, preset, dict(flags, confidence_threshold=0.0))
     device = pick_device(resolved.run.device)
+    check_cuda_graphs(cuda_graphs, device, compile)  # before the weights are drawn
     dt = resolved.run.dtype if resolved.run.dtype != "auto" else str(raw.get("dtype") or "bfloat16")
     dtype = resolve_dtype(dt if dt in ("bfloat16", "float32", "float16") else "bfloat16")
     cfg = parse_config(raw)
@@ -190,20 +209,23 @@ def open_dummy_session(spec: str, layers: int | None, preset: str | None, flags:
     m = random_model(raw, seed=resolved.params.seed, dtype=dtype, device=device)
     source = Path(spec) if Path(spec).exists() else real_config_path()
     name = name if name.lower().startswith("dummy") else f"dummy {name}"
-    return _session(source, m, None, resolved, gen, device, compile=compile, name=name, threads=n_threads, dummy=True)
+    return _session(source, m, None, resolved, gen, device, compile=compile, name=name, threads=n_threads, dummy=True,
+                    cuda_graphs=cuda_graphs)
 
 
 def open_any(model: str | None, dummy: str | None, layers: int | None, preset: str | None, flags: dict, *,
              warn: Callable[[str], None], compile: bool = False, threads: int | None = None,
-             weights: str = "bf16") -> Session:
+             weights: str = "bf16", cuda_graphs: bool = False) -> Session:
     """bench and sweep: a checkpoint (tokenizer optional) or `--dummy` weights, never both."""
     if dummy is None:
         if layers is not None:
             raise UserError("--layers shrinks a --dummy config; it does not apply to a checkpoint")
-        return open_session(model, preset, flags, need_tokenizer=False, compile=compile, threads=threads)
+        return open_session(model, preset, flags, need_tokenizer=False, compile=compile, threads=threads,
+                            cuda_graphs=cuda_graphs)
     if model is not None:
         raise UserError("give either --model (a checkpoint) or --dummy CONFIG (random weights), not both")
-    return open_dummy_session(dummy, layers, preset, flags, warn=warn, compile=compile, threads=threads, weights=weights)
+    return open_dummy_session(dummy, layers, preset, flags, warn=warn, compile=compile, threads=threads, weights=weights,
+                              cuda_graphs=cuda_graphs)
 
 
 def preflight(cfg: ModelConfig, weight_bytes: int, device: Any, *, spec: str) -> None:

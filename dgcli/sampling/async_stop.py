@@ -27,7 +27,8 @@ import torch
 from dgcli.sampling import draws
 from dgcli.sampling.engine import Engine, Request
 from dgcli.sampling.events import BlockStart, Event, Step
-from dgcli.sampling.rules import RowRules, denoise_step
+from dgcli.sampling.rules import RowRules
+from dgcli.sampling.static_step import to_device
 
 
 @dataclass
@@ -46,15 +47,6 @@ class _Launched:
     stop_host: torch.Tensor | None  # its async copy (pinned) on CUDA
     events: tuple | None  # CUDA (start, end) events around the pass
     seconds: float  # host time of the launch (the pass itself on CPU)
-
-
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list as a device tensor without stalling: on CUDA a plain `torch.tensor(..., device=cuda)`
-    copies from pageable memory and waits for the stream to drain (a host sync per pass); a pinned buffer
-    copied with non_blocking does not (the caching host allocator keeps it alive until the copy is done)."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def new_engine(model: Any, *, async_stop: bool | None = None, **kw: Any) -> Engine:
@@ -149,10 +141,9 @@ class AsyncStopEngine(Engine):
                              to_device([q.confidence_threshold for q in ps], torch.float32, dev),
                              to_device([q.stability_threshold for q in ps], torch.long, dev))
         slots = [r.slot for r in rows]
-        out, accepted, next_canvas, new_hist, stop = denoise_step(
-            self.model, canvas_in, self.cache, soft_in, temp, hist, rules, uniform, noise,
-            want_soft=any(s < len(r.temps) - 1 for r, s in zip(rows, steps)), compile_tiles=self.compile_tiles,
-            rows=None if slots == list(range(self.slots)) else slots)
+        out, accepted, next_canvas, new_hist, stop = self._denoise(
+            canvas_in, soft_in, temp, hist, rules, uniform, noise, any(s < len(r.temps) - 1 for r, s in zip(rows, steps)),
+            None if slots == list(range(self.slots)) else slots)
         stop_host = None
         if not any(r.params.confidence_threshold > 0 for r in rows):
             stop = None  # no row can stop early: nothing to read

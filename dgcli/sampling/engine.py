@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from dgcli.errors import UserError
 from dgcli.sampling import draws
 from dgcli.sampling.events import BlockStart, Commit, Done, Event, Step
 from dgcli.sampling.rules import RowRules, denoise_step, temperature
+from dgcli.sampling.static_step import StaticStep
 
 
 @torch.inference_mode()
@@ -80,7 +82,7 @@ class Engine:
     prompt + (blocks - 1) canvases: its last block is never encoded)."""
 
     def __init__(self, model: Any, *, slots: int, max_len: int, pad_id: int = 0, compile_tiles: bool = False,
-                 stats: dict | None = None):
+                 stats: dict | None = None, step_mode: str = "dynamic"):
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise UserError(f"max_batch={slots!r}: must be a whole number >= 1")
         self.model, self.slots, self.max_len, self.pad_id = model, slots, max_len, pad_id
@@ -88,7 +90,15 @@ class Engine:
         self.c, self.vocab = model.config.canvas_length, model.config.vocab_size
         self.device = model.embed_weight.device
         self.positions = torch.arange(self.c, device=self.device)  # [C]
-        self.cache = model.new_cache(slots, max_len)
+        # "dynamic": `denoise_step` (each block's exact shapes); else the static-shape step (static_step.MODES),
+        # which brings its own cache (a bucketed capacity, reused by the next engine of this shape).
+        self.static = None
+        if step_mode == "dynamic":
+            self.cache = model.new_cache(slots, max_len)
+        else:
+            self.static = StaticStep.acquire(model, slots, max_len, step_mode)
+            self.cache = self.static.cache
+            weakref.finalize(self, self.static.release)
         self.free = list(range(slots))
         self.queue: deque[Request] = deque()
         self.cancelled: set[int] = set()  # ids of running requests to drop before the next pass
@@ -255,10 +265,9 @@ class Engine:
         uniform = draws.uniform(seed_k, draws.DRAW, block_k, step_k, self.positions, device=dev)  # [b, C]
         noise = draws.token_ids(seed_k, draws.RENOISE, block_k, step_k, self.positions, self.vocab, device=dev)
         temp = torch.tensor([r.temps[r.step] for r in active], dtype=torch.float32, device=dev)  # [b]
-        out, accepted, next_canvas, self.history, stop = denoise_step(
-            self.model, self.canvas, self.cache, self.soft, temp, self.history, rules, uniform, noise,
-            want_soft=any(r.step < len(r.temps) - 1 for r in active), compile_tiles=self.compile_tiles,
-            rows=self._cache_rows())
+        out, accepted, next_canvas, self.history, stop = self._denoise(
+            self.canvas, self.soft, temp, self.history, rules, uniform, noise,
+            any(r.step < len(r.temps) - 1 for r in active), self._cache_rows())
         # Mean entropy is >= 0, so "< 0" never holds: with confidence 0 (fixed work) no request can stop
         # early and the engine never waits for the device inside a block.
         can_stop_early = any(r.params.confidence_threshold > 0 for r in active)
@@ -286,6 +295,13 @@ class Engine:
         self.mark = time.perf_counter()
         self.canvas, self.soft = next_canvas, out.soft
         yield from self._end_blocks(ended, out.argmax)
+
+    def _denoise(self, canvas, soft, temp, history, rules, uniform, noise, want_soft: bool, rows: list[int] | None):
+        """One decoder pass of `denoise_step` (or the static step), for the rows of cache slots `rows`."""
+        if self.static is not None:
+            return self.static(canvas, soft, temp, history, rules, uniform, noise, want_soft, rows)
+        return denoise_step(self.model, canvas, self.cache, soft, temp, history, rules, uniform, noise,
+                            want_soft=want_soft, compile_tiles=self.compile_tiles, rows=rows)
 
     def _end_blocks(self, ended: list[int], argmax: torch.Tensor) -> Iterator[Event]:
         """Requests whose block ended: commit, then finish (stop id or block cap) or start the next block."""

@@ -77,6 +77,7 @@ def generate_batch_events(
     compile_tiles: bool = False,
     max_batch: int | None = None,
     stats: dict | None = None,
+    step_mode: str = "dynamic",
 ) -> Iterator[Event]:
     """Run the entropy-bound sampler on several prompts at once, yielding each row's BlockStart, Step...,
     Commit per block and its Done, every event carrying `row` (the prompt's index). Rows may differ in
@@ -96,7 +97,8 @@ def generate_batch_events(
     Timings count from the call, so a queued request's first_block_s and total_s include its wait.
     `stats` (a dict, if given) receives the run's decoder_passes, encoder_passes, row_steps (rows
     computed over all passes; slot occupancy = row_steps / (decoder_passes · max_batch)), denoise_s (the
-    decoder passes' own time, each pass once) and encode_s (prefills and commits)."""
+    decoder passes' own time, each pass once) and encode_s (prefills and commits). `step_mode` picks how a
+    step runs: "dynamic" (its exact shapes) or a static-shape mode (`static_step.MODES`)."""
     n_rows = len(prompts)
     if n_rows < 1:
         raise UserError("no prompts: give at least one")
@@ -138,7 +140,8 @@ def generate_batch_events(
         slots = min(slots, n_rows)
     # A request's last block is never encoded: a slot holds at most its prompt and blocks - 1 canvases.
     max_len = max(len(q.prompt) + (q.num_blocks - 1) * c for q in requests)
-    engine = new_engine(model, slots=slots, max_len=max_len, pad_id=pad_id, compile_tiles=compile_tiles, stats=stats)
+    engine = new_engine(model, slots=slots, max_len=max_len, pad_id=pad_id, compile_tiles=compile_tiles, stats=stats,
+                        step_mode=step_mode)
     for q in requests:
         engine.submit(q)
     yield from engine.events()
@@ -154,6 +157,7 @@ def generate_events(
     pad_id: int = 0,
     init_canvas: Sequence[int] | torch.Tensor | None = None,
     compile_tiles: bool = False,
+    step_mode: str = "dynamic",
 ) -> Iterator[Event]:
     """Run the entropy-bound sampler on one prompt (a batch of one in `generate_batch_events`), yielding
     BlockStart, Step..., Commit per block, then Done. `params` needs max_denoising_steps, t_min, t_max,
@@ -165,7 +169,8 @@ def generate_events(
     vocab = model.config.vocab_size
     prompt = _ids_tensor(prompt_ids, "prompt", vocab, model.embed_weight.device)  # [1, P]: one row only
     yield from generate_batch_events(model, [prompt[0]], params=params, num_blocks=num_blocks, stop_ids=stop_ids,
-                                     pad_id=pad_id, init_canvases=[init_canvas], compile_tiles=compile_tiles)
+                                     pad_id=pad_id, init_canvases=[init_canvas], compile_tiles=compile_tiles,
+                                     step_mode=step_mode)
 
 
 def generate(model: Any, prompt_ids: Sequence[int] | torch.Tensor, **kw: Any) -> Done:

@@ -62,7 +62,8 @@ class Worker:
 
     def _engine(self) -> Engine:
         s = self.session
-        return new_engine(s.model, slots=self.slots, max_len=self.max_len, pad_id=s.pad_id, compile_tiles=s.compiled)
+        return new_engine(s.model, slots=self.slots, max_len=self.max_len, pad_id=s.pad_id, compile_tiles=s.compiled,
+                          step_mode=s.step_mode)
 
     # ---- any thread --------------------------------------------------------------------------------------
 

@@ -26,9 +26,13 @@ def test_dry_run_plans_every_step_at_cpu_sizes():
     steps = [line.split(":")[0] for line in out.splitlines()]
     assert steps == ["env", "tests", "kernels", "sync_check", "bench_kernels", "bench_dummy", "bench_bundled"]
     assert "TRITON_INTERPRET=1" in out and "--small" in out and "dummy-medium.json --layers 2" in out
-    cuda = subprocess.run([sys.executable, str(SCRIPT), "--device", "cuda", "--dry-run", "--only", "bench_dummy"],
+    cuda = subprocess.run([sys.executable, str(SCRIPT), "--device", "cuda", "--dry-run"],
                           capture_output=True, text=True, check=True, cwd=ROOT).stdout
-    assert "--dummy 26B-A4B" in cuda and "--batch-size 1,4,8" in cuda and "TRITON_INTERPRET" not in cuda
+    plans = dict(line.split(": ", 1) for line in cuda.splitlines())
+    assert "--dummy 26B-A4B" in plans["bench_dummy"] and "--batch-size 1,4,8" in plans["bench_dummy"]
+    assert "TRITON_INTERPRET" not in cuda and "--cuda-graphs" not in plans["bench_dummy"]
+    assert plans["bench_dummy_graphs"].startswith(plans["bench_dummy"].split("  (limit")[0] + " --cuda-graphs")
+    assert "--step-mode graphs --compare" in plans["sync_check_graphs"]
 
 
 def test_env_step_runs_and_the_section_shows_bench_rows(tmp_path):
@@ -43,6 +47,9 @@ def test_env_step_runs_and_the_section_shows_bench_rows(tmp_path):
                                  "mean_step_ms": 2.5, "quality": None} for b in (1, 4)]}
     section = mod.section([{"step": "bench_dummy", "command": "dgemma bench", "exit": 0, "seconds": 1.0,
                             "stdout": json.dumps(doc, indent=2), "output": "card"}], "cpu")
-    assert "| 4 | 40 | 5 | 2.5 | n/a | off: not built yet |" in section
+    assert "| 4 | 40 | 5 | 2.5 | n/a | off |" in section
+    graphs = mod.section([{"step": "bench_dummy_graphs", "command": "dgemma bench --cuda-graphs", "exit": 0,
+                           "seconds": 1.0, "stdout": json.dumps(doc), "output": ""}], "cuda")
+    assert "| 1 | 10 | 5 | 2.5 | n/a | on |" in graphs
     assert mod.section([{"step": "bench_kernels", "command": "x", "exit": 1, "seconds": 0.1,
                          "output": "Traceback: boom"}], "cpu").count("boom") == 1

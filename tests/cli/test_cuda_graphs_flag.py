@@ -1,0 +1,120 @@
+"""`--cuda-graphs` (generate, bench, sweep, serve): the step mode a session carries into the loop, the engine
+and provenance. It needs a CUDA device: anywhere else one `dgemma: error:` line, before any weights load
+(and, for serve, before the port is bound)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from cli_run import run
+from dgcli.errors import UserError
+from dgcli.runtime import request
+from dgcli.runtime import session as sess
+
+TINY_BENCH = ["--random-prompts", "--num-prompts", "1", "--random-input-len", "4", "--runs", "1", "--warmup", "0",
+              "--no-measure-peaks", "--diffusion-steps", "2"]
+
+
+@pytest.fixture
+def nothing_loaded(monkeypatch):
+    """Loading weights (a checkpoint or random ones) or binding a port fails the test."""
+    from dgcli.model import loader, random_weights
+    from dgcli.serve import run as serve_run
+
+    def boom(*a, **k):
+        raise AssertionError("weights were loaded (or the server started) before --cuda-graphs was checked")
+
+    for mod, name in ((loader, "load_model"), (random_weights, "random_model"), (serve_run, "serve")):
+        monkeypatch.setattr(mod, name, boom)
+
+
+def one_error_line(code, out, err):
+    assert code == 2 and out == "", (code, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "--cuda-graphs" in lines[0] and "CUDA" in lines[0] and "Traceback" not in err, err
+    assert lines[0].startswith("dgemma: error: ") and "--device cuda" in lines[0], err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error is for a machine without CUDA")
+@pytest.mark.parametrize("argv", [
+    ["generate", "--cuda-graphs", "hi"],
+    ["bench", "--cuda-graphs", *TINY_BENCH],
+    ["bench", "--cuda-graphs", "--dummy", "26B-A4B", "--layers", "1", *TINY_BENCH],
+    ["sweep", "--cuda-graphs", "--diffusion-steps", "2,4", "--num-prompts", "1", "--runs", "1", "--warmup", "0",
+     "--no-measure-peaks"],
+    ["serve", "--cuda-graphs", "--port", "1"],
+], ids=["generate", "bench", "bench-dummy", "sweep", "serve"])
+def test_cuda_graphs_without_cuda_is_one_line_before_loading(capsys, nothing_loaded, tmp_path, monkeypatch, argv):
+    monkeypatch.chdir(tmp_path)  # sweep's default --output
+    one_error_line(*run(argv, capsys))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error is for a machine without CUDA")
+def test_serve_with_cuda_graphs_exits_before_binding(tmp_path):
+    """As a real process: the error line, exit 2, and nothing listening."""
+    import subprocess
+    import sys
+
+    from server_proc import free_port
+
+    port = free_port()
+    p = subprocess.run([sys.executable, "-m", "dgcli.cli", "serve", "--cuda-graphs", "--port", str(port)],
+                       capture_output=True, text=True, timeout=120)
+    one_error_line(p.returncode, p.stdout, p.stderr)
+
+
+def test_the_check_and_the_step_mode():
+    assert sess.check_cuda_graphs(False, torch.device("cpu")) == "dynamic"
+    assert sess.check_cuda_graphs(True, torch.device("cuda", 0)) == "graphs"  # no GPU needed: only the type
+    with pytest.raises(UserError, match=r"--cuda-graphs needs a CUDA device \(this run is on cpu\)"):
+        sess.check_cuda_graphs(True, torch.device("cpu"))
+    with pytest.raises(UserError, match="--compile does not apply to it: drop one of them"):
+        sess.check_cuda_graphs(True, torch.device("cuda", 0), compile=True)
+    assert sess.check_cuda_graphs(False, torch.device("cpu"), compile=True) == "dynamic"
+
+
+def test_a_session_without_the_flag_runs_the_dynamic_step():
+    s = sess.open_session(None, None, {"device": "cpu"}, cuda_graphs=False)
+    assert s.step_mode == "dynamic"
+    assert sess.open_session(None, None, {"device": "cpu"}).step_mode == "dynamic"
+
+
+def test_the_session_step_mode_reaches_the_loop_and_the_engine():
+    """A session's step_mode is what request.run / run_batch and the server's engine use: on CPU the eager
+    static step ("static") stands in for "graphs" and gives the same tokens as the dynamic step."""
+    from dgcli.serve.metrics import Metrics
+    from dgcli.serve.worker import Worker
+
+    s = sess.open_session(None, None, {"device": "cpu", "max_denoising_steps": 4})
+    static = dataclasses.replace(s, step_mode="static")
+    ids = request.encode(s, "Reverse: c a t")
+    assert request.run(static, ids).token_ids == request.run(s, ids).token_ids
+    stats: dict = {}
+    [(_, r)] = list(request.run_batch(static, [ids], batch_size=1, stats=stats))
+    assert r.token_ids == request.run(s, ids).token_ids
+    assert Worker(s, slots=1, max_len=64, metrics=Metrics(1)).engine.static is None
+    assert Worker(static, slots=1, max_len=64, metrics=Metrics(1)).engine.static is not None
+
+
+def test_bench_provenance_says_the_step_mode(capsys):
+    code, out, err = run(["bench", *TINY_BENCH, "--format", "json"], capsys)
+    assert code == 0, err
+    prov = json.loads(out)["rows"][0]["provenance"]
+    assert prov["step_mode"] == "dynamic" and prov["compiled_decoder"] is False
+
+
+def test_cuda_graphs_is_refused_with_base_url(capsys):
+    code, out, err = run(["bench", "--base-url", "http://127.0.0.1:9", "--cuda-graphs"], capsys)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "--cuda-graphs does not apply with --base-url" in err
+
+
+@pytest.mark.parametrize("cmd", ["generate", "bench", "sweep", "serve"])
+def test_every_model_command_lists_the_flag(capsys, cmd):
+    code, out, _ = run([cmd, "--help"], capsys)
+    assert code == 0 and "--cuda-graphs" in out
