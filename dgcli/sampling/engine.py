@@ -12,7 +12,9 @@ clock, which runs only while the engine works (not while a consumer holds an eve
 Must not: tokenize, print, or validate settings (callers pass checked DiffusionEbParams; `loop.py`
 builds requests from user input); sync with the device inside a pass other than once for the stop
 decision (and not at all when no running request can stop early). On CUDA `async_stop.AsyncStopEngine`
-(a subclass; `async_stop.new_engine` picks it) reads each pass's flags one pass later instead.
+(a subclass; `async_stop.new_engine` picks it) reads each pass's flags one pass later instead. A `step_mode`
+other than "dynamic" runs each pass as `static_step.StaticStep` (static shapes: eager, compiled, or CUDA
+graphs), which brings its own KV cache.
 
 Numerics: a request's draws are addressed by its own seed, block, step and position (`draws.py`); its
 positions start at 0 in its slot; ragged rows attend one by one over exactly their own keys
