@@ -54,9 +54,12 @@ class PeakMemory:
 def warm_up(session: Any, prompts: list[Prompt], params: Any, n: int, *, batch_size: int, ignore_eos: bool,
             progress: Callable[[str], None] | None = None) -> None:
     """`n` untimed requests (cycling the prompts) through the batched engine with `batch_size` slots, the
-    path the timed passes take."""
+    path the timed passes take. With CUDA graphs (`--cuda-graphs`) at least every prompt once: the same cache
+    and every batch size of a timed pass, so the timed passes replay graphs and capture none."""
     if n < 1:
         return
+    if getattr(session, "step_mode", "dynamic") != "dynamic":  # captured steps: meet every shape a timed pass meets
+        n = max(n, len(prompts))
     if progress:
         progress(f"warm-up: {n} request(s), batch size {batch_size} (untimed; the first run is cold)")
     ids = [prompts[i % len(prompts)].ids for i in range(n)]

@@ -248,3 +248,20 @@ def test_summary_of_a_bimodal_step_distribution():
     t2 = 45 / (0.011 * 2 + 0.001 * 117 + 0.004)
     assert row["output_throughput"] == pytest.approx((t1 + t2) / 2)
     assert metrics.percentile([1, 2, 3, 4], 50) == 2.5 and metrics.percentile([5], 99) == 5
+
+
+def test_warm_up_meets_every_shape_of_a_timed_pass_when_steps_are_captured(monkeypatch):
+    """With a captured step (`--cuda-graphs`: session.step_mode != "dynamic") the warm-up runs every prompt
+    once (the timed pass's cache and batch sizes, so a timed pass captures nothing); else `--warmup` requests."""
+    from types import SimpleNamespace
+
+    seen = []
+    monkeypatch.setattr(b.request, "run_batch", lambda s, ids, **kw: seen.append((len(ids), kw["batch_size"])) or [])
+    prompts = [SimpleNamespace(ids=[i]) for i in range(5)]
+    for mode, want in (("dynamic", (1, 4)), ("graphs", (5, 4))):
+        seen.clear()
+        b.warm_up(SimpleNamespace(step_mode=mode), prompts, None, 1, batch_size=4, ignore_eos=False)
+        assert seen == [want]
+    seen.clear()
+    b.warm_up(SimpleNamespace(step_mode="graphs"), prompts, None, 0, batch_size=4, ignore_eos=False)
+    assert seen == []  # --warmup 0 is no warm-up
