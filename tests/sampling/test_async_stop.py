@@ -79,14 +79,20 @@ def test_async_stop_gives_every_request_the_synchronous_events(bundled, slots):
     assert early > 10 and stats["discarded_row_steps"] >= 1  # early stops happened: speculation was discarded
 
 
-def test_mixed_settings_depths_and_a_cancel(bundled):
-    session, prompts = bundled
+def mixed_jobs(session, prompts) -> list:
+    """Five requests with their own settings: fixed work, a deeper stability rule, the defaults, another
+    entropy bound and step cap (as (prompt ids, params, blocks))."""
     p = session.params
-    jobs = [(prompts[3], dataclasses.replace(p, confidence_threshold=0.0, max_denoising_steps=5), 2),
+    return [(prompts[3], dataclasses.replace(p, confidence_threshold=0.0, max_denoising_steps=5), 2),
             (prompts[40], dataclasses.replace(p, stability_threshold=3), 3),
             (prompts[70], p, 4),
             (prompts[11], dataclasses.replace(p, entropy_bound=0.3, max_denoising_steps=7), 3),
             (prompts[55], p, 3)]
+
+
+def test_mixed_settings_depths_and_a_cancel(bundled):
+    session, prompts = bundled
+    jobs = mixed_jobs(session, prompts)
     for cancel in (None, (2, 3)):
         sync, _ = per_request(Engine, session, jobs, 3, cancel)
         fast, _ = per_request(AsyncStopEngine, session, jobs, 3, cancel)

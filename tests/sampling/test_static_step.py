@@ -12,7 +12,7 @@ import functools
 
 import pytest
 import torch
-from test_async_stop import bundled, per_request, same  # noqa: F401  (bundled: a fixture)
+from test_async_stop import bundled, mixed_jobs, per_request, same  # noqa: F401  (bundled: a fixture)
 
 from dgcli.sampling import static_step
 from dgcli.sampling.async_stop import AsyncStopEngine
@@ -45,12 +45,7 @@ def test_mixed_settings_a_cancel_and_the_async_engine(bundled):  # noqa: F811
     """Per-row settings (steps, entropy bound, stability depth, fixed work), a request withdrawn mid-block, and
     the engine that reads stop flags one pass later (the CUDA engine) running the static step."""
     session, prompts = bundled
-    p = session.params
-    jobs = [(prompts[3], dataclasses.replace(p, confidence_threshold=0.0, max_denoising_steps=5), 2),
-            (prompts[40], dataclasses.replace(p, stability_threshold=3), 3),
-            (prompts[70], p, 4),
-            (prompts[11], dataclasses.replace(p, entropy_bound=0.3, max_denoising_steps=7), 3),
-            (prompts[55], p, 3)]
+    jobs = mixed_jobs(session, prompts)
     for cancel in (None, (2, 3)):
         dynamic, _ = per_request(Engine, session, jobs, 3, cancel)
         static, _ = per_request(functools.partial(Engine, step_mode="static"), session, jobs, 3, cancel)
