@@ -25,8 +25,6 @@ the given uniforms, located through per-group sums (kernels/categorical.py): the
 
 from __future__ import annotations
 
-import threading
-
 import torch
 import torch.nn.functional as F
 
@@ -43,20 +41,6 @@ GROUP = 64
 # The low-precision soft embedding's softmax runs over this many bytes of float32 [rows, V] at a time
 # (its float32 input copy and its output: twice this at once).
 SOFTMAX_BYTES = 4 * 2**20
-
-
-_SCRATCH = threading.local()  # per thread: the [N, V] rounded-logits buffer, reused from step to step
-
-
-def stored_buffer(n: int, v: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An [n, v] scratch buffer for the rounded logits, the same memory every step (one per thread, grown to the
-    largest n met). A fresh one (16 MiB at V 32,768, 128 MiB at 262,144 per canvas) lies above glibc's mmap
-    threshold: it was mapped, page-faulted and unmapped again on every step."""
-    buf = getattr(_SCRATCH, "stored", None)
-    if buf is None or buf.shape[0] < n or buf.shape[1] != v or buf.dtype != dtype or buf.device != device:
-        _SCRATCH.stored = buf = None  # the old one goes before the new one is made
-        _SCRATCH.stored = buf = torch.empty(n, v, dtype=dtype, device=device)
-    return buf[:n]
 
 
 def auto_tile(rows: int, vocab_size: int, tile_bytes: int = TILE_BYTES) -> int:
@@ -190,7 +174,7 @@ def vocab_pass_tiled(
     stats = compiled_tile_stats() if compile_tiles else tile_stats
     soft_dtype = embed.dtype if want_soft else None
     # Low-precision soft embedding: the rounded logits of every tile, for the reference's own softmax and GEMM.
-    stored = stored_buffer(n, v, embed.dtype, dev) if want_soft and embed.dtype != torch.float32 else None
+    stored = torch.empty(n, v, dtype=embed.dtype, device=dev) if want_soft and embed.dtype != torch.float32 else None
     width = GROUP if t_cols % GROUP == 0 else t_cols
     gmax, gsum = [], []  # per tile: [N, groups] reference max and Σ exp(L - max) of each group
 

@@ -21,6 +21,7 @@ import torch
 
 from dgcli.model.cache import KVCache
 
+
 def _keys(buf: torch.Tensor, n: int, slots: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
     """[B, n_kv, n + C, d]: the first n slots of cache rows `slots` (default all, in order), then the canvas's
     own keys `new`."""

@@ -100,7 +100,7 @@ class StaticStep:
         self.graphs: dict[tuple, _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle() if mode == "graphs" else None
         self.fn = _step
-        self.busy = False  # held by an engine (`acquire`)
+        self.busy, self.key = False, None  # held by an engine; its (slots, capacity, mode) (`acquire`)
         if mode == "compile":
             import torch._dynamo as dynamo
 
@@ -111,16 +111,16 @@ class StaticStep:
     @classmethod
     def acquire(cls, model: Any, slots: int, max_len: int, mode: str) -> StaticStep:
         """The step for an engine of `slots` rows that needs `max_len` positions, with its own KV cache of a
-        bucketed capacity (`key_span`). A step an earlier engine of that shape left is reused, its captured
+        bucketed capacity (`key_span`). The step the last engine of that shape left is reused, its captured
         graphs with it (else a one-shot `generate`, or every bench run, would capture again); one engine at a
-        time holds a step (`release`). The model keeps its steps (and their caches) while it lives."""
-        capacity = key_span(max_len, 1 << 62)
-        shared = model.__dict__.setdefault("_static_steps", {})  # not a submodule: a plain attribute
-        key = (slots, capacity, mode)
-        step = shared.get(key)
-        if step is None or step.busy:
-            step = cls(model, model.new_cache(slots, capacity), mode)
-            shared.setdefault(key, step)
+        time holds a step (`release`). The model keeps only its latest step (and its cache): memory for one
+        shape, not one per shape seen."""
+        key = (slots, key_span(max_len, 1 << 62), mode)
+        step = model.__dict__.get("_static_step")  # a plain attribute, not a submodule
+        if step is None or step.busy or step.key != key:
+            step = cls(model, model.new_cache(slots, key[1]), mode)
+            step.key = key
+            model.__dict__["_static_step"] = step
         step.busy = True
         step.cache.lens = [0] * slots
         return step

@@ -139,23 +139,6 @@ def test_tiled_soft_is_the_references_bit_for_bit(dtype, b, c, h, v, tile, sharp
     assert bare.soft is None and torch.equal(bare.sample, out.sample) and torch.equal(bare.entropy, out.entropy)
 
 
-def test_the_rounded_logits_buffer_is_reused_and_leaves_no_trace():
-    """The [N, V] scratch of the low-precision soft embedding is the same memory from step to step (grown for
-    more rows, remade for another vocabulary or dtype), and what an earlier pass left in it changes nothing."""
-    from dgcli.kernels import vocab_pass_cpu as vp
-
-    a = vp.stored_buffer(16, 500, torch.bfloat16, torch.device("cpu"))
-    assert vp.stored_buffer(9, 500, torch.bfloat16, torch.device("cpu")).data_ptr() == a.data_ptr()
-    assert vp.stored_buffer(40, 500, torch.bfloat16, torch.device("cpu")).shape == (40, 500)
-    assert vp.stored_buffer(40, 600, torch.float16, torch.device("cpu")).shape == (40, 600)
-    hidden, embed, scale = make(2, 9, 32, 5000, torch.bfloat16, seed=4, sharp=1.0)
-    kw = dict(softcap=30.0, temperature=torch.tensor(0.6), embed_scale=scale, uniform=unif(hidden, 3))
-    first = vocab_pass_tiled(hidden, embed, **kw).soft
-    vp.stored_buffer(18, 5000, torch.bfloat16, torch.device("cpu")).fill_(float("nan"))  # leftovers
-    assert torch.equal(vocab_pass_tiled(hidden, embed, **kw).soft, first)
-    assert torch.equal(first, vocab_pass(hidden, embed, **kw).soft)
-
-
 @pytest.mark.parametrize("rows,v,spread", [(64, 32768, 3.0), (8, 262144, 8.0), (33, 5000, 0.5), (7, 3, 50.0)])
 def test_bf16_softmax_is_the_rounded_fp32_softmax(rows, v, spread):
     """The tiled pass runs torch's bf16 softmax on the rounded logits (no fp32 copy): on CPU it must give the
