@@ -61,13 +61,17 @@ def randomise_(model, seed: int) -> None:
             t.copy_(torch.rand(t.shape, generator=g) + 0.5)
 
 
-def build_reference(name: str, seed: int = 0, dtype=torch.float32):
+def reference_from_text(tc: dict, canvas: int, seed: int = 0, dtype=torch.float32):
+    """transformers' DiffusionGemmaForBlockDiffusion for a text config (a tiny vision tower), every tensor random."""
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 
-    tc, canvas = text_config(name)
     full = make_config(tc, canvas_length=canvas)
     cfg = DiffusionGemmaConfig(text_config=full["text_config"], vision_config=dict(TINY_VISION),
                                canvas_length=canvas)
     model = DiffusionGemmaForBlockDiffusion(cfg).eval()
     randomise_(model, seed)
     return model.to(dtype)
+
+
+def build_reference(name: str, seed: int = 0, dtype=torch.float32):
+    return reference_from_text(*text_config(name), seed=seed, dtype=dtype)

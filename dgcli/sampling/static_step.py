@@ -115,7 +115,7 @@ class StaticStep:
         graphs with it (else a one-shot `generate`, or every bench run, would capture again); one engine at a
         time holds a step (`release`). The model keeps only its latest step (and its cache): memory for one
         shape, not one per shape seen."""
-        key = (slots, key_span(max_len, 1 << 62), mode)
+        key = (slots, key_span(max_len, 1 << 62), mode)  # capacity: the spans' buckets, unbounded
         step = model.__dict__.get("_static_step")  # a plain attribute, not a submodule
         if step is None or step.busy or step.key != key:
             step = cls(model, model.new_cache(slots, key[1]), mode)

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from hf_oracle import text_config
+from test_loader import expect  # one error line naming the problem
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -229,15 +230,6 @@ def test_dummy_fp8_model_and_its_checkpoint(tmp_path):
 
 
 # ---- one line naming the problem ----------------------------------------------------------------------------
-
-
-def expect(path, *needles):
-    with pytest.raises(UserError) as e:
-        dgcli.load_model(path)
-    msg = str(e.value)
-    assert "\n" not in msg
-    for n in needles:
-        assert n in msg, msg
 
 
 def with_qc(path, qc):

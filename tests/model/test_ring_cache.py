@@ -10,10 +10,10 @@ import math
 
 import pytest
 import torch
-from hf_oracle import CONFIGS, randomise_
+from hf_oracle import CONFIGS, reference_from_text
 
 import dgcli
-from dgcli.model.random_weights import TINY_VISION, make_config
+from dgcli.model.random_weights import make_config
 
 FP32_TOL = 1e-4
 S, F = "sliding_attention", "full_attention"
@@ -32,15 +32,9 @@ RING_CONFIGS = {
 
 def build_reference(name: str, seed: int):
     """hf_oracle.build_reference for the configs above."""
-    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
-
     tc = dict(RING_CONFIGS[name], max_position_embeddings=4096)
     canvas = tc.pop("canvas")
-    full = make_config(tc, canvas_length=canvas)
-    cfg = DiffusionGemmaConfig(text_config=full["text_config"], vision_config=dict(TINY_VISION), canvas_length=canvas)
-    model = DiffusionGemmaForBlockDiffusion(cfg).eval()
-    randomise_(model, seed)
-    return model
+    return reference_from_text(tc, canvas, seed)
 
 
 @pytest.fixture(scope="module", params=sorted(RING_CONFIGS))
