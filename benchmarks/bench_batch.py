@@ -71,7 +71,7 @@ def main() -> None:
 
     from dgcli.sampling.params import DiffusionEbParams
 
-    model, n_params = bench_model(Path(args.dir))
+    model, n_params = bench_model(Path(args.dir), pack=True)  # as a CPU bf16 session runs it
     cfg = model.config
     g = torch.Generator().manual_seed(0)
     lengths = [24 + (7 * i) % 17 for i in range(args.requests)]  # 24..40 tokens

@@ -86,15 +86,20 @@ def matmul_rate() -> dict:
     return {"best_flops": best, "shapes": rows}
 
 
-def bench_model(path: Path):
-    """The ~200 M bf16 random checkpoint at `path` (written on first use), loaded: (model, parameters)."""
+def bench_model(path: Path, pack: bool = False):
+    """The ~200 M bf16 random checkpoint at `path` (written on first use), loaded: (model, parameters).
+    `pack`: its weights prepacked for oneDNN, as an eager CPU session runs them (dgcli/model/packed.py)."""
     import dgcli
+    from dgcli.model.packed import pack_for_cpu
     from dgcli.model.random_weights import write_random_checkpoint
 
     if not (path / "config.json").exists():
         write_random_checkpoint(path, TEXT, canvas_length=CANVAS, dtype=torch.bfloat16, tokenizer=False)
     model = dgcli.load_model(path)
-    return model, sum(p.numel() for p in model.parameters())
+    n_params = sum(p.numel() for p in model.parameters())
+    if pack and not pack_for_cpu(model):
+        print("note: weights not packed (no oneDNN bf16 here, or its packed GEMM's bits differ)", file=sys.stderr)
+    return model, n_params
 
 
 # ---- work accounting ------------------------------------------------------------------------------------
@@ -262,7 +267,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     path = Path(args.dir)
-    model, n_params = bench_model(path)
+    model, n_params = bench_model(path, pack=not args.compile)  # as a session runs it
     cfg = model.config
     prompt = torch.randint(0, cfg.vocab_size, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
     load0 = load_avg()
@@ -296,9 +301,9 @@ def main() -> None:
         "dgemma_step_share_of_matmul_rate": flops_step / step / rate["best_flops"], "compiled": args.compile,
     }
     result["components"] = components(model, prompt, args.compile)
-    if args.reference_too:
+    if args.reference_too:  # the references on the weights as loaded (a reference session does not pack)
         os.environ["DGEMMA_KERNELS"] = "reference"
-        ref = run_dgemma(model, prompt, args.steps, args.blocks)
+        ref = run_dgemma(bench_model(path)[0], prompt, args.steps, args.blocks)
         os.environ.pop("DGEMMA_KERNELS")
         result.update(reference_step_ms=median(ref["step_s"]) * 1e3, reference_generate_s=ref["total_s"])
     if not args.skip_hf:

@@ -7,8 +7,11 @@ concatenation, SDPA), dense MLP, self-conditioning MLP, routed experts (router +
 elementwise (every RMSNorm, RoPE, residual adds, layer scalars, embedding), vocabulary pass (head GEMMs,
 per-tile statistics, soft embedding, draw), accept / renoise / stop. The instrumented decoder pass is
 checked bit-equal to `model.decode`. FLOPs: matmuls only, 2 per multiply-add, routed experts at top-k.
+Two models side by side, interleaved: `packed` (the weights prepacked for oneDNN, as an eager CPU session runs
+them: dgcli/model/packed.py) and `loaded` (the weights as loaded: the step before packing); their steps are
+checked bit-equal. `--only packed` skips the second.
 
-    python benchmarks/step_components.py [--threads 1,2] [--rounds 5] [--hf]
+    python benchmarks/step_components.py [--threads 1,2] [--rounds 5] [--hf] [--only packed]
 """
 
 from __future__ import annotations
@@ -171,17 +174,23 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dir", default="/tmp/dgemma-bench-200m")
     ap.add_argument("--hf", action="store_true", help="time transformers' step too (generate, 6 steps per round)")
+    ap.add_argument("--only", choices=["packed", "loaded"], help="one model instead of both")
     args = ap.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
+    variants = [args.only] if args.only else ["packed", "loaded"]
 
     from dgcli.sampling.params import DiffusionEbParams
     from dgcli.sampling.rules import denoise_step
 
-    model, n_params = bench_model(Path(args.dir))
-    cfg = model.config
+    models = {}
+    for v in variants:
+        models[v], n_params = bench_model(Path(args.dir), pack=v == "packed")
+    cfg = next(iter(models.values())).config
     prompt = torch.randint(0, cfg.vocab_size, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
-    cache = model.new_cache(1, PROMPT_LEN + CANVAS)
-    model.encode(prompt, cache)
+    caches = {}
+    for v, model in models.items():
+        caches[v] = model.new_cache(1, PROMPT_LEN + CANVAS)
+        model.encode(prompt, caches[v])
     g = torch.Generator().manual_seed(1)
     canvas = torch.randint(0, cfg.vocab_size, (1, CANVAS), generator=g)
     noise = torch.randint(0, cfg.vocab_size, (1, CANVAS), generator=g)
@@ -190,9 +199,16 @@ def main():
     temp = torch.tensor(0.6)
     params = DiffusionEbParams(confidence_threshold=0.0)
     history = torch.full((1, 1, CANVAS), -1, dtype=torch.long)
-    ref_hidden = model.decode(canvas, cache, soft)
-    _, hidden, _, _ = instrumented_step(model, canvas, cache, soft, temp, history, params, uniform, noise)
-    assert torch.equal(hidden, ref_hidden), "instrumented decoder pass differs from model.decode"
+    ref_hidden = outs = None
+    for v, model in models.items():
+        hidden = model.decode(canvas, caches[v], soft)
+        _, inst_hidden, nxt, stop = instrumented_step(model, canvas, caches[v], soft, temp, history.clone(), params,
+                                                      uniform, noise)
+        assert torch.equal(inst_hidden, hidden), f"{v}: instrumented decoder pass differs from model.decode"
+        if ref_hidden is None:
+            ref_hidden, outs = hidden, (nxt, stop)
+        else:  # packing must not change a bit
+            assert torch.equal(hidden, ref_hidden) and torch.equal(nxt, outs[0]), "packed and loaded steps differ"
     flops = component_flops(cfg, PROMPT_LEN)
     total_flops = sum(flops.values())
 
@@ -210,23 +226,26 @@ def main():
                             confidence_threshold=1e-30, streamer=clock)
             drafts = [m for kind, m in clock.marks if kind == "draft"]
             return [b - a for a, b in itertools.pairwise(drafts)]
-    data = {t: defaultdict(list) for t in threads}
+    data = {t: {v: defaultdict(list) for v in variants} for t in threads}
+    gemm = {t: [] for t in threads}
+    hf_data = {t: [] for t in threads}
     load0 = load_avg()
     for rnd in range(args.rounds):
         for t in threads:
             torch.set_num_threads(t)
-            d = data[t]
-            d["gemm"].append(gemm_rate())
+            gemm[t].append(gemm_rate())
             for _ in range(2):
-                s = time.perf_counter()
-                denoise_step(model, canvas, cache, soft, temp, history, params, uniform, noise, True, False)
-                d["step"].append(time.perf_counter() - s)
-                parts, *_ = instrumented_step(model, canvas, cache, soft, temp, history, params, uniform, noise)
-                for k, v in parts.items():
-                    d[k].append(v)
-                d["vocab_gemms"].append(vocab_gemms(ref_hidden, model.embed_weight))
+                for v, model in models.items():  # interleaved: the machine's drift hits both alike
+                    d, cache = data[t][v], caches[v]
+                    s = time.perf_counter()
+                    denoise_step(model, canvas, cache, soft, temp, history, params, uniform, noise, True, False)
+                    d["step"].append(time.perf_counter() - s)
+                    parts, *_ = instrumented_step(model, canvas, cache, soft, temp, history, params, uniform, noise)
+                    for k, x in parts.items():
+                        d[k].append(x)
+                data[t][variants[0]]["vocab_gemms"].append(vocab_gemms(ref_hidden, models[variants[0]].embed_weight))
             if args.hf:
-                d["hf_step"].extend(hf_steps()[1:])
+                hf_data[t].extend(hf_steps()[1:])
         print(f"round {rnd} done, load {load_avg()}", file=sys.stderr)
     load1 = load_avg()
 
@@ -236,28 +255,39 @@ def main():
     print(f"machine: {cpu_name()}, torch {torch.__version__}, {n_params / 1e6:.1f} M params, "
           f"{total_flops / 1e9:.1f} GFLOP/step (matmuls), load avg {load0} -> {load1}")
     for t in threads:
-        d = data[t]
-        rate = median(d["gemm"])
-        step = median(d["step"])
-        inst = {k: median(d[k]) for k in ORDER}
-        inst_total = sum(inst.values())
-        row = {"gemm_gflops": rate / 1e9, "step_ms": step * 1e3, "step_share_of_gemm": total_flops / step / rate,
-               "instrumented_sum_ms": inst_total * 1e3, "vocab_gemms_ms": median(d["vocab_gemms"]) * 1e3,
-               "components": {}}
-        print(f"\n### {t} thread(s): bf16 GEMM rate {rate / 1e9:.0f} GFLOP/s; step (median) {step * 1e3:.1f} ms = "
-              f"{total_flops / step / 1e9:.0f} GFLOP/s = {100 * total_flops / step / rate:.1f} % of it; "
-              f"instrumented sum {inst_total * 1e3:.1f} ms")
-        if d.get("hf_step"):
-            hs = median(d["hf_step"])
+        rate = median(gemm[t])
+        row = {"gemm_gflops": rate / 1e9, "vocab_gemms_ms": median(data[t][variants[0]]["vocab_gemms"]) * 1e3}
+        print(f"\n### {t} thread(s): bf16 GEMM rate {rate / 1e9:.0f} GFLOP/s (this run)")
+        inst = {}
+        for v in variants:
+            d = data[t][v]
+            step = median(d["step"])
+            inst[v] = {k: median(d[k]) for k in ORDER}
+            row[v] = {"step_ms": step * 1e3, "step_share_of_gemm": total_flops / step / rate,
+                      "instrumented_sum_ms": sum(inst[v].values()) * 1e3, "components": {}}
+            print(f"{v}: step (median) {step * 1e3:.1f} ms = {total_flops / step / 1e9:.0f} GFLOP/s = "
+                  f"{100 * total_flops / step / rate:.1f} % of the GEMM rate; instrumented sum "
+                  f"{sum(inst[v].values()) * 1e3:.1f} ms")
+        if len(variants) == 2:
+            a, b = (row[v]["step_ms"] for v in variants)
+            print(f"packed against loaded: {b / a:.3f}x")
+        if hf_data[t]:
+            hs = median(hf_data[t])
             row["hf_step_ms"] = hs * 1e3
-            print(f"transformers step (median of {len(d['hf_step'])}): {hs * 1e3:.0f} ms; ratio {hs / step:.2f}x")
-        print("| component | ms | share | GFLOP | GFLOP/s | % of GEMM rate |\n|---|---|---|---|---|---|")
+            print(f"transformers step (median of {len(hf_data[t])}): {hs * 1e3:.0f} ms; ratio to "
+                  + ", ".join(f"{v} {hs * 1e3 / row[v]['step_ms']:.2f}x" for v in variants))
+        print("| component | GFLOP | " + " | ".join(f"{v}: ms · share · % of GEMM rate" for v in variants)
+              + " |\n|---|---|" + "---|" * len(variants))
         for k in ORDER:
-            ms, fl = inst[k] * 1e3, flops[k]
-            gfs = fl / inst[k] / 1e9 if fl else 0.0
-            row["components"][k] = {"ms": ms, "share": inst[k] / inst_total, "gflop": fl / 1e9, "gflops": gfs}
-            print(f"| {k} | {ms:.1f} | {100 * inst[k] / inst_total:.0f} % | {fl / 1e9:.2f} | "
-                  + (f"{gfs:.0f} | {100 * gfs * 1e9 / rate:.0f} % |" if fl else "- | - |"))
+            fl, cells = flops[k], []
+            for v in variants:
+                sec = inst[v][k]
+                total = sum(inst[v].values())
+                gfs = fl / sec / 1e9 if fl else 0.0
+                row[v]["components"][k] = {"ms": sec * 1e3, "share": sec / total, "gflop": fl / 1e9, "gflops": gfs}
+                cells.append(f"{sec * 1e3:.1f} · {100 * sec / total:.0f} %"
+                             + (f" · {100 * gfs * 1e9 / rate:.0f} %" if fl else ""))
+            print(f"| {k} | {fl / 1e9:.2f} | " + " | ".join(cells) + " |")
         print(f"(vocab pass's two GEMMs alone: {row['vocab_gemms_ms']:.1f} ms)")
         result["threads"][t] = row
     print(json.dumps(result))

@@ -1,10 +1,12 @@
 """Routed experts for CPU: token-expert pairs grouped by expert, GEMMs over all experts at once.
 
-Owns: `experts_segments` (the default on CPU: pairs sorted into contiguous per-expert segments, two
-`F.grouped_mm` calls, no padding, no host read, so it compiles into the decoder's graph) and
+Owns: `experts_segments` (the default for a model as loaded: pairs sorted into contiguous per-expert
+segments, two `F.grouped_mm` calls, no padding, no host read, so it compiles into the decoder's graph),
 `experts_grouped` (padded batched GEMMs; used where grouped_mm's 16-byte stride rule does not hold,
-and for non-bf16 inputs inside torch.compile).
-Both equal `kernels/reference_ops.py::experts_reference` (and so the model's `Experts.forward`): same
+and for non-bf16 inputs inside torch.compile) and `experts_packed` (bf16 weights prepacked for oneDNN
+at session start, one GEMM pair per expert on its segment: what an eager CPU session runs; see
+kernels/linear_cpu.py and dgcli/model/packed.py).
+All equal `kernels/reference_ops.py::experts_reference` (and so the model's `Experts.forward`): same
 GEMM inputs and dtypes, same activation, the fp32 routing-weight product rounded to x.dtype, and a
 token's k contributions added in ascending expert order with one rounding per addition. Only the GEMM
 kernel may differ, so fp32 agrees to accumulation order and bf16 to one rounding of a GEMM output.
@@ -22,10 +24,12 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
+from .linear_cpu import linear
 from .reference_ops import experts_reference
 
 # Batched GEMMs compute E·cap rows for N·k useful ones; above this ratio the per-expert loop wins.
@@ -133,3 +137,26 @@ def experts_segments(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_u
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
     pairs = y.index_select(0, inverse)
     return _combine(pairs, w_sorted, x.dtype)
+
+
+def experts_packed(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: Sequence[torch.Tensor],
+                   down: Sequence[torch.Tensor], inter: int) -> torch.Tensor:
+    """`experts_segments` with each expert's two weights prepacked for oneDNN (`linear_cpu.pack`; gate_up[e]
+    packs gate_up_proj[e] [2I, H], down[e] packs down_proj[e] [H, I]): one GEMM pair per expert that got
+    tokens, on its contiguous segment. The counts are read on the host (free on CPU); each segment's GEMM
+    is `F.linear` on the same rows (pack checked the bits), so this equals the reference as segments do."""
+    n, k = idx.shape
+    if n == 0:
+        return torch.zeros_like(x)
+    flat, w_sorted = _pairs(idx, w)  # [N*k], [N, k]
+    order = torch.argsort(flat, stable=True)  # [N*k] pairs grouped by expert
+    counts = torch.bincount(flat, minlength=len(gate_up)).tolist()
+    xs = x.index_select(0, order // k)  # [N*k, H] rows copied whole
+    ys, lo = [], 0
+    for e, c in enumerate(counts):
+        if c:
+            gu = linear(xs[lo:lo + c], gate_up[e])  # [c, 2I]
+            ys.append(linear(F.gelu(gu[:, :inter], approximate="tanh") * gu[:, inter:], down[e]))  # [c, H]
+            lo += c
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
+    return _combine(torch.cat(ys).index_select(0, inverse), w_sorted, x.dtype)

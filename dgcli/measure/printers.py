@@ -64,7 +64,7 @@ def device_name(device: Any) -> str:
 def provenance(*, device: Any, dtype: str, model: str, model_name: str, parameters: int, active: int,
                settings: dict, seed: int, prompt_hash: str, label: str | None, metadata: dict,
                dummy: bool, compiled: bool = False, step_mode: str = "dynamic",
-               threads_source: str | None = None) -> dict:
+               threads_source: str | None = None, packed_weights: int = 0) -> dict:
     import torch
 
     return {
@@ -75,16 +75,18 @@ def provenance(*, device: Any, dtype: str, model: str, model_name: str, paramete
         "model": model, "model_name": model_name, "model_parameters": parameters,
         "model_active_parameters": active, "dummy_weights": dummy, "settings": settings, "seed": seed,
         "prompt_set_hash": prompt_hash, "label": label, "metadata": metadata,
-        "kernels": kernel_choices(device), "compiled_decoder": compiled, "step_mode": step_mode,
+        "kernels": kernel_choices(device, packed_weights), "compiled_decoder": compiled, "step_mode": step_mode,
         "host": platform.node(), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
 
-def kernel_choices(device: Any) -> dict[str, str]:
-    """Which implementation each fused op ran (triton | cpu | reference)."""
+def kernel_choices(device: Any, packed_weights: int = 0) -> dict[str, str]:
+    """Which implementation each fused op ran (triton | cpu | reference); `linear`: cpu where the session
+    prepacked its weights for oneDNN (`packed_weights` matrices), else torch's own GEMM (reference)."""
     from dgcli.kernels.dispatch import implementation
 
-    return {op: implementation(op, device) for op in ("vocab_pass", "experts", "rms_norm")}
+    ops = {op: implementation(op, device) for op in ("vocab_pass", "experts", "rms_norm")}
+    return {**ops, "linear": "cpu" if packed_weights else "reference"}
 
 
 def parse_metadata(items: Iterable[str]) -> dict[str, str]:

@@ -1,0 +1,82 @@
+"""A CPU session in bf16 prepacks its weights for oneDNN (dgcli/model/packed.py) and gives every request exactly
+the events of the same session unpacked, on the bundled model's held-out prompts; it does not pack in fp32,
+under --compile or with DGEMMA_KERNELS=reference; bench's provenance says which linear ran."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_async_stop import mixed_jobs, per_request
+
+import dgcli
+from dgcli.cli.options import sampler_flags
+from dgcli.kernels import linear_cpu
+from dgcli.model.packed import PackedLinear
+from dgcli.runtime import request, session as session_mod
+from dgcli.runtime.session import open_session
+from dgcli.sampling.async_stop import AsyncStopEngine
+from dgcli.sampling.engine import Engine
+from dgcli.text.prompts import read_prompt_file
+
+pytestmark = pytest.mark.skipif(not linear_cpu.packing_available(),
+                                reason="this torch build has no oneDNN bf16 packed linear")
+
+
+def bf16_session(**kw):
+    return open_session(None, None, sampler_flags(blocks=4, seed=0, device="cpu", dtype="bfloat16"), **kw)
+
+
+@pytest.fixture(scope="module")
+def sessions():
+    """The bundled model in bf16, packed as a session packs it and left as loaded; held-out prompts."""
+    packed = bf16_session()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(session_mod, "pack_weights", lambda model: 0)
+        plain = bf16_session()
+    rows = read_prompt_file(dgcli.__path__[0] + "/data/prompts/heldout.jsonl")
+    return packed, plain, [request.encode(packed, row["prompt"]) for row in rows]
+
+
+def test_a_bf16_cpu_session_packs(sessions):
+    packed, plain, _ = sessions
+    assert packed.packed_weights > 0 and plain.packed_weights == 0
+    assert any(type(m) is PackedLinear for m in packed.model.modules())
+
+
+@pytest.mark.parametrize("slots", [1, 4])
+def test_packed_session_gives_every_request_the_same_events(sessions, slots):
+    """18 held-out prompts through `slots` slots, then mixed settings with a cancel on the async-stop engine:
+    tokens, masks, steps and mean entropies all equal (the same bits, not within a tolerance)."""
+    packed, plain, prompts = sessions
+    jobs = [(prompts[i], packed.params, 4) for i in range(0, 90, 5)]
+    a, _ = per_request(Engine, packed, jobs, slots)
+    b, _ = per_request(Engine, plain, jobs, slots)
+    assert a == b
+    a, _ = per_request(AsyncStopEngine, packed, mixed_jobs(packed, prompts), 3, (2, 3))
+    b, _ = per_request(AsyncStopEngine, plain, mixed_jobs(plain, prompts), 3, (2, 3))
+    assert a == b
+
+
+def test_no_packing_in_fp32_under_compile_or_on_the_references(monkeypatch):
+    fp32 = open_session(None, None, sampler_flags(blocks=1, device="cpu", dtype="float32"))
+    assert fp32.packed_weights == 0
+    assert bf16_session(compile=True).packed_weights == 0  # inductor traces the weights as loaded
+    monkeypatch.setenv("DGEMMA_KERNELS", "reference")
+    assert bf16_session().packed_weights == 0
+
+
+def test_bench_provenance_names_the_linear_that_ran(cli_ckpt):
+    from typer.testing import CliRunner
+
+    from dgcli.cli import app
+
+    kinds = {}
+    for dtype in ("bfloat16", "float32"):
+        r = CliRunner().invoke(app, ["bench", "--model", str(cli_ckpt), "--dtype", dtype, "--diffusion-steps", "2",
+                                     "--confidence-threshold", "0", "--blocks", "1", "--random-prompts",
+                                     "--num-prompts", "1", "--random-input-len", "6", "--no-measure-peaks",
+                                     "--runs", "1", "--warmup", "0", "--format", "jsonl"])
+        assert r.exit_code == 0, (r.output, r.exception)
+        kinds[dtype] = json.loads(r.stdout)["provenance"]["kernels"]["linear"]
+    assert kinds == {"bfloat16": "cpu", "float32": "reference"}
