@@ -1,9 +1,9 @@
 """Prepacked bf16 weights (kernels/linear_cpu.py) against torch's own GEMM, side by side in one run: GEMM rates
 over weights not in cache (the decoder reads each weight once per step), and the routed experts at the
 released config's shapes (128 experts top-8, H 2816, I 704) against the grouped path they replace, bits
-checked equal in every case. Prints a card, a table, then one JSON line.
+checked equal in every case, the two run alternately. Prints a card, a table, then one JSON line.
 
-    python benchmarks/bench_packed.py [--threads 2] [--rounds 5]
+    python benchmarks/bench_packed.py [--threads 2] [--rounds 8]
 """
 
 from __future__ import annotations
@@ -21,14 +21,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cpu_step import cpu_name, load_avg, median  # noqa: E402
 
 
-def timed(fn, rounds: int) -> float:
-    fn()
-    ts = []
+def timed_pair(a, b, rounds: int) -> tuple[float, float, float]:
+    """Median seconds of a and of b, run alternately (this machine's speed drifts by tens of %), and the
+    median of the per-round ratios a / b."""
+    a(), b()
+    ta, tb = [], []
     for _ in range(rounds):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return median(ts)
+        for fn, ts in ((a, ta), (b, tb)):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+    return median(ta), median(tb), median([x / y for x, y in zip(ta, tb)])
 
 
 def gemm_rows(rounds: int) -> list[dict]:
@@ -42,9 +45,10 @@ def gemm_rows(rounds: int) -> list[dict]:
         x = torch.randn(m, 1024, generator=g).bfloat16()
         assert all(torch.equal(F.linear(x, w), linear(x, p)) for w, p in zip(weights, packed))
         flops = 24 * 2 * m * 1024 * 1024
-        plain = timed(lambda: [F.linear(x, w) for w in weights], rounds)
-        fast = timed(lambda: [linear(x, p) for p in packed], rounds)
-        rows.append({"rows": m, "plain_gflops": flops / plain / 1e9, "packed_gflops": flops / fast / 1e9})
+        plain, fast, ratio = timed_pair(lambda: [F.linear(x, w) for w in weights],
+                                        lambda: [linear(x, p) for p in packed], rounds)
+        rows.append({"rows": m, "plain_gflops": flops / plain / 1e9, "packed_gflops": flops / fast / 1e9,
+                     "speedup": ratio})
     return rows
 
 
@@ -62,16 +66,16 @@ def expert_rows(rounds: int) -> list[dict]:
         x = torch.randn(n, h, generator=g).bfloat16()
         w, idx = torch.randn(n, e, generator=g).softmax(-1).topk(k)
         assert torch.equal(experts_segments(x, w, idx, gate_up, down), experts_packed(x, w, idx, gu, dn, inter))
-        seg = timed(lambda: experts_segments(x, w, idx, gate_up, down), rounds)
-        fast = timed(lambda: experts_packed(x, w, idx, gu, dn, inter), rounds)
-        rows.append({"tokens": n, "segments_ms": seg * 1e3, "packed_ms": fast * 1e3, "speedup": seg / fast})
+        seg, fast, ratio = timed_pair(lambda: experts_segments(x, w, idx, gate_up, down),
+                                      lambda: experts_packed(x, w, idx, gu, dn, inter), rounds)
+        rows.append({"tokens": n, "segments_ms": seg * 1e3, "packed_ms": fast * 1e3, "speedup": ratio})
     return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=8)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from dgcli.kernels.linear_cpu import packing_available
@@ -81,11 +85,12 @@ def main() -> None:
     load0 = load_avg()
     print(f"machine: {cpu_name()}, torch {torch.__version__}, {args.threads} threads, load avg {load0}")
     gemms, experts = gemm_rows(args.rounds), expert_rows(args.rounds)
-    print("\n| [M, 1024]x[1024, 1024], 24 weights | torch GFLOP/s | packed GFLOP/s | ratio |\n|---|---|---|---|")
+    print("\n| [M, 1024]x[1024, 1024], 24 weights | torch GFLOP/s | packed GFLOP/s | speedup (median of rounds) |"
+          "\n|---|---|---|---|")
     for r in gemms:
-        print(f"| M = {r['rows']} | {r['plain_gflops']:.0f} | {r['packed_gflops']:.0f} | "
-              f"{r['packed_gflops'] / r['plain_gflops']:.2f}x |")
-    print("\n| routed experts, 128 top-8, H 2816, I 704 | grouped (segments) ms | packed ms | speedup |\n|---|---|---|---|")
+        print(f"| M = {r['rows']} | {r['plain_gflops']:.0f} | {r['packed_gflops']:.0f} | {r['speedup']:.2f}x |")
+    print("\n| routed experts, 128 top-8, H 2816, I 704 | grouped (segments) ms | packed ms | speedup (median of rounds) |"
+          "\n|---|---|---|---|")
     for r in experts:
         print(f"| {r['tokens']} tokens | {r['segments_ms']:.1f} | {r['packed_ms']:.1f} | {r['speedup']:.2f}x |")
     print(json.dumps({"machine": cpu_name(), "threads": args.threads, "torch": torch.__version__,
