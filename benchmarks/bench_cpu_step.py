@@ -131,7 +131,8 @@ def step_flops(cfg, prefix: int, with_soft_in: bool, want_soft_out: bool) -> flo
 def components(model, prompt: torch.Tensor, compiled: bool) -> dict:
     """Median times (ms, 7 reps) of the parts of a step, each before/after its fast path, side by side:
     the decoder pass eager and (with --compile) compiled, the vocabulary pass with eager and with
-    compiled tile math, and the routed experts of one layer (padded batched GEMMs vs segments)."""
+    compiled tile math, and the routed experts of one layer (padded batched GEMMs vs segments; a packed
+    model: its packed experts)."""
     from dgcli.kernels.dispatch import vocab_pass
     from dgcli.kernels.moe_cpu import experts_grouped, experts_segments
 
@@ -153,6 +154,9 @@ def components(model, prompt: torch.Tensor, compiled: bool) -> dict:
     x = hidden[0]
     w, idx = torch.softmax(torch.randn(c, cfg.num_experts, generator=torch.Generator().manual_seed(2)), -1).topk(
         cfg.top_k_experts, -1)
+    if not hasattr(experts, "gate_up_proj"):  # prepacked (an eager CPU session's model): its stored weights are gone
+        out["experts_packed_ms"] = median(timed(lambda: experts(x, w, idx), reps=7)) * 1e3
+        return out
     for name, fn in (("grouped", experts_grouped), ("segments", experts_segments)):
         out[f"experts_{name}_ms"] = median(timed(lambda: fn(x, w, idx, experts.gate_up_proj, experts.down_proj),
                                                  reps=7)) * 1e3

@@ -175,6 +175,10 @@ def main():
     ap.add_argument("--dir", default="/tmp/dgemma-bench-200m")
     ap.add_argument("--hf", action="store_true", help="time transformers' step too (generate, 6 steps per round)")
     ap.add_argument("--only", choices=["packed", "loaded"], help="one model instead of both")
+    ap.add_argument("--compiled", action="store_true",
+                    help="also time the step as `--compile` runs it (decoder and vocabulary tiles through "
+                         "torch.compile, weights as loaded), per thread count after a fresh compile, "
+                         "alternating with the packed eager step; whole steps only (no components)")
     args = ap.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
     variants = [args.only] if args.only else ["packed", "loaded"]
@@ -290,7 +294,50 @@ def main():
             print(f"| {k} | {fl / 1e9:.2f} | " + " | ".join(cells) + " |")
         print(f"(vocab pass's two GEMMs alone: {row['vocab_gemms_ms']:.1f} ms)")
         result["threads"][t] = row
+    if args.compiled:
+        step_args = (prompt, canvas, soft, temp, history, params, uniform, noise)
+        result["compiled"] = compiled_phase(models, caches, step_args, threads, args, total_flops)
     print(json.dumps(result))
+
+
+def compiled_phase(models, caches, step_args, threads, args, total_flops) -> dict:
+    """The `--compile` step (a third model, weights as loaded) against the eager step, alternating, per thread
+    count: inductor's C++ kernels take their OpenMP thread count at compile time, so each count compiles
+    afresh (dynamo reset) and warms up before it is timed."""
+    import torch._dynamo
+
+    from dgcli.runtime.session import compile_decoder
+    from dgcli.sampling.rules import denoise_step
+
+    prompt, canvas, soft, temp, history, params, uniform, noise = step_args
+    eager = "packed" if "packed" in models else "loaded"
+    model, _ = bench_model(Path(args.dir))
+    compile_decoder(model)
+    cache = model.new_cache(1, PROMPT_LEN + CANVAS)
+    model.encode(prompt, cache)
+    out = {}
+    for t in threads:
+        torch.set_num_threads(t)
+        torch._dynamo.reset()
+        s = time.perf_counter()
+        for _ in range(3):
+            denoise_step(model, canvas, cache, soft, temp, history, params, uniform, noise, True, True)
+        warm = time.perf_counter() - s
+        rates, times = [], {"compiled": [], eager: []}
+        for _ in range(args.rounds):
+            rates.append(gemm_rate())
+            for _ in range(2):
+                for name, m, c, tiles in (("compiled", model, cache, True), (eager, models[eager], caches[eager], False)):
+                    s = time.perf_counter()
+                    denoise_step(m, canvas, c, soft, temp, history, params, uniform, noise, True, tiles)
+                    times[name].append(time.perf_counter() - s)
+        rate, comp, eag = median(rates), median(times["compiled"]), median(times[eager])
+        out[t] = {"gemm_gflops": rate / 1e9, "compiled_step_ms": comp * 1e3, f"{eager}_step_ms": eag * 1e3,
+                  "compiled_share_of_gemm": total_flops / comp / rate, "warmup_s": warm}
+        print(f"\n{t} thread(s), --compile: bf16 GEMM rate {rate / 1e9:.0f} GFLOP/s; compiled step {comp * 1e3:.1f} ms = "
+              f"{100 * total_flops / comp / rate:.1f} % of it; {eager} eager step {eag * 1e3:.1f} ms = "
+              f"{100 * total_flops / eag / rate:.1f} % ({eag / comp:.3f}x); compile + warm-up {warm:.0f} s")
+    return out
 
 
 if __name__ == "__main__":
