@@ -89,8 +89,8 @@ def main() -> None:
           "\n|---|---|---|---|")
     for r in gemms:
         print(f"| M = {r['rows']} | {r['plain_gflops']:.0f} | {r['packed_gflops']:.0f} | {r['speedup']:.2f}x |")
-    print("\n| routed experts, 128 top-8, H 2816, I 704 | grouped (segments) ms | packed ms | speedup (median of rounds) |"
-          "\n|---|---|---|---|")
+    print("\n| routed experts, 128 top-8, H 2816, I 704 | grouped (segments) ms | packed ms "
+          "| speedup (median of rounds) |\n|---|---|---|---|")
     for r in experts:
         print(f"| {r['tokens']} tokens | {r['segments_ms']:.1f} | {r['packed_ms']:.1f} | {r['speedup']:.2f}x |")
     print(json.dumps({"machine": cpu_name(), "threads": args.threads, "torch": torch.__version__,

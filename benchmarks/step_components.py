@@ -327,14 +327,16 @@ def compiled_phase(models, caches, step_args, threads, args, total_flops) -> dic
         for _ in range(args.rounds):
             rates.append(gemm_rate())
             for _ in range(2):
-                for name, m, c, tiles in (("compiled", model, cache, True), (eager, models[eager], caches[eager], False)):
+                sides = (("compiled", model, cache, True), (eager, models[eager], caches[eager], False))
+                for name, m, c, tiles in sides:
                     s = time.perf_counter()
                     denoise_step(m, canvas, c, soft, temp, history, params, uniform, noise, True, tiles)
                     times[name].append(time.perf_counter() - s)
         rate, comp, eag = median(rates), median(times["compiled"]), median(times[eager])
         out[t] = {"gemm_gflops": rate / 1e9, "compiled_step_ms": comp * 1e3, f"{eager}_step_ms": eag * 1e3,
                   "compiled_share_of_gemm": total_flops / comp / rate, "warmup_s": warm}
-        print(f"\n{t} thread(s), --compile: bf16 GEMM rate {rate / 1e9:.0f} GFLOP/s; compiled step {comp * 1e3:.1f} ms = "
+        print(f"\n{t} thread(s), --compile: bf16 GEMM rate {rate / 1e9:.0f} GFLOP/s; compiled step "
+              f"{comp * 1e3:.1f} ms = "
               f"{100 * total_flops / comp / rate:.1f} % of it; {eager} eager step {eag * 1e3:.1f} ms = "
               f"{100 * total_flops / eag / rate:.1f} % ({eag / comp:.3f}x); compile + warm-up {warm:.0f} s")
     return out

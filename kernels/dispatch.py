@@ -52,7 +52,8 @@ _CHOSEN: dict[tuple, str] = {}  # (op, device, DGEMMA_KERNELS as set) -> impleme
 def implementation(op: str, device: torch.device | str) -> str:
     """'triton', 'cuda', 'cpu' or 'reference': what `op` ('vocab_pass', 'experts', 'rms_norm', 'fp8_experts',
     'fp8_linear', 'linear') runs on `device`. 'linear' is decided when a session starts: 'cpu' there prepacks
-    bf16 weights for oneDNN (dgcli/model/packed.py). 'cuda' is torch's CUDA ops (FP8 linears: tiles or torch._scaled_mm).
+    bf16 weights for oneDNN (dgcli/model/packed.py). 'cuda' is torch's CUDA ops (FP8 linears: tiles or
+    torch._scaled_mm).
     Decided once per op, device and DGEMMA_KERNELS value (a dict lookup afterwards: this runs ~13 times per
     layer per step); only the variable itself is read at each call, so a test or a benchmark can flip it."""
     key = (op, device, os.environ.get("DGEMMA_KERNELS"))

@@ -3,8 +3,8 @@ model and its tokenizer — from a checkpoint, or as random weights from a confi
 
 Owns: `Session` and `open_session` / `open_dummy_session`, device/dtype choice (and the settings saying
 which ran), the bundled-model default, the one thread rule every command uses (`thread_rule`), `--compile`,
-`--cuda-graphs` (the step mode), prepacking an eager CPU session's bf16 weights, and the memory preflight of dummy models. Must not: run
-the sampler, tokenise prompts (runtime/request.py does) or print.
+`--cuda-graphs` (the step mode), prepacking an eager CPU session's bf16 weights, and the memory preflight of
+dummy models. Must not: run the sampler, tokenise prompts (runtime/request.py does) or print.
 """
 
 from __future__ import annotations
@@ -151,8 +151,9 @@ def resolve_for(model: str | None, preset: str | None, flags: dict) -> tuple[Pat
 def _session(path: Path, m: Any, tokenizer: Any, resolved: Resolved, gen: dict | None, device: torch.device, *,
              compile: bool, name: str, threads: tuple[int, str], dummy: bool = False,
              cuda_graphs: bool = False) -> Session:
-    """The part both kinds of session share: --compile, --cuda-graphs, packed CPU weights, stop ids (generation_config.json,
-    else the config's, else the tokenizer's), the block count, and the settings as they ran."""
+    """The part both kinds of session share: --compile, --cuda-graphs, packed CPU weights, stop ids
+    (generation_config.json, else the config's, else the tokenizer's), the block count, and the settings as
+    they ran."""
     step_mode = check_cuda_graphs(cuda_graphs, m.embed_weight.device, compile)
     if compile:
         compile_decoder(m)
