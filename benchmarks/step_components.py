@@ -267,11 +267,16 @@ def main():
             d = data[t][v]
             step = median(d["step"])
             inst[v] = {k: median(d[k]) for k in ORDER}
+            # each round's share (its 2 steps' best against the run's median GEMM rate; a single probe can
+            # land in a slow moment of this VM and read half the rate): the spread within the run
+            per_round = [total_flops / min(d["step"][2 * r:2 * r + 2]) / rate for r in range(args.rounds)]
             row[v] = {"step_ms": step * 1e3, "step_share_of_gemm": total_flops / step / rate,
-                      "instrumented_sum_ms": sum(inst[v].values()) * 1e3, "components": {}}
+                      "share_per_round": per_round, "instrumented_sum_ms": sum(inst[v].values()) * 1e3,
+                      "components": {}}
             print(f"{v}: step (median) {step * 1e3:.1f} ms = {total_flops / step / 1e9:.0f} GFLOP/s = "
                   f"{100 * total_flops / step / rate:.1f} % of the GEMM rate; instrumented sum "
-                  f"{sum(inst[v].values()) * 1e3:.1f} ms")
+                  f"{sum(inst[v].values()) * 1e3:.1f} ms; per round "
+                  + ", ".join(f"{100 * x:.1f}" for x in per_round) + " %")
         if len(variants) == 2:
             a, b = (row[v]["step_ms"] for v in variants)
             print(f"packed against loaded: {b / a:.3f}x")

@@ -4,8 +4,8 @@ Owns: `pack_for_cpu(model)`, which swaps each bf16 `nn.Linear` for a `PackedLine
 `PackedExperts` holding the packed copies (the stored weights are dropped: no second copy in memory), and
 says how many matrices it packed. The embedding (also the tied head) stays as stored: the embedding lookup,
 the vocabulary pass's soft GEMM and its draw read it in its own layout.
-Must not: pack for torch.compile (inductor traces plain weights; `--compile` sessions stay unpacked), touch
-fp32 or FP8 modules, or be undone: a packed model has no state_dict for its packed weights.
+Must not: pack for torch.compile (inductor traces plain weights; `--compile` sessions stay unpacked), or touch
+fp32 or FP8 modules. There is no way back: a packed model has no state_dict for its packed weights.
 The GEMM and its bit check: kernels/linear_cpu.py; the experts' loop: kernels/moe_cpu.py::experts_packed.
 """
 
@@ -51,10 +51,12 @@ def _packed_linear(m: nn.Linear) -> PackedLinear | None:
 
 
 def _packed_experts(m: Experts) -> PackedExperts | None:
-    gate_up = [linear_cpu.pack(m.gate_up_proj[e]) for e in range(m.gate_up_proj.shape[0])]
-    down = [linear_cpu.pack(m.down_proj[e]) for e in range(m.down_proj.shape[0])]
-    if any(p is None for p in gate_up + down):
-        return None
+    gate_up, down = [], []
+    for e in range(m.gate_up_proj.shape[0]):  # every expert the same shapes: the first refusal decides
+        gate_up.append(linear_cpu.pack(m.gate_up_proj[e]))
+        down.append(linear_cpu.pack(m.down_proj[e]))
+        if gate_up[-1] is None or down[-1] is None:
+            return None
     return PackedExperts(gate_up, down, m.down_proj.shape[2])
 
 
@@ -90,7 +92,7 @@ def _own_the_rest(model: nn.Module) -> None:
     resident: the packed copies would come on top of the file's pages (measured: RSS +324 MB on the 200 M
     config). After this the mapping goes, and the model holds what it held before packing."""
     for module in model.modules():
-        for name, p in list(module.named_parameters(recurse=False)):
+        for p in module.parameters(recurse=False):
             p.data = p.data.clone()
         for name, b in list(module.named_buffers(recurse=False)):
             module._buffers[name] = b.clone()
