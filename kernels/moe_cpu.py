@@ -55,6 +55,14 @@ def _combine(pairs: torch.Tensor, w_sorted: torch.Tensor, dtype: torch.dtype) ->
     return out
 
 
+def _combine_sorted(y: torch.Tensor, order: torch.Tensor, w_sorted: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Expert outputs y [N*k, H] in expert order (`order`: pair index of each row) -> [N, H] via `_combine`."""
+    # [N*k, H] back in pair order: rows gathered whole through the inverse permutation (index_copy_ into
+    # `order` moves the same rows element by element, ~3x slower on CPU)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
+    return _combine(y.index_select(0, inverse), w_sorted, dtype)
+
+
 def _outside_compiled_graphs(fn):
     """`torch.compiler.disable(fn)` without importing torch._dynamo where nothing compiles. If dynamo is
     already loaded, disable now; otherwise nothing can be tracing yet, so eager calls go straight to fn
@@ -132,11 +140,7 @@ def experts_segments(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_u
     gu = F.grouped_mm(x.index_select(0, order // k), gate_up_proj.transpose(1, 2), offs=offs)  # [N*k, 2I]
     act = F.gelu(gu[:, :inter], approximate="tanh") * gu[:, inter:]  # [N*k, I]
     y = F.grouped_mm(act, down_proj.transpose(1, 2), offs=offs)  # [N*k, H]
-    # [N*k, H] back in pair order: rows gathered whole through the inverse permutation (index_copy_ into
-    # `order` moves the same rows element by element, ~3x slower on CPU)
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
-    pairs = y.index_select(0, inverse)
-    return _combine(pairs, w_sorted, x.dtype)
+    return _combine_sorted(y, order, w_sorted, x.dtype)
 
 
 def experts_packed(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: Sequence[torch.Tensor],
@@ -158,5 +162,4 @@ def experts_packed(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up:
             gu = linear(xs[lo:lo + c], gate_up[e])  # [c, 2I]
             ys.append(linear(F.gelu(gu[:, :inter], approximate="tanh") * gu[:, inter:], down[e]))  # [c, H]
             lo += c
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
-    return _combine(torch.cat(ys).index_select(0, inverse), w_sorted, x.dtype)
+    return _combine_sorted(torch.cat(ys), order, w_sorted, x.dtype)

@@ -22,6 +22,16 @@ def run(argv, capsys, stdin=None, monkeypatch=None):
     return code, out.out, out.err
 
 
+def forbid(monkeypatch, targets, why: str) -> None:
+    """Make each (module, name) in `targets` fail the test with `why` when called (e.g. loading weights before
+    a flag is checked)."""
+    def boom(*a, **k):
+        raise AssertionError(why)
+
+    for mod, name in targets:
+        monkeypatch.setattr(mod, name, boom)
+
+
 class _Stdin:
     def __init__(self, text):
         self.text = text

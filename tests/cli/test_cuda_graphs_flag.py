@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from cli_run import run
+from cli_run import forbid, run
 from dgcli.errors import UserError
 from dgcli.runtime import request
 from dgcli.runtime import session as sess
@@ -25,11 +25,8 @@ def nothing_loaded(monkeypatch):
     from dgcli.model import loader, random_weights
     from dgcli.serve import run as serve_run
 
-    def boom(*a, **k):
-        raise AssertionError("weights were loaded (or the server started) before --cuda-graphs was checked")
-
-    for mod, name in ((loader, "load_model"), (random_weights, "random_model"), (serve_run, "serve")):
-        monkeypatch.setattr(mod, name, boom)
+    forbid(monkeypatch, ((loader, "load_model"), (random_weights, "random_model"), (serve_run, "serve")),
+           "weights were loaded (or the server started) before --cuda-graphs was checked")
 
 
 def one_error_line(code, out, err):

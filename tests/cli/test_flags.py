@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from dgcli.errors import UserError
 from dgcli.model.random_weights import write_random_checkpoint
 
+from cli_run import forbid
 from hf_oracle import CLI_CANVAS, CLI_TEXT
 
 FAST = ["--random-prompts", "--random-input-len", "4", "--no-measure-peaks"]
@@ -35,11 +36,8 @@ def nothing_loaded(monkeypatch):
     from dgcli.measure import bench as b
     from dgcli.runtime import session
 
-    def boom(*a, **k):
-        raise AssertionError("the model was opened before the flags were checked")
-
-    for mod, name in ((session, "open_any"), (session, "resolve_for"), (b, "device_peaks")):
-        monkeypatch.setattr(mod, name, boom)
+    forbid(monkeypatch, ((session, "open_any"), (session, "resolve_for"), (b, "device_peaks")),
+           "the model was opened before the flags were checked")
 
 
 # ---- item 2: bench and sweep counts ----------------------------------------------------------------------

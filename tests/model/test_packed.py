@@ -139,7 +139,9 @@ def test_a_packed_checkpoint_lets_go_of_the_file(tmp_path):
     cfg = make_config(tc, canvas_length=canvas)
     write_checkpoint(random_model(cfg, seed=1, dtype=torch.bfloat16), tmp_path, cfg)
     model = dgcli.load_model(tmp_path)
-    loaded = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+    # held alive here, so no later allocation can reuse their addresses and make the comparison pass or fail by chance
+    held = list(model.parameters()) + list(model.buffers())
+    loaded = {t.untyped_storage().data_ptr() for t in held}
     embed = model.embed_weight.clone()
     assert pack_for_cpu(model) > 0
     kept = list(model.parameters()) + list(model.buffers())
