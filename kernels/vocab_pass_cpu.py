@@ -21,6 +21,12 @@ so probabilities rounded per tile (the earlier design: unnormalised, rescaled in
 In fp32 the soft embedding stays online (flash-attention style, rescaled when the running max grows),
 equal to the reference up to fp32 summation order. The categorical draw is the reference's inverse CDF at
 the given uniforms, located through per-group sums (kernels/categorical.py): the same draws up to rounding.
+
+Memory: logits exist only for canvas rows, never as a whole [C, V] float32 tensor (268 MB at the real
+V = 262,144, C = 256). In bf16 the pass's extra peak is the one [C, V] bf16 buffer (128 MiB there) plus a
+tile's buffers: 144.1 MiB measured by the allocator at V = 262,144, H = 2816, C = 256, against 169.4 MiB
+for the row-chunked torch reference (benchmarks/bench_cpu_step.py; history in benchmarks/RESULTS.md).
+`dgemma info` prints a checkpoint's whole working set per step.
 """
 
 from __future__ import annotations

@@ -1,3 +1,7 @@
+"""Test-wide setup (import path, one intra-op thread, the Triton interpreter without a GPU) and the
+fixtures several test folders share. Tests marked `slow` are deselected by default (pyproject.toml's
+addopts); `-m 'slow or not slow'` runs them too (the README's test command)."""
+
 import os
 import sys
 from pathlib import Path
@@ -35,3 +39,29 @@ def cli_ckpt(tmp_path_factory):
     from dgcli.model.random_weights import write_random_checkpoint
 
     return write_random_checkpoint(tmp_path_factory.mktemp("cli") / "ckpt", CLI_TEXT, canvas_length=CLI_CANVAS)
+
+
+@pytest.fixture(scope="session")
+def bundled_heldout():
+    """The bundled model's answers to every held-out prompt, each run alone as eval_bundled runs them: fp32,
+    block cap 4, seed 0, the rest from the checkpoint, one thread. The quality floor
+    (tests/train/test_bundled_model.py) and the batch-invariance test (tests/sampling/test_batch.py) both
+    read them, so the ~100 solo runs happen once per session. Returns (session, encoded prompts,
+    responses), both lists in the file's order."""
+    import dgcli
+    from dgcli.cli.options import sampler_flags
+    from dgcli.runtime import request
+    from dgcli.runtime.session import open_session
+    from dgcli.text.prompts import read_prompt_file
+
+    session = open_session(None, None, sampler_flags(blocks=4, seed=0, device="cpu", dtype="float32"))
+    prompts = [request.encode(session, row["prompt"])
+               for row in read_prompt_file(dgcli.__path__[0] + "/data/prompts/heldout.jsonl")]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the recorded numbers (benchmarks/RESULTS.md) were measured on one thread
+    try:
+        with torch.no_grad():
+            responses = [request.run(session, ids) for ids in prompts]
+    finally:
+        torch.set_num_threads(threads)
+    return session, prompts, responses

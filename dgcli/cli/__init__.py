@@ -3,7 +3,8 @@ hand results to a renderer.
 
 Owns: the Typer app, command registration (`-h`, summaries, example epilogs), `--version`, and `main()`'s
 error contract: known errors become one line on stderr and exit code 2 (a traceback only with
-DGEMMA_DEBUG=1), Ctrl-C exits 130, a closed stdout pipe exits 141 without a word.
+DGEMMA_DEBUG=1), bare `dgemma` prints the help (exit 0), Ctrl-C exits 130, a closed stdout pipe exits 141
+without a word.
 Must not: import torch (or anything a command body imports) at module level, directly or through the
 command modules: `dgemma --help`, `--version` and `dgemma CMD --help` load only typer and dgcli.cli
 (tests/cli/test_startup.py checks it).
@@ -128,9 +129,9 @@ def main() -> None:
         if name == "Abort":
             print("dgemma: aborted", file=sys.stderr)
             sys.exit(130)
-        if name == "NoArgsIsHelpError":  # bare `dgemma`: the help text
-            e.show()
-            sys.exit(e.exit_code)
+        if name == "NoArgsIsHelpError":  # bare `dgemma` asks what there is: the help, as -h prints it
+            print(e.format_message())
+            sys.exit(0)
         if hasattr(e, "format_message") and hasattr(e, "exit_code"):  # usage errors: one line, like ours
             ctx = getattr(e, "ctx", None)
             hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""

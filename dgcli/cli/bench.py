@@ -1,5 +1,8 @@
 """`dgemma bench`: warm-up, repeats, one row per setting, the static card first, then the table, then one
 JSON line. Formats md|csv|json|jsonl; --save-result writes the full JSON document (card, definitions, rows).
+md is short by default (the card in a screenful, the main figures with units: dgcli.measure.brief);
+--verbose prints every figure with its definition, the step histogram and provenance. csv/json/jsonl always
+carry every field.
 
 Owns: the bench-only flags and the order of output (one row per --batch-size; with --base-url, one row per
 --concurrency against a server, measured by dgcli.measure.remote). Must not: measure or format figures itself
@@ -14,11 +17,11 @@ from typing import Annotated, Optional
 import typer
 
 from dgcli.cli import options as o
-from dgcli.cli.console import HEADLINE, budget_note, document, emit, loading, status, warn
+from dgcli.cli.console import HEADLINE, answer_notes, document, emit, loading, status, warn
 from dgcli.errors import UserError
 
 FORMATS = ("md", "csv", "json", "jsonl")
-EXAMPLES = ["dgemma bench --runs 3 --format md",
+EXAMPLES = ["dgemma bench --runs 3 --verbose   # every figure with its definition, the step histogram, provenance",
             "dgemma bench --batch-size 1,2,4,8 --runs 3",
             "dgemma bench --dummy 26B-A4B --layers 4 --device cuda --diffusion-steps 16",
             "dgemma bench --base-url http://127.0.0.1:8000/v1 --concurrency 1,4,16 --label serve --result-dir results/"]
@@ -46,7 +49,8 @@ def bench(
     num_prompts: o.NumPrompts = None, random_input_len: o.InputLen = 128, ignore_eos: o.IgnoreEos = False,
     runs: Annotated[int, typer.Option("--runs", "-r", metavar="N", help="Timed passes over the prompts.")] = 3,
     warmup: o.Warmup = 1,
-    fmt: Annotated[str, typer.Option("--format", "-f", metavar="FORMAT", help="md | csv | json | jsonl")] = "md",
+    fmt: Annotated[str, typer.Option("--format", "-f", metavar="FORMAT", help="md | csv | json | jsonl (md: the main figures; csv, json and jsonl: every field)")] = "md",
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="md: the full card and every figure with its definition, the step histogram and provenance (--base-url always prints them).")] = False,
     save_result: Annotated[bool, typer.Option("--save-result", help="Also write the JSON document to a file (--result-dir and --result-filename imply it).")] = False,
     result_dir: Annotated[Optional[str], typer.Option("--result-dir", metavar="DIR", help=o.dflt("Implies --save-result; the folder to write to.", "."))] = None,
     result_filename: Annotated[Optional[str], typer.Option("--result-filename", metavar="NAME", help=o.dflt("Implies --save-result; the file name to use.", "a dated name"))] = None,
@@ -93,7 +97,7 @@ def bench(
     sizes = parse_batch_sizes(batch_size)  # before the model, the card and the peak measurement
     check_counts(num_prompts=num_prompts, runs=runs, warmup=warmup, input_len=random_input_len)
     from dgcli.measure import bench as b
-    from dgcli.measure import metrics
+    from dgcli.measure import brief, metrics
     from dgcli.measure import printers as report
     from dgcli.measure.quality import bench_quality
     from dgcli.measure.workload import build_prompts
@@ -119,7 +123,7 @@ def bench(
     longest = max(len(p.ids) for p in plist)
     card = b.target_card(s, prompt_len=round(sum(len(p.ids) for p in plist) / len(plist)),
                          context=longest + s.num_blocks * s.config.canvas_length, peaks=b.peaks_for_card(peaks))
-    card_text = "# dgemma bench\n\n" + report.card_markdown(card)
+    card_text = "# dgemma bench\n\n" + (report.card_markdown(card) if verbose else brief.card_text(card))
     if fmt == "md":
         sys.stdout.write(card_text + "\n")
         sys.stdout.flush()
@@ -159,11 +163,15 @@ def bench(
         headline = HEADLINE[:at] + ["batch_size"] + HEADLINE[at:]
         at = headline.index("output_throughput") + 1
         headline = headline[:at] + ["request_throughput", "p99_e2el_ms", "slot_occupancy"] + headline[at:]
-    emit(rows, card=card, fmt=fmt, title="Results", headline=headline)
-    if not ignore:  # fixed work runs every block on purpose; otherwise say once if answers were cut short
+    if fmt == "md" and not verbose:
+        sys.stdout.write(brief.rows_text(rows, summary=metrics.SUMMARY, definitions=metrics.DEFINITIONS, title="Results")
+                         + "\n" + report.headline_json(rows, ["label"] + headline) + "\n")
+        sys.stdout.flush()
+    else:
+        emit(rows, card=card, fmt=fmt, title="Results", headline=headline)
+    if not ignore:  # fixed work runs every block on purpose; otherwise say once if answers were empty or cut short
         # every pass runs the same prompts with the same seed: the same answers, at every batch size
-        note = budget_note(s, sum(r.finish_reason == "length" for r in last), len(last))
-        if note:
+        for note in answer_notes(s, last):
             warn(note)
     if save_result or result_dir is not None or result_filename is not None:  # naming a place means "save it"
         path = report.save_result(document(card, rows), result_dir, result_filename, label)

@@ -1,7 +1,7 @@
-"""What commands share at the console: prompts in (argument, stdin, --input-jsonl), notes (the once-per-run
-note when answers end at the token budget), `--show-config`, a status line while loading and a one-line
-progress display on stderr, one request run with its optional --trace file, and rows in a format (md, csv,
-json, jsonl) on stdout after the card.
+"""What commands share at the console: prompts in (argument, stdin, --input-jsonl), the once-per-run notes
+about the answers (empty ones, ones that ended at the token budget), `--show-config`, a status line while
+loading and a one-line progress display on stderr, one request run with its optional --trace file, and rows
+in a format (md, csv, json, jsonl) on stdout after the card.
 
 Owns: where input comes from and output goes. Must not: measure, decide figures (dgcli.measure does),
 or contain a denoising loop (requests go through dgcli.runtime.request).
@@ -70,8 +70,24 @@ def read_prompt(prompt: str | None) -> str:
         text = sys.stdin.read()
         if not text.strip():
             raise UserError("stdin is empty; pipe a prompt in or pass it as an argument")
-        return text.strip("\n")
+        text = text.strip("\n")  # `echo` and files end with a line break: it is not a second line
+        lines = len(text.splitlines())
+        if lines > 1:  # several prompts piped in would otherwise run silently as one
+            warn(f"dgemma: note: stdin has {lines} lines: read as one prompt; "
+                 "for one prompt per line use --input-jsonl")
+        return text
     return prompt
+
+
+_ID_CHARS = frozenset("0123456789,- \t")
+
+
+def init_canvas_note(spec: str, how: str, n: int) -> str:
+    """Which way `--init-canvas` was read (`dgcli.runtime.request.read_init_canvas`): text, or token ids."""
+    if how == "ids":
+        return f"dgemma: note: --init-canvas read as {n} token id{'s' if n != 1 else ''}"
+    hint = " (token ids need the prefix: ids:5,6,7)" if set(spec) <= _ID_CHARS else ""  # "7": text or id 7?
+    return f"dgemma: note: --init-canvas read as text: {n} token{'s' if n != 1 else ''}{hint}"
 
 
 class Progress:
@@ -149,7 +165,7 @@ def run_one(session: Any, text: str, *, raw: bool, thinking: bool, show_thinking
 
 
 def print_answer(response: Any) -> None:
-    """The answer on stdout (one line break at the end); `budget_note` says once if answers were cut short."""
+    """The answer on stdout (one line break at the end); `note_answers` comments on a run's answers once."""
     sys.stdout.write(response.text.rstrip("\n") + "\n")
     sys.stdout.flush()
 
@@ -168,10 +184,35 @@ def budget_note(session: Any, cut: int, total: int, *, what: str = "answers") ->
             "raise it with --max-tokens or --blocks")
 
 
-def note_budget(session: Any, responses: list[Any]) -> None:
-    """`budget_note` for a run's responses, on stderr (once per run, not per prompt)."""
-    msg = budget_note(session, sum(r.finish_reason == "length" for r in responses), len(responses))
-    if msg:
+def empty_note(empty: int, total: int, *, padding: bool, raw: bool, what: str = "answers") -> str | None:
+    """One line for the end of a run when `empty` of `total` answers have no text; None when none."""
+    if not empty:
+        return None
+    who = "the answer is" if total == 1 else f"{empty} of {total} {what} were"
+    why = " (only padding)" if padding else ""
+    fix = ("this checkpoint answers chat-formatted prompts; drop --raw" if raw
+           else "the model gave no text for the prompt; rephrase it or try another --seed")
+    return f"dgemma: note: {who} empty{why}: {fix}"
+
+
+def answer_notes(session: Any, responses: list[Any], *, raw: bool = False, what: str = "answers") -> list[str]:
+    """The notes about a run's answers, decided here for every command, once per run (never per prompt):
+    how many were empty, then how many ended at the token budget. An empty answer counts only as empty:
+    a bigger budget would not fill it, so the budget note would point the wrong way."""
+    from dgcli.runtime.request import is_empty, only_padding
+
+    pad = session.pad_id
+    empty = [r for r in responses if is_empty(r.token_ids, r.text, pad)]
+    cut = sum(r.finish_reason == "length" and not is_empty(r.token_ids, r.text, pad) for r in responses)
+    notes = [empty_note(len(empty), len(responses), padding=all(only_padding(r.token_ids, pad) for r in empty),
+                        raw=raw, what=what),
+             budget_note(session, cut, len(responses), what=what)]
+    return [n for n in notes if n]
+
+
+def note_answers(session: Any, responses: list[Any], *, raw: bool = False) -> None:
+    """`answer_notes` on stderr."""
+    for msg in answer_notes(session, responses, raw=raw):
         warn(msg)
 
 

@@ -14,8 +14,8 @@ from typing import Annotated, Optional
 import typer
 
 from dgcli.cli import options as o
-from dgcli.cli.console import (THINKING_NOTE, Progress, loading, note_budget, print_answer, read_prompt, run_one,
-                               show_config as print_config, warn)
+from dgcli.cli.console import (THINKING_NOTE, Progress, init_canvas_note, loading, note_answers, print_answer,
+                               read_prompt, run_one, show_config as print_config, warn)
 from dgcli.errors import UserError
 
 FORMATS = ("text", "json", "ndjson")
@@ -33,7 +33,9 @@ def generate(
     confidence_threshold: o.Confidence = None, blocks: o.Blocks = None, max_tokens: o.MaxTokens = None,
     threads: o.Threads = None, show_config: o.ShowConfig = False,
     fmt: Annotated[str, typer.Option("--format", "-f", metavar="FORMAT", help="text | json | ndjson")] = "text",
-    input_jsonl: Annotated[Optional[str], typer.Option("--input-jsonl", metavar="FILE", help="Run every {\"prompt\": ...} line of FILE (rows may carry \"seed\" and \"init_canvas\"); results in input order.")] = None,
+    input_jsonl: Annotated[Optional[str], typer.Option("--input-jsonl", metavar="FILE", help=(
+        "Run every {\"prompt\": ...} line of FILE (rows may carry \"seed\" and \"init_canvas\": text, "
+        "\"ids:5,6,7\" or [5, 6, 7]); every row is checked first; results in input order."))] = None,
     batch_size: o.BatchSize = 1,
     trace: o.Trace = None,
     init_canvas: o.InitCanvas = None,
@@ -49,7 +51,7 @@ def generate(
     """
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt}: use one of {', '.join(FORMATS)}")
-    from dgcli.runtime.request import init_canvas_ids
+    from dgcli.runtime.request import fill_canvas, read_init_canvas
     from dgcli.runtime.session import open_session
     from dgcli.sampling.events import Done
 
@@ -79,15 +81,18 @@ def generate(
         session = open_session(model, preset, flags, compile=compile, threads=threads, cuda_graphs=cuda_graphs)
     if session.tokenizer is None:
         raise UserError(f"{session.path}: no tokenizer.json; dgemma generate needs the checkpoint's tokenizer")
-    progress = Progress(sys.stderr.isatty() and fmt != "ndjson", compiling=session.compiled)
+    given = None  # the --init-canvas ids, read once (rows with their own init_canvas read theirs)
+    if init_canvas is not None:
+        given, how = read_init_canvas(session, init_canvas)
+        warn(init_canvas_note(init_canvas, how, len(given)))
     if rows is not None:
-        try:
-            _run_file(session, rows, input_jsonl, batch_size=batch_size, fmt=fmt, raw=raw, thinking=thinking,
-                      show_thinking=show_thinking, init_canvas=init_canvas, progress=progress)
-        finally:
-            progress.stop()
+        from dgcli.cli import batch
+
+        requests = batch.parse_rows(session, rows, input_jsonl, raw=raw, thinking=thinking, init_flag=given)
+        _run_file(session, rows, requests, batch_size=batch_size, fmt=fmt, raw=raw, show_thinking=show_thinking)
         return
-    canvas = init_canvas_ids(session, init_canvas, session.params.seed) if init_canvas is not None else None
+    canvas = fill_canvas(session, given, session.params.seed) if given is not None else None
+    progress = Progress(sys.stderr.isatty() and fmt != "ndjson", compiling=session.compiled)
     try:
         def on_event(event) -> None:
             progress(event)
@@ -96,42 +101,40 @@ def generate(
 
         response = run_one(session, text, raw=raw, thinking=thinking, show_thinking=show_thinking, trace=trace,
                            init_canvas=canvas, on_event=on_event)
-        result = response.as_dict(session.resolved.as_dict())
-        if fmt == "text":
-            print_answer(response)
-        else:
-            sys.stdout.write(json.dumps(result if fmt == "json" else {"type": "result", **result}, ensure_ascii=False)
-                             + "\n")
-            sys.stdout.flush()
+        _write(response, response.as_dict(session.resolved.as_dict()), fmt)
     finally:
         progress.stop()
-    note_budget(session, [response])
+    note_answers(session, [response], raw=raw)
 
 
-def _run_file(session, rows, path, *, batch_size, fmt, raw, thinking, show_thinking, init_canvas, progress) -> None:
-    """--input-jsonl: the rows through the batched loop, results in input order; the budget note once."""
+def _run_file(session, rows, requests, *, batch_size, fmt, raw, show_thinking) -> None:
+    """--input-jsonl: the checked rows through the batched loop, results in input order; the notes once."""
     from dgcli.cli import batch
     from dgcli.sampling.events import Done
 
     settings = session.resolved.as_dict()
+    progress = Progress(sys.stderr.isatty() and fmt != "ndjson", compiling=session.compiled)
 
     def on_event(event) -> None:
         progress(event)
         if fmt == "ndjson" and not isinstance(event, Done):  # the result line replaces `done`
             batch.write_event(event)
 
-    def write(index, row, response) -> None:
-        if fmt == "text":
-            print_answer(response)
-        else:
-            result = batch.json_result(index, row, response, settings)
-            out = result if fmt == "json" else {"type": "result", **result}
-            sys.stdout.write(json.dumps(out, ensure_ascii=False) + "\n")
-            sys.stdout.flush()
+    def write(index, response) -> None:
+        _write(response, batch.json_result(index, rows[index], response, settings), fmt)
 
-    responses = []
     try:
-        responses = batch.run_rows(session, rows, path, batch_size=batch_size, raw=raw, thinking=thinking,
-                                   show_thinking=show_thinking, init_flag=init_canvas, on_event=on_event, write=write)
+        responses = batch.run_rows(session, requests, batch_size=batch_size, show_thinking=show_thinking,
+                                   on_event=on_event, write=write)
     finally:
-        note_budget(session, responses)
+        progress.stop()
+    note_answers(session, responses, raw=raw)
+
+
+def _write(response, result: dict, fmt: str) -> None:
+    """One answer on stdout: its text, its JSON `result`, or (ndjson) that result as the `result` event."""
+    if fmt == "text":
+        print_answer(response)
+        return
+    sys.stdout.write(json.dumps(result if fmt == "json" else {"type": "result", **result}, ensure_ascii=False) + "\n")
+    sys.stdout.flush()

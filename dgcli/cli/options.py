@@ -56,9 +56,9 @@ BatchSizes = Annotated[str, typer.Option("--batch-size", metavar="N[,N...]", hel
 Compile = Annotated[bool, typer.Option("--compile", help="torch.compile the decoder pass and the vocabulary tile math: faster steps after a one-off compile of tens of seconds.")]
 CudaGraphs = Annotated[bool, typer.Option("--cuda-graphs", help="Capture each denoising step in CUDA graphs (one per batch size, key span and variant): CUDA only; off by default until measured on a GPU.")]
 Trace = Annotated[Optional[str], typer.Option("--trace", metavar="FILE", help="Write the per-step JSONL trace to FILE.")]
-InitCanvas = Annotated[Optional[str], typer.Option("--init-canvas", metavar="IDS|TEXT", help=(
-    "Warm-start the first block: token ids (5,6,7) or text. Only digits, commas, minus signs and spaces, or a "
-    "whole number then a comma, means ids: each must be a valid id, none empty (1,,2 and 1,2,abc are errors)."))]
+InitCanvas = Annotated[Optional[str], typer.Option("--init-canvas", metavar="TEXT|ids:IDS", help=(
+    "Warm-start the first block: text (\"1 2 3\" is text too), or token ids with the prefix ids: "
+    "(ids:5,6,7, each a valid id). stderr says which was read."))]
 Thinking = Annotated[bool, typer.Option("--thinking", help="Let the model think first (template without the empty thought channel).")]
 ShowThinking = Annotated[bool, typer.Option("--show-thinking", help="Print the thought channel too (with --thinking).")]
 Raw = Annotated[bool, typer.Option("--raw", help="Send the prompt without the chat template.")]

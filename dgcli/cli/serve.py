@@ -1,18 +1,22 @@
 """`dgemma serve`: an OpenAI-compatible HTTP server over the batched engine (dgcli.serve).
 
 Owns: the serve flags (the sampler flags set the server's defaults, which each request may change with
-extra body fields) and loading the model. Must not: contain server logic (dgcli.serve does).
+extra body fields), checking the ones that need no model before it loads, loading it, and the exit code of
+a stop (0 clean; 1 when the engine thread had to be left behind). Must not: contain server logic
+(dgcli.serve does).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Annotated, Optional
 
 import typer
 
 from dgcli.cli import options as o
 from dgcli.cli.console import loading, warn
+from dgcli.errors import UserError
 
 EXAMPLES = ["dgemma serve                                   # the bundled model on http://127.0.0.1:8000/v1",
             "dgemma serve --model ~/diffusiongemma-26B-A4B-it --device cuda --max-batch-size 8 --max-model-len 8192",
@@ -28,19 +32,22 @@ def serve(
     threads: o.Threads = None, compile: o.Compile = False, cuda_graphs: o.CudaGraphs = False,
     thinking: o.Thinking = False,
     host: Annotated[str, typer.Option("--host", metavar="ADDR", help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", metavar="N", help="TCP port.")] = 8000,
+    port: Annotated[int, typer.Option("--port", metavar="N", help="TCP port, 0..65535 (0: any free port, printed at start).")] = 8000,
     max_batch_size: Annotated[int, typer.Option("--max-batch-size", metavar="N", help="Requests denoised together (KV-cache slots; continuous batching).")] = 8,
     max_queue: Annotated[int, typer.Option("--max-queue", metavar="M", help="Requests that may wait for a slot; beyond that a request gets 429 at once.")] = 256,
     api_key: Annotated[Optional[str], typer.Option("--api-key", metavar="KEY", help=o.dflt("Require 'Authorization: Bearer KEY'.", "$DGEMMA_API_KEY, else no key"))] = None,
     served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", metavar="NAME", help=o.dflt("The model id clients send.", "the checkpoint directory's name"))] = None,
     max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", metavar="N", help=o.dflt("Positions a request may use (prompt + canvases); the KV cache holds this many per slot, allocated at start.", "the model's context, at most 8192"))] = None,
-    shutdown_timeout: Annotated[float, typer.Option("--shutdown-timeout", metavar="S", help="On SIGINT/SIGTERM: seconds in-flight requests get to finish before they are cancelled.")] = 30.0,
+    shutdown_timeout: Annotated[float, typer.Option("--shutdown-timeout", metavar="S", help="On SIGINT/SIGTERM: seconds in-flight requests get to finish before they are cancelled; the process is gone about a second later whatever the engine is doing (exit 0; 1 if a decoder pass had to be abandoned).")] = 30.0,
+    stall_timeout: Annotated[float, typer.Option("--stall-timeout", metavar="S", help="GET /health answers 503 'engine stalled' when the engine has been busy this many seconds without finishing a decoder pass (dgemma_engine_last_progress_seconds in /metrics); 0: never.")] = 60.0,
 ) -> None:
     """Serve the model over HTTP, OpenAI-compatible (chat, completions, SSE).
 
     POST /v1/chat/completions and /v1/completions (per-request sampler settings as extra body fields,
     streaming one chunk per committed block, opt-in draft events), GET /v1/models, /health, /metrics.
     """
+    if not 0 <= port <= 65535:  # before the model loads (uvicorn would fail after, with a traceback)
+        raise UserError(f"--port {port}: a TCP port is 0..65535 (0: any free port)")
     from dgcli.runtime.session import open_session
     from dgcli.serve.run import context_for, serve as run_server
 
@@ -55,6 +62,12 @@ def serve(
 
         run = dataclasses.replace(session.resolved.run, thinking=True)
         session.resolved = dataclasses.replace(session.resolved, run=run)
-    run_server(session, host=host, port=port, slots=max_batch_size, max_queue=max_queue, api_key=key,
-               model_name=served_model_name or session.name, context=context_for(session, max_model_len),
-               shutdown_timeout=shutdown_timeout, say=warn)
+    clean = run_server(session, host=host, port=port, slots=max_batch_size, max_queue=max_queue, api_key=key,
+                       model_name=served_model_name or session.name, context=context_for(session, max_model_len),
+                       shutdown_timeout=shutdown_timeout, stall_timeout=stall_timeout, say=warn)
+    if not clean:
+        # The engine thread is still inside torch: a normal interpreter exit could wait on it or crash under
+        # it, so leave now (every request has been answered; the stop line is written).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)

@@ -6,7 +6,9 @@ Owns: the sweep flags (axis flags take grid specs: `8,16,32`, `a-b+step`), the o
 reference outputs when agreement is the quality, warm-up, cells) and of output. Must not: measure,
 format or decide figures itself (dgcli.measure does); no denoising loop here (requests go through
 dgcli.runtime.request).
-Ctrl-C: the finished cells stay in the file; `--resume` continues it.
+Ctrl-C: the finished cells stay in the file; `-o FILE --resume` continues it. Without -o each run writes a
+new `sweep-YYYYmmdd-HHMMSS.jsonl` here (named on stderr at the start and the end), so one sweep after
+another never collides with an earlier file.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def _grid(flag: str, *aliases: str, what: str, eg: str):
 EXAMPLES = ["dgemma sweep --diffusion-steps 8,16,32,48 --seeds 0,1 --plot frontier.svg",
             "dgemma sweep --entropy-bound 0.05-0.2+0.05 --dry-run",
             "dgemma sweep --diffusion-steps 8,48 --batch-size 1,4",
-            "dgemma sweep --diffusion-steps 8,16,32,48 --resume   # after Ctrl-C"]
+            "dgemma sweep --diffusion-steps 8,16,32,48 -o sweep-20261125-183012.jsonl --resume   # after Ctrl-C"]
 TABLE_FIGURES = ["output_throughput", "diffusion_committed_throughput", "diffusion_steps_per_canvas",
                  "p90_steps_per_block", "cap_hit_rate", "mean_step_ms", "quality"]
 
@@ -49,8 +51,8 @@ def sweep(
     prompts: Prompts = None, random_prompts: RandomPrompts = False, num_prompts: NumPrompts = None,
     random_input_len: InputLen = 128, ignore_eos: IgnoreEos = False, warmup: Warmup = 1,
     runs: Annotated[int, typer.Option("--runs", "-r", metavar="N", help="Timed passes over the prompts per seed: each cell's figures get a min-max spread over seeds x runs, and frontier points whose spreads overlap are marked.")] = 3,
-    output: Annotated[str, typer.Option("--output", "-o", metavar="FILE", help="JSONL file the rows are appended to.")] = "sweep.jsonl",
-    resume: Annotated[bool, typer.Option("--resume", help="Continue --output: skip the cells it already holds.")] = False,
+    output: Annotated[Optional[str], typer.Option("--output", "-o", metavar="FILE", help="JSONL file the rows are appended to; an existing FILE needs --resume. Default: a new sweep-YYYYmmdd-HHMMSS.jsonl here per run, named on stderr.")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue -o FILE: skip the cells it already holds.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and exit (nothing is loaded or run).")] = False,
     plot: Annotated[Optional[str], typer.Option("--plot", metavar="FILE", help="Write the speed-quality frontier plot (FILE.svg, or FILE.png with matplotlib).")] = None,
     speed: Annotated[str, typer.Option("--speed-metric", metavar="NAME", help="The frontier's speed figure.")] = "output_throughput",
@@ -97,12 +99,15 @@ def sweep(
                             stability=single.get("stability_threshold"), confidence=single.get("confidence_threshold"),
                             seed=seed_list[0], blocks=single.get("max_blocks"), device=device, dtype=dtype,
                             max_tokens=max_tokens)
+    fresh = output is None  # the file is named per run: a dry run only says so
+    output = _row_file(output, resume)
     store = sw.RowStore(output)
     if store.path.exists() and store.path.stat().st_size and not (resume or dry_run):
         raise UserError(f"--output {output} exists: add --resume to continue it, or choose another --output")
 
     if dry_run:
-        _print_plan(model, dummy, layers, preset, flags, axes, seed_list, store, resume)
+        where = "a new sweep-YYYYmmdd-HHMMSS.jsonl (named when the sweep starts)" if fresh else str(store.path)
+        _print_plan(model, dummy, layers, preset, flags, axes, seed_list, store, resume, where)
         return
 
     baseline = b.PeakMemory.maxrss()  # before the model exists, for the CPU peak-memory figure
@@ -139,6 +144,8 @@ def sweep(
                          context=max(len(p.ids) for p in plist) + s.num_blocks * s.config.canvas_length,
                          peaks=b.peaks_for_card(peaks))
     (sys.stdout if fmt == "md" else sys.stderr).write("# dgemma sweep\n\n" + report.card_markdown(card) + "\n")
+    where = f"dgemma: sweep rows in {output} (resume with -o {output} --resume)"
+    warn(where)  # once the model loaded: a bad flag or model is still one error line
     warn(f"dgemma: {len(cells)} cell(s) x {len(seed_list)} seed(s) x {len(plist)} prompt(s); "
          f"{len(cells) - len(todo)} already in {output}, {len(todo)} to run; quality = {quality_metric}")
 
@@ -158,7 +165,7 @@ def sweep(
     except KeyboardInterrupt:
         kept = sum(r.get("kind") == "cell" for r in store.load())  # the file, not memory: it is the truth
         warn(f"dgemma: interrupted: {kept} of {len(cells)} cell(s) are saved in {output}; "
-             "rerun the same command with --resume to continue")
+             f"rerun the same command with -o {output} --resume to continue")
         raise SystemExit(130)  # not typer.Exit: under standalone_mode=False click returns its code unraised
     finally:
         if live is not None:
@@ -166,6 +173,22 @@ def sweep(
     _finish(rows, cells, axes, speed, plot, fmt, card, output)
     if not ignore:
         _budget_note(rows, cells)
+    warn(where)  # again at the end: the start's line has scrolled away under the progress and the table
+
+
+def _row_file(output: str | None, resume: bool) -> str:
+    """--output as given, else a fresh per-run name; --resume needs the file named (it continues one run)."""
+    from pathlib import Path
+
+    from dgcli.measure import sweep as sw
+
+    if output is not None:
+        return output
+    if resume:
+        runs = sorted(Path(".").glob("sweep-*.jsonl"), key=lambda p: p.stat().st_mtime)
+        eg = runs[-1].name if runs else "sweep-YYYYmmdd-HHMMSS.jsonl"
+        raise UserError(f"--resume needs the file to continue: add -o FILE (the name the run printed, e.g. -o {eg})")
+    return str(sw.fresh_row_file())
 
 
 def _budget_note(rows: list[dict], cells: list) -> None:
@@ -178,7 +201,7 @@ def _budget_note(rows: list[dict], cells: list) -> None:
              f"up to {worst:.2f}); raise it with --max-tokens or --blocks")
 
 
-def _print_plan(model, dummy, layers, preset, flags, axes, seeds, store, resume) -> None:
+def _print_plan(model, dummy, layers, preset, flags, axes, seeds, store, resume, where) -> None:
     from dgcli.measure import sweep as sw
     from dgcli.model.random_weights import dummy_config
     from dgcli.runtime.session import resolve_for
@@ -195,7 +218,7 @@ def _print_plan(model, dummy, layers, preset, flags, axes, seeds, store, resume)
         name, canvas = path.name, cfg.canvas_length
     cells, skipped = sw.plan(resolved.params, axes)
     done = {r.get("cell_key") for r in store.load()} if resume else set()
-    print(f"plan: {len(cells)} cell(s) x {len(seeds)} seed(s) {seeds} on {name}; rows go to {store.path}")
+    print(f"plan: {len(cells)} cell(s) x {len(seeds)} seed(s) {seeds} on {name}; rows go to {where}")
     keys = sw.swept_keys(axes)
     for c in cells:
         nb = blocks_for(c.params, resolved.run.max_tokens, canvas)

@@ -1,10 +1,11 @@
 """`dgemma watch [PROMPT|-]` and `dgemma watch --replay TRACE`: the canvas denoising, block by block.
 
 Owns: where the animation goes (a terminal on stdout, else a terminal on stderr, else the last frame of
-each block on stderr with a note), feeding one request's events (`dgcli.cli.console.run_one`: the same
-request API and the same `--trace` as generate) or a saved trace's records into `dgcli.render.watch`, the pictures, and the
-answer on stdout at the end (so the scrollback holds it). Must not: contain a denoising loop or draw
-frames itself (dgcli.render.watch does).
+each block on stderr with a note, unwrapped), its default pace (DEFAULT_PACE_S a step on a terminal unless
+--fps, --step-delay or --speed is given), feeding one request's events (`dgcli.cli.console.run_one`: the
+same request API and the same `--trace` as generate) or a saved trace's records into `dgcli.render.watch`,
+the pictures, and the answer on stdout at the end, once (so the scrollback holds it). Must not: contain a
+denoising loop or draw frames itself (dgcli.render.watch does).
 """
 
 from __future__ import annotations
@@ -22,14 +23,17 @@ EXAMPLES = ['dgemma watch "Count from 7 to 31." --blocks 3',
             'dgemma watch "Sort: 7 2 9 2" --step-delay 0.3',
             'dgemma watch "Reverse: c a t" --trace run.jsonl',
             'dgemma watch --replay run.jsonl --speed 0.5']
+# The least time a step stays on screen on a terminal when no pace is chosen: the bundled model's steps take
+# a few ms, so an unpaced run (2 steps, 0.02 s for the README's prompts) is over before anything is seen.
+DEFAULT_PACE_S = 0.15
 NOT_A_TERMINAL_NOTE = ("dgemma: note: not a terminal, so no animation: the last frame of each block goes to "
                        "stderr and the answer to stdout")
 
 
-def _check_pacing(fps: float | None, step_delay: float, speed: float | None, replay: str | None) -> None:
+def _check_pacing(fps: float | None, step_delay: float | None, speed: float | None, replay: str | None) -> None:
     if fps is not None and fps <= 0:
         raise UserError(f"--fps {fps}: the redraw rate must be above 0 (leave it out to draw every step)")
-    if step_delay < 0:
+    if step_delay is not None and step_delay < 0:
         raise UserError(f"--step-delay {step_delay}: use 0 or more seconds")
     if speed is not None and replay is None:
         raise UserError("--speed paces a replay; add --replay TRACE, or use --step-delay to slow a live run")
@@ -46,13 +50,25 @@ def _check_outputs(**paths: str | None) -> None:
 
 def _screen():
     """(console, mode, note): animate on whichever of stdout and stderr is a terminal, stdout first."""
-    from dgcli.render.watch import make_console
+    from dgcli.render.watch import NO_WRAP, make_console
 
     if sys.stdout.isatty():
         return make_console(), "live", None
     if sys.stderr.isatty():
         return make_console(stderr=True), "live", None
-    return make_console(stderr=True), "blocks", NOT_A_TERMINAL_NOTE
+    return make_console(stderr=True, width=NO_WRAP), "blocks", NOT_A_TERMINAL_NOTE
+
+
+def _display(console, mode: str, pieces, *, fps: float | None, step_delay: float | None, speed: float | None,
+             replay: bool):
+    """The Display, paced: a pace the user chose (--fps, --step-delay, --speed) as given; none on a terminal
+    gets DEFAULT_PACE_S a step, so a fast model's run can be followed (--step-delay 0 turns it off)."""
+    from dgcli.render.watch import Display
+
+    chose = fps is not None or step_delay is not None or speed is not None
+    pace = DEFAULT_PACE_S if mode == "live" and not chose else 0.0
+    recorded = (1.0 if speed is None else speed) if replay else None  # a replay waits the recorded step times
+    return Display(console, mode, pieces, fps=fps, step_delay=step_delay or 0.0, speed=recorded, pace=pace)
 
 
 def _describe(model: str, settings: dict, prompt: str | None) -> tuple[str, str]:
@@ -74,7 +90,7 @@ def watch(
     replay: Annotated[Optional[str], typer.Option("--replay", metavar="TRACE", help="Animate a trace written by generate/watch --trace; no model is loaded.")] = None,
     speed: Annotated[Optional[float], typer.Option("--speed", metavar="X", help=o.dflt("Replay pace: 1 = as recorded, 2 = twice as fast, 0 = no waiting.", "1"))] = None,
     fps: Annotated[Optional[float], typer.Option("--fps", metavar="X", help=o.dflt("Most redraws per second.", "every step, as fast as it comes"))] = None,
-    step_delay: Annotated[float, typer.Option("--step-delay", metavar="SECONDS", help="Seconds to pause after each step (slow motion for demos).")] = 0.0,
+    step_delay: Annotated[Optional[float], typer.Option("--step-delay", metavar="SECONDS", help=o.dflt("Seconds to pause after each step (slow motion for demos); 0 turns the default pace off.", f"on a terminal, each step takes at least {DEFAULT_PACE_S} s unless --fps or --speed is given; elsewhere 0"))] = None,
     save_svg: Annotated[Optional[str], typer.Option("--save-svg", metavar="FILE", help="Write the last frame of every block to FILE as SVG.")] = None,
     save_html: Annotated[Optional[str], typer.Option("--save-html", metavar="FILE", help="Write a self-contained HTML replay (play, pause, scrub) to FILE.")] = None,
     trace: o.Trace = None,
@@ -87,7 +103,7 @@ def watch(
 
     The answer is printed on stdout at the end, as `dgemma generate` prints it.
     """
-    from dgcli.render.watch import Display, Pieces, Watch
+    from dgcli.render.watch import Pieces, Watch
 
     _check_pacing(fps, step_delay, speed, replay)
     _check_outputs(save_svg=save_svg, save_html=save_html)
@@ -100,10 +116,9 @@ def watch(
         if given or any(v is not None for v in flags.values()) or show_config:
             what = ", ".join(given) or "sampler options"
             raise UserError(f"--replay animates a saved trace as recorded; drop {what} (or drop --replay to run the model)")
-        return _replay(replay, speed=1.0 if speed is None else speed, fps=fps, step_delay=step_delay,
-                       save_svg=save_svg, save_html=save_html)
+        return _replay(replay, speed=speed, fps=fps, step_delay=step_delay, save_svg=save_svg, save_html=save_html)
 
-    from dgcli.cli.console import THINKING_NOTE, loading, note_budget, print_answer, read_prompt, run_one
+    from dgcli.cli.console import THINKING_NOTE, loading, note_answers, print_answer, read_prompt, run_one
     from dgcli.cli.console import show_config as print_config
     from dgcli.runtime.request import init_canvas_ids
     from dgcli.runtime.session import open_session
@@ -121,7 +136,8 @@ def watch(
     canvas = init_canvas_ids(session, init_canvas, session.params.seed) if init_canvas is not None else None
     console, mode, note = _screen()
     pieces = Pieces(fetch=session.tokenizer.token_strings)
-    w = Watch(pieces, session.params.max_denoising_steps, Display(console, mode, pieces, fps=fps, step_delay=step_delay))
+    w = Watch(pieces, session.params.max_denoising_steps,
+              _display(console, mode, pieces, fps=fps, step_delay=step_delay, speed=None, replay=False))
     if note:
         print(note, file=sys.stderr)
     try:
@@ -133,20 +149,21 @@ def watch(
     title, meta = _describe(str(session.path), session.resolved.as_dict(), text)
     _pictures(w, title, meta, save_svg, save_html)
     print_answer(response)
-    note_budget(session, [response])
+    note_answers(session, [response], raw=raw)
 
 
-def _replay(path: str, *, speed: float, fps: float | None, step_delay: float, save_svg: str | None,
+def _replay(path: str, *, speed: float | None, fps: float | None, step_delay: float | None, save_svg: str | None,
             save_html: str | None) -> None:
     from dgcli.render.trace import read_trace
-    from dgcli.render.watch import Display, Pieces, Watch
+    from dgcli.render.watch import Pieces, Watch
 
     header, records = read_trace(path)  # one clear UserError for a truncated, foreign or other-version file
     pieces = Pieces.from_trace(records[-1])
     first_step = next((r for r in records if r["type"] == "step"), {})
     max_steps = header.get("settings", {}).get("params", {}).get("max_denoising_steps") or first_step.get("max_steps", 0)
     console, mode, note = _screen()
-    w = Watch(pieces, max_steps, Display(console, mode, pieces, fps=fps, step_delay=step_delay, speed=speed))
+    w = Watch(pieces, max_steps,
+              _display(console, mode, pieces, fps=fps, step_delay=step_delay, speed=speed, replay=True))
     if note:
         print(note, file=sys.stderr)
     try:
@@ -164,12 +181,18 @@ def _replay(path: str, *, speed: float, fps: float | None, step_delay: float, sa
 
 
 def _interrupted(w) -> None:
-    """Ctrl-C: the live view is already stopped (cursor back); say where, exit 130 like a shell would.
-    SystemExit, because Typer turns KeyboardInterrupt into a return value the CLI would not see."""
+    """Ctrl-C: the live view is already stopped (cursor back); the finished blocks' text (it was only in the
+    view) goes to stdout; say where, exit 130 like a shell would. SystemExit, because Typer turns
+    KeyboardInterrupt into a return value the CLI would not see."""
+    from dgcli.render.frames import block_label
+
+    done = w.final_text().rstrip("\n")
+    if done.strip():
+        print(done)
     where = ""
     if w.frames:
         f = w.frames[-1]
-        where = f" at block {f.block + 1}/{f.num_blocks}, step {f.step}/{f.max_steps}"
+        where = f" at {block_label(f)}, step {f.step}/{f.max_steps}"
     print(f"dgemma: interrupted{where}", file=sys.stderr)
     raise SystemExit(130)
 

@@ -5,6 +5,15 @@ Owns: `measure` (warm-up, then timed passes that submit every prompt at once to 
 `dgcli.runtime.request.run_batch` with --batch-size slots), `PeakMemory`, `make_row`, `target_card`, the
 device's roofline peaks. Must not: print, write files, contain a denoising loop, define figures
 (metrics.py) or format numbers (printers.py).
+
+`--batch-size N` (bench and sweep): every timed pass submits all prompts at once to an engine with N slots
+(continuous batching: a finished request's slot takes the next queued one). Throughput is aggregate (a
+pass's answer tokens / its wall time); latencies are per request, timed from when it takes a slot, as
+`vllm bench serve --max-concurrency N` times a request from when it is sent; the wait before that is
+`mean_queue_ms`. Batch size 1 runs the same path one request at a time. Answers do not depend on the batch
+size, so quality is the same in every row. On CPU `peak_memory_bytes` is the process' high-water mark, so a
+later row shows the largest so far. Random-id prompts (`--random-prompts`, `--dummy`, a checkpoint without a
+tokenizer) hide early stopping, so such rows carry a warning; `--dummy` runs fixed work and says so.
 """
 
 from __future__ import annotations

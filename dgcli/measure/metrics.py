@@ -38,7 +38,7 @@ DEFINITIONS: dict[str, str] = {
     "p90_e2el_ms": "[ms] 90th percentile end-to-end latency",
     "p99_e2el_ms": "[ms] 99th percentile end-to-end latency",
     "std_e2el_ms": "[ms] standard deviation of end-to-end latency",
-    "mean_queue_ms": "[ms] wait for a free slot: from submission (every prompt of a pass at its start) to the start of the request's prefill; 0 when every request fits in the batch",
+    "mean_queue_ms": "[ms] wait for a free slot: from submission to the start of the request's prefill. Every timed pass submits all its prompts at once, so with fewer slots than prompts (batch size 1 included) it is the wait behind the pass's earlier prompts: it grows with --num-prompts and is the workload's backlog, not a fault; 0 when every request fits in the batch",
     "mean_prefill_ms": "[ms] prompt encoder pass per request (one pass encodes the requests that take slots together)",
     "diffusion_committed_tokens": "canvas tokens committed: blocks x canvas length (incl. positions after a stop id)",
     "diffusion_committed_throughput": "[tok/s] canvas tokens/s while denoising: committed canvas tokens / denoising time (the batched decoder passes' own time)",
@@ -84,6 +84,28 @@ DEFINITIONS: dict[str, str] = {
     "peak_flops_range": "[FLOP/s] [min, max] of the repeated CPU matmul peak measurement (peak_flops_per_s is their median); null for a datasheet peak",
     "peak_bytes_range": "[B/s] [min, max] of the repeated CPU bandwidth measurement (peak_bytes_per_s is their median); null for a datasheet peak",
     "agreement": "share of token positions equal to the reference setting's output (over the longer of the two)",
+}
+
+# The main figures of bench's short human output (dgcli.measure.brief), in order, each with a short meaning
+# ({num_prompts} is filled in); every other figure is in --verbose and the machine formats.
+SUMMARY: dict[str, str] = {
+    "quality": "exact match with the prompt file's answers (n/a: the prompts carry none)",
+    "output_throughput": "answer tokens / wall time, end to end (prefill included)",
+    "diffusion_committed_throughput": "canvas tokens committed / denoising time",
+    "diffusion_canvas_positions_per_s": "canvas positions evaluated / denoising time",
+    "request_throughput": "requests / wall time",
+    "mean_ttft_ms": "time to first block, from taking a slot",
+    "mean_e2el_ms": "request latency, from taking a slot to its last block",
+    "mean_queue_ms": ("queue wait: all {num_prompts} prompts of a run are submitted at once, so with fewer slots "
+                      "than prompts each waits behind the earlier ones (a backlog, not a fault)"),
+    "mean_step_ms": "per decoder pass (one denoising step of every occupied slot)",
+    "diffusion_committed_per_step": "canvas tokens committed per denoising step",
+    "diffusion_steps_per_canvas": "mean denoising steps per block",
+    "p90_steps_per_block": "90th percentile of denoising steps per block",
+    "cap_hit_rate": "blocks that ran every step (max_denoising_steps)",
+    "slot_occupancy": "share of the batch's slots that held a request",
+    "peak_memory_bytes": "peak memory while measuring",
+    "step_vs_floor": "mean_step_ms / the roofline floor (1x = at the floor)",
 }
 
 NOT_IN_CSV = ("runs_detail",)

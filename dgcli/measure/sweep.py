@@ -102,6 +102,21 @@ def fingerprint(parts: dict) -> str:
 # ---- the row file ---------------------------------------------------------------------------------------
 
 
+def fresh_row_file(directory: str | Path = ".", now: float | None = None) -> Path:
+    """The default --output: `sweep-YYYYmmdd-HHMMSS.jsonl` in `directory`, with `-2`, `-3`, ... before the
+    suffix while that name is taken, so each run starts its own file (a fixed name made the second sweep in
+    a directory fail with "exists: add --resume")."""
+    import time
+
+    stem = time.strftime("sweep-%Y%m%d-%H%M%S", time.localtime(now))
+    path, n = Path(directory) / f"{stem}.jsonl", 1
+    while path.exists():
+        n += 1
+        path = Path(directory) / f"{stem}-{n}.jsonl"
+    return path
+
+
+
 class RowStore:
     """A JSONL file of finished rows. `append` is one O_APPEND write of the whole line, then fsync: a row
     is either on disk whole or (after a kill mid-write) a torn last line that `load` drops."""

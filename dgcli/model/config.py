@@ -287,21 +287,57 @@ def parse_quantization(raw: dict[str, Any], source: str = "config.json") -> Quan
 
 
 def read_json(path: Path) -> dict:
+    """A checkpoint's JSON file as a dict; one line naming the file and the fix when it is not one."""
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            data = json.load(f)
     except FileNotFoundError:
         raise UserError(f"{path}: file not found; a DiffusionGemma checkpoint directory needs it") from None
+    except IsADirectoryError:
+        raise UserError(f"{path}: is a directory, not a JSON file; a checkpoint holds it as a file") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not a JSON text file (not UTF-8); re-download or fix the file") from None
     except json.JSONDecodeError as e:
         raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); re-download or fix the file") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a JSON object, found a {type(data).__name__}; re-download or fix the file")
+    return data
 
 
-def load_config(path: str | Path) -> ModelConfig:
-    """`path` is a checkpoint directory or a config.json file."""
-    p = Path(path)
-    if not p.exists():
-        raise UserError(f"{p}: no such checkpoint directory; pass --model DIR holding config.json and *.safetensors")
-    cfg_path = p / "config.json" if p.is_dir() else p
+CHECKPOINT_HOLDS = "config.json, model*.safetensors and tokenizer.json"
+
+
+def config_path(path: Path, *, flag: str | None = None, file_ok: bool = True) -> Path:
+    """The config.json that `path` names: a checkpoint directory's, or (`file_ok`) a config.json given itself.
+    Anything else is one line naming the problem and the fix (`flag`, e.g. "--model", labels the path): a
+    weights or GGUF file given for the directory, a folder that is not a checkpoint."""
+    label = f"{flag} {path}" if flag else str(path)
+    if not path.exists():
+        raise UserError(f"{label}: no such checkpoint directory; pass the directory that holds {CHECKPOINT_HOLDS}")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserError(f"{label}: not a checkpoint directory (no config.json); pass the directory that holds "
+                            f"{CHECKPOINT_HOLDS}")
+        return path / "config.json"
+    if path.suffix.lower() == ".gguf" or _starts_with(path, b"GGUF"):
+        raise UserError(f"{label} is a GGUF file; GGUF files are not supported yet: pass a Hugging Face checkpoint "
+                        f"directory ({CHECKPOINT_HOLDS})")
+    if not (file_ok and path.suffix.lower() == ".json"):
+        raise UserError(f"{label} is a file; pass the checkpoint directory that holds {CHECKPOINT_HOLDS}")
+    return path
+
+
+def _starts_with(path: Path, magic: bytes) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(magic)) == magic
+    except OSError:
+        return False
+
+
+def load_config(path: str | Path, *, flag: str | None = None, file_ok: bool = True) -> ModelConfig:
+    """`path` is a checkpoint directory or (`file_ok`) a config.json file; see `config_path`."""
+    cfg_path = config_path(Path(path), flag=flag, file_ok=file_ok)
     return parse_config(read_json(cfg_path), source=str(cfg_path))
 
 

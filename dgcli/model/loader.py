@@ -251,7 +251,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
                dtype: torch.dtype | str | None = None) -> DiffusionGemma:
     """Load a checkpoint directory. dtype None = the checkpoint's (its embedding's dtype)."""
     path = Path(path)
-    cfg = load_config(path)
+    cfg = load_config(path, file_ok=False)
     if isinstance(dtype, str):
         dtype = resolve_dtype(dtype)
     model = meta_model(cfg)

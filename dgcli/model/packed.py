@@ -7,6 +7,16 @@ the vocabulary pass's soft GEMM and its draw read it in its own layout.
 Must not: pack for torch.compile (inductor traces plain weights; `--compile` sessions stay unpacked), or touch
 fp32 or FP8 modules. There is no way back: a packed model has no state_dict for its packed weights.
 The GEMM and its bit check: kernels/linear_cpu.py; the experts' loop: kernels/moe_cpu.py::experts_packed.
+
+When: a bf16 session on CPU, eager (not `--compile`, not `DGEMMA_KERNELS=reference`), packs at load. Why:
+torch's own bf16 GEMM re-lays the weight out on every call, which costs most where a GEMM has few rows (a
+ragged expert's). Same bits: `pack` checks each weight shape, on the machine it runs on, against `F.linear`
+on probe rows (1, 17 and 256) and keeps a weight as stored where they differ; the tests compare the packed
+model with the model as loaded, layer by layer and request by request. Memory is unchanged (the stored copy
+is dropped, and with it the checkpoint's file mapping). Cost: ~2 s per GB of weights at 2 threads at load,
+about 1.5-2 minutes for the full checkpoint on a 2-core machine, repaid after ~40-60 denoising steps; less
+with more cores. Bench rows say `"linear": "cpu"` in `provenance.kernels` when it ran. Speed-ups measured
+per GEMM size and per model: benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ Owns: `quantize_checkpoint`. Must not: run the model.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from collections.abc import Callable
@@ -52,12 +53,21 @@ def _quantized(key: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
     return out
 
 
+def _as_new_file(path: Path) -> None:
+    """The mode a file written with open() gets (0666 less the umask): safetensors writes through a
+    temporary file, which is created 0600, and renames it, so the shards would be private to their owner
+    while the config and tokenizer next to them are not."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
+
+
 def quantize_checkpoint(src: str | Path, dst: str | Path, *,
                         progress: Callable[[str], None] | None = None) -> dict:
     """Write the FP8-dynamic twin of checkpoint `src` into `dst` (absent or empty). Returns a summary:
     tensors quantized, bytes read and written."""
     src, dst = Path(src), Path(dst)
-    cfg = load_config(src)
+    cfg = load_config(src, file_ok=False)
     if cfg.quantization is not None:
         raise UserError(f"{src}: already quantized ({cfg.quantization.scheme}); quantize an unquantized checkpoint")
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
@@ -85,6 +95,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, *,
                 summary["quantized_tensors"] += sum(v.dtype == fp8.FP8 for v in parts.values())
                 out.update(parts)
         save_file(out, str(dst / f.name), metadata={"format": "pt"})
+        _as_new_file(dst / f.name)
         summary["bytes_out"] += sum(v.numel() * v.element_size() for v in out.values())
         weight_map.update({k: f.name for k in out})
         del out

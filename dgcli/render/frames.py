@@ -3,8 +3,8 @@
 Owns: folding the record dicts of one run (`event.to_record()` live, `read_trace` records in a replay)
 into `Frame`s (one per block start and per step) and `Committed` blocks (`Tracker`, `Watch`), the colour
 classes of a position, the display string of a token (`Pieces`, `display_piece`), the separator drawn
-between positions (`SEPARATOR`) and a frame's status line. Live and replay feed the same records through
-the same `Watch`, so they produce the same frames by construction.
+between positions (`SEPARATOR`) and a frame's status line (`status_line`, `block_label`). Live and replay
+feed the same records through the same `Watch`, so they produce the same frames by construction.
 Must not: import Rich, draw or write anything (dgcli.render.watch does), run the model, tokenize, or read
 or write traces (dgcli.cli.watch, the sampling loop and dgcli.render.trace do).
 
@@ -96,8 +96,14 @@ class Committed:
     last: Frame
 
 
+def block_label(f: Frame) -> str:
+    """"block 1 of at most 4": the block count is a cap (the answer may stop at an earlier block), so it is
+    never written as a fraction that promises the rest."""
+    return f"block {f.block + 1} of at most {f.num_blocks}"
+
+
 def status_line(f: Frame) -> str:
-    parts = [f"block {f.block + 1}/{f.num_blocks}", f"step {f.step}/{f.max_steps}"]
+    parts = [block_label(f), f"step {f.step}/{f.max_steps}"]
     if f.step == 0:
         parts.append("noise")
     else:

@@ -2,8 +2,22 @@
 
 Owns: writing (`TraceWriter`, flushed per line so an interrupted run keeps what it did) and reading
 with validation (`read_trace`: one clear error for a file that is not a trace, from another format
-version, or truncated). The record schema is each event's `to_record()` (see dgcli/sampling/events.py and the
-README). Must not: run the model or render anything.
+version, or truncated). The record schema is each event's `to_record()` (dgcli/sampling/events.py).
+Must not: run the model or render anything.
+
+The format (`--trace FILE`, version 1), one JSON object per line, written as the run goes, by `type`:
+  header       first line: `format: "dgemma-trace"`, `version: 1`, `dgemma_version`, `created`, `model`,
+               `canvas_length`, `vocab_size`, `settings` (as in `--format json`), `prompt`, `prompt_ids`
+  block_start  `block` (0-based), `num_blocks`, `prefix_len`, `canvas` (the initial noise ids)
+  step         one per denoising step: `block`, `step` (1-based), `max_steps`, `temperature`,
+               `accepted_count`, `mean_entropy`, `canvas` (ids the decoder saw), `argmax`, `entropy` (per
+               position, nats), `accepted` (0/1 per position), `stop_reason` (null, `stable_confident` or
+               `step_cap` on a block's last step), `elapsed_s`
+  commit       `block`, `tokens` (the block's last argmax), `stop_index` (first stop id in it, or null)
+  done         last line: `token_ids` (the answer, without the stop id), `finish_reason`, `stop_id`,
+               `blocks`, `steps_per_block`, `decoder_passes`, `tokens_per_forward`, `timings`,
+               `token_strings` (display string of every id above)
+A file without the header, of another version, or without the `done` line is rejected with one line.
 """
 
 from __future__ import annotations

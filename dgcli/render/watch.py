@@ -1,7 +1,9 @@
 """What `dgemma watch` shows: frames of the canvas (dgcli.render.frames) drawn on a terminal or exported.
 
 Owns: rendering a frame with Rich (canvas of current best tokens in its colour classes, status line),
-the terminal display with its pacing (`Display`), and the two pictures: SVG (Rich's export) and a
+the terminal display with its pacing (`Display`; on a terminal each finished block leaves its status line
+above the live view, and the answer so far shows in the view, so the one copy of the answer that stays is
+the one dgcli.cli.watch prints at the end), and the two pictures: SVG (Rich's export) and a
 self-contained HTML replay (the page is the template dgcli/data/replay.html; this module fills it).
 Re-exports `Pieces` and `Watch` so cmd_watch needs one import for a whole run.
 Must not: fold records into frames (dgcli.render.frames does), run the model, tokenize, or read or write
@@ -19,22 +21,27 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Literal
 
-from rich.console import CONSOLE_SVG_FORMAT, Console, Group, RenderableType
+from rich.console import CONSOLE_SVG_FORMAT, Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.live import Live
+from rich.segment import Segment
 from rich.text import Text
 from rich.theme import Theme
 
 from dgcli.errors import UserError
 from dgcli.render.frames import CLASSES, SEPARATOR, Committed, Frame, Pieces, Watch, display_piece, status_line
 
-__all__ = ["Display", "Pieces", "Watch", "canvas_text", "committed_text", "html_data", "html_page", "make_console",
-           "plain", "render_frame", "save_html", "save_svg"]
+__all__ = ["NO_WRAP", "Display", "Pieces", "Watch", "canvas_text", "html_data", "html_page",
+           "live_view", "make_console", "plain", "render_frame", "save_html", "save_svg"]
 
 STYLES = {"acc0": "red", "acc1": "yellow", "acc2": "green", "acc3": "bold bright_green",
           "renoised": "dim", "changed": "underline", "status": "bold", "sep": "dim"}
 # Underline (not only a colour) marks changed positions, so they still stand out under NO_COLOR.
 THEME = Theme({f"watch.{k}": v for k, v in STYLES.items()})
 SVG_WIDTH = 120  # columns of the exported pictures, so they look the same whatever the terminal was
+# Columns of a console that is not a terminal (the block frames on stderr): a log has no width to wrap at,
+# and Rich's 80-column guess cut canvases in the middle; one line per status line and per canvas instead.
+NO_WRAP = 1_000_000
+ANSWER_LINES = 3  # the live view's answer so far: its last lines, so the canvas under it stays on screen
 
 
 # ---- rendering -----------------------------------------------------------------------------------
@@ -58,9 +65,23 @@ def render_frame(f: Frame, pieces: Pieces) -> RenderableType:
     return Group(Text(status_line(f), style="watch.status"), canvas_text(f, pieces))
 
 
-def committed_text(c: Committed, pieces: Pieces) -> Text:
-    """A finished block as it stays above the live view: why it stopped (dim), then its plain text."""
-    return Text.assemble((status_line(c.last), "dim"), "\n", pieces.text(c.ids))
+class _Tail:
+    """The last `n` lines of a text as wrapped at the width it is drawn at (a resize reflows it)."""
+
+    def __init__(self, text: Text, n: int):
+        self.text, self.n = text, n
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        for line in console.render_lines(self.text, options.update(height=None), pad=False)[-self.n:]:
+            yield from line
+            yield Segment.line()
+
+
+def live_view(f: Frame, answer: list[int], pieces: Pieces) -> RenderableType:
+    """The live view: the answer so far (the finished blocks' plain text, its last lines), then the frame."""
+    if not answer:
+        return render_frame(f, pieces)
+    return Group(_Tail(Text(pieces.text(answer)), ANSWER_LINES), render_frame(f, pieces))
 
 
 def make_console(**kw) -> Console:
@@ -83,20 +104,24 @@ Mode = Literal["live", "blocks", "off"]
 class Display:
     """Shows a run's frames on a console as they come.
 
-    live: a Rich Live view redrawn in place (committed blocks are printed above it); blocks: the last
-    frame of each block printed once (for a console that is not a terminal); off: nothing.
+    live: a Rich Live view redrawn in place (`live_view`; each finished block leaves its status line above
+    it, dim); blocks: the last frame of each block printed once (for a console that is not a terminal);
+    off: nothing.
     Pacing: by default every frame is drawn as it comes; `fps` caps the redraw rate (a block's first
     and last frames are always drawn); `step_delay` sleeps after each drawn step; `speed` (replay)
-    waits each step's recorded time divided by `speed` first (0: no wait).
+    waits each step's recorded time divided by `speed` first (0: no wait); `pace` makes each step take
+    at least that many seconds, model time included (dgcli.cli.watch sets its default on a terminal).
     """
 
     def __init__(self, console: Console | None, mode: Mode, pieces: Pieces, *, fps: float | None = None,
-                 step_delay: float = 0.0, speed: float | None = None):
+                 step_delay: float = 0.0, speed: float | None = None, pace: float = 0.0):
         self.console, self.mode, self.pieces = console, mode, pieces
-        self.fps, self.step_delay, self.speed = fps, step_delay, speed
+        self.fps, self.step_delay, self.speed, self.pace = fps, step_delay, speed, pace
         self.live: Live | None = None
         self.last_draw = 0.0
         self.prev_elapsed = 0.0
+        self.step_start = 0.0  # when the step now being computed began (for `pace`)
+        self.answer: list[int] = []  # the finished blocks' ids, shown in the live view
 
     def __enter__(self) -> "Display":
         if self.mode == "live":
@@ -117,7 +142,9 @@ class Display:
             return
         if isinstance(item, Committed):
             if self.mode == "live":
-                self.live.console.print(committed_text(item, self.pieces))  # printed above the live view
+                # Only why it stopped stays above: the text is shown in the view, and printed once at the end.
+                self.live.console.print(Text(status_line(item.last), style="dim"))
+                self.answer += item.ids
             else:
                 self.console.print(render_frame(item.last, self.pieces))
                 self.console.print()
@@ -131,9 +158,12 @@ class Display:
         edge = item.step == 0 or item.stop_reason is not None
         if edge or not self.fps or now - self.last_draw >= 1.0 / self.fps:
             self.last_draw = now
-            self.live.update(render_frame(item, self.pieces), refresh=True)
+            self.live.update(live_view(item, self.answer, self.pieces), refresh=True)
         if self.step_delay and item.step > 0:
             time.sleep(self.step_delay)
+        if self.pace and item.step > 0:
+            time.sleep(max(0.0, self.pace - (time.monotonic() - self.step_start)))
+        self.step_start = time.monotonic()
 
 
 # ---- pictures ------------------------------------------------------------------------------------

@@ -6,9 +6,9 @@ first stop id and at `max_tokens`, the finish reason, the loop's `Done`, the dec
 is text in, `Response` out. generate, watch, bench, sweep (and the server to come) all call these, so
 the `--max-tokens` cut and the decoding happen in exactly one place.
 
-Owns: prompt encoding within the context limit, `--init-canvas` ids, the max_tokens cut, the response
-record. Must not: print, write files (a trace writer is just an `on_event` consumer), or contain a
-denoising loop.
+Owns: prompt encoding within the context limit, reading `--init-canvas` (text, or `ids:` token ids) into the
+first canvas, the max_tokens cut, what counts as an empty answer, the response record. Must not: print, write
+files (a trace writer is just an `on_event` consumer), or contain a denoising loop.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ class Response:
     block_prefix: list[int] = field(default_factory=list)  # cache length when each block started
 
     def as_dict(self, settings: dict) -> dict:
-        """The `--format json` result (PRODUCT.md, README)."""
+        """The `--format json` result (PRODUCT.md). `settings.run.device` and `dtype` are what ran (e.g. `cpu`,
+        `float32`), not what was asked (`auto`); `settings.sources` says where each value came from."""
         d = self.done
         return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
                 "blocks": d.blocks, "steps_per_block": d.steps_per_block, "tokens_per_forward": d.tokens_per_forward,
@@ -62,46 +63,83 @@ def encode(session: Any, text: str, *, raw: bool = False, thinking: bool | None 
     return ids
 
 
-_ID_CHARS = frozenset("0123456789,- \t")
+IDS_PREFIX = "ids:"
 _INT = re.compile(r"-?\d+")
 
 
-def init_canvas_ids(session: Any, spec: str, seed: int) -> list[int]:
-    """`--init-canvas`: token ids or text for the start of the first canvas; the rest of the canvas stays
-    uniform noise (the counter stream's `PAD` draws for `seed`, apart from the sampler's own draws).
+def read_init_canvas(session: Any, spec: str | list, *, name: str = "--init-canvas") -> tuple[list[int], str]:
+    """(ids, how) for the start of the first canvas: `--init-canvas` (or a JSONL row's `init_canvas`; `name`
+    is what error lines call it). `how` says how the value was read: "text" or "ids".
 
-    The value is an id list when it is made only of digits, commas, minus signs and spaces ("5,6,7", "42"),
-    or when it has a comma and its first item is a whole number ("1,2,abc"); an id list must be all
-    comma-separated ids in [0, vocab) with no empty item ("1,,2"), or it is an error. Anything else
-    ("hello world", "Hi, there") is text, tokenised without the chat template. An empty value is an error."""
+    A string is text, tokenised without the chat template ("1 2 3" and "7" too: the sort and count tasks
+    start from digits); token ids only with the prefix `ids:` ("ids:5,6,7"), every item a whole number in
+    [0, vocab) with none empty. A list (JSON) is token ids. Empty values and too many tokens are errors."""
+    c, v = session.config.canvas_length, session.config.vocab_size
+    if isinstance(spec, list):
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in spec):
+            raise UserError(f"{name} {spec!r} is not a list of token ids; give whole numbers, e.g. [5, 6, 7]")
+        ids, how = list(spec), "ids"
+    elif not isinstance(spec, str):
+        raise UserError(f"{name} {spec!r}: give text, \"ids:5,6,7\" or a list of token ids")
+    elif spec.strip().startswith(IDS_PREFIX):
+        ids, how = _id_list(spec, name), "ids"
+    elif spec.strip():
+        if session.tokenizer is None:
+            raise UserError(f"{name} {spec!r} is text, which needs the checkpoint's tokenizer; "
+                            f"give token ids as {IDS_PREFIX}5,6,7")
+        ids, how = session.tokenizer.encode_text(spec), "text"
+    else:
+        ids, how = [], "text"
+    if not ids:
+        raise UserError(f"{name} is empty; give text or token ids ({IDS_PREFIX}5,6,7), or leave it out")
+    bad = [i for i in ids if not 0 <= i < v]
+    if bad:
+        raise UserError(f"{name}: id {bad[0]} is outside the vocabulary [0, {v}); use ids from 0 to {v - 1}")
+    if len(ids) > c:
+        raise UserError(f"{name} has {len(ids)} tokens; the canvas holds {c}: shorten it")
+    return ids, how
+
+
+def _id_list(spec: str, name: str) -> list[int]:
+    """`ids:5,6,7` -> [5, 6, 7]; one line naming the first item that is not a token id."""
+    parts = [p.strip() for p in spec.strip()[len(IDS_PREFIX):].split(",")]
+    if parts == [""]:
+        return []
+    for n, p in enumerate(parts, 1):
+        if not _INT.fullmatch(p):
+            what = "is empty" if not p else f"{p!r} is not a token id"
+            raise UserError(f"{name} {spec!r}: item {n} {what}; after {IDS_PREFIX} give comma-separated token ids "
+                            f"only (e.g. {IDS_PREFIX}5,6,7), or drop the prefix for text")
+    return [int(p) for p in parts]
+
+
+def fill_canvas(session: Any, ids: Sequence[int], seed: int) -> list[int]:
+    """A first canvas that starts with `ids`; the rest stays uniform noise (the counter stream's `PAD` draws
+    for `seed`, apart from the sampler's own draws)."""
     import torch
 
     from dgcli.sampling import draws
 
     c, v = session.config.canvas_length, session.config.vocab_size
-    if not spec.strip():
-        raise UserError("--init-canvas is empty; give token ids (e.g. 5,6,7) or text, or leave the flag out")
-    parts = [p.strip() for p in spec.split(",")]
-    # Prose rarely starts with "1," while a mistyped id list does: reading "1,2,abc" as text would silently
-    # warm-start from a canvas the user did not ask for, so it fails instead.
-    if set(spec) <= _ID_CHARS or (len(parts) > 1 and _INT.fullmatch(parts[0])):
-        for n, p in enumerate(parts, 1):
-            if not _INT.fullmatch(p):
-                what = "is empty" if not p else f"{p!r} is not a token id"
-                raise UserError(f"--init-canvas {spec!r}: item {n} {what}; give comma-separated token ids only "
-                                f"(e.g. 5,6,7), or text that starts with a word")
-        ids = [int(p) for p in parts]
-        bad = [i for i in ids if not 0 <= i < v]
-        if bad:
-            raise UserError(f"--init-canvas: id {bad[0]} is outside the vocabulary [0, {v}); use ids from 0 to {v - 1}")
-    else:
-        if session.tokenizer is None:
-            raise UserError(f"--init-canvas {spec!r} is text, which needs the checkpoint's tokenizer; give token ids (e.g. 5,6,7)")
-        ids = session.tokenizer.encode_text(spec)
-    if len(ids) > c:
-        raise UserError(f"--init-canvas has {len(ids)} tokens; the canvas holds {c}: shorten it")
     pad = draws.token_ids(seed, draws.PAD, 0, 0, torch.arange(len(ids), c), v)  # random ids after the given ones
-    return ids + pad.tolist()
+    return list(ids) + pad.tolist()
+
+
+def init_canvas_ids(session: Any, spec: str | list, seed: int, *, name: str = "--init-canvas") -> list[int]:
+    """`read_init_canvas` then `fill_canvas`: the whole first canvas for `--init-canvas` and `seed`."""
+    return fill_canvas(session, read_init_canvas(session, spec, name=name)[0], seed)
+
+
+def only_padding(token_ids: Sequence[int], pad_id: int) -> bool:
+    return bool(token_ids) and all(t == pad_id for t in token_ids)
+
+
+def is_empty(token_ids: Sequence[int], text: str | None, pad_id: int) -> bool:
+    """An answer without text (the CLI notes it, the server may log it): a stop id came first, or every
+    position settled on the pad id, which is what a chat-trained checkpoint does with a raw prompt."""
+    if text is not None:
+        return not text.strip()
+    return not token_ids or only_padding(token_ids, pad_id)
 
 
 def cut(done: Done, max_tokens: int | None) -> tuple[list[int], str]:

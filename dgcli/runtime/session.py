@@ -143,7 +143,7 @@ def check_cuda_graphs(cuda_graphs: bool, device: torch.device, compile: bool = F
 def resolve_for(model: str | None, preset: str | None, flags: dict) -> tuple[Path, ModelConfig, dict | None, Resolved]:
     """Settings without loading weights (for --show-config and plans)."""
     path = Path(model) if model else default_model_path()
-    cfg = load_config(path)
+    cfg = load_config(path, flag="--model" if model else None, file_ok=False)
     gen = load_generation_config(path)
     return path, cfg, gen, resolve(gen, preset, flags)
 

@@ -9,6 +9,14 @@ value, and the block count rule. The sampler's own knobs and their validator are
 Must not: import torch, touch a device, read checkpoints (callers pass the parsed generation_config.json),
 or print. Unknown keys in presets and flags are errors (a typo must not silently change a benchmark);
 unknown keys in generation_config.json are ignored (the checkpoint is not ours).
+
+The block count (`--blocks`) follows the same precedence. By default it is ceil(token budget / canvas), the
+budget being the checkpoint's `max_new_tokens` (the bundled model: 64 on a 16-token canvas, so 4 blocks; the
+released 26B-A4B: 256 on 256, 1 block), a preset's `max_tokens` or `--max-tokens`; with no budget anywhere,
+1 block. A `max_blocks` from a preset or `--blocks N` wins, whole: it outranks a lower layer's budget, which
+then no longer cuts the answer (`--blocks 8 --max-tokens 50` still cuts at 50; `--blocks 0` means "from the
+budget"). `--show-config` ends with the count, its source and the rule, e.g.
+`blocks  4  checkpoint: ceil(max_tokens 64 / canvas 16)`.
 """
 
 from __future__ import annotations
@@ -21,8 +29,8 @@ from typing import Any, Literal
 
 from dgcli.errors import UserError
 from dgcli.sampling.params import (
-    DiffusionEbParams, SettingsError, build, check_type, coerce, field_types, hint, reject_unknown,
-    suggest,
+    DiffusionEbParams, SettingsError, build, check_limits, check_type, coerce, field_types, hint,
+    reject_unknown, suggest,
 )
 
 Source = Literal["default", "checkpoint", "preset", "flag"]
@@ -55,6 +63,7 @@ class RunSettings:
         """Raise `SettingsError` (a `UserError`) naming the first impossible value and the fix."""
         for key in field_types(type(self)):
             check_type(self, key)
+        check_limits(self)
         if not _DEVICE_RE.match(self.device):
             raise SettingsError("device", f"device={self.device!r}: not a device (one of {', '.join(DEVICE_CHOICES)}); {hint(RunSettings, 'device')}")
         if self.dtype not in DTYPE_CHOICES:
@@ -147,7 +156,7 @@ def _preset_path(name_or_path: str) -> Path:
 
 def load_preset(name_or_path: str) -> dict[str, Any]:
     """Read a preset by name (presets/NAME.yaml) or path: a flat mapping of DiffusionEbParams and
-    RunSettings keys. Unknown keys, malformed YAML or a non-mapping are `UserError`s naming the file.
+    RunSettings keys. Unknown keys, malformed YAML, an empty file or a non-mapping are `UserError`s naming the file.
     Values are returned as written (`resolve` coerces and validates them), except that a relative
     `prompt_set` is made relative to the preset's folder, so a preset works from any directory."""
     import yaml  # here, not at import: most runs read no preset (start-up time)
@@ -161,8 +170,9 @@ def load_preset(name_or_path: str) -> dict[str, Any]:
         raise UserError(f"preset {path}: malformed YAML{where}; fix the file (flat 'key: value' lines)") from None
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"preset {path}: cannot read it ({e}); check the path and permissions") from None
-    if data is None:
-        return {}  # an empty preset (comments only) changes nothing
+    if data is None:  # an empty file (or comments only) is a preset that was never filled in, or a wrong file
+        raise UserError(f"preset {path}: the file is empty; write the settings as flat 'key: value' lines "
+                        "(e.g. max_denoising_steps: 24)")
     if not isinstance(data, dict):
         raise UserError(f"preset {path}: expected flat 'key: value' lines, found a {type(data).__name__}; fix the file")
     reject_unknown(data, ALL_KEYS, f"preset {path}")

@@ -103,7 +103,7 @@ class AsyncStopEngine(Engine):
                 rows.append(r), steps.append(r.step)
                 canvas.append(self.canvas[cur]), history.append(self.history[:, cur])
                 soft.append(None if self.soft is None else self.soft[cur])
-            elif r.step + 1 < len(r.temps):  # speculatively on from the pending pass
+            elif r.step + 1 < r.max_steps:  # speculatively on from the pending pass
                 rows.append(r), steps.append(r.step + 1)
                 canvas.append(p.next_canvas[k])
                 h = p.history[:, k]
@@ -131,7 +131,7 @@ class AsyncStopEngine(Engine):
         step_k = to_device(steps, torch.long, dev)[:, None] + 1
         uniform = draws.uniform(seed_k, draws.DRAW, block_k, step_k, self.positions, device=dev)
         noise = draws.token_ids(seed_k, draws.RENOISE, block_k, step_k, self.positions, self.vocab, device=dev)
-        temp = to_device([r.temps[s] for r, s in zip(rows, steps)], torch.float32, dev)
+        temp = to_device([r.temperature(s) for r, s in zip(rows, steps)], torch.float32, dev)
         first = rows[0]
         if first.params.stability_threshold == depth and all(r.settings == first.settings for r in rows):
             rules = first.params
@@ -142,7 +142,7 @@ class AsyncStopEngine(Engine):
                              to_device([q.stability_threshold for q in ps], torch.long, dev))
         slots = [r.slot for r in rows]
         out, accepted, next_canvas, new_hist, stop = self._denoise(
-            canvas_in, soft_in, temp, hist, rules, uniform, noise, any(s < len(r.temps) - 1 for r, s in zip(rows, steps)),
+            canvas_in, soft_in, temp, hist, rules, uniform, noise, any(s < r.max_steps - 1 for r, s in zip(rows, steps)),
             None if slots == list(range(self.slots)) else slots)
         stop_host = None
         if not any(r.params.confidence_threshold > 0 for r in rows):
@@ -178,12 +178,12 @@ class AsyncStopEngine(Engine):
             if cur is None or self._valid(p, r) != k:  # left, or superseded: a discarded speculative step
                 self.stats["discarded_row_steps"] += 1
                 continue
-            i, n_steps = p.steps[k], len(r.temps)
+            i, n_steps = p.steps[k], r.max_steps
             reason = "stable_confident" if stopped[k] else ("step_cap" if i == n_steps - 1 else None)
             r.denoise_s += elapsed
-            yield Step(block=r.block, step=i + 1, max_steps=n_steps, temperature=r.temps[i], canvas_in=p.canvas_in[k],
-                       argmax=p.out.argmax[k], sample=p.out.sample[k], accepted_mask=p.accepted[k],
-                       accepted_count=p.accepted[k].sum(), entropy=p.out.entropy[k],
+            yield Step(block=r.block, step=i + 1, max_steps=n_steps, temperature=r.temperature(i),
+                       canvas_in=p.canvas_in[k], argmax=p.out.argmax[k], sample=p.out.sample[k],
+                       accepted_mask=p.accepted[k], accepted_count=p.accepted[k].sum(), entropy=p.out.entropy[k],
                        mean_entropy=p.out.entropy[k].mean(), next_canvas=p.next_canvas[k],
                        stop_reason=reason, elapsed_s=elapsed, row=r.id)
             if reason is not None:

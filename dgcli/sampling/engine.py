@@ -25,6 +25,7 @@ got (bit for bit in bf16 on CPU; tests/sampling/test_batch.py names the fp32 cav
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import weakref
 from collections import deque
@@ -64,7 +65,6 @@ class Request:
     seed: int
     stops: set[int] = field(default_factory=set)
     first_canvas: torch.Tensor | None = None  # [C]: the first block's canvas instead of random ids
-    temps: list[float] = field(default_factory=list)  # T_n of each step of its schedule (filled on submit)
     settings: Any = None  # its params with the seed left out: equal settings batch as one (filled on submit)
     slot: int = -1  # its KV cache slot while it runs
     block: int = 0  # the block being denoised
@@ -77,6 +77,21 @@ class Request:
     commit_s: float = 0.0
     first_block_s: float = 0.0
     submitted: float = 0.0  # the engine's clock at submit: first_block_s and total_s count from here
+
+    @property
+    def max_steps(self) -> int:
+        return self.params.max_denoising_steps
+
+    def temperature(self, step: int) -> float:
+        """T_n of its schedule at 0-based `step` of a block (n = N - step: t_max first), computed when the step
+        runs, not up front: a schedule as long as the step cap must never be built in one go."""
+        p = self.params
+        return _schedule(p.max_denoising_steps - step, p.max_denoising_steps, p.t_min, p.t_max)
+
+
+# `rules.temperature` (the same float ops), memoized: requests with the same settings share one schedule.
+# Bounded, so a server's memory is too.
+_schedule = functools.lru_cache(maxsize=8192)(temperature)
 
 
 class Engine:
@@ -118,8 +133,6 @@ class Engine:
         if need > self.max_len:
             raise UserError(f"request {request.id} needs {need} cache positions; this engine holds {self.max_len}")
         p = request.params
-        n = p.max_denoising_steps
-        request.temps = [temperature(i, n, p.t_min, p.t_max) for i in range(n, 0, -1)]
         request.settings = dataclasses.replace(p, seed=0)
         self.depth = max(self.depth, p.stability_threshold)
         request.submitted = self._now()
@@ -266,10 +279,11 @@ class Engine:
         block_k = torch.tensor([r.block for r in active], device=dev)[:, None]  # [b, 1]
         uniform = draws.uniform(seed_k, draws.DRAW, block_k, step_k, self.positions, device=dev)  # [b, C]
         noise = draws.token_ids(seed_k, draws.RENOISE, block_k, step_k, self.positions, self.vocab, device=dev)
-        temp = torch.tensor([r.temps[r.step] for r in active], dtype=torch.float32, device=dev)  # [b]
+        temps = [r.temperature(r.step) for r in active]
+        temp = torch.tensor(temps, dtype=torch.float32, device=dev)  # [b]
         out, accepted, next_canvas, self.history, stop = self._denoise(
             self.canvas, self.soft, temp, self.history, rules, uniform, noise,
-            any(r.step < len(r.temps) - 1 for r in active), self._cache_rows())
+            any(r.step < r.max_steps - 1 for r in active), self._cache_rows())
         # Mean entropy is >= 0, so "< 0" never holds: with confidence 0 (fixed work) no request can stop
         # early and the engine never waits for the device inside a block.
         can_stop_early = any(r.params.confidence_threshold > 0 for r in active)
@@ -282,10 +296,10 @@ class Engine:
         ended = []
         canvas_in = self.canvas
         for k, r in enumerate(active):
-            i, n_steps = r.step, len(r.temps)
+            i, n_steps = r.step, r.max_steps
             reason = "stable_confident" if stopped[k] else ("step_cap" if i == n_steps - 1 else None)
             r.denoise_s += elapsed
-            yield Step(block=r.block, step=i + 1, max_steps=n_steps, temperature=r.temps[i], canvas_in=canvas_in[k],
+            yield Step(block=r.block, step=i + 1, max_steps=n_steps, temperature=temps[k], canvas_in=canvas_in[k],
                        argmax=out.argmax[k], sample=out.sample[k], accepted_mask=accepted[k],
                        accepted_count=accepted[k].sum(), entropy=out.entropy[k],
                        mean_entropy=out.entropy[k].mean(), next_canvas=next_canvas[k],

@@ -3,12 +3,14 @@ value typing every settings source goes through (flags, presets, generation_conf
 request fields).
 
 Owns: the field types (validated by pydantic: lax at a source, strict for direct construction) and ranges,
-and the one-line errors that name the key and the fix (`SettingsError`). The ranges follow the reference's
+`LIMITS` (the one table of upper bounds on every number that sizes work), and the one-line errors that name
+the key and the fix (`SettingsError`). The ranges follow the reference's
 `DiffusionGemmaGenerationConfig.validate`: t_min >= 0 and t_max > t_min (t_min itself is never used as a
-temperature, so 0 is fine), steps >= 1. The loop calls `DiffusionEbParams.check` on whatever it is given,
-so there is no second validator. Must not: import torch, read files or know where a value came from
-(runtime/settings.py adds the source to the message). Every fix a message suggests is a value that passes
-validation given the other settings as they are (`hint`): the field's default where it fits.
+temperature, so 0 is fine), steps >= 1; the upper bounds are ours (see `LIMITS`). The loop calls
+`DiffusionEbParams.check` on whatever it is given, so there is no second validator. Must not: import torch,
+read files or know where a value came from (runtime/settings.py adds the source to the message). Every fix a
+message suggests is a value that passes validation given the other settings as they are (`hint`): the field's
+default where it fits.
 """
 
 from __future__ import annotations
@@ -216,6 +218,63 @@ def reject_unknown(values: dict[Any, Any], valid: tuple[str, ...], origin: str) 
             raise SettingsError(str(key), f"unknown setting {key!r}{where}{suggest(str(key), valid)}; valid keys: {', '.join(valid)}")
 
 
+# ---------------------------------------------------------------------------------------------
+# Upper bounds (README "Limits"): every number that sizes work or memory has one, checked by the validators
+# (`DiffusionEbParams.validate`, `RunSettings.validate`; `serve/protocol.py` for a request's own fields)
+# before anything is allocated or looped over, so that no one setting or request can wedge a run or the
+# server. Each bound is far above any sensible setting and small enough that the work it allows is bounded.
+# The model's context (prompt + blocks x canvas) stays the real limit of blocks and tokens; their bounds here
+# only refuse absurd values at once, before a checkpoint is loaded or a request is tokenized.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Limit:
+    bound: int
+    unit: str  # "at most {bound} {unit}"
+
+
+LIMITS: dict[str, Limit] = {
+    # The real model's default is 48 steps per 256-position canvas: 4096 is 85x that, 16 passes per
+    # position. A block then costs at most 4096 decoder passes (the schedule is computed step by step).
+    "max_denoising_steps": Limit(4096, "steps per block"),
+    # The stop rule keeps this many argmax canvases [slots, canvas] on the device for every running
+    # request; the reference's default is 1, and more than a few only approaches fixed work (use
+    # confidence_threshold 0 for that). 256 keeps the history within 256 canvases per request.
+    "stability_threshold": Limit(256, "previous canvases"),
+    # 64x the real model's context in canvases (262144 / 256 = 1024 blocks); the context check is the real
+    # limit, this one refuses before the checkpoint is even loaded.
+    "max_blocks": Limit(65536, "blocks"),
+    # 4x the real model's 262144-position context; likewise bounded by the context in the end.
+    "max_tokens": Limit(1 << 20, "tokens"),
+    # dgemma serve only (serve/protocol.py): OpenAI's own cap on a conversation's length (rendering and
+    # tokenizing a conversation is work done before the context check can reject it).
+    "messages": Limit(2048, "messages per request"),
+    # dgemma serve only: at most 16 stop strings (OpenAI allows 4), each this long; every block's text is
+    # compared with every prefix of each, so their length bounds that work.
+    "stop": Limit(16, "stop strings"),
+    "stop_chars": Limit(1024, "characters per stop string"),
+}
+
+
+def over_limit(key: str, value: Any, fix: str, *, shown: str | None = None) -> str | None:
+    """The one-line refusal of `value` when it is above `LIMITS[key]` ('KEY=V: at most B UNIT; FIX', with
+    `shown` in place of 'KEY=V' where given), else None."""
+    limit = LIMITS[key]
+    if value is None or value <= limit.bound:
+        return None
+    return f"{shown or f'{key}={value}'}: at most {limit.bound} {limit.unit}; {fix}"
+
+
+def check_limits(obj: Any) -> None:
+    """Raise `SettingsError` for the first field of settings `obj` above its bound in `LIMITS`."""
+    current = dataclasses.asdict(obj)
+    for key in field_types(type(obj)):
+        if key in LIMITS:
+            message = over_limit(key, getattr(obj, key), hint(type(obj), key, current))
+            if message:
+                raise SettingsError(key, message)
+
 
 @dataclass(frozen=True)
 class DiffusionEbParams:
@@ -257,6 +316,7 @@ class DiffusionEbParams:
         """Raise `SettingsError` (a `UserError`) naming the first impossible value and the fix."""
         for key in field_types(type(self)):
             check_type(self, key)
+        check_limits(self)
         if self.max_denoising_steps < 1:
             raise SettingsError("max_denoising_steps", f"max_denoising_steps={self.max_denoising_steps}: a block needs at least one denoising step; {self._hint('max_denoising_steps')}")
         if self.t_min < 0:

@@ -1,11 +1,12 @@
 """The ASGI app: OpenAI-compatible routes over one `Worker`.
 
 Owns: the routes (`/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`, `/metrics`), the API
-key check, admission (a full queue answers 429 at once, a server shutting down 503), SSE streaming, and
-cancelling a request whose client went away (streaming: Starlette cancels the response when the client
-disconnects; non-streaming: the handler watches the connection while it waits). Every error is OpenAI's
-error object. Must not: touch the engine (the worker's thread owns it) or parse request fields
-(protocol.py does).
+key check, admission (a body over 8 MiB answers 413 unread, a full queue 429 at once, a server shutting
+down 503), SSE streaming, and cancelling a request whose client went away (streaming: Starlette cancels the
+response when the client disconnects; non-streaming: the handler watches the connection while it waits).
+The event loop never does a request's CPU work: JSON, the chat template and the tokenizer run in a small
+thread pool under a time limit. Every error is OpenAI's error object. Must not: touch the engine (the
+worker's thread owns it) or parse request fields (protocol.py does).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import hmac
 import json
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -26,20 +27,25 @@ from starlette.routing import Route
 from dgcli.serve import protocol
 from dgcli.serve.metrics import Metrics
 from dgcli.serve.output import Output
-from dgcli.serve.protocol import ApiError, Context
-from dgcli.serve.worker import Job, Worker
+from dgcli.serve.protocol import ApiError, Context, Spec
+from dgcli.serve.worker import SHUTTING_DOWN, Job, Worker
 
 log = logging.getLogger("dgemma.serve")
 MAX_BODY = 8 * 1024 * 1024
+PARSE_TIMEOUT = 10.0  # s for JSON + template + tokenizer: the character bound keeps a prompt well under this
 
 
 class State:
-    """What the routes share: the worker, the parsing context, the limits, the metrics."""
+    """What the routes share: the worker, the parsing context, the limits, the metrics, the parsing threads."""
 
-    def __init__(self, worker: Worker, ctx: Context, *, max_queue: int, api_key: str | None):
+    def __init__(self, worker: Worker, ctx: Context, *, max_queue: int, api_key: str | None,
+                 stall_timeout: float = 60.0, parse_timeout: float = PARSE_TIMEOUT):
         self.worker, self.ctx, self.max_queue, self.api_key = worker, ctx, max_queue, api_key
+        self.stall_timeout, self.parse_timeout = stall_timeout, parse_timeout
         self.metrics: Metrics = worker.metrics
         self.closing = False  # set on shutdown: new requests get 503
+        # The tokenizer releases the GIL, so a few prompts tokenize side by side while the loop serves.
+        self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dgemma-parse")
 
 
 def _error(e: ApiError, state: State) -> JSONResponse:
@@ -56,14 +62,39 @@ def _authorized(request: Request, state: State) -> bool:
     return hmac.compare_digest(token.encode(), state.api_key.encode())
 
 
-async def _body(request: Request) -> Any:
-    raw = await request.body()
-    if len(raw) > MAX_BODY:
-        raise ApiError(413, f"the request body has {len(raw)} bytes; the limit is {MAX_BODY}")
+async def _body(request: Request) -> bytes:
+    """The raw body. Too big is refused from its Content-Length before a byte is read, or (chunked) as soon as
+    it passes the limit: it is never held whole (uvicorn discards the rest, so the client still reads the 413)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY:
+        raise ApiError(413, f"the request body has {int(declared)} bytes; the limit is {MAX_BODY}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY:
+            raise ApiError(413, f"the request body has more than {MAX_BODY} bytes, the limit")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _parse(raw: bytes, chat: bool, ctx: Context) -> Spec:
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    return protocol.parse(body, chat=chat, ctx=ctx)
+
+
+async def _prepare(raw: bytes, chat: bool, state: State) -> Spec:
+    """`_parse` in the pool, so that a big prompt never holds the event loop (before this, a 4 MB prompt took
+    /health down for seconds); past `parse_timeout` the request gets 503 (the work is bounded by the
+    character limit, so only a busy server gets there) and a parse not yet started is dropped."""
+    future = asyncio.get_running_loop().run_in_executor(state.pool, _parse, raw, chat, state.ctx)
+    try:
+        return await asyncio.wait_for(future, state.parse_timeout)
+    except asyncio.TimeoutError:
+        raise ApiError(503, f"preparing the prompt took more than {state.parse_timeout:g} s: the server is "
+                       "busy; retry later") from None
 
 
 def _sse(obj: dict) -> bytes:
@@ -76,9 +107,9 @@ async def complete(request: Request, chat: bool) -> Response:
         if not _authorized(request, state):
             raise ApiError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
-        spec = protocol.parse(await _body(request), chat=chat, ctx=state.ctx)
+        spec = await _prepare(await _body(request), chat, state)
         if state.closing:
-            raise ApiError(503, "the server is shutting down; retry on another server")
+            raise ApiError(503, SHUTTING_DOWN)
         with state.metrics.lock:
             waiting = state.metrics.queued
         if waiting >= state.max_queue:
@@ -175,9 +206,20 @@ async def models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
+    """200 {"status": "ok"}; 503 while shutting down, when the engine thread has died, or when it has been busy
+    past --stall-timeout without finishing a pass or handling a message (a slow pass, a hung device)."""
     state: State = request.app.state.dgemma
     if state.closing:
         return JSONResponse({"status": "shutting down"}, status_code=503)
+    if not state.worker.thread.is_alive():
+        return JSONResponse({"status": "engine stopped"}, status_code=503)
+    age = state.metrics.engine_age()
+    if state.stall_timeout and age > state.stall_timeout:
+        with state.metrics.lock:
+            queued, running = state.metrics.queued, state.metrics.running
+        return JSONResponse({"status": "engine stalled", "last_progress_seconds": round(age, 1),
+                             "stall_timeout_seconds": state.stall_timeout, "queued": queued, "running": running},
+                            status_code=503)
     return JSONResponse({"status": "ok"})
 
 

@@ -8,6 +8,7 @@ Must not: import a metrics library (the format is a few lines of text) or touch 
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 
 STEP_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
@@ -49,6 +50,18 @@ class Metrics:
         self.committed_tokens = 0
         self.steps_per_block = Histogram(STEP_BUCKETS)
         self.pass_latency = Histogram(LATENCY_BUCKETS)
+        self.progress_at = time.monotonic()  # when the engine thread last made progress
+        self.engine_waiting = True  # blocked on an empty inbox: no progress is due
+
+    def engine_progress(self, *, waiting: bool) -> None:
+        """The engine thread made progress (finished a pass, handled a message); `waiting`: it now waits for work."""
+        with self.lock:
+            self.progress_at, self.engine_waiting = time.monotonic(), waiting
+
+    def engine_age(self) -> float:
+        """Seconds since the engine thread last made progress; 0 while it waits for work."""
+        with self.lock:
+            return 0.0 if self.engine_waiting else time.monotonic() - self.progress_at
 
     def count(self, status: int) -> None:
         with self.lock:
@@ -64,6 +77,7 @@ class Metrics:
             self.pass_latency.observe(seconds)
 
     def render(self) -> str:
+        age = self.engine_age()
         with self.lock:
             lines = ["# HELP dgemma_requests_total HTTP requests answered, by status code.",
                      "# TYPE dgemma_requests_total counter"]
@@ -76,6 +90,9 @@ class Metrics:
                  "Requests withdrawn from the engine (client gone, stop string, max_tokens reached, shutdown)."),
                 ("committed_tokens_total", "counter", self.committed_tokens,
                  "Answer tokens committed by finished blocks (up to a stop id; before a stop-string or max_tokens cut)."),
+                ("engine_last_progress_seconds", "gauge", round(age, 3),
+                 "Seconds since the engine thread last finished a decoder pass or handled a message; 0 while it "
+                 "waits for work. Past --stall-timeout, /health answers 503."),
             ):
                 lines += [f"# HELP dgemma_{name} {what}", f"# TYPE dgemma_{name} {kind}", f"dgemma_{name} {value}"]
             lines += ["# HELP dgemma_denoising_steps_per_block Denoising steps each committed block took.",

@@ -13,7 +13,28 @@ Decisions:
   (vLLM's name) runs every block whatever the model says, for fixed-length benchmarks.
 * Draft events (`stream_options.include_drafts`) are chunks with an empty `choices` list (as the usage
   chunk has) and a `dgemma_draft` object, so a standard client reads no text from them.
+* Types are strict (`stream: 0` is no boolean), and text is checked before it is tokenized: a lone
+  surrogate is refused, as is a prompt with more characters than the context could hold (`max_chars`).
+* Every field that sizes work has an upper bound (`sampling/params.py: LIMITS`: steps, stability history,
+  blocks, max_tokens, messages, stop strings), and a token-id prompt's length is checked against the
+  context before its ids are: no one request can wedge the server.
 Must not: touch the engine, the network or torch.
+
+OpenAI fields read: `model` (optional; another name is 404), `messages` (text content; roles system,
+developer, user, assistant) or `prompt` (completions: a string or token ids, no chat template),
+`max_tokens` / `max_completion_tokens` (the answer's cut; with `max_blocks` unset it also sets the block
+count), `seed`, `stream`, `stream_options.include_usage`, `stop` (strings, matched in the content), `n` (1).
+The thought channel comes back as `reasoning_content` (in `message`, or in `delta` when streaming).
+A stream (SSE, OpenAI's chunk shape): a first chunk with the role, one chunk per committed block with its new
+text in `delta.content` (append-only; serve/output.py says what waits for the next block), a last chunk with
+`finish_reason` (`stop`: a stop id or string; `length`: blocks or `max_tokens` ran out), the usage chunk when
+asked (`choices: []`, `usage` with `blocks`, `denoising_steps`, `steps_per_block`), then `data: [DONE]`.
+A draft chunk's `dgemma_draft` is {block, step, max_steps, token_ids, text, accepted, mean_entropy, final,
+time}: the current block's argmax canvas, the positions this step accepted, and `final: true` on a block's
+last step, whose `token_ids` are the block the server commits (cut at the first stop id).
+Errors (OpenAI's object {"error": {message, type, param, code}}): 400 bad request (a prompt beyond the
+context: code `context_length_exceeded`), 401 wrong or missing key, 404 unknown model or route, 429
+(`queue_full`) when --max-queue requests already wait, 503 while shutting down.
 """
 
 from __future__ import annotations
@@ -22,11 +43,12 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from dgcli.errors import UserError
 from dgcli.runtime.settings import PARAM_KEYS, blocks_for
-from dgcli.sampling.params import SettingsError, suggest
+from dgcli.sampling.params import LIMITS, SettingsError, over_limit, suggest
 
 SAMPLER_KEYS = tuple(k for k in PARAM_KEYS if k != "seed")  # seed is OpenAI's own field
 
@@ -70,8 +92,14 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
-                          "param": self.param, "code": self.code}}
+        # A request's field names reach message and param as sent: a lone surrogate (legal in JSON) would
+        # make the error reply itself fail to encode, so it is spelled out as \udXXX.
+        return {"error": {"message": _utf8(self.message), "type": self.TYPES.get(self.status, "invalid_request_error"),
+                          "param": _utf8(self.param), "code": self.code}}
+
+
+def _utf8(text: str | None) -> str | None:
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 @dataclass
@@ -85,6 +113,15 @@ class Context:
     canvas_length: int
     context: int  # the most positions a request may use: prompt + its blocks' canvases
     thinking: bool = False
+
+    @cached_property
+    def max_chars(self) -> int | None:
+        """The most characters a prompt can have and still fit the context, so that a longer one is refused
+        before it is tokenized (a 6 MB prompt took 9 s and 1.4 GB at its peak): a token covers at most the
+        longest vocabulary entry's characters, x4 for a normalizer that joins characters (NFKC: one Hangul
+        syllable of three jamo). None without a vocabulary to measure."""
+        vocab = getattr(getattr(self.tokenizer, "tokenizer", None), "get_vocab", None)
+        return None if vocab is None else 4 * self.context * max(map(len, vocab()))
 
 
 @dataclass
@@ -109,13 +146,69 @@ def _flagless(message: str) -> str:
     return re.sub(r" \(--[a-z-]+\)", "", message)  # the validator names CLI flags; a request has fields
 
 
-def _int(body: dict, key: str, low: int) -> int | None:
+def _int(body: dict, key: str, low: int, limit: str | None = None) -> int | None:
+    """Field `key` as a whole number >= `low` and within `LIMITS[limit]`, or None when absent."""
     v = body.get(key)
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int) or v < low:
         raise ApiError(400, f"{key}={v!r}: must be a whole number >= {low}", param=key)
+    too_big = limit and over_limit(limit, v, f"send a smaller {key} or leave it out", shown=f"{key}={v}")
+    if too_big:
+        raise ApiError(400, too_big, param=key)
     return v
+
+
+def _flag(obj: dict, key: str, default: bool = False, *, inside: str | None = None) -> bool:
+    """A boolean field (of the object field `inside`): absent or null is `default`; anything but true or
+    false (0, "", [] too) is refused."""
+    v = obj.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ApiError(400, f"{inside + '.' if inside else ''}{key} must be true or false", param=inside or key)
+    return v
+
+
+def _object(body: dict, key: str, keys: tuple[str, ...], takes: str) -> dict:
+    """An object field with only `keys` (absent or null: {}); `takes` says what it takes."""
+    v = body.get(key)
+    if v is None:
+        return {}
+    if not isinstance(v, dict) or any(k not in keys for k in v):
+        raise ApiError(400, f"{key} takes {takes}", param=key)
+    return v
+
+
+def _unicode(text: str, where: str, param: str) -> str:
+    """`text`, refused when it holds a lone surrogate: JSON's \\ud800 escape allows one, but it is no
+    character (not UTF-8) and the tokenizer cannot take it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"{where} holds a lone surrogate ({text[e.start]!r} at character {e.start}), which is "
+                       "not Unicode text; send UTF-8 (a character beyond U+FFFF is a surrogate pair)",
+                       param=param) from None
+    return text
+
+
+def _context_error(prompt_len: int, blocks: int, ctx: Context, chat: bool) -> ApiError | None:
+    """The refusal of a prompt of `prompt_len` ids with `blocks` canvases after it beyond the context, else None."""
+    need = prompt_len + blocks * ctx.canvas_length
+    if need <= ctx.context:
+        return None
+    return ApiError(400, f"the prompt ({prompt_len} tokens) plus {blocks} block(s) of {ctx.canvas_length} need "
+                    f"{need} positions; this server's context is {ctx.context}: shorten the prompt or lower "
+                    "max_tokens / max_blocks", param="messages" if chat else "prompt", code="context_length_exceeded")
+
+
+def _check_chars(chars: int, ctx: Context, chat: bool) -> None:
+    """Refuse a prompt of `chars` characters that cannot fit the context, before it is tokenized."""
+    if ctx.max_chars is not None and chars > ctx.max_chars:
+        what = "the messages have" if chat else "the prompt has"
+        raise ApiError(400, f"{what} {chars} characters, more than this server's context of {ctx.context} tokens "
+                       f"can hold (at most {ctx.max_chars}): shorten the prompt",
+                       param="messages" if chat else "prompt", code="context_length_exceeded")
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -139,6 +232,9 @@ def _messages(body: dict) -> list[dict]:
         raise ApiError(400, "messages is missing: send a list of {role, content} messages", param="messages")
     if not isinstance(msgs, list) or not msgs:
         raise ApiError(400, "messages must be a non-empty list of {role, content} messages", param="messages")
+    too_many = over_limit("messages", len(msgs), "send a shorter conversation", shown=f"{len(msgs)} messages")
+    if too_many:  # before any is rendered or tokenized
+        raise ApiError(400, too_many, param="messages")
     out = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or "role" not in m:
@@ -149,14 +245,17 @@ def _messages(body: dict) -> list[dict]:
         if role not in ("system", "user", "assistant"):
             raise ApiError(400, f"messages[{i}].role={role!r} is not supported; use system, user or assistant",
                            param="messages")
-        out.append({"role": role, "content": _text_of(m.get("content"), f"messages[{i}]")})
+        content = _unicode(_text_of(m.get("content"), f"messages[{i}]"), f"messages[{i}].content", "messages")
+        out.append({"role": role, "content": content})
     return out
 
 
-def _prompt_ids(body: dict, ctx: Context, thinking: bool, chat: bool) -> list[int]:
+def _prompt_ids(body: dict, ctx: Context, thinking: bool, chat: bool, blocks: int) -> list[int]:
     tok = ctx.tokenizer
     if chat:
-        ids = tok.encode_chat(_messages(body), thinking=thinking)
+        messages = _messages(body)
+        _check_chars(sum(len(m["content"]) for m in messages), ctx, chat)
+        ids = tok.encode_chat(messages, thinking=thinking)
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -164,8 +263,12 @@ def _prompt_ids(body: dict, ctx: Context, thinking: bool, chat: bool) -> list[in
         if isinstance(prompt, str):
             if not prompt:
                 raise ApiError(400, "prompt is empty", param="prompt")
-            ids = tok.encode_prompt(prompt, raw=True)
+            _check_chars(len(prompt), ctx, chat)
+            ids = tok.encode_prompt(_unicode(prompt, "prompt", "prompt"), raw=True)
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            too_long = _context_error(len(prompt), blocks, ctx, chat)
+            if too_long:  # before the ids are checked one by one
+                raise too_long
             bad = [t for t in prompt if not 0 <= t < tok.vocab_size]
             if bad:
                 raise ApiError(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {tok.vocab_size})", param="prompt")
@@ -198,27 +301,28 @@ def parse(body: Any, *, chat: bool, ctx: Context) -> Spec:
     n = body.get("n")
     if n not in (None, 1):
         raise ApiError(400, f"n={n!r}: this server returns one choice per request; send n requests instead", param="n")
-    stream = body.get("stream") or False
-    if not isinstance(stream, bool):
-        raise ApiError(400, "stream must be true or false", param="stream")
-    opts = body.get("stream_options") or {}
-    if not isinstance(opts, dict) or any(k not in ("include_usage", "include_drafts") for k in opts):
-        raise ApiError(400, "stream_options takes include_usage and include_drafts (booleans)", param="stream_options")
+    stream = _flag(body, "stream")
+    opts = _object(body, "stream_options", ("include_usage", "include_drafts"),
+                   "include_usage and include_drafts (booleans)")
+    include_usage, include_drafts = (_flag(opts, k, inside="stream_options")
+                                     for k in ("include_usage", "include_drafts"))
     if opts and not stream:
         raise ApiError(400, "stream_options needs stream: true", param="stream_options")
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict) or any(k != "enable_thinking" for k in kwargs):
-        raise ApiError(400, "chat_template_kwargs takes enable_thinking (a boolean) only", param="chat_template_kwargs")
-    thinking = bool(kwargs.get("enable_thinking", ctx.thinking))
+    kwargs = _object(body, "chat_template_kwargs", ("enable_thinking",), "enable_thinking (a boolean) only")
+    thinking = _flag(kwargs, "enable_thinking", ctx.thinking, inside="chat_template_kwargs")
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or len(stop) > 16 or not all(isinstance(s, str) for s in stop):
-        raise ApiError(400, "stop must be a string or a list of at most 16 strings", param="stop")
-    ignore_eos = body.get("ignore_eos") or False
-    if not isinstance(ignore_eos, bool):
-        raise ApiError(400, "ignore_eos must be true or false", param="ignore_eos")
-    max_tokens = _int(body, "max_completion_tokens", 1)
-    max_tokens = _int(body, "max_tokens", 1) if max_tokens is None else max_tokens
+    most = LIMITS["stop"].bound
+    if not isinstance(stop, list) or len(stop) > most or not all(isinstance(s, str) for s in stop):
+        raise ApiError(400, f"stop must be a string or a list of at most {most} strings", param="stop")
+    longest = max(map(len, stop), default=0)
+    too_long = over_limit("stop_chars", longest, "send a shorter stop sequence",
+                          shown=f"a stop string of {longest} characters")
+    if too_long:
+        raise ApiError(400, too_long, param="stop")
+    ignore_eos = _flag(body, "ignore_eos")
+    max_tokens = _int(body, "max_completion_tokens", 1, "max_tokens")
+    max_tokens = _int(body, "max_tokens", 1, "max_tokens") if max_tokens is None else max_tokens
     changes = {k: body[k] for k in SAMPLER_KEYS if body.get(k) is not None}
     seed = _int(body, "seed", 0)
     if seed is not None:
@@ -230,17 +334,14 @@ def parse(body: Any, *, chat: bool, ctx: Context) -> Spec:
     budget = max_tokens if max_tokens is not None else ctx.max_tokens
     blocks = blocks_for(params, budget, ctx.canvas_length)
     try:
-        ids = _prompt_ids(body, ctx, thinking, chat)
+        ids = _prompt_ids(body, ctx, thinking, chat, blocks)
     except UserError as e:
         raise ApiError(400, str(e), param="messages" if chat else "prompt") from None
-    need = len(ids) + blocks * ctx.canvas_length
-    if need > ctx.context:
-        raise ApiError(400, f"the prompt ({len(ids)} tokens) plus {blocks} block(s) of {ctx.canvas_length} need "
-                       f"{need} positions; this server's context is {ctx.context}: shorten the prompt or lower "
-                       "max_tokens / max_blocks", param="messages" if chat else "prompt", code="context_length_exceeded")
-    return Spec(chat, ids, params, blocks, budget, stop, stream, bool(opts.get("include_usage")),
-                bool(opts.get("include_drafts")), ignore_eos, id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
-                created=int(time.time()))
+    too_long = _context_error(len(ids), blocks, ctx, chat)
+    if too_long:
+        raise too_long
+    return Spec(chat, ids, params, blocks, budget, stop, stream, include_usage, include_drafts, ignore_eos,
+                id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], created=int(time.time()))
 
 
 # ---- replies -------------------------------------------------------------------------------------------

@@ -1,12 +1,15 @@
 """Running the server: the worker thread, the app, uvicorn, and a clean stop.
 
 Owns: `serve(session, ...)`: the engine's context (the KV cache is allocated once for `slots` requests of
-`context` positions each), the startup line, and the shutdown. SIGINT/SIGTERM: the server stops admitting
-(503), stops listening, lets in-flight requests finish for up to `shutdown_timeout` seconds, then
-withdraws what is left (a stream ends with an error object, a waiting request gets 503), stops the
-engine thread and returns (the command exits 0). uvicorn re-raises a
-caught signal after its shutdown, which would turn that clean stop into a death by signal; `_Server` keeps
-the signal handling and drops the re-raise. A second Ctrl-C stops at once (uvicorn's force exit).
+`context` positions each), the listening socket (port 0: a free one, named in the startup line), and the
+shutdown. SIGINT/SIGTERM: the server stops admitting (503), stops listening, lets in-flight requests finish
+for up to `shutdown_timeout` seconds, then withdraws what is left (a stream ends with an error object, a
+waiting request gets 503: the HTTP side answers them, so a long decoder pass cannot hold them), stops the
+engine thread and returns True (the command exits 0). An engine thread still in a pass by then (and at
+least ENGINE_GRACE s after the stop began) is left behind: `serve` returns False and the command exits 1
+at once. uvicorn re-raises a caught signal after its shutdown, which would turn that clean stop into a
+death by signal; `_Server` keeps the signal handling and drops the re-raise. A second Ctrl-C stops at once
+(uvicorn's force exit; the engine gets ENGINE_GRACE s).
 Must not: parse requests or touch the engine directly.
 """
 
@@ -16,6 +19,7 @@ import contextlib
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -37,6 +41,8 @@ class _Server(uvicorn.Server):
         # [DONE], each waiting request gets 503, so uvicorn's own wait ends without cancelling a task.
         self.deadline = threading.Timer(shutdown_timeout, state.worker.abort)
         self.deadline.daemon = True
+        self.shutdown_timeout = shutdown_timeout
+        self.stop_by: float | None = None  # monotonic time by which the engine thread must be done
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -54,11 +60,13 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: Any) -> None:
         if not self.dgemma.closing:
             self.dgemma.closing = True
+            self.stop_by = time.monotonic() + self.shutdown_timeout
             self.deadline.start()
         super().handle_exit(sig, frame)
 
 
 DEFAULT_CONTEXT = 8192
+ENGINE_GRACE = 1.0  # s the engine thread gets to end its pass after the requests are withdrawn
 
 
 def context_for(session: Any, max_model_len: int | None) -> int:
@@ -78,12 +86,16 @@ def context_for(session: Any, max_model_len: int | None) -> int:
 
 
 def build(session: Any, *, host: str, port: int, slots: int, max_queue: int, api_key: str | None,
-          model_name: str, context: int, shutdown_timeout: float) -> tuple[_Server, Worker]:
+          model_name: str, context: int, shutdown_timeout: float,
+          stall_timeout: float = 60.0) -> tuple[_Server, Worker]:
     """The uvicorn server (not started) and the engine's worker (not started) for `session`."""
     if slots < 1:
         raise UserError(f"--max-batch-size {slots}: must be >= 1")
     if max_queue < 0:
         raise UserError(f"--max-queue {max_queue}: must be >= 0 (0 = no waiting: 429 when every slot is busy)")
+    for flag, value in (("--shutdown-timeout", shutdown_timeout), ("--stall-timeout", stall_timeout)):
+        if not value >= 0:  # NaN too
+            raise UserError(f"{flag} {value}: must be >= 0 seconds")
     if session.tokenizer is None:
         raise UserError(f"{session.path}: no tokenizer.json; dgemma serve needs the checkpoint's tokenizer")
     metrics = Metrics(slots)
@@ -97,9 +109,10 @@ def build(session: Any, *, host: str, port: int, slots: int, max_queue: int, api
                         f"{session.device}; lower --max-model-len or --max-batch-size") from None
     ctx = Context(session.tokenizer, model_name, session.params, session.resolved.run.max_tokens,
                   session.config.canvas_length, context, thinking=session.resolved.run.thinking)
-    state = State(worker, ctx, max_queue=max_queue, api_key=api_key)
+    state = State(worker, ctx, max_queue=max_queue, api_key=api_key, stall_timeout=stall_timeout)
+    # A backstop: at the timeout every handler is answered, so only a client that stops reading is cut here.
     config = uvicorn.Config(build_app(state), host=host, port=port, log_level="warning", lifespan="off",
-                            timeout_graceful_shutdown=shutdown_timeout + 10, access_log=False)  # a backstop
+                            timeout_graceful_shutdown=shutdown_timeout + ENGINE_GRACE, access_log=False)
     return _Server(config, state, shutdown_timeout), worker
 
 
@@ -115,15 +128,18 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(session: Any, *, say: Callable[[str], None], **kw: Any) -> None:
-    """Serve until SIGINT/SIGTERM (keywords as `build`'s); returns after a clean stop."""
+def serve(session: Any, *, say: Callable[[str], None], **kw: Any) -> bool:
+    """Serve until SIGINT/SIGTERM (keywords as `build`'s); True after a clean stop, False when the engine
+    thread was left behind in a pass (the caller should exit at once: the thread still runs)."""
     server, worker = build(session, **kw)
     sock = listen(kw["host"], kw["port"])
     worker.start()
     state, slots, context = server.dgemma, kw["slots"], kw["context"]
     cache = worker.engine.cache
     mib = sum(t.numel() * t.element_size() for t in (*cache.k, *cache.v)) / 2**20
-    say(f"dgemma serve: {kw['model_name']} on http://{kw['host']}:{kw['port']}/v1 ({session.resolved.run.device}, "
+    host, port = kw["host"], sock.getsockname()[1]  # --port 0: the one the system picked
+    where = f"[{host}]" if ":" in host else host
+    say(f"dgemma serve: {kw['model_name']} on http://{where}:{port}/v1 ({session.resolved.run.device}, "
         f"{session.resolved.run.dtype}; {slots} slot(s) of {context} positions, KV cache {mib:,.1f} MiB; "
         f"queue up to {kw['max_queue']}{'; API key required' if kw['api_key'] else ''})")
     try:
@@ -131,6 +147,13 @@ def serve(session: Any, *, say: Callable[[str], None], **kw: Any) -> None:
     finally:
         state.closing = True
         server.deadline.cancel()
-        worker.close(timeout=kw["shutdown_timeout"] + 10)
+        state.pool.shutdown(wait=False, cancel_futures=True)
+        wait = ENGINE_GRACE if server.force_exit or server.stop_by is None else server.stop_by - time.monotonic()
+        stopped = worker.close(timeout=max(ENGINE_GRACE, wait))
         sock.close()
+    if not stopped:
+        say(f"dgemma serve: stopped; the engine was still in a decoder pass at the end of the shutdown timeout "
+            f"({kw['shutdown_timeout']:g} s) and was left behind (exit code 1)")
+        return False
     say("dgemma serve: stopped")
+    return True

@@ -7,6 +7,9 @@ whenever the engine has work and otherwise sleeps on the inbox. Messages to a ha
 content) per committed block, ("draft", dict) per step when asked, then ("end", finish_reason, usage) or
 ("error", ApiError). A request whose answer ends early (stop string, max_tokens) or whose client went
 away is withdrawn from the engine (`Engine.cancel`): its slot is free before the next pass.
+`abort` answers every request still waiting from the calling thread (503), whatever the engine thread is
+doing: a shutdown never waits on a decoder pass. The thread records its progress in `Metrics` (each pass,
+each message) so that /health can tell a stalled engine from a busy one.
 Must not: parse HTTP or touch sockets; only this thread touches the engine (it has no lock).
 """
 
@@ -32,6 +35,7 @@ from dgcli.serve.output import Output
 from dgcli.serve.protocol import ApiError, Spec, usage
 
 log = logging.getLogger("dgemma.serve")
+SHUTTING_DOWN = "the server is shutting down; retry on another server"
 
 
 @dataclass
@@ -58,6 +62,10 @@ class Worker:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.jobs: dict[int, Job] = {}
         self.ids = itertools.count()
+        # Jobs not yet answered, shared with `abort` (any thread): whoever removes a job sends its last message.
+        self.lock = threading.Lock()
+        self.live: dict[int, Job] = {}
+        self.closed = False
         self.thread = threading.Thread(target=self._run, name="dgemma-engine", daemon=True)
 
     def _engine(self) -> Engine:
@@ -72,6 +80,11 @@ class Worker:
 
     def submit(self, job: Job) -> None:
         job.id = next(self.ids)
+        with self.lock:
+            if self.closed:  # admitted just before the shutdown: nobody will run it
+                job.send("error", ApiError(503, SHUTTING_DOWN))
+                return
+            self.live[job.id] = job
         with self.metrics.lock:
             self.metrics.queued += 1
         self.inbox.put(("submit", job))
@@ -80,25 +93,36 @@ class Worker:
         self.inbox.put(("cancel", job))
 
     def abort(self) -> None:
-        """Withdraw every request (each handler gets a 503 error) and stop the thread."""
+        """Withdraw every request and stop the thread: each handler gets its 503 from here at once (the engine
+        thread may be deep in a long pass); the thread stops when it next reads its inbox."""
+        with self.lock:
+            self.closed = True
+            jobs, self.live = list(self.live.values()), {}
+        for job in jobs:
+            job.send("error", ApiError(503, SHUTTING_DOWN))
         self.inbox.put(("close", None))
 
-    def close(self, timeout: float) -> None:
-        """`abort`, then wait for the thread."""
+    def close(self, timeout: float) -> bool:
+        """`abort`, then wait up to `timeout` s for the thread; False when it is still running (a pass that
+        outlasts the wait: it is left behind)."""
         self.abort()
         if self.thread.is_alive():
             self.thread.join(timeout)
+        return not self.thread.is_alive()
 
     # ---- the engine thread ---------------------------------------------------------------------------------
 
     def _run(self) -> None:
         torch.set_num_threads(self.session.threads or torch.get_num_threads())  # per thread under OpenMP
         while True:
+            idle = self.engine.idle
+            self.metrics.engine_progress(waiting=idle)  # a pass (or the start) is done
             try:
-                message = self.inbox.get(block=self.engine.idle)
+                message = self.inbox.get(block=idle)
             except queue.Empty:
                 message = None
             while message is not None:
+                self.metrics.engine_progress(waiting=False)  # the clock runs from here while it handles it
                 if not self._handle(*message):
                     return
                 try:
@@ -119,17 +143,16 @@ class Worker:
                 self.engine.submit(request)
             except Exception as e:  # the engine refused it (the app's checks should have caught this)
                 log.exception("the engine refused request %s", job.id)
-                self._forget(job, cancelled=False)
-                job.send("error", ApiError(400 if isinstance(e, UserError) else 500, str(e)))
+                status = 400 if isinstance(e, UserError) else 500
+                self._forget(job, cancelled=False, last=("error", ApiError(status, str(e))))
         elif kind == "cancel":
             if job.id in self.jobs:
                 self.engine.cancel(job.id)
                 self._forget(job, cancelled=True)
-        else:  # close
+        else:  # close: `abort` has answered every job
             for j in list(self.jobs.values()):
                 self.engine.cancel(j.id)
                 self._forget(j, cancelled=True)
-                j.send("error", ApiError(503, "the server is shutting down; retry on another server"))
             return False
         return True
 
@@ -141,17 +164,22 @@ class Worker:
                 self._dispatch(event)
         except Exception:  # a bug or out of memory: fail the running requests, keep serving
             log.exception("the engine failed; its requests get an error and a new engine takes over")
+            failed = ApiError(500, "the engine failed on this request's batch; see the server log")
             for j in list(self.jobs.values()):
-                self._forget(j, cancelled=False)
-                j.send("error", ApiError(500, "the engine failed on this request's batch; see the server log"))
+                self._forget(j, cancelled=False, last=("error", failed))
             self.engine = None  # free the old cache before the new one is allocated
             self.engine = self._engine()
             return
         if stats["denoise_s"] > before:
             self.metrics.decoder_pass(stats["denoise_s"] - before)
 
-    def _forget(self, job: Job, *, cancelled: bool) -> None:
+    def _forget(self, job: Job, *, cancelled: bool, last: tuple | None = None) -> None:
+        """Drop `job` from the books; `last` is its final message, sent unless `abort` has answered it."""
         self.jobs.pop(job.id, None)
+        with self.lock:
+            unanswered = self.live.pop(job.id, None) is not None
+        if last is not None and unanswered:
+            job.send(*last)
         with self.metrics.lock:
             if job.started:
                 self.metrics.running -= 1
@@ -160,9 +188,9 @@ class Worker:
             self.metrics.cancelled += cancelled
 
     def _end(self, job: Job) -> None:
-        out = job.output
-        job.send("end", out.finish_reason, usage(len(job.spec.prompt_ids), out.completion_tokens, job.steps_per_block))
-        self._forget(job, cancelled=False)
+        out, spec = job.output, job.spec
+        use = usage(len(spec.prompt_ids), out.completion_tokens, job.steps_per_block)
+        self._forget(job, cancelled=False, last=("end", out.finish_reason, use))
 
     def _dispatch(self, event: Any) -> None:
         job = self.jobs.get(event.row)

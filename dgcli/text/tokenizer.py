@@ -122,7 +122,9 @@ class ChatTokenizer:
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of `text` with no special tokens added (special token strings still match)."""
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL while it runs (encode holds it throughout): a server thread
+        # tokenizing a long prompt leaves the event loop serving. The ids are encode's.
+        return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
     def encode_prompt(
         self, prompt: str, *, raw: bool = False, thinking: bool = False, system: str | None = None
@@ -229,6 +231,34 @@ class ChatTokenizer:
         """Ids `decode` skips (the special added tokens)."""
         return frozenset(i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special)
 
+    @cached_property
+    def max_token_chars(self) -> int | None:
+        """L: the most characters of input text one token can stand for, or None where this tokenizer has no
+        such bound. Text of more than n * L characters then needs more than n tokens, so a prompt that long
+        can be refused before it is tokenized.
+
+        Why it holds: every token the BPE model emits is a vocabulary string matched in the normalized text,
+        covering len(string) <= L characters of it; an added (special) token covers its content (in the
+        vocabulary too); a byte-fallback token <0xNN> covers one byte of a character (its 6-character name
+        only makes L larger); text only grows into the normalized, pre-tokenized form (Replace ' ' -> '▁',
+        Metaspace, byte-level). None where text can vanish or one token swallow a run of any length: a
+        normalizer or pre-tokenizer outside `_GROWING` (NFC/NFKC, Strip, whitespace-dropping splits), a
+        <unk> fused over unknown characters without all 256 byte tokens, an added token that strips its
+        neighbours, truncation, a model other than BPE."""
+        t = self.tokenizer
+        model = t.model
+        if t.truncation is not None or type(model).__name__ != "BPE":
+            return None
+        vocab = t.get_vocab()  # with the added tokens
+        all_bytes = model.byte_fallback and all(f"<0x{b:02X}>" in vocab for b in range(256))
+        if not all_bytes and (model.fuse_unk or model.unk_token is None):
+            return None
+        if any(a.lstrip or a.rstrip for a in t.get_added_tokens_decoder().values()):
+            return None
+        if not all(_grows(json.loads(part.__getstate__())) for part in (t.normalizer, t.pre_tokenizer) if part):
+            return None
+        return max(map(len, vocab))
+
     def token_strings(self, ids: Iterable[int]) -> list[str]:
         """One display piece per id (specials verbatim, "▁" as space, lone non-ASCII bytes as "�")."""
         pieces = []
@@ -239,6 +269,21 @@ class ChatTokenizer:
 
 
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+# Normalizers and pre-tokenizers that never shorten text (a decomposition or a lowercase is one character or
+# more; the splits here keep every character), so a token still covers at most its string's length.
+_GROWING = {"NFD", "NFKD", "Lowercase", "Prepend", "Metaspace", "ByteLevel", "Split", "Punctuation", "Digits",
+            "UnicodeScripts"}
+
+
+def _grows(part: dict) -> bool:
+    """Whether a normalizer or pre-tokenizer (its tokenizer.json object) never makes text shorter."""
+    kind = part.get("type")
+    if kind == "Sequence":
+        return all(map(_grows, part.get("normalizers") or part.get("pretokenizers") or []))
+    if kind == "Replace":  # a fixed string by one at least as long
+        old = part.get("pattern", {}).get("String")
+        return isinstance(old, str) and 0 < len(old) <= len(part.get("content", ""))
+    return kind in _GROWING and part.get("behavior") != "Removed"
 
 
 def _template_from_config(config_path: Path) -> str | None:

@@ -1,6 +1,6 @@
 """`dgemma generate --input-jsonl FILE --batch-size N` on the bundled model: results in input order with
-their index, the same answers at every batch size, rows with their own seed and first canvas, and bad
-rows stopping the run after the rows before them have printed."""
+their index and prompt, the same answers at every batch size, rows with their own seed and first canvas, and a
+bad row stopping the run before anything runs."""
 
 import json
 
@@ -16,7 +16,7 @@ HELDOUT = dgcli.__path__[0] + "/data/prompts/heldout.jsonl"
 def prompt_file(tmp_path_factory):
     rows = [json.loads(line) for line in open(HELDOUT)][::8]  # 12 rows over every family
     rows[1]["seed"] = 5
-    rows[2]["init_canvas"] = "1,2,3"
+    rows[2]["init_canvas"] = "ids:1,2,3"
     f = tmp_path_factory.mktemp("batch") / "p.jsonl"
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return f, rows
@@ -36,6 +36,7 @@ def test_batch_sizes_give_the_same_results_in_input_order(prompt_file, capsys):
     four = results(out4)
     assert [r["index"] for r in four] == list(range(len(rows)))
     assert [r["answer"] for r in four] == [r["answer"] for r in rows]  # pass-through keys stay on their row
+    assert [r["prompt"] for r in four] == [r["prompt"] for r in rows]
     strip = lambda rs: [(r["text"], r["token_ids"], r["steps_per_block"], r["finish_reason"]) for r in rs]  # noqa: E731
     assert strip(four) == strip(one)
     assert sum(r["text"] == row["answer"] for r, row in zip(four, rows)) >= 9  # the bundled model answers them
@@ -74,13 +75,13 @@ def test_a_rows_seed_and_first_canvas_are_its_own(prompt_file, capsys, tmp_path)
     ({"prompt": "Sort: 3 1", "seed": "x"}, "seed 'x' is not a whole number"),
     ({"prompt": "Sort: 3 1", "init_canvas": list(range(5, 25))}, "the canvas holds 16"),
 ])
-def test_a_bad_row_names_itself_after_the_rows_before_it_printed(bad, match, capsys, tmp_path):
+def test_a_bad_row_names_itself_before_anything_runs(bad, match, capsys, tmp_path):
     f = tmp_path / "bad.jsonl"
     f.write_text('{"prompt": "Reverse: a b c"}\n{"prompt": "Sort: 9 1 5"}\n' + json.dumps(bad) + "\n"
                  '{"prompt": "Reverse: x y"}\n')
     code, out, err = run(["generate", "--input-jsonl", str(f), "--format", "json", "--batch-size", "2"], capsys)
     assert code == 2
-    assert [r["index"] for r in results(out)] == [0, 1]  # the rows before it are not lost
+    assert out == ""  # every row is checked first (issue 23): a bad value no longer runs the rows before it
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and "row 3 (index 2)" in lines[0] and match in lines[0], err
 

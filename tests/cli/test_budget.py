@@ -83,7 +83,7 @@ def test_bench_reports_quality_as_exact_match_on_the_answers(tmp_path):
     assert row["blocks"] == 4  # the checkpoint's budget, not one block
     assert row["quality_metric"] == "exact_match" and row["answered_prompts"] == 3
     assert row["quality"] == row["exact_match"] == pytest.approx(2 / 3)
-    md = cli(*base[:3], "--runs", "1", "--warmup", "0", "--no-measure-peaks").stdout
+    md = cli(*base[:3], "--runs", "1", "--warmup", "0", "--no-measure-peaks", "--verbose").stdout
     head = next(ln for ln in md.splitlines() if ln.startswith("| row 1 |"))
     assert "| 0.6667 |" in head  # quality sits in the headline table
     # Random-id prompts carry no answers: quality is null in JSON and n/a in the text printers.
@@ -91,7 +91,7 @@ def test_bench_reports_quality_as_exact_match_on_the_answers(tmp_path):
             "--warmup", "0", "--no-measure-peaks", "--blocks", "1", "--diffusion-steps", "2"]
     row = json.loads(cli(*rand, "--format", "json").stdout)["rows"][0]
     assert row["quality"] is None and row["quality_metric"] is None
-    md = cli(*rand).stdout
+    md = cli(*rand, "--verbose").stdout
     assert re.search(r"^\| `quality` \| n/a \|", md, re.M)
 
 

@@ -97,7 +97,7 @@ def test_show_config_names_sources(ckpt, capsys):
 
 def test_init_canvas_warm_start_is_used(ckpt, capsys, tmp_path):
     trace = tmp_path / "t.jsonl"
-    ids = ",".join(str(i) for i in range(200, 216))
+    ids = "ids:" + ",".join(str(i) for i in range(200, 216))
     code, _, _ = run(["generate", "--model", str(ckpt), *FAST, "--init-canvas", ids, "--trace", str(trace), "hi"], capsys)
     assert code == 0
     _, records = read_trace(trace)
@@ -155,7 +155,7 @@ def test_bad_input_gives_one_line_and_nonzero_exit(case, ckpt, capsys, tmp_path,
     elif case == "unknown_option":
         argv, needle = [*m, "--steps", "0", "hi"], "--steps"
     else:
-        argv, needle = [*m, "--init-canvas", "1,2,99999", "hi"], "99999"
+        argv, needle = [*m, "--init-canvas", "ids:1,2,99999", "hi"], "99999"
     code, out, err = run(["generate", *argv], capsys, stdin=stdin, monkeypatch=monkeypatch)
     assert code != 0
     assert out == ""
@@ -164,6 +164,7 @@ def test_bad_input_gives_one_line_and_nonzero_exit(case, ckpt, capsys, tmp_path,
     assert "Traceback" not in err
 
 
+@pytest.mark.slow  # end to end; test_closed_pipe_exits_141_quietly and test_startup run the console script too
 def test_real_subprocess_pipeline(ckpt):
     """The installed console script, as a shell pipeline would run it."""
     ok = subprocess.run(["dgemma", "generate", "--model", str(ckpt), *FAST, "--format", "json"],

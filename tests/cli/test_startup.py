@@ -119,6 +119,7 @@ print(sum(v for k, v in counters["graph_break"].items() if "torch.compiler.disab
 """
 
 
+@pytest.mark.slow  # dynamo in a fresh interpreter (~5 s); the plain-import probes above stay in the fast run
 def test_compiled_experts_grouped_stays_outside_the_graph():
     """The lazy disable keeps the host read of `experts_grouped` out of compiled graphs, as the eager
     decorator did (backend="eager": dynamo's decision without inductor's compile time)."""

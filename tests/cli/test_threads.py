@@ -53,7 +53,7 @@ def test_bench_prints_the_thread_count_and_source_in_card_and_provenance(monkeyp
     assert (prov["torch_threads"], prov["threads_source"]) == (2, "flag: --threads 2")
     assert doc["card"]["threads"] == {"count": 2, "source": "flag: --threads 2"}
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the tests set it; a user usually has not
-    r = cli(*base[:-2], "--format", "md")
+    r = cli(*base[:-2], "--format", "md", "--verbose")
     assert f"**threads**: 1 ({RULE_SMALL})" in r.stdout
     assert "- torch_threads: 1" in r.stdout and f"- threads_source: {RULE_SMALL}" in r.stdout
 

@@ -261,7 +261,9 @@ def test_triton_matches_reference(dtype, ent_atol, ent_rtol, soft_atol, soft_rto
 
 
 @needs_triton
-@pytest.mark.parametrize("c,h,v,sharp", [(32, 64, 4096, 1.0), (32, 64, 4096, 4.0), (16, 32, 20000, 1.0)])
+# Interpreted Triton: 3-8 s a case, so one shape in the fast run, the other two in the full run.
+@pytest.mark.parametrize("c,h,v,sharp", [(32, 64, 4096, 1.0), pytest.param(32, 64, 4096, 4.0, marks=pytest.mark.slow),
+                                         pytest.param(16, 32, 20000, 1.0, marks=pytest.mark.slow)])
 def test_triton_soft_within_two_bf16_steps(c, h, v, sharp):
     """The Triton soft embedding in bf16: normalised probabilities rounded once (exp(bf16(L) - bf16(max))
     divided by the row's sum), an fp32 GEMM over the whole vocabulary, one rounding: the reference's
@@ -390,7 +392,8 @@ def near_a_boundary(hidden, embed, u, softcap, temperature, tie):
     return ((cdf - u[..., None]).abs() < tie).any(-1)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# ~5 s each (the interpreted Triton kernels): bf16, the released checkpoints' dtype, in the fast run.
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.slow), torch.bfloat16])
 def test_every_path_makes_the_same_draw_from_the_same_uniforms(dtype):
     """Reference, CPU tiles (7 columns: a group per tile; 128, 192: 64-column groups; automatic: one tile) and
     the Triton kernels (several splits and tile widths) pick the same token from the same uniform,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 
 import pytest
 import torch
@@ -123,13 +124,36 @@ def test_printers_render_the_same_record(doc):
 
 def test_cli_formats_md_csv_jsonl(ckpt):
     base = ["--model", str(ckpt), *FIXED, "--runs", "1", "--warmup", "0"]
-    md = run(*base).stdout
-    assert md.index("# dgemma bench") < md.index("## Results") < md.index("### Figures")
+    md = run(*base, "--verbose").stdout
+    assert md.index("# dgemma bench") < md.index("## Results") < md.index("### Figures") < md.index("### Provenance")
     assert json.loads(md.strip().splitlines()[-1])["max_denoising_steps"] == 3  # one JSON line last
     csv_out = run(*base, "--format", "csv").stdout
     assert csv_out.splitlines()[0].startswith("label,kind,") and len(csv_out.splitlines()) == 2
     line = json.loads(run(*base, "--format", "jsonl").stdout)
     assert line["diffusion_steps_per_canvas"] == 3
+
+
+def test_default_md_is_short_with_units_and_the_rest_behind_verbose(ckpt):
+    """Issue 23: the default human output was 187 lines for one row (raw byte counts, every figure): now the
+    card and the main figures with units; every figure (and each definition) is one flag away, and the
+    machine formats keep every field."""
+    base = ["--model", str(ckpt), *FIXED, "--runs", "1", "--warmup", "0"]
+    md, full = run(*base).stdout, run(*base, "--verbose").stdout
+    assert len(md.splitlines()) <= 50 < len(full.splitlines()), md
+    assert "### Figures" not in md and "### Provenance" not in md and "add --verbose" in md
+    figures = {ln.split("|")[1].strip(" `"): ln.split("|")[2].strip() for ln in md.splitlines() if ln.startswith("| `")}
+    # Batch size 1: no slot occupancy; --no-measure-peaks: no roofline ratio.
+    assert list(figures) == [k for k in metrics.SUMMARY if k not in ("slot_occupancy", "step_vs_floor")]
+    assert figures["output_throughput"].endswith(" tok/s") and figures["mean_step_ms"].endswith(" ms")
+    assert re.fullmatch(r"[\d.]+ ([KMG]i)?B", figures["peak_memory_bytes"]) and figures["quality"] == "n/a"
+    assert figures["cap_hit_rate"] == "100 %"  # fixed work: every block runs the cap
+    # The queue wait at batch 1 is the backlog of a pass that submits every prompt at once: said so.
+    queue = next(ln for ln in md.splitlines() if ln.startswith("| `mean_queue_ms`"))
+    assert "all 2 prompts of a run are submitted at once" in queue
+    assert "submits all its prompts at once" in metrics.DEFINITIONS["mean_queue_ms"]
+    card = md[: md.index("## Results")]
+    assert re.search(r"\d [KMG]iB", card) and "FLOP" in card and not re.search(r"\d{1,3}(,\d{3}){2,}", card)  # no raw byte counts
+    assert json.loads(md.strip().splitlines()[-1]).keys() == json.loads(full.strip().splitlines()[-1]).keys()
 
 
 def test_save_result(ckpt, tmp_path):

@@ -66,9 +66,9 @@ def test_markdown_headline_shows_the_batch_size(capsys):
     code, out, _ = run(["bench", "--batch-size", "1,2", "--num-prompts", "2", "--runs", "1", "--warmup", "0",
                         "--no-measure-peaks", "--diffusion-steps", "4"], capsys)
     assert code == 0
-    head = next(ln for ln in out.splitlines() if ln.startswith("| label |"))
-    assert "| batch_size |" in head and "| slot_occupancy |" in head
-    assert "| batch 1 |" in out and "| batch 2 |" in out
+    head = next(ln for ln in out.splitlines() if ln.startswith("| figure |"))
+    assert head == "| figure | batch 1 | batch 2 | meaning |"  # a column per batch size
+    assert "batch size 1, 2" in out and any(ln.startswith("| `slot_occupancy` |") for ln in out.splitlines())
     last = json.loads(out.strip().splitlines()[-1])
     assert [r["batch_size"] for r in last] == [1, 2]
 

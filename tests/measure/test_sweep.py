@@ -242,3 +242,39 @@ def test_each_cell_has_a_spread_over_seeds_and_runs(ckpt, tmp_path):
         qlo, qhi = row["spread"]["quality"]  # agreement per pass, against the reference setting
         assert 0 <= qlo <= row["quality"] <= qhi <= 1
     assert "output_throughput [min, max]" in r.stdout and "over each cell's 4 timed passes" in r.stdout
+
+
+# ---- the default row file: one per run (issue 23, item 7) ----------------------------------------------------
+
+
+def test_default_row_file_is_new_per_run(tmp_path):
+    now = time.mktime((2026, 11, 25, 18, 30, 12, 0, 0, -1))
+    assert sw.fresh_row_file(tmp_path, now).name == "sweep-20261125-183012.jsonl"
+    (tmp_path / "sweep-20261125-183012.jsonl").touch()
+    (tmp_path / "sweep-20261125-183012-2.jsonl").touch()
+    assert sw.fresh_row_file(tmp_path, now).name == "sweep-20261125-183012-3.jsonl"
+
+
+def test_two_sweeps_in_a_row_without_output_do_not_collide(ckpt, tmp_path, monkeypatch):
+    """The README's sweeps one after another in one directory: each writes its own file and names it on
+    stderr at the start and the end; --resume without -o says which flag names the file."""
+    monkeypatch.chdir(tmp_path)
+    args = ["--model", str(ckpt), "--random-prompts", "--num-prompts", "1", "--random-input-len", "4",
+            "--diffusion-steps", "2", "--warmup", "0", "--runs", "1", "--no-measure-peaks"]
+    errs = [cli(*args).stderr, cli(*args).stderr]
+    files = sorted(p.name for p in tmp_path.glob("sweep-*.jsonl"))
+    assert len(files) == 2 and not (tmp_path / "sweep.jsonl").exists()
+    for err in errs:
+        named = [ln for ln in err.splitlines() if ln.startswith("dgemma: sweep rows in ")]
+        assert len(named) == 2 and named[0] == named[1]  # at the start and at the end
+        name = named[0].split()[4]
+        assert name in files and f"(resume with -o {name} --resume)" in named[0]
+        assert len(cells_in(tmp_path / name)) == 1
+    from dgcli.cli import app
+
+    r = CliRunner().invoke(app, ["sweep", *args, "--resume"])
+    assert isinstance(r.exception, UserError) and any(f"-o {f}" in str(r.exception) for f in files)
+    r = CliRunner().invoke(app, ["sweep", *args, "-o", files[0]])  # -o keeps today's rule
+    assert isinstance(r.exception, UserError) and "add --resume" in str(r.exception)
+    assert "rows go to a new sweep-" in cli(*args, "--dry-run").stdout  # named when a run starts: none made
+    assert sorted(p.name for p in tmp_path.glob("sweep-*.jsonl")) == files

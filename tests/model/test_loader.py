@@ -96,7 +96,7 @@ def test_missing_directory(tmp_path):
 
 def test_missing_config(ckpt):
     (ckpt / "config.json").unlink()
-    expect(ckpt, "config.json", "not found")
+    expect(ckpt, "no config.json", "not a checkpoint directory")
 
 
 def test_not_a_diffusion_gemma_config(ckpt):

@@ -18,10 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from rich.text import Text
 from typer.testing import CliRunner
 
 from dgcli.render.frames import RENOISED, SEPARATOR, Committed, Frame, display_piece, kind_of, status_line
-from dgcli.render.watch import (Display, Pieces, Watch, canvas_text, committed_text, html_data, html_page, make_console,
+from dgcli.render.watch import (Display, Pieces, Watch, canvas_text, html_data, html_page, live_view, make_console,
                                 plain, render_frame, save_html, save_svg)
 from dgcli.sampling.events import BlockStart, Commit, Done, Step
 
@@ -77,9 +78,10 @@ def test_frames_carry_kinds_changes_and_status():
     assert last.kinds == (3, 2, 1, 0, 3, 2)
     assert last.changed == (False, True, False, True, True, False)
     mean = float(torch.tensor(STEP2["entropy"]).mean())
-    assert status_line(last) == (f"block 1/1 · step 2/3 · T 0.600 · accepted 6/6 · mean H {mean:.4f} · "
+    # The block count is a cap (the answer may end at an earlier block): "of at most", never "1/4".
+    assert status_line(last) == (f"block 1 of at most 1 · step 2/3 · T 0.600 · accepted 6/6 · mean H {mean:.4f} · "
                                  "elapsed 0.50s · stopped: stable+confident")
-    assert status_line(start) == "block 1/1 · step 0/3 · noise · elapsed 0.00s"
+    assert status_line(start) == "block 1 of at most 1 · step 0/3 · noise · elapsed 0.00s"
     assert [c.ids for c in w.commits] == [(10, 11, 12, 13, 15)]
     assert w.final_text() == " The cat sat on mat"
 
@@ -121,7 +123,8 @@ def test_adjacent_word_pieces_are_drawn_apart_but_the_answer_is_the_real_text(tm
     w.frames.append(f)
     w.commits.append(Committed(0, ids, f))
     assert plain(canvas_text(f, pieces)) == " And│ G│od│ said\n"  # terminal: a boundary inside the word
-    assert plain(committed_text(w.commits[0], pieces)).endswith("\n And God said\n") and w.final_text() == " And God said"
+    # The live view's answer so far is the real text above the next frame.
+    assert plain(live_view(f, list(ids), pieces)).startswith(" And God said\n") and w.final_text() == " And God said"
     save_svg(tmp_path / "run.svg", w, "t")
     svg = (tmp_path / "run.svg").read_text().replace("&#160;", " ")
     assert re.search(r">\s?G</text>.*?>│</text>.*?>od</text>", svg, re.S)  # SVG: the separator between them
@@ -153,7 +156,7 @@ def test_long_canvas_wraps_to_the_width():
     f = Frame(0, 2, 5, 8, ids, (0,) * len(ids), (False,) * len(ids), 1.5, 0.5, 12, 0.25, None)
     lines = plain(render_frame(f, pieces), width=30).splitlines()
     assert len(lines) > 20 and max(len(line) for line in lines) <= 30
-    assert "".join(lines).replace(" ", "").startswith("block1/2·step5/8")
+    assert "".join(lines).replace(" ", "").startswith("block1ofatmost2·step5/8")
     assert "x" * 30 in lines[-3:][0] + lines[-3:][1] + lines[-3:][2]  # a run with no spaces is folded
 
 
@@ -250,8 +253,13 @@ def test_replay_reproduces_the_live_frames(ckpt, tmp_path):
     assert _trace_records(t) == _trace_records(tmp_path / "g.jsonl")  # watch --trace is generate's trace
     # Not a terminal here: one frame per block on stderr, with a note.
     assert "not a terminal" in live.stderr
-    assert re.search(r"block 1/2 · step 5/5 · .*\s+stopped: step cap", live.stderr)  # random weights: never stable
-    assert "block 2/2 · step 5/5" in live.stderr
+    # Whole lines, not wrapped at 80 columns: a log has no width (random weights: never stable).
+    status = [ln for ln in live.stderr.splitlines() if ln.startswith("block ")]
+    assert [ln.split(" · ")[:2] for ln in status] == [["block 1 of at most 2", "step 5/5"],
+                                                      ["block 2 of at most 2", "step 5/5"]]
+    assert all(len(ln) > 80 and ln.endswith(" · stopped: step cap") for ln in status), status
+    canvases = [live.stderr.splitlines()[live.stderr.splitlines().index(ln) + 1] for ln in status]
+    assert all(c.count(SEPARATOR) >= 15 for c in canvases), canvases  # 16 positions on the line under it
 
     replay_html, replay_svg = tmp_path / "replay.html", tmp_path / "replay.svg"
     replay = _invoke("watch", "--replay", str(t), "--speed", "0", "--save-html", str(replay_html),
@@ -264,6 +272,53 @@ def test_replay_reproduces_the_live_frames(ckpt, tmp_path):
     assert replay.stderr == budget_note.sub("", live.stderr)
     final = "".join(frames["raw"][i] for block in frames["blocks"] for i in block)
     assert replay.stdout == final.rstrip("\n") + "\n"
+
+
+class _Clock:
+    """A stand-in for dgcli.render.watch's `time`: sleeping advances it, and each sleep is recorded."""
+
+    def __init__(self):
+        self.now, self.sleeps = 0.0, []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def test_a_terminal_gets_a_default_pace_unless_one_is_chosen(ckpt, monkeypatch):
+    """The README's prompts end in 2 steps (0.02 s): on a terminal each step is held DEFAULT_PACE_S unless
+    --fps, --step-delay or --speed chose a pace; --step-delay 0 turns it off; a pipe is never paced."""
+    import dgcli.cli.watch as cmd
+    import dgcli.render.watch as rw
+
+    terminal = lambda: (make_console(file=io.StringIO(), force_terminal=True, width=100), "live", None)  # noqa: E731
+    for args, tty, paced in (([], True, True), (["--step-delay", "0"], True, False), (["--fps", "30"], True, False),
+                             ([], False, False)):
+        clock = _Clock()
+        monkeypatch.setattr(rw, "time", clock)
+        with monkeypatch.context() as m:
+            if tty:
+                m.setattr(cmd, "_screen", terminal)
+            _invoke("watch", "--model", str(ckpt), *args, *RUN)
+        assert (set(clock.sleeps) == {cmd.DEFAULT_PACE_S} if paced else clock.sleeps == []), (args, tty, clock.sleeps)
+    assert 0.1 <= cmd.DEFAULT_PACE_S <= 0.3
+
+
+def test_on_a_terminal_a_finished_block_leaves_its_status_line_not_its_text(monkeypatch):
+    """The answer is printed once at the end (dgcli.cli.watch): a finished block must not also leave its
+    text above the live view, where the end's copy would repeat it."""
+    console = make_console(file=io.StringIO(), force_terminal=True, width=100)
+    printed, real = [], console.print
+    monkeypatch.setattr(console, "print", lambda *a, **k: (printed.append(a), real(*a, **k)))
+    display = Display(console, "live", Pieces(table=PIECES))
+    with display:
+        w = fed(display)
+    above = [plain(a[0]) for a in printed if a and isinstance(a[0], Text)]
+    assert above == [status_line(w.frames[-1]) + "\n"]
+    assert display.answer == list(w.commits[0].ids)  # shown in the view instead, until the end
 
 
 def _dgemma(*args: str) -> subprocess.CompletedProcess:

@@ -69,38 +69,42 @@ def test_bench_counts_the_cut_answer(tmp_path):
 def test_init_canvas_ids_and_bad_prompts():
     s = session_with()
     c, v = s.config.canvas_length, s.config.vocab_size
-    ids = request.init_canvas_ids(s, "5,6,7", seed=0)
+    ids = request.init_canvas_ids(s, "ids:5,6,7", seed=0)
     assert ids[:3] == [5, 6, 7] and len(ids) == c and all(0 <= i < v for i in ids)
-    assert request.init_canvas_ids(s, "5,6,7", seed=0) == ids  # seeded noise
+    assert request.init_canvas_ids(s, "ids:5,6,7", seed=0) == ids  # seeded noise
+    assert request.init_canvas_ids(s, [5, 6, 7], seed=0) == ids  # a JSON list (a JSONL row's) is ids
     with pytest.raises(UserError, match="outside the vocabulary"):
-        request.init_canvas_ids(s, f"1,{v}", seed=0)
+        request.init_canvas_ids(s, f"ids:1,{v}", seed=0)
     with pytest.raises(UserError, match="canvas holds"):
-        request.init_canvas_ids(s, ",".join(["1"] * (c + 1)), seed=0)
+        request.init_canvas_ids(s, "ids:" + ",".join(["1"] * (c + 1)), seed=0)
     with pytest.raises(UserError, match="empty"):
         request.encode(s, "  \n")
 
 
 @pytest.mark.parametrize("spec, needle", [
-    ("1,2,abc", r"item 3 'abc' is not a token id"),  # a mistyped id list, not text
-    ("1,,2", "item 2 is empty"),
-    ("5,6,", "item 3 is empty"),
-    ("1 2 3", "item 1 '1 2 3' is not a token id"),
+    ("ids:1,2,abc", r"item 3 'abc' is not a token id"),  # a mistyped id list, not text
+    ("ids:1,,2", "item 2 is empty"),
+    ("ids:5,6,", "item 3 is empty"),
+    ("ids:1 2 3", "item 1 '1 2 3' is not a token id"),
     ("", "--init-canvas is empty"),
     ("  ", "--init-canvas is empty"),
-    ("-1,2", "outside the vocabulary"),
+    ("ids:", "--init-canvas is empty"),
+    ("ids:-1,2", "outside the vocabulary"),
 ])
-def test_init_canvas_that_looks_like_ids_parses_or_fails_in_one_line(spec, needle):
+def test_init_canvas_ids_parse_or_fail_in_one_line(spec, needle):
     with pytest.raises(UserError, match=needle) as e:
         request.init_canvas_ids(session_with(), spec, seed=0)
     assert "\n" not in str(e.value) and "; " in str(e.value)  # one line: the problem; the fix
 
 
-@pytest.mark.parametrize("spec", ["hello world", "Hi, there", "count 1,2,3"])
+@pytest.mark.parametrize("spec", ["hello world", "Hi, there", "count 1,2,3", "1 2 3", "7", "5,6,7"])
 def test_init_canvas_text_is_tokenised(spec):
+    """Digits are text too (issue 23): the sort and count tasks warm-start from "1 2 3"; ids need `ids:`."""
     s = session_with()
     ids = s.tokenizer.encode_text(spec)
+    assert request.read_init_canvas(s, spec) == (ids, "text")
     assert request.init_canvas_ids(s, spec, seed=0)[:len(ids)] == ids
-    assert request.init_canvas_ids(s, " 5 , 6,7", seed=0)[:3] == [5, 6, 7]
+    assert request.read_init_canvas(s, " ids: 5 , 6,7") == ([5, 6, 7], "ids")
 
 
 @pytest.mark.parametrize("command", ["generate", "watch"])

@@ -368,10 +368,12 @@ def test_nested_value_is_a_type_error(tmp_path):
         resolve(None, preset, {})
 
 
-def test_empty_preset_changes_nothing(tmp_path):
-    preset = write_preset(tmp_path, "# nothing yet\n")
-    assert load_preset(preset) == {}
-    assert set(resolve(None, preset, {}).sources.values()) == {"default"}
+@pytest.mark.parametrize("text", ["", "# nothing yet\n"])
+def test_empty_preset_is_an_error_naming_the_file(tmp_path, text):
+    """Issue 23: an empty preset file was accepted silently (a preset never filled in, or the wrong file)."""
+    preset = write_preset(tmp_path, text, name="empty.yaml")
+    with pytest.raises(UserError, match=r"^preset .*empty\.yaml: the file is empty; write the settings"):
+        load_preset(preset)
 
 
 def test_relative_prompt_set_is_relative_to_the_preset(tmp_path):

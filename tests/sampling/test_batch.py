@@ -35,21 +35,30 @@ def answers(session, prompts, batch_size, order, **kw):
     return got
 
 
-def test_batch_size_and_order_do_not_change_any_answer(bundled):
-    """Every held-out prompt: the same tokens and steps alone, in batches of 3 and 8, in two orders. The
-    batch shapes differ (ragged prompts, rows leaving as they finish), so any row whose numbers depended on
-    its batch-mates would show here; none does on this model (fp32, CPU)."""
-    session, prompts = bundled
+def shuffled(n):
+    order = list(range(n))
+    random.Random(0).shuffle(order)
+    return order
+
+
+ORDERS = {"in order": lambda n: list(range(n)), "reversed": lambda n: list(reversed(range(n))), "shuffled": shuffled}
+
+
+@pytest.mark.parametrize("size,order", [(8, "shuffled"), pytest.param(3, "in order", marks=pytest.mark.slow),
+                                        pytest.param(8, "reversed", marks=pytest.mark.slow)])
+def test_batch_size_and_order_do_not_change_any_answer(bundled_heldout, size, order):
+    """Every held-out prompt: the same tokens and steps alone (the session's shared solo runs, tests/conftest.py)
+    as in batches of 8 shuffled, of 3 in order and of 8 reversed (the last two: slow). The batch shapes
+    differ (ragged prompts, rows leaving as they finish), so any row whose numbers depended on its
+    batch-mates would show here; none does on this model (fp32, CPU)."""
+    session, prompts, responses = bundled_heldout
     n = len(prompts)
-    solo = answers(session, prompts, 1, list(range(n)))
-    shuffled = list(range(n))
-    random.Random(0).shuffle(shuffled)
-    for size, order in ((3, list(range(n))), (8, shuffled), (8, list(reversed(range(n))))):
-        got = answers(session, prompts, size, order)
-        differ = [i for i in range(n) if got[i] != solo[i]]
-        assert not differ, f"batch {size}: rows {differ[:5]} differ from their solo runs"
+    solo = {i: (r.token_ids, r.done.steps_per_block, r.finish_reason) for i, r in enumerate(responses)}
     assert len({len(s) for _, s, _ in solo.values()}) > 1, "rows must end after different numbers of blocks"
     assert len({tuple(s) for _, s, _ in solo.values()}) > 3, "rows must take different numbers of steps"
+    got = answers(session, prompts, size, ORDERS[order](n))
+    differ = [i for i in range(n) if got[i] != solo[i]]
+    assert not differ, f"batch {size} {order}: rows {differ[:5]} differ from their solo runs"
 
 
 def test_rows_with_their_own_seeds_caps_and_canvases_equal_their_solo_runs(bundled):

@@ -6,7 +6,6 @@ canvas and ours must give the same block, the same number of denoising steps and
 tokens-per-forward. (b) A non-confident random model: our per-position samples follow the tempered
 softmax of the reference's logits (chi-square at a fixed seed)."""
 
-import dataclasses
 import math
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 from hf_oracle import TINY_VISION, make_config
 
 import dgcli
-from dgcli.sampling.loop import generate_events
+from dgcli.sampling.loop import generate_batch_events, generate_events
 from dgcli.sampling.events import Done, Step
 from dgcli.sampling.params import DiffusionEbParams
 
@@ -127,11 +126,13 @@ def test_samples_follow_the_references_tempered_softmax(tmp_path):
     probs = torch.softmax(logits / params.t_max, dim=-1)
     n = 600
     counts = torch.zeros_like(probs)
-    for seed in range(n):
-        for ev in generate_events(ours, prompt, params=dataclasses.replace(params, seed=seed), num_blocks=1,
-                                  init_canvas=init):
-            if isinstance(ev, Step):
-                counts[torch.arange(cfg.canvas_length), ev.sample] += 1
+    # Seeds 0..n-1 as n rows of one batch: a row's draws are its own seed's (the loop's contract, checked
+    # row for row against solo runs in test_batch.py), in one pass instead of n (18 s -> 1 s).
+    for ev in generate_batch_events(ours, [prompt[0]] * n, params=params, num_blocks=1, seeds=list(range(n)),
+                                    init_canvases=[init] * n):
+        if isinstance(ev, Step):
+            counts[torch.arange(cfg.canvas_length), ev.sample] += 1
+    assert counts.sum() == n * cfg.canvas_length, "one first-step draw per seed and position"
     # Pool the C positions into one chi-square over cells with expected count >= 5 (+ one rest cell).
     expected = probs * n
     big = expected >= 5
@@ -156,7 +157,6 @@ def test_batched_rows_equal_the_references_batched_generate(copy_model, monkeypa
     from transformers.models.diffusion_gemma import generation_diffusion_gemma as hf_gen
 
     from dgcli.sampling import draws
-    from dgcli.sampling.loop import generate_batch_events
 
     ref, ours = copy_model
     params = DiffusionEbParams(max_denoising_steps=8, stability_threshold=1)
@@ -217,7 +217,6 @@ def test_batched_rows_equal_the_reference_draw_for_draw(copy_model, tmp_path, mo
     from transformers.models.diffusion_gemma import generation_diffusion_gemma as hf_gen
 
     from dgcli.sampling import draws
-    from dgcli.sampling.loop import generate_batch_events
 
     base, _ = copy_model
     ref = copy.deepcopy(base)

@@ -9,13 +9,10 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 import dgcli
-from dgcli.cli.options import sampler_flags
 from dgcli.measure.sweep import exact_match
-from dgcli.runtime import request
-from dgcli.runtime.session import BUNDLED, open_session
+from dgcli.runtime.session import BUNDLED
 from dgcli.train import tasks
 
 PROMPTS = Path(dgcli.__file__).parent / "data" / "prompts" / "heldout.jsonl"
@@ -25,23 +22,16 @@ FLOOR_ALL, FLOOR_MULTI_BLOCK, MAX_MEAN_STEPS = 0.80, 0.50, 12.0
 
 
 @pytest.fixture(scope="module")
-def heldout():
-    """Every held-out prompt (task and free text) through `request.generate`, as eval_bundled runs them."""
-    threads = torch.get_num_threads()
-    # --dtype float32 as eval_bundled loads it; block cap 4 (stops at <turn|> before), seed 0, the rest
-    # from the checkpoint's generation_config.json.
-    session = open_session(None, None, sampler_flags(blocks=4, seed=0, device="cpu", dtype="float32"))
-    torch.set_num_threads(1)  # the recorded numbers were measured on one thread
+def heldout(bundled_heldout):
+    """Every held-out prompt (task and free text) through `request.run`, as eval_bundled runs them: fp32,
+    block cap 4 (stops at <turn|> before), seed 0, the rest from the checkpoint's generation_config.json,
+    one thread (the shared session fixture in tests/conftest.py, which tests/sampling/test_batch.py reads too)."""
+    session, _, responses = bundled_heldout
     rows = []
-    try:
-        with torch.no_grad():
-            for ex in tasks.read_prompt_file(PROMPTS):
-                r = request.generate(session, ex.prompt)
-                rows.append({"ex": ex, "text": r.text, "finish": r.finish_reason, "blocks": r.done.blocks,
-                             "steps": list(r.done.steps_per_block),
-                             "ok": ex.answer is not None and exact_match(r.text, ex.answer)})
-    finally:
-        torch.set_num_threads(threads)
+    for ex, r in zip(tasks.read_prompt_file(PROMPTS), responses, strict=True):
+        rows.append({"ex": ex, "text": r.text, "finish": r.finish_reason, "blocks": r.done.blocks,
+                     "steps": list(r.done.steps_per_block),
+                     "ok": ex.answer is not None and exact_match(r.text, ex.answer)})
     return session, rows
 
 

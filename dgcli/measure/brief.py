@@ -1,0 +1,103 @@
+"""The short human output of `dgemma bench` (its default): the card in a screenful, the main figures of each
+row in one table with their units and a short meaning, and where the rest is.
+
+Owns: the wording and layout of that short view (sizes in KiB/MiB/GiB, FLOPs in MFLOP/GFLOP, times in ms or
+µs). The full view (every figure with its definition, the step histogram, provenance) is printers.to_markdown
+behind `bench --verbose`; the machine formats (csv, json, jsonl) are printers' too and carry every field.
+Must not: measure, or decide what a figure means (metrics.py: DEFINITIONS and SUMMARY do).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from dgcli.measure.printers import cell, count, fmt, human, md_table, row_names
+
+MORE = "Every figure with its definition, the step histogram and provenance: add --verbose (or --format json)."
+
+
+def _ms(ms: float) -> str:
+    """A time the way one reads it: µs below 0.1 ms, else ms, 4 significant digits."""
+    return f"{ms * 1e3:.4g} µs" if ms < 0.1 else f"{ms:.4g} ms"
+
+
+def _measured(name: str) -> str:
+    """A device name marked as measured here: "AMD EPYC (1 thread)" -> "AMD EPYC (1 thread, measured)"."""
+    return name[:-1] + ", measured)" if name.endswith(")") else name + " (measured)"
+
+
+def card_text(card: dict) -> str:
+    """The card in ~15 lines: architecture, parameters, memory to run, cost of a step, threads, roofline."""
+    cfg, p, m, s = card["config"], card["parameters"], card["memory"], card["per_step"]
+    mib = lambda n: human(n, "B", 1024)  # noqa: E731
+    kv, hd = cfg["kv_heads"], cfg["head_dim"]
+    lines = [f"## {card['model']}", "", f"source: {card['source']}", "",
+             f"- architecture: {cfg['layers']}; hidden {cfg['hidden_size']}, {cfg['attention_heads']} heads (KV "
+             f"{kv['sliding']} sliding, {kv['full']} full; head dim {hd['sliding']}/{hd['full']}), vocab "
+             f"{cfg['vocab_size']:,}",
+             f"- experts: {cfg['experts']}; dense MLP {cfg['dense_mlp']}; canvas {cfg['canvas_length']} tokens",
+             f"- parameters: {count(p['total'])} ({count(p['active_per_token'])} active per token); weights "
+             + ", ".join(f"{k} {mib(v)}" for k, v in card["bytes_by_dtype"].items()),
+             f"- memory to run ({card['dtype']}, KV for {m['kv_context']:,} tokens): ~{mib(m['total'])} = weights "
+             f"{mib(m['weights'])} + KV cache {mib(m['kv_cache'])} + sampler ~{mib(m['step_working_set'])}",
+             f"- per denoising step (prompt {card['prompt_len']} tokens): {human(s['flops'], 'FLOP')}, "
+             f"{human(s['bytes'], 'B')} moved at least; per commit {human(card['per_commit']['flops'], 'FLOP')}; "
+             f"prefill {human(card['prefill']['flops'], 'FLOP')}"]
+    if card.get("vision"):
+        lines.append(f"- vision tower: {count(card['vision']['parameters'])} parameters, {card['vision']['note']}")
+    if card.get("threads"):
+        lines.append(f"- **threads**: {card['threads']['count']} ({card['threads']['source']})")
+    if card["devices"]:
+        body = [[_measured(d["name"]) if d.get("flops_range") else d["name"], human(d["flops_per_s"], "FLOP/s"),
+                 human(d["bytes_per_s"], "B/s"), f"{_ms(d['floor_step_ms'])} ({d['floor_step_bound']})",
+                 human(d["ceiling_canvas_tokens_per_s"], "tok/s")] for d in card["devices"]]
+        lines += ["", "Roofline floor per denoising step, max(FLOPs / peak, bytes / bandwidth):", "",
+                  md_table(["device", "peak bf16", "bandwidth", "floor / step", "canvas ceiling (1 step/block)"], body)]
+    return "\n".join(lines) + "\n"
+
+
+def _unit(definition: str) -> str:
+    """The unit a definition starts with ("[ms] ..." -> "ms"), else ""."""
+    m = re.match(r"\[([^\]]+)\]", definition)
+    return m.group(1) if m else ""
+
+
+def value(key: str, v: Any, definitions: dict[str, str]) -> str:
+    """One figure with its unit: bytes in KiB/MiB/GiB, shares as %, the rest as printers.fmt with the unit."""
+    unit = _unit(definitions.get(key, ""))
+    if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
+        return cell(key, v)
+    if unit == "B":
+        return human(v, "B", 1024)
+    if key.endswith("_rate") or key in ("slot_occupancy",):
+        return f"{v * 100:.3g} %"
+    if key == "step_vs_floor":
+        return f"{fmt(float(v))}x"
+    return f"{fmt(v)} {unit}".strip()
+
+
+def settings_line(rows: list[dict]) -> str:
+    """What was run, once: the settings every row shares."""
+    r = rows[0]
+    src = str(r.get("prompt_source", "")).rsplit("/", 1)[-1]
+    sizes = sorted({x.get("batch_size", 1) for x in rows})
+    return (f"{r.get('mode')} · steps ≤ {r.get('max_denoising_steps')} · {r.get('blocks')} block(s) at most · "
+            f"batch size {', '.join(map(str, sizes))} · {r.get('num_prompts')} prompts ({src}) x {r.get('runs')} "
+            f"timed run(s), every prompt of a run submitted at once")
+
+
+def rows_text(rows: list[dict], *, summary: dict[str, str], definitions: dict[str, str], title: str) -> str:
+    """The main figures (`summary`: key -> short meaning, in order) of every row as one table, figure per
+    line, each with its unit and meaning; then where the rest is."""
+    names = row_names(rows)
+    batched = any(r.get("batch_size", 1) > 1 for r in rows)
+    keys = [k for k in summary if any(k in r for r in rows) and (batched or k != "slot_occupancy")]
+    n = rows[0].get("num_prompts")
+
+    def meaning(k: str) -> str:
+        return summary[k].replace("{num_prompts}", str(n))
+
+    body = [[f"`{k}`"] + [value(k, r.get(k), definitions) for r in rows] + [meaning(k)] for k in keys]
+    out = [f"## {title}", "", settings_line(rows), "", md_table(["figure"] + names + ["meaning"], body), "", MORE]
+    return "\n".join(out) + "\n"
