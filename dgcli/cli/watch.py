@@ -118,9 +118,9 @@ def watch(
             raise UserError(f"--replay animates a saved trace as recorded; drop {what} (or drop --replay to run the model)")
         return _replay(replay, speed=speed, fps=fps, step_delay=step_delay, save_svg=save_svg, save_html=save_html)
 
-    from dgcli.cli.console import THINKING_NOTE, loading, note_answers, print_answer, read_prompt, run_one
+    from dgcli.cli.console import THINKING_NOTE, init_canvas_note, loading, note_answers, print_answer, read_prompt, run_one
     from dgcli.cli.console import show_config as print_config
-    from dgcli.runtime.request import init_canvas_ids
+    from dgcli.runtime.request import fill_canvas, read_init_canvas
     from dgcli.runtime.session import open_session
 
     if show_config:
@@ -133,7 +133,11 @@ def watch(
         session = open_session(model, preset, flags, threads=threads)
     if session.tokenizer is None:
         raise UserError(f"{session.path}: no tokenizer.json; dgemma watch needs the checkpoint's tokenizer")
-    canvas = init_canvas_ids(session, init_canvas, session.params.seed) if init_canvas is not None else None
+    canvas = None
+    if init_canvas is not None:
+        given, how = read_init_canvas(session, init_canvas)
+        print(init_canvas_note(init_canvas, how, len(given)), file=sys.stderr)
+        canvas = fill_canvas(session, given, session.params.seed)
     console, mode, note = _screen()
     pieces = Pieces(fetch=session.tokenizer.token_strings)
     w = Watch(pieces, session.params.max_denoising_steps,

@@ -82,6 +82,9 @@ def _parse(raw: bytes, chat: bool, ctx: Context) -> Spec:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:  # [[[[...]]]]: the decoder recurses once per level
+        raise ApiError(400, "the request body nests arrays or objects too deeply; send a flat request "
+                       "object (OpenAI's shape)") from None
     return protocol.parse(body, chat=chat, ctx=ctx)
 
 

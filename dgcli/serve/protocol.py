@@ -116,12 +116,12 @@ class Context:
 
     @cached_property
     def max_chars(self) -> int | None:
-        """The most characters a prompt can have and still fit the context, so that a longer one is refused
-        before it is tokenized (a 6 MB prompt took 9 s and 1.4 GB at its peak): a token covers at most the
-        longest vocabulary entry's characters, x4 for a normalizer that joins characters (NFKC: one Hangul
-        syllable of three jamo). None without a vocabulary to measure."""
-        vocab = getattr(getattr(self.tokenizer, "tokenizer", None), "get_vocab", None)
-        return None if vocab is None else 4 * self.context * max(map(len, vocab()))
+        """The most characters a prompt's text (rendered through the chat template) can have and still fit the
+        context, so that a longer one is refused before it is tokenized (a 6 MB prompt took 9 s and 1.4 GB
+        at its peak): no token covers more than `max_token_chars` characters. None where the tokenizer has
+        no such bound: such a prompt is tokenized, in the parsing pool under its time limit."""
+        most = getattr(self.tokenizer, "max_token_chars", None)
+        return None if most is None else self.context * most
 
 
 @dataclass
@@ -205,7 +205,7 @@ def _context_error(prompt_len: int, blocks: int, ctx: Context, chat: bool) -> Ap
 def _check_chars(chars: int, ctx: Context, chat: bool) -> None:
     """Refuse a prompt of `chars` characters that cannot fit the context, before it is tokenized."""
     if ctx.max_chars is not None and chars > ctx.max_chars:
-        what = "the messages have" if chat else "the prompt has"
+        what = "the messages have" if chat else "the prompt has"  # (chat: as the template renders them)
         raise ApiError(400, f"{what} {chars} characters, more than this server's context of {ctx.context} tokens "
                        f"can hold (at most {ctx.max_chars}): shorten the prompt",
                        param="messages" if chat else "prompt", code="context_length_exceeded")
@@ -253,9 +253,9 @@ def _messages(body: dict) -> list[dict]:
 def _prompt_ids(body: dict, ctx: Context, thinking: bool, chat: bool, blocks: int) -> list[int]:
     tok = ctx.tokenizer
     if chat:
-        messages = _messages(body)
-        _check_chars(sum(len(m["content"]) for m in messages), ctx, chat)
-        ids = tok.encode_chat(messages, thinking=thinking)
+        text = tok.chat_text(_messages(body), thinking=thinking)  # the template may trim, or drop old thoughts
+        _check_chars(len(text), ctx, chat)
+        ids = tok.encode_prompt(text, raw=True)  # encode_chat's ids
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):

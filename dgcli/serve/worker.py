@@ -135,11 +135,11 @@ class Worker:
     def _handle(self, kind: str, job: Job | None) -> bool:
         if kind == "submit":
             spec = job.spec
-            request = Request(id=job.id, prompt=torch.tensor(spec.prompt_ids, device=self.session.device),
-                              params=spec.params, num_blocks=spec.num_blocks, seed=spec.params.seed,
-                              stops=set() if spec.ignore_eos else set(self.session.stop_ids))
             self.jobs[job.id] = job
-            try:
+            try:  # anything that fails here fails this request alone: the thread must outlive it
+                request = Request(id=job.id, prompt=torch.tensor(spec.prompt_ids, device=self.session.device),
+                                  params=spec.params, num_blocks=spec.num_blocks, seed=spec.params.seed,
+                                  stops=set() if spec.ignore_eos else set(self.session.stop_ids))
                 self.engine.submit(request)
             except Exception as e:  # the engine refused it (the app's checks should have caught this)
                 log.exception("the engine refused request %s", job.id)
@@ -189,6 +189,11 @@ class Worker:
 
     def _end(self, job: Job) -> None:
         out, spec = job.output, job.spec
+        if not (out.sent_content.strip() or out.sent_reasoning.strip()):  # the client got "": say why, here
+            why = ("/v1/completions sends the prompt without the chat template, and a chat-trained checkpoint "
+                   "answers such prompts with padding; use /v1/chat/completions" if not spec.chat else
+                   "the model gave no text for these messages")
+            log.warning("dgemma serve: request %s: the answer is empty (%s)", job.id, why)
         use = usage(len(spec.prompt_ids), out.completion_tokens, job.steps_per_block)
         self._forget(job, cancelled=False, last=("end", out.finish_reason, use))
 

@@ -136,11 +136,16 @@ class ChatTokenizer:
         messages.append({"role": "user", "content": prompt})
         return self._with_one_bos(self.encode_text(self.render_chat(messages, thinking=thinking)))
 
-    def encode_chat(self, messages: list[dict], *, thinking: bool = False) -> list[int]:
-        """Prompt ids of a conversation ([{role, content}]) through the chat template, with one BOS."""
+    def chat_text(self, messages: list[dict], *, thinking: bool = False) -> str:
+        """A conversation ([{role, content}]) rendered through the chat template: what `encode_chat` tokenizes
+        (a server measures it against `max_token_chars` first)."""
         if not any(m.get("content", "").strip() for m in messages):
             raise UserError("the messages are empty; send some text")
-        return self._with_one_bos(self.encode_text(self.render_chat(messages, thinking=thinking)))
+        return self.render_chat(messages, thinking=thinking)
+
+    def encode_chat(self, messages: list[dict], *, thinking: bool = False) -> list[int]:
+        """Prompt ids of a conversation ([{role, content}]) through the chat template, with one BOS."""
+        return self.encode_prompt(self.chat_text(messages, thinking=thinking), raw=True)
 
     # ---------------------------------------------------------------- answer side
     def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str:

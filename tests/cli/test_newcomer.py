@@ -161,6 +161,11 @@ def test_init_canvas_is_text_unless_prefixed_with_ids(spec, note, capsys, tmp_pa
     assert code == 0, err
     assert f"dgemma: note: {note.format(n=len(want))}" in notes(err)
     assert _first_canvas(trace)[:len(want)] == want
+    code, _, err = run(["watch", "--blocks", "1", "--diffusion-steps", "2", "--step-delay", "0", "--init-canvas",
+                        spec, "--trace", str(trace), "Sort: 3 1 2"], capsys)  # watch reads it the same way
+    assert code == 0, err
+    assert f"dgemma: note: {note.format(n=len(want))}" in notes(err)
+    assert _first_canvas(trace)[:len(want)] == want
 
 
 def test_a_rows_init_canvas_error_names_the_key_and_the_row(capsys, tmp_path):

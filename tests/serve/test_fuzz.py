@@ -26,8 +26,6 @@ from hypothesis.control import currently_in_test_context
 
 from server_proc import serve
 
-pytestmark = pytest.mark.slow
-
 ANSWER_S = 8.0  # a valid request here takes < 0.5 s and a refusal < 0.1 s; 8 s leaves room for a loaded CI box
 # The KV cache is allocated at start and the model is fixed, so after warm-up only allocator slack may stay
 # (the parsing threads' malloc arenas): measured +56 to +78 MB, flat from the first few hundred cases of a
@@ -45,7 +43,8 @@ def campaign(default: int):
 
     def wrap(test):
         test = config(test)
-        return seed(int(SEED))(test) if SEED is not None else test
+        # The campaigns are slow (~1 min in all); the fixed cases below stay in the fast run.
+        return pytest.mark.slow(seed(int(SEED))(test) if SEED is not None else test)
     return wrap
 
 
@@ -58,9 +57,8 @@ def server(tmp_path_factory):
 
 
 def unexpected_tracebacks(log: str) -> list[str]:
-    """The server log's tracebacks, less those of the reported deep-nesting bug (`RECURSION`)."""
-    return [t for t in log.split("Traceback (most recent call last):")[1:]
-            if "RecursionError: maximum recursion depth exceeded while decoding" not in t]
+    """The server log's tracebacks (a request's failure is an error object, never a crash)."""
+    return log.split("Traceback (most recent call last):")[1:]
 
 
 @pytest.fixture(scope="module")
@@ -358,6 +356,7 @@ def check_valid(r: httpx.Response, body: dict, chat: bool) -> None:
     assert use["completion_tokens"] <= body.get("max_tokens", blocks * 16)
 
 
+@pytest.mark.slow
 def test_after_the_campaign_the_server_answers_and_did_not_grow(server, http, baseline_rss):
     r = post(http, True, {"messages": [{"role": "user", "content": "Reverse: c a t"}]}, ok=True)
     assert r.json()["choices"][0]["message"]["content"] == "t a c"  # the bundled model's answer
@@ -369,8 +368,7 @@ def test_after_the_campaign_the_server_answers_and_did_not_grow(server, http, ba
 # ---- what the fuzzer found (each a 500, a hang or garbage accepted before its fix) --------------------------
 
 HI = [{"role": "user", "content": "hi"}]
-RECURSION = "app.py _body: json.loads raises RecursionError, a 500; reported (app.py is not this module's)"
-FOUND = [  # (name, chat, body, words in the message, xfail reason)
+FOUND = [  # (name, chat, body, words in the message)
     ("lone surrogate in a message", True, b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}',
      "lone surrogate"),
     ("lone surrogate in a prompt", False, b'{"prompt": "\\udfff"}', "lone surrogate"),
@@ -384,13 +382,11 @@ FOUND = [  # (name, chat, body, words in the message, xfail reason)
     ("enable_thinking a string", True, {"messages": HI, "chat_template_kwargs": {"enable_thinking": "no"}},
      "chat_template_kwargs.enable_thinking must be true or false"),
     ("steps beyond a long long", True, {"messages": HI, "max_denoising_steps": 10**30}, "max_denoising_steps"),
-    ("nesting past the parser's recursion limit", True, b"[" * 100_000 + b"]" * 100_000, "JSON", RECURSION),
+    ("nesting past the parser's recursion limit", True, b"[" * 100_000 + b"]" * 100_000, "too deeply"),
 ]
 
 
-@pytest.mark.parametrize("chat,body,words", [
-    pytest.param(*f[1:4], id=f[0], marks=[pytest.mark.xfail(strict=True, reason=f[4])] if len(f) > 4 else [])
-    for f in FOUND])
+@pytest.mark.parametrize("chat,body,words", [pytest.param(*f[1:], id=f[0]) for f in FOUND])
 def test_found_by_fuzzing_is_a_400_naming_the_problem(http, chat, body, words):
     r = post(http, chat, body)
     assert r.status_code == 400 and words in r.json()["error"]["message"], r.text[:300]

@@ -9,6 +9,8 @@ needs a process of its own."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import re
 import signal
@@ -22,6 +24,9 @@ import httpx
 import pytest
 
 from dgcli.runtime.session import open_session
+from dgcli.serve.output import Output
+from dgcli.serve.protocol import Spec
+from dgcli.serve.worker import Job
 from dgcli.serve.run import build
 from server_proc import Server, free_port
 
@@ -38,11 +43,11 @@ class SlowTokenizer:
     def __getattr__(self, name):
         return getattr(self.real, name)
 
-    def encode_chat(self, messages, **kw):
+    def chat_text(self, messages, **kw):
         m = re.match(r"SLOW ([\d.]+)", messages[-1]["content"])
         if m:
             time.sleep(float(m.group(1)))
-        return self.real.encode_chat(messages, **kw)
+        return self.real.chat_text(messages, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +115,20 @@ def test_a_4_mb_prompt_is_refused_at_once_and_the_loop_keeps_serving(live):
     (r, seconds), = out
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     assert seconds < 3, seconds
+
+
+def test_the_character_limit_counts_what_the_template_renders(live):
+    """An earlier thought of the model's is dropped by the chat template: a long one must not count against the
+    prompt (the limit measured the raw messages, and refused this conversation that fits)."""
+    base, state = live
+    thought = "<|channel>thought\n" + "x" * (8 * state.ctx.max_chars) + "<channel|>ok"
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": thought},
+                         {"role": "user", "content": "Reverse: c a t"}], "max_tokens": 16}
+    r = httpx.post(base + "/v1/chat/completions", json=chat, timeout=60)
+    assert r.status_code == 200, r.text[:300]
+    chat["messages"][-1]["content"] = "y" * (state.ctx.max_chars + 1)  # what is rendered still counts
+    r = httpx.post(base + "/v1/chat/completions", json=chat, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
 
 
 def test_preparing_a_prompt_past_the_time_limit_is_503(live):
@@ -323,3 +342,34 @@ def test_no_token_covers_more_than_max_token_chars():
         other = Tokenizer.from_str(tok.tokenizer.to_str())
         setattr(other, attr, part)
         assert ChatTokenizer(other, None).max_token_chars is None, attr
+
+
+def test_a_request_the_engine_thread_cannot_build_fails_alone(live):
+    """Whatever fails while the engine thread takes a request in fails that request (a 500), not the thread:
+    before, an error outside the engine's own `submit` ended the thread and every later request hung."""
+    base, state = live
+    loop = asyncio.new_event_loop()
+    try:
+        spec = Spec(True, ["not a token id"], state.ctx.params, 1, None)
+        job = Job(spec, Output(state.ctx.tokenizer, stop_strings=[], max_tokens=None), loop, asyncio.Queue())
+        state.worker.submit(job)
+        kind, error = loop.run_until_complete(asyncio.wait_for(job.queue.get(), 10))
+    finally:
+        loop.close()
+    assert kind == "error" and error.status == 500
+    assert state.worker.thread.is_alive()
+    r = httpx.post(base + "/v1/chat/completions", json=CAT, timeout=60)
+    assert r.json()["choices"][0]["message"]["content"] == "t a c"
+
+
+def test_an_empty_answer_is_explained_in_the_server_log(live, caplog):
+    """/v1/completions sends the prompt raw; the bundled (chat-trained) model answers it with padding: the
+    client gets "", and the log says why and what to use instead."""
+    base, _ = live
+    with caplog.at_level(logging.WARNING, logger="dgemma.serve"):
+        r = httpx.post(base + "/v1/completions", json={"prompt": "Reverse: c a t"}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == ""
+        r = httpx.post(base + "/v1/chat/completions", json=CAT, timeout=60)
+        assert r.json()["choices"][0]["message"]["content"] == "t a c"
+    said = [rec.getMessage() for rec in caplog.records if "the answer is empty" in rec.getMessage()]
+    assert len(said) == 1 and "use /v1/chat/completions" in said[0], said
