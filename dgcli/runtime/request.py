@@ -47,7 +47,8 @@ def check_context(session: Any, prompt_len: int, num_blocks: int | None = None) 
     need = prompt_len + blocks * cfg.canvas_length
     if need > cfg.max_position_embeddings:
         raise UserError(f"the prompt ({prompt_len} tokens) plus {blocks} block(s) of {cfg.canvas_length} "
-                        f"exceed the model's context of {cfg.max_position_embeddings}; shorten the prompt or lower --blocks")
+                        f"exceed the model's context of {cfg.max_position_embeddings}; shorten the prompt or lower --blocks "
+                        "(or --max-tokens, which sets the block count when --blocks is not given)")
 
 
 def encode(session: Any, text: str, *, raw: bool = False, thinking: bool | None = None) -> list[int]:
