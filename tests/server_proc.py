@@ -72,3 +72,34 @@ def serve(*args: str, tmp_path, env: dict | None = None, ready_s: float = 120.0)
     finally:
         if proc.poll() is None:
             server.stop()
+
+
+@contextmanager
+def in_process(session, *, slots: int, prepare=None):
+    """The real app, worker and uvicorn over `session` in this process (a thread), for tests that reach into
+    the server's state; `prepare(state)` runs before it starts. Yields (base URL, state)."""
+    import threading
+
+    from dgcli.serve.run import build
+
+    port = free_port()
+    server, worker = build(session, host="127.0.0.1", port=port, slots=slots, max_queue=8, api_key=None,
+                           model_name="tiny", context=session.config.max_position_embeddings, shutdown_timeout=5)
+    if prepare is not None:
+        prepare(server.dgemma)
+    worker.start()
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    try:
+        yield url, server.dgemma
+    finally:
+        server.should_exit = True
+        thread.join(20)
+        worker.close(10)

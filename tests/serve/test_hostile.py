@@ -27,8 +27,7 @@ from dgcli.runtime.session import open_session
 from dgcli.serve.output import Output
 from dgcli.serve.protocol import Spec
 from dgcli.serve.worker import Job
-from dgcli.serve.run import build
-from server_proc import Server, free_port
+from server_proc import Server, free_port, in_process
 
 CAT = {"messages": [{"role": "user", "content": "Reverse: c a t"}]}
 
@@ -52,26 +51,11 @@ class SlowTokenizer:
 
 @pytest.fixture(scope="module")
 def live():
-    session = open_session(None, None, {})
-    port = free_port()
-    server, worker = build(session, host="127.0.0.1", port=port, slots=2, max_queue=8, api_key=None,
-                           model_name="tiny", context=session.config.max_position_embeddings, shutdown_timeout=5)
-    state = server.dgemma
-    state.ctx.tokenizer = SlowTokenizer(state.ctx.tokenizer)
-    worker.start()
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    yield url, state
-    server.should_exit = True
-    thread.join(20)
-    worker.close(10)
+    def slow(state):
+        state.ctx.tokenizer = SlowTokenizer(state.ctx.tokenizer)
+
+    with in_process(open_session(None, None, {}), slots=2, prepare=slow) as (url, state):
+        yield url, state
 
 
 def _post_in_thread(url, body, out):

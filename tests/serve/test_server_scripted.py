@@ -6,18 +6,13 @@ back as `reasoning_content` once the channel closes, never inside `content`."""
 
 from __future__ import annotations
 
-import threading
-import time
-
-import httpx
 import openai
 import pytest
 import torch
 
 from dgcli.runtime.session import open_session
 from dgcli.sampling.loop import generate
-from dgcli.serve.run import build
-from server_proc import free_port
+from server_proc import in_process
 
 PROMPT = "Reverse: c a t"
 THOUGHT = "the letters backwards"
@@ -57,23 +52,8 @@ def scripted_session():
 @pytest.fixture(scope="module")
 def base_url(scripted_session):
     session, _ = scripted_session
-    port = free_port()
-    server, worker = build(session, host="127.0.0.1", port=port, slots=4, max_queue=8, api_key=None,
-                           model_name="tiny", context=session.config.max_position_embeddings, shutdown_timeout=5)
-    worker.start()
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    yield url + "/v1"
-    server.should_exit = True
-    thread.join(20)
-    worker.close(10)
+    with in_process(session, slots=4) as (url, _):
+        yield url + "/v1"
 
 
 def test_thinking_comes_back_as_reasoning_content(base_url, scripted_session):
