@@ -1,0 +1,262 @@
+"""Compile every Triton kernel of kernels/ ahead of time for sm_90 (H100/H200) and sm_80 (A100), on a machine
+without a GPU, and check what the interpreter cannot see: the cubin builds, shared memory fits the block limit,
+the tensor cores are used where the kernel means to use them, and nothing spills to local memory.
+
+Owns: `configs()` (every configuration the launch wrappers can launch on CUDA, at the real model's shapes, as
+plain JSON-able dicts), `compile_configs` (compiles them in a child process without TRITON_INTERPRET: the
+kernel modules turn into interpreted functions when it is set at import), `problems` (the checks) and the
+report table (`python benchmarks/kernel_targets.py`). Must not: launch anything or need a GPU or driver.
+
+The constexprs are those the wrappers pass on CUDA (kernels/moe.py, kernels/vocab_pass.py: DOT_BF16 on for
+bf16, not the interpreter's value), the argument types those of the tensors they pass, and integer or pointer
+arguments carry Triton's divisible-by-16 specialization when the real values have it. Batch size changes
+only grids and the row count N (a multiple of the 256-row canvas, so always divisible by 16): one compile
+covers every batch bucket. Shared memory is the compiled kernel's (the launch adds none: no dynamic shared
+memory of its own). Spills: ptxas's stack frame (cuobjdump's STACK) and local memory (LOCAL), which is
+where ptxas puts spilled registers; the Triton kernels here hold no local arrays.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# target -> (compute capability, shared memory per block in bytes (opt-in maximum), tensor-core PTX mnemonic)
+TARGETS = {"sm_90": (90, 232_448, "wgmma"), "sm_80": (80, 166_912, "mma.sync")}
+TC_ANY = re.compile(r"\b(wgmma|mma)\.")  # any tensor-core instruction in PTX
+H, V, I, E, TOPK = 2816, 262_144, 704, 128, 8  # hidden, vocabulary, expert width, experts, experts per token
+HEAD_DIMS = (256, 512)  # sliding and full attention heads (q/k/v norms)
+CANVAS = 256
+TILE = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64)  # experts_triton's and vocab_pass_triton's defaults
+SMS = {"sm_90": 132, "sm_80": 108}  # H100 SXM and A100 streaming multiprocessors (the stats kernel's splits)
+FP8 = "fp8e4nv"  # torch.float8_e4m3fn
+DT = {"bf16": "bf16", "fp32": "fp32"}
+# Accepted spills (bytes of stack frame per thread) and why. The stats kernel keeps five per-row running
+# statistics beside the [64, 64] logits tile at 255 registers and spills a few of them (8-48 B measured,
+# outside the GEMM); 8 warps would remove it but change the in-tile reduction order, so the GPU's bits.
+SPILL_EXCEPTIONS = {"vocab_pass._stats_kernel": 64}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def spec(kernel: str, label: str, target: str, args: dict, constexprs: dict, tensor_core: bool,
+         options: dict | None = None, spill_ok: int = 0) -> dict:
+    """One configuration. args: name -> '*dtype' (a tensor), an int (i32/i64 by value) or a float (fp32);
+    options: the launch's num_warps / num_stages when not Triton's defaults; spill_ok: bytes of stack frame
+    per thread accepted (a stated exception, see SPILL_EXCEPTIONS)."""
+    return dict(kernel=kernel, label=label, target=target, args=args, constexprs=constexprs, tensor_core=tensor_core,
+                options=options or {}, spill_ok=spill_ok)
+
+
+def _rmsnorm(target: str) -> list[dict]:
+    out = []
+    for dt in DT:
+        for h in (H, *HEAD_DIMS):
+            for weight in (True, False):
+                args = dict(x_ptr="*" + dt, w_ptr="*" + dt, out_ptr="*" + dt, n_cols=h, stride_x=h, stride_o=h,
+                            eps=1e-6)
+                block = 1 << (h - 1).bit_length()
+                out.append(spec("rmsnorm._rms_norm_kernel", f"{dt} H={h}{' w' if weight else ''}", target, args,
+                                dict(HAS_WEIGHT=weight, IS_BF16=dt == "bf16", BLOCK=block), False))
+    return out
+
+
+def _moe_variants(target: str):
+    """(label, activation dtype, weight dtype, scale dtype or None, dynamic) as experts_triton can be called:
+    dense experts in the model dtype; FP8 weight-only or dynamic, with bf16 or fp32 scales, only on sm_89+
+    (Triton has no e4m3 type below: kernels/dispatch.py::fp8_experts runs the reference there)."""
+    for dt in DT:
+        yield dt, dt, dt, None, False
+        for sdt in DT if TARGETS[target][0] >= 89 else ():
+            yield f"{dt} fp8-w s={sdt}", dt, FP8, sdt, False
+            yield f"{dt} fp8-dyn s={sdt}", dt, FP8, sdt, True
+
+
+def _moe(target: str) -> list[dict]:
+    from dgcli.kernels.moe import launch_options
+
+    out = []
+    for label, dt, wdt, sdt, dyn in _moe_variants(target):
+        fp8 = sdt is not None
+        flags = dict(IS_BF16=dt == "bf16", DOT_BF16=dt == "bf16", W_FP8=fp8, A_FP8=dyn,
+                     W_ROUND=fp8 and (dt == "bf16" or sdt == "bf16"), **TILE)
+        tc = flags["DOT_BF16"] or dyn  # fp32 storage runs full-precision (ieee) dots: no tensor cores, by design
+        scale = "*" + (sdt or dt)
+        gu = dict(x_ptr="*" + (FP8 if dyn else dt), w_ptr="*" + wdt, pair_ptr="*i32", block_expert_ptr="*i32",
+                  act_ptr="*" + dt, xs_ptr="*" + ("fp32" if dyn else dt), ws_ptr=scale, H=H, I=I, TOPK=TOPK,
+                  stride_xn=H, stride_we=2 * I * H, stride_wr=H, stride_an=I, stride_se=2 * I if fp8 else H)
+        dn = dict(act_ptr="*" + (FP8 if dyn else dt), w_ptr="*" + wdt, pair_ptr="*i32", block_expert_ptr="*i32",
+                  rw_ptr="*fp32", y_ptr="*" + dt, as_ptr="*" + ("fp32" if dyn else dt), ws_ptr=scale, H=H, I=I,
+                  stride_an=I, stride_we=H * I, stride_wr=I, stride_yn=H, stride_se=H)
+        opts = launch_options(fp8, dyn, dt == "bf16")
+        out.append(spec("moe._gate_up_kernel", label, target, gu, flags, tc, opts))
+        out.append(spec("moe._down_kernel", label, target, dn, flags, tc, opts))
+    return out
+
+
+def _vocab(target: str) -> list[dict]:
+    out = []
+    bn = TILE["BLOCK_N"]
+    splits = max(1, min(_cdiv(V, bn), _cdiv(2 * SMS[target], _cdiv(CANVAS, TILE["BLOCK_M"]))))
+    per_split = _cdiv(_cdiv(V, splits), bn) * bn
+    chunk = 32_768  # kernels/vocab_pass.py::CHUNK
+    for dt in DT:
+        e = "*" + dt
+        tc = dt == "bf16"
+        for cap in (True, False):
+            base = dict(IS_BF16=dt == "bf16", DOT_BF16=dt == "bf16", HAS_SOFTCAP=cap, **TILE)
+            for soft in (True, False):
+                args = dict(h_ptr=e, e_ptr=e, temp_ptr="*fp32", m_ptr="*fp32", z_ptr="*fp32", s_ptr="*fp32",
+                            amax_ptr="*i32", zb_ptr="*fp32", tm_ptr="*fp32", tz_ptr="*fp32", N=CANVAS, V=V, H=H,
+                            n_tiles=_cdiv(V, bn), cols_per_split=per_split, stride_h=H, stride_e=H, softcap=30.0)
+                out.append(spec("vocab_pass._stats_kernel", f"{dt} cap={int(cap)} soft={int(soft)}", target, args,
+                                dict(base, WANT_SOFT=soft), tc, spill_ok=SPILL_EXCEPTIONS["vocab_pass._stats_kernel"]))
+            args = dict(h_ptr=e, e_ptr=e, temp_ptr="*fp32", mb_ptr="*fp32", zb_ptr="*fp32", p_ptr=e, N=CANVAS,
+                        c0=chunk, c1=2 * chunk, H=H, stride_h=H, stride_e=H, stride_p=chunk, softcap=30.0)
+            out.append(spec("vocab_pass._probs_kernel", f"{dt} cap={int(cap)}", target, args, base, tc))
+        args = dict(p_ptr=e, e_ptr=e, acc_ptr="*fp32", N=CANVAS, K=chunk, H=H, stride_p=chunk, stride_e=H,
+                    stride_acc=H)
+        out.append(spec("vocab_pass._soft_gemm_kernel", dt, target, args, dict(DOT_BF16=dt == "bf16", **TILE), tc))
+    return out
+
+
+def configs(targets=tuple(TARGETS)) -> list[dict]:
+    """Every configuration the CUDA launch wrappers can launch, for each target."""
+    return [c for t in targets for make in (_rmsnorm, _moe, _vocab) for c in make(t)]
+
+
+# --- the child process: compile and measure --------------------------------------------------------------
+
+
+def _signature(fn, args: dict, constexprs: dict) -> tuple[dict, dict]:
+    sig, attrs = {}, {}
+    missing = set(fn.arg_names) - set(args) - set(constexprs)
+    if missing:
+        raise ValueError(f"{fn.__name__}: no value for {sorted(missing)}")
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+            continue
+        v = args[name]
+        if isinstance(v, str):  # a tensor: torch's allocations are 16-byte aligned
+            sig[name], div = v, True
+        elif isinstance(v, int):
+            sig[name], div = ("i32" if -2**31 <= v < 2**31 else "i64"), v % 16 == 0
+        else:
+            sig[name], div = "fp32", False
+        if div:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs
+
+
+def _resources(cubin: bytes, name: str) -> dict:
+    """Registers, stack frame and local memory per thread, from cuobjdump -res-usage."""
+    import tempfile
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    got = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", text.split(f"Function {name}:", 1)[-1]))
+    return {k.lower(): int(v) for k, v in got.items()}
+
+
+def compile_one(c: dict) -> dict:
+    """Compile one configuration (in a process without TRITON_INTERPRET) -> its measurements or its error."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    module, name = c["kernel"].split(".")
+    fn = getattr(importlib.import_module(f"dgcli.kernels.{module}"), name)
+    cap = TARGETS[c["target"]][0]
+    try:
+        sig, attrs = _signature(fn, c["args"], c["constexprs"])
+        k = triton.compile(ASTSource(fn, sig, c["constexprs"], attrs), target=GPUTarget("cuda", cap, 32),
+                           options=c["options"])
+    except Exception as e:  # noqa: BLE001 - a failed compile is a result to report
+        lines = str(e).strip().splitlines() or [""]
+        return dict(error=f"{type(e).__name__}: {lines[-1][:300]}")  # Triton's last line names the cause
+    ptx = k.asm["ptx"]
+    marks = sorted(set(TC_ANY.findall(ptx)))
+    return dict(shared=k.metadata.shared, num_warps=k.metadata.num_warps, num_stages=k.metadata.num_stages,
+                tc=[m for m in ("wgmma", "mma") if m in marks], ptx_local=".local" in ptx,
+                mma_sync="mma.sync" in ptx, **_resources(k.asm["cubin"], k.metadata.name))
+
+
+def compile_configs(cfgs: list[dict]) -> list[dict]:
+    """Each config with its `result`, compiled in a child process (TRITON_INTERPRET unset)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, __file__, "--compile-json"], input=json.dumps(cfgs), text=True,
+                          capture_output=True, env=env, cwd=ROOT, check=False)
+    if proc.returncode:
+        raise RuntimeError(f"kernel_targets child failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return [dict(c, result=r) for c, r in zip(cfgs, json.loads(proc.stdout))]
+
+
+def problems(c: dict) -> list[str]:
+    """What is wrong with a compiled configuration (empty: it passes)."""
+    r = c["result"]
+    if "error" in r:
+        return [f"does not compile: {r['error']}"]
+    cap, limit, mark = TARGETS[c["target"]]
+    out = []
+    if r["shared"] > limit:
+        out.append(f"shared memory {r['shared']} B > {limit} B per block on {c['target']}")
+    has = mark == "wgmma" and "wgmma" in r["tc"] or mark == "mma.sync" and r["mma_sync"]
+    if c["tensor_core"] and not has:
+        out.append(f"no {mark} in the PTX: the dot misses the tensor cores")
+    if not c["tensor_core"] and r["tc"]:
+        out.append(f"unexpected tensor-core instruction {r['tc']} (this configuration means full fp32 products)")
+    if r.get("stack", 0) > c["spill_ok"] or r.get("local", 0) or r["ptx_local"]:
+        out.append(f"spills: stack frame {r.get('stack')} B (accepted {c['spill_ok']}), local {r.get('local')} B")
+    return out
+
+
+def table(done: list[dict]) -> str:
+    """One row per kernel and target: configurations, max shared memory, registers, spills, tensor cores."""
+    rows = {}
+    for c in done:
+        rows.setdefault((c["kernel"], c["target"]), []).append(c)
+    lines = ["| kernel | target | configs | shared (max B) | regs (max) | stack/spill (max B) | tensor core "
+             "| failing |", "|---|---|---|---|---|---|---|---|"]
+    for (kernel, target), cs in rows.items():
+        ok = [c["result"] for c in cs if "error" not in c["result"]]
+        marks = ["wgmma" if "wgmma" in r["tc"] else "mma.sync" if r["mma_sync"] else "+".join(r["tc"]) or "none"
+                 for r in ok]
+        tcs = [f"{m} x{marks.count(m)}" for m in sorted(set(marks), reverse=True)]
+        failing = [c["label"] for c in cs if problems(c)]
+        lines.append(f"| {kernel} | {target} | {len(cs)} | {max((r['shared'] for r in ok), default='-')} | "
+                     f"{max((r.get('reg', 0) for r in ok), default='-')} | "
+                     f"{max((r.get('stack', 0) + r.get('local', 0) for r in ok), default='-')} | "
+                     f"{', '.join(tcs)} | {'; '.join(failing) or '-'} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--compile-json"]:
+        sys.path.insert(0, str(ROOT))
+        json.dump([compile_one(c) for c in json.load(sys.stdin)], sys.stdout)
+        return 0
+    done = compile_configs(configs())
+    print(table(done))
+    bad = [(c, p) for c in done for p in problems(c)]
+    for c, p in bad:
+        print(f"FAIL {c['kernel']} {c['target']} [{c['label']}]: {p}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
