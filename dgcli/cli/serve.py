@@ -1,16 +1,18 @@
 """`dgemma serve`: an OpenAI-compatible HTTP server over the batched engine (dgcli.serve).
 
 Owns: the serve flags (the sampler flags set the server's defaults, which each request may change with
-extra body fields), checking the ones that need no model before it loads, loading it, and the exit code of
-a stop (0 clean; 1 when the engine thread had to be left behind). Must not: contain server logic
-(dgcli.serve does).
+extra body fields), checking the ones that need no model before it loads, loading it, `--open` (the web page
+in a browser, once the server listens), and the exit code of a stop (0 clean; 1 when the engine thread had to
+be left behind). Must not: contain server logic (dgcli.serve does).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
-from typing import Annotated, Optional
+import threading
+from typing import Annotated, Callable, Optional
 
 import typer
 
@@ -21,6 +23,7 @@ from dgcli.errors import UserError
 EXAMPLES = ["dgemma serve                                   # the bundled model on http://127.0.0.1:8000/v1",
             "dgemma serve --model ~/diffusiongemma-26B-A4B-it --device cuda --max-batch-size 8 --max-model-len 8192",
             "DGEMMA_API_KEY=secret dgemma serve --host 0.0.0.0 --port 8080",
+            "dgemma serve --open                            # and open the live web view (http://127.0.0.1:8000/)",
             "curl -s localhost:8000/v1/chat/completions -d '{\"messages\":[{\"role\":\"user\",\"content\":\"Reverse: c a t\"}]}'"]
 
 
@@ -40,11 +43,13 @@ def serve(
     max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", metavar="N", help=o.dflt("Positions a request may use (prompt + canvases); the KV cache holds this many per slot, allocated at start.", "the model's context, at most 8192"))] = None,
     shutdown_timeout: Annotated[float, typer.Option("--shutdown-timeout", metavar="S", help="On SIGINT/SIGTERM: seconds in-flight requests get to finish before they are cancelled; the process is gone about a second later whatever the engine is doing (exit 0; 1 if a decoder pass had to be abandoned).")] = 30.0,
     stall_timeout: Annotated[float, typer.Option("--stall-timeout", metavar="S", help="GET /health answers 503 'engine stalled' when the engine has been busy this many seconds without finishing a decoder pass (dgemma_engine_last_progress_seconds in /metrics); 0: never.")] = 60.0,
+    open_page: Annotated[bool, typer.Option("--open", help="Open the web page (GET /: watch each block denoise live) in your browser once the server listens; without a display, print its address instead.")] = False,
 ) -> None:
     """Serve the model over HTTP, OpenAI-compatible (chat, completions, SSE).
 
     POST /v1/chat/completions and /v1/completions (per-request sampler settings as extra body fields,
-    streaming one chunk per committed block, opt-in draft events), GET /v1/models, /health, /metrics.
+    streaming one chunk per committed block, opt-in draft events), GET /v1/models, /health, /metrics, and a
+    web page at / that shows each block's canvas denoising live.
     """
     if not 0 <= port <= 65535:  # before the model loads (uvicorn would fail after, with a traceback)
         raise UserError(f"--port {port}: a TCP port is 0..65535 (0: any free port)")
@@ -64,10 +69,42 @@ def serve(
         session.resolved = dataclasses.replace(session.resolved, run=run)
     clean = run_server(session, host=host, port=port, slots=max_batch_size, max_queue=max_queue, api_key=key,
                        model_name=served_model_name or session.name, context=context_for(session, max_model_len),
-                       shutdown_timeout=shutdown_timeout, stall_timeout=stall_timeout, say=warn)
+                       shutdown_timeout=shutdown_timeout, stall_timeout=stall_timeout,
+                       say=_opening(warn) if open_page else warn)
     if not clean:
         # The engine thread is still inside torch: a normal interpreter exit could wait on it or crash under
         # it, so leave now (every request has been answered; the stop line is written).
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
+
+
+STARTED = re.compile(r"^dgemma serve: .* on (http://\S+)/v1 ")  # serve.run's startup line names the address
+
+
+def has_display() -> bool:
+    """Whether a browser window can open here: macOS and Windows always; elsewhere an X11 or Wayland session."""
+    return sys.platform in ("darwin", "win32") or bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+
+
+def _opening(say: Callable[[str], None]) -> Callable[[str], None]:
+    """`say`, which also opens the page when the startup line (the server's real address, --port 0 included)
+    goes by: the socket already listens then, so the browser's request waits for uvicorn instead of failing."""
+
+    def say_and_open(line: str) -> None:
+        say(line)
+        found = STARTED.match(line)
+        if not found:
+            return
+        # A server on every interface is reached here through the loopback.
+        url = re.sub(r"//(0\.0\.0\.0|\[::\])", "//127.0.0.1", found.group(1)) + "/"
+        if not has_display():
+            say(f"dgemma serve: --open: no display here (DISPLAY and WAYLAND_DISPLAY are unset); open {url} in a browser")
+            return
+        import webbrowser
+
+        # webbrowser may wait on the browser it starts: never hold up the server for it.
+        threading.Thread(target=webbrowser.open, args=(url,), daemon=True).start()
+        say(f"dgemma serve: opening {url} in your browser")
+
+    return say_and_open

@@ -1,6 +1,7 @@
-"""The ASGI app: OpenAI-compatible routes over one `Worker`.
+"""The ASGI app: OpenAI-compatible routes over one `Worker`, and the web page at `/`.
 
-Owns: the routes (`/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`, `/metrics`), the API
+Owns: the routes (`/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`, `/metrics`; `/` and
+`/web/*`, the static files of dgcli/data/web, which need no key: the page's own API calls send it), the API
 key check, admission (a body over 8 MiB answers 413 unread, a full queue 429 at once, a server shutting
 down 503), SSE streaming, and cancelling a request whose client went away (streaming: Starlette cancels the
 response when the client disconnects; non-streaming: the handler watches the connection while it waits).
@@ -17,12 +18,14 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from importlib.resources import files
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 
 from dgcli.serve import protocol
 from dgcli.serve.metrics import Metrics
@@ -33,6 +36,7 @@ from dgcli.serve.worker import SHUTTING_DOWN, Job, Worker
 log = logging.getLogger("dgemma.serve")
 MAX_BODY = 8 * 1024 * 1024
 PARSE_TIMEOUT = 10.0  # s for JSON + template + tokenizer: the character bound keeps a prompt well under this
+WEB = files("dgcli") / "data" / "web"  # the page at `/`: plain HTML, CSS and JS, no build step
 
 
 class State:
@@ -231,6 +235,10 @@ async def metrics(request: Request) -> Response:
     return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
+async def page(request: Request) -> Response:
+    return FileResponse(str(WEB / "index.html"), headers={"Cache-Control": "no-cache"})
+
+
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     state: State = request.app.state.dgemma
     what = {404: f"no route {request.url.path}; see GET /v1/models, POST /v1/chat/completions, POST /v1/completions",
@@ -249,7 +257,9 @@ def build_app(state: State) -> Starlette:
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
               Route("/health", health, methods=["GET"]),
-              Route("/metrics", metrics, methods=["GET"])]
+              Route("/metrics", metrics, methods=["GET"]),
+              Route("/", page, methods=["GET"]),
+              Mount("/web", StaticFiles(directory=str(WEB)), name="web")]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _crash})
     app.state.dgemma = state
     return app

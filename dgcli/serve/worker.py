@@ -235,4 +235,7 @@ class Worker:
         return {"block": event.block, "step": event.step, "max_steps": event.max_steps, "token_ids": ids,
                 "text": self.session.tokenizer.decode(ids), "accepted": event.accepted_mask.tolist(),
                 "mean_entropy": round(float(event.mean_entropy), 6), "final": event.stop_reason is not None,
-                "time": time.time()}
+                "time": time.time(),
+                # Per position, for a client that draws the canvas (the web page): no tokenizer needed there.
+                "tokens": self.session.tokenizer.token_strings(ids),
+                "entropy": [round(e, 6) for e in event.entropy.tolist()]}

@@ -1,0 +1,259 @@
+// The page's client: a multi-turn chat over POST /v1/chat/completions (stream: true, fetch + ReadableStream
+// SSE parsing), drawing each `dgemma_draft` event as the current block's canvas. It uses only the public API,
+// so it is also a reference client. Must not: know server internals or hold state beyond this tab (the API key
+// lives in sessionStorage).
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const KEY = "dgemma-api-key";
+const ENTROPY_EDGES = [1e-1, 1e-2, 1e-3]; // nats, as `dgemma watch`: below edge i is at least level i + 1
+const history = []; // {role, content}: the turns that completed (a stopped or failed one is left out)
+let running = null; // the AbortController of the request in flight
+
+function headers() {
+  const h = {"Content-Type": "application/json"};
+  const key = sessionStorage.getItem(KEY);
+  if (key) h.Authorization = "Bearer " + key;
+  return h;
+}
+
+async function errorOf(response) {
+  // OpenAI's error object; any other body is shown as its status.
+  try { return (await response.json()).error.message; } catch (e) { return `HTTP ${response.status}`; }
+}
+
+function el(tag, cls, text) {
+  const e = document.createElement(tag);
+  if (cls) e.className = cls;
+  if (text !== undefined) e.textContent = text;
+  return e;
+}
+
+// ---- the API key -------------------------------------------------------------------------------------------
+
+async function checkKey() {
+  // /v1/models answers 401 exactly when the key is wrong or missing: ask for one then.
+  let response;
+  try { response = await fetch("/v1/models", {headers: headers()}); } catch (e) { setStatus("server unreachable"); return false; }
+  if (response.status === 401) {
+    const had = sessionStorage.getItem(KEY) !== null;
+    sessionStorage.removeItem(KEY);
+    askKey(had ? await errorOf(response) : "");
+    return false;
+  }
+  if (response.ok) {
+    const models = await response.json();
+    $("model").textContent = models.data.length ? models.data[0].id : "";
+    $("key-form").hidden = true;
+  }
+  return response.ok;
+}
+
+function askKey(message) {
+  $("key-form").hidden = false;
+  $("key-error").textContent = message;
+  $("key").focus();
+}
+
+$("key-form").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  sessionStorage.setItem(KEY, $("key").value);
+  $("key").value = "";
+  if (await checkKey()) $("prompt").focus();
+});
+
+// ---- a request ---------------------------------------------------------------------------------------------
+
+function settings() {
+  // Only the fields the user filled: the server's settings are the base a request changes.
+  const body = {};
+  for (const id of ["steps", "entropy_bound", "t_min", "t_max", "seed", "blocks"]) {
+    const input = $(id);
+    if (input.value.trim() !== "") body[input.name] = Number(input.value);
+  }
+  const thinking = $("thinking").value;
+  if (thinking) body.chat_template_kwargs = {enable_thinking: thinking === "on"};
+  return body;
+}
+
+function setStatus(text) { $("status").textContent = text; }
+
+function setRunning(controller) {
+  running = controller;
+  $("send").disabled = controller !== null;
+  $("stop").disabled = controller === null;
+}
+
+async function send() {
+  const prompt = $("prompt").value;
+  if (running || !prompt.trim()) return;
+  $("prompt").value = "";
+  const messages = [...history, {role: "user", content: prompt}];
+  const turn = new Turn(prompt);
+  const controller = new AbortController();
+  setRunning(controller);
+  setStatus("generating…");
+  let outcome = "error";
+  try {
+    const response = await fetch("/v1/chat/completions", {
+      method: "POST", headers: headers(), signal: controller.signal,
+      body: JSON.stringify({messages, stream: true, stream_options: {include_drafts: true, include_usage: true},
+                            ...settings()}),
+    });
+    if (!response.ok) {
+      turn.fail(await errorOf(response));
+      if (response.status === 401) { sessionStorage.removeItem(KEY); askKey(""); }
+    } else {
+      outcome = await readStream(response, turn);
+    }
+  } catch (e) {
+    if (e.name === "AbortError") { turn.stop(); outcome = "stopped"; } else turn.fail(String(e.message || e));
+  }
+  if (outcome === "done") history.push({role: "user", content: prompt}, {role: "assistant", content: turn.content});
+  setRunning(null);
+  setStatus(outcome === "done" ? "" : outcome);
+}
+
+async function readStream(response, turn) {
+  // SSE: events are separated by a blank line; each of ours is one `data:` line.
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const {done, value} = await reader.read();
+    if (done) break;
+    buffer += decoder.decode(value, {stream: true});
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {
+      const event = buffer.slice(0, cut);
+      buffer = buffer.slice(cut + 2);
+      for (const line of event.split("\n")) {
+        if (!line.startsWith("data:")) continue;
+        const data = line.slice(5).trim();
+        if (data === "[DONE]") { turn.finish(); return "done"; }
+        const chunk = JSON.parse(data);
+        if (chunk.error) { turn.fail(chunk.error.message); return "error"; }
+        turn.chunk(chunk);
+      }
+    }
+  }
+  turn.fail("the stream ended early");
+  return "error";
+}
+
+// ---- one exchange on the page ------------------------------------------------------------------------------
+
+class Turn {
+  constructor(prompt) {
+    const log = $("log");
+    log.append(el("li", "user", prompt));
+    this.li = el("li", "assistant");
+    this.li.dataset.state = "running";
+    this.reasoning = el("details", "reasoning");
+    this.reasoning.append(el("summary", "", "Thinking"));
+    this.reasoningText = el("div", "text");
+    this.reasoning.append(this.reasoningText);
+    this.reasoning.hidden = true;
+    this.answer = el("div", "answer text");
+    this.canvas = el("div", "canvas");
+    this.canvas.setAttribute("aria-label", "Current block, denoising");
+    this.canvas.setAttribute("role", "img");
+    this.label = el("div", "canvas-label muted");
+    this.blocks = el("ol", "blocks");
+    this.blocks.setAttribute("aria-label", "Blocks");
+    this.li.append(this.reasoning, this.answer, this.label, this.canvas, this.blocks);
+    log.append(this.li);
+    this.content = "";
+    this.block = -1;
+    this.previous = []; // the positions accepted by the block's previous step
+    this.clock = performance.now(); // the current block's start, as this page saw it
+    this.scroll();
+  }
+
+  scroll() { this.li.scrollIntoView({block: "end"}); }
+
+  chunk(chunk) {
+    if (chunk.dgemma_draft) return this.draft(chunk.dgemma_draft);
+    const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
+    if (delta && delta.reasoning_content) {
+      this.reasoning.hidden = false;
+      this.reasoningText.textContent += delta.reasoning_content;
+    }
+    if (delta && delta.content) {
+      this.content += delta.content;
+      this.answer.textContent = this.content;
+    }
+  }
+
+  draft(d) {
+    if (d.block !== this.block) { this.block = d.block; this.previous = []; }
+    const tokens = d.tokens || d.token_ids.map(String);
+    const cells = tokens.map((piece, i) => {
+      const span = el("span", "tok " + kind(d, i, this.previous), display(piece));
+      if (d.entropy) span.title = `${d.token_ids[i]} · entropy ${d.entropy[i].toFixed(4)} nats`;
+      return span;
+    });
+    this.canvas.replaceChildren(...cells);
+    this.canvas.dataset.frame = `${d.block}:${d.step}`;
+    this.label.textContent = `block ${d.block + 1} · step ${d.step}/${d.max_steps} · mean entropy ${d.mean_entropy.toFixed(4)}`;
+    this.previous = d.accepted;
+    if (d.final) {
+      const now = performance.now();
+      const seconds = (now - this.clock) / 1000;
+      this.clock = now;
+      const n = d.token_ids.length;
+      this.blocks.append(el("li", "", `block ${d.block + 1}: ${d.step} steps · ${seconds.toFixed(2)} s · ` +
+                                      `${(n / d.step).toFixed(2)} tokens/step`));
+    }
+    this.scroll();
+  }
+
+  end(state, note) {
+    this.li.dataset.state = state;
+    this.canvas.remove();
+    this.label.textContent = note || "";
+    if (!note) this.label.remove();
+    this.scroll();
+  }
+
+  finish() { this.end("done"); }
+
+  stop() { this.end("stopped", "stopped; this turn is not sent as context"); }
+
+  fail(message) {
+    this.end("error");
+    const p = el("p", "error", message);
+    p.setAttribute("role", "alert");
+    this.li.append(p);
+  }
+}
+
+function kind(d, i, previous) {
+  // noise: not accepted this step (renoised); sampled: newly accepted; accepted: kept from the previous step.
+  // The entropy level (e0 high .. e3 below 0.001 nats) sets the shade.
+  if (!d.accepted[i]) return "noise";
+  const level = d.entropy ? ENTROPY_EDGES.filter((edge) => d.entropy[i] < edge).length : 3;
+  return (previous[i] ? "kept" : "new") + " e" + level;
+}
+
+function display(piece) {
+  // Visible whitespace so that noise never breaks the layout (as `dgemma watch` draws a cell).
+  if (piece === "") return "∅";
+  return piece.replace(/[\n\t\r]/g, (c) => ({"\n": "↵", "\t": "→", "\r": "␍"})[c])
+              .replace(/[\x00-\x1f\x7f]/g, "·");
+}
+
+// ---- keyboard and buttons ----------------------------------------------------------------------------------
+
+function stop() { if (running) running.abort(); }
+
+$("composer").addEventListener("submit", (event) => { event.preventDefault(); send(); });
+$("stop").addEventListener("click", stop);
+$("prompt").addEventListener("keydown", (event) => {
+  if (event.key === "Enter" && !event.shiftKey && !event.isComposing) { event.preventDefault(); send(); }
+});
+document.addEventListener("keydown", (event) => { if (event.key === "Escape") stop(); });
+
+$("settings").open = window.matchMedia("(min-width: 800px)").matches;
+checkKey();
+$("prompt").focus();
