@@ -5,8 +5,9 @@ Owns: `vocab_pass`, `experts`, `rms_norm` (same signatures as their references),
 and `fp8_experts` with `fp8_semantics` (DGEMMA_FP8: weight-only, the default, or dynamic FP8 activations;
 see kernels/fp8.py), and `implementation`, which names the choice (benchmarks and traces record it), decided
 once per op, device and DGEMMA_KERNELS value. The variable is read at each call, so a test or a benchmark
-can flip it. Must not: hold math of its own, or import Triton unless a CUDA tensor
-asks for a kernel (so CPU-only installs without Triton work).
+can flip it. The Triton kernels are reached through their torch custom ops (kernels/ops.py), so eager,
+compiled and fake-tensor runs take the same door. Must not: hold math of its own, or import Triton unless a
+CUDA tensor asks for a kernel (so CPU-only installs without Triton work).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 
 import torch
 
-from . import reference, reference_ops
+from . import ops, reference, reference_ops
 
 MODES = ("auto", "reference")
 FP8_SEMANTICS = ("weight-only", "dynamic")
@@ -83,9 +84,7 @@ def vocab_pass(hidden: torch.Tensor, embed: torch.Tensor, compile_tiles: bool = 
     `compile_tiles` (CPU path only) runs the per-tile elementwise math through torch.compile."""
     impl = implementation("vocab_pass", hidden.device)
     if impl == "triton":
-        from .vocab_pass import vocab_pass_triton
-
-        return vocab_pass_triton(hidden, embed, **kwargs)
+        return ops.vocab_pass(hidden, embed, **kwargs)
     if impl == "cpu":
         from .vocab_pass_cpu import vocab_pass_tiled
 
@@ -98,9 +97,7 @@ def experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_proj: t
     """Routed experts x [N, H] -> [N, H] (see `reference_ops.experts_reference`)."""
     impl = implementation("experts", x.device)
     if impl == "triton":
-        from .moe import experts_triton
-
-        return experts_triton(x, w, idx, gate_up_proj, down_proj)
+        return ops.experts(x, w, idx, gate_up_proj, down_proj)
     if impl == "cpu":
         from .moe_cpu import experts_segments
 
@@ -111,9 +108,7 @@ def experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_proj: t
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """Norm_w / Norm_0 of x (see `reference_ops.rms_norm_reference`)."""
     if implementation("rms_norm", x.device) == "triton":
-        from .rmsnorm import rms_norm as rms_norm_triton
-
-        return rms_norm_triton(x, weight, eps)
+        return ops.rms_norm(x, weight, eps)
     return reference_ops.rms_norm_reference(x, weight, eps)
 
 
@@ -140,10 +135,8 @@ def fp8_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_pro
     # benchmarks/kernel_targets.py checks it), so older GPUs run the reference.
     if impl == "triton" and gate_up_scale.dtype in (torch.bfloat16, torch.float32) and (
             torch.cuda.get_device_capability(x.device) >= (8, 9)):
-        from .moe import experts_triton
-
-        return experts_triton(x, w, idx, gate_up_proj, down_proj, gate_up_scale=gate_up_scale,
-                              down_scale=down_scale, dynamic=dynamic)
+        return ops.experts(x, w, idx, gate_up_proj, down_proj, gate_up_scale=gate_up_scale,
+                           down_scale=down_scale, dynamic=dynamic)
     if impl == "cpu" and not dynamic:
         return fp8.experts_fp8_segments(x, w, idx, gate_up_proj, gate_up_scale, down_proj, down_scale)
     return fp8.experts_fp8_reference(x, w, idx, gate_up_proj, gate_up_scale, down_proj, down_scale, dynamic=dynamic)

@@ -12,7 +12,7 @@ event by event); the cost is one discarded row-step per early stop, and on the d
 Timings: on CUDA a pass's `elapsed_s` comes from CUDA events around it (the host clock would measure
 queueing); on CPU, where every op runs synchronously, this engine only wastes work (forced in tests).
 Must not: change what a request computes, or read the device inside a block other than the flags of a
-pass already done.
+pass already done (through `host_reads.read`, as every read of the engines).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from dgcli.sampling import draws
+from dgcli.sampling import draws, host_reads
 from dgcli.sampling.engine import Engine, Request
 from dgcli.sampling.events import BlockStart, Event, Step
 from dgcli.sampling.rules import RowRules
@@ -166,7 +166,7 @@ class AsyncStopEngine(Engine):
         else:
             elapsed = p.seconds
         flags = p.stop_host if p.stop_host is not None else p.stop
-        stopped = flags.tolist() if flags is not None else [False] * len(p.rows)
+        stopped = host_reads.read(flags, "stop") if flags is not None else [False] * len(p.rows)
         self.stats["decoder_passes"] += 1
         self.stats["row_steps"] += len(p.rows)
         self.stats["denoise_s"] += elapsed

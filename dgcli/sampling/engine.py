@@ -11,10 +11,11 @@ join at the next pass. A request's first_block_s and total_s count from its subm
 clock, which runs only while the engine works (not while a consumer holds an event).
 Must not: tokenize, print, or validate settings (callers pass checked DiffusionEbParams; `loop.py`
 builds requests from user input); sync with the device inside a pass other than once for the stop
-decision (and not at all when no running request can stop early). On CUDA `async_stop.AsyncStopEngine`
-(a subclass; `async_stop.new_engine` picks it) reads each pass's flags one pass later instead. A `step_mode`
-other than "dynamic" runs each pass as `static_step.StaticStep` (static shapes: eager, compiled, or CUDA
-graphs), which brings its own KV cache.
+decision (and not at all when no running request can stop early); read device values other than through
+`host_reads.read` (which declares the stop and commit reads; tests/sampling/test_fake_cuda.py holds the
+CUDA path to it). On CUDA `async_stop.AsyncStopEngine` (a subclass; `async_stop.new_engine` picks it)
+reads each pass's flags one pass later instead. A `step_mode` other than "dynamic" runs each pass as
+`static_step.StaticStep` (static shapes: eager, compiled, or CUDA graphs), which brings its own KV cache.
 
 Numerics: a request's draws are addressed by its own seed, block, step and position (`draws.py`); its
 positions start at 0 in its slot; ragged rows attend one by one over exactly their own keys
@@ -36,7 +37,7 @@ from typing import Any
 import torch
 
 from dgcli.errors import UserError
-from dgcli.sampling import draws
+from dgcli.sampling import draws, host_reads
 from dgcli.sampling.events import BlockStart, Commit, Done, Event, Step
 from dgcli.sampling.rules import RowRules, denoise_step, temperature
 from dgcli.sampling.static_step import StaticStep
@@ -287,7 +288,7 @@ class Engine:
         # Mean entropy is >= 0, so "< 0" never holds: with confidence 0 (fixed work) no request can stop
         # early and the engine never waits for the device inside a block.
         can_stop_early = any(r.params.confidence_threshold > 0 for r in active)
-        stopped = stop.tolist() if can_stop_early else [False] * b  # the pass's one host sync
+        stopped = host_reads.read(stop, "stop") if can_stop_early else [False] * b  # the pass's one host sync
         elapsed = time.perf_counter() - t0
         self.stats["decoder_passes"] += 1
         self.stats["row_steps"] += b
@@ -323,7 +324,7 @@ class Engine:
         """Requests whose block ended: commit, then finish (stop id or block cap) or start the next block."""
         active = self.active
         t0 = time.perf_counter()
-        tokens_all = argmax[ended].tolist() if ended else []  # the blocks' read-back
+        tokens_all = host_reads.read(argmax[ended], "commit") if ended else []  # the blocks' read-back
         read_s = time.perf_counter() - t0
         going_on, leaving = [], set()
         for k, tokens in zip(ended, tokens_all):

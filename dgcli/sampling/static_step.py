@@ -49,7 +49,10 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     copied with non_blocking does not (the caching host allocator keeps it alive until the copy is done)."""
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    host = torch.tensor(values, dtype=dtype)
+    # Pinned by allocating, not by torch.tensor(pin_memory=True): the same pinned copy, and it also runs on
+    # fake CUDA tensors in a CPU-only torch (tests/sampling/test_fake_cuda.py), which cannot pin from data.
+    return torch.empty(host.shape, dtype=dtype, pin_memory=True).copy_(host).to(device, non_blocking=True)
 
 
 def _step(model: Any, cache: Any, span: int, want_soft: bool, canvas, soft, temp, history, bound, conf, depth,

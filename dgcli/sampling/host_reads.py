@@ -1,0 +1,41 @@
+"""The engines' reads of device values on the host, declared in one place.
+
+Owns: `read(t, why)`, the only way `engine.Engine` and `async_stop.AsyncStopEngine` bring device values to
+the host while they run, for one of `READS`: "stop" (a pass's stop flags: once per pass when some running
+request can stop early; the CUDA engine reads them a pass late, from a pinned copy) and "commit" (the
+token ids of the blocks that ended, once per pass that ends a block). And `substituted(fn)`, which hands
+`fn`'s values out instead for the reads made inside it: a fake-tensor run (tests/sampling/test_fake_cuda.py)
+has no values, and there every other host read is an error. Must not: read anything else, or decide
+anything with what it reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+
+READS = ("stop", "commit")
+
+_substitute: Callable[[torch.Tensor, str], list] | None = None
+
+
+def read(t: torch.Tensor, why: str) -> list:
+    """t's values as a (nested) Python list: the declared host read `why` (one of READS)."""
+    if why not in READS:
+        raise ValueError(f"undeclared host read {why!r}: declare it in READS")
+    if _substitute is not None:
+        return _substitute(t, why)
+    return t.tolist()
+
+
+@contextlib.contextmanager
+def substituted(fn: Callable[[torch.Tensor, str], list]) -> Iterator[None]:
+    """Inside: `read(t, why)` returns fn(t, why) and never touches t's values."""
+    global _substitute
+    saved, _substitute = _substitute, fn
+    try:
+        yield
+    finally:
+        _substitute = saved

@@ -1,0 +1,108 @@
+"""The Triton kernels as torch custom ops (`torch.ops.dgemma.*`), each with a fake implementation.
+
+Owns: `rms_norm`, `experts` (bf16/fp32 and FP8 weights) and `vocab_pass`, the doors through which
+kernels/dispatch.py reaches the Triton entry points (`rmsnorm.rms_norm`, `moe.experts_triton`,
+`vocab_pass.vocab_pass_triton`). A real call runs the entry point unchanged (same numerics, same
+interpreter behaviour); a fake call (FakeTensorMode, torch.compile's tracing, CUDA-graph capture checks)
+runs only the fake, which gives the exact output shapes, dtypes and devices without launching anything.
+None of the kernels writes its inputs (each allocates its outputs), so every op has `mutates_args=()`.
+Must not: import Triton at module level (CPU-only installs import dispatch), hold math, pick devices.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .reference import VocabPassOut
+
+_FLOATS = (torch.float32, torch.bfloat16)
+
+
+def _float_only(name: str, dtype: torch.dtype) -> None:
+    """The kernels' own dtype check, shared by the fakes so a fake run rejects what a GPU run would."""
+    if dtype not in _FLOATS:
+        raise TypeError(f"{name} supports float32 and bfloat16, got {dtype}")
+
+
+@torch.library.custom_op("dgemma::rms_norm", mutates_args=())
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    from .rmsnorm import rms_norm
+
+    return rms_norm(x, weight, eps)
+
+
+@_rms_norm.register_fake
+def _(x, weight, eps):
+    _float_only("rms_norm", x.dtype)
+    return x.new_empty(x.shape)  # [..., H] contiguous, x.dtype
+
+
+@torch.library.custom_op("dgemma::experts", mutates_args=())
+def _experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_proj: torch.Tensor,
+             down_proj: torch.Tensor, gate_up_scale: torch.Tensor | None, down_scale: torch.Tensor | None,
+             dynamic: bool) -> torch.Tensor:
+    from .moe import experts_triton
+
+    return experts_triton(x, w, idx, gate_up_proj, down_proj, gate_up_scale=gate_up_scale,
+                          down_scale=down_scale, dynamic=dynamic)
+
+
+@_experts.register_fake
+def _(x, w, idx, gate_up_proj, down_proj, gate_up_scale, down_scale, dynamic):
+    _float_only("experts_triton", x.dtype)
+    if dynamic and gate_up_scale is None:
+        raise ValueError("dynamic FP8 activations need FP8 expert weights and their scales")
+    return x.new_empty(x.shape)  # [N, H] in x.dtype
+
+
+@torch.library.custom_op("dgemma::vocab_pass", mutates_args=())
+def _vocab_pass(hidden: torch.Tensor, embed: torch.Tensor, softcap: float | None, temperature: torch.Tensor,
+                embed_scale: torch.Tensor, uniform: torch.Tensor, want_soft: bool, splits: int | None,
+                block_m: int, block_n: int, block_k: int, chunk: int | None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                              torch.Tensor, torch.Tensor]:
+    from .vocab_pass import vocab_pass_triton
+
+    sizes = dict(block_m=block_m, block_n=block_n, block_k=block_k) | ({} if chunk is None else dict(chunk=chunk))
+    out = vocab_pass_triton(hidden, embed, softcap=softcap, temperature=temperature, embed_scale=embed_scale,
+                            uniform=uniform, want_soft=want_soft, splits=splits, **sizes)
+    soft = out.soft if out.soft is not None else embed.new_empty(0)  # an op returns tensors, never None
+    return out.sample, out.argmax, out.entropy, soft
+
+
+@_vocab_pass.register_fake
+def _(hidden, embed, softcap, temperature, embed_scale, uniform, want_soft, splits, block_m, block_n, block_k,
+      chunk):
+    _float_only("vocab_pass_triton", embed.dtype)
+    b, c, h = hidden.shape
+    ids = hidden.new_empty(b, c, dtype=torch.int64)
+    soft = embed.new_empty(b, c, h) if want_soft else embed.new_empty(0)
+    return ids, ids.new_empty(b, c), hidden.new_empty(b, c, dtype=torch.float32), soft
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """`rmsnorm.rms_norm` through its op."""
+    return torch.ops.dgemma.rms_norm(x, weight, float(eps))
+
+
+def experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_proj: torch.Tensor,
+            down_proj: torch.Tensor, *, gate_up_scale: torch.Tensor | None = None,
+            down_scale: torch.Tensor | None = None, dynamic: bool = False) -> torch.Tensor:
+    """`moe.experts_triton` (default block sizes) through its op."""
+    return torch.ops.dgemma.experts(x, w, idx, gate_up_proj, down_proj, gate_up_scale, down_scale, dynamic)
+
+
+def vocab_pass(hidden: torch.Tensor, embed: torch.Tensor, *, softcap: float | None,
+               temperature: float | torch.Tensor, embed_scale: torch.Tensor | float, uniform: torch.Tensor,
+               want_soft: bool = True, row_chunk: int | None = None, splits: int | None = None,
+               block_m: int = 64, block_n: int = 64, block_k: int = 64, chunk: int | None = None) -> VocabPassOut:
+    """`vocab_pass.vocab_pass_triton` (same keywords) through its op. The temperature and the embedding
+    scale become tensors here exactly as the kernel makes them (`row_temperature`, `torch.as_tensor`), so
+    the numbers do not change; `row_chunk` is ignored, as the kernel ignores it; `chunk` None: the kernel's."""
+    del row_chunk
+    dev = hidden.device
+    temperature = torch.as_tensor(temperature, dtype=torch.float32, device=dev)
+    embed_scale = torch.as_tensor(embed_scale, device=dev)
+    sample, argmax, entropy, soft = torch.ops.dgemma.vocab_pass(
+        hidden, embed, None if softcap is None else float(softcap), temperature, embed_scale, uniform,
+        want_soft, splits, block_m, block_n, block_k, chunk)
+    return VocabPassOut(sample=sample, argmax=argmax, entropy=entropy, soft=soft if want_soft else None)
