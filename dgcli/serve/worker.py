@@ -231,11 +231,16 @@ class Worker:
             self._end(job)
 
     def _draft(self, event: Step) -> dict:
-        ids = event.argmax.tolist()
+        # One read of the device per step (ids, accepted mask, entropies and their mean), not four: float64
+        # holds every id and fp32 entropy exactly, so the values are those of a read each.
+        parts = (event.argmax, event.accepted_mask, event.entropy, torch.as_tensor(event.mean_entropy))
+        flat = torch.cat([t.reshape(-1).to(torch.float64) for t in parts]).tolist()
+        c = event.argmax.numel()
+        ids = [int(i) for i in flat[:c]]
         return {"block": event.block, "step": event.step, "max_steps": event.max_steps, "token_ids": ids,
-                "text": self.session.tokenizer.decode(ids), "accepted": event.accepted_mask.tolist(),
-                "mean_entropy": round(float(event.mean_entropy), 6), "final": event.stop_reason is not None,
+                "text": self.session.tokenizer.decode(ids), "accepted": [a != 0 for a in flat[c:2 * c]],
+                "mean_entropy": round(flat[-1], 6), "final": event.stop_reason is not None,
                 "time": time.time(),
                 # Per position, for a client that draws the canvas (the web page): no tokenizer needed there.
                 "tokens": self.session.tokenizer.token_strings(ids),
-                "entropy": [round(e, 6) for e in event.entropy.tolist()]}
+                "entropy": [round(e, 6) for e in flat[2 * c:3 * c]]}
