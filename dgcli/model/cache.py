@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from dgcli.model.host import to_device
+
 
 class KVCache:
     def __init__(self, shapes: list[tuple[int, int]], batch_size: int, max_len: int,
@@ -94,7 +96,7 @@ class KVCache:
         elif len(rows) == 1:
             sel = slice(rows[0], rows[0] + 1)
         else:
-            sel = torch.tensor(rows, dtype=torch.long, device=buf_k.device)
+            sel = to_device(rows, torch.long, buf_k.device)
         spans = self._spans(layer, lo, hi)
         return [buf_k[sel, :, a:b] for a, b in spans], [buf_v[sel, :, a:b] for a, b in spans]
 
@@ -104,6 +106,6 @@ class KVCache:
         if len(pk) == 1:
             return pk[0], pv[0]
         if not pk:
-            idx = slice(None) if rows is None else torch.tensor(rows, dtype=torch.long, device=self.k[layer].device)
+            idx = slice(None) if rows is None else to_device(rows, torch.long, self.k[layer].device)
             return self.k[layer][idx, :, :0], self.v[layer][idx, :, :0]
         return torch.cat(pk, dim=2), torch.cat(pv, dim=2)

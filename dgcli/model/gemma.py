@@ -20,6 +20,7 @@ from torch import nn
 from dgcli.kernels import dispatch
 from dgcli.model.cache import KVCache
 from dgcli.model.config import LayerGeometry, ModelConfig
+from dgcli.model.host import to_device
 from dgcli.model.static import decode_static
 
 
@@ -55,7 +56,7 @@ def inv_freq_for(g: LayerGeometry, device=None) -> torch.Tensor:
     # Same expression as the reference (fp32 pow), zero-padded beyond the rotating pairs (proportional RoPE).
     rot = 1.0 / (r.theta ** (torch.arange(0, 2 * r.rotary_pairs, 2, dtype=torch.int64).float() / r.head_dim))
     pad = torch.zeros(r.head_dim // 2 - r.rotary_pairs)
-    return torch.cat((rot, pad)).to(device)
+    return to_device(torch.cat((rot, pad)), torch.float32, device if device is not None else "cpu")
 
 
 class Attention(nn.Module):
@@ -209,7 +210,8 @@ class DiffusionGemma(nn.Module):
         w, got = self.embed_tokens.weight, self.__dict__.get("_embed_scale")
         if got is None or (got.device, got.dtype) != (w.device, w.dtype):
             with torch.inference_mode(False):  # a normal tensor: training multiplies by it too
-                self.__dict__["_embed_scale"] = got = torch.tensor(self.config.embed_scale).to(w.dtype).to(w.device)
+                value = torch.tensor(self.config.embed_scale).to(w.dtype).item()  # rounded as the reference rounds
+                self.__dict__["_embed_scale"] = got = torch.full((), value, dtype=w.dtype, device=w.device)
         return got
 
     def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple]:
@@ -260,7 +262,7 @@ class DiffusionGemma(nn.Module):
         # its own keys (a longer, masked key range rounds differently in bf16).
         same = len(set(starts)) == 1 and len(set(lengths)) == 1
         # Query positions: [T] shared when every row starts at the same slot, else [B, T] per row.
-        qpos = starts[0] + j if same else torch.tensor(starts, device=dev)[:, None] + j  # [T] or [B, T]
+        qpos = starts[0] + j if same else to_device(starts, torch.long, dev)[:, None] + j  # [T] or [B, T]
         tables = self._tables(qpos, x.dtype)
         qcol = qpos[..., :, None]  # [T, 1] or [B, T, 1]
         last = len(self.layers) - 1
@@ -321,7 +323,7 @@ class DiffusionGemma(nn.Module):
         same = rows is None and len(set(cache.lens)) == 1
         x = self.self_conditioning.condition(self.embed(canvas), soft)
         j = torch.arange(c, device=dev)
-        tables = self._tables(lens[0] + j if same else torch.tensor(lens, device=dev)[:, None] + j, x.dtype)
+        tables = self._tables(lens[0] + j if same else to_device(lens, torch.long, dev)[:, None] + j, x.dtype)
         for i, (layer, g) in enumerate(zip(self.layers, self.geometry)):
             attn = layer.self_attn
             q, k, v = attn.project(layer.input_layernorm(x), *tables[g.kind])

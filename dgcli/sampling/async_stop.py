@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
+from dgcli.model.host import to_device
 from dgcli.sampling import draws, host_reads
 from dgcli.sampling.engine import Engine, Request
 from dgcli.sampling.events import BlockStart, Event, Step
 from dgcli.sampling.rules import RowRules
-from dgcli.sampling.static_step import to_device
 
 
 @dataclass

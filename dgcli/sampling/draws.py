@@ -47,12 +47,17 @@ def _hash(seed: torch.Tensor | int, *words: torch.Tensor | int,
           device: torch.device | str | None = None) -> torch.Tensor:
     """A 32-bit hash (int64 tensor) of the seed (< 2^63; a tensor of seeds broadcasts like the words) and
     the words (each < 2^32, broadcast together)."""
-    seed = torch.as_tensor(seed, dtype=torch.long, device=device)
+    # Python ints stay Python ints: the same exact arithmetic (no product leaves int64), and no host-to-device
+    # copy of a constant per call (on CUDA each would wait for the stream).
+    seed = _word(seed, device)
     h = _mix((seed & _M32) ^ _GOLDEN)
     for w in (seed >> 32, *words):
-        w = torch.as_tensor(w, dtype=torch.long, device=device)
-        h = _mix(((h ^ _mix(((w & _M32) + _GOLDEN) & _M32)) + 0x7F4A7C15) & _M32)
-    return h
+        h = _mix(((h ^ _mix(((_word(w, device) & _M32) + _GOLDEN) & _M32)) + 0x7F4A7C15) & _M32)
+    return h if isinstance(h, torch.Tensor) else torch.tensor(h, dtype=torch.long, device=device)
+
+
+def _word(w: torch.Tensor | int, device: torch.device | str | None) -> torch.Tensor | int:
+    return w if isinstance(w, int) else torch.as_tensor(w, dtype=torch.long, device=device)
 
 
 def uniform(seed: torch.Tensor | int, purpose: int, block: torch.Tensor | int, step: torch.Tensor | int,

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from dgcli.errors import UserError
+from dgcli.model.host import to_device
 from dgcli.sampling import draws, host_reads
 from dgcli.sampling.events import BlockStart, Commit, Done, Event, Step
 from dgcli.sampling.rules import RowRules, denoise_step, temperature
@@ -198,9 +199,9 @@ class Engine:
         dev, active = self.device, self.active
         self.canvas, self.history = self.canvas.clone(), self.history.clone()
         self.soft = None if self.soft is None else self.soft.clone()
-        seed_k = torch.tensor([active[k].seed for k in ks], device=dev)[:, None]  # [k, 1]
-        block_k = torch.tensor([active[k].block for k in ks], device=dev)[:, None]  # [k, 1]
-        idx = torch.tensor(ks, device=dev)
+        seed_k = to_device([active[k].seed for k in ks], torch.long, dev)[:, None]  # [k, 1]
+        block_k = to_device([active[k].block for k in ks], torch.long, dev)[:, None]  # [k, 1]
+        idx = to_device(ks, torch.long, dev)
         self.canvas[idx] = draws.token_ids(seed_k, draws.INIT, block_k, 0, self.positions, self.vocab, device=dev)
         for k in ks:
             r = active[k]
@@ -253,7 +254,7 @@ class Engine:
         request. Built once per running set (requests joining or leaving reset it), not per pass."""
         if self.per_row is None:
             active, first = self.active, self.active[0]
-            seeds = torch.tensor([r.seed for r in active], device=self.device)[:, None]
+            seeds = to_device([r.seed for r in active], torch.long, self.device)[:, None]
             if first.params.stability_threshold == self.depth and all(r.settings == first.settings for r in active):
                 rules = first.params
             else:
@@ -275,13 +276,13 @@ class Engine:
         # One decoder pass: every request at its own step of its own block.
         t0 = time.perf_counter()
         b = len(active)
-        step_k = torch.tensor([r.step for r in active], device=dev)[:, None] + 1  # [b, 1] 1-based
+        step_k = to_device([r.step for r in active], torch.long, dev)[:, None] + 1  # [b, 1] 1-based
         seed_k, rules = self._per_row()  # [b, 1]
-        block_k = torch.tensor([r.block for r in active], device=dev)[:, None]  # [b, 1]
+        block_k = to_device([r.block for r in active], torch.long, dev)[:, None]  # [b, 1]
         uniform = draws.uniform(seed_k, draws.DRAW, block_k, step_k, self.positions, device=dev)  # [b, C]
         noise = draws.token_ids(seed_k, draws.RENOISE, block_k, step_k, self.positions, self.vocab, device=dev)
         temps = [r.temperature(r.step) for r in active]
-        temp = torch.tensor(temps, dtype=torch.float32, device=dev)  # [b]
+        temp = to_device(temps, torch.float32, dev)  # [b]
         out, accepted, next_canvas, self.history, stop = self._denoise(
             self.canvas, self.soft, temp, self.history, rules, uniform, noise,
             any(r.step < r.max_steps - 1 for r in active), self._cache_rows())
@@ -386,6 +387,6 @@ class Engine:
         if not self.active:
             self.canvas = self.history = self.soft = None
             return
-        idx = torch.tensor(keep, device=self.device)
+        idx = to_device(keep, torch.long, self.device)
         self.canvas, self.history = self.canvas[idx], self.history[:, idx]
         self.soft = None if self.soft is None else self.soft[idx]

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from dgcli.errors import UserError
+from dgcli.model.host import to_device
 from dgcli.sampling.async_stop import new_engine
 from dgcli.sampling.engine import Request
 from dgcli.sampling.events import Done, Event
@@ -46,6 +47,10 @@ from dgcli.sampling.params import DiffusionEbParams
 
 def _ids_tensor(ids: Sequence[int] | torch.Tensor, what: str, vocab: int, device: torch.device) -> torch.Tensor:
     """A [1, T] int64 tensor on `device` from a list of ids, a [T] or a [1, T] tensor."""
+    if isinstance(ids, (list, tuple)) and ids and all(type(i) is int for i in ids):  # checked on the host
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise UserError(f"{what} holds ids outside the vocabulary [0, {vocab}); was it tokenized for this model?")
+        return to_device(ids, torch.long, device)[None]  # no copy that waits for the device
     t = ids if isinstance(ids, torch.Tensor) else torch.tensor(list(ids), dtype=torch.long)
     if t.dim() == 1:
         t = t[None]

@@ -15,6 +15,7 @@ import torch
 
 from dgcli.kernels.dispatch import vocab_pass
 from dgcli.kernels.reference import VocabPassOut
+from dgcli.model.host import to_device
 
 
 # ---- the rules, as pure functions (tested directly) ----------------------------------------------
@@ -73,9 +74,9 @@ class RowRules:
 
     @classmethod
     def of(cls, params: list[Any], device: torch.device) -> RowRules:
-        return cls(torch.tensor([[p.entropy_bound] for p in params], dtype=torch.float32, device=device),
-                   torch.tensor([p.confidence_threshold for p in params], dtype=torch.float32, device=device),
-                   torch.tensor([p.stability_threshold for p in params], dtype=torch.long, device=device))
+        return cls(to_device([[p.entropy_bound] for p in params], torch.float32, device),
+                   to_device([p.confidence_threshold for p in params], torch.float32, device),
+                   to_device([p.stability_threshold for p in params], torch.long, device))
 
 
 # ---- one step and one block boundary ---------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The whole denoising step with static shapes: run eagerly, through torch.compile, or replayed from CUDA graphs.
 
-Owns: `StaticStep`, a drop-in for `rules.denoise_step` that an engine holds for its KV cache, and `to_device`.
+Owns: `StaticStep`, a drop-in for `rules.denoise_step` that an engine holds for its KV cache.
 One step (decoder pass, vocabulary pass, accept, renoise, stop flags) is one function of device tensors
 (`_step`): the rows' positions and cache slots come as tensors, the accept/stop settings as per-row tensors,
 and the full layers read a bucketed key span (`key_span`). So for a batch size, span, history depth and
@@ -25,6 +25,7 @@ import torch
 
 from dgcli.kernels.dispatch import vocab_pass
 from dgcli.kernels.reference import VocabPassOut
+from dgcli.model.host import to_device
 from dgcli.sampling.rules import accept_mask, is_confident, is_stable, push_history
 
 MODES = ("static", "compile", "graphs")  # eager static shapes, torch.compile of the step, CUDA graphs
@@ -41,18 +42,6 @@ def key_span(need: int, capacity: int, floor: int = SPAN_FLOOR) -> int:
     while span < need:
         span *= 2
     return min(span, capacity)
-
-
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list as a device tensor without stalling: on CUDA a plain `torch.tensor(..., device=cuda)`
-    copies from pageable memory and waits for the stream to drain (a host sync per pass); a pinned buffer
-    copied with non_blocking does not (the caching host allocator keeps it alive until the copy is done)."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    host = torch.tensor(values, dtype=dtype)
-    # Pinned by allocating, not by torch.tensor(pin_memory=True): the same pinned copy, and it also runs on
-    # fake CUDA tensors in a CPU-only torch (tests/sampling/test_fake_cuda.py), which cannot pin from data.
-    return torch.empty(host.shape, dtype=dtype, pin_memory=True).copy_(host).to(device, non_blocking=True)
 
 
 def _step(model: Any, cache: Any, span: int, want_soft: bool, canvas, soft, temp, history, bound, conf, depth,

@@ -22,11 +22,13 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from dgcli.errors import UserError
+from dgcli.model.host import to_device
+from dgcli.sampling import host_reads
 from dgcli.sampling.async_stop import new_engine
 from dgcli.sampling.engine import Engine, Request
 from dgcli.sampling.events import BlockStart, Commit, Done, Step
@@ -66,6 +68,7 @@ class Worker:
         self.lock = threading.Lock()
         self.live: dict[int, Job] = {}
         self.closed = False
+        self.drafts: list[_Draft] = []  # drafts on their way to the host (CUDA: sent a pass later)
         self.thread = threading.Thread(target=self._run, name="dgemma-engine", daemon=True)
 
     def _engine(self) -> Engine:
@@ -137,7 +140,7 @@ class Worker:
             spec = job.spec
             self.jobs[job.id] = job
             try:  # anything that fails here fails this request alone: the thread must outlive it
-                request = Request(id=job.id, prompt=torch.tensor(spec.prompt_ids, device=self.session.device),
+                request = Request(id=job.id, prompt=to_device(spec.prompt_ids, torch.long, self.session.device),
                                   params=spec.params, num_blocks=spec.num_blocks, seed=spec.params.seed,
                                   stops=set() if spec.ignore_eos else set(self.session.stop_ids))
                 self.engine.submit(request)
@@ -159,9 +162,12 @@ class Worker:
     def _pass(self) -> None:
         stats = self.engine.stats
         before = stats["denoise_s"]
+        earlier = {id(d) for d in self.drafts}
         try:
             for event in self.engine.step():
                 self._dispatch(event)
+            # The previous pass's drafts now (their copies finished with that pass); all once the engine is idle.
+            self._flush_drafts(lambda d: self.engine.idle or id(d) in earlier)
         except Exception:  # a bug or out of memory: fail the running requests, keep serving
             log.exception("the engine failed; its requests get an error and a new engine takes over")
             failed = ApiError(500, "the engine failed on this request's batch; see the server log")
@@ -176,6 +182,7 @@ class Worker:
     def _forget(self, job: Job, *, cancelled: bool, last: tuple | None = None) -> None:
         """Drop `job` from the books; `last` is its final message, sent unless `abort` has answered it."""
         self.jobs.pop(job.id, None)
+        self.drafts = [d for d in self.drafts if d.job is not job]
         with self.lock:
             unanswered = self.live.pop(job.id, None) is not None
         if last is not None and unanswered:
@@ -211,8 +218,10 @@ class Worker:
             if event.stop_reason is not None:
                 job.steps_per_block.append(event.step)
             if job.spec.include_drafts:
-                job.send("draft", self._draft(event))
+                d = _Draft.copy(job, event)
+                self.drafts.append(d) if d.done is not None else self._send_draft(d)
         elif isinstance(event, Commit):
+            self._flush_drafts(lambda d: d.job is job)  # a block's drafts before its text
             self.metrics.block(job.steps_per_block[-1], len(event.tokens) if event.stop_index is None else event.stop_index)
             reasoning, content = job.output.commit(event.tokens, event.stop_index)
             if reasoning or content:
@@ -225,22 +234,53 @@ class Worker:
                         self.metrics.cancelled += 1
                 self._end(job)
         elif isinstance(event, Done):
+            self._flush_drafts(lambda d: d.job is job)
             reasoning, content = job.output.finish(event.finish_reason)
             if reasoning or content:
                 job.send("text", reasoning, content)
             self._end(job)
 
-    def _draft(self, event: Step) -> dict:
-        # One read of the device per step (ids, accepted mask, entropies and their mean), not four: float64
-        # holds every id and fp32 entropy exactly, so the values are those of a read each.
-        parts = (event.argmax, event.accepted_mask, event.entropy, torch.as_tensor(event.mean_entropy))
-        flat = torch.cat([t.reshape(-1).to(torch.float64) for t in parts]).tolist()
-        c = event.argmax.numel()
+    def _flush_drafts(self, which: Callable[[_Draft], bool]) -> None:
+        """Send the drafts on their way that `which` picks, in order (waiting for their copies)."""
+        send = [d for d in self.drafts if which(d)]
+        self.drafts = [d for d in self.drafts if not which(d)]
+        for d in send:
+            self._send_draft(d)
+
+    def _send_draft(self, d: _Draft) -> None:
+        if d.done is not None:
+            d.done.synchronize()
+        flat = host_reads.read(d.values, "draft")
+        c, event, tok = d.event.argmax.numel(), d.event, self.session.tokenizer
         ids = [int(i) for i in flat[:c]]
-        return {"block": event.block, "step": event.step, "max_steps": event.max_steps, "token_ids": ids,
-                "text": self.session.tokenizer.decode(ids), "accepted": [a != 0 for a in flat[c:2 * c]],
-                "mean_entropy": round(flat[-1], 6), "final": event.stop_reason is not None,
-                "time": time.time(),
-                # Per position, for a client that draws the canvas (the web page): no tokenizer needed there.
-                "tokens": self.session.tokenizer.token_strings(ids),
-                "entropy": [round(e, 6) for e in flat[2 * c:3 * c]]}
+        d.job.send("draft", {
+            "block": event.block, "step": event.step, "max_steps": event.max_steps, "token_ids": ids,
+            "text": tok.decode(ids), "accepted": [a != 0 for a in flat[c:2 * c]],
+            "mean_entropy": round(flat[-1], 6), "final": event.stop_reason is not None, "time": time.time(),
+            # Per position, for a client that draws the canvas (the web page): no tokenizer needed there.
+            "tokens": tok.token_strings(ids), "entropy": [round(e, 6) for e in flat[2 * c:3 * c]]})
+
+
+@dataclass
+class _Draft:
+    """One step's draft for a client: its values in one host tensor (ids, accepted mask, entropies and their
+    mean as float64, which holds every id and fp32 entropy exactly). On CUDA the copy is made without waiting
+    (pinned, non_blocking, an event behind it) and the draft is sent after the next pass is launched, or
+    before its request's next text, so a client watching the canvas never makes the device wait."""
+
+    job: Job
+    event: Step
+    values: torch.Tensor
+    done: Any  # torch.cuda.Event, None when `values` is already on the host
+
+    @classmethod
+    def copy(cls, job: Job, event: Step) -> _Draft:
+        parts = (event.argmax, event.accepted_mask, event.entropy, torch.as_tensor(event.mean_entropy))
+        flat = torch.cat([t.reshape(-1).to(torch.float64) for t in parts])
+        if flat.device.type != "cuda":
+            return cls(job, event, flat, None)
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return cls(job, event, host, done)
