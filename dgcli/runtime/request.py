@@ -159,6 +159,7 @@ def stream(session: Any, prompt_ids: Sequence[int], *, params: Any = None, ignor
 
     params = session.params if params is None else params
     num_blocks = blocks_for(params, session.resolved.run.max_tokens, session.config.canvas_length)
+    check_context(session, len(prompt_ids), num_blocks)  # positions past the context would run, as noise
     return generate_events(session.model, prompt_ids, params=params, num_blocks=num_blocks,
                            stop_ids=() if ignore_eos else session.stop_ids, pad_id=session.pad_id,
                            init_canvas=init_canvas, compile_tiles=session.compiled,
@@ -197,6 +198,8 @@ def run_batch(session: Any, prompts: Sequence[Sequence[int]], *, batch_size: int
         return
     params = session.params if params is None else params
     num_blocks = blocks_for(params, session.resolved.run.max_tokens, session.config.canvas_length)
+    for ids in prompts:  # every prompt before the first runs
+        check_context(session, len(ids), num_blocks)
     starts: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     events = generate_batch_events(
         session.model, prompts, params=params, num_blocks=num_blocks, seeds=seeds,

@@ -83,6 +83,9 @@ COMMON = ("model", "max_tokens", "max_completion_tokens", "seed", "stream", "str
 KNOWN = {True: ("messages",) + COMMON, False: ("prompt",) + COMMON}
 
 
+MAX_ERROR_CHARS = 1000  # an error message or param longer than this is clipped in the middle
+
+
 class ApiError(Exception):
     """An error reply: HTTP status and OpenAI's error object (message, type, param, code)."""
 
@@ -96,12 +99,24 @@ class ApiError(Exception):
     def body(self) -> dict:
         # A request's field names reach message and param as sent: a lone surrogate (legal in JSON) would
         # make the error reply itself fail to encode, so it is spelled out as \udXXX.
-        return {"error": {"message": _utf8(self.message), "type": self.TYPES.get(self.status, "invalid_request_error"),
-                          "param": _utf8(self.param), "code": self.code}}
+        # Values and field names are echoed as sent: clipped, so a 4 MB field name gets a short reply.
+        return {"error": {"message": _clip(_utf8(self.message)),
+                          "type": self.TYPES.get(self.status, "invalid_request_error"),
+                          "param": _clip(_utf8(self.param)), "code": self.code}}
 
 
 def _utf8(text: str | None) -> str | None:
     return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _clip(text: str | None, limit: int = MAX_ERROR_CHARS) -> str | None:
+    """`text` with its middle cut out when longer than `limit` characters (both ends kept: the problem and
+    the fix are said around the echoed value)."""
+    if text is None or len(text) <= limit:
+        return text
+    cut = f" …[{len(text) - limit + 40:,} characters cut]… "
+    keep = (limit - len(cut)) // 2
+    return text[:keep] + cut + text[-keep:]
 
 
 @dataclass
@@ -301,7 +316,7 @@ def parse(body: Any, *, chat: bool, ctx: Context) -> Spec:
         raise ApiError(404, f"model {model!r} does not exist; this server serves {ctx.model_name!r}",
                        param="model", code="model_not_found")
     n = body.get("n")
-    if n not in (None, 1):
+    if n is not None and (type(n) is not int or n != 1):  # true and 1.0 equal 1 in Python: not a count
         raise ApiError(400, f"n={n!r}: this server returns one choice per request; send n requests instead", param="n")
     stream = _flag(body, "stream")
     opts = _object(body, "stream_options", ("include_usage", "include_drafts"),

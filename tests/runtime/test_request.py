@@ -118,3 +118,14 @@ def test_the_package_shortcuts_are_the_request_api():
 
     s = dgcli.open_session(settings={"max_blocks": 4, "device": "cpu"})
     assert dgcli.generate(s, COUNT).token_ids == request.generate(session_with(blocks=4), COUNT).token_ids
+
+
+def test_the_library_checks_the_context_before_anything_runs():
+    """`run`, `stream` and `run_batch` refuse a prompt that does not fit the context with its blocks (as the
+    commands and the server do), before the first request runs."""
+    s = session_with(blocks=2)
+    long = [5] * (s.config.max_position_embeddings - 2 * s.config.canvas_length + 1)
+    for call in (lambda: request.run(s, long), lambda: request.stream(s, long),
+                 lambda: list(request.run_batch(s, [[5, 6], long], batch_size=2))):
+        with pytest.raises(UserError, match="exceed the model's context"):
+            call()

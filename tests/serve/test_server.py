@@ -142,6 +142,10 @@ BAD = [
     ("prompt beyond the context", {"messages": [{"role": "user", "content": "a " * 5000}]}, 400, "context"),
     ("steps 0", {"messages": [{"role": "user", "content": "hi"}], "max_denoising_steps": 0}, 400, "max_denoising_steps"),
     ("n 2", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n=2"),
+    ("n true", {"messages": [{"role": "user", "content": "hi"}], "n": True}, 400, "n=True"),
+    ("n 1.0", {"messages": [{"role": "user", "content": "hi"}], "n": 1.0}, 400, "n=1.0"),
+    ("a long model name", {"model": "m" * 200_000, "messages": [{"role": "user", "content": "hi"}]}, 404,
+     "characters cut"),
     ("temperature", {"messages": [{"role": "user", "content": "hi"}], "temperature": 0.7}, 400, "t_min and t_max"),
     ("typo", {"messages": [{"role": "user", "content": "hi"}], "max_denoising_step": 4}, 400, "did you mean max_denoising_steps"),
     ("image part", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -157,6 +161,7 @@ def test_bad_requests_get_an_error_object_and_the_server_keeps_serving(server, c
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert words in err["message"] and set(err) == {"message", "type", "param", "code"}
+    assert len(err["message"]) <= 1000 and len(err["param"] or "") <= 1000  # values are echoed clipped
     assert chat(client, "Reverse: c a t").choices[0].message.content == "t a c"
 
 
