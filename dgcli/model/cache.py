@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from dgcli.model.host import to_device
+from dgcli.kernels.transfer import to_device
 
 
 class KVCache:

@@ -17,10 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dgcli.kernels import dispatch
+from dgcli.kernels import dispatch, transfer
 from dgcli.model.cache import KVCache
 from dgcli.model.config import LayerGeometry, ModelConfig
-from dgcli.model.host import to_device
 from dgcli.model.static import decode_static
 
 
@@ -56,7 +55,7 @@ def inv_freq_for(g: LayerGeometry, device=None) -> torch.Tensor:
     # Same expression as the reference (fp32 pow), zero-padded beyond the rotating pairs (proportional RoPE).
     rot = 1.0 / (r.theta ** (torch.arange(0, 2 * r.rotary_pairs, 2, dtype=torch.int64).float() / r.head_dim))
     pad = torch.zeros(r.head_dim // 2 - r.rotary_pairs)
-    return to_device(torch.cat((rot, pad)), torch.float32, device if device is not None else "cpu")
+    return transfer.to_device(torch.cat((rot, pad)), torch.float32, device if device is not None else "cpu")
 
 
 class Attention(nn.Module):
@@ -206,12 +205,12 @@ class DiffusionGemma(nn.Module):
 
     @property
     def embed_scale(self) -> torch.Tensor:
-        # sqrt(H) in the weight dtype, as the reference multiplies; made once (a new CUDA tensor per step syncs)
+        # sqrt(H) rounded to the weight dtype as the reference rounds it; made once, by a fill (no copy that waits)
         w, got = self.embed_tokens.weight, self.__dict__.get("_embed_scale")
         if got is None or (got.device, got.dtype) != (w.device, w.dtype):
             with torch.inference_mode(False):  # a normal tensor: training multiplies by it too
-                value = torch.tensor(self.config.embed_scale).to(w.dtype).item()  # rounded as the reference rounds
-                self.__dict__["_embed_scale"] = got = torch.full((), value, dtype=w.dtype, device=w.device)
+                v = torch.tensor(self.config.embed_scale).to(w.dtype).item()
+                self.__dict__["_embed_scale"] = got = torch.full((), v, dtype=w.dtype, device=w.device)
         return got
 
     def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple]:
@@ -262,7 +261,7 @@ class DiffusionGemma(nn.Module):
         # its own keys (a longer, masked key range rounds differently in bf16).
         same = len(set(starts)) == 1 and len(set(lengths)) == 1
         # Query positions: [T] shared when every row starts at the same slot, else [B, T] per row.
-        qpos = starts[0] + j if same else to_device(starts, torch.long, dev)[:, None] + j  # [T] or [B, T]
+        qpos = starts[0] + j if same else transfer.to_device(starts, torch.long, dev)[:, None] + j  # [T] or [B, T]
         tables = self._tables(qpos, x.dtype)
         qcol = qpos[..., :, None]  # [T, 1] or [B, T, 1]
         last = len(self.layers) - 1
@@ -309,8 +308,7 @@ class DiffusionGemma(nn.Module):
         """Encoder mask [T, S] for query positions qcol [T, 1] over key slots lo..hi-1 (slot = position):
         causal, within the window on sliding layers; a padding query sees its own slot, so no row is empty."""
         kpos = torch.arange(lo, hi, device=qcol.device)
-        mask = kpos <= qcol
-        return mask & (kpos > qcol - window) if window is not None else mask
+        return (kpos <= qcol) & (kpos > qcol - window) if window is not None else kpos <= qcol
 
     @torch.no_grad()
     def decode(self, canvas: torch.Tensor, cache: KVCache, soft: torch.Tensor | None = None,
@@ -323,7 +321,8 @@ class DiffusionGemma(nn.Module):
         same = rows is None and len(set(cache.lens)) == 1
         x = self.self_conditioning.condition(self.embed(canvas), soft)
         j = torch.arange(c, device=dev)
-        tables = self._tables(lens[0] + j if same else to_device(lens, torch.long, dev)[:, None] + j, x.dtype)
+        qpos = lens[0] + j if same else transfer.to_device(lens, torch.long, dev)[:, None] + j  # [C] or [B, C]
+        tables = self._tables(qpos, x.dtype)
         for i, (layer, g) in enumerate(zip(self.layers, self.geometry)):
             attn = layer.self_attn
             q, k, v = attn.project(layer.input_layernorm(x), *tables[g.kind])
@@ -375,10 +374,9 @@ class DiffusionGemma(nn.Module):
         exactly encoder mode (causal, sliding window), canvas rows exactly decoder mode. `prefix_valid`
         [B, P] (True = real token) hides padding keys, for training batches of unequal prompts."""
         p, c = prompt_ids.shape[1], canvas_ids.shape[1]
-        dev = prompt_ids.device
         x = torch.cat((self.embed(prompt_ids), self.self_conditioning.condition(self.embed(canvas_ids), soft)), dim=1)
-        tables = self._tables(torch.arange(p + c, device=dev), x.dtype)
-        pos = torch.arange(p + c, device=dev)
+        pos = torch.arange(p + c, device=prompt_ids.device)
+        tables = self._tables(pos, x.dtype)
         qp, kp = pos[:, None], pos[None, :]
         q_prefix, k_prefix = qp < p, kp < p
         is_prefix_row = (pos < p)[None, :, None]
@@ -392,7 +390,7 @@ class DiffusionGemma(nn.Module):
             mask = torch.where(q_prefix, causal, canvas_rows)
             if valid is not None:
                 # Keep each row's own key visible so fully padded rows still have a finite softmax.
-                mask = (mask & valid) | torch.eye(p + c, dtype=torch.bool, device=dev)
+                mask = (mask & valid) | torch.eye(p + c, dtype=torch.bool, device=pos.device)
             attn = layer.self_attn
             q, k, v = attn.project(layer.input_layernorm(x), *tables[g.kind])
             x = x + layer.post_attention_layernorm(attn.attend(q, k, v, mask))

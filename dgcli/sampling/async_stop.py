@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from dgcli.model.host import to_device
+from dgcli.kernels.transfer import to_device
 from dgcli.sampling import draws, host_reads
 from dgcli.sampling.engine import Engine, Request
 from dgcli.sampling.events import BlockStart, Event, Step

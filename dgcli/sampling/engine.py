@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from dgcli.errors import UserError
-from dgcli.model.host import to_device
+from dgcli.kernels.transfer import to_device
 from dgcli.sampling import draws, host_reads
 from dgcli.sampling.events import BlockStart, Commit, Done, Event, Step
 from dgcli.sampling.rules import RowRules, denoise_step, temperature
@@ -131,6 +131,8 @@ class Engine:
         self.busy, self.mark = 0.0, time.perf_counter()
 
     def submit(self, request: Request) -> None:
+        if request.prompt.device != self.device:  # a host prompt: sent without waiting for the device
+            request.prompt = to_device(request.prompt, torch.long, self.device)
         need = len(request.prompt) + (request.num_blocks - 1) * self.c
         if need > self.max_len:
             raise UserError(f"request {request.id} needs {need} cache positions; this engine holds {self.max_len}")

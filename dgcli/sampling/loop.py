@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from dgcli.errors import UserError
-from dgcli.model.host import to_device
+from dgcli.kernels.transfer import to_device
 from dgcli.sampling.async_stop import new_engine
 from dgcli.sampling.engine import Request
 from dgcli.sampling.events import Done, Event

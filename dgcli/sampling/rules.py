@@ -15,7 +15,7 @@ import torch
 
 from dgcli.kernels.dispatch import vocab_pass
 from dgcli.kernels.reference import VocabPassOut
-from dgcli.model.host import to_device
+from dgcli.kernels.transfer import to_device
 
 
 # ---- the rules, as pure functions (tested directly) ----------------------------------------------

@@ -25,7 +25,7 @@ import torch
 
 from dgcli.kernels.dispatch import vocab_pass
 from dgcli.kernels.reference import VocabPassOut
-from dgcli.model.host import to_device
+from dgcli.kernels.transfer import to_device
 from dgcli.sampling.rules import accept_mask, is_confident, is_stable, push_history
 
 MODES = ("static", "compile", "graphs")  # eager static shapes, torch.compile of the step, CUDA graphs

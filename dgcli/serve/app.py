@@ -30,7 +30,8 @@ from starlette.staticfiles import StaticFiles
 from dgcli.serve import protocol
 from dgcli.serve.metrics import Metrics
 from dgcli.serve.output import Output
-from dgcli.serve.protocol import ApiError, Context, Spec
+from dgcli.serve.errors import ApiError
+from dgcli.serve.protocol import Context, Spec
 from dgcli.serve.worker import SHUTTING_DOWN, Job, Worker
 
 log = logging.getLogger("dgemma.serve")

@@ -1,5 +1,5 @@
 """The OpenAI wire format as this server speaks it: request bodies in (checked, turned into a `Spec`), reply
-objects and stream chunks out, and OpenAI's error object.
+objects and stream chunks out (OpenAI's error object: serve/errors.py).
 
 Decisions:
 * Fields that do not apply to the entropy-bound sampler (`temperature`, `top_p`, penalties, logprobs,
@@ -51,6 +51,7 @@ from typing import Any
 from dgcli.errors import UserError
 from dgcli.runtime.settings import PARAM_KEYS, blocks_for
 from dgcli.sampling.params import LIMITS, SettingsError, over_limit, suggest
+from dgcli.serve.errors import ApiError
 
 SAMPLER_KEYS = tuple(k for k in PARAM_KEYS if k != "seed")  # seed is OpenAI's own field
 
@@ -81,42 +82,6 @@ NOT_APPLICABLE = {
 COMMON = ("model", "max_tokens", "max_completion_tokens", "seed", "stream", "stream_options", "stop", "n", "user",
           "metadata", "store", "service_tier", "chat_template_kwargs", "ignore_eos")
 KNOWN = {True: ("messages",) + COMMON, False: ("prompt",) + COMMON}
-
-
-MAX_ERROR_CHARS = 1000  # an error message or param longer than this is clipped in the middle
-
-
-class ApiError(Exception):
-    """An error reply: HTTP status and OpenAI's error object (message, type, param, code)."""
-
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-             413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error", 500: "server_error"}
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def body(self) -> dict:
-        # A request's field names reach message and param as sent: a lone surrogate (legal in JSON) would
-        # make the error reply itself fail to encode, so it is spelled out as \udXXX.
-        # Values and field names are echoed as sent: clipped, so a 4 MB field name gets a short reply.
-        return {"error": {"message": _clip(_utf8(self.message)),
-                          "type": self.TYPES.get(self.status, "invalid_request_error"),
-                          "param": _clip(_utf8(self.param)), "code": self.code}}
-
-
-def _utf8(text: str | None) -> str | None:
-    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def _clip(text: str | None, limit: int = MAX_ERROR_CHARS) -> str | None:
-    """`text` with its middle cut out when longer than `limit` characters (both ends kept: the problem and
-    the fix are said around the echoed value)."""
-    if text is None or len(text) <= limit:
-        return text
-    cut = f" …[{len(text) - limit + 40:,} characters cut]… "
-    keep = (limit - len(cut)) // 2
-    return text[:keep] + cut + text[-keep:]
 
 
 @dataclass

@@ -27,14 +27,14 @@ from typing import Any, Callable
 import torch
 
 from dgcli.errors import UserError
-from dgcli.model.host import to_device
 from dgcli.sampling import host_reads
 from dgcli.sampling.async_stop import new_engine
 from dgcli.sampling.engine import Engine, Request
 from dgcli.sampling.events import BlockStart, Commit, Done, Step
 from dgcli.serve.metrics import Metrics
 from dgcli.serve.output import Output
-from dgcli.serve.protocol import ApiError, Spec, usage
+from dgcli.serve.errors import ApiError
+from dgcli.serve.protocol import Spec, usage
 
 log = logging.getLogger("dgemma.serve")
 SHUTTING_DOWN = "the server is shutting down; retry on another server"
@@ -140,7 +140,7 @@ class Worker:
             spec = job.spec
             self.jobs[job.id] = job
             try:  # anything that fails here fails this request alone: the thread must outlive it
-                request = Request(id=job.id, prompt=to_device(spec.prompt_ids, torch.long, self.session.device),
+                request = Request(id=job.id, prompt=torch.tensor(spec.prompt_ids),  # the engine sends it to the device
                                   params=spec.params, num_blocks=spec.num_blocks, seed=spec.params.seed,
                                   stops=set() if spec.ignore_eos else set(self.session.stop_ids))
                 self.engine.submit(request)

@@ -99,12 +99,12 @@ def test_serve_worker_runs_on_fake_cuda(fake_cuda, tokenizer, caplog, drafts):
     check_dtypes(log, "bf16")
 
 
-def test_a_pageable_copy_in_the_worker_is_caught(fake_cuda, tokenizer, monkeypatch):
-    """A planted `torch.tensor(host list, device=cuda)` when a request is taken in (a copy from pageable
-    memory, which waits for the pass in flight) is found."""
-    from dgcli.serve import worker as worker_mod
+def test_a_pageable_copy_when_a_request_joins_is_caught(fake_cuda, tokenizer, monkeypatch):
+    """A planted `torch.tensor(host values, device=cuda)` when the engine takes a request in (a copy from
+    pageable memory, which waits for the pass in flight) is found."""
+    from dgcli.sampling import engine
 
-    monkeypatch.setattr(worker_mod, "to_device", lambda values, dtype, device: torch.tensor(values, device=device))
+    monkeypatch.setattr(engine, "to_device", lambda values, dtype, device: torch.as_tensor(values, dtype=dtype).to(device))
     session = fake_session(fake_model(fake_cuda, "bf16"), tokenizer)
     _, _, _, copies = drive(fake_cuda, session, drafts=False)
-    assert copies.found and "torch.tensor" in copies.found[0]
+    assert any(f.startswith("Tensor.to(cuda)") and "sampling/engine.py" in f for f in copies.found), copies.found

@@ -1,4 +1,4 @@
-"""Host values onto the device without waiting for it.
+"""Host values onto the device without waiting for it (for the model, the engines and the server's worker).
 
 Owns: `to_device`. On CUDA a plain `torch.tensor(values, device=cuda)` (or `cpu_tensor.to(cuda)`) copies
 from pageable memory and first waits for the stream to drain: a host sync with whatever pass is in flight.
