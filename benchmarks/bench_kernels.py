@@ -3,9 +3,11 @@ for the implementation `kernels.dispatch` picks (Triton on CUDA, the fast torch 
 the torch reference, at the real 26B-A4B shapes on a GPU (small shapes with --small).
 
 Prints a card (device, peaks and where they come from), a table, then one JSON line last.
-Work counted: useful FLOPs (2 per multiply-add; the Triton vocab pass also recomputes the head once
-for the probabilities, which is not counted) and compulsory bytes (every input read once, every output
-written once) — so achieved/peak is a lower bound on how busy the device was.
+Work counted: useful FLOPs (2 per multiply-add; the vocab pass: the head GEMM and the soft-embedding GEMM,
+each once, as the Triton pass now runs them; the draw's per-row group recomputation is not counted) and
+compulsory bytes (every input read once, every output written once; FP8 weights at 1 byte) — so
+achieved/peak is a lower bound on how busy the device was. fp8_linear: weight-only FP8 (the W8A16 kernel on
+CUDA) against its reference, which dequantizes the whole weight on every call.
 
     python benchmarks/bench_kernels.py [--small] [--reps 20] [--peak-tflops X --peak-gbs Y]
 """
@@ -82,6 +84,15 @@ def cases(dev: torch.device, small: bool):
         return (lambda: dispatch.experts(x, w, idx, gu, dn),
                 lambda: reference_ops.experts_reference(x, w, idx, gu, dn))
 
+    def fp8_linear():
+        from dgcli.kernels import fp8
+
+        x = torch.randn(n, h, device=dev, generator=g).to(bf)
+        w = torch.randn(dense * 2, h, device=dev, generator=g) * h**-0.5  # [N, K]: a q projection's shape
+        s = (w.abs().amax(-1, keepdim=True) / fp8.FP8_MAX).to(bf)
+        q = (w / s.float()).to(fp8.FP8)
+        return (lambda: dispatch.fp8_linear(x, q, s), lambda: fp8.linear_weight_only(x, q, s, tile_bytes=None))
+
     def norm():
         x = torch.randn(n, h, device=dev, generator=g).to(bf)
         wt = torch.rand(h, device=dev, generator=g).to(bf)
@@ -92,6 +103,8 @@ def cases(dev: torch.device, small: bool):
         ("experts", experts, 6 * n * k * h * inter, e * 3 * h * inter * 2 + n * h * 2 * 2 + n * k * 12,
          dispatch.implementation("experts", dev)),
         ("rms_norm", norm, 4 * n * h, n * h * 2 * 2 + h * 2, dispatch.implementation("rms_norm", dev)),
+        ("fp8_linear", fp8_linear, 2 * n * 2 * dense * h, 2 * dense * h + 2 * dense * 2 + n * (h + 2 * dense) * 2,
+         dispatch.implementation("fp8_linear", dev)),
     ], dict(n=n, h=h, v=v, inter=inter, experts=e, top_k=k, dense=dense)
 
 

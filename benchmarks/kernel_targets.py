@@ -33,13 +33,13 @@ H, V, I, E, TOPK = 2816, 262_144, 704, 128, 8  # hidden, vocabulary, expert widt
 HEAD_DIMS = (256, 512)  # sliding and full attention heads (q/k/v norms)
 CANVAS = 256
 TILE = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64)  # experts_triton's and vocab_pass_triton's defaults
-SMS = {"sm_90": 132, "sm_80": 108}  # H100 SXM and A100 streaming multiprocessors (the stats kernel's splits)
 FP8 = "fp8e4nv"  # torch.float8_e4m3fn
 DT = {"bf16": "bf16", "fp32": "fp32"}
 # Accepted spills (bytes of stack frame per thread) and why. The stats kernel keeps five per-row running
-# statistics beside the [64, 64] logits tile at 255 registers and spills a few of them (8-48 B measured,
-# outside the GEMM); 8 warps would remove it but change the in-tile reduction order, so the GPU's bits.
-SPILL_EXCEPTIONS = {"vocab_pass._stats_kernel": 64}
+# statistics beside the [64, 64] logits tile at 255 registers and spills a few of them (16-72 B measured,
+# outside the GEMM, the most for fp32 on sm_80, with the bf16(L) scratch store); 8 warps would remove it but
+# change the in-tile reduction order, so the GPU's bits.
+SPILL_EXCEPTIONS = {"vocab_pass._stats_kernel": 80}
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -101,12 +101,32 @@ def _moe(target: str) -> list[dict]:
     return out
 
 
-def _vocab(target: str) -> list[dict]:
+def _fp8_linear(target: str) -> list[dict]:
+    """The W8A16 GEMM (kernels/fp8_linear.py) at its CUDA launch config, for the real linears' widths."""
+    from dgcli.kernels.fp8_linear import CONFIGS, GROUP_M
+
     out = []
-    bn = TILE["BLOCK_N"]
-    splits = max(1, min(_cdiv(V, bn), _cdiv(2 * SMS[target], _cdiv(CANVAS, TILE["BLOCK_M"]))))
+    for dt in DT:
+        bm, bn, bk, warps, stages = CONFIGS[dt]
+        for sdt in DT:
+            for n, k in ((4096, H), (H, 4096)):  # e.g. q (16 heads x 256) and o projections
+                args = dict(x_ptr="*" + dt, q_ptr="*u8", s_ptr="*" + sdt, y_ptr="*" + dt, M=CANVAS, N=n, K=k,
+                            stride_xm=k, stride_qn=k, stride_ym=n)
+                flags = dict(IS_BF16=dt == "bf16", DOT_BF16=dt == "bf16", W_ROUND=dt == "bf16" or sdt == "bf16",
+                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP=GROUP_M)
+                out.append(spec("fp8_linear._w8a16_kernel", f"{dt} s={sdt} {n}x{k}", target, args, flags,
+                                dt == "bf16", dict(num_warps=warps, num_stages=stages)))
+    return out
+
+
+def _vocab(target: str) -> list[dict]:
+    from dgcli.kernels.vocab_pass import GROUP_BLOCK_K, SOFT_SPLITS, SOFT_TUNE, VOCAB_SPLITS
+
+    out = []
+    bn, bk = TILE["BLOCK_N"], TILE["BLOCK_K"]
+    splits = max(1, min(_cdiv(V, bn), VOCAB_SPLITS))
     per_split = _cdiv(_cdiv(V, splits), bn) * bn
-    chunk = 32_768  # kernels/vocab_pass.py::CHUNK
+    per_soft = _cdiv(_cdiv(V, SOFT_SPLITS), bk) * bk
     for dt in DT:
         e = "*" + dt
         tc = dt == "bf16"
@@ -114,22 +134,32 @@ def _vocab(target: str) -> list[dict]:
             base = dict(IS_BF16=dt == "bf16", DOT_BF16=dt == "bf16", HAS_SOFTCAP=cap, **TILE)
             for soft in (True, False):
                 args = dict(h_ptr=e, e_ptr=e, temp_ptr="*fp32", m_ptr="*fp32", z_ptr="*fp32", s_ptr="*fp32",
-                            amax_ptr="*i32", zb_ptr="*fp32", tm_ptr="*fp32", tz_ptr="*fp32", N=CANVAS, V=V, H=H,
-                            n_tiles=_cdiv(V, bn), cols_per_split=per_split, stride_h=H, stride_e=H, softcap=30.0)
+                            amax_ptr="*i32", zb_ptr="*fp32", tm_ptr="*fp32", tz_ptr="*fp32", l_ptr=e, N=CANVAS, V=V,
+                            H=H, n_tiles=_cdiv(V, bn), cols_per_split=per_split, stride_h=H, stride_e=H,
+                            stride_l=V if soft else 0, softcap=30.0)
                 out.append(spec("vocab_pass._stats_kernel", f"{dt} cap={int(cap)} soft={int(soft)}", target, args,
                                 dict(base, WANT_SOFT=soft), tc, spill_ok=SPILL_EXCEPTIONS["vocab_pass._stats_kernel"]))
-            args = dict(h_ptr=e, e_ptr=e, temp_ptr="*fp32", mb_ptr="*fp32", zb_ptr="*fp32", p_ptr=e, N=CANVAS,
-                        c0=chunk, c1=2 * chunk, H=H, stride_h=H, stride_e=H, stride_p=chunk, softcap=30.0)
-            out.append(spec("vocab_pass._probs_kernel", f"{dt} cap={int(cap)}", target, args, base, tc))
-        args = dict(p_ptr=e, e_ptr=e, acc_ptr="*fp32", N=CANVAS, K=chunk, H=H, stride_p=chunk, stride_e=H,
-                    stride_acc=H)
-        out.append(spec("vocab_pass._soft_gemm_kernel", dt, target, args, dict(DOT_BF16=dt == "bf16", **TILE), tc))
+        # The soft kernel: every autotuned configuration (kernels/vocab_pass.py::SOFT_TUNE) and the fixed one.
+        for bm, bn_soft, warps, stages in sorted({(64, 64, 4, 3), *SOFT_TUNE[dt]}):
+            args = dict(l_ptr=e, e_ptr=e, mb_ptr="*fp32", zb_ptr="*fp32", part_ptr="*fp32", N=CANVAS, V=V, H=H,
+                        cols_per_split=per_soft, stride_l=V, stride_e=H, stride_ps=CANVAS * H, stride_pn=H)
+            flags = dict(IS_BF16=dt == "bf16", DOT_BF16=dt == "bf16", BLOCK_M=bm, BLOCK_N=bn_soft, BLOCK_K=bk)
+            out.append(spec("vocab_pass._soft_kernel", f"{dt} {bm}x{bn_soft} w{warps} s{stages}", target, args, flags,
+                            tc, dict(num_warps=warps, num_stages=stages)))
+        args = dict(m_ptr="*fp32", z_ptr="*fp32", s_ptr="*fp32", amax_ptr="*i32", zb_ptr="*fp32", mb_ptr="*fp32",
+                    ent_ptr="*fp32", arg_ptr="*i64", zbt_ptr="*fp32", N=CANVAS, S=splits)
+        out.append(spec("vocab_pass._combine_kernel", dt, target, args, dict(IS_BF16=dt == "bf16", BLOCK=128), False))
+        for cap in (True, False):  # the draw's per-row group logits: a reduction, no tensor cores by design
+            args = dict(h_ptr=e, e_ptr=e, g_ptr="*i64", temp_ptr="*fp32", out_ptr="*fp32", V=V, H=H, stride_h=H,
+                        stride_e=H, softcap=30.0)
+            out.append(spec("vocab_pass._group_logits_kernel", f"{dt} cap={int(cap)}", target, args,
+                            dict(HAS_SOFTCAP=cap, IS_BF16=dt == "bf16", WIDTH=bn, BLOCK_K=GROUP_BLOCK_K), False))
     return out
 
 
 def configs(targets=tuple(TARGETS)) -> list[dict]:
     """Every configuration the CUDA launch wrappers can launch, for each target."""
-    return [c for t in targets for make in (_rmsnorm, _moe, _vocab) for c in make(t)]
+    return [c for t in targets for make in (_rmsnorm, _moe, _fp8_linear, _vocab) for c in make(t)]
 
 
 # --- the child process: compile and measure --------------------------------------------------------------

@@ -13,6 +13,8 @@ a CDF boundary. Must not: know about devices beyond the tensors given, or sync w
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 # A row chunk's gathered embedding rows [rows, width, H] stay within this many bytes. 8 MiB, not 32: a
@@ -47,9 +49,11 @@ def group_logits(rows: torch.Tensor, embed: torch.Tensor, group: torch.Tensor, w
 
 
 def draw_from_groups(gmax: torch.Tensor, gsum: torch.Tensor, u: torch.Tensor, width: int, rows: torch.Tensor,
-                     embed: torch.Tensor, softcap: float | None, temperature: float | torch.Tensor) -> torch.Tensor:
+                     embed: torch.Tensor, softcap: float | None, temperature: float | torch.Tensor,
+                     logits_fn: Callable | None = None) -> torch.Tensor:
     """Inverse-CDF draws [N] from per-group statistics gmax, gsum [N, G] (group g = columns g·width ..),
-    uniforms u [N] (float64) and the rows/embedding to recompute the chosen group's logits."""
+    uniforms u [N] (float64) and the rows/embedding to recompute the chosen group's logits (`logits_fn`,
+    default `group_logits`: a device's own kernel may take its place, same arguments and result)."""
     top = gmax.max(dim=1, keepdim=True).values  # [N, 1] the row max M (a group's m_g may exceed its own max)
     mass = gsum.double() * torch.exp((gmax - top).double())  # [N, G] Σ exp(L - M) per group
     cum = mass.cumsum(dim=1)  # [N, G]
@@ -57,7 +61,7 @@ def draw_from_groups(gmax: torch.Tensor, gsum: torch.Tensor, u: torch.Tensor, wi
     g = torch.searchsorted(cum, target[:, None], right=True).clamp_(max=cum.shape[1] - 1)  # [N, 1]
     before = torch.where(g > 0, cum.gather(1, (g - 1).clamp_(min=0)), torch.zeros_like(target[:, None]))  # [N, 1]
     g = g[:, 0]
-    p = torch.exp(group_logits(rows, embed, g, width, softcap, temperature) - top).double()  # [N, W]
+    p = torch.exp((logits_fn or group_logits)(rows, embed, g, width, softcap, temperature) - top).double()  # [N, W]
     inner = p.cumsum(dim=1)  # [N, W]
     j = torch.searchsorted(inner, target[:, None] - before, right=True)[:, 0]  # [N]
     # Rounding (the group's fp32 sum vs this recomputation) can put the target past the group's last

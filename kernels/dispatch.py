@@ -53,8 +53,9 @@ _CHOSEN: dict[tuple, str] = {}  # (op, device, DGEMMA_KERNELS as set) -> impleme
 def implementation(op: str, device: torch.device | str) -> str:
     """'triton', 'cuda', 'cpu' or 'reference': what `op` ('vocab_pass', 'experts', 'rms_norm', 'fp8_experts',
     'fp8_linear', 'linear') runs on `device`. 'linear' is decided when a session starts: 'cpu' there prepacks
-    bf16 weights for oneDNN (dgcli/model/packed.py). 'cuda' is torch's CUDA ops (FP8 linears: tiles or
-    torch._scaled_mm).
+    bf16 weights for oneDNN (dgcli/model/packed.py). FP8 linears on CUDA: 'triton' (weight-only: the W8A16
+    kernel, kernels/fp8_linear.py; dynamic: torch._scaled_mm) or, without Triton, 'cuda' (torch's CUDA ops:
+    dequantized tiles or torch._scaled_mm).
     Decided once per op, device and DGEMMA_KERNELS value (a dict lookup afterwards: this runs ~13 times per
     layer per step); only the variable itself is read at each call, so a test or a benchmark can flip it."""
     key = (op, device, os.environ.get("DGEMMA_KERNELS"))
@@ -69,7 +70,7 @@ def _choose(op: str, dev: torch.device) -> str:
         return "reference"
     if op == "linear":  # no kernel of ours on CUDA: torch's GEMM (cuBLAS) as the reference runs it
         return "cpu" if dev.type == "cpu" else "reference"
-    if dev.type == "cuda" and op == "fp8_linear":
+    if dev.type == "cuda" and op == "fp8_linear" and not _triton_ok():
         return "cuda"
     if dev.type == "cuda" and _triton_ok():
         return "triton"
@@ -114,12 +115,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 def fp8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """x [..., K] by FP8 weights q [N, K] with per-channel scales s [N, 1] -> [..., N] in x.dtype, with the
-    DGEMMA_FP8 semantics (kernels/fp8.py). Reference: the whole matrix dequantized at once (weight-only)."""
+    DGEMMA_FP8 semantics (kernels/fp8.py). Weight-only on CUDA: the W8A16 Triton GEMM (kernels/fp8_linear.py
+    says why it, not dynamic activations, is the default); dynamic: torch._scaled_mm where it fits.
+    Reference: the whole matrix dequantized at once (weight-only)."""
     from . import fp8
 
     impl = implementation("fp8_linear", x.device)
     if fp8_semantics() == "dynamic":
-        return fp8.linear_dynamic(x, q, s, scaled_mm=impl == "cuda" and fp8.scaled_mm_fits(x, q))
+        return fp8.linear_dynamic(x, q, s, scaled_mm=impl in ("triton", "cuda") and fp8.scaled_mm_fits(x, q))
+    if impl == "triton" and x.dtype in ops.FLOATS and s.dtype in ops.FLOATS:
+        return ops.fp8_linear(x, q, s)
     return fp8.linear_weight_only(x, q, s, tile_bytes=None if impl == "reference" else fp8.TILE_BYTES)
 
 

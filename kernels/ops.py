@@ -1,9 +1,9 @@
 """The Triton kernels as torch custom ops (`torch.ops.dgemma.*`), each with a fake implementation.
 
-Owns: `rms_norm`, `experts` (bf16/fp32 and FP8 weights) and `vocab_pass`, the doors through which
-kernels/dispatch.py reaches the Triton entry points (`rmsnorm.rms_norm`, `moe.experts_triton`,
-`vocab_pass.vocab_pass_triton`). A real call runs the entry point unchanged (same numerics, same
-interpreter behaviour); a fake call (FakeTensorMode, torch.compile's tracing, CUDA-graph capture checks)
+Owns: `rms_norm`, `experts` (bf16/fp32 and FP8 weights), `fp8_linear` and `vocab_pass`, the doors through
+which kernels/dispatch.py reaches the Triton entry points (`rmsnorm.rms_norm`, `moe.experts_triton`,
+`fp8_linear.linear_w8a16`, `vocab_pass.vocab_pass_triton`). A real call runs the entry point unchanged
+(same numerics, same interpreter behaviour); a fake call (FakeTensorMode, torch.compile's tracing, CUDA-graph capture checks)
 runs only the fake, which gives the exact output shapes, dtypes and devices without launching anything.
 None of the kernels writes its inputs (each allocates its outputs), so every op has `mutates_args=()`.
 Must not: import Triton at module level (CPU-only installs import dispatch), hold math, pick devices.
@@ -15,12 +15,12 @@ import torch
 
 from .reference import VocabPassOut
 
-_FLOATS = (torch.float32, torch.bfloat16)
+FLOATS = (torch.float32, torch.bfloat16)
 
 
 def _float_only(name: str, dtype: torch.dtype) -> None:
     """The kernels' own dtype check, shared by the fakes so a fake run rejects what a GPU run would."""
-    if dtype not in _FLOATS:
+    if dtype not in FLOATS:
         raise TypeError(f"{name} supports float32 and bfloat16, got {dtype}")
 
 
@@ -55,23 +55,37 @@ def _(x, w, idx, gate_up_proj, down_proj, gate_up_scale, down_scale, dynamic):
     return x.new_empty(x.shape)  # [N, H] in x.dtype
 
 
+@torch.library.custom_op("dgemma::fp8_linear", mutates_args=())
+def _fp8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    from .fp8_linear import linear_w8a16
+
+    return linear_w8a16(x, q, s)
+
+
+@_fp8_linear.register_fake
+def _(x, q, s):
+    _float_only("linear_w8a16", x.dtype)
+    _float_only("linear_w8a16 scales", s.dtype)
+    return x.new_empty(*x.shape[:-1], q.shape[0])  # [..., N] in x.dtype
+
+
 @torch.library.custom_op("dgemma::vocab_pass", mutates_args=())
 def _vocab_pass(hidden: torch.Tensor, embed: torch.Tensor, softcap: float | None, temperature: torch.Tensor,
                 embed_scale: torch.Tensor, uniform: torch.Tensor, want_soft: bool, splits: int | None,
-                block_m: int, block_n: int, block_k: int, chunk: int | None) -> tuple[torch.Tensor, torch.Tensor,
-                                                                              torch.Tensor, torch.Tensor]:
+                block_m: int | None, block_n: int | None, block_k: int | None,
+                row_chunk: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     from .vocab_pass import vocab_pass_triton
 
-    sizes = dict(block_m=block_m, block_n=block_n, block_k=block_k) | ({} if chunk is None else dict(chunk=chunk))
     out = vocab_pass_triton(hidden, embed, softcap=softcap, temperature=temperature, embed_scale=embed_scale,
-                            uniform=uniform, want_soft=want_soft, splits=splits, **sizes)
+                            uniform=uniform, want_soft=want_soft, splits=splits, block_m=block_m, block_n=block_n,
+                            block_k=block_k, row_chunk=row_chunk)
     soft = out.soft if out.soft is not None else embed.new_empty(0)  # an op returns tensors, never None
     return out.sample, out.argmax, out.entropy, soft
 
 
 @_vocab_pass.register_fake
 def _(hidden, embed, softcap, temperature, embed_scale, uniform, want_soft, splits, block_m, block_n, block_k,
-      chunk):
+      row_chunk):
     _float_only("vocab_pass_triton", embed.dtype)
     b, c, h = hidden.shape
     ids = hidden.new_empty(b, c, dtype=torch.int64)
@@ -91,18 +105,22 @@ def experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_proj: t
     return torch.ops.dgemma.experts(x, w, idx, gate_up_proj, down_proj, gate_up_scale, down_scale, dynamic)
 
 
+def fp8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """`fp8_linear.linear_w8a16` (weight-only FP8, default tiles) through its op."""
+    return torch.ops.dgemma.fp8_linear(x, q, s)
+
+
 def vocab_pass(hidden: torch.Tensor, embed: torch.Tensor, *, softcap: float | None,
                temperature: float | torch.Tensor, embed_scale: torch.Tensor | float, uniform: torch.Tensor,
                want_soft: bool = True, row_chunk: int | None = None, splits: int | None = None,
-               block_m: int = 64, block_n: int = 64, block_k: int = 64, chunk: int | None = None) -> VocabPassOut:
+               block_m: int | None = None, block_n: int | None = None, block_k: int | None = None) -> VocabPassOut:
     """`vocab_pass.vocab_pass_triton` (same keywords) through its op. The temperature and the embedding
     scale become tensors here exactly as the kernel makes them (`row_temperature`, `torch.as_tensor`), so
-    the numbers do not change; `row_chunk` is ignored, as the kernel ignores it; `chunk` None: the kernel's."""
-    del row_chunk
+    the numbers do not change; None sizes: the kernel's defaults (autotuned soft tiles on CUDA)."""
     dev = hidden.device
     temperature = torch.as_tensor(temperature, dtype=torch.float32, device=dev)
     embed_scale = torch.as_tensor(embed_scale, device=dev)
     sample, argmax, entropy, soft = torch.ops.dgemma.vocab_pass(
         hidden, embed, None if softcap is None else float(softcap), temperature, embed_scale, uniform,
-        want_soft, splits, block_m, block_n, block_k, chunk)
+        want_soft, splits, block_m, block_n, block_k, row_chunk)
     return VocabPassOut(sample=sample, argmax=argmax, entropy=entropy, soft=soft if want_soft else None)

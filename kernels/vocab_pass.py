@@ -5,18 +5,34 @@ Owns: `vocab_pass_triton`, the kernel twin of `kernels/reference.py::vocab_pass`
 `VocabPassOut`). Must not: know about the denoising loop or sync with the host (the uniforms and the
 temperature stay on the device; every launch grid depends on shapes only).
 
-Three kernels:
+The head GEMM runs once per tile:
 1. `_stats_kernel`, grid (row blocks, vocabulary splits): head GEMM tile by tile, per split the online
    max / first argmax / Σexp(L-m) / Σexp(L-m)(L-m) (entropy) / Σexp(bf16(L)-m), and per tile of BLOCK_N
-   columns the running max m and Σexp(L-m) (the draw's statistics); a tiny torch combine merges the splits.
-2. `_probs_kernel`, per vocabulary chunk: recomputes the head tile (cheaper than storing [N, V]) and
-   writes p = bf16(exp(bf16(L) - Mb)/Zb) for the chunk, Mb = bf16(max L), the max the reference's softmax
-   subtracts: the reference's normalised, rounded probabilities. Not bit for bit: the reference's softmax
+   columns the running max m and Σexp(L-m) (the draw's statistics); `_combine_kernel` merges the splits
+   row by row, in split order. With the soft embedding the stats kernel also writes bf16(L) (the logits as
+   the reference stores them between steps) to a [rows, V] scratch in the model dtype. Why store rather than
+   recompute (the previous design ran the head GEMM a second time for the probabilities): at a 256-row
+   canvas the scratch moves 4 bytes per logit (~0.27 GB written and read back), a second head GEMM reads all
+   of E again (V·H·2 ≈ 1.5 GB) and does 2·H flops per logit (~0.38 TFLOP): estimated ~0.1 ms against
+   ~0.5 ms on an H100 (data-sheet peaks; not measured here, no GPU). Rows are processed in chunks that keep
+   the scratch under SCRATCH_BYTES (rows are independent: the same bits in any chunking).
+2. `_soft_kernel`, grid (row blocks, H blocks, SOFT_SPLITS): p = bf16(exp(bf16(L) - Mb)/Zb) computed on the
+   fly from the scratch (Mb = bf16(max L), the max the reference's softmax subtracts: the reference's
+   normalised, rounded probabilities), times E, split-K over the vocabulary into fp32 partials added
+   elementwise in split order. soft = bf16(Σ partials)·scale. Not bit for bit with the reference: its softmax
    sums exp in its own order (torch's CPU fp32 softmax is off the exact sum by ~1e-5 relative at
    V = 262,144, which moves ~0.2 % of the bf16 probabilities by one step) and with its own exp.
-3. `_soft_gemm_kernel`: acc[N, H] (fp32) += p_chunk @ E_chunk. soft = bf16(acc)·scale at the end.
 Draws: the reference's inverse CDF at the given uniforms, located through the per-tile sums
-(kernels/categorical.py, torch): the same draws as every other path, up to rounding.
+(kernels/categorical.py, torch): the same draws as every other path, up to rounding. The chosen tile's
+logits are recomputed per row by `_group_logits_kernel`, one launch for all rows (the torch gather it
+replaces ran in 8 MiB pieces: ~2,800 launches per step at batch 64).
+
+Bits and tuning: a row's numbers depend on BLOCK_N and BLOCK_K (tile statistics, K order), on the stats
+kernel's warp layout (its in-tile row reductions) and on the two split counts, so all of these are fixed
+(VOCAB_SPLITS and SOFT_SPLITS are constants, not functions of the SM count or the row count): the same bits
+for a row alone or in a batch, on any GPU of an architecture. The soft kernel has no cross-thread reduction
+(each output is one tl.dot chain over K in BLOCK_K steps), so its BLOCK_M / BLOCK_N / warps / stages are
+autotuned on CUDA, keyed by (H, V, rows) over SOFT_TUNE; the interpreter runs one fixed configuration.
 """
 
 from __future__ import annotations
@@ -31,9 +47,19 @@ from .categorical import draw_from_groups
 from .reference import VocabPassOut, row_temperature
 from .triton_common import round_to
 
-SPLIT_ROWS = 256  # the row count the default split count is sized for (one real canvas)
-# Vocabulary columns per probability chunk: bounds the one [N, chunk] bf16 buffer (16 MiB at N = 256).
-CHUNK = 32768
+# Vocabulary splits of the stats kernel: 64 at V = 262,144 (4,096 columns each); with a 256-row canvas
+# (4 row blocks of 64) 256 programs, ~2 waves on 132 SMs. A constant: the combine order is part of the bits.
+VOCAB_SPLITS = 64
+# Split-K of the soft-embedding GEMM: V/8 columns per program; 4 x 44 x 8 = 1,408 programs at a canvas
+# (10+ waves on any current GPU, where K = V serially gave 176 programs, ~1.3 waves on an H100).
+SOFT_SPLITS = 8
+GROUP_BLOCK_K = 128  # the draw's group kernel: [64, 128] embedding tiles
+SCRATCH_BYTES = 512 * 2**20  # the bf16(L) scratch of one row chunk: 1,024 rows at V = 262,144 in bf16
+# The soft kernel's autotuned (BLOCK_M, BLOCK_N, num_warps, num_stages) on CUDA, by model dtype (BLOCK_K
+# fixed: it sets the K order). Each compiles without spills within the block's shared memory
+# (benchmarks/kernel_targets.py); fp32's FMA dots spill at [64, 128] with 4 warps, so that one is bf16's only.
+SOFT_TUNE = {"bf16": ((64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3), (64, 128, 8, 4)),
+             "fp32": ((64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 8, 4))}
 
 
 def _interpreting() -> bool:
@@ -55,13 +81,13 @@ def _logits_tile(h_ptr, e_ptr, rows, row_ok, cols, col_ok, H, stride_h, stride_e
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < H
         a = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)  # [BM, BK]
+                    other=0.0)  # [BM, BK]
         b = tl.load(e_ptr + cols[None, :].to(tl.int64) * stride_e + ks[:, None], mask=col_ok[None, :] & k_ok[:, None],
-                    other=0.0).to(tl.float32)  # [BK, BN]
-        if DOT_BF16:  # exact: bf16 values; bf16 operands run the tensor cores at full rate
-            acc = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
-        else:  # fp32 storage (or the interpreter): full fp32 products, not TF32
-            acc = tl.dot(a, b, acc, input_precision="ieee")
+                    other=0.0)  # [BK, BN]
+        if DOT_BF16:  # the bf16 operands as loaded: the tensor cores at full rate, fp32 accumulation
+            acc = tl.dot(a, b, acc)
+        else:  # fp32 storage, or the interpreter (bf16 upcast: it computes bf16 dots wrongly): full fp32
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     raw = round_to(acc, IS_BF16)  # the reference's head GEMM output is in the model dtype
     if HAS_SOFTCAP:
         raw = _tanh(raw / softcap) * softcap
@@ -69,8 +95,8 @@ def _logits_tile(h_ptr, e_ptr, rows, row_ok, cols, col_ok, H, stride_h, stride_e
 
 
 @triton.jit
-def _stats_kernel(h_ptr, e_ptr, temp_ptr, m_ptr, z_ptr, s_ptr, amax_ptr, zb_ptr, tm_ptr, tz_ptr,
-                  N, V, H, n_tiles, cols_per_split, stride_h, stride_e, softcap,
+def _stats_kernel(h_ptr, e_ptr, temp_ptr, m_ptr, z_ptr, s_ptr, amax_ptr, zb_ptr, tm_ptr, tz_ptr, l_ptr,
+                  N, V, H, n_tiles, cols_per_split, stride_h, stride_e, stride_l, softcap,
                   HAS_SOFTCAP: tl.constexpr, IS_BF16: tl.constexpr, DOT_BF16: tl.constexpr, WANT_SOFT: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -112,6 +138,8 @@ def _stats_kernel(h_ptr, e_ptr, temp_ptr, m_ptr, z_ptr, s_ptr, amax_ptr, zb_ptr,
             # Σ exp(bf16(L) - bf16(m)): the reference's softmax reads the rounded logits and subtracts their
             # max, which is the rounded max of L (rounding is monotone); the same shift, the same exp args.
             lb = round_to(L, IS_BF16)  # L as the reference stores it between steps
+            tl.store(l_ptr + rows[:, None].to(tl.int64) * stride_l + cols[None, :], lb.to(l_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & col_ok[None, :])  # exact: lb holds model-dtype values
             mb_new = round_to(m_new, IS_BF16)
             alpha_b = tl.where(first, 0.0, tl.exp(round_to(m, IS_BF16) - mb_new))
             eb = tl.where(col_ok[None, :], tl.exp(lb - mb_new[:, None]), 0.0)
@@ -126,60 +154,170 @@ def _stats_kernel(h_ptr, e_ptr, temp_ptr, m_ptr, z_ptr, s_ptr, amax_ptr, zb_ptr,
 
 
 @triton.jit
-def _probs_kernel(h_ptr, e_ptr, temp_ptr, mb_ptr, zb_ptr, p_ptr, N, c0, c1, H, stride_h, stride_e, stride_p, softcap,
-                  HAS_SOFTCAP: tl.constexpr, IS_BF16: tl.constexpr, DOT_BF16: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < N
-    cols = c0 + tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < c1
-    temp = tl.load(temp_ptr + rows, mask=row_ok, other=1.0)[:, None]  # [BM, 1]
-    L = _logits_tile(h_ptr, e_ptr, rows, row_ok, cols, col_ok, H, stride_h, stride_e, temp, softcap,
-                     HAS_SOFTCAP, IS_BF16, DOT_BF16, BLOCK_M, BLOCK_N, BLOCK_K)
-    mb = tl.load(mb_ptr + rows, mask=row_ok, other=0.0)
-    zb = tl.load(zb_ptr + rows, mask=row_ok, other=1.0)
-    p = round_to(tl.exp(round_to(L, IS_BF16) - mb[:, None]) / zb[:, None], IS_BF16)  # softmax_fp32(bf16 L) -> bf16
-    ptrs = p_ptr + rows[:, None].to(tl.int64) * stride_p + (cols - c0)[None, :]
-    tl.store(ptrs, p.to(p_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit
-def _soft_gemm_kernel(p_ptr, e_ptr, acc_ptr, N, K, H, stride_p, stride_e, stride_acc,
-                      DOT_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _soft_kernel(l_ptr, e_ptr, mb_ptr, zb_ptr, part_ptr, N, V, H, cols_per_split, stride_l, stride_e, stride_ps,
+                 stride_pn, IS_BF16: tl.constexpr, DOT_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """part[split, rows, cols] = Σ over this split's vocabulary of p·E, p = bf16(exp(bf16(L) - Mb)/Zb)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < N
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # hidden channels
     col_ok = cols < H
+    split = tl.program_id(2)
+    mb = tl.load(mb_ptr + rows, mask=row_ok, other=0.0)[:, None]  # [BM, 1]
+    zb = tl.load(zb_ptr + rows, mask=row_ok, other=1.0)[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = split * cols_per_split
+    k_hi = tl.minimum(V, k_lo + cols_per_split)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        a = tl.load(p_ptr + rows[:, None].to(tl.int64) * stride_p + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)  # [BM, BK]
+        k_ok = ks < k_hi
+        lb = tl.load(l_ptr + rows[:, None].to(tl.int64) * stride_l + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                     other=float("-inf")).to(tl.float32)  # [BM, BK] bf16(L)
+        p = round_to(tl.exp(lb - mb) / zb, IS_BF16)  # softmax_fp32(bf16 L) -> bf16; 0 where masked
         b = tl.load(e_ptr + ks[:, None].to(tl.int64) * stride_e + cols[None, :], mask=k_ok[:, None] & col_ok[None, :],
-                    other=0.0).to(tl.float32)  # [BK, BN]
-        if DOT_BF16:
-            acc = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+                    other=0.0)  # [BK, BN]
+        if DOT_BF16:  # p holds bf16 values: exact as bf16
+            acc = tl.dot(p.to(tl.bfloat16), b, acc)
         else:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-    ptrs = acc_ptr + rows[:, None].to(tl.int64) * stride_acc + cols[None, :]
-    mask = row_ok[:, None] & col_ok[None, :]
-    tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + acc, mask=mask)
+            acc = tl.dot(p, b.to(tl.float32), acc, input_precision="ieee")
+    ptrs = part_ptr + split.to(tl.int64) * stride_ps + rows[:, None].to(tl.int64) * stride_pn + cols[None, :]
+    tl.store(ptrs, acc, mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(m_ptr, z_ptr, s_ptr, amax_ptr, zb_ptr, mb_ptr, ent_ptr, arg_ptr, zbt_ptr, N, S,
+                    IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """Merge the splits' statistics [S, N] per row, splits in ascending order: a row's result depends on its
+    own statistics only (a torch reduction over the splits may pick its order by the tensor's shape, i.e. by
+    the batch). The soft embedding's max and sum are those of the logits rounded to the model dtype."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = rows < N
+    mx = tl.full((BLOCK,), float("-inf"), tl.float32)
+    for k in range(0, S):
+        mx = tl.maximum(mx, tl.load(m_ptr + k * N + rows, mask=ok, other=0.0))
+    mb = round_to(mx, IS_BF16)  # the max of the rounded logits (rounding is monotone)
+    zt = tl.zeros((BLOCK,), tl.float32)
+    st = tl.zeros((BLOCK,), tl.float32)
+    zbt = tl.zeros((BLOCK,), tl.float32)
+    arg = tl.zeros((BLOCK,), tl.int32)
+    found = tl.zeros((BLOCK,), tl.int1)
+    for k in range(0, S):
+        m = tl.load(m_ptr + k * N + rows, mask=ok, other=0.0)
+        z = tl.load(z_ptr + k * N + rows, mask=ok, other=0.0)
+        alpha = tl.exp(m - mx)
+        zt += alpha * z
+        st += alpha * (tl.load(s_ptr + k * N + rows, mask=ok, other=0.0) + z * (m - mx))
+        zbt += tl.exp(round_to(m, IS_BF16) - mb) * tl.load(zb_ptr + k * N + rows, mask=ok, other=0.0)
+        first = (m == mx) & (found == 0)  # the earliest split holding the max: the first argmax
+        arg = tl.where(first, tl.load(amax_ptr + k * N + rows, mask=ok, other=0), arg)
+        found = found | first
+    tl.store(mb_ptr + rows, mb, mask=ok)
+    zt = tl.where(ok, zt, 1.0)  # rows past N: no log(0) (never stored)
+    tl.store(ent_ptr + rows, tl.log(zt) - st / zt, mask=ok)
+    tl.store(arg_ptr + rows, arg.to(tl.int64), mask=ok)
+    tl.store(zbt_ptr + rows, zbt, mask=ok)
 
 
 def _combine(m, z, s, amax, zb, soft_dtype):
-    """Merge per-split statistics [S, N] -> per-row results (torch ops, no host sync). The soft embedding's
-    max and sum are those of the logits rounded to `soft_dtype` (each split's zb is relative to its rounded m)."""
-    mx = m.max(dim=0).values  # [N]
-    alpha = torch.exp(m - mx)  # [S, N]
-    zt = (alpha * z).sum(0)
-    st = (alpha * (s + z * (m - mx))).sum(0)
-    entropy = torch.log(zt) - st / zt
-    first = torch.argmax((m == mx).to(torch.int8), dim=0)  # earliest split holding the max: first argmax
-    argmax = amax.gather(0, first[None])[0].long()
-    mb = mx.to(soft_dtype).float()  # [N] the max of the rounded logits
-    zbt = (torch.exp(m.to(soft_dtype).float() - mb) * zb).sum(0)
+    """Per-split statistics [S, N] -> (mb, entropy, argmax, zbt) [N] (see `_combine_kernel`)."""
+    splits, n = m.shape
+    mb, entropy, zbt = (torch.empty(n, dtype=torch.float32, device=m.device) for _ in range(3))
+    argmax = torch.empty(n, dtype=torch.int64, device=m.device)
+    block = 128
+    _combine_kernel[(triton.cdiv(n, block),)](m, z, s, amax, zb, mb, entropy, argmax, zbt, n, splits,
+                                              IS_BF16=soft_dtype == torch.bfloat16, BLOCK=block)
     return mb, entropy, argmax, zbt
+
+
+@triton.jit
+def _group_logits_kernel(h_ptr, e_ptr, g_ptr, temp_ptr, out_ptr, V, H, stride_h, stride_e, softcap,
+                         HAS_SOFTCAP: tl.constexpr, IS_BF16: tl.constexpr, WIDTH: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    """One row's processed logits over the WIDTH columns of its chosen group (-inf past V), as
+    `categorical.group_logits` computes them: head in the model dtype, softcap, temperature."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.load(g_ptr + row) * WIDTH + tl.arange(0, WIDTH)
+    col_ok = cols < V
+    acc = tl.zeros((WIDTH,), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < H
+        h = tl.load(h_ptr + row * stride_h + ks, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
+        e = tl.load(e_ptr + cols[:, None].to(tl.int64) * stride_e + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)  # [W, BK]
+        acc += tl.sum(e * h[None, :], axis=1)
+    raw = round_to(acc, IS_BF16)
+    if HAS_SOFTCAP:
+        raw = _tanh(raw / softcap) * softcap
+    L = raw / tl.load(temp_ptr + row)
+    tl.store(out_ptr + row * WIDTH + tl.arange(0, WIDTH), tl.where(col_ok, L, float("-inf")))
+
+
+def _group_logits(rows, embed, group, width, softcap, temperature):
+    """`categorical.group_logits` as one kernel launch: L [N, width] fp32 of each row's group `group` [N]."""
+    n, h = rows.shape
+    out = torch.empty(n, width, dtype=torch.float32, device=rows.device)  # [N, W]
+    temp = temperature.reshape(n).contiguous()  # [N] (the pass hands one per row)
+    if n:
+        _group_logits_kernel[(n,)](rows, embed, group.contiguous(), temp, out, embed.shape[0], h, rows.stride(0),
+                                   embed.stride(0), float(softcap) if softcap else 1.0, HAS_SOFTCAP=bool(softcap),
+                                   IS_BF16=embed.dtype == torch.bfloat16, WIDTH=width, BLOCK_K=GROUP_BLOCK_K)
+    return out
+
+
+def _soft_launcher(interpreting: bool, block_m: int | None, block_n: int | None, dtype: torch.dtype):
+    """The soft kernel and its fixed tile, or (on CUDA, no tile asked for) its autotuned twin, keyed by
+    (H, V, rows), and no tile. The autotuner times its configurations at the first call of each key: the
+    static step's warm-up runs (outside any CUDA-graph capture) make that call."""
+    if block_m is not None or interpreting:
+        return _soft_kernel, dict(BLOCK_M=block_m or 64, BLOCK_N=block_n or 64)
+    name = "bf16" if dtype == torch.bfloat16 else "fp32"
+    if name not in _SOFT_TUNED:
+        configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
+                   for bm, bn, w, st in SOFT_TUNE[name]]
+        _SOFT_TUNED[name] = triton.autotune(configs, key=["H", "V", "N"])(_soft_kernel)
+    return _SOFT_TUNED[name], {}
+
+
+_SOFT_TUNED: dict = {}  # model dtype -> the autotuned soft kernel
+
+
+def _pass_rows(rows, embed, temp, u, softcap, want_soft, splits, bm, bn, bk, soft_tile):
+    """One chunk of rows [n, H] through both kernels -> (sample, argmax, entropy [n], fp32 soft sum [n, H])."""
+    n, h = rows.shape
+    v = embed.shape[0]
+    dev = rows.device
+    is_bf16 = embed.dtype == torch.bfloat16
+    dot_bf16 = is_bf16 and not _interpreting()
+    row_blocks = triton.cdiv(n, bm)
+    cols_per_split = triton.cdiv(triton.cdiv(v, splits), bn) * bn
+    splits = triton.cdiv(v, cols_per_split)
+    m, z, s, zb = (torch.empty(splits, n, dtype=torch.float32, device=dev) for _ in range(4))
+    amax = torch.empty(splits, n, dtype=torch.int32, device=dev)
+    n_tiles = triton.cdiv(v, bn)  # tiles start at multiples of bn (cols_per_split is one)
+    tile_m, tile_z = (torch.empty(n, n_tiles, dtype=torch.float32, device=dev) for _ in range(2))
+    scratch = torch.empty(n, v, dtype=embed.dtype, device=dev) if want_soft else rows  # [n, V] bf16(L)
+    cap = float(softcap) if softcap else 1.0
+    _stats_kernel[(row_blocks, splits)](rows, embed, temp, m, z, s, amax, zb, tile_m, tile_z, scratch, n, v, h,
+                                        n_tiles, cols_per_split, rows.stride(0), embed.stride(0),
+                                        scratch.stride(0) if want_soft else 0, cap, HAS_SOFTCAP=bool(softcap),
+                                        IS_BF16=is_bf16, DOT_BF16=dot_bf16, WANT_SOFT=want_soft, BLOCK_M=bm,
+                                        BLOCK_N=bn, BLOCK_K=bk)
+    mb, entropy, argmax, zbt = _combine(m, z, s, amax, zb, embed.dtype)
+    sample = draw_from_groups(tile_m, tile_z, u, bn, rows, embed, softcap, temp[:, None], logits_fn=_group_logits)
+    if not want_soft:
+        return sample, argmax, entropy, None
+    per_soft = triton.cdiv(triton.cdiv(v, SOFT_SPLITS), bk) * bk
+    soft_splits = triton.cdiv(v, per_soft)
+    part = torch.empty(soft_splits, n, h, dtype=torch.float32, device=dev)  # [S, n, H] split-K partials
+    kernel, tile = soft_tile
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), triton.cdiv(h, meta["BLOCK_N"]), soft_splits)  # noqa: E731
+    kernel[grid](scratch, embed, mb, zbt, part, n, v, h, per_soft, scratch.stride(0), embed.stride(0),
+                 part.stride(0), part.stride(1), IS_BF16=is_bf16, DOT_BF16=dot_bf16, BLOCK_K=bk, **tile)
+    acc = part[0].clone()
+    for k in range(1, soft_splits):  # elementwise, splits in order (a torch .sum(0) picks its order by shape)
+        acc += part[k]
+    return sample, argmax, entropy, acc
 
 
 def vocab_pass_triton(
@@ -193,15 +331,14 @@ def vocab_pass_triton(
     want_soft: bool = True,
     row_chunk: int | None = None,
     splits: int | None = None,
-    block_m: int = 64,
-    block_n: int = 64,
-    block_k: int = 64,
-    chunk: int = CHUNK,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
 ) -> VocabPassOut:
-    """`kernels.reference.vocab_pass` with Triton kernels; `row_chunk` is ignored (no row chunking).
-    Block sizes must be >= 16 (tl.dot); `splits` = vocabulary splits of the stats kernel (default: enough
-    programs to fill the device for a 256-row canvas, whatever the row count)."""
-    del row_chunk
+    """`kernels.reference.vocab_pass` with Triton kernels. `row_chunk`: rows per pass of the kernels (default:
+    as many as keep the bf16(L) scratch under SCRATCH_BYTES; the chunking changes nothing). Block sizes
+    (>= 16, tl.dot) default to 64; given, they also fix the soft kernel's tile (no autotuning). `splits`:
+    vocabulary splits of the stats kernel (default VOCAB_SPLITS, fewer when V has fewer tiles)."""
     if embed.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"vocab_pass_triton supports float32 and bfloat16 embeddings, got {embed.dtype}")
     b, c, h = hidden.shape
@@ -210,49 +347,17 @@ def vocab_pass_triton(
     rows = hidden.reshape(b * c, h).to(embed.dtype).contiguous()  # [N, H]
     embed = embed.contiguous()
     n = rows.shape[0]
-    is_bf16 = embed.dtype == torch.bfloat16
-    dot_bf16 = is_bf16 and not _interpreting()
+    bm, bn, bk = block_m or 64, block_n or 64, block_k or 64
+    splits = splits or max(1, min(triton.cdiv(v, bn), VOCAB_SPLITS))
+    soft_tile = _soft_launcher(_interpreting(), block_m, block_n, embed.dtype)
     temp = row_temperature(temperature, b, c, dev).expand(n, 1).reshape(n).contiguous()  # [N]: one per row
-    row_blocks = triton.cdiv(n, block_m)
-    if splits is None:
-        # Sized for one 256-row canvas whatever the batch: the split count sets the order in which a row's
-        # statistics are combined, and a row's numbers must not depend on how many rows share the pass.
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
-        splits = max(1, min(triton.cdiv(v, block_n), triton.cdiv(2 * sms, triton.cdiv(SPLIT_ROWS, block_m))))
-    cols_per_split = triton.cdiv(triton.cdiv(v, splits), block_n) * block_n
-    splits = triton.cdiv(v, cols_per_split)
-    m, z, s, zb = (torch.empty(splits, n, dtype=torch.float32, device=dev) for _ in range(4))
-    amax = torch.empty(splits, n, dtype=torch.int32, device=dev)
-    n_tiles = triton.cdiv(v, block_n)  # tiles start at multiples of block_n (cols_per_split is one)
-    tile_m, tile_z = (torch.empty(n, n_tiles, dtype=torch.float32, device=dev) for _ in range(2))
-    cap = float(softcap) if softcap else 1.0
-    meta = dict(HAS_SOFTCAP=bool(softcap), IS_BF16=is_bf16, DOT_BF16=dot_bf16,
-                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
-    _stats_kernel[(row_blocks, splits)](rows, embed, temp, m, z, s, amax, zb, tile_m, tile_z, n, v, h, n_tiles,
-                                        cols_per_split, rows.stride(0), embed.stride(0), cap,
-                                        WANT_SOFT=want_soft, **meta)
-    mb, entropy, argmax, zbt = _combine(m, z, s, amax, zb, embed.dtype)
     u = uniform.reshape(n).to(device=dev, dtype=torch.float64)  # [N]
-    sample = draw_from_groups(tile_m, tile_z, u, block_n, rows, embed, softcap, temp[:, None])
-
+    step = n if not want_soft else max(1, min(n, row_chunk or SCRATCH_BYTES // (v * embed.element_size())))
+    outs = [_pass_rows(rows[lo:lo + step], embed, temp[lo:lo + step], u[lo:lo + step], softcap, want_soft, splits,
+                       bm, bn, bk, soft_tile) for lo in range(0, n, step)]
+    sample, argmax, entropy, acc = (torch.cat(t) if len(outs) > 1 else t[0] for t in zip(*outs))
     soft = None
     if want_soft:
-        acc = torch.zeros(n, h, dtype=torch.float32, device=dev)  # [N, H]
-        width = min(chunk, v)
-        probs = torch.empty(n, width, dtype=embed.dtype, device=dev)  # [N, chunk]
-        for c0 in range(0, v, width):
-            c1 = min(v, c0 + width)
-            _probs_kernel[(row_blocks, triton.cdiv(c1 - c0, block_n))](
-                rows, embed, temp, mb, zbt, probs, n, c0, c1, h, rows.stride(0), embed.stride(0), probs.stride(0),
-                cap, **meta)
-            _soft_gemm_kernel[(row_blocks, triton.cdiv(h, block_n))](
-                probs, embed[c0:], acc, n, c1 - c0, h, probs.stride(0), embed.stride(0), acc.stride(0),
-                DOT_BF16=dot_bf16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
         scale = torch.as_tensor(embed_scale, device=dev).to(embed.dtype)
-        soft = acc.to(embed.dtype) * scale  # the reference's bf16 GEMM output, then × scale in bf16
-    return VocabPassOut(
-        sample=sample.view(b, c),
-        argmax=argmax.view(b, c),
-        entropy=entropy.view(b, c),
-        soft=None if soft is None else soft.view(b, c, h),
-    )
+        soft = (acc.to(embed.dtype) * scale).view(b, c, h)  # the reference's bf16 GEMM output, then × scale in bf16
+    return VocabPassOut(sample=sample.view(b, c), argmax=argmax.view(b, c), entropy=entropy.view(b, c), soft=soft)

@@ -1,6 +1,6 @@
-"""Test-wide setup (import path, one intra-op thread, the Triton interpreter without a GPU) and the
-fixtures several test folders share. Tests marked `slow` are deselected by default (pyproject.toml's
-addopts); `-m 'slow or not slow'` runs them too (the README's test command)."""
+"""Test-wide setup (import path, one intra-op thread, the Triton interpreter only without a GPU, the
+devices present) and the fixtures several test folders share. Tests marked `slow` are deselected by
+default (pyproject.toml's addopts); `-m 'slow or not slow'` runs them too (the README's test command)."""
 
 import os
 import sys
@@ -22,13 +22,48 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-# Without a GPU the Triton kernels run in the interpreter; the variable must be set before any kernel
-# module is imported, and test modules import each other's dependencies in any order.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def triton_interpreter_needed(cuda_available: bool) -> bool:
+    """The suite's one decision on how Triton kernels run: compiled where CUDA exists, in the interpreter
+    (TRITON_INTERPRET=1, kernels on CPU tensors) where it does not. Tests call it with the answer injected."""
+    return not cuda_available
+
+
+def apply_triton_mode(env: dict, cuda_available: bool) -> None:
+    """Set or clear TRITON_INTERPRET in `env` by `triton_interpreter_needed`. On a GPU an inherited
+    TRITON_INTERPRET=1 is dropped: it would quietly turn the compiled-kernel tests into interpreter runs
+    (and DOT_BF16 off), which is what a GPU run of this suite exists to avoid."""
+    if triton_interpreter_needed(cuda_available):
+        env["TRITON_INTERPRET"] = "1"
+    else:
+        env.pop("TRITON_INTERPRET", None)
+
+
+# Decided here, once, before any test module (and so any kernel module, which reads the variable when
+# Triton is imported and its kernels defined) is imported; CLI subprocesses inherit the result.
+CUDA = torch.cuda.is_available()
+apply_triton_mode(os.environ, CUDA)
+# Devices the model and CLI tests run on (`device` fixture): the CPU always, the GPU where there is one.
+DEVICES = ("cpu", "cuda") if CUDA else ("cpu",)
+# Devices the Triton kernels run on (`triton_device` fixture): compiled on the GPU where there is one,
+# else the interpreter on CPU tensors (a CPU tensor cannot reach a compiled kernel).
+TRITON_DEVICES = ("cuda",) if CUDA else ("cpu",)
 
 
 import pytest  # noqa: E402
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    """Each device present: "cpu", and "cuda" on a machine with a GPU."""
+    return request.param
+
+
+@pytest.fixture(params=TRITON_DEVICES)
+def triton_device(request) -> str:
+    """Where the Triton kernels run in this session: "cuda" (compiled) or "cpu" (interpreted)."""
+    return request.param
 
 
 @pytest.fixture(scope="session")

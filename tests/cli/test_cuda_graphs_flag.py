@@ -1,6 +1,7 @@
 """`--cuda-graphs` (generate, bench, sweep, serve): the step mode a session carries into the loop, the engine
 and provenance. It needs a CUDA device: anywhere else one `dgemma: error:` line, before any weights load
-(and, for serve, before the port is bound)."""
+(and, for serve, before the port is bound). The error tests hide the GPU where there is one (so they run on
+every machine); the capture test needs a real GPU."""
 
 from __future__ import annotations
 
@@ -17,6 +18,12 @@ from dgcli.runtime import session as sess
 
 TINY_BENCH = ["--random-prompts", "--num-prompts", "1", "--random-input-len", "4", "--runs", "1", "--warmup", "0",
               "--no-measure-peaks", "--diffusion-steps", "2"]
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    """This process sees no CUDA device (a no-op on a machine without one), as `--device auto` asks torch."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
 @pytest.fixture
@@ -37,7 +44,6 @@ def one_error_line(code, out, err):
     assert lines[0].startswith("dgemma: error: ") and "--device cuda" in lines[0], err
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the error is for a machine without CUDA")
 @pytest.mark.parametrize("argv", [
     ["generate", "--cuda-graphs", "hi"],
     ["bench", "--cuda-graphs", *TINY_BENCH],
@@ -46,22 +52,24 @@ def one_error_line(code, out, err):
      "--no-measure-peaks"],
     ["serve", "--cuda-graphs", "--port", "1"],
 ], ids=["generate", "bench", "bench-dummy", "sweep", "serve"])
-def test_cuda_graphs_without_cuda_is_one_line_before_loading(capsys, nothing_loaded, tmp_path, monkeypatch, argv):
+def test_cuda_graphs_without_cuda_is_one_line_before_loading(capsys, no_cuda, nothing_loaded, tmp_path, monkeypatch,
+                                                            argv):
     monkeypatch.chdir(tmp_path)  # sweep's default --output
     one_error_line(*run(argv, capsys))
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the error is for a machine without CUDA")
 def test_serve_with_cuda_graphs_exits_before_binding(tmp_path):
-    """As a real process: the error line, exit 2, and nothing listening."""
+    """As a real process: the error line, exit 2, and nothing listening (the GPU hidden where there is one)."""
+    import os
     import subprocess
     import sys
 
     from server_proc import free_port
 
     port = free_port()
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     p = subprocess.run([sys.executable, "-m", "dgcli.cli", "serve", "--cuda-graphs", "--port", str(port)],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120, env=env)
     one_error_line(p.returncode, p.stdout, p.stderr)
 
 
@@ -115,3 +123,21 @@ def test_cuda_graphs_is_refused_with_base_url(capsys):
 def test_every_model_command_lists_the_flag(capsys, cmd):
     code, out, _ = run([cmd, "--help"], capsys)
     assert code == 0 and "--cuda-graphs" in out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="a real CUDA-graph capture needs a CUDA device (the one legitimate skip here: on CPU "
+                           "the fake-CUDA tests in tests/sampling/test_fake_cuda.py stand in)")
+def test_captured_step_gives_the_dynamic_steps_tokens_on_cuda():
+    """`--cuda-graphs` on a real GPU: the step is captured (torch.cuda.CUDAGraph, no fake) and replayed, and a
+    request gives the tokens the dynamic step gives; a capture hazard (a host sync, an allocation that moves)
+    fails the capture or changes the tokens."""
+    s = sess.open_session(None, None, {"device": "cuda", "max_denoising_steps": 4}, cuda_graphs=True)
+    assert s.step_mode == "graphs" and s.device.type == "cuda"
+    dynamic = dataclasses.replace(s, step_mode="dynamic")
+    ids = request.encode(s, "Reverse: c a t")
+    want = request.run(dynamic, ids).token_ids
+    assert request.run(s, ids).token_ids == want
+    assert request.run(s, ids).token_ids == want  # a second run replays the captured graphs
+    [(_, r)] = list(request.run_batch(s, [ids], batch_size=1, stats={}))
+    assert r.token_ids == want

@@ -1,7 +1,6 @@
 """FP8 ops: the per-token activation quantizer and the dynamic-activation matmuls against a float64 computation
-of the same math; the FP8 Triton expert kernels (interpreted on CPU) against the torch references."""
-
-import os
+of the same math; the FP8 Triton expert kernels (compiled on a GPU, else interpreted on CPU) against the torch
+references."""
 
 import pytest
 import torch
@@ -74,6 +73,55 @@ def test_weight_only_linear_is_f_linear_on_the_dequantized_weight():
     assert torch.equal(linear_weight_only(x, q, s, tile_bytes=1024), want)  # 8-row tiles
 
 
+# (input [..., K], N): rows, columns and K not multiples of the 16-wide blocks, a 3-D input, rows with an
+# outlier and all zeros (`activations`).
+W8A16_SHAPES = [((3, 5, 72), 40), ((3, 48), 33), ((37, 64), 64)]
+
+
+@pytest.mark.parametrize("dtype, scale_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                                (torch.float32, torch.bfloat16), (torch.float32, torch.float32)])
+@pytest.mark.parametrize("xshape, n", W8A16_SHAPES)
+def test_triton_w8a16_linear_is_the_weight_only_reference(dtype, scale_dtype, xshape, n, triton_device):
+    """kernels/fp8_linear.py (e4m3 bytes dequantized per tile, fp32 accumulation, one rounding) against
+    F.linear on the whole dequantized weight. bf16 in the interpreter: bit-equal (the dequantized weight
+    rounded as `dequantize` rounds it; products of bf16 values exact in fp32; the interpreter's dot sums K in
+    order, as torch's CPU GEMM does here). fp32, and bf16 on a GPU (tensor cores sum in their own order):
+    the accumulation order differs, so an fp32 result a few ulps off, a bf16 one a rounding step off."""
+    pytest.importorskip("triton")
+    from dgcli.kernels.fp8_linear import linear_w8a16
+
+    g = torch.Generator().manual_seed(n)
+    x = activations(xshape, 5, dtype, outlier=30.0)
+    q, s = quantize_rows((torch.randn(n, xshape[-1], generator=g) / 4).to(scale_dtype))
+    want = linear_weight_only(x, q, s, tile_bytes=None)
+    got = linear_w8a16(x.to(triton_device), q.to(triton_device), s.to(triton_device),
+                       config=(16, 16, 16, 4, 1)).cpu()
+    assert got.dtype == dtype and got.shape == want.shape
+    if dtype == torch.bfloat16 and triton_device == "cpu":
+        assert torch.equal(got, want)
+    elif dtype == torch.bfloat16:
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2**-7)
+    else:
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    if triton_device == "cpu":  # the default tiles too (larger than these shapes: masked everywhere)
+        assert torch.equal(linear_w8a16(x, q, s), want) or dtype == torch.float32
+
+
+def test_the_w8a16_decode_covers_every_e4m3_value(triton_device):
+    """All 254 finite e4m3 bytes (NaN 0x7F / 0xFF excluded) through the kernel as a weight column each:
+    x = 1 picks the decoded values out exactly (scale 1, fp32)."""
+    pytest.importorskip("triton")
+    from dgcli.kernels.fp8_linear import linear_w8a16
+
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    q = codes.view(FP8)[:, None].repeat(1, 16)  # [254, 16]: each row one value
+    x = torch.zeros(1, 16)
+    x[0, 3] = 1.0
+    got = linear_w8a16(x.to(triton_device), q.to(triton_device), torch.ones(254, 1).to(triton_device),
+                       config=(16, 16, 16, 4, 1)).cpu()
+    assert torch.equal(got[0], q[:, 0].float())
+
+
 def experts_case(dtype, scale_dtype, n=20, h=32, inter=16, e=4, k=2, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = activations((n, h), seed, dtype, outlier=30.0)
@@ -122,21 +170,25 @@ def test_dynamic_experts_are_the_float64_math():
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")
 @pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("dtype, scale_dtype", CASES)
-def test_triton_fp8_experts_match_the_references(dtype, scale_dtype, dynamic):
-    """The Triton kernels (interpreted on CPU): weight tiles dequantized in the kernel (or e4m3 x e4m3 dots
+def test_triton_fp8_experts_match_the_references(dtype, scale_dtype, dynamic, triton_device):
+    """The Triton kernels: weight tiles dequantized in the kernel (or e4m3 x e4m3 dots
     on quantized tokens) against the torch references. bf16: bit-equal (same roundings, fp32 accumulation
-    of bf16-exact operands); fp32: the accumulation order differs (measured <= 8e-7 of outputs ~2)."""
+    of bf16-exact operands, in the interpreter); fp32: the accumulation order differs (measured <= 8e-7 of
+    outputs ~2)."""
     pytest.importorskip("triton")
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU and no Triton interpreter")
+    if triton_device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("Triton has no e4m3 type below SM 8.9 (dispatch runs the torch reference there)")
     from dgcli.kernels.moe import experts_triton
 
     x, w, idx, guq, gus, dnq, dns = experts_case(dtype, scale_dtype, n=24, seed=7)
     want = experts_fp8_reference(x, w, idx, guq, gus, dnq, dns, dynamic=dynamic)
-    got = experts_triton(x, w, idx, guq, dnq, gate_up_scale=gus, down_scale=dns, dynamic=dynamic,
-                         block_m=16, block_n=16, block_k=16)
-    if dtype == torch.bfloat16:
+    on = [t.to(triton_device) for t in (x, w, idx, guq, dnq, gus, dns)]
+    got = experts_triton(*on[:5], gate_up_scale=on[5], down_scale=on[6], dynamic=dynamic,
+                         block_m=16, block_n=16, block_k=16).cpu()
+    if dtype == torch.bfloat16 and triton_device == "cpu":
         assert torch.equal(got, want)
+    elif dtype == torch.bfloat16:  # tensor-core dots sum in their own order: a GEMM output may round 1 bf16 ulp off
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2**-7)
     else:
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
@@ -151,4 +203,6 @@ def test_fp8_semantics_come_from_the_environment(monkeypatch):
         dispatch.fp8_semantics()
     monkeypatch.delenv("DGEMMA_FP8")
     assert dispatch.implementation("fp8_linear", "cpu") == "cpu"
+    # CUDA: weight-only through the W8A16 kernel, dynamic through torch._scaled_mm (both decided in fp8_linear)
+    assert dispatch.implementation("fp8_linear", "cuda") == ("triton" if dispatch._triton_ok() else "cuda")
     assert dispatch.implementation("fp8_experts", "cpu") == "cpu"

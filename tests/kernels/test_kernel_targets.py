@@ -25,7 +25,7 @@ CONFIGS = kt.configs()
 
 def _bad_configs() -> dict[str, dict]:
     """Real kernels launched wrongly: what a careless tile or flag change would do."""
-    soft = next(c for c in CONFIGS if c["kernel"] == "vocab_pass._soft_gemm_kernel" and c["label"] == "bf16"
+    soft = next(c for c in CONFIGS if c["kernel"] == "vocab_pass._soft_kernel" and c["label"] == "bf16 64x64 w4 s3"
                 and c["target"] == "sm_90")
     big = dict(soft["constexprs"], BLOCK_N=256, BLOCK_K=256)  # 3 stages of [64, 256] + [256, 256] bf16 tiles
     fp32_dot = dict(soft["constexprs"], DOT_BF16=False)  # bf16 data, but full-precision fp32 products
@@ -58,11 +58,15 @@ def test_every_launchable_configuration_compiles_fits_and_keeps_its_tensor_cores
 
 def test_the_matrix_covers_every_kernel_on_both_targets():
     kernels = {"rmsnorm._rms_norm_kernel", "moe._gate_up_kernel", "moe._down_kernel", "vocab_pass._stats_kernel",
-               "vocab_pass._probs_kernel", "vocab_pass._soft_gemm_kernel"}
+               "vocab_pass._soft_kernel", "vocab_pass._combine_kernel", "vocab_pass._group_logits_kernel",
+               "fp8_linear._w8a16_kernel"}
     assert {(c["kernel"], c["target"]) for c in CONFIGS} == {(k, t) for k in kernels for t in kt.TARGETS}
-    # The dtypes and paths the wrappers launch: bf16 / fp32 everywhere, FP8 experts (both semantics) on sm_90.
+    # The dtypes and paths the wrappers launch: bf16 / fp32 everywhere, FP8 experts (both semantics) on sm_90;
+    # the W8A16 linear (e4m3 bytes decoded in the kernel) on both targets.
     moe90 = {c["label"] for c in CONFIGS if c["kernel"] == "moe._gate_up_kernel" and c["target"] == "sm_90"}
     assert {"bf16", "fp32", "bf16 fp8-w s=bf16", "fp32 fp8-w s=fp32", "bf16 fp8-dyn s=fp32"} <= moe90
+    w8 = {(c["target"], c["label"].split()[0]) for c in CONFIGS if c["kernel"] == "fp8_linear._w8a16_kernel"}
+    assert w8 == {(t, dt) for t in kt.TARGETS for dt in ("bf16", "fp32")}
     # CUDA's constexprs, not the interpreter's: bf16 dots on the tensor cores.
     assert all(c["constexprs"]["DOT_BF16"] for c in CONFIGS if c["label"].startswith("bf16") and "DOT_BF16"
                in c["constexprs"])

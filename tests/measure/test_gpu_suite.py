@@ -53,3 +53,11 @@ def test_env_step_runs_and_the_section_shows_bench_rows(tmp_path):
     assert "| 1 | 10 | 5 | 2.5 | n/a | on |" in graphs
     assert mod.section([{"step": "bench_kernels", "command": "x", "exit": 1, "seconds": 0.1,
                          "output": "Traceback: boom"}], "cpu").count("boom") == 1
+
+
+def test_the_section_compares_batch_1_with_the_floor_and_vllm():
+    mod = _module()
+    doc = json.dumps({"rows": [{"batch_size": 1, "mean_step_ms": 21.0}, {"batch_size": 4, "mean_step_ms": 30.0}]})
+    step = {"step": "bench_dummy", "command": "x", "exit": 0, "seconds": 1, "stdout": doc, "output": ""}
+    assert "Batch 1: 21 ms/step = 1.50x our bf16 floor estimate (14 ms), 2.33x vLLM" in mod.section([step], "cuda")
+    assert "Batch 1:" not in mod.section([step], "cpu")  # CPU sizes: not the 26B-A4B step

@@ -226,16 +226,25 @@ def test_bf16_second_block_matches_reference(pair, ref16, monkeypatch, kernels):
 def use_vocab_path(monkeypatch, path):
     """DGEMMA_KERNELS for `path` ('reference': every op on the torch references; 'cpu': the defaults, the
     tiled vocabulary pass on CPU) or the defaults with the vocabulary pass on the Triton kernels ('triton',
-    interpreted on CPU, as tests/sampling/test_kernel_paths.py routes it). Returns the DGEMMA_KERNELS value."""
-    from dgcli.kernels import dispatch
+    as tests/sampling/test_kernel_paths.py routes it). Returns the DGEMMA_KERNELS value. The model runs on
+    CPU (the oracle's bits); without CUDA the Triton pass is interpreted on its CPU tensors, on a GPU it runs
+    compiled on CUDA copies of them, its outputs brought back (the same hidden states either way)."""
+    from dgcli.kernels import dispatch, ops
 
     if path == "triton":
         pytest.importorskip("triton")
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("the model runs on CPU here: the Triton pass only under TRITON_INTERPRET=1")
         real = dispatch.implementation
         monkeypatch.setattr(dispatch, "implementation",
                             lambda op, device: "triton" if op == "vocab_pass" else real(op, device))
+        if os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py: a GPU is present
+            on_cpu = ops.vocab_pass
+
+            def on_gpu(hidden, embed, **kw):
+                kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+                out = on_cpu(hidden.cuda(), embed.cuda(), **kw)
+                return type(out)(**{f: None if t is None else t.cpu() for f, t in vars(out).items()})
+
+            monkeypatch.setattr(ops, "vocab_pass", on_gpu)
     return "reference" if path == "reference" else "auto"
 
 

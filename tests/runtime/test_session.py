@@ -1,11 +1,12 @@
 """Tests for dgcli.runtime.session: the settings a session carries say the device and dtype that ran
-("cpu", "float32"), not the request ("auto"), in results, traces and dummy sessions; `--show-config`
+("cpu" or "cuda", "float32"), not the request ("auto"), in results, traces and dummy sessions; `--show-config`
 (no session) still shows the request."""
 
 from __future__ import annotations
 
 import json
 
+import torch
 from typer.testing import CliRunner
 
 from dgcli.runtime import request
@@ -15,11 +16,11 @@ from dgcli.runtime.session import BUNDLED, open_dummy_session, open_session, res
 def test_session_settings_name_the_device_and_dtype_that_ran():
     session = open_session(None, None, {"device": "auto"})
     settings = session.resolved.as_dict()
-    assert settings["run"]["device"] == str(session.device) == "cpu"  # this test machine has no GPU in use
+    assert settings["run"]["device"] == str(session.device) == ("cuda" if torch.cuda.is_available() else "cpu")
     assert settings["run"]["dtype"] == session.dtype_name == "float32"  # "auto": the bundled checkpoint's
     assert settings["sources"]["device"] == "flag" and settings["sources"]["dtype"] == "default"
     result = request.run(session, request.encode(session, "Reverse: c a t")).as_dict(settings)
-    assert (result["settings"]["run"]["device"], result["settings"]["run"]["dtype"]) == ("cpu", "float32")
+    assert (result["settings"]["run"]["device"], result["settings"]["run"]["dtype"]) == (str(session.device), "float32")
 
 
 def test_an_explicit_request_is_kept_where_it_ran():
@@ -31,7 +32,8 @@ def test_an_explicit_request_is_kept_where_it_ran():
 def test_dummy_session_settings_name_what_ran():
     session = open_dummy_session(str(BUNDLED), None, None, {"device": "auto"}, warn=print)
     run = session.resolved.as_dict()["run"]
-    assert (run["device"], run["dtype"]) == ("cpu", session.dtype_name) and run["dtype"] != "auto"
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # "auto" picks the GPU where there is one
+    assert (run["device"], run["dtype"]) == (device, session.dtype_name) and run["dtype"] != "auto"
 
 
 def _cli(*args: str):
