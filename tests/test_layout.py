@@ -20,7 +20,8 @@ ALLOWED = {
     "measure": {"measure", "runtime", "model", "sampling", "text", "kernels"},
     "render": {"render", "sampling"},
     "serve": {"serve", "runtime", "sampling", "text"},  # the HTTP server: requests in, the engine thread
-    "cli": {"cli", "runtime", "model", "sampling", "text", "measure", "render", "kernels", "serve"},
+    "cli": {"cli", "runtime", "model", "sampling", "text", "measure", "render", "kernels", "serve", "cluster"},
+    "cluster": {"cluster", "runtime", "model", "sampling", "text", "measure", "kernels"},  # --ray: driver and actors
     "train": {"train", "runtime", "model", "sampling", "text", "measure", "kernels"},
 }
 ALWAYS = {"", "errors"}  # dgcli itself (__version__, load_model) and dgcli.errors

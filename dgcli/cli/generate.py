@@ -44,6 +44,7 @@ def generate(
     raw: o.Raw = False,
     compile: o.Compile = False,
     cuda_graphs: o.CudaGraphs = False,
+    ray: o.Ray = None, ray_workers: o.RayWorkers = None, ray_gpus: o.RayGpus = None,
 ) -> None:
     """Generate text for a prompt (argument, stdin or JSONL).
 
@@ -67,6 +68,11 @@ def generate(
         raise UserError("--batch-size batches the rows of --input-jsonl; give --input-jsonl FILE, or drop --batch-size")
     if trace and input_jsonl is not None:
         raise UserError("--trace records one generation; run one prompt, or drop --trace for --input-jsonl")
+    if ray is not None and input_jsonl is None:
+        raise UserError("--ray spreads the rows of --input-jsonl over a cluster; give --input-jsonl FILE, or drop --ray")
+    from dgcli.cluster import check_flags  # torch-free
+
+    check_flags(ray, ray_workers, ray_gpus)
     rows = None
     if input_jsonl is not None:
         if prompt not in (None, "-"):
@@ -77,8 +83,17 @@ def generate(
     text = None if rows is not None else read_prompt(prompt)
     if show_thinking and not thinking:
         warn(THINKING_NOTE)
-    with loading("loading the model…"):
-        session = open_session(model, preset, flags, compile=compile, threads=threads, cuda_graphs=cuda_graphs)
+    pool = None
+    if ray is not None:  # the model loads in each worker; here only the tokenizer (rows are encoded here)
+        from dgcli.cluster import jobs
+
+        pool = jobs.open_pool(ray, ray_workers, ray_gpus, jobs.spec(
+            "generate", model=model, preset=preset, flags=flags, compile=compile, threads=threads,
+            cuda_graphs=cuda_graphs), warn)
+        session = jobs.driver_session(pool)[0]
+    else:
+        with loading("loading the model…"):
+            session = open_session(model, preset, flags, compile=compile, threads=threads, cuda_graphs=cuda_graphs)
     if session.tokenizer is None:
         raise UserError(f"{session.path}: no tokenizer.json; dgemma generate needs the checkpoint's tokenizer")
     given = None  # the --init-canvas ids, read once (rows with their own init_canvas read theirs)
@@ -89,7 +104,8 @@ def generate(
         from dgcli.cli import batch
 
         requests = batch.parse_rows(session, rows, input_jsonl, raw=raw, thinking=thinking, init_flag=given)
-        _run_file(session, rows, requests, batch_size=batch_size, fmt=fmt, raw=raw, show_thinking=show_thinking)
+        _run_file(session, rows, requests, batch_size=batch_size, fmt=fmt, raw=raw, show_thinking=show_thinking,
+                  pool=pool)
         return
     canvas = fill_canvas(session, given, session.params.seed) if given is not None else None
     progress = Progress(sys.stderr.isatty() and fmt != "ndjson", compiling=session.compiled)
@@ -107,13 +123,13 @@ def generate(
     note_answers(session, [response], raw=raw)
 
 
-def _run_file(session, rows, requests, *, batch_size, fmt, raw, show_thinking) -> None:
+def _run_file(session, rows, requests, *, batch_size, fmt, raw, show_thinking, pool=None) -> None:
     """--input-jsonl: the checked rows through the batched loop, results in input order; the notes once."""
     from dgcli.cli import batch
     from dgcli.sampling.events import Done
 
     settings = session.resolved.as_dict()
-    progress = Progress(sys.stderr.isatty() and fmt != "ndjson", compiling=session.compiled)
+    progress = Progress(sys.stderr.isatty() and fmt != "ndjson" and pool is None, compiling=session.compiled)
 
     def on_event(event) -> None:
         progress(event)
@@ -124,10 +140,18 @@ def _run_file(session, rows, requests, *, batch_size, fmt, raw, show_thinking) -
         _write(response, batch.json_result(index, rows[index], response, settings), fmt)
 
     try:
-        responses = batch.run_rows(session, requests, batch_size=batch_size, show_thinking=show_thinking,
-                                   on_event=on_event, write=write)
+        if pool is not None:  # --ray: the workers' events come back only for ndjson (the progress is the pool's)
+            from dgcli.cluster import jobs
+
+            responses = jobs.run_rows(pool, requests, batch_size=batch_size, show_thinking=show_thinking,
+                                      on_event=on_event if fmt == "ndjson" else None, write=write)
+        else:
+            responses = batch.run_rows(session, requests, batch_size=batch_size, show_thinking=show_thinking,
+                                       on_event=on_event, write=write)
     finally:
         progress.stop()
+        if pool is not None:
+            pool.close()
     note_answers(session, responses, raw=raw)
 
 

@@ -81,6 +81,16 @@ Metadata = Annotated[Optional[list[str]], typer.Option("--metadata", metavar="KE
 MeasurePeaks = Annotated[bool, typer.Option("--measure-peaks/--no-measure-peaks", help="Measure this CPU's matmul and bandwidth peaks (~1 s) for the roofline.")]
 
 
+# --ray (generate --input-jsonl, bench, sweep): Ray is an optional extra, imported only when --ray is given.
+Ray = Annotated[Optional[str], typer.Option("--ray", metavar="ADDRESS", help=(
+    "Spread the work over Ray actors, one session each: local (a cluster on this machine for this run), auto "
+    "(RAY_ADDRESS or the head started here) or HOST:PORT. Needs pip install 'dgemma[ray]'."))]
+RayWorkers = Annotated[Optional[int], typer.Option("--ray-workers", metavar="N", help=dflt(
+    "With --ray: worker actors, each loading the model once.", "one per GPU of the cluster, else one per CPU"))]
+RayGpus = Annotated[Optional[float], typer.Option("--ray-gpus-per-worker", metavar="G", help=dflt(
+    "With --ray: GPUs each worker reserves (0 on CPU).", "1 where the cluster has GPUs, else 0"))]
+
+
 def sampler_flags(*, steps=None, t_min=None, t_max=None, entropy_bound=None, stability=None, confidence=None,
                   seed=None, blocks=None, device=None, dtype=None, max_tokens=None) -> dict:
     """The flags given on the command line, keyed as in presets (None = not given)."""

@@ -1,0 +1,170 @@
+"""What generate --input-jsonl, sweep and bench hand to the pool under `--ray`, and how their results come
+back: the same objects the local run produces (Responses in input order, sweep rows in cell order, bench
+`Pass`es), for the command's own writers.
+
+Owns: the session spec the workers open (paths made absolute: a worker's working folder is not ours), the
+driver's copy of a session (the first worker's description plus the tokenizer the output needs; the model is
+loaded only in the workers), how work is cut into chunks (generate: 2 x --batch-size rows; sweep: one cell;
+bench: one contiguous shard of the prompts per worker) and how a bench pass is put back together.
+Must not: run the model in the driver, contain a denoising loop, or print anything but the progress line
+and notes on stderr.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from dgcli.cluster.driver import Ordered, Pool, ProgressLine
+
+GENERATE_CHUNK = 2  # --input-jsonl rows per chunk, in --batch-size units: small enough to spread and to re-run
+
+
+def spec(kind: str, *, model: str | None, preset: str | None, flags: dict, compile: bool, threads: int | None,
+         cuda_graphs: bool, dummy: str | None = None, layers: int | None = None, weights: str = "bf16",
+         weights_fields: Callable[[Any], dict] | None = None) -> dict:
+    """What each worker opens: `kind` "generate" (a checkpoint with its tokenizer) or "any" (bench, sweep).
+    `weights_fields(model)`: the command's own description of the weights (bench's row fields), run in a worker
+    (Ray ships a module-level function by name)."""
+    def absolute(p: str | None) -> str | None:
+        return str(Path(p).resolve()) if p is not None and Path(p).exists() else p
+
+    env = {k: v for k, v in os.environ.items() if k.startswith("DGEMMA_")}  # e.g. --fp8-activations' DGEMMA_FP8
+    return {"kind": kind, "model": absolute(model), "preset": absolute(preset), "flags": flags, "compile": compile,
+            "threads": threads, "cuda_graphs": cuda_graphs, "dummy": absolute(dummy), "layers": layers,
+            "weights": weights, "env": env, "weights_fields": weights_fields}
+
+
+def open_pool(address: str, workers: int | None, gpus: float | None, worker_spec: dict,
+              warn: Callable[[str], None]) -> Pool:
+    """Connect, start the workers and load their sessions; one line on stderr says who runs."""
+    from dgcli.runtime.session import resolve_for
+
+    if worker_spec["dummy"] is None:  # a bad --model or --preset: one line here, before any cluster starts
+        resolve_for(worker_spec["model"], worker_spec["preset"], worker_spec["flags"])
+    pool = Pool(address, worker_spec, workers=workers, gpus=gpus, warn=warn)
+    try:
+        pool.start()
+    except BaseException:
+        pool.close()
+        raise
+    warn(f"dgemma: ray: {pool.describe_workers()}")
+    return pool
+
+
+def driver_session(pool: Pool, *, measure_peaks: bool = False, need_tokenizer: bool = True) -> tuple[Any, Any, dict]:
+    """(session, the workers' device peaks, `weights_fields` of their model) in the driver: the first worker's session
+    without weights, with the tokenizer loaded here (prompts are encoded and answers written here)."""
+    from dgcli.text.tokenizer import load_tokenizer
+
+    shadow, peaks, fp8 = pool.call("describe", measure_peaks)
+    tokenizer = None
+    if not shadow.dummy and (need_tokenizer or (Path(shadow.path) / "tokenizer.json").exists()):
+        tokenizer = load_tokenizer(shadow.path)
+    return dataclasses.replace(shadow, tokenizer=tokenizer), peaks, fp8
+
+
+# ---- generate --input-jsonl ------------------------------------------------------------------------------
+
+
+def run_rows(pool: Pool, requests: list, *, batch_size: int, show_thinking: bool, on_event: Callable | None,
+             write: Callable[[int, Any], None]) -> list[Any]:
+    """`dgcli.cli.batch.run_rows` over the workers: chunks of rows to whichever worker is free, `write(index,
+    response)` in input order (a finished chunk waits for the ones before it). Returns the responses."""
+    size = GENERATE_CHUNK * batch_size
+    chunks = [([(i, r.prompt_ids, r.seed, r.init_canvas) for i, r in enumerate(requests[at:at + size], at)],
+               batch_size, show_thinking, on_event is not None) for at in range(0, len(requests), size)]
+    out: list[Any] = [None] * len(requests)
+    order, progress = Ordered(), ProgressLine(len(requests), "requests")
+    try:
+        for n, got in pool.run("generate", chunks, sizes=[len(c[0]) for c in chunks], progress=progress):
+            for _, chunk in order.add(n, got):
+                for index, response, events in chunk:
+                    for event in events or ():
+                        on_event(event)
+                    out[index] = response
+                    write(index, response)
+    finally:
+        progress.close()
+    return out
+
+
+# ---- sweep -----------------------------------------------------------------------------------------------
+
+
+def sweep_reference(pool: Pool, rows: list[dict], store: Any, plist: list, ignore: bool, metric: str,
+                    fp: str) -> list[list[int]] | None:
+    """`measure.sweep.reference_outputs` on a worker when the file has none: its row appended here."""
+    if metric != "agreement":
+        return None
+    for r in rows:
+        if r.get("kind") == "reference":
+            return r["outputs"]
+    row = pool.call("reference", plist, ignore, metric, fp)
+    store.append(row)
+    rows.append(row)
+    return row["outputs"]
+
+
+def sweep_cells(pool: Pool, todo: list, plist: list, source: str, seeds: list[int], runs: int, ignore: bool,
+                metric: str, reference: Any, label: str | None, meta: dict, fp: str, *, warmup: int,
+                warm_batch: int, measure_peaks: bool, keep: Callable[[dict], None]) -> Iterator[dict]:
+    """One cell per chunk; rows yielded in cell order, as the local sweep yields them. On Ctrl-C the cells
+    that finished out of order are handed to `keep` (the row file) before the interrupt goes on."""
+    chunks = [(cell, plist, source, seeds, runs, ignore, metric, reference, label, meta, fp, warmup, warm_batch,
+               measure_peaks) for cell in todo]
+    order, progress = Ordered(), ProgressLine(len(todo), "cells")
+    try:
+        for n, row in pool.run("cell", chunks, progress=progress):
+            for _, ready in order.add(n, row):
+                yield ready
+    except KeyboardInterrupt:
+        for n in sorted(order.waiting):
+            keep(order.waiting.pop(n))
+        raise
+    finally:
+        progress.close()
+
+
+# ---- bench -----------------------------------------------------------------------------------------------
+
+
+def bench_passes(pool: Pool, plist: list, params: Any, *, runs: int, warmup: int, ignore: bool, batch_size: int,
+                 out: list) -> tuple[int, str]:
+    """`measure.bench.measure` with the prompts split into one contiguous shard per worker, all running at
+    once; pass r of every shard put together into one `Pass` (appended to `out`). Returns the largest
+    worker's peak memory."""
+    n = min(len(pool.actors), len(plist))
+    bounds = [len(plist) * k // n for k in range(n + 1)]
+    chunks = [(plist[a:b], params, runs, warmup, ignore, batch_size) for a, b in zip(bounds, bounds[1:])]
+    progress = ProgressLine(len(chunks), "shards")
+    shards: list[Any] = [None] * len(chunks)
+    try:
+        for k, got in pool.run("bench", chunks, progress=progress):
+            shards[k] = got
+    finally:
+        progress.close()
+    out.extend(merge_pass([s["passes"][r] for s in shards]) for r in range(runs))
+    peak = max(shards, key=lambda s: s["peak_memory"][0])["peak_memory"]
+    return peak[0], f"the largest of {len(shards)} Ray workers: {peak[1]}"
+
+
+def merge_pass(parts: list) -> Any:
+    """One timed pass from the shards' passes, which ran at the same time on different workers: responses
+    and per-request latencies in prompt order, engine counts summed, the wall time the slowest shard's
+    (the pass is done when its last request is)."""
+    from dgcli.measure.metrics import Pass
+
+    cat = lambda name: [x for p in parts for x in getattr(p, name)]  # noqa: E731
+    return Pass(cat("responses"), max(p.wall_s for p in parts), parts[0].batch_size,
+                sum(p.decoder_passes for p in parts), sum(p.row_steps for p in parts), sum(p.denoise_s for p in parts),
+                queue_s=cat("queue_s"), ttft_s=cat("ttft_s"), e2el_s=cat("e2el_s"))
+
+
+def ray_fields(pool: Pool, shards: int) -> dict:
+    """What a --ray bench row says about who ran it."""
+    infos = list(pool.infos.values())
+    return {"ray_workers": shards, "ray_devices": sorted({f"{i['device']}@{i['node']}" for i in infos}),
+            "ray_cluster": pool.where}

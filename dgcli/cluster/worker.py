@@ -1,0 +1,147 @@
+"""The Ray actor of `--ray`: one session per worker, loaded once, and the chunk methods the driver calls.
+
+Each method is the library call a local run makes (`request.run_batch`, `measure.sweep.run_cell` and
+`reference_outputs`, `measure.bench.measure`) on this worker's session; results go back as the same
+objects (`Response`, rows, `Pass`) the local run hands its writers.
+Owns: opening the session from the driver's spec, the torch thread cap (a worker uses at most the CPUs Ray
+gave it, so workers on one machine do not oversubscribe its cores), and the session's description the driver
+formats output with (everything but the weights). Must not: import ray (it runs inside Ray; the driver wraps
+the class), print, or write files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from typing import Any
+
+
+class _Weights:
+    """What the driver's copy of a session keeps of the model: its dtype and config (for `dtype_name`,
+    settings and cards), not the weights."""
+
+    def __init__(self, model: Any):
+        import torch
+
+        self.embed_weight = torch.empty(0, dtype=model.embed_weight.dtype)
+        self.config = model.config
+
+
+class Worker:
+    def __init__(self, spec: dict, cpus: int):
+        self.spec, self.cpus = spec, cpus
+        self.session: Any = None
+        self.baseline = 0  # ru_maxrss before the model: the CPU peak-memory figure's baseline
+        self.warmed: set = set()
+        self.peaks: dict = {}  # measured once per worker (about a second on CPU)
+
+    def _open(self) -> Any:
+        if self.session is not None:
+            return self.session
+        import torch
+
+        from dgcli.measure.bench import PeakMemory
+        from dgcli.runtime.session import open_any, open_session
+
+        spec = dict(self.spec)
+        kind = spec.pop("kind")
+        spec.pop("weights_fields", None)
+        os.environ.update(spec.pop("env", {}))  # the driver's DGEMMA_* settings (e.g. --fp8-activations)
+        if spec.get("threads") is None and os.environ.get("OMP_NUM_THREADS") == str(self.cpus):
+            os.environ.pop("OMP_NUM_THREADS")  # Ray's own setting: let dgemma's thread rule decide, then cap it
+        self.baseline = PeakMemory.maxrss()
+        if kind == "generate":
+            s = open_session(spec["model"], spec["preset"], spec["flags"], compile=spec["compile"],
+                             threads=spec["threads"], cuda_graphs=spec["cuda_graphs"])
+        else:
+            s = open_any(spec["model"], spec["dummy"], spec["layers"], spec["preset"], spec["flags"], warn=lambda m: None,
+                         compile=spec["compile"], threads=spec["threads"], weights=spec.get("weights", "bf16"),
+                         cuda_graphs=spec["cuda_graphs"])
+        if spec["threads"] is None and s.device.type == "cpu" and s.threads > self.cpus:
+            torch.set_num_threads(self.cpus)
+            s = dataclasses.replace(s, threads=self.cpus, threads_source=f"ray: the worker's {self.cpus} CPU(s)")
+        self.session = s
+        return s
+
+    def load(self) -> dict:
+        s = self._open()
+        return {"pid": os.getpid(), "node": socket.gethostname(), "device": str(s.device)}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def describe(self, measure_peaks: bool) -> tuple[Any, Any, dict]:
+        """(the session without weights or tokenizer, this device's roofline peaks, what the command's
+        `weights_fields` function says of the weights) for the driver's card, fingerprint and records."""
+        s = self._open()
+        fields = self.spec["weights_fields"](s.model) if self.spec.get("weights_fields") else {}
+        return dataclasses.replace(s, model=_Weights(s.model), tokenizer=None), self._peaks(measure_peaks), fields
+
+    def _peaks(self, measure: bool) -> Any:
+        from dgcli.measure import bench as b
+
+        if measure not in self.peaks:
+            self.peaks[measure] = b.device_peaks(self._open().device, measure_cpu=measure)
+        return self.peaks[measure]
+
+    def generate(self, items: list[tuple], batch_size: int, show_thinking: bool, events: bool) -> list[tuple]:
+        """A chunk of `--input-jsonl` requests [(index, prompt ids, seed, first canvas)] through the batched loop:
+        [(index, Response, its events or None)] in the chunk's order."""
+        from dgcli.runtime.request import run_batch
+
+        s = self._open()
+        seen: dict[int, list] = {n: [] for n in range(len(items))}
+        on_event = (lambda e: seen[e.row].append(e)) if events else None
+        got = dict(run_batch(s, [it[1] for it in items], batch_size=batch_size, seeds=[it[2] for it in items],
+                             init_canvases=[it[3] for it in items], show_thinking=show_thinking, on_event=on_event))
+        return [(it[0], got[n], _reindex(seen[n], it[0]) if events else None) for n, it in enumerate(items)]
+
+    def reference(self, plist: list, ignore: bool, metric: str, fp: str) -> dict | None:
+        """The sweep's reference row (agreement): `measure.sweep.reference_outputs`, its row handed back."""
+        from dgcli.measure import sweep as sw
+
+        rows: list[dict] = []
+        sw.reference_outputs([], _Collect(rows), self._open(), plist, ignore, metric, fp, lambda t: None)
+        return rows[0] if rows else None
+
+    def cell(self, cell: Any, plist: list, source: str, seeds: list[int], runs: int, ignore: bool, metric: str,
+             reference: Any, label: str | None, meta: dict, fp: str, warmup: int, warm_batch: int,
+             measure_peaks: bool) -> dict:
+        """One sweep cell: this worker's warm-up once (as the local sweep does before its first cell), then
+        `measure.sweep.run_cell`, its row handed back for the driver to append."""
+        from dgcli.measure import bench as b
+        from dgcli.measure import sweep as sw
+
+        s = self._open()
+        if "sweep" not in self.warmed:
+            b.warm_up(s, plist, s.params, warmup, batch_size=warm_batch, ignore_eos=ignore)
+            self.warmed.add("sweep")
+        return sw.run_cell(s, cell, plist, source, seeds, runs, ignore, metric, reference, self._peaks(measure_peaks),
+                           b.PeakMemory(s.device, self.baseline), label, meta, fp, lambda t: None)
+
+    def bench(self, plist: list, params: Any, runs: int, warmup: int, ignore: bool, batch_size: int) -> dict:
+        """A shard of bench's prompts: `measure.bench.measure` (warm-up, then `runs` timed passes) and the
+        peak memory over them."""
+        from dgcli.measure import bench as b
+
+        s = self._open()
+        memory = b.PeakMemory(s.device, self.baseline)
+        passes = b.measure(s, plist, params, runs=runs, warmup=warmup, ignore_eos=ignore, batch_size=batch_size,
+                           memory=memory)
+        return {"passes": passes, "peak_memory": memory.read(), "device": str(s.device), "pid": os.getpid()}
+
+
+class _Collect:
+    """A RowStore stand-in that keeps the appended row (the driver's store writes it)."""
+
+    def __init__(self, rows: list):
+        self.rows = rows
+
+    def append(self, row: dict) -> None:
+        self.rows.append(row)
+
+
+def _reindex(events: list, index: int) -> list:
+    """Events carry the row within the chunk; the driver's records name the input row."""
+    return [dataclasses.replace(e, row=index) if hasattr(e, "row") else e for e in events]

@@ -1,0 +1,253 @@
+"""`--ray` on a real Ray cluster on this machine (a head started by `ray start`, real actors, no mocks of
+Ray): generate --input-jsonl and sweep write what the local run writes; a worker killed mid-run by PID loses
+nothing; a sweep interrupted in the driver resumes without recomputing its finished cells. Plus the cheap
+checks: Ray is never imported without --ray, a missing Ray or an unreachable head is one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cli_run import run
+import dgcli
+
+pytest.importorskip("ray")  # the test extra installs it; without it only this file is skipped, and says so
+
+HELDOUT = dgcli.__path__[0] + "/data/prompts/heldout.jsonl"
+# Timing figures differ between any two runs; everything else in a record must be equal.
+TIMED = re.compile(r"_ms$|_s$|_per_s$|throughput|per_second|duration|peak_memory|provenance|runs_detail|spread|timings")
+ENV = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _procs_under(marker: str) -> list[int]:
+    """PIDs of the processes whose command line names `marker` (the head's own temp folder)."""
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if marker in (p / "cmdline").read_bytes().decode(errors="replace"):
+                    out.append(int(p.name))
+            except OSError:
+                pass
+    return out
+
+
+@pytest.fixture(scope="session")
+def head():
+    """One Ray head for every cluster test: 2 CPUs, a small object store, in its own temp folder; stopped
+    at the end by `ray stop` and by the PIDs of the processes in that folder."""
+    port, temp = _free_port(), f"/tmp/rdg{os.getpid()}"
+    ray_cli = str(Path(sys.executable).parent / "ray")
+    subprocess.run([ray_cli, "start", "--head", "--num-cpus", "2", "--port", str(port), "--include-dashboard=false",
+                    "--object-store-memory", str(200 * 2**20), "--disable-usage-stats", "--temp-dir", temp],
+                   env=ENV, check=True, capture_output=True, timeout=120)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        pids = _procs_under(temp)
+        subprocess.run([ray_cli, "stop"], env=ENV, capture_output=True, timeout=60)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def dgemma(*argv: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dgcli.cli", *argv], env=ENV, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def records(text: str) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if not TIMED.search(k)} for line in text.splitlines()]
+
+
+@pytest.fixture(scope="module")
+def thirty(tmp_path_factory) -> Path:
+    rows = [json.loads(line) for line in open(HELDOUT)][::3][:30]  # every family the bundled model knows
+    f = tmp_path_factory.mktemp("ray") / "thirty.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return f
+
+
+# ---- cheap: no cluster ----------------------------------------------------------------------------------
+
+
+def test_ray_is_not_imported_without_the_flag(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "Reverse: c a t"}) + "\n")
+    code = ("import sys\nfrom dgcli import cli\nimport dgcli.cli.generate, dgcli.cli.sweep, dgcli.cli.bench\n"
+            f"sys.argv = ['dgemma', 'generate', '--input-jsonl', {str(f)!r}]\n"
+            "try:\n    cli.main()\nexcept SystemExit:\n    pass\n"
+            "print('ray' in sys.modules, 'dgcli.cluster.driver' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=120)
+    assert out.stdout.splitlines()[-1] == "False False", out.stderr
+    assert out.stdout.splitlines()[0] == "t a c"  # the run itself happened
+
+
+def test_without_ray_installed_the_flag_is_one_line(thirty, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # what `import ray` meets in an install without the extra
+    code, out, err = run(["generate", "--input-jsonl", str(thirty), "--ray", "local"], capsys)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and "pip install 'dgemma[ray]'" in err
+
+
+def test_an_unreachable_head_is_one_line_within_seconds(thirty, capsys):
+    t0 = time.monotonic()
+    code, out, err = run(["generate", "--input-jsonl", str(thirty), "--ray", f"127.0.0.1:{_free_port()}"], capsys)
+    assert time.monotonic() - t0 < 5  # Ray's own connect would retry for minutes
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and "no Ray head answers" in err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["generate", "Reverse: c a t", "--ray", "local"], "--input-jsonl"),
+    (["sweep", "--diffusion-steps", "4,8", "--ray-workers", "2", "--dry-run"], "only with --ray"),
+    (["bench", "--ray", "local", "--ray-workers", "0"], "must be >= 1"),
+    (["bench", "--ray", "local", "--base-url", "http://127.0.0.1:9/v1"], "give one of them"),
+    (["generate", "--input-jsonl", HELDOUT, "--ray", "no-port-here"], "HOST:PORT"),
+])
+def test_bad_ray_flags_are_one_line(argv, words, capsys):
+    code, out, err = run(argv, capsys)
+    assert code == 2 and out == "" and words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_results_come_back_in_input_order():
+    from dgcli.cluster.driver import Ordered
+
+    order, seen = Ordered(), []
+    for n in (2, 0, 3, 1, 4):
+        seen += order.add(n, f"chunk {n}")
+    assert seen == [(i, f"chunk {i}") for i in range(5)] and not order.waiting
+
+
+def test_a_pass_is_joined_from_its_shards():
+    from dgcli.cluster.jobs import merge_pass
+    from dgcli.measure.metrics import Pass
+
+    a = Pass(["r0", "r1"], 2.0, 4, 10, 15, 1.5, queue_s=[0, 0.1], ttft_s=[1, 2], e2el_s=[3, 4])
+    b = Pass(["r2"], 3.0, 4, 7, 7, 1.0, queue_s=[0.2], ttft_s=[5], e2el_s=[6])
+    m = merge_pass([a, b])
+    assert m.responses == ["r0", "r1", "r2"] and m.wall_s == 3.0 and m.batch_size == 4
+    assert (m.decoder_passes, m.row_steps, m.denoise_s) == (17, 22, 2.5)
+    assert m.queue_s == [0, 0.1, 0.2] and m.ttft_s == [1, 2, 5] and m.e2el_s == [3, 4, 6]
+
+
+# ---- on the cluster ---------------------------------------------------------------------------------------
+
+# Fixed work (every step runs) so a request takes long enough for a kill to land mid-run.
+SLOW = ["--confidence-threshold", "0", "--diffusion-steps", "16", "--blocks", "1"]
+
+
+@pytest.mark.slow
+def test_generate_on_the_cluster_writes_what_the_local_run_writes(head, thirty, capsys):
+    code, local, _ = run(["generate", "--input-jsonl", str(thirty), "--format", "json", "--batch-size", "2"], capsys)
+    assert code == 0
+    out = dgemma("generate", "--input-jsonl", str(thirty), "--format", "json", "--batch-size", "2", "--ray", head,
+                 "--ray-workers", "2")
+    assert out.returncode == 0, out.stderr
+    got = records(out.stdout)
+    assert [r["index"] for r in got] == list(range(30))
+    assert got == records(local)
+    assert "30/30 requests done, 2 worker(s) alive" in out.stderr
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_run_loses_nothing(head, thirty, capsys):
+    code, local, _ = run(["generate", "--input-jsonl", str(thirty), "--format", "json", *SLOW], capsys)
+    assert code == 0
+    proc = subprocess.Popen([sys.executable, "-m", "dgcli.cli", "generate", "--input-jsonl", str(thirty), "--format",
+                             "json", *SLOW, "--ray", head, "--ray-workers", "2"], env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    err = []
+    pids = []
+    for line in proc.stderr:  # the workers' PIDs, then the first finished chunk: kill one worker there
+        err.append(line)
+        if not pids:
+            pids = [int(p) for p in re.findall(r"pid (\d+)", line)]
+        elif "requests done" in line:
+            os.kill(pids[0], signal.SIGKILL)
+            break
+    out, rest = proc.communicate(timeout=240)
+    err = "".join(err) + rest
+    assert proc.returncode == 0, err
+    assert len(pids) == 2 and f"worker pid {pids[0]} died" in err and "replacement" in err
+    assert not re.search(r"30/30 requests done", "".join(err.split("died")[0]))  # the kill landed mid-run
+    got = records(out)
+    assert [r["index"] for r in got] == list(range(30))  # every record once, in order
+    assert got == records(local)
+
+
+@pytest.mark.slow
+def test_sweep_on_the_cluster_and_resume_after_an_interrupted_driver(head, tmp_path):
+    grid = ["--diffusion-steps", "4,8", "--entropy-bound", "0.1,0.2", "--num-prompts", "6", "--runs", "1",
+            "--no-measure-peaks", "--confidence-threshold", "0"]
+    local = dgemma("sweep", *grid, "-o", str(tmp_path / "local.jsonl"), "--format", "json")
+    assert local.returncode == 0, local.stderr
+    ray_file = tmp_path / "ray.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "dgcli.cli", "sweep", *grid, "-o", str(ray_file), "--format", "json",
+                             "--ray", head, "--ray-workers", "2"], env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:
+        if line.startswith("dgemma: cell 1/4"):
+            proc.send_signal(signal.SIGINT)  # Ctrl-C in the driver, with cells still running
+            break
+    _, rest = proc.communicate(timeout=120)
+    assert proc.returncode == 130, rest
+    kept = ray_file.read_text().splitlines()
+    assert 1 <= len(kept) < 4 and "--resume" in rest
+    again = dgemma("sweep", *grid, "-o", str(ray_file), "--resume", "--format", "json", "--ray", head,
+                   "--ray-workers", "2")
+    assert again.returncode == 0, again.stderr
+    assert f"{len(kept)} already in {ray_file}, {4 - len(kept)} to run" in again.stderr
+    lines = ray_file.read_text().splitlines()
+    assert lines[:len(kept)] == kept  # the finished cells were not run again, nor rewritten
+    mine = {r["cell_key"]: r for r in records("\n".join(lines))}
+    theirs = {r["cell_key"]: r for r in records((tmp_path / "local.jsonl").read_text())}
+    assert len(lines) == 4 and mine == theirs  # each cell once, equal to the local run but for timings
+
+
+@pytest.mark.slow
+def test_a_worker_that_cannot_load_the_model_is_one_line(head, thirty, tmp_path):
+    """The driver reads the config (fine here); the workers find no weights."""
+    tiny = Path(dgcli.__path__[0]) / "data" / "tiny"
+    for f in tiny.iterdir():
+        if f.suffix in (".json", ".jinja"):
+            shutil.copy(f, tmp_path / f.name)
+    t0 = time.monotonic()
+    out = dgemma("generate", "--input-jsonl", str(thirty), "--model", str(tmp_path), "--ray", head)
+    assert time.monotonic() - t0 < 60  # the workers' start (torch imports) is most of it
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().splitlines() == [f"dgemma: error: ray worker: {tmp_path}: no model.safetensors or "
+                                               "model.safetensors.index.json; is the download complete?"]
+
+
+@pytest.mark.slow
+def test_bench_on_the_cluster_says_who_ran_it(head, capsys):
+    argv = ["bench", "--num-prompts", "4", "--runs", "1", "--warmup", "0", "--no-measure-peaks", "--format", "json"]
+    code, local, _ = run(argv, capsys)
+    assert code == 0
+    out = dgemma(*argv, "--ray", head, "--ray-workers", "2")
+    assert out.returncode == 0, out.stderr
+    row, mine = json.loads(local)["rows"][0], json.loads(out.stdout)["rows"][0]
+    assert mine["ray_workers"] == 2 and mine["ray_devices"] == [f"cpu@{socket.gethostname()}"]
+    same = ("quality", "num_prompts", "total_output_tokens", "diffusion_denoising_steps", "batched_decoder_passes",
+            "steps_histogram", "finish_length_rate")
+    assert {k: mine.get(k) for k in same} == {k: row.get(k) for k in same}
