@@ -23,7 +23,8 @@ b·(loop state) + the larger of what is live on top of that at once:
 * the prefill: b prompts of --prompt-len tokens encoded at once (a later join encodes fewer).
 Not counted: the CUDA context and the caching allocator's fragmentation (that is the headroom, 10 % of
 the budget by default), torch.compile's buffers, the CPU flash-attention kernel's per-thread scratch
-(a few hundred KiB per thread), the prompts' ids (8 bytes per token of every request, queued or not).
+(a few hundred KiB per thread), the prompts' ids (8 bytes per token of every request, queued or not), the
+Triton autotuner's buffers while it times the soft kernel (the first call of each row count: a warm-up).
 """
 
 from __future__ import annotations
@@ -33,16 +34,20 @@ from dgcli.model.config import ModelConfig
 
 GIB = 2**30
 HEADROOM = 0.10  # of the budget: CUDA context (~0.5 GiB) and the caching allocator's fragmentation
-# (name, bytes, path): the GPUs' nominal memory (NVIDIA's "80 GB" and "141 GB" are ~GiB: nvidia-smi shows
-# 81,559 MiB and 143,771 MiB) and their streaming multiprocessors (the Triton vocab pass' split count).
-GPUS = (("H100 80 GB", 80 * GIB, 132), ("H200 141 GB", 141 * GIB, 132))
+# (name, bytes): the GPUs' nominal memory (NVIDIA's "80 GB" and "141 GB" are ~GiB: nvidia-smi shows
+# 81,559 MiB and 143,771 MiB).
+GPUS = (("H100 80 GB", 80 * GIB), ("H200 141 GB", 141 * GIB))
 FORMATS = ("bf16", "fp8")
 ACT_BYTES = {"bf16": 2, "fp8": 2, "fp32": 4}  # activations and KV of a run with these weights
-GATHER_BYTES = 8 * 2**20  # kernels/categorical.py: the draw's gathered embedding rows, per chunk
+GATHER_BYTES = 8 * 2**20  # kernels/categorical.py: the CPU draw's gathered embedding rows, per chunk
 CPU_TILE_BYTES = 4 * 2**20  # kernels/vocab_pass_cpu.py: TILE_BYTES
 CPU_TILE_ROWS = 256  # kernels/vocab_pass_cpu.py: TILE_ROWS (the tile width is auto_tile(TILE_ROWS, V))
 CPU_SOFTMAX_BYTES = 4 * 2**20  # kernels/vocab_pass_cpu.py: SOFTMAX_BYTES (float32 [rows, V] per softmax call)
-PROBS_CHUNK = 32768  # kernels/vocab_pass.py: CHUNK, vocabulary columns of the soft pass' probabilities
+# kernels/vocab_pass.py (the tests read its text: it imports triton):
+SCRATCH_BYTES = 512 * 2**20  # SCRATCH_BYTES: the bf16(L) scratch [rows, V] of one row chunk stays under it
+VOCAB_SPLITS = 64  # VOCAB_SPLITS: the stats kernel's vocabulary splits ([splits, rows] statistics)
+SOFT_SPLITS = 8  # SOFT_SPLITS: the soft GEMM's split-K ([splits, rows, H] fp32 partials)
+SOFT_BLOCK_K = 64  # block_k's default: the soft GEMM's splits are whole BLOCK_K steps
 GROUP = 64  # draw-statistics columns per group: vocab_pass_cpu.GROUP and vocab_pass_triton's block_n
 MOE_BLOCK = 64  # kernels/moe.py: experts_triton's block_m (each expert's rows padded to it)
 
@@ -180,14 +185,17 @@ def _pass_bytes(cfg: ModelConfig, b: int, context: int, ab: int, cpu: bool, pref
     return tables + max(peak, x + carry + nh)  # epilogue: the final norm
 
 
-def vocab_bytes(cfg: ModelConfig, b: int, ab: int = 2, cpu: bool = False, sms: int = 132) -> int:
+def vocab_bytes(cfg: ModelConfig, b: int, ab: int = 2, cpu: bool = False) -> int:
     """What the vocabulary pass allocates at its peak over N = b·C rows (its input, hidden [N, H], is
-    the decoder's output). CUDA (kernels/vocab_pass.py): per-split statistics, the draw's per-tile
-    statistics [N, V/64] fp32 x2, then the draw or the soft pass. CPU (kernels/vocab_pass_cpu.py): one
-    tile's buffers, the per-tile group sums kept for the draw, the soft accumulator, then the draw.
-    The draw (kernels/categorical.py): float64 gsum, exp(gmax - top) and their product (3 x 8 bytes per
-    group), then the mass and its cumsum while the chosen group's logits are recomputed from gathered
-    embedding rows (chunks of GATHER_BYTES)."""
+    the decoder's output), the larger of its two calls: with the soft embedding (every step but a block's
+    last) and without. CUDA (kernels/vocab_pass.py): rows in chunks of `_cuda_chunk_rows` (the bf16(L)
+    scratch's cap) with the soft embedding, all N at once without; per chunk the splits' statistics, the
+    draw's per-tile statistics, then the draw, then the soft GEMM's split-K partials (`_cuda_vocab`).
+    CPU (kernels/vocab_pass_cpu.py, with the soft embedding): one tile's buffers, the per-tile group sums
+    kept for the draw, the soft accumulator, then the draw. The draw (kernels/categorical.py): float64
+    gsum, exp(gmax - top) and their product (3 x 8 bytes per group), then the mass and its cumsum while
+    the chosen group's logits are recomputed (CPU: from gathered embedding rows, chunks of GATHER_BYTES;
+    CUDA: one kernel writing [rows, W] fp32)."""
     c, h, v = cfg.canvas_length, cfg.hidden_size, cfg.vocab_size
     n = b * c
     small = 64 * n  # a dozen [N] vectors: temperature, running max / sums / argmax, entropy, sample
@@ -220,12 +228,8 @@ def vocab_bytes(cfg: ModelConfig, b: int, ab: int = 2, cpu: bool = False, sms: i
             kept = small + acc + draws + 8 * n * groups  # + torch.cat of gmax and gsum
             soft = small + acc + draws + 8 * n * h  # acc / z, · scale
         stats = max(first, last if tiles > 1 else 0, soft)
-    else:
-        width, groups = GROUP, -(-v // GROUP)
-        splits = max(1, min(groups, -(-2 * sms // -(-n // 64))))  # the stats kernel's vocabulary splits
-        kept = small + 20 * splits * n + 8 * n * groups  # m, z, s, zb, amax [splits, N]; tile_m, tile_z [N, V/64]
-        # soft pass: acc, one [N, CHUNK] probability chunk; then bf16(acc) and its scaled copy
-        stats = max(kept + acc + n * min(PROBS_CHUNK, v) * ab, kept + acc + 2 * n * h * ab)
+    else:  # the Triton pass: its own formula (the draw's gather is one kernel there)
+        return max(_cuda_vocab(n, h, v, ab, True), _cuda_vocab(n, h, v, ab, False))
     rows = min(n, max(1, GATHER_BYTES // (width * h * ab)))
     # group_logits: a chunk's gathered rows [r, W, H] (indexed by a clamped int64 copy of its columns), cols
     # int64 and L fp32 [N, W]; then p float64, its cumsum, p > 0 and the last column with mass [N, W].
@@ -234,22 +238,65 @@ def vocab_bytes(cfg: ModelConfig, b: int, ab: int = 2, cpu: bool = False, sms: i
     return max(stats, draw)
 
 
-def step_bytes(cfg: ModelConfig, b: int, context: int, ab: int = 2, cpu: bool = False, sms: int = 132) -> dict:
+def _cuda_chunk_rows(n: int, v: int, ab: int) -> int:
+    """Rows per chunk of the Triton pass with the soft embedding: as many as keep the bf16(L) scratch
+    [rows, V] (model dtype) under SCRATCH_BYTES (vocab_pass_triton's `step`)."""
+    return max(1, min(n, SCRATCH_BYTES // (v * ab)))
+
+
+def _cuda_vocab(n: int, h: int, v: int, ab: int, want_soft: bool) -> int:
+    """The Triton pass' peak over n rows (kernels/vocab_pass.py: vocab_pass_triton, _pass_rows; the draw in
+    kernels/categorical.py with `_group_logits`), `ab` the embedding's bytes."""
+    def cdiv(a: int, b: int) -> int:
+        return -(-a // b)
+
+    w = GROUP  # block_n: the draw's group width and the tile of the per-tile statistics
+    tiles = cdiv(v, w)
+    splits = cdiv(v, cdiv(cdiv(v, min(tiles, VOCAB_SPLITS)), w) * w)  # as _pass_rows rounds them to whole tiles
+    soft_splits = cdiv(v, cdiv(cdiv(v, SOFT_SPLITS), SOFT_BLOCK_K) * SOFT_BLOCK_K)  # the soft GEMM's split-K
+    small = 64 * n  # a dozen [N] vectors: temperature, uniforms, the outputs' sample / argmax / entropy
+    out_row = 4 * h + 8 + 8 + 4  # what a chunk returns per row: fp32 soft sum [H], sample, argmax, entropy
+
+    def chunk(r: int) -> int:
+        # m, z, s, zb fp32 and amax int32 [splits, r]; tile_m, tile_z fp32 [r, V/W]; the bf16(L) scratch
+        # [r, V]; _combine's mb, entropy, zbt fp32 and argmax int64 [r]
+        base = 20 * splits * r + 8 * r * tiles + (r * v * ab if want_soft else 0) + 20 * r
+        # the draw: gsum.double(), exp((gmax - top).double()) and their product [r, G] float64; then mass and
+        # cum (float64) held while the chosen group's logits [r, W] fp32 become p (exp, float64), its cumsum,
+        # p > 0 (bool), arange(W) and arange·(p > 0) (int64)
+        draw = max(24 * r * tiles, 16 * r * tiles + 25 * r * w + 8 * w)
+        soft = 4 * (soft_splits + 1) * r * h if want_soft else 0  # part [S, r, H] fp32 and acc = part[0].clone()
+        return base + max(draw, soft)
+
+    if not want_soft:  # one chunk of every row; the outputs are [N] vectors (small)
+        return small + chunk(n)
+    r = _cuda_chunk_rows(n, v, ab)
+    full, rest = divmod(n, r)
+    # every earlier chunk's outputs are kept in a list until the torch.cat: the last full chunk and the
+    # partial one after it are the candidates for the loop's peak
+    during = max(((full - 1) * r * out_row + chunk(r)), (full * r * out_row + chunk(rest)) if rest else 0)
+    # after the loop: the chunks' outputs, their concatenation (more than one chunk), then soft = acc in the
+    # model dtype (a copy unless fp32) and its scaled copy
+    outs = n * out_row * (2 if full + (rest > 0) > 1 else 1)
+    return small + max(during, outs + n * h * (2 * ab if ab < 4 else ab))
+
+
+def step_bytes(cfg: ModelConfig, b: int, context: int, ab: int = 2, cpu: bool = False) -> dict:
     """A denoising step's temporaries for b rows (rules.denoise_step): the decoder pass, then the vocabulary
     pass next to its input hidden [b, C, H]; the step holds the larger. The accept / renoise / history
     work after them is tens of bytes per position, below either."""
     dec = decode_bytes(cfg, b, context, ab, cpu)
-    voc = b * cfg.canvas_length * cfg.hidden_size * ab + vocab_bytes(cfg, b, ab, cpu, sms)
+    voc = b * cfg.canvas_length * cfg.hidden_size * ab + vocab_bytes(cfg, b, ab, cpu)
     return {"decode": dec, "vocab_pass": voc, "total": max(dec, voc)}
 
 
 def peak_bytes(cfg: ModelConfig, b: int, *, context: int, prompt_len: int = 256, fmt: str = "bf16",
-               ab: int = 2, cpu: bool = False, sms: int = 132, stability: int = 1) -> dict:
+               ab: int = 2, cpu: bool = False, stability: int = 1) -> dict:
     """The most memory b slots hold at once (see the module's docstring), by part."""
     weights = weights_bytes(cfg, fmt)["bytes"]
     kv = b * kv_bytes(cfg, context, ab)["total"]
     state = b * loop_state_bytes(cfg, ab, stability)["total"]
-    phases = {"step": step_bytes(cfg, b, context, ab, cpu, sms)["total"],
+    phases = {"step": step_bytes(cfg, b, context, ab, cpu)["total"],
               "prefill": decode_bytes(cfg, b, context, ab, cpu, prefill=prompt_len)}
     top = max(phases, key=phases.get)
     return {"weights": weights, "kv_cache": kv, "loop_state": state, "phases": phases, "peak_phase": top,
@@ -272,16 +319,16 @@ def largest_batch(cfg: ModelConfig, budget: int, *, headroom: float = HEADROOM, 
     return lo
 
 
-def step_per_row(cfg: ModelConfig, context: int, ab: int = 2, cpu: bool = False, sms: int = 132) -> float:
+def step_per_row(cfg: ModelConfig, context: int, ab: int = 2, cpu: bool = False) -> float:
     """A step's temporaries per extra row in large batches (the slope between 64 and 128 rows: the
     per-chunk buffers, fixed in size, drop out)."""
-    return (step_bytes(cfg, 128, context, ab, cpu, sms)["total"] - step_bytes(cfg, 64, context, ab, cpu, sms)["total"]) / 64
+    return (step_bytes(cfg, 128, context, ab, cpu)["total"] - step_bytes(cfg, 64, context, ab, cpu)["total"]) / 64
 
 
 def batch_memory(cfg: ModelConfig, *, context: int, prompt_len: int, dtype: str, budgets: list[dict],
                  headroom: float = HEADROOM, stability: int = 1) -> dict:
     """The card's batch-memory section: per-slot bytes at `context` cached tokens (the card's run dtype),
-    and for each budget ({"name", "bytes", "cpu", "sms"}) and weight format (bf16 activations and KV) the
+    and for each budget ({"name", "bytes", "cpu"}) and weight format (bf16 activations and KV) the
     largest batch that fits."""
     ab = DTYPE_BYTES[dtype]
     kv = kv_bytes(cfg, context, ab)
@@ -293,7 +340,7 @@ def batch_memory(cfg: ModelConfig, *, context: int, prompt_len: int, dtype: str,
         usable = int(bud["bytes"] * (1 - headroom))
         for fmt in formats:
             kw = {"context": context, "prompt_len": prompt_len, "fmt": fmt, "ab": ACT_BYTES[fmt], "cpu": bud["cpu"],
-                  "sms": bud.get("sms", 132), "stability": stability}
+                  "stability": stability}
             most = largest_batch(cfg, bud["bytes"], headroom=headroom, **kw)
             w = weights_bytes(cfg, fmt)["bytes"]
             fits.append({"memory": bud["name"], "memory_bytes": bud["bytes"], "path": "cpu" if bud["cpu"] else "cuda",

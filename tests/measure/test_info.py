@@ -336,6 +336,74 @@ def test_step_and_prefill_temporaries_are_the_cpu_allocators_peak(text):
     assert per_row[1] == pytest.approx(per_row[3], rel=0.005)
 
 
+def _interpreter_collects(monkeypatch):
+    """The Triton interpreter keeps a launch's tensor arguments alive until the garbage collector runs (its
+    recursive `_to_cpu` closure over the storage map is a reference cycle); a compiled launch holds none.
+    Collect after every interpreted launch so that the allocator's events are the pass's own."""
+    import gc
+
+    from triton.runtime import interpreter
+
+    launch = interpreter.GridExecutor.__call__
+
+    def collected(self, *args, **kwargs):
+        out = launch(self, *args, **kwargs)
+        gc.collect()
+        return out
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", collected)
+
+
+# V = 4500: 71 tiles of 64, so 64 splits round to 36 of 128 columns; chunks of 6 rows: 6, 6, 4. The interpreted
+# pass costs ~1 s a chunk at V = 1000 and ~2.5 s at V = 4500: the V = 4500 chunked run is slow.
+@pytest.mark.parametrize("dtype, v, chunk, want_soft", [(torch.bfloat16, 1000, None, True),
+                                                        (torch.float32, 1000, 6, True),
+                                                        (torch.bfloat16, 4500, None, False),
+                                                        pytest.param(torch.bfloat16, 4500, 6, True,
+                                                                     marks=pytest.mark.slow)])
+def test_cuda_vocab_pass_peak_is_the_formula(dtype, v, chunk, want_soft, triton_device, monkeypatch):
+    """The Triton vocabulary pass's peak over 16 rows against `vocab_bytes`' CUDA branch: one chunk and
+    several (the scratch cap lowered to `chunk` rows, in the kernel and the formula alike), fp32 and bf16,
+    without the soft embedding (all rows at once). On a GPU the caching allocator's peak after a warm-up
+    call (the soft kernel's autotuning allocates its own buffers on a row count's first call); here the
+    interpreter's, with the CPU allocator's events."""
+    pytest.importorskip("triton")
+    from dgcli.kernels import vocab_pass
+
+    n, h, ab = 16, 96, dtype.itemsize
+    if chunk:
+        monkeypatch.setattr(vocab_pass, "SCRATCH_BYTES", chunk * v * ab)
+        monkeypatch.setattr(memory, "SCRATCH_BYTES", chunk * v * ab)
+    g = torch.Generator().manual_seed(0)
+    hidden, embed = (torch.randn(*shape, generator=g).to(dtype).to(triton_device) for shape in ((1, n, h), (v, h)))
+    u = torch.rand(1, n, dtype=torch.float64, generator=g).to(triton_device)
+    temp = torch.full((1,), 0.8, device=triton_device)
+
+    def run():
+        return vocab_pass.vocab_pass_triton(hidden, embed, softcap=30.0, temperature=temp, embed_scale=2.0,
+                                            uniform=u, want_soft=want_soft)
+    want = memory._cuda_vocab(n, h, v, ab, want_soft)
+    if triton_device == "cuda":
+        run()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = run()
+        torch.cuda.synchronize()
+        got = torch.cuda.max_memory_allocated() - base
+        del out
+        # blocks are rounded up to 512 bytes: a few KiB over the [N] vectors' allowance
+        assert got == pytest.approx(want, abs=64 * n + 16 * 2**10)
+    else:
+        _interpreter_collects(monkeypatch)
+        got = _peak_allocated(run)
+        # Without the soft embedding the peak is the draw's last step, arange(W) · (p > 0), where the CPU
+        # casts the bool mask to an int64 copy first (8 bytes per [N, W] entry) and CUDA casts on the fly.
+        cpu_cast = 0 if want_soft else 8 * n * memory.GROUP
+        assert 0 <= want + cpu_cast - got <= 64 * n  # the formula's allowance for a dozen [N] vectors
+    cfg = parse_config(make_config({**SMALL, "vocab_size": v, "hidden_size": h}, canvas_length=n))
+    assert memory.vocab_bytes(cfg, 1, ab) == max(memory._cuda_vocab(n, h, v, ab, s) for s in (True, False))
+
+
 @pytest.mark.parametrize("blocks, slots", [([12, 12], 2), ([2, 5, 3, 4], 2)])
 def test_a_whole_batched_run_peaks_where_the_formula_says(blocks, slots):
     """generate_batch_events over one batch of equal requests, and over 4 requests through 2 slots (each
@@ -401,8 +469,8 @@ def test_weight_formats():
 
 
 def test_memory_constants_follow_the_kernels():
-    """The formula restates buffer sizes the kernels choose; they must move together. The Triton module
-    is read as text (it imports triton, absent on CPU-only installs)."""
+    """The formula restates buffer sizes the kernels choose; they must move together. The Triton modules
+    are read as text (they import triton, absent on CPU-only installs)."""
     import re
     from pathlib import Path
 
@@ -413,8 +481,21 @@ def test_memory_constants_follow_the_kernels():
         vocab_pass_cpu.TILE_BYTES, vocab_pass_cpu.TILE_ROWS, vocab_pass_cpu.GROUP, vocab_pass_cpu.SOFTMAX_BYTES)
     kernels = Path(categorical.__file__).parent
     triton_src = (kernels / "vocab_pass.py").read_text()
-    assert re.search(rf"^CHUNK = {memory.PROBS_CHUNK}\b", triton_src, re.MULTILINE)
-    assert re.search(rf"block_n: int = {memory.GROUP},", triton_src)
+
+    def const(name):  # a module constant: a literal or a product of literals
+        return eval(re.search(rf"^{name} = ([0-9* ]+?) *(#.*)?$", triton_src, re.MULTILINE)[1], {"__builtins__": {}})
+
+    assert (const("SCRATCH_BYTES"), const("VOCAB_SPLITS"), const("SOFT_SPLITS")) == (
+        memory.SCRATCH_BYTES, memory.VOCAB_SPLITS, memory.SOFT_SPLITS)
+    # vocab_pass_triton's default blocks: block_n is the draw's group width, block_k rounds the soft splits
+    assert re.search(rf"bm, bn, bk = block_m or \d+, block_n or {memory.GROUP}, block_k or {memory.SOFT_BLOCK_K}\n",
+                     triton_src)
+    # the row chunk the formula takes (`_cuda_chunk_rows`) and the split counts as _pass_rows rounds them
+    for line in ("min(n, row_chunk or SCRATCH_BYTES // (v * embed.element_size()))",
+                 "splits = splits or max(1, min(triton.cdiv(v, bn), VOCAB_SPLITS))",
+                 "cols_per_split = triton.cdiv(triton.cdiv(v, splits), bn) * bn",
+                 "per_soft = triton.cdiv(triton.cdiv(v, SOFT_SPLITS), bk) * bk"):
+        assert line in triton_src, line
     assert re.search(rf"block_m: int = {memory.MOE_BLOCK},", (kernels / "moe.py").read_text())
 
 

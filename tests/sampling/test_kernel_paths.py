@@ -1,15 +1,19 @@
 """The same seed gives the same tokens whichever kernel path runs (DGEMMA_KERNELS=reference, the CPU tiled
 vocabulary pass, the Triton kernels): every path draws from the one counter-based stream, so only a
-numerical tie at a CDF boundary could tell them apart (none occurs in these runs)."""
+numerical tie at a CDF boundary could tell them apart (none occurs in these runs). The models run on the
+CPU; the Triton path's vocabulary pass runs where the Triton kernels do (`triton_device`: compiled on a
+GPU, its inputs copied there and its outputs back; interpreted on the CPU tensors without one)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 import dgcli
 from dgcli.cli.options import sampler_flags
-from dgcli.kernels import dispatch
+from dgcli.kernels import dispatch, ops
 from dgcli.runtime import request
 from dgcli.runtime.session import open_session
 from dgcli.sampling.events import Step
@@ -20,18 +24,31 @@ from dgcli.text.prompts import read_prompt_file
 PATHS = ("reference", "cpu", "triton")
 
 
-def use_path(monkeypatch, path, everything=False):
+def use_path(monkeypatch, path, everything=False, triton_device="cpu"):
     """Route the vocabulary pass (the op that draws) to `path`; with `everything`, path "reference" is
-    DGEMMA_KERNELS=reference (the decoder's ops too), as a user sets it."""
+    DGEMMA_KERNELS=reference (the decoder's ops too), as a user sets it. Path "triton" runs the pass on
+    `triton_device` (the `triton_device` fixture's)."""
     monkeypatch.delenv("DGEMMA_KERNELS", raising=False)
     if path == "reference" and everything:
         monkeypatch.setenv("DGEMMA_KERNELS", "reference")
     elif path != "cpu":
         if path == "triton":
             pytest.importorskip("triton")
+            monkeypatch.setattr(ops, "vocab_pass", on_device(ops.vocab_pass, triton_device))
         real = dispatch.implementation
         monkeypatch.setattr(dispatch, "implementation",
                             lambda op, device: path if op == "vocab_pass" else real(op, device))
+
+
+def on_device(vocab_pass, device):
+    """`vocab_pass` run on `device`: its tensor arguments copied there, its outputs copied back to hidden's
+    device (a compiled Triton kernel reads GPU memory only; the copies change no value)."""
+    def moved(hidden, embed, **kw):
+        kw = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+        out = vocab_pass(hidden.to(device), embed.to(device), **kw)
+        back = {f.name: getattr(out, f.name) for f in dataclasses.fields(out)}
+        return type(out)(**{k: None if t is None else t.to(hidden.device) for k, t in back.items()})
+    return moved
 
 
 def run_events(model, prompt, params, blocks):
@@ -56,7 +73,7 @@ class WithoutSelfConditioning:
         return self.model.decode(canvas, cache, None)
 
 
-def test_random_model_same_draws_on_every_path(cli_ckpt, monkeypatch):
+def test_random_model_same_draws_on_every_path(cli_ckpt, monkeypatch, triton_device):
     """A random (never confident) model: every step's 16 draws come from spread-out distributions, so a
     path that consumed randomness differently would diverge at once. Only the vocabulary pass changes,
     and self-conditioning is off: the passes' soft embeddings differ by fp32 summation order, which this
@@ -69,7 +86,7 @@ def test_random_model_same_draws_on_every_path(cli_ckpt, monkeypatch):
         runs = {}
         for path in PATHS:
             with monkeypatch.context() as m:
-                use_path(m, path)
+                use_path(m, path, triton_device=triton_device)
                 runs[path] = run_events(model, prompt, params, blocks=2)
         (ref_samples, ref_done) = runs["reference"]
         assert sum(len(torch.unique(s)) for s in ref_samples) > 5 * len(ref_samples), "draws must be spread out"
@@ -106,14 +123,15 @@ def test_bf16_self_conditioned_run_same_draws_on_reference_and_cpu_paths(cli_ckp
 @pytest.fixture(scope="module")
 def heldout_answers():
     """The newcomer's setting: held-out prompts at a high temperature (so the draws matter), fp32, two
-    blocks of at most 16 steps. Returns answers(path, n): the first n prompts' (text, steps per block)."""
+    blocks of at most 16 steps. Returns answers(path, n, triton_device): the first n prompts' (text, steps per
+    block)."""
     session = open_session(None, None, sampler_flags(blocks=2, steps=16, seed=5, t_min=0.9, t_max=1.5, device="cpu",
                                                      dtype="float32"))
     prompts = [row["prompt"] for row in read_prompt_file(dgcli.__path__[0] + "/data/prompts/heldout.jsonl")][::12]
 
-    def answers(path, n):
+    def answers(path, n, triton_device="cpu"):
         with pytest.MonkeyPatch.context() as m:
-            use_path(m, path, everything=True)
+            use_path(m, path, everything=True, triton_device=triton_device)
             return [(r.text, r.done.steps_per_block) for r in (request.generate(session, p) for p in prompts[:n])]
     return answers
 
@@ -127,8 +145,8 @@ def reference_answers(heldout_answers):
 
 # The interpreted Triton pass takes ~15 s even on 3 prompts: slow, and tests/kernels checks its draws.
 @pytest.mark.parametrize("path,n", [("cpu", 8), pytest.param("triton", 3, marks=pytest.mark.slow)])
-def test_bundled_model_same_answers_on_every_path(heldout_answers, reference_answers, path, n):
+def test_bundled_model_same_answers_on_every_path(heldout_answers, reference_answers, path, n, triton_device):
     """The newcomer's report: `DGEMMA_KERNELS=reference` gave other text for the same seed. The same
     answers and steps with every op on the reference as on the fast CPU paths, and with the Triton
     vocabulary pass (interpreted: fewer prompts)."""
-    assert heldout_answers(path, n) == reference_answers[:n]
+    assert heldout_answers(path, n, triton_device) == reference_answers[:n]
