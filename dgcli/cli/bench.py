@@ -61,8 +61,9 @@ def bench(
     api_key: Annotated[Optional[str], typer.Option("--api-key", metavar="KEY", help="With --base-url: sent as 'Authorization: Bearer KEY'.")] = None,
     concurrency: Annotated[Optional[str], typer.Option("--concurrency", "--max-concurrency", metavar="N[,N...]", help=o.dflt("With --base-url: most requests in flight, e.g. 1,4,16; one row per value.", "1"))] = None,
     request_rate: Annotated[Optional[float], typer.Option("--request-rate", metavar="R", help=o.dflt("With --base-url: requests/s as Poisson arrivals (seeded by --seed); inf sends every prompt at once, up to --concurrency.", "inf"))] = None,
-    weights: Annotated[str, typer.Option("--weights", metavar="FORMAT", help="With --dummy: bf16 | fp8 (e4m3 attention, MLP and expert matrices with per-channel scales, as an FP8-dynamic checkpoint). A checkpoint runs in its own format.")] = "bf16",
+    weights: Annotated[str, typer.Option("--weights", metavar="FORMAT", help="With --dummy: bf16 | fp8 (e4m3 attention, MLP and expert matrices with per-channel scales, as an FP8-dynamic checkpoint) | q4_k | q8_0 (GGML blocks as a Q4_K_M / Q8_0 GGUF holds them, kept quantized; CPU). A checkpoint runs in its own format.")] = "bf16",
     fp8_activations: Annotated[bool, typer.Option("--fp8-activations", help="FP8 weights: quantize activations per token to e4m3 (vLLM's FP8-dynamic semantics) instead of dequantizing the weights (weight-only, the default); the row's fp8_semantics says which ran.")] = False,
+    ray: o.Ray = None, ray_workers: o.RayWorkers = None, ray_gpus: o.RayGpus = None,
 ) -> None:
     """Benchmark one sampler setting: labelled figures, roofline.
 
@@ -72,6 +73,8 @@ def bench(
     """
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt}: use one of {', '.join(FORMATS)}")
+    if base_url is not None and ray is not None:
+        raise UserError("--base-url measures a running server; --ray runs the model on a Ray cluster: give one of them")
     if base_url is not None:
         fields = {"steps": steps, "t_min": t_min, "t_max": t_max, "entropy_bound": entropy_bound,
                   "stability": stability_threshold, "confidence": confidence_threshold, "blocks": blocks, "seed": seed,
@@ -82,8 +85,11 @@ def bench(
     stray = _given(ctx, REMOTE_ONLY)
     if stray:
         raise UserError(f"{stray[0][0]} applies only with --base-url (a server); in-process bench measures --batch-size")
-    if weights not in ("bf16", "fp8"):
-        raise UserError(f"--weights {weights}: use bf16 or fp8")
+    if weights not in ("bf16", "fp8", "q4_k", "q8_0"):
+        raise UserError(f"--weights {weights}: use bf16, fp8, q4_k or q8_0")
+    if weights in ("q4_k", "q8_0") and dummy is None:
+        raise UserError(f"--weights {weights} builds --dummy weights; a GGUF file runs in its own types "
+                        "(make one with `dgemma quantize SRC DST.gguf --type`)")
     if weights == "fp8" and dummy is None:
         raise UserError("--weights fp8 builds --dummy weights in FP8; a checkpoint runs in its own format "
                         "(make an FP8 one with `dgemma quantize SRC DST --fp8`)")
@@ -107,10 +113,22 @@ def bench(
                             stability=stability_threshold, confidence=confidence_threshold, seed=seed,
                             blocks=blocks, device=device, dtype=dtype, max_tokens=max_tokens)
     baseline = b.PeakMemory.maxrss()  # before the model exists, for the CPU peak-memory figure
-    with loading("loading the model…"):
-        s = open_any(model, dummy, layers, preset, flags, warn=warn, compile=compile, threads=threads, weights=weights,
-                     cuda_graphs=cuda_graphs)
-    fp8_row = _fp8_fields(s.model)
+    from dgcli.cluster import check_flags  # torch-free
+
+    check_flags(ray, ray_workers, ray_gpus)
+    pool, ray_memory = None, None
+    if ray is not None:  # each worker loads the model and runs a shard of every pass; the passes are joined here
+        from dgcli.cluster import jobs
+
+        pool = jobs.open_pool(ray, ray_workers, ray_gpus, jobs.spec(
+            "any", model=model, dummy=dummy, layers=layers, preset=preset, flags=flags, compile=compile,
+            threads=threads, cuda_graphs=cuda_graphs, weights=weights, weights_fields=_fp8_fields), warn)
+        s, ray_peaks, fp8_row = jobs.driver_session(pool, measure_peaks=measure_peaks, need_tokenizer=False)
+    else:
+        with loading("loading the model…"):
+            s = open_any(model, dummy, layers, preset, flags, warn=warn, compile=compile, threads=threads, weights=weights,
+                         cuda_graphs=cuda_graphs)
+        fp8_row = _fp8_fields(s.model)
     if fp8_activations and fp8_row["weights"] != "fp8":
         warn("dgemma: note: --fp8-activations has no effect: these weights are not FP8")
     params = s.params
@@ -119,7 +137,7 @@ def bench(
     if s.dummy and not ignore_eos:
         warn("dgemma: note: --ignore-eos is on: random weights would hit stop ids at random")
     ignore = ignore_eos or s.dummy
-    peaks = b.device_peaks(s.device, measure_cpu=measure_peaks)
+    peaks = b.device_peaks(s.device, measure_cpu=measure_peaks) if pool is None else ray_peaks
     longest = max(len(p.ids) for p in plist)
     card = b.target_card(s, prompt_len=round(sum(len(p.ids) for p in plist) / len(plist)),
                          context=longest + s.num_blocks * s.config.canvas_length, peaks=b.peaks_for_card(peaks))
@@ -130,32 +148,39 @@ def bench(
     else:
         sys.stderr.write(card_text + "\n")
 
-    live, progress = status(sys.stderr.isatty(), compiling=s.compiled)
+    live, progress = status(sys.stderr.isatty() and pool is None, compiling=s.compiled)
     rows, last, interrupted = [], None, False
     try:
         for size in sizes:  # one row per batch size, each with its own warm-up and timed passes
             memory = b.PeakMemory(s.device, baseline)
             done: list = []
             try:
-                b.measure(s, plist, params, runs=runs, warmup=warmup, ignore_eos=ignore, batch_size=size,
-                          memory=memory, progress=progress, out=done)
+                if pool is not None:
+                    ray_memory = jobs.bench_passes(pool, plist, params, runs=runs, warmup=warmup, ignore=ignore,
+                                                   batch_size=size, out=done)
+                else:
+                    b.measure(s, plist, params, runs=runs, warmup=warmup, ignore_eos=ignore, batch_size=size,
+                              memory=memory, progress=progress, out=done)
             except KeyboardInterrupt:
                 interrupted = True
                 if done:
                     warn(f"dgemma: interrupted: reporting the {len(done)} finished run(s) of {runs} at batch size {size}")
             if done:
                 summary = metrics.summarize(done, s.config, params.max_denoising_steps, weight_bytes=b.weight_bytes(s),
-                                            peaks=peaks, peak_memory=memory.read())
+                                            peaks=peaks, peak_memory=memory.read() if pool is None else ray_memory)
                 summary.update(bench_quality(plist, [p.responses for p in done]))
                 rows.append({**b.make_row(s, prompts=plist, prompt_source=source, params=params, runs_done=len(done),
                                           runs_asked=runs, warmup=warmup, ignore_eos=ignore, summary=summary,
-                                          label=label, metadata=meta), **fp8_row})
+                                          label=label, metadata=meta), **fp8_row,
+                             **(jobs.ray_fields(pool, min(len(pool.actors), len(plist))) if pool is not None else {})})
                 last = done[-1].responses
             if interrupted:
                 break
     finally:
         if live is not None:
             live.stop()
+        if pool is not None:
+            pool.close()
     _unmeasured(rows, interrupted, sizes, "batch size(s)")
     headline = HEADLINE
     if len(sizes) > 1:  # the rows differ by batch size: say so next to the settings
@@ -185,6 +210,12 @@ def _fp8_fields(model) -> dict:
     from dgcli.kernels import dispatch
     from dgcli.model.fp8 import is_fp8
 
+    from dgcli.model.ggml import QuantExperts, QuantLinear, NAMES
+
+    ggml = sorted({NAMES[t] for m in model.modules() if isinstance(m, (QuantLinear, QuantExperts))
+                   for t in getattr(m, "types", (getattr(m, "qtype", None),))})
+    if ggml:  # GGML blocks: their types (the rest of the model in the embedding's dtype)
+        return {"weights": "+".join(ggml), "fp8_semantics": None}
     if not is_fp8(model):
         return {"weights": str(model.embed_weight.dtype).removeprefix("torch."), "fp8_semantics": None}
     return {"weights": "fp8", "fp8_semantics": dispatch.fp8_semantics()}

@@ -23,12 +23,12 @@ from dgcli.cli import options as o
 from dgcli.errors import UserError
 
 
-EXAMPLES = ["dgemma info", "dgemma info -m ~/diffusiongemma-26B-A4B-it", "dgemma info --dummy 26B-A4B --format json",
+EXAMPLES = ["dgemma info", "dgemma info -m ~/diffusiongemma-26B-A4B-it", "dgemma info -m ~/diffusiongemma-Q4_K_M.gguf",
             "dgemma info --dummy 26B-A4B --context 1024 --memory 40"]
 
 
 def info(
-    model_arg: Annotated[Optional[str], typer.Argument(metavar="MODEL", help=o.dflt("Checkpoint directory or config.json, as -m/--model.", "the bundled tiny model"))] = None,
+    model_arg: Annotated[Optional[str], typer.Argument(metavar="MODEL", help=o.dflt("Checkpoint directory, config.json or GGUF file, as -m/--model.", "the bundled tiny model"))] = None,
     model_opt: o.Model = None, dummy: o.Dummy = None, layers: o.Layers = None, device: o.Device = None,
     dtype: Annotated[Optional[str], typer.Option("--dtype", metavar="DTYPE", help="Run dtype for memory and bytes: auto (the checkpoint's) | bfloat16 | float32")] = None,
     context: Annotated[int, typer.Option("--context", metavar="N", help="Cached tokens the KV-cache figure is sized for.")] = 4096,
@@ -74,22 +74,53 @@ def info(
         path = Path(model) if model else default_model_path()
         cfg = load_config(path)
         folder = path if path.is_dir() else path.parent
-        if any(folder.glob("*.safetensors")):
-            inventory = inf.safetensors_inventory(folder)
-        name, source = folder.name, f"checkpoint {folder}" + ("" if inventory else " (config only: no safetensors found)")
-    run_dtype = dtype if dtype not in (None, "auto") else _stored_dtype(inventory, cfg.dtype)
+        if path.is_file() and path.suffix != ".json":  # a GGUF file (load_config refuses other files)
+            from dgcli.measure import gguf_info
+
+            inventory = gguf_info.gguf_inventory(path)
+            name, source = path.name, f"GGUF file {path}"
+        else:
+            if any(folder.glob("*.safetensors")):
+                inventory = inf.safetensors_inventory(folder)
+            name, source = folder.name, f"checkpoint {folder}" + ("" if inventory else " (config only: no safetensors found)")
+    gguf = inventory is not None and "quantized_bytes_kept" in inventory
+    stored = cfg.dtype if gguf else _stored_dtype(inventory, cfg.dtype)  # GGUF: the loader's run dtype
+    run_dtype = dtype if dtype not in (None, "auto") else stored
     if run_dtype not in ("bfloat16", "float32", "float16"):
         raise UserError(f"--dtype {run_dtype}: use auto, bfloat16 or float32")
     dev, n_threads = _threads(cfg, device or "auto", threads)
     card = inf.card(cfg, name=name, source=source, dtype=run_dtype, context=context, prompt_len=prompt_len,
                     peaks=peaks_for_card(_local_peaks(dev, measure_peaks)), inventory=inventory, threads=n_threads,
                     budgets=_budgets(dev, memory), headroom=headroom / 100)
+    extra = ""
+    if gguf:  # weights as loaded (quantized matrices as stored), and whether this machine holds the run
+        from dgcli.measure import gguf_info
+
+        fit = gguf_info.gguf_fit(inventory, cfg, run_dtype, context, _ram(), _available())
+        mem = card["memory"]
+        mem["weights"], mem["total"] = fit["weights_loaded"], mem["total"] - mem["weights"] + fit["weights_loaded"]
+        card["gguf"], card["bytes_source"] = fit, "GGUF header (by ggml type)"
+        extra = gguf_info.gguf_markdown(inventory, fit)
     if fmt == "json":
         sys.stdout.write(report.to_json(card))
     else:
         from dgcli.measure.memory import markdown
 
-        sys.stdout.write(report.card_markdown(card) + "\n" + markdown(card["batch_memory"]))
+        sys.stdout.write(report.card_markdown(card) + extra + "\n" + markdown(card["batch_memory"]))
+
+
+def _ram() -> int:
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _available() -> int | None:
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+        return next(int(ln.split()[1]) * 1024 for ln in lines if ln.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
 
 
 def _budgets(dev, memory_gib: float | None) -> list[dict]:
@@ -97,8 +128,8 @@ def _budgets(dev, memory_gib: float | None) -> list[dict]:
     memory: the GPU's, or the machine's RAM for a CPU run) and --memory (on this device's path)."""
     from dgcli.measure.memory import GIB, GPUS
 
-    out = [{"name": n, "bytes": b, "cpu": False, "sms": s} for n, b, s in GPUS]
-    cpu, sms = dev.type != "cuda", 132
+    out = [{"name": n, "bytes": b, "cpu": False} for n, b in GPUS]
+    cpu = dev.type != "cuda"
     if cpu:
         import os
 
@@ -107,10 +138,10 @@ def _budgets(dev, memory_gib: float | None) -> list[dict]:
         import torch
 
         props = torch.cuda.get_device_properties(dev)
-        local, sms = (props.name, props.total_memory), props.multi_processor_count
-    out.append({"name": local[0], "bytes": local[1], "cpu": cpu, "sms": sms})
+        local = (props.name, props.total_memory)
+    out.append({"name": local[0], "bytes": local[1], "cpu": cpu})
     if memory_gib is not None:
-        out.append({"name": f"--memory {memory_gib:g} GiB", "bytes": int(memory_gib * GIB), "cpu": cpu, "sms": sms})
+        out.append({"name": f"--memory {memory_gib:g} GiB", "bytes": int(memory_gib * GIB), "cpu": cpu})
     return out
 
 

@@ -1,5 +1,6 @@
 """`dgemma quantize SRC DST --fp8`: write an FP8-dynamic (compressed-tensors) checkpoint from a bf16 or fp32
-one, which `dgemma` (and vLLM) then load at one byte per weight.
+one, which `dgemma` (and vLLM) then load at one byte per weight; `dgemma quantize SRC DST.gguf --type T`: write
+one GGUF file in llama.cpp's DiffusionGemma layout (F32, BF16, Q8_0 or llama.cpp's Q4_K_M mix).
 
 Owns: the command's flags and its summary line (stdout: the new checkpoint's path and sizes; progress on
 stderr). Must not: quantize (dgcli.model.quantize does) or load the model.
@@ -8,35 +9,57 @@ stderr). Must not: quantize (dgcli.model.quantize does) or load the model.
 from __future__ import annotations
 
 import sys
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
 from dgcli.errors import UserError
 
 EXAMPLES = ["dgemma quantize ~/diffusiongemma-26B-A4B-it ~/diffusiongemma-26B-A4B-it-FP8 --fp8",
-            "dgemma quantize dgcli/data/tiny /tmp/tiny-fp8 --fp8 && dgemma generate -m /tmp/tiny-fp8 \"Sort: 7 2 9 2\""]
+            "dgemma quantize dgcli/data/tiny /tmp/tiny-fp8 --fp8 && dgemma generate -m /tmp/tiny-fp8 \"Sort: 7 2 9 2\"",
+            "dgemma quantize ~/diffusiongemma-26B-A4B-it ~/diffusiongemma-Q4_K_M.gguf --type q4_k_m",
+            "dgemma quantize dgcli/data/tiny /tmp/tiny-q8_0.gguf --type q8_0 && dgemma generate -m /tmp/tiny-q8_0.gguf \"Sort: 7 2 9 2\""]
+GGUF_TYPES = ("f32", "bf16", "q8_0", "q4_k_m")
 
 
 def quantize(
     src: Annotated[str, typer.Argument(metavar="SRC", help="Unquantized checkpoint directory (bf16 or fp32).")],
-    dst: Annotated[str, typer.Argument(metavar="DST", help="New directory for the quantized checkpoint (absent or empty).")],
-    fp8: Annotated[bool, typer.Option("--fp8", help="FP8-dynamic: e4m3 attention, MLP and expert weights with one scale per output channel, experts stored per expert (the only format; required).")] = False,
+    dst: Annotated[str, typer.Argument(metavar="DST", help="New directory for the FP8 checkpoint (absent or empty), or new .gguf file for --type.")],
+    fp8: Annotated[bool, typer.Option("--fp8", help="FP8-dynamic: e4m3 attention, MLP and expert weights with one scale per output channel, experts stored per expert.")] = False,
+    gguf_type: Annotated[Optional[str], typer.Option("--type", metavar="TYPE", help="GGUF file: f32 | bf16 | q8_0 | q4_k_m (llama.cpp's mix: Q4_K, Q6_K for the embedding and some attn_v / ffn_down; norms and the router F32).")] = None,
 ) -> None:
-    """Write an FP8-dynamic checkpoint from a bf16 one.
+    """Write an FP8-dynamic checkpoint, or a GGUF file, from a bf16 or fp32 one.
 
-    Attention projections, the dense MLP and the experts become float8_e4m3fn with per-output-channel
+    --fp8: attention projections, the dense MLP and the experts become float8_e4m3fn with per-output-channel
     absmax scales (compressed-tensors' FP8_DYNAMIC layout, experts unfused per expert); the embedding,
     norms, router, self-conditioning MLP and vision tower are copied, as are the tokenizer and templates.
+    --type: one GGUF file (llama.cpp's diffusion-gemma layout) with the config, sampler defaults, tokenizer
+    and chat template in its metadata; `dgemma ... -m DST.gguf` runs it.
     """
-    if not fp8:
-        raise UserError("give the format: --fp8 (FP8-dynamic, the only one dgemma writes)")
-    from dgcli.model.quantize import quantize_checkpoint
+    if fp8 and gguf_type is not None:
+        raise UserError("give one format: --fp8 (an FP8 checkpoint directory) or --type TYPE (a GGUF file)")
 
     def progress(msg: str) -> None:
         print(f"dgemma: {msg}", file=sys.stderr)
 
-    s = quantize_checkpoint(src, dst, progress=progress)
     gb = 1e9
+    if gguf_type is not None:
+        kind = gguf_type.lower()
+        if kind not in GGUF_TYPES:
+            raise UserError(f"--type {gguf_type}: use one of {', '.join(GGUF_TYPES)}")
+        if not dst.lower().endswith(".gguf"):
+            raise UserError(f"{dst}: a GGUF file name ends in .gguf; name the new file DST.gguf")
+        from dgcli.model.quantize import checkpoint_to_gguf
+
+        s = checkpoint_to_gguf(src, dst, kind, progress=progress)
+        types = ", ".join(f"{n} {t}" for t, n in sorted(s["by_type"].items()))
+        print(f"{dst}: GGUF {kind.upper()}, {s['bytes_out'] / gb:.3g} GB (from {s['bytes_in'] / gb:.3g} GB); "
+              f"tensors: {types}")
+        return
+    if not fp8:
+        raise UserError("give the format: --fp8 (an FP8-dynamic checkpoint) or --type f32|bf16|q8_0|q4_k_m (a GGUF file)")
+    from dgcli.model.quantize import quantize_checkpoint
+
+    s = quantize_checkpoint(src, dst, progress=progress)
     print(f"{dst}: FP8-dynamic checkpoint, {s['quantized_tensors']} tensors in float8_e4m3fn, "
           f"{s['bytes_out'] / gb:.3g} GB of weights (from {s['bytes_in'] / gb:.3g} GB) in {s['files']} file(s)")

@@ -60,6 +60,7 @@ def sweep(
     batch_size: o.BatchSizes = "1",
     label: Label = None, metadata: Metadata = None, measure_peaks: MeasurePeaks = True,
     compile: o.Compile = False, cuda_graphs: o.CudaGraphs = False, threads: o.Threads = None,
+    ray: o.Ray = None, ray_workers: o.RayWorkers = None, ray_gpus: o.RayGpus = None,
 ) -> None:
     """Sweep sampler settings: speed, quality, Pareto frontier.
 
@@ -70,6 +71,9 @@ def sweep(
 
     sizes = parse_batch_sizes(batch_size)  # --dry-run too
     check_counts(num_prompts=num_prompts, runs=runs, warmup=warmup, input_len=random_input_len)  # --dry-run too
+    from dgcli.cluster import check_flags  # torch-free
+
+    check_flags(ray, ray_workers, ray_gpus)  # --dry-run too
     from dgcli.measure import bench as b
     from dgcli.measure import printers as report
     from dgcli.measure import sweep as sw
@@ -111,9 +115,18 @@ def sweep(
         return
 
     baseline = b.PeakMemory.maxrss()  # before the model exists, for the CPU peak-memory figure
-    with loading("loading the model…"):
-        s = open_any(model, dummy, layers, preset, flags, warn=warn, compile=compile, threads=threads,
-                     cuda_graphs=cuda_graphs)
+    pool = None
+    if ray is not None:  # each worker loads the model and runs whole cells; the rows come back here, in order
+        from dgcli.cluster import jobs
+
+        pool = jobs.open_pool(ray, ray_workers, ray_gpus, jobs.spec(
+            "any", model=model, dummy=dummy, layers=layers, preset=preset, flags=flags, compile=compile,
+            threads=threads, cuda_graphs=cuda_graphs), warn)
+        s, ray_peaks, _ = jobs.driver_session(pool, measure_peaks=measure_peaks, need_tokenizer=False)
+    else:
+        with loading("loading the model…"):
+            s = open_any(model, dummy, layers, preset, flags, warn=warn, compile=compile, threads=threads,
+                         cuda_graphs=cuda_graphs)
     plist, source = build_prompts(s, prompts_file=prompts, random_ids=random_prompts or s.dummy,
                                   num_prompts=num_prompts, input_len=random_input_len, seed=seed_list[0], warn=warn)
     ignore = ignore_eos or s.dummy
@@ -139,7 +152,7 @@ def sweep(
     done_keys = {r["cell_key"] for r in rows if r.get("kind") == "cell"}
     todo = [c for c in cells if c.key not in done_keys]
 
-    peaks = b.device_peaks(s.device, measure_cpu=measure_peaks)
+    peaks = b.device_peaks(s.device, measure_cpu=measure_peaks) if pool is None else ray_peaks
     card = b.target_card(s, prompt_len=round(sum(len(p.ids) for p in plist) / len(plist)),
                          context=max(len(p.ids) for p in plist) + s.num_blocks * s.config.canvas_length,
                          peaks=b.peaks_for_card(peaks))
@@ -149,15 +162,20 @@ def sweep(
     warn(f"dgemma: {len(cells)} cell(s) x {len(seed_list)} seed(s) x {len(plist)} prompt(s); "
          f"{len(cells) - len(todo)} already in {output}, {len(todo)} to run; quality = {quality_metric}")
 
-    live, progress = status(sys.stderr.isatty(), compiling=s.compiled)
+    live, progress = status(sys.stderr.isatty() and pool is None, compiling=s.compiled)
     try:
-        reference = sw.reference_outputs(rows, store, s, plist, ignore, quality_metric, fp, progress)
-        if todo:  # the batched path the cells take, at the largest batch size
-            b.warm_up(s, plist, s.params, warmup, batch_size=max(sizes), ignore_eos=ignore, progress=progress)
-        for n, cell in enumerate(todo, 1):
-            memory = b.PeakMemory(s.device, baseline)
-            row = sw.run_cell(s, cell, plist, source, seed_list, runs, ignore, quality_metric, reference,
-                            peaks, memory, label, meta, fp, progress)
+        if pool is not None:
+            reference = jobs.sweep_reference(pool, rows, store, plist, ignore, quality_metric, fp)
+            cell_rows = jobs.sweep_cells(pool, todo, plist, source, seed_list, runs, ignore, quality_metric, reference,
+                                         label, meta, fp, warmup=warmup, warm_batch=max(sizes),
+                                         measure_peaks=measure_peaks, keep=store.append)
+        else:
+            reference = sw.reference_outputs(rows, store, s, plist, ignore, quality_metric, fp, progress)
+            if todo:  # the batched path the cells take, at the largest batch size
+                b.warm_up(s, plist, s.params, warmup, batch_size=max(sizes), ignore_eos=ignore, progress=progress)
+            cell_rows = (sw.run_cell(s, cell, plist, source, seed_list, runs, ignore, quality_metric, reference,
+                                     peaks, b.PeakMemory(s.device, baseline), label, meta, fp, progress) for cell in todo)
+        for n, (cell, row) in enumerate(zip(todo, cell_rows), 1):
             store.append(row)
             rows.append(row)
             warn(f"dgemma: cell {n}/{len(todo)} {sw.cell_label(row, list(cell.values))}: "
@@ -170,6 +188,8 @@ def sweep(
     finally:
         if live is not None:
             live.stop()
+        if pool is not None:
+            pool.close()
     _finish(rows, cells, axes, speed, plot, fmt, card, output)
     if not ignore:
         _budget_note(rows, cells)

@@ -327,7 +327,7 @@ def card(cfg: ModelConfig, *, name: str, source: str, dtype: str, context: int =
     from dgcli.measure import memory  # it builds on this module's counts
 
     if budgets is None:
-        budgets = [{"name": n, "bytes": b, "cpu": False, "sms": s} for n, b, s in memory.GPUS]
+        budgets = [{"name": n, "bytes": b, "cpu": False} for n, b in memory.GPUS]
     wb = DTYPE_BYTES[dtype]
     counts = param_counts(cfg)
     weights = weights_bytes_total(cfg, wb)

@@ -308,9 +308,10 @@ CHECKPOINT_HOLDS = "config.json, model*.safetensors and tokenizer.json"
 
 
 def config_path(path: Path, *, flag: str | None = None, file_ok: bool = True) -> Path:
-    """The config.json that `path` names: a checkpoint directory's, or (`file_ok`) a config.json given itself.
-    Anything else is one line naming the problem and the fix (`flag`, e.g. "--model", labels the path): a
-    weights or GGUF file given for the directory, a folder that is not a checkpoint."""
+    """The config.json that `path` names: a checkpoint directory's, or (`file_ok`) a config.json given itself;
+    a GGUF model file is returned as is (its metadata holds the config). Anything else is one line naming the
+    problem and the fix (`flag`, e.g. "--model", labels the path): a weights file given for the directory, a
+    folder that is not a checkpoint."""
     label = f"{flag} {path}" if flag else str(path)
     if not path.exists():
         raise UserError(f"{label}: no such checkpoint directory; pass the directory that holds {CHECKPOINT_HOLDS}")
@@ -319,12 +320,16 @@ def config_path(path: Path, *, flag: str | None = None, file_ok: bool = True) ->
             raise UserError(f"{label}: not a checkpoint directory (no config.json); pass the directory that holds "
                             f"{CHECKPOINT_HOLDS}")
         return path / "config.json"
-    if path.suffix.lower() == ".gguf" or _starts_with(path, b"GGUF"):
-        raise UserError(f"{label} is a GGUF file; GGUF files are not supported yet: pass a Hugging Face checkpoint "
-                        f"directory ({CHECKPOINT_HOLDS})")
+    if is_gguf_path(path):
+        return path  # the file holds its config (model/gguf_model.py reads it)
     if not (file_ok and path.suffix.lower() == ".json"):
         raise UserError(f"{label} is a file; pass the checkpoint directory that holds {CHECKPOINT_HOLDS}")
     return path
+
+
+def is_gguf_path(path: Path) -> bool:
+    """A GGUF model file (named .gguf, or starting with the GGUF magic)."""
+    return path.is_file() and (path.suffix.lower() == ".gguf" or _starts_with(path, b"GGUF"))
 
 
 def _starts_with(path: Path, magic: bytes) -> bool:
@@ -338,11 +343,25 @@ def _starts_with(path: Path, magic: bytes) -> bool:
 def load_config(path: str | Path, *, flag: str | None = None, file_ok: bool = True) -> ModelConfig:
     """`path` is a checkpoint directory or (`file_ok`) a config.json file; see `config_path`."""
     cfg_path = config_path(Path(path), flag=flag, file_ok=file_ok)
+    if is_gguf_path(cfg_path):
+        from dgcli.model.gguf_model import load_gguf_config
+
+        try:
+            return load_gguf_config(cfg_path)
+        except UserError as e:  # name the option the path came from, as every other --model error does
+            if flag and str(e).startswith(str(cfg_path)):
+                raise UserError(f"{flag} {e}") from None
+            raise
     return parse_config(read_json(cfg_path), source=str(cfg_path))
 
 
 def load_generation_config(path: str | Path) -> dict | None:
-    """The raw generation_config.json of a checkpoint directory, or None when it has none."""
+    """The raw generation_config.json of a checkpoint directory (a GGUF file: the dict its metadata gives),
+    or None when it has none."""
+    if is_gguf_path(Path(path)):
+        from dgcli.model.gguf_model import load_gguf_generation_config
+
+        return load_gguf_generation_config(path)
     p = Path(path) / "generation_config.json"
     return read_json(p) if p.exists() else None
 

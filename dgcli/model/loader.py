@@ -249,8 +249,13 @@ def resolve_dtype(name: str | None, default: torch.dtype | None = None) -> torch
 
 def load_model(path: str | Path, device: str | torch.device = "cpu",
                dtype: torch.dtype | str | None = None) -> DiffusionGemma:
-    """Load a checkpoint directory. dtype None = the checkpoint's (its embedding's dtype)."""
+    """Load a checkpoint directory (or a GGUF file). dtype None = the checkpoint's (its embedding's dtype)."""
     path = Path(path)
+    if path.is_file():  # a GGUF file (model/gguf_model.py); load_config refuses any other file
+        load_config(path, file_ok=False)
+        from dgcli.model.gguf_model import load_gguf_model
+
+        return load_gguf_model(path, device=device, dtype=dtype)
     cfg = load_config(path, file_ok=False)
     if isinstance(dtype, str):
         dtype = resolve_dtype(dtype)

@@ -53,6 +53,15 @@ def _quantized(key: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
     return out
 
 
+def _refuse_file(src: Path) -> None:
+    """SRC must be a checkpoint directory: a GGUF file (which load_config reads for the run commands) is not one."""
+    from dgcli.model.config import is_gguf_path
+
+    if is_gguf_path(src):
+        raise UserError(f"{src} is a GGUF file; dgemma quantize converts a checkpoint directory (config.json, "
+                        "model*.safetensors and tokenizer.json)")
+
+
 def _as_new_file(path: Path) -> None:
     """The mode a file written with open() gets (0666 less the umask): safetensors writes through a
     temporary file, which is created 0600, and renames it, so the shards would be private to their owner
@@ -67,6 +76,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, *,
     """Write the FP8-dynamic twin of checkpoint `src` into `dst` (absent or empty). Returns a summary:
     tensors quantized, bytes read and written."""
     src, dst = Path(src), Path(dst)
+    _refuse_file(src)
     cfg = load_config(src, file_ok=False)
     if cfg.quantization is not None:
         raise UserError(f"{src}: already quantized ({cfg.quantization.scheme}); quantize an unquantized checkpoint")
@@ -113,4 +123,108 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, *,
             continue
         (dst / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(p, dst / rel)
+    return summary
+
+
+# ---- GGUF (`dgemma quantize SRC DST.gguf --type ...`) ------------------------------------------------------
+
+GGUF_KINDS = {"f32": 0, "bf16": 32, "q8_0": 7, "q4_k_m": 15}  # --type -> llama.cpp's general.file_type
+
+
+def _more_bits(i: int, n: int) -> bool:
+    """llama.cpp's `use_more_bits`: the first and last eighth of the layers, and every third one between."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def gguf_types(kind: str, shapes: dict[str, tuple[int, ...]], n_layers: int) -> dict[str, int]:
+    """The ggml type of each GGUF tensor (name -> logical shape) for `--type kind`, as llama.cpp picks them:
+    1-D tensors (norms, scales, layer scalars) and the router (`ffn_gate_inp`, never quantized by llama.cpp)
+    stay F32; q8_0 makes every other matrix Q8_0; q4_k_m is Q4_K with Q6_K for the embedding (the tied head)
+    and for `attn_v` and `ffn_down(_exps)` in the "more bits" layers. A row length that is no multiple of the
+    block falls back as llama.cpp does (`ggml.type_for`: Q6_K -> Q8_0, Q4_K -> Q5_0; not a multiple of 32 ->
+    F16)."""
+    from dgcli.model import ggml
+
+    v_names = sorted((n for n in shapes if n.endswith(".attn_v.weight")), key=lambda n: int(n.split(".")[1]))
+    out = {}
+    for name, shape in shapes.items():
+        if kind == "f32" or len(shape) < 2 or ".ffn_gate_inp." in name:
+            out[name] = ggml.F32
+            continue
+        if kind == "bf16":
+            out[name] = ggml.BF16
+            continue
+        t = ggml.Q8_0
+        if kind == "q4_k_m":
+            t = ggml.Q4_K
+            layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
+            if name == "token_embd.weight":
+                t = ggml.Q6_K
+            elif name.endswith(".attn_v.weight") and _more_bits(v_names.index(name), len(v_names)):
+                t = ggml.Q6_K
+            elif (".ffn_down." in name or ".ffn_down_exps." in name) and _more_bits(layer, n_layers):
+                t = ggml.Q6_K
+        out[name] = ggml.type_for(t, shape[-1]) or ggml.F16
+    return out
+
+
+def checkpoint_to_gguf(src: str | Path, dst: str | Path, kind: str, *,
+                       progress: Callable[[str], None] | None = None) -> dict:
+    """Write checkpoint `src` (unquantized) as one GGUF file `dst` in llama.cpp's DiffusionGemma layout, tensor
+    by tensor (one tensor in memory at a time). Returns a summary: tensors by type, bytes read and written."""
+    from dgcli.model import ggml, gguf, gguf_model
+    from dgcli.model.config import load_generation_config
+    from dgcli.text.gguf_vocab import vocab_metadata
+    from dgcli.text.tokenizer import load_tokenizer
+
+    src, dst = Path(src), Path(dst)
+    _refuse_file(src)
+    if kind not in GGUF_KINDS:
+        raise UserError(f"--type {kind}: use one of {', '.join(GGUF_KINDS)}")
+    cfg = load_config(src, file_ok=False)
+    if cfg.quantization is not None:
+        raise UserError(f"{src}: already quantized ({cfg.quantization.scheme}); convert an unquantized checkpoint")
+    if dst.exists():
+        raise UserError(f"{dst}: exists; pick a new file name (or remove it)")
+    if not dst.parent.is_dir():
+        raise UserError(f"{dst}: its folder {dst.parent} does not exist; create it first")
+    # A checkpoint without tokenizer.json (random benchmark weights) makes a file bench and sweep can run.
+    tok = load_tokenizer(src) if (src / "tokenizer.json").is_file() else None
+    files = checkpoint_files(src)
+    where: dict[str, tuple[str, Path]] = {}  # GGUF name -> (checkpoint key, file)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for key, f in files.items():
+        name = to_module_name(key)
+        if name is None or key == "lm_head.weight":
+            continue
+        try:
+            gname = gguf_model.to_gguf_name(name)
+        except KeyError:
+            raise UserError(f"{f.name}: tensor {key!r} has no place in a DiffusionGemma GGUF file") from None
+        with _open(f) as st:
+            shapes[gname] = tuple(st.get_slice(key).get_shape())
+        where[gname] = (key, f)
+    shapes[gguf_model.ROPE_FREQS] = (cfg.global_head_dim // 2,)
+    types = gguf_types(kind, shapes, cfg.num_hidden_layers)
+    summary: dict = {"bytes_in": 0, "by_type": {}}
+
+    def data(gname: str):
+        if gname == gguf_model.ROPE_FREQS:
+            return gguf_model.rope_freqs(cfg)
+        key, f = where[gname]
+        with _open(f) as st:
+            t = st.get_tensor(key)
+        summary["bytes_in"] += t.numel() * t.element_size()
+        return ggml.quantize(t.float().reshape(shapes[gname]), types[gname])
+
+    order = sorted(shapes, key=lambda n: (n.startswith("blk."), int(n.split(".")[1]) if n.startswith("blk.") else 0, n))
+    tensors = [gguf.TensorOut(n, shapes[n], types[n], lambda n=n: data(n)) for n in order]
+    md = gguf_model.model_metadata(cfg, load_generation_config(src), name=src.name, file_type=GGUF_KINDS[kind])
+    if tok is not None:
+        md.update(vocab_metadata(tok.tokenizer, tok.chat_template))
+    if progress:
+        progress(f"writing {len(tensors)} tensors to {dst}")
+    summary["bytes_out"] = gguf.write_gguf(dst, md, tensors, progress=progress)
+    for n, t in types.items():
+        summary["by_type"][gguf.type_name(t)] = summary["by_type"].get(gguf.type_name(t), 0) + 1
     return summary

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from torch import nn
 
 from dgcli.errors import UserError
 from dgcli.model.config import RELEASED_ROPE_PARAMETERS, parse_config, read_json, real_config_path
-from dgcli.model import fp8
+from dgcli.model import fp8, ggml
 from dgcli.model.loader import meta_model, to_checkpoint_name
 from dgcli.model.gemma import DiffusionGemma
 
@@ -66,7 +67,7 @@ def randomize_(model: DiffusionGemma, seed: int = 0, std: float | None = None) -
     Matrices ~ N(0, std) with std = 1/sqrt(fan_in) unless given; gains and scales ~ U(0.5, 1.5).
     FP8 weights (a quantized config): each matrix drawn so, then quantized (`fp8.randomize_fp8_`)."""
     gens: dict[torch.device, torch.Generator] = {}
-    quantized = fp8.quantized_names(model)
+    quantized = fp8.quantized_names(model) | ggml.quantized_names(model)  # drawn as blocks / e4m3 elsewhere
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if name in quantized:
             continue
@@ -167,6 +168,81 @@ def write_random_checkpoint(out_dir: str | Path, text_config: dict, *, canvas_le
     if tokenizer and vocab >= MIN_VOCAB_SIZE:
         write_tokenizer_files(build_tokenizer([SAMPLE_TEXT] * 4, vocab), out)
     return out
+
+
+# ---- GGML dummy weights (--dummy --weights q4_k / q8_0) ----------------------------------------------------
+
+GGML_WEIGHTS = ("q4_k", "q8_0")
+
+
+def ggml_dummy_type(weights: str, k: int) -> int | None:
+    """The block type a dummy matrix with rows of k values gets. q4_k: Q4_K, or Q4_0 where k is not a
+    multiple of 256 (this model's down projections, 704 and 2112: llama.cpp would write Q5_0 there, which
+    runs as two int4 planes at 1.25 bytes per value and would not fit 24 GB; Q4_0 is a 4.5-bit type that
+    maps onto the int4 kernel directly). q8_0: Q8_0."""
+    order = {"q4_k": (ggml.Q4_K, ggml.Q4_0), "q8_0": (ggml.Q8_0,)}[weights]
+    return next((t for t in order if ggml.fits(t, k)), None)
+
+
+def _ggml_plan(model: DiffusionGemma, weights: str):
+    """(linears [(name, type, in, out)], experts [(layer, gate_up type, down type)]) a dummy quantizes."""
+    linears, layers = ggml.targets(model)
+    lin = []
+    for name in linears:
+        m = model.get_submodule(name)
+        t = ggml_dummy_type(weights, m.in_features)
+        if t is not None:
+            lin.append((name, t, m.in_features, m.out_features))
+    cfg = model.config
+    tg, td = ggml_dummy_type(weights, cfg.hidden_size), ggml_dummy_type(weights, cfg.moe_intermediate_size)
+    return lin, ([] if tg is None or td is None else [(i, tg, td) for i in layers])
+
+
+def ggml_dummy_bytes(cfg_dict: dict, weights: str, dtype: torch.dtype) -> int:
+    """Bytes a GGML dummy model holds (the quantized forms as kernels/ggml_cpu.py keeps them, the rest in
+    dtype), computed from the config without allocating: the memory preflight's count."""
+    from dgcli.kernels.ggml_cpu import prepared_bytes
+
+    model = meta_model(parse_config(cfg_dict))
+    total = sum(t.numel() for t in list(model.parameters()) + list(model.buffers())) * dtype.itemsize
+    lin, experts = _ggml_plan(model, weights)
+    for name, t, k, n in lin:
+        total += prepared_bytes(t, n, k, dtype) - n * k * dtype.itemsize
+    c = model.config
+    e, h, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
+    for _, tg, td in experts:
+        total += e * (prepared_bytes(tg, 2 * i, h, dtype) + prepared_bytes(td, h, i, dtype))
+        total -= 3 * e * h * i * dtype.itemsize
+    return total
+
+
+@torch.no_grad()
+def random_ggml_model(cfg_dict: dict, weights: str, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                      device: str | torch.device = "cpu") -> DiffusionGemma:
+    """A random model whose linears and experts are GGML modules built from random valid blocks
+    (`ggml.random_blocks`: drawn as bytes, nothing quantized, so the 26B-A4B builds in about a minute), as a
+    Q4_K_M / Q8_0 file would hold them (types: `ggml_dummy_type`); the embedding (dequantized in a real
+    Q4_K_M load too), router, norms and scalars are plain tensors in dtype. CPU only (the int4 kernel is)."""
+    if torch.device(device).type != "cpu":
+        raise UserError(f"--weights {weights} runs on CPU (torch's int4 CPU kernel); use --device cpu")
+    model = meta_model(parse_config(cfg_dict))
+    model.to(dtype)
+    g = torch.Generator().manual_seed(seed)
+    lin, experts = _ggml_plan(model, weights)
+    for name, t, k, n in lin:
+        fp8._set(model, name, ggml.QuantLinear(ggml.random_blocks((n,), t, k, g), t, k, n, dtype))
+    c = model.config
+    e, h, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
+    for layer, tg, td in experts:
+        model.layers[layer].experts = ggml.QuantExperts(
+            ggml.random_blocks((e, 2 * i), tg, h, g), tg, ggml.random_blocks((e, h), td, i, g), td, h, i, dtype)
+    for m in model.modules():  # the plain tensors left on meta
+        for store in (m._parameters, m._buffers):
+            for key, t in store.items():
+                if t is not None and t.is_meta:
+                    new = torch.empty(t.shape, dtype=t.dtype, device=device)
+                    store[key] = nn.Parameter(new, requires_grad=False) if isinstance(t, nn.Parameter) else new
+    return randomize_(model, seed).eval()
 
 
 # ---- --dummy: a config's architecture with random weights ----------------------------------------------

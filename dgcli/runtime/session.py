@@ -179,7 +179,8 @@ def ran_with(resolved: Resolved, model: Any) -> Resolved:
 
 def open_session(model: str | None, preset: str | None, flags: dict, *, need_tokenizer: bool = True,
                  compile: bool = False, threads: int | None = None, cuda_graphs: bool = False) -> Session:
-    """A checkpoint with its tokenizer and resolved settings; `threads` is `--threads` (None: the rule)."""
+    """A checkpoint (directory or GGUF file) with its tokenizer and resolved settings; `threads` is `--threads`
+    (None: the rule)."""
     from dgcli.model.loader import load_model, resolve_dtype
     from dgcli.text.tokenizer import load_tokenizer
 
@@ -189,6 +190,13 @@ def open_session(model: str | None, preset: str | None, flags: dict, *, need_tok
     dtype = resolve_dtype(resolved.run.dtype)  # auto: the checkpoint's own dtype
     n_threads = set_threads(cfg, device, threads)
     tokenizer = None
+    if path.is_file():  # a GGUF file (config_path let it through): tokenizer and weights from the file
+        from dgcli.model.gguf_model import load_gguf_model, load_gguf_tokenizer
+
+        tokenizer = load_gguf_tokenizer(path, required=need_tokenizer)
+        m = load_gguf_model(path, device=device, dtype=dtype)
+        return _session(path, m, tokenizer, resolved, gen, device, compile=compile, name=path.name,
+                        threads=n_threads, cuda_graphs=cuda_graphs)
     if need_tokenizer or (path / "tokenizer.json").exists():
         tokenizer = load_tokenizer(path)
     m = load_model(path, device=device, dtype=dtype)
@@ -201,10 +209,11 @@ def open_dummy_session(spec: str, layers: int | None, preset: str | None, flags:
                        weights: str = "bf16", cuda_graphs: bool = False) -> Session:
     """Random weights for a config (`--dummy`), built directly on the device (nothing read but the config).
     Random weights never converge, so fixed-work mode is forced (confidence_threshold 0), and said.
-    `weights="fp8"`: the config as an FP8-dynamic checkpoint would have it, its matrices drawn in e4m3."""
+    `weights="fp8"`: the config as an FP8-dynamic checkpoint would have it, its matrices drawn in e4m3;
+    `"q4_k"` / `"q8_0"`: GGML blocks kept quantized as a GGUF load keeps them (random_weights.random_ggml_model)."""
     from dgcli.model.config import real_config_path
     from dgcli.model.loader import resolve_dtype
-    from dgcli.model.random_weights import dummy_config, random_model, with_fp8
+    from dgcli.model.random_weights import GGML_WEIGHTS, dummy_config, ggml_dummy_bytes, random_ggml_model, random_model, with_fp8
 
     raw, gen, name = dummy_config(spec, layers)
     if weights == "fp8":
@@ -218,8 +227,14 @@ def open_dummy_session(spec: str, layers: int | None, preset: str | None, flags:
     dtype = resolve_dtype(dt if dt in ("bfloat16", "float32", "float16") else "bfloat16")
     cfg = parse_config(raw)
     n_threads = set_threads(cfg, device, threads)
-    preflight(cfg, torch.tensor([], dtype=dtype).element_size(), device, spec=spec)  # (bf16-sized: FP8 needs less)
-    m = random_model(raw, seed=resolved.params.seed, dtype=dtype, device=device)
+    quantized = weights in GGML_WEIGHTS
+    preflight(cfg, torch.tensor([], dtype=dtype).element_size(), device, spec=spec,  # (bf16-sized: FP8 needs less)
+              total_bytes=ggml_dummy_bytes(raw, weights, dtype) if quantized else None)
+    if quantized:
+        m = random_ggml_model(raw, weights, seed=resolved.params.seed, dtype=dtype, device=device)
+        name = f"{name} {weights.upper()}"
+    else:
+        m = random_model(raw, seed=resolved.params.seed, dtype=dtype, device=device)
     source = Path(spec) if Path(spec).exists() else real_config_path()
     name = name if name.lower().startswith("dummy") else f"dummy {name}"
     return _session(source, m, None, resolved, gen, device, compile=compile, name=name, threads=n_threads, dummy=True,
@@ -241,9 +256,9 @@ def open_any(model: str | None, dummy: str | None, layers: int | None, preset: s
                               cuda_graphs=cuda_graphs)
 
 
-def preflight(cfg: ModelConfig, weight_bytes: int, device: Any, *, spec: str) -> None:
+def preflight(cfg: ModelConfig, weight_bytes: int, device: Any, *, spec: str, total_bytes: int | None = None) -> None:
     """Refuse a dummy model that cannot fit, before allocating it (an OOM half-way is worse), and say
-    how many layers would."""
+    how many layers would. `total_bytes`: the weights' bytes when not params x weight_bytes (GGML blocks)."""
     from dgcli.measure import card
 
     if device.type == "cuda":
@@ -255,10 +270,11 @@ def preflight(cfg: ModelConfig, weight_bytes: int, device: Any, *, spec: str) ->
         except (OSError, StopIteration, ValueError):
             return  # no way to know here: try
     counts = card.param_counts(cfg)
-    need = counts["total"] * weight_bytes + card.working_set_bytes(cfg, 4096, weight_bytes)["total"]
+    weights = counts["total"] * weight_bytes if total_bytes is None else total_bytes
+    need = weights + card.working_set_bytes(cfg, 4096, weight_bytes)["total"]
     if need <= 0.9 * free:
         return
-    per_layer = (counts["total"] - counts["embedding"]) / cfg.num_hidden_layers * weight_bytes
+    per_layer = (weights - counts["embedding"] * weight_bytes) / cfg.num_hidden_layers
     fits = int((0.9 * free - counts["embedding"] * weight_bytes) // per_layer)
     hint = f"shrink it with --layers {fits}" if fits >= 1 else "it does not fit even with --layers 1"
     raise UserError(f"--dummy {spec} needs ~{need / 2**30:.1f} GiB on {device} but only {free / 2**30:.1f} GiB "

@@ -92,7 +92,7 @@ def _weights_file(ckpt: Path, tmp: Path) -> tuple[Path, str]:
 def _gguf_file(ckpt: Path, tmp: Path) -> tuple[Path, str]:
     f = tmp / "model-q8_0.bin"  # known by its magic bytes, whatever its name
     f.write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(64))
-    return f, "is a GGUF file; GGUF files are not supported yet: pass a Hugging Face checkpoint directory"
+    return f, "GGUF"  # read as a GGUF file: no DiffusionGemma architecture in it (quantize: not a directory)
 
 
 def _not_a_checkpoint(ckpt: Path, tmp: Path) -> tuple[Path, str]:

@@ -1,0 +1,151 @@
+"""GGML kernels on CPU at the released 26B-A4B's shapes: ms and weight GB/s per linear and per MoE layer, bf16
+(F.linear, and oneDNN-packed as an eager bf16 session runs it) vs Q4_K / Q8_0 / Q6_K / Q4_0 / Q5_0 kept quantized
+(kernels/ggml_cpu.py), at 256 canvas rows and 16 (1/16), at 1 and 2 threads; then the error of the int4 path
+(issue 27's claim: Q4_K through torch's int4 kernel only rounds scale and zero to bf16).
+
+    python benchmarks/bench_ggml.py [--threads 1,2] [--reps 3] [--experts 128]
+    python benchmarks/bench_ggml.py --write-200m-config /tmp/200m.json   # for `dgemma bench --dummy ... --weights`
+
+Weights are random valid blocks (`ggml.random_blocks`), built once; GB/s counts the bytes the kernel's form holds
+for the matrices a call reads (for experts: only the routed ones). A table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from dgcli.kernels import ggml_cpu, linear_cpu, moe_cpu
+from dgcli.model import ggml
+
+H, I, DENSE, E, TOP_K = 2816, 704, 2112, 128, 8
+LINEARS = {  # name: (out, in) of the released config's projections
+    "q_proj (sliding)": (16 * 256, H), "k_proj (sliding)": (8 * 256, H), "o_proj (sliding)": (H, 16 * 256),
+    "q_proj (full)": (16 * 512, H), "mlp gate/up": (DENSE, H), "mlp down": (H, DENSE),
+}
+ROWS = (256, 16)
+
+
+def timed(fn, reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def types_for(k: int) -> list[int]:
+    return [t for t in (ggml.Q4_K, ggml.Q8_0, ggml.Q6_K, ggml.Q4_0, ggml.Q5_0) if ggml.fits(t, k)]
+
+
+def bench_linears(threads: int, reps: int, rows_out: list) -> None:
+    g = torch.Generator().manual_seed(0)
+    for name, (n, k) in LINEARS.items():
+        w = torch.randn(n, k, generator=g).bfloat16() * k ** -0.5
+        packed = linear_cpu.pack(w)
+        forms = {"bf16": (lambda x: F.linear(x, w), n * k * 2)}
+        if packed is not None:
+            forms["bf16 packed"] = (lambda x: linear_cpu.linear(x, packed), n * k * 2)
+        for t in types_for(k):
+            m = ggml.QuantLinear(ggml.random_blocks((n,), t, k, g), t, k, n)
+            forms[ggml.NAMES[t]] = (m, ggml_cpu.prepared_bytes(t, n, k))
+        for m_rows in ROWS:
+            x = torch.randn(m_rows, k, generator=g).bfloat16()
+            for form, (fn, nbytes) in forms.items():
+                ms = timed(lambda: fn(x), reps)
+                rows_out.append({"op": name, "shape": [n, k], "rows": m_rows, "threads": threads, "form": form,
+                                 "ms": round(ms, 3), "weight_GBps": round(nbytes / ms / 1e6, 2)})
+
+
+def bench_experts(threads: int, reps: int, experts: int, rows_out: list) -> None:
+    g = torch.Generator().manual_seed(1)
+    gu = torch.randn(experts, 2 * I, H, generator=g).bfloat16() * H ** -0.5
+    dn = torch.randn(experts, H, I, generator=g).bfloat16() * I ** -0.5
+    pgu = [linear_cpu.pack(gu[e]) for e in range(experts)]
+    pdn = [linear_cpu.pack(dn[e]) for e in range(experts)]
+    forms = {"bf16 grouped_mm": (lambda x, w, i: moe_cpu.experts_segments(x, w, i, gu, dn), 3 * H * I * 2)}
+    if pgu[0] is not None and pdn[0] is not None:
+        forms["bf16 packed"] = (lambda x, w, i: moe_cpu.experts_packed(x, w, i, pgu, pdn, I), 3 * H * I * 2)
+    for label, tg, td in (("Q4_K + Q4_0 (dummy q4_k)", ggml.Q4_K, ggml.Q4_0),
+                          ("Q4_K + Q5_0 (llama.cpp Q4_K_M)", ggml.Q4_K, ggml.Q5_0), ("Q8_0", ggml.Q8_0, ggml.Q8_0)):
+        m = ggml.QuantExperts(ggml.random_blocks((experts, 2 * I), tg, H, g), tg,
+                              ggml.random_blocks((experts, H), td, I, g), td, H, I)
+        forms[label] = (m, ggml_cpu.prepared_bytes(tg, 2 * I, H) + ggml_cpu.prepared_bytes(td, H, I))
+    for n in ROWS:
+        x = torch.randn(n, H, generator=g).bfloat16()
+        idx = torch.stack([torch.randperm(experts, generator=g)[:TOP_K] for _ in range(n)])
+        w = torch.rand(n, TOP_K, generator=g)
+        used = int(torch.unique(idx).numel())
+        for form, (fn, per_expert) in forms.items():
+            ms = timed(lambda: fn(x, w, idx), reps)
+            rows_out.append({"op": f"experts top-{TOP_K}/{experts}", "shape": [experts, H, I], "rows": n,
+                             "threads": threads, "form": form, "ms": round(ms, 2), "experts_used": used,
+                             "weight_GBps": round(used * per_expert / ms / 1e6, 2)})
+    del pgu, pdn
+
+
+def int4_error() -> dict:
+    """Q4_K through the int4 kernel vs the file's exact weights: weight error (scale, zero in bf16) and output
+    error (relative RMS) for zero-mean and mean-1 inputs, beside bf16 F.linear of the same weights."""
+    g = torch.Generator().manual_seed(2)
+    n, k = 1408, H
+    raw = ggml.quantize(torch.randn(n, k, generator=g) * k ** -0.5, ggml.Q4_K)
+    w = ggml.dequantize(raw, ggml.Q4_K, k)
+    m = ggml.QuantLinear(raw, ggml.Q4_K, k, n)
+    wk = m.dequantized()
+
+    def rel(a, b):
+        return float((a.float() - b).norm() / b.norm())
+
+    out = {"weight_rel_rms_kernel": rel(wk, w), "weight_rel_rms_bf16": rel(w.bfloat16(), w),
+           "weight_max_abs_over_row_absmax": float(((wk - w).abs().amax(1) / w.abs().amax(1)).max())}
+    for mean in (0.0, 1.0):
+        x = (torch.randn(64, k, generator=g) + mean).bfloat16()
+        exact = F.linear(x.float(), w)
+        out[f"out_rel_rms_kernel_mean{mean:g}"] = rel(m(x), exact)
+        out[f"out_rel_rms_fp32_kernel_weights_mean{mean:g}"] = rel(F.linear(x.float(), wk), exact)
+        out[f"out_rel_rms_bf16_linear_mean{mean:g}"] = rel(F.linear(x, w.bfloat16()), exact)
+    return {k2: round(v, 6) for k2, v in out.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--experts", type=int, default=E, help="experts in the MoE layer (128 as released)")
+    ap.add_argument("--skip-experts", action="store_true")
+    ap.add_argument("--write-200m-config", metavar="PATH", help="write bench_cpu_step.py's ~200 M config.json and exit")
+    args = ap.parse_args()
+    if args.write_200m_config:
+        import sys
+        from pathlib import Path
+
+        from dgcli.model.random_weights import make_config
+
+        sys.path.insert(0, str(Path(__file__).parent))
+        from bench_cpu_step import CANVAS, TEXT
+
+        Path(args.write_200m_config).write_text(json.dumps(make_config(TEXT, canvas_length=CANVAS), indent=2))
+        return
+    rows: list[dict] = []
+    for threads in [int(t) for t in args.threads.split(",")]:
+        torch.set_num_threads(threads)
+        bench_linears(threads, args.reps, rows)
+        if not args.skip_experts:
+            bench_experts(threads, args.reps, args.experts, rows)
+    print(f"{'op':34} {'rows':>4} {'thr':>3} {'form':32} {'ms':>9} {'GB/s':>7}")
+    for r in rows:
+        print(f"{r['op']:34} {r['rows']:>4} {r['threads']:>3} {r['form']:32} {r['ms']:>9.3f} {r['weight_GBps']:>7.2f}")
+    err = int4_error()
+    print("int4 path error:", json.dumps(err))
+    print(json.dumps({"rows": rows, "int4_error": err, "torch": torch.__version__}))
+
+
+if __name__ == "__main__":
+    main()

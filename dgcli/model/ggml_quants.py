@@ -1,0 +1,220 @@
+"""llama.cpp's reference quantizers (ggml-quants.c, no importance matrix) for Q4_0, Q5_0, Q8_0, Q4_K and Q6_K,
+vectorized over blocks in torch, and random valid blocks drawn as bytes for dummy weights.
+
+Owns: `q4_0`, `q5_0`, `q8_0`, `q4_k`, `q6_k` (fp32 blocks [B, 32 or 256] -> uint8 [B, bytes]) and
+`random_blocks`, reached through `dgcli.model.ggml.quantize` / `random_blocks`. Must not: know tensors' names
+or files.
+
+How close to llama.cpp: the same searches, candidates and rounding (`nearest_int` is round-half-to-even, which
+`torch.round` is; Q8_0 uses `roundf`, half away from zero). Sums run in torch's order, not C's sequential
+order, so a near-tie between two candidate scales can resolve the other way (rare; both are valid blocks).
+Q4_0, Q5_0 and Q8_0 are bit-exact with gguf-py's `quantize` (itself bit-exact with ggml's; tests check).
+"""
+
+from __future__ import annotations
+
+import torch
+
+GROUP_MAX_EPS = 1e-15
+
+
+def _roundf(x: torch.Tensor) -> torch.Tensor:
+    """C's roundf: half away from zero."""
+    return torch.sign(x) * torch.floor(x.abs() + 0.5)
+
+
+def _f16_bytes(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float16).contiguous().view(torch.uint8).reshape(*x.shape[:-1], 2 * x.shape[-1])
+
+
+def q8_0(x: torch.Tensor) -> torch.Tensor:
+    """[B, 32] -> [B, 34]: d = absmax / 127, q = roundf(x / d) (quantize_row_q8_0_ref)."""
+    d = x.abs().amax(dim=1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = _roundf(x * inv).to(torch.int8).view(torch.uint8)
+    return torch.cat((_f16_bytes(d), q), dim=1)
+
+
+def _q_legacy(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_0 / Q5_0 (quantize_row_q4_0_ref / q5_0_ref): d = (the value of largest magnitude) / -levels/2,
+    q = trunc(x / d + levels/2 + 0.5) clamped to levels - 1 -> (fp16 d bytes [B, 2], q uint8 [B, 32])."""
+    mx = x.gather(1, x.abs().argmax(dim=1, keepdim=True))  # first of the largest |x|
+    d = mx / -(levels // 2)
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = torch.trunc(x * inv + (levels // 2 + 0.5)).clamp(0, levels - 1).to(torch.uint8)
+    return _f16_bytes(d), q
+
+
+def q4_0(x: torch.Tensor) -> torch.Tensor:
+    """[B, 32] -> [B, 18]."""
+    d, q = _q_legacy(x, 16)
+    return torch.cat((d, q[:, :16] | (q[:, 16:] << 4)), dim=1)
+
+
+def q5_0(x: torch.Tensor) -> torch.Tensor:
+    """[B, 32] -> [B, 22]: the 5th bits as a little-endian uint32, then Q4_0's nibbles."""
+    d, q = _q_legacy(x, 32)
+    bits = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.int32, device=x.device)
+    qh = ((q >> 4).view(-1, 4, 8).int() * bits).sum(-1).to(torch.uint8)  # [B, 4]
+    return torch.cat((d, qh, (q[:, :16] & 15) | ((q[:, 16:] & 15) << 4)), dim=1)
+
+
+def _make_qkx2(x: torch.Tensor, wts: torch.Tensor, nmax: int, rmin: float = -1.0, rdelta: float = 0.1,
+               nstep: int = 20) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """make_qkx2_quants over sub-blocks x [S, n] with weights [S, n]: (scale [S], the_min [S] (>= 0, the value
+    subtracted), L [S, n] uint8). Candidates: the plain min/max grid, then nstep+1 rescaled grids each refit by
+    weighted least squares; the first of the least weighted squared errors wins (the C loop's strict <)."""
+    mn = x.amin(dim=1).clamp(max=0)  # [S]
+    mx = x.amax(dim=1)
+    rng = mx - mn
+    flat = rng == 0
+    rng_safe = torch.where(flat, torch.ones_like(rng), rng)
+    sum_w = wts.sum(dim=1)
+    sum_x = (wts * x).sum(dim=1)
+    xs = x - mn[:, None]  # [S, n]
+    # candidate 0: iscale = nmax / range, scale = 1 / iscale, min as is
+    isc0 = nmax / rng_safe
+    l0 = torch.round(isc0[:, None] * xs).clamp(0, nmax)
+    scale0 = 1 / isc0
+    err0 = (wts * (scale0[:, None] * l0 + mn[:, None] - x) ** 2).sum(dim=1)
+    steps = rmin + rdelta * torch.arange(nstep + 1, dtype=torch.float32, device=x.device)  # [C]
+    isc = (steps[None, :] + nmax) / rng_safe[:, None]  # [S, C]
+    lc = torch.round(isc[:, :, None] * xs[:, None, :]).clamp(0, nmax)  # [S, C, n]
+    w3 = wts[:, None, :]
+    sum_l = (w3 * lc).sum(-1)
+    sum_l2 = (w3 * lc * lc).sum(-1)
+    sum_xl = (w3 * lc * x[:, None, :]).sum(-1)
+    det = sum_w[:, None] * sum_l2 - sum_l * sum_l
+    det_safe = torch.where(det > 0, det, torch.ones_like(det))
+    sc = (sum_w[:, None] * sum_xl - sum_x[:, None] * sum_l) / det_safe
+    m = (sum_l2 * sum_x[:, None] - sum_l * sum_xl) / det_safe
+    pos = m > 0
+    sc = torch.where(pos, sum_xl / torch.where(sum_l2 > 0, sum_l2, torch.ones_like(sum_l2)), sc)
+    m = torch.where(pos, torch.zeros_like(m), m)
+    err = (w3 * (sc[:, :, None] * lc + m[:, :, None] - x[:, None, :]) ** 2).sum(-1)
+    err = torch.where(det > 0, err, torch.full_like(err, float("inf")))
+    all_err = torch.cat((err0[:, None], err), dim=1)  # [S, 1 + C]
+    best = all_err.argmin(dim=1)  # first minimum: candidate 0 wins ties, as the strict < keeps it
+    all_l = torch.cat((l0[:, None], lc), dim=1)
+    all_sc = torch.cat((scale0[:, None], sc), dim=1)
+    all_m = torch.cat((mn[:, None], m), dim=1)
+    pick = best[:, None]
+    L = all_l.gather(1, pick[:, :, None].expand(-1, 1, x.shape[1]))[:, 0]
+    scale = all_sc.gather(1, pick)[:, 0]
+    the_min = -all_m.gather(1, pick)[:, 0]
+    # a flat sub-block: L = 0, scale 0, the_min = -min
+    L = torch.where(flat[:, None], torch.zeros_like(L), L)
+    scale = torch.where(flat, torch.zeros_like(scale), scale)
+    the_min = torch.where(flat, -mn, the_min)
+    return scale, the_min, L.to(torch.uint8)
+
+
+def q4_k(x: torch.Tensor) -> torch.Tensor:
+    """[B, 256] -> [B, 144] (quantize_row_q4_K_ref): per 32-value sub-block make_qkx2_quants(nmax 15) with
+    weights rms + |x|; scales and mins quantized to 6 bits against their maxima; values re-rounded against
+    the stored (fp16 x 6-bit) scale and min."""
+    nb = x.shape[0]
+    sub = x.reshape(nb * 8, 32)
+    av = torch.sqrt((sub * sub).sum(dim=1, keepdim=True) / 32)
+    scales, mins, L = _make_qkx2(sub, av + sub.abs(), 15)
+    scales, mins, L = scales.view(nb, 8), mins.view(nb, 8), L.view(nb, 8, 32)
+    max_scale = scales.amax(dim=1, keepdim=True).clamp(min=0)
+    max_min = mins.amax(dim=1, keepdim=True).clamp(min=0)
+    inv_scale = torch.where(max_scale > 0, 63 / torch.where(max_scale > 0, max_scale, 1), 0)
+    inv_min = torch.where(max_min > 0, 63 / torch.where(max_min > 0, max_min, 1), 0)
+    ls = torch.round(inv_scale * scales).clamp(max=63).to(torch.uint8)  # nearest_int then MIN(63): >= 0 here
+    lm = torch.round(inv_min * mins).clamp(max=63).to(torch.uint8)
+    d16 = (max_scale / 63).to(torch.float16)
+    dmin16 = (max_min / 63).to(torch.float16)
+    d = d16.float() * ls.float()  # [B, 8]
+    dm = dmin16.float() * lm.float()
+    requant = torch.round((x.view(nb, 8, 32) + dm[..., None]) / torch.where(d == 0, 1, d)[..., None]).clamp(0, 15)
+    L = torch.where((d == 0)[..., None], L, requant.to(torch.uint8))  # d == 0: make_qkx2's L kept
+    L = L.view(nb, 4, 2, 32)
+    qs = (L[:, :, 0] | (L[:, :, 1] << 4)).reshape(nb, 128)
+    from dgcli.model.ggml import q4k_pack_scales
+
+    head = torch.cat((d16.view(torch.uint8).view(nb, 2), dmin16.view(torch.uint8).view(nb, 2)), dim=1)
+    return torch.cat((head, q4k_pack_scales(ls, lm), qs), dim=1)
+
+
+def _make_qx(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """make_qx_quants(rmse_type 1: weights x²) over sub-blocks x [S, n] -> (scale [S], L [S, n] in 0..2nmax-1).
+    Candidates: iscale = -(nmax + 0.1·is) / max for is = 0, -9..-1, 1..9, each least-squares fitted; the first
+    with the largest sumlx²/suml2 wins (the C loop's strict >)."""
+    amax_i = x.abs().argmax(dim=1, keepdim=True)  # first of the largest |x|, as the C loop's strict >
+    mx = x.gather(1, amax_i)[:, 0]  # [S] signed
+    tiny = mx.abs() < GROUP_MAX_EPS
+    mx_safe = torch.where(tiny, torch.ones_like(mx), mx)
+    steps = torch.tensor([0] + list(range(-9, 0)) + list(range(1, 10)), dtype=torch.float32, device=x.device)
+    isc = -(nmax + 0.1 * steps[None, :]) / mx_safe[:, None]  # [S, C]
+    isc[:, 0] = -nmax / mx_safe  # candidate 0 as C computes it (no 0.1·0 term)
+    lc = torch.round(isc[:, :, None] * x[:, None, :]).clamp(-nmax, nmax - 1)  # [S, C, n]
+    w = (x * x)[:, None, :]
+    sumlx = (w * x[:, None, :] * lc).sum(-1)
+    suml2 = (w * lc * lc).sum(-1)
+    crit = torch.where(suml2 > 0, sumlx * sumlx / torch.where(suml2 > 0, suml2, torch.ones_like(suml2)),
+                       torch.zeros_like(sumlx))
+    best = crit.argmax(dim=1, keepdim=True)  # first maximum
+    scale = torch.where(suml2 > 0, sumlx / torch.where(suml2 > 0, suml2, torch.ones_like(suml2)),
+                        torch.zeros_like(sumlx)).gather(1, best)[:, 0]
+    L = (lc.gather(1, best[:, :, None].expand(-1, 1, x.shape[1]))[:, 0] + nmax)
+    L = torch.where(tiny[:, None], torch.zeros_like(L), L)
+    scale = torch.where(tiny, torch.zeros_like(scale), scale)
+    return scale, L.to(torch.uint8)
+
+
+def q6_k(x: torch.Tensor) -> torch.Tensor:
+    """[B, 256] -> [B, 210] (quantize_row_q6_K_ref): per 16-value sub-block make_qx_quants(nmax 32); the
+    signed scale of largest magnitude sets d = max_scale / -128; scales to int8; values re-rounded against the
+    stored scale. A block whose scales are all ~0 is all zero bytes."""
+    nb = x.shape[0]
+    scales, L = _make_qx(x.reshape(nb * 16, 16), 32)
+    scales, L = scales.view(nb, 16), L.view(nb, 256)
+    pick = scales.abs().argmax(dim=1, keepdim=True)  # first of the largest |scale|
+    max_scale = scales.gather(1, pick)  # [B, 1]
+    zero = max_scale.abs() < GROUP_MAX_EPS
+    iscale = -128 / torch.where(zero, torch.ones_like(max_scale), max_scale)
+    d16 = (1 / iscale).to(torch.float16)
+    sc = torch.round(iscale * scales).clamp(max=127).to(torch.int8)  # MIN(127, nearest_int): >= -128 here
+    d = (d16.float() * sc.float()).repeat_interleave(16, dim=1)  # [B, 256]
+    requant = torch.round(x / torch.where(d == 0, 1, d)).clamp(-32, 31) + 32
+    L = torch.where(d == 0, L, requant.to(torch.uint8)).view(nb, 2, 4, 32)  # [B, half, quarter, 32]
+    ql = (torch.cat((L[:, :, 0], L[:, :, 1]), -1) & 15) | ((torch.cat((L[:, :, 2], L[:, :, 3]), -1) & 15) << 4)
+    qh = (L[:, :, 0] >> 4) | ((L[:, :, 1] >> 4) << 2) | ((L[:, :, 2] >> 4) << 4) | ((L[:, :, 3] >> 4) << 6)
+    out = torch.cat((ql.reshape(nb, 128), qh.reshape(nb, 64), sc.view(torch.uint8),
+                     d16.view(torch.uint8).view(nb, 2)), dim=1)
+    return torch.where(zero, torch.zeros_like(out), out)
+
+
+def random_blocks(shape: tuple[int, ...], qtype: int, k: int, generator: torch.Generator | None,
+                  std: float) -> torch.Tensor:
+    """Random valid blocks uint8 [*shape, row_bytes]: value bytes uniform, 6-bit scales in 32..63, and fp16
+    d (dmin) fixed per tensor so that values spread about ±std·sqrt(3) (d, dmin finite and > 0)."""
+    from dgcli.model.ggml import BLOCKS, Q4_0, Q4_K, Q5_0, Q6_K, Q8_0, q4k_pack_scales, row_bytes
+
+    elems, nbytes = BLOCKS[qtype]
+    nblk = k // elems
+    out = torch.randint(0, 256, (*shape, nblk, nbytes), dtype=torch.uint8, generator=generator)
+    amp = std * 3 ** 0.5
+
+    def f16(value: float) -> torch.Tensor:
+        return torch.tensor([value], dtype=torch.float16).view(torch.uint8)
+
+    if qtype == Q8_0:
+        out[..., 0:2] = f16(amp / 127)
+    elif qtype in (Q4_0, Q5_0):
+        out[..., 0:2] = f16(amp / (8 if qtype == Q4_0 else 16))
+    elif qtype == Q4_K:
+        # w = d·sc·q − dmin·m with q in 0..15: centred when dmin·m ~ d·sc·7.5; sc, m in 32..63
+        out[..., 0:2] = f16(2 * amp / (15 * 48))
+        out[..., 2:4] = f16(amp / 48)
+        sc_mn = torch.randint(32, 64, (*shape, nblk, 16), dtype=torch.int16, generator=generator).to(torch.uint8)
+        out[..., 4:16] = q4k_pack_scales(sc_mn[..., :8], sc_mn[..., 8:])
+    elif qtype == Q6_K:
+        out[..., 208:210] = f16(amp / (32 * 48))
+        out[..., 192:208] = (torch.randint(32, 64, out[..., 192:208].shape, dtype=torch.int16, generator=generator)
+                             .to(torch.uint8))
+    else:
+        raise ValueError(f"no random blocks for ggml type {qtype}")
+    return out.reshape(*shape, row_bytes(qtype, k))

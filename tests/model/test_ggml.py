@@ -1,0 +1,195 @@
+"""GGML block formats (dgcli/model/ggml.py): dequantize equals the `gguf` package's, quantize as llama.cpp's
+reference rounds (bit-exact where gguf-py has the quantizer) within stated round-trip bounds, and a random model
+with its linears and experts in Q4_K / Q8_0 / Q6_K gives the logits of the same dequantized weights in bf16."""
+
+import numpy as np
+import pytest
+import torch
+
+from dgcli.model import ggml
+from dgcli.model.random_weights import ggml_dummy_bytes, make_config, random_ggml_model, random_model
+
+gguf = pytest.importorskip("gguf")  # the test extra installs it: the oracle
+from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize  # noqa: E402
+
+TYPES = [ggml.Q8_0, ggml.Q4_K, ggml.Q6_K, ggml.Q4_0, ggml.Q5_0]
+# Relative RMS round-trip error on N(0, 1) rows, per type (measured here: Q8_0 0.0054, Q4_K 0.072, Q6_K 0.018,
+# Q4_0 0.087, Q5_0 0.043); the bounds leave ~1.3-1.5x for other seeds
+RT_BOUND = {ggml.Q8_0: 0.008, ggml.Q4_K: 0.09, ggml.Q6_K: 0.025, ggml.Q4_0: 0.12, ggml.Q5_0: 0.06}
+
+
+def _np(qtype):
+    return gguf.GGMLQuantizationType(qtype)
+
+
+def _random_bytes(rows, qtype, k, seed=0):
+    return torch.randint(0, 256, (rows, ggml.row_bytes(qtype, k)), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_dequantize_equals_gguf(qtype):
+    """Every byte random: negative scales and d, NaN / inf from fp16 patterns included (they agree too)."""
+    raw = _random_bytes(9, qtype, 512)
+    raw[0] = 0  # an all-zero block row
+    ref = gguf_dequantize(raw.numpy(), _np(qtype))
+    got = ggml.dequantize(raw, qtype, 512).numpy()
+    assert got.shape == ref.shape == (9, 512)
+    np.testing.assert_array_equal(got, ref)  # NaNs compare equal in place
+    assert not got[0].any()
+    stacked = ggml.dequantize(raw.view(3, 3, -1), qtype, 512)  # leading dims kept
+    assert torch.equal(stacked.reshape(9, 512).nan_to_num(), torch.from_numpy(ref).nan_to_num())
+
+
+@pytest.mark.parametrize("qtype", [ggml.F32, ggml.F16, ggml.BF16])
+def test_float_types_round_trip(qtype):
+    w = torch.randn(3, 8)
+    got = ggml.dequantize(ggml.quantize(w, qtype), qtype, 8)
+    dtype = {ggml.F32: torch.float32, ggml.F16: torch.float16, ggml.BF16: torch.bfloat16}[qtype]
+    assert torch.equal(got, w.to(dtype).float())
+
+
+@pytest.mark.parametrize("qtype", [ggml.Q8_0, ggml.Q4_0, ggml.Q5_0])
+def test_quantize_is_bit_exact_with_gguf(qtype):
+    w = torch.randn(16, 256, generator=torch.Generator().manual_seed(1)) * 0.02
+    w[0] = 0
+    w[1, :32] = -0.5  # a constant block: the largest-magnitude value negative
+    np.testing.assert_array_equal(ggml.quantize(w, qtype).numpy(), gguf_quantize(w.numpy(), _np(qtype)))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_quantize_round_trip(qtype):
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(4, 3, 512, generator=g)
+    raw = ggml.quantize(w, qtype)
+    assert raw.shape == (4, 3, ggml.row_bytes(qtype, 512)) and raw.dtype == torch.uint8
+    back = ggml.dequantize(raw, qtype, 512)
+    rel = ((back - w).norm() / w.norm()).item()
+    assert rel <= RT_BOUND[qtype], rel
+    # no value off by more than about one step of its block (the absmax over the block's levels)
+    assert ((back - w).abs().max() / w.abs().max()).item() <= 0.2
+    # scaled inputs: the same relative error (no absolute thresholds inside)
+    rel_small = ((ggml.dequantize(ggml.quantize(w * 1e-3, qtype), qtype, 512) - w * 1e-3).norm() / (w * 1e-3).norm())
+    assert rel_small.item() <= RT_BOUND[qtype]
+
+
+@pytest.mark.parametrize("qtype", [ggml.Q4_K, ggml.Q6_K])
+def test_k_quants_edge_blocks(qtype):
+    w = torch.zeros(4, 256)
+    w[1] = 0.25  # constant positive: Q4_K stores it through the min, Q6_K through one scale
+    w[2] = -torch.linspace(0, 1, 256)  # all negative
+    w[3, 7] = 3.0  # one spike in a zero block
+    back = ggml.dequantize(ggml.quantize(w, qtype), qtype, 256)
+    assert torch.isfinite(back).all() and not back[0].any()
+    assert (back[1:] - w[1:]).abs().max().item() <= 0.05 * w[1:].abs().amax().item() + 1e-6
+    assert back[3, 7].item() == pytest.approx(3.0, rel=0.02)
+
+
+def test_quantize_rejects_ragged_rows():
+    with pytest.raises(ValueError, match="multiple of 256"):
+        ggml.quantize(torch.randn(2, 96), ggml.Q4_K)
+    assert ggml.type_for(ggml.Q4_K, 96) == ggml.Q5_0 and ggml.type_for(ggml.Q6_K, 96) == ggml.Q8_0
+    assert ggml.type_for(ggml.Q4_K, 40) is None
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_random_blocks_are_valid(qtype):
+    raw = ggml.random_blocks((5, 7), qtype, 512, torch.Generator().manual_seed(3))
+    w = ggml.dequantize(raw, qtype, 512)
+    assert raw.shape == (5, 7, ggml.row_bytes(qtype, 512)) and torch.isfinite(w).all()
+    assert 0.7 < w.std().item() * 512 ** 0.5 < 1.4  # the dummy init's spread, 1/sqrt(fan_in)
+    assert abs(w.mean().item()) < 0.15 * w.std().item()  # centred (Q4_K: through its mins)
+
+
+# ---- a random model with GGML linears and experts ------------------------------------------------------------
+
+# Rows of 256 (hidden, head_dim x heads, intermediate, expert intermediate) so Q4_K and Q6_K apply everywhere.
+# Every token routes to all 4 experts: with top-2 a bf16-sized change in a router's input flips near-tied expert
+# choices, and a random 2-layer model turns that into logit changes of ~1 whatever the weights' format (the
+# kernels' tests cover partial routing).
+TEXT = dict(vocab_size=96, hidden_size=256, intermediate_size=256, moe_intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, num_global_key_value_heads=1, head_dim=128,
+            global_head_dim=128, num_experts=4, top_k_experts=4, sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512)
+# Logits (softcapped at 30, |logit| up to ~8 here) of the GGML model vs the plain model holding the same
+# dequantized weights, both bf16, without / with self-conditioning: measured max |diff| 0.23 / 0.41 (Q4_K),
+# 0.27 / 0.44 (Q8_0), 0 (Q6_K: bf16 tiles through the same F.linear); relative RMS 0.025 / 0.053 (Q4_K),
+# 0.027 / 0.055 (Q8_0). The same weights in bf16 vs fp32 differ by as much (0.019-0.080): this random model
+# amplifies bf16 rounding, so the bound is that noise's size, and the second check compares against fp32.
+LOGIT_MAX, LOGIT_RMS = 0.75, 0.08
+
+
+def _rms(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return random_model(make_config(TEXT, canvas_length=8), seed=7, dtype=torch.bfloat16)
+
+
+def _inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 96, (2, 11), generator=g), torch.randint(0, 96, (2, 8), generator=g), \
+        torch.randn(2, 8, 96, generator=g).bfloat16() * 4
+
+
+@pytest.mark.parametrize("qtype", [ggml.Q4_K, ggml.Q8_0, ggml.Q6_K])
+def test_model_logits_equal_the_dequantized_bf16_model(plain, qtype):
+    import copy
+
+    model = ggml.quantize_model_(copy.deepcopy(plain), qtype)
+    linears, _ = ggml.targets(plain)
+    assert all(isinstance(model.get_submodule(n), ggml.QuantLinear) for n in linears)
+    assert all(isinstance(layer.experts, ggml.QuantExperts) for layer in model.layers)
+    assert {model.get_submodule(n).qtype for n in linears} == {qtype}
+    deq = ggml.dequantize_model(model)
+    exact = ggml.dequantize_model(model, torch.float32)
+    prompt, canvas, sc = _inputs()
+    for soft in (None, sc):
+        a, b = model.forward_canvas(prompt, canvas, soft), deq.forward_canvas(prompt, canvas, soft)
+        assert (a - b).abs().max().item() <= LOGIT_MAX and _rms(a, b) <= LOGIT_RMS
+        # no further from these weights' fp32 logits than bf16 inference of the same weights is (+50 %)
+        e = exact.forward_canvas(prompt, canvas, soft)
+        assert _rms(a, e) <= 1.5 * _rms(b, e) + 1e-3
+    if qtype != ggml.Q8_0:  # the quantization itself moved the logits by more than the bound (this can fail)
+        assert _rms(plain.forward_canvas(prompt, canvas), deq.forward_canvas(prompt, canvas)) > LOGIT_RMS
+
+
+def test_fp32_model_runs_the_exact_dequantized_weights(plain):
+    import copy
+
+    model = ggml.quantize_model_(copy.deepcopy(plain).float(), ggml.Q4_K)
+    deq = ggml.dequantize_model(model)
+    prompt, canvas, _ = _inputs(1)
+    torch.testing.assert_close(model.forward_canvas(prompt, canvas), deq.forward_canvas(prompt, canvas),
+                               rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("weights", ["q4_k", "q8_0"])
+def test_dummy_ggml_model(weights):
+    cfg = make_config(dict(TEXT, moe_intermediate_size=96), canvas_length=8)  # 96: no Q4_K rows -> Q4_0
+    model = random_ggml_model(cfg, weights, seed=1)
+    assert ggml.weight_bytes(model) == ggml_dummy_bytes(cfg, weights, torch.bfloat16)
+    types = model.layers[0].experts.types
+    assert types == ((ggml.Q4_K, ggml.Q4_0) if weights == "q4_k" else (ggml.Q8_0, ggml.Q8_0))
+    logits = model.forward_canvas(*_inputs()[:2])
+    assert torch.isfinite(logits).all() and logits.std() > 0
+    deq = ggml.dequantize_model(model)
+    assert _rms(logits, deq.forward_canvas(*_inputs()[:2])) <= LOGIT_RMS
+
+
+def test_bench_dummy_q4_k_row_and_bad_flag(tmp_path, capsys):
+    import json
+
+    from cli_run import run
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(make_config(TEXT, canvas_length=8)))
+    fast = ["--runs", "1", "--warmup", "0", "--num-prompts", "1", "--random-input-len", "4", "--diffusion-steps", "1",
+            "--format", "jsonl", "--no-measure-peaks"]
+    code, out, err = run(["bench", "--dummy", str(cfg), "--weights", "q4_k", *fast], capsys)
+    assert code == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["weights"] == "Q4_K"
+    code, out, err = run(["bench", "--model", str(tmp_path), "--weights", "q4_k", *fast], capsys)
+    assert code == 2 and "--weights q4_k builds --dummy weights" in err and err.count("\n") == 1, err
