@@ -175,6 +175,21 @@ class GGUFFile:
         info = self.tensors[name]
         return self._map[info.offset:info.offset + info.nbytes]
 
+    def drop_pages(self, name: str) -> None:
+        """Give back the resident pages of tensor `name` (read once into another form: a quantized tensor
+        prepared for its kernel, a tensor cast to the run dtype). The mapping stays (the file's header and
+        other tensors are read through it); a later read faults the pages in again from the file. Without
+        this, every byte a load read stays in the process' resident set while the map lives."""
+        import mmap
+
+        m = getattr(self._map, "_mmap", None)
+        if m is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        info, page = self.tensors[name], mmap.PAGESIZE
+        lo, hi = -(-info.offset // page) * page, (info.offset + info.nbytes) // page * page  # whole pages inside
+        if hi > lo:
+            m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
     def array(self, name: str) -> np.ndarray:
         """Tensor `name` as numpy in its logical shape: F32/F16/F64/I* as such, BF16 as uint16 (torch views it
         as bfloat16), block formats as uint8 [..., rows, bytes per row]."""

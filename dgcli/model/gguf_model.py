@@ -325,6 +325,7 @@ def load_gguf_model(path: str | Path, device: Any = "cpu", dtype: Any = None):
                 _raw(f, names[gu]), f.tensors[names[gu]].type, _raw(f, names[dn]), f.tensors[names[dn]].type,
                 cfg.hidden_size, cfg.moe_intermediate_size, dtype=run))
             quant -= {gu, dn}
+            f.drop_pages(names[gu]), f.drop_pages(names[dn])  # held as the kernels' form now
     for name in sorted(quant):
         module = name.removesuffix(".weight")
         sub = model.get_submodule(module) if name.endswith(".weight") else None
@@ -334,9 +335,12 @@ def load_gguf_model(path: str | Path, device: Any = "cpu", dtype: Any = None):
                                                  sub.out_features, dtype=run))
         else:  # the embedding (also the tied head), a router, one half of a layer's experts: run dtype
             state[name] = _dequantized(f, gname, run)
+        f.drop_pages(gname)
     for name, gname in names.items():
         if f.tensors[gname].type not in ggml.QUANTIZED:
             state[name] = _dense(f, gname, run)
+            if state[name].data_ptr() != f.array(gname).ctypes.data:  # cast to the run dtype: a copy
+                f.drop_pages(gname)
     model.load_state_dict(state, strict=False, assign=True)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
