@@ -187,9 +187,27 @@ def peaks_for_card(local: info.Peaks | None) -> list[info.Peaks]:
 
 
 def target_card(s: Any, *, prompt_len: int, context: int, peaks: list[info.Peaks]) -> dict:
-    inventory = None if s.dummy else info.safetensors_inventory(s.path)
+    from dgcli.model import ggml
+
+    gguf = not s.dummy and s.path.is_file()
+    inventory = None if s.dummy or gguf else info.safetensors_inventory(s.path)
     source = (f"dummy weights from {s.path} (random, built on {s.device}; nothing read but the config)"
-              if s.dummy else f"checkpoint {s.path}")
+              if s.dummy else f"{'GGUF file' if gguf else 'checkpoint'} {s.path}")
     threads = (s.threads, s.threads_source) if getattr(s, "threads", 0) else None
+    # GGML weights (a GGUF file, --weights q4_k): the bytes the model holds, not the config's at the run dtype
+    held = held_bytes(s.model) if gguf or ggml.quantized_names(s.model) else None
     return info.card(s.config, name=s.name, source=source, dtype=s.dtype_name, context=context,
-                     prompt_len=prompt_len, peaks=peaks, inventory=inventory, threads=threads)
+                     prompt_len=prompt_len, peaks=peaks, inventory=inventory, threads=threads, held=held)
+
+
+def held_bytes(model: Any) -> dict[str, int]:
+    """Bytes of a loaded model's own tensors by dtype (a tensor shared by two names counted once)."""
+    out: dict[str, int] = {}
+    seen: set[int] = set()
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        key = str(t.dtype).removeprefix("torch.")
+        out[key] = out.get(key, 0) + t.numel() * t.element_size()
+    return out

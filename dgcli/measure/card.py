@@ -318,19 +318,20 @@ def layer_pattern(cfg: ModelConfig) -> str:
 
 def card(cfg: ModelConfig, *, name: str, source: str, dtype: str, context: int = 4096, prompt_len: int = 256,
          peaks: list[Peaks] = (), inventory: dict | None = None, threads: tuple[int, str] | None = None,
-         budgets: list[dict] | None = None, headroom: float = 0.10) -> dict:
+         budgets: list[dict] | None = None, headroom: float = 0.10, held: dict | None = None) -> dict:
     """Everything `dgemma info` shows, as one JSON-ready dict. `dtype` is the run dtype of weights and KV;
     `inventory` (from `safetensors_inventory`) supplies the stored bytes by dtype of a real checkpoint;
     `threads` is (count, source) from the thread rule (the CPU peaks are measured on that many);
     `budgets` (dgcli.measure.memory.batch_memory's; default the H100 and H200) the memories the largest
-    batch is sized for, with `headroom` of each left free."""
+    batch is sized for, with `headroom` of each left free. `held` (bytes by dtype of a loaded model's own
+    tensors: GGML blocks as their kernels hold them) replaces the config's weight bytes."""
     from dgcli.measure import memory  # it builds on this module's counts
 
     if budgets is None:
         budgets = [{"name": n, "bytes": b, "cpu": False} for n, b in memory.GPUS]
     wb = DTYPE_BYTES[dtype]
     counts = param_counts(cfg)
-    weights = weights_bytes_total(cfg, wb)
+    weights = sum(held.values()) if held else weights_bytes_total(cfg, wb)
     step = step_cost(cfg, prompt_len, weight_bytes=wb)
     first, last = (step_cost(cfg, prompt_len, self_cond=False, weight_bytes=wb),
                    step_cost(cfg, prompt_len, soft=False, weight_bytes=wb))
@@ -345,7 +346,7 @@ def card(cfg: ModelConfig, *, name: str, source: str, dtype: str, context: int =
         devices.append({**asdict(p), "floor_step_ms": s * 1e3, "floor_step_bound": bound,
                         "floor_commit_ms": cs * 1e3, "floor_commit_bound": cbound,
                         "ceiling_canvas_tokens_per_s": cfg.canvas_length / s})
-    stored = inventory["text_bytes_by_dtype"] if inventory else bytes_by_dtype_for(cfg, dtype)
+    stored = held or (inventory["text_bytes_by_dtype"] if inventory else bytes_by_dtype_for(cfg, dtype))
     return {
         "model": name,
         "source": source,
@@ -363,7 +364,8 @@ def card(cfg: ModelConfig, *, name: str, source: str, dtype: str, context: int =
         },
         "parameters": counts,
         "bytes_by_dtype": stored,
-        "bytes_source": "safetensors headers (text tensors)" if inventory else f"config x {dtype} (layer scalars fp32)",
+        "bytes_source": ("the loaded model's tensors (quantized blocks as held)" if held else
+                         "safetensors headers (text tensors)" if inventory else f"config x {dtype} (layer scalars fp32)"),
         "vision": ({"parameters": inventory["vision_parameters"], "bytes_by_dtype": inventory["vision_bytes_by_dtype"],
                     "note": "not loaded for text generation"} if inventory and inventory["vision_parameters"] else None),
         "memory": {

@@ -104,3 +104,18 @@ def test_info_reports_bytes_by_type_and_fit(bundled_gguf, capsys):
     assert card["memory"]["weights"] == card["gguf"]["weights_loaded"] < 2 * f.path.stat().st_size
     code, out, err = run(["info", "-m", str(bundled_gguf["q8_0"]), "--no-measure-peaks"], capsys)
     assert code == 0 and "## GGUF file" in out and "Q8_0" in out and "it fits" in out
+
+
+def test_bench_card_counts_the_bytes_a_gguf_model_holds(bundled_gguf, capsys):
+    """bench's card: a quantized file's weights as the loaded model holds them (GGML blocks in their kernels'
+    form, not the config at bf16), and the source names the GGUF file."""
+    code, out, err = run(["bench", "-m", str(bundled_gguf["q8_0"]), "--runs", "1", "--num-prompts", "1",
+                          "--no-measure-peaks", "--format", "json"], capsys)
+    assert code == 0, err
+    card = json.loads(out)["card"]
+    from dgcli.measure.card import weights_bytes_total
+    from dgcli.model.config import load_config
+
+    bf16 = weights_bytes_total(load_config(bundled_gguf["q8_0"]), 2)
+    assert card["source"].startswith("GGUF file") and "uint8" in card["bytes_by_dtype"]
+    assert card["memory"]["weights"] == sum(card["bytes_by_dtype"].values()) < bf16
