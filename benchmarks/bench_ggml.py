@@ -5,6 +5,7 @@
 
     python benchmarks/bench_ggml.py [--threads 1,2] [--reps 3] [--experts 128]
     python benchmarks/bench_ggml.py --write-200m-config /tmp/200m.json   # for `dgemma bench --dummy ... --weights`
+    python benchmarks/bench_ggml.py --quantize [--threads 1,2]   # M values/s of ggml.quantize (`dgemma quantize`)
 
 Weights are random valid blocks (`ggml.random_blocks`), built once; GB/s counts the bytes the kernel's form holds
 for the matrices a call reads (for experts: only the routed ones). A table, then one JSON line.
@@ -114,12 +115,31 @@ def int4_error() -> dict:
     return {k2: round(v, 6) for k2, v in out.items()}
 
 
+QUANT_SHAPES = ((H, H), (I, H))  # a hidden x hidden matrix and one expert's gate (or up) projection
+
+
+def bench_quantize(threads: list[int], reps: int) -> list[dict]:
+    """ggml.quantize (fp32 N(0, 1/k) rows -> blocks) in M values/s, best of reps, per type, shape and threads."""
+    rows = []
+    g = torch.Generator().manual_seed(3)
+    for shape in QUANT_SHAPES:
+        w = torch.randn(*shape, generator=g) * shape[1] ** -0.5
+        for t in threads:
+            torch.set_num_threads(t)
+            for qtype in (ggml.Q4_K, ggml.Q6_K, ggml.Q8_0):
+                ms = timed(lambda: ggml.quantize(w, qtype), reps)
+                rows.append({"op": "quantize", "shape": list(shape), "threads": t, "form": ggml.NAMES[qtype],
+                             "ms": round(ms, 1), "Mvalues_per_s": round(w.numel() / ms / 1e3, 2)})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--experts", type=int, default=E, help="experts in the MoE layer (128 as released)")
     ap.add_argument("--skip-experts", action="store_true")
+    ap.add_argument("--quantize", action="store_true", help="time ggml.quantize (Q4_K, Q6_K, Q8_0) instead")
     ap.add_argument("--write-200m-config", metavar="PATH", help="write bench_cpu_step.py's ~200 M config.json and exit")
     args = ap.parse_args()
     if args.write_200m_config:
@@ -132,6 +152,14 @@ def main() -> None:
         from bench_cpu_step import CANVAS, TEXT
 
         Path(args.write_200m_config).write_text(json.dumps(make_config(TEXT, canvas_length=CANVAS), indent=2))
+        return
+    if args.quantize:
+        rows = bench_quantize([int(t) for t in args.threads.split(",")], args.reps)
+        print(f"{'type':6} {'shape':>12} {'thr':>3} {'ms':>9} {'M values/s':>10}")
+        for r in rows:
+            print(f"{r['form']:6} {'x'.join(map(str, r['shape'])):>12} {r['threads']:>3} {r['ms']:>9.1f} "
+                  f"{r['Mvalues_per_s']:>10.2f}")
+        print(json.dumps({"rows": rows, "torch": torch.__version__}))
         return
     rows: list[dict] = []
     for threads in [int(t) for t in args.threads.split(",")]:

@@ -91,6 +91,8 @@ def test_readme_examples_run_in_order(tmp_path):
     from server_proc import serve
 
     ran = []
+    # The examples run as from a checkout's root (paths such as dgcli/data/tiny), their files landing here.
+    (tmp_path / "dgcli").symlink_to(README.parent / "dgcli", target_is_directory=True)
     with ExitStack() as stack:
         port = PORT
         for lang, code in examples(README.read_text()):
@@ -104,6 +106,8 @@ def test_readme_examples_run_in_order(tmp_path):
                 server = stack.enter_context(serve(*args, tmp_path=tmp_path))
                 port = f"127.0.0.1:{server.port}"
             else:
+                if code.startswith("ray start"):  # a failing later line must not leave the head running
+                    stack.callback(subprocess.run, ["ray", "stop"], cwd=tmp_path, capture_output=True, timeout=60)
                 _run(["bash", "-eo", "pipefail", "-c", code], tmp_path, code)
             ran.append(code)
     assert len(ran) >= 15, ran  # the README's examples, not a parse that found nothing

@@ -195,7 +195,8 @@ def target_card(s: Any, *, prompt_len: int, context: int, peaks: list[info.Peaks
               if s.dummy else f"{'GGUF file' if gguf else 'checkpoint'} {s.path}")
     threads = (s.threads, s.threads_source) if getattr(s, "threads", 0) else None
     # GGML weights (a GGUF file, --weights q4_k): the bytes the model holds, not the config's at the run dtype
-    held = held_bytes(s.model) if gguf or ggml.quantized_names(s.model) else None
+    model = s.model if hasattr(s.model, "named_modules") else None  # a --ray driver's stand-in holds no weights
+    held = held_bytes(model) if model is not None and (gguf or ggml.quantized_names(model)) else None
     return info.card(s.config, name=s.name, source=source, dtype=s.dtype_name, context=context,
                      prompt_len=prompt_len, peaks=peaks, inventory=inventory, threads=threads, held=held)
 

@@ -9,6 +9,8 @@ How close to llama.cpp: the same searches, candidates and rounding (`nearest_int
 `torch.round` is; Q8_0 uses `roundf`, half away from zero). Sums run in torch's order, not C's sequential
 order, so a near-tie between two candidate scales can resolve the other way (rare; both are valid blocks).
 Q4_0, Q5_0 and Q8_0 are bit-exact with gguf-py's `quantize` (itself bit-exact with ggml's; tests check).
+Speed: the K-quant searches evaluate all candidates at once as [S, C, n] tensors, CHUNK_SUBBLOCKS rows at a time
+so they stay in cache; their bytes are pinned to the first (unchunked) version by a test.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import torch
 
 GROUP_MAX_EPS = 1e-15
+CHUNK_SUBBLOCKS = 512  # sub-blocks per candidate search: [512, ~20, 32] fp32 temporaries fit in L2
 
 
 def _roundf(x: torch.Tensor) -> torch.Tensor:
@@ -59,11 +62,30 @@ def q5_0(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((d, qh, (q[:, :16] & 15) | ((q[:, 16:] & 15) << 4)), dim=1)
 
 
-def _make_qkx2(x: torch.Tensor, wts: torch.Tensor, nmax: int, rmin: float = -1.0, rdelta: float = 0.1,
-               nstep: int = 20) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _chunked(fn, x: torch.Tensor, wts: torch.Tensor | None, nmax: int, cands: int) -> tuple[torch.Tensor, ...]:
+    """Run a per-sub-block search over CHUNK_SUBBLOCKS rows at a time, its [S, C, n] temporaries in one
+    workspace made once: they stay in cache (fresh ~1 MB tensors each chunk would cost a page fault per 4 KB);
+    together ~8x faster than one [S, C, n] pass over a whole 1 M-value chunk. Rows are independent and
+    torch's row sums do not depend on how many rows there are, so the bytes do not change."""
+    rows = max(1, min(CHUNK_SUBBLOCKS, x.shape[0]))
+    ws = torch.empty(3, rows, cands, x.shape[1], dtype=torch.float32, device=x.device)
+    parts = [fn(x[i:i + rows], None if wts is None else wts[i:i + rows], nmax, ws[:, :min(rows, x.shape[0] - i)])
+             for i in range(0, x.shape[0], rows)]
+    return tuple(torch.cat(p) for p in zip(*parts)) if len(parts) > 1 else parts[0]
+
+
+def _make_qkx2(x: torch.Tensor, wts: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """make_qkx2_quants over sub-blocks x [S, n] with weights [S, n]: (scale [S], the_min [S] (>= 0, the value
     subtracted), L [S, n] uint8). Candidates: the plain min/max grid, then nstep+1 rescaled grids each refit by
     weighted least squares; the first of the least weighted squared errors wins (the C loop's strict <)."""
+    return _chunked(_qkx2_rows, x, wts, nmax, 21)
+
+
+def _qkx2_rows(x: torch.Tensor, wts: torch.Tensor, nmax: int, ws: torch.Tensor, rmin: float = -1.0,
+               rdelta: float = 0.1, nstep: int = 20) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Every float op below is the one the first version did, on the same operands in the same order (a test
+    # pins its bytes: any change could flip a near-tie); only the [S, C, n] temporaries live in `ws`.
+    s = x.shape[0]
     mn = x.amin(dim=1).clamp(max=0)  # [S]
     mx = x.amax(dim=1)
     rng = mx - mn
@@ -72,18 +94,15 @@ def _make_qkx2(x: torch.Tensor, wts: torch.Tensor, nmax: int, rmin: float = -1.0
     sum_w = wts.sum(dim=1)
     sum_x = (wts * x).sum(dim=1)
     xs = x - mn[:, None]  # [S, n]
-    # candidate 0: iscale = nmax / range, scale = 1 / iscale, min as is
-    isc0 = nmax / rng_safe
-    l0 = torch.round(isc0[:, None] * xs).clamp(0, nmax)
-    scale0 = 1 / isc0
-    err0 = (wts * (scale0[:, None] * l0 + mn[:, None] - x) ** 2).sum(dim=1)
     steps = rmin + rdelta * torch.arange(nstep + 1, dtype=torch.float32, device=x.device)  # [C]
     isc = (steps[None, :] + nmax) / rng_safe[:, None]  # [S, C]
-    lc = torch.round(isc[:, :, None] * xs[:, None, :]).clamp(0, nmax)  # [S, C, n]
-    w3 = wts[:, None, :]
-    sum_l = (w3 * lc).sum(-1)
-    sum_l2 = (w3 * lc * lc).sum(-1)
-    sum_xl = (w3 * lc * x[:, None, :]).sum(-1)
+    lc = torch.mul(isc[:, :, None], xs[:, None, :], out=ws[0]).round_().clamp_(0, nmax)  # [S, C, n]
+    x3, w3 = x[:, None, :], wts[:, None, :]
+    t = torch.mul(w3, lc, out=ws[1])  # w·l
+    sum_l = t.sum(-1)
+    t2 = torch.mul(t, lc, out=ws[2])
+    sum_l2 = t2.sum(-1)
+    sum_xl = torch.mul(t, x3, out=t2).sum(-1)
     det = sum_w[:, None] * sum_l2 - sum_l * sum_l
     det_safe = torch.where(det > 0, det, torch.ones_like(det))
     sc = (sum_w[:, None] * sum_xl - sum_x[:, None] * sum_l) / det_safe
@@ -91,17 +110,20 @@ def _make_qkx2(x: torch.Tensor, wts: torch.Tensor, nmax: int, rmin: float = -1.0
     pos = m > 0
     sc = torch.where(pos, sum_xl / torch.where(sum_l2 > 0, sum_l2, torch.ones_like(sum_l2)), sc)
     m = torch.where(pos, torch.zeros_like(m), m)
-    err = (w3 * (sc[:, :, None] * lc + m[:, :, None] - x[:, None, :]) ** 2).sum(-1)
+    torch.mul(sc[:, :, None], lc, out=t).add_(m[:, :, None]).sub_(x3)
+    err = torch.mul(w3, t.mul_(t), out=t).sum(-1)  # w·(sc·l + m − x)²
     err = torch.where(det > 0, err, torch.full_like(err, float("inf")))
-    all_err = torch.cat((err0[:, None], err), dim=1)  # [S, 1 + C]
-    best = all_err.argmin(dim=1)  # first minimum: candidate 0 wins ties, as the strict < keeps it
-    all_l = torch.cat((l0[:, None], lc), dim=1)
-    all_sc = torch.cat((scale0[:, None], sc), dim=1)
-    all_m = torch.cat((mn[:, None], m), dim=1)
-    pick = best[:, None]
-    L = all_l.gather(1, pick[:, :, None].expand(-1, 1, x.shape[1]))[:, 0]
-    scale = all_sc.gather(1, pick)[:, 0]
-    the_min = -all_m.gather(1, pick)[:, 0]
+    # candidate 0: iscale = nmax / range, scale = 1 / iscale, min as is; its L is the grid at step 0
+    # (steps[10] is exactly 0.0, so (0 + nmax) / range is the same float and so is the rounded L)
+    isc0 = nmax / rng_safe
+    step0 = round(-rmin / rdelta)
+    scale0 = 1 / isc0
+    err0 = (wts * (scale0[:, None] * lc[:, step0] + mn[:, None] - x) ** 2).sum(dim=1)
+    best = torch.cat((err0[:, None], err), dim=1).argmin(dim=1)  # first minimum: candidate 0 wins ties
+    bc = torch.where(best == 0, step0, best - 1)[:, None]  # candidate 0's L is grid step0's
+    L = lc[torch.arange(s, device=x.device), bc[:, 0]]  # [S, n]
+    scale = torch.where(best == 0, scale0, sc.gather(1, bc)[:, 0])
+    the_min = -torch.where(best == 0, mn, m.gather(1, bc)[:, 0])
     # a flat sub-block: L = 0, scale 0, the_min = -min
     L = torch.where(flat[:, None], torch.zeros_like(L), L)
     scale = torch.where(flat, torch.zeros_like(scale), scale)
@@ -142,6 +164,11 @@ def _make_qx(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
     """make_qx_quants(rmse_type 1: weights x²) over sub-blocks x [S, n] -> (scale [S], L [S, n] in 0..2nmax-1).
     Candidates: iscale = -(nmax + 0.1·is) / max for is = 0, -9..-1, 1..9, each least-squares fitted; the first
     with the largest sumlx²/suml2 wins (the C loop's strict >)."""
+    return _chunked(_qx_rows, x, None, nmax, 19)
+
+
+def _qx_rows(x: torch.Tensor, _: None, nmax: int, ws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    s = x.shape[0]  # as _qkx2_rows: the first version's float ops, temporaries in `ws`
     amax_i = x.abs().argmax(dim=1, keepdim=True)  # first of the largest |x|, as the C loop's strict >
     mx = x.gather(1, amax_i)[:, 0]  # [S] signed
     tiny = mx.abs() < GROUP_MAX_EPS
@@ -149,16 +176,17 @@ def _make_qx(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
     steps = torch.tensor([0] + list(range(-9, 0)) + list(range(1, 10)), dtype=torch.float32, device=x.device)
     isc = -(nmax + 0.1 * steps[None, :]) / mx_safe[:, None]  # [S, C]
     isc[:, 0] = -nmax / mx_safe  # candidate 0 as C computes it (no 0.1·0 term)
-    lc = torch.round(isc[:, :, None] * x[:, None, :]).clamp(-nmax, nmax - 1)  # [S, C, n]
-    w = (x * x)[:, None, :]
-    sumlx = (w * x[:, None, :] * lc).sum(-1)
-    suml2 = (w * lc * lc).sum(-1)
-    crit = torch.where(suml2 > 0, sumlx * sumlx / torch.where(suml2 > 0, suml2, torch.ones_like(suml2)),
-                       torch.zeros_like(sumlx))
-    best = crit.argmax(dim=1, keepdim=True)  # first maximum
-    scale = torch.where(suml2 > 0, sumlx / torch.where(suml2 > 0, suml2, torch.ones_like(suml2)),
-                        torch.zeros_like(sumlx)).gather(1, best)[:, 0]
-    L = (lc.gather(1, best[:, :, None].expand(-1, 1, x.shape[1]))[:, 0] + nmax)
+    lc = torch.mul(isc[:, :, None], x[:, None, :], out=ws[0]).round_().clamp_(-nmax, nmax - 1)  # [S, C, n]
+    w = x * x
+    # the first version's products w·x·l and w·l·l, left to right
+    wx3, w3 = (w * x)[:, None, :], w[:, None, :]
+    sumlx = torch.mul(wx3, lc, out=ws[1]).sum(-1)
+    suml2 = torch.mul(w3, lc, out=ws[2]).mul_(lc).sum(-1)
+    l2_safe = torch.where(suml2 > 0, suml2, torch.ones_like(suml2))
+    crit = torch.where(suml2 > 0, sumlx * sumlx / l2_safe, torch.zeros_like(sumlx))
+    best = crit.argmax(dim=1)  # first maximum
+    scale = torch.where(suml2 > 0, sumlx / l2_safe, torch.zeros_like(sumlx)).gather(1, best[:, None])[:, 0]
+    L = lc[torch.arange(s, device=x.device), best] + nmax  # [S, n]
     L = torch.where(tiny[:, None], torch.zeros_like(L), L)
     scale = torch.where(tiny, torch.zeros_like(scale), scale)
     return scale, L.to(torch.uint8)

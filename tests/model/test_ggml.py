@@ -101,6 +101,97 @@ def test_random_blocks_are_valid(qtype):
     assert abs(w.mean().item()) < 0.15 * w.std().item()  # centred (Q4_K: through its mins)
 
 
+
+# ---- Q4_K / Q6_K searches: the same bytes as their first (plain, slow) version --------------------------------
+
+def _ref_qkx2(x, wts, nmax, rmin=-1.0, rdelta=0.1, nstep=20):
+    """make_qkx2_quants as first written (all 1 + nstep + 1 candidates at once, no chunks): the pinned bytes."""
+    mn = x.amin(dim=1).clamp(max=0)
+    rng = x.amax(dim=1) - mn
+    flat = rng == 0
+    rng_safe = torch.where(flat, torch.ones_like(rng), rng)
+    sum_w, sum_x = wts.sum(dim=1), (wts * x).sum(dim=1)
+    xs = x - mn[:, None]
+    isc0 = nmax / rng_safe
+    l0 = torch.round(isc0[:, None] * xs).clamp(0, nmax)
+    scale0 = 1 / isc0
+    err0 = (wts * (scale0[:, None] * l0 + mn[:, None] - x) ** 2).sum(dim=1)
+    steps = rmin + rdelta * torch.arange(nstep + 1, dtype=torch.float32)
+    lc = torch.round(((steps[None, :] + nmax) / rng_safe[:, None])[:, :, None] * xs[:, None, :]).clamp(0, nmax)
+    w3 = wts[:, None, :]
+    sum_l, sum_l2, sum_xl = (w3 * lc).sum(-1), (w3 * lc * lc).sum(-1), (w3 * lc * x[:, None, :]).sum(-1)
+    det = sum_w[:, None] * sum_l2 - sum_l * sum_l
+    det_safe = torch.where(det > 0, det, torch.ones_like(det))
+    sc = (sum_w[:, None] * sum_xl - sum_x[:, None] * sum_l) / det_safe
+    m = (sum_l2 * sum_x[:, None] - sum_l * sum_xl) / det_safe
+    pos = m > 0
+    sc = torch.where(pos, sum_xl / torch.where(sum_l2 > 0, sum_l2, torch.ones_like(sum_l2)), sc)
+    m = torch.where(pos, torch.zeros_like(m), m)
+    err = (w3 * (sc[:, :, None] * lc + m[:, :, None] - x[:, None, :]) ** 2).sum(-1)
+    err = torch.where(det > 0, err, torch.full_like(err, float("inf")))
+    pick = torch.cat((err0[:, None], err), dim=1).argmin(dim=1)[:, None]
+    L = torch.cat((l0[:, None], lc), dim=1).gather(1, pick[:, :, None].expand(-1, 1, x.shape[1]))[:, 0]
+    scale = torch.cat((scale0[:, None], sc), dim=1).gather(1, pick)[:, 0]
+    the_min = -torch.cat((mn[:, None], m), dim=1).gather(1, pick)[:, 0]
+    return (torch.where(flat, torch.zeros_like(scale), scale), torch.where(flat, -mn, the_min),
+            torch.where(flat[:, None], torch.zeros_like(L), L).to(torch.uint8))
+
+
+def _ref_qx(x, nmax):
+    """make_qx_quants (rmse_type 1) as first written: the pinned bytes."""
+    mx = x.gather(1, x.abs().argmax(dim=1, keepdim=True))[:, 0]
+    tiny = mx.abs() < 1e-15
+    mx_safe = torch.where(tiny, torch.ones_like(mx), mx)
+    steps = torch.tensor([0] + list(range(-9, 0)) + list(range(1, 10)), dtype=torch.float32)
+    isc = -(nmax + 0.1 * steps[None, :]) / mx_safe[:, None]
+    isc[:, 0] = -nmax / mx_safe
+    lc = torch.round(isc[:, :, None] * x[:, None, :]).clamp(-nmax, nmax - 1)
+    w = (x * x)[:, None, :]
+    sumlx, suml2 = (w * x[:, None, :] * lc).sum(-1), (w * lc * lc).sum(-1)
+    l2_safe = torch.where(suml2 > 0, suml2, torch.ones_like(suml2))
+    best = torch.where(suml2 > 0, sumlx * sumlx / l2_safe, torch.zeros_like(sumlx)).argmax(dim=1, keepdim=True)
+    scale = torch.where(suml2 > 0, sumlx / l2_safe, torch.zeros_like(sumlx)).gather(1, best)[:, 0]
+    L = lc.gather(1, best[:, :, None].expand(-1, 1, x.shape[1]))[:, 0] + nmax
+    return (torch.where(tiny, torch.zeros_like(scale), scale),
+            torch.where(tiny[:, None], torch.zeros_like(L), L).to(torch.uint8))
+
+
+def _search_inputs(nb):
+    """Random rows and adversarial ones: ties (integers, two values, a level grid), zero and constant
+    sub-blocks, one-sided, heavy-tailed, underflowing (1e-20: the refits degenerate), subnormal and huge."""
+    g = torch.Generator().manual_seed(nb)
+    r = lambda: torch.randn(nb, 256, generator=g)  # noqa: E731
+    sparse = torch.zeros(nb, 256)
+    sparse[:, ::37] = r()[:, :7]
+    mixed = r() * 0.02
+    mixed[::3, :32], mixed[1::3, 64:96], mixed[2::3, 100] = 0, 0.5, 40
+    return {"randn": r() * 0.02, "bf16": (r() * 0.05).bfloat16().float(), "heavy": r() ** 3,
+            "ints": torch.randint(-8, 8, (nb, 256), generator=g).float(),
+            "grid": torch.randint(0, 16, (nb, 256), generator=g).float() * 0.01 - 0.07,
+            "twoval": torch.where(r() > 0, 0.3, -0.1), "pos": r().abs() + 1, "neg": -r().abs(),
+            "sparse": sparse, "mixed": mixed, "rows_1e-6_to_1e6": r() * torch.logspace(-6, 6, nb)[:, None],
+            "1e-20": r() * 1e-20, "1e20": r() * 1e20, "subnormal": r() * 1e-40}
+
+
+@pytest.mark.parametrize("chunk", [None, 7])  # the default chunk, and a small one: rows split mid-block
+def test_k_quant_search_bytes_equal_the_first_version(monkeypatch, chunk):
+    """The chunked, in-place searches give byte-identical Q4_K / Q6_K blocks to the unchunked originals
+    (any change in a float op's order could flip a near-tied candidate; these inputs are full of ties)."""
+    from dgcli.model import ggml_quants as gq
+
+    fast = {ggml.Q4_K: gq._make_qkx2, ggml.Q6_K: gq._make_qx}
+    if chunk:
+        monkeypatch.setattr(gq, "CHUNK_SUBBLOCKS", chunk)
+    for name, w in _search_inputs(70).items():  # 70 blocks: 560 / 1120 sub-blocks, past one default chunk
+        for qtype in (ggml.Q4_K, ggml.Q6_K):
+            with monkeypatch.context() as m:
+                m.setattr(gq, "_make_qkx2", _ref_qkx2)
+                m.setattr(gq, "_make_qx", _ref_qx)
+                want = ggml.quantize(w, qtype)
+            assert gq._make_qkx2 is fast[ggml.Q4_K] and gq._make_qx is fast[ggml.Q6_K]
+            got = ggml.quantize(w, qtype)
+            assert torch.equal(got, want), (name, ggml.NAMES[qtype], (got != want).any(-1).sum().item())
+
 # ---- a random model with GGML linears and experts ------------------------------------------------------------
 
 # Rows of 256 (hidden, head_dim x heads, intermediate, expert intermediate) so Q4_K and Q6_K apply everywhere.
