@@ -8,10 +8,10 @@ are: the model's math calls them as it calls nn.Linear and `gemma.Experts`). Mus
 (model/gguf.py does), know tensor names, or hold the kernels (kernels/ggml_cpu.py does; the reference quantizers
 are model/ggml_quants.py). Also here, for tests and dummy weights: `quantize_model_`, `dequantize_model`.
 
-CONTRACT (fixed at the start of this work; the GGUF reader/writer codes against it):
-- type ids are ggml's `GGMLType` values: F32 0, F16 1, Q8_0 8, Q4_K 12, Q6_K 14, BF16 30.
-  ADDED later (not in the first contract): Q4_0 2 and Q5_0 6. llama.cpp writes Q5_0 where a Q4_K_M tensor's rows
-  are not a multiple of 256 (this model's down projections: 704 and 2112 values), and the dummy's uses Q4_0.
+What the GGUF reader and writer rely on:
+- type ids are ggml's `GGMLType` values: F32 0, F16 1, Q4_0 2, Q5_0 6, Q8_0 8, Q4_K 12, Q6_K 14, BF16 30
+  (llama.cpp writes Q5_0 where a Q4_K_M tensor's rows are not a multiple of 256, as this model's down
+  projections' 704 and 2112 values; the `--weights q4_k` dummy uses Q4_0 there: Q5_0's planes would not fit 24 GB).
 - a quantized matrix of logical shape [..., rows, K] is held as a uint8 tensor [..., rows, K // BLOCK * BYTES]:
   each row is its blocks in order, exactly the bytes of the GGUF file (ggml's row-major layout; GGUF lists the
   dimensions reversed, [K, rows]).

@@ -57,8 +57,8 @@ def encode(model: Any, ids: torch.Tensor, cache: Any, lengths: list[int] | None 
 
 @dataclass
 class Request:
-    """One request: what to run (prompt ids on the model's device, checked params, seed, block cap, stop
-    ids, first canvas) and, while it runs, its state (host values only)."""
+    """One request: what to run (prompt ids: on the host, or already on the model's device; checked params, seed,
+    block cap, stop ids, first canvas) and, while it runs, its state (host values only)."""
 
     id: int  # carried by every event as `row`
     prompt: torch.Tensor  # [P] int64
