@@ -277,11 +277,6 @@ def targets(model: nn.Module) -> tuple[list[str], list[int]]:
     return linears, list(range(len(model.layers)))
 
 
-def _set(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, module)
-
-
 @torch.no_grad()
 def quantize_model_(model: nn.Module, qtype: int, dtype: torch.dtype | None = None) -> nn.Module:
     """Quantize a materialised plain model's target linears and experts to `qtype` in place (rows that do not
@@ -292,7 +287,7 @@ def quantize_model_(model: nn.Module, qtype: int, dtype: torch.dtype | None = No
         old = model.get_submodule(name)
         t = type_for(qtype, old.in_features)
         if t is not None:
-            _set(model, name, QuantLinear(quantize(old.weight, t), t, old.in_features, old.out_features, dtype))
+            model.set_submodule(name, QuantLinear(quantize(old.weight, t), t, old.in_features, old.out_features, dtype))
     for i in layers:
         old = model.layers[i].experts
         e, two_i, h = old.gate_up_proj.shape

@@ -321,7 +321,7 @@ def load_gguf_model(path: str | Path, device: Any = "cpu", dtype: Any = None):
     for i in range(cfg.num_hidden_layers):
         gu, dn = f"layers.{i}.experts.gate_up_proj", f"layers.{i}.experts.down_proj"
         if gu in quant and dn in quant:
-            _set(model, f"layers.{i}.experts", ggml.QuantExperts(
+            model.set_submodule(f"layers.{i}.experts", ggml.QuantExperts(
                 _raw(f, names[gu]), f.tensors[names[gu]].type, _raw(f, names[dn]), f.tensors[names[dn]].type,
                 cfg.hidden_size, cfg.moe_intermediate_size, dtype=run))
             quant -= {gu, dn}
@@ -331,7 +331,7 @@ def load_gguf_model(path: str | Path, device: Any = "cpu", dtype: Any = None):
         sub = model.get_submodule(module) if name.endswith(".weight") else None
         gname = names[name]
         if isinstance(sub, nn.Linear):
-            _set(model, module, ggml.QuantLinear(_raw(f, gname), f.tensors[gname].type, sub.in_features,
+            model.set_submodule(module, ggml.QuantLinear(_raw(f, gname), f.tensors[gname].type, sub.in_features,
                                                  sub.out_features, dtype=run))
         else:  # the embedding (also the tied head), a router, one half of a layer's experts: run dtype
             state[name] = _dequantized(f, gname, run)
@@ -347,7 +347,3 @@ def load_gguf_model(path: str | Path, device: Any = "cpu", dtype: Any = None):
         raise UserError(f"{path}: no weights for {left[0]!r}; the file does not describe this model")
     return model.to(device).eval()
 
-
-def _set(model, dotted: str, module) -> None:
-    parent, _, child = dotted.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, module)

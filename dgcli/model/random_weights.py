@@ -230,7 +230,7 @@ def random_ggml_model(cfg_dict: dict, weights: str, *, seed: int = 0, dtype: tor
     g = torch.Generator().manual_seed(seed)
     lin, experts = _ggml_plan(model, weights)
     for name, t, k, n in lin:
-        fp8._set(model, name, ggml.QuantLinear(ggml.random_blocks((n,), t, k, g), t, k, n, dtype))
+        model.set_submodule(name, ggml.QuantLinear(ggml.random_blocks((n,), t, k, g), t, k, n, dtype))
     c = model.config
     e, h, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
     for layer, tg, td in experts:

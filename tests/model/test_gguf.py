@@ -326,12 +326,12 @@ def test_q4_k_m_file_of_a_random_config_runs_quantized(tmp_path):
         if isinstance(mod, ggml.QuantLinear):
             lin = torch.nn.Linear(mod.in_features, mod.out_features, bias=False)
             lin.weight = torch.nn.Parameter(mod.dequantized().bfloat16())
-            gguf_model._set(dense, name, lin)
+            dense.set_submodule(name, lin)
         elif isinstance(mod, ggml.QuantExperts):
             ex = Experts(dense.config).to(torch.bfloat16)
             gu, dn = mod.dequantized()
             ex.gate_up_proj, ex.down_proj = torch.nn.Parameter(gu.bfloat16()), torch.nn.Parameter(dn.bfloat16())
-            gguf_model._set(dense, name, ex)
+            dense.set_submodule(name, ex)
     # Bound: this random model's bf16 logits differ from its fp32 ones by about as much (cosine 0.997, max
     # 0.52 of the ±30 softcap): bf16 rounding in another kernel's order, amplified by random layers.
     got, want = logits(m).float(), logits(dense).float()
