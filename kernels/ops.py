@@ -1,8 +1,9 @@
 """The Triton kernels as torch custom ops (`torch.ops.dgemma.*`), each with a fake implementation.
 
-Owns: `rms_norm`, `experts` (bf16/fp32 and FP8 weights), `fp8_linear` and `vocab_pass`, the doors through
-which kernels/dispatch.py reaches the Triton entry points (`rmsnorm.rms_norm`, `moe.experts_triton`,
-`fp8_linear.linear_w8a16`, `vocab_pass.vocab_pass_triton`). A real call runs the entry point unchanged
+Owns: `rms_norm`, `experts` (bf16/fp32 and FP8 weights), `fp8_linear`, `vocab_pass` and `paged_attention`, the
+doors through which kernels/dispatch.py and model/attention.py reach the Triton entry points
+(`rmsnorm.rms_norm`, `moe.experts_triton`, `fp8_linear.linear_w8a16`, `vocab_pass.vocab_pass_triton`,
+`paged_attention.paged_attention`). A real call runs the entry point unchanged
 (same numerics, same interpreter behaviour); a fake call (FakeTensorMode, torch.compile's tracing, CUDA-graph capture checks)
 runs only the fake, which gives the exact output shapes, dtypes and devices without launching anything.
 None of the kernels writes its inputs (each allocates its outputs), so every op has `mutates_args=()`.
@@ -91,6 +92,30 @@ def _(hidden, embed, softcap, temperature, embed_scale, uniform, want_soft, spli
     ids = hidden.new_empty(b, c, dtype=torch.int64)
     soft = embed.new_empty(b, c, h) if want_soft else embed.new_empty(0)
     return ids, ids.new_empty(b, c), hidden.new_empty(b, c, dtype=torch.float32), soft
+
+
+@torch.library.custom_op("dgemma::paged_attention", mutates_args=())
+def _paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, row_seq: torch.Tensor,
+                     row_lo: torch.Tensor, row_hi: torch.Tensor, tables: torch.Tensor, block_size: int,
+                     ring_blocks: int, tile_row0: torch.Tensor, tile_rows: torch.Tensor) -> torch.Tensor:
+    from .paged_attention import paged_attention
+
+    return paged_attention(q, k_pool, v_pool, row_seq, row_lo, row_hi, tables, block_size, ring_blocks,
+                           tile_row0=tile_row0, tile_rows=tile_rows)
+
+
+@_paged_attention.register_fake
+def _(q, k_pool, v_pool, row_seq, row_lo, row_hi, tables, block_size, ring_blocks, tile_row0, tile_rows):
+    _float_only("paged_attention", q.dtype)
+    return q.new_empty(q.shape)  # [N, n_heads, d] in q.dtype
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, row_seq: torch.Tensor,
+                    row_lo: torch.Tensor, row_hi: torch.Tensor, tables: torch.Tensor, block_size: int,
+                    ring_blocks: int, tile_row0: torch.Tensor, tile_rows: torch.Tensor) -> torch.Tensor:
+    """`paged_attention.paged_attention` (row tiles given: no host read) through its op."""
+    return torch.ops.dgemma.paged_attention(q, k_pool, v_pool, row_seq, row_lo, row_hi, tables, int(block_size),
+                                            int(ring_blocks), tile_row0, tile_rows)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

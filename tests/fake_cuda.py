@@ -210,7 +210,8 @@ def check_dtypes(log: OpLog, weights: str) -> None:
     allowed = {torch.bfloat16, torch.float32, torch.int64, torch.int32, torch.int16, torch.uint8, torch.bool,
                torch.float64} | ({torch.float16, torch.float8_e4m3fn} if weights == "fp8" else set())
     gemms = [op for op in log.ops if op[0].startswith(GEMMS) and not op[3]]
-    assert any(op[0].startswith("aten.scaled_dot_product") for op in gemms) and len(gemms) > 10, gemms
+    attention = ("aten.scaled_dot_product", "dgemma.paged_attention")
+    assert any(op[0].startswith(attention) for op in gemms) and len(gemms) > 10, len(gemms)
     for name, ins, outs, _ in gemms:
         vocab = name.startswith("dgemma.vocab_pass")  # fp64 uniforms in, fp32 entropies out
         assert all(d == CUDA for _, d in ins + outs), (name, ins, outs)
@@ -218,6 +219,8 @@ def check_dtypes(log: OpLog, weights: str) -> None:
         assert {dt for dt, _ in ins + outs if dt.is_floating_point} <= floats, (name, ins)
         assert {dt for dt, _ in outs} <= {torch.bfloat16, torch.int64} | ({torch.float32} if vocab else set()), \
             (name, outs)
+        if name.startswith("dgemma.paged_attention"):  # pools and queries bf16, metadata int32
+            assert [dt for dt, _ in ins][:3] == [torch.bfloat16] * 3 and {dt for dt, _ in ins[3:]} == {torch.int32}
     for name, _, outs, _ in log.ops:
         assert {dt for dt, _ in outs} <= allowed, (name, outs)
 

@@ -271,7 +271,7 @@ def block_cost(cfg: ModelConfig, prefix_len: int, steps: int, max_steps: int, **
 
 def kv_cache_bytes(cfg: ModelConfig, context: int, kv_bytes: int = 2, *, trimmed: bool = False) -> int:
     """K/V of `context` cached positions in every layer; `trimmed`: as dgemma holds them, sliding layers keeping
-    a ring of their last window-1 positions (dgcli/model/cache.py)."""
+    a ring of their last window-1 positions (dgcli/model/paged.py)."""
     total = 0
     for g in cfg.layers:
         keep = context if (g.window is None or not trimmed) else min(context, g.window - 1)

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dgcli.kernels import dispatch, transfer
-from dgcli.model.cache import KVCache
+from dgcli.model.attention import PassLayout, Segment, attend
 from dgcli.model.config import LayerGeometry, ModelConfig
-from dgcli.model.static import decode_static
+from dgcli.model.paged import PagedKVCache, pass_positions
 
 
 class RMSNorm(nn.Module):
@@ -223,11 +223,13 @@ class DiffusionGemma(nn.Module):
             out[kind] = rope_tables(positions, self._inv_freq[key], dtype)
         return out
 
-    def new_cache(self, batch_size: int, max_len: int, rings: bool = True) -> KVCache:
-        """Sliding layers keep a ring of their last W-1 positions (`rings=False`: every position, as before)."""
-        w, geo = self.embed_tokens.weight, self.geometry
-        return KVCache([(g.num_kv_heads, g.head_dim) for g in geo], batch_size, max_len, w.device, w.dtype,
-                       [g.window for g in geo] if rings else None)
+    def new_cache(self, seqs: int, max_len: int, chunk: int | None = None, block_size: int = 16) -> PagedKVCache:
+        """A paged cache for `seqs` sequences of up to `max_len` positions (a canvas's own included); a pass writes
+        at most `chunk` positions of one sequence (default: a prompt chunk or a commit, and a canvas)."""
+        w = self.embed_tokens.weight
+        chunk = pass_positions(self.config.canvas_length) if chunk is None else chunk
+        return PagedKVCache([(g.num_kv_heads, g.head_dim, g.window) for g in self.geometry], seqs=seqs,
+                            max_len=max_len, chunk=chunk, device=w.device, dtype=w.dtype, block_size=block_size)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(ids) * self.embed_scale
@@ -244,120 +246,56 @@ class DiffusionGemma(nn.Module):
         cap = self.config.final_logit_softcapping
         return torch.tanh(out / cap) * cap if cap else out
 
-    # ---- the two modes --------------------------------------------------------------------------
+    # ---- the pass -------------------------------------------------------------------------------------
     @torch.no_grad()
-    def encode(self, ids: torch.Tensor, cache: KVCache, lengths: list[int] | None = None,
-               rows: list[int] | None = None) -> None:
-        """Encoder pass over ids [B, T] (row b's first lengths[b] ids are real, the rest padding; default
-        all T) at each row's positions cache.lens[b].., appending their K/V to the cache; `rows` (default
-        all) names the cache rows the B rows of ids belong to. The last layer's feed-forward is skipped:
-        encoder outputs are only ever K/V."""
-        t, dev = ids.shape[1], ids.device
-        starts = list(cache.lens) if rows is None else [cache.lens[r] for r in rows]
-        lengths = [t] * len(starts) if lengths is None else list(lengths)
-        x = self.embed(ids)
-        j = torch.arange(t, device=dev)
-        # Rows of equal start and length run as one batch; otherwise each row attends alone over exactly
-        # its own keys (a longer, masked key range rounds differently in bf16).
-        same = len(set(starts)) == 1 and len(set(lengths)) == 1
-        # Query positions: [T] shared when every row starts at the same slot, else [B, T] per row.
-        qpos = starts[0] + j if same else transfer.to_device(starts, torch.long, dev)[:, None] + j  # [T] or [B, T]
-        tables = self._tables(qpos, x.dtype)
-        qcol = qpos[..., :, None]  # [T, 1] or [B, T, 1]
+    def forward_pass(self, ids: torch.Tensor, segments: list, cache: PagedKVCache,
+                     soft: torch.Tensor | None = None) -> torch.Tensor | None:
+        """One pass over every row of a plan: `segments` (seq, start, length, canvas) in row order, causal ones
+        (prompt chunks, committed blocks: encoder mode, spec §5) before canvas ones (decoder mode, all of the
+        canvas length C); ids [N] their token ids; soft [B, C, H] the canvases' self-conditioning input (None:
+        none). Writes every row's K/V into `cache`; returns the canvas rows' final-normed hidden states
+        [B, C, H] (None without canvas rows). The last layer's feed-forward runs on canvas rows only: encoder
+        outputs are only ever K/V."""
+        layout = PassLayout([Segment(s.seq, s.start, s.length, s.canvas) for s in segments], cache, ids.device)
+        nc, canvases = layout.n_causal, [s for s in segments if s.canvas]
+        parts = [self.embed(ids[:nc])] if nc else []
+        if canvases:
+            b, c = len(canvases), canvases[0].length
+            x = self.self_conditioning.condition(self.embed(ids[nc:].view(b, c)), soft)  # [B, C, H]
+            parts.append(x.flatten(0, 1))
+        x = (torch.cat(parts) if len(parts) > 1 else parts[0])[None]  # [1, N, H]
+        tables = self._tables(layout.positions, x.dtype)  # [N, d] per layer kind
         last = len(self.layers) - 1
         for i, (layer, g) in enumerate(zip(self.layers, self.geometry)):
             attn = layer.self_attn
             q, k, v = attn.project(layer.input_layernorm(x), *tables[g.kind])
-            ring = cache.ring[i] is not None  # a ring is read before the write (see _keys)
-            if not ring:
-                cache.write(i, starts, k, v, rows)
-            if same:
-                lo = 0 if g.window is None else max(0, starts[0] - g.window + 1)
-                out = attn.sdpa(q, *self._keys(cache, i, lo, starts[0], starts[0] + t, k, v, rows, ring),
-                                self._causal(lo, starts[0] + t, qcol, g.window))
-            else:  # each row alone, over exactly the keys it has: the same numbers as a batch of one
-                out = q.new_zeros(q.shape)  # padding queries keep zeros (their K/V are never read)
-                for b, (s0, n) in enumerate(zip(starts, lengths)):
-                    lo = 0 if g.window is None else max(0, s0 - g.window + 1)
-                    kv = self._keys(cache, i, lo, s0, s0 + n, k[b:b + 1, :, :n], v[b:b + 1, :, :n],
-                                    [b if rows is None else rows[b]], ring)  # a ring's: a copy, dropped below
-                    out[b:b + 1, :, :n] = attn.sdpa(q[b:b + 1, :, :n], *kv, self._causal(lo, s0 + n, qcol[b, :n],
-                                                                                         g.window))
-                    del kv
-            if ring:
-                cache.write(i, starts, k, v, rows, lengths)
-            x = x + layer.post_attention_layernorm(attn.out(out))
+            x = x + layer.post_attention_layernorm(attn.out(attend(q, k, v, i, layout)))
             if i == last:
-                break
+                if not canvases:
+                    return None
+                x = x[:, nc:]
+                nc = 0
             x = layer.feed_forward(x)
-            x *= layer.encoder_layer_scalar
-        for b, (s, n) in enumerate(zip(starts, lengths)):
-            cache.lens[b if rows is None else rows[b]] = s + n
-
-    @staticmethod
-    def _keys(cache: KVCache, i: int, lo: int, s: int, hi: int, k, v, rows, ring: bool):
-        """Encoder K, V of positions lo..hi-1: the full buffer's view (the new tokens written first), or the
-        ring's lo..s-1 in order (read before the write, which may overwrite them) and the new tokens' k, v."""
-        if not ring:
-            return cache.read(i, lo, hi, rows)
-        pk, pv = cache.parts(i, lo, s, rows)
-        return torch.cat((*pk, k), dim=2), torch.cat((*pv, v), dim=2)
-
-    @staticmethod
-    def _causal(lo: int, hi: int, qcol: torch.Tensor, window: int | None) -> torch.Tensor:
-        """Encoder mask [T, S] for query positions qcol [T, 1] over key slots lo..hi-1 (slot = position):
-        causal, within the window on sliding layers; a padding query sees its own slot, so no row is empty."""
-        kpos = torch.arange(lo, hi, device=qcol.device)
-        return (kpos <= qcol) & (kpos > qcol - window) if window is not None else kpos <= qcol
-
-    @torch.no_grad()
-    def decode(self, canvas: torch.Tensor, cache: KVCache, soft: torch.Tensor | None = None,
-               rows: list[int] | None = None) -> torch.Tensor:
-        """Decoder pass over the canvas [B, C] (row b reads cache slot rows[b], default b, and sits at
-        positions cache.lens[slot]..); returns final-normed hidden states [B, C, H]."""
-        c, dev = canvas.shape[1], canvas.device
-        slots = list(range(canvas.shape[0])) if rows is None else list(rows)
-        lens = [cache.lens[r] for r in slots]
-        same = rows is None and len(set(cache.lens)) == 1
-        x = self.self_conditioning.condition(self.embed(canvas), soft)
-        j = torch.arange(c, device=dev)
-        qpos = lens[0] + j if same else transfer.to_device(lens, torch.long, dev)[:, None] + j  # [C] or [B, C]
-        tables = self._tables(qpos, x.dtype)
-        for i, (layer, g) in enumerate(zip(self.layers, self.geometry)):
-            attn = layer.self_attn
-            q, k, v = attn.project(layer.input_layernorm(x), *tables[g.kind])
-            # Sliding layers: the same last W-1 prefix positions for every canvas row of a request (a
-            # rectangle). Rows of different lengths attend one by one over exactly their own keys (no
-            # padding mask: a masked, longer key range rounds differently in bf16, and a request's
-            # numbers must not depend on its batch-mates).
-            if same:
-                lo = 0 if g.window is None else max(0, lens[0] - (g.window - 1))
-                pk, pv = cache.parts(i, lo, lens[0])  # views, in position order (two of a wrapped ring)
-                out = attn.sdpa(q, torch.cat((*pk, k), dim=2), torch.cat((*pv, v), dim=2), None)
-            else:
-                parts = []
-                for b, (r, p) in enumerate(zip(slots, lens)):
-                    lo = 0 if g.window is None else max(0, p - (g.window - 1))
-                    pk, pv = cache.parts(i, lo, p, [r])  # views of row r: no copy
-                    parts.append(attn.sdpa(q[b:b + 1], torch.cat((*pk, k[b:b + 1]), dim=2),
-                                            torch.cat((*pv, v[b:b + 1]), dim=2), None))
-                out = torch.cat(parts)
-            x = x + layer.post_attention_layernorm(attn.out(out))
-            x = layer.feed_forward(x)
-            x *= layer.layer_scalar
-        return self.norm(x)
-
-    decode_static = decode_static  # the same pass with static shapes, for captured steps (model/static.py)
+            if nc:
+                x[:, :nc] *= layer.encoder_layer_scalar
+            if nc < x.shape[1]:
+                x[:, nc:] *= layer.layer_scalar
+        return self.norm(x).view(b, c, -1)
 
     @torch.no_grad()
     def forward_canvas(self, prompt_ids: torch.Tensor, canvas_ids: torch.Tensor,
                        self_conditioning_logits: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits [B, C, V], meaning exactly DiffusionGemmaForBlockDiffusion(input_ids=prompt_ids,
-        decoder_input_ids=canvas_ids, self_conditioning_logits=...).logits."""
-        cache = self.new_cache(prompt_ids.shape[0], prompt_ids.shape[1])
-        self.encode(prompt_ids, cache)
+        decoder_input_ids=canvas_ids, self_conditioning_logits=...).logits: one pass of the prompts' rows and
+        the canvases' rows together."""
+        (b, p), c = prompt_ids.shape, canvas_ids.shape[1]
+        cache = self.new_cache(b, p + c, chunk=p + c)
+        for seq in range(b):
+            cache.reserve(seq, p + c)
+        segments = [Segment(seq, 0, p, False) for seq in range(b)] + [Segment(seq, p, c, True) for seq in range(b)]
         soft = None if self_conditioning_logits is None else self.soft_embedding(self_conditioning_logits)
-        return self.logits(self.decode(canvas_ids, cache, soft))
+        ids = torch.cat((prompt_ids.flatten(), canvas_ids.flatten()))
+        return self.logits(self.forward_pass(ids, segments, cache, soft))
 
     @torch.no_grad()
     def forward_unified(self, prompt_ids: torch.Tensor, canvas_ids: torch.Tensor,

@@ -56,7 +56,7 @@ class Session:
     name: str = ""  # what rows and cards call the model
     dummy: bool = False  # random weights (fixed work forced)
     compiled: bool = False  # --compile: decoder and vocabulary tiles through torch.compile
-    step_mode: str = "dynamic"  # the engine's step: "graphs" with --cuda-graphs (dgcli.sampling.static_step)
+    step_mode: str = "dynamic"  # the engine's step: "graphs" with --cuda-graphs (dgcli.sampling.engine.new_engine)
     packed_weights: int = 0  # weight matrices prepacked for oneDNN (eager CPU bf16; dgcli.model.packed)
     threads: int = 0  # torch intra-op threads the run uses (`thread_rule`)
     threads_source: str = ""  # why: the --threads flag, OMP_NUM_THREADS, or the rule
@@ -111,11 +111,14 @@ def set_threads(cfg: ModelConfig, device: torch.device, flag: int | None) -> tup
 
 
 def compile_decoder(model: Any) -> None:
-    """torch.compile the decoder pass (the model half of a denoising step); the session's `compiled`
-    flag also sends the CPU vocabulary pass's per-tile elementwise math through torch.compile (its GEMMs,
-    running statistics and random draws stay eager). The first compile takes tens of seconds (a C++
-    toolchain is needed on CPU) and inductor caches it between runs."""
-    model.decode = torch.compile(model.decode)
+    """torch.compile each layer's row-wise work (q/k/v projections with their norms and RoPE; the feed-forward:
+    dense MLP, router, experts, norms), shapes dynamic: the pass's attention walks its segments on the host and
+    stays eager. The session's `compiled` flag also sends the CPU vocabulary pass's per-tile elementwise math
+    through torch.compile (its GEMMs, running statistics and random draws stay eager). The first compile takes
+    tens of seconds (a C++ toolchain is needed on CPU) and inductor caches it between runs."""
+    for layer in model.layers:
+        layer.feed_forward = torch.compile(layer.feed_forward, dynamic=True)
+        layer.self_attn.project = torch.compile(layer.self_attn.project, dynamic=True)
 
 
 def pack_weights(model: Any) -> int:

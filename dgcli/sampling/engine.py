@@ -1,26 +1,25 @@
-"""The batched denoising engine: requests in (at any time), events out, continuous batching.
+"""The batched denoising engine: requests in (at any time), events out, one executor for every device.
 
-Owns: `Request` (one request and its state while it runs) and `Engine`: a fixed number of slots over one
-KV cache, a queue, and `events()`, which runs decoder passes while there is work and yields every
-request's BlockStart / Step / Commit / Done (each with `row` = the request's id). Each running request is
-at its own step of its own block: a pass runs every one once; a request whose block ends commits it
-(an encoder pass over its cache slot) and starts its next block at the next pass, or finishes and frees
-its slot, which the next queued request takes (its prompt is encoded into the slot). Requests submitted
-while `events()` runs (between two events, from the thread that iterates it: the engine holds no lock)
-join at the next pass. A request's first_block_s and total_s count from its submit on the engine's
-clock, which runs only while the engine works (not while a consumer holds an event).
-Must not: tokenize, print, or validate settings (callers pass checked DiffusionEbParams; `loop.py`
-builds requests from user input); sync with the device inside a pass other than once for the stop
-decision (and not at all when no running request can stop early); read device values other than through
-`host_reads.read` (which declares the stop and commit reads; tests/sampling/test_fake_cuda.py holds the
-CUDA path to it). On CUDA `async_stop.AsyncStopEngine` (a subclass; `async_stop.new_engine` picks it)
-reads each pass's flags one pass later instead. A `step_mode` other than "dynamic" runs each pass as
-`static_step.StaticStep` (static shapes: eager, compiled, or CUDA graphs), which brings its own KV cache.
-
-Numerics: a request's draws are addressed by its own seed, block, step and position (`draws.py`); its
-positions start at 0 in its slot; ragged rows attend one by one over exactly their own keys
-(`model/gemma.py`). So a request's events do not depend on its batch-mates, their order or the slot it
-got (bit for bit in bf16 on CPU; tests/sampling/test_batch.py names the fp32 caveat).
+Owns: `Request` (one request and its state while it runs), `Engine` and `new_engine`. Each `step()` asks the
+scheduler (`scheduler.py`) for a plan and runs it as ONE forward pass of the model over the paged KV cache:
+prompt chunks, the commits of blocks that ended and every running request's canvas together (mixed phases;
+`model/attention.py` gives every row its keys). The pass's sampler work (vocabulary pass, accept, renoise,
+stop flags) runs on the canvas rows on the device; then the pass is settled: its stop flags and the tokens of
+the blocks that ended are read (`host_reads`), and its events handed out (BlockStart / Step / Commit / Done,
+each with `row` = the request's id). A block that ends is committed in the request's next pass, beside the
+first step of its next block; the request's last block is never committed.
+`lag` (1 on CUDA, 0 elsewhere): with lag 1 pass n+1 is launched before pass n is settled, so the host never
+waits for the device inside a block: every running request speculatively goes on to its next step, and a row
+whose request stopped at pass n is discarded when pass n+1 settles (no event, no state from it). So both lags
+give every request the same steps, draws and tokens (tests/sampling/test_engine_lag.py); lag 1 costs one
+discarded row-step per early stop. Requests submitted or cancelled between two steps (from the thread that
+calls `step`: the engine holds no lock) take effect at the next pass. A request's clock (first_block_s,
+total_s) runs from its submit on the engine's busy clock, which pauses while a consumer holds an event.
+Numerics: a request's draws are addressed by its own seed, block, step and position (`draws.py`) and its
+positions start at 0 in its own sequence, so its events do not depend on its batch-mates (bit for bit in bf16
+on CPU; tests/sampling/test_batch.py names the fp32 caveat) or on how its prompt was chunked beyond rounding.
+Must not: tokenize, print, validate settings (callers pass checked DiffusionEbParams), or read device values
+other than through `host_reads.read`.
 """
 
 from __future__ import annotations
@@ -28,8 +27,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-import weakref
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,25 +37,16 @@ from dgcli.errors import UserError
 from dgcli.kernels.transfer import to_device
 from dgcli.sampling import draws, host_reads
 from dgcli.sampling.events import BlockStart, Commit, Done, Event, Step
-from dgcli.sampling.rules import RowRules, denoise_step, temperature
-from dgcli.sampling.static_step import StaticStep
+from dgcli.sampling.rules import RowRules, sample_step, temperature
+from dgcli.sampling.scheduler import Plan, Scheduler
+
+DEFAULT_BUDGET = 2048  # rows (tokens) per pass: running canvases first, then prompt chunks
 
 
-@torch.inference_mode()
-def encode(model: Any, ids: torch.Tensor, cache: Any, lengths: list[int] | None = None,
-           rows: list[int] | None = None) -> None:
-    if lengths is None and rows is None:
-        model.encode(ids, cache)  # the common case, and the mock models' signature
-    else:
-        model.encode(ids, cache, lengths, rows)
-    if ids.device.type == "cuda":  # per block, so that prefill_s / commit_s are real durations
-        torch.cuda.synchronize(ids.device)
-
-
-@dataclass
+@dataclass(eq=False)
 class Request:
     """One request: what to run (prompt ids: on the host, or already on the model's device; checked params, seed,
-    block cap, stop ids, first canvas) and, while it runs, its state (host values only)."""
+    block cap, stop ids, first canvas) and, while it runs, its state."""
 
     id: int  # carried by every event as `row`
     prompt: torch.Tensor  # [P] int64
@@ -68,9 +56,16 @@ class Request:
     stops: set[int] = field(default_factory=set)
     first_canvas: torch.Tensor | None = None  # [C]: the first block's canvas instead of random ids
     settings: Any = None  # its params with the seed left out: equal settings batch as one (filled on submit)
-    slot: int = -1  # its KV cache slot while it runs
+    slot: int = -1  # its cache sequence while admitted
+    prefilled: int = 0  # prompt ids in the cache
+    prefix: int = 0  # positions before its canvas (prompt + committed blocks, the pending commit included)
+    commit: torch.Tensor | None = None  # [C] ids of its last block, committed by its next pass
     block: int = 0  # the block being denoised
-    step: int = 0  # the step of that block the next decoder pass runs (0-based)
+    step: int = 0  # the step of that block its next pass runs (0-based)
+    waiting: bool = False  # its block ends at a pass not yet settled: no step to run until then
+    canvas: Any = None  # [C] its canvas for the next step (device)
+    history: Any = None  # [S, C] its previous argmaxes (device), S = its stability threshold
+    soft: Any = None  # [C, H] its soft embedding, None at a block's first step
     answer: list[int] = field(default_factory=list)
     counted: int = 0  # ids for tokens_per_forward (HF definition)
     steps_per_block: list[int] = field(default_factory=list)
@@ -92,43 +87,59 @@ class Request:
 
 
 # `rules.temperature` (the same float ops), memoized: requests with the same settings share one schedule.
-# Bounded, so a server's memory is too.
 _schedule = functools.lru_cache(maxsize=8192)(temperature)
 
 
+@dataclass
+class _Pass:
+    """A launched pass: its plan, the block and step each canvas row ran, its device results, its clock."""
+
+    plan: Plan
+    blocks: list[int]
+    steps: list[int]
+    canvas_in: Any = None
+    out: Any = None
+    accepted: Any = None
+    next_canvas: Any = None
+    stop: Any = None  # [b] bool (device, or its pinned copy), None when no row can stop early
+    timing: Any = None  # CUDA (start, end) events, or the host seconds of the launch
+
+
+def new_engine(model: Any, *, step_mode: str = "dynamic", **kw: Any) -> Engine:
+    if step_mode != "dynamic":
+        raise UserError(f"step mode {step_mode!r}: this engine runs each pass with its exact shapes; CUDA graph "
+                        "capture of the paged engine is not built yet: drop --cuda-graphs")
+    return Engine(model, **kw)
+
+
 class Engine:
-    """`slots` requests at once over one KV cache of `max_len` positions per slot (a request needs its
-    prompt + (blocks - 1) canvases: its last block is never encoded)."""
+    """`slots` requests at once over one paged KV cache of `max_len` positions per request (prompt + (blocks - 1)
+    canvases: a request's last block is never committed)."""
 
     def __init__(self, model: Any, *, slots: int, max_len: int, pad_id: int = 0, compile_tiles: bool = False,
-                 stats: dict | None = None, step_mode: str = "dynamic"):
+                 stats: dict | None = None, lag: int | None = None, budget: int = DEFAULT_BUDGET,
+                 block_size: int = 16):
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise UserError(f"max_batch={slots!r}: must be a whole number >= 1")
         self.model, self.slots, self.max_len, self.pad_id = model, slots, max_len, pad_id
         self.compile_tiles = compile_tiles
         self.c, self.vocab = model.config.canvas_length, model.config.vocab_size
         self.device = model.embed_weight.device
+        self.lag = (1 if self.device.type == "cuda" else 0) if lag is None else lag
         self.positions = torch.arange(self.c, device=self.device)  # [C]
-        # "dynamic": `denoise_step` (each block's exact shapes); else the static-shape step (static_step.MODES),
-        # which brings its own cache (a bucketed capacity, reused by the next engine of this shape).
-        self.static = None
-        if step_mode == "dynamic":
-            self.cache = model.new_cache(slots, max_len)
-        else:
-            self.static = StaticStep.acquire(model, slots, max_len, step_mode)
-            self.cache = self.static.cache
-            weakref.finalize(self, self.static.release)
-        self.free = list(range(slots))
-        self.queue: deque[Request] = deque()
-        self.cancelled: set[int] = set()  # ids of running requests to drop before the next pass
-        self.active: list[Request] = []  # request k's state is row k of canvas / history / soft
-        self.canvas = self.history = self.soft = None  # soft None: every request is at a block's first step
-        self.per_row = None  # (seeds [b, 1], accept/stop rules) of the running set; rebuilt when it changes
-        self.depth = 0  # the history's length: the largest stability threshold seen
+        # Room for the prompt, the committed blocks and a canvas; a sequence's prompt chunk per pass is what its
+        # sliding ring holds beyond the window and a canvas (model.new_cache's `chunk`).
+        self.cache = model.new_cache(slots, max_len + self.c, block_size=block_size)
+        self.sched = Scheduler(self.cache, seqs=slots, canvas=self.c, budget=budget,
+                               seq_chunk=self.cache.chunk - self.c)
+        self.pending: _Pass | None = None
+        self.cancelled: set[int] = set()
         self.stats = {} if stats is None else stats
-        self.stats.update(decoder_passes=0, encoder_passes=0, row_steps=0, denoise_s=0.0, encode_s=0.0)
-        # The busy clock: the engine's own time; it pauses while a consumer holds an event.
-        self.busy, self.mark = 0.0, time.perf_counter()
+        self.stats.update(decoder_passes=0, encoder_passes=0, row_steps=0, denoise_s=0.0, encode_s=0.0,
+                          discarded_row_steps=0, prefill_tokens=0)
+        self.busy, self.mark = 0.0, time.perf_counter()  # the busy clock; it pauses while a consumer holds an event
+
+    # ---- requests in and out ------------------------------------------------------------------------------
 
     def submit(self, request: Request) -> None:
         if request.prompt.device != self.device:  # a host prompt: sent without waiting for the device
@@ -136,50 +147,57 @@ class Engine:
         need = len(request.prompt) + (request.num_blocks - 1) * self.c
         if need > self.max_len:
             raise UserError(f"request {request.id} needs {need} cache positions; this engine holds {self.max_len}")
-        p = request.params
-        request.settings = dataclasses.replace(p, seed=0)
-        self.depth = max(self.depth, p.stability_threshold)
+        request.settings = dataclasses.replace(request.params, seed=0)
         request.submitted = self._now()
-        self.queue.append(request)
+        self.sched.queue.append(request)
 
     @property
     def idle(self) -> bool:
-        return not self.active and not self.queue
-
-    # ---- the pass ----------------------------------------------------------------------------------------
-
-    def events(self) -> Iterator[Event]:
-        """Decoder passes while there is work; every request's events, in order."""
-        while not self.idle:
-            yield from self.step()
-
-    def step(self) -> Iterator[Event]:
-        """One decoder pass (after dropping cancelled requests and admitting queued ones) and its events;
-        nothing when there is no work. A server's engine thread calls this between reading its inbox."""
-        if self.cancelled:
-            self._drop_cancelled()
-        if not self.idle:
-            yield from self._pass()
+        return self.sched.idle and self.pending is None
 
     def cancel(self, request_id: int) -> bool:
-        """Withdraw a request: a queued one leaves the queue now, a running one frees its slot before the
-        next pass (it gets no more events, no Done). False when the engine does not hold it."""
-        for r in self.queue:
+        """Withdraw a request: a queued one leaves the queue now, an admitted one before the next pass (no more
+        events, no Done). False when the engine does not hold it."""
+        s = self.sched
+        for r in s.queue:
             if r.id == request_id:
-                self.queue.remove(r)
+                s.queue.remove(r)
                 return True
-        if any(r.id == request_id for r in self.active):
+        if any(r.id == request_id for r in (*s.prefilling, *s.running)):
             self.cancelled.add(request_id)
             return True
         return False
 
-    def _drop_cancelled(self) -> None:
-        gone = {k for k, r in enumerate(self.active) if r.id in self.cancelled}
-        self.cancelled.clear()
-        if gone:
-            self._leave(gone)
-            if self.soft is not None and all(r.step == 0 for r in self.active):
-                self.soft = None
+    def events(self) -> Iterator[Event]:
+        """Passes while there is work; every request's events, in order."""
+        while not self.idle:
+            yield from self.step()
+
+    def step(self) -> Iterator[Event]:
+        """One pass (after dropping cancelled requests and admitting queued ones) and the events it settles."""
+        if self.cancelled:
+            for r in [r for r in (*self.sched.prefilling, *self.sched.running) if r.id in self.cancelled]:
+                self.sched.release(r)
+            self.cancelled.clear()
+        launched = None
+        if not self.sched.idle:
+            plan = self.sched.plan(lambda r: not r.waiting)
+            if plan.started:
+                self._start_block(plan.started)
+                self._clock()
+                for r in plan.started:
+                    yield BlockStart(block=0, num_blocks=r.num_blocks, prefix_len=r.prefix, canvas=r.canvas, row=r.id)
+                self.mark = time.perf_counter()
+            if plan.segments:
+                launched = self._launch(plan)
+        if self.lag:
+            done, self.pending = self.pending, launched
+        else:
+            done = launched
+        if done is not None:
+            yield from self._settle(done)
+
+    # ---- the busy clock -----------------------------------------------------------------------------------
 
     def _clock(self) -> None:
         now = time.perf_counter()
@@ -189,149 +207,140 @@ class Engine:
     def _now(self) -> float:
         return self.busy + time.perf_counter() - self.mark
 
-    def _cache_rows(self) -> list[int] | None:
-        """The running requests' slots, or None when they are exactly the cache's rows in order."""
-        got = [r.slot for r in self.active]
-        return None if got == list(range(self.slots)) else got
+    # ---- launch -------------------------------------------------------------------------------------------
 
-    @torch.inference_mode()  # canvas, history and soft come out of inference-mode steps
-    def _start_block(self, ks: list[int]) -> None:
-        """Requests `ks` begin their current block: its first canvas, an empty history, no
-        self-conditioning. New tensors, never writes into old ones: events handed out hold views."""
-        dev, active = self.device, self.active
-        self.canvas, self.history = self.canvas.clone(), self.history.clone()
-        self.soft = None if self.soft is None else self.soft.clone()
-        seed_k = to_device([active[k].seed for k in ks], torch.long, dev)[:, None]  # [k, 1]
-        block_k = to_device([active[k].block for k in ks], torch.long, dev)[:, None]  # [k, 1]
-        idx = to_device(ks, torch.long, dev)
-        self.canvas[idx] = draws.token_ids(seed_k, draws.INIT, block_k, 0, self.positions, self.vocab, device=dev)
-        for k in ks:
-            r = active[k]
-            if r.block == 0 and r.first_canvas is not None:
-                self.canvas[k] = r.first_canvas
-            r.step = 0
-        self.history[:, idx] = -1
-        if self.soft is not None:
-            self.soft[idx] = 0  # the zero soft embedding is exactly "no self-conditioning"
-
-    def _admit(self) -> list[int]:
-        """Free slots take queued requests; their prompts are encoded together into their slots."""
-        if not self.queue or not self.free:
-            return []
-        joining = [self.queue.popleft() for _ in range(min(len(self.free), len(self.queue)))]
-        t0 = time.perf_counter()
-        lengths = [len(r.prompt) for r in joining]
-        padded = torch.full((len(joining), max(lengths)), self.pad_id, dtype=torch.long, device=self.device)
-        for k, r in enumerate(joining):
-            padded[k, :lengths[k]] = r.prompt
-            r.slot = self.free.pop(0)
-            self.cache.lens[r.slot] = 0
-        into = [r.slot for r in joining]
-        encode(self.model, padded, self.cache, None if len(set(lengths)) == 1 else lengths,
-               None if into == list(range(self.slots)) else into)
-        prefill_s = time.perf_counter() - t0
-        self.stats["encoder_passes"] += 1
-        self.stats["encode_s"] += prefill_s
-        for r in joining:
-            r.prefill_s = prefill_s
-        fresh = list(range(len(self.active), len(self.active) + len(joining)))
-        self.active += joining
-        self.per_row = None
-        j, c, dev = len(joining), self.c, self.device
-        self.canvas = torch.empty(j, c, dtype=torch.long, device=dev) if self.canvas is None else \
-            torch.cat((self.canvas, self.canvas.new_empty(j, c)))
-        if self.history is not None and self.history.shape[0] < self.depth:  # a deeper stability rule joined
-            older = self.history.new_full((self.depth - self.history.shape[0], *self.history.shape[1:]), -1)
-            self.history = torch.cat((older, self.history))
-        hist = torch.empty(self.depth, j, c, dtype=torch.long, device=dev)
-        self.history = hist if self.history is None else torch.cat((self.history, hist), dim=1)
-        if self.soft is not None:
-            self.soft = torch.cat((self.soft, self.soft.new_zeros(j, c, self.soft.shape[2])))
-        self._start_block(fresh)
-        return fresh
-
-    def _per_row(self) -> tuple[torch.Tensor, Any]:
-        """The running set's seeds [b, 1] and accept/stop settings: the shared params when every request has
-        the same (but the seed) and the history is exactly as deep as their rule, else one tensor row per
-        request. Built once per running set (requests joining or leaving reset it), not per pass."""
-        if self.per_row is None:
-            active, first = self.active, self.active[0]
-            seeds = to_device([r.seed for r in active], torch.long, self.device)[:, None]
-            if first.params.stability_threshold == self.depth and all(r.settings == first.settings for r in active):
-                rules = first.params
-            else:
-                rules = RowRules.of([r.params for r in active], self.device)
-            self.per_row = seeds, rules
-        return self.per_row
-
-    def _pass(self) -> Iterator[Event]:
+    @torch.inference_mode()
+    def _start_block(self, rs: list[Request]) -> None:
+        """Requests `rs` begin their current block: its first canvas, an empty history, no self-conditioning."""
         dev = self.device
-        fresh = self._admit()
-        active = self.active
-        self._clock()
-        for k in fresh:
-            r = active[k]
-            yield BlockStart(block=0, num_blocks=r.num_blocks, prefix_len=self.cache.lens[r.slot],
-                             canvas=self.canvas[k], row=r.id)
-        self.mark = time.perf_counter()
+        seed = to_device([r.seed for r in rs], torch.long, dev)[:, None]  # [k, 1]
+        block = to_device([r.block for r in rs], torch.long, dev)[:, None]
+        canvas = draws.token_ids(seed, draws.INIT, block, 0, self.positions, self.vocab, device=dev)  # [k, C]
+        for k, r in enumerate(rs):
+            r.canvas = r.first_canvas if r.block == 0 and r.first_canvas is not None else canvas[k]
+            r.history = torch.full((r.params.stability_threshold, self.c), -1, dtype=torch.long, device=dev)
+            r.soft, r.step, r.waiting = None, 0, False
 
-        # One decoder pass: every request at its own step of its own block.
-        t0 = time.perf_counter()
-        b = len(active)
-        step_k = to_device([r.step for r in active], torch.long, dev)[:, None] + 1  # [b, 1] 1-based
-        seed_k, rules = self._per_row()  # [b, 1]
-        block_k = to_device([r.block for r in active], torch.long, dev)[:, None]  # [b, 1]
-        uniform = draws.uniform(seed_k, draws.DRAW, block_k, step_k, self.positions, device=dev)  # [b, C]
-        noise = draws.token_ids(seed_k, draws.RENOISE, block_k, step_k, self.positions, self.vocab, device=dev)
-        temps = [r.temperature(r.step) for r in active]
-        temp = to_device(temps, torch.float32, dev)  # [b]
-        out, accepted, next_canvas, self.history, stop = self._denoise(
-            self.canvas, self.soft, temp, self.history, rules, uniform, noise,
-            any(r.step < r.max_steps - 1 for r in active), self._cache_rows())
-        # Mean entropy is >= 0, so "< 0" never holds: with confidence 0 (fixed work) no request can stop
-        # early and the engine never waits for the device inside a block.
-        can_stop_early = any(r.params.confidence_threshold > 0 for r in active)
-        stopped = host_reads.read(stop, "stop") if can_stop_early else [False] * b  # the pass's one host sync
-        elapsed = time.perf_counter() - t0
-        self.stats["decoder_passes"] += 1
-        self.stats["row_steps"] += b
-        self.stats["denoise_s"] += elapsed
+    @torch.inference_mode()
+    def _launch(self, plan: Plan) -> _Pass:
+        dev, rows = self.device, plan.canvases
+        t0, timing = time.perf_counter(), None
+        if dev.type == "cuda":
+            timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            timing[0].record()
+        p = _Pass(plan, [r.block for r in rows], [r.step for r in rows])
+        soft = None
+        if rows:
+            p.canvas_in = torch.stack([r.canvas for r in rows])  # [b, C]
+            if any(r.soft is not None for r in rows):  # the zero soft embedding is exactly "none"
+                zero = next(r.soft for r in rows if r.soft is not None).new_zeros(self.c, self.model.config.hidden_size)
+                soft = torch.stack([zero if r.soft is None else r.soft for r in rows])
+        ids = torch.cat([*plan.causal_ids, *([p.canvas_in.flatten()] if rows else [])])
+        hidden = self.model.forward_pass(ids, plan.segments, self.cache, soft)
+        for r in plan.commits:
+            r.commit = None
+        if rows:
+            self._sample(p, hidden)
+        if timing is not None:
+            timing[1].record()
+        p.timing = timing if timing is not None else time.perf_counter() - t0
+        return p
+
+    def _sample(self, p: _Pass, hidden: torch.Tensor) -> None:
+        """The canvas rows' sampler step on the device; each request's state goes on speculatively to its next
+        step (confirmed, or discarded, when the pass is settled)."""
+        dev, rows = self.device, p.plan.canvases
+        depth = max(r.params.stability_threshold for r in rows)
+        hist = torch.stack([self._history(r, depth) for r in rows], dim=1)  # [S, b, C]
+        seed, block, step = (to_device(v, torch.long, dev)[:, None] for v in
+                             ([r.seed for r in rows], p.blocks, [s + 1 for s in p.steps]))
+        uniform = draws.uniform(seed, draws.DRAW, block, step, self.positions, device=dev)  # [b, C]
+        noise = draws.token_ids(seed, draws.RENOISE, block, step, self.positions, self.vocab, device=dev)
+        temp = to_device([r.temperature(s) for r, s in zip(rows, p.steps)], torch.float32, dev)  # [b]
+        first = rows[0]
+        same = first.params.stability_threshold == depth and all(r.settings == first.settings for r in rows)
+        rules = first.params if same else RowRules.of([r.params for r in rows], dev)
+        want_soft = any(s < r.max_steps - 1 for r, s in zip(rows, p.steps))
+        out, accepted, next_canvas, new_hist, stop = sample_step(self.model, hidden, temp, hist, rules, uniform, noise,
+                                                                 want_soft, self.compile_tiles)
+        p.out, p.accepted, p.next_canvas = out, accepted, next_canvas
+        if any(r.params.confidence_threshold > 0 for r in rows):  # else no row can stop early: nothing to read
+            p.stop = stop
+            if dev.type == "cuda":  # read a pass late: a pinned copy, done by then
+                p.stop = torch.empty(stop.shape, dtype=torch.bool, pin_memory=True).copy_(stop, non_blocking=True)
+        for k, r in enumerate(rows):
+            if r.step + 1 < r.max_steps:
+                r.step += 1
+                r.canvas, r.soft = next_canvas[k], (None if out.soft is None else out.soft[k])
+                r.history = new_hist[new_hist.shape[0] - r.params.stability_threshold:, k]
+            else:
+                r.waiting = True  # its block ends at this pass whatever the flags say
+
+    @staticmethod
+    def _history(r: Request, depth: int) -> torch.Tensor:
+        """r's history [S_r, C] as [depth, C]: older entries it does not have are -1 (never equal)."""
+        h = r.history
+        if h.shape[0] < depth:
+            h = torch.cat((h.new_full((depth - h.shape[0], h.shape[1]), -1), h))
+        return h
+
+    # ---- settle -------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _settle(self, p: _Pass) -> Iterator[Event]:
+        if isinstance(p.timing, tuple):
+            p.timing[1].synchronize()  # the pass is done: reading its flags and clock waits for nothing
+            elapsed = p.timing[0].elapsed_time(p.timing[1]) / 1e3
+        else:
+            elapsed = p.timing
+        plan, rows = p.plan, p.plan.canvases
+        st = self.stats
+        st["encoder_passes"] += bool(plan.commits or plan.prefills)
+        st["prefill_tokens"] += sum(s.length for s in plan.segments if not s.canvas) - len(plan.commits) * self.c
+        if not rows:
+            st["encode_s"] += elapsed
+        for r in plan.prefills:
+            r.prefill_s += elapsed
+        for r in plan.commits:
+            r.commit_s += elapsed
+        if not rows:
+            return
+        st["decoder_passes"] += 1
+        st["row_steps"] += len(rows)
+        st["denoise_s"] += elapsed
+        stopped = host_reads.read(p.stop, "stop") if p.stop is not None else [False] * len(rows)
         self._clock()
         ended = []
-        canvas_in = self.canvas
-        for k, r in enumerate(active):
-            i, n_steps = r.step, r.max_steps
-            reason = "stable_confident" if stopped[k] else ("step_cap" if i == n_steps - 1 else None)
+        for k, r in enumerate(rows):
+            i = p.steps[k]
+            if r.slot < 0 or r.block != p.blocks[k]:  # left, or its block ended at an earlier pass
+                st["discarded_row_steps"] += 1
+                continue
+            reason = "stable_confident" if stopped[k] else ("step_cap" if i == r.max_steps - 1 else None)
             r.denoise_s += elapsed
-            yield Step(block=r.block, step=i + 1, max_steps=n_steps, temperature=temps[k], canvas_in=canvas_in[k],
-                       argmax=out.argmax[k], sample=out.sample[k], accepted_mask=accepted[k],
-                       accepted_count=accepted[k].sum(), entropy=out.entropy[k],
-                       mean_entropy=out.entropy[k].mean(), next_canvas=next_canvas[k],
-                       stop_reason=reason, elapsed_s=elapsed, row=r.id)
+            out = p.out
+            yield Step(block=r.block, step=i + 1, max_steps=r.max_steps, temperature=r.temperature(i),
+                       canvas_in=p.canvas_in[k], argmax=out.argmax[k], sample=out.sample[k],
+                       accepted_mask=p.accepted[k], accepted_count=p.accepted[k].sum(), entropy=out.entropy[k],
+                       mean_entropy=out.entropy[k].mean(), next_canvas=p.next_canvas[k], stop_reason=reason,
+                       elapsed_s=elapsed, row=r.id)
             if reason is not None:
                 r.steps_per_block.append(i + 1)
                 ended.append(k)
-            r.step += 1
         self.mark = time.perf_counter()
-        self.canvas, self.soft = next_canvas, out.soft
-        yield from self._end_blocks(ended, out.argmax)
+        if ended:
+            yield from self._end_blocks(p, ended)
 
-    def _denoise(self, canvas, soft, temp, history, rules, uniform, noise, want_soft: bool, rows: list[int] | None):
-        """One decoder pass of `denoise_step` (or the static step), for the rows of cache slots `rows`."""
-        if self.static is not None:
-            return self.static(canvas, soft, temp, history, rules, uniform, noise, want_soft, rows)
-        return denoise_step(self.model, canvas, self.cache, soft, temp, history, rules, uniform, noise,
-                            want_soft=want_soft, compile_tiles=self.compile_tiles, rows=rows)
-
-    def _end_blocks(self, ended: list[int], argmax: torch.Tensor) -> Iterator[Event]:
-        """Requests whose block ended: commit, then finish (stop id or block cap) or start the next block."""
-        active = self.active
+    def _end_blocks(self, p: _Pass, ended: list[int]) -> Iterator[Event]:
+        """Requests whose block ended at pass p: finish (stop id or block cap) or queue the commit and start the
+        next block."""
         t0 = time.perf_counter()
-        tokens_all = host_reads.read(argmax[ended], "commit") if ended else []  # the blocks' read-back
+        argmax = p.out.argmax
+        tokens_all = host_reads.read(argmax[ended], "commit")  # the blocks' read-back
         read_s = time.perf_counter() - t0
-        going_on, leaving = [], set()
+        going_on = []
         for k, tokens in zip(ended, tokens_all):
-            r = active[k]
+            r = p.plan.canvases[k]
             r.denoise_s += read_s
             stop_index = next((j for j, t in enumerate(tokens) if t in r.stops), None)
             kept = tokens if stop_index is None else tokens[:stop_index]
@@ -344,9 +353,10 @@ class Engine:
             self.mark = time.perf_counter()
             r.block += 1
             if stop_index is None and r.block < r.num_blocks:
-                going_on.append(k)
+                r.commit, r.prefix = argmax[k], r.prefix + self.c
+                going_on.append(r)
                 continue
-            leaving.add(k)
+            self.sched.release(r)
             finish, stop_id = ("stop", tokens[stop_index]) if stop_index is not None else ("length", None)
             passes = sum(r.steps_per_block)
             timings = {"prefill_s": r.prefill_s, "denoise_s": r.denoise_s, "commit_s": r.commit_s,
@@ -357,38 +367,9 @@ class Engine:
                        tokens_per_forward=r.counted / passes, timings=timings, row=r.id)
             self.mark = time.perf_counter()
         if going_on:
-            t0 = time.perf_counter()
-            into = [active[k].slot for k in going_on]  # commit: the block becomes these requests' prefix
-            encode(self.model, argmax[going_on], self.cache, rows=None if into == list(range(self.slots)) else into)
-            commit_s = time.perf_counter() - t0
-            self.stats["encoder_passes"] += 1
-            self.stats["encode_s"] += commit_s
-            for k in going_on:
-                active[k].commit_s += commit_s
             self._start_block(going_on)
             self._clock()
-            for k in going_on:
-                r = active[k]
-                yield BlockStart(block=r.block, num_blocks=r.num_blocks, prefix_len=self.cache.lens[r.slot],
-                                 canvas=self.canvas[k], row=r.id)
+            for r in going_on:
+                yield BlockStart(block=r.block, num_blocks=r.num_blocks, prefix_len=r.prefix, canvas=r.canvas,
+                                 row=r.id)
             self.mark = time.perf_counter()
-        if leaving:
-            self._leave(leaving)
-        if self.soft is not None and all(r.step == 0 for r in self.active):
-            self.soft = None  # every request starts a block: the cheaper pass without self-conditioning
-
-    def _leave(self, leaving: set[int]) -> None:
-        """Finished requests free their slots (nothing is copied: the slot's length goes back to 0)."""
-        for k in sorted(leaving):
-            self.free.append(self.active[k].slot)
-            self.cache.lens[self.active[k].slot] = 0
-        self.free.sort()
-        keep = [k for k in range(len(self.active)) if k not in leaving]
-        self.active = [self.active[k] for k in keep]
-        self.per_row = None
-        if not self.active:
-            self.canvas = self.history = self.soft = None
-            return
-        idx = to_device(keep, torch.long, self.device)
-        self.canvas, self.history = self.canvas[idx], self.history[:, idx]
-        self.soft = None if self.soft is None else self.soft[idx]

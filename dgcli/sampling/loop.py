@@ -8,7 +8,7 @@ device and dtype give identical events whichever kernel path runs (up to roundin
 and whatever the batch. `generate`, `watch`, `bench`, `sweep` and the trace writer all consume these;
 there is no second copy of the loop anywhere.
 Must not: tokenize, print, write files, import transformers, or sync with the device inside a block: on
-CUDA the engine reads a pass's stop flags one pass later (`async_stop.py`), elsewhere once per pass (and
+CUDA the engine reads a pass's stop flags one pass later (its lag), elsewhere once per pass (and
 not at all when no step can stop early).
 
 Decisions (kept from the reference unless noted):
@@ -36,7 +36,7 @@ import torch
 
 from dgcli.errors import UserError
 from dgcli.kernels.transfer import to_device
-from dgcli.sampling.async_stop import new_engine
+from dgcli.sampling.engine import new_engine
 from dgcli.sampling.engine import Request
 from dgcli.sampling.events import Done, Event
 from dgcli.sampling.params import DiffusionEbParams
@@ -103,7 +103,7 @@ def generate_batch_events(
     `stats` (a dict, if given) receives the run's decoder_passes, encoder_passes, row_steps (rows
     computed over all passes; slot occupancy = row_steps / (decoder_passes · max_batch)), denoise_s (the
     decoder passes' own time, each pass once) and encode_s (prefills and commits). `step_mode` picks how a
-    step runs: "dynamic" (its exact shapes) or a static-shape mode (`static_step.MODES`)."""
+    step runs: "dynamic" (its exact shapes; the only one for now)."""
     n_rows = len(prompts)
     if n_rows < 1:
         raise UserError("no prompts: give at least one")

@@ -1,9 +1,9 @@
-"""The entropy-bound sampler's rules (spec §7.2) as small pure functions, and one denoising step built
-from them (decoder pass, vocabulary pass, accept, renoise, stop flags), all on the device.
+"""The entropy-bound sampler's rules (spec §7.2) as small pure functions on device tensors; the engine
+(`engine.py`) runs a step from them (vocabulary pass, accept, renoise, stop flags).
 
-Owns: temperature, accept_mask, is_stable / push_history, is_confident, RowRules, denoise_step. Must not: loop over
-steps or blocks (that is `loop.py`), draw random numbers (the step is handed its uniforms and renoise
-ids), sync with the host, or know about requests.
+Owns: temperature, accept_mask, is_stable / push_history, is_confident, RowRules, sample_step. Must not: loop over steps or
+blocks, draw random numbers (the step is handed its uniforms and renoise ids), sync with the host, or know
+about requests.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from dgcli.kernels.dispatch import vocab_pass
-from dgcli.kernels.reference import VocabPassOut
 from dgcli.kernels.transfer import to_device
 
 
@@ -65,7 +64,7 @@ def is_confident(entropy: torch.Tensor, threshold: float | torch.Tensor) -> torc
 @dataclass
 class RowRules:
     """Accept and stop settings of rows that carry their own (a batch of requests with different
-    settings), as device tensors; `denoise_step` takes this or any object with float attributes
+    settings), as device tensors; the engine takes this or any object with float attributes
     entropy_bound and confidence_threshold (one setting for the batch)."""
 
     entropy_bound: torch.Tensor  # [B, 1] float32
@@ -79,23 +78,18 @@ class RowRules:
                    to_device([p.stability_threshold for p in params], torch.long, device))
 
 
-# ---- one step and one block boundary ---------------------------------------------------------------
+# ---- one step from the canvas rows' hidden states -----------------------------------------------------
 
 
-@torch.inference_mode()
-def denoise_step(model: Any, canvas: torch.Tensor, cache: Any, soft: torch.Tensor | None,
-                  temp: torch.Tensor, history: torch.Tensor, params: Any, uniform: torch.Tensor, noise: torch.Tensor,
-                  want_soft: bool, compile_tiles: bool,
-                  rows: list[int] | None = None) -> tuple[VocabPassOut, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Decode, vocab pass (categorical draws at `uniform` [B, C]), accept, renoise (with `noise` [B, C]
-    token ids: every position has one, used only where not accepted), stop flags; all on the device.
-    `rows`: the canvas rows' KV cache slots (default: the cache's rows in order)."""
-    hidden = model.decode(canvas, cache, soft) if rows is None else model.decode(canvas, cache, soft, rows=rows)
-    out = vocab_pass(hidden, model.embed_weight, softcap=model.config.final_logit_softcapping,
-                     temperature=temp, embed_scale=model.embed_scale, uniform=uniform,
-                     want_soft=want_soft, compile_tiles=compile_tiles)
+def sample_step(model: Any, hidden: torch.Tensor, temp: torch.Tensor, history: torch.Tensor, params: Any,
+                uniform: torch.Tensor, noise: torch.Tensor, want_soft: bool, compile_tiles: bool = False):
+    """The sampler's half of a denoising step on hidden states [B, C, H]: vocabulary pass (categorical draws at
+    `uniform` [B, C]), accept, renoise (with `noise` [B, C] token ids, used only where not accepted), stop flags;
+    all on the device. -> (VocabPassOut, accepted, next canvas, history pushed, stop [B])."""
+    out = vocab_pass(hidden, model.embed_weight, softcap=model.config.final_logit_softcapping, temperature=temp,
+                     embed_scale=model.embed_scale, uniform=uniform, want_soft=want_soft, compile_tiles=compile_tiles)
     accepted = accept_mask(out.entropy, params.entropy_bound)  # [B, C]
     next_canvas = torch.where(accepted, out.sample, noise)  # [B, C]
-    stable = is_stable(history, out.argmax, getattr(params, "stability", None))
-    stop = stable & is_confident(out.entropy, params.confidence_threshold)  # [B]
+    stop = is_stable(history, out.argmax, getattr(params, "stability", None)) & \
+        is_confident(out.entropy, params.confidence_threshold)  # [B]
     return out, accepted, next_canvas, push_history(history, out.argmax), stop

@@ -28,7 +28,7 @@ import torch
 
 from dgcli.errors import UserError
 from dgcli.sampling import host_reads
-from dgcli.sampling.async_stop import new_engine
+from dgcli.sampling.engine import new_engine
 from dgcli.sampling.engine import Engine, Request
 from dgcli.sampling.events import BlockStart, Commit, Done, Step
 from dgcli.serve.metrics import Metrics

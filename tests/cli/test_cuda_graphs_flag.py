@@ -89,21 +89,14 @@ def test_a_session_without_the_flag_runs_the_dynamic_step():
     assert sess.open_session(None, None, {"device": "cpu"}).step_mode == "dynamic"
 
 
-def test_the_session_step_mode_reaches_the_loop_and_the_engine():
-    """A session's step_mode is what request.run / run_batch and the server's engine use: on CPU the eager
-    static step ("static") stands in for "graphs" and gives the same tokens as the dynamic step."""
-    from dgcli.serve.metrics import Metrics
-    from dgcli.serve.worker import Worker
-
+def test_a_graphs_session_is_refused_by_the_engine_until_it_captures():
+    """The paged engine runs every pass with its exact shapes; until it captures graphs per batch bucket a
+    session asking for them gets one clear error (not a silent dynamic run)."""
     s = sess.open_session(None, None, {"device": "cpu", "max_denoising_steps": 4})
-    static = dataclasses.replace(s, step_mode="static")
+    graphs = dataclasses.replace(s, step_mode="graphs")
     ids = request.encode(s, "Reverse: c a t")
-    assert request.run(static, ids).token_ids == request.run(s, ids).token_ids
-    stats: dict = {}
-    [(_, r)] = list(request.run_batch(static, [ids], batch_size=1, stats=stats))
-    assert r.token_ids == request.run(s, ids).token_ids
-    assert Worker(s, slots=1, max_len=64, metrics=Metrics(1)).engine.static is None
-    assert Worker(static, slots=1, max_len=64, metrics=Metrics(1)).engine.static is not None
+    with pytest.raises(UserError, match="drop --cuda-graphs"):
+        request.run(graphs, ids)
 
 
 def test_bench_provenance_says_the_step_mode(capsys):

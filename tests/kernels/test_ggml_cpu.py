@@ -118,3 +118,108 @@ def test_prepared_bytes_is_what_prepare_holds():
         raw, _ = _weights(80, 512, qtype)
         p = ggml_cpu.prepare(raw, qtype, 512)
         assert p.nbytes() == ggml_cpu.prepared_bytes(qtype, 80, 512)
+
+
+# ---- the GEMM path (bf16 tiles of W.T + oneDNN) taken from GEMM_ROWS rows on -------------------------------------
+
+INT4_TYPES = [ggml.Q4_K, ggml.Q4_0, ggml.Q5_0, ggml.Q8_0]
+
+
+def _low_thresholds(monkeypatch, rows=1, tile=None):
+    monkeypatch.setattr(ggml_cpu, "GEMM_ROWS", rows)
+    monkeypatch.setattr(ggml_cpu, "GEMM_ROWS_PLANES", rows)
+    if tile is not None:
+        monkeypatch.setattr(ggml_cpu, "GEMM_TILE_VALUES", tile)
+
+
+@pytest.mark.parametrize("qtype", INT4_TYPES)
+@pytest.mark.parametrize("n", [192, 80])  # 80: the last row block is padding past row 80
+def test_gemm_tiles_are_the_kernels_weights_rounded_once(qtype, n):
+    """Each bf16 weight of a tile is the kernel's exact weight ((q − 8)·scale + zero in fp32) rounded once."""
+    k = 512
+    p = ggml_cpu.prepare(_weights(n, k, qtype)[0], qtype, k)
+    exact = ggml_cpu.dequantize_prepared(p)  # fp32 [n, k]
+    tiles = [ggml_cpu._int4_tile_t(p, b, b + 1, torch.bfloat16).clone() for b in range(p.packed.shape[0] // 64)]
+    got = torch.cat(tiles, dim=1)  # W.T [k, Np]
+    assert torch.equal(got[:, :n].t(), exact.bfloat16())
+    assert not got[:, n:].any()  # padding rows: weight 0
+
+
+@pytest.mark.parametrize("qtype", INT4_TYPES)
+def test_linear_takes_the_gemm_path_from_its_threshold(qtype, monkeypatch):
+    k, n = 256, 80
+    raw, w = _weights(n, k, qtype)
+    m = ggml.QuantLinear(raw, qtype, k, n)
+    wb = m.dequantized().bfloat16()
+    rows = ggml_cpu.GEMM_ROWS_PLANES if qtype in ggml_cpu.PLANES else ggml_cpu.GEMM_ROWS
+    called = []
+    for name in ("_gemm_int4", "_kernel_int4"):
+        real = getattr(ggml_cpu, name)
+        monkeypatch.setattr(ggml_cpu, name, lambda x2, p, real=real, name=name: called.append(name) or real(x2, p))
+    g = torch.Generator().manual_seed(6)
+    for m_rows, path in ((rows - 1, "_kernel_int4"), (rows, "_gemm_int4")):
+        x = torch.randn(m_rows, k, generator=g).bfloat16()
+        y = m(x)
+        assert called.pop() == path and y.shape == (m_rows, n) and y.dtype == torch.bfloat16
+        if path == "_gemm_int4":  # oneDNN's GEMM on the weights the tiles hold
+            torch.testing.assert_close(y, F.linear(x, wb), rtol=0, atol=0)
+        assert _rel(y, F.linear(x.float(), w)) <= BF16_REL
+
+
+def test_gemm_path_tiles_cover_every_row(monkeypatch):
+    raw, _ = _weights(200, 512, ggml.Q4_K)
+    m = ggml.QuantLinear(raw, ggml.Q4_K, 512, 200)
+    x = torch.randn(70, 512, generator=torch.Generator().manual_seed(7)).bfloat16()
+    _low_thresholds(monkeypatch)
+    whole = m(x)
+    monkeypatch.setattr(ggml_cpu, "GEMM_TILE_VALUES", 64 * 512)  # one row block per tile: 4 tiles, the last padded
+    assert torch.equal(m(x), whole)
+
+
+@pytest.mark.parametrize("qtype", INT4_TYPES)
+def test_gemm_path_error_against_the_files_weights(qtype, monkeypatch):
+    """Output error against the file's exact weights (ggml.dequantize, fp32 matmul): the GEMM path adds one bf16
+    rounding per weight to the kernel's scale/zero rounding; bounded by both errors together (relative RMS)."""
+    k, n = 1024, 128
+    raw, w = _weights(n, k, qtype, seed=8)
+    p = ggml_cpu.prepare(raw, qtype, k)
+    g = torch.Generator().manual_seed(9)
+    for mean in (0.0, 1.0):
+        x = (torch.randn(64, k, generator=g) + mean).bfloat16()
+        exact = F.linear(x.float(), w)
+
+        def rms(y):
+            return ((y.float() - exact).norm() / exact.norm()).item()
+
+        kernel, gemm = rms(ggml_cpu._kernel_int4(x, p)), rms(ggml_cpu._gemm_int4(x, p))
+        bf16_weights = rms(F.linear(x, w.bfloat16()))  # a bf16 checkpoint of the exact weights
+        assert gemm <= 1.1 * (kernel ** 2 + bf16_weights ** 2) ** 0.5, (kernel, gemm, bf16_weights)
+        assert gemm <= 6e-3
+
+
+@pytest.mark.parametrize("types", [(ggml.Q4_K, ggml.Q4_0), (ggml.Q8_0, ggml.Q5_0)])
+@pytest.mark.parametrize("rows", [1, 12])  # 1: every expert on the GEMM path; 12: some each way
+def test_experts_on_the_gemm_path_match_reference(types, rows, monkeypatch):
+    _low_thresholds(monkeypatch, rows)
+    gt, dt = types
+    gu, dn, wgu, wdn = _experts(gt, dt)
+    w, idx = _routing(37, 2, 6)
+    x = torch.randn(37, 256, generator=torch.Generator().manual_seed(5)).bfloat16()
+    m = ggml.QuantExperts(gu, gt, dn, dt, 256, 256)
+    gq, dq = m.dequantized()
+    y = m(x, w, idx)
+    assert y.dtype == torch.bfloat16
+    assert _rel(y, experts_reference(x, w, idx, gq.bfloat16(), dq.bfloat16())) <= BF16_REL
+    assert _rel(y, experts_reference(x, w, idx, wgu.bfloat16(), wdn.bfloat16())) <= 2 * BF16_REL
+
+
+def test_gemm_path_reads_only_routed_experts(monkeypatch):
+    _low_thresholds(monkeypatch)
+    gu, dn, _, _ = _experts(ggml.Q4_K, ggml.Q4_K)
+    m = ggml.QuantExperts(gu, ggml.Q4_K, dn, ggml.Q4_K, 256, 256)
+    x = torch.randn(9, 256).bfloat16()
+    w, idx = _routing(9, 2, 3)  # experts 0..2 only
+    before = m(x, w, idx)
+    m.gate_up_sz[3:] = float("nan")
+    m.down_sz[3:] = float("nan")
+    assert torch.equal(m(x, w, idx), before)

@@ -16,6 +16,7 @@ from dgcli.errors import UserError
 from dgcli.model import fp8
 from dgcli.model.quantize import quantize_checkpoint
 from dgcli.model.random_weights import make_config, random_model, with_fp8, write_checkpoint
+from passes import Seqs, decode, encode
 
 FP8 = torch.float8_e4m3fn
 KERNEL_MODES = ["reference", "auto"]  # DGEMMA_KERNELS: whole-matrix dequantization, or the CPU tiled/segment paths
@@ -155,10 +156,10 @@ def test_weight_only_logits_equal_the_dequantized_bf16_checkpoint(ckpts, tmp_pat
     block = torch.randint(0, ours.config.vocab_size, canvas.shape, generator=torch.Generator().manual_seed(1))
     got = []
     for m in (ours, plain):
-        kv = m.new_cache(2, prompt.shape[1] + block.shape[1])
-        m.encode(prompt, kv)
-        m.encode(block, kv)
-        got.append(m.logits(m.decode(canvas, kv, m.soft_embedding(sc))))
+        kv = Seqs(m, 2, prompt.shape[1] + block.shape[1])
+        encode(m, prompt, kv)
+        encode(m, block, kv)
+        got.append(m.logits(decode(m, canvas, kv, m.soft_embedding(sc))))
     assert (got[0] - got[1]).abs().max().item() <= BF16_TOL
 
 

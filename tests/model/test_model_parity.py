@@ -8,6 +8,7 @@ from hf_oracle import CONFIGS, build_reference
 
 import dgcli
 from dgcli.model.random_weights import make_config, random_model, write_checkpoint
+from passes import Seqs, decode, encode, read
 
 FP32_TOL = 1e-4
 
@@ -58,10 +59,10 @@ def test_second_block_after_commit_matches_reference(pair):
         ref.model.encoder(input_ids=prompt, past_key_values=cache)
         ref.model.encoder(input_ids=block, past_key_values=cache)
         want = ref(past_key_values=cache, decoder_input_ids=canvas, self_conditioning_logits=sc).logits
-    kv = ours.new_cache(1, prompt.shape[1] + block.shape[1])
-    ours.encode(prompt, kv)
-    ours.encode(block, kv)
-    got = ours.logits(ours.decode(canvas, kv, ours.soft_embedding(sc)))
+    kv = Seqs(ours, 1, prompt.shape[1] + block.shape[1])
+    encode(ours, prompt, kv)
+    encode(ours, block, kv)
+    got = ours.logits(decode(ours, canvas, kv, ours.soft_embedding(sc)))
     assert (got - want).abs().max() <= FP32_TOL
 
 
@@ -175,12 +176,12 @@ def test_bf16_prefix_pass_matches_reference(pair, ref16, monkeypatch, kernels):
         ref16.model.encoder(input_ids=prompt, cache=cache)
         ref16.model.encoder(input_ids=block, cache=cache)
     end = prompt.shape[1] + block.shape[1]
-    kv = ours.new_cache(2, end)
-    ours.encode(prompt, kv)
-    ours.encode(block, kv)
+    kv = Seqs(ours, 2, end)
+    encode(ours, prompt, kv)
+    encode(ours, block, kv)
     for i, layer in enumerate(cache.layers):
         n = layer.keys.shape[2]  # the reference keeps only the last W positions on sliding layers
-        k, v = kv.read(i, end - n, end)
+        k, v = read(kv, i, end - n, end)
         torch.testing.assert_close(k, layer.keys, rtol=2 ** -7, atol=2 ** -10)
         torch.testing.assert_close(v, layer.values, rtol=2 ** -7, atol=2 ** -10)
 
@@ -217,10 +218,10 @@ def test_bf16_second_block_matches_reference(pair, ref16, monkeypatch, kernels):
         ref16.model.encoder(input_ids=prompt, cache=cache)
         ref16.model.encoder(input_ids=block, cache=cache)
         want = ref16(cache=cache, decoder_input_ids=canvas, self_conditioning_logits=sc).logits
-    kv = ours.new_cache(1, prompt.shape[1] + block.shape[1])
-    ours.encode(prompt, kv)
-    ours.encode(block, kv)
-    assert max_diff(ours.logits(ours.decode(canvas, kv, ours.soft_embedding(sc))), want) <= BF16_TOL
+    kv = Seqs(ours, 1, prompt.shape[1] + block.shape[1])
+    encode(ours, prompt, kv)
+    encode(ours, block, kv)
+    assert max_diff(ours.logits(decode(ours, canvas, kv, ours.soft_embedding(sc))), want) <= BF16_TOL
 
 
 def use_vocab_path(monkeypatch, path):
@@ -250,7 +251,7 @@ def use_vocab_path(monkeypatch, path):
 
 @pytest.mark.parametrize("path", ["reference", "cpu", "triton"])
 def test_bf16_sampler_step_two_is_the_references(pair, ref16, monkeypatch, path):
-    """Two denoising steps, the first through the sampler's step (`sampling.rules.denoise_step`: decode,
+    """Two denoising steps, the first through the sampler's step (the pass, then `sampling.rules.sample_step`:
     vocabulary pass, accept, renoise), against transformers' two forwards on the same canvases: the
     reference stores step 1's processed logits (L / T) in bf16 and builds the soft embedding from them
     inside step 2 (captured at its self-conditioning module); ours builds it in the vocabulary pass.
@@ -265,7 +266,7 @@ def test_bf16_sampler_step_two_is_the_references(pair, ref16, monkeypatch, path)
     moves step 2 past BF16_TOL in these random models (a 2^-8 relative change of the soft embedding moves
     step-2 logits by 0.1-2.8), so the Triton path's step 2 is not compared."""
     from dgcli.sampling.params import DiffusionEbParams
-    from dgcli.sampling.rules import denoise_step
+    from dgcli.sampling.rules import sample_step
 
     ours = load16(pair[2], monkeypatch, use_vocab_path(monkeypatch, path))
     cfg = ours.config
@@ -274,14 +275,14 @@ def test_bf16_sampler_step_two_is_the_references(pair, ref16, monkeypatch, path)
     uniform = torch.rand(canvas.shape, generator=g, dtype=torch.float64)
     noise = torch.randint(0, cfg.vocab_size, canvas.shape, generator=g)
     temperature = 0.7
-    kv = ours.new_cache(2, prompt.shape[1])
-    ours.encode(prompt, kv)
+    kv = Seqs(ours, 2, prompt.shape[1])
+    encode(ours, prompt, kv)
     with torch.no_grad():
         step1 = ref16(input_ids=prompt, decoder_input_ids=canvas).logits
-    assert max_diff(ours.logits(ours.decode(canvas, kv)), step1) <= BF16_TOL
-    out, accepted, next_canvas, _, _ = denoise_step(
-        ours, canvas, kv, None, torch.full((2,), temperature), torch.full((1, 2, cfg.canvas_length), -1),
-        DiffusionEbParams(), uniform, noise, want_soft=True, compile_tiles=False)
+    assert max_diff(ours.logits(decode(ours, canvas, kv)), step1) <= BF16_TOL
+    out, accepted, next_canvas, _, _ = sample_step(
+        ours, decode(ours, canvas, kv), torch.full((2,), temperature), torch.full((1, 2, cfg.canvas_length), -1),
+        DiffusionEbParams(), uniform, noise, want_soft=True)
     assert 0 < int(accepted.sum()) < accepted.numel()  # step 2's canvas mixes draws and renoised positions
 
     captured = []
@@ -303,7 +304,7 @@ def test_bf16_sampler_step_two_is_the_references(pair, ref16, monkeypatch, path)
         assert (got != want).float().mean() <= 0.005
         return
     assert torch.equal(out.soft, ref_soft)
-    got2 = ours.logits(ours.decode(next_canvas, kv, out.soft))
+    got2 = ours.logits(decode(ours, next_canvas, kv, out.soft))
     assert max_diff(got2, step2) <= BF16_TOL
     assert max_diff(step2, step2_without_sc) > 10 * BF16_TOL  # self-conditioning matters
 
@@ -342,11 +343,11 @@ def test_compiled_decoder_matches_reference(tmp_path):
     with torch.no_grad():
         want = ref(input_ids=prompt, decoder_input_ids=canvas, self_conditioning_logits=sc).logits
         want2 = ref(input_ids=torch.cat([prompt, block], 1), decoder_input_ids=canvas).logits
-    kv = ours.new_cache(1, prompt.shape[1] + block.shape[1])
-    ours.encode(prompt, kv)
-    got = ours.logits(ours.decode(canvas, kv, ours.soft_embedding(sc)))
+    kv = Seqs(ours, 1, prompt.shape[1] + block.shape[1])
+    encode(ours, prompt, kv)
+    got = ours.logits(decode(ours, canvas, kv, ours.soft_embedding(sc)))
     assert (got - want).abs().max() <= FP32_TOL
-    ours.encode(block, kv)
-    got2 = ours.logits(ours.decode(canvas, kv, None))
+    encode(ours, block, kv)
+    got2 = ours.logits(decode(ours, canvas, kv, None))
     assert (got2 - want2).abs().max() <= FP32_TOL
     assert (want2 - want).abs().max() > 1e-2  # the two steps really differ

@@ -15,6 +15,7 @@ from dgcli.model.random_weights import make_config, random_model
 from dgcli.sampling.engine import Engine, Request
 from dgcli.sampling.events import Commit, Done, Step
 from dgcli.sampling.params import DiffusionEbParams
+from passes import Seqs, decode, encode
 
 pytestmark = pytest.mark.skipif(not linear_cpu.packing_available(),
                                 reason="this torch build has no oneDNN bf16 packed linear")
@@ -61,13 +62,13 @@ def test_packed_model_has_the_models_bits(name):
     with torch.inference_mode():
         outs = []
         for m in (plain, packed):
-            kv = m.new_cache(2, prompt.shape[1] + block.shape[1])
-            m.encode(prompt, kv)
-            m.encode(block, kv)
+            kv = Seqs(m, 2, prompt.shape[1] + block.shape[1])
+            encode(m, prompt, kv)
+            encode(m, block, kv)
             caches.append(kv)
-            hidden = m.decode(canvas, kv, soft)
+            hidden = decode(m, canvas, kv, soft)
             outs.append((hidden, m.logits(hidden)))
-    for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
+    for a, b in zip(caches[0].cache.k + caches[0].cache.v, caches[1].cache.k + caches[1].cache.v):
         assert torch.equal(a, b)
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
@@ -123,9 +124,9 @@ def test_every_linear_input_is_contiguous():
     canvas_ids = torch.randint(0, cfg.vocab_size, (2, cfg.canvas_length))
     soft = torch.randn(2, cfg.canvas_length, cfg.hidden_size).bfloat16()
     with torch.inference_mode():
-        kv = model.new_cache(2, 13)
-        model.encode(prompt, kv)
-        model.decode(canvas_ids, kv, soft)
+        kv = Seqs(model, 2, 13)
+        encode(model, prompt, kv)
+        decode(model, canvas_ids, kv, soft)
     assert seen and all(seen), seen
 
 

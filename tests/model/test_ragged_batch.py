@@ -4,6 +4,7 @@ prompts are longer than the sliding window; then a commit of a block at each row
 
 import pytest
 import torch
+from passes import Seqs, decode, encode
 from hf_oracle import CONFIGS, build_reference
 
 import dgcli
@@ -32,12 +33,12 @@ def batched_logits(model, prompts, canvas, blocks=()):
     ids = torch.zeros(len(prompts), n, dtype=torch.long)
     for b, p in enumerate(prompts):
         ids[b, :len(p)] = p
-    cache = model.new_cache(len(prompts), n + len(blocks) * model.config.canvas_length)
-    model.encode(ids, cache, [len(p) for p in prompts])
+    cache = Seqs(model, len(prompts), n + len(blocks) * model.config.canvas_length)
+    encode(model, ids, cache, [len(p) for p in prompts])
     for block in blocks:
-        model.encode(block, cache)
+        encode(model, block, cache)
     assert cache.lens == [len(p) + len(blocks) * model.config.canvas_length for p in prompts]
-    return model.logits(model.decode(canvas, cache))
+    return model.logits(decode(model, canvas, cache))
 
 
 def test_rows_of_different_lengths_equal_their_solo_runs_and_the_reference(pair):
@@ -70,10 +71,10 @@ def test_committed_blocks_continue_at_each_rows_own_position(pair):
     block = torch.randint(0, cfg.vocab_size, (2, cfg.canvas_length), generator=torch.Generator().manual_seed(2))
     got = batched_logits(ours, prompts, canvas, blocks=[block])
     for b, p in enumerate(prompts):
-        cache = ours.new_cache(1, len(p) + cfg.canvas_length)
-        ours.encode(p[None], cache)
-        ours.encode(block[b:b + 1], cache)
-        solo = ours.logits(ours.decode(canvas[b:b + 1], cache))[0]
+        cache = Seqs(ours, 1, len(p) + cfg.canvas_length)
+        encode(ours, p[None], cache)
+        encode(ours, block[b:b + 1], cache)
+        solo = ours.logits(decode(ours, canvas[b:b + 1], cache))[0]
         assert (got[b] - solo).abs().max() <= FP32_TOL, b
     # the rows really differ in length: a shared-position batch would give other numbers
     assert (got[1] - ours.forward_canvas(torch.cat((prompts[1], block[1]))[None], canvas[1:2])[0]).abs().max() <= 1e-4

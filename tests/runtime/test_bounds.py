@@ -16,7 +16,6 @@ from dgcli.model import loader
 from dgcli.runtime.session import open_session
 from dgcli.runtime.settings import RunSettings, resolve
 from dgcli.sampling import rules
-from dgcli.sampling.async_stop import AsyncStopEngine
 from dgcli.sampling.engine import Engine, Request
 from dgcli.sampling.events import Step
 from dgcli.sampling.params import LIMITS, DiffusionEbParams
@@ -95,13 +94,13 @@ def session():
     return open_session(None, None, sampler_flags(device="cpu", dtype="float32"))
 
 
-@pytest.mark.parametrize("engine_cls", [Engine, AsyncStopEngine])
-def test_submit_does_not_build_the_schedule_up_front(session, engine_cls):
+@pytest.mark.parametrize("lag", [0, 1])
+def test_submit_does_not_build_the_schedule_up_front(session, lag):
     # The engine does not validate (its callers do), so its own cost must not grow with the step cap: the old
     # submit built all N temperatures (about 40 us each), i.e. seconds here; now it builds none.
     n = 200_000
     params = DiffusionEbParams(max_denoising_steps=n, confidence_threshold=0.0, seed=3)
-    engine = engine_cls(session.model, slots=1, max_len=64, pad_id=session.pad_id)
+    engine = Engine(session.model, slots=1, max_len=64, pad_id=session.pad_id, lag=lag)
     t0 = time.perf_counter()
     engine.submit(Request(id=0, prompt=torch.tensor([2, 5, 6, 7]), params=params, num_blocks=1, seed=3))
     assert time.perf_counter() - t0 < 0.5

@@ -283,4 +283,4 @@ def test_cancelled_requests_leave_and_the_others_keep_their_solo_answers(bundled
         want = generate(session.model, prompts[jobs[rid]], params=dataclasses.replace(p, seed=rid), num_blocks=3,
                         stop_ids=session.stop_ids)
         assert (dones[rid].token_ids, dones[rid].steps_per_block) == (want.token_ids, want.steps_per_block)
-    assert engine.idle and engine.free == [0, 1] and engine.cache.lens == [0, 0]
+    assert engine.idle and engine.sched.free == [0, 1] and engine.cache.tables == {}

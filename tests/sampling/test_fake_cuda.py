@@ -1,7 +1,7 @@
 """The CUDA path of the engine, run without a GPU on fake CUDA tensors (torch's FakeTensorMode: shapes,
 dtypes and devices, no data): a small model whose weights are fake `cuda:0` tensors (bf16, and FP8),
-several requests of different prompt lengths through `async_stop.new_engine` (the CUDA engine, async stop)
-and the synchronous `Engine`, with the Triton kernels chosen (their custom ops' fakes run). It fails on:
+several requests of different prompt lengths through `engine.new_engine` (on CUDA: lag 1, a pass's flags
+read a pass late) and with lag 0, with the Triton kernels chosen (their custom ops' fakes run). It fails on:
 a host read of a device value inside a pass other than the declared ones (`dgcli/sampling/host_reads.py`;
 FakeTensorMode raises DataDependentOutputException where a GPU would sync), a device mix (CPU and CUDA
 tensors in one op: FakeTensorDeviceMismatchError), and a GEMM, attention or kernel in a dtype the CUDA
@@ -16,23 +16,23 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorDeviceMismatchError
 
 from dgcli.kernels import dispatch
-from dgcli.model.gemma import Attention, DiffusionGemma
+from dgcli.model import attention
+from dgcli.model.gemma import DiffusionGemma
 from dgcli.sampling import host_reads
-from dgcli.sampling.async_stop import AsyncStopEngine, new_engine
-from dgcli.sampling.engine import Engine, Request
+from dgcli.sampling.engine import Engine, Request, new_engine
 from dgcli.sampling.events import Commit, Done, Step
 from dgcli.sampling.params import DiffusionEbParams
 from fake_cuda import (CUDA, PROMPT_LENS, TEXT, AttentionLog, CudaBindings, FakeCudaMode, OpLog,  # noqa: F401
                        PageableCopies, check_dtypes, fake_cuda, fake_model, substitute_reads)
 
 
-def run(mode: FakeCudaMode, engine_cls, model, slots=2, step_mode="dynamic"):
+def run(mode: FakeCudaMode, lag, model, slots=2):
     """Several requests through the engine on fake CUDA; (events, the host reads made, the op log)."""
     params = DiffusionEbParams(max_denoising_steps=4, confidence_threshold=0.5)
     reads, log = [], OpLog()
     mode.syncs.clear()
     with mode, CudaBindings(), PageableCopies() as copies:
-        engine = engine_cls(model, slots=slots, max_len=64, pad_id=0, step_mode=step_mode)
+        engine = Engine(model, slots=slots, max_len=64, pad_id=0, lag=lag)
         for rid, n in enumerate(PROMPT_LENS):
             prompt = torch.randint(3, TEXT["vocab_size"], (n,), device=CUDA)
             engine.submit(Request(id=rid, prompt=prompt, params=params, num_blocks=2, seed=rid))
@@ -41,8 +41,8 @@ def run(mode: FakeCudaMode, engine_cls, model, slots=2, step_mode="dynamic"):
     assert not copies.found, "\n".join(copies.found)  # no host-to-device copy that waits for the device
     # one stop read per pass (every request here can stop early), none other than the declared ones
     assert sum(why == "stop" for why, *_ in reads) == engine.stats["decoder_passes"] > len(PROMPT_LENS)
-    # a device wait after each prefill and commit only (their timings), never inside a decoder pass
-    assert mode.syncs == [CUDA] * engine.stats["encoder_passes"]
+    # no device-wide wait at all (a pass's timing waits on its own end event, when it is settled)
+    assert mode.syncs == []
     return events, reads, log
 
 
@@ -63,58 +63,52 @@ def test_cuda_engine_runs_on_fake_cuda(fake_cuda, monkeypatch, weights, fp8_mode
     model = fake_model(fake_cuda, weights)
     assert model.embed_weight.device == CUDA
     with fake_cuda:
-        assert type(new_engine(model, slots=2, max_len=64)) is AsyncStopEngine  # what a CUDA model gets
-    events, reads, log = run(fake_cuda, AsyncStopEngine, model)
+        assert new_engine(model, slots=2, max_len=64).lag == 1  # what a CUDA model gets
+    events, reads, log = run(fake_cuda, 1, model)
     check_run(events, reads)
-    # the async engine reads its flags from the pinned host copy (made with non_blocking), never the device
+    # with lag 1 the engine reads its flags from the pinned host copy (made with non_blocking), never the device
     assert all(dev.type == "cpu" for why, _, _, dev in reads if why == "stop")
     if dispatch._triton_ok():  # the Triton kernels' ops ran (Triton ships with torch on Linux x86-64)
         assert {op[0].split(".")[1] for op in log.ops if op[0].startswith("dgemma.")} == {
-            "vocab_pass", "experts", "rms_norm"} | ({"fp8_linear"} if fp8_mode == "weight-only" else set())
+            "vocab_pass", "experts", "rms_norm", "paged_attention"} | ({"fp8_linear"} if fp8_mode == "weight-only" else set())
     assert any(op[0].startswith("aten._scaled_mm") for op in log.ops) == (fp8_mode == "dynamic")
     check_dtypes(log, weights)
 
 
 def test_sync_engine_runs_on_fake_cuda(fake_cuda):
-    events, reads, log = run(fake_cuda, Engine, fake_model(fake_cuda, "bf16"), slots=3)
-    check_run(events, reads)
-    check_dtypes(log, "bf16")
-
-
-@pytest.mark.parametrize("step_mode", ["static", "graphs"])
-def test_static_step_runs_on_fake_cuda(fake_cuda, step_mode):
-    """The static-shape step, eager and as CUDA graphs (captured and replayed as fakes: the capture itself
-    cannot be faked, what runs inside it is)."""
-    events, reads, log = run(fake_cuda, AsyncStopEngine, fake_model(fake_cuda, "bf16"), step_mode=step_mode)
+    events, reads, log = run(fake_cuda, 0, fake_model(fake_cuda, "bf16"), slots=3)
     check_run(events, reads)
     check_dtypes(log, "bf16")
 
 
 def test_an_undeclared_host_read_in_a_pass_is_caught(fake_cuda, monkeypatch):
-    """A planted `.item()` inside the decoder pass (a host sync on a GPU) fails the run."""
-    decode = DiffusionGemma.decode
+    """A planted `.item()` inside the pass (a host sync on a GPU) fails the run."""
+    forward_pass = DiffusionGemma.forward_pass
 
-    def decode_and_read(self, *a, **kw):
-        hidden = decode(self, *a, **kw)
-        hidden.float().mean().item()  # e.g. a debugging print of a statistic
+    def pass_and_read(self, *a, **kw):
+        hidden = forward_pass(self, *a, **kw)
+        if hidden is not None:
+            hidden.float().mean().item()  # e.g. a debugging print of a statistic
         return hidden
 
-    monkeypatch.setattr(DiffusionGemma, "decode", decode_and_read)
+    monkeypatch.setattr(DiffusionGemma, "forward_pass", pass_and_read)
     with pytest.raises(DataDependentOutputException):
-        run(fake_cuda, AsyncStopEngine, fake_model(fake_cuda, "bf16"))
+        run(fake_cuda, 1, fake_model(fake_cuda, "bf16"))
 
 
 def test_a_cpu_tensor_in_attention_is_caught(fake_cuda, monkeypatch):
     """A planted CPU tensor in the attention call (a mask built on the host) fails the run."""
-    sdpa = Attention.sdpa
+    reads = attention.PassLayout.reads
 
-    def sdpa_with_host_mask(q, k, v, mask):
-        host = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool)  # on the CPU
-        return sdpa(q, k, v, host if mask is None else mask.cpu())
+    def reads_with_host_mask(self, *a):
+        runs, mask = reads(self, *a)
+        s = self.segments[a[0]]
+        return runs, torch.ones(s.length, sum(b - a for a, b in runs), dtype=torch.bool)  # on the CPU
 
-    monkeypatch.setattr(Attention, "sdpa", staticmethod(sdpa_with_host_mask))
+    monkeypatch.setattr(attention.PassLayout, "reads", reads_with_host_mask)
+    monkeypatch.setattr(attention, "backend", lambda device: "torch-sdpa")
     with pytest.raises(FakeTensorDeviceMismatchError):
-        run(fake_cuda, AsyncStopEngine, fake_model(fake_cuda, "bf16"))
+        run(fake_cuda, 1, fake_model(fake_cuda, "bf16"))
 
 
 def test_host_reads_are_declared():

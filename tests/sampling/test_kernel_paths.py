@@ -69,8 +69,8 @@ class WithoutSelfConditioning:
     def __getattr__(self, name):
         return getattr(self.model, name)
 
-    def decode(self, canvas, cache, soft):
-        return self.model.decode(canvas, cache, None)
+    def forward_pass(self, ids, segments, cache, soft=None):
+        return self.model.forward_pass(ids, segments, cache, None)
 
 
 def test_random_model_same_draws_on_every_path(cli_ckpt, monkeypatch, triton_device):

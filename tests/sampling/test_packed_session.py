@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_async_stop import mixed_jobs, per_request
+from test_engine_lag import mixed_jobs, per_request
 
 import dgcli
 from dgcli.cli.options import sampler_flags
@@ -15,8 +15,6 @@ from dgcli.kernels import linear_cpu
 from dgcli.model.packed import PackedLinear
 from dgcli.runtime import request, session as session_mod
 from dgcli.runtime.session import open_session
-from dgcli.sampling.async_stop import AsyncStopEngine
-from dgcli.sampling.engine import Engine
 from dgcli.text.prompts import read_prompt_file
 
 pytestmark = pytest.mark.skipif(not linear_cpu.packing_available(),
@@ -46,15 +44,15 @@ def test_a_bf16_cpu_session_packs(sessions):
 
 @pytest.mark.parametrize("slots", [1, 4])
 def test_packed_session_gives_every_request_the_same_events(sessions, slots):
-    """18 held-out prompts through `slots` slots, then mixed settings with a cancel on the async-stop engine:
+    """18 held-out prompts through `slots` slots, then mixed settings with a cancel at lag 1:
     tokens, masks, steps and mean entropies all equal (the same bits, not within a tolerance)."""
     packed, plain, prompts = sessions
     jobs = [(prompts[i], packed.params, 4) for i in range(0, 90, 5)]
-    a, _ = per_request(Engine, packed, jobs, slots)
-    b, _ = per_request(Engine, plain, jobs, slots)
+    a, _ = per_request(0, packed, jobs, slots)
+    b, _ = per_request(0, plain, jobs, slots)
     assert a == b
-    a, _ = per_request(AsyncStopEngine, packed, mixed_jobs(packed, prompts), 3, (2, 3))
-    b, _ = per_request(AsyncStopEngine, plain, mixed_jobs(plain, prompts), 3, (2, 3))
+    a, _ = per_request(1, packed, mixed_jobs(packed, prompts), 3, (2, 3))
+    b, _ = per_request(1, plain, mixed_jobs(plain, prompts), 3, (2, 3))
     assert a == b
 
 

@@ -23,21 +23,24 @@ from dgcli.sampling.rules import (accept_mask, is_confident, is_stable, push_his
 
 
 class MockCache:
-    """One row's length (the mock model runs batches of one)."""
+    """The engine's view of a cache: sequences reserved and released."""
 
-    def __init__(self, batch_size: int, max_len: int):
-        assert batch_size == 1
-        self.batch_size, self.max_len, self.length = batch_size, max_len, 0
+    def __init__(self, seqs: int, max_len: int, chunk: int):
+        self.seqs, self.max_len, self.chunk, self.tables = seqs, max_len, chunk, {}
 
-    @property
-    def lens(self) -> list[int]:
-        return [self.length]
+    def reserve(self, seq: int, positions: int) -> bool:
+        assert positions <= self.max_len
+        self.tables[seq] = positions
+        return True
+
+    def release(self, seq: int) -> None:
+        self.tables.pop(seq)
 
 
 class MockModel:
-    """decode() returns hidden = sharp[i] · E[target_i] for canvas position i, so the logits peak at
-    target_i with a sharpness we choose. Targets depend on the prefix length (i.e. which block), via
-    `targets(prefix_len) -> [C]`. Records every encode/decode call."""
+    """forward_pass() returns hidden = sharp[i] · E[target_i] for canvas position i, so the logits peak at
+    target_i with a sharpness we choose. Targets depend on the canvas's start (its prefix length, i.e. which
+    block), via `targets(prefix_len) -> [C]`. Records every causal segment (encode) and canvas (decode)."""
 
     def __init__(self, vocab=40, canvas=8, hidden=64, sharp=20.0, targets=None, dtype=torch.float32):
         self.config = SimpleNamespace(vocab_size=vocab, canvas_length=canvas, hidden_size=hidden,
@@ -48,26 +51,31 @@ class MockModel:
         self.embed_scale = torch.tensor(math.sqrt(hidden)).to(dtype)
         self.sharp = torch.as_tensor(sharp, dtype=torch.float32).expand(canvas)  # [C]
         self.targets = targets or (lambda prefix_len: (torch.arange(canvas) * 7 + prefix_len) % vocab)
-        self.encodes: list[tuple[int, torch.Tensor]] = []  # (cache length before, ids)
-        # (cache length, canvas, soft, hidden) per decode
+        self.encodes: list[tuple[int, torch.Tensor]] = []  # (start position, ids [1, T])
+        # (prefix length, canvas, soft, hidden) per canvas step
         self.decodes: list[tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
 
-    def new_cache(self, batch_size: int, max_len: int) -> MockCache:
-        self.cache = MockCache(batch_size, max_len)
+    def new_cache(self, seqs: int, max_len: int, block_size: int) -> MockCache:
+        self.cache = MockCache(seqs, max_len, 2 * self.config.canvas_length)
         return self.cache
 
-    def encode(self, ids: torch.Tensor, cache: MockCache) -> None:
-        assert ids.dim() == 2 and ids.dtype == torch.long
-        self.encodes.append((cache.length, ids.clone()))
-        cache.length += ids.shape[1]
-        assert cache.length <= cache.max_len
-
-    def decode(self, canvas: torch.Tensor, cache: MockCache, soft: torch.Tensor | None) -> torch.Tensor:
-        assert canvas.shape == (1, self.config.canvas_length) and canvas.dtype == torch.long
-        hidden = (self.sharp[:, None] * self.embed_weight[self.targets(cache.length)].float())[None]  # [1, C, H]
-        hidden = hidden.to(self.embed_weight.dtype)
-        self.decodes.append((cache.length, canvas.clone(), None if soft is None else soft.clone(), hidden))
-        return hidden
+    def forward_pass(self, ids: torch.Tensor, segments: list, cache: MockCache, soft: torch.Tensor | None):
+        assert ids.dim() == 1 and ids.dtype == torch.long
+        n, hidden = 0, []
+        for s in segments:
+            assert s.seq in cache.tables and s.start + s.length <= cache.tables[s.seq]
+            part = ids[n:n + s.length]
+            n += s.length
+            if not s.canvas:
+                self.encodes.append((s.start, part[None].clone()))
+                continue
+            assert s.length == self.config.canvas_length
+            h = (self.sharp[:, None] * self.embed_weight[self.targets(s.start)].float()).to(self.embed_weight.dtype)
+            self.decodes.append((s.start, part[None].clone(), None if soft is None else soft[len(hidden)][None].clone(),
+                                 h[None]))
+            hidden.append(h)
+        assert n == len(ids)
+        return torch.stack(hidden) if hidden else None
 
 
 def P(**kw):
@@ -198,7 +206,7 @@ def test_converges_after_two_steps_and_commits_argmax():
     assert d.tokens_per_forward == pytest.approx(16 / 4)
     # prompt first, then block 0's argmax; the last block is never encoded
     assert [(n, ids.tolist()) for n, ids in m.encodes] == [(0, [[1, 2, 3]]), (3, [t0.tolist()])]
-    assert m.cache.max_len == 3 + 8
+    assert m.cache.max_len == 3 + 8 + 8  # the prompt, a committed block and a canvas
     assert set(d.timings) == {"prefill_s", "denoise_s", "commit_s", "first_block_s", "total_s"}
     assert all(v >= 0 for v in d.timings.values()) and d.timings["total_s"] >= d.timings["denoise_s"]
 

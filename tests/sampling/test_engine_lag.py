@@ -1,6 +1,7 @@
-"""`AsyncStopEngine` (the CUDA engine: pass n+1 launched before pass n's stop flags are read, a stopped
-request's speculative step discarded) gives every request exactly the synchronous engine's events: the
-same steps, stop reasons, argmax canvases, accepted masks, commits and answers. Forced on CPU here."""
+"""The engine with lag 1 (CUDA's: pass n+1 launched before pass n's stop flags are read, a stopped request's
+speculative step discarded) gives every request exactly lag 0's events: the same steps, stop reasons, argmax
+canvases, accepted masks, commits and answers. Forced on CPU here; also chunked prefill (a small per-pass
+token budget) against whole prompts."""
 
 from __future__ import annotations
 
@@ -13,8 +14,7 @@ import dgcli
 from dgcli.cli.options import sampler_flags
 from dgcli.runtime import request
 from dgcli.runtime.session import open_session
-from dgcli.sampling.async_stop import AsyncStopEngine, new_engine
-from dgcli.sampling.engine import Engine, Request
+from dgcli.sampling.engine import Engine, Request, new_engine
 from dgcli.sampling.events import BlockStart, Commit, Done, Step
 from dgcli.text.prompts import read_prompt_file
 
@@ -52,9 +52,9 @@ def same(a: dict, b: dict) -> None:
                 assert x == y, rid
 
 
-def per_request(engine_cls, session, jobs, slots, cancel=None):
+def per_request(lag, session, jobs, slots, cancel=None, **kw):
     """{request id: its events as records}; `cancel` = (id, after its Nth step event) withdraws it."""
-    engine = engine_cls(session.model, slots=slots, max_len=400, pad_id=session.pad_id)
+    engine = Engine(session.model, slots=slots, max_len=400, pad_id=session.pad_id, lag=lag, **kw)
     for rid, (ids, params, blocks) in enumerate(jobs):
         engine.submit(Request(id=rid, prompt=torch.tensor(ids), params=params, num_blocks=blocks, seed=rid,
                               stops=set(session.stop_ids)))
@@ -63,17 +63,18 @@ def per_request(engine_cls, session, jobs, slots, cancel=None):
         got.setdefault(ev.row, []).append(record(ev))
         if cancel and ev.row == cancel[0] and sum(r[0] == "step" for r in got[ev.row]) == cancel[1]:
             assert engine.cancel(cancel[0])
-    assert engine.idle and sorted(engine.free) == list(range(slots))
+    assert engine.idle and engine.sched.free == list(range(slots)) and engine.cache.tables == {}
+    assert all(len(p.free) == p.n for p in engine.cache.groups.values())  # every block back
     return got, engine.stats
 
 
 @pytest.mark.parametrize("slots", [1, 3, 8])
-def test_async_stop_gives_every_request_the_synchronous_events(bundled, slots):
+def test_lag_one_gives_every_request_lag_zeros_events(bundled, slots):
     session, prompts = bundled
     p = session.params
     jobs = [(prompts[i], p, 4) for i in range(0, 90, 5)]  # 18 requests through `slots` slots
-    sync, _ = per_request(Engine, session, jobs, slots)
-    fast, stats = per_request(AsyncStopEngine, session, jobs, slots)
+    sync, _ = per_request(0, session, jobs, slots)
+    fast, stats = per_request(1, session, jobs, slots)
     same(fast, sync)
     early = sum(r[3] == "stable_confident" for rows in sync.values() for r in rows if r[0] == "step")
     assert early > 10 and stats["discarded_row_steps"] >= 1  # early stops happened: speculation was discarded
@@ -94,12 +95,24 @@ def test_mixed_settings_depths_and_a_cancel(bundled):
     session, prompts = bundled
     jobs = mixed_jobs(session, prompts)
     for cancel in (None, (2, 3)):
-        sync, _ = per_request(Engine, session, jobs, 3, cancel)
-        fast, _ = per_request(AsyncStopEngine, session, jobs, 3, cancel)
+        sync, _ = per_request(0, session, jobs, 3, cancel)
+        fast, _ = per_request(1, session, jobs, 3, cancel)
         same(fast, sync)
 
 
 def test_new_engine_picks_by_device(bundled):
     session, _ = bundled
-    assert type(new_engine(session.model, slots=1, max_len=64)) is Engine  # CPU: nothing to overlap
-    assert type(new_engine(session.model, async_stop=True, slots=1, max_len=64)) is AsyncStopEngine
+    assert new_engine(session.model, slots=1, max_len=64).lag == 0  # CPU: nothing to overlap
+    assert new_engine(session.model, lag=1, slots=1, max_len=64).lag == 1
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_chunked_prefill_gives_the_same_tokens(bundled, lag):
+    """A per-pass budget of one canvas: prompts are encoded in chunks while other requests denoise. Tokens,
+    masks and steps equal the whole-prompt run's (the chunks' attention sums over the same keys; fp32 here)."""
+    session, prompts = bundled
+    jobs = [(prompts[i], session.params, 3) for i in (2, 30, 61, 77)]
+    whole, _ = per_request(lag, session, jobs, 2)
+    chunked, stats = per_request(lag, session, jobs, 2, budget=1)
+    assert stats["encoder_passes"] > len(jobs) * 2  # prompts took several passes each
+    same(chunked, whole)

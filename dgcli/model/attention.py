@@ -1,0 +1,157 @@
+"""The one attention entry point: every row of a pass, every phase, over the paged KV cache, read in place.
+
+Owns: `Segment` (a run of one sequence's rows in a pass), `PassLayout` (where each row's key and value go and
+which keys it reads, built once per pass for every layer) and `attend`. One rule covers every phase: a row at
+position p of a sequence reads that sequence's key positions lo..hi-1, where
+- causal rows (prompt chunks, committed blocks): hi = p + 1; lo = p - W + 1 on sliding layers of window W, else 0;
+- canvas rows (bidirectional, one canvas at positions P..P+C-1): hi = P + C for every row; lo = P - (W - 1) on
+  sliding layers (the same last W-1 prefix positions for every canvas row: the reference's rectangle, not a
+  per-row window; spec §6), else 0.
+Every row's key and value are written to the cache before any row reads (a canvas writes its own at the
+positions its block will commit to; the commit overwrites them), so the canvas's keys and a same-pass commit's
+or prompt chunk's are read from the cache like the prefix: no step copies a prefix or concatenates keys.
+Backends (`backend`): CUDA runs the Triton kernel (`kernels/paged_attention.py`), which walks block tables;
+elsewhere torch's SDPA runs once per segment over strided views of the pool (a sequence's blocks are one run
+when the allocator could give one; otherwise the pieces are concatenated, counted in `PassLayout.gathered`),
+with a causal mask only for causal segments ([rows, keys]: at most the per-pass chunk times the keys).
+On CPU the keys, their order and the mask are those of the reference's own attention call, so the bits are
+SDPA's on those keys (SDPA's CPU result does not depend on strides or on the batch: tested).
+Must not: know about requests, the sampler or blocks of the diffusion schedule.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dgcli.kernels import ops
+from dgcli.kernels.transfer import to_device
+
+
+@dataclass(frozen=True)
+class Segment:
+    seq: int  # the cache's sequence id
+    start: int  # position of its first row
+    length: int  # rows (consecutive positions)
+    canvas: bool  # bidirectional canvas rows; else causal rows (prompt chunk or committed block)
+
+    def keys(self, window: int | None) -> tuple[int, int]:
+        """The union lo..hi-1 of the key positions its rows read."""
+        hi = self.start + self.length
+        return (0 if window is None else max(0, self.start - window + 1)), hi
+
+
+def backend(device: torch.device) -> str:
+    """'triton-paged' (CUDA with Triton) or 'torch-sdpa': what `attend` runs on `device`."""
+    return "triton-paged" if device.type == "cuda" and _kernel_ok() else "torch-sdpa"
+
+
+@functools.cache
+def _kernel_ok() -> bool:
+    try:
+        import triton  # noqa: F401
+
+        from dgcli.kernels import paged_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class PassLayout:
+    """One pass's rows: segments in row order (every causal segment before every canvas segment), positions,
+    write slots per cache group and, per (segment, window), the key runs and mask. Host work once per pass."""
+
+    def __init__(self, segments: list[Segment], cache, device: torch.device):
+        self.segments, self.cache, self.device = segments, cache, torch.device(device)
+        self.row0, n = [], 0
+        for s in segments:
+            self.row0.append(n)
+            n += s.length
+        self.rows = n
+        self.n_causal = sum(s.length for s in segments if not s.canvas)
+        kinds = [s.canvas for s in segments]
+        if kinds != sorted(kinds):
+            raise ValueError("causal segments must come before canvas segments")
+        pos = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments])
+        self.positions = to_device(pos, torch.long, self.device)  # [N]
+        self.backend = backend(self.device)
+        self.gathered = 0  # key positions concatenated from several runs (0 when every read was a view)
+        self._slots: dict[str, torch.Tensor] = {}
+        self._reads: dict[tuple[int, int | None], tuple] = {}
+        self._meta: dict[int | None, tuple] = {}
+
+    def slots(self, group: str) -> torch.Tensor:
+        """[N] int64 device slots of every row's position in `group`'s pools."""
+        if group not in self._slots:
+            host = torch.cat([self.cache.slots(group, s.seq, s.start, s.start + s.length) for s in self.segments])
+            self._slots[group] = to_device(host, torch.long, self.device)
+        return self._slots[group]
+
+    def reads(self, j: int, group: str, window: int | None) -> tuple[list[tuple[int, int]], torch.Tensor | None]:
+        """Segment j's key runs in `group` and its mask [rows, keys] (None for canvas rows: they read every key)."""
+        key = (j, window)
+        if key not in self._reads:
+            s = self.segments[j]
+            lo, hi = s.keys(window)
+            mask = None
+            if not s.canvas:
+                kpos = torch.arange(lo, hi, device=self.device)
+                qpos = torch.arange(s.start, hi, device=self.device)[:, None]
+                mask = kpos <= qpos if window is None else (kpos <= qpos) & (kpos > qpos - window)
+            self._reads[key] = (self.cache.runs(group, s.seq, lo, hi), mask)
+        return self._reads[key]
+
+    def kernel_meta(self, group: str, window: int | None, tile: int) -> tuple:
+        """Per-row (sequence index, lo, hi) int32 on the device, the group's block tables and row tiles of at
+        most `tile` consecutive rows of one segment."""
+        if (window, tile) not in self._meta:
+            seqs = sorted({s.seq for s in self.segments})
+            index = {q: i for i, q in enumerate(seqs)}
+            row_seq, row_lo, row_hi, t0, tn = [], [], [], [], []
+            for s, r0 in zip(self.segments, self.row0):
+                lo, hi = s.keys(window)
+                for p in range(s.start, s.start + s.length):
+                    row_seq.append(index[s.seq])
+                    if s.canvas:
+                        row_lo.append(lo), row_hi.append(hi)
+                    else:
+                        row_lo.append(0 if window is None else max(0, p - window + 1)), row_hi.append(p + 1)
+                for a in range(0, s.length, tile):  # tiles of one sequence's consecutive rows
+                    t0.append(r0 + a), tn.append(min(tile, s.length - a))
+            as_dev = functools.partial(to_device, dtype=torch.int32, device=self.device)
+            self._meta[window, tile] = (as_dev(row_seq), as_dev(row_lo), as_dev(row_hi),
+                                        self.cache.table_tensor(group, seqs), as_dev(t0), as_dev(tn))
+        return self._meta[window, tile]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, layout: PassLayout) -> torch.Tensor:
+    """q [1, n, N, d], this pass's k, v [1, n_kv, N, d] of layer `layer` -> attention output [1, n, N, d].
+    Writes k, v into the cache first. Scale 1.0 (QK-norm absorbs 1/sqrt(d)); no softcap; GQA by head groups."""
+    cache = layout.cache
+    group, window = cache.kind[layer], cache.windows[layer]
+    cache.write(layer, layout.slots(group), k[0], v[0])
+    pool_k, pool_v = cache.k[layer], cache.v[layer]
+    if layout.backend == "triton-paged":
+        from dgcli.kernels.paged_attention import rows_per_tile
+
+        tile = rows_per_tile(q.shape[1], k.shape[1], q.shape[-1], q.dtype)  # the kernel's block, in rows
+        row_seq, lo, hi, tables, t0, tn = layout.kernel_meta(group, window, tile)
+        out = ops.paged_attention(q[0].transpose(0, 1), pool_k, pool_v, row_seq, lo, hi, tables, cache.block_size,
+                                  cache.ring_blocks if group == "ring" else 0, t0, tn)
+        return out.transpose(0, 1)[None]  # [1, n, N, d]
+    out = torch.empty_like(q)
+    for j, (s, r0) in enumerate(zip(layout.segments, layout.row0)):
+        runs, mask = layout.reads(j, group, window)
+        if len(runs) == 1:
+            (a, b), = runs
+            keys, values = pool_k[None, :, a:b], pool_v[None, :, a:b]
+        else:
+            keys = torch.cat([pool_k[None, :, a:b] for a, b in runs], dim=2)
+            values = torch.cat([pool_v[None, :, a:b] for a, b in runs], dim=2)
+            layout.gathered += keys.shape[2]
+        out[:, :, r0:r0 + s.length] = F.scaled_dot_product_attention(
+            q[:, :, r0:r0 + s.length], keys, values, attn_mask=mask, scale=1.0, enable_gqa=True)
+    return out

@@ -1,0 +1,110 @@
+"""Which rows the next pass runs: the scheduler of the engine (host only).
+
+Owns: `Plan` (one pass: its segments in row order, the requests whose prompt chunk, commit or canvas it carries)
+and `Scheduler` (the waiting queue, the requests being prefilled, the running ones, their cache sequences).
+Each pass: free sequences take queued requests whose blocks the cache can reserve (positions for the prompt
+and every block's canvas); every running request's canvas runs (and, when its last block ended, that block's
+commit rides along, as causal rows before it); the prompts of admitted requests are encoded in chunks in
+arrival order under a per-pass token budget (the running canvases count against it; a prompt still gets one
+canvas's worth when they fill it) and a per-sequence chunk (what its sliding ring holds beyond the window), so a long prompt never stalls the requests that are denoising. A request
+whose prompt completes in a pass starts its first block in that same pass (its canvas reads the prompt's keys
+written earlier in the pass: every row writes before any row reads, layer by layer).
+Must not: touch tensors other than slicing a request's ids, read the device, or know about the sampler's math.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Seg:
+    """A segment as the model takes it (`model/attention.py: Segment`), kept here to stay out of the model."""
+
+    seq: int
+    start: int
+    length: int
+    canvas: bool
+
+
+@dataclass
+class Plan:
+    segments: list[Seg] = field(default_factory=list)  # causal first, then canvases
+    causal_ids: list[Any] = field(default_factory=list)  # device id tensors of the causal segments, in order
+    prefills: list[Any] = field(default_factory=list)  # requests with a prompt chunk in this pass
+    commits: list[Any] = field(default_factory=list)  # requests whose last block is committed in this pass
+    canvases: list[Any] = field(default_factory=list)  # requests whose canvas runs a step, in row order
+    started: list[Any] = field(default_factory=list)  # requests whose prompt completes here (first block)
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.length for s in self.segments)
+
+
+class Scheduler:
+    def __init__(self, cache: Any, *, seqs: int, canvas: int, budget: int, seq_chunk: int):
+        self.cache, self.c, self.budget, self.seq_chunk = cache, canvas, budget, seq_chunk
+        self.free = list(range(seqs))
+        self.queue: deque = deque()
+        self.prefilling: list = []  # admitted, prompt not fully encoded yet (arrival order)
+        self.running: list = []  # denoising; row k of a pass's canvases is running[k] when every one runs
+
+    @property
+    def idle(self) -> bool:
+        return not (self.queue or self.prefilling or self.running)
+
+    def admit(self) -> None:
+        """Free sequences take queued requests (in order) while the cache can reserve their positions."""
+        while self.queue and self.free:
+            r = self.queue[0]
+            if not self.cache.reserve(self.free[0], len(r.prompt) + r.num_blocks * self.c):
+                break
+            self.queue.popleft()
+            r.slot = self.free.pop(0)
+            self.prefilling.append(r)
+
+    def release(self, r: Any) -> None:
+        """r leaves (finished or cancelled): its sequence and blocks are free for the next pass."""
+        if r in self.running:
+            self.running.remove(r)
+        if r in self.prefilling:
+            self.prefilling.remove(r)
+        self.cache.release(r.slot)
+        self.free.append(r.slot)
+        self.free.sort()
+        r.slot = -1
+
+    def plan(self, ready: Any) -> Plan:
+        """The next pass. `ready(r)`: whether running request r has a step to run now (not waiting for its
+        block's end to be read)."""
+        self.admit()
+        p, c = Plan(), self.c
+        canvases = [r for r in self.running if ready(r)]
+        for r in canvases:
+            if r.commit is not None:
+                p.segments.append(Seg(r.slot, r.prefix - c, c, False))
+                p.causal_ids.append(r.commit)
+                p.commits.append(r)
+        left = self.budget - len(canvases) * c - len(p.commits) * c
+        if self.prefilling and left < 1:
+            left = c  # progress for the prompts whatever the running set
+        for r in list(self.prefilling):
+            n = min(len(r.prompt) - r.prefilled, left, self.seq_chunk)
+            if n < 1:
+                break
+            p.segments.append(Seg(r.slot, r.prefilled, n, False))
+            p.causal_ids.append(r.prompt[r.prefilled:r.prefilled + n])
+            p.prefills.append(r)
+            r.prefilled += n
+            left -= n
+            if r.prefilled == len(r.prompt):
+                self.prefilling.remove(r)
+                self.running.append(r)
+                r.prefix = len(r.prompt)
+                p.started.append(r)
+                canvases.append(r)
+        p.canvases = canvases
+        p.segments += [Seg(r.slot, r.prefix, c, True) for r in canvases]
+        return p

@@ -1,0 +1,226 @@
+"""Attention over a paged KV cache as one Triton kernel (CUDA), and its torch reference.
+
+Owns: `paged_attention` (the kernel and its launch), `paged_attention_reference` (plain torch: the spec, the
+tests' oracle, usable on CPU), and the row-tile helpers `rows_per_tile` / `row_tiles` the engine uses to
+build the tile list once per plan. Must not: write the cache, allocate blocks, know phases (prompt, commit,
+canvas are all "row i attends positions lo..hi-1 of its sequence"), or sync with the host when the tiles are
+given (the engine captures it in a CUDA graph).
+
+Semantics (both functions): the key/value of sequence s at position p lives at slot
+`tables[s, L] * block_size + p % block_size`, L = p // block_size, or (p // block_size) % ring_blocks on
+sliding layers (ring_blocks > 0). Scale 1.0 (QK-norm absorbs 1/sqrt(d)), no softcap, query head h reads
+kv head h // (n_heads // n_kv), softmax in fp32, output in q's dtype.
+
+Kernel: grid (tiles, kv heads). A program owns one row tile (consecutive rows of one sequence) and one kv
+head, and stacks the tile's rows x the kv head's GROUP query heads into the M dimension of its blocks, so
+each key/value tile is loaded once for all of them (GQA: 2 query heads per kv head on sliding layers, 8 on
+full ones). It walks the key positions min(lo)..max(hi)-1 of its rows in BLOCK_N steps, gathers each key's
+slot through the block table, masks per row (p in lo..hi-1) and keeps an online softmax. A tile with more
+rows than fit the block is done in chunks by the same program (any tile list is correct; `rows_per_tile`
+rows per tile is the fast one); a tile with 0 rows does nothing (padding to a fixed grid for capture).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Block shapes by storage dtype and padded head dim: (BLOCK_M query slots = rows x group, BLOCK_N keys,
+# num_warps, num_stages). The fp32 accumulator is [BLOCK_M, BLOCK_D] (64x256, 32x512: 64 registers a thread
+# at 8 warps) beside the q tile held across the key loop. Each compiles for sm_90 and sm_80 without spills and
+# within the block's shared memory (tests/kernels/test_paged_attention.py, ahead of time: no GPU here), bf16
+# on the tensor cores (wgmma on sm_90; mma.sync at d 512, where BLOCK_M 64 for wgmma spills). fp32 (the tests'
+# dtype on a GPU: full-precision FMA dots) needs fewer keys per tile. Not timed: chosen to compile cleanly.
+TILES = {"bf16": {128: (64, 64, 8, 3), 256: (64, 32, 8, 2), 512: (32, 32, 8, 2)},
+         "fp32": {128: (64, 32, 8, 2), 256: (64, 16, 8, 2), 512: (16, 32, 8, 1)}}
+REFERENCE_BYTES = 256 * 2**20  # the reference's gathered fp32 K+V per chunk of rows
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_ptr, lo_ptr, hi_ptr, tab_ptr, t0_ptr, tn_ptr,
+                            ring_blocks, D, stride_qn, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs,
+                            stride_on, stride_oh, stride_t,
+                            GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, RING: tl.constexpr,
+                            DOT_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_D: tl.constexpr):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    row0 = tl.load(t0_ptr + tile)
+    n_rows = tl.load(tn_ptr + tile)
+    slot_m = tl.arange(0, BLOCK_M)  # query slot m = (row r of the chunk, query head g of this kv head)
+    r = slot_m // GROUP
+    head = (kvh * GROUP + slot_m % GROUP).to(tl.int64)  # x stride_qh: q may be a [n, N, d] tensor transposed
+    dd = tl.arange(0, BLOCK_D)
+    d_ok = dd < D
+    seq = tl.load(seq_ptr + row0, mask=n_rows > 0, other=0)  # every row of a tile is of this sequence
+    tab = tab_ptr + seq.to(tl.int64) * stride_t
+    k_base = k_ptr + kvh.to(tl.int64) * stride_kh
+    v_base = v_ptr + kvh.to(tl.int64) * stride_vh
+    for c0 in range(0, n_rows, ROWS):
+        rows = row0 + c0 + r
+        m_ok = (r < ROWS) & (c0 + r < n_rows)  # r < ROWS: the unused slots when GROUP is not a power of 2
+        lo = tl.load(lo_ptr + rows, mask=m_ok, other=2**30)  # unused slots: an empty interval
+        hi = tl.load(hi_ptr + rows, mask=m_ok, other=0)
+        lo_min = tl.min(lo, axis=0)
+        hi_max = tl.max(hi, axis=0)
+        q = tl.load(q_ptr + rows[:, None].to(tl.int64) * stride_qn + head[:, None] * stride_qh + dd[None, :],
+                    mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # [BM, BD]
+        if not DOT_BF16:  # fp32, or the interpreter (it computes bf16 arithmetic wrongly)
+            q = q.to(tl.float32)
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        for p0 in range(lo_min // BLOCK_N * BLOCK_N, hi_max, BLOCK_N):
+            pos = p0 + tl.arange(0, BLOCK_N)
+            attend = (pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None])  # [BM, BN]
+            # Only positions some row attends are read: a slot between intervals may hold another position
+            # (a ring) or garbage (NaN x a zero probability is NaN), an entry past the table's end no block.
+            k_ok = tl.max(attend.to(tl.int32), axis=0) > 0  # [BN]
+            logical = pos // BLOCK_SIZE
+            if RING:
+                logical = logical % ring_blocks
+            blk = tl.load(tab + logical, mask=k_ok, other=0)
+            slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE  # [BN]
+            kt = tl.load(k_base + slot[None, :] * stride_ks + dd[:, None], mask=k_ok[None, :] & d_ok[:, None],
+                         other=0.0)  # [BD, BN]
+            v = tl.load(v_base + slot[:, None] * stride_vs + dd[None, :], mask=k_ok[:, None] & d_ok[None, :],
+                        other=0.0)  # [BN, BD]
+            if DOT_BF16:  # bf16 operands as loaded: tensor cores, fp32 accumulation
+                s = tl.dot(q, kt)
+            else:  # full fp32 products, not TF32
+                s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
+            s = tl.where(attend, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing yet: no inf - inf
+            p = tl.exp(s - m_safe[:, None])  # 0 where not attended
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None]
+            if DOT_BF16:
+                acc = tl.dot(p.to(tl.bfloat16), v, acc)
+            else:
+                acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
+            m_i = m_new
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(o_ptr + rows[:, None].to(tl.int64) * stride_on + head[:, None] * stride_oh + dd[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+
+def _blocks(head_dim: int, group: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages) for a head dim, a GQA group and a dtype."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    table = TILES["bf16" if dtype == torch.bfloat16 else "fp32"]
+    if block_d > max(table):
+        raise ValueError(f"paged_attention supports head dims up to {max(table)}, got {head_dim}")
+    bm, bn, warps, stages = table[min(k for k in table if k >= block_d)]
+    return max(bm, triton.next_power_of_2(group)), bn, block_d, warps, stages
+
+
+def rows_per_tile(n_heads: int, n_kv: int, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """How many rows one program's block holds: the tile size to give `row_tiles`. Any tile list is correct
+    (a larger tile is walked in chunks by one program); tiles of this size fill the blocks and the grid."""
+    group = n_heads // n_kv
+    return _blocks(head_dim, group, dtype)[0] // group
+
+
+def row_tiles(rows_per_seq, tile: int, device: torch.device | str | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host-side tile list: the sequences' row counts in row order (ints) -> (tile_row0, tile_rows) [n_tiles]
+    int32, each sequence's rows cut into tiles of at most `tile` rows."""
+    row0, rows, start = [], [], 0
+    for count in rows_per_seq:
+        for a in range(0, int(count), tile):
+            row0.append(start + a)
+            rows.append(min(tile, int(count) - a))
+        start += int(count)
+    as_t = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
+    return as_t(row0), as_t(rows)
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return (t if t.dtype == torch.int32 else t.to(torch.int32)).contiguous()
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, row_seq: torch.Tensor,
+                    row_lo: torch.Tensor, row_hi: torch.Tensor, tables: torch.Tensor, block_size: int,
+                    ring_blocks: int = 0, tile_row0: torch.Tensor | None = None,
+                    tile_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """q [N, n_heads, d], k_pool/v_pool [n_kv, S_phys, d] (q's dtype, bf16 or fp32), row_seq/row_lo/row_hi [N]
+    int32, tables [num_seqs, max_blocks] int32 -> [N, n_heads, d] in q's dtype: row i attends positions
+    row_lo[i]..row_hi[i]-1 of sequence row_seq[i]. tile_row0/tile_rows [n_tiles] int32 (`row_tiles`): given,
+    nothing is read back to the host; None, they are built from row_seq (a host read)."""
+    if q.dtype not in (torch.float32, torch.bfloat16) or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
+        raise TypeError(f"paged_attention needs q, k_pool, v_pool all float32 or all bfloat16, got "
+                        f"{q.dtype}, {k_pool.dtype}, {v_pool.dtype}")
+    if block_size <= 0 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of 2, got {block_size}")
+    n, n_heads, d = q.shape
+    n_kv = k_pool.shape[0]
+    if n_heads % n_kv or k_pool.shape[2] != d or v_pool.shape != k_pool.shape:
+        raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, "
+                         f"v_pool {tuple(v_pool.shape)}")
+    group = n_heads // n_kv
+    out = torch.empty(n, n_heads, d, dtype=q.dtype, device=q.device)  # [N, H, d]
+    if tile_row0 is None:
+        counts = torch.unique_consecutive(row_seq.cpu(), return_counts=True)[1].tolist() if n else []
+        tile_row0, tile_rows = row_tiles(counts, rows_per_tile(n_heads, n_kv, d, q.dtype), q.device)
+    if n == 0 or tile_row0.numel() == 0:
+        return out
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k_pool = k_pool if k_pool.stride(-1) == 1 else k_pool.contiguous()
+    v_pool = v_pool if v_pool.stride(-1) == 1 else v_pool.contiguous()
+    tables = _int32(tables)
+    bm, bn, bd, warps, stages = _blocks(d, group, q.dtype)
+    grid = (tile_row0.numel(), n_kv)
+    _paged_attention_kernel[grid](
+        q, k_pool, v_pool, out, _int32(row_seq), _int32(row_lo), _int32(row_hi), tables, _int32(tile_row0),
+        _int32(tile_rows), max(int(ring_blocks), 1), d, q.stride(0), q.stride(1), k_pool.stride(0),
+        k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), out.stride(0), out.stride(1), tables.stride(0),
+        GROUP=group, ROWS=bm // group, BLOCK_SIZE=block_size, RING=ring_blocks > 0,
+        DOT_BF16=q.dtype == torch.bfloat16 and not _interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
+        num_warps=warps, num_stages=stages)
+    return out
+
+
+def paged_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, row_seq: torch.Tensor,
+                              row_lo: torch.Tensor, row_hi: torch.Tensor, tables: torch.Tensor, block_size: int,
+                              ring_blocks: int = 0, tile_row0: torch.Tensor | None = None,
+                              tile_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """`paged_attention` in plain torch (the tiles are ignored): each row's keys gathered through the table,
+    fp32 scores and softmax, fp32 weighted sum, one rounding to q's dtype. Reads the longest interval on the
+    host and gathers rows in chunks of at most REFERENCE_BYTES."""
+    n, n_heads, d = q.shape
+    n_kv = k_pool.shape[0]
+    group = n_heads // n_kv
+    out = torch.empty(n, n_heads, d, dtype=q.dtype, device=q.device)
+    if n == 0:
+        return out
+    span = int((row_hi - row_lo).max())
+    chunk = max(1, REFERENCE_BYTES // (2 * n_kv * span * d * 4))
+    steps = torch.arange(span, device=q.device)
+    tables = tables.long()
+    for a in range(0, n, chunk):
+        lo, hi, seq = (t[a:a + chunk].long() for t in (row_lo, row_hi, row_seq))
+        c = lo.numel()
+        pos = lo[:, None] + steps  # [c, span]
+        valid = pos < hi[:, None]
+        pos = torch.where(valid, pos, lo[:, None])  # padding reads a position the row does attend
+        logical = pos // block_size
+        if ring_blocks > 0:
+            logical = logical % ring_blocks
+        slot = tables[seq[:, None], logical] * block_size + pos % block_size  # [c, span]
+        k = k_pool[:, slot].float()  # [n_kv, c, span, d]
+        v = v_pool[:, slot].float()
+        qc = q[a:a + c].float().reshape(c, n_kv, group, d)
+        s = torch.einsum("ckgd,kcld->ckgl", qc, k)  # scale 1.0
+        s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+        o = torch.einsum("ckgl,kcld->ckgd", torch.softmax(s, dim=-1), v)
+        out[a:a + c] = o.reshape(c, n_heads, d).to(q.dtype)
+    return out

@@ -1,0 +1,167 @@
+"""The paged KV cache and the one attention path: allocation, where positions live, and passes whose results do
+not depend on where a sequence's blocks are, on how its prompt was chunked, or on what else shares the pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dgcli.model.attention import PassLayout, Segment
+from dgcli.model.paged import BlockPool, PagedKVCache
+from dgcli.model.random_weights import make_config, random_model
+from hf_oracle import CONFIGS
+
+
+@pytest.fixture(scope="module")
+def model():
+    text = {k: v for k, v in CONFIGS["gqa2_window6"].items() if k != "canvas"}
+    return random_model(make_config(text, canvas_length=4), seed=0)
+
+
+def test_block_pool_prefers_one_run_and_takes_back_what_it_gave():
+    pool = BlockPool(8)
+    a, b = pool.take(3), pool.take(2)
+    assert (a, b) == ([0, 1, 2], [3, 4])
+    pool.give(a)
+    assert pool.free == [0, 1, 2, 5, 6, 7]
+    assert pool.take(3) == [0, 1, 2]  # the first run that fits
+    pool.give([0, 1, 2])
+    assert pool.take(4) == [0, 1, 2, 5]  # no run of 4: the lowest ids
+    assert pool.take(3) is None and pool.free == [6, 7]  # short: nothing taken
+
+
+def test_positions_live_in_their_blocks_and_rings_wrap():
+    cache = PagedKVCache([(1, 2, None), (1, 2, 6)], seqs=2, max_len=40, chunk=4, device="cpu",
+                         dtype=torch.float32, block_size=4)
+    assert cache.ring_blocks == 3  # W - 1 + chunk = 9 positions -> 3 blocks of 4
+    assert cache.reserve(0, 10) and cache.reserve(1, 40)
+    t = cache.tables
+    assert len(t[0]["full"]) == 3 and len(t[1]["full"]) == 10 and len(t[1]["ring"]) == 3
+    full = cache.slots("full", 1, 0, 40)
+    assert full.tolist() == [t[1]["full"][p // 4] * 4 + p % 4 for p in range(40)]
+    ring = cache.slots("ring", 1, 20, 29)  # 9 positions: all distinct slots in a ring of 12
+    assert len(set(ring.tolist())) == 9
+    assert cache.slots("ring", 1, 12, 13).tolist() == cache.slots("ring", 1, 0, 1).tolist()  # 12 = 0 mod 12
+    assert cache.runs("full", 1, 0, 40) == [(t[1]["full"][0] * 4, t[1]["full"][0] * 4 + 40)]  # one run
+    assert len(cache.runs("ring", 1, 10, 14)) == 2  # wraps at 12
+    with pytest.raises(ValueError, match="positions"):
+        cache.reserve(0, 41)
+    cache.release(0)
+    assert 0 not in cache.tables and cache.free_blocks() == {"full": 20 - 10, "ring": 6 - 3}
+    assert cache.reserve(0, 40)  # the 10 free full blocks
+    assert cache.free_blocks() == {"full": 0, "ring": 0} and not cache.reserve(2, 4)  # nothing left, nothing taken
+    with pytest.raises(ValueError, match="already"):
+        cache.reserve(1, 4)
+
+
+def hidden_of(model, prompts, canvases, *, shuffle=False, chunk=None, budget_rows=None):
+    """Each prompt encoded (in chunks of `chunk` ids, one pass per chunk, all rows together), then every canvas
+    in one pass: [B, C, H]. `shuffle` hands the sequences' blocks out of order (a cache whose free list was
+    scrambled)."""
+    c = model.config.canvas_length
+    max_len = max(len(p) for p in prompts) + c
+    cache = model.new_cache(len(prompts), max_len, chunk=max_len, block_size=2)
+    if shuffle:
+        for pool in cache.groups.values():
+            g = torch.Generator().manual_seed(5)
+            pool.free = [pool.free[i] for i in torch.randperm(len(pool.free), generator=g).tolist()]
+            pool.take = lambda n, pool=pool: [pool.free.pop() for _ in range(n)] if n <= len(pool.free) else None
+    for s, p in enumerate(prompts):
+        assert cache.reserve(s, len(p) + c)
+    done = [0] * len(prompts)
+    while any(d < len(p) for d, p in zip(done, prompts)):
+        segs, ids = [], []
+        for s, p in enumerate(prompts):
+            n = min(len(p) - done[s], chunk or len(p))
+            if n:
+                segs.append(Segment(s, done[s], n, False))
+                ids.append(p[done[s]:done[s] + n])
+                done[s] += n
+        assert model.forward_pass(torch.cat(ids), segs, cache) is None
+    segs = [Segment(s, len(p), c, True) for s, p in enumerate(prompts)]
+    return model.forward_pass(canvases.flatten(), segs, cache), cache
+
+
+def inputs(model, lens, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    v, c = model.config.vocab_size, model.config.canvas_length
+    return [torch.randint(0, v, (n,), generator=g) for n in lens], torch.randint(0, v, (len(lens), c), generator=g)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_out_of_order_give_the_same_bits(model, dtype):
+    m = model.to(dtype)
+    prompts, canvases = inputs(m, [19, 7, 26])  # several windows long: the rings wrap
+    with torch.inference_mode():
+        want, _ = hidden_of(m, prompts, canvases)
+        got, cache = hidden_of(m, prompts, canvases, shuffle=True)
+    assert any(len(cache.runs("full", s, 0, 20)) > 1 for s in range(3))  # really scattered
+    assert torch.equal(got, want)
+    model.float()
+
+
+def test_one_pass_equals_the_reference_formulation(model):
+    """The mixed pass (prompts and canvases in one forward) against the no-cache unified formulation."""
+    prompts, canvases = inputs(model, [13, 13])
+    with torch.inference_mode():
+        got = model.forward_canvas(torch.stack(prompts), canvases)
+        want = model.forward_unified(torch.stack(prompts), canvases)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 5])
+def test_a_prompt_in_chunks_gives_the_whole_prompts_keys(model, chunk):
+    prompts, canvases = inputs(model, [17, 4, 11])
+    with torch.inference_mode():
+        want, _ = hidden_of(model, prompts, canvases)
+        got, _ = hidden_of(model, prompts, canvases, chunk=chunk)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # the same keys; SDPA's sums in other blocks
+
+
+def test_a_canvas_does_not_depend_on_what_shares_its_pass(model):
+    """Request 0's canvas alone, and beside request 1's prompt chunk and canvas in the same pass: the same bits
+    in bf16 (each segment attends alone; every other op is row-wise)."""
+    m = model.to(torch.bfloat16)
+    c = m.config.canvas_length
+    (p0, p1), canvases = inputs(m, [9, 12], seed=8)
+    with torch.inference_mode():
+        alone, _ = hidden_of(m, [p0], canvases[:1])
+        cache = m.new_cache(2, 12 + c, chunk=12 + c, block_size=2)
+        cache.reserve(0, 9 + c), cache.reserve(1, 12 + c)
+        m.forward_pass(p0, [Segment(0, 0, 9, False)], cache)
+        m.forward_pass(p1[:5], [Segment(1, 0, 5, False)], cache)
+        mixed = m.forward_pass(torch.cat((p1[5:], canvases[1], canvases[0])),
+                               [Segment(1, 5, 7, False), Segment(1, 12, c, True), Segment(0, 9, c, True)], cache)
+    assert torch.equal(mixed[1], alone[0])
+    model.float()
+
+
+def test_a_pass_reads_no_prefix_copy(model):
+    """Every key read of a pass over consecutive blocks is a view of the pool (nothing concatenated)."""
+    prompts, canvases = inputs(model, [30])
+    c = model.config.canvas_length
+    cache = model.new_cache(1, 30 + c, chunk=c, block_size=2)
+    cache.reserve(0, 30 + c)
+    layout = PassLayout([Segment(0, 30, c, True)], cache, torch.device("cpu"))
+    for g, w in (("full", None), ("ring", 6)):
+        runs, mask = layout.reads(0, g, w)
+        assert mask is None and (len(runs) == 1 or g == "ring")  # a ring may wrap: two views, one small copy
+    with pytest.raises(ValueError, match="before canvas"):
+        PassLayout([Segment(0, 30, c, True), Segment(0, 0, 3, False)], cache, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_the_triton_kernel_pass_equals_the_sdpa_pass(model, triton_device, monkeypatch, chunk):
+    """The whole pass with attention through the paged Triton kernel (the interpreter on CPU, compiled on a GPU)
+    against torch's SDPA path: blocks out of order, rings wrapped, prompts in chunks, fp32."""
+    from dgcli.model import attention
+
+    prompts, canvases = inputs(model, [19, 7, 26], seed=4)
+    with torch.inference_mode():
+        want, _ = hidden_of(model, prompts, canvases, shuffle=True, chunk=chunk)
+        monkeypatch.setattr(attention, "backend", lambda device: "triton-paged")
+        m = model.to(triton_device)
+        got, _ = hidden_of(m, [p.to(triton_device) for p in prompts], canvases.to(triton_device), shuffle=True,
+                           chunk=chunk)
+    model.to("cpu")
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
