@@ -161,10 +161,21 @@ def vocab_pass_tiled(
     dtype the [N, V] rounded logits in that dtype plus the softmax's float32 rows (`soft_from_stored`).
     `compile_tiles` runs each tile's elementwise math through torch.compile (`dgemma --compile`); the
     GEMMs, the running statistics and the draw stay eager. `row_chunk` is accepted for
-    signature compatibility with the reference and ignored (all rows go through each tile together:
-    the head reads E once per step; the low-precision soft GEMM reads it once more)."""
+    signature compatibility with the reference and ignored: batch rows go through in chunks of about
+    TILE_ROWS rows (whole canvases, so each chunk's tiles stay in cache; the head reads E once per chunk, the
+    low-precision soft GEMM once more), and a row's numbers do not depend on its chunk (the tile width does
+    not; the soft GEMM's rows are independent for N >= 2, and a canvas has C >= 2 rows)."""
     del row_chunk
     b, c, h = hidden.shape
+    per = max(1, TILE_ROWS // c)  # batch rows (canvases) per chunk
+    if b > per and tile is None:
+        many = torch.is_tensor(temperature) and temperature.numel() > 1  # one temperature per batch row
+        outs = [vocab_pass_tiled(hidden[k:k + per], embed, softcap=softcap,
+                                 temperature=temperature[k:k + per] if many else temperature,
+                                 embed_scale=embed_scale, uniform=uniform[k:k + per], want_soft=want_soft,
+                                 compile_tiles=compile_tiles) for k in range(0, b, per)]
+        cat = lambda f: None if getattr(outs[0], f) is None else torch.cat([getattr(o, f) for o in outs])  # noqa: E731
+        return VocabPassOut(sample=cat("sample"), argmax=cat("argmax"), entropy=cat("entropy"), soft=cat("soft"))
     v = embed.shape[0]
     rows = hidden.reshape(b * c, h)  # [N, H]
     n = rows.shape[0]

@@ -491,3 +491,22 @@ def test_triton_at_the_real_hidden_size():
     hidden, embed, scale = make(1, 16, 2816, 1000, torch.bfloat16, seed=9, sharp=0.05)
     out = vocab_pass_triton(hidden, embed, softcap=30.0, temperature=0.7, embed_scale=scale, uniform=unif(hidden, 0))
     check(out, reference(hidden, embed, scale), torch.bfloat16, *TOLS[1][1:], logits=logits_of(hidden, embed))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_in_chunks_of_canvases_give_the_same_bits(monkeypatch, dtype):
+    """A batch larger than TILE_ROWS goes through in chunks of whole canvases (so the tiles stay in cache): every
+    output, bit for bit, is what one call over all rows gives (per-row temperatures and uniforms sliced along)."""
+    from dgcli.kernels import vocab_pass_cpu
+
+    g = torch.Generator().manual_seed(3)
+    b, c, h, v = 5, 6, 16, 700
+    hidden = torch.randn(b, c, h, generator=g).to(dtype)
+    embed = torch.randn(v, h, generator=g).to(dtype)
+    kw = dict(softcap=30.0, temperature=torch.tensor([0.5, 0.7, 0.9, 0.6, 0.8]), embed_scale=torch.tensor(4.0),
+              uniform=torch.rand(b, c, generator=g, dtype=torch.float64), want_soft=True)
+    whole = vocab_pass_tiled(hidden, embed, **kw)
+    monkeypatch.setattr(vocab_pass_cpu, "TILE_ROWS", 2 * c)  # two canvases per chunk: chunks of 2, 2, 1
+    chunked = vocab_pass_tiled(hidden, embed, **kw)
+    for f in ("sample", "argmax", "entropy", "soft"):
+        assert torch.equal(getattr(chunked, f), getattr(whole, f)), f
