@@ -94,28 +94,37 @@ def _(hidden, embed, softcap, temperature, embed_scale, uniform, want_soft, spli
     return ids, ids.new_empty(b, c), hidden.new_empty(b, c, dtype=torch.float32), soft
 
 
-@torch.library.custom_op("dgemma::paged_attention", mutates_args=())
+@torch.library.custom_op("dgemma::paged_attention", mutates_args=("out",))
 def _paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, row_seq: torch.Tensor,
                      row_lo: torch.Tensor, row_hi: torch.Tensor, tables: torch.Tensor, block_size: int,
-                     ring_blocks: int, tile_row0: torch.Tensor, tile_rows: torch.Tensor) -> torch.Tensor:
+                     ring_blocks: int, tile_row0: torch.Tensor, tile_rows: torch.Tensor, k_new: torch.Tensor | None,
+                     v_new: torch.Tensor | None, fresh_pos: torch.Tensor, fresh_row: torch.Tensor,
+                     out: torch.Tensor) -> None:
     from .paged_attention import paged_attention
 
-    return paged_attention(q, k_pool, v_pool, row_seq, row_lo, row_hi, tables, block_size, ring_blocks,
-                           tile_row0=tile_row0, tile_rows=tile_rows)
+    paged_attention(q, k_pool, v_pool, row_seq, row_lo, row_hi, tables, block_size, ring_blocks,
+                    tile_row0=tile_row0, tile_rows=tile_rows, k_new=k_new, v_new=v_new,
+                    fresh_pos=None if k_new is None else fresh_pos, fresh_row=None if k_new is None else fresh_row,
+                    out=out)
 
 
 @_paged_attention.register_fake
-def _(q, k_pool, v_pool, row_seq, row_lo, row_hi, tables, block_size, ring_blocks, tile_row0, tile_rows):
+def _(q, k_pool, v_pool, row_seq, row_lo, row_hi, tables, block_size, ring_blocks, tile_row0, tile_rows, k_new,
+      v_new, fresh_pos, fresh_row, out):
     _float_only("paged_attention", q.dtype)
-    return q.new_empty(q.shape)  # [N, n_heads, d] in q.dtype
+    if out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError(f"paged_attention writes out {tuple(out.shape)} {out.dtype} for q {tuple(q.shape)}")
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, row_seq: torch.Tensor,
                     row_lo: torch.Tensor, row_hi: torch.Tensor, tables: torch.Tensor, block_size: int,
-                    ring_blocks: int, tile_row0: torch.Tensor, tile_rows: torch.Tensor) -> torch.Tensor:
-    """`paged_attention.paged_attention` (row tiles given: no host read) through its op."""
-    return torch.ops.dgemma.paged_attention(q, k_pool, v_pool, row_seq, row_lo, row_hi, tables, int(block_size),
-                                            int(ring_blocks), tile_row0, tile_rows)
+                    ring_blocks: int, tile_row0: torch.Tensor, tile_rows: torch.Tensor, k_new: torch.Tensor | None,
+                    v_new: torch.Tensor | None, fresh_pos: torch.Tensor, fresh_row: torch.Tensor,
+                    out: torch.Tensor) -> None:
+    """`paged_attention.paged_attention` (row tiles given: no host read; the tiles' rows written into `out`)
+    through its op."""
+    torch.ops.dgemma.paged_attention(q, k_pool, v_pool, row_seq, row_lo, row_hi, tables, int(block_size),
+                                     int(ring_blocks), tile_row0, tile_rows, k_new, v_new, fresh_pos, fresh_row, out)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

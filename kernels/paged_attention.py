@@ -45,11 +45,12 @@ def _interpreting() -> bool:
 
 @triton.jit
 def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_ptr, lo_ptr, hi_ptr, tab_ptr, t0_ptr, tn_ptr,
+                            kn_ptr, vn_ptr, fp_ptr, fr_ptr,
                             ring_blocks, D, stride_qn, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs,
-                            stride_on, stride_oh, stride_t,
+                            stride_on, stride_oh, stride_t, stride_kn, stride_knh, stride_vn, stride_vnh,
                             GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, RING: tl.constexpr,
-                            DOT_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_D: tl.constexpr):
+                            FRESH: tl.constexpr, DOT_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     row0 = tl.load(t0_ptr + tile)
@@ -63,6 +64,11 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_ptr, lo_ptr, hi_ptr,
     tab = tab_ptr + seq.to(tl.int64) * stride_t
     k_base = k_ptr + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + kvh.to(tl.int64) * stride_vh
+    if FRESH:  # positions >= fresh_pos are this pass's own keys (rows fresh_row.. of k_new), not the cache's
+        fresh_pos = tl.load(fp_ptr + row0, mask=n_rows > 0, other=0)  # one segment per tile: its values
+        fresh_row = tl.load(fr_ptr + row0, mask=n_rows > 0, other=0)
+        kn_base = kn_ptr + kvh.to(tl.int64) * stride_knh
+        vn_base = vn_ptr + kvh.to(tl.int64) * stride_vnh
     for c0 in range(0, n_rows, ROWS):
         rows = row0 + c0 + r
         m_ok = (r < ROWS) & (c0 + r < n_rows)  # r < ROWS: the unused slots when GROUP is not a power of 2
@@ -86,12 +92,22 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_ptr, lo_ptr, hi_ptr,
             logical = pos // BLOCK_SIZE
             if RING:
                 logical = logical % ring_blocks
-            blk = tl.load(tab + logical, mask=k_ok, other=0)
+            in_cache = k_ok
+            if FRESH:
+                in_cache = k_ok & (pos < fresh_pos)
+            blk = tl.load(tab + logical, mask=in_cache, other=0)
             slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE  # [BN]
-            kt = tl.load(k_base + slot[None, :] * stride_ks + dd[:, None], mask=k_ok[None, :] & d_ok[:, None],
-                         other=0.0)  # [BD, BN]
-            v = tl.load(v_base + slot[:, None] * stride_vs + dd[None, :], mask=k_ok[:, None] & d_ok[None, :],
+            kt = tl.load(k_base + slot[None, :] * stride_ks + dd[:, None],
+                         mask=in_cache[None, :] & d_ok[:, None], other=0.0)  # [BD, BN]
+            v = tl.load(v_base + slot[:, None] * stride_vs + dd[None, :], mask=in_cache[:, None] & d_ok[None, :],
                         other=0.0)  # [BN, BD]
+            if FRESH:
+                new = k_ok & (pos >= fresh_pos)
+                nrow = (fresh_row + pos - fresh_pos).to(tl.int64)  # [BN]
+                kt += tl.load(kn_base + nrow[None, :] * stride_kn + dd[:, None], mask=new[None, :] & d_ok[:, None],
+                              other=0.0)
+                v += tl.load(vn_base + nrow[:, None] * stride_vn + dd[None, :], mask=new[:, None] & d_ok[None, :],
+                             other=0.0)
             if DOT_BF16:  # bf16 operands as loaded: tensor cores, fp32 accumulation
                 s = tl.dot(q, kt)
             else:  # full fp32 products, not TF32
@@ -151,11 +167,17 @@ def _int32(t: torch.Tensor) -> torch.Tensor:
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, row_seq: torch.Tensor,
                     row_lo: torch.Tensor, row_hi: torch.Tensor, tables: torch.Tensor, block_size: int,
                     ring_blocks: int = 0, tile_row0: torch.Tensor | None = None,
-                    tile_rows: torch.Tensor | None = None) -> torch.Tensor:
+                    tile_rows: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
+                    v_new: torch.Tensor | None = None, fresh_pos: torch.Tensor | None = None,
+                    fresh_row: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, n_heads, d], k_pool/v_pool [n_kv, S_phys, d] (q's dtype, bf16 or fp32), row_seq/row_lo/row_hi [N]
     int32, tables [num_seqs, max_blocks] int32 -> [N, n_heads, d] in q's dtype: row i attends positions
     row_lo[i]..row_hi[i]-1 of sequence row_seq[i]. tile_row0/tile_rows [n_tiles] int32 (`row_tiles`): given,
-    nothing is read back to the host; None, they are built from row_seq (a host read)."""
+    nothing is read back to the host (and only the tiles' rows are computed); None, they are built from row_seq
+    (a host read). With k_new/v_new [N, n_kv, d] (this pass's own keys and values) and fresh_pos/fresh_row [N]
+    int32, row i's positions p >= fresh_pos[i] are read from row fresh_row[i] + p - fresh_pos[i] of k_new/v_new
+    instead of the cache (every row of a tile must share them: tiles are cut per segment). `out` [N, n_heads, d]:
+    written in place (the tiles' rows), else a new tensor."""
     if q.dtype not in (torch.float32, torch.bfloat16) or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
         raise TypeError(f"paged_attention needs q, k_pool, v_pool all float32 or all bfloat16, got "
                         f"{q.dtype}, {k_pool.dtype}, {v_pool.dtype}")
@@ -167,7 +189,13 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, "
                          f"v_pool {tuple(v_pool.shape)}")
     group = n_heads // n_kv
-    out = torch.empty(n, n_heads, d, dtype=q.dtype, device=q.device)  # [N, H, d]
+    out = torch.empty(n, n_heads, d, dtype=q.dtype, device=q.device) if out is None else out  # [N, H, d]
+    fresh = k_new is not None
+    if fresh and (v_new is None or fresh_pos is None or fresh_row is None or k_new.shape != (n, n_kv, d)):
+        raise ValueError("fresh keys need k_new, v_new [N, n_kv, d], fresh_pos and fresh_row")
+    if not fresh:  # unused pointers: any tensors of the right kinds
+        k_new = v_new = k_pool
+        fresh_pos = fresh_row = row_lo
     if tile_row0 is None:
         counts = torch.unique_consecutive(row_seq.cpu(), return_counts=True)[1].tolist() if n else []
         tile_row0, tile_rows = row_tiles(counts, rows_per_tile(n_heads, n_kv, d, q.dtype), q.device)
@@ -179,11 +207,16 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     tables = _int32(tables)
     bm, bn, bd, warps, stages = _blocks(d, group, q.dtype)
     grid = (tile_row0.numel(), n_kv)
+    k_new = k_new if k_new.stride(-1) == 1 else k_new.contiguous()
+    v_new = v_new if v_new.stride(-1) == 1 else v_new.contiguous()
+    kn_s = (k_new.stride(0), k_new.stride(1)) if fresh else (0, 0)
+    vn_s = (v_new.stride(0), v_new.stride(1)) if fresh else (0, 0)
     _paged_attention_kernel[grid](
         q, k_pool, v_pool, out, _int32(row_seq), _int32(row_lo), _int32(row_hi), tables, _int32(tile_row0),
-        _int32(tile_rows), max(int(ring_blocks), 1), d, q.stride(0), q.stride(1), k_pool.stride(0),
-        k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), out.stride(0), out.stride(1), tables.stride(0),
-        GROUP=group, ROWS=bm // group, BLOCK_SIZE=block_size, RING=ring_blocks > 0,
+        _int32(tile_rows), k_new, v_new, _int32(fresh_pos), _int32(fresh_row), max(int(ring_blocks), 1), d,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        out.stride(0), out.stride(1), tables.stride(0), *kn_s, *vn_s,
+        GROUP=group, ROWS=bm // group, BLOCK_SIZE=block_size, RING=ring_blocks > 0, FRESH=fresh,
         DOT_BF16=q.dtype == torch.bfloat16 and not _interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
         num_warps=warps, num_stages=stages)
     return out
@@ -192,14 +225,17 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 def paged_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, row_seq: torch.Tensor,
                               row_lo: torch.Tensor, row_hi: torch.Tensor, tables: torch.Tensor, block_size: int,
                               ring_blocks: int = 0, tile_row0: torch.Tensor | None = None,
-                              tile_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """`paged_attention` in plain torch (the tiles are ignored): each row's keys gathered through the table,
-    fp32 scores and softmax, fp32 weighted sum, one rounding to q's dtype. Reads the longest interval on the
-    host and gathers rows in chunks of at most REFERENCE_BYTES."""
+                              tile_rows: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
+                              v_new: torch.Tensor | None = None, fresh_pos: torch.Tensor | None = None,
+                              fresh_row: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`paged_attention` in plain torch (the tiles are ignored: every row is computed): each row's keys gathered
+    through the table (or from k_new/v_new at and past fresh_pos), fp32 scores and softmax, fp32 weighted sum,
+    one rounding to q's dtype. Reads the longest interval on the host and gathers rows in chunks of at most
+    REFERENCE_BYTES."""
     n, n_heads, d = q.shape
     n_kv = k_pool.shape[0]
     group = n_heads // n_kv
-    out = torch.empty(n, n_heads, d, dtype=q.dtype, device=q.device)
+    out = torch.empty(n, n_heads, d, dtype=q.dtype, device=q.device) if out is None else out
     if n == 0:
         return out
     span = int((row_hi - row_lo).max())
@@ -218,6 +254,12 @@ def paged_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
         slot = tables[seq[:, None], logical] * block_size + pos % block_size  # [c, span]
         k = k_pool[:, slot].float()  # [n_kv, c, span, d]
         v = v_pool[:, slot].float()
+        if k_new is not None:  # this pass's own keys at and past fresh_pos
+            fp, fr = fresh_pos[a:a + chunk].long()[:, None], fresh_row[a:a + chunk].long()[:, None]
+            new = pos >= fp  # [c, span]
+            nrow = torch.where(new, fr + pos - fp, 0)
+            k = torch.where(new[None, :, :, None], k_new[nrow].permute(2, 0, 1, 3).float(), k)
+            v = torch.where(new[None, :, :, None], v_new[nrow].permute(2, 0, 1, 3).float(), v)
         qc = q[a:a + c].float().reshape(c, n_kv, group, d)
         s = torch.einsum("ckgd,kcld->ckgl", qc, k)  # scale 1.0
         s = s.masked_fill(~valid[:, None, None, :], float("-inf"))

@@ -219,8 +219,8 @@ def check_dtypes(log: OpLog, weights: str) -> None:
         assert {dt for dt, _ in ins + outs if dt.is_floating_point} <= floats, (name, ins)
         assert {dt for dt, _ in outs} <= {torch.bfloat16, torch.int64} | ({torch.float32} if vocab else set()), \
             (name, outs)
-        if name.startswith("dgemma.paged_attention"):  # pools and queries bf16, metadata int32
-            assert [dt for dt, _ in ins][:3] == [torch.bfloat16] * 3 and {dt for dt, _ in ins[3:]} == {torch.int32}
+        if name.startswith("dgemma.paged_attention"):  # queries, pools, new keys and the output bf16; metadata int32
+            assert {dt for dt, _ in ins} == {torch.bfloat16, torch.int32}, ins
     for name, _, outs, _ in log.ops:
         assert {dt for dt, _ in outs} <= allowed, (name, outs)
 

@@ -16,7 +16,7 @@ from dgcli.model.attention import Segment
 class Seqs:
     def __init__(self, model, rows: int, max_len: int, block_size: int = 16):
         c = model.config.canvas_length
-        self.cache = model.new_cache(rows, max_len + c, chunk=max_len + c, block_size=block_size)
+        self.cache = model.new_cache(rows, max_len + c, block_size=block_size)
         for b in range(rows):
             assert self.cache.reserve(b, max_len + c)
         self.lens = [0] * rows

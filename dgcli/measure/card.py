@@ -269,14 +269,23 @@ def block_cost(cfg: ModelConfig, prefix_len: int, steps: int, max_steps: int, **
 # ---- memory --------------------------------------------------------------------------------------------
 
 
+KV_BLOCK = 16  # model/paged.py's block_size default (it imports torch)
+
+
+def cache_positions(cfg: ModelConfig, context: int, block_size: int = KV_BLOCK) -> tuple[int, int]:
+    """Positions a slot holds per full and per sliding layer, in whole blocks, as the engine has `model.new_cache`
+    allocate them for requests of `context` positions: full layers those and a canvas (a canvas writes K/V where
+    its block will commit), sliding layers a ring of the last W-1 (a pass reads its own keys from the pass)."""
+    c, windows = cfg.canvas_length, [g.window for g in cfg.layers if g.window is not None]
+    held, ring = context + c, min(max(windows) - 1, context + c) if windows else 0
+    return -(-held // block_size) * block_size, -(-ring // block_size) * block_size
+
+
 def kv_cache_bytes(cfg: ModelConfig, context: int, kv_bytes: int = 2, *, trimmed: bool = False) -> int:
-    """K/V of `context` cached positions in every layer; `trimmed`: as dgemma holds them, sliding layers keeping
-    a ring of their last window-1 positions (dgcli/model/paged.py)."""
-    total = 0
-    for g in cfg.layers:
-        keep = context if (g.window is None or not trimmed) else min(context, g.window - 1)
-        total += keep * _kv_row(g, kv_bytes)
-    return total
+    """K/V of `context` cached positions in every layer; `trimmed`: as dgemma's paged cache holds a request of
+    `context` positions (`cache_positions`: full layers also its canvas, sliding layers a ring; whole blocks)."""
+    full, ring = cache_positions(cfg, context) if trimmed else (context, context)
+    return sum((full if g.window is None else ring) * _kv_row(g, kv_bytes) for g in cfg.layers)
 
 
 def working_set_bytes(cfg: ModelConfig, context: int, act_bytes: int = 2) -> dict[str, int]:

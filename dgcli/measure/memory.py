@@ -1,41 +1,29 @@
-"""Memory of a batched run: what one slot (row) of `generate_batch_events` costs, what is fixed, and the
-largest batch that fits a memory budget.
+"""Memory of a batched run: what one slot (request) of the engine costs, what is fixed, the largest batch that fits.
 
-Owns: `weights_bytes` (bf16, or FP8 as an FP8 checkpoint would store it), `loop_state_bytes` (what the
-loop holds per row between passes), `step_bytes` (a denoising step's temporaries for b rows),
-`peak_bytes` (the whole for b rows), `largest_batch`, and `batch_memory` / `markdown`, the section
-`dgemma info` prints. Must not: run the model, allocate tensors, or import torch.
-
-Every term is a buffer of the code, named where it is counted (the tests measure them: the KV cache
-against `model.new_cache`, the loop state against a batched run's own tensors, a step's temporaries
-against the CPU allocator's peak). Notation: b rows, C canvas, T = b·C tokens, H hidden, V vocabulary,
-I dense width, Im expert width, k experts per token, S stability_threshold, ab the model dtype's bytes
-(weights, activations and KV; an FP8 checkpoint keeps bf16 activations and KV).
-
-The run holds one KV cache of b slots for its whole length (loop.py: `model.new_cache(slots, ...)` sized
-for the longest request, prompt + every block but the last; a request joins by encoding its prompt into
-a free slot and leaves by freeing it: nothing is copied); per slot, full layers keep every position and
-sliding layers a ring of their last W-1 (`kv_bytes`). The peak of b slots = weights + b·KV +
-b·(loop state) + the larger of what is live on top of that at once:
-* a denoising step (rules.denoise_step): the decoder pass, then the vocabulary pass next to its input;
-  a commit's encoder pass holds less than the decoder pass (the same layers over C tokens without the
-  self-conditioning MLP, its keys read from the cache instead of concatenated with the canvas');
-* the prefill: b prompts of --prompt-len tokens encoded at once (a later join encodes fewer).
-Not counted: the CUDA context and the caching allocator's fragmentation (that is the headroom, 10 % of
-the budget by default), torch.compile's buffers, the CPU flash-attention kernel's per-thread scratch
-(a few hundred KiB per thread), the prompts' ids (8 bytes per token of every request, queued or not), the
-Triton autotuner's buffers while it times the soft kernel (the first call of each row count: a warm-up).
+Owns: `kv_bytes`, `weights_bytes` (bf16, or FP8 as an FP8 checkpoint stores it), `loop_state_bytes` (what the
+engine holds per request at a step), `pass_bytes` (one forward pass's temporaries), `step_bytes` and
+`prefill_bytes` (the passes a run peaks at), `peak_bytes`, `largest_batch`, and `batch_memory` / `markdown` (the
+section `dgemma info` prints). Must not: run the model, allocate tensors, or import torch (the engine's constants
+are restated; tests/measure/test_memory.py keeps them equal and measures every term: the engine's cache, its
+tensors at a step, the CPU allocator's peak of a pass). Notation: b requests, C canvas, N rows of a pass, H
+hidden, V vocabulary, I dense width, Im expert width, k experts per token, S stability threshold, ab the dtype's
+bytes (weights, activations, KV; FP8 checkpoints keep bf16 activations and KV). The peak of b slots = weights +
+b·KV (`kv_bytes`: one paged cache, `model.new_cache(slots, max_len + C)`) + b·(loop state) + the larger of
+* a step (`step_bytes`): one pass of the b canvases beside their commits, then the vocabulary pass;
+* the prefill (`prefill_bytes`): a pass of prompts (cut to the pass budget) with the canvases they complete.
+Not counted: the CUDA context and the allocator's fragmentation (the headroom, 10 % of the budget by default),
+torch.compile's buffers, the CPU flash-attention kernel's per-thread scratch (a few hundred KiB a thread), the
+prompts' ids (8 bytes a token), the Triton autotuner's buffers (a warm-up's).
 """
 
 from __future__ import annotations
 
-from dgcli.measure.card import DTYPE_BYTES, param_counts, quantized_counts
+from dgcli.measure.card import DTYPE_BYTES, KV_BLOCK, cache_positions, param_counts, quantized_counts
 from dgcli.model.config import ModelConfig
 
 GIB = 2**30
 HEADROOM = 0.10  # of the budget: CUDA context (~0.5 GiB) and the caching allocator's fragmentation
-# (name, bytes): the GPUs' nominal memory (NVIDIA's "80 GB" and "141 GB" are ~GiB: nvidia-smi shows
-# 81,559 MiB and 143,771 MiB).
+# (name, bytes): nominal memory (NVIDIA's "80 GB", "141 GB" are ~GiB: nvidia-smi shows 81,559 and 143,771 MiB)
 GPUS = (("H100 80 GB", 80 * GIB), ("H200 141 GB", 141 * GIB))
 FORMATS = ("bf16", "fp8")
 ACT_BYTES = {"bf16": 2, "fp8": 2, "fp32": 4}  # activations and KV of a run with these weights
@@ -50,32 +38,31 @@ SOFT_SPLITS = 8  # SOFT_SPLITS: the soft GEMM's split-K ([splits, rows, H] fp32 
 SOFT_BLOCK_K = 64  # block_k's default: the soft GEMM's splits are whole BLOCK_K steps
 GROUP = 64  # draw-statistics columns per group: vocab_pass_cpu.GROUP and vocab_pass_triton's block_n
 MOE_BLOCK = 64  # kernels/moe.py: experts_triton's block_m (each expert's rows padded to it)
+BUDGET = 2048  # sampling/engine.py: DEFAULT_BUDGET, rows per pass (running canvases first, then prompt chunks)
 
 
 def cache_length(prompt_len: int, blocks: int, canvas: int) -> int:
-    """Cached positions of a request: its prompt and every block but the last (loop.py sizes the cache
-    `n + (num_blocks - 1) * c`: a row's last block is never encoded)."""
+    """Cached positions of a request: its prompt and every block but the last (never committed)."""
     return prompt_len + (blocks - 1) * canvas
 
 
 def kv_bytes(cfg: ModelConfig, context: int, ab: int = 2) -> dict:
-    """One slot's KV cache sized for `context` positions, as `model.new_cache` allocates it (model/cache.py):
-    K and V of every position on full layers (`full_per_token` bytes a position), a ring of the last
-    min(W-1, context) positions on sliding layers (`rings`, fixed per slot); `was_per_token` and `was`:
-    the every-position buffers of every layer that the rings replaced."""
+    """One slot's KV cache for requests of `context` positions (card.cache_positions: model/paged.py's layout):
+    `full_per_token` bytes a position on full layers, which hold `full_positions`; `rings` (fixed per slot) on
+    sliding layers; `was_per_token` and `was`: every position on every layer, what the rings replace."""
+    full, ring = cache_positions(cfg, context)
     row = [2 * g.num_kv_heads * g.head_dim * ab for g in cfg.layers]  # K and V of one position
-    full = sum(r for r, g in zip(row, cfg.layers) if g.window is None)
-    rings = sum(r * min(g.window - 1, context) for r, g in zip(row, cfg.layers) if g.window is not None)
-    return {"context": context, "full_per_token": full, "rings": rings, "total": full * context + rings,
-            "was_per_token": sum(row), "was": sum(row) * context}
+    per = sum(r for r, g in zip(row, cfg.layers) if g.window is None)
+    rings = ring * sum(r for r, g in zip(row, cfg.layers) if g.window is not None)
+    return {"context": context, "full_positions": full, "full_per_token": per, "rings": rings,
+            "total": per * full + rings, "was_per_token": sum(row), "was": sum(row) * full}
 
 
 def weights_bytes(cfg: ModelConfig, fmt: str = "bf16") -> dict:
-    """Weights in `fmt`. bf16: 2 bytes per parameter (layer scalars fp32); fp32: 4. fp8: what dgemma holds for
-    an FP8-dynamic checkpoint (`dgemma quantize --fp8`): the big matmul weights at 1 byte (attention q/k/v/o
-    projections, dense MLP, experts) plus one bf16 scale per output channel (card.quantized_counts), and in
-    bf16 what such checkpoints keep unquantized: the embedding (also the tied LM head), router,
-    self-conditioning MLP, every norm gain (q_norm/k_norm included); the layer scalars fp32."""
+    """Weights in `fmt`. bf16: 2 bytes per parameter (layer scalars fp32); fp32: 4. fp8: an FP8-dynamic checkpoint
+    as dgemma holds it (`dgemma quantize --fp8`): attention q/k/v/o, dense MLP and experts at 1 byte plus a bf16
+    scale per output channel (card.quantized_counts); in bf16 the embedding (also the tied LM head), router,
+    self-conditioning MLP, every norm gain; the layer scalars fp32."""
     if fmt not in ACT_BYTES:
         raise ValueError(f"weight format {fmt!r}: use one of {tuple(ACT_BYTES)}")
     n = param_counts(cfg)
@@ -87,115 +74,146 @@ def weights_bytes(cfg: ModelConfig, fmt: str = "bf16") -> dict:
             "bf16_parameters": bf16}
 
 
-def loop_state_bytes(cfg: ModelConfig, ab: int = 2, stability: int = 1) -> dict:
-    """Per row, what the engine (`dgcli.sampling.engine.Engine`) holds during a decoder pass (its tensors
-    are [b, ...]; a prefill leaves nothing behind):"""
+def loop_state_bytes(cfg: ModelConfig, ab: int = 2, stability: int = 1, lag: int = 1) -> dict:
+    """Per row, what the engine (`dgcli.sampling.engine.Engine`) holds at a step's vocabulary pass (`_launch`,
+    `_sample`), outside the pass's own temporaries; `lag` 1 (CUDA) also holds the previous, unsettled pass:"""
     c, h = cfg.canvas_length, cfg.hidden_size
     parts = {
-        "soft": c * h * ab,  # soft [b, C, H] (= out.soft): the self-conditioning input of the next pass
-        "canvas": 8 * c,  # canvas [b, C] int64 (= next_canvas)
-        "history": 8 * stability * c,  # history [S, b, C] int64 (rules.push_history)
-        "last_step": c * (8 + 8 + 4 + 1),  # out.sample, out.argmax int64, out.entropy fp32, accepted bool
-        # uniform f64, noise int64 [b, C]; step_k, seed_k, block_k, temp, stop [b]; RowRules' [b] tensors
-        # (entropy bound, confidence threshold fp32, stability int64) when the rows' settings differ
-        "draws": c * (8 + 8) + 3 * 8 + 4 + 1 + 16,
+        "soft": 2 * c * h * ab,  # Request.soft [C, H] (a view of the last pass's out.soft) and their stack
+        "canvas": 3 * 8 * c,  # Request.canvas (a view of next_canvas), canvas_in (their stack), the pass's ids
+        "history": 2 * 8 * stability * c,  # Request.history (a view of the pushed [S, b, C]) and _sample's stack
+        # uniform f64, noise int64 [b, C]; seed, block, step, temp [b]; RowRules' three [b] (when settings differ)
+        "draws": c * (8 + 8) + 3 * 8 + 4 + 16,
+        # the unsettled pass: out.sample, out.argmax int64, out.entropy fp32, accepted bool, canvas_in; stop
+        "last_pass": lag * (c * (8 + 8 + 4 + 1 + 8) + 1),
     }
     parts["total"] = sum(parts.values())
     return parts
 
 
 def _norm(t: int, width: int, ab: int, cpu: bool) -> int:
-    """The peak of an RMSNorm over [t, width], its output included: reference_ops.rms_norm_reference (CPU)
-    holds two fp32 copies at once (y and y·r; the output is cast when one is left); the Triton kernel
-    (CUDA) allocates only its output."""
+    """An RMSNorm's peak over [t, width], its output included: rms_norm_reference (CPU) holds two fp32 copies
+    at once (y and y·r; the output is cast when one is left); the Triton kernel (CUDA) only its output."""
     return max(8, 4 + ab) * t * width if cpu else ab * t * width
 
 
-def decode_bytes(cfg: ModelConfig, b: int, context: int, ab: int = 2, cpu: bool = False,
-                 prefill: int | None = None) -> int:
-    """What the decoder pass (gemma.decode) allocates at its peak over b rows with `context` cached
-    positions, the larger of its two ways: rows of one length in slot order attend together (their
-    [cache | canvas] K and V concatenated at once), otherwise each row alone (its own K and V, the
-    outputs collected in `parts` and concatenated). `prefill` = P: the encoder pass over b prompts of P
-    tokens into their slots instead (gemma.encode: the slots' K and V read back as a copy, a causal mask
-    [P, P], no feed-forward in the last layer).
-    Per layer the loop keeps the previous layer's q, k, v and SDPA output (and `parts`) bound until
-    reassigned; SDPA is a fused kernel (flash / memory-efficient on CUDA, the flash kernel on CPU: no
-    score matrix, its output [b, T, n, d]-major, so the reshape before o_proj is a view); experts as the
-    dispatched kernel runs them (moe_cpu.experts_segments, moe.experts_triton)."""
-    if prefill is not None:
-        return _pass_bytes(cfg, b, context, ab, cpu, prefill, False)
-    return max(_pass_bytes(cfg, b, context, ab, cpu, None, False), _pass_bytes(cfg, b, context, ab, cpu, None, True))
-
-
-def _pass_bytes(cfg: ModelConfig, b: int, context: int, ab: int, cpu: bool, prefill: int | None,
-                per_row: bool) -> int:
-    c = cfg.canvas_length if prefill is None else prefill  # tokens per row in this pass
-    h, n, k = cfg.hidden_size, cfg.num_attention_heads, cfg.top_k_experts
-    t, e, im, i_d = b * c, cfg.num_experts, cfg.moe_intermediate_size, cfg.intermediate_size
-    x = t * h * ab  # the residual [T, H] (and every [T, H] activation)
-    nh = _norm(t, h, ab, cpu)
-    # RoPE tables cos, sin [tokens, d] per layer kind: one set for rows of one length, else one per row.
-    tables = (b if per_row else 1) * sum(2 * c * d * ab for d in {g.head_dim for g in cfg.layers})
-    # Prologue: embed(ids) and its scaled copy; the decoder then runs condition's MLP over the soft embedding
-    # (pre_norm(soft), then gelu(gate), up and their product [T, sc]).
-    peak = 2 * x if prefill else max(2 * x, x + nh, 2 * x + 3 * t * cfg.self_conditioning_size * ab)
-    carry = prev_out = 0  # the previous layer's q, k, v and SDPA output (bound until reassigned); its output
+def pass_bytes(cfg: ModelConfig, causal: list[tuple[int, int, int]], canvases: int, ab: int = 2, cpu: bool = False,
+               soft: bool = True) -> int:
+    """One pass's peak (`DiffusionGemma.forward_pass`; its inputs ids, soft aside): causal segments (prompt chunks,
+    commits) as (rows, end position, how many), then `canvases` canvases of C rows; N rows. Held through the pass: the
+    embedded rows (`parts`), RoPE cos/sin [N, d] per layer kind, the layout's positions and slots [N] int64 per
+    cache group, per window the causal segments' bool masks [rows, keys] (CPU) or the kernel's int32 row bounds
+    (CUDA); per layer the previous layer's q, k, v until reassigned. Attention reads the pool through views
+    (a sequence whose blocks are not one run is gathered: PassLayout.gathered, not counted)."""
+    c, h, n, k, e = cfg.canvas_length, cfg.hidden_size, cfg.num_attention_heads, cfg.top_k_experts, cfg.num_experts
+    im, i_d, nc, tc = cfg.moe_intermediate_size, cfg.intermediate_size, sum(r * m for r, _, m in causal), canvases * c
+    rows, xt = nc + tc, tc * h * ab  # xt: the canvas rows' [C·b, H]
+    x, nh = rows * h * ab, _norm(rows, h, ab, cpu)  # the residual [N, H] and every [N, H] activation
+    # Prologue: embed(ids) and its scaled copy; the canvases then run condition's MLP over the soft embedding
+    # (pre_norm(soft), gelu(gate), up and their product [T, sc], down, the sum, post_norm); torch.cat of parts.
+    sc, nt = 3 * tc * cfg.self_conditioning_size * ab, _norm(tc, h, ab, cpu)
+    canvas = max(2 * xt, xt + nt, 2 * xt + sc if soft else 0, 3 * xt if soft else 0, 2 * xt + nt if soft else 0)
+    peak = max(2 * nc * h * ab, nc * h * ab + canvas, 2 * x if nc and tc else 0)
+    held = x + 8 * rows  # parts; the layout's positions
+    for d in {g.kind: g.head_dim for g in cfg.layers}.values():  # rope_tables: freqs, emb, cos, sin fp32, cast
+        peak = max(peak, held + x + 4 * rows + (10 + ab if ab < 4 else 14) * rows * d)
+        held += 2 * rows * d * ab
+    groups, windows, carry = set(), set(), 0  # what the layout built so far; the previous layer's q, k, v
+    last = len(cfg.layers) - 1
     for i, g in enumerate(cfg.layers):
         qd, kvd = n * g.head_dim, g.num_kv_heads * g.head_dim
-        q, kv = t * qd * ab, t * kvd * ab
+        q, kv = rows * qd * ab, rows * kvd * ab
         raw = kv * (2 if g.has_v_proj else 1)  # k_proj (and v_proj) outputs; K = V layers share k_raw
-        ln = x + carry + x  # x, the previous layer's tensors, input_layernorm(x)
+        ln = held + x + carry + x  # x, the previous layer's tensors, input_layernorm(x)
         # project: q_proj -> q_norm -> apply_rope (5 live: input, rotated, x·cos, rotated·sin, sum), then
         # k the same with k_raw (and v_raw) kept, then v_norm.
-        peak = max(peak, x + carry + nh, ln + max(q + _norm(t, qd, ab, cpu), 5 * q),
-                   ln + q + raw + max(_norm(t, kvd, ab, cpu), 5 * kv), ln + q + kv + raw + _norm(t, kvd, ab, cpu))
+        peak = max(peak, held + x + carry + nh, ln + max(q + _norm(rows, qd, ab, cpu), 5 * q),
+                   ln + q + raw + max(_norm(rows, kvd, ab, cpu), 5 * kv), ln + q + kv + raw + _norm(rows, kvd, ab, cpu))
         qkv = q + 2 * kv
-        lse = (1 if per_row else b) * n * c * 4  # SDPA's fp32 log-sum-exp
-        if prefill:  # the slots' K, V read back [b, n_kv, P, d]; _causal's bool [P, P] x3 and SDPA's float copy;
-            # a sliding layer's keys and values concatenated (ring prefix + the pass's own, here none): a copy
-            attend = 2 * b * c * kvd * ab * (2 if g.window else 1) + c * c * ((3 if g.window else 1) + ab) + q + lse
-        else:
-            keys = (context if g.window is None else min(context, g.window - 1)) + c
-            # together: torch.cat((pk, k)) and (pv, v) [b, n_kv, keys, d] and the output; alone: one row's
-            # K and V next to the collected outputs (q's size), then their concatenation
-            attend = max(2 * keys * kvd * ab + q + lse, 2 * q) if per_row else 2 * b * keys * kvd * ab + q + lse
-        peak = max(peak, x + prev_out + qkv + attend)
-        out = 2 * q if per_row and not prefill else q  # the SDPA output (and `parts`)
-        base = x + qkv + out  # x, q, k, v, out
-        # attn.out: o_proj [T, H], post_attention_layernorm, x + ...
-        peak = max(peak, base + x + nh, base + 2 * x)
-        carry, prev_out = qkv + out, q
-        if prefill and i == len(cfg.layers) - 1:
-            return tables + peak  # the encoder's last layer has no feed-forward (its output is only K/V)
-        # Feed-forward: dense MLP (pre-norm, then gelu(gate), up and their product; post-norm), router
+        ring = g.window is not None
+        if ring not in groups:  # PassLayout.slots(group): every row's slot (full), the causal rows' and rows (ring)
+            held += 8 * rows if not ring else 16 * sum(r * m for r, _, m in causal)
+        groups.add(ring)
+        att = 0  # attend: out (q's size) and, per segment, what one call holds next to the masks built so far
+        if g.window not in windows:
+            windows.add(g.window)
+            if cpu:  # masks, built as the segments are reached: [rows, keys] bool (a sliding one from 3)
+                for r, end, m in causal:
+                    keys = end if g.window is None else min(end, r + g.window - 1)
+                    att = max(att, r * keys * (3 if g.window else 1))
+                    held += m * r * keys
+            else:  # kernel_meta: row_seq, lo, hi int32 [N], the row tiles' starts and lengths (<= N each)
+                held += 20 * rows
+        if ring:  # the causal rows' k, v picked for the ring's write (index_select), between the two kinds
+            att = max(att, 2 * sum(r * m for r, _, m in causal) * kvd * ab)
+        if cpu:  # torch SDPA per segment: its output (then written into `out`), fp32 log-sum-exp, a float mask;
+            # on a sliding layer the segment's keys and values concatenated (the ring's then its own: < W + rows)
+            prefix = max((end for _, end, _ in causal), default=0)  # the canvases sit after the causal rows
+            for r, end, _ in causal + [(c, 0, canvases)]:
+                keys = 0 if not end else end if not ring else min(end, r + g.window - 1)
+                cat = 2 * (min(end or prefix, r + g.window - 1) if end else min(prefix, g.window - 1) + r) * kvd * ab \
+                    if ring else 0
+                att = max(att, r * qd * ab + 4 * n * r + r * keys * ab + cat)
+        # then attn.out: o_proj [N, H] next to `out`, post_attention_layernorm, x + ...
+        peak = max(peak, held + x + qkv + q + max(att, x), held + x + qkv + x + nh, held + 3 * x + qkv)
+        carry = qkv
+        if i == last and not canvases:
+            return peak
+        t = tc if i == last else rows  # the last layer's feed-forward: canvas rows only
+        xf, nf, tk = t * h * ab, _norm(t, h, ab, cpu), t * k
+        base = held + x + qkv  # the residual (a view of it in the last layer), q, k, v
+        # Feed-forward: dense MLP (pre-norm, then gelu(gate), up and their product, down; post-norm), router
         # (norm, ·scale, ·root; logits and fp32 softmax [T, E]), then experts next to the dense output.
-        peak = max(peak, base + nh, base + x + 3 * t * i_d * ab, base + x + nh, base + 3 * x,
-                   base + 2 * x + t * e * (ab + 4))
-        tk = t * k
-        xn = base + x + tk * (4 + 8)  # + dense out, routing w fp32 / idx int64 [T, k]
-        if cpu:  # moe_cpu.experts_segments: gather, gate_up, act, y, pairs, then _combine's fp32 copy and product
-            ints = tk * (8 + 8 + 4 + 8)  # idx_sorted, perm, w_sorted, order
-            moe = max(tk * (h + 2 * im) * ab, tk * 4 * im * ab, tk * ((3 * im + 2 * h) * ab + 8 * h)) + ints
-        else:  # moe.experts_triton: act [slots, Im] (each expert padded to MOE_BLOCK), y [T·k, H], out [T, H]
+        peak = max(peak, base + nf, base + xf + 3 * t * i_d * ab, base + 2 * xf + t * i_d * ab, base + xf + nf,
+                   base + 3 * xf, base + 2 * xf + t * e * (ab + 4))
+        xn = base + xf + tk * (4 + 8)  # + dense out, routing w fp32 / idx int64 [T, k]
+        if cpu:  # moe_cpu.experts_segments: experts, fp32 weights, order [T·k] held (20 B a pair); the gathered
+            # rows and gate_up [T·k, 2Im] (kept to the end); act; y [T·k, H] weighted in place (bf16: an fp32 copy
+            # and an fp32 result); _sum_slots' inverse, arange, out and tmp [T, H]
+            gu, y = 2 * tk * im * ab, tk * h * ab  # ... and act: gu's half
+            moe = 20 * tk + max(8 * tk + y + gu, 2 * gu, 3 * gu // 2 + y + (4 * tk + 8 * tk * h if ab < 4 else 0),
+                                3 * gu // 2 + y + 16 * tk + 2 * xf)
+        else:  # moe.experts_triton: act [slots, Im] (experts padded to MOE_BLOCK), y [T·k, H], out [T, H]
             slots = -(-(tk + e * (MOE_BLOCK - 1)) // MOE_BLOCK) * MOE_BLOCK
-            moe = slots * (im * ab + 4) + tk * h * ab + x + tk * (8 + 8 + 4)
-        # pre_feedforward_layernorm_2, the experts over its output, then the post-norms and the sums
-        peak = max(peak, xn + nh, xn + x + moe, base + 2 * x + nh, base + 3 * x)
-    return tables + max(peak, x + carry + nh)  # epilogue: the final norm
+            moe = slots * (im * ab + 4) + tk * h * ab + xf + tk * (8 + 8 + 4)
+        # pre_feedforward_layernorm_2, the experts over its output, then the post-norms and the sums (dense,
+        # moe and the normed sum bound until the residual add)
+        peak = max(peak, xn + nf, xn + xf + moe, xn + xf + nf, xn + 2 * xf + nf, xn + 3 * xf)
+    return max(peak, held + tc * h * ab + carry + nt)  # epilogue: the final norm over the canvas rows
+
+
+def step_bytes(cfg: ModelConfig, b: int, context: int, ab: int = 2, cpu: bool = False) -> dict:
+    """A step's temporaries for b running requests: the pass of their canvases, each beside the commit of its
+    block that ended (the most a running batch puts in one pass: 2·b·C rows, the last commit ending at `context`;
+    the commits' ids: the pass's and the argmax rows they view), then the vocabulary pass next to its input
+    hidden [b, C, H]; the step holds the larger (accept / renoise / history after them: tens of bytes a row)."""
+    dec = pass_bytes(cfg, [(cfg.canvas_length, context, b)], b, ab, cpu) + 16 * b * cfg.canvas_length
+    voc = b * cfg.canvas_length * cfg.hidden_size * ab + vocab_bytes(cfg, b, ab, cpu)
+    return {"decode": dec, "vocab_pass": voc, "total": max(dec, voc)}
+
+
+def prefill_bytes(cfg: ModelConfig, b: int, prompt_len: int, ab: int = 2, cpu: bool = False) -> int:
+    """A prefill pass of b requests admitted at once (the scheduler's first): prompt chunks of at most
+    `prompt_len` ids under the pass budget (BUDGET rows), each masked against `prompt_len` keys (a later
+    chunk's), the canvases of the prompts completing in it (at most one more than its chunks: a pass also ends
+    the previous one's tails), the pass's ids. Beside running canvases a pass holds fewer prompt rows."""
+    c, chunk = cfg.canvas_length, min(prompt_len, BUDGET)
+    whole = min(b, BUDGET // chunk)  # whole chunks, then what is left of the budget
+    causal = [(chunk, prompt_len, whole)]
+    causal += [(BUDGET - whole * chunk, prompt_len, 1)] if whole < b and BUDGET % chunk else []
+    rows = sum(r * m for r, _, m in causal)
+    done = b if rows == b * prompt_len else min(b, whole + len(causal))
+    return pass_bytes(cfg, causal, done, ab, cpu, soft=False) + 8 * (rows + done * c)
 
 
 def vocab_bytes(cfg: ModelConfig, b: int, ab: int = 2, cpu: bool = False) -> int:
-    """What the vocabulary pass allocates at its peak over N = b·C rows (its input, hidden [N, H], is
-    the decoder's output), the larger of its two calls: with the soft embedding (every step but a block's
-    last) and without. CUDA (kernels/vocab_pass.py): rows in chunks of `_cuda_chunk_rows` (the bf16(L)
-    scratch's cap) with the soft embedding, all N at once without; per chunk the splits' statistics, the
-    draw's per-tile statistics, then the draw, then the soft GEMM's split-K partials (`_cuda_vocab`).
-    CPU (kernels/vocab_pass_cpu.py, with the soft embedding): one tile's buffers, the per-tile group sums
-    kept for the draw, the soft accumulator, then the draw. The draw (kernels/categorical.py): float64
-    gsum, exp(gmax - top) and their product (3 x 8 bytes per group), then the mass and its cumsum while
-    the chosen group's logits are recomputed (CPU: from gathered embedding rows, chunks of GATHER_BYTES;
-    CUDA: one kernel writing [rows, W] fp32)."""
+    """The vocabulary pass's peak over N = b·C rows (its input hidden [N, H] aside), the larger of its two calls:
+    with the soft embedding (every step but a block's last) and without. CUDA (kernels/vocab_pass.py,
+    `_cuda_vocab`): row chunks under the bf16(L) scratch's cap with the soft embedding, all N at once without.
+    CPU (kernels/vocab_pass_cpu.py, with the soft embedding): one tile's buffers, the per-tile group sums kept
+    for the draw, the soft accumulator, then the draw (kernels/categorical.py): float64 gsum, exp(gmax - top) and
+    their product (3 x 8 bytes per group), then the mass and its cumsum while the chosen group's logits are
+    recomputed from gathered embedding rows (chunks of GATHER_BYTES)."""
     c, h, v = cfg.canvas_length, cfg.hidden_size, cfg.vocab_size
     n = b * c
     small = 64 * n  # a dozen [N] vectors: temperature, running max / sums / argmax, entropy, sample
@@ -238,18 +256,11 @@ def vocab_bytes(cfg: ModelConfig, b: int, ab: int = 2, cpu: bool = False) -> int
     return max(stats, draw)
 
 
-def _cuda_chunk_rows(n: int, v: int, ab: int) -> int:
-    """Rows per chunk of the Triton pass with the soft embedding: as many as keep the bf16(L) scratch
-    [rows, V] (model dtype) under SCRATCH_BYTES (vocab_pass_triton's `step`)."""
-    return max(1, min(n, SCRATCH_BYTES // (v * ab)))
-
-
 def _cuda_vocab(n: int, h: int, v: int, ab: int, want_soft: bool) -> int:
     """The Triton pass' peak over n rows (kernels/vocab_pass.py: vocab_pass_triton, _pass_rows; the draw in
     kernels/categorical.py with `_group_logits`), `ab` the embedding's bytes."""
     def cdiv(a: int, b: int) -> int:
         return -(-a // b)
-
     w = GROUP  # block_n: the draw's group width and the tile of the per-tile statistics
     tiles = cdiv(v, w)
     splits = cdiv(v, cdiv(cdiv(v, min(tiles, VOCAB_SPLITS)), w) * w)  # as _pass_rows rounds them to whole tiles
@@ -270,24 +281,13 @@ def _cuda_vocab(n: int, h: int, v: int, ab: int, want_soft: bool) -> int:
 
     if not want_soft:  # one chunk of every row; the outputs are [N] vectors (small)
         return small + chunk(n)
-    r = _cuda_chunk_rows(n, v, ab)
+    r = max(1, min(n, SCRATCH_BYTES // (v * ab)))  # rows per chunk: the bf16(L) scratch [r, V] under SCRATCH_BYTES
     full, rest = divmod(n, r)
-    # every earlier chunk's outputs are kept in a list until the torch.cat: the last full chunk and the
-    # partial one after it are the candidates for the loop's peak
+    # earlier chunks' outputs are kept until the torch.cat: the last full chunk or the partial one peaks
     during = max(((full - 1) * r * out_row + chunk(r)), (full * r * out_row + chunk(rest)) if rest else 0)
-    # after the loop: the chunks' outputs, their concatenation (more than one chunk), then soft = acc in the
-    # model dtype (a copy unless fp32) and its scaled copy
+    # after: the chunks' outputs, their concatenation, then soft = acc in the model dtype and its scaled copy
     outs = n * out_row * (2 if full + (rest > 0) > 1 else 1)
     return small + max(during, outs + n * h * (2 * ab if ab < 4 else ab))
-
-
-def step_bytes(cfg: ModelConfig, b: int, context: int, ab: int = 2, cpu: bool = False) -> dict:
-    """A denoising step's temporaries for b rows (rules.denoise_step): the decoder pass, then the vocabulary
-    pass next to its input hidden [b, C, H]; the step holds the larger. The accept / renoise / history
-    work after them is tens of bytes per position, below either."""
-    dec = decode_bytes(cfg, b, context, ab, cpu)
-    voc = b * cfg.canvas_length * cfg.hidden_size * ab + vocab_bytes(cfg, b, ab, cpu)
-    return {"decode": dec, "vocab_pass": voc, "total": max(dec, voc)}
 
 
 def peak_bytes(cfg: ModelConfig, b: int, *, context: int, prompt_len: int = 256, fmt: str = "bf16",
@@ -295,16 +295,15 @@ def peak_bytes(cfg: ModelConfig, b: int, *, context: int, prompt_len: int = 256,
     """The most memory b slots hold at once (see the module's docstring), by part."""
     weights = weights_bytes(cfg, fmt)["bytes"]
     kv = b * kv_bytes(cfg, context, ab)["total"]
-    state = b * loop_state_bytes(cfg, ab, stability)["total"]
+    state = b * loop_state_bytes(cfg, ab, stability, lag=0 if cpu else 1)["total"]
     phases = {"step": step_bytes(cfg, b, context, ab, cpu)["total"],
-              "prefill": decode_bytes(cfg, b, context, ab, cpu, prefill=prompt_len)}
+              "prefill": prefill_bytes(cfg, b, prompt_len, ab, cpu)}
     top = max(phases, key=phases.get)
     return {"weights": weights, "kv_cache": kv, "loop_state": state, "phases": phases, "peak_phase": top,
             "total": weights + kv + state + phases[top]}
 
 
-def largest_batch(cfg: ModelConfig, budget: int, *, headroom: float = HEADROOM, limit: int = 1 << 20,
-                  **kw) -> int:
+def largest_batch(cfg: ModelConfig, budget: int, *, headroom: float = HEADROOM, limit: int = 1 << 20, **kw) -> int:
     """The largest b whose `peak_bytes` fits budget·(1 - headroom) (0: not even one row). peak_bytes grows
     with b, so a bisection finds the boundary: b fits and b + 1 does not."""
     usable = budget * (1.0 - headroom)
@@ -320,8 +319,7 @@ def largest_batch(cfg: ModelConfig, budget: int, *, headroom: float = HEADROOM, 
 
 
 def step_per_row(cfg: ModelConfig, context: int, ab: int = 2, cpu: bool = False) -> float:
-    """A step's temporaries per extra row in large batches (the slope between 64 and 128 rows: the
-    per-chunk buffers, fixed in size, drop out)."""
+    """A step's temporaries per extra row in large batches (the slope from 64 to 128 rows: fixed chunks drop out)."""
     return (step_bytes(cfg, 128, context, ab, cpu)["total"] - step_bytes(cfg, 64, context, ab, cpu)["total"]) / 64
 
 
@@ -332,8 +330,9 @@ def batch_memory(cfg: ModelConfig, *, context: int, prompt_len: int, dtype: str,
     largest batch that fits."""
     ab = DTYPE_BYTES[dtype]
     kv = kv_bytes(cfg, context, ab)
-    state = loop_state_bytes(cfg, ab, stability)
+    state = loop_state_bytes(cfg, ab, stability)  # CUDA's (lag 1); the CPU's holds no unsettled pass
     step = {"cuda": step_per_row(cfg, context, ab), "cpu": step_per_row(cfg, context, ab, cpu=True)}
+    row = {"cuda": state["total"], "cpu": state["total"] - state["last_pass"]}
     fits = []
     formats = FORMATS + (("fp32",) if dtype == "float32" else ())
     for bud in budgets:
@@ -350,16 +349,17 @@ def batch_memory(cfg: ModelConfig, *, context: int, prompt_len: int, dtype: str,
     return {
         "context": context, "dtype": dtype, "headroom": headroom,
         "per_slot": {"kv_cache": kv["total"], "kv": kv, "loop_state": state["total"], "loop_state_parts": state,
-                     "step_per_row": step, "total": {p: kv["total"] + state["total"] + s for p, s in step.items()}},
+                     "step_per_row": step, "total": {p: kv["total"] + row[p] + s for p, s in step.items()}},
         "weights": {fmt: weights_bytes(cfg, fmt) for fmt in formats},
         "fits": fits,
         "assumptions": (
-            f"peak = weights + b x (KV: full layers every position, sliding layers a ring of their last window-1; "
-            f"+ sampler state) + the larger of a denoising step's temporaries and "
-            f"the prefill's (b prompts of {prompt_len} tokens); usable = memory less {headroom:.0%} headroom "
-            f"(CUDA context, allocator fragmentation); bf16 activations and KV (fp32 for fp32); FP8 = attention, MLP and "
-            f"expert matrices at 1 byte/param + a bf16 scale per output channel, embedding/LM head, router, self-conditioning MLP and norms "
-            f"bf16 (as dgemma holds an FP8-dynamic checkpoint: `dgemma quantize --fp8`)."),
+            f"peak = weights + b x (paged KV: full layers the context and a canvas, sliding layers a ring of window-1 "
+            f"and one pass's positions, in blocks of {KV_BLOCK}; + sampler state) + the larger of a step's temporaries "
+            f"(b canvases beside their commits, then the vocabulary pass) and a prefill pass's ({prompt_len}-token "
+            f"prompts in chunks under the {BUDGET}-row pass budget); usable = memory less {headroom:.0%} headroom "
+            f"(CUDA context, allocator fragmentation); bf16 activations and KV (fp32 for fp32); FP8 = attention, MLP, "
+            f"expert matrices at 1 byte/param + a bf16 scale per output channel, embedding/LM head, router, "
+            f"self-conditioning MLP and norms bf16 (as dgemma holds an FP8-dynamic checkpoint: `dgemma quantize --fp8`)."),
     }
 
 
@@ -381,13 +381,14 @@ def markdown(sec: dict) -> str:
     st, kv = ps["loop_state_parts"], ps["kv"]
     lines = [(f"**batch memory** ({sec['dtype']} KV, {sec['context']:,} cached tokens per slot = the longest "
               f"request's prompt + every block but the last; --context):"),
-             (f"- per slot: KV cache {_b(ps['kv_cache'])} + sampler state {_b(ps['loop_state'])} (soft embedding "
-              f"{_b(st['soft'])}, canvas, history, last step's outputs) + step temporaries "
+             (f"- per slot: KV cache {_b(ps['kv_cache'])} + sampler state {_b(ps['loop_state'])} (soft embeddings "
+              f"{_b(st['soft'])}, canvas, history, the unsettled pass's outputs) + step temporaries "
               f"{_b(ps['step_per_row']['cuda'])} on CUDA ({_b(ps['step_per_row']['cpu'])} on CPU) = "
               f"**{_b(ps['total']['cuda'])}** (CUDA), {_b(ps['total']['cpu'])} (CPU)"),
-             (f"- KV cache: {_b(kv['full_per_token'])}/token for full layers + {_b(kv['rings'])} per slot for the "
-              f"sliding rings (was {_b(kv['was_per_token'])}/token): {_b(kv['total'])} per slot at "
-              f"{kv['context']:,} tokens (was {_b(kv['was'])})"),
+             (f"- KV cache: {_b(kv['full_per_token'])}/token for full layers ({kv['full_positions']:,} positions: "
+              f"the context and a canvas) + {_b(kv['rings'])} per slot for the sliding rings (was "
+              f"{_b(kv['was_per_token'])}/token): {_b(kv['total'])} per slot at {kv['context']:,} tokens "
+              f"(was {_b(kv['was'])})"),
              "- weights: " + ", ".join(f"{k} {_b(v['bytes'])}" for k, v in w.items()), "",
              f"**largest batch that fits** ({1 - sec['headroom']:.0%} of the memory usable):", "",
              "| memory | weights | usable | largest batch | peak at |", "|---|---|---|---|---|"]

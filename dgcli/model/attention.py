@@ -84,14 +84,27 @@ class PassLayout:
         self._meta: dict[int | None, tuple] = {}
 
     def slots(self, group: str) -> torch.Tensor:
-        """[N] int64 device slots of every row's position in `group`'s pools."""
+        """Device int64 slots where this pass writes: every row's position on full layers [N]; on sliding layers
+        the causal rows' only, the last ring's worth of each segment (a ring never takes a canvas)."""
         if group not in self._slots:
-            host = torch.cat([self.cache.slots(group, s.seq, s.start, s.start + s.length) for s in self.segments])
-            self._slots[group] = to_device(host, torch.long, self.device)
+            if group == "full":
+                parts = [self.cache.slots(group, s.seq, s.start, s.start + s.length) for s in self.segments]
+                rows = None
+            else:
+                keep = self.cache.ring_blocks * self.cache.block_size
+                spans = [(r0 + max(0, s.length - keep), s, max(s.start, s.start + s.length - keep))
+                         for s, r0 in zip(self.segments, self.row0) if not s.canvas]
+                parts = [self.cache.slots(group, s.seq, lo, s.start + s.length) for _, s, lo in spans]
+                rows = [torch.arange(r, r + s.start + s.length - lo) for r, s, lo in spans]
+                rows = to_device(torch.cat(rows), torch.long, self.device) if rows else None
+            host = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+            self._slots[group] = (to_device(host, torch.long, self.device), rows)
         return self._slots[group]
 
     def reads(self, j: int, group: str, window: int | None) -> tuple[list[tuple[int, int]], torch.Tensor | None]:
-        """Segment j's key runs in `group` and its mask [rows, keys] (None for canvas rows: they read every key)."""
+        """Segment j's key runs in the cache and its mask [rows, keys] (None for canvas rows: they read every key).
+        Full layers: every key from the cache (written first). Sliding layers: the cache's keys before the
+        segment, then the segment's own (this pass's k, v), as the reference orders them."""
         key = (j, window)
         if key not in self._reads:
             s = self.segments[j]
@@ -101,16 +114,18 @@ class PassLayout:
                 kpos = torch.arange(lo, hi, device=self.device)
                 qpos = torch.arange(s.start, hi, device=self.device)[:, None]
                 mask = kpos <= qpos if window is None else (kpos <= qpos) & (kpos > qpos - window)
-            self._reads[key] = (self.cache.runs(group, s.seq, lo, hi), mask)
+            self._reads[key] = (self.cache.runs(group, s.seq, lo, hi if group == "full" else s.start), mask)
         return self._reads[key]
 
-    def kernel_meta(self, group: str, window: int | None, tile: int) -> tuple:
-        """Per-row (sequence index, lo, hi) int32 on the device, the group's block tables and row tiles of at
-        most `tile` consecutive rows of one segment."""
-        if (window, tile) not in self._meta:
+    def kernel_meta(self, group: str, window: int | None, tile: int, canvas: bool | None = None) -> tuple:
+        """Per-row (sequence index, lo, hi, fresh position, fresh row) int32 on the device, the group's block
+        tables and row tiles of at most `tile` consecutive rows of one segment (of one kind, if `canvas` is
+        given). Sliding layers read a segment's own positions from this pass's k, v (fresh), full layers none."""
+        key = (window, tile, canvas)
+        if key not in self._meta:
             seqs = sorted({s.seq for s in self.segments})
             index = {q: i for i, q in enumerate(seqs)}
-            row_seq, row_lo, row_hi, t0, tn = [], [], [], [], []
+            row_seq, row_lo, row_hi, f_pos, f_row, t0, tn = [], [], [], [], [], [], []
             for s, r0 in zip(self.segments, self.row0):
                 lo, hi = s.keys(window)
                 for p in range(s.start, s.start + s.length):
@@ -119,39 +134,68 @@ class PassLayout:
                         row_lo.append(lo), row_hi.append(hi)
                     else:
                         row_lo.append(0 if window is None else max(0, p - window + 1)), row_hi.append(p + 1)
-                for a in range(0, s.length, tile):  # tiles of one sequence's consecutive rows
-                    t0.append(r0 + a), tn.append(min(tile, s.length - a))
+                    f_pos.append(1 << 30 if group == "full" else s.start), f_row.append(r0)
+                if canvas is None or canvas == s.canvas:
+                    for a in range(0, s.length, tile):  # tiles of one segment's consecutive rows
+                        t0.append(r0 + a), tn.append(min(tile, s.length - a))
             as_dev = functools.partial(to_device, dtype=torch.int32, device=self.device)
-            self._meta[window, tile] = (as_dev(row_seq), as_dev(row_lo), as_dev(row_hi),
-                                        self.cache.table_tensor(group, seqs), as_dev(t0), as_dev(tn))
-        return self._meta[window, tile]
+            self._meta[key] = (as_dev(row_seq), as_dev(row_lo), as_dev(row_hi), self.cache.table_tensor(group, seqs),
+                               as_dev(t0), as_dev(tn), as_dev(f_pos), as_dev(f_row))
+        return self._meta[key]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, layout: PassLayout) -> torch.Tensor:
     """q [1, n, N, d], this pass's k, v [1, n_kv, N, d] of layer `layer` -> attention output [1, n, N, d].
-    Writes k, v into the cache first. Scale 1.0 (QK-norm absorbs 1/sqrt(d)); no softcap; GQA by head groups."""
+    Full layers: every row's k, v written first, then every segment reads the cache. Sliding layers (a ring of
+    about W-1 positions): the causal segments read the ring and their own k, v, then write theirs, then the
+    canvases read the ring (a same-pass commit included) and their own k, v. Scale 1.0 (QK-norm absorbs
+    1/sqrt(d)); no softcap; GQA by head groups."""
     cache = layout.cache
     group, window = cache.kind[layer], cache.windows[layer]
-    cache.write(layer, layout.slots(group), k[0], v[0])
+    out = torch.empty_like(q)
+    if group == "full":
+        cache.write(layer, layout.slots(group)[0], k[0], v[0])
+        _attend(q, k, v, layer, layout, None, out)
+        return out
+    _attend(q, k, v, layer, layout, False, out)
+    slots, rows = layout.slots(group)
+    if rows is not None:
+        cache.write(layer, slots, k[0].index_select(1, rows), v[0].index_select(1, rows))
+    _attend(q, k, v, layer, layout, True, out)
+    return out
+
+
+def _attend(q, k, v, layer: int, layout: PassLayout, canvas: bool | None, out: torch.Tensor) -> None:
+    """The segments of one kind (`canvas`; None: all) into `out`."""
+    cache = layout.cache
+    group, window = cache.kind[layer], cache.windows[layer]
     pool_k, pool_v = cache.k[layer], cache.v[layer]
+    segments = [(j, s, r0) for j, (s, r0) in enumerate(zip(layout.segments, layout.row0))
+                if canvas is None or s.canvas == canvas]
+    if not segments:
+        return
+    fresh = group != "full"
     if layout.backend == "triton-paged":
         from dgcli.kernels.paged_attention import rows_per_tile
 
         tile = rows_per_tile(q.shape[1], k.shape[1], q.shape[-1], q.dtype)  # the kernel's block, in rows
-        row_seq, lo, hi, tables, t0, tn = layout.kernel_meta(group, window, tile)
-        out = ops.paged_attention(q[0].transpose(0, 1), pool_k, pool_v, row_seq, lo, hi, tables, cache.block_size,
-                                  cache.ring_blocks if group == "ring" else 0, t0, tn)
-        return out.transpose(0, 1)[None]  # [1, n, N, d]
-    out = torch.empty_like(q)
-    for j, (s, r0) in enumerate(zip(layout.segments, layout.row0)):
+        row_seq, lo, hi, tables, t0, tn, f_pos, f_row = layout.kernel_meta(group, window, tile, canvas)
+        ops.paged_attention(q[0].transpose(0, 1), pool_k, pool_v, row_seq, lo, hi, tables, cache.block_size,
+                            cache.ring_blocks if fresh else 0, t0, tn, k[0].transpose(0, 1) if fresh else None,
+                            v[0].transpose(0, 1) if fresh else None, f_pos, f_row, out[0].transpose(0, 1))
+        return
+    for j, s, r0 in segments:
         runs, mask = layout.reads(j, group, window)
-        if len(runs) == 1:
-            (a, b), = runs
-            keys, values = pool_k[None, :, a:b], pool_v[None, :, a:b]
+        keys = [pool_k[None, :, a:b] for a, b in runs]
+        values = [pool_v[None, :, a:b] for a, b in runs]
+        if fresh:  # the segment's own keys from this pass
+            keys.append(k[:, :, r0:r0 + s.length])
+            values.append(v[:, :, r0:r0 + s.length])
+        if len(keys) > 1:
+            keys, values = torch.cat(keys, dim=2), torch.cat(values, dim=2)
+            if not fresh:
+                layout.gathered += keys.shape[2]
         else:
-            keys = torch.cat([pool_k[None, :, a:b] for a, b in runs], dim=2)
-            values = torch.cat([pool_v[None, :, a:b] for a, b in runs], dim=2)
-            layout.gathered += keys.shape[2]
+            keys, values = keys[0], values[0]
         out[:, :, r0:r0 + s.length] = F.scaled_dot_product_attention(
             q[:, :, r0:r0 + s.length], keys, values, attn_mask=mask, scale=1.0, enable_gqa=True)
-    return out

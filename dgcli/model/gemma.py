@@ -20,7 +20,7 @@ from torch import nn
 from dgcli.kernels import dispatch, transfer
 from dgcli.model.attention import PassLayout, Segment, attend
 from dgcli.model.config import LayerGeometry, ModelConfig
-from dgcli.model.paged import PagedKVCache, pass_positions
+from dgcli.model.paged import PagedKVCache
 
 
 class RMSNorm(nn.Module):
@@ -223,13 +223,12 @@ class DiffusionGemma(nn.Module):
             out[kind] = rope_tables(positions, self._inv_freq[key], dtype)
         return out
 
-    def new_cache(self, seqs: int, max_len: int, chunk: int | None = None, block_size: int = 16) -> PagedKVCache:
-        """A paged cache for `seqs` sequences of up to `max_len` positions (a canvas's own included); a pass writes
-        at most `chunk` positions of one sequence (default: a prompt chunk or a commit, and a canvas)."""
+    def new_cache(self, seqs: int, max_len: int, block_size: int = 16) -> PagedKVCache:
+        """A paged cache for `seqs` sequences of up to `max_len` positions (a canvas's own included: full layers
+        hold it where its block will commit)."""
         w = self.embed_tokens.weight
-        chunk = pass_positions(self.config.canvas_length) if chunk is None else chunk
         return PagedKVCache([(g.num_kv_heads, g.head_dim, g.window) for g in self.geometry], seqs=seqs,
-                            max_len=max_len, chunk=chunk, device=w.device, dtype=w.dtype, block_size=block_size)
+                            max_len=max_len, device=w.device, dtype=w.dtype, block_size=block_size)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(ids) * self.embed_scale
@@ -289,7 +288,7 @@ class DiffusionGemma(nn.Module):
         decoder_input_ids=canvas_ids, self_conditioning_logits=...).logits: one pass of the prompts' rows and
         the canvases' rows together."""
         (b, p), c = prompt_ids.shape, canvas_ids.shape[1]
-        cache = self.new_cache(b, p + c, chunk=p + c)
+        cache = self.new_cache(b, p + c)
         for seq in range(b):
             cache.reserve(seq, p + c)
         segments = [Segment(seq, 0, p, False) for seq in range(b)] + [Segment(seq, p, c, True) for seq in range(b)]

@@ -2,9 +2,9 @@
 
 Owns: the pools, the allocation of blocks to sequences and where a position of a sequence lives. Two groups of
 layers share allocation: the full layers (a sequence holds every position it reserved: position p in its
-table's block p // B) and the sliding layers (a sequence holds a ring of `ring_blocks` blocks: position p in
-block (p // B) mod ring_blocks), so a sliding layer keeps only what any later query reads (the last W-1
-positions before a pass, and the pass's own tokens). A layer's pool is [n_kv, blocks · B, d]: the slots of
+table's block p // B) and the sliding layers (a sequence holds a ring of `ring_blocks` blocks, the last W-1
+positions rounded up to blocks: position p in block (p // B) mod ring_blocks), so a sliding layer keeps only
+what a later query reads from the cache (a pass's own keys come from the pass: model/attention.py). A layer's pool is [n_kv, blocks · B, d]: the slots of
 consecutive blocks are consecutive, so a run of a sequence's blocks that are also consecutive in the pool is
 one strided view (what CPU attention reads without a copy; the allocator hands out runs when it can).
 Sizes are fixed when the engine makes the cache (slots × the longest request it admits): nothing is
@@ -19,14 +19,6 @@ from __future__ import annotations
 import torch
 
 from dgcli.kernels.transfer import to_device
-
-
-PREFILL_CHUNK = 256  # prompt ids of one sequence per pass (at least a canvas): what a ring must hold beyond W - 1
-
-
-def pass_positions(canvas: int) -> int:
-    """The most positions one sequence writes in a pass: a prompt chunk (or a commit) and a canvas."""
-    return max(PREFILL_CHUNK, canvas) + canvas
 
 
 def blocks_for(positions: int, block_size: int) -> int:
@@ -58,15 +50,14 @@ class BlockPool:
 
 
 class PagedKVCache:
-    def __init__(self, layers: list[tuple[int, int, int | None]], *, seqs: int, max_len: int, chunk: int,
+    def __init__(self, layers: list[tuple[int, int, int | None]], *, seqs: int, max_len: int,
                  device: torch.device | str, dtype: torch.dtype, block_size: int = 16):
         """layers: per layer (num_kv_heads, head_dim, sliding window W or None). Room for `seqs` sequences of up
-        to `max_len` positions each; a pass writes at most `chunk` positions of one sequence (a sliding ring
-        holds W-1 + chunk positions: everything a pass reads or writes)."""
-        self.block_size, self.max_len, self.chunk, self.seqs = block_size, max_len, chunk, seqs
+        to `max_len` positions each; a sliding layer's ring holds the last W-1 positions in whole blocks (a pass
+        reads its own new keys from its k, v and writes them after: attention.py)."""
+        self.block_size, self.max_len, self.seqs = block_size, max_len, seqs
         windows = {w for _, _, w in layers if w is not None}
-        ring = min(max(windows) - 1 + chunk, max_len) if windows else 0  # positions a ring must hold
-        self.ring_blocks = blocks_for(ring, block_size) if windows else 0
+        self.ring_blocks = blocks_for(min(max(windows) - 1, max_len), block_size) if windows else 0
         self.full_blocks = blocks_for(max_len, block_size)  # per sequence
         self.groups = {"full": BlockPool(seqs * self.full_blocks), "ring": BlockPool(seqs * self.ring_blocks)}
         self.kind = ["full" if w is None else "ring" for _, _, w in layers]

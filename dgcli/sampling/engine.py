@@ -127,11 +127,9 @@ class Engine:
         self.device = model.embed_weight.device
         self.lag = (1 if self.device.type == "cuda" else 0) if lag is None else lag
         self.positions = torch.arange(self.c, device=self.device)  # [C]
-        # Room for the prompt, the committed blocks and a canvas; a sequence's prompt chunk per pass is what its
-        # sliding ring holds beyond the window and a canvas (model.new_cache's `chunk`).
+        # Room for the prompt, the committed blocks and a canvas (full layers hold its keys where it will commit).
         self.cache = model.new_cache(slots, max_len + self.c, block_size=block_size)
-        self.sched = Scheduler(self.cache, seqs=slots, canvas=self.c, budget=budget,
-                               seq_chunk=self.cache.chunk - self.c)
+        self.sched = Scheduler(self.cache, seqs=slots, canvas=self.c, budget=budget)
         self.pending: _Pass | None = None
         self.cancelled: set[int] = set()
         self.stats = {} if stats is None else stats

@@ -6,7 +6,7 @@ Each pass: free sequences take queued requests whose blocks the cache can reserv
 and every block's canvas); every running request's canvas runs (and, when its last block ended, that block's
 commit rides along, as causal rows before it); the prompts of admitted requests are encoded in chunks in
 arrival order under a per-pass token budget (the running canvases count against it; a prompt still gets one
-canvas's worth when they fill it) and a per-sequence chunk (what its sliding ring holds beyond the window), so a long prompt never stalls the requests that are denoising. A request
+canvas's worth when they fill it), so a long prompt never stalls the requests that are denoising. A request
 whose prompt completes in a pass starts its first block in that same pass (its canvas reads the prompt's keys
 written earlier in the pass: every row writes before any row reads, layer by layer).
 Must not: touch tensors other than slicing a request's ids, read the device, or know about the sampler's math.
@@ -44,8 +44,8 @@ class Plan:
 
 
 class Scheduler:
-    def __init__(self, cache: Any, *, seqs: int, canvas: int, budget: int, seq_chunk: int):
-        self.cache, self.c, self.budget, self.seq_chunk = cache, canvas, budget, seq_chunk
+    def __init__(self, cache: Any, *, seqs: int, canvas: int, budget: int):
+        self.cache, self.c, self.budget = cache, canvas, budget
         self.free = list(range(seqs))
         self.queue: deque = deque()
         self.prefilling: list = []  # admitted, prompt not fully encoded yet (arrival order)
@@ -91,7 +91,7 @@ class Scheduler:
         if self.prefilling and left < 1:
             left = c  # progress for the prompts whatever the running set
         for r in list(self.prefilling):
-            n = min(len(r.prompt) - r.prefilled, left, self.seq_chunk)
+            n = min(len(r.prompt) - r.prefilled, left)
             if n < 1:
                 break
             p.segments.append(Seg(r.slot, r.prefilled, n, False))

@@ -347,3 +347,46 @@ def test_every_launchable_block_compiles_for_h100_and_a100():
     for c in done:
         assert not _target_problems(kt, c), (c["target"], c["label"], _target_problems(kt, c), c["result"])
     assert any("spills" in p for p in _target_problems(kt, bad)), bad["result"]
+
+
+@pytest.mark.parametrize("name", ["ring", "window", "causal"])
+@pytest.mark.parametrize("dtype, atol, rtol", TOLS)
+def test_fresh_keys_come_from_the_pass_not_the_cache(name, dtype, atol, rtol, triton_device):
+    """A causal chunk's own positions read from k_new/v_new (rows of this pass), the cache holding NaN there
+    (not written yet: the sliding layers' read-before-write): kernel and reference give the dense answer."""
+    from dgcli.kernels.paged_attention import paged_attention
+
+    n_heads, n_kv, d, bs, ring, seqs = CASES[name]
+    args, logical = make_case(n_heads, n_kv, d, bs, ring, seqs, dtype)
+    q, k_pool, v_pool, row_seq, row_lo, row_hi, tables = args[:7]
+    n = q.shape[0]
+    k_new = torch.full((n, n_kv, d), float("nan"), dtype=dtype)
+    v_new = torch.full_like(k_new, float("nan"))
+    fresh_pos = torch.full((n,), 1 << 30, dtype=torch.int32)
+    fresh_row = torch.zeros(n, dtype=torch.int32)
+    r0 = 0
+    for s, (length, rows) in enumerate(seqs):
+        his = [hi for _, hi in rows]
+        if his == list(range(his[0], his[0] + len(rows))):  # a causal chunk: positions his[0]-1 .. length-1
+            first = his[0] - 1
+            k, v = logical[s]
+            k_new[r0:r0 + len(rows)] = k[:, first:first + len(rows)].transpose(0, 1).to(dtype)
+            v_new[r0:r0 + len(rows)] = v[:, first:first + len(rows)].transpose(0, 1).to(dtype)
+            fresh_pos[r0:r0 + len(rows)], fresh_row[r0:r0 + len(rows)] = first, r0
+            pos = torch.arange(first, first + len(rows))  # the cache does not hold them yet
+            blk = pos // bs % ring if ring else pos // bs
+            slot = tables[s].long()[blk] * bs + pos % bs
+            k_pool[:, slot], v_pool[:, slot] = float("nan"), float("nan")
+        r0 += len(rows)
+    assert (fresh_pos < 1 << 30).any()
+    want = dense_oracle(q, row_seq, row_lo, row_hi, logical)
+    fresh = dict(k_new=k_new, v_new=v_new, fresh_pos=fresh_pos, fresh_row=fresh_row)
+    ref = paged_attention_reference(q, k_pool, v_pool, row_seq, row_lo, row_hi, tables, bs, ring, **fresh)
+    torch.testing.assert_close(ref.float(), want, atol=atol, rtol=rtol)
+    counts = torch.unique_consecutive(row_seq, return_counts=True)[1].tolist()
+    t0, tn = row_tiles(counts, rows_per_tile(n_heads, n_kv, d, dtype))
+    dev = triton_device
+    to = lambda t: t.to(dev)  # noqa: E731
+    got = paged_attention(*map(to, (q, k_pool, v_pool, row_seq, row_lo, row_hi, tables)), bs, ring,
+                          tile_row0=to(t0), tile_rows=to(tn), **{k: to(v) for k, v in fresh.items()})
+    torch.testing.assert_close(got.float().cpu(), want, atol=atol, rtol=rtol)

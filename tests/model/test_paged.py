@@ -31,9 +31,9 @@ def test_block_pool_prefers_one_run_and_takes_back_what_it_gave():
 
 
 def test_positions_live_in_their_blocks_and_rings_wrap():
-    cache = PagedKVCache([(1, 2, None), (1, 2, 6)], seqs=2, max_len=40, chunk=4, device="cpu",
-                         dtype=torch.float32, block_size=4)
-    assert cache.ring_blocks == 3  # W - 1 + chunk = 9 positions -> 3 blocks of 4
+    cache = PagedKVCache([(1, 2, None), (1, 2, 10)], seqs=2, max_len=40, device="cpu", dtype=torch.float32,
+                         block_size=4)
+    assert cache.ring_blocks == 3  # W - 1 = 9 positions -> 3 blocks of 4
     assert cache.reserve(0, 10) and cache.reserve(1, 40)
     t = cache.tables
     assert len(t[0]["full"]) == 3 and len(t[1]["full"]) == 10 and len(t[1]["ring"]) == 3
@@ -60,7 +60,7 @@ def hidden_of(model, prompts, canvases, *, shuffle=False, chunk=None, budget_row
     scrambled)."""
     c = model.config.canvas_length
     max_len = max(len(p) for p in prompts) + c
-    cache = model.new_cache(len(prompts), max_len, chunk=max_len, block_size=2)
+    cache = model.new_cache(len(prompts), max_len, block_size=2)
     if shuffle:
         for pool in cache.groups.values():
             g = torch.Generator().manual_seed(5)
@@ -126,7 +126,7 @@ def test_a_canvas_does_not_depend_on_what_shares_its_pass(model):
     (p0, p1), canvases = inputs(m, [9, 12], seed=8)
     with torch.inference_mode():
         alone, _ = hidden_of(m, [p0], canvases[:1])
-        cache = m.new_cache(2, 12 + c, chunk=12 + c, block_size=2)
+        cache = m.new_cache(2, 12 + c, block_size=2)
         cache.reserve(0, 9 + c), cache.reserve(1, 12 + c)
         m.forward_pass(p0, [Segment(0, 0, 9, False)], cache)
         m.forward_pass(p1[:5], [Segment(1, 0, 5, False)], cache)
@@ -140,12 +140,12 @@ def test_a_pass_reads_no_prefix_copy(model):
     """Every key read of a pass over consecutive blocks is a view of the pool (nothing concatenated)."""
     prompts, canvases = inputs(model, [30])
     c = model.config.canvas_length
-    cache = model.new_cache(1, 30 + c, chunk=c, block_size=2)
+    cache = model.new_cache(1, 30 + c, block_size=2)
     cache.reserve(0, 30 + c)
     layout = PassLayout([Segment(0, 30, c, True)], cache, torch.device("cpu"))
     for g, w in (("full", None), ("ring", 6)):
         runs, mask = layout.reads(0, g, w)
-        assert mask is None and (len(runs) == 1 or g == "ring")  # a ring may wrap: two views, one small copy
+        assert mask is None and (len(runs) == 1 or g == "ring")  # a ring may wrap: two views (a copy of < W keys)
     with pytest.raises(ValueError, match="before canvas"):
         PassLayout([Segment(0, 30, c, True), Segment(0, 0, 3, False)], cache, torch.device("cpu"))
 

@@ -103,7 +103,8 @@ def test_a_cpu_tensor_in_attention_is_caught(fake_cuda, monkeypatch):
     def reads_with_host_mask(self, *a):
         runs, mask = reads(self, *a)
         s = self.segments[a[0]]
-        return runs, torch.ones(s.length, sum(b - a for a, b in runs), dtype=torch.bool)  # on the CPU
+        keys = sum(b - a for a, b in runs) + (s.length if a[1] != "full" else 0)  # a ring: its own keys too
+        return runs, torch.ones(s.length, keys, dtype=torch.bool)  # on the CPU
 
     monkeypatch.setattr(attention.PassLayout, "reads", reads_with_host_mask)
     monkeypatch.setattr(attention, "backend", lambda device: "torch-sdpa")

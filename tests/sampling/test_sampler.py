@@ -25,8 +25,8 @@ from dgcli.sampling.rules import (accept_mask, is_confident, is_stable, push_his
 class MockCache:
     """The engine's view of a cache: sequences reserved and released."""
 
-    def __init__(self, seqs: int, max_len: int, chunk: int):
-        self.seqs, self.max_len, self.chunk, self.tables = seqs, max_len, chunk, {}
+    def __init__(self, seqs: int, max_len: int):
+        self.seqs, self.max_len, self.tables = seqs, max_len, {}
 
     def reserve(self, seq: int, positions: int) -> bool:
         assert positions <= self.max_len
@@ -56,7 +56,7 @@ class MockModel:
         self.decodes: list[tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
 
     def new_cache(self, seqs: int, max_len: int, block_size: int) -> MockCache:
-        self.cache = MockCache(seqs, max_len, 2 * self.config.canvas_length)
+        self.cache = MockCache(seqs, max_len)
         return self.cache
 
     def forward_pass(self, ids: torch.Tensor, segments: list, cache: MockCache, soft: torch.Tensor | None):

@@ -1,0 +1,129 @@
+"""The engine's passes on this CPU: what a denoising step costs as the prefix grows, and what a long prompt
+arriving does to the requests already denoising.
+
+1. `--prefix`: one request (fixed work) at prompt lengths 100 and 4,000; in the steady state of its first block,
+   the time of a step and the bytes the CPU allocator hands out during one step (every allocation summed, and the
+   peak above what was held before), profiled with torch.profiler. With the paged cache no term may grow with
+   the prefix but attention's own reads: the bytes per step stay flat, the time grows only by attention.
+2. `--arrival`: 4 requests denoise (fixed work); after their 3rd step a 2,000-token prompt is submitted. The
+   gaps between consecutive steps of the 4 (their p50, p99 and max over the run), with the prompt encoded in
+   chunks (the default: 256 ids a pass) and whole (`--whole`: one chunk, as an engine without chunked prefill).
+Runs against whichever dgcli is on the path, so an older checkout can be measured side by side:
+    PYTHONPATH=/path/to/old python benchmarks/engine_passes.py --prefix --arrival
+Model: benchmarks/dummy-medium.json cut to 2 layers (sliding + full), random bf16 weights, 1 thread unless
+--threads. Prints one JSON line per measurement, then a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from dgcli.model.random_weights import random_model
+from dgcli.sampling.engine import Engine, Request
+from dgcli.sampling.events import Step
+from dgcli.sampling.params import DiffusionEbParams
+
+HERE = Path(__file__).parent
+
+
+def model_of(layers: int = 2):
+    cfg = json.loads((HERE / "dummy-medium.json").read_text())
+    t = cfg["text_config"]
+    t["layer_types"] = t["layer_types"][:layers - 1] + ["full_attention"]
+    t["num_hidden_layers"] = layers
+    t["max_position_embeddings"] = 16384
+    return random_model(cfg, dtype=torch.bfloat16)
+
+
+def allocated(fn) -> tuple[int, int]:
+    """(bytes allocated in total, peak bytes held above the start) while fn runs, from the allocator's events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    now = peak = total = 0
+    for e in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns()):
+        now += e.nbytes()
+        total += max(e.nbytes(), 0)
+        peak = max(peak, now)
+    return total, peak
+
+
+def prefix(model, p_len: int, steps: int = 6) -> dict:
+    params = DiffusionEbParams(max_denoising_steps=64, confidence_threshold=0.0)
+    engine = Engine(model, slots=1, max_len=p_len + 256, pad_id=0)
+    engine.submit(Request(id=0, prompt=torch.randint(3, 32768, (p_len,)), params=params, num_blocks=2, seed=1))
+    seen = 0
+    while seen < 3:  # prefill done and the block's first steps taken: the steady state
+        seen += sum(isinstance(e, Step) for e in engine.step())
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        list(engine.step())
+    ms = (time.perf_counter() - t0) / steps * 1e3
+    total, peak = allocated(lambda: list(engine.step()))
+    return {"bench": "prefix", "prompt": p_len, "ms_per_step": round(ms, 2), "alloc_mib_per_step": round(total / 2**20, 2),
+            "peak_mib_per_step": round(peak / 2**20, 2)}
+
+
+def arrival(model, whole: bool, prompt: int = 2000) -> dict:
+    if whole:  # one chunk, as without chunked prefill (this engine's ring then holds the whole prompt)
+        try:
+            from dgcli.model import paged
+
+            paged.PREFILL_CHUNK = prompt
+        except ImportError:
+            pass  # an engine without a paged cache encodes a prompt whole anyway
+    params = DiffusionEbParams(max_denoising_steps=24, confidence_threshold=0.0)
+    kw = {"budget": 1 << 16} if whole and "budget" in Engine.__init__.__code__.co_varnames else {}
+    engine = Engine(model, slots=5, max_len=prompt + 256, pad_id=0, **kw)
+    for i in range(4):
+        engine.submit(Request(id=i, prompt=torch.randint(3, 32768, (40,)), params=params, num_blocks=1, seed=i))
+    last: dict[int, float] = {}
+    gaps: list[float] = []
+    sent = False
+    for ev in engine.events():
+        if isinstance(ev, Step) and ev.row < 4:
+            now = time.perf_counter()
+            if ev.row in last:
+                gaps.append(now - last[ev.row])
+            last[ev.row] = now
+            if not sent and ev.row == 3 and ev.step == 3:
+                engine.submit(Request(id=9, prompt=torch.randint(3, 32768, (prompt,)), params=params, num_blocks=1,
+                                      seed=9))
+                sent = True
+    top = sorted(gaps)[-6:]
+    gaps.sort()
+    q = statistics.quantiles(gaps, n=100)
+    return {"bench": "arrival", "prefill": "whole" if whole else "chunked", "p50_gap_ms": round(q[49] * 1e3, 1),
+            "p99_gap_ms": round(q[98] * 1e3, 1), "max_gap_ms": round(gaps[-1] * 1e3, 1), "gaps": len(gaps),
+            "longest_ms": [round(g * 1e3) for g in top]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prefix", action="store_true")
+    ap.add_argument("--arrival", action="store_true")
+    ap.add_argument("--whole", action="store_true", help="--arrival with the prompt encoded in one chunk")
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    model = model_of()
+    rows = []
+    with torch.inference_mode():
+        if a.prefix:
+            rows += [prefix(model, n) for n in (100, 4000)]
+        if a.arrival:
+            rows.append(arrival(model, a.whole))
+    for r in rows:
+        print(json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()
