@@ -1,14 +1,19 @@
 """GGML kernels on CPU at the released 26B-A4B's shapes: ms and weight GB/s per linear and per MoE layer, bf16
 (F.linear, and oneDNN-packed as an eager bf16 session runs it) vs Q4_K / Q8_0 / Q6_K / Q4_0 / Q5_0 kept quantized
-(kernels/ggml_cpu.py), at 256 canvas rows and 16 (1/16), at 1 and 2 threads; then the error of the int4 path
-(issue 27's claim: Q4_K through torch's int4 kernel only rounds scale and zero to bf16).
+(kernels/ggml_cpu.py: as dispatched, and "T int4" = torch's int4 kernel forced), at 256, 64 and 16 canvas rows,
+at 1 and 2 threads; then the error of both int4-form paths against the file's exact weights.
 
     python benchmarks/bench_ggml.py [--threads 1,2] [--reps 3] [--experts 128]
+    python benchmarks/bench_ggml.py --crossover [--threads 1,2]   # int4 kernel vs GEMM path by rows: GEMM_ROWS
+    python benchmarks/bench_ggml.py --step [--threads 1] [--rounds 2] [--canvas 256]   # whole denoising steps
     python benchmarks/bench_ggml.py --write-200m-config /tmp/200m.json   # for `dgemma bench --dummy ... --weights`
     python benchmarks/bench_ggml.py --quantize [--threads 1,2]   # M values/s of ggml.quantize (`dgemma quantize`)
 
 Weights are random valid blocks (`ggml.random_blocks`), built once; GB/s counts the bytes the kernel's form holds
-for the matrices a call reads (for experts: only the routed ones). A table, then one JSON line.
+for the matrices a call reads (for experts: only the routed ones). `--step` runs `dgemma bench --dummy` on the
+~200 M config (bench_cpu_step.py's) in fresh processes, bf16 / q4_k / q4_k with the int4 kernel forced at every
+row count (the path before the GEMM path existed), alternating, and prints ms per step and peak memory side by
+side. A table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -28,7 +33,13 @@ LINEARS = {  # name: (out, in) of the released config's projections
     "q_proj (sliding)": (16 * 256, H), "k_proj (sliding)": (8 * 256, H), "o_proj (sliding)": (H, 16 * 256),
     "q_proj (full)": (16 * 512, H), "mlp gate/up": (DENSE, H), "mlp down": (H, DENSE),
 }
-ROWS = (256, 16)
+ROWS = (256, 64, 16)
+# (name, type, out, in) for --crossover: the 200 M config's expert and dense shapes, then the released config's
+CROSS_SHAPES = (("200m expert gate_up", 12, 1024, 1024), ("200m expert down", 12, 1024, 512),
+                ("200m q_proj", 12, 1024, 1024), ("26B expert gate_up", 12, 1408, 2816),
+                ("26B expert down Q4_0", 2, 2816, 704), ("26B expert down Q5_0", 6, 2816, 704),
+                ("26B q_proj", 12, 4096, 2816), ("26B q_proj Q8_0", 8, 4096, 2816))
+CROSS_ROWS = (8, 16, 24, 32, 48, 64, 96, 128)
 
 
 def timed(fn, reps: int) -> float:
@@ -56,6 +67,10 @@ def bench_linears(threads: int, reps: int, rows_out: list) -> None:
         for t in types_for(k):
             m = ggml.QuantLinear(ggml.random_blocks((n,), t, k, g), t, k, n)
             forms[ggml.NAMES[t]] = (m, ggml_cpu.prepared_bytes(t, n, k))
+            if t != ggml.Q6_K:
+                p = ggml._held(m, "weight")
+                forms[f"{ggml.NAMES[t]} int4"] = (lambda x, p=p: ggml_cpu._kernel_int4(x, p),
+                                                  ggml_cpu.prepared_bytes(t, n, k))
         for m_rows in ROWS:
             x = torch.randn(m_rows, k, generator=g).bfloat16()
             for form, (fn, nbytes) in forms.items():
@@ -91,9 +106,64 @@ def bench_experts(threads: int, reps: int, experts: int, rows_out: list) -> None
     del pgu, pdn
 
 
+def crossover(threads: list[int], reps: int) -> list[dict]:
+    """The int4 kernel vs the GEMM path (bf16 tiles + oneDNN) by rows: ms each, and the fewest rows where the
+    GEMM path won (what GEMM_ROWS / GEMM_ROWS_PLANES are set from)."""
+    rows = []
+    g = torch.Generator().manual_seed(4)
+    for t in threads:
+        torch.set_num_threads(t)
+        for name, qtype, n, k in CROSS_SHAPES:
+            p = ggml_cpu.prepare(ggml.random_blocks((n,), qtype, k, g), qtype, k)
+            r = {"op": name, "type": ggml.NAMES[qtype], "shape": [n, k], "threads": t, "ms": {}}
+            for m in CROSS_ROWS:
+                x = torch.randn(m, k, generator=g).bfloat16()
+                r["ms"][m] = (round(timed(lambda: ggml_cpu._kernel_int4(x, p), reps), 3),
+                              round(timed(lambda: ggml_cpu._gemm_int4(x, p), reps), 3))
+            r["gemm_wins_from"] = next((m for m, (a, b) in r["ms"].items() if b < a), None)
+            rows.append(r)
+    return rows
+
+
+def bench_step(threads: int, rounds: int, canvas: int) -> list[dict]:
+    """`dgemma bench --dummy 200m` per form in fresh processes (so peak memory is each form's own), alternating."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from dgcli.model.random_weights import make_config
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_cpu_step import TEXT
+
+    cfg = Path(tempfile.mkdtemp()) / "config.json"
+    cfg.write_text(json.dumps(make_config(TEXT, canvas_length=canvas)))
+    args = ["bench", "--dummy", str(cfg), "--diffusion-steps", "8", "--blocks", "1", "--runs", "2", "--warmup", "1",
+            "--num-prompts", "1", "--random-input-len", "32", "--threads", str(threads), "--format", "jsonl"]
+    force = "import dgcli.kernels.ggml_cpu as g; g.GEMM_ROWS = g.GEMM_ROWS_PLANES = 1 << 30; "
+    forms = {"bf16": ("", "bf16"), "q4_k": ("", "q4_k"), "q4_k int4 kernel only": (force, "q4_k")}
+    out = []
+    for r in range(rounds):
+        for form, (pre, weights) in forms.items():
+            argv = ["dgemma", *args, "--weights", weights]
+            code = f"import sys; {pre}from dgcli import cli; sys.argv = {argv!r}; cli.main()"
+            res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
+            if res.returncode:
+                raise SystemExit(f"{form}: {res.stderr.strip().splitlines()[-1:]}")
+            row = json.loads(res.stdout.strip().splitlines()[-1])
+            out.append({"form": form, "round": r, "threads": threads, "canvas": canvas,
+                        "ms_per_step": round(row["mean_step_ms"], 1),
+                        "peak_MiB": round(row["peak_memory_bytes"] / 2 ** 20, 1)})
+            print(json.dumps(out[-1]), flush=True)
+    return out
+
+
 def int4_error() -> dict:
-    """Q4_K through the int4 kernel vs the file's exact weights: weight error (scale, zero in bf16) and output
-    error (relative RMS) for zero-mean and mean-1 inputs, beside bf16 F.linear of the same weights."""
+    """Q4_K through the int4 kernel and the GEMM path vs the file's exact weights: weight error (scale, zero in
+    bf16) and output error (relative RMS, 256 rows) for zero-mean and mean-1 inputs, beside bf16 F.linear of the
+    exact weights (a bf16 checkpoint's error)."""
     g = torch.Generator().manual_seed(2)
     n, k = 1408, H
     raw = ggml.quantize(torch.randn(n, k, generator=g) * k ** -0.5, ggml.Q4_K)
@@ -106,10 +176,12 @@ def int4_error() -> dict:
 
     out = {"weight_rel_rms_kernel": rel(wk, w), "weight_rel_rms_bf16": rel(w.bfloat16(), w),
            "weight_max_abs_over_row_absmax": float(((wk - w).abs().amax(1) / w.abs().amax(1)).max())}
+    p = ggml._held(m, "weight")
     for mean in (0.0, 1.0):
-        x = (torch.randn(64, k, generator=g) + mean).bfloat16()
+        x = (torch.randn(256, k, generator=g) + mean).bfloat16()
         exact = F.linear(x.float(), w)
-        out[f"out_rel_rms_kernel_mean{mean:g}"] = rel(m(x), exact)
+        out[f"out_rel_rms_kernel_mean{mean:g}"] = rel(ggml_cpu._kernel_int4(x, p), exact)
+        out[f"out_rel_rms_gemm_path_mean{mean:g}"] = rel(ggml_cpu._gemm_int4(x, p), exact)
         out[f"out_rel_rms_fp32_kernel_weights_mean{mean:g}"] = rel(F.linear(x.float(), wk), exact)
         out[f"out_rel_rms_bf16_linear_mean{mean:g}"] = rel(F.linear(x, w.bfloat16()), exact)
     return {k2: round(v, 6) for k2, v in out.items()}
@@ -140,6 +212,10 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=E, help="experts in the MoE layer (128 as released)")
     ap.add_argument("--skip-experts", action="store_true")
     ap.add_argument("--quantize", action="store_true", help="time ggml.quantize (Q4_K, Q6_K, Q8_0) instead")
+    ap.add_argument("--crossover", action="store_true", help="int4 kernel vs GEMM path by rows instead")
+    ap.add_argument("--step", action="store_true", help="whole 200 M steps: bf16 vs q4_k (fresh processes)")
+    ap.add_argument("--rounds", type=int, default=2, help="--step: rounds of the forms, alternating")
+    ap.add_argument("--canvas", type=int, default=256, help="--step: canvas rows")
     ap.add_argument("--write-200m-config", metavar="PATH", help="write bench_cpu_step.py's ~200 M config.json and exit")
     args = ap.parse_args()
     if args.write_200m_config:
@@ -152,6 +228,18 @@ def main() -> None:
         from bench_cpu_step import CANVAS, TEXT
 
         Path(args.write_200m_config).write_text(json.dumps(make_config(TEXT, canvas_length=CANVAS), indent=2))
+        return
+    if args.step:
+        rows = [r for t in args.threads.split(",") for r in bench_step(int(t), args.rounds, args.canvas)]
+        print(json.dumps({"step": rows, "torch": torch.__version__}))
+        return
+    if args.crossover:
+        rows = crossover([int(t) for t in args.threads.split(",")], args.reps)
+        for r in rows:
+            ms = " ".join(f"{m}:{a:.2f}/{b:.2f}" for m, (a, b) in r["ms"].items())
+            print(f"{r['op']:24} {r['type']:5} thr {r['threads']}  GEMM from {r['gemm_wins_from']}  "
+                  f"rows:int4/gemm {ms}")
+        print(json.dumps({"crossover": rows, "torch": torch.__version__}))
         return
     if args.quantize:
         rows = bench_quantize([int(t) for t in args.threads.split(",")], args.reps)

@@ -1,4 +1,4 @@
-"""GGML-quantized weights computed on CPU without dequantizing whole matrices per step.
+"""GGML-quantized weights computed on CPU, kept quantized in memory: no dequantized copy outlives a call.
 
 Owns: `prepare` (a GGUF block tensor -> the form kept in memory, built once at load), `linear`, `experts`
 (the `experts_reference` semantics over routed experts only) and `dequantize_prepared` (tests).
@@ -13,26 +13,40 @@ The forms (all built at load; the file's bytes are not kept):
   plane a (scale 16d, zero 8d) and plane b (scale d, zero 0) side by side along K, x fed twice. One kernel call;
   the only rounding is d to bf16 (16d, 8d are then exact). 1.25 bytes per value (Q8_0: 1.0625; 1.18x).
 - Q6_K -> kept as its bytes; each call dequantizes row tiles of ~1 MB into a fresh buffer and runs F.linear on
-  them (its 16-value sub-blocks do not map onto the kernel's groups of 32; it is the rare type in a Q4_K_M file).
+  them (its 16-value sub-blocks do not map onto the kernel's groups of 32; in a Q4_K_M file it is the rare type:
+  attn_v and some ffn_down). So it is bound by the dequantization at any row count: ~2 ns per weight, [2048, 2816]
+  11.7 / 11.5 / 25 ms at 1 / 16 / 256 rows against bf16 0.23 / 0.9 / 14. Unpacking in int64 words into reused
+  buffers did not help (+-10%): the cost is the product with a scale per 16 values, a broadcast over an inner
+  dimension of 16, which torch's elementwise loops run ~5x slower than a contiguous one.
 Rows are padded to a multiple of 64 for the kernel (its packed layout is blocks of 64 rows: real shapes need no
-padding). Activations in fp32 (or scales not in x's dtype) take the tile path: the kernel's fp32 path is scalar
-code, ~70x slower than its bf16 one here. Q4_0 (scale d, zero 0) and Q5_0 (two planes, as Q8_0) use the kernel
-too: llama.cpp writes Q5_0 for a Q4_K_M tensor whose rows are not a multiple of 256.
+padding). Activations in fp32 (or scales not in x's dtype) take the exact fp32 tile path: the kernel's fp32 path
+is scalar code, ~70x slower than its bf16 one here. Q4_0 (scale d, zero 0) and Q5_0 (two planes, as Q8_0) use the
+int4 form too: llama.cpp writes Q5_0 for a Q4_K_M tensor whose rows are not a multiple of 256.
 
-Numbers (this 2-core AVX-512-BF16 EPYC, 1 thread, [1408, 2816] weights; benchmarks/bench_ggml.py has the rest):
-int4 kernel 0.27 / 1.53 / 24.7 ms at 1 / 16 / 256 rows, bf16 F.linear 0.41 / 0.91 / 9.5 ms. The kernel reads
-3.5x fewer bytes but multiplies in fp32 FMAs, so it wins only while a GEMM is bound by its weight reads (a few
-rows, e.g. an expert's share of a 16-row canvas) and loses 1.7-2.6x from ~16 rows on. Dequantizing bf16 tiles
-in eager torch (9-21 ms per 4 M values) and running oneDNN's GEMM on them did not beat the kernel even at 256
-rows; a torch.compile'd dequantization (4.7 ms per 4 M values, but ~36 s to compile per shape) would.
-Error of the bf16 path: only scale and zero are rounded (to bf16), as issue 27 says, but one rounding is shared
-by a group's 32 weights, so it does not average out as rounding each weight to bf16 does: output relative RMS
-vs the exact weights 2.5e-3 (zero-mean inputs) and 4.0e-3 (mean-1 inputs) against 2.4e-3 / 2.7e-3 for bf16
-F.linear of the same weights (Q4_K; Q4_0 / Q5_0 / Q8_0 have exact zeros and match bf16 F.linear).
+Two paths for an int4 form, picked by the rows M of x (`linear`):
+- M < GEMM_ROWS (64; planes: GEMM_ROWS_PLANES, 32): torch's int4 kernel. It reads 3.5x fewer bytes than bf16 but
+  multiplies in fp32 FMAs (~85 GFLOP/s here against oneDNN's ~215 bf16), so it wins only while a GEMM is bound by
+  its weight reads: 1 thread, [1408, 2816]: 0.27 / 1.5 / 24 ms at 1 / 16 / 256 rows, bf16 0.41 / 0.8 / 9.3.
+- M >= GEMM_ROWS: the GEMM path (`_gemm_int4`): tiles of ~4 M weights dequantized into a reused per-thread bf16
+  buffer as W.T (`_int4_tile_t`: nibbles unpacked 8 bytes at a time in int64 words, one strided int8 -> bf16
+  copy, one addcmul with the group's scale and zero; ~0.55-0.7 ns per weight at 1 thread), then oneDNN's bf16
+  GEMM on them. Nothing is cached: memory stays the quantized form plus ~12 MB of scratch per thread. Per call
+  it costs a dequantization (independent of M) plus a bf16 GEMM, so it beats the kernel from ~50-64 rows
+  (single plane; planes, whose kernel call runs over 2K, from ~24-32) and stays above bf16 by the dequantization:
+  [1408, 2816] at 256 rows 12.3 ms against 9.3 (bf16 packed) and 24 (kernel). The thresholds are the crossovers
+  of `benchmarks/bench_ggml.py --crossover` at 1 and 2 threads.
+Error against the file's exact weights (output relative RMS, Q4_K, [1408, 2816], 256 rows; zero-mean / mean-1
+inputs): kernel 2.5e-3 / 4.0e-3 (scale and zero rounded to bf16, as issue 27 says; one rounding shared by a
+group's 32 weights, so it does not average out as per-weight rounding does), GEMM path 3.0e-3 / 4.6e-3 (the
+kernel's exact weights, each rounded once more to bf16 for the bf16 GEMM), bf16 F.linear of the exact weights
+(a bf16 checkpoint) 2.4e-3 / 2.7e-3. Q4_0 / Q5_0 / Q8_0: kernel 2.35e-3, GEMM path 2.7-2.9e-3, bf16 2.35e-3.
+The GEMM path's extra error is one bf16 rounding per weight; keeping exact scales for it would cost either
+~10% more memory or a mixed fp32 x bf16 dequantization ~4x slower here (measured), which would undo its gain.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import NamedTuple
 
 import torch
@@ -43,6 +57,13 @@ PLANES = (Q5_0, Q8_0)  # 5- and 8-bit types: two nibble planes side by side alon
 GROUP = 32  # the int4 kernel's group size: one Q4_K sub-block, one Q8_0 block
 ROW_BLOCK = 64  # the int4 packed layout's row block
 TILE_VALUES = 1 << 18  # values dequantized per tile on the tile path (1 MB in fp32)
+# From this many rows of x on, an int4 form takes the GEMM path (bf16 tiles of W.T + oneDNN) instead of the kernel:
+# the crossover measured at 1 and 2 threads (benchmarks/bench_ggml.py --crossover). Planes run the kernel over 2K.
+GEMM_ROWS = 64
+GEMM_ROWS_PLANES = 32
+GEMM_TILE_VALUES = 1 << 22  # weight values per bf16 tile (8 MB + 4 MB int8 scratch): fewer, larger ops
+_NIB = 0x0F0F0F0F0F0F0F0F  # low nibble of each byte of an int64 word
+_scratch = threading.local()  # per thread: the GEMM path's reused (int8, bf16) tile buffers
 
 
 class Prepared(NamedTuple):
@@ -162,6 +183,70 @@ def dequantize_prepared(p: Prepared) -> torch.Tensor:
     return _dequant_rows(p, 0, p.n)
 
 
+def _buf(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """This thread's scratch buffer `name`: numel values of dtype (grown when too small, never shrunk)."""
+    bufs = _scratch.__dict__.setdefault("bufs", {})
+    b = bufs.get(name)
+    if b is None or b.numel() < numel or b.dtype != dtype:
+        b = bufs[name] = torch.empty(numel, dtype=dtype)
+    return b[:numel]
+
+
+def _buffers(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """This thread's int8-stage (uint8) and weight (`dtype`) scratch, numel values each."""
+    return _buf("u8", numel, torch.uint8), _buf("w", numel, dtype)
+
+
+def _int4_tile_t(p: Prepared, b0: int, b1: int, dtype: torch.dtype) -> torch.Tensor:
+    """Row blocks b0..b1 of an int4 form as W.T [k, (b1 - b0)·64] in dtype, in this thread's reused buffer (valid
+    until the next call): each weight rounded once from its exact value (q − 8)·scale + zero (planes: d·(u − off)
+    with u = 16a + b), so it equals `_dequant_rows(...)` in fp32 rounded to dtype. Bytes are unpacked 8 at a time
+    in int64 words, then one strided int8 -> dtype copy lays W.T out for the GEMM, then one pass applies scales."""
+    kp, nb = p.packed.shape[-1] * 2, b1 - b0
+    k, tn = p.k, nb * ROW_BLOCK
+    u8, wbuf = _buffers(nb * kp * ROW_BLOCK, dtype)
+    v = p.packed.reshape(-1, kp * ROW_BLOCK // 2)[b0:b1].view(torch.int64)  # [nb, Kp·4]: words of [Kp, 32] bytes
+    u = u8[:nb * kp * ROW_BLOCK].view(nb, 2, kp, ROW_BLOCK // 2)  # [nb, low/high nibble (rows j / j + 32), Kp, 32]
+    lo, hi = (u[:, h].reshape(nb, -1).view(torch.int64) for h in (0, 1))
+    torch.bitwise_and(v, _NIB, out=lo)
+    torch.bitwise_right_shift(v, 4, out=hi).bitwise_and_(_NIB)
+    if p.qtype in PLANES:  # u = 16a + b into the a half (no carries: each byte < 16)
+        a, b = u[:, :, :k], u[:, :, k:]
+        a.bitwise_left_shift_(4).bitwise_or_(b)
+        u = a
+    q = u.view(torch.int8)
+    if p.qtype == Q8_0:  # u − 128 = u XOR 0x80 read as int8
+        q.bitwise_xor_(-128)
+    else:
+        q.sub_(16 if p.qtype == Q5_0 else 8)  # Q4_0 / Q4_K: q − 8, Q5_0: u − 16
+    w = wbuf[:k * tn].view(k, nb, 2, ROW_BLOCK // 2)
+    w.copy_(q.permute(2, 0, 1, 3))  # [k, nb, 2, 32] = W.T [k, tn], exact (|value| <= 128)
+    w3 = w.view(k // GROUP, GROUP, tn)
+    sz = p.sz[:, b0 * ROW_BLOCK:b1 * ROW_BLOCK]  # contiguous copies below: a strided operand costs ~7x here
+    if p.qtype in PLANES:  # times plane b's scale d
+        w3.mul_(sz[k // GROUP:, :, 0].to(dtype).contiguous().unsqueeze(1))
+    else:
+        scale, zero = (sz[..., i].to(dtype).contiguous().unsqueeze(1) for i in (0, 1))
+        torch.addcmul(zero, w3, scale, out=w3)
+    return w.view(k, tn)
+
+
+def _gemm_int4(x2: torch.Tensor, p: Prepared) -> torch.Tensor:
+    """x2 [M, k] @ W.T through bf16 tiles of W.T (about GEMM_TILE_VALUES values each) -> [M, n]."""
+    blocks = p.packed.shape[-2] // ROW_BLOCK
+    step = max(1, GEMM_TILE_VALUES // (p.k * ROW_BLOCK))
+    ys = [x2 @ _int4_tile_t(p, b0, min(b0 + step, blocks), x2.dtype) for b0 in range(0, blocks, step)]
+    y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
+    return y[:, :p.n] if y.shape[1] != p.n else y
+
+
+def _kernel_int4(x2: torch.Tensor, p: Prepared) -> torch.Tensor:
+    """x2 [M, k] @ W.T through torch's int4 kernel -> [M, n] (planes: x fed twice)."""
+    xin = torch.cat((x2, x2), dim=1) if p.qtype in PLANES else x2.contiguous()
+    y = torch._weight_int4pack_mm_for_cpu(xin, p.packed, GROUP, p.sz)  # [M, Np]
+    return y[:, :p.n] if y.shape[1] != p.n else y
+
+
 def _kernel_ok(x: torch.Tensor, p: Prepared) -> bool:
     return p.kind == "int4" and x.dtype in (torch.bfloat16, torch.float16) and p.sz.dtype == x.dtype \
         and x.device.type == "cpu"
@@ -172,9 +257,9 @@ def linear(x: torch.Tensor, p: Prepared) -> torch.Tensor:
     lead = x.shape[:-1]
     x2 = x.reshape(-1, p.k)
     if _kernel_ok(x, p):
-        xin = torch.cat((x2, x2), dim=1) if p.qtype in PLANES else x2.contiguous()
-        y = torch._weight_int4pack_mm_for_cpu(xin, p.packed, GROUP, p.sz)  # [M, Np]
-        y = y[:, :p.n] if y.shape[1] != p.n else y
+        # bf16 only: the thresholds were measured against oneDNN's bf16 GEMM (fp16 keeps the kernel)
+        gemm = x.dtype == torch.bfloat16 and x2.shape[0] >= (GEMM_ROWS_PLANES if p.qtype in PLANES else GEMM_ROWS)
+        y = _gemm_int4(x2, p) if gemm else _kernel_int4(x2, p)
     else:  # tiles of rows dequantized one at a time into x's dtype (the whole matrix never is)
         step = max(ROW_BLOCK, TILE_VALUES // p.k // ROW_BLOCK * ROW_BLOCK)
         y = torch.cat([F.linear(x2, _dequant_rows(p, r0, min(r0 + step, p.n), x.dtype))
@@ -188,7 +273,7 @@ def experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: Prepar
     (gate rows first, gelu tanh, fp32 routing product rounded to x.dtype, a token's k contributions added in
     ascending expert order): pairs sorted into per-expert segments (kernels/moe_cpu.py), one GEMM pair per
     expert that got tokens, so only those experts' weights are read."""
-    from .moe_cpu import _combine_sorted, _pairs
+    from .moe_cpu import _pairs, _sorted_weights, _sum_slots
 
     n, k = idx.shape
     if n == 0:
@@ -197,10 +282,14 @@ def experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: Prepar
     order = torch.argsort(flat, stable=True)  # [N*k] pairs grouped by expert
     counts = torch.bincount(flat, minlength=gate_up.packed.shape[0]).tolist()
     xs = x.index_select(0, order // k)  # [N*k, H]
-    ys, lo = [], 0
+    ws = _sorted_weights(w_sorted, order)  # [N*k, 1] fp32
+    ys = torch.empty_like(xs)  # [N*k, H] weighted expert outputs, expert order
+    lo = 0
     for e, c in enumerate(counts):
         if c:
             gu = linear(xs[lo:lo + c], gate_up.expert(e))  # [c, 2I]
-            ys.append(linear(F.gelu(gu[:, :inter], approximate="tanh") * gu[:, inter:], down.expert(e)))  # [c, H]
+            act = F.gelu(gu[:, :inter], approximate="tanh").mul_(gu[:, inter:])  # [c, I]
+            # fp32 routing product rounded once into ys (moe_cpu.experts_packed's math)
+            torch.mul(linear(act, down.expert(e)), ws[lo:lo + c], out=ys[lo:lo + c])
             lo += c
-    return _combine_sorted(torch.cat(ys), order, w_sorted, x.dtype)
+    return _sum_slots(ys, order, k)

@@ -4,8 +4,9 @@ Owns: `experts_segments` (the default for a model as loaded: pairs sorted into c
 segments, two `F.grouped_mm` calls, no padding, no host read, so it compiles into the decoder's graph),
 `experts_grouped` (padded batched GEMMs; used where grouped_mm's 16-byte stride rule does not hold,
 and for non-bf16 inputs inside torch.compile) and `experts_packed` (bf16 weights prepacked for oneDNN
-at session start, one GEMM pair per expert on its segment: what an eager CPU session runs; see
-kernels/linear_cpu.py and dgcli/model/packed.py).
+at session start, one GEMM pair per expert on its gathered rows, each expert's rows weighted and added
+into the output while in cache: what an eager CPU session runs; see kernels/linear_cpu.py and
+dgcli/model/packed.py).
 All equal `kernels/reference_ops.py::experts_reference` (and so the model's `Experts.forward`): same
 GEMM inputs and dtypes, same activation, the fp32 routing-weight product rounded to x.dtype, and a
 token's k contributions added in ascending expert order with one rounding per addition. Only the GEMM
@@ -18,6 +19,12 @@ Why grouped: on this CPU a bf16 GEMM with ~20-80 rows runs at a fraction of the 
 loop over 128 experts pays that per expert. Measured on the 200 M benchmark config's experts (256
 tokens, 12 experts top-4, H 1024, I 512, bf16, 1 thread, isolated; see benchmarks/RESULTS.md): per-expert loop
 29.6 ms, padded bmm 17.2 ms, segments 16.3 ms eager and 13.8 ms compiled.
+At the released config's shapes (128 experts top-8, H 2816, I 704; benchmarks/bench_experts_cpu.py) a
+layer's 1.5 GB of expert weights are read once per call, ~16 rows per expert at 256 rows. On a 2-core
+avx512_bf16 EPYC (no AMX), 2 threads: packed ~115-120 ms, ~47-48 % of a 2,048-row GEMM's rate; one read of
+the weights through 1-row GEMMs takes 70-100 ms, so the GEMMs on ~16 rows reach neither the memory rate
+nor the GEMM rate (their loads and math overlap only in part). Grouped calls (segments, padded bmm) do
+worse: they cannot use prepacked weights. At 2,048 rows packed runs at ~78 % (1 thread: 57 % and 83 %).
 """
 
 from __future__ import annotations
@@ -55,12 +62,25 @@ def _combine(pairs: torch.Tensor, w_sorted: torch.Tensor, dtype: torch.dtype) ->
     return out
 
 
-def _combine_sorted(y: torch.Tensor, order: torch.Tensor, w_sorted: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Expert outputs y [N*k, H] in expert order (`order`: pair index of each row) -> [N, H] via `_combine`."""
-    # [N*k, H] back in pair order: rows gathered whole through the inverse permutation (index_copy_ into
-    # `order` moves the same rows element by element, ~3x slower on CPU)
+def _sum_slots(ys: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+    """ys [N*k, H] weighted contributions already in the output dtype, in expert order (`order`: the pair
+    index of each row) -> [N, H]: a token's k rows added in ascending expert order (its slots' order), one
+    rounding per addition, like `_combine`. One gather per slot straight from ys: the rows are never put
+    back in pair order first, and nothing is upcast (the weighting happened where the rows were made)."""
+    # inverse [N, k]: the row of ys holding token t's slot j
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
-    return _combine(y.index_select(0, inverse), w_sorted, dtype)
+    inverse = inverse.view(-1, k)
+    out = ys.index_select(0, inverse[:, 0])  # [N, H] 0 + y is exact, as the reference's first index_add_
+    if k > 1:
+        tmp = torch.empty_like(out)  # one buffer for the k - 1 gathers
+        for j in range(1, k):
+            out.add_(torch.index_select(ys, 0, inverse[:, j], out=tmp))
+    return out
+
+
+def _sorted_weights(w_sorted: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """The fp32 routing weight of each row in expert order: [N*k, 1]."""
+    return w_sorted.reshape(-1).index_select(0, order).unsqueeze(1)
 
 
 def _outside_compiled_graphs(fn):
@@ -140,26 +160,36 @@ def experts_segments(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_u
     gu = F.grouped_mm(x.index_select(0, order // k), gate_up_proj.transpose(1, 2), offs=offs)  # [N*k, 2I]
     act = F.gelu(gu[:, :inter], approximate="tanh") * gu[:, inter:]  # [N*k, I]
     y = F.grouped_mm(act, down_proj.transpose(1, 2), offs=offs)  # [N*k, H]
-    return _combine_sorted(y, order, w_sorted, x.dtype)
+    # fp32 product rounded to x.dtype in place: a mixed-dtype in-place mul computes in fp32 and rounds once
+    return _sum_slots(y.mul_(_sorted_weights(w_sorted, order)), order, k)
 
 
 def experts_packed(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: Sequence[torch.Tensor],
                    down: Sequence[torch.Tensor], inter: int) -> torch.Tensor:
-    """`experts_segments` with each expert's two weights prepacked for oneDNN (`linear_cpu.pack`; gate_up[e]
+    """The reference's loop with each expert's two weights prepacked for oneDNN (`linear_cpu.pack`; gate_up[e]
     packs gate_up_proj[e] [2I, H], down[e] packs down_proj[e] [H, I]): one GEMM pair per expert that got
-    tokens, on its contiguous segment. The counts are read on the host (free on CPU); each segment's GEMM
-    is `F.linear` on the same rows (pack checked the bits), so this equals the reference as segments do."""
+    tokens, its rows gathered whole, weighted and added into the output while they are still in cache.
+    Experts in ascending order, so `index_add_` sums each token's contributions as the reference does; each
+    GEMM is `F.linear` on the same rows (pack checked the bits): the reference's bits.
+    Why not one [N*k, H] buffer in expert order summed at the end (as `experts_segments`): at 2,048 rows
+    that buffer and the gathered rows are ~90 MB each, freshly mapped and page-faulted on every call; here
+    nothing bigger than one expert's rows is allocated. Counts are read on the host (free on CPU)."""
     n, k = idx.shape
+    out = torch.zeros_like(x)  # [N, H]
     if n == 0:
-        return torch.zeros_like(x)
-    flat, w_sorted = _pairs(idx, w)  # [N*k], [N, k]
+        return out
+    flat = idx.reshape(-1)  # [N*k] pair p = token p // k
     order = torch.argsort(flat, stable=True)  # [N*k] pairs grouped by expert
-    counts = torch.bincount(flat, minlength=len(gate_up)).tolist()
-    xs = x.index_select(0, order // k)  # [N*k, H] rows copied whole
-    ys, lo = [], 0
-    for e, c in enumerate(counts):
+    tok = order // k  # [N*k] each pair's token, grouped by expert
+    ws = w.reshape(-1, 1).index_select(0, order)  # [N*k, 1] fp32 routing weights in the same order
+    lo = 0
+    for e, c in enumerate(torch.bincount(flat, minlength=len(gate_up)).tolist()):
         if c:
-            gu = linear(xs[lo:lo + c], gate_up[e])  # [c, 2I]
-            ys.append(linear(F.gelu(gu[:, :inter], approximate="tanh") * gu[:, inter:], down[e]))  # [c, H]
+            rows = tok[lo:lo + c]
+            gu = linear(x.index_select(0, rows), gate_up[e])  # [c, 2I]
+            act = F.gelu(gu[:, :inter], approximate="tanh").mul_(gu[:, inter:])  # [c, I]
+            # fp32 product rounded once to x.dtype (explicit upcast: faster than a mixed-dtype mul)
+            y = linear(act, down[e]).float().mul_(ws[lo:lo + c]).to(x.dtype)  # [c, H]
+            out.index_add_(0, rows, y)
             lo += c
-    return _combine_sorted(torch.cat(ys), order, w_sorted, x.dtype)
+    return out

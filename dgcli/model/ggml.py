@@ -185,7 +185,8 @@ def _held(module: nn.Module, prefix: str):
 
 class QuantLinear(nn.Module):
     """A bias-free linear whose weight [out, in] stays in a GGML block format (`raw` uint8 [out, row_bytes]).
-    forward(x [..., in]) -> [..., out] in x.dtype, without dequantizing the whole weight per call.
+    forward(x [..., in]) -> [..., out] in x.dtype; the weight stays in its quantized form (a call dequantizes
+    at most a tile of it into reused scratch, on the GEMM path for many rows: kernels/ggml_cpu.py).
     The compute form (kernels/ggml_cpu.py) is built here, at load, with scales in `dtype` (the activations'
     dtype: bf16 runs torch's int4 kernel); the raw bytes are not kept."""
 

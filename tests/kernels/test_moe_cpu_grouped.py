@@ -1,7 +1,9 @@
-"""kernels/moe_cpu.py's combine over rows kept in expert order (`_sum_slots`, used by `experts_packed` and
-`experts_segments`): the same bits as the pair-order `_combine` and as `experts_reference`, at top-8 with many
-experts (the released routing), skewed routing, 1 and 2 threads; and the rounding it relies on (a mixed-dtype
-product written into a bf16 buffer rounds the fp32 product once, as the reference's `.to(x.dtype)`)."""
+"""kernels/moe_cpu.py's combines: `experts_segments` sums rows kept in expert order (`_sum_slots`, the same bits
+as the pair-order `_combine`) after weighting them in place, `experts_packed` weights and adds each expert's
+rows as it goes. Both equal `experts_reference` bit for bit at top-8 of many experts (the released routing),
+with skewed routing and a single token, at 1 and 2 threads; and the rounding the in-place weighting relies on
+(a mixed-dtype product written into a bf16 tensor rounds the fp32 product once, as the reference's
+`.to(x.dtype)`)."""
 
 from __future__ import annotations
 

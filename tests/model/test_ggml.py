@@ -208,6 +208,9 @@ TEXT = dict(vocab_size=96, hidden_size=256, intermediate_size=256, moe_intermedi
 # 0.027 / 0.055 (Q8_0). The same weights in bf16 vs fp32 differ by as much (0.019-0.080): this random model
 # amplifies bf16 rounding, so the bound is that noise's size, and the second check compares against fp32.
 LOGIT_MAX, LOGIT_RMS = 0.75, 0.08
+# The GEMM path (kernels/ggml_cpu.py) computes with exactly the dequantized model's bf16 weights: measured max
+# |diff| 0.0 here (Q4_K, Q8_0)
+GEMM_LOGIT_MAX = 0.02
 
 
 def _rms(a, b):
@@ -284,3 +287,22 @@ def test_bench_dummy_q4_k_row_and_bad_flag(tmp_path, capsys):
     assert json.loads(out.strip().splitlines()[-1])["weights"] == "Q4_K"
     code, out, err = run(["bench", "--model", str(tmp_path), "--weights", "q4_k", *fast], capsys)
     assert code == 2 and "--weights q4_k builds --dummy weights" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("qtype", [ggml.Q4_K, ggml.Q8_0])
+def test_gemm_path_model_runs_the_dequantized_bf16_weights(plain, qtype, monkeypatch):
+    """Every GGML matmul on the GEMM path (bf16 tiles + oneDNN, as from GEMM_ROWS rows on): its weights are
+    exactly the dequantized model's bf16 weights, so the logits match that model's to GEMM summation order."""
+    import copy
+
+    from dgcli.kernels import ggml_cpu
+
+    model = ggml.quantize_model_(copy.deepcopy(plain), qtype)
+    deq = ggml.dequantize_model(model)
+    prompt, canvas, sc = _inputs()
+    kernel = model.forward_canvas(prompt, canvas, sc)
+    monkeypatch.setattr(ggml_cpu, "GEMM_ROWS", 1)
+    monkeypatch.setattr(ggml_cpu, "GEMM_ROWS_PLANES", 1)
+    gemm, b = model.forward_canvas(prompt, canvas, sc), deq.forward_canvas(prompt, canvas, sc)
+    assert (gemm - b).abs().max().item() <= GEMM_LOGIT_MAX, (gemm - b).abs().max().item()
+    assert (gemm - kernel).abs().max().item() > GEMM_LOGIT_MAX  # the path changed (this can fail)
