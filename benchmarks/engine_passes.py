@@ -10,8 +10,8 @@ arriving does to the requests already denoising.
    chunks (the default: 256 ids a pass) and whole (`--whole`: one chunk, as an engine without chunked prefill).
 Runs against whichever dgcli is on the path, so an older checkout can be measured side by side:
     PYTHONPATH=/path/to/old python benchmarks/engine_passes.py --prefix --arrival
-Model: benchmarks/dummy-medium.json cut to 2 layers (sliding + full), random bf16 weights, 1 thread unless
---threads. Prints one JSON line per measurement, then a table.
+Model: benchmarks/dummy-medium.json cut to --layers (default 2: sliding + full), random bf16 weights, 1 thread
+unless --threads. Prints one JSON line per measurement.
 """
 
 from __future__ import annotations
@@ -112,15 +112,17 @@ def main() -> None:
     ap.add_argument("--arrival", action="store_true")
     ap.add_argument("--whole", action="store_true", help="--arrival with the prompt encoded in one chunk")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--layers", type=int, default=2, help="layers of dummy-medium kept (the last one full)")
+    ap.add_argument("--prompt", type=int, default=2000, help="--arrival: the arriving prompt's length")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    model = model_of()
+    model = model_of(a.layers)
     rows = []
     with torch.inference_mode():
         if a.prefix:
             rows += [prefix(model, n) for n in (100, 4000)]
         if a.arrival:
-            rows.append(arrival(model, a.whole))
+            rows.append(arrival(model, a.whole, a.prompt))
     for r in rows:
         print(json.dumps(r))
 

@@ -54,7 +54,7 @@ BatchSizes = Annotated[str, typer.Option("--batch-size", metavar="N[,N...]", hel
     "Batch sizes to measure, e.g. 1,2,4,8: every timed pass submits all prompts at once to an engine with N "
     "slots (continuous batching); one row (bench) or one grid axis value (sweep) per size."))]
 Compile = Annotated[bool, typer.Option("--compile", help="torch.compile the decoder pass and the vocabulary tile math: faster steps after a one-off compile of tens of seconds.")]
-CudaGraphs = Annotated[bool, typer.Option("--cuda-graphs", help="Capture each denoising step in CUDA graphs (one per batch size, key span and variant): CUDA only; off by default until measured on a GPU.")]
+CudaGraphs = Annotated[bool, typer.Option("--cuda-graphs", help="CUDA graphs of the denoising step: not available in this version (the paged engine runs each pass with its exact shapes); the flag fails with one line.")]
 Trace = Annotated[Optional[str], typer.Option("--trace", metavar="FILE", help="Write the per-step JSONL trace to FILE.")]
 InitCanvas = Annotated[Optional[str], typer.Option("--init-canvas", metavar="TEXT|ids:IDS", help=(
     "Warm-start the first block: text (\"1 2 3\" is text too), or token ids with the prefix ids: "

@@ -131,8 +131,8 @@ def pack_weights(model: Any) -> int:
 
 
 def check_cuda_graphs(cuda_graphs: bool, device: torch.device, compile: bool = False) -> str:
-    """The step mode for `--cuda-graphs`: "graphs" (CUDA only, else a one-line error), or "dynamic". Not with
-    `--compile`: the captured step is the eager static one (capturing a compiled step is not built)."""
+    """The step mode for `--cuda-graphs`: "dynamic" without it; with it a one-line error before anything loads
+    (CUDA only; and the paged engine does not capture graphs per batch bucket yet, so on CUDA too)."""
     if not cuda_graphs:
         return "dynamic"
     if compile:
@@ -140,7 +140,8 @@ def check_cuda_graphs(cuda_graphs: bool, device: torch.device, compile: bool = F
     if device.type != "cuda":
         raise UserError(f"--cuda-graphs needs a CUDA device (this run is on {device.type}): "
                         "drop --cuda-graphs or pass --device cuda")
-    return "graphs"
+    raise UserError("--cuda-graphs: the paged engine does not capture CUDA graphs yet (each pass runs with its "
+                    "exact shapes); drop --cuda-graphs")
 
 
 def resolve_for(model: str | None, preset: str | None, flags: dict) -> tuple[Path, ModelConfig, dict | None, Resolved]:
