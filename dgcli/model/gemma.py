@@ -1,11 +1,12 @@
 """DiffusionGemma text model: one Gemma-4 MoE backbone run in two modes (spec §5, §6).
 
-Encoder mode (prompt prefill, block commit): scaled embeddings, causal attention (sliding window on sliding
-layers), writes the KV cache, encoder layer scalars. Decoder mode (the canvas): RMS-normed embeddings plus
-self-conditioning, bidirectional over the canvas, the full prefix on full layers and the last W-1 prefix
-positions on sliding layers, reads the cache only, decoder layer scalars (static shapes: model/static.py).
+Encoder mode (prompt chunks, block commits): scaled embeddings, causal attention (sliding window on sliding
+layers), their K/V kept in the cache, encoder layer scalars. Decoder mode (the canvas): RMS-normed embeddings
+plus self-conditioning, bidirectional over the canvas, the full prefix on full layers and the last W-1 prefix
+positions on sliding layers, decoder layer scalars. `forward_pass` runs rows of both modes in one pass (the one
+attention entry point: model/attention.py); `forward_unified` is the cache-free formulation training uses.
 
-Owns: the math. Must not: read files, print, tokenise, time, or sample. `decode` returns hidden states; `logits`
+Owns: the math. Must not: read files, print, tokenise, time, or sample. `forward_pass` returns hidden states; `logits`
 projects only the rows it is given (the canvas). Module names follow the checkpoint's, so the key map in
 `loader.py` is near-identity. Numerics follow the transformers reference op for op (norms in fp32, router
 softmax fp32, RoPE tables cast to the activation dtype, logits softcapped in fp32).
