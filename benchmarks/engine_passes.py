@@ -73,14 +73,9 @@ def prefix(model, p_len: int, steps: int = 6) -> dict:
 
 
 def arrival(model, whole: bool, prompt: int = 2000) -> dict:
-    if whole:  # one chunk, as without chunked prefill (this engine's ring then holds the whole prompt)
-        try:
-            from dgcli.model import paged
-
-            paged.PREFILL_CHUNK = prompt
-        except ImportError:
-            pass  # an engine without a paged cache encodes a prompt whole anyway
     params = DiffusionEbParams(max_denoising_steps=24, confidence_threshold=0.0)
+    # --whole: a budget no prompt reaches, so the prompt goes in one pass (an engine without a budget, like the
+    # one before the paged cache, encodes a prompt whole anyway)
     kw = {"budget": 1 << 16} if whole and "budget" in Engine.__init__.__code__.co_varnames else {}
     engine = Engine(model, slots=5, max_len=prompt + 256, pad_id=0, **kw)
     for i in range(4):
