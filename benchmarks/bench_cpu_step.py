@@ -124,27 +124,51 @@ def step_flops(cfg, prefix: int, with_soft_in: bool, want_soft_out: bool) -> flo
     return total
 
 
+# ---- the model's pass, as the engine runs it --------------------------------------------------------------
+
+
+def prompt_cache(model, prompt: torch.Tensor):
+    """A paged cache holding each row of `prompt` [B, P] (one causal segment per row: the engine's prefill of a
+    short prompt), with room for a canvas after it."""
+    from dgcli.model.attention import Segment
+
+    (b, p), c = prompt.shape, model.config.canvas_length
+    cache = model.new_cache(b, p + c)
+    for seq in range(b):
+        assert cache.reserve(seq, p + c)
+    with torch.inference_mode():
+        model.forward_pass(prompt.flatten(), [Segment(seq, 0, p, False) for seq in range(b)], cache)
+    return cache
+
+
+def decoder_pass(model, canvas: torch.Tensor, cache, start: int, soft: torch.Tensor | None = None) -> torch.Tensor:
+    """One denoising step's model pass: each row's canvas [B, C] as a canvas segment after its `start` prefix
+    positions -> final-normed hidden states [B, C, H]. Repeatable: it rewrites the same cache slots each time."""
+    from dgcli.model.attention import Segment
+
+    b, c = canvas.shape
+    return model.forward_pass(canvas.flatten(), [Segment(seq, start, c, True) for seq in range(b)], cache, soft)
+
+
 # ---- components ---------------------------------------------------------------------------------------------
 
 
 @torch.inference_mode()
 def components(model, prompt: torch.Tensor, compiled: bool) -> dict:
-    """Median times (ms, 7 reps) of the parts of a step, each before/after its fast path, side by side:
-    the decoder pass eager and (with --compile) compiled, the vocabulary pass with eager and with
-    compiled tile math, and the routed experts of one layer (padded batched GEMMs vs segments; a packed
-    model: its packed experts)."""
+    """Median times (ms, 7 reps) of the parts of a step, side by side: the decoder pass (compiled with
+    --compile: its layers' row-wise work, as `dgemma --compile` runs it), the vocabulary pass with eager and
+    (with --compile) compiled tile math, and the routed experts of one layer (padded batched GEMMs vs
+    segments; a packed model: its packed experts)."""
     from dgcli.kernels.dispatch import vocab_pass
     from dgcli.kernels.moe_cpu import experts_grouped, experts_segments
 
-    cfg, c = model.config, model.config.canvas_length
-    cache = model.new_cache(1, prompt.shape[1] + c)
-    model.encode(prompt, cache)
+    cfg, c, p = model.config, model.config.canvas_length, prompt.shape[1]
+    cache = prompt_cache(model, prompt)
     canvas = torch.randint(0, cfg.vocab_size, (1, c), generator=torch.Generator().manual_seed(1))
     soft = torch.randn(1, c, cfg.hidden_size).to(model.embed_weight.dtype)
-    out = {"decode_eager_ms": median(timed(lambda: type(model).decode(model, canvas, cache, soft), reps=7)) * 1e3}
-    if compiled:
-        out["decode_compiled_ms"] = median(timed(lambda: model.decode(canvas, cache, soft), reps=7)) * 1e3
-    hidden = model.decode(canvas, cache, soft)
+    name = "decode_compiled_ms" if compiled else "decode_eager_ms"
+    out = {name: median(timed(lambda: decoder_pass(model, canvas, cache, p, soft), reps=7)) * 1e3}
+    hidden = decoder_pass(model, canvas, cache, p, soft)
     for tiles in (False, True) if compiled else (False,):
         fn = lambda: vocab_pass(hidden, model.embed_weight, softcap=cfg.final_logit_softcapping,  # noqa: E731
                                 temperature=torch.tensor(0.6), embed_scale=model.embed_scale,

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_cpu_step import cpu_name, load_avg, median  # noqa: E402
+from bench_cpu_step import cpu_name, decoder_pass, load_avg, median, prompt_cache  # noqa: E402
 
 
 def timed_pair(a, b, rounds: int) -> tuple[float, float, float]:
@@ -89,14 +89,12 @@ def real_layers(n_layers: int, rounds: int) -> dict:
     prompt = torch.randint(0, cfg.vocab_size, (1, 32), generator=g)
     canvas = torch.randint(0, cfg.vocab_size, (1, cfg.canvas_length), generator=g)
     soft = (torch.randn(1, cfg.canvas_length, cfg.hidden_size, generator=g) * 0.5).bfloat16()
-    caches = []
     with torch.inference_mode():
-        for m in (plain, packed):
-            caches.append(m.new_cache(1, 32 + cfg.canvas_length))
-            m.encode(prompt, caches[-1])
-        assert torch.equal(plain.decode(canvas, caches[0], soft), packed.decode(canvas, caches[1], soft))
-        a, b, ratio = timed_pair(lambda: plain.decode(canvas, caches[0], soft),
-                                 lambda: packed.decode(canvas, caches[1], soft), rounds)
+        caches = [prompt_cache(m, prompt) for m in (plain, packed)]
+        assert torch.equal(decoder_pass(plain, canvas, caches[0], 32, soft),
+                           decoder_pass(packed, canvas, caches[1], 32, soft))
+        a, b, ratio = timed_pair(lambda: decoder_pass(plain, canvas, caches[0], 32, soft),
+                                 lambda: decoder_pass(packed, canvas, caches[1], 32, soft), rounds)
     weights = sum(p.numel() * p.element_size() for p in plain.parameters()) - plain.embed_weight.numel() * 2
     return {"model": name, "matrices_packed": count, "pack_s": pack_s, "weights_gb": weights / 1e9,
             "decode_loaded_ms": a * 1e3, "decode_packed_ms": b * 1e3, "speedup": ratio}

@@ -69,6 +69,19 @@ def restore_fp32_scalars(model, path: Path) -> None:
             buf.data = state[to_checkpoint_name(name)].float()
 
 
+def block_two(model, prompt: torch.Tensor, block: torch.Tensor, ids: torch.Tensor, soft: torch.Tensor):
+    """The hidden states of a step after a committed block, as the engine gets them: the prompt's pass (one causal
+    segment), the block's commit (a causal segment after it), then the canvas's pass (a canvas segment)."""
+    from dgcli.model.attention import Segment
+
+    p, c = prompt.shape[1], block.shape[1]
+    kv = model.new_cache(1, p + 2 * c)
+    assert kv.reserve(0, p + 2 * c)
+    model.forward_pass(prompt[0], [Segment(0, 0, p, False)], kv)
+    model.forward_pass(block[0], [Segment(0, p, c, False)], kv)
+    return model.forward_pass(ids[0], [Segment(0, p + c, c, True)], kv, soft)
+
+
 def measure(seed: int, fp32_scalars: bool) -> tuple[str, dict[str, float]]:
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, DynamicCache
 
@@ -108,10 +121,7 @@ def measure(seed: int, fp32_scalars: bool) -> tuple[str, dict[str, float]]:
             if fp32_scalars:
                 restore_fp32_scalars(ours, path)
             got = {"first": ours.forward_canvas(prompt, ids), "self-cond": ours.forward_canvas(prompt, ids, sc)}
-            kv = ours.new_cache(1, prompt.shape[1] + canvas)
-            ours.encode(prompt, kv)
-            ours.encode(block, kv)
-            got["block 2"] = ours.logits(ours.decode(ids, kv, ours.soft_embedding(sc)))
+            got["block 2"] = ours.logits(block_two(ours, prompt, block, ids, ours.soft_embedding(sc)))
             for k in want:
                 out[f"{mode}/{k}"] = (got[k] - want[k]).abs().max().item()
     finally:

@@ -5,13 +5,15 @@ On a CUDA machine (`python benchmarks/gpu_suite.py`):
   2. tests        the whole test suite (on CUDA the kernel tests run the compiled Triton kernels, not the
                   interpreter: that is where the bf16 tensor-core paths `DOT_BF16` first run);
   3. kernels      tests/kernels again on their own, so their result stands out in the section;
-  4. sync_check   host syncs inside a block, by code line, with the default step and with the step
-                  replayed from CUDA graphs, whose events must equal the eager steps' (benchmarks/sync_check.py;
-                  CUDA only);
-  5. bench_kernels  per-kernel time and share of the device's peaks (benchmarks/bench_kernels.py);
-  6. bench_dummy  `dgemma bench --dummy 26B-A4B` at batch 1/4/8, bf16, fixed work, CUDA graphs off;
-     bench_dummy_graphs  the same with `--cuda-graphs` (CUDA only: not in the CPU plan);
-  7. bench_bundled  `dgemma bench` on the bundled model (quality and speed on the device).
+  4. sync_check   host syncs inside a pass: the engine as CUDA runs it (lag 1) with only the pass launch
+                  under torch's sync debug mode "error" (benchmarks/sync_check.py; CUDA only, prints one
+                  line and passes elsewhere);
+  5. engine_passes  a step's time and allocations as the prefix grows, and the step gaps of running requests
+                  when a long prompt arrives (benchmarks/engine_passes.py, dummy-medium cut to 6 layers;
+                  it runs on the CPU on either plan: the engine's CPU path);
+  6. bench_kernels  per-kernel time and share of the device's peaks (benchmarks/bench_kernels.py);
+  7. bench_dummy  `dgemma bench --dummy 26B-A4B` at batch 1/4/8, bf16, fixed work;
+  8. bench_bundled  `dgemma bench` on the bundled model (quality and speed on the device).
 Each step runs as a subprocess with a time limit; a failing step is recorded (exit code and the tail of its
 output) and the suite goes on. The section goes to stdout and, with `--out FILE`, to FILE (append it to
 benchmarks/RESULTS.md by hand after reading it).
@@ -40,8 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The bars a batch-1 step is held to on an H100 (issue 25's text): our floor estimate for the bf16 step, and
 # vLLM's published FP8 figure (a 256-token canvas every ~146 ms for 16 steps, ~9 ms per pass).
 STEP_FLOOR_MS, VLLM_PASS_MS = 14.0, 9.0
-STEPS = ("env", "tests", "kernels", "sync_check", "sync_check_graphs", "bench_kernels", "bench_dummy",
-         "bench_dummy_graphs", "bench_bundled")
+STEPS = ("env", "tests", "kernels", "sync_check", "engine_passes", "bench_kernels", "bench_dummy", "bench_bundled")
 
 
 def plan(device: str) -> dict[str, tuple[list[str], int, dict]]:
@@ -60,15 +61,12 @@ def plan(device: str) -> dict[str, tuple[list[str], int, dict]]:
         "tests": ([py, "-m", "pytest", "-q", "-p", "no:cacheprovider"], 3600, interp),
         "kernels": ([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels"], 1800, interp),
         "sync_check": ([py, "benchmarks/sync_check.py"], 600, {}),
-        "sync_check_graphs": ([py, "benchmarks/sync_check.py", "--step-mode", "graphs", "--compare"], 900, {}),
+        "engine_passes": ([py, "benchmarks/engine_passes.py", "--prefix", "--arrival", "--layers", "6"], 1800, {}),
         "bench_kernels": ([py, "benchmarks/bench_kernels.py", "--device", device]
                           + ([] if cuda else ["--small", "--reps", "3"]), 1800, {}),
         "bench_dummy": (dummy_run, 3600, {}),
-        "bench_dummy_graphs": (dummy_run + ["--cuda-graphs"], 3600, {}),
         "bench_bundled": (bench + ["--runs", "3" if cuda else "1"], 1800, {}),
     }
-    if not cuda:  # CUDA graphs exist only on CUDA
-        del steps["sync_check_graphs"], steps["bench_dummy_graphs"]
     return steps
 
 
@@ -117,14 +115,13 @@ def section(results: list[dict], device: str) -> str:
     for r in results:
         lines += ["", f"### {r['step']}", ""]
         rows = _bench_rows(r.get("stdout", "")) if r["step"].startswith("bench_") else []
-        graphs = "on" if r["step"].endswith("_graphs") else "off"
         if rows:
-            lines += ["| batch | output_throughput tok/s | mean_ttft_ms | ms/step | quality | cuda graphs |",
-                      "|---|---|---|---|---|---|"]
+            lines += ["| batch | output_throughput tok/s | mean_ttft_ms | ms/step | quality |",
+                      "|---|---|---|---|---|"]
             for row in rows:
                 lines.append(f"| {row.get('batch_size')} | {_f(row.get('output_throughput'))} | "
                              f"{_f(row.get('mean_ttft_ms'))} | {_f(row.get('mean_step_ms'))} | "
-                             f"{_f(row.get('quality'))} | {graphs} |")
+                             f"{_f(row.get('quality'))} |")
             lines += _against_the_bars(rows, r["step"], device)
         tail = "\n".join(r["output"].strip().splitlines()[-25:])
         lines += ["```", tail, "```"]

@@ -2,11 +2,13 @@
 (issue 15 item 5). The 200 M bf16 random checkpoint of bench_cpu_step.py, canvas 256, prompt 32, a middle
 step (soft embedding in and out); 1 and 2 threads in interleaved rounds, medians.
 
-Components (wall time by host timers; CPU ops are synchronous): decoder attention (q/k/v/o GEMMs, key
-concatenation, SDPA), dense MLP, self-conditioning MLP, routed experts (router + experts), norms / RoPE /
-elementwise (every RMSNorm, RoPE, residual adds, layer scalars, embedding), vocabulary pass (head GEMMs,
-per-tile statistics, soft embedding, draw), accept / renoise / stop. The instrumented decoder pass is
-checked bit-equal to `model.decode`. FLOPs: matmuls only, 2 per multiply-add, routed experts at top-k.
+Components (wall time by host timers; CPU ops are synchronous): decoder attention (q/k/v/o GEMMs, the
+pass's layout, the paged cache's writes and reads, SDPA), dense MLP, self-conditioning MLP, routed experts
+(router + experts), norms / RoPE / elementwise (every RMSNorm, RoPE, residual adds, layer scalars, embedding),
+vocabulary pass (head GEMMs, per-tile statistics, soft embedding, draw), accept / renoise / stop. A whole step
+is the engine's: the canvas's `forward_pass` (one canvas segment after the prompt's), then `rules.sample_step`;
+the instrumented decoder pass is checked bit-equal to that `forward_pass`. FLOPs: matmuls only, 2 per
+multiply-add, routed experts at top-k.
 Two models side by side, interleaved: `packed` (the weights prepacked for oneDNN, as an eager CPU session runs
 them: dgcli/model/packed.py) and `loaded` (the weights as loaded: the step before packing); their steps are
 checked bit-equal. `--only packed` skips the second.
@@ -35,8 +37,10 @@ from bench_cpu_step import (
     TEXT,
     bench_model,
     cpu_name,
+    decoder_pass,
     load_avg,
     median,
+    prompt_cache,
 )
 
 ORDER = ("attention", "dense_mlp", "selfcond_mlp", "experts", "norms_rope_elem", "vocab_pass", "accept_renoise")
@@ -70,14 +74,17 @@ def component_flops(cfg, prefix: int) -> dict:
 
 @torch.inference_mode()
 def instrumented_step(model, canvas, cache, soft, temp, history, params, uniform, noise):
-    """denoise_step (batch 1, rows None) with a clock: the same ops as model.decode's `same` path."""
+    """A whole step (batch 1) with a clock: the ops of `forward_pass` for one canvas segment after the prompt
+    (dgcli/model/gemma.py), then `rules.sample_step`'s."""
     from dgcli.kernels.dispatch import vocab_pass
+    from dgcli.model.attention import PassLayout, Segment, attend
     from dgcli.model.gemma import apply_rope
     from dgcli.sampling.rules import accept_mask, is_confident, is_stable, push_history
 
     ck = Clock()
     c, dev = canvas.shape[1], canvas.device
-    lens = [cache.lens[0]]
+    layout = PassLayout([Segment(0, PROMPT_LEN, c, True)], cache, dev)
+    ck.lap("attention")
     sc = model.self_conditioning
     e = model.embed(canvas)
     ck.lap("norms_rope_elem")
@@ -85,9 +92,8 @@ def instrumented_step(model, canvas, cache, soft, temp, history, params, uniform
     ck.lap("norms_rope_elem")
     m = sc.down_proj(F.gelu(sc.gate_proj(pre), approximate="tanh") * sc.up_proj(pre))
     ck.lap("selfcond_mlp")
-    x = sc.post_norm(e + m)
-    j = torch.arange(c, device=dev)
-    tables = model._tables(lens[0] + j, x.dtype)
+    x = sc.post_norm(e + m).flatten(0, 1)[None]  # [1, C, H]: the pass's rows
+    tables = model._tables(layout.positions, x.dtype)
     ck.lap("norms_rope_elem")
     for i, (layer, g) in enumerate(zip(model.layers, model.geometry)):
         attn = layer.self_attn
@@ -104,10 +110,7 @@ def instrumented_step(model, canvas, cache, soft, temp, history, params, uniform
         k = apply_rope(attn.k_norm(k_raw), cos, sin).transpose(1, 2)
         v = attn.v_norm(v_raw).transpose(1, 2)
         ck.lap("norms_rope_elem")
-        lo = 0 if g.window is None else max(0, lens[0] - (g.window - 1))
-        pk, pv = cache.parts(i, lo, lens[0])
-        out = attn.sdpa(q, torch.cat((*pk, k), dim=2), torch.cat((*pv, v), dim=2), None)
-        o = attn.out(out)
+        o = attn.out(attend(q, k, v, i, layout))
         ck.lap("attention")
         x = x + layer.post_attention_layernorm(o)
         r = x
@@ -128,7 +131,7 @@ def instrumented_step(model, canvas, cache, soft, temp, history, params, uniform
         x = r + layer.post_feedforward_layernorm(dense + moe)
         x *= layer.layer_scalar
         ck.lap("norms_rope_elem")
-    hidden = model.norm(x)
+    hidden = model.norm(x).view(1, c, -1)
     ck.lap("norms_rope_elem")
     out = vocab_pass(hidden, model.embed_weight, softcap=model.config.final_logit_softcapping,
                      temperature=temp, embed_scale=model.embed_scale, uniform=uniform, want_soft=True)
@@ -140,6 +143,15 @@ def instrumented_step(model, canvas, cache, soft, temp, history, params, uniform
     push_history(history, out.argmax)
     ck.lap("accept_renoise")
     return dict(ck.t), hidden, next_canvas, stop
+
+
+def whole_step(model, canvas, cache, soft, temp, history, params, uniform, noise, tiles: bool):
+    """One denoising step as the engine runs it: the canvas's pass, then `rules.sample_step` (soft out)."""
+    from dgcli.sampling.rules import sample_step
+
+    with torch.inference_mode():
+        hidden = decoder_pass(model, canvas, cache, PROMPT_LEN, soft)
+        return sample_step(model, hidden, temp, history, params, uniform, noise, True, tiles)
 
 
 def gemm_rate() -> float:
@@ -157,6 +169,7 @@ def gemm_rate() -> float:
     return best
 
 
+@torch.inference_mode()
 def vocab_gemms(hidden, embed) -> float:
     """The vocabulary pass's two GEMMs alone (head per 4096-column tile, soft [N, V]x[V, H])."""
     rows = hidden.reshape(-1, hidden.shape[-1])
@@ -184,31 +197,28 @@ def main():
     variants = [args.only] if args.only else ["packed", "loaded"]
 
     from dgcli.sampling.params import DiffusionEbParams
-    from dgcli.sampling.rules import denoise_step
 
     models = {}
     for v in variants:
         models[v], n_params = bench_model(Path(args.dir), pack=v == "packed")
     cfg = next(iter(models.values())).config
     prompt = torch.randint(0, cfg.vocab_size, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
-    caches = {}
-    for v, model in models.items():
-        caches[v] = model.new_cache(1, PROMPT_LEN + CANVAS)
-        model.encode(prompt, caches[v])
+    caches = {v: prompt_cache(model, prompt) for v, model in models.items()}
     g = torch.Generator().manual_seed(1)
     canvas = torch.randint(0, cfg.vocab_size, (1, CANVAS), generator=g)
     noise = torch.randint(0, cfg.vocab_size, (1, CANVAS), generator=g)
     soft = (torch.randn(1, CANVAS, cfg.hidden_size, generator=g) * 0.5).bfloat16()
     uniform = torch.rand(1, CANVAS, dtype=torch.float64, generator=g)
-    temp = torch.tensor(0.6)
+    temp = torch.tensor([0.6])
     params = DiffusionEbParams(confidence_threshold=0.0)
-    history = torch.full((1, 1, CANVAS), -1, dtype=torch.long)
+    history = torch.full((1, 1, CANVAS), -1, dtype=torch.long)  # [S, B, C]
     ref_hidden = outs = None
     for v, model in models.items():
-        hidden = model.decode(canvas, caches[v], soft)
+        with torch.inference_mode():
+            hidden = decoder_pass(model, canvas, caches[v], PROMPT_LEN, soft)
         _, inst_hidden, nxt, stop = instrumented_step(model, canvas, caches[v], soft, temp, history.clone(), params,
                                                       uniform, noise)
-        assert torch.equal(inst_hidden, hidden), f"{v}: instrumented decoder pass differs from model.decode"
+        assert torch.equal(inst_hidden, hidden), f"{v}: instrumented decoder pass differs from forward_pass"
         if ref_hidden is None:
             ref_hidden, outs = hidden, (nxt, stop)
         else:  # packing must not change a bit
@@ -242,7 +252,7 @@ def main():
                 for v, model in models.items():  # interleaved: the machine's drift hits both alike
                     d, cache = data[t][v], caches[v]
                     s = time.perf_counter()
-                    denoise_step(model, canvas, cache, soft, temp, history, params, uniform, noise, True, False)
+                    whole_step(model, canvas, cache, soft, temp, history, params, uniform, noise, False)
                     d["step"].append(time.perf_counter() - s)
                     parts, *_ = instrumented_step(model, canvas, cache, soft, temp, history, params, uniform, noise)
                     for k, x in parts.items():
@@ -312,21 +322,19 @@ def compiled_phase(models, caches, step_args, threads, args, total_flops) -> dic
     import torch._dynamo
 
     from dgcli.runtime.session import compile_decoder
-    from dgcli.sampling.rules import denoise_step
 
     prompt, canvas, soft, temp, history, params, uniform, noise = step_args
     eager = "packed" if "packed" in models else "loaded"
     model, _ = bench_model(Path(args.dir))
     compile_decoder(model)
-    cache = model.new_cache(1, PROMPT_LEN + CANVAS)
-    model.encode(prompt, cache)
+    cache = prompt_cache(model, prompt)
     out = {}
     for t in threads:
         torch.set_num_threads(t)
         torch._dynamo.reset()
         s = time.perf_counter()
         for _ in range(3):
-            denoise_step(model, canvas, cache, soft, temp, history, params, uniform, noise, True, True)
+            whole_step(model, canvas, cache, soft, temp, history, params, uniform, noise, True)
         warm = time.perf_counter() - s
         rates, times = [], {"compiled": [], eager: []}
         for _ in range(args.rounds):
@@ -335,7 +343,7 @@ def compiled_phase(models, caches, step_args, threads, args, total_flops) -> dic
                 sides = (("compiled", model, cache, True), (eager, models[eager], caches[eager], False))
                 for name, m, c, tiles in sides:
                     s = time.perf_counter()
-                    denoise_step(m, canvas, c, soft, temp, history, params, uniform, noise, True, tiles)
+                    whole_step(m, canvas, c, soft, temp, history, params, uniform, noise, tiles)
                     times[name].append(time.perf_counter() - s)
         rate, comp, eag = median(rates), median(times["compiled"]), median(times[eager])
         out[t] = {"gemm_gflops": rate / 1e9, "compiled_step_ms": comp * 1e3, f"{eager}_step_ms": eag * 1e3,

@@ -39,9 +39,9 @@ GEMMS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", "aten._scaled_
 
 
 class FakeCuda:
-    """What the engine and the static step use of torch.cuda's Event, Stream and CUDAGraph (no CUDA runtime
-    to record, wait or capture on): each call does nothing. A "captured" step runs eagerly on fake tensors,
-    so a host read inside it (which would break a real capture) fails the run as anywhere else."""
+    """What the engine uses of torch.cuda's Event, Stream and CUDAGraph (no CUDA runtime to record, wait or
+    capture on): each call does nothing. A "captured" step would run eagerly on fake tensors, so a host read
+    inside it (which would break a real capture) fails the run as anywhere else."""
 
     def __init__(self, **kw):
         pass
@@ -192,7 +192,7 @@ def fake_model(mode: FakeTensorMode, weights: str) -> DiffusionGemma:
 
 def substitute_reads(log: list):
     """Values for the declared host reads: the stop flags say "stop" at every third read (early stops, so
-    the async engine discards speculative steps), the commits give token 5 everywhere (never a stop id)."""
+    the engine at lag 1 discards speculative steps), the commits give token 5 everywhere (never a stop id)."""
     def read(t, why):
         log.append((why, tuple(t.shape), t.dtype, t.device))
         if why == "stop":
@@ -233,7 +233,7 @@ class PageableCopies(TorchFunctionMode):
     """Host-to-device copies that wait: `torch.tensor(host data, device=cuda)` / `torch.as_tensor(...)`, and a
     CPU tensor sent to CUDA by `.to`, `.cuda` or `.copy_` without non_blocking. On a GPU each copies from
     pageable memory and first waits for the stream to drain (a host sync with the pass in flight); the way
-    without a wait is `static_step.to_device` (a pinned buffer, non_blocking). `found` lists them (a scalar
+    without a wait is `kernels/transfer.py: to_device` (a pinned buffer, non_blocking). `found` lists them (a scalar
     argument to an op is not a copy: torch passes it by value)."""
 
     def __init__(self):

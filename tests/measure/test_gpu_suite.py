@@ -24,15 +24,19 @@ def test_dry_run_plans_every_step_at_cpu_sizes():
     out = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--dry-run"], capture_output=True,
                          text=True, check=True, cwd=ROOT).stdout
     steps = [line.split(":")[0] for line in out.splitlines()]
-    assert steps == ["env", "tests", "kernels", "sync_check", "bench_kernels", "bench_dummy", "bench_bundled"]
+    assert steps == ["env", "tests", "kernels", "sync_check", "engine_passes", "bench_kernels", "bench_dummy",
+                     "bench_bundled"]
     assert "TRITON_INTERPRET=1" in out and "--small" in out and "dummy-medium.json --layers 2" in out
+    passes = "benchmarks/engine_passes.py --prefix --arrival --layers 6"
     cuda = subprocess.run([sys.executable, str(SCRIPT), "--device", "cuda", "--dry-run"],
                           capture_output=True, text=True, check=True, cwd=ROOT).stdout
     plans = dict(line.split(": ", 1) for line in cuda.splitlines())
     assert "--dummy 26B-A4B" in plans["bench_dummy"] and "--batch-size 1,4,8" in plans["bench_dummy"]
-    assert "TRITON_INTERPRET" not in cuda and "--cuda-graphs" not in plans["bench_dummy"]
-    assert plans["bench_dummy_graphs"].startswith(plans["bench_dummy"].split("  (limit")[0] + " --cuda-graphs")
-    assert "--step-mode graphs --compare" in plans["sync_check_graphs"]
+    assert list(plans) == steps  # the same steps on both plans: no CUDA-only step left (no CUDA graphs)
+    assert "TRITON_INTERPRET" not in cuda and "--cuda-graphs" not in cuda and "--step-mode" not in cuda
+    assert passes in plans["engine_passes"] and passes in dict(line.split(": ", 1) for line in out.splitlines())[
+        "engine_passes"]
+    assert plans["sync_check"].split("  (limit")[0].endswith("benchmarks/sync_check.py")
 
 
 def test_env_step_runs_and_the_section_shows_bench_rows(tmp_path):
@@ -47,10 +51,7 @@ def test_env_step_runs_and_the_section_shows_bench_rows(tmp_path):
                                  "mean_step_ms": 2.5, "quality": None} for b in (1, 4)]}
     section = mod.section([{"step": "bench_dummy", "command": "dgemma bench", "exit": 0, "seconds": 1.0,
                             "stdout": json.dumps(doc, indent=2), "output": "card"}], "cpu")
-    assert "| 4 | 40 | 5 | 2.5 | n/a | off |" in section
-    graphs = mod.section([{"step": "bench_dummy_graphs", "command": "dgemma bench --cuda-graphs", "exit": 0,
-                           "seconds": 1.0, "stdout": json.dumps(doc), "output": ""}], "cuda")
-    assert "| 1 | 10 | 5 | 2.5 | n/a | on |" in graphs
+    assert "| 4 | 40 | 5 | 2.5 | n/a |" in section and "graphs" not in section
     assert mod.section([{"step": "bench_kernels", "command": "x", "exit": 1, "seconds": 0.1,
                          "output": "Traceback: boom"}], "cpu").count("boom") == 1
 
@@ -61,3 +62,18 @@ def test_the_section_compares_batch_1_with_the_floor_and_vllm():
     step = {"step": "bench_dummy", "command": "x", "exit": 0, "seconds": 1, "stdout": doc, "output": ""}
     assert "Batch 1: 21 ms/step = 1.50x our bf16 floor estimate (14 ms), 2.33x vLLM" in mod.section([step], "cuda")
     assert "Batch 1:" not in mod.section([step], "cpu")  # CPU sizes: not the 26B-A4B step
+
+
+def test_sync_check_without_cuda_prints_one_line_and_passes():
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is visible: the CUDA path is the suite's own sync_check step")
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sync_check.py")], capture_output=True, text=True,
+                       cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    assert len(p.stdout.splitlines()) == 1 and "no CUDA device" in json.loads(p.stdout)["skipped"]
+    gone = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sync_check.py"), "--step-mode", "graphs"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert gone.returncode == 2 and "--step-mode" in gone.stderr  # no CUDA graphs any more
