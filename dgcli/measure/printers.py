@@ -82,11 +82,15 @@ def provenance(*, device: Any, dtype: str, model: str, model_name: str, paramete
 
 def kernel_choices(device: Any, packed_weights: int = 0) -> dict[str, str]:
     """Which implementation each fused op ran (triton | cpu | reference); `linear`: cpu where the session
-    prepacked its weights for oneDNN (`packed_weights` matrices), else torch's own GEMM (reference)."""
+    prepacked its weights for oneDNN (`packed_weights` matrices), else torch's own GEMM (reference);
+    `attention`: the paged attention's backend (triton-paged | torch-sdpa, dgcli/model/attention.py)."""
+    import torch
+
     from dgcli.kernels.dispatch import implementation
+    from dgcli.model.attention import backend
 
     ops = {op: implementation(op, device) for op in ("vocab_pass", "experts", "rms_norm")}
-    return {**ops, "linear": "cpu" if packed_weights else "reference"}
+    return {**ops, "linear": "cpu" if packed_weights else "reference", "attention": backend(torch.device(device))}
 
 
 def parse_metadata(items: Iterable[str]) -> dict[str, str]:
