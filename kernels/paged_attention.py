@@ -94,20 +94,18 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_ptr, lo_ptr, hi_ptr,
                 logical = logical % ring_blocks
             in_cache = k_ok
             if FRESH:
+                new = pos >= fresh_pos
                 in_cache = k_ok & (pos < fresh_pos)
             blk = tl.load(tab + logical, mask=in_cache, other=0)
             slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE  # [BN]
-            kt = tl.load(k_base + slot[None, :] * stride_ks + dd[:, None],
-                         mask=in_cache[None, :] & d_ok[:, None], other=0.0)  # [BD, BN]
-            v = tl.load(v_base + slot[:, None] * stride_vs + dd[None, :], mask=in_cache[:, None] & d_ok[None, :],
-                        other=0.0)  # [BN, BD]
-            if FRESH:
-                new = k_ok & (pos >= fresh_pos)
+            k_off = k_base + slot * stride_ks  # [BN] row starts
+            v_off = v_base + slot * stride_vs
+            if FRESH:  # the pass's own rows instead: one pointer per key, so one load
                 nrow = (fresh_row + pos - fresh_pos).to(tl.int64)  # [BN]
-                kt += tl.load(kn_base + nrow[None, :] * stride_kn + dd[:, None], mask=new[None, :] & d_ok[:, None],
-                              other=0.0)
-                v += tl.load(vn_base + nrow[:, None] * stride_vn + dd[None, :], mask=new[:, None] & d_ok[None, :],
-                             other=0.0)
+                k_off = tl.where(new, kn_base + nrow * stride_kn, k_off)
+                v_off = tl.where(new, vn_base + nrow * stride_vn, v_off)
+            kt = tl.load(k_off[None, :] + dd[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [BD, BN]
+            v = tl.load(v_off[:, None] + dd[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BN, BD]
             if DOT_BF16:  # bf16 operands as loaded: tensor cores, fp32 accumulation
                 s = tl.dot(q, kt)
             else:  # full fp32 products, not TF32

@@ -307,9 +307,12 @@ def _target_configs(kt) -> list[dict]:
                 args = dict(q_ptr="*" + dt, k_ptr="*" + dt, v_ptr="*" + dt, o_ptr="*" + dt, seq_ptr="*i32",
                             lo_ptr="*i32", hi_ptr="*i32", tab_ptr="*i32", t0_ptr="*i32", tn_ptr="*i32", ring_blocks=20,
                             D=d, stride_qn=n_heads * d, stride_qh=d, stride_kh=pool, stride_ks=d, stride_vh=pool,
-                            stride_vs=d, stride_on=n_heads * d, stride_oh=d, stride_t=64)
-                flags = dict(GROUP=group, ROWS=bm // group, BLOCK_SIZE=64, RING=ring, DOT_BF16=dt == "bf16",
-                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd)
+                            stride_vs=d, stride_on=n_heads * d, stride_oh=d, stride_t=64,
+                            kn_ptr="*" + dt, vn_ptr="*" + dt, fp_ptr="*i32", fr_ptr="*i32", stride_kn=n_kv * d,
+                            stride_knh=d, stride_vn=n_kv * d, stride_vnh=d)
+                # sliding layers (the ring) read a pass's own keys from the pass (FRESH); full layers do not
+                flags = dict(GROUP=group, ROWS=bm // group, BLOCK_SIZE=64, RING=ring, FRESH=ring,
+                             DOT_BF16=dt == "bf16", BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd)
                 out.append(kt.spec("paged_attention._paged_attention_kernel", f"{dt} d={d} g={group}", target, args,
                                    flags, dt == "bf16", dict(num_warps=warps, num_stages=stages)))
     assert {(c["label"].split()[0], c["constexprs"]["BLOCK_D"]) for c in out} == {
