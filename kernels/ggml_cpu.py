@@ -188,7 +188,8 @@ def _buf(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
     bufs = _scratch.__dict__.setdefault("bufs", {})
     b = bufs.get(name)
     if b is None or b.numel() < numel or b.dtype != dtype:
-        b = bufs[name] = torch.empty(numel, dtype=dtype)
+        with torch.inference_mode(False):  # a normal tensor: made inside a model's inference-mode pass or not, it
+            b = bufs[name] = torch.empty(numel, dtype=dtype)  # is written in place by calls of either kind
     return b[:numel]
 
 

@@ -216,3 +216,18 @@ def test_experts_on_the_gemm_path_match_reference(types, rows, monkeypatch):
     assert _rel(y, experts_reference(x, w, idx, wgu.bfloat16(), wdn.bfloat16())) <= 2 * BF16_REL
 
 
+
+
+def test_gemm_scratch_made_in_inference_mode_serves_calls_outside_it(monkeypatch):
+    """The per-thread scratch is made by whichever call comes first: one inside a model's inference-mode pass must
+    not leave an inference tensor that a later call outside inference mode cannot write."""
+    from dgcli.kernels import ggml_cpu
+
+    monkeypatch.setattr(ggml_cpu._scratch, "bufs", {}, raising=False)
+    _low_thresholds(monkeypatch)
+    w = torch.randn(128, 256)
+    lin = ggml.QuantLinear(ggml.quantize(w, ggml.Q4_K), ggml.Q4_K, 256, 128)
+    x = torch.randn(4, 256).bfloat16()
+    with torch.inference_mode():
+        first = lin(x)
+    assert torch.equal(lin(x), first)
