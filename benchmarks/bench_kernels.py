@@ -1,78 +1,178 @@
-"""Per-kernel benchmark: time, achieved bytes/s and FLOP/s of each fused op against the device's peaks,
-for the implementation `kernels.dispatch` picks (Triton on CUDA, the fast torch paths on CPU) and for
-the torch reference, at the real 26B-A4B shapes on a GPU (small shapes with --small).
+"""Per-kernel benchmark and a whole-step breakdown: each fused op's time and achieved TFLOP/s and GB/s against
+the device's peaks (dgcli.measure.peaks: the H100/H200 table on CUDA, a brief measurement on a CPU), for the
+implementation `kernels.dispatch` picks and for the torch reference; with --step, a denoising step's time per
+component at several batches. There are no CUDA graphs any more, so there is no graphs on/off axis.
 
-Prints a card (device, peaks and where they come from), a table, then one JSON line last.
-Work counted: useful FLOPs (2 per multiply-add; the vocab pass: the head GEMM and the soft-embedding GEMM,
-each once, as the Triton pass now runs them; the draw's per-row group recomputation is not counted) and
-compulsory bytes (every input read once, every output written once; FP8 weights at 1 byte) — so
-achieved/peak is a lower bound on how busy the device was. fp8_linear: weight-only FP8 (the W8A16 kernel on
-CUDA) against its reference, which dequantizes the whole weight on every call.
+Owns: the kernel cases and their work formulas (`*_work`, pure arithmetic), the timers (CUDA events after
+warm-up; host clocks on CPU, whose ops are synchronous), the module-hook breakdown, the report (tables, one
+JSON line last). Must not: change a kernel or the model; time while another benchmark runs (use `flock`).
+
+Kernels at the real 26B-A4B shapes on CUDA (small ones on CPU or with --small): vocab_pass (head GEMM +
+soft-embedding GEMM), experts (grouped MoE), rms_norm, fp8_linear (W8A16 on CUDA; its reference dequantizes
+the whole weight per call), paged_attention (the full layer's heads at 4096 keys; on CPU the torch reference
+only: the interpreter is too slow to time). Work: useful FLOPs (2 per multiply-add) and compulsory bytes
+(inputs read once, outputs written once, FP8 weights 1 byte): achieved/peak is a lower bound on busyness.
+
+Step breakdown (--step SPEC): one step of `--dummy SPEC` cut to --layers, per --batch, as the engine runs it
+(bench_cpu_step.py's prompt cache and `forward_pass`, then `rules.sample_step`), timed by forward hooks on
+the model's modules (outermost hooked call only) and wrappers around `attend` and the vocabulary pass; FLOPs
+per component from step_components.py (matmuls only).
 
     python benchmarks/bench_kernels.py [--small] [--reps 20] [--peak-tflops X --peak-gbs Y]
+        [--step 26B-A4B --layers 2 --batch 1,4,8] [--no-kernels]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from collections import defaultdict
+from pathlib import Path
 
 import torch
 
-# Dense bf16 tensor-core TFLOP/s and HBM GB/s from the vendors' data sheets (SXM parts).
-GPU_PEAKS = {"H100": (989.0, 3350.0), "H200": (989.0, 4800.0), "A100": (312.0, 2039.0), "L4": (121.0, 300.0)}
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = dict(n=128, h=512, v=8192, inter=256, e=8, k=2, dense=512, heads=4, kv=2, d=64, context=256)
 
 
-def device_peaks(dev: torch.device, args) -> tuple[float | None, float | None, str]:
-    if args.peak_tflops and args.peak_gbs:
-        return args.peak_tflops * 1e12, args.peak_gbs * 1e9, "given on the command line"
-    if dev.type == "cuda":
-        name = torch.cuda.get_device_name(dev)
-        for key, (tf, gbs) in GPU_PEAKS.items():
-            if key in name:
-                return tf * 1e12, gbs * 1e9, f"data sheet ({key})"
-        return None, None, f"unknown GPU {name!r}: pass --peak-tflops and --peak-gbs"
-    # CPU: measure both now (a large bf16 GEMM, a large copy).
-    a, b = torch.randn(2048, 2048).bfloat16(), torch.randn(2048, 2048).bfloat16()
-    t = best(lambda: a @ b, dev, 5)
-    x = torch.empty(64 * 2**20 // 4)
-    y = torch.empty_like(x)
-    tc = best(lambda: y.copy_(x), dev, 5)
-    return 2 * 2048**3 / t, 2 * x.numel() * 4 / tc, "measured now (2048³ bf16 GEMM, 64 MiB copy)"
+# ---- work formulas (FLOPs, bytes): pure arithmetic, checked by hand in tests/measure/test_bench_kernels.py ----
 
 
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+def vocab_work(n: int, v: int, h: int, elt: int = 2) -> tuple[int, int]:
+    """Head GEMM and soft-embedding GEMM once each; embed read once, hidden in and soft out, 20 B/row of
+    sample, argmax, entropy and uniform."""
+    return 4 * n * v * h, v * h * elt + 2 * n * h * elt + n * 20
 
 
-def best(fn, dev: torch.device, reps: int) -> float:
-    fn()
-    sync(dev)
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
+def experts_work(n: int, h: int, inter: int, e: int, k: int, elt: int = 2) -> tuple[int, int]:
+    """top-k experts per token (gate, up, down); every expert's weights read once, x in and out, w and idx."""
+    return 6 * n * k * h * inter, e * 3 * h * inter * elt + 2 * n * h * elt + n * k * 12
+
+
+def rms_norm_work(n: int, h: int, elt: int = 2) -> tuple[int, int]:
+    return 4 * n * h, 2 * n * h * elt + h * elt
+
+
+def fp8_linear_work(n: int, k_in: int, n_out: int, elt: int = 2) -> tuple[int, int]:
+    """x [n, K] by e4m3 weights [N, K] (1 byte) with one scale per output channel."""
+    return 2 * n * n_out * k_in, n_out * k_in + n_out * elt + n * (k_in + n_out) * elt
+
+
+def paged_attention_work(rows: int, heads: int, keys: int, d: int, kv_heads: int, seqs: int,
+                         elt: int = 2) -> tuple[int, int]:
+    """QKᵀ and PV over `keys` keys per row: 4·rows·keys·d·heads; bytes: each sequence's K and V read once per
+    kv head, q read and the output written once."""
+    return 4 * rows * keys * d * heads, 2 * seqs * kv_heads * keys * d * elt + 2 * rows * heads * d * elt
+
+
+# ---- device, peaks, timers --------------------------------------------------------------------------------
+
+
+def device_peaks(dev: torch.device, tflops: float | None = None, gbs: float | None = None):
+    """(name, FLOP/s, bytes/s, source): given, tabled (H100/H200) or measured here (CPU); None when unknown."""
+    from dgcli.measure.peaks import gpu_peaks, measure_cpu_peaks
+
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+    if tflops and gbs:
+        return name, tflops * 1e12, gbs * 1e9, "given on the command line"
+    p = gpu_peaks(name) if dev.type == "cuda" else measure_cpu_peaks()
+    if p is None:
+        return name, None, None, f"no table entry for {name!r}: pass --peak-tflops and --peak-gbs"
+    return (p.name if dev.type == "cpu" else name), p.flops_per_s, p.bytes_per_s, p.source
+
+
+class Spans:
+    """Times of named spans; only the outermost span of nested hooked calls counts (a router's norm is the
+    router's). CUDA: events, read once at `totals`; CPU: host clocks."""
+
+    def __init__(self, dev: torch.device):
+        self.cuda, self.depth, self.open, self.done = dev.type == "cuda", 0, None, []
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        (e := torch.cuda.Event(enable_timing=True)).record()
+        return e
+
+    def enter(self, name: str) -> None:
+        if self.depth == 0:
+            self.open = (name, self._now())
+        self.depth += 1
+
+    def exit(self) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            name, t0 = self.open
+            self.done.append((name, t0, self._now()))
+
+    def totals(self) -> dict[str, float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+        out = defaultdict(float)
+        for name, a, b in self.done:
+            out[name] += a.elapsed_time(b) / 1e3 if self.cuda else b - a
+        self.done = []
+        return dict(out)
+
+
+def timed(fn, dev: torch.device, reps: int, warmup: int = 2) -> float:
+    """Median seconds of `reps` calls after `warmup` (compiles, autotuning): CUDA events, else host clocks."""
+    for _ in range(warmup):
         fn()
-        sync(dev)
-        times.append(time.perf_counter() - t)
-    times.sort()
-    return times[len(times) // 2]  # median
+    spans, times = Spans(dev), []
+    for _ in range(reps):
+        spans.enter("call")
+        fn()
+        spans.exit()
+        times.append(spans.totals()["call"])
+    return sorted(times)[len(times) // 2]
 
 
-def cases(dev: torch.device, small: bool):
-    """(name, make() -> (kernel fn, reference fn), flops, bytes) for each op at its benchmark shape."""
+def rates(flops: float, nbytes: float, sec: float, pf: float | None, pb: float | None) -> dict:
+    return dict(ms=sec * 1e3, tflops=flops / sec / 1e12, gbs=nbytes / sec / 1e9,
+                flop_share=flops / sec / pf if pf else None, bw_share=nbytes / sec / pb if pb else None)
+
+
+def _num(x: float) -> str:
+    return f"{x:.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def _pct(x) -> str:
+    return f"{100 * x:.1f}" if isinstance(x, (int, float)) else "n/a"
+
+
+# ---- kernel cases -----------------------------------------------------------------------------------------
+
+
+def shapes_for(small: bool) -> dict:
+    """The benchmark shapes: the real 26B-A4B config's (canvas 256 rows, its full layer's attention heads at
+    4096 keys), or SMALL."""
+    if small:
+        return dict(SMALL)
+    from dgcli.model.config import parse_config
+    from dgcli.model.random_weights import dummy_config
+
+    cfg = parse_config(dummy_config("26B-A4B")[0])
+    full = next(g for g in cfg.layers if g.window is None)
+    return dict(n=cfg.canvas_length, h=cfg.hidden_size, v=cfg.vocab_size, inter=cfg.moe_intermediate_size,
+                e=cfg.num_experts, k=cfg.top_k_experts, dense=cfg.intermediate_size, heads=cfg.num_attention_heads,
+                kv=full.num_kv_heads, d=full.head_dim, context=4096)
+
+
+def cases(dev: torch.device, s: dict):
+    """[(name, impl, make() -> (kernel fn or None, reference fn), (flops, bytes))] at shapes `s`."""
     from dgcli.kernels import dispatch, reference, reference_ops
 
     bf = torch.bfloat16
-    n = 256  # the canvas
-    h, v, inter, e, k, dense = (1024, 32768, 512, 16, 4, 1536) if small else (2816, 262144, 704, 128, 8, 2112)
+    n, h, v, inter, e, k, dense = (s[x] for x in ("n", "h", "v", "inter", "e", "k", "dense"))
     g = torch.Generator(device=dev).manual_seed(0)
 
     def vocab():
         hidden = torch.randn(1, n, h, device=dev, generator=g).to(bf)
         embed = (torch.randn(v, h, device=dev, generator=g) * 0.02).to(bf)
-        kw = dict(softcap=30.0, temperature=torch.tensor(0.6, device=dev), embed_scale=torch.tensor(53.0).to(bf),
+        kw = dict(softcap=30.0, temperature=torch.tensor(0.6, device=dev), embed_scale=torch.tensor(53.0, device=dev).to(bf),
                   uniform=torch.rand(1, n, device=dev, generator=g, dtype=torch.float64))
         return (lambda: dispatch.vocab_pass(hidden, embed, **kw), lambda: reference.vocab_pass(hidden, embed, **kw))
 
@@ -88,61 +188,263 @@ def cases(dev: torch.device, small: bool):
         from dgcli.kernels import fp8
 
         x = torch.randn(n, h, device=dev, generator=g).to(bf)
-        w = torch.randn(dense * 2, h, device=dev, generator=g) * h**-0.5  # [N, K]: a q projection's shape
-        s = (w.abs().amax(-1, keepdim=True) / fp8.FP8_MAX).to(bf)
-        q = (w / s.float()).to(fp8.FP8)
-        return (lambda: dispatch.fp8_linear(x, q, s), lambda: fp8.linear_weight_only(x, q, s, tile_bytes=None))
+        w = torch.randn(dense * 2, h, device=dev, generator=g) * h**-0.5  # [N, K]: the dense MLP's gate|up
+        sc = (w.abs().amax(-1, keepdim=True) / fp8.FP8_MAX).to(bf)
+        q = (w / sc.float()).to(fp8.FP8)
+        return (lambda: dispatch.fp8_linear(x, q, sc), lambda: fp8.linear_weight_only(x, q, sc, tile_bytes=None))
 
     def norm():
         x = torch.randn(n, h, device=dev, generator=g).to(bf)
         wt = torch.rand(h, device=dev, generator=g).to(bf)
         return (lambda: dispatch.rms_norm(x, wt, 1e-6), lambda: reference_ops.rms_norm_reference(x, wt, 1e-6))
 
+    def paged():
+        from dgcli.kernels import paged_attention as pa
+
+        heads, kv, d, ctx, block = s["heads"], s["kv"], s["d"], s["context"], 64
+        nb = -(-ctx // block)
+        tables = torch.randperm(nb, device=dev, generator=g).to(torch.int32)[None]  # one sequence, shuffled
+        k_pool = (torch.randn(kv, nb * block, d, device=dev, generator=g) * d**-0.25).to(bf)
+        v_pool = torch.randn(kv, nb * block, d, device=dev, generator=g).to(bf)
+        q = (torch.randn(n, heads, d, device=dev, generator=g) * d**-0.25).to(bf)
+        i32 = dict(device=dev, dtype=torch.int32)
+        a = (q, k_pool, v_pool, torch.zeros(n, **i32), torch.zeros(n, **i32), torch.full((n,), ctx, **i32),
+             tables, block)
+        fast = None
+        if dev.type == "cuda":
+            t0, tn = pa.row_tiles([n], pa.rows_per_tile(heads, kv, d), dev)
+            fast = lambda: pa.paged_attention(*a, tile_row0=t0, tile_rows=tn)  # noqa: E731
+        return fast, lambda: pa.paged_attention_reference(*a)
+
+    cuda = dev.type == "cuda"
     return [
-        ("vocab_pass", vocab, 4 * n * v * h, v * h * 2 + n * h * 2 * 2 + n * 20, dispatch.implementation("vocab_pass", dev)),
-        ("experts", experts, 6 * n * k * h * inter, e * 3 * h * inter * 2 + n * h * 2 * 2 + n * k * 12,
-         dispatch.implementation("experts", dev)),
-        ("rms_norm", norm, 4 * n * h, n * h * 2 * 2 + h * 2, dispatch.implementation("rms_norm", dev)),
-        ("fp8_linear", fp8_linear, 2 * n * 2 * dense * h, 2 * dense * h + 2 * dense * 2 + n * (h + 2 * dense) * 2,
-         dispatch.implementation("fp8_linear", dev)),
-    ], dict(n=n, h=h, v=v, inter=inter, experts=e, top_k=k, dense=dense)
+        ("vocab_pass", dispatch.implementation("vocab_pass", dev), vocab, vocab_work(n, v, h)),
+        ("experts", dispatch.implementation("experts", dev), experts, experts_work(n, h, inter, e, k)),
+        ("rms_norm", dispatch.implementation("rms_norm", dev), norm, rms_norm_work(n, h)),
+        ("fp8_linear", dispatch.implementation("fp8_linear", dev), fp8_linear, fp8_linear_work(n, h, 2 * dense)),
+        ("paged_attention", "triton" if cuda else "reference (the interpreter is too slow to time)", paged,
+         paged_attention_work(n, s["heads"], s["context"], s["d"], s["kv"], 1)),
+    ]
 
 
-def main() -> None:
+def bench_kernel_rows(dev, s, reps: int, reference: bool, pf, pb) -> list[dict]:
+    rows = []
+    with torch.inference_mode():
+        for op, impl, make, (flops, nbytes) in cases(dev, s):
+            row = dict(op=op, impl=impl, flops=flops, bytes=nbytes, reference_ms=None)
+            try:  # a kernel that fails (first compile on a new GPU) is reported in its row; the rest still run
+                fast, ref = make()
+                fast = fast or ref  # no kernel on this device: time the reference as the op
+                row.update(rates(flops, nbytes, timed(fast, dev, reps), pf, pb))
+                if reference and fast is not ref:
+                    row["reference_ms"] = timed(ref, dev, max(3, reps // 4), warmup=1) * 1e3
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            rows.append(row)
+    return rows
+
+
+def kernel_table(rows: list[dict]) -> list[str]:
+    out = ["| op | impl | ms | TFLOP/s | % peak FLOP/s | GB/s | % peak BW | reference ms |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "ms" not in r:
+            out.append(f"| {r['op']} | {r['impl']} | failed: {r.get('error', '?')} | | | | | |")
+            continue
+        ref = f"{r['reference_ms']:.3f}" if r.get("reference_ms") is not None else "-"
+        out.append(f"| {r['op']} | {r['impl']} | {r['ms']:.3f} | {_num(r['tflops'])} | {_pct(r['flop_share'])} | "
+                   f"{_num(r['gbs'])} | {_pct(r['bw_share'])} | {ref} |")
+    return out
+
+
+# ---- the whole-step breakdown ----------------------------------------------------------------------------
+
+
+# rest: whatever no timer wraps (embedding, RoPE, residual adds, layer scalars, accept / renoise / stop)
+COMPONENTS = ("attention", "dense_mlp", "selfcond_mlp", "experts", "norms", "vocab_pass", "rest")
+
+
+_LEAVES = {"q_proj": "attention", "k_proj": "attention", "v_proj": "attention", "o_proj": "attention",
+           "gate_proj": "selfcond_mlp", "up_proj": "selfcond_mlp", "down_proj": "selfcond_mlp",
+           "mlp": "dense_mlp", "router": "experts", "experts": "experts"}
+
+
+def _component_of(name: str, mod) -> str | None:
+    """The component a module's calls count to (None: not hooked; its parent's or the remainder). Linears
+    count only under self_attn (projections) and self_conditioning (its MLP); the dense MLP is hooked whole."""
+    comp = _LEAVES.get(name.rsplit(".", 1)[-1])
+    if comp == "attention" and ".self_attn." not in name or comp == "selfcond_mlp" and not name.startswith(
+            "self_conditioning."):
+        return None
+    return comp or ("norms" if "RMSNorm" in type(mod).__name__ else None)
+
+
+def instrument(model, spans: Spans):
+    """Forward hooks on the model's modules and timed wrappers around `attend` (gemma's name for it) and the
+    sampler's `vocab_pass`; returns an undo()."""
+    import dgcli.model.gemma as gemma
+    import dgcli.sampling.rules as rules
+
+    handles = []
+    for name, mod in model.named_modules():
+        comp = _component_of(name, mod)
+        if comp is not None:
+            handles.append(mod.register_forward_pre_hook(lambda m, a, c=comp: spans.enter(c)))
+            handles.append(mod.register_forward_hook(lambda m, a, o: spans.exit()))
+    patched = []
+    for owner, attr, comp in ((gemma, "attend", "attention"), (rules, "vocab_pass", "vocab_pass")):
+        fn = getattr(owner, attr, None)
+        if fn is None:
+            continue  # renamed by the model's owners: its time falls to the remainder
+
+        def wrapped(*a, _fn=fn, _c=comp, **kw):
+            spans.enter(_c)
+            try:
+                return _fn(*a, **kw)
+            finally:
+                spans.exit()
+        setattr(owner, attr, wrapped)
+        patched.append((owner, attr, fn))
+
+    def undo():
+        for h in handles:
+            h.remove()
+        for owner, attr, fn in patched:
+            setattr(owner, attr, fn)
+    return undo
+
+
+def _component(fl: float, sec: float, inst: float, pf) -> dict:
+    return dict(ms=sec * 1e3, share=sec / inst if inst else 0.0, gflop=fl / 1e9,
+                tflops=fl / sec / 1e12 if fl and sec else None, flop_share=fl / sec / pf if fl and sec and pf else None)
+
+
+def step_breakdown(dev, spec: str, layers: int, batches: list[int], reps: int, prompt_len: int, pf) -> list[dict]:
+    """Per batch: the whole step's median time (uninstrumented), and per component its median time, share of
+    the instrumented step and achieved FLOP/s."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_cpu_step import decoder_pass, prompt_cache
+    from step_components import component_flops
+
+    from dgcli.model.config import parse_config
+    from dgcli.model.random_weights import dummy_config, random_model
+    from dgcli.sampling.params import DiffusionEbParams
+    from dgcli.sampling.rules import sample_step
+
+    raw, _, name = dummy_config(spec, layers)
+    model = random_model(raw, seed=0, dtype=torch.bfloat16, device=dev)
+    cfg, params = parse_config(raw), DiffusionEbParams(confidence_threshold=0.0)
+    c, out = cfg.canvas_length, []
+    for b in batches:
+        g = torch.Generator(device=dev).manual_seed(b)
+        prompt = torch.randint(0, cfg.vocab_size, (b, prompt_len), device=dev, generator=g)
+        canvas = torch.randint(0, cfg.vocab_size, (b, c), device=dev, generator=g)
+        noise = torch.randint(0, cfg.vocab_size, (b, c), device=dev, generator=g)
+        soft = (torch.randn(b, c, cfg.hidden_size, device=dev, generator=g) * 0.5).bfloat16()
+        uniform = torch.rand(b, c, dtype=torch.float64, device=dev, generator=g)
+        temp, history = torch.full((b,), 0.6, device=dev), torch.full((1, b, c), -1, dtype=torch.long, device=dev)
+        cache = prompt_cache(model, prompt)
+
+        def step():
+            with torch.inference_mode():
+                hidden = decoder_pass(model, canvas, cache, prompt_len, soft)
+                return sample_step(model, hidden, temp, history.clone(), params, uniform, noise, True)
+        total = timed(step, dev, reps)
+        spans, per = Spans(dev), defaultdict(list)
+        undo = instrument(model, spans)
+        try:
+            step()  # warm the hooks
+            spans.totals()
+            for _ in range(reps):
+                t = timed(step, dev, 1, warmup=0)
+                got = spans.totals()
+                got["rest"] = max(0.0, t - sum(got.values()))
+                for k in COMPONENTS:
+                    per[k].append(got.get(k, 0.0))
+                per["instrumented"].append(t)
+        finally:
+            undo()
+        flops = {k: v * b for k, v in component_flops(cfg, prompt_len).items()}
+        med = {k: sorted(v)[len(v) // 2] for k, v in per.items()}
+        inst = med.pop("instrumented")
+        comps = {k: _component(flops.get(k, 0.0) if k not in ("norms", "rest") else 0.0, med[k], inst, pf)
+                 for k in COMPONENTS}  # norms and the rest: no matmuls (step_components counts none)
+        step_flops = sum(flops.values())
+        out.append(dict(model=name, batch=b, prompt_len=prompt_len, step_ms=total * 1e3, instrumented_ms=inst * 1e3,
+                        step_tflops=step_flops / total / 1e12, step_flop_share=step_flops / total / pf if pf else None,
+                        components=comps))
+    return out
+
+
+def step_table(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    out = [f"Step breakdown: {rows[0]['model']}, prompt {rows[0]['prompt_len']}, a middle step (soft embedding "
+           "in and out); no CUDA graphs (the engine has none), so no graphs on/off axis. Components: ms · share of "
+           "the instrumented step (its timers' own cost lands in `rest`) · achieved TFLOP/s (% of peak).", "",
+           "| batch | step ms | instrumented ms | step TFLOP/s (% peak) | " + " | ".join(COMPONENTS) + " |",
+           "|---|---|---|---|" + "---|" * len(COMPONENTS)]
+    for r in rows:
+        cells = []
+        for k in COMPONENTS:
+            cm = r["components"][k]
+            cells.append(f"{cm['ms']:.2f} ms · {100 * cm['share']:.0f} %"
+                         + (f" · {cm['tflops']:.3g} TF/s ({_pct(cm['flop_share'])} %)" if cm["tflops"] else ""))
+        out.append(f"| {r['batch']} | {r['step_ms']:.2f} | {r['instrumented_ms']:.2f} | {r['step_tflops']:.3g} ({_pct(r['step_flop_share'])} %) | "
+                   + " | ".join(cells) + " |")
+    return out
+
+
+def _fail(msg: str) -> None:
+    """A mistake in the command line: one line, exit 2."""
+    print(f"bench_kernels: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--small", action="store_true", help="small shapes (default on CPU)")
+    ap.add_argument("--small", action="store_true", help="small kernel shapes (always on CPU)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--peak-tflops", type=float, default=None)
     ap.add_argument("--peak-gbs", type=float, default=None)
     ap.add_argument("--no-reference", action="store_true")
-    args = ap.parse_args()
+    ap.add_argument("--no-kernels", action="store_true", help="only the step breakdown")
+    ap.add_argument("--step", default=None, metavar="SPEC",
+                    help="also break down a step of --dummy SPEC (26B-A4B on CUDA; CPU: a small config)")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--batch", default="1,4,8")
+    ap.add_argument("--prompt", type=int, default=128)
+    args = ap.parse_args(argv)
     dev = torch.device(args.device)
-    small = args.small or dev.type == "cpu"
-    pf, pb, source = device_peaks(dev, args)
-    table, shapes = cases(dev, small)
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
-    print(f"device: {name}; peaks: "
-          + (f"{pf / 1e12:.1f} TFLOP/s bf16, {pb / 1e9:.0f} GB/s" if pf else "unknown") + f" ({source})")
-    print(f"shapes: {shapes}; reps {args.reps} (median)")
-    print("| op | impl | time ms | GFLOP/s | % peak FLOP/s | GB/s | % peak BW | reference ms |")
-    print("|---|---|---|---|---|---|---|---|")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        _fail("no CUDA device here; run with --device cpu (small shapes, CPU figures)")
+    if args.step:  # checked before minutes of kernel timing
+        from dgcli.errors import UserError
+        from dgcli.model.random_weights import dummy_config
+
+        try:
+            batches = [int(b) for b in args.batch.split(",")]
+            dummy_config(args.step, args.layers)
+        except ValueError:
+            _fail(f"--batch {args.batch!r}: give batch sizes like 1,4,8")
+        except UserError as e:  # a bad --step config or --layers
+            _fail(str(e))
+    name, pf, pb, source = device_peaks(dev, args.peak_tflops, args.peak_gbs)
+    s = shapes_for(args.small or dev.type == "cpu")
+    print(f"device: {name}; peaks: " + (f"{pf / 1e12:.3g} TFLOP/s bf16, {pb / 1e9:.0f} GB/s" if pf else "unknown")
+          + f" ({source})")
     rows = []
-    with torch.inference_mode():
-        for op, make, flops, nbytes, impl in table:
-            fast, ref = make()
-            t = best(fast, dev, args.reps)
-            tr = None if args.no_reference else best(ref, dev, max(3, args.reps // 4))
-            row = dict(op=op, impl=impl, ms=t * 1e3, gflops=flops / t / 1e9, gbs=nbytes / t / 1e9,
-                       flop_share=flops / t / pf if pf else None, bw_share=nbytes / t / pb if pb else None,
-                       reference_ms=None if tr is None else tr * 1e3)
-            rows.append(row)
-            pct = lambda x: f"{100 * x:.1f}" if x is not None else "n/a"  # noqa: E731
-            print(f"| {op} | {impl} | {row['ms']:.3f} | {row['gflops']:.0f} | {pct(row['flop_share'])} | "
-                  f"{row['gbs']:.0f} | {pct(row['bw_share'])} | "
-                  + (f"{row['reference_ms']:.3f}" if tr is not None else "-") + " |")
+    if not args.no_kernels:
+        print(f"shapes: {s}; reps {args.reps} (median{', CUDA events' if dev.type == 'cuda' else ''})")
+        rows = bench_kernel_rows(dev, s, args.reps, not args.no_reference, pf, pb)
+        print("\n".join(kernel_table(rows)))
+    steps = []
+    if args.step:
+        steps = step_breakdown(dev, args.step, args.layers, batches, max(1, args.reps // 4), args.prompt, pf)
+        print("\n".join(["", *step_table(steps)]))
     print(json.dumps({"device": name, "peak_flops": pf, "peak_bytes_per_s": pb, "peak_source": source,
-                      "shapes": shapes, "rows": rows}))
+                      "shapes": s, "rows": rows, "step": steps}))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ On a CUDA machine (`python benchmarks/gpu_suite.py`):
   5. engine_passes  a step's time and allocations as the prefix grows, and the step gaps of running requests
                   when a long prompt arrives (benchmarks/engine_passes.py, dummy-medium cut to 6 layers;
                   it runs on the CPU on either plan: the engine's CPU path);
-  6. bench_kernels  per-kernel time and share of the device's peaks (benchmarks/bench_kernels.py);
+  6. bench_kernels  per-kernel time, achieved TFLOP/s and GB/s against the device's peaks, and a step's time
+                  per component on 2 layers of the 26B-A4B dummy at batch 1/4/8 (benchmarks/bench_kernels.py;
+                  no CUDA graphs any more, so no graphs on/off axis);
   7. bench_dummy  `dgemma bench --dummy 26B-A4B` at batch 1/4/8, bf16, fixed work;
   8. bench_bundled  `dgemma bench` on the bundled model (quality and speed on the device).
 Each step runs as a subprocess with a time limit; a failing step is recorded (exit code and the tail of its
@@ -62,8 +64,12 @@ def plan(device: str) -> dict[str, tuple[list[str], int, dict]]:
         "kernels": ([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels"], 1800, interp),
         "sync_check": ([py, "benchmarks/sync_check.py"], 600, {}),
         "engine_passes": ([py, "benchmarks/engine_passes.py", "--prefix", "--arrival", "--layers", "6"], 1800, {}),
-        "bench_kernels": ([py, "benchmarks/bench_kernels.py", "--device", device]
-                          + ([] if cuda else ["--small", "--reps", "3"]), 1800, {}),
+        # per-kernel TFLOP/s and GB/s against the peaks, then the step's components: 26B-A4B (2 layers) at
+        # batch 1/4/8 on CUDA; on CPU the medium config's 2 layers at batch 1 (26B-A4B's would take minutes)
+        "bench_kernels": ([py, "benchmarks/bench_kernels.py", "--device", device, "--layers", "2"]
+                          + (["--step", "26B-A4B", "--batch", "1,4,8"] if cuda else
+                             ["--small", "--reps", "3", "--step", str(ROOT / "benchmarks/dummy-medium.json"),
+                              "--batch", "1"]), 1800, {}),
         "bench_dummy": (dummy_run, 3600, {}),
         "bench_bundled": (bench + ["--runs", "3" if cuda else "1"], 1800, {}),
     }
@@ -114,6 +120,8 @@ def section(results: list[dict], device: str) -> str:
         lines.append(f"| {r['step']} | {r['exit']} | {r['seconds']} | `{r['command']}` |")
     for r in results:
         lines += ["", f"### {r['step']}", ""]
+        report = _kernel_report(r.get("stdout", "")) if r["step"] == "bench_kernels" else []
+        lines += report
         rows = _bench_rows(r.get("stdout", "")) if r["step"].startswith("bench_") else []
         if rows:
             lines += ["| batch | output_throughput tok/s | mean_ttft_ms | ms/step | quality |",
@@ -123,9 +131,35 @@ def section(results: list[dict], device: str) -> str:
                              f"{_f(row.get('mean_ttft_ms'))} | {_f(row.get('mean_step_ms'))} | "
                              f"{_f(row.get('quality'))} |")
             lines += _against_the_bars(rows, r["step"], device)
-        tail = "\n".join(r["output"].strip().splitlines()[-25:])
+        out_lines = r["output"].strip().splitlines()
+        if report:  # its tables are above: the tail keeps the other lines (device, shapes, stderr), not the JSON
+            out_lines = [x for x in out_lines if not x.startswith(("|", "{"))]
+        tail = "\n".join(out_lines[-25:])
         lines += ["```", tail, "```"]
     return "\n".join(lines) + "\n"
+
+
+def _kernel_report(stdout: str) -> list[str]:
+    """bench_kernels' tables rebuilt from its last line (JSON): each kernel's achieved TFLOP/s and GB/s beside
+    the device's peaks, and the step's components per batch; [] when there is no such line (a failed run)."""
+    lines = stdout.strip().splitlines()
+    try:
+        doc = json.loads(lines[-1]) if lines else None
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict) or "rows" not in doc:
+        return []
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_kernels  # torch comes with it: only once a section is being written
+
+    pf, pb = doc.get("peak_flops"), doc.get("peak_bytes_per_s")
+    peaks = f"{pf / 1e12:.4g} TFLOP/s bf16, {pb / 1e9:.4g} GB/s" if pf and pb else "unknown"
+    out = [f"Device {doc.get('device')}: peaks {peaks} ({doc.get('peak_source')}).", ""]
+    if doc["rows"]:
+        out += bench_kernels.kernel_table(doc["rows"]) + [""]
+    if doc.get("step"):
+        out += bench_kernels.step_table(doc["step"]) + [""]
+    return out
 
 
 def _against_the_bars(rows: list[dict], step: str, device: str) -> list[str]:

@@ -37,6 +37,23 @@ def test_dry_run_plans_every_step_at_cpu_sizes():
     assert passes in plans["engine_passes"] and passes in dict(line.split(": ", 1) for line in out.splitlines())[
         "engine_passes"]
     assert plans["sync_check"].split("  (limit")[0].endswith("benchmarks/sync_check.py")
+    # per-kernel rates and the step breakdown: 2 layers of 26B-A4B at batch 1/4/8 on CUDA, one small batch on CPU
+    kernels = plans["bench_kernels"].split("  (limit")[0]
+    assert kernels.endswith("--device cuda --layers 2 --step 26B-A4B --batch 1,4,8") and "--small" not in kernels
+    cpu_kernels = dict(line.split(": ", 1) for line in out.splitlines())["bench_kernels"]
+    assert "--small" in cpu_kernels and "dummy-medium.json --batch 1 " in cpu_kernels
+
+
+def test_the_bench_kernels_section_keeps_its_tables_once():
+    mod = _module()
+    doc = {"device": "CPU", "peak_flops": 1e11, "peak_bytes_per_s": 2e10, "peak_source": "measured",
+           "rows": [{"op": "rms_norm", "impl": "reference", "ms": 1.0, "tflops": 0.001, "gbs": 1.0,
+                     "flop_share": 0.01, "bw_share": 0.05, "reference_ms": None}], "step": []}
+    out = "device: CPU\n| op | impl |\n| rms_norm | reference | 1.000 |\n" + json.dumps(doc)
+    text = mod.section([{"step": "bench_kernels", "command": "x", "exit": 0, "seconds": 1, "stdout": out,
+                         "output": out + "\nwarning: slow"}], "cpu")
+    assert text.count("| rms_norm | reference | 1.000 |") == 1 and '"peak_flops"' not in text
+    assert "Device CPU: peaks 0.1 TFLOP/s bf16, 20 GB/s (measured)." in text and "warning: slow" in text
 
 
 def test_env_step_runs_and_the_section_shows_bench_rows(tmp_path):
