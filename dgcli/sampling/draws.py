@@ -52,8 +52,13 @@ def _hash(seed: torch.Tensor | int, *words: torch.Tensor | int,
     seed = _word(seed, device)
     h = _mix((seed & _M32) ^ _GOLDEN)
     for w in (seed >> 32, *words):
-        h = _mix(((h ^ _mix(((_word(w, device) & _M32) + _GOLDEN) & _M32)) + 0x7F4A7C15) & _M32)
+        h = _fold(h, w, device)
     return h if isinstance(h, torch.Tensor) else torch.tensor(h, dtype=torch.long, device=device)
+
+
+def _fold(h: torch.Tensor | int, w: torch.Tensor | int, device: torch.device | str | None) -> torch.Tensor | int:
+    """The state after one more word: `_hash(seed, *words, w)` is `_fold(_hash(seed, *words), w)`."""
+    return _mix(((h ^ _mix(((_word(w, device) & _M32) + _GOLDEN) & _M32)) + 0x7F4A7C15) & _M32)
 
 
 def _word(w: torch.Tensor | int, device: torch.device | str | None) -> torch.Tensor | int:
@@ -63,8 +68,8 @@ def _word(w: torch.Tensor | int, device: torch.device | str | None) -> torch.Ten
 def uniform(seed: torch.Tensor | int, purpose: int, block: torch.Tensor | int, step: torch.Tensor | int,
             position: torch.Tensor | int, device: torch.device | str | None = None) -> torch.Tensor:
     """float64 uniforms in [0, 1) with 53 random bits, shaped as the counters broadcast."""
-    hi = _hash(seed, purpose, block, step, position, 0, device=device)
-    lo = _hash(seed, purpose, block, step, position, 1, device=device)
+    h = _hash(seed, purpose, block, step, position, device=device)  # the words both halves share, folded once
+    hi, lo = _fold(h, 0, device), _fold(h, 1, device)
     return ((hi << 21) | (lo >> 11)).double() * 2.0**-53
 
 

@@ -84,3 +84,13 @@ def test_token_ids_cover_the_vocabulary_evenly(vocab):
         assert ids.unique().numel() > 0.45 * vocab  # 200 k draws over 262 k ids: ~1 - e^-0.76 = 53 % seen
     with pytest.raises(ValueError):
         draws.token_ids(5, draws.INIT, 0, 0, 0, 0)
+
+
+def test_uniform_folds_the_shared_words_once():
+    """`uniform` hashes (seed, purpose, block, step, position) once and folds 0 and 1 into it: the same bits as the
+    two six-word hashes it stands for."""
+    seed, block, step = torch.tensor([[3], [2**40 + 7]]), torch.tensor([[0], [5]]), torch.tensor([[1], [48]])
+    pos = torch.arange(64)
+    hi = draws._hash(seed, draws.DRAW, block, step, pos, 0)
+    lo = draws._hash(seed, draws.DRAW, block, step, pos, 1)
+    assert torch.equal(draws.uniform(seed, draws.DRAW, block, step, pos), ((hi << 21) | (lo >> 11)).double() * 2.0**-53)
