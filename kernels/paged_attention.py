@@ -18,6 +18,8 @@ full ones). It walks the key positions min(lo)..max(hi)-1 of its rows in BLOCK_N
 slot through the block table, masks per row (p in lo..hi-1) and keeps an online softmax. A tile with more
 rows than fit the block is done in chunks by the same program (any tile list is correct; `rows_per_tile`
 rows per tile is the fast one); a tile with 0 rows does nothing (padding to a fixed grid for capture).
+With FRESH (sliding layers), a tile's keys at and past its segment's first position come from the pass's own
+k, v (rows of k_new / v_new) instead of the cache, which has not been written there yet (model/attention.py).
 """
 
 from __future__ import annotations

@@ -7,15 +7,18 @@ position p of a sequence reads that sequence's key positions lo..hi-1, where
 - canvas rows (bidirectional, one canvas at positions P..P+C-1): hi = P + C for every row; lo = P - (W - 1) on
   sliding layers (the same last W-1 prefix positions for every canvas row: the reference's rectangle, not a
   per-row window; spec §6), else 0.
-Every row's key and value are written to the cache before any row reads (a canvas writes its own at the
-positions its block will commit to; the commit overwrites them), so the canvas's keys and a same-pass commit's
-or prompt chunk's are read from the cache like the prefix: no step copies a prefix or concatenates keys.
-Backends (`backend`): CUDA runs the Triton kernel (`kernels/paged_attention.py`), which walks block tables;
-elsewhere torch's SDPA runs once per segment over strided views of the pool (a sequence's blocks are one run
-when the allocator could give one; otherwise the pieces are concatenated, counted in `PassLayout.gathered`),
-with a causal mask only for causal segments ([rows, keys]: at most the per-pass chunk times the keys).
+Full layers: every row's key and value are written to the cache before any row reads (a canvas writes its own
+at the positions its block will commit to; the commit overwrites them), so every key is read from the cache.
+Sliding layers keep a ring of only the last W-1 positions: a segment reads the ring's keys before its own start
+and its own from this pass's k, v; causal segments write theirs after reading, then the canvases read (so a
+commit and the next block's canvas can share a pass). No step copies a prefix.
+Backends (`backend`): CUDA runs the Triton kernel (`kernels/paged_attention.py`), which walks block tables and
+takes the pass's own keys for sliding layers; elsewhere torch's SDPA runs once per segment over strided views of
+the pool (full layers: one run when the sequence's blocks are consecutive, else the pieces are concatenated,
+counted in `PassLayout.gathered`; sliding layers: the ring's one or two views and the segment's own keys
+concatenated, fewer than W + rows keys), with a causal mask only for causal segments ([rows, keys]).
 On CPU the keys, their order and the mask are those of the reference's own attention call, so the bits are
-SDPA's on those keys (SDPA's CPU result does not depend on strides or on the batch: tested).
+SDPA's on those keys (its CPU result does not depend on strides or on the batch: tests/model/test_paged.py).
 Must not: know about requests, the sampler or blocks of the diffusion schedule.
 """
 
