@@ -8,7 +8,7 @@ commit rides along, as causal rows before it); the prompts of admitted requests 
 arrival order under a per-pass token budget (the running canvases count against it; a prompt still gets one
 canvas's worth when they fill it), so a long prompt never stalls the requests that are denoising. A request
 whose prompt completes in a pass starts its first block in that same pass (its canvas reads the prompt's keys
-written earlier in the pass: every row writes before any row reads, layer by layer).
+of that layer, written before canvases read: model/attention.py).
 Must not: touch tensors other than slicing a request's ids, read the device, or know about the sampler's math.
 """
 
