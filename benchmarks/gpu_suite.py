@@ -151,6 +151,7 @@ def _kernel_report(stdout: str) -> list[str]:
         return []
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_kernels  # torch comes with it: only once a section is being written
+    import step_breakdown
 
     pf, pb = doc.get("peak_flops"), doc.get("peak_bytes_per_s")
     peaks = f"{pf / 1e12:.4g} TFLOP/s bf16, {pb / 1e9:.4g} GB/s" if pf and pb else "unknown"
@@ -158,7 +159,7 @@ def _kernel_report(stdout: str) -> list[str]:
     if doc["rows"]:
         out += bench_kernels.kernel_table(doc["rows"]) + [""]
     if doc.get("step"):
-        out += bench_kernels.step_table(doc["step"]) + [""]
+        out += step_breakdown.step_table(doc["step"]) + [""]
     return out
 
 

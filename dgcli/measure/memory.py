@@ -104,7 +104,7 @@ def pass_bytes(cfg: ModelConfig, causal: list[tuple[int, int, int]], canvases: i
     embedded rows (`parts`), RoPE cos/sin [N, d] per layer kind, the layout's positions and slots [N] int64 per
     cache group, per window the causal segments' bool masks [rows, keys] (CPU) or the kernel's int32 row bounds
     (CUDA); per layer the previous layer's q, k, v until reassigned. Attention reads the pool through views
-    (a sequence whose blocks are not one run is gathered: PassLayout.gathered, not counted)."""
+    (a sequence whose blocks are not one run is gathered into a copy: not counted)."""
     c, h, n, k, e = cfg.canvas_length, cfg.hidden_size, cfg.num_attention_heads, cfg.top_k_experts, cfg.num_experts
     im, i_d, nc, tc = cfg.moe_intermediate_size, cfg.intermediate_size, sum(r * m for r, _, m in causal), canvases * c
     rows, xt = nc + tc, tc * h * ab  # xt: the canvas rows' [C·b, H]

@@ -15,7 +15,7 @@ commit and the next block's canvas can share a pass). No step copies a prefix.
 Backends (`backend`): CUDA runs the Triton kernel (`kernels/paged_attention.py`), which walks block tables and
 takes the pass's own keys for sliding layers; elsewhere torch's SDPA runs once per segment over strided views of
 the pool (full layers: one run when the sequence's blocks are consecutive, else the pieces are concatenated,
-counted in `PassLayout.gathered`; sliding layers: the ring's one or two views and the segment's own keys
+a copy bounded by the request's own keys; sliding layers: the ring's one or two views and the segment's own keys
 concatenated, fewer than W + rows keys), with a causal mask only for causal segments ([rows, keys]).
 On CPU the keys, their order and the mask are those of the reference's own attention call, so the bits are
 SDPA's on those keys (its CPU result does not depend on strides or on the batch: tests/model/test_paged.py).
@@ -81,10 +81,10 @@ class PassLayout:
         pos = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments])
         self.positions = to_device(pos, torch.long, self.device)  # [N]
         self.backend = backend(self.device)
-        self.gathered = 0  # key positions concatenated from several runs (0 when every read was a view)
         self._slots: dict[str, torch.Tensor] = {}
         self._reads: dict[tuple[int, int | None], tuple] = {}
-        self._meta: dict[int | None, tuple] = {}
+        self._rows: dict[tuple, tuple] = {}  # (group, window) -> the kernel's row arrays and block tables
+        self._tiles: dict[tuple, tuple] = {}  # (tile, kind) -> row tiles
 
     def slots(self, group: str) -> torch.Tensor:
         """Device int64 slots where this pass writes: every row's position on full layers [N]; on sliding layers
@@ -122,13 +122,14 @@ class PassLayout:
 
     def kernel_meta(self, group: str, window: int | None, tile: int, canvas: bool | None = None) -> tuple:
         """Per-row (sequence index, lo, hi, fresh position, fresh row) int32 on the device, the group's block
-        tables and row tiles of at most `tile` consecutive rows of one segment (of one kind, if `canvas` is
-        given). Sliding layers read a segment's own positions from this pass's k, v (fresh), full layers none."""
-        key = (window, tile, canvas)
-        if key not in self._meta:
+        tables, and row tiles of at most `tile` consecutive rows of one segment (of one kind, if `canvas` is
+        given). Sliding layers read a segment's own positions from this pass's k, v (fresh), full layers none.
+        The rows are built once per (group, window), the tiles once per (tile, kind): both kinds' launches and
+        every layer of a kind share them."""
+        if (group, window) not in self._rows:
             seqs = sorted({s.seq for s in self.segments})
             index = {q: i for i, q in enumerate(seqs)}
-            row_seq, row_lo, row_hi, f_pos, f_row, t0, tn = [], [], [], [], [], [], []
+            row_seq, row_lo, row_hi, f_pos, f_row = [], [], [], [], []
             for s, r0 in zip(self.segments, self.row0):
                 lo, hi = s.keys(window)
                 for p in range(s.start, s.start + s.length):
@@ -138,13 +139,18 @@ class PassLayout:
                     else:
                         row_lo.append(0 if window is None else max(0, p - window + 1)), row_hi.append(p + 1)
                     f_pos.append(1 << 30 if group == "full" else s.start), f_row.append(r0)
+            as_dev = functools.partial(to_device, dtype=torch.int32, device=self.device)
+            self._rows[group, window] = (as_dev(row_seq), as_dev(row_lo), as_dev(row_hi),
+                                         self.cache.table_tensor(group, seqs), as_dev(f_pos), as_dev(f_row))
+        if (tile, canvas) not in self._tiles:
+            t0, tn = [], []
+            for s, r0 in zip(self.segments, self.row0):
                 if canvas is None or canvas == s.canvas:
                     for a in range(0, s.length, tile):  # tiles of one segment's consecutive rows
                         t0.append(r0 + a), tn.append(min(tile, s.length - a))
-            as_dev = functools.partial(to_device, dtype=torch.int32, device=self.device)
-            self._meta[key] = (as_dev(row_seq), as_dev(row_lo), as_dev(row_hi), self.cache.table_tensor(group, seqs),
-                               as_dev(t0), as_dev(tn), as_dev(f_pos), as_dev(f_row))
-        return self._meta[key]
+            self._tiles[tile, canvas] = (to_device(t0, torch.int32, self.device), to_device(tn, torch.int32, self.device))
+        row_seq, lo, hi, tables, f_pos, f_row = self._rows[group, window]
+        return (row_seq, lo, hi, tables, *self._tiles[tile, canvas], f_pos, f_row)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, layout: PassLayout) -> torch.Tensor:
@@ -196,8 +202,6 @@ def _attend(q, k, v, layer: int, layout: PassLayout, canvas: bool | None, out: t
             values.append(v[:, :, r0:r0 + s.length])
         if len(keys) > 1:
             keys, values = torch.cat(keys, dim=2), torch.cat(values, dim=2)
-            if not fresh:
-                layout.gathered += keys.shape[2]
         else:
             keys, values = keys[0], values[0]
         out[:, :, r0:r0 + s.length] = F.scaled_dot_product_attention(

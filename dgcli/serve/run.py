@@ -135,8 +135,7 @@ def serve(session: Any, *, say: Callable[[str], None], **kw: Any) -> bool:
     sock = listen(kw["host"], kw["port"])
     worker.start()
     state, slots, context = server.dgemma, kw["slots"], kw["context"]
-    cache = worker.engine.cache
-    mib = sum(t.numel() * t.element_size() for t in (*cache.k, *cache.v)) / 2**20
+    mib = worker.engine.cache.nbytes() / 2**20
     host, port = kw["host"], sock.getsockname()[1]  # --port 0: the one the system picked
     where = f"[{host}]" if ":" in host else host
     say(f"dgemma serve: {kw['model_name']} on http://{where}:{port}/v1 ({session.resolved.run.device}, "

@@ -25,6 +25,8 @@ def _load(name: str):
 
 
 bk = _load("bench_kernels")
+sys.path.insert(0, str(ROOT / "benchmarks"))  # step_breakdown imports bench_kernels' timers by name
+sb = _load("step_breakdown")
 
 
 def test_work_formulas_match_hand_counts():
@@ -62,18 +64,18 @@ def test_rates_and_tables_format():
     assert table[2] == "| experts | triton | 500.000 | 4 | n/a | 2 | n/a | 1.500 |"
     failed = bk.kernel_table([dict(op="vocab_pass", impl="triton", error="CompilationError: out of resources")])
     assert failed[2] == "| vocab_pass | triton | failed: CompilationError: out of resources | | | | | |"
-    comps = {k: dict(ms=1.0, share=0.125, gflop=0.0, tflops=None, flop_share=None) for k in bk.COMPONENTS}
+    comps = {k: dict(ms=1.0, share=0.125, gflop=0.0, tflops=None, flop_share=None) for k in sb.COMPONENTS}
     comps["experts"] = dict(ms=2.0, share=0.25, gflop=1.0, tflops=0.5, flop_share=0.25)
     step = dict(model="m", batch=4, prompt_len=8, step_ms=8.0, instrumented_ms=8.0, step_tflops=0.3,
                 step_flop_share=0.1, components=comps)
-    text = "\n".join(bk.step_table([step]))
+    text = "\n".join(sb.step_table([step]))
     assert "no graphs on/off axis" in text and "| 4 | 8.00 | 8.00 | 0.3 (10.0 %) | 1.00 ms · 12 % |" in text
     assert "2.00 ms · 25 % · 0.5 TF/s (25.0 %)" in text
 
 
 def test_gpu_suite_section_shows_the_kernel_and_step_tables():
     suite = _load("gpu_suite")
-    comps = {k: dict(ms=1.0, share=1 / 7, gflop=0.0, tflops=None, flop_share=None) for k in bk.COMPONENTS}
+    comps = {k: dict(ms=1.0, share=1 / 7, gflop=0.0, tflops=None, flop_share=None) for k in sb.COMPONENTS}
     doc = {"device": "NVIDIA H100 80GB HBM3", "peak_flops": 989e12, "peak_bytes_per_s": 3.35e12,
            "peak_source": "datasheet", "rows": [dict(op="rms_norm", impl="triton", reference_ms=None,
                                                       **bk.rates(4e9, 2e9, 1e-3, 989e12, 3.35e12))],
@@ -121,9 +123,9 @@ def test_cpu_run_reports_kernels_and_the_step_breakdown(tmp_path):
     assert [s["batch"] for s in doc["step"]] == [1, 2]
     for s in doc["step"]:
         comps = s["components"]
-        assert set(comps) == set(bk.COMPONENTS)
+        assert set(comps) == set(sb.COMPONENTS)
         # every component timed (a renamed module would silently fall to "rest"), shares of one step
-        assert all(comps[k]["ms"] > 0 for k in bk.COMPONENTS if k != "rest")
+        assert all(comps[k]["ms"] > 0 for k in sb.COMPONENTS if k != "rest")
         assert sum(c["share"] for c in comps.values()) == pytest.approx(1.0, abs=0.02)
         assert comps["vocab_pass"]["gflop"] == pytest.approx(s["batch"] * 4 * 256 * 2048 * 128 / 1e9)
     assert "| op | impl | ms | TFLOP/s |" in p.stdout and "no graphs on/off axis" in p.stdout
