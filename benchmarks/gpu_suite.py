@@ -11,26 +11,37 @@ On a CUDA machine (`python benchmarks/gpu_suite.py`):
   5. engine_passes  a step's time and allocations as the prefix grows, and the step gaps of running requests
                   when a long prompt arrives (benchmarks/engine_passes.py, dummy-medium cut to 6 layers;
                   it runs on the CPU on either plan: the engine's CPU path);
-  6. bench_kernels  per-kernel time, achieved TFLOP/s and GB/s against the device's peaks, and a step's time
+  6. profile      a whole step's wall time against the GPU's busy time and launches per step (torch.profiler;
+                  benchmarks/step_profile.py: 26B-A4B at batch 1 and 8; how far the host bounds the step);
+  7. bench_kernels  per-kernel time, achieved TFLOP/s and GB/s against the device's peaks, and a step's time
                   per component on 2 layers of the 26B-A4B dummy at batch 1/4/8 (benchmarks/bench_kernels.py;
                   no CUDA graphs any more, so no graphs on/off axis);
-  7. bench_dummy  `dgemma bench --dummy 26B-A4B` at batch 1/4/8, bf16, fixed work;
-  8. bench_bundled  `dgemma bench` on the bundled model (quality and speed on the device).
+  8. bench_dummy  `dgemma bench --dummy 26B-A4B` at batch 1/4/8, bf16, fixed work;
+  9. bench_bundled  `dgemma bench` on the bundled model (quality and speed on the device).
 Each step runs as a subprocess with a time limit; a failing step is recorded (exit code and the tail of its
 output) and the suite goes on. The section goes to stdout and, with `--out FILE`, to FILE (append it to
 benchmarks/RESULTS.md by hand after reading it).
+
+A short lease (a GPU lent for minutes): `--budget S` shares S seconds among the steps in order (a step's limit is
+its own or what is left; steps past the budget are listed as not run; `--cap kernels=120,...` caps single steps),
+`--workers N` runs the pytest steps on N
+processes (pytest-xdist, where installed), `-k EXPR` narrows the tests step (`-k cuda`: the tests that run on the
+GPU), and `--log-dir DIR` writes each step's whole output and the section so far as each step ends, so a lease
+cut short still leaves what ran.
 
 On this CPU-only machine: `--device cpu` runs the same steps at CPU sizes (kernel tests in the Triton
 interpreter, `--small` kernel shapes, a 2-layer slice of the medium dummy config instead of 26B-A4B), and
 `--dry-run` prints the plan (every command) without running anything. `--only a,b` picks steps.
 
     python benchmarks/gpu_suite.py [--device cuda|cpu] [--dry-run] [--only env,tests,...] [--out FILE]
+        [--budget S] [--cap STEP=S,...] [--workers N] [-k EXPR] [--log-dir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -44,11 +55,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # The bars a batch-1 step is held to on an H100 (issue 25's text): our floor estimate for the bf16 step, and
 # vLLM's published FP8 figure (a 256-token canvas every ~146 ms for 16 steps, ~9 ms per pass).
 STEP_FLOOR_MS, VLLM_PASS_MS = 14.0, 9.0
-STEPS = ("env", "tests", "kernels", "sync_check", "engine_passes", "bench_kernels", "bench_dummy", "bench_bundled")
+STEPS = ("env", "tests", "kernels", "sync_check", "engine_passes", "profile", "bench_kernels", "bench_dummy",
+         "bench_bundled")
 
 
-def plan(device: str) -> dict[str, tuple[list[str], int, dict]]:
-    """step -> (argv, time limit in seconds, extra environment)."""
+def plan(device: str, workers: int = 1, k: str | None = None) -> dict[str, tuple[list[str], int, dict]]:
+    """step -> (argv, time limit in seconds, extra environment). `workers` > 1 runs the pytest steps on that many
+    processes (pytest-xdist, where installed); `k` narrows the tests step (pytest -k)."""
     py = sys.executable
     cuda = device.startswith("cuda")
     # CUDA: the real config at batch 1/4/8; CPU: two layers of the medium dummy config, one run.
@@ -58,12 +71,20 @@ def plan(device: str) -> dict[str, tuple[list[str], int, dict]]:
     dummy_run = bench + dummy + ["--dtype", "bfloat16", "--batch-size", "1,4,8", "--diffusion-steps", "16",
                                  "--runs", "3" if cuda else "1", "--warmup", "1", "--num-prompts",
                                  "8" if cuda else "4", "--random-input-len", "128" if cuda else "32"]
+    pytest = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    if workers > 1 and importlib.util.find_spec("xdist") is not None:
+        pytest += ["-n", str(workers)]
+    # The ahead-of-time compile check is the same on any machine (CI runs it): not worth a lease's minutes.
+    aot = ["--ignore", "tests/kernels/test_kernel_targets.py"] if cuda else []
     steps = {
         "env": ([py, "benchmarks/gpu_suite.py", "--print-env"], 60, {}),
-        "tests": ([py, "-m", "pytest", "-q", "-p", "no:cacheprovider"], 3600, interp),
-        "kernels": ([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels"], 1800, interp),
+        "tests": (pytest + (["-k", k] if k else []), 3600, interp),
+        "kernels": (pytest + ["tests/kernels"] + aot, 1800, interp),
         "sync_check": ([py, "benchmarks/sync_check.py"], 600, {}),
         "engine_passes": ([py, "benchmarks/engine_passes.py", "--prefix", "--arrival", "--layers", "6"], 1800, {}),
+        "profile": ([py, "benchmarks/step_profile.py", "--device", device] + (["--batch", "1,8"] if cuda else
+                    ["--dummy", str(ROOT / "benchmarks/dummy-medium.json"), "--layers", "2", "--batch", "1",
+                     "--steps", "2"]), 900, {}),
         # per-kernel TFLOP/s and GB/s against the peaks, then the step's components: 26B-A4B (2 layers) at
         # batch 1/4/8 on CUDA; on CPU the medium config's 2 layers at batch 1 (26B-A4B's would take minutes)
         "bench_kernels": ([py, "benchmarks/bench_kernels.py", "--device", device, "--layers", "2"]
@@ -184,6 +205,11 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
     ap.add_argument("--only", default=",".join(STEPS), help=f"steps to run, of {','.join(STEPS)}")
     ap.add_argument("--out", default=None, help="also write the section to this file")
+    ap.add_argument("--budget", type=float, default=None, help="seconds for all steps together (a short lease)")
+    ap.add_argument("--cap", default="", help="STEP=SECONDS,... caps single steps' time limits")
+    ap.add_argument("--workers", type=int, default=1, help="processes for the pytest steps (pytest-xdist)")
+    ap.add_argument("-k", dest="k", default=None, help="pytest -k expression for the tests step")
+    ap.add_argument("--log-dir", default=None, help="write each step's output and the section so far here")
     ap.add_argument("--print-env", action="store_true", help=argparse.SUPPRESS)  # the env step itself
     args = ap.parse_args()
     if args.print_env:
@@ -198,7 +224,11 @@ def main() -> None:
     bad = [s for s in only if s not in STEPS]
     if bad:
         sys.exit(f"gpu_suite: unknown step(s) {', '.join(bad)}; choose from {', '.join(STEPS)}")
-    steps = plan(device)
+    steps = plan(device, args.workers, args.k)
+    try:
+        caps = {name: float(sec) for name, sec in (c.split("=") for c in args.cap.split(",") if c.strip())}
+    except ValueError:
+        sys.exit(f"gpu_suite: --cap {args.cap!r}: give STEP=SECONDS,... (e.g. kernels=120)")
     for name in [n for n in only if n not in steps]:
         print(f"gpu_suite: {name}: CUDA only, skipped on {device}", file=sys.stderr)
     only = [n for n in only if n in steps]
@@ -208,11 +238,26 @@ def main() -> None:
             pre = " ".join(f"{k}={v}" for k, v in env.items())
             print(f"{name}: {(pre + ' ') if pre else ''}{shlex.join(argv)}  (limit {limit} s)")
         return
-    results = []
+    results, t0 = [], time.perf_counter()
+    logs = Path(args.log_dir) if args.log_dir else None
+    if logs:
+        logs.mkdir(parents=True, exist_ok=True)
     for name in only:
+        argv, limit, env = steps[name]
+        limit = int(min(limit, caps.get(name, limit)))
+        if args.budget is not None:
+            left = int(args.budget - (time.perf_counter() - t0))
+            if left < 10:
+                results.append({"step": name, "command": shlex.join(argv), "exit": "not run (budget)", "seconds": 0,
+                                "stdout": "", "output": f"not run: the --budget of {args.budget:g} s was spent"})
+                continue
+            limit = min(limit, left)
         print(f"gpu_suite: {name} …", file=sys.stderr, flush=True)
-        results.append(run_step(name, *steps[name]))
+        results.append(run_step(name, argv, limit, env))
         print(f"gpu_suite: {name}: exit {results[-1]['exit']} in {results[-1]['seconds']} s", file=sys.stderr)
+        if logs:
+            (logs / f"{name}.log").write_text(results[-1]["output"], encoding="utf-8")
+            (logs / "section.md").write_text(section(results, device), encoding="utf-8")
     text = section(results, device)
     sys.stdout.write(text)
     if args.out:

@@ -16,7 +16,7 @@ import contextlib
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -25,6 +25,11 @@ from dgcli.model.config import parse_config
 from dgcli.model.gemma import DiffusionGemma
 from dgcli.model.loader import meta_model
 from dgcli.model.random_weights import make_config, with_fp8
+
+try:  # torch 2.13 (the pinned CPU build)
+    from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
+except ImportError:  # torch 2.11 (the GPU machines' image) has no such class: it raises a plain RuntimeError
+    FakeTensorDeviceMismatchError = RuntimeError  # ("Unhandled FakeTensor Device Propagation ...", seen on an H200)
 
 CUDA = torch.device("cuda", 0)
 S, F = "sliding_attention", "full_attention"

@@ -105,7 +105,8 @@ def test_bench_provenance_says_the_step_mode(capsys):
     assert code == 0, err
     prov = json.loads(out)["rows"][0]["provenance"]
     assert prov["step_mode"] == "dynamic" and prov["compiled_decoder"] is False
-    assert prov["kernels"]["attention"] == "torch-sdpa"  # the paged attention's backend on CPU
+    # the paged attention's backend: the Triton kernel where bench ran on CUDA (its default there), else SDPA
+    assert prov["kernels"]["attention"] == ("triton-paged" if prov["device"] == "cuda" else "torch-sdpa")
 
 
 def test_cuda_graphs_is_refused_with_base_url(capsys):

@@ -29,7 +29,12 @@ def test_packed_linear_is_f_linear_bit_for_bit(n, k, threads):
         g = torch.Generator().manual_seed(n + k)
         w = (torch.randn(n, k, generator=g) * k ** -0.5).bfloat16()
         p = linear_cpu.pack(w)
-        assert p is not None and p.is_mkldnn
+        if p is None:  # declined: only where oneDNN's packed product really differs here (seen on a 16-core host)
+            raw = linear_cpu._reorder(w)
+            xs = [torch.randn(m, k, generator=g).bfloat16() for m in linear_cpu.PROBE_ROWS]
+            assert any(not torch.equal(linear_cpu.linear(x, raw), F.linear(x, w)) for x in xs)
+            return
+        assert p.is_mkldnn
         for m in (1, 2, 5, 17, 64, 85, 256, 300):
             x = torch.randn(m, k, generator=g).bfloat16()
             assert torch.equal(linear_cpu.linear(x, p), F.linear(x, w)), m

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorDeviceMismatchError
+from torch._subclasses.fake_tensor import DataDependentOutputException
 
 from dgcli.kernels import dispatch
 from dgcli.model import attention
@@ -22,7 +22,8 @@ from dgcli.sampling import host_reads
 from dgcli.sampling.engine import Engine, Request, new_engine
 from dgcli.sampling.events import Commit, Done, Step
 from dgcli.sampling.params import DiffusionEbParams
-from fake_cuda import (CUDA, PROMPT_LENS, TEXT, AttentionLog, CudaBindings, FakeCudaMode, OpLog,  # noqa: F401
+from fake_cuda import (CUDA, PROMPT_LENS, TEXT, AttentionLog, CudaBindings, FakeCudaMode, FakeTensorDeviceMismatchError,  # noqa: F401
+                       OpLog,
                        PageableCopies, check_dtypes, fake_cuda, fake_model, substitute_reads)
 
 
