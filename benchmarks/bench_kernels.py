@@ -1,7 +1,8 @@
 """Per-kernel benchmark and a whole-step breakdown: each fused op's time and achieved TFLOP/s and GB/s against
 the device's peaks (dgcli.measure.peaks: the H100/H200 table on CUDA, a brief measurement on a CPU), for the
 implementation `kernels.dispatch` picks and for the torch reference; with --step, a denoising step's time per
-component at several batches (benchmarks/step_breakdown.py). There are no CUDA graphs any more, so there is no graphs on/off axis.
+component at several batches (benchmarks/step_breakdown.py: eager passes, timed between components; graphs on
+and off: benchmarks/step_profile.py).
 
 Owns: the kernel cases and their work formulas (`*_work`, pure arithmetic), the timers (CUDA events after
 warm-up; host clocks on CPU, whose ops are synchronous), the report (tables, one JSON line last). Must not: change a kernel or the model; time while another benchmark runs (use `flock`).

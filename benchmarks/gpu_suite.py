@@ -6,17 +6,20 @@ On a CUDA machine (`python benchmarks/gpu_suite.py`):
                   interpreter: that is where the bf16 tensor-core paths `DOT_BF16` first run);
   3. kernels      tests/kernels again on their own, so their result stands out in the section;
   4. sync_check   host syncs inside a pass: the engine as CUDA runs it (lag 1) with only the pass launch
-                  under torch's sync debug mode "error" (benchmarks/sync_check.py; CUDA only, prints one
+                  under torch's sync debug mode "error" (benchmarks/sync_check.py --graphs: the replays too;
+                  CUDA only, prints one
                   line and passes elsewhere);
   5. engine_passes  a step's time and allocations as the prefix grows, and the step gaps of running requests
                   when a long prompt arrives (benchmarks/engine_passes.py, dummy-medium cut to 6 layers;
                   it runs on the CPU on either plan: the engine's CPU path);
   6. profile      a whole step's wall time against the GPU's busy time and launches per step (torch.profiler;
-                  benchmarks/step_profile.py: 26B-A4B at batch 1 and 8; how far the host bounds the step);
+                  benchmarks/step_profile.py: 26B-A4B at batch 1 and 8, graphs off and on; how far the host
+                  bounds the step);
   7. bench_kernels  per-kernel time, achieved TFLOP/s and GB/s against the device's peaks, and a step's time
                   per component on 2 layers of the 26B-A4B dummy at batch 1/4/8 (benchmarks/bench_kernels.py;
-                  no CUDA graphs any more, so no graphs on/off axis);
+                  eager: graphs on and off are the profile step's axis);
   8. bench_dummy  `dgemma bench --dummy 26B-A4B` at batch 1/4/8, bf16, fixed work;
+     bench_graphs  the same with --cuda-graphs (CUDA only);
   9. bench_bundled  `dgemma bench` on the bundled model (quality and speed on the device).
 Each step runs as a subprocess with a time limit; a failing step is recorded (exit code and the tail of its
 output) and the suite goes on. The section goes to stdout and, with `--out FILE`, to FILE (append it to
@@ -56,7 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # vLLM's published FP8 figure (a 256-token canvas every ~146 ms for 16 steps, ~9 ms per pass).
 STEP_FLOOR_MS, VLLM_PASS_MS = 14.0, 9.0
 STEPS = ("env", "tests", "kernels", "sync_check", "engine_passes", "profile", "bench_kernels", "bench_dummy",
-         "bench_bundled")
+         "bench_graphs", "bench_bundled")
 
 
 def plan(device: str, workers: int = 1, k: str | None = None) -> dict[str, tuple[list[str], int, dict]]:
@@ -80,10 +83,10 @@ def plan(device: str, workers: int = 1, k: str | None = None) -> dict[str, tuple
         "env": ([py, "benchmarks/gpu_suite.py", "--print-env"], 60, {}),
         "tests": (pytest + (["-k", k] if k else []), 3600, interp),
         "kernels": (pytest + ["tests/kernels"] + aot, 1800, interp),
-        "sync_check": ([py, "benchmarks/sync_check.py"], 600, {}),
+        "sync_check": ([py, "benchmarks/sync_check.py"] + (["--graphs"] if cuda else []), 600, {}),
         "engine_passes": ([py, "benchmarks/engine_passes.py", "--prefix", "--arrival", "--layers", "6"], 1800, {}),
-        "profile": ([py, "benchmarks/step_profile.py", "--device", device] + (["--batch", "1,8"] if cuda else
-                    ["--dummy", str(ROOT / "benchmarks/dummy-medium.json"), "--layers", "2", "--batch", "1",
+        "profile": ([py, "benchmarks/step_profile.py", "--device", device] + (
+                    ["--batch", "1,8", "--graphs", "off,on"] if cuda else ["--dummy", str(ROOT / "benchmarks/dummy-medium.json"), "--layers", "2", "--batch", "1",
                      "--steps", "2"]), 900, {}),
         # per-kernel TFLOP/s and GB/s against the peaks, then the step's components: 26B-A4B (2 layers) at
         # batch 1/4/8 on CUDA; on CPU the medium config's 2 layers at batch 1 (26B-A4B's would take minutes)
@@ -94,6 +97,8 @@ def plan(device: str, workers: int = 1, k: str | None = None) -> dict[str, tuple
         "bench_dummy": (dummy_run, 3600, {}),
         "bench_bundled": (bench + ["--runs", "3" if cuda else "1"], 1800, {}),
     }
+    if cuda:  # the same fixed work with decode-only passes replayed as CUDA graphs
+        steps["bench_graphs"] = (dummy_run + ["--cuda-graphs"], 3600, {})
     return steps
 
 

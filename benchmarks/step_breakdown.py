@@ -139,7 +139,7 @@ def step_table(rows: list[dict]) -> list[str]:
     if not rows:
         return []
     out = [f"Step breakdown: {rows[0]['model']}, prompt {rows[0]['prompt_len']}, a middle step (soft embedding "
-           "in and out); no CUDA graphs (the engine has none), so no graphs on/off axis. Components: ms · share of "
+           "in and out), eager (graphs on and off: benchmarks/step_profile.py). Components: ms · share of "
            "the instrumented step (its timers' own cost lands in `rest`) · achieved TFLOP/s (% of peak).", "",
            "| batch | step ms | instrumented ms | step TFLOP/s (% peak) | " + " | ".join(COMPONENTS) + " |",
            "|---|---|---|---|" + "---|" * len(COMPONENTS)]

@@ -4,6 +4,7 @@ most. A step whose GPU time is far below its wall time is bound by the host (Pyt
 graphs remove. On a CPU it reports the same wall time and the top CPU ops instead.
 
     python benchmarks/step_profile.py [--dummy 26B-A4B] [--layers N] [--batch 1,8] [--steps 6] [--prompt 128]
+        [--graphs off,on]
 
 The engine runs fixed work (confidence threshold 0, 2 blocks per request) on random bf16 weights built on the
 device; each batch is warmed until every request has taken 3 steps, then timed over --steps engine steps
@@ -29,14 +30,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def profile_batch(model, batch: int, prompt: int, steps: int) -> dict:
+def profile_batch(model, batch: int, prompt: int, steps: int, graphs: bool = False) -> dict:
     import time
 
     from torch.profiler import ProfilerActivity, profile
 
     device = model.embed_weight.device
     params = DiffusionEbParams(max_denoising_steps=64, confidence_threshold=0.0)
-    engine = Engine(model, slots=batch, max_len=prompt + 2 * model.config.canvas_length, pad_id=0)
+    engine = Engine(model, slots=batch, max_len=prompt + 2 * model.config.canvas_length, pad_id=0, graphs=graphs)
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
         ids = torch.randint(3, model.config.vocab_size, (prompt,), generator=g)
@@ -63,7 +64,7 @@ def profile_batch(model, batch: int, prompt: int, steps: int) -> dict:
     if not gpu:  # CPU: the top ops by their own time
         by_name = {k.key: k.self_cpu_time_total / 1e3 / steps for k in prof.key_averages()}
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:10]
-    return {"batch": batch, "wall_ms_per_step": round(wall, 2), "gpu_busy_ms_per_step": round(busy, 2) if gpu else None,
+    return {"batch": batch, "graphs": graphs, "wall_ms_per_step": round(wall, 2), "gpu_busy_ms_per_step": round(busy, 2) if gpu else None,
             "gpu_busy_share": round(busy / wall, 3) if gpu else None, "launches_per_step": round(len(gpu) / steps, 1),
             "top_ms_per_step": [(name[:70], round(ms, 3)) for name, ms in top]}
 
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--graphs", default="off", help="off, on, or off,on: the engine without / with CUDA graphs")
     args = ap.parse_args(argv)
     raw, _, name = dummy_config(args.dummy, args.layers)
     model = random_model(raw, dtype=torch.bfloat16, device=args.device)
@@ -84,11 +86,12 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     with torch.inference_mode():
         for b in (int(x) for x in args.batch.split(",")):
-            rows.append(profile_batch(model, b, args.prompt, args.steps))
-            print(json.dumps(rows[-1]), flush=True)
-    print("\n| batch | wall ms/step | GPU busy ms/step | busy share | launches/step |\n|---|---|---|---|---|")
+            for mode in args.graphs.split(","):
+                rows.append(profile_batch(model, b, args.prompt, args.steps, graphs=mode.strip() == "on"))
+                print(json.dumps(rows[-1]), flush=True)
+    print("\n| batch | graphs | wall ms/step | GPU busy ms/step | busy share | launches/step |\n|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['batch']} | {r['wall_ms_per_step']} | {r['gpu_busy_ms_per_step']} | {r['gpu_busy_share']} | "
+        print(f"| {r['batch']} | {'on' if r['graphs'] else 'off'} | {r['wall_ms_per_step']} | {r['gpu_busy_ms_per_step']} | {r['gpu_busy_share']} | "
               f"{r['launches_per_step']} |")
 
 

@@ -9,7 +9,7 @@ that made it (exit 1). A first, unchecked run of the same requests compiles and 
 copy, the tokens of the blocks that end, read by `host_reads` — are allowed to sync; the whole run is under
 "warn" and its warnings are counted by line, as information.
 
-    python benchmarks/sync_check.py [--requests 8] [--slots 4]
+    python benchmarks/sync_check.py [--requests 8] [--slots 4] [--graphs]
 
 Needs CUDA (prints one line and exits 0 elsewhere). Part of benchmarks/gpu_suite.py.
 Must not: change the engine (it only wraps the instance's `_launch`).
@@ -46,6 +46,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--graphs", action="store_true", help="the engine with CUDA graphs (decode-only passes replayed)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA device: torch reports host syncs only on CUDA"}))
@@ -62,19 +63,21 @@ def main() -> None:
     prompts = [torch.tensor(request.encode(session, row["prompt"]), device="cuda") for row in rows]
     c = session.model.config.canvas_length
 
-    def new_engine() -> Engine:
-        engine = Engine(session.model, slots=args.slots, max_len=max(len(p) for p in prompts) + 3 * c,
-                        pad_id=session.pad_id, lag=1)
+    engine = Engine(session.model, slots=args.slots, max_len=max(len(p) for p in prompts) + 3 * c,
+                    pad_id=session.pad_id, lag=1, graphs=args.graphs)
+
+    def submit(first_id: int) -> None:
         for i, ids in enumerate(prompts):
-            engine.submit(Request(id=i, prompt=ids, params=session.params, num_blocks=4, seed=i,
+            engine.submit(Request(id=first_id + i, prompt=ids, params=session.params, num_blocks=4, seed=i,
                                   stops=set(session.stop_ids)))
-        return engine
 
     # Warm-up, unchecked: Triton compiles each kernel and autotunes the vocabulary pass at the first call of
-    # each shape, which syncs by design (once per shape, not per pass); the checked run repeats the same passes.
-    for _ in new_engine().events():
+    # each shape, and each graph bucket is captured at its first pass, which syncs by design (once per shape,
+    # not per pass); the checked run repeats the same requests on the same engine: the same passes and buckets.
+    submit(0)
+    for _ in engine.events():
         pass
-    engine = new_engine()
+    submit(len(prompts))
     launch = engine._launch
     launches = 0
 
@@ -106,7 +109,7 @@ def main() -> None:
                 sites[f"{w.filename}:{w.lineno}"] += 1
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    out = {"lag": 1, "steps": steps, "launches": launches, "requests_done": done, "requests": len(prompts),
+    out = {"lag": 1, "graphs": args.graphs, "graph_passes": engine.stats["graph_passes"], "steps": steps, "launches": launches, "requests_done": done, "requests": len(prompts),
            "sync_in_launch": failure, "settle_sync_warnings": sum(sites.values()),
            "settle_by_site": dict(sites.most_common())}
     print(json.dumps(out))

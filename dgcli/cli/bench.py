@@ -56,7 +56,8 @@ def bench(
     result_filename: Annotated[Optional[str], typer.Option("--result-filename", metavar="NAME", help=o.dflt("Implies --save-result; the file name to use.", "a dated name"))] = None,
     batch_size: o.BatchSizes = "1",
     label: o.Label = None, metadata: o.Metadata = None, measure_peaks: o.MeasurePeaks = True,
-    compile: o.Compile = False, cuda_graphs: o.CudaGraphs = False, threads: o.Threads = None,
+    compile: o.Compile = False, cuda_graphs: o.CudaGraphs = None, threads: o.Threads = None,
+    no_prefix_caching: o.NoPrefixCaching = False,
     base_url: Annotated[Optional[str], typer.Option("--base-url", metavar="URL", help="Measure a running OpenAI-compatible server (dgemma serve, vLLM...) from the client over HTTP instead of a local model: http://HOST:PORT or http://HOST:PORT/v1.")] = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", metavar="KEY", help="With --base-url: sent as 'Authorization: Bearer KEY'.")] = None,
     concurrency: Annotated[Optional[str], typer.Option("--concurrency", "--max-concurrency", metavar="N[,N...]", help=o.dflt("With --base-url: most requests in flight, e.g. 1,4,16; one row per value.", "1"))] = None,
@@ -122,13 +123,15 @@ def bench(
 
         pool = jobs.open_pool(ray, ray_workers, ray_gpus, jobs.spec(
             "any", model=model, dummy=dummy, layers=layers, preset=preset, flags=flags, compile=compile,
-            threads=threads, cuda_graphs=cuda_graphs, weights=weights, weights_fields=_fp8_fields), warn)
+            threads=threads, cuda_graphs=cuda_graphs, weights=weights, weights_fields=_fp8_fields,
+            prefix_caching=not no_prefix_caching), warn)
         s, ray_peaks, fp8_row = jobs.driver_session(pool, measure_peaks=measure_peaks, need_tokenizer=False)
     else:
         with loading("loading the model…"):
             s = open_any(model, dummy, layers, preset, flags, warn=warn, compile=compile, threads=threads, weights=weights,
                          cuda_graphs=cuda_graphs)
         fp8_row = _fp8_fields(s.model)
+    s.prefix_caching = not no_prefix_caching
     if fp8_activations and fp8_row["weights"] != "fp8":
         warn("dgemma: note: --fp8-activations has no effect: these weights are not FP8")
     params = s.params

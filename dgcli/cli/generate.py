@@ -43,7 +43,8 @@ def generate(
     show_thinking: o.ShowThinking = False,
     raw: o.Raw = False,
     compile: o.Compile = False,
-    cuda_graphs: o.CudaGraphs = False,
+    cuda_graphs: o.CudaGraphs = None,
+    no_prefix_caching: o.NoPrefixCaching = False,
     ray: o.Ray = None, ray_workers: o.RayWorkers = None, ray_gpus: o.RayGpus = None,
 ) -> None:
     """Generate text for a prompt (argument, stdin or JSONL).
@@ -89,11 +90,13 @@ def generate(
 
         pool = jobs.open_pool(ray, ray_workers, ray_gpus, jobs.spec(
             "generate", model=model, preset=preset, flags=flags, compile=compile, threads=threads,
-            cuda_graphs=cuda_graphs), warn)
+            cuda_graphs=cuda_graphs,
+            prefix_caching=not no_prefix_caching), warn)
         session = jobs.driver_session(pool)[0]
     else:
         with loading("loading the model…"):
             session = open_session(model, preset, flags, compile=compile, threads=threads, cuda_graphs=cuda_graphs)
+    session.prefix_caching = not no_prefix_caching
     if session.tokenizer is None:
         raise UserError(f"{session.path}: no tokenizer.json; dgemma generate needs the checkpoint's tokenizer")
     given = None  # the --init-canvas ids, read once (rows with their own init_canvas read theirs)

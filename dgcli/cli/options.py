@@ -54,7 +54,10 @@ BatchSizes = Annotated[str, typer.Option("--batch-size", metavar="N[,N...]", hel
     "Batch sizes to measure, e.g. 1,2,4,8: every timed pass submits all prompts at once to an engine with N "
     "slots (continuous batching); one row (bench) or one grid axis value (sweep) per size."))]
 Compile = Annotated[bool, typer.Option("--compile", help="torch.compile the decoder pass and the vocabulary tile math: faster steps after a one-off compile of tens of seconds.")]
-CudaGraphs = Annotated[bool, typer.Option("--cuda-graphs", help="CUDA graphs of the denoising step: not available in this version (the paged engine runs each pass with its exact shapes); the flag fails with one line.")]
+CudaGraphs = Annotated[Optional[bool], typer.Option("--cuda-graphs/--no-cuda-graphs", help=dflt("Replay CUDA graphs for denoising-only passes (one per batch bucket 1, 2, 4, ...; passes that encode prompts or commit blocks run eagerly). CUDA with Triton only.", "on with CUDA and Triton, unless --compile"))]
+NoPrefixCaching = Annotated[bool, typer.Option("--no-prefix-caching", help=(
+    "Encode every prompt whole: no sharing of cached whole blocks (16 tokens) of earlier prompts and answers "
+    "between the requests of one engine (on by default; sliding layers then hold every position, not a ring)."))]
 Trace = Annotated[Optional[str], typer.Option("--trace", metavar="FILE", help="Write the per-step JSONL trace to FILE.")]
 InitCanvas = Annotated[Optional[str], typer.Option("--init-canvas", metavar="TEXT|ids:IDS", help=(
     "Warm-start the first block: text (\"1 2 3\" is text too), or token ids with the prefix ids: "

@@ -32,8 +32,8 @@ def serve(
     seed: o.Seed = None, steps: o.Steps = None, t_min: o.TMin = None, t_max: o.TMax = None,
     entropy_bound: o.EntropyBound = None, stability_threshold: o.Stability = None,
     confidence_threshold: o.Confidence = None, blocks: o.Blocks = None, max_tokens: o.MaxTokens = None,
-    threads: o.Threads = None, compile: o.Compile = False, cuda_graphs: o.CudaGraphs = False,
-    thinking: o.Thinking = False,
+    threads: o.Threads = None, compile: o.Compile = False, cuda_graphs: o.CudaGraphs = None,
+    no_prefix_caching: o.NoPrefixCaching = False, thinking: o.Thinking = False,
     host: Annotated[str, typer.Option("--host", metavar="ADDR", help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", metavar="N", help="TCP port, 0..65535 (0: any free port, printed at start).")] = 8000,
     max_batch_size: Annotated[int, typer.Option("--max-batch-size", metavar="N", help="Requests denoised together (KV-cache slots; continuous batching).")] = 8,
@@ -62,6 +62,7 @@ def serve(
     key = api_key if api_key is not None else (os.environ.get("DGEMMA_API_KEY") or None)
     with loading("loading the model…"):
         session = open_session(model, preset, flags, compile=compile, threads=threads, cuda_graphs=cuda_graphs)
+    session.prefix_caching = not no_prefix_caching
     if thinking:
         import dataclasses
 

@@ -59,7 +59,8 @@ def sweep(
     fmt: Annotated[str, typer.Option("--format", "-f", metavar="FORMAT", help="md | csv | json | jsonl (the final rows)")] = "md",
     batch_size: o.BatchSizes = "1",
     label: Label = None, metadata: Metadata = None, measure_peaks: MeasurePeaks = True,
-    compile: o.Compile = False, cuda_graphs: o.CudaGraphs = False, threads: o.Threads = None,
+    compile: o.Compile = False, cuda_graphs: o.CudaGraphs = None, threads: o.Threads = None,
+    no_prefix_caching: o.NoPrefixCaching = False,
     ray: o.Ray = None, ray_workers: o.RayWorkers = None, ray_gpus: o.RayGpus = None,
 ) -> None:
     """Sweep sampler settings: speed, quality, Pareto frontier.
@@ -121,12 +122,14 @@ def sweep(
 
         pool = jobs.open_pool(ray, ray_workers, ray_gpus, jobs.spec(
             "any", model=model, dummy=dummy, layers=layers, preset=preset, flags=flags, compile=compile,
-            threads=threads, cuda_graphs=cuda_graphs), warn)
+            threads=threads, cuda_graphs=cuda_graphs,
+            prefix_caching=not no_prefix_caching), warn)
         s, ray_peaks, _ = jobs.driver_session(pool, measure_peaks=measure_peaks, need_tokenizer=False)
     else:
         with loading("loading the model…"):
             s = open_any(model, dummy, layers, preset, flags, warn=warn, compile=compile, threads=threads,
                          cuda_graphs=cuda_graphs)
+    s.prefix_caching = not no_prefix_caching
     plist, source = build_prompts(s, prompts_file=prompts, random_ids=random_prompts or s.dummy,
                                   num_prompts=num_prompts, input_len=random_input_len, seed=seed_list[0], warn=warn)
     ignore = ignore_eos or s.dummy

@@ -23,8 +23,8 @@ GENERATE_CHUNK = 2  # --input-jsonl rows per chunk, in --batch-size units: small
 
 
 def spec(kind: str, *, model: str | None, preset: str | None, flags: dict, compile: bool, threads: int | None,
-         cuda_graphs: bool, dummy: str | None = None, layers: int | None = None, weights: str = "bf16",
-         weights_fields: Callable[[Any], dict] | None = None) -> dict:
+         cuda_graphs: bool | None, dummy: str | None = None, layers: int | None = None, weights: str = "bf16",
+         weights_fields: Callable[[Any], dict] | None = None, prefix_caching: bool = True) -> dict:
     """What each worker opens: `kind` "generate" (a checkpoint with its tokenizer) or "any" (bench, sweep).
     `weights_fields(model)`: the command's own description of the weights (bench's row fields), run in a worker
     (Ray ships a module-level function by name)."""
@@ -34,7 +34,7 @@ def spec(kind: str, *, model: str | None, preset: str | None, flags: dict, compi
     env = {k: v for k, v in os.environ.items() if k.startswith("DGEMMA_")}  # e.g. --fp8-activations' DGEMMA_FP8
     return {"kind": kind, "model": absolute(model), "preset": absolute(preset), "flags": flags, "compile": compile,
             "threads": threads, "cuda_graphs": cuda_graphs, "dummy": absolute(dummy), "layers": layers,
-            "weights": weights, "env": env, "weights_fields": weights_fields}
+            "weights": weights, "env": env, "weights_fields": weights_fields, "prefix_caching": prefix_caching}
 
 
 def open_pool(address: str, workers: int | None, gpus: float | None, worker_spec: dict,

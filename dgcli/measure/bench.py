@@ -105,7 +105,9 @@ def timed_pass(session: Any, prompts: list[Prompt], params: Any, *, batch_size: 
     slot = [began[i] - r.done.timings["prefill_s"] for i, r in enumerate(out)]  # when each took its slot
     return Pass(out, wall, batch_size, stats["decoder_passes"], stats["row_steps"], stats["denoise_s"],
                 queue_s=[max(0.0, t - t0) for t in slot], ttft_s=[first[i] - t for i, t in enumerate(slot)],
-                e2el_s=[ended[i] - t for i, t in enumerate(slot)])
+                e2el_s=[ended[i] - t for i, t in enumerate(slot)],
+                prefix_cache_queries=stats.get("prefix_cache_queries", 0),
+                prefix_cache_hits=stats.get("prefix_cache_hits", 0))
 
 
 def measure(session: Any, prompts: list[Prompt], params: Any, *, runs: int, warmup: int, ignore_eos: bool,
@@ -172,7 +174,8 @@ def make_row(s: Any, *, prompts: list[Prompt], prompt_source: str, params: Any, 
         parameters=counts["total"], active=counts["active_per_token"], settings=settings, seed=params.seed,
         prompt_hash=prompt_set_hash(prompts), label=label, metadata=metadata, dummy=s.dummy,
         compiled=s.compiled, step_mode=getattr(s, "step_mode", "dynamic"),
-        threads_source=getattr(s, "threads_source", None), packed_weights=getattr(s, "packed_weights", 0))
+        threads_source=getattr(s, "threads_source", None), packed_weights=getattr(s, "packed_weights", 0),
+        prefix_caching=getattr(s, "prefix_caching", True))
     return row
 
 

@@ -2,7 +2,7 @@
 
 Owns: `kv_bytes`, `weights_bytes` (bf16, or FP8 as an FP8 checkpoint stores it), `loop_state_bytes` (what the
 engine holds per request at a step), `pass_bytes` (one forward pass's temporaries), `step_bytes` and
-`prefill_bytes` (the passes a run peaks at), `peak_bytes`, `largest_batch`, and `batch_memory` / `markdown` (the
+`prefill_bytes` (the passes a run peaks at; the vocabulary pass's share: `memory_vocab.py`), `peak_bytes`, `largest_batch`, and `batch_memory` / `markdown` (the
 section `dgemma info` prints). Must not: run the model, allocate tensors, or import torch (the engine's constants
 are restated; tests/measure/test_memory.py keeps them equal and measures every term: the engine's cache, its
 tensors at a step, the CPU allocator's peak of a pass). Notation: b requests, C canvas, N rows of a pass, H
@@ -10,7 +10,8 @@ hidden, V vocabulary, I dense width, Im expert width, k experts per token, S sta
 bytes (weights, activations, KV; FP8 checkpoints keep bf16 activations and KV). The peak of b slots = weights +
 b·KV (`kv_bytes`: one paged cache, `model.new_cache(slots, max_len + C)`) + b·(loop state) + the larger of
 * a step (`step_bytes`): one pass of the b canvases beside their commits, then the vocabulary pass;
-* the prefill (`prefill_bytes`): a pass of prompts (cut to the pass budget) with the canvases they complete.
+* the prefill (`prefill_bytes`): a pass of prompts (cut to the pass budget) with the canvases they complete;
+on CUDA + one more step held by the CUDA graphs' pool and their static buffers (`peak_bytes`).
 Not counted: the CUDA context and the allocator's fragmentation (the headroom, 10 % of the budget by default),
 torch.compile's buffers, the CPU flash-attention kernel's per-thread scratch (a few hundred KiB a thread), the
 prompts' ids (8 bytes a token), the Triton autotuner's buffers (a warm-up's).
@@ -19,6 +20,7 @@ prompts' ids (8 bytes a token), the Triton autotuner's buffers (a warm-up's).
 from __future__ import annotations
 
 from dgcli.measure.card import DTYPE_BYTES, KV_BLOCK, cache_positions, param_counts, quantized_counts
+from dgcli.measure.memory_vocab import vocab_bytes
 from dgcli.model.config import ModelConfig
 
 GIB = 2**30
@@ -27,16 +29,6 @@ HEADROOM = 0.10  # of the budget: CUDA context (~0.5 GiB) and the caching alloca
 GPUS = (("H100 80 GB", 80 * GIB), ("H200 141 GB", 141 * GIB))
 FORMATS = ("bf16", "fp8")
 ACT_BYTES = {"bf16": 2, "fp8": 2, "fp32": 4}  # activations and KV of a run with these weights
-GATHER_BYTES = 8 * 2**20  # kernels/categorical.py: the CPU draw's gathered embedding rows, per chunk
-CPU_TILE_BYTES = 4 * 2**20  # kernels/vocab_pass_cpu.py: TILE_BYTES
-CPU_TILE_ROWS = 256  # kernels/vocab_pass_cpu.py: TILE_ROWS (the tile width is auto_tile(TILE_ROWS, V))
-CPU_SOFTMAX_BYTES = 4 * 2**20  # kernels/vocab_pass_cpu.py: SOFTMAX_BYTES (float32 [rows, V] per softmax call)
-# kernels/vocab_pass.py (the tests read its text: it imports triton):
-SCRATCH_BYTES = 512 * 2**20  # SCRATCH_BYTES: the bf16(L) scratch [rows, V] of one row chunk stays under it
-VOCAB_SPLITS = 64  # VOCAB_SPLITS: the stats kernel's vocabulary splits ([splits, rows] statistics)
-SOFT_SPLITS = 8  # SOFT_SPLITS: the soft GEMM's split-K ([splits, rows, H] fp32 partials)
-SOFT_BLOCK_K = 64  # block_k's default: the soft GEMM's splits are whole BLOCK_K steps
-GROUP = 64  # draw-statistics columns per group: vocab_pass_cpu.GROUP and vocab_pass_triton's block_n
 MOE_BLOCK = 64  # kernels/moe.py: experts_triton's block_m (each expert's rows padded to it)
 BUDGET = 2048  # sampling/engine.py: DEFAULT_BUDGET, rows per pass (running canvases first, then prompt chunks)
 
@@ -82,8 +74,8 @@ def loop_state_bytes(cfg: ModelConfig, ab: int = 2, stability: int = 1, lag: int
         "soft": 2 * c * h * ab,  # Request.soft [C, H] (a view of the last pass's out.soft) and their stack
         "canvas": 3 * 8 * c,  # Request.canvas (a view of next_canvas), canvas_in (their stack), the pass's ids
         "history": 2 * 8 * stability * c,  # Request.history (a view of the pushed [S, b, C]) and _sample's stack
-        # uniform f64, noise int64 [b, C]; seed, block, step, temp [b]; RowRules' three [b] (when settings differ)
-        "draws": c * (8 + 8) + 3 * 8 + 4 + 16,
+        # uniform f64, noise int64 [b, C]; temp [b]; RowRules' three [b] (when settings differ)
+        "draws": c * (8 + 8) + 4 + 16,
         # the unsettled pass: out.sample, out.argmax int64, out.entropy fp32, accepted bool, canvas_in; stop
         "last_pass": lag * (c * (8 + 8 + 4 + 1 + 8) + 1),
     }
@@ -92,9 +84,10 @@ def loop_state_bytes(cfg: ModelConfig, ab: int = 2, stability: int = 1, lag: int
 
 
 def _norm(t: int, width: int, ab: int, cpu: bool) -> int:
-    """An RMSNorm's peak over [t, width], its output included: rms_norm_reference (CPU) holds two fp32 copies
-    at once (y and y·r; the output is cast when one is left); the Triton kernel (CUDA) only its output."""
-    return max(8, 4 + ab) * t * width if cpu else ab * t * width
+    """An RMSNorm's peak over [t, width], its output included: torch's CPU rms_norm holds two fp32 copies (fp32
+    input: y·r and its product with the weight) or three (bf16: the input's fp32 copy too); the Triton kernel
+    (CUDA) only its output."""
+    return (8 if ab == 4 else 12) * t * width if cpu else ab * t * width
 
 
 def pass_bytes(cfg: ModelConfig, causal: list[tuple[int, int, int]], canvases: int, ab: int = 2, cpu: bool = False,
@@ -206,101 +199,20 @@ def prefill_bytes(cfg: ModelConfig, b: int, prompt_len: int, ab: int = 2, cpu: b
     return pass_bytes(cfg, causal, done, ab, cpu, soft=False) + 8 * (rows + done * c)
 
 
-def vocab_bytes(cfg: ModelConfig, b: int, ab: int = 2, cpu: bool = False) -> int:
-    """The vocabulary pass's peak over N = b·C rows (its input hidden [N, H] aside), the larger of its two calls:
-    with the soft embedding (every step but a block's last) and without. CUDA (kernels/vocab_pass.py,
-    `_cuda_vocab`): row chunks under the bf16(L) scratch's cap with the soft embedding, all N at once without.
-    CPU (kernels/vocab_pass_cpu.py, with the soft embedding): one tile's buffers, the per-tile group sums kept
-    for the draw, the soft accumulator, then the draw (kernels/categorical.py): float64 gsum, exp(gmax - top) and
-    their product (3 x 8 bytes per group), then the mass and its cumsum while the chosen group's logits are
-    recomputed from gathered embedding rows (chunks of GATHER_BYTES)."""
-    c, h, v = cfg.canvas_length, cfg.hidden_size, cfg.vocab_size
-    n = b * c
-    small = 64 * n  # a dozen [N] vectors: temperature, running max / sums / argmax, entropy, sample
-    acc = 4 * n * h  # the soft embedding's fp32 accumulator [N, H]
-    if cpu:
-        tile = min(max(256, (CPU_TILE_BYTES // (4 * CPU_TILE_ROWS)) // 256 * 256), v)  # auto_tile(TILE_ROWS, V)
-        width = GROUP if tile % GROUP == 0 else tile
-        tiles, per_tile = -(-v // tile), -(-tile // width)
-        groups = tiles * per_tile
-        draws = 4 * n * (groups + tiles)  # the group sums [N, T/width] of the tiles so far, each tile's max
-        if ab < 4:
-            # Low precision: every tile's round(L) in one [N, V] buffer (ab) for the whole pass, written in
-            # place; one tile: raw [N, T] (ab), L fp32, exp fp32. Then the softmax, r rows at a time (ab = 2
-            # is taken as bf16: torch's bf16 softmax, its bf16 output only; fp16 would add an fp32 copy of the
-            # rows and an fp32 output), then the GEMM's [N, H] and its scaled copy; the buffer goes before the
-            # draw, the soft embedding [N, H] (ab) stays through it.
-            stored = n * v * ab
-            buffers = n * tile * (ab + 8)
-            r = min(n, max(1, CPU_SOFTMAX_BYTES // (4 * v)))
-            first = small + stored + 4 * n * per_tile + buffers
-            last = small + stored + draws + buffers
-            soft = small + stored + draws + max(ab * r * v, 2 * n * h * ab)
-            kept = small + n * h * ab + draws + 8 * n * groups  # + torch.cat of gmax and gsum
-        else:
-            # fp32: one tile: raw [N, T], L, exp fp32 (the exp is the soft GEMM's weights), next to the group
-            # sums and tile maxima, and from the second tile on acc and the tile's product [N, H].
-            buffers = n * tile * (3 * ab + 12)
-            first = small + 4 * n * per_tile + buffers
-            last = small + 2 * acc + draws + buffers
-            kept = small + acc + draws + 8 * n * groups  # + torch.cat of gmax and gsum
-            soft = small + acc + draws + 8 * n * h  # acc / z, · scale
-        stats = max(first, last if tiles > 1 else 0, soft)
-    else:  # the Triton pass: its own formula (the draw's gather is one kernel there)
-        return max(_cuda_vocab(n, h, v, ab, True), _cuda_vocab(n, h, v, ab, False))
-    rows = min(n, max(1, GATHER_BYTES // (width * h * ab)))
-    # group_logits: a chunk's gathered rows [r, W, H] (indexed by a clamped int64 copy of its columns), cols
-    # int64 and L fp32 [N, W]; then p float64, its cumsum, p > 0 and the last column with mass [N, W].
-    pick = max(rows * width * (h * ab + 8) + n * width * 12, n * width * 25)
-    draw = max(kept + 24 * n * groups, kept + 16 * n * groups + pick)
-    return max(stats, draw)
-
-
-def _cuda_vocab(n: int, h: int, v: int, ab: int, want_soft: bool) -> int:
-    """The Triton pass' peak over n rows (kernels/vocab_pass.py: vocab_pass_triton, _pass_rows; the draw in
-    kernels/categorical.py with `_group_logits`), `ab` the embedding's bytes."""
-    def cdiv(a: int, b: int) -> int:
-        return -(-a // b)
-    w = GROUP  # block_n: the draw's group width and the tile of the per-tile statistics
-    tiles = cdiv(v, w)
-    splits = cdiv(v, cdiv(cdiv(v, min(tiles, VOCAB_SPLITS)), w) * w)  # as _pass_rows rounds them to whole tiles
-    soft_splits = cdiv(v, cdiv(cdiv(v, SOFT_SPLITS), SOFT_BLOCK_K) * SOFT_BLOCK_K)  # the soft GEMM's split-K
-    small = 64 * n  # a dozen [N] vectors: temperature, uniforms, the outputs' sample / argmax / entropy
-    out_row = 4 * h + 8 + 8 + 4  # what a chunk returns per row: fp32 soft sum [H], sample, argmax, entropy
-
-    def chunk(r: int) -> int:
-        # m, z, s, zb fp32 and amax int32 [splits, r]; tile_m, tile_z fp32 [r, V/W]; the bf16(L) scratch
-        # [r, V]; _combine's mb, entropy, zbt fp32 and argmax int64 [r]
-        base = 20 * splits * r + 8 * r * tiles + (r * v * ab if want_soft else 0) + 20 * r
-        # the draw: gsum.double(), exp((gmax - top).double()) and their product [r, G] float64; then mass and
-        # cum (float64) held while the chosen group's logits [r, W] fp32 become p (exp, float64), its cumsum,
-        # p > 0 (bool), arange(W) and arange·(p > 0) (int64)
-        draw = max(24 * r * tiles, 16 * r * tiles + 25 * r * w + 8 * w)
-        soft = 4 * (soft_splits + 1) * r * h if want_soft else 0  # part [S, r, H] fp32 and acc = part[0].clone()
-        return base + max(draw, soft)
-
-    if not want_soft:  # one chunk of every row; the outputs are [N] vectors (small)
-        return small + chunk(n)
-    r = max(1, min(n, SCRATCH_BYTES // (v * ab)))  # rows per chunk: the bf16(L) scratch [r, V] under SCRATCH_BYTES
-    full, rest = divmod(n, r)
-    # earlier chunks' outputs are kept until the torch.cat: the last full chunk or the partial one peaks
-    during = max(((full - 1) * r * out_row + chunk(r)), (full * r * out_row + chunk(rest)) if rest else 0)
-    # after: the chunks' outputs, their concatenation, then soft = acc in the model dtype and its scaled copy
-    outs = n * out_row * (2 if full + (rest > 0) > 1 else 1)
-    return small + max(during, outs + n * h * (2 * ab if ab < 4 else ab))
-
-
 def peak_bytes(cfg: ModelConfig, b: int, *, context: int, prompt_len: int = 256, fmt: str = "bf16",
-               ab: int = 2, cpu: bool = False, stability: int = 1) -> dict:
-    """The most memory b slots hold at once (see the module's docstring), by part."""
+               ab: int = 2, cpu: bool = False, stability: int = 1, prefix_caching: bool = False) -> dict:
+    """The most memory b slots hold at once (module docstring), by part; prefix_caching: KV of every layer."""
     weights = weights_bytes(cfg, fmt)["bytes"]
-    kv = b * kv_bytes(cfg, context, ab)["total"]
+    kv = b * kv_bytes(cfg, context, ab)["was" if prefix_caching else "total"]
     state = b * loop_state_bytes(cfg, ab, stability, lag=0 if cpu else 1)["total"]
     phases = {"step": step_bytes(cfg, b, context, ab, cpu)["total"],
               "prefill": prefill_bytes(cfg, b, prompt_len, ab, cpu)}
     top = max(phases, key=phases.get)
+    # CUDA graphs (on by default on CUDA: model/graphs.py) keep a captured step's temporaries in their own pool,
+    # beside the eager passes' (commits, prompts), and their static ids, inputs and outputs (buckets 1..b: < 2b)
+    graphs = 0 if cpu else phases["step"] + 2 * b * cfg.canvas_length * (8 + 2 * cfg.hidden_size * ab)
     return {"weights": weights, "kv_cache": kv, "loop_state": state, "phases": phases, "peak_phase": top,
-            "total": weights + kv + state + phases[top]}
+            "graphs": graphs, "total": weights + kv + state + phases[top] + graphs}
 
 
 def largest_batch(cfg: ModelConfig, budget: int, *, headroom: float = HEADROOM, limit: int = 1 << 20, **kw) -> int:
@@ -340,10 +252,11 @@ def batch_memory(cfg: ModelConfig, *, context: int, prompt_len: int, dtype: str,
         for fmt in formats:
             kw = {"context": context, "prompt_len": prompt_len, "fmt": fmt, "ab": ACT_BYTES[fmt], "cpu": bud["cpu"],
                   "stability": stability}
-            most = largest_batch(cfg, bud["bytes"], headroom=headroom, **kw)
+            most, most_pc = (largest_batch(cfg, bud["bytes"], headroom=headroom, prefix_caching=p, **kw) for p in (0, 1))
             w = weights_bytes(cfg, fmt)["bytes"]
             fits.append({"memory": bud["name"], "memory_bytes": bud["bytes"], "path": "cpu" if bud["cpu"] else "cuda",
                          "weights": fmt, "weights_bytes": w, "usable_bytes": usable, "largest_batch": most,
+                         "largest_batch_prefix_caching": most_pc,
                          "peak_phase": peak_bytes(cfg, most, **kw)["peak_phase"] if most else
                          "weights" if w > usable else "one_slot"})
     return {
@@ -356,7 +269,8 @@ def batch_memory(cfg: ModelConfig, *, context: int, prompt_len: int, dtype: str,
             f"peak = weights + b x (paged KV: full layers the context and a canvas, sliding layers a ring of window-1 "
             f"and one pass's positions, in blocks of {KV_BLOCK}; + sampler state) + the larger of a step's temporaries "
             f"(b canvases beside their commits, then the vocabulary pass) and a prefill pass's ({prompt_len}-token "
-            f"prompts in chunks under the {BUDGET}-row pass budget); usable = memory less {headroom:.0%} headroom "
+            f"prompts in chunks under the {BUDGET}-row pass budget), on CUDA + one more step's and the static buffers "
+            f"of the CUDA graphs (the default there); usable = memory less {headroom:.0%} headroom "
             f"(CUDA context, allocator fragmentation); bf16 activations and KV (fp32 for fp32); FP8 = attention, MLP, "
             f"expert matrices at 1 byte/param + a bf16 scale per output channel, embedding/LM head, router, "
             f"self-conditioning MLP and norms bf16 (as dgemma holds an FP8-dynamic checkpoint: `dgemma quantize --fp8`)."),
@@ -388,12 +302,12 @@ def markdown(sec: dict) -> str:
              (f"- KV cache: {_b(kv['full_per_token'])}/token for full layers ({kv['full_positions']:,} positions: "
               f"the context and a canvas) + {_b(kv['rings'])} per slot for the sliding rings (was "
               f"{_b(kv['was_per_token'])}/token): {_b(kv['total'])} per slot at {kv['context']:,} tokens "
-              f"(was {_b(kv['was'])})"),
+              f"(was {_b(kv['was'])}), what prefix caching holds (the default; --no-prefix-caching: the rings)"),
              "- weights: " + ", ".join(f"{k} {_b(v['bytes'])}" for k, v in w.items()), "",
              f"**largest batch that fits** ({1 - sec['headroom']:.0%} of the memory usable):", "",
-             "| memory | weights | usable | largest batch | peak at |", "|---|---|---|---|---|"]
+             "| memory | weights | usable | largest batch | peak at | with prefix caching |", "|---|---|---|---|---|---|"]
     for f in sec["fits"]:
         lines.append(f"| {f['memory']} ({f['path']}) | {f['weights']} {_b(f['weights_bytes'])} | "
-                     f"{_b(f['usable_bytes'])} | **{f['largest_batch']}** | {_PHASES[f['peak_phase']]} |")
+                     f"{_b(f['usable_bytes'])} | **{f['largest_batch']}** | {_PHASES[f['peak_phase']]} | {f['largest_batch_prefix_caching']} |")
     lines += ["", f"_{sec['assumptions']}_"]
     return "\n".join(lines) + "\n"

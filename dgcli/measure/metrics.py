@@ -62,6 +62,7 @@ DEFINITIONS: dict[str, str] = {
     "cap_hit_rate": "share of blocks that ran every step (hit max_denoising_steps)",
     "cap_hit_rate_first_block": "cap-hit rate of the requests' first blocks only",
     "cap_steps_share": "share of all denoising steps spent in blocks that hit the cap",
+    "prefix_cache_hit_rate": "prompt tokens found in the prefix cache / prompt tokens looked up (vLLM's definition; null with --no-prefix-caching)",
     "finish_length_rate": "share of requests that ran out of blocks without a stop id (truncated)",
     "peak_memory_bytes": "[B] peak memory while measuring (method in peak_memory_method)",
     "denoise_flops": "[FLOP] matmul FLOPs of all denoising steps (dgcli.measure.card conventions)",
@@ -133,6 +134,8 @@ class Pass:
     queue_s: list[float]  # submission (the pass's start) to the start of the request's prefill
     ttft_s: list[float]  # start of its prefill to its first block's commit
     e2el_s: list[float]  # start of its prefill to its Done
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (0: caching off)
+    prefix_cache_hits: int = 0  # of them, tokens found
 
     @classmethod
     def sequential(cls, responses: list[Response]) -> Pass:
@@ -245,6 +248,8 @@ def summarize(runs: list[Pass] | list[list[Response]], cfg: ModelConfig, max_ste
         "cap_hit_rate_first_block": sum(x.steps_per_block[0] >= max_steps for x in d) / len(d),
         "cap_steps_share": sum(capped) / row_steps,
         "finish_length_rate": sum(r.finish_reason == "length" for r in reqs) / len(reqs),
+        "prefix_cache_hit_rate": _ratio(sum(p.prefix_cache_hits for p in passes),
+                                        sum(p.prefix_cache_queries for p in passes)),
         "peak_memory_bytes": peak_memory[0] if peak_memory else None,
         "peak_memory_method": peak_memory[1] if peak_memory else None,
         "denoise_flops": cost.flops,

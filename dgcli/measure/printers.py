@@ -64,7 +64,7 @@ def device_name(device: Any) -> str:
 def provenance(*, device: Any, dtype: str, model: str, model_name: str, parameters: int, active: int,
                settings: dict, seed: int, prompt_hash: str, label: str | None, metadata: dict,
                dummy: bool, compiled: bool = False, step_mode: str = "dynamic",
-               threads_source: str | None = None, packed_weights: int = 0) -> dict:
+               threads_source: str | None = None, packed_weights: int = 0, prefix_caching: bool | None = None) -> dict:
     import torch
 
     return {
@@ -76,6 +76,7 @@ def provenance(*, device: Any, dtype: str, model: str, model_name: str, paramete
         "model_active_parameters": active, "dummy_weights": dummy, "settings": settings, "seed": seed,
         "prompt_set_hash": prompt_hash, "label": label, "metadata": metadata,
         "kernels": kernel_choices(device, packed_weights), "compiled_decoder": compiled, "step_mode": step_mode,
+        "prefix_caching": prefix_caching,
         "host": platform.node(), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 

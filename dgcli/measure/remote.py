@@ -47,6 +47,7 @@ NOT_WITH_BASE_URL = {
     "device": "the server decides where it runs", "dtype": "the server decides how it runs",
     "compile": "the server decides how it runs", "cuda_graphs": "the server decides how it runs",
     "threads": "the server decides how it runs",
+    "no_prefix_caching": "the server decides (dgemma serve --no-prefix-caching)",
     "batch_size": "use --concurrency (requests in flight)", "random_prompts": "text prompts only: use --prompts FILE",
     "random_input_len": "text prompts only: use --prompts FILE", "ignore_eos": "the server decides where answers stop",
     "measure_peaks": "a remote target has no roofline", "weights": "the server has loaded its own model",
@@ -202,6 +203,31 @@ class Result:
 class Pass:
     results: list[Result]  # in prompt order
     wall_s: float
+    prefix_cache: tuple[int, int] | None = None  # (tokens looked up, found) over the pass: the server's /metrics
+
+
+PREFIX_COUNTERS = ("dgemma_prefix_cache_queries_total", "dgemma_prefix_cache_hits_total")
+
+
+async def prefix_cache_counts(client: Any, target: Target) -> tuple[int, int] | None:
+    """The server's prefix-cache counters (`GET /metrics` at the URL's host: dgemma serve's names), None when
+    that path or those counters are not there (another server, or an error)."""
+    u = urlsplit(target.root)
+    try:
+        r = await client.get(f"{u.scheme}://{u.netloc}/metrics", headers=target.headers)
+    except Exception:  # noqa: BLE001 - a figure we may not get, never a failed run
+        return None
+    if r.status_code != 200:
+        return None
+    got = {}
+    for line in r.text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in PREFIX_COUNTERS:
+            try:
+                got[name] = int(float(value))
+            except ValueError:
+                return None
+    return (got[PREFIX_COUNTERS[0]], got[PREFIX_COUNTERS[1]]) if len(got) == 2 else None
 
 
 async def _request(client: Any, target: Target, body: dict) -> Result:
@@ -258,9 +284,9 @@ async def _request(client: Any, target: Target, body: dict) -> Result:
 
 async def _timed_pass(client: Any, target: Target, bodies: list[dict], concurrency: int, rate: float, seed: int,
                       progress: Callable[[str], None] | None = None) -> Pass:
-    """Every body sent once, each at its arrival time, at most `concurrency` in flight."""
+    """Every body sent once, each at its arrival time, at most `concurrency` in flight; the server's prefix-cache
+    counters read before and after (not timed)."""
     gate, due, done = asyncio.Semaphore(concurrency), arrivals(len(bodies), rate, seed), [0]
-    t0 = time.perf_counter()
 
     async def one(i: int) -> Result:
         wait = t0 + due[i] - time.perf_counter()
@@ -273,8 +299,13 @@ async def _timed_pass(client: Any, target: Target, bodies: list[dict], concurren
             progress(f"{done[0]}/{len(bodies)} requests done")
         return r
 
+    before = await prefix_cache_counts(client, target)
+    t0 = time.perf_counter()
     results = await asyncio.gather(*(one(i) for i in range(len(bodies))))
-    return Pass(list(results), time.perf_counter() - t0)
+    wall = time.perf_counter() - t0
+    after = await prefix_cache_counts(client, target) if before is not None else None
+    counts = None if after is None else (after[0] - before[0], after[1] - before[1])
+    return Pass(list(results), wall, counts)
 
 
 def measure(target: Target, prompts: list[Prompt], fields: dict, *, runs: int, warmup: int, concurrency: int,

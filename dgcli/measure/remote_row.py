@@ -61,6 +61,7 @@ DEFINITIONS: dict[str, str] = {
     "p50_steps_per_block": "median of usage.steps_per_block", "p90_steps_per_block": "90th percentile of usage.steps_per_block",
     "p99_steps_per_block": "99th percentile of usage.steps_per_block", "steps_histogram": "blocks per step count {steps: blocks}",
     "cap_hit_rate": "share of blocks that ran every step of --diffusion-steps (known only when that flag set the cap)",
+    "prefix_cache_hit_rate": "prompt tokens the server found in its prefix cache / tokens it looked up over the timed passes (dgemma serve's /metrics counters; vLLM's definition); null when the server has no such counters or looked nothing up",
     "quality": "exact_match when the prompts have reference answers; null (n/a) when they carry none",
     "quality_metric": "which figure quality is: exact_match (null when there is none)",
     "exact_match": f"share of answered prompts whose content equals the reference after stripping whitespace ({_M} of every pass)",
@@ -141,6 +142,9 @@ def summarize(passes: list[Pass], prompts: list[Prompt], fields: dict) -> dict:
     prompt_tokens = [r.use("prompt_tokens") for r in ok]
     row["mean_input_len"] = statistics.fmean(prompt_tokens) if ok and None not in prompt_tokens else None
     row.update(_diffusion(ok, fields, missing))
+    counts = [p.prefix_cache for p in passes]  # null (not listed as missing) for a server without the counters
+    row["prefix_cache_hit_rate"] = (sum(h for _, h in counts) / sum(q for q, _ in counts)
+                                    if passes and None not in counts and sum(q for q, _ in counts) else None)
     row.update(bench_quality(prompts, [p.results for p in passes]))
     row["spread"] = {k: _min_max([e[k] for e in each]) for k in SPREAD_KEYS}
     row["spread_passes"] = len(passes)

@@ -67,8 +67,11 @@ class PassLayout:
     """One pass's rows: segments in row order (every causal segment before every canvas segment), positions,
     write slots per cache group and, per (segment, window), the key runs and mask. Host work once per pass."""
 
-    def __init__(self, segments: list[Segment], cache, device: torch.device):
+    def __init__(self, segments: list[Segment], cache, device: torch.device, every_seq: bool = False):
+        """`every_seq`: the kernel's block tables hold every sequence of the cache, indexed by sequence id, at a
+        fixed width (one shape for every pass of a bucket: a CUDA graph's static inputs, model/graphs.py)."""
         self.segments, self.cache, self.device = segments, cache, torch.device(device)
+        self.every_seq = every_seq
         self.row0, n = [], 0
         for s in segments:
             self.row0.append(n)
@@ -127,21 +130,7 @@ class PassLayout:
         The rows are built once per (group, window), the tiles once per (tile, kind): both kinds' launches and
         every layer of a kind share them."""
         if (group, window) not in self._rows:
-            seqs = sorted({s.seq for s in self.segments})
-            index = {q: i for i, q in enumerate(seqs)}
-            row_seq, row_lo, row_hi, f_pos, f_row = [], [], [], [], []
-            for s, r0 in zip(self.segments, self.row0):
-                lo, hi = s.keys(window)
-                for p in range(s.start, s.start + s.length):
-                    row_seq.append(index[s.seq])
-                    if s.canvas:
-                        row_lo.append(lo), row_hi.append(hi)
-                    else:
-                        row_lo.append(0 if window is None else max(0, p - window + 1)), row_hi.append(p + 1)
-                    f_pos.append(1 << 30 if group == "full" else s.start), f_row.append(r0)
-            as_dev = functools.partial(to_device, dtype=torch.int32, device=self.device)
-            self._rows[group, window] = (as_dev(row_seq), as_dev(row_lo), as_dev(row_hi),
-                                         self.cache.table_tensor(group, seqs), as_dev(f_pos), as_dev(f_row))
+            self._rows[group, window] = self._row_arrays(group, window)
         if (tile, canvas) not in self._tiles:
             t0, tn = [], []
             for s, r0 in zip(self.segments, self.row0):
@@ -151,6 +140,39 @@ class PassLayout:
             self._tiles[tile, canvas] = (to_device(t0, torch.int32, self.device), to_device(tn, torch.int32, self.device))
         row_seq, lo, hi, tables, f_pos, f_row = self._rows[group, window]
         return (row_seq, lo, hi, tables, *self._tiles[tile, canvas], f_pos, f_row)
+
+    def _row_arrays(self, group: str, window: int | None) -> tuple:
+        seqs = list(range(self.cache.seqs)) if self.every_seq else sorted({s.seq for s in self.segments})
+        index = {q: i for i, q in enumerate(seqs)}
+        row_seq, row_lo, row_hi, f_pos, f_row = [], [], [], [], []
+        for s, r0 in zip(self.segments, self.row0):
+            lo, hi = s.keys(window)
+            for p in range(s.start, s.start + s.length):
+                row_seq.append(index[s.seq])
+                if s.canvas:
+                    row_lo.append(lo), row_hi.append(hi)
+                else:
+                    row_lo.append(0 if window is None else max(0, p - window + 1)), row_hi.append(p + 1)
+                f_pos.append(1 << 30 if group == "full" else s.start), f_row.append(r0)
+        as_dev = functools.partial(to_device, dtype=torch.int32, device=self.device)
+        tables = self.cache.table_tensor(group, seqs, fixed=self.every_seq)
+        return as_dev(row_seq), as_dev(row_lo), as_dev(row_hi), tables, as_dev(f_pos), as_dev(f_row)
+
+    def load(self, fresh: PassLayout) -> None:
+        """Copy `fresh` (a layout of the same rows, segment lengths and kinds: other sequences, positions, block
+        tables) into the device tensors this layout has built, in place: a captured pass's static inputs."""
+        if [(s.length, s.canvas) for s in fresh.segments] != [(s.length, s.canvas) for s in self.segments]:
+            raise ValueError("a layout loads only a pass of the same segment lengths and kinds")
+        self.positions.copy_(fresh.positions)
+        for group, (slots, rows) in self._slots.items():
+            new, new_rows = fresh.slots(group)
+            slots.copy_(new)
+            if rows is not None:
+                rows.copy_(new_rows)
+        for (group, window), arrays in self._rows.items():
+            for mine, theirs in zip(arrays, fresh._row_arrays(group, window)):
+                mine.copy_(theirs)
+        # the tiles depend only on the segments' lengths and kinds: equal by the check above
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, layout: PassLayout) -> torch.Tensor:

@@ -224,12 +224,19 @@ class DiffusionGemma(nn.Module):
             out[kind] = rope_tables(positions, self._inv_freq[key], dtype)
         return out
 
-    def new_cache(self, seqs: int, max_len: int, block_size: int = 16) -> PagedKVCache:
+    def new_cache(self, seqs: int, max_len: int, block_size: int = 16, prefix_caching: bool = False) -> PagedKVCache:
         """A paged cache for `seqs` sequences of up to `max_len` positions (a canvas's own included: full layers
-        hold it where its block will commit)."""
+        hold it where its block will commit); `prefix_caching`: blocks shareable across sequences (paged.py)."""
         w = self.embed_tokens.weight
         return PagedKVCache([(g.num_kv_heads, g.head_dim, g.window) for g in self.geometry], seqs=seqs,
-                            max_len=max_len, device=w.device, dtype=w.dtype, block_size=block_size)
+                            max_len=max_len, device=w.device, dtype=w.dtype, block_size=block_size,
+                            prefix_caching=prefix_caching)
+
+    def pass_graphs(self, cache: PagedKVCache, dummy_seq: int, slots: int, *, capture: bool):
+        """CUDA graphs of decode-only passes over `cache` (model/graphs.py); `dummy_seq` pads the buckets."""
+        from dgcli.model.graphs import PassGraphs
+
+        return PassGraphs(self, cache, dummy_seq, slots, capture=capture)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(ids) * self.embed_scale
@@ -257,7 +264,11 @@ class DiffusionGemma(nn.Module):
         [B, C, H] (None without canvas rows). The last layer's feed-forward runs on canvas rows only: encoder
         outputs are only ever K/V."""
         layout = PassLayout([Segment(s.seq, s.start, s.length, s.canvas) for s in segments], cache, ids.device)
-        nc, canvases = layout.n_causal, [s for s in segments if s.canvas]
+        return self.forward_layout(ids, layout, soft)
+
+    def forward_layout(self, ids: torch.Tensor, layout: PassLayout, soft: torch.Tensor | None) -> torch.Tensor | None:
+        """`forward_pass` over a built layout (a CUDA graph captures this with static inputs: model/graphs.py)."""
+        nc, canvases = layout.n_causal, [s for s in layout.segments if s.canvas]
         parts = [self.embed(ids[:nc])] if nc else []
         if canvases:
             b, c = len(canvases), canvases[0].length

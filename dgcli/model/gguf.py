@@ -218,20 +218,6 @@ def open_gguf(path: str | Path) -> GGUFFile:
     return _cached(str(p), st.st_mtime, st.st_size)
 
 
-def is_gguf(path: str | Path) -> bool:
-    """A file that starts with the GGUF magic (or is named .gguf)."""
-    p = Path(path)
-    if not p.is_file():
-        return False
-    if p.suffix.lower() == ".gguf":
-        return True
-    try:
-        with open(p, "rb") as f:
-            return f.read(4) == MAGIC
-    except OSError:
-        return False
-
-
 # ---- writing ----------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)

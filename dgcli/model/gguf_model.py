@@ -49,9 +49,6 @@ _GLOBAL = {
 }
 ROPE_FREQS = "rope_freqs.weight"  # full layers' proportional RoPE as per-pair divisors (1e30: not rotated)
 _LAYER_KEY = re.compile(r"^layers\.(\d+)\.(.+)$")
-_BLK_KEY = re.compile(r"^blk\.(\d+)\.(.+)$")
-_FROM_LAYER = {v: k for k, v in _LAYER.items()}
-_FROM_GLOBAL = {v: k for k, v in _GLOBAL.items()}
 
 
 def to_gguf_name(name: str) -> str:
@@ -62,15 +59,6 @@ def to_gguf_name(name: str) -> str:
     if name in _GLOBAL:
         return _GLOBAL[name]
     raise KeyError(name)
-
-
-def from_gguf_name(name: str) -> str | None:
-    """GGUF tensor name -> our module key; None for one we do not know."""
-    m = _BLK_KEY.match(name)
-    if m:
-        tail = _FROM_LAYER.get(m.group(2))
-        return f"layers.{m.group(1)}.{tail}" if tail else None
-    return _FROM_GLOBAL.get(name)
 
 
 # ---- metadata --------------------------------------------------------------------------------------

@@ -11,10 +11,19 @@ Sizes are fixed when the engine makes the cache (slots × the longest request it
 allocated per pass. Only the passes write it, in place (`write`); attention reads it (`model/attention.py`).
 A reserved sequence owns its blocks until `release`; a released block's stale contents are never read (a
 reader asks only for positions its sequence wrote in this request).
+Prefix caching (`prefix_caching=True`): rings as long as a sequence and one pool for both groups, so block
+p // B of a sequence holds positions of every layer; a whole block whose keys were written causally (prompt,
+committed block) gets a key chained over its parent's and its B token ids (`register`); a later sequence whose
+ids start the same holds those blocks too (`lookup`, `reserve(shared=)`), counted per block; a keyed block no
+sequence holds stays cached until a reservation needs room (least recently released first). Such a block is
+never written again: a holder writes only positions after its shared blocks.
 Must not: know about attention masks, phases or the model; read device values.
 """
 
 from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
 
 import torch
 
@@ -26,56 +35,112 @@ def blocks_for(positions: int, block_size: int) -> int:
 
 
 class BlockPool:
-    """Free block ids of one group; `take(n)` prefers one run of consecutive ids (first fit)."""
+    """Free block ids of one group; `take(n)` prefers one run of consecutive ids (first fit). With prefix caching
+    (`PagedKVCache(prefix_caching=True)`) a block also counts the sequences that hold it (`refs`) and may carry a
+    key (`register`): a keyed block no sequence holds stays cached, contents intact, until `take` runs out of
+    plain free blocks and evicts the least recently released one."""
 
     def __init__(self, n: int):
         self.n, self.free = n, list(range(n))
+        self.refs = [0] * n
+        self.key_of: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> (parent's serial, its ids)
+        self.serial: dict[int, int] = {}  # block -> its registration's serial (never reused: a chain's link)
+        self.by_key: dict[tuple[int, tuple[int, ...]], int] = {}  # key -> block
+        self.lru: OrderedDict[int, None] = OrderedDict()  # keyed blocks no sequence holds, oldest release first
+        self.serials = itertools.count(1)  # 0: the chain's root
+
+    @property
+    def available(self) -> int:
+        return len(self.free) + len(self.lru)
 
     def take(self, n: int) -> list[int] | None:
-        if n > len(self.free):
+        if n > self.available:
             return None
+        if n > len(self.free):  # evict the least recently released cached blocks, just enough
+            for _ in range(n - len(self.free)):
+                b, _ = self.lru.popitem(last=False)
+                self.forget(b)
+                self.free.append(b)
+            self.free.sort()
         free = self.free
         run = 0
+        got = None
         for i in range(len(free)):  # first run of n consecutive ids, else the n lowest
             run = run + 1 if i and free[i] == free[i - 1] + 1 else 1
             if run == n:
                 got = free[i - n + 1:i + 1]
                 del free[i - n + 1:i + 1]
-                return got
-        got, self.free = free[:n], free[n:]
+                break
+        if got is None:
+            got, self.free = free[:n], free[n:]
+        for b in got:
+            self.refs[b] = 1
         return got
 
     def give(self, ids: list[int]) -> None:
-        self.free = sorted(self.free + ids)
+        """Drop one reference to each of `ids` (a sequence's table, released tail first: a chain's later blocks
+        are evicted before the blocks they hang on); unheld blocks go back, cached if keyed."""
+        plain = []
+        for b in reversed(ids):
+            self.refs[b] = max(0, self.refs[b] - 1)  # (a test's own `take` keeps no counts)
+            if self.refs[b] == 0:
+                if b in self.key_of:
+                    self.lru[b] = None
+                else:
+                    plain.append(b)
+        self.free = sorted(self.free + plain)
+
+    def share(self, ids: list[int]) -> None:
+        """One more reference to each cached block of `ids` (a prefix hit): out of the LRU while held."""
+        for b in ids:
+            self.refs[b] += 1
+            self.lru.pop(b, None)
+
+    def forget(self, b: int) -> None:
+        key = self.key_of.pop(b, None)
+        if key is not None:
+            del self.by_key[key]
+            del self.serial[b]
 
 
 class PagedKVCache:
     def __init__(self, layers: list[tuple[int, int, int | None]], *, seqs: int, max_len: int,
-                 device: torch.device | str, dtype: torch.dtype, block_size: int = 16):
+                 device: torch.device | str, dtype: torch.dtype, block_size: int = 16, prefix_caching: bool = False):
         """layers: per layer (num_kv_heads, head_dim, sliding window W or None). Room for `seqs` sequences of up
         to `max_len` positions each; a sliding layer's ring holds the last W-1 positions in whole blocks (a pass
-        reads its own new keys from its k, v and writes them after: attention.py)."""
+        reads its own new keys from its k, v and writes them after: attention.py). `prefix_caching`: the rings
+        are as long as a sequence (one never wraps) and both groups take the same block ids from one pool, so a
+        block holds positions p // B of every layer and can be shared by key (`lookup`, `register`)."""
         self.block_size, self.max_len, self.seqs = block_size, max_len, seqs
+        self.prefix_caching = prefix_caching
         windows = {w for _, _, w in layers if w is not None}
-        self.ring_blocks = blocks_for(min(max(windows) - 1, max_len), block_size) if windows else 0
         self.full_blocks = blocks_for(max_len, block_size)  # per sequence
+        self.ring_blocks = blocks_for(min(max(windows) - 1, max_len), block_size) if windows else 0
+        if prefix_caching and windows:
+            self.ring_blocks = self.full_blocks
         self.groups = {"full": BlockPool(seqs * self.full_blocks), "ring": BlockPool(seqs * self.ring_blocks)}
+        if prefix_caching:
+            self.groups["ring"] = self.groups["full"]  # one pool: a block id names the same positions in both
         self.kind = ["full" if w is None else "ring" for _, _, w in layers]
         self.windows = [w for _, _, w in layers]
         self.k = [torch.zeros(n, self.groups[g].n * block_size, d, device=device, dtype=dtype)
                   for (n, d, _), g in zip(layers, self.kind)]
         self.v = [torch.zeros_like(k) for k in self.k]
         self.tables: dict[int, dict[str, list[int]]] = {}  # sequence id -> group -> block ids
+        self.chains: dict[int, tuple[int, int]] = {}  # prefix caching: sequence -> (blocks keyed, last serial)
         self.device = torch.device(device)
 
     # ---- allocation ---------------------------------------------------------------------------------------
 
-    def reserve(self, seq: int, positions: int) -> bool:
-        """Blocks for sequence `seq`'s positions 0..positions-1 (and its ring); False when the pool is short."""
+    def reserve(self, seq: int, positions: int, shared: list[int] | None = None) -> bool:
+        """Blocks for sequence `seq`'s positions 0..positions-1 (and its ring); False when the pool is short.
+        `shared` (prefix caching): cached blocks from `lookup` that hold its first positions, held, not copied."""
         if positions > self.max_len:
             raise ValueError(f"{positions} positions > the cache's {self.max_len} per sequence")
         if seq in self.tables:
             raise ValueError(f"sequence {seq} already holds blocks: release it first")
+        if self.prefix_caching:
+            return self._reserve_shared(seq, positions, shared or [])
         got: dict[str, list[int]] = {}
         for g in sorted(set(self.kind)):
             ids = self.groups[g].take(blocks_for(positions, self.block_size) if g == "full" else self.ring_blocks)
@@ -87,12 +152,74 @@ class PagedKVCache:
         self.tables[seq] = got
         return True
 
+    def _reserve_shared(self, seq: int, positions: int, shared: list[int]) -> bool:
+        pool = self.groups["full"]
+        pool.share(shared)  # held first: taking the rest must not evict them
+        new = pool.take(blocks_for(positions, self.block_size) - len(shared))
+        if new is None:
+            pool.give(shared)  # back to the LRU
+            return False
+        ids = shared + new
+        self.tables[seq] = {g: ids for g in set(self.kind)}
+        last = pool.serial[shared[-1]] if shared else 0
+        self.chains[seq] = (len(shared), last)
+        return True
+
     def release(self, seq: int) -> None:
-        for g, ids in self.tables.pop(seq, {}).items():
+        tables = self.tables.pop(seq, {})
+        self.chains.pop(seq, None)
+        if self.prefix_caching:  # one list in both groups: one reference each
+            tables = dict(list(tables.items())[:1])
+        for g, ids in tables.items():
             self.groups[g].give(ids)
 
     def free_blocks(self) -> dict[str, int]:
-        return {g: len(p.free) for g, p in self.groups.items()}
+        """Blocks a reservation can take per group (with prefix caching: free and cached unheld ones)."""
+        return {g: p.available for g, p in self.groups.items()}
+
+    def drop_cached(self) -> None:
+        """Forget every cached block no sequence holds: later lookups start cold, as in a new cache."""
+        pool = self.groups["full"]
+        while pool.lru:
+            b, _ = pool.lru.popitem(last=False)
+            pool.forget(b)
+            pool.free.append(b)
+        pool.free.sort()
+
+    def cached_blocks(self) -> int:
+        """Blocks that carry a prefix key (held or not): what a later request can hit."""
+        return len(self.groups["full"].key_of)
+
+    # ---- prefix caching ---------------------------------------------------------------------------------------
+
+    def lookup(self, ids: list[int]) -> list[int]:
+        """The cached blocks that hold the longest run of whole blocks of `ids` from position 0 (a block is found
+        by its key: the previous block's serial and its own B ids, compared exactly). Changes nothing."""
+        pool, b = self.groups["full"], self.block_size
+        got, parent = [], 0
+        for j in range(len(ids) // b):
+            blk = pool.by_key.get((parent, tuple(ids[j * b:(j + 1) * b])))
+            if blk is None:
+                break
+            got.append(blk)
+            parent = pool.serial[blk]
+        return got
+
+    def register(self, seq: int, ids: list[int]) -> None:
+        """Sequence `seq`'s positions 0..len(ids)-1 hold the keys of `ids`, written by passes already launched:
+        its whole blocks among them get keys (a block whose key another block has stays plain, and the chain
+        goes on from that one)."""
+        pool, b = self.groups["full"], self.block_size
+        done, parent = self.chains[seq]
+        table = self.tables[seq]["full"]
+        for j in range(done, len(ids) // b):
+            key = (parent, tuple(ids[j * b:(j + 1) * b]))
+            blk = pool.by_key.get(key)
+            if blk is None:
+                blk = table[j]
+                pool.key_of[blk], pool.by_key[key], pool.serial[blk] = key, blk, next(pool.serials)
+            parent, done = pool.serial[blk], j + 1
+        self.chains[seq] = (done, parent)
 
     # ---- where positions live --------------------------------------------------------------------------------
 
@@ -121,10 +248,13 @@ class PagedKVCache:
             p += n
         return out
 
-    def table_tensor(self, group: str, seqs: list[int]) -> torch.Tensor:
-        """[len(seqs), max blocks] int32 block tables on the device (for kernels that walk them)."""
-        rows = [self.tables[s].get(group, []) for s in seqs]
+    def table_tensor(self, group: str, seqs: list[int], fixed: bool = False) -> torch.Tensor:
+        """[len(seqs), max blocks] int32 block tables on the device (for kernels that walk them); `fixed`: as wide
+        as a sequence's table can be (one shape whatever the sequences hold), a sequence without blocks zeros."""
+        rows = [self.tables.get(s, {}).get(group, []) for s in seqs]
         width = max(1, max(len(r) for r in rows))
+        if fixed:
+            width = max(width, self.full_blocks if group == "full" else self.ring_blocks)
         return to_device([r + [0] * (width - len(r)) for r in rows], torch.int32, self.device)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

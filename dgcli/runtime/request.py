@@ -204,7 +204,8 @@ def run_batch(session: Any, prompts: Sequence[Sequence[int]], *, batch_size: int
     events = generate_batch_events(
         session.model, prompts, params=params, num_blocks=num_blocks, seeds=seeds,
         stop_ids=() if ignore_eos else session.stop_ids, pad_id=session.pad_id, init_canvases=init_canvases,
-        compile_tiles=session.compiled, max_batch=batch_size, stats=stats, step_mode=session.step_mode)
+        compile_tiles=session.compiled, max_batch=batch_size, stats=stats, step_mode=session.step_mode,
+        prefix_caching=getattr(session, "prefix_caching", True))
     for event in events:
         if on_event is not None:
             on_event(event)

@@ -57,6 +57,7 @@ class Session:
     dummy: bool = False  # random weights (fixed work forced)
     compiled: bool = False  # --compile: decoder and vocabulary tiles through torch.compile
     step_mode: str = "dynamic"  # the engine's step: "graphs" with --cuda-graphs (dgcli.sampling.engine.new_engine)
+    prefix_caching: bool = True  # batched engines share cached prompt blocks (--no-prefix-caching: off)
     packed_weights: int = 0  # weight matrices prepacked for oneDNN (eager CPU bf16; dgcli.model.packed)
     threads: int = 0  # torch intra-op threads the run uses (`thread_rule`)
     threads_source: str = ""  # why: the --threads flag, OMP_NUM_THREADS, or the rule
@@ -130,9 +131,14 @@ def pack_weights(model: Any) -> int:
     return pack_for_cpu(model)
 
 
-def check_cuda_graphs(cuda_graphs: bool, device: torch.device, compile: bool = False) -> str:
-    """The step mode for `--cuda-graphs`: "dynamic" without it; with it a one-line error before anything loads
-    (CUDA only; and the paged engine does not capture graphs per batch bucket yet, so on CUDA too)."""
+def check_cuda_graphs(cuda_graphs: bool | None, device: torch.device, compile: bool = False) -> str:
+    """The step mode: "graphs" (decode-only passes replay CUDA graphs: model/graphs.py) or "dynamic". None (the
+    CLI's default): graphs where they run (CUDA with Triton, no --compile); True (`--cuda-graphs`): graphs, or a
+    one-line error before anything loads where they cannot run; False: dynamic."""
+    from dgcli.model.attention import backend
+
+    if cuda_graphs is None:
+        return "graphs" if not compile and backend(device) == "triton-paged" else "dynamic"
     if not cuda_graphs:
         return "dynamic"
     if compile:
@@ -140,8 +146,10 @@ def check_cuda_graphs(cuda_graphs: bool, device: torch.device, compile: bool = F
     if device.type != "cuda":
         raise UserError(f"--cuda-graphs needs a CUDA device (this run is on {device.type}): "
                         "drop --cuda-graphs or pass --device cuda")
-    raise UserError("--cuda-graphs: the paged engine does not capture CUDA graphs yet (each pass runs with its "
-                    "exact shapes); drop --cuda-graphs")
+    if backend(device) != "triton-paged":
+        raise UserError("--cuda-graphs needs Triton (the paged attention kernel takes the block tables as graph "
+                        "inputs): pip install triton, or drop --cuda-graphs")
+    return "graphs"
 
 
 def resolve_for(model: str | None, preset: str | None, flags: dict) -> tuple[Path, ModelConfig, dict | None, Resolved]:
@@ -154,7 +162,7 @@ def resolve_for(model: str | None, preset: str | None, flags: dict) -> tuple[Pat
 
 def _session(path: Path, m: Any, tokenizer: Any, resolved: Resolved, gen: dict | None, device: torch.device, *,
              compile: bool, name: str, threads: tuple[int, str], dummy: bool = False,
-             cuda_graphs: bool = False) -> Session:
+             cuda_graphs: bool | None = False) -> Session:
     """The part both kinds of session share: --compile, --cuda-graphs, packed CPU weights, stop ids
     (generation_config.json, else the config's, else the tokenizer's), the block count, and the settings as
     they ran."""
@@ -182,7 +190,7 @@ def ran_with(resolved: Resolved, model: Any) -> Resolved:
 
 
 def open_session(model: str | None, preset: str | None, flags: dict, *, need_tokenizer: bool = True,
-                 compile: bool = False, threads: int | None = None, cuda_graphs: bool = False) -> Session:
+                 compile: bool = False, threads: int | None = None, cuda_graphs: bool | None = False) -> Session:
     """A checkpoint (directory or GGUF file) with its tokenizer and resolved settings; `threads` is `--threads`
     (None: the rule)."""
     from dgcli.model.loader import load_model, resolve_dtype
@@ -210,7 +218,7 @@ def open_session(model: str | None, preset: str | None, flags: dict, *, need_tok
 
 def open_dummy_session(spec: str, layers: int | None, preset: str | None, flags: dict, *,
                        warn: Callable[[str], None], compile: bool = False, threads: int | None = None,
-                       weights: str = "bf16", cuda_graphs: bool = False) -> Session:
+                       weights: str = "bf16", cuda_graphs: bool | None = False) -> Session:
     """Random weights for a config (`--dummy`), built directly on the device (nothing read but the config).
     Random weights never converge, so fixed-work mode is forced (confidence_threshold 0), and said.
     `weights="fp8"`: the config as an FP8-dynamic checkpoint would have it, its matrices drawn in e4m3;
@@ -247,7 +255,7 @@ def open_dummy_session(spec: str, layers: int | None, preset: str | None, flags:
 
 def open_any(model: str | None, dummy: str | None, layers: int | None, preset: str | None, flags: dict, *,
              warn: Callable[[str], None], compile: bool = False, threads: int | None = None,
-             weights: str = "bf16", cuda_graphs: bool = False) -> Session:
+             weights: str = "bf16", cuda_graphs: bool | None = False) -> Session:
     """bench and sweep: a checkpoint (tokenizer optional) or `--dummy` weights, never both."""
     if dummy is None:
         if layers is not None:

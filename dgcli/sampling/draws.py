@@ -3,7 +3,7 @@ position), so a draw never depends on which kernel path runs, on batch-mates, on
 in which draws are made.
 
 Owns: `uniform` (float64 in [0, 1)) and `token_ids` (ints in [0, V)) over broadcastable counter
-tensors, the purposes (`INIT`, `DRAW`, `RENOISE`, `PAD`) and the hash behind them. Must not: keep state,
+tensors, their row forms (`rows`, `uniform_at`, `token_ids_at`: the per-row words hashed on the host), the purposes (`INIT`, `DRAW`, `RENOISE`, `PAD`) and the hash behind them. Must not: keep state,
 read a torch.Generator, or know about models.
 
 Why not torch.Generator: its draws depend on how many numbers were taken before (the reference, CPU
@@ -21,6 +21,8 @@ not cryptographic; it only has to look independent across neighbouring counters 
 from __future__ import annotations
 
 import torch
+
+from dgcli.kernels.transfer import to_device
 
 # Purposes: a block's first canvas, the categorical draw, renoise ids, --init-canvas padding.
 INIT, DRAW, RENOISE, PAD = 1, 2, 3, 4
@@ -69,13 +71,59 @@ def uniform(seed: torch.Tensor | int, purpose: int, block: torch.Tensor | int, s
             position: torch.Tensor | int, device: torch.device | str | None = None) -> torch.Tensor:
     """float64 uniforms in [0, 1) with 53 random bits, shaped as the counters broadcast."""
     h = _hash(seed, purpose, block, step, position, device=device)  # the words both halves share, folded once
-    hi, lo = _fold(h, 0, device), _fold(h, 1, device)
-    return ((hi << 21) | (lo >> 11)).double() * 2.0**-53
+    return _halves(h, device)
 
 
 def token_ids(seed: torch.Tensor | int, purpose: int, block: torch.Tensor | int, step: torch.Tensor | int,
               position: torch.Tensor | int, vocab_size: int, device: torch.device | str | None = None) -> torch.Tensor:
     """int64 token ids in [0, vocab_size), uniform up to vocab_size/2^32 (multiply-shift, no modulo)."""
+    _check_vocab(vocab_size)
+    return (_hash(seed, purpose, block, step, position, device=device) * vocab_size) >> 32
+
+
+# ---- the same draws with the per-row words hashed on the host ------------------------------------------------
+# A row's seed, purpose, block and step are host ints: their state (`rows`) is folded in Python, exactly (the same
+# 32-bit arithmetic on ints), and only the position word is folded by tensor ops, its inner mix made once
+# (`mixed_positions`). The engine draws this way: a few dozen tensor ops per draw instead of a few hundred (each a
+# kernel launch on CUDA). Bits equal `uniform` / `token_ids` of the same counters (tests/sampling/test_draws.py).
+
+
+def rows(counters: list[tuple[int, ...]], device: torch.device | str) -> torch.Tensor:
+    """[n, 1] int64 hash states of host counter rows (seed, purpose, block, step), sent without waiting."""
+    states = []
+    for seed, *words in counters:
+        h = _mix((seed & _M32) ^ _GOLDEN)
+        for w in (seed >> 32, *words):
+            h = _fold(h, w, None)
+        states.append(h)
+    return to_device(states, torch.long, device)[:, None]
+
+
+def mixed_positions(position: torch.Tensor) -> torch.Tensor:
+    """The position words' inner mix, made once per positions tensor (what `_fold` applies to a word)."""
+    return _mix(((position.long() & _M32) + _GOLDEN) & _M32)
+
+
+def uniform_at(states: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
+    """`uniform(seed, purpose, block, step, position)` from `rows` states [n, 1] and `mixed_positions` [C]."""
+    return _halves(_fold_mixed(states, mixed), states.device)
+
+
+def token_ids_at(states: torch.Tensor, mixed: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """`token_ids(seed, purpose, block, step, position, vocab_size)` from `rows` states and `mixed_positions`."""
+    _check_vocab(vocab_size)
+    return (_fold_mixed(states, mixed) * vocab_size) >> 32
+
+
+def _fold_mixed(h: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
+    return _mix(((h ^ mixed) + 0x7F4A7C15) & _M32)  # `_fold` with the word's mix given
+
+
+def _halves(h: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
+    hi, lo = _fold(h, 0, device), _fold(h, 1, device)
+    return ((hi << 21) | (lo >> 11)).double() * 2.0**-53
+
+
+def _check_vocab(vocab_size: int) -> None:
     if not 0 < vocab_size < 2**31:
         raise ValueError(f"vocab_size={vocab_size}: must be in [1, 2**31)")
-    return (_hash(seed, purpose, block, step, position, device=device) * vocab_size) >> 32

@@ -7,7 +7,8 @@ prompt chunks, the commits of blocks that ended and every running request's canv
 stop flags) runs on the canvas rows on the device; then the pass is settled: its stop flags and the tokens of
 the blocks that ended are read (`host_reads`), and its events handed out (BlockStart / Step / Commit / Done,
 each with `row` = the request's id). A block that ends is committed in the request's next pass, beside the
-first step of its next block; the request's last block is never committed.
+first step of its next block; the request's last block is never committed. `graphs`: denoise-only passes replay
+CUDA graphs (model/graphs.py); `prefix_caching`: requests share cached whole prompt blocks (scheduler.py).
 `lag` (1 on CUDA, 0 elsewhere): with lag 1 pass n+1 is launched before pass n is settled, so the host never
 waits for the device inside a block: every running request speculatively goes on to its next step, and a row
 whose request stopped at pass n is discarded when pass n+1 settles (no event, no state from it). So both lags
@@ -106,10 +107,10 @@ class _Pass:
 
 
 def new_engine(model: Any, *, step_mode: str = "dynamic", **kw: Any) -> Engine:
-    if step_mode != "dynamic":
-        raise UserError(f"step mode {step_mode!r}: this engine runs each pass with its exact shapes; CUDA graph "
-                        "capture of the paged engine is not built yet: drop --cuda-graphs")
-    return Engine(model, **kw)
+    """step_mode "graphs" (--cuda-graphs): decode-only passes replay CUDA graphs (model/graphs.py)."""
+    if step_mode not in ("dynamic", "graphs"):
+        raise UserError(f"step mode {step_mode!r}: choose dynamic or graphs")
+    return Engine(model, graphs=step_mode == "graphs", **kw)
 
 
 class Engine:
@@ -118,7 +119,7 @@ class Engine:
 
     def __init__(self, model: Any, *, slots: int, max_len: int, pad_id: int = 0, compile_tiles: bool = False,
                  stats: dict | None = None, lag: int | None = None, budget: int = DEFAULT_BUDGET,
-                 block_size: int = 16):
+                 block_size: int = 16, graphs: bool = False, prefix_caching: bool = False):
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise UserError(f"max_batch={slots!r}: must be a whole number >= 1")
         self.model, self.slots, self.max_len, self.pad_id = model, slots, max_len, pad_id
@@ -126,20 +127,34 @@ class Engine:
         self.c, self.vocab = model.config.canvas_length, model.config.vocab_size
         self.device = model.embed_weight.device
         self.lag = (1 if self.device.type == "cuda" else 0) if lag is None else lag
-        self.positions = torch.arange(self.c, device=self.device)  # [C]
+        # the draws' position words 0..C-1, mixed once (draws.uniform_at / token_ids_at fold them per row)
+        self.mixed_positions = draws.mixed_positions(torch.arange(self.c, device=self.device))
         # Room for the prompt, the committed blocks and a canvas (full layers hold its keys where it will commit).
-        self.cache = model.new_cache(slots, max_len + self.c, block_size=block_size)
-        self.sched = Scheduler(self.cache, seqs=slots, canvas=self.c, budget=budget)
+        # prefix_caching: whole blocks of prompts and committed blocks are kept and shared (model/paged.py)
+        self.prefix_caching = prefix_caching
+        self.cache = model.new_cache(slots + graphs, max_len + self.c, block_size=block_size,
+                                     **({"prefix_caching": True} if prefix_caching else {}))
+        self.stats = {} if stats is None else stats
+        self.sched = Scheduler(self.cache, seqs=slots, canvas=self.c, budget=budget, prefix_caching=prefix_caching,
+                               stats=self.stats)
+        self.graphs = None
+        if graphs:  # sequence `slots` (never scheduled) holds the canvas that pads a graph's bucket
+            self.cache.reserve(slots, self.c)
+            self.graphs = model.pass_graphs(self.cache, slots, slots, capture=self.device.type == "cuda")
         self.pending: _Pass | None = None
         self.cancelled: set[int] = set()
-        self.stats = {} if stats is None else stats
         self.stats.update(decoder_passes=0, encoder_passes=0, row_steps=0, denoise_s=0.0, encode_s=0.0,
-                          discarded_row_steps=0, prefill_tokens=0)
+                          discarded_row_steps=0, prefill_tokens=0, graph_passes=0)
         self.busy, self.mark = 0.0, time.perf_counter()  # the busy clock; it pauses while a consumer holds an event
 
     # ---- requests in and out ------------------------------------------------------------------------------
 
-    def submit(self, request: Request) -> None:
+    def submit(self, request: Request, ids: list[int] | None = None) -> None:
+        """`ids`: the prompt's ids on the host when the caller has them (prefix caching keys blocks by them;
+        without them they are read from the prompt once, here, outside any pass)."""
+        if self.prefix_caching and ids is None:
+            p = request.prompt
+            ids = p.tolist() if p.device.type == "cpu" else host_reads.read(p, "prompt")
         if request.prompt.device != self.device:  # a host prompt: sent without waiting for the device
             request.prompt = to_device(request.prompt, torch.long, self.device)
         need = len(request.prompt) + (request.num_blocks - 1) * self.c
@@ -147,7 +162,7 @@ class Engine:
             raise UserError(f"request {request.id} needs {need} cache positions; this engine holds {self.max_len}")
         request.settings = dataclasses.replace(request.params, seed=0)
         request.submitted = self._now()
-        self.sched.queue.append(request)
+        self.sched.submit(request, ids)
 
     @property
     def idle(self) -> bool:
@@ -159,7 +174,7 @@ class Engine:
         s = self.sched
         for r in s.queue:
             if r.id == request_id:
-                s.queue.remove(r)
+                s.withdraw(r)
                 return True
         if any(r.id == request_id for r in (*s.prefilling, *s.running)):
             self.cancelled.add(request_id)
@@ -211,9 +226,8 @@ class Engine:
     def _start_block(self, rs: list[Request]) -> None:
         """Requests `rs` begin their current block: its first canvas, an empty history, no self-conditioning."""
         dev = self.device
-        seed = to_device([r.seed for r in rs], torch.long, dev)[:, None]  # [k, 1]
-        block = to_device([r.block for r in rs], torch.long, dev)[:, None]
-        canvas = draws.token_ids(seed, draws.INIT, block, 0, self.positions, self.vocab, device=dev)  # [k, C]
+        states = draws.rows([(r.seed, draws.INIT, r.block, 0) for r in rs], dev)  # [k, 1]
+        canvas = draws.token_ids_at(states, self.mixed_positions, self.vocab)  # [k, C]
         for k, r in enumerate(rs):
             r.canvas = r.first_canvas if r.block == 0 and r.first_canvas is not None else canvas[k]
             r.history = torch.full((r.params.stability_threshold, self.c), -1, dtype=torch.long, device=dev)
@@ -234,7 +248,11 @@ class Engine:
                 zero = next(r.soft for r in rows if r.soft is not None).new_zeros(self.c, self.model.config.hidden_size)
                 soft = torch.stack([zero if r.soft is None else r.soft for r in rows])
         ids = torch.cat([*plan.causal_ids, *([p.canvas_in.flatten()] if rows else [])])
-        hidden = self.model.forward_pass(ids, plan.segments, self.cache, soft)
+        hidden = None if self.graphs is None else self.graphs.forward(ids, plan.segments, soft)
+        if hidden is None:
+            hidden = self.model.forward_pass(ids, plan.segments, self.cache, soft)
+        else:
+            self.stats["graph_passes"] += 1
         for r in plan.commits:
             r.commit = None
         if rows:
@@ -250,10 +268,11 @@ class Engine:
         dev, rows = self.device, p.plan.canvases
         depth = max(r.params.stability_threshold for r in rows)
         hist = torch.stack([self._history(r, depth) for r in rows], dim=1)  # [S, b, C]
-        seed, block, step = (to_device(v, torch.long, dev)[:, None] for v in
-                             ([r.seed for r in rows], p.blocks, [s + 1 for s in p.steps]))
-        uniform = draws.uniform(seed, draws.DRAW, block, step, self.positions, device=dev)  # [b, C]
-        noise = draws.token_ids(seed, draws.RENOISE, block, step, self.positions, self.vocab, device=dev)
+        counters = [(r.seed, b, s + 1) for r, b, s in zip(rows, p.blocks, p.steps)]
+        uniform = draws.uniform_at(draws.rows([(x, draws.DRAW, b, s) for x, b, s in counters], dev),
+                                   self.mixed_positions)  # [b, C]
+        noise = draws.token_ids_at(draws.rows([(x, draws.RENOISE, b, s) for x, b, s in counters], dev),
+                                   self.mixed_positions, self.vocab)
         temp = to_device([r.temperature(s) for r, s in zip(rows, p.steps)], torch.float32, dev)  # [b]
         first = rows[0]
         same = first.params.stability_threshold == depth and all(r.settings == first.settings for r in rows)
@@ -352,6 +371,7 @@ class Engine:
             r.block += 1
             if stop_index is None and r.block < r.num_blocks:
                 r.commit, r.prefix = argmax[k], r.prefix + self.c
+                self.sched.committed(r, tokens)  # its commit pass writes their keys (prefix caching keys them)
                 going_on.append(r)
                 continue
             self.sched.release(r)

@@ -4,7 +4,8 @@ Owns: `read(t, why)`, the only way `engine.Engine` (and the server's worker) bri
 the host while they run, for one of `READS`: "stop" (a pass's stop flags: once per pass when some running
 request can stop early; the CUDA engine reads them a pass late, from a pinned copy), "commit" (the
 token ids of the blocks that ended, once per pass that ends a block) and "draft" (`dgemma serve`'s worker:
-a step's canvas for a client that asked for drafts, from a pinned copy a pass late on CUDA). And `substituted(fn)`, which hands
+a step's canvas for a client that asked for drafts, from a pinned copy a pass late on CUDA), "prompt" (with
+prefix caching, a device prompt's ids once at submit, outside any pass). And `substituted(fn)`, which hands
 `fn`'s values out instead for the reads made inside it: a fake-tensor run (tests/sampling/test_fake_cuda.py)
 has no values, and there every other host read is an error. Must not: read anything else, or decide
 anything with what it reads.
@@ -17,7 +18,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-READS = ("stop", "commit", "draft")
+READS = ("stop", "commit", "draft", "prompt")
 
 _substitute: Callable[[torch.Tensor, str], list] | None = None
 

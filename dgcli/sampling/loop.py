@@ -83,6 +83,7 @@ def generate_batch_events(
     max_batch: int | None = None,
     stats: dict | None = None,
     step_mode: str = "dynamic",
+    prefix_caching: bool = False,
 ) -> Iterator[Event]:
     """Run the entropy-bound sampler on several prompts at once, yielding each row's BlockStart, Step...,
     Commit per block and its Done, every event carrying `row` (the prompt's index). Rows may differ in
@@ -103,7 +104,9 @@ def generate_batch_events(
     `stats` (a dict, if given) receives the run's decoder_passes, encoder_passes, row_steps (rows
     computed over all passes; slot occupancy = row_steps / (decoder_passes · max_batch)), denoise_s (the
     decoder passes' own time, each pass once) and encode_s (prefills and commits). `step_mode` picks how a
-    step runs: "dynamic" (its exact shapes; the only one for now)."""
+    step runs: "dynamic" (its exact shapes) or "graphs" (CUDA graphs of denoise-only passes: model/graphs.py;
+    the engine is kept for the next call of the same shape). `prefix_caching`: prompts share the cached
+    whole blocks of earlier prompts and answers of this call (stats gain prefix_cache_queries and _hits)."""
     n_rows = len(prompts)
     if n_rows < 1:
         raise UserError("no prompts: give at least one")
@@ -145,11 +148,37 @@ def generate_batch_events(
         slots = min(slots, n_rows)
     # A request's last block is never encoded: a slot holds at most its prompt and blocks - 1 canvases.
     max_len = max(len(q.prompt) + (q.num_blocks - 1) * c for q in requests)
-    engine = new_engine(model, slots=slots, max_len=max_len, pad_id=pad_id, compile_tiles=compile_tiles, stats=stats,
-                        step_mode=step_mode)
-    for q in requests:
-        engine.submit(q)
+    key = (id(model), slots, max_len, pad_id, compile_tiles, prefix_caching)
+    engine = _graphs_engine(key) if step_mode == "graphs" else None
+    if engine is None:
+        engine = new_engine(model, slots=slots, max_len=max_len, pad_id=pad_id, compile_tiles=compile_tiles,
+                            stats=None if step_mode == "graphs" else stats, step_mode=step_mode,
+                            prefix_caching=prefix_caching)
+        if step_mode == "graphs":
+            _KEPT.clear()
+            _KEPT[key] = engine
+    for q, ids in zip(requests, prompts):  # host ids where given (prefix caching keys blocks by them)
+        engine.submit(q, ids=list(ids) if isinstance(ids, (list, tuple)) else None)
     yield from engine.events()
+    if stats is not None and stats is not engine.stats:
+        stats.update(engine.stats)
+
+
+# The last engine with CUDA graphs, kept for the next call of the same shape (bench's runs, sweep's points): its
+# graphs, captured once, are replayed by every later run instead of being captured again in each. Each call
+# starts as a new engine would: counters at zero, no cached prompt blocks from an earlier call.
+_KEPT: dict[tuple, Any] = {}
+
+
+def _graphs_engine(key: tuple) -> Any:
+    engine = _KEPT.get(key)
+    if engine is None or not engine.idle:
+        return None
+    for name, value in engine.stats.items():
+        engine.stats[name] = type(value)()
+    if engine.cache.prefix_caching:
+        engine.cache.drop_cached()
+    return engine
 
 
 def generate_events(

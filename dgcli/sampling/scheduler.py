@@ -9,6 +9,11 @@ arrival order under a per-pass token budget (the running canvases count against 
 canvas's worth when they fill it), so a long prompt never stalls the requests that are denoising. A request
 whose prompt completes in a pass starts its first block in that same pass (its canvas reads the prompt's keys
 of that layer, written before canvases read: model/attention.py).
+Prefix caching (`prefix_caching`): at admission a request holds the cache's longest run of whole blocks of its
+prompt (`cache.lookup`) and encodes only the rest (none when every block hit: its first block starts at once);
+the whole blocks a planned pass completes (prompt chunks, commits) are keyed for later requests
+(`cache.register`), so blocks are keyed only once the pass that writes them is launched. Counts prompt tokens
+looked up and found (`prefix_cache_queries`, `prefix_cache_hits`, as vLLM counts them).
 Must not: touch tensors other than slicing a request's ids, read the device, or know about the sampler's math.
 """
 
@@ -44,12 +49,33 @@ class Plan:
 
 
 class Scheduler:
-    def __init__(self, cache: Any, *, seqs: int, canvas: int, budget: int):
+    def __init__(self, cache: Any, *, seqs: int, canvas: int, budget: int, prefix_caching: bool = False,
+                 stats: dict | None = None):
         self.cache, self.c, self.budget = cache, canvas, budget
         self.free = list(range(seqs))
         self.queue: deque = deque()
         self.prefilling: list = []  # admitted, prompt not fully encoded yet (arrival order)
         self.running: list = []  # denoising; row k of a pass's canvases is running[k] when every one runs
+        # Prefix caching: each request's host ids of its positions so far (prompt, then committed blocks).
+        self.prefix_caching, self.ids = prefix_caching, {}
+        self.stats = {} if stats is None else stats
+        self.stats.update(prefix_cache_queries=0, prefix_cache_hits=0)
+
+    def submit(self, r: Any, ids: list[int] | None = None) -> None:
+        """Queue r; `ids`: its prompt's ids on the host (what prefix caching looks up and keys blocks by)."""
+        if self.prefix_caching:
+            self.ids[r] = list(ids)
+        self.queue.append(r)
+
+    def withdraw(self, r: Any) -> None:
+        """A queued request leaves before it was admitted."""
+        self.queue.remove(r)
+        self.ids.pop(r, None)
+
+    def committed(self, r: Any, tokens: list[int]) -> None:
+        """r's block ended with `tokens` (all C ids): their keys are written by its commit, in its next pass."""
+        if self.prefix_caching:
+            self.ids[r] += tokens
 
     @property
     def idle(self) -> bool:
@@ -59,8 +85,17 @@ class Scheduler:
         """Free sequences take queued requests (in order) while the cache can reserve their positions."""
         while self.queue and self.free:
             r = self.queue[0]
-            if not self.cache.reserve(self.free[0], len(r.prompt) + r.num_blocks * self.c):
-                break
+            need = len(r.prompt) + r.num_blocks * self.c
+            if not self.prefix_caching:
+                if not self.cache.reserve(self.free[0], need):
+                    break
+            else:  # its prompt's longest cached run of whole blocks is held, not encoded again
+                hit = self.cache.lookup(self.ids[r][:len(r.prompt)])
+                if not self.cache.reserve(self.free[0], need, shared=hit):
+                    break
+                r.prefilled = len(hit) * self.cache.block_size
+                self.stats["prefix_cache_queries"] += len(r.prompt)
+                self.stats["prefix_cache_hits"] += r.prefilled
             self.queue.popleft()
             r.slot = self.free.pop(0)
             self.prefilling.append(r)
@@ -72,6 +107,7 @@ class Scheduler:
         if r in self.prefilling:
             self.prefilling.remove(r)
         self.cache.release(r.slot)
+        self.ids.pop(r, None)
         self.free.append(r.slot)
         self.free.sort()
         r.slot = -1
@@ -87,18 +123,21 @@ class Scheduler:
                 p.segments.append(Seg(r.slot, r.prefix - c, c, False))
                 p.causal_ids.append(r.commit)
                 p.commits.append(r)
+                self._register(r, r.prefix)
         left = self.budget - len(canvases) * c - len(p.commits) * c
         if self.prefilling and left < 1:
             left = c  # progress for the prompts whatever the running set
         for r in list(self.prefilling):
             n = min(len(r.prompt) - r.prefilled, left)
-            if n < 1:
+            if n < 1 and r.prefilled < len(r.prompt):
                 break
-            p.segments.append(Seg(r.slot, r.prefilled, n, False))
-            p.causal_ids.append(r.prompt[r.prefilled:r.prefilled + n])
-            p.prefills.append(r)
-            r.prefilled += n
-            left -= n
+            if n > 0:  # (none when its whole prompt was a prefix hit)
+                p.segments.append(Seg(r.slot, r.prefilled, n, False))
+                p.causal_ids.append(r.prompt[r.prefilled:r.prefilled + n])
+                p.prefills.append(r)
+                r.prefilled += n
+                left -= n
+                self._register(r, r.prefilled)
             if r.prefilled == len(r.prompt):
                 self.prefilling.remove(r)
                 self.running.append(r)
@@ -108,3 +147,9 @@ class Scheduler:
         p.canvases = canvases
         p.segments += [Seg(r.slot, r.prefix, c, True) for r in canvases]
         return p
+
+    def _register(self, r: Any, upto: int) -> None:
+        """r's positions before `upto` are written by the pass being planned (launched before any pass that
+        could read them as a hit): their whole blocks become cached blocks."""
+        if self.prefix_caching:
+            self.cache.register(r.slot, self.ids[r][:upto])

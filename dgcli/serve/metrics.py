@@ -48,6 +48,8 @@ class Metrics:
         self.running = 0  # requests holding a slot
         self.cancelled = 0
         self.committed_tokens = 0
+        self.prefix_cache_queries = 0  # prompt tokens looked up in the engine's prefix cache
+        self.prefix_cache_hits = 0  # of them, tokens found (their blocks held, not encoded again)
         self.steps_per_block = Histogram(STEP_BUCKETS)
         self.pass_latency = Histogram(LATENCY_BUCKETS)
         self.progress_at = time.monotonic()  # when the engine thread last made progress
@@ -72,6 +74,11 @@ class Metrics:
             self.steps_per_block.observe(steps)
             self.committed_tokens += tokens
 
+    def prefix_cache(self, queries: int, hits: int) -> None:
+        """The engine's running totals (its stats), copied after a pass."""
+        with self.lock:
+            self.prefix_cache_queries, self.prefix_cache_hits = queries, hits
+
     def decoder_pass(self, seconds: float) -> None:
         with self.lock:
             self.pass_latency.observe(seconds)
@@ -90,6 +97,10 @@ class Metrics:
                  "Requests withdrawn from the engine (client gone, stop string, max_tokens reached, shutdown)."),
                 ("committed_tokens_total", "counter", self.committed_tokens,
                  "Answer tokens committed by finished blocks (up to a stop id; before a stop-string or max_tokens cut)."),
+                ("prefix_cache_queries_total", "counter", self.prefix_cache_queries,
+                 "Prompt tokens looked up in the prefix cache (0 with --no-prefix-caching)."),
+                ("prefix_cache_hits_total", "counter", self.prefix_cache_hits,
+                 "Prompt tokens found in the prefix cache: whole blocks of an earlier prompt or answer, not encoded again."),
                 ("engine_last_progress_seconds", "gauge", round(age, 3),
                  "Seconds since the engine thread last finished a decoder pass or handled a message; 0 while it "
                  "waits for work. Past --stall-timeout, /health answers 503."),

@@ -74,7 +74,7 @@ class Worker:
     def _engine(self) -> Engine:
         s = self.session
         return new_engine(s.model, slots=self.slots, max_len=self.max_len, pad_id=s.pad_id, compile_tiles=s.compiled,
-                          step_mode=s.step_mode)
+                          step_mode=s.step_mode, prefix_caching=getattr(s, "prefix_caching", True))
 
     # ---- any thread --------------------------------------------------------------------------------------
 
@@ -143,7 +143,7 @@ class Worker:
                 request = Request(id=job.id, prompt=torch.tensor(spec.prompt_ids),  # the engine sends it to the device
                                   params=spec.params, num_blocks=spec.num_blocks, seed=spec.params.seed,
                                   stops=set() if spec.ignore_eos else set(self.session.stop_ids))
-                self.engine.submit(request)
+                self.engine.submit(request, ids=list(spec.prompt_ids))
             except Exception as e:  # the engine refused it (the app's checks should have caught this)
                 log.exception("the engine refused request %s", job.id)
                 status = 400 if isinstance(e, UserError) else 500
@@ -175,9 +175,14 @@ class Worker:
                 self._forget(j, cancelled=False, last=("error", failed))
             self.engine = None  # free the old cache before the new one is allocated
             self.engine = self._engine()
+            m = self.metrics  # the counters go on from the old engine's totals
+            self.prefix_base = (m.prefix_cache_queries, m.prefix_cache_hits)
             return
         if stats["denoise_s"] > before:
             self.metrics.decoder_pass(stats["denoise_s"] - before)
+        base = getattr(self, "prefix_base", (0, 0))
+        self.metrics.prefix_cache(base[0] + stats.get("prefix_cache_queries", 0),
+                                  base[1] + stats.get("prefix_cache_hits", 0))
 
     def _forget(self, job: Job, *, cancelled: bool, last: tuple | None = None) -> None:
         """Drop `job` from the books; `last` is its final message, sent unless `abort` has answered it."""

@@ -1,7 +1,7 @@
-"""`--cuda-graphs` (generate, bench, sweep, serve): the paged engine does not capture CUDA graphs yet, so the
-flag is one `dgemma: error:` line before any weights load (and, for serve, before the port is bound): without a
-CUDA device it says so, with one it says graphs are not built. The error tests hide the GPU where there is one
-(so they run on every machine)."""
+"""`--cuda-graphs` (generate, bench, sweep, serve): decode-only passes replay CUDA graphs (model/graphs.py;
+tests/sampling/test_graphs.py checks their events). Where graphs cannot run the flag is one `dgemma: error:`
+line before any weights load (and, for serve, before the port is bound): without a CUDA device, with --compile,
+without Triton. The error tests hide the GPU where there is one (so they run on every machine)."""
 
 from __future__ import annotations
 
@@ -75,13 +75,17 @@ def test_serve_with_cuda_graphs_exits_before_binding(tmp_path):
 
 def test_the_check_and_the_step_mode():
     assert sess.check_cuda_graphs(False, torch.device("cpu")) == "dynamic"
-    with pytest.raises(UserError, match="does not capture CUDA graphs yet"):  # no GPU needed: only the type
-        sess.check_cuda_graphs(True, torch.device("cuda", 0))
+    assert sess.check_cuda_graphs(True, torch.device("cuda", 0)) == "graphs"  # no GPU needed: only the type
     with pytest.raises(UserError, match=r"--cuda-graphs needs a CUDA device \(this run is on cpu\)"):
         sess.check_cuda_graphs(True, torch.device("cpu"))
     with pytest.raises(UserError, match="--compile does not apply to it: drop one of them"):
         sess.check_cuda_graphs(True, torch.device("cuda", 0), compile=True)
     assert sess.check_cuda_graphs(False, torch.device("cpu"), compile=True) == "dynamic"
+    # the CLI's default (no flag): graphs where they run, else the dynamic step, never an error
+    assert sess.check_cuda_graphs(None, torch.device("cuda", 0)) == "graphs"
+    assert sess.check_cuda_graphs(None, torch.device("cuda", 0), compile=True) == "dynamic"
+    assert sess.check_cuda_graphs(None, torch.device("cpu")) == "dynamic"
+    assert sess.check_cuda_graphs(False, torch.device("cuda", 0)) == "dynamic"  # --no-cuda-graphs
 
 
 def test_a_session_without_the_flag_runs_the_dynamic_step():
@@ -90,9 +94,9 @@ def test_a_session_without_the_flag_runs_the_dynamic_step():
     assert sess.open_session(None, None, {"device": "cpu"}).step_mode == "dynamic"
 
 
-def test_a_graphs_session_is_refused_by_the_engine_until_it_captures():
-    """The paged engine runs every pass with its exact shapes; until it captures graphs per batch bucket a
-    session asking for them gets one clear error (not a silent dynamic run)."""
+def test_a_graphs_session_off_cuda_is_one_clear_error():
+    """A graphs session reaching an engine without the paged Triton kernel (a library caller past the CLI's
+    check) gets one line, not a silent dynamic run."""
     s = sess.open_session(None, None, {"device": "cpu", "max_denoising_steps": 4})
     graphs = dataclasses.replace(s, step_mode="graphs")
     ids = request.encode(s, "Reverse: c a t")
@@ -104,7 +108,9 @@ def test_bench_provenance_says_the_step_mode(capsys):
     code, out, err = run(["bench", *TINY_BENCH, "--format", "json"], capsys)
     assert code == 0, err
     prov = json.loads(out)["rows"][0]["provenance"]
-    assert prov["step_mode"] == "dynamic" and prov["compiled_decoder"] is False
+    # graphs by default where bench ran on CUDA, the dynamic step elsewhere
+    assert prov["step_mode"] == ("graphs" if prov["device"] == "cuda" else "dynamic")
+    assert prov["compiled_decoder"] is False
     # the paged attention's backend: the Triton kernel where bench ran on CUDA (its default there), else SDPA
     assert prov["kernels"]["attention"] == ("triton-paged" if prov["device"] == "cuda" else "torch-sdpa")
 
@@ -118,4 +124,4 @@ def test_cuda_graphs_is_refused_with_base_url(capsys):
 @pytest.mark.parametrize("cmd", ["generate", "bench", "sweep", "serve"])
 def test_every_model_command_lists_the_flag(capsys, cmd):
     code, out, _ = run([cmd, "--help"], capsys)
-    assert code == 0 and "--cuda-graphs" in out
+    assert code == 0 and "--cuda-graphs" in out and "--no-cuda-graphs" in out

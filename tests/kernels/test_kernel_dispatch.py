@@ -20,7 +20,7 @@ def test_cpu_defaults(monkeypatch):
     monkeypatch.delenv("DGEMMA_KERNELS", raising=False)
     assert dispatch.implementation("vocab_pass", "cpu") == "cpu"
     assert dispatch.implementation("experts", "cpu") == "cpu"
-    assert dispatch.implementation("rms_norm", "cpu") == "reference"
+    assert dispatch.implementation("rms_norm", "cpu") == "cpu"
 
 
 def test_reference_forced(monkeypatch):
@@ -65,3 +65,22 @@ def test_kernels_package_is_this_repository():
 
     assert pathlib.Path(dgcli.kernels.__file__).resolve().parent == pathlib.Path(dispatch.__file__).resolve().parent
     assert (pathlib.Path(dispatch.__file__).parent / "reference.py").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_rms_norm_is_the_reference_bit_for_bit(dtype):
+    """torch's CPU rms_norm (the 'cpu' implementation) against the reference's formula: widths of the real and
+    tiny configs, odd ones, 1 to 300 rows, 3-D and strided inputs, large and tiny magnitudes, with and without a
+    weight, several eps."""
+    g = torch.Generator().manual_seed(0)
+    for width in (80, 160, 256, 512, 2816, 7, 33):
+        for rows in (1, 16, 300):
+            for scale, eps in ((1.0, 1e-6), (300.0, 1e-6), (1e-3, 1e-5)):
+                x = (torch.randn(rows, width, generator=g) * scale).to(dtype)
+                w = torch.randn(width, generator=g).to(dtype)
+                for weight in (w, None):
+                    got = dispatch.rms_norm(x, weight, eps)
+                    assert torch.equal(got, reference_ops.rms_norm_reference(x, weight, eps)), (width, rows, scale)
+    x = torch.randn(2, 5, 64, generator=g).to(dtype)
+    for t in (x, x.transpose(0, 1), x[:, ::2]):
+        assert torch.equal(dispatch.rms_norm(t, None, 1e-6), reference_ops.rms_norm_reference(t, None, 1e-6))

@@ -69,7 +69,7 @@ def test_rates_and_tables_format():
     step = dict(model="m", batch=4, prompt_len=8, step_ms=8.0, instrumented_ms=8.0, step_tflops=0.3,
                 step_flop_share=0.1, components=comps)
     text = "\n".join(sb.step_table([step]))
-    assert "no graphs on/off axis" in text and "| 4 | 8.00 | 8.00 | 0.3 (10.0 %) | 1.00 ms · 12 % |" in text
+    assert "eager (graphs on and off: benchmarks/step_profile.py)" in text and "| 4 | 8.00 | 8.00 | 0.3 (10.0 %) | 1.00 ms · 12 % |" in text
     assert "2.00 ms · 25 % · 0.5 TF/s (25.0 %)" in text
 
 
@@ -86,7 +86,7 @@ def test_gpu_suite_section_shows_the_kernel_and_step_tables():
                            "output": stdout}], "cuda")
     assert "peaks 989 TFLOP/s bf16, 3350 GB/s (datasheet)" in text
     assert "| rms_norm | triton | 1.000 | 4 | 0.4 | 2000 | 59.7 | - |" in text
-    assert "| 1 | 7.00 | 7.00 | 1 (0.1 %) |" in text and "no graphs on/off axis" in text
+    assert "| 1 | 7.00 | 7.00 | 1 (0.1 %) |" in text and "eager (graphs on and off: benchmarks/step_profile.py)" in text
     assert suite._kernel_report("Traceback: boom") == []
 
 
@@ -128,7 +128,7 @@ def test_cpu_run_reports_kernels_and_the_step_breakdown(tmp_path):
         assert all(comps[k]["ms"] > 0 for k in sb.COMPONENTS if k != "rest")
         assert sum(c["share"] for c in comps.values()) == pytest.approx(1.0, abs=0.02)
         assert comps["vocab_pass"]["gflop"] == pytest.approx(s["batch"] * 4 * 256 * 2048 * 128 / 1e9)
-    assert "| op | impl | ms | TFLOP/s |" in p.stdout and "no graphs on/off axis" in p.stdout
+    assert "| op | impl | ms | TFLOP/s |" in p.stdout and "eager (graphs on and off: benchmarks/step_profile.py)" in p.stdout
 
 
 def test_cuda_without_a_gpu_is_one_clear_line():

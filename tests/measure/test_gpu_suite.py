@@ -32,11 +32,12 @@ def test_dry_run_plans_every_step_at_cpu_sizes():
                           capture_output=True, text=True, check=True, cwd=ROOT).stdout
     plans = dict(line.split(": ", 1) for line in cuda.splitlines())
     assert "--dummy 26B-A4B" in plans["bench_dummy"] and "--batch-size 1,4,8" in plans["bench_dummy"]
-    assert list(plans) == steps  # the same steps on both plans: no CUDA-only step left (no CUDA graphs)
-    assert "TRITON_INTERPRET" not in cuda and "--cuda-graphs" not in cuda and "--step-mode" not in cuda
+    assert list(plans) == steps[:8] + ["bench_graphs"] + steps[8:]  # CUDA only: the bench with graphs
+    assert plans["bench_graphs"].split("  (limit")[0] == plans["bench_dummy"].split("  (limit")[0] + " --cuda-graphs"
+    assert "TRITON_INTERPRET" not in cuda and "--step-mode" not in cuda and "--graphs off,on" in plans["profile"]
     assert passes in plans["engine_passes"] and passes in dict(line.split(": ", 1) for line in out.splitlines())[
         "engine_passes"]
-    assert plans["sync_check"].split("  (limit")[0].endswith("benchmarks/sync_check.py")
+    assert plans["sync_check"].split("  (limit")[0].endswith("benchmarks/sync_check.py --graphs")
     # per-kernel rates and the step breakdown: 2 layers of 26B-A4B at batch 1/4/8 on CUDA, one small batch on CPU
     kernels = plans["bench_kernels"].split("  (limit")[0]
     assert kernels.endswith("--device cuda --layers 2 --step 26B-A4B --batch 1,4,8") and "--small" not in kernels
@@ -94,3 +95,18 @@ def test_sync_check_without_cuda_prints_one_line_and_passes():
     gone = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sync_check.py"), "--step-mode", "graphs"],
                           capture_output=True, text=True, cwd=ROOT)
     assert gone.returncode == 2 and "--step-mode" in gone.stderr  # no CUDA graphs any more
+
+
+def test_a_short_lease_budget_caps_and_logs(tmp_path):
+    """--budget shares its seconds among the steps (a step with under 10 s left is listed as not run), --log-dir
+    keeps each step's output and the section as the steps end; a bad --cap is one line."""
+    logs = tmp_path / "logs"  # 11.2 s: env starts (11 s left) and, importing torch, takes over 1.2 s
+    p = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--only", "env,kernels", "--budget", "11.2",
+                        "--cap", "env=30", "--log-dir", str(logs)], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 1, p.stderr  # a step not run is not a pass
+    assert sorted(f.name for f in logs.iterdir()) == ["env.log", "section.md"]
+    section = (logs / "section.md").read_text()
+    assert "| env | 0 |" in section and "| kernels | not run (budget) | 0 |" in p.stdout
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--only", "env", "--cap", "env"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode != 0 and "--cap 'env': give STEP=SECONDS" in bad.stderr

@@ -94,3 +94,21 @@ def test_uniform_folds_the_shared_words_once():
     hi = draws._hash(seed, draws.DRAW, block, step, pos, 0)
     lo = draws._hash(seed, draws.DRAW, block, step, pos, 1)
     assert torch.equal(draws.uniform(seed, draws.DRAW, block, step, pos), ((hi << 21) | (lo >> 11)).double() * 2.0**-53)
+
+
+def test_the_row_forms_give_the_same_bits():
+    """`rows` (the per-row words hashed on the host) + `uniform_at` / `token_ids_at` (the position folded by tensor
+    ops, its mix made once) are `uniform` / `token_ids` of the same counters, bit for bit; seeds past 2^32 too."""
+    counters = [(0, draws.DRAW, 0, 1), (7, draws.RENOISE, 3, 17), (2**40 + 5, draws.INIT, 1, 0),
+                (2**63 - 1, draws.DRAW, 2**20, 255)]
+    pos = torch.arange(300)
+    states, mixed = draws.rows(counters, "cpu"), draws.mixed_positions(pos)
+    assert states.tolist() == [[py_hash(*c)] for c in counters]
+    seed, purpose, block, step = (torch.tensor([c[i] for c in counters])[:, None] for i in range(4))
+    for k, (_, p, _, _) in enumerate(counters):  # one purpose per call, as the engine draws
+        want_u = draws.uniform(seed[k:k + 1], p, block[k:k + 1], step[k:k + 1], pos)
+        want_t = draws.token_ids(seed[k:k + 1], p, block[k:k + 1], step[k:k + 1], pos, 262144)
+        assert torch.equal(draws.uniform_at(states[k:k + 1], mixed), want_u)
+        assert torch.equal(draws.token_ids_at(states[k:k + 1], mixed, 262144), want_t)
+    with pytest.raises(ValueError, match="vocab_size"):
+        draws.token_ids_at(states, mixed, 0)
