@@ -273,14 +273,9 @@ def preflight(cfg: ModelConfig, weight_bytes: int, device: Any, *, spec: str, to
     how many layers would. `total_bytes`: the weights' bytes when not params x weight_bytes (GGML blocks)."""
     from dgcli.measure import card
 
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        try:
-            meminfo = Path("/proc/meminfo").read_text().splitlines()
-            free = next(int(ln.split()[1]) * 1024 for ln in meminfo if ln.startswith("MemAvailable:"))
-        except (OSError, StopIteration, ValueError):
-            return  # no way to know here: try
+    free = free_bytes(device)
+    if free is None:
+        return  # no way to know here: try
     counts = card.param_counts(cfg)
     weights = counts["total"] * weight_bytes if total_bytes is None else total_bytes
     need = weights + card.working_set_bytes(cfg, 4096, weight_bytes)["total"]
@@ -291,3 +286,24 @@ def preflight(cfg: ModelConfig, weight_bytes: int, device: Any, *, spec: str, to
     hint = f"shrink it with --layers {fits}" if fits >= 1 else "it does not fit even with --layers 1"
     raise UserError(f"--dummy {spec} needs ~{need / 2**30:.1f} GiB on {device} but only {free / 2**30:.1f} GiB "
                     f"is free; {hint}")
+
+
+def free_bytes(device: Any) -> int | None:
+    """Memory free for new tensors on `device` (CUDA: the driver's count; CPU: MemAvailable), None if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        meminfo = Path("/proc/meminfo").read_text().splitlines()
+        return next(int(ln.split()[1]) * 1024 for ln in meminfo if ln.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def prefix_cache_fits(session: Session, slots: int, positions: int, share: float = 0.6) -> tuple[bool, int, int | None]:
+    """(fits, bytes, free): whether a prefix-caching KV cache for `slots` sequences of `positions` (every layer
+    keeps every position: model/paged.py) takes at most `share` of the memory free now on the session's device."""
+    m = session.model
+    per_position = sum(2 * g.num_kv_heads * g.head_dim for g in m.geometry) * m.embed_weight.element_size()
+    need = slots * -(-positions // 16) * 16 * per_position
+    free = free_bytes(session.device)
+    return free is None or need <= share * free, need, free

@@ -157,3 +157,14 @@ def test_kv_per_slot_with_prefix_caching_is_what_the_cache_allocates(session, co
     for prefix, key in ((True, "was"), (False, "total")):
         cache = Engine(session.model, slots=3, max_len=context, prefix_caching=prefix).cache
         assert cache.nbytes() / 3 == memory.kv_bytes(cfg, context, 4)[key]
+
+
+def test_serve_checks_that_a_prefix_caching_kv_fits():
+    """`prefix_cache_fits` (serve turns prefix caching off, with a note, when it does not fit): its byte count is
+    what the cache allocates for those slots and positions."""
+    from dgcli.runtime.session import open_session, prefix_cache_fits
+
+    s = open_session(None, None, {"device": "cpu"})
+    fits, need, free = prefix_cache_fits(s, 3, 100)
+    assert need == s.model.new_cache(3, 100, prefix_caching=True).nbytes() and fits and free > need
+    assert not prefix_cache_fits(s, 3, 100, share=need / free / 2)[0]
