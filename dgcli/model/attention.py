@@ -65,7 +65,8 @@ def _kernel_ok() -> bool:
 
 class PassLayout:
     """One pass's rows: segments in row order (every causal segment before every canvas segment), positions,
-    write slots per cache group and, per (segment, window), the key runs and mask. Host work once per pass."""
+    write slots per cache group and, per (segment, window), the key runs and mask. Host work once per pass.
+    A captured pass (model/graphs.py) keeps one layout's device tensors and `load`s each later pass into them."""
 
     def __init__(self, segments: list[Segment], cache, device: torch.device, every_seq: bool = False):
         """`every_seq`: the kernel's block tables hold every sequence of the cache, indexed by sequence id, at a
