@@ -4,44 +4,27 @@ Owns: `prepare` (a GGUF block tensor -> the form kept in memory, built once at l
 (the `experts_reference` semantics over routed experts only) and `dequantize_prepared` (tests).
 Must not: know GGUF files or tensor names (dgcli/model/gguf.py), or route (the model's router does).
 
-The forms (all built at load; the file's bytes are not kept):
-- Q4_K -> torch's int4 CPU kernel (`torch._weight_int4pack_mm_for_cpu`: w = (q − 8)·scale + zero per group of
-  32 along K, fp32 accumulation). A Q4_K sub-block of 32 is one group: scale = d·sc, zero = 8·d·sc − dmin·m
-  (exact in fp32, stored in the activation dtype: bf16 rounds them, relative error <= 2^-9 each). 0.625 bytes
-  per value with bf16 scales (Q4_K: 0.5625; 1.11x).
-- Q8_0 -> the same int4 kernel on two nibble planes: q + 128 = 16a + b, so d·q = (a − 8)·16d + 8d + (b − 8)·d:
-  plane a (scale 16d, zero 8d) and plane b (scale d, zero 0) side by side along K, x fed twice. One kernel call;
-  the only rounding is d to bf16 (16d, 8d are then exact). 1.25 bytes per value (Q8_0: 1.0625; 1.18x).
-- Q6_K -> kept as its bytes; each call dequantizes row tiles of ~1 MB into a fresh buffer and runs F.linear on
-  them (its 16-value sub-blocks do not map onto the kernel's groups of 32; in a Q4_K_M file it is the rare type:
-  attn_v and some ffn_down). So it is bound by the dequantization at any row count: ~2 ns per weight, [2048, 2816]
-  11.7 / 11.5 / 25 ms at 1 / 16 / 256 rows against bf16 0.23 / 0.9 / 14. Unpacking in int64 words into reused
-  buffers did not help (+-10%): the cost is the product with a scale per 16 values, a broadcast over an inner
-  dimension of 16, which torch's elementwise loops run ~5x slower than a contiguous one.
-Rows are padded to a multiple of 64 for the kernel (its packed layout is blocks of 64 rows: real shapes need no
-padding). Activations in fp32 (or scales not in x's dtype) take the exact fp32 tile path: the kernel's fp32 path
-is scalar code, ~70x slower than its bf16 one here. Q4_0 (scale d, zero 0) and Q5_0 (two planes, as Q8_0) use the
-int4 form too: llama.cpp writes Q5_0 for a Q4_K_M tensor whose rows are not a multiple of 256.
+The forms (built at load; the file's bytes are not kept). Q4_K -> torch's int4 CPU kernel
+(`torch._weight_int4pack_mm_for_cpu`: w = (q − 8)·scale + zero per group of 32 along K, fp32 accumulation): a
+sub-block of 32 is one group, scale = d·sc, zero = 8·d·sc − dmin·m (exact in fp32, stored in the activations'
+dtype: bf16 rounds them, relative error <= 2^-9 each); 0.625 bytes per value (Q4_K: 0.5625). Q4_0: scale d, zero 0.
+Q8_0 -> the same kernel on two nibble planes side by side along K (q + 128 = 16a + b: plane a scale 16d, zero 8d;
+plane b scale d, zero 0; x fed twice); 1.25 bytes per value. Q5_0 (llama.cpp's Q4_K_M type for rows not a
+multiple of 256) the same way. Q6_K -> kept as its bytes, dequantized per call in ~1 MB row tiles for F.linear
+(its 16-value sub-blocks do not map onto groups of 32): ~2 ns per weight. Rows are padded to a multiple of 64.
+fp32 activations (or scales not in x's dtype) take the exact fp32 tile path (the kernel's fp32 path is ~70x slower).
 
-Two paths for an int4 form, picked by the rows M of x (`linear`):
-- M < GEMM_ROWS (64; planes: GEMM_ROWS_PLANES, 32): torch's int4 kernel. It reads 3.5x fewer bytes than bf16 but
-  multiplies in fp32 FMAs (~85 GFLOP/s here against oneDNN's ~215 bf16), so it wins only while a GEMM is bound by
-  its weight reads: 1 thread, [1408, 2816]: 0.27 / 1.5 / 24 ms at 1 / 16 / 256 rows, bf16 0.41 / 0.8 / 9.3.
-- M >= GEMM_ROWS: the GEMM path (`_gemm_int4`): tiles of ~4 M weights dequantized into a reused per-thread bf16
-  buffer as W.T (`_int4_tile_t`: nibbles unpacked 8 bytes at a time in int64 words, one strided int8 -> bf16
-  copy, one addcmul with the group's scale and zero; ~0.55-0.7 ns per weight at 1 thread), then oneDNN's bf16
-  GEMM on them. Nothing is cached: memory stays the quantized form plus ~12 MB of scratch per thread. Per call
-  it costs a dequantization (independent of M) plus a bf16 GEMM, so it beats the kernel from ~50-64 rows
-  (single plane; planes, whose kernel call runs over 2K, from ~24-32) and stays above bf16 by the dequantization:
-  [1408, 2816] at 256 rows 12.3 ms against 9.3 (bf16 packed) and 24 (kernel). The thresholds are the crossovers
-  of `benchmarks/bench_ggml.py --crossover` at 1 and 2 threads.
-Error against the file's exact weights (output relative RMS, Q4_K, [1408, 2816], 256 rows; zero-mean / mean-1
-inputs): kernel 2.5e-3 / 4.0e-3 (scale and zero rounded to bf16, as issue 27 says; one rounding shared by a
-group's 32 weights, so it does not average out as per-weight rounding does), GEMM path 3.0e-3 / 4.6e-3 (the
-kernel's exact weights, each rounded once more to bf16 for the bf16 GEMM), bf16 F.linear of the exact weights
-(a bf16 checkpoint) 2.4e-3 / 2.7e-3. Q4_0 / Q5_0 / Q8_0: kernel 2.35e-3, GEMM path 2.7-2.9e-3, bf16 2.35e-3.
-The GEMM path's extra error is one bf16 rounding per weight; keeping exact scales for it would cost either
-~10% more memory or a mixed fp32 x bf16 dequantization ~4x slower here (measured), which would undo its gain.
+Two paths for an int4 form by the rows of x (`gemm_rows`). Few (< 64; native unpacker 16; planes 32): torch's int4
+kernel (3.5x fewer bytes than bf16, but fp32 FMAs at ~85 GFLOP/s against oneDNN's ~215 bf16: weight-bound GEMMs).
+More: the GEMM path (`_gemm_int4`), tiles of ~4 M weights unpacked to bf16 in per-thread scratch, then oneDNN's bf16
+GEMM; nothing unpacked outlives the call; each weight is the kernel's exact weight rounded once to bf16 (tests check
+the bits). Single-plane forms (Q4_K, Q4_0) are unpacked by C (kernels/ggml_native.py: built by the system's cc at
+first use) straight into a oneDNN-packed weight, so the GEMM skips F.linear's per-call reorder: ~0.085 ns per weight
+at 1 thread, then the packed bf16 rate.
+Planes, and machines without a compiler or packing (or DGEMMA_GGML_NATIVE=0): torch ops (`_int4_tile_t`, ~0.55-0.8
+ns per weight) and x @ W.T. Crossovers: bench_ggml.py --crossover.
+Output error against the file's exact weights (relative RMS, Q4_K [1408, 2816], 256 rows, zero-mean / mean-1 x):
+kernel 2.5e-3 / 4.0e-3, GEMM path 3.0e-3 / 4.6e-3 (one more bf16 rounding per weight), bf16 checkpoint 2.4e-3 / 2.7e-3.
 """
 
 from __future__ import annotations
@@ -52,15 +35,17 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from . import ggml_native
+from .linear_cpu import packing_available
+
 Q4_0, Q5_0, Q8_0, Q4_K, Q6_K = 2, 6, 8, 12, 14
 PLANES = (Q5_0, Q8_0)  # 5- and 8-bit types: two nibble planes side by side along K
 GROUP = 32  # the int4 kernel's group size: one Q4_K sub-block, one Q8_0 block
 ROW_BLOCK = 64  # the int4 packed layout's row block
 TILE_VALUES = 1 << 18  # values dequantized per tile on the tile path (1 MB in fp32)
-# From this many rows of x on, an int4 form takes the GEMM path (bf16 tiles of W.T + oneDNN) instead of the kernel:
-# the crossover measured at 1 and 2 threads (benchmarks/bench_ggml.py --crossover). Planes run the kernel over 2K.
-GEMM_ROWS = 64
-GEMM_ROWS_PLANES = 32
+# From this many rows of x on, an int4 form takes the GEMM path instead of the kernel (bench_ggml.py --crossover);
+# with the native unpacker (single-plane forms) from GEMM_ROWS // NATIVE_ROWS_DIVISOR (16: its crossover, 1 thread)
+GEMM_ROWS, GEMM_ROWS_PLANES, NATIVE_ROWS_DIVISOR = 64, 32, 4
 GEMM_TILE_VALUES = 1 << 22  # weight values per bf16 tile (8 MB + 4 MB int8 scratch): fewer, larger ops
 _NIB = 0x0F0F0F0F0F0F0F0F  # low nibble of each byte of an int64 word
 _scratch = threading.local()  # per thread: the GEMM path's reused (int8, bf16) tile buffers
@@ -77,8 +62,7 @@ class Prepared(NamedTuple):
     packed: torch.Tensor
     sz: torch.Tensor | None
 
-    def expert(self, e: int) -> "Prepared":
-        """Matrix e of a stack [E, ...]."""
+    def expert(self, e: int) -> "Prepared":  # matrix e of a stack [E, ...]
         return self._replace(packed=self.packed[e], sz=None if self.sz is None else self.sz[e])
 
     def nbytes(self) -> int:
@@ -168,8 +152,7 @@ def _dequant_rows(p: Prepared, r0: int, r1: int, dtype: torch.dtype = torch.floa
     v = p.packed.reshape(-1, kp, ROW_BLOCK // 2)[r0 // ROW_BLOCK:hi // ROW_BLOCK]  # [blocks, Kp, 32]
     q = torch.stack((v & 15, v >> 4), dim=1).transpose(2, 3).reshape(hi - r0, kp // GROUP, GROUP)  # [rows, g, 32]
     sz = p.sz[:, r0:hi].to(dtype)  # [Kp/32, rows, 2]
-    w = torch.addcmul(sz[..., 1].t().unsqueeze(-1), q.to(dtype) - 8, sz[..., 0].t().unsqueeze(-1))
-    w = w.reshape(hi - r0, kp)
+    w = torch.addcmul(sz[..., 1].t().unsqueeze(-1), q.to(dtype) - 8, sz[..., 0].t().unsqueeze(-1)).reshape(hi - r0, kp)
     if p.qtype in PLANES:
         w = w[:, :p.k] + w[:, p.k:]
     return w[:r1 - r0]
@@ -188,33 +171,23 @@ def _buf(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
     bufs = _scratch.__dict__.setdefault("bufs", {})
     b = bufs.get(name)
     if b is None or b.numel() < numel or b.dtype != dtype:
-        with torch.inference_mode(False):  # a normal tensor: made inside a model's inference-mode pass or not, it
-            b = bufs[name] = torch.empty(numel, dtype=dtype)  # is written in place by calls of either kind
+        with torch.inference_mode(False):  # a normal tensor, written in place by calls in inference mode or not
+            b = bufs[name] = torch.empty(numel, dtype=dtype)
     return b[:numel]
-
-
-def _buffers(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """This thread's int8-stage (uint8) and weight (`dtype`) scratch, numel values each."""
-    return _buf("u8", numel, torch.uint8), _buf("w", numel, dtype)
 
 
 def _int4_tile_t(p: Prepared, b0: int, b1: int, dtype: torch.dtype) -> torch.Tensor:
     """Row blocks b0..b1 of an int4 form as W.T [k, (b1 - b0)·64] in dtype, in this thread's reused buffer (valid
-    until the next call): each weight rounded once from its exact value (q − 8)·scale + zero (planes: d·(u − off)
-    with u = 16a + b), so it equals `_dequant_rows(...)` in fp32 rounded to dtype. Bytes are unpacked 8 at a time
-    in int64 words, then one strided int8 -> dtype copy lays W.T out for the GEMM, then one pass applies scales."""
-    kp, nb = p.packed.shape[-1] * 2, b1 - b0
-    k, tn = p.k, nb * ROW_BLOCK
-    u8, wbuf = _buffers(nb * kp * ROW_BLOCK, dtype)
+    until the next call): `_dequant_rows(...)` in fp32 rounded once to dtype (planes: d·(u − off), u = 16a + b)."""
+    kp, nb, k, tn = p.packed.shape[-1] * 2, b1 - b0, p.k, (b1 - b0) * ROW_BLOCK
+    u8, wbuf = _buf("u8", nb * kp * ROW_BLOCK, torch.uint8), _buf("w", nb * kp * ROW_BLOCK, dtype)
     v = p.packed.reshape(-1, kp * ROW_BLOCK // 2)[b0:b1].view(torch.int64)  # [nb, Kp·4]: words of [Kp, 32] bytes
     u = u8[:nb * kp * ROW_BLOCK].view(nb, 2, kp, ROW_BLOCK // 2)  # [nb, low/high nibble (rows j / j + 32), Kp, 32]
     lo, hi = (u[:, h].reshape(nb, -1).view(torch.int64) for h in (0, 1))
     torch.bitwise_and(v, _NIB, out=lo)
     torch.bitwise_right_shift(v, 4, out=hi).bitwise_and_(_NIB)
     if p.qtype in PLANES:  # u = 16a + b into the a half (no carries: each byte < 16)
-        a, b = u[:, :, :k], u[:, :, k:]
-        a.bitwise_left_shift_(4).bitwise_or_(b)
-        u = a
+        u = u[:, :, :k].bitwise_left_shift_(4).bitwise_or_(u[:, :, k:])
     q = u.view(torch.int8)
     if p.qtype == Q8_0:  # u − 128 = u XOR 0x80 read as int8
         q.bitwise_xor_(-128)
@@ -233,10 +206,13 @@ def _int4_tile_t(p: Prepared, b0: int, b1: int, dtype: torch.dtype) -> torch.Ten
 
 
 def _gemm_int4(x2: torch.Tensor, p: Prepared) -> torch.Tensor:
-    """x2 [M, k] @ W.T through bf16 tiles of W.T (about GEMM_TILE_VALUES values each) -> [M, n]."""
+    """x2 [M, k] @ W.T through bf16 tiles of W (about GEMM_TILE_VALUES values each) -> [M, n]: unpacked by the
+    native code into oneDNN's packed layout where it can (`_native_tile`), else by torch ops as W.T."""
     blocks = p.packed.shape[-2] // ROW_BLOCK
     step = max(1, GEMM_TILE_VALUES // (p.k * ROW_BLOCK))
-    ys = [x2 @ _int4_tile_t(p, b0, min(b0 + step, blocks), x2.dtype) for b0 in range(0, blocks, step)]
+    ys = [_native_tile(x2, p, b0, min(b0 + step, blocks)) for b0 in range(0, blocks, step)]
+    ys = [x2 @ _int4_tile_t(p, b0, min(b0 + step, blocks), x2.dtype) if y is None else y
+          for b0, y in zip(range(0, blocks, step), ys)]
     y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
     return y[:, :p.n] if y.shape[1] != p.n else y
 
@@ -248,19 +224,21 @@ def _kernel_int4(x2: torch.Tensor, p: Prepared) -> torch.Tensor:
     return y[:, :p.n] if y.shape[1] != p.n else y
 
 
-def _kernel_ok(x: torch.Tensor, p: Prepared) -> bool:
-    return p.kind == "int4" and x.dtype in (torch.bfloat16, torch.float16) and p.sz.dtype == x.dtype \
-        and x.device.type == "cpu"
+def gemm_rows(p: Prepared) -> int:
+    """The fewest rows of bf16 x that take the GEMM path for p (an int4 form)."""
+    if p.qtype in PLANES:
+        return GEMM_ROWS_PLANES
+    native = ggml_native._native() is not None and packing_available()
+    return max(1, GEMM_ROWS // NATIVE_ROWS_DIVISOR) if native else GEMM_ROWS
 
 
 def linear(x: torch.Tensor, p: Prepared) -> torch.Tensor:
     """x [..., k] @ W.T -> [..., n] in x.dtype for one prepared matrix W [n, k]."""
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, p.k)
-    if _kernel_ok(x, p):
+    lead, x2 = x.shape[:-1], x.reshape(-1, p.k)
+    if p.kind == "int4" and x.dtype in (torch.bfloat16, torch.float16) and p.sz.dtype == x.dtype \
+            and x.device.type == "cpu":
         # bf16 only: the thresholds were measured against oneDNN's bf16 GEMM (fp16 keeps the kernel)
-        gemm = x.dtype == torch.bfloat16 and x2.shape[0] >= (GEMM_ROWS_PLANES if p.qtype in PLANES else GEMM_ROWS)
-        y = _gemm_int4(x2, p) if gemm else _kernel_int4(x2, p)
+        y = _gemm_int4(x2, p) if x.dtype == torch.bfloat16 and x2.shape[0] >= gemm_rows(p) else _kernel_int4(x2, p)
     else:  # tiles of rows dequantized one at a time into x's dtype (the whole matrix never is)
         step = max(ROW_BLOCK, TILE_VALUES // p.k // ROW_BLOCK * ROW_BLOCK)
         y = torch.cat([F.linear(x2, _dequant_rows(p, r0, min(r0 + step, p.n), x.dtype))
@@ -270,27 +248,25 @@ def linear(x: torch.Tensor, p: Prepared) -> torch.Tensor:
 
 def experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: Prepared, down: Prepared,
             inter: int) -> torch.Tensor:
-    """Routed experts x [N, H], w [N, k] fp32, idx [N, k] -> [N, H] in x.dtype, `experts_reference`'s math
-    (gate rows first, gelu tanh, fp32 routing product rounded to x.dtype, a token's k contributions added in
-    ascending expert order): pairs sorted into per-expert segments (kernels/moe_cpu.py), one GEMM pair per
-    expert that got tokens, so only those experts' weights are read."""
-    from .moe_cpu import _pairs, _sorted_weights, _sum_slots
-
-    n, k = idx.shape
-    if n == 0:
-        return torch.zeros_like(x)
-    flat, w_sorted = _pairs(idx, w)  # [N*k], [N, k]
-    order = torch.argsort(flat, stable=True)  # [N*k] pairs grouped by expert
-    counts = torch.bincount(flat, minlength=gate_up.packed.shape[0]).tolist()
-    xs = x.index_select(0, order // k)  # [N*k, H]
-    ws = _sorted_weights(w_sorted, order)  # [N*k, 1] fp32
-    ys = torch.empty_like(xs)  # [N*k, H] weighted expert outputs, expert order
-    lo = 0
-    for e, c in enumerate(counts):
+    """Routed experts x [N, H], w [N, k] fp32, idx [N, k] -> [N, H] in x.dtype, `experts_reference`'s math:
+    `moe_cpu.experts_packed`'s loop (one GEMM pair per expert that got tokens), so only those experts are read."""
+    k, out = idx.shape[1], torch.zeros_like(x)  # [N, H]
+    flat = idx.reshape(-1)  # [N*k] pair p = token p // k
+    order = torch.argsort(flat, stable=True)  # [N*k] pairs grouped by expert (none for N = 0)
+    tok, ws, lo = order // k, w.reshape(-1, 1).index_select(0, order), 0  # tokens, fp32 weights in that order
+    for e, c in enumerate(torch.bincount(flat, minlength=gate_up.packed.shape[0]).tolist()):
         if c:
-            gu = linear(xs[lo:lo + c], gate_up.expert(e))  # [c, 2I]
+            rows = tok[lo:lo + c]
+            gu = linear(x.index_select(0, rows), gate_up.expert(e))  # [c, 2I]
             act = F.gelu(gu[:, :inter], approximate="tanh").mul_(gu[:, inter:])  # [c, I]
-            # fp32 routing product rounded once into ys (moe_cpu.experts_packed's math)
-            torch.mul(linear(act, down.expert(e)), ws[lo:lo + c], out=ys[lo:lo + c])
+            out.index_add_(0, rows, linear(act, down.expert(e)).float().mul_(ws[lo:lo + c]).to(x.dtype))
             lo += c
-    return _sum_slots(ys, order, k)
+    return out
+
+
+def _native_tile(x2: torch.Tensor, p: Prepared, b0: int, b1: int) -> torch.Tensor | None:
+    """x2 @ (row blocks b0..b1 of W).T by the native unpacker (kernels/ggml_native.py); None for planes or where
+    it does not apply (the torch unpacker runs then)."""
+    if p.qtype in PLANES:
+        return None
+    return ggml_native.tile_product(x2, p.packed, p.sz, p.k, b0, b1)

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dgcli.kernels import ggml_cpu
+from dgcli.kernels import ggml_cpu, ggml_native
 from dgcli.kernels.reference_ops import experts_reference
 from dgcli.model import ggml
 
@@ -154,7 +154,9 @@ def test_linear_takes_the_gemm_path_from_its_threshold(qtype, monkeypatch):
     raw, w = _weights(n, k, qtype)
     m = ggml.QuantLinear(raw, qtype, k, n)
     wb = m.dequantized().bfloat16()
-    rows = ggml_cpu.GEMM_ROWS_PLANES if qtype in ggml_cpu.PLANES else ggml_cpu.GEMM_ROWS
+    rows = ggml_cpu.gemm_rows(ggml._held(m, "weight"))
+    native = ggml_native._native() is not None and ggml_cpu.packing_available()
+    assert rows == (32 if qtype in ggml_cpu.PLANES else 16 if native else 64)
     called = []
     for name in ("_gemm_int4", "_kernel_int4"):
         real = getattr(ggml_cpu, name)
@@ -231,3 +233,88 @@ def test_gemm_scratch_made_in_inference_mode_serves_calls_outside_it(monkeypatch
     with torch.inference_mode():
         first = lin(x)
     assert torch.equal(lin(x), first)
+
+
+# ---- the native unpacker (a C function built at first use, writing oneDNN-packed tiles) -------------------------
+
+def _native_or_skip():
+    if ggml_native._native() is None or ggml_native._packed_tile(64, 256) is None:
+        pytest.skip("no C compiler or no oneDNN bf16 packing here: the torch unpacker runs (tested above)")
+
+
+@pytest.mark.parametrize("qtype", [ggml.Q4_K, ggml.Q4_0])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_tiles_give_the_torch_unpackers_bits(qtype, threads, monkeypatch):
+    """The native unpacker writes the weights `_int4_tile_t` makes, into a oneDNN-packed tile: the GEMM path's
+    output is bit-equal with native code on or off, and with F.linear on the dequantized bf16 weights; the torch
+    unpacker is not called. 200 rows: 4 tiles of 64 (the last padded) and one tile of 256."""
+    _native_or_skip()
+    k = 512
+    p = ggml_cpu.prepare(_weights(200, k, qtype, seed=10)[0], qtype, k)
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(11)).bfloat16()
+    wb = ggml_cpu.dequantize_prepared(p).bfloat16()
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        monkeypatch.setattr(ggml_native, "NATIVE", False)
+        ref = ggml_cpu._gemm_int4(x, p)
+        monkeypatch.setattr(ggml_native, "NATIVE", True)
+        monkeypatch.setattr(ggml_cpu, "_int4_tile_t", lambda *a: pytest.fail("torch unpacker called"))
+        for tile in (64 * k, 1 << 22):
+            monkeypatch.setattr(ggml_cpu, "GEMM_TILE_VALUES", tile)
+            got = ggml_cpu._gemm_int4(x, p)
+            assert got.shape == (70, 200) and torch.equal(got, ref)
+            assert torch.equal(got, F.linear(x, wb))
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_native_source_without_avx512_gives_the_same_tiles(tmp_path):
+    """The scalar C (what a compiler not targeting AVX-512 builds) writes the same bits as the vector C."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    _native_or_skip()
+    (tmp_path / "t.c").write_text(ggml_native._NATIVE_SOURCE)
+    cc = shutil.which("cc") or shutil.which("gcc")
+    subprocess.run([cc, "-O2", "-march=native", "-mno-avx512f", "-shared", "-fPIC", "t.c", "-o", "t.so"],
+                   cwd=tmp_path, check=True, capture_output=True)
+    scalar = ctypes.CDLL(str(tmp_path / "t.so")).int4_tile
+    scalar.argtypes = ggml_native._native().int4_tile.argtypes
+    k, n = 256, 128
+    p = ggml_cpu.prepare(_weights(n, k, ggml.Q4_K, seed=12)[0], ggml.Q4_K, k)
+    other = ggml_cpu.prepare(_weights(n, k, ggml.Q4_K, seed=15)[0], ggml.Q4_K, k)
+    pk, ptr = ggml_native._packed_tile(n, k)
+    vector = ggml_native._native().int4_tile
+    for fn in (vector, scalar):
+        vector(other.packed.data_ptr(), other.sz.data_ptr(), ptr, k, n, 0, n // 64, 1)  # other weights there first
+        fn(p.packed.data_ptr(), p.sz.data_ptr(), ptr, k, n, 0, n // 64, 1)
+        assert torch.equal(pk.to_dense(), ggml_cpu.dequantize_prepared(p).bfloat16())
+
+
+def test_gemm_path_without_native_code_or_packing(monkeypatch):
+    """No compiler (or no oneDNN packing here): the torch unpacker runs, same bits."""
+    k = 256
+    p = ggml_cpu.prepare(_weights(128, k, ggml.Q4_K, seed=13)[0], ggml.Q4_K, k)
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(14)).bfloat16()
+    want = F.linear(x, ggml_cpu.dequantize_prepared(p).bfloat16())
+    monkeypatch.setattr(ggml_native, "_native_lib", [None])
+    assert ggml_cpu._native_tile(x, p, 0, 2) is None and torch.equal(ggml_cpu._gemm_int4(x, p), want)
+    monkeypatch.undo()
+    monkeypatch.setattr(ggml_native, "pack", lambda w: None)
+    monkeypatch.setattr(ggml_native._scratch, "packed", {}, raising=False)
+    assert ggml_cpu._native_tile(x, p, 0, 2) is None and torch.equal(ggml_cpu._gemm_int4(x, p), want)
+    monkeypatch.setenv("DGEMMA_GGML_NATIVE", "0")
+    assert ggml_native._native() is None
+
+
+def test_native_build_is_cached_per_machine(tmp_path, monkeypatch):
+    """Built once into the cache (XDG_CACHE_HOME/dgemma), loaded from there afterwards without compiling."""
+    _native_or_skip()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert ggml_native._build_native() is not None
+    built = list((tmp_path / "dgemma").glob("ggml_native-*.so"))
+    assert len(built) == 1 and not [d for d in (tmp_path / "dgemma").iterdir() if d.is_dir()]
+    monkeypatch.setattr("subprocess.run", lambda *a, **k: pytest.fail("compiled again"))
+    assert ggml_native._build_native() is not None

@@ -300,6 +300,8 @@ def test_gemm_path_model_runs_the_dequantized_bf16_weights(plain, qtype, monkeyp
     model = ggml.quantize_model_(copy.deepcopy(plain), qtype)
     deq = ggml.dequantize_model(model)
     prompt, canvas, sc = _inputs()
+    monkeypatch.setattr(ggml_cpu, "GEMM_ROWS", 1 << 30)  # the int4 kernel at every row count
+    monkeypatch.setattr(ggml_cpu, "GEMM_ROWS_PLANES", 1 << 30)
     kernel = model.forward_canvas(prompt, canvas, sc)
     monkeypatch.setattr(ggml_cpu, "GEMM_ROWS", 1)
     monkeypatch.setattr(ggml_cpu, "GEMM_ROWS_PLANES", 1)
