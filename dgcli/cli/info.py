@@ -94,9 +94,12 @@ def info(
                     budgets=_budgets(dev, memory), headroom=headroom / 100)
     extra = ""
     if gguf:  # weights as loaded (quantized matrices as stored), and whether this machine holds the run
-        from dgcli.measure import gguf_info
+        import torch
 
-        fit = gguf_info.gguf_fit(inventory, cfg, run_dtype, context, _ram(), _available())
+        from dgcli.measure import gguf_info
+        from dgcli.runtime.session import free_bytes
+
+        fit = gguf_info.gguf_fit(inventory, cfg, run_dtype, context, _ram(), free_bytes(torch.device("cpu")))
         mem = card["memory"]
         mem["weights"], mem["total"] = fit["weights_loaded"], mem["total"] - mem["weights"] + fit["weights_loaded"]
         card["gguf"], card["bytes_source"] = fit, "GGUF header (by ggml type)"
@@ -113,14 +116,6 @@ def _ram() -> int:
     import os
 
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def _available() -> int | None:
-    try:
-        lines = Path("/proc/meminfo").read_text().splitlines()
-        return next(int(ln.split()[1]) * 1024 for ln in lines if ln.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return None
 
 
 def _budgets(dev, memory_gib: float | None) -> list[dict]:

@@ -109,8 +109,3 @@ class PassGraphs:
             st.out = self.model.forward_layout(st.ids, st.layout, st.soft)
         self.pool = graph.pool()
         st.graph = graph
-
-    def nbytes(self) -> int:
-        """Bytes of the static inputs and outputs (the graphs' shared pool is not counted)."""
-        return sum(t.numel() * t.element_size() for st in self.static.values()
-                   for t in (st.ids, st.soft, *(() if st.out is None else (st.out,))))
