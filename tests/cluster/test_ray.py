@@ -251,3 +251,15 @@ def test_bench_on_the_cluster_says_who_ran_it(head, capsys):
     same = ("quality", "num_prompts", "total_output_tokens", "diffusion_denoising_steps", "batched_decoder_passes",
             "steps_histogram", "finish_length_rate")
     assert {k: mine.get(k) for k in same} == {k: row.get(k) for k in same}
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_a_worker_opens_its_session_with_the_drivers_prefix_caching(prefix_caching):
+    """--no-prefix-caching reaches each worker's session (the spec it is started with), without a cluster: the
+    worker class is plain Python until Ray wraps it."""
+    from dgcli.cluster import jobs
+    from dgcli.cluster.worker import Worker
+
+    spec = jobs.spec("generate", model=None, preset=None, flags={"device": "cpu"}, compile=False, threads=1,
+                     cuda_graphs=None, prefix_caching=prefix_caching)
+    assert Worker(spec, cpus=1)._open().prefix_caching is prefix_caching
