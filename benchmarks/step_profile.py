@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
 
@@ -31,8 +32,6 @@ def _sync(device: torch.device) -> None:
 
 
 def profile_batch(model, batch: int, prompt: int, steps: int, graphs: bool = False) -> dict:
-    import time
-
     from torch.profiler import ProfilerActivity, profile
 
     device = model.embed_weight.device

@@ -302,8 +302,10 @@ def free_bytes(device: Any) -> int | None:
 def prefix_cache_fits(session: Session, slots: int, positions: int, share: float = 0.6) -> tuple[bool, int, int | None]:
     """(fits, bytes, free): whether a prefix-caching KV cache for `slots` sequences of `positions` (every layer
     keeps every position: model/paged.py) takes at most `share` of the memory free now on the session's device."""
+    from dgcli.measure.card import KV_BLOCK
+
     m = session.model
     per_position = sum(2 * g.num_kv_heads * g.head_dim for g in m.geometry) * m.embed_weight.element_size()
-    need = slots * -(-positions // 16) * 16 * per_position
+    need = slots * -(-positions // KV_BLOCK) * KV_BLOCK * per_position
     free = free_bytes(session.device)
     return free is None or need <= share * free, need, free

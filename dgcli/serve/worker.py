@@ -61,6 +61,7 @@ class Worker:
     def __init__(self, session: Any, *, slots: int, max_len: int, metrics: Metrics):
         self.session, self.slots, self.max_len, self.metrics = session, slots, max_len, metrics
         self.engine = self._engine()
+        self.prefix_base = (0, 0)  # prefix-cache totals of engines replaced after a failure: /metrics goes on
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.jobs: dict[int, Job] = {}
         self.ids = itertools.count()
@@ -180,9 +181,8 @@ class Worker:
             return
         if stats["denoise_s"] > before:
             self.metrics.decoder_pass(stats["denoise_s"] - before)
-        base = getattr(self, "prefix_base", (0, 0))
-        self.metrics.prefix_cache(base[0] + stats.get("prefix_cache_queries", 0),
-                                  base[1] + stats.get("prefix_cache_hits", 0))
+        self.metrics.prefix_cache(self.prefix_base[0] + stats.get("prefix_cache_queries", 0),
+                                  self.prefix_base[1] + stats.get("prefix_cache_hits", 0))
 
     def _forget(self, job: Job, *, cancelled: bool, last: tuple | None = None) -> None:
         """Drop `job` from the books; `last` is its final message, sent unless `abort` has answered it."""
