@@ -41,13 +41,28 @@ def cache_length(prompt_len: int, blocks: int, canvas: int) -> int:
 def kv_bytes(cfg: ModelConfig, context: int, ab: int = 2) -> dict:
     """One slot's KV cache for requests of `context` positions (card.cache_positions: model/paged.py's layout):
     `full_per_token` bytes a position on full layers, which hold `full_positions`; `rings` (fixed per slot) on
-    sliding layers; `was_per_token` and `was`: every position on every layer, what the rings replace."""
+    sliding layers; `was_per_token` and `was`: every position on every layer, what the rings replace;
+    `windows`: what a slot holds on sliding layers with prefix caching, its window and 3 blocks (`kv_cache`)."""
     full, ring = cache_positions(cfg, context)
     row = [2 * g.num_kv_heads * g.head_dim * ab for g in cfg.layers]  # K and V of one position
     per = sum(r for r, g in zip(row, cfg.layers) if g.window is None)
-    rings = ring * sum(r for r, g in zip(row, cfg.layers) if g.window is not None)
-    return {"context": context, "full_positions": full, "full_per_token": per, "rings": rings,
-            "total": per * full + rings, "was_per_token": sum(row), "was": sum(row) * full}
+    sliding = sum(r for r, g in zip(row, cfg.layers) if g.window is not None)
+    windows = min(ring + 3 * KV_BLOCK, full) * sliding if ring else 0
+    return {"context": context, "full_positions": full, "full_per_token": per, "rings": ring * sliding,
+            "total": per * full + ring * sliding, "was_per_token": sum(row), "was": sum(row) * full,
+            "sliding_per_token": sliding, "windows": windows}
+
+
+def cache_bytes(cfg: ModelConfig, b: int, context: int, ab: int = 2, prefix_caching: bool = False) -> int:
+    """The engine's whole KV cache for b slots (model/paged.py's `pool_blocks`, restated): without prefix caching
+    b x `kv_bytes`' total; with it the sliding layers' pool holds every slot's window and 3 blocks and one pass's
+    causal rows (max(BUDGET, (b + 1) C): the commits and the prompt chunks), at most every position."""
+    kv = kv_bytes(cfg, context, ab)
+    if not prefix_caching:
+        return b * kv["total"]
+    rows = -(-max(BUDGET, (b + 1) * cfg.canvas_length) // KV_BLOCK) * KV_BLOCK
+    sliding = min(b * kv["windows"] + rows * kv["sliding_per_token"], b * kv["full_positions"] * kv["sliding_per_token"])
+    return b * kv["full_per_token"] * kv["full_positions"] + (sliding if kv["rings"] else 0)
 
 
 def weights_bytes(cfg: ModelConfig, fmt: str = "bf16") -> dict:
@@ -201,9 +216,9 @@ def prefill_bytes(cfg: ModelConfig, b: int, prompt_len: int, ab: int = 2, cpu: b
 
 def peak_bytes(cfg: ModelConfig, b: int, *, context: int, prompt_len: int = 256, fmt: str = "bf16",
                ab: int = 2, cpu: bool = False, stability: int = 1, prefix_caching: bool = False) -> dict:
-    """The most memory b slots hold at once (module docstring), by part; prefix_caching: KV of every layer."""
+    """The most memory b slots hold at once (module docstring), by part; prefix_caching: its KV (`cache_bytes`)."""
     weights = weights_bytes(cfg, fmt)["bytes"]
-    kv = b * kv_bytes(cfg, context, ab)["was" if prefix_caching else "total"]
+    kv = cache_bytes(cfg, b, context, ab, prefix_caching)
     state = b * loop_state_bytes(cfg, ab, stability, lag=0 if cpu else 1)["total"]
     phases = {"step": step_bytes(cfg, b, context, ab, cpu)["total"],
               "prefill": prefill_bytes(cfg, b, prompt_len, ab, cpu)}
@@ -302,7 +317,8 @@ def markdown(sec: dict) -> str:
              (f"- KV cache: {_b(kv['full_per_token'])}/token for full layers ({kv['full_positions']:,} positions: "
               f"the context and a canvas) + {_b(kv['rings'])} per slot for the sliding rings (was "
               f"{_b(kv['was_per_token'])}/token): {_b(kv['total'])} per slot at {kv['context']:,} tokens "
-              f"(was {_b(kv['was'])}), what prefix caching holds (the default; --no-prefix-caching: the rings)"),
+              f"(was {_b(kv['was'])}); with prefix caching (the default) the sliding layers hold {_b(kv['windows'])} "
+              f"per slot (its window and 3 blocks) and one pass's rows beside them"),
              "- weights: " + ", ".join(f"{k} {_b(v['bytes'])}" for k, v in w.items()), "",
              f"**largest batch that fits** ({1 - sec['headroom']:.0%} of the memory usable):", "",
              "| memory | weights | usable | largest batch | peak at | with prefix caching |", "|---|---|---|---|---|---|"]

@@ -224,13 +224,15 @@ class DiffusionGemma(nn.Module):
             out[kind] = rope_tables(positions, self._inv_freq[key], dtype)
         return out
 
-    def new_cache(self, seqs: int, max_len: int, block_size: int = 16, prefix_caching: bool = False) -> PagedKVCache:
+    def new_cache(self, seqs: int, max_len: int, block_size: int = 16, prefix_caching: bool = False,
+                  pass_rows: int | None = None) -> PagedKVCache:
         """A paged cache for `seqs` sequences of up to `max_len` positions (a canvas's own included: full layers
-        hold it where its block will commit); `prefix_caching`: blocks shareable across sequences (paged.py)."""
+        hold it where its block will commit); `prefix_caching`: blocks shareable across sequences, `pass_rows`:
+        the most causal rows a pass writes (paged.py)."""
         w = self.embed_tokens.weight
         return PagedKVCache([(g.num_kv_heads, g.head_dim, g.window) for g in self.geometry], seqs=seqs,
                             max_len=max_len, device=w.device, dtype=w.dtype, block_size=block_size,
-                            prefix_caching=prefix_caching)
+                            prefix_caching=prefix_caching, pass_rows=pass_rows)
 
     def pass_graphs(self, cache: PagedKVCache, dummy_seq: int, slots: int, *, capture: bool):
         """CUDA graphs of decode-only passes over `cache` (model/graphs.py); `dummy_seq` pads the buckets."""

@@ -11,12 +11,17 @@ Sizes are fixed when the engine makes the cache (slots × the longest request it
 allocated per pass. Only the passes write it, in place (`write`); attention reads it (`model/attention.py`).
 A reserved sequence owns its blocks until `release`; a released block's stale contents are never read (a
 reader asks only for positions its sequence wrote in this request).
-Prefix caching (`prefix_caching=True`): rings as long as a sequence and one pool for both groups, so block
-p // B of a sequence holds positions of every layer; a whole block whose keys were written causally (prompt,
-committed block) gets a key chained over its parent's and its B token ids (`register`); a later sequence whose
-ids start the same holds those blocks too (`lookup`, `reserve(shared=)`), counted per block; a keyed block no
-sequence holds stays cached until a reservation needs room (least recently released first). Such a block is
-never written again: a holder writes only positions after its shared blocks.
+Prefix caching (`prefix_caching=True`): a whole block whose keys were written causally (prompt, committed
+block) gets a key chained over its parent's and its B token ids (`register`); a later sequence whose ids start
+the same holds those blocks too (`lookup`, `reserve(shared=)`), counted per block; a keyed block no sequence
+holds stays cached until a reservation needs room (least recently released first). Such a block is never written
+again: a holder writes only positions after its shared blocks. The sliding layers then address blocks as the
+full layers do (block p // B, no ring) in a pool of their own, but a sequence holds only the blocks its window
+still reads: `hold` takes them as the passes write positions, `trim` gives back those below a window's start
+(cached, if keyed), so a sequence holds about W-1 positions there, as a ring would. The pool is sized for that
+(`pool_blocks`: every sequence's window and one pass's causal rows). A hit needs both groups: the full layers'
+blocks of its whole prefix and the sliding layers' blocks of its last W-1 positions (`lookup` shortens a hit
+to where both are cached), as vLLM's sliding-window prefix caching does.
 Must not: know about attention masks, phases or the model; read device values.
 """
 
@@ -32,6 +37,24 @@ from dgcli.kernels.transfer import to_device
 
 def blocks_for(positions: int, block_size: int) -> int:
     return -(-positions // block_size)
+
+
+def pool_blocks(windows: list[int | None], *, seqs: int, max_len: int, block_size: int, prefix_caching: bool,
+                pass_rows: int | None = None) -> tuple[int, int]:
+    """(full, sliding) blocks of a cache's two pools (measure/memory.py restates it without torch). Without
+    prefix caching a sliding sequence's ring is the last W-1 positions; with it (`pass_rows`: the most causal
+    rows one pass writes, None: unbounded) every sequence's window after a trim, the blocks either end of it
+    straddles and one more, and one pass's rows (a bound on what the sequences hold at once: `hold`, `trim`)."""
+    full = blocks_for(max_len, block_size)
+    w = max((x for x in windows if x is not None), default=None)
+    if w is None:
+        return seqs * full, 0
+    ring = blocks_for(min(w - 1, max_len), block_size)
+    if not prefix_caching:
+        return seqs * full, seqs * ring
+    if pass_rows is None:
+        return seqs * full, seqs * full
+    return seqs * full, min(seqs * full, seqs * (ring + 3) + blocks_for(pass_rows, block_size))
 
 
 class BlockPool:
@@ -100,34 +123,38 @@ class BlockPool:
         key = self.key_of.pop(b, None)
         if key is not None:
             del self.by_key[key]
-            del self.serial[b]
+            self.serial.pop(b, None)  # (the sliding pool's keys have no serials: they are the full pool's)
 
 
 class PagedKVCache:
     def __init__(self, layers: list[tuple[int, int, int | None]], *, seqs: int, max_len: int,
-                 device: torch.device | str, dtype: torch.dtype, block_size: int = 16, prefix_caching: bool = False):
+                 device: torch.device | str, dtype: torch.dtype, block_size: int = 16, prefix_caching: bool = False,
+                 pass_rows: int | None = None):
         """layers: per layer (num_kv_heads, head_dim, sliding window W or None). Room for `seqs` sequences of up
         to `max_len` positions each; a sliding layer's ring holds the last W-1 positions in whole blocks (a pass
-        reads its own new keys from its k, v and writes them after: attention.py). `prefix_caching`: the rings
-        are as long as a sequence (one never wraps) and both groups take the same block ids from one pool, so a
-        block holds positions p // B of every layer and can be shared by key (`lookup`, `register`)."""
+        reads its own new keys from its k, v and writes them after: attention.py). `prefix_caching`: blocks
+        shareable by key (`lookup`, `register`), the sliding layers' blocks at p // B (`ring_blocks` as long as
+        a sequence: a ring never wraps) held only within the window (`hold`, `trim`); `pass_rows`: the most
+        causal rows a pass writes (sizes the sliding pool: `pool_blocks`)."""
         self.block_size, self.max_len, self.seqs = block_size, max_len, seqs
         self.prefix_caching = prefix_caching
-        windows = {w for _, _, w in layers if w is not None}
-        self.full_blocks = blocks_for(max_len, block_size)  # per sequence
-        self.ring_blocks = blocks_for(min(max(windows) - 1, max_len), block_size) if windows else 0
-        if prefix_caching and windows:
-            self.ring_blocks = self.full_blocks
-        self.groups = {"full": BlockPool(seqs * self.full_blocks), "ring": BlockPool(seqs * self.ring_blocks)}
-        if prefix_caching:
-            self.groups["ring"] = self.groups["full"]  # one pool: a block id names the same positions in both
-        self.kind = ["full" if w is None else "ring" for _, _, w in layers]
         self.windows = [w for _, _, w in layers]
+        self.window = max((w for w in self.windows if w is not None), default=None)
+        self.full_blocks = blocks_for(max_len, block_size)  # per sequence
+        self.ring_blocks = blocks_for(min(self.window - 1, max_len), block_size) if self.window else 0
+        self.windowed = prefix_caching and self.window is not None  # sliding blocks taken and trimmed per pass
+        if self.windowed:
+            self.ring_blocks = self.full_blocks
+        n_full, n_ring = pool_blocks(self.windows, seqs=seqs, max_len=max_len, block_size=block_size,
+                                     prefix_caching=prefix_caching, pass_rows=pass_rows)
+        self.groups = {"full": BlockPool(n_full), "ring": BlockPool(n_ring)}
+        self.kind = ["full" if w is None else "ring" for w in self.windows]
         self.k = [torch.zeros(n, self.groups[g].n * block_size, d, device=device, dtype=dtype)
                   for (n, d, _), g in zip(layers, self.kind)]
         self.v = [torch.zeros_like(k) for k in self.k]
-        self.tables: dict[int, dict[str, list[int]]] = {}  # sequence id -> group -> block ids
+        self.tables: dict[int, dict[str, list[int]]] = {}  # sequence id -> group -> block ids (-1: not held)
         self.chains: dict[int, tuple[int, int]] = {}  # prefix caching: sequence -> (blocks keyed, last serial)
+        self.low: dict[int, int] = {}  # windowed: sequence -> its first sliding block that may still be held
         self.device = torch.device(device)
 
     # ---- allocation ---------------------------------------------------------------------------------------
@@ -160,7 +187,13 @@ class PagedKVCache:
             pool.give(shared)  # back to the LRU
             return False
         ids = shared + new
-        self.tables[seq] = {g: ids for g in set(self.kind)}
+        self.tables[seq] = {"full": ids}
+        if self.windowed:  # the sliding layers hold the hit's last W-1 positions now, the rest as passes write
+            ring, lo = self.groups["ring"], self._window_start(len(shared))
+            twins = [ring.by_key[pool.key_of[b]] for b in shared[lo:]]
+            ring.share(twins)
+            self.tables[seq]["ring"] = [-1] * lo + twins + [-1] * len(new)
+            self.low[seq] = lo
         last = pool.serial[shared[-1]] if shared else 0
         self.chains[seq] = (len(shared), last)
         return True
@@ -168,10 +201,40 @@ class PagedKVCache:
     def release(self, seq: int) -> None:
         tables = self.tables.pop(seq, {})
         self.chains.pop(seq, None)
-        if self.prefix_caching:  # one list in both groups: one reference each
-            tables = dict(list(tables.items())[:1])
+        self.low.pop(seq, None)
         for g, ids in tables.items():
-            self.groups[g].give(ids)
+            self.groups[g].give([b for b in ids if b >= 0])
+
+    def hold(self, seq: int, lo: int, hi: int) -> None:
+        """Windowed (prefix caching): sliding blocks for sequence `seq`'s positions lo..hi-1, before the pass that
+        writes them (a no-op otherwise: a ring holds them). Never short: the pool is sized for it (`pool_blocks`)."""
+        if not self.windowed:
+            return
+        table, b = self.tables[seq]["ring"], self.block_size
+        need = [j for j in range(lo // b, blocks_for(hi, b)) if table[j] < 0]
+        got = self.groups["ring"].take(len(need)) if need else []
+        if got is None:
+            raise RuntimeError(f"the sliding layers' pool is short of {len(need)} blocks: more rows in a pass "
+                               "than the cache was sized for (pass_rows)")
+        for j, blk in zip(need, got):
+            table[j] = blk
+
+    def trim(self, seq: int, start: int) -> None:
+        """Windowed: sequence `seq`'s later passes start at position `start` or after, so its sliding blocks
+        wholly before start - (W-1) are never read again: given back (cached if keyed). A no-op otherwise."""
+        if not self.windowed or seq not in self.low:
+            return
+        table, lo = self.tables[seq]["ring"], self.low[seq]
+        end = max(lo, (start - self.window + 1) // self.block_size)
+        gone = [blk for blk in table[lo:end] if blk >= 0]
+        table[lo:end] = [-1] * (end - lo)
+        self.low[seq] = end
+        if gone:
+            self.groups["ring"].give(gone)
+
+    def _window_start(self, blocks: int) -> int:
+        """The first block a sequence's window reads after `blocks` whole blocks of prefix."""
+        return max(0, (blocks * self.block_size - self.window + 1) // self.block_size)
 
     def free_blocks(self) -> dict[str, int]:
         """Blocks a reservation can take per group (with prefix caching: free and cached unheld ones)."""
@@ -179,12 +242,12 @@ class PagedKVCache:
 
     def drop_cached(self) -> None:
         """Forget every cached block no sequence holds: later lookups start cold, as in a new cache."""
-        pool = self.groups["full"]
-        while pool.lru:
-            b, _ = pool.lru.popitem(last=False)
-            pool.forget(b)
-            pool.free.append(b)
-        pool.free.sort()
+        for pool in {id(p): p for p in self.groups.values()}.values():
+            while pool.lru:
+                b, _ = pool.lru.popitem(last=False)
+                pool.forget(b)
+                pool.free.append(b)
+            pool.free.sort()
 
     def cached_blocks(self) -> int:
         """Blocks that carry a prefix key (held or not): what a later request can hit."""
@@ -203,13 +266,22 @@ class PagedKVCache:
                 break
             got.append(blk)
             parent = pool.serial[blk]
+        if self.windowed and got:  # the sliding layers' blocks of the hit's last W-1 positions must be cached too
+            twins = self.groups["ring"].by_key
+            run = [0]  # run[h]: cached sliding twins in a row ending at block h - 1
+            for blk in got:
+                run.append(run[-1] + 1 if pool.key_of[blk] in twins else 0)
+            h = len(got)
+            while h and run[h] < h - self._window_start(h):
+                h -= 1
+            got = got[:h]
         return got
 
     def register(self, seq: int, ids: list[int]) -> None:
         """Sequence `seq`'s positions 0..len(ids)-1 hold the keys of `ids`, written by passes already launched:
         its whole blocks among them get keys (a block whose key another block has stays plain, and the chain
         goes on from that one)."""
-        pool, b = self.groups["full"], self.block_size
+        pool, ring, b = self.groups["full"], self.groups["ring"], self.block_size
         done, parent = self.chains[seq]
         table = self.tables[seq]["full"]
         for j in range(done, len(ids) // b):
@@ -218,6 +290,9 @@ class PagedKVCache:
             if blk is None:
                 blk = table[j]
                 pool.key_of[blk], pool.by_key[key], pool.serial[blk] = key, blk, next(pool.serials)
+            twin = self.tables[seq]["ring"][j] if self.windowed else -1
+            if twin >= 0 and key not in ring.by_key:  # its sliding layers' block, by the same key
+                ring.key_of[twin], ring.by_key[key] = key, twin
             parent, done = pool.serial[blk], j + 1
         self.chains[seq] = (done, parent)
 
@@ -226,7 +301,10 @@ class PagedKVCache:
     def slots(self, group: str, seq: int, lo: int, hi: int) -> torch.Tensor:
         """Physical slots (host int64 [hi - lo]) of sequence `seq`'s positions lo..hi-1 in `group`'s pools."""
         b = self.block_size
-        table = torch.tensor(self.tables[seq][group], dtype=torch.long)
+        held = self.tables[seq][group]
+        if self.windowed and hi > lo and min(held[lo // b:blocks_for(hi, b)]) < 0:
+            raise RuntimeError(f"sequence {seq}'s sliding blocks for positions {lo}..{hi - 1} are not held (hold)")
+        table = torch.tensor(held, dtype=torch.long)
         pos = torch.arange(lo, hi)
         blk = pos // b if group == "full" else (pos // b) % self.ring_blocks
         return table[blk] * b + pos % b
@@ -251,7 +329,7 @@ class PagedKVCache:
     def table_tensor(self, group: str, seqs: list[int], fixed: bool = False) -> torch.Tensor:
         """[len(seqs), max blocks] int32 block tables on the device (for kernels that walk them); `fixed`: as wide
         as a sequence's table can be (one shape whatever the sequences hold), a sequence without blocks zeros."""
-        rows = [self.tables.get(s, {}).get(group, []) for s in seqs]
+        rows = [[max(0, blk) for blk in self.tables.get(s, {}).get(group, [])] for s in seqs]
         width = max(1, max(len(r) for r in rows))
         if fixed:
             width = max(width, self.full_blocks if group == "full" else self.ring_blocks)

@@ -132,8 +132,10 @@ class Engine:
         # Room for the prompt, the committed blocks and a canvas (full layers hold its keys where it will commit).
         # prefix_caching: whole blocks of prompts and committed blocks are kept and shared (model/paged.py)
         self.prefix_caching = prefix_caching
+        # (a pass's causal rows: the commits and the prompt chunks under the budget, or one canvas's worth: scheduler.py)
         self.cache = model.new_cache(slots + graphs, max_len + self.c, block_size=block_size,
-                                     **({"prefix_caching": True} if prefix_caching else {}))
+                                     **({"prefix_caching": True, "pass_rows": max(budget, (slots + 1) * self.c)}
+                                        if prefix_caching else {}))
         self.stats = {} if stats is None else stats
         self.sched = Scheduler(self.cache, seqs=slots, canvas=self.c, budget=budget, prefix_caching=prefix_caching,
                                stats=self.stats)

@@ -13,7 +13,9 @@ Prefix caching (`prefix_caching`): at admission a request holds the cache's long
 prompt (`cache.lookup`) and encodes only the rest (none when every block hit: its first block starts at once);
 the whole blocks a planned pass completes (prompt chunks, commits) are keyed for later requests
 (`cache.register`), so blocks are keyed only once the pass that writes them is launched. Counts prompt tokens
-looked up and found (`prefix_cache_queries`, `prefix_cache_hits`, as vLLM counts them).
+looked up and found (`prefix_cache_queries`, `prefix_cache_hits`, as vLLM counts them). The cache's sliding
+layers then hold only a window per sequence: each plan first trims every sequence below where its later passes
+start (`cache.trim`), then holds the positions its causal segments write (`cache.hold`).
 Must not: touch tensors other than slicing a request's ids, read the device, or know about the sampler's math.
 """
 
@@ -58,6 +60,7 @@ class Scheduler:
         self.running: list = []  # denoising; row k of a pass's canvases is running[k] when every one runs
         # Prefix caching: each request's host ids of its positions so far (prompt, then committed blocks).
         self.prefix_caching, self.ids = prefix_caching, {}
+        self.front: dict[int, int] = {}  # sequence -> the first position its later passes can start at
         self.stats = {} if stats is None else stats
         self.stats.update(prefix_cache_queries=0, prefix_cache_hits=0)
 
@@ -108,6 +111,7 @@ class Scheduler:
             self.prefilling.remove(r)
         self.cache.release(r.slot)
         self.ids.pop(r, None)
+        self.front.pop(r.slot, None)
         self.free.append(r.slot)
         self.free.sort()
         r.slot = -1
@@ -115,15 +119,19 @@ class Scheduler:
     def plan(self, ready: Any) -> Plan:
         """The next pass. `ready(r)`: whether running request r has a step to run now (not waiting for its
         block's end to be read)."""
+        if self.prefix_caching:
+            for seq, start in self.front.items():
+                self.cache.trim(seq, start)
         self.admit()
         p, c = Plan(), self.c
+        keyed = []  # (request, positions written so far): whole blocks to key once their sliding blocks are held
         canvases = [r for r in self.running if ready(r)]
         for r in canvases:
             if r.commit is not None:
                 p.segments.append(Seg(r.slot, r.prefix - c, c, False))
                 p.causal_ids.append(r.commit)
                 p.commits.append(r)
-                self._register(r, r.prefix)
+                keyed.append((r, r.prefix))
         left = self.budget - len(canvases) * c - len(p.commits) * c
         if self.prefilling and left < 1:
             left = c  # progress for the prompts whatever the running set
@@ -137,7 +145,7 @@ class Scheduler:
                 p.prefills.append(r)
                 r.prefilled += n
                 left -= n
-                self._register(r, r.prefilled)
+                keyed.append((r, r.prefilled))
             if r.prefilled == len(r.prompt):
                 self.prefilling.remove(r)
                 self.running.append(r)
@@ -146,10 +154,11 @@ class Scheduler:
                 canvases.append(r)
         p.canvases = canvases
         p.segments += [Seg(r.slot, r.prefix, c, True) for r in canvases]
-        return p
-
-    def _register(self, r: Any, upto: int) -> None:
-        """r's positions before `upto` are written by the pass being planned (launched before any pass that
-        could read them as a hit): their whole blocks become cached blocks."""
         if self.prefix_caching:
-            self.cache.register(r.slot, self.ids[r][:upto])
+            for s in p.segments:  # (a canvas after its sequence's causal rows: where its later passes start)
+                if not s.canvas:
+                    self.cache.hold(s.seq, s.start, s.start + s.length)
+                self.front[s.seq] = s.start if s.canvas else s.start + s.length
+            for r, upto in keyed:
+                self.cache.register(r.slot, self.ids[r][:upto])
+        return p

@@ -131,15 +131,6 @@ def listen(host: str, port: int) -> socket.socket:
 def serve(session: Any, *, say: Callable[[str], None], **kw: Any) -> bool:
     """Serve until SIGINT/SIGTERM (keywords as `build`'s); True after a clean stop, False when the engine
     thread was left behind in a pass (the caller should exit at once: the thread still runs)."""
-    if getattr(session, "prefix_caching", False):  # every layer keeps every position: not at any cost
-        from dgcli.runtime.session import prefix_cache_fits
-
-        fits, need, free = prefix_cache_fits(session, kw["slots"], kw["context"])
-        if not fits:
-            session.prefix_caching = False
-            say(f"dgemma serve: note: prefix caching off: its KV cache ({need / 2**30:.1f} GiB for {kw['slots']} "
-                f"slot(s) of {kw['context']} positions) would take most of the {free / 2**30:.1f} GiB free on "
-                f"{session.device}; lower --max-model-len or --max-batch-size to keep it")
     server, worker = build(session, **kw)
     sock = listen(kw["host"], kw["port"])
     worker.start()

@@ -85,12 +85,17 @@ def test_kv_per_slot_is_what_the_engines_cache_allocates(dtype, context):
 def test_real_config_kv_per_slot_with_rings():
     """The released config, bf16: 5 full layers (2 kv heads x 512) hold the context and a canvas, 20 KiB a
     position; 25 sliding layers (8 x 256, window 1024) a ring of 1023 positions -> 1,024 in blocks of 16:
-    200 MiB a slot; every position on every layer would be 225,280 B each (spec §5.9)."""
+    200 MiB a slot; every position on every layer would be 225,280 B each (spec §5.9). With prefix caching the
+    sliding layers hold each slot's window and 3 blocks, and one pass's causal rows beside them."""
     cfg = load_config(real_config_path())
     for context, after, before in ((8192, 382_730_240, 1_903_165_440), (131072, 2_899_312_640, 29_585_571_840)):
         kv = memory.kv_bytes(cfg, context, 2)
         assert (kv["full_per_token"], kv["rings"], kv["was_per_token"]) == (20_480, 1024 * 25 * 8192, 225_280)
         assert (kv["full_positions"], kv["total"], kv["was"]) == (context + 256, after, before)
+        assert kv["windows"] == (1024 + 3 * 16) * 25 * 8192  # prefix caching: the window and 3 blocks
+        # 8 slots, prefix caching: + one pass's causal rows on sliding layers (max(2048, 9 x 256) = 2304)
+        assert memory.cache_bytes(cfg, 8, context, 2, True) == 8 * (20_480 * (context + 256) + kv["windows"]) + \
+            2304 * 25 * 8192
 
 
 @pytest.mark.parametrize("lag", [0, 1])

@@ -4,10 +4,11 @@ only for the same ids at the same positions, and a hit's keys equal to what enco
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dgcli.model.attention import Segment
-from dgcli.model.paged import PagedKVCache
+from dgcli.model.paged import PagedKVCache, pool_blocks
 from dgcli.model.random_weights import make_config, random_model
 from hf_oracle import CONFIGS
 
@@ -19,24 +20,51 @@ def cache(seqs=3, max_len=16):
                         block_size=B, prefix_caching=True)
 
 
-def test_one_pool_rings_as_long_as_a_sequence():
+def test_sliding_blocks_are_held_within_the_window():
+    """With prefix caching the sliding layers address block p // B (no ring) in a pool of their own, take blocks
+    as a pass writes them (`hold`) and give back those wholly before a window's start (`trim`); the pool is
+    sized for every sequence's window and one pass's rows (`pool_blocks`), not for every position."""
     c = cache()
-    assert c.ring_blocks == c.full_blocks == 4 and c.groups["full"] is c.groups["ring"]
-    assert c.reserve(0, 10)
-    assert c.tables[0]["full"] is c.tables[0]["ring"] and len(c.tables[0]["ring"]) == 3
-    assert c.slots("ring", 0, 0, 10).tolist() == c.slots("full", 0, 0, 10).tolist()  # no wrap: p in block p // B
+    assert c.ring_blocks == c.full_blocks == 4 and c.groups["full"] is not c.groups["ring"]
+    assert c.reserve(0, 10) and c.tables[0]["ring"] == [-1, -1, -1]  # nothing held until written
+    c.hold(0, 0, 10)
+    assert c.slots("ring", 0, 0, 10).tolist() == [c.tables[0]["ring"][p // B] * B + p % B for p in range(10)]
+    first = c.tables[0]["ring"][0]
+    c.trim(0, 9)  # reads from 9 - 5 = 4 on: block 0 (positions 0..3) is never read again
+    assert c.tables[0]["ring"][0] == -1 and -1 not in c.tables[0]["ring"][1:] and first in c.groups["ring"].free
+    c.trim(0, 8)  # (never back)
+    assert c.tables[0]["ring"][1] != -1
+    with pytest.raises(RuntimeError, match="not held"):
+        c.slots("ring", 0, 2, 6)
+    c.release(0)
+    assert c.free_blocks() == {"full": 12, "ring": 12}
     plain = PagedKVCache([(1, 2, None), (1, 2, 6)], seqs=3, max_len=16, device="cpu", dtype=torch.float32,
                          block_size=B)
-    assert plain.ring_blocks == 2 and plain.groups["full"] is not plain.groups["ring"]  # without: rings as before
+    assert plain.ring_blocks == 2 and plain.reserve(0, 10) and len(plain.tables[0]["ring"]) == 2  # rings as before
+    plain.hold(0, 0, 10), plain.trim(0, 9)  # no-ops without prefix caching
+    assert plain.free_blocks()["ring"] == 4
+    # sizes: rings 2 blocks a sequence; windowed: (2 + 3) a sequence + one pass of 40 rows, at most every position
+    assert pool_blocks([None, 6], seqs=3, max_len=16, block_size=B, prefix_caching=False) == (12, 6)
+    assert pool_blocks([None, 6], seqs=3, max_len=64, block_size=B, prefix_caching=True, pass_rows=40) == (48, 25)
+    assert pool_blocks([None, 6], seqs=3, max_len=16, block_size=B, prefix_caching=True, pass_rows=40) == (12, 12)
+    big = PagedKVCache([(1, 2, None), (1, 2, 6)], seqs=3, max_len=64, device="cpu", dtype=torch.float32,
+                       block_size=B, prefix_caching=True, pass_rows=40)
+    assert big.groups["ring"].n == 25 and big.k[1].shape[1] == 25 * B
+
+
+def written(c, seq, ids, lo=0):
+    """A pass wrote sequence `seq`'s positions lo..len(ids)-1: hold its sliding blocks, key its whole blocks."""
+    c.hold(seq, lo, len(ids))
+    c.register(seq, ids)
 
 
 def test_hits_are_whole_blocks_of_the_same_ids_at_the_same_positions():
     c = cache()
     ids = list(range(10, 21))  # 11 ids: 2 whole blocks and 3 ids of a third
     assert c.reserve(0, 12)
-    c.register(0, ids[:6])  # a pass wrote 6 positions: only block 0 is whole
+    written(c, 0, ids[:6])  # a pass wrote 6 positions: only block 0 is whole
     assert c.cached_blocks() == 1 and c.lookup(ids) == c.tables[0]["full"][:1]
-    c.register(0, ids)
+    written(c, 0, ids, 6)
     assert c.cached_blocks() == 2 and c.lookup(ids) == c.tables[0]["full"][:2]  # the partial third never
     assert c.lookup(ids[:7]) == c.tables[0]["full"][:1]
     assert c.lookup(ids[:4] + [99] + ids[5:]) == c.tables[0]["full"][:1]  # one id differs in block 1
@@ -45,12 +73,39 @@ def test_hits_are_whole_blocks_of_the_same_ids_at_the_same_positions():
     assert c.lookup(ids[4:8]) == []  # block 1's ids at position 0
 
 
+def test_a_hit_needs_the_sliding_blocks_of_its_last_window():
+    """A hit of h blocks holds the sliding layers' blocks of its last W-1 positions (blocks (4h - 5) // 4 .. h-1
+    here), not copies; where one of them was evicted the hit ends earlier, where they are all cached."""
+    c = cache(seqs=2, max_len=16)
+    ids = list(range(30, 42))
+    assert c.reserve(0, 12)
+    written(c, 0, ids)
+    full, ring = c.tables[0]["full"], list(c.tables[0]["ring"])
+    c.trim(0, 12)  # block 0 leaves the window: cached, not held
+    assert c.tables[0]["ring"][0] == -1 and list(c.groups["ring"].lru) == [ring[0]]
+    assert c.lookup(ids) == full and c.reserve(1, 16, shared=full)
+    assert c.tables[1]["ring"] == [-1, ring[1], ring[2], -1]  # the hit's window: blocks 1, 2 shared
+    assert [c.groups["ring"].refs[b] for b in ring] == [0, 2, 2]
+    c.release(1), c.release(0)
+    assert all(r == 0 for r in c.groups["ring"].refs) and c.free_blocks() == {"full": 8, "ring": 8}
+    c = cache(seqs=2, max_len=16)
+    assert c.reserve(0, 12)
+    written(c, 0, ids)
+    full = c.tables[0]["full"]
+    c.release(0)  # tail first into the LRU: block 2's twin is evicted first
+    pool = c.groups["ring"]
+    pool.take(len(pool.free) + 1)
+    assert c.lookup(ids) == full[:2]  # 3 blocks would need the twins of 1 and 2; 2 blocks need 0 and 1
+    pool.take(1)
+    assert c.lookup(ids) == full[:1]  # 2 blocks need 0 and 1 (gone); 1 needs 0
+
+
 def test_refcounts_lru_and_eviction():
     c = cache(seqs=2, max_len=12)  # 6 blocks in all
     pool = c.groups["full"]
     a = list(range(100, 112))
     assert c.reserve(0, 12)
-    c.register(0, a)
+    written(c, 0, a)
     hit = c.lookup(a)
     assert len(hit) == 3 and c.reserve(1, 12, shared=hit[:2])  # shares 2, takes 1
     assert [pool.refs[b] for b in hit] == [2, 2, 1]
@@ -77,8 +132,8 @@ def test_a_second_writer_of_the_same_ids_keeps_one_key():
     c = cache()
     ids = list(range(12))
     assert c.reserve(0, 12) and c.reserve(1, 12)
-    c.register(0, ids[:8])
-    c.register(1, ids)  # blocks 0, 1 are 0's; block 2 hangs on 0's block 1
+    written(c, 0, ids[:8])
+    written(c, 1, ids)  # blocks 0, 1 are 0's; block 2 hangs on 0's block 1
     assert c.cached_blocks() == 3 and c.lookup(ids) == c.tables[0]["full"][:2] + c.tables[1]["full"][2:]
     c.release(0), c.release(1)
     assert len(c.groups["full"].lru) == 3 and len(c.groups["full"].free) == 12 - 3
@@ -87,7 +142,9 @@ def test_a_second_writer_of_the_same_ids_keeps_one_key():
 def test_a_hit_gives_the_bits_of_a_prompt_chunked_where_the_hit_ends():
     """Sequence 1 holds 2 blocks sequence 0 wrote (its first 32 ids, windows of 6 long exceeded) and encodes
     the rest: its canvas's hidden states equal, bit for bit in bf16, those of a plain cache whose prompt was
-    encoded in two chunks split where the hit ends; and the long-ring layout alone changes no bit."""
+    encoded in two chunks split where the hit ends, also after sequence 1's sliding blocks before its window were
+    given back and sequence 0 left (its blocks cached, the shared ones still held); and the layout of a prefix-
+    caching cache alone (block p // B, no ring) changes no bit."""
     text = {k: v for k, v in CONFIGS["gqa2_window6"].items() if k != "canvas"}
     m = random_model(make_config(text, canvas_length=4), seed=0).to(torch.bfloat16)
     g = torch.Generator().manual_seed(1)
@@ -99,19 +156,26 @@ def test_a_hit_gives_the_bits_of_a_prompt_chunked_where_the_hit_ends():
         kv = m.new_cache(1, 60, block_size=16, prefix_caching=prefix_caching)
         kv.reserve(0, 54)
         for lo, hi in chunks:
+            kv.hold(0, lo, hi)
             m.forward_pass(b[lo:hi], [Segment(0, lo, hi - lo, False)], kv)
         return m.forward_pass(canvas, [Segment(0, 50, 4, True)], kv)
 
     with torch.inference_mode():
         kv = m.new_cache(2, 60, block_size=16, prefix_caching=True)
         kv.reserve(0, 49)
+        kv.hold(0, 0, 45)
         m.forward_pass(a, [Segment(0, 0, 45, False)], kv)
         kv.register(0, a.tolist())
         hit = kv.lookup(b.tolist())
         assert len(hit) == 2 and kv.reserve(1, 54, shared=hit)
+        assert kv.tables[1]["ring"][:2] == [-1, kv.tables[0]["ring"][1]]  # the hit's window: block 1 only
+        kv.hold(1, 32, 50)
         m.forward_pass(b[32:], [Segment(1, 32, 18, False)], kv)
-        got = m.forward_pass(canvas, [Segment(1, 50, 4, True)], kv)
-        assert torch.equal(got, plain([(0, 32), (32, 50)]))
+        want = plain([(0, 32), (32, 50)])
+        assert torch.equal(m.forward_pass(canvas, [Segment(1, 50, 4, True)], kv), want)
+        kv.trim(1, 50), kv.release(0)  # reads from 45 on: block 1 (16..31) goes back to sequence 0's holding
+        assert kv.tables[1]["ring"][:3] == [-1, -1, kv.tables[1]["ring"][2]] and 0 not in kv.tables
+        assert torch.equal(m.forward_pass(canvas, [Segment(1, 50, 4, True)], kv), want)
         assert torch.equal(plain([(0, 50)], True), plain([(0, 50)]))
 
 
@@ -132,11 +196,14 @@ def test_the_triton_kernel_reads_shared_blocks_and_long_rings(triton_device, mon
         kv = m.new_cache(2, 48, block_size=8, prefix_caching=True)
         with torch.inference_mode():
             kv.reserve(0, 41)
+            kv.hold(0, 0, 37)
             m.forward_pass(a.to(device), [Segment(0, 0, 37, False)], kv)
             kv.register(0, a.tolist())
             hit = kv.lookup(b.tolist())
             assert len(hit) == 4 and kv.reserve(1, 45, shared=hit)
+            kv.hold(1, 32, 41), kv.trim(1, 32)  # the window from 27 on: blocks 3, 4, 5 (of 8 positions)
             m.forward_pass(b[32:].to(device), [Segment(1, 32, 9, False)], kv)
+            kv.trim(1, 41)
             return m.forward_pass(canvas.to(device), [Segment(1, 41, 4, True)], kv).cpu()
 
     want = hit_pass("cpu")
