@@ -17,6 +17,8 @@ from collections.abc import Callable
 
 import torch
 
+from .reference import processed_logits
+
 # A row chunk's gathered embedding rows [rows, width, H] stay within this many bytes. 8 MiB, not 32: a
 # buffer of 32 MiB is at glibc's largest mmap threshold, so it is mmapped and page-faulted afresh on every
 # call (21 ms of the 200 M benchmark's ~250 ms CPU vocabulary pass on a 2-core EPYC VM); 8 MiB chunks come
@@ -42,9 +44,7 @@ def group_logits(rows: torch.Tensor, embed: torch.Tensor, group: torch.Tensor, w
         else:
             e = embed[cols[lo:lo + step].clamp(max=v - 1)]  # [r, W, H]
         out[lo:lo + step] = torch.bmm(e, rows[lo:lo + step, :, None].to(embed.dtype))[..., 0].float()
-    if softcap:
-        out = out.div_(softcap).tanh_().mul_(softcap)
-    out = out.div_(temperature)
+    out = processed_logits(out, softcap, temperature)
     return out.masked_fill_(cols >= v, float("-inf"))
 
 

@@ -88,22 +88,20 @@ def linear_dynamic(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, *, scaled_
     (CUDA); else the torch reference (fp32 GEMM on the upcast FP8 values, whose products are exact)."""
     shape = x.shape
     xq, xs = quantize_per_token(x.reshape(-1, shape[-1]))  # [M, K] fp8, [M, 1] fp32
-    sw = s.float().reshape(1, -1)  # [1, N]
     if scaled_mm:
-        y = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=sw, out_dtype=x.dtype)
+        y = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=s.float().reshape(1, -1), out_dtype=x.dtype)  # [1, N]
     else:
         n, k = q.shape
         rows = _rows_per_tile(n, k, 4, tile_bytes)
-        xf = xq.float()
         y = x.new_empty(xq.shape[0], n)
         for r in range(0, n, rows):
-            w = fp8_over_256(q[r:r + rows]).float() * 256  # the e4m3 values, exactly
-            y[:, r:r + rows] = ((xf @ w.t()) * xs * sw[:, r:r + rows]).to(x.dtype)
+            y[:, r:r + rows] = _scaled(xq, xs, q[r:r + rows], s[r:r + rows], x.dtype)
     return y.reshape(*shape[:-1], -1)
 
 
 def _scaled(aq: torch.Tensor, a_s: torch.Tensor, q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Reference FP8 GEMM of quantized rows aq [M, K] (scales a_s [M, 1]) with one expert's q [N, K], s [N, 1]."""
+    """Reference FP8 GEMM of quantized rows aq [M, K] (scales a_s [M, 1]) with q [N, K], s [N, 1] (an expert's, or
+    a row tile of a linear's): products of the e4m3 values (exact in fp32), fp32 sums, both scales, rounded."""
     return ((aq.float() @ (fp8_over_256(q).float() * 256).t()) * a_s * s.float().t()).to(dtype)
 
 

@@ -23,13 +23,11 @@ finite values; quantized checkpoints never hold them (values are clamped to +-44
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .triton_common import round_bf16, round_to
+from .triton_common import interpreting, round_bf16, round_to
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) on CUDA, by activation dtype. bf16: a 256-row canvas
 # gives 4 row blocks, N / 128 column blocks (22+ for the real linears, H 2816), so >= 88 programs; 48 KiB of
@@ -84,10 +82,6 @@ def _w8a16_kernel(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_qn, str
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def supports(x: torch.Tensor, s: torch.Tensor) -> bool:
     """The dtypes the kernel mirrors `dequantize` for: bf16/fp32 activations, bf16/fp32 scales."""
     floats = (torch.bfloat16, torch.float32)
@@ -114,6 +108,6 @@ def linear_w8a16(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, *, config: t
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     if m:
         _w8a16_kernel[grid](x2, qb, s1, y, m, n, k, x2.stride(0), qb.stride(0), y.stride(0), IS_BF16=is_bf16,
-                            DOT_BF16=is_bf16 and not _interpreting(), W_ROUND=is_bf16 or s.dtype == torch.bfloat16,
+                            DOT_BF16=is_bf16 and not interpreting(), W_ROUND=is_bf16 or s.dtype == torch.bfloat16,
                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP=GROUP_M, num_warps=warps, num_stages=stages)
     return y.view(*shape[:-1], n)

@@ -20,18 +20,12 @@ Layout: pair p = n·k + j after sorting each row's experts ascending. Pairs are 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from .fp8 import quantize_per_token
-from .triton_common import round_bf16, round_to
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+from .triton_common import interpreting, round_bf16, round_to
 
 
 @triton.jit
@@ -202,7 +196,7 @@ def experts_triton(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_
     rw = w.gather(1, perm).to(torch.float32).reshape(-1).contiguous()  # [N·k]
     pair_of_slot, block_expert = group_by_expert(idx_sorted.reshape(-1), num_experts, block_m)
     is_bf16 = x.dtype == torch.bfloat16
-    dot_bf16 = is_bf16 and not _interpreting()
+    dot_bf16 = is_bf16 and not interpreting()
     gus = gate_up_scale.reshape(num_experts, -1).contiguous() if fp8 else x  # [E, 2I] (else unused)
     dns = down_scale.reshape(num_experts, -1).contiguous() if fp8 else x  # [E, H]
     w_round = fp8 and (is_bf16 or gus.dtype == torch.bfloat16)

@@ -1,8 +1,9 @@
 """Torch references for the fused kernels; each function here is the spec its kernel is tested against.
 
 Owns: `vocab_pass`, everything the entropy-bound sampler needs from the vocabulary for one denoising
-step (tied head + softcap, temperature, one categorical draw, argmax, entropy, and the next step's
-self-conditioning soft embedding), computed in row chunks so the [B, C, V] float32 logits never exist.
+step (tied head + softcap and temperature, as `processed_logits` that every CPU path shares, one categorical
+draw, argmax, entropy, and the next step's self-conditioning soft embedding), computed in row chunks so the
+[B, C, V] float32 logits never exist.
 Must not: know about the denoising loop, the accept/stop rules, the model or devices beyond the
 tensors it is given. Numerics follow transformers' DiffusionGemma (spec §5.3, §5.8, §7.2).
 """
@@ -38,6 +39,13 @@ def row_temperature(temperature: float | torch.Tensor, b: int, c: int, device: t
     if t.shape != (b,):
         raise ValueError(f"temperature has shape {tuple(t.shape)}; give one value or one per batch row ({b})")
     return t.repeat_interleave(c)[:, None]
+
+
+def processed_logits(logits: torch.Tensor, softcap: float | None, temperature: float | torch.Tensor) -> torch.Tensor:
+    """L = softcap·tanh(R / softcap) / temperature, in place on the float32 raw logits R (a buffer the caller owns)."""
+    if softcap:
+        logits.div_(softcap).tanh_().mul_(softcap)
+    return logits.div_(temperature)
 
 
 def auto_row_chunk(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
@@ -99,9 +107,7 @@ def vocab_pass(
     for lo, hi in zip(bounds, bounds[1:] + [n]):
         # float() copies unless the model runs in fp32; then F.linear's output is ours to modify anyway.
         logits = F.linear(rows[lo:hi], embed).float()  # [r, V]
-        if softcap:
-            logits = logits.div_(softcap).tanh_().mul_(softcap)
-        logits = logits.div_(temp if temp.dim() == 0 else temp[lo:hi])  # L, the processed logits
+        logits = processed_logits(logits, softcap, temp if temp.dim() == 0 else temp[lo:hi])  # L
         argmax[lo:hi] = logits.argmax(dim=-1)
 
         # Entropy as torch.distributions.Categorical computes it (what the reference's accept and

@@ -1,15 +1,22 @@
 """Small Triton helpers shared by the kernels in this folder.
 
-Owns: `round_bf16` (round-to-nearest-even to bfloat16, returned as float32). Why: the kernels mirror
-the reference's intermediate roundings to the storage dtype, and the Triton interpreter (the CPU test
-path) breaks ties when casting float32 to bfloat16 differently from the GPU and torch (RTNE); doing the
-rounding on the bits gives the same answer everywhere. Must not: hold kernels.
+Owns: `interpreting` (TRITON_INTERPRET=1: the CPU interpreter computes bf16 dots wrongly, so the kernels keep
+bf16 operands out of tl.dot there) and `round_bf16` (round-to-nearest-even to bfloat16, returned as float32).
+Why `round_bf16`: the kernels mirror the reference's intermediate roundings to the storage dtype, and the
+Triton interpreter (the CPU test path) breaks ties when casting float32 to bfloat16 differently from the GPU
+and torch (RTNE); doing the rounding on the bits gives the same answer everywhere. Must not: hold kernels.
 """
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit

@@ -37,15 +37,13 @@ autotuned on CUDA, keyed by (H, V, rows) over SOFT_TUNE; the interpreter runs on
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from .categorical import draw_from_groups
 from .reference import VocabPassOut, row_temperature
-from .triton_common import round_to
+from .triton_common import interpreting, round_to
 
 # Vocabulary splits of the stats kernel: 64 at V = 262,144 (4,096 columns each); with a 256-row canvas
 # (4 row blocks of 64) 256 programs, ~2 waves on 132 SMs. A constant: the combine order is part of the bits.
@@ -60,10 +58,6 @@ SCRATCH_BYTES = 512 * 2**20  # the bf16(L) scratch of one row chunk: 1,024 rows 
 # (benchmarks/kernel_targets.py); fp32's FMA dots spill at [64, 128] with 4 warps, so that one is bf16's only.
 SOFT_TUNE = {"bf16": ((64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3), (64, 128, 8, 4)),
              "fp32": ((64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 8, 4))}
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -288,7 +282,7 @@ def _pass_rows(rows, embed, temp, u, softcap, want_soft, splits, bm, bn, bk, sof
     v = embed.shape[0]
     dev = rows.device
     is_bf16 = embed.dtype == torch.bfloat16
-    dot_bf16 = is_bf16 and not _interpreting()
+    dot_bf16 = is_bf16 and not interpreting()
     row_blocks = triton.cdiv(n, bm)
     cols_per_split = triton.cdiv(triton.cdiv(v, splits), bn) * bn
     splits = triton.cdiv(v, cols_per_split)
@@ -349,7 +343,7 @@ def vocab_pass_triton(
     n = rows.shape[0]
     bm, bn, bk = block_m or 64, block_n or 64, block_k or 64
     splits = splits or max(1, min(triton.cdiv(v, bn), VOCAB_SPLITS))
-    soft_tile = _soft_launcher(_interpreting(), block_m, block_n, embed.dtype)
+    soft_tile = _soft_launcher(interpreting(), block_m, block_n, embed.dtype)
     temp = row_temperature(temperature, b, c, dev).expand(n, 1).reshape(n).contiguous()  # [N]: one per row
     u = uniform.reshape(n).to(device=dev, dtype=torch.float64)  # [N]
     step = n if not want_soft else max(1, min(n, row_chunk or SCRATCH_BYTES // (v * embed.element_size())))

@@ -145,11 +145,8 @@ def bench(
     card = b.target_card(s, prompt_len=round(sum(len(p.ids) for p in plist) / len(plist)),
                          context=longest + s.num_blocks * s.config.canvas_length, peaks=b.peaks_for_card(peaks))
     card_text = "# dgemma bench\n\n" + (report.card_markdown(card) if verbose else brief.card_text(card))
-    if fmt == "md":
-        sys.stdout.write(card_text + "\n")
-        sys.stdout.flush()
-    else:
-        sys.stderr.write(card_text + "\n")
+    (sys.stdout if fmt == "md" else sys.stderr).write(card_text + "\n")
+    sys.stdout.flush()
 
     live, progress = status(sys.stderr.isatty() and pool is None, compiling=s.compiled)
     rows, last, interrupted = [], None, False

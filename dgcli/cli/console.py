@@ -170,7 +170,7 @@ def print_answer(response: Any) -> None:
     sys.stdout.flush()
 
 
-def budget_note(session: Any, cut: int, total: int, *, what: str = "answers") -> str | None:
+def budget_note(session: Any, cut: int, total: int) -> str | None:
     """One line for the end of a run when `cut` of `total` answers ended at the token budget (finish
     reason length) rather than at a stop id; None when none did."""
     if not cut:
@@ -179,23 +179,23 @@ def budget_note(session: Any, cut: int, total: int, *, what: str = "answers") ->
 
     c, n = session.config.canvas_length, session.num_blocks
     budget = token_budget(session.resolved.run.max_tokens, n, c)
-    who = "the answer" if total == 1 else f"{cut} of {total} {what}"
+    who = "the answer" if total == 1 else f"{cut} of {total} answers"
     return (f"dgemma: note: {who} ended at the {budget}-token budget ({n} block{'s' if n != 1 else ''} of {c}); "
             "raise it with --max-tokens or --blocks")
 
 
-def empty_note(empty: int, total: int, *, padding: bool, raw: bool, what: str = "answers") -> str | None:
+def empty_note(empty: int, total: int, *, padding: bool, raw: bool) -> str | None:
     """One line for the end of a run when `empty` of `total` answers have no text; None when none."""
     if not empty:
         return None
-    who = "the answer is" if total == 1 else f"{empty} of {total} {what} were"
+    who = "the answer is" if total == 1 else f"{empty} of {total} answers were"
     why = " (only padding)" if padding else ""
     fix = ("this checkpoint answers chat-formatted prompts; drop --raw" if raw
            else "the model gave no text for the prompt; rephrase it or try another --seed")
     return f"dgemma: note: {who} empty{why}: {fix}"
 
 
-def answer_notes(session: Any, responses: list[Any], *, raw: bool = False, what: str = "answers") -> list[str]:
+def answer_notes(session: Any, responses: list[Any], *, raw: bool = False) -> list[str]:
     """The notes about a run's answers, decided here for every command, once per run (never per prompt):
     how many were empty, then how many ended at the token budget. An empty answer counts only as empty:
     a bigger budget would not fill it, so the budget note would point the wrong way."""
@@ -205,8 +205,8 @@ def answer_notes(session: Any, responses: list[Any], *, raw: bool = False, what:
     empty = [r for r in responses if is_empty(r.token_ids, r.text, pad)]
     cut = sum(r.finish_reason == "length" and not is_empty(r.token_ids, r.text, pad) for r in responses)
     notes = [empty_note(len(empty), len(responses), padding=all(only_padding(r.token_ids, pad) for r in empty),
-                        raw=raw, what=what),
-             budget_note(session, cut, len(responses), what=what)]
+                        raw=raw),
+             budget_note(session, cut, len(responses))]
     return [n for n in notes if n]
 
 

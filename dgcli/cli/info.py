@@ -56,7 +56,7 @@ def info(
     model = model_opt if model_opt is not None else model_arg
     from dgcli.measure import card as inf
     from dgcli.measure import printers as report
-    from dgcli.measure.bench import peaks_for_card
+    from dgcli.measure.bench import device_peaks, peaks_for_card
     from dgcli.model.random_weights import dummy_config
     from dgcli.model.config import load_config, parse_config
     from dgcli.runtime.session import default_model_path
@@ -90,8 +90,8 @@ def info(
         raise UserError(f"--dtype {run_dtype}: use auto, bfloat16 or float32")
     dev, n_threads = _threads(cfg, device or "auto", threads)
     card = inf.card(cfg, name=name, source=source, dtype=run_dtype, context=context, prompt_len=prompt_len,
-                    peaks=peaks_for_card(_local_peaks(dev, measure_peaks)), inventory=inventory, threads=n_threads,
-                    budgets=_budgets(dev, memory), headroom=headroom / 100)
+                    peaks=peaks_for_card(device_peaks(dev, measure_cpu=measure_peaks)), inventory=inventory,
+                    threads=n_threads, budgets=_budgets(dev, memory), headroom=headroom / 100)
     extra = ""
     if gguf:  # weights as loaded (quantized matrices as stored), and whether this machine holds the run
         import torch
@@ -126,9 +126,7 @@ def _budgets(dev, memory_gib: float | None) -> list[dict]:
     out = [{"name": n, "bytes": b, "cpu": False} for n, b in GPUS]
     cpu = dev.type != "cuda"
     if cpu:
-        import os
-
-        local = ("this machine", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        local = ("this machine", _ram())
     else:
         import torch
 
@@ -157,12 +155,3 @@ def _threads(cfg, device: str, flag: int | None):
     dev = pick_device(device)
     return dev, set_threads(cfg, dev, flag)
 
-
-def _local_peaks(dev, measure: bool):
-    from dgcli.measure import card as inf
-
-    if dev.type == "cuda":
-        import torch
-
-        return inf.gpu_peaks(torch.cuda.get_device_name(dev))
-    return inf.measure_cpu_peaks() if measure else None

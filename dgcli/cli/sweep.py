@@ -168,12 +168,14 @@ def sweep(
     live, progress = status(sys.stderr.isatty() and pool is None, compiling=s.compiled)
     try:
         if pool is not None:
-            reference = jobs.sweep_reference(pool, rows, store, plist, ignore, quality_metric, fp)
+            reference = sw.reference_outputs(rows, store, quality_metric,
+                                             lambda: pool.call("reference", plist, ignore, fp))
             cell_rows = jobs.sweep_cells(pool, todo, plist, source, seed_list, runs, ignore, quality_metric, reference,
                                          label, meta, fp, warmup=warmup, warm_batch=max(sizes),
                                          measure_peaks=measure_peaks, keep=store.append)
         else:
-            reference = sw.reference_outputs(rows, store, s, plist, ignore, quality_metric, fp, progress)
+            reference = sw.reference_outputs(rows, store, quality_metric,
+                                             lambda: sw.reference_row(s, plist, ignore, fp, progress))
             if todo:  # the batched path the cells take, at the largest batch size
                 b.warm_up(s, plist, s.params, warmup, batch_size=max(sizes), ignore_eos=ignore, progress=progress)
             cell_rows = (sw.run_cell(s, cell, plist, source, seed_list, runs, ignore, quality_metric, reference,
@@ -257,6 +259,7 @@ def _print_plan(model, dummy, layers, preset, flags, axes, seeds, store, resume,
 def _finish(rows, cells, axes, speed, plot, fmt, card, output) -> None:
     from dgcli.measure import printers as report
     from dgcli.measure import sweep as sw
+    from dgcli.measure.metrics import DEFINITIONS
     wanted = {c.key for c in cells}
     done = [r for r in rows if r.get("kind") == "cell" and r.get("cell_key") in wanted]
     keys = sw.swept_keys(axes)
@@ -295,15 +298,9 @@ def _finish(rows, cells, axes, speed, plot, fmt, card, output) -> None:
                    + (f" ~ overlaps {near}" if near else ""))
     if not front:
         out.append("(no cell has both figures)")
-    out += ["", "Definitions: " + "; ".join(f"`{k}`: {report_def(k)}" for k in [speed, "quality"] + figures + ["spread"])]
+    out += ["", "Definitions: " + "; ".join(f"`{k}`: {DEFINITIONS.get(k, '')}" for k in [speed, "quality"] + figures + ["spread"])]
     sys.stdout.write("\n".join(out) + "\n")
     sys.stdout.write(report.headline_json([{"cells": len(done), "frontier": [
         {**r["cell"], speed: r.get(speed), "quality": r.get("quality"), f"{speed}_interval": sw.interval(r, speed),
          "quality_interval": sw.interval(r, "quality"), "overlaps": r["pareto_overlaps"]} for r in front]}],
         ["cells", "frontier"]) + "\n")
-
-
-def report_def(key: str) -> str:
-    from dgcli.measure.metrics import DEFINITIONS
-
-    return DEFINITIONS.get(key, "")

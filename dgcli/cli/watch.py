@@ -59,16 +59,21 @@ def _screen():
     return make_console(stderr=True, width=NO_WRAP), "blocks", NOT_A_TERMINAL_NOTE
 
 
-def _display(console, mode: str, pieces, *, fps: float | None, step_delay: float | None, speed: float | None,
-             replay: bool):
-    """The Display, paced: a pace the user chose (--fps, --step-delay, --speed) as given; none on a terminal
-    gets DEFAULT_PACE_S a step, so a fast model's run can be followed (--step-delay 0 turns it off)."""
-    from dgcli.render.watch import Display
+def _watch(pieces, max_steps: int, *, fps: float | None, step_delay: float | None, speed: float | None,
+           replay: bool):
+    """The Watch, its Display on `_screen`'s console (its note said on stderr), paced: a pace the user chose
+    (--fps, --step-delay, --speed) as given; none on a terminal gets DEFAULT_PACE_S a step, so a fast model's
+    run can be followed (--step-delay 0 turns it off)."""
+    from dgcli.render.watch import Display, Watch
 
+    console, mode, note = _screen()
+    if note:
+        print(note, file=sys.stderr)
     chose = fps is not None or step_delay is not None or speed is not None
     pace = DEFAULT_PACE_S if mode == "live" and not chose else 0.0
     recorded = (1.0 if speed is None else speed) if replay else None  # a replay waits the recorded step times
-    return Display(console, mode, pieces, fps=fps, step_delay=step_delay or 0.0, speed=recorded, pace=pace)
+    return Watch(pieces, max_steps,
+                 Display(console, mode, pieces, fps=fps, step_delay=step_delay or 0.0, speed=recorded, pace=pace))
 
 
 def _describe(model: str, settings: dict, prompt: str | None) -> tuple[str, str]:
@@ -103,7 +108,7 @@ def watch(
 
     The answer is printed on stdout at the end, as `dgemma generate` prints it.
     """
-    from dgcli.render.watch import Pieces, Watch
+    from dgcli.render.watch import Pieces
 
     _check_pacing(fps, step_delay, speed, replay)
     _check_outputs(save_svg=save_svg, save_html=save_html)
@@ -138,12 +143,8 @@ def watch(
         given, how = read_init_canvas(session, init_canvas)
         print(init_canvas_note(init_canvas, how, len(given)), file=sys.stderr)
         canvas = fill_canvas(session, given, session.params.seed)
-    console, mode, note = _screen()
     pieces = Pieces(fetch=session.tokenizer.token_strings)
-    w = Watch(pieces, session.params.max_denoising_steps,
-              _display(console, mode, pieces, fps=fps, step_delay=step_delay, speed=None, replay=False))
-    if note:
-        print(note, file=sys.stderr)
+    w = _watch(pieces, session.params.max_denoising_steps, fps=fps, step_delay=step_delay, speed=None, replay=False)
     try:
         with w.display:
             response = run_one(session, text, raw=raw, thinking=thinking, show_thinking=show_thinking, trace=trace,
@@ -159,17 +160,13 @@ def watch(
 def _replay(path: str, *, speed: float | None, fps: float | None, step_delay: float | None, save_svg: str | None,
             save_html: str | None) -> None:
     from dgcli.render.trace import read_trace
-    from dgcli.render.watch import Pieces, Watch
+    from dgcli.render.watch import Pieces
 
     header, records = read_trace(path)  # one clear UserError for a truncated, foreign or other-version file
     pieces = Pieces.from_trace(records[-1])
     first_step = next((r for r in records if r["type"] == "step"), {})
     max_steps = header.get("settings", {}).get("params", {}).get("max_denoising_steps") or first_step.get("max_steps", 0)
-    console, mode, note = _screen()
-    w = Watch(pieces, max_steps,
-              _display(console, mode, pieces, fps=fps, step_delay=step_delay, speed=speed, replay=True))
-    if note:
-        print(note, file=sys.stderr)
+    w = _watch(pieces, max_steps, fps=fps, step_delay=step_delay, speed=speed, replay=True)
     try:
         with w.display:
             for rec in records:

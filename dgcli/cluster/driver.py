@@ -24,6 +24,7 @@ from dgcli.errors import UserError
 CONNECT_TIMEOUT_S = 3.0
 HEAD_FILE = Path("/tmp/ray/ray_current_cluster")  # where `ray start --head` records its address
 OBJECT_STORE_BYTES = 200 * 2**20  # --ray local: results are small; a big store only slows the start
+PROGRESS_EVERY_S = 1.0  # off a terminal, the progress line is written at most this often
 
 
 def _reachable(address: str, flag: str) -> None:
@@ -99,19 +100,19 @@ def connect(address: str) -> tuple[Any, str, bool]:
 
 class ProgressLine:
     """`dgemma: ray: 12/30 requests done, 2 worker(s) alive` on stderr: rewritten in place on a terminal,
-    else a line at most every `every_s` seconds (and the last one), so logs stay short."""
+    else a line at most every PROGRESS_EVERY_S seconds (and the last one), so logs stay short."""
 
-    def __init__(self, total: int, unit: str, *, stream: Any = None, every_s: float = 1.0):
-        self.total, self.unit, self.every_s = total, unit, every_s
-        self.stream = sys.stderr if stream is None else stream
+    def __init__(self, total: int, unit: str):
+        self.total, self.unit = total, unit
+        self.stream = sys.stderr
         self.tty = self.stream.isatty()
         self.last = 0.0
         self.shown = ""
 
-    def __call__(self, done: int, alive: int, *, force: bool = False) -> None:
+    def __call__(self, done: int, alive: int) -> None:
         text = f"dgemma: ray: {done}/{self.total} {self.unit} done, {alive} worker(s) alive"
         now = time.monotonic()
-        if text == self.shown or not (force or self.tty or now - self.last >= self.every_s or done == self.total):
+        if text == self.shown or not (self.tty or now - self.last >= PROGRESS_EVERY_S or done == self.total):
             return
         self.shown, self.last = text, now
         self.stream.write(("\r\x1b[2K" + text) if self.tty else text + "\n")

@@ -94,20 +94,6 @@ def run_rows(pool: Pool, requests: list, *, batch_size: int, show_thinking: bool
 # ---- sweep -----------------------------------------------------------------------------------------------
 
 
-def sweep_reference(pool: Pool, rows: list[dict], store: Any, plist: list, ignore: bool, metric: str,
-                    fp: str) -> list[list[int]] | None:
-    """`measure.sweep.reference_outputs` on a worker when the file has none: its row appended here."""
-    if metric != "agreement":
-        return None
-    for r in rows:
-        if r.get("kind") == "reference":
-            return r["outputs"]
-    row = pool.call("reference", plist, ignore, metric, fp)
-    store.append(row)
-    rows.append(row)
-    return row["outputs"]
-
-
 def sweep_cells(pool: Pool, todo: list, plist: list, source: str, seeds: list[int], runs: int, ignore: bool,
                 metric: str, reference: Any, label: str | None, meta: dict, fp: str, *, warmup: int,
                 warm_batch: int, measure_peaks: bool, keep: Callable[[dict], None]) -> Iterator[dict]:
@@ -153,14 +139,16 @@ def bench_passes(pool: Pool, plist: list, params: Any, *, runs: int, warmup: int
 
 def merge_pass(parts: list) -> Any:
     """One timed pass from the shards' passes, which ran at the same time on different workers: responses
-    and per-request latencies in prompt order, engine counts summed, the wall time the slowest shard's
+    and per-request latencies in prompt order, engine and prefix-cache counts summed, the wall time the slowest shard's
     (the pass is done when its last request is)."""
     from dgcli.measure.metrics import Pass
 
     cat = lambda name: [x for p in parts for x in getattr(p, name)]  # noqa: E731
     return Pass(cat("responses"), max(p.wall_s for p in parts), parts[0].batch_size,
                 sum(p.decoder_passes for p in parts), sum(p.row_steps for p in parts), sum(p.denoise_s for p in parts),
-                queue_s=cat("queue_s"), ttft_s=cat("ttft_s"), e2el_s=cat("e2el_s"))
+                queue_s=cat("queue_s"), ttft_s=cat("ttft_s"), e2el_s=cat("e2el_s"),
+                prefix_cache_queries=sum(p.prefix_cache_queries for p in parts),
+                prefix_cache_hits=sum(p.prefix_cache_hits for p in parts))
 
 
 def ray_fields(pool: Pool, shards: int) -> dict:

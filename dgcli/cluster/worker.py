@@ -1,7 +1,7 @@
 """The Ray actor of `--ray`: one session per worker, loaded once, and the chunk methods the driver calls.
 
 Each method is the library call a local run makes (`request.run_batch`, `measure.sweep.run_cell` and
-`reference_outputs`, `measure.bench.measure`) on this worker's session; results go back as the same
+`reference_row`, `measure.bench.measure`) on this worker's session; results go back as the same
 objects (`Response`, rows, `Pass`) the local run hands its writers.
 Owns: opening the session from the driver's spec, the torch thread cap (a worker uses at most the CPUs Ray
 gave it, so workers on one machine do not oversubscribe its cores), and the session's description the driver
@@ -99,13 +99,11 @@ class Worker:
                              init_canvases=[it[3] for it in items], show_thinking=show_thinking, on_event=on_event))
         return [(it[0], got[n], _reindex(seen[n], it[0]) if events else None) for n, it in enumerate(items)]
 
-    def reference(self, plist: list, ignore: bool, metric: str, fp: str) -> dict | None:
-        """The sweep's reference row (agreement): `measure.sweep.reference_outputs`, its row handed back."""
+    def reference(self, plist: list, ignore: bool, fp: str) -> dict:
+        """The sweep's reference row (agreement): `measure.sweep.reference_row`, handed back for the driver to save."""
         from dgcli.measure import sweep as sw
 
-        rows: list[dict] = []
-        sw.reference_outputs([], _Collect(rows), self._open(), plist, ignore, metric, fp, lambda t: None)
-        return rows[0] if rows else None
+        return sw.reference_row(self._open(), plist, ignore, fp, lambda t: None)
 
     def cell(self, cell: Any, plist: list, source: str, seeds: list[int], runs: int, ignore: bool, metric: str,
              reference: Any, label: str | None, meta: dict, fp: str, warmup: int, warm_batch: int,
@@ -132,16 +130,6 @@ class Worker:
         passes = b.measure(s, plist, params, runs=runs, warmup=warmup, ignore_eos=ignore, batch_size=batch_size,
                            memory=memory)
         return {"passes": passes, "peak_memory": memory.read(), "device": str(s.device), "pid": os.getpid()}
-
-
-class _Collect:
-    """A RowStore stand-in that keeps the appended row (the driver's store writes it)."""
-
-    def __init__(self, rows: list):
-        self.rows = rows
-
-    def append(self, row: dict) -> None:
-        self.rows.append(row)
 
 
 def _reindex(events: list, index: int) -> list:

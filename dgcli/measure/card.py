@@ -237,12 +237,10 @@ def step_cost(cfg: ModelConfig, prefix_len: int, *, self_cond: bool = True, soft
     return cost
 
 
-def encode_cost(cfg: ModelConfig, start: int, tokens: int, *, weight_bytes: int = 2,
-                kv_bytes: int | None = None) -> Cost:
+def encode_cost(cfg: ModelConfig, start: int, tokens: int, *, weight_bytes: int = 2) -> Cost:
     """One encoder pass (prefill or commit) over `tokens` tokens at positions start..: causal attention
     (sliding window on sliding layers), K/V written to the cache; the last layer's feed-forward is
     skipped because encoder outputs are only K/V (as dgemma's encoder does)."""
-    kvb = weight_bytes if kv_bytes is None else kv_bytes
     h, n = cfg.hidden_size, cfg.num_attention_heads
     cost = Cost(0.0, tokens * h * weight_bytes)
     last = cfg.num_hidden_layers - 1
@@ -251,7 +249,7 @@ def encode_cost(cfg: ModelConfig, start: int, tokens: int, *, weight_bytes: int 
         pairs = _causal_keys(start, tokens, g.window)
         read = start if g.window is None else min(start, g.window - 1)
         cost += Cost(2 * tokens * proj + 4 * n * g.head_dim * pairs,
-                     _proj_bytes(cfg, g, weight_bytes) + (read + tokens) * _kv_row(g, kvb))
+                     _proj_bytes(cfg, g, weight_bytes) + (read + tokens) * _kv_row(g, weight_bytes))
         if i != last:
             cost += _ffn(cfg, tokens, weight_bytes)
     return cost

@@ -3,22 +3,26 @@
 Every figure a row carries has a definition in `DEFINITIONS` (printed next to it) and keys reuse
 `vllm bench serve`'s names where one exists (PRODUCT.md). Owns: `Pass` (one timed pass through the batched
 engine), `summarize` (passes -> figures, incl. the FLOP/byte accounting against the roofline floor: per
-request row, weights once per batched decoder pass). Must not: run anything, print, or
-format numbers (printers.py does).
+request row, weights once per batched decoder pass), and the statistics remote_row.py's rows share
+(`percentile`, `min_max`, `steps_histogram`). Must not: run anything, print, format numbers (printers.py
+does), or import torch (`bench --base-url` runs without it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dgcli.measure import card as info
 from dgcli.model.config import ModelConfig
-from dgcli.runtime.request import Response
+
+if TYPE_CHECKING:  # not at run time: it imports torch, and `bench --base-url` (remote_row.py) uses this module
+    from dgcli.runtime.request import Response
 
 # Every figure a bench or sweep row carries, with its definition (printed next to it). Units in brackets.
 DEFINITIONS: dict[str, str] = {
@@ -137,16 +141,6 @@ class Pass:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (0: caching off)
     prefix_cache_hits: int = 0  # of them, tokens found
 
-    @classmethod
-    def sequential(cls, responses: list[Response]) -> Pass:
-        """Requests run one after another, each alone (batch size 1, no wait): the figures of hand-made
-        responses, from their own timings."""
-        d = [r.done for r in responses]
-        steps = sum(sum(x.steps_per_block) for x in d)
-        return cls(list(responses), sum(x.timings["total_s"] for x in d), 1, steps, steps,
-                   sum(x.timings["denoise_s"] for x in d), [0.0] * len(d),
-                   [x.timings["first_block_s"] for x in d], [x.timings["total_s"] for x in d])
-
 
 def percentile(values: list[float], q: float) -> float:
     """numpy's linear interpolation between closest ranks; nan for no values."""
@@ -176,13 +170,11 @@ def _cost(passes: list[Pass], cfg: ModelConfig, max_steps: int, weight_bytes: in
     return cost + info.Cost(0.0, weights * batched / rows if rows else 0.0)
 
 
-def summarize(runs: list[Pass] | list[list[Response]], cfg: ModelConfig, max_steps: int, *, weight_bytes: int,
+def summarize(passes: list[Pass], cfg: ModelConfig, max_steps: int, *, weight_bytes: int,
               peaks: info.Peaks | None, peak_memory: tuple[int, str] | None = None, spread: bool = True) -> dict:
     """Every figure of DEFINITIONS (quality aside) from the timed passes (answer ids after the max_tokens
-    cut, as every command counts them); a plain list of responses is a pass run one request at a time
-    (`Pass.sequential`). With `spread`, the min and max of each SPREAD_KEYS figure over the passes (each
-    pass summarised alone)."""
-    passes = [p if isinstance(p, Pass) else Pass.sequential(p) for p in runs]
+    cut, as every command counts them). With `spread`, the min and max of each SPREAD_KEYS figure over the
+    passes (each pass summarised alone)."""
     reqs = [r for p in passes for r in p.responses]
     c = cfg.canvas_length
     d = [r.done for r in reqs]
@@ -201,9 +193,6 @@ def summarize(runs: list[Pass] | list[list[Response]], cfg: ModelConfig, max_ste
     commits = sum(x.blocks - 1 for x in d)
     per_run = [sum(len(r.token_ids) for r in p.responses) / p.wall_s for p in passes]
     per_run_req = [len(p.responses) / p.wall_s for p in passes]
-    hist: dict[str, int] = {}
-    for s in sorted(steps):
-        hist[str(s)] = hist.get(str(s), 0) + 1
     capped = [s for s in steps if s >= max_steps]
     cost = _cost(passes, cfg, max_steps, weight_bytes)
     row: dict[str, Any] = {
@@ -243,7 +232,7 @@ def summarize(runs: list[Pass] | list[list[Response]], cfg: ModelConfig, max_ste
         "p50_steps_per_block": percentile(steps, 50),
         "p90_steps_per_block": percentile(steps, 90),
         "p99_steps_per_block": percentile(steps, 99),
-        "steps_histogram": hist,
+        "steps_histogram": steps_histogram(steps),
         "cap_hit_rate": len(capped) / len(steps),
         "cap_hit_rate_first_block": sum(x.steps_per_block[0] >= max_steps for x in d) / len(d),
         "cap_steps_share": sum(capped) / row_steps,
@@ -271,13 +260,18 @@ def summarize(runs: list[Pass] | list[list[Response]], cfg: ModelConfig, max_ste
         })
     if spread:
         each = [summarize([p], cfg, max_steps, weight_bytes=weight_bytes, peaks=None, spread=False) for p in passes]
-        row["spread"] = {k: _min_max([e[k] for e in each]) for k in SPREAD_KEYS}
+        row["spread"] = {k: min_max([e[k] for e in each]) for k in SPREAD_KEYS}
         row["spread_passes"] = len(passes)
     row["runs_detail"] = [{"output_throughput": t, "requests": len(p.responses), "wall_s": p.wall_s,
                            "batched_decoder_passes": p.decoder_passes} for t, p in zip(per_run, passes)]
     return row
 
 
-def _min_max(values: list[float | None]) -> list[float] | None:
+def steps_histogram(steps: list[int]) -> dict[str, int]:
+    """{step count: blocks}, ascending."""
+    return {str(s): n for s, n in sorted(Counter(steps).items())}
+
+
+def min_max(values: list[float | None]) -> list[float] | None:
     got = [v for v in values if v is not None]
     return [min(got), max(got)] if got else None

@@ -18,11 +18,11 @@ import statistics
 import time
 from typing import Any
 
+from dgcli.measure.metrics import NOT_IN_CSV, min_max, percentile, steps_histogram
 from dgcli.measure.quality import bench_quality
 from dgcli.measure.remote import SAMPLER_FIELDS, Pass, Result, Target
 from dgcli.measure.workload import Prompt
 
-NOT_IN_CSV = ("runs_detail",)
 HEADLINE = ["concurrency", "request_rate", "quality", "completed", "failed", "output_throughput",
             "request_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_e2el_ms", "p99_e2el_ms",
             "mean_chunk_interval_ms", "diffusion_steps_per_canvas"]
@@ -86,9 +86,7 @@ def _stat(values: list[float], how: Any, scale: float = 1e3) -> float | None:
         return statistics.fmean(values) * scale
     if how == "std":
         return (statistics.stdev(values) if len(values) > 1 else 0.0) * scale
-    import numpy as np  # linear interpolation between closest ranks, as metrics.percentile
-
-    return float(np.percentile(values, how)) * scale
+    return percentile(values, how) * scale
 
 
 def _latencies(name: str, values: list[float], kinds=("mean", 50, 90, 99)) -> dict:
@@ -146,7 +144,7 @@ def summarize(passes: list[Pass], prompts: list[Prompt], fields: dict) -> dict:
     row["prefix_cache_hit_rate"] = (sum(h for _, h in counts) / sum(q for q, _ in counts)
                                     if passes and None not in counts and sum(q for q, _ in counts) else None)
     row.update(bench_quality(prompts, [p.results for p in passes]))
-    row["spread"] = {k: _min_max([e[k] for e in each]) for k in SPREAD_KEYS}
+    row["spread"] = {k: min_max([e[k] for e in each]) for k in SPREAD_KEYS}
     row["spread_passes"] = len(passes)
     row["not_measured"] = missing
     row["runs_detail"] = [{**e, "requests": len(p.results), "failed": sum(r.error is not None for r in p.results),
@@ -165,21 +163,14 @@ def _diffusion(ok: list[Result], fields: dict, missing: list[str]) -> dict:
     steps = [s for r in ok for s in r.use("steps_per_block", list)]
     total = sum(r.use("denoising_steps") or sum(r.use("steps_per_block", list)) for r in ok)
     blocks = sum(r.use("blocks") or len(r.use("steps_per_block", list)) for r in ok)
-    hist: dict[str, int] = {}
-    for s in sorted(steps):
-        hist[str(s)] = hist.get(str(s), 0) + 1
     cap = fields.get("max_denoising_steps")
     if cap is None:
         missing.append("cap_hit_rate: the server's max_denoising_steps is not known to the client (give --diffusion-steps)")
     return {"diffusion_denoising_steps": total, "mean_blocks_per_request": blocks / len(ok),
             "diffusion_steps_per_canvas": total / blocks if blocks else None,
-            **{f"p{q}_steps_per_block": _stat(steps, q, 1.0) for q in (50, 90, 99)}, "steps_histogram": hist,
+            **{f"p{q}_steps_per_block": _stat(steps, q, 1.0) for q in (50, 90, 99)},
+            "steps_histogram": steps_histogram(steps),
             "cap_hit_rate": (sum(s >= cap for s in steps) / len(steps) if steps else None) if cap else None}
-
-
-def _min_max(values: list) -> list | None:
-    got = [v for v in values if v is not None]
-    return [min(got), max(got)] if got else None
 
 
 def prompt_set_hash(prompts: list[Prompt]) -> str:

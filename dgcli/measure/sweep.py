@@ -315,23 +315,30 @@ def cell_label(row: dict, keys: list[str]) -> str:
 # ---- running: the reference outputs and one cell, through dgcli.measure.bench (the request API) ----------
 
 
-def reference_outputs(rows: list[dict], store: RowStore, s: Any, plist: list, ignore: bool, metric: str, fp: str,
-                      progress: Callable[[str], None]) -> list[list[int]] | None:
-    """Agreement needs the base setting's output per prompt: taken from the file, or run once and saved."""
-    from dgcli.runtime import request
+def reference_outputs(rows: list[dict], store: RowStore, metric: str,
+                      make: Callable[[], dict]) -> list[list[int]] | None:
+    """Agreement needs the base setting's output per prompt: taken from the file, or `make` (`reference_row`,
+    here or on a Ray worker) run once and its row saved."""
     if metric != "agreement":
         return None
     for r in rows:
         if r.get("kind") == "reference":
             return r["outputs"]
+    row = make()
+    store.append(row)
+    rows.append(row)
+    return row["outputs"]
+
+
+def reference_row(s: Any, plist: list, ignore: bool, fp: str, progress: Callable[[str], None]) -> dict:
+    """The row of the base setting's output per prompt (`reference_outputs` saves it)."""
+    from dgcli.runtime import request
+
     outs = []
     for i, p in enumerate(plist):
         progress(f"reference output {i + 1}/{len(plist)}")
         outs.append(request.run(s, p.ids, ignore_eos=ignore).token_ids)
-    row = {"kind": "reference", "sweep_fingerprint": fp, "settings": s.resolved.as_dict()["params"], "outputs": outs}
-    store.append(row)
-    rows.append(row)
-    return outs
+    return {"kind": "reference", "sweep_fingerprint": fp, "settings": s.resolved.as_dict()["params"], "outputs": outs}
 
 
 def run_cell(s: Any, cell: Cell, plist: list, source: str, seeds: list[int], runs: int, ignore: bool, metric: str,

@@ -38,11 +38,10 @@ def default_prompt_file() -> Path | None:
 
 
 def random_prompts(vocab: int, n: int, length: int, seed: int, avoid: set[int] = frozenset()) -> list[Prompt]:
-    """n prompts of `length` uniform token ids (stop ids avoided), reproducible from `seed`."""
+    """n prompts of `length` uniform token ids (stop ids avoided), reproducible from `seed`; `build_prompts`
+    has checked both counts (`check_counts`)."""
     import torch
 
-    if n < 1 or length < 1:
-        raise UserError("--num-prompts and --random-input-len must be >= 1")
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):

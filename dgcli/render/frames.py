@@ -83,9 +83,6 @@ class Frame:
     mean_entropy: float | None = None
     stop_reason: str | None = None
 
-    def classes(self, i: int) -> list[str]:
-        return [CLASSES[self.kinds[i]]] + (["changed"] if self.changed[i] else [])
-
 
 @dataclass(frozen=True)
 class Committed:
@@ -164,7 +161,6 @@ class Watch:
     display: Shows | None = None
     frames: list[Frame] = field(default_factory=list)
     commits: list[Committed] = field(default_factory=list)
-    done: dict | None = None
 
     def __post_init__(self) -> None:
         self.tracker = Tracker(self.max_steps)
@@ -172,9 +168,7 @@ class Watch:
     def feed(self, rec: dict) -> None:
         self.pieces.learn(rec.get("argmax") or rec.get("canvas") or rec.get("tokens") or [])
         item = self.tracker.feed(rec)
-        if rec["type"] == "done":
-            self.done = rec
-        elif isinstance(item, Frame):
+        if isinstance(item, Frame):
             self.frames.append(item)
         elif isinstance(item, Committed):
             self.commits.append(item)

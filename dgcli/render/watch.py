@@ -98,15 +98,14 @@ def plain(renderable: RenderableType, width: int = SVG_WIDTH) -> str:
 
 # ---- the display ---------------------------------------------------------------------------------
 
-Mode = Literal["live", "blocks", "off"]
+Mode = Literal["live", "blocks"]
 
 
 class Display:
     """Shows a run's frames on a console as they come.
 
     live: a Rich Live view redrawn in place (`live_view`; each finished block leaves its status line above
-    it, dim); blocks: the last frame of each block printed once (for a console that is not a terminal);
-    off: nothing.
+    it, dim); blocks: the last frame of each block printed once (for a console that is not a terminal).
     Pacing: by default every frame is drawn as it comes; `fps` caps the redraw rate (a block's first
     and last frames are always drawn); `step_delay` sleeps after each drawn step; `speed` (replay)
     waits each step's recorded time divided by `speed` first (0: no wait); `pace` makes each step take
@@ -138,8 +137,6 @@ class Display:
             self.live = None
 
     def show(self, item: Frame | Committed) -> None:
-        if self.mode == "off":
-            return
         if isinstance(item, Committed):
             if self.mode == "live":
                 # Only why it stopped stays above: the text is shown in the view, and printed once at the end.

@@ -126,11 +126,6 @@ def fill_canvas(session: Any, ids: Sequence[int], seed: int) -> list[int]:
     return list(ids) + pad.tolist()
 
 
-def init_canvas_ids(session: Any, spec: str | list, seed: int, *, name: str = "--init-canvas") -> list[int]:
-    """`read_init_canvas` then `fill_canvas`: the whole first canvas for `--init-canvas` and `seed`."""
-    return fill_canvas(session, read_init_canvas(session, spec, name=name)[0], seed)
-
-
 def only_padding(token_ids: Sequence[int], pad_id: int) -> bool:
     return bool(token_ids) and all(t == pad_id for t in token_ids)
 

@@ -122,15 +122,6 @@ def compile_decoder(model: Any) -> None:
         layer.self_attn.project = torch.compile(layer.self_attn.project, dynamic=True)
 
 
-def pack_weights(model: Any) -> int:
-    """An eager session's bf16 weights on CPU, prepacked for oneDNN at load (same bits; short GEMMs such as a
-    ragged expert's run up to 1.5x faster; dgcli.model.packed). Not under --compile (inductor traces plain
-    weights), nor with DGEMMA_KERNELS=reference. Returns how many matrices were packed (0: none here)."""
-    from dgcli.model.packed import pack_for_cpu
-
-    return pack_for_cpu(model)
-
-
 def check_cuda_graphs(cuda_graphs: bool | None, device: torch.device, compile: bool = False) -> str:
     """The step mode: "graphs" (decode-only passes replay CUDA graphs: model/graphs.py) or "dynamic". None (the
     CLI's default): graphs where they run (CUDA with Triton, no --compile); True (`--cuda-graphs`): graphs, or a
@@ -166,10 +157,14 @@ def _session(path: Path, m: Any, tokenizer: Any, resolved: Resolved, gen: dict |
     """The part both kinds of session share: --compile, --cuda-graphs, packed CPU weights, stop ids
     (generation_config.json, else the config's, else the tokenizer's), the block count, and the settings as
     they ran."""
+    from dgcli.model.packed import pack_for_cpu
+
     step_mode = check_cuda_graphs(cuda_graphs, m.embed_weight.device, compile)
     if compile:
         compile_decoder(m)
-    packed = 0 if compile else pack_weights(m)
+    # An eager session's bf16 CPU weights, prepacked for oneDNN (same bits; short GEMMs such as a ragged expert's
+    # run up to 1.5x faster). Not under --compile: inductor traces plain weights.
+    packed = 0 if compile else pack_for_cpu(m)
     cfg = m.config
     stop_ids = stop_ids_from_generation_config(gen) if gen else list(cfg.eos_token_ids)
     if tokenizer is not None and not stop_ids:
@@ -297,15 +292,3 @@ def free_bytes(device: Any) -> int | None:
         return next(int(ln.split()[1]) * 1024 for ln in meminfo if ln.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError):
         return None
-
-
-def prefix_cache_fits(session: Session, slots: int, positions: int, share: float = 0.6) -> tuple[bool, int, int | None]:
-    """(fits, bytes, free): whether a prefix-caching KV cache for `slots` sequences of `positions` (every layer
-    keeps every position: model/paged.py) takes at most `share` of the memory free now on the session's device."""
-    from dgcli.measure.card import KV_BLOCK
-
-    m = session.model
-    per_position = sum(2 * g.num_kv_heads * g.head_dim for g in m.geometry) * m.embed_weight.element_size()
-    need = slots * -(-positions // KV_BLOCK) * KV_BLOCK * per_position
-    free = free_bytes(session.device)
-    return free is None or need <= share * free, need, free

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from dgcli.errors import UserError
 from dgcli.sampling.params import (
-    DiffusionEbParams, SettingsError, build, check_limits, check_type, coerce, field_types, hint,
+    DiffusionEbParams, SettingsError, check_limits, check_type, coerce, field_types, hint,
     reject_unknown, suggest,
 )
 
@@ -53,11 +53,6 @@ class RunSettings:
     # Path of a prompt file (relative paths in a preset: to the preset's folder).
     prompt_set: str | None = field(default=None, metadata={"what": "the path of a prompt file"})
     thinking: bool = False
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any], origin: str = "") -> RunSettings:
-        """Build from loosely typed values (coerced), rejecting unknown keys; validated."""
-        return build(cls, values, origin)
 
     def validate(self) -> None:
         """Raise `SettingsError` (a `UserError`) naming the first impossible value and the fix."""

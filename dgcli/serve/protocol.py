@@ -237,7 +237,7 @@ def _prompt_ids(body: dict, ctx: Context, thinking: bool, chat: bool, blocks: in
     if chat:
         text = tok.chat_text(_messages(body), thinking=thinking)  # the template may trim, or drop old thoughts
         _check_chars(len(text), ctx, chat)
-        ids = tok.encode_prompt(text, raw=True)  # encode_chat's ids
+        ids = tok.encode_prompt(text, raw=True)  # already templated: raw, with one <bos>
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):

@@ -190,12 +190,6 @@ def build_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     return retire_cross_special(tok)[0]
 
 
-def bundled_chat_template() -> str:
-    """The project's Gemma-4-semantics chat template (`dgcli/data/chat_template.jinja`)."""
-    path = resources.files("dgcli").joinpath("data").joinpath("chat_template.jinja")
-    return path.read_text(encoding="utf-8")
-
-
 def tokenizer_config(tok: Tokenizer) -> dict:
     """`tokenizer_config.json` for `tok`: the real Gemma-4 keys (named control tokens), the control
     tokens again as `extra_special_tokens`, and `added_tokens_decoder` for every added token, so
@@ -229,4 +223,5 @@ def write_tokenizer_files(tok: Tokenizer, out_dir: str | Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(tok), indent=2) + "\n", encoding="utf-8")
-    (out / "chat_template.jinja").write_text(bundled_chat_template(), encoding="utf-8")
+    template = resources.files("dgcli") / "data" / "chat_template.jinja"  # the project's Gemma-4-semantics one
+    (out / "chat_template.jinja").write_text(template.read_text(encoding="utf-8"), encoding="utf-8")

@@ -8,6 +8,7 @@ transformers, or know anything about the model or the sampler.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import Iterable, Sequence
@@ -126,26 +127,18 @@ class ChatTokenizer:
         # tokenizing a long prompt leaves the event loop serving. The ids are encode's.
         return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
-    def encode_prompt(
-        self, prompt: str, *, raw: bool = False, thinking: bool = False, system: str | None = None
-    ) -> list[int]:
+    def encode_prompt(self, prompt: str, *, raw: bool = False, thinking: bool = False) -> list[int]:
         """Prompt ids: a chat-templated user turn + generation prompt, or `raw` text; one BOS either way."""
-        if raw:
-            return self._with_one_bos(self.encode_text(prompt))
-        messages = [{"role": "system", "content": system}] if system is not None else []
-        messages.append({"role": "user", "content": prompt})
-        return self._with_one_bos(self.encode_text(self.render_chat(messages, thinking=thinking)))
+        if not raw:
+            prompt = self.render_chat([{"role": "user", "content": prompt}], thinking=thinking)
+        return self._with_one_bos(self.encode_text(prompt))
 
     def chat_text(self, messages: list[dict], *, thinking: bool = False) -> str:
-        """A conversation ([{role, content}]) rendered through the chat template: what `encode_chat` tokenizes
-        (a server measures it against `max_token_chars` first)."""
+        """A conversation ([{role, content}]) rendered through the chat template, for `encode_prompt(text,
+        raw=True)` (a server measures it against `max_token_chars` first)."""
         if not any(m.get("content", "").strip() for m in messages):
             raise UserError("the messages are empty; send some text")
         return self.render_chat(messages, thinking=thinking)
-
-    def encode_chat(self, messages: list[dict], *, thinking: bool = False) -> list[int]:
-        """Prompt ids of a conversation ([{role, content}]) through the chat template, with one BOS."""
-        return self.encode_prompt(self.chat_text(messages, thinking=thinking), raw=True)
 
     # ---------------------------------------------------------------- answer side
     def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str:
@@ -156,12 +149,7 @@ class ChatTokenizer:
     def cut_at_stop(self, ids: Iterable[int], stop_ids: Iterable[int] | None = None) -> list[int]:
         """`ids` up to (not including) the first stop id (default: <eos> and <turn|>)."""
         stops = set(self.stop_ids if stop_ids is None else stop_ids)
-        out: list[int] = []
-        for i in ids:
-            if int(i) in stops:
-                break
-            out.append(int(i))
-        return out
+        return list(itertools.takewhile(lambda i: i not in stops, map(int, ids)))
 
     def _channel_body(self, ids: Sequence[int]) -> str:
         # Text inside a channel, without its "thought\n" label.

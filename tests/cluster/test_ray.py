@@ -142,9 +142,12 @@ def test_a_pass_is_joined_from_its_shards():
     from dgcli.cluster.jobs import merge_pass
     from dgcli.measure.metrics import Pass
 
-    a = Pass(["r0", "r1"], 2.0, 4, 10, 15, 1.5, queue_s=[0, 0.1], ttft_s=[1, 2], e2el_s=[3, 4])
-    b = Pass(["r2"], 3.0, 4, 7, 7, 1.0, queue_s=[0.2], ttft_s=[5], e2el_s=[6])
+    a = Pass(["r0", "r1"], 2.0, 4, 10, 15, 1.5, queue_s=[0, 0.1], ttft_s=[1, 2], e2el_s=[3, 4],
+             prefix_cache_queries=40, prefix_cache_hits=32)
+    b = Pass(["r2"], 3.0, 4, 7, 7, 1.0, queue_s=[0.2], ttft_s=[5], e2el_s=[6], prefix_cache_queries=20,
+             prefix_cache_hits=0)
     m = merge_pass([a, b])
+    assert (m.prefix_cache_queries, m.prefix_cache_hits) == (60, 32)  # a --ray row's hit rate: 32 / 60
     assert m.responses == ["r0", "r1", "r2"] and m.wall_s == 3.0 and m.batch_size == 4
     assert (m.decoder_passes, m.row_steps, m.denoise_s) == (17, 22, 2.5)
     assert m.queue_s == [0, 0.1, 0.2] and m.ttft_s == [1, 2, 5] and m.e2el_s == [3, 4, 6]
@@ -263,3 +266,29 @@ def test_a_worker_opens_its_session_with_the_drivers_prefix_caching(prefix_cachi
     spec = jobs.spec("generate", model=None, preset=None, flags={"device": "cpu"}, compile=False, threads=1,
                      cuda_graphs=None, prefix_caching=prefix_caching)
     assert Worker(spec, cpus=1)._open().prefix_caching is prefix_caching
+
+
+def test_a_workers_reference_row_is_the_local_one():
+    """The sweep's agreement reference computed by a worker (plain Python until Ray wraps it) is the row the
+    local sweep computes; the driver saves it through the same `reference_outputs`."""
+    from dgcli.cluster import jobs
+    from dgcli.cluster.worker import Worker
+    from dgcli.measure import sweep as sw
+    from dgcli.measure.workload import Prompt
+    from dgcli.runtime.session import open_session
+
+    flags = {"device": "cpu", "max_denoising_steps": 2}
+    plist = [Prompt([2, 9, 10, 11]), Prompt([2, 12, 13])]
+    spec = jobs.spec("any", model=None, preset=None, flags=flags, compile=False, threads=1, cuda_graphs=None)
+    theirs = Worker(spec, cpus=1).reference(plist, True, "fp")
+    ours = sw.reference_row(open_session(None, None, flags, threads=1), plist, True, "fp", lambda t: None)
+    assert theirs == ours and theirs["kind"] == "reference" and len(theirs["outputs"]) == 2
+    rows, saved = [], []
+
+    class Store:
+        append = staticmethod(saved.append)
+
+    assert sw.reference_outputs(rows, Store(), "agreement", lambda: theirs) == theirs["outputs"]
+    assert saved == rows == [theirs]  # saved once; the next call reads it back without making it again
+    assert sw.reference_outputs(rows, Store(), "agreement", lambda: 1 / 0) == theirs["outputs"]
+    assert sw.reference_outputs(rows, Store(), "exact_match", lambda: 1 / 0) is None

@@ -1,6 +1,6 @@
 """How the suite runs the Triton kernels, decided once in tests/conftest.py: compiled where CUDA exists
 (TRITON_INTERPRET not set, whatever the environment held), in the interpreter where it does not; and the
-kernels' own reading of that state (`_interpreting`, which keeps bf16 operands out of tl.dot only in the
+kernels' own reading of that state (`triton_common.interpreting`, which keeps bf16 operands out of tl.dot only in the
 interpreter)."""
 
 from __future__ import annotations
@@ -48,12 +48,12 @@ def test_a_subprocess_inherits_the_decision():
 
 
 def test_kernels_read_the_mode():
-    """moe.py and vocab_pass.py keep DOT_BF16 off only in the interpreter (it computes bf16 dots wrongly)."""
+    """moe.py, vocab_pass.py and fp8_linear.py keep DOT_BF16 off only in the interpreter (it computes bf16 dots
+    wrongly)."""
     pytest.importorskip("triton")
-    from dgcli.kernels import moe, vocab_pass
+    from dgcli.kernels import triton_common
 
-    want = not torch.cuda.is_available()
-    assert moe._interpreting() is want and vocab_pass._interpreting() is want
+    assert triton_common.interpreting() is (not torch.cuda.is_available())
 
 
 def test_no_test_module_sets_the_variable_itself():

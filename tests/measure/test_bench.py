@@ -249,12 +249,22 @@ def _req(steps, *, tokens=5, finish="stop", prefix=8):
     return Response([0] * prefix, done.token_ids, finish, done, None, [prefix + i * C for i in range(len(steps))])
 
 
+def sequential(responses: list[Response]) -> metrics.Pass:
+    """A pass of requests run one after another, each alone (batch size 1, no wait), from their own timings."""
+    d = [r.done for r in responses]
+    steps = sum(sum(x.steps_per_block) for x in d)
+    return metrics.Pass(list(responses), sum(x.timings["total_s"] for x in d), 1, steps, steps,
+                        sum(x.timings["denoise_s"] for x in d), [0.0] * len(d),
+                        [x.timings["first_block_s"] for x in d], [x.timings["total_s"] for x in d])
+
+
 def test_summary_of_a_bimodal_step_distribution():
     from dgcli.model.random_weights import make_config
     from dgcli.model.config import parse_config
 
     cfg = parse_config(make_config(TEXT, canvas_length=C))
-    runs = [[_req([48, 12]), _req([9])], [_req([48]), _req([10, 48, 11], tokens=40, finish="length")]]
+    runs = [sequential([_req([48, 12]), _req([9])]),
+            sequential([_req([48]), _req([10, 48, 11], tokens=40, finish="length")])]
     row = metrics.summarize(runs, cfg, 48, weight_bytes=4, peaks=None)
     steps = [48, 12, 9, 48, 10, 48, 11]
     assert row["steps_histogram"] == {"9": 1, "10": 1, "11": 1, "12": 1, "48": 3}

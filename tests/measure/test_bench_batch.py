@@ -149,8 +149,9 @@ def test_weights_count_once_per_batched_decoder_pass():
 
     cfg = parse_config(make_config(TEXT, canvas_length=8))
     reqs = [_resp(3, 8), _resp(3, 8)]
-    seq = metrics.summarize([reqs], cfg, 3, weight_bytes=4, peaks=None)
-    assert seq == metrics.summarize([Pass.sequential(reqs)], cfg, 3, weight_bytes=4, peaks=None)
+    one_by_one = Pass(reqs, wall_s=0.026, batch_size=1, decoder_passes=6, row_steps=6, denoise_s=0.006,
+                      queue_s=[0.0, 0.0], ttft_s=[0.013, 0.013], e2el_s=[0.013, 0.013])
+    seq = metrics.summarize([one_by_one], cfg, 3, weight_bytes=4, peaks=None)
     want = sum(info.block_cost(cfg, 8, 3, 3, weight_bytes=4).bytes for _ in reqs)
     assert seq["denoise_bytes"] == pytest.approx(want)  # batch 1: the card's per-request accounting
     both = Pass(reqs, wall_s=0.02, batch_size=2, decoder_passes=3, row_steps=6, denoise_s=0.003,

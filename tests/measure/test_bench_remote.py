@@ -281,3 +281,14 @@ def test_against_dgemma_serve_matches_in_process_bench(capsys, tmp_path):
         assert row["mean_chunks_per_request"] > 1 and row["mean_chunk_interval_ms"] > 0  # one chunk per block
         assert row["not_measured"] == [SERVER_SIDE, row["not_measured"][1]]
         assert row["not_measured"][1].startswith("cap_hit_rate: the server's max_denoising_steps is not known")
+
+
+def test_the_remote_row_imports_no_torch():
+    """`bench --base-url` measures a server from the client: its figures (remote_row.py, and the statistics it
+    shares with metrics.py) load without torch."""
+    import subprocess
+    import sys
+
+    code = "import sys, dgcli.measure.remote_row; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

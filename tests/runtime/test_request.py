@@ -66,17 +66,22 @@ def test_bench_counts_the_cut_answer(tmp_path):
     assert row["total_output_tokens"] == 5 and row["finish_length_rate"] == 1
 
 
+def init_canvas_ids(session, spec, seed: int) -> list[int]:
+    """The whole first canvas, as generate and watch build it from --init-canvas."""
+    return request.fill_canvas(session, request.read_init_canvas(session, spec)[0], seed)
+
+
 def test_init_canvas_ids_and_bad_prompts():
     s = session_with()
     c, v = s.config.canvas_length, s.config.vocab_size
-    ids = request.init_canvas_ids(s, "ids:5,6,7", seed=0)
+    ids = init_canvas_ids(s, "ids:5,6,7", seed=0)
     assert ids[:3] == [5, 6, 7] and len(ids) == c and all(0 <= i < v for i in ids)
-    assert request.init_canvas_ids(s, "ids:5,6,7", seed=0) == ids  # seeded noise
-    assert request.init_canvas_ids(s, [5, 6, 7], seed=0) == ids  # a JSON list (a JSONL row's) is ids
+    assert init_canvas_ids(s, "ids:5,6,7", seed=0) == ids  # seeded noise
+    assert init_canvas_ids(s, [5, 6, 7], seed=0) == ids  # a JSON list (a JSONL row's) is ids
     with pytest.raises(UserError, match="outside the vocabulary"):
-        request.init_canvas_ids(s, f"ids:1,{v}", seed=0)
+        init_canvas_ids(s, f"ids:1,{v}", seed=0)
     with pytest.raises(UserError, match="canvas holds"):
-        request.init_canvas_ids(s, "ids:" + ",".join(["1"] * (c + 1)), seed=0)
+        init_canvas_ids(s, "ids:" + ",".join(["1"] * (c + 1)), seed=0)
     with pytest.raises(UserError, match="empty"):
         request.encode(s, "  \n")
 
@@ -93,7 +98,7 @@ def test_init_canvas_ids_and_bad_prompts():
 ])
 def test_init_canvas_ids_parse_or_fail_in_one_line(spec, needle):
     with pytest.raises(UserError, match=needle) as e:
-        request.init_canvas_ids(session_with(), spec, seed=0)
+        init_canvas_ids(session_with(), spec, seed=0)
     assert "\n" not in str(e.value) and "; " in str(e.value)  # one line: the problem; the fix
 
 
@@ -103,7 +108,7 @@ def test_init_canvas_text_is_tokenised(spec):
     s = session_with()
     ids = s.tokenizer.encode_text(spec)
     assert request.read_init_canvas(s, spec) == (ids, "text")
-    assert request.init_canvas_ids(s, spec, seed=0)[:len(ids)] == ids
+    assert init_canvas_ids(s, spec, seed=0)[:len(ids)] == ids
     assert request.read_init_canvas(s, " ids: 5 , 6,7") == ([5, 6, 7], "ids")
 
 

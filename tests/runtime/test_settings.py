@@ -457,7 +457,6 @@ def test_blocks_from_checkpoint_max_new_tokens():
         ("0.1-0.3+0.1", float, [0.1, 0.2, 0.3]),
         ("0,0.005,1e-3", float, [0.0, 0.005, 0.001]),
         ("5e-3-1e-2+2.5e-3", float, [0.005, 0.0075, 0.01]),
-        ("cpu,cuda", str, ["cpu", "cuda"]),
     ],
 )
 def test_grid_values(spec, kind, want):

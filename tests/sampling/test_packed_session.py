@@ -12,8 +12,9 @@ from test_engine_lag import mixed_jobs, per_request
 import dgcli
 from dgcli.cli.options import sampler_flags
 from dgcli.kernels import linear_cpu
+from dgcli.model import packed as packed_mod
 from dgcli.model.packed import PackedLinear
-from dgcli.runtime import request, session as session_mod
+from dgcli.runtime import request
 from dgcli.runtime.session import open_session
 from dgcli.text.prompts import read_prompt_file
 
@@ -30,7 +31,7 @@ def sessions():
     """The bundled model in bf16, packed as a session packs it and left as loaded; held-out prompts."""
     packed = bf16_session()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(session_mod, "pack_weights", lambda model: 0)
+        mp.setattr(packed_mod, "pack_for_cpu", lambda model: 0)
         plain = bf16_session()
     rows = read_prompt_file(dgcli.__path__[0] + "/data/prompts/heldout.jsonl")
     return packed, plain, [request.encode(packed, row["prompt"]) for row in rows]

@@ -195,12 +195,13 @@ def test_thinking_on_adds_system_think_and_no_prefilled_channel(tok):
 
 
 def test_system_prompt_without_thinking(tok):
-    text = tok.render_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    text = tok.render_chat(msgs)
     assert text == (
         "<bos><|turn>system\nBe brief.<turn|>\n<|turn>user\nHi<turn|>\n"
         "<|turn>model\n<|channel>thought\n<channel|>"
     )
-    assert tok.encode_prompt("Hi", system="Be brief.") == tok.encode_text(text)
+    assert tok.encode_prompt(tok.chat_text(msgs), raw=True) == tok.encode_text(text)  # the server's path: one <bos>
 
 
 def test_past_model_turn_is_model_role_without_thoughts(tok):
@@ -339,7 +340,7 @@ def test_transformers_agrees_on_ids_and_rendering(tok, ckpt):
         {"role": "user", "content": "Why is the sky blue? 日本"},
     ]
     for thinking in (False, True):
-        ours = tok.encode_prompt(msgs[1]["content"], system=msgs[0]["content"], thinking=thinking)
+        ours = tok.encode_prompt(tok.chat_text(msgs, thinking=thinking), raw=True)  # the server's path
         rendered = tok.render_chat(msgs, thinking=thinking)
         assert fast(rendered, add_special_tokens=False)["input_ids"] == ours
     auto = transformers.AutoTokenizer.from_pretrained(str(ckpt))

@@ -51,10 +51,9 @@ def auto():
 
 
 def dgemma_ids(tok, chat: list[dict], thinking: bool) -> list[int]:
-    system = chat[0]["content"] if chat[0]["role"] == "system" else None
-    if len(chat) == 1 + (system is not None):
-        return tok.encode_prompt(chat[-1]["content"], thinking=thinking, system=system)
-    return tok.encode_text(tok.render_chat(chat, thinking=thinking))  # multi-turn: the template's own BOS
+    if len(chat) == 1:  # generate's path: one user turn
+        return tok.encode_prompt(chat[0]["content"], thinking=thinking)
+    return tok.encode_prompt(tok.chat_text(chat, thinking=thinking), raw=True)  # the server's path
 
 
 @pytest.mark.parametrize("thinking", [False, True])
