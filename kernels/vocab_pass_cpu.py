@@ -31,11 +31,14 @@ for the row-chunked torch reference (benchmarks/bench_cpu_step.py; history in be
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
+from . import vocab_native
 from .categorical import draw_from_groups
-from .reference import VocabPassOut, row_temperature
+from .reference import VocabPassOut, processed_logits, row_temperature
 
 # A tile's float32 [N, T] buffers stay near this size (4 MiB: the 256-row canvas with T = 4096): large
 # enough that the head GEMM runs at full speed, small enough that the ~4 live buffers stay in cache.
@@ -71,13 +74,6 @@ def _tile_max(x: torch.Tensor, block: int = 64) -> tuple[torch.Tensor, torch.Ten
     return mx, first_block * block + inner
 
 
-def _processed(logits: torch.Tensor, softcap: float | None, temperature: torch.Tensor) -> torch.Tensor:
-    """L = softcap(R) / temperature, in place on an fp32 buffer the caller owns."""
-    if softcap:
-        logits.div_(softcap).tanh_().mul_(softcap)
-    return logits.div_(temperature)
-
-
 def tile_stats(raw: torch.Tensor, softcap: float | None, temperature: torch.Tensor,
                soft_dtype: torch.dtype | None, width: int,
                store: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
@@ -91,7 +87,7 @@ def tile_stats(raw: torch.Tensor, softcap: float | None, temperature: torch.Tens
     otherwise round(L) in soft_dtype, the values the reference's softmax reads; with `store` (an [N, T]
     view in soft_dtype) round(L) is written there (the same rounding as `.to()`, no temporary) and `keep`
     is `store`. Elementwise only plus row reductions: `--compile` fuses it into a couple of passes."""
-    logits = _processed(raw.float(), softcap, temperature)  # [N, T] L (in place on an fp32 raw: the caller drops it)
+    logits = processed_logits(raw.float(), softcap, temperature)  # [N, T] L (in place on an fp32 raw: the caller drops it)
     tmax, targ = _tile_max(logits)  # [N]
     shift = tmax.unsqueeze(1)  # [N, 1]
     stored = None
@@ -110,15 +106,16 @@ def tile_stats(raw: torch.Tensor, softcap: float | None, temperature: torch.Tens
     return tmax, targ, zt, st, gz, stored
 
 
-_compiled_tile_stats = None
+def native_or_torch_tile_stats(*args, **kwargs) -> tuple[torch.Tensor, ...]:
+    """`tile_stats` by the C function where it applies (kernels/vocab_native.py: two passes over the tile, not
+    ~12; the same outputs within fp32 rounding), else by torch."""
+    return vocab_native.tile_stats(*args, **kwargs) or tile_stats(*args, **kwargs)
 
 
+@functools.cache
 def compiled_tile_stats():
     """`tile_stats` through torch.compile (built once per process; inductor caches it across runs)."""
-    global _compiled_tile_stats
-    if _compiled_tile_stats is None:
-        _compiled_tile_stats = torch.compile(tile_stats, dynamic=False)
-    return _compiled_tile_stats
+    return torch.compile(tile_stats, dynamic=False)
 
 
 def soft_from_stored(stored: torch.Tensor, embed: torch.Tensor, scale: torch.Tensor,
@@ -151,7 +148,6 @@ def vocab_pass_tiled(
     uniform: torch.Tensor,
     want_soft: bool = True,
     tile: int | None = None,
-    row_chunk: int | None = None,
     compile_tiles: bool = False,
 ) -> VocabPassOut:
     """`kernels.reference.vocab_pass` over vocabulary tiles of `tile` columns (default `auto_tile`).
@@ -160,12 +156,10 @@ def vocab_pass_tiled(
     per 256 rows); for the soft embedding, in fp32 an [N, H] float32 accumulator, in a low-precision
     dtype the [N, V] rounded logits in that dtype plus the softmax's float32 rows (`soft_from_stored`).
     `compile_tiles` runs each tile's elementwise math through torch.compile (`dgemma --compile`); the
-    GEMMs, the running statistics and the draw stay eager. `row_chunk` is accepted for
-    signature compatibility with the reference and ignored: batch rows go through in chunks of about
+    GEMMs, the running statistics and the draw stay eager. Batch rows go through in chunks of about
     TILE_ROWS rows (whole canvases, so each chunk's tiles stay in cache; the head reads E once per chunk, the
     low-precision soft GEMM once more), and a row's numbers do not depend on its chunk (the tile width does
     not; the soft GEMM's rows are independent for N >= 2, and a canvas has C >= 2 rows)."""
-    del row_chunk
     b, c, h = hidden.shape
     per = max(1, TILE_ROWS // c)  # batch rows (canvases) per chunk
     if b > per and tile is None:
@@ -188,7 +182,7 @@ def vocab_pass_tiled(
     scale = torch.as_tensor(embed_scale, device=embed.device).to(embed.dtype)  # 0-dim, like the reference
     # a tensor (0-dim, or [N, 1] per row), so that a compiled tile function does not recompile per temperature
     temp = row_temperature(temperature, b, c, dev)
-    stats = compiled_tile_stats() if compile_tiles else tile_stats
+    stats = compiled_tile_stats() if compile_tiles else native_or_torch_tile_stats
     soft_dtype = embed.dtype if want_soft else None
     # Low-precision soft embedding: the rounded logits of every tile, for the reference's own softmax and GEMM.
     stored = torch.empty(n, v, dtype=embed.dtype, device=dev) if want_soft and embed.dtype != torch.float32 else None

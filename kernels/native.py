@@ -1,0 +1,54 @@
+"""Small C kernels for the CPU, built by the system's C compiler at first use and loaded with ctypes.
+
+Owns: `build` (one C source -> a loaded library: `cc -O3 -march=native [-fopenmp]` into ~/.cache/dgemma or the
+temp dir, keyed by the source, the flags, the compiler and the CPU's flags, so a library built for one CPU never
+loads on another; OpenMP binds to the libgomp torch already loaded) and `enabled` (DGEMMA_NATIVE=0 turns every
+native kernel off). No torch headers, no build step at install: a machine without a compiler runs the torch ops.
+Must not: know what the kernels compute (their modules: kernels/ggml_native.py, kernels/vocab_native.py), or be
+needed: every caller has a torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+
+def enabled(switch: str | None = None) -> bool:
+    """False under DGEMMA_NATIVE=0, or under the kernel's own `switch` variable set to 0."""
+    return os.environ.get("DGEMMA_NATIVE", "1") != "0" and (switch is None or os.environ.get(switch, "1") != "0")
+
+
+def build(name: str, source: str, signatures: dict[str, list], flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """`source` compiled and loaded, its functions' argtypes set from `signatures`; None where anything fails
+    (no compiler, a compile error, an unloadable library)."""
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    info = Path("/proc/cpuinfo")  # -march=native: the CPU's flags are part of the key
+    cpu = [ln for ln in (info.read_text() if info.is_file() else "").splitlines() if ln.startswith(("flags", "Fea"))][:1]
+    key = hashlib.sha256(f"{source}{flags}{cc}{platform.machine()}{cpu}".encode()).hexdigest()[:16]
+    for d in (Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dgemma",
+              Path(tempfile.gettempdir()) / f"dgemma-{os.getuid() if hasattr(os, 'getuid') else 0}"):
+        so = d / f"{name}-{key}.so"
+        try:
+            if cc and not so.exists():
+                d.mkdir(parents=True, exist_ok=True)
+                with tempfile.TemporaryDirectory(dir=d) as tmp:
+                    (Path(tmp) / "t.c").write_text(source)
+                    for omp in (["-fopenmp"], []):
+                        cmd = [cc, "-O3", "-march=native", *flags, *omp, "-shared", "-fPIC", "t.c", "-o", "t.so", "-lm"]
+                        if subprocess.run(cmd, cwd=tmp, capture_output=True, timeout=120).returncode == 0:
+                            os.replace(Path(tmp) / "t.so", so)  # atomic: processes racing here all get a whole file
+                            break
+            lib = ctypes.CDLL(str(so))
+            for fn, argtypes in signatures.items():
+                getattr(lib, fn).argtypes = argtypes
+            return lib
+        except (OSError, AttributeError, subprocess.SubprocessError):
+            continue
+    return None

@@ -1,0 +1,135 @@
+"""The vocabulary pass's per-tile elementwise work in one C function: two passes over a tile's rows, not ~12.
+
+Owns: `tile_stats` (kernels/vocab_pass_cpu.py's `tile_stats` contract: softcap, temperature, the row max and its
+first index, round(L) to bf16 for the soft embedding, exp(L - max) and its sums per row and per group of columns)
+and its C source, built at first use (kernels/native.py). Rows run in parallel on torch's thread count; each
+row's tile is read once into L (in place on an fp32 tile, else a per-thread fp32 row), then once more for the
+exponentials, while it is still in cache.
+Numbers: tanh and exp are glibc's vector versions (libmvec, -ffast-math: a few ulp from torch's), the sums run in
+another order, and L is divided by the softcap and the temperature as torch does: the outputs equal the torch
+tile's within fp32 rounding (tests/kernels/test_vocab_native.py), so the bits of a step may change; the parity
+and agreement tests bound them (fp32 <= 1e-4, bf16 <= 0.02 against the reference). DGEMMA_NATIVE=0 (or
+DGEMMA_VOCAB_NATIVE=0) keeps the torch tile, whose bits are the reference's elementwise ops.
+Must not: run GEMMs, keep state between tiles (the caller rescales to the running max), or be needed: None
+means "use the torch tile" (no compiler, another dtype, CUDA tensors, strided rows).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from . import native
+
+_SOURCE = r"""
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+/* Rows of one vocabulary tile R [n, t] (bf16 or fp32, row stride ldr): L = softcap * tanh(R / softcap) / temp
+   (temp[i * ldt]), written over R when it is fp32; its max and first argmax; round(L) to bf16 (nearest even) into
+   store [n, t] (stride lds) when given; then e = exp(L - max): zt = sum e, st = sum e (L - max), gz [n, groups]
+   = sum e per `width` columns, and e over L (what an fp32 soft embedding weights its rows by). */
+void tile_stats(void *raw, int raw_bf16, long n, long t, long ldr, float softcap, const float *temp, long ldt,
+                uint16_t *store, long lds, long width, float *tmax, int64_t *targ, float *zt, float *st, float *gz,
+                int threads) {
+    long groups = (t + width - 1) / width;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        float *buf = raw_bf16 ? malloc(sizeof(float) * t) : NULL;
+#pragma omp for schedule(static)
+        for (long i = 0; i < n; i++) {
+            float *l = raw_bf16 ? buf : (float *)raw + i * ldr, tp = temp[i * ldt], m = -FLT_MAX;
+            if (raw_bf16) {
+                const uint16_t *r = (const uint16_t *)raw + i * ldr;
+#pragma omp simd
+                for (long j = 0; j < t; j++) {
+                    uint32_t u = (uint32_t)r[j] << 16;
+                    memcpy(l + j, &u, 4);
+                }
+            }
+            if (softcap > 0) {
+#pragma omp simd reduction(max : m)
+                for (long j = 0; j < t; j++) {
+                    float v = tanhf(l[j] / softcap) * softcap / tp;
+                    l[j] = v, m = v > m ? v : m;
+                }
+            } else {
+#pragma omp simd reduction(max : m)
+                for (long j = 0; j < t; j++) {
+                    float v = l[j] / tp;
+                    l[j] = v, m = v > m ? v : m;
+                }
+            }
+            long a = 0;
+            while (a < t - 1 && l[a] != m)
+                a++;
+            if (store) {
+                uint16_t *s = store + i * lds;
+#pragma omp simd
+                for (long j = 0; j < t; j++) {
+                    uint32_t u;
+                    memcpy(&u, l + j, 4);
+                    s[j] = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+                }
+            }
+            float z = 0, q = 0;
+            for (long g = 0; g < groups; g++) {
+                long lo = g * width, hi = lo + width < t ? lo + width : t;
+                float gs = 0;
+#pragma omp simd reduction(+ : gs, q)
+                for (long j = lo; j < hi; j++) {
+                    float d = l[j] - m, e = expf(d);
+                    gs += e, q += e * d, l[j] = e;
+                }
+                gz[i * groups + g] = gs, z += gs;
+            }
+            tmax[i] = m, targ[i] = a, zt[i] = z, st[i] = q;
+        }
+        free(buf);
+    }
+}
+"""
+
+_P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+_SIGNATURE = {"tile_stats": [_P, _I, _L, _L, _L, _F, _P, _L, _P, _L, _L, _P, _P, _P, _P, _P, _I]}
+_lib: list = []  # [the loaded library, or None]: filled at first use
+
+
+def _native():
+    if not native.enabled("DGEMMA_VOCAB_NATIVE"):
+        return None
+    if not _lib:
+        _lib.append(native.build("vocab_native", _SOURCE, _SIGNATURE, flags=("-ffast-math",)))
+    return _lib[0]
+
+
+def tile_stats(raw: torch.Tensor, softcap: float | None, temperature: torch.Tensor,
+               soft_dtype: torch.dtype | None, width: int, store: torch.Tensor | None = None) -> tuple | None:
+    """vocab_pass_cpu.tile_stats's outputs from the C function, or None where it does not apply. An fp32 `raw`
+    is overwritten (by L, then exp(L - max): the fp32 soft embedding's `keep`), as the torch tile does."""
+    n, t = raw.shape
+    fp32_soft = soft_dtype == torch.float32
+    if raw.device.type != "cpu" or raw.dtype not in (torch.bfloat16, torch.float32) or raw.stride(1) != 1 \
+            or soft_dtype not in (None, torch.float32, torch.bfloat16) or (fp32_soft and raw.dtype != torch.float32) \
+            or (store is not None and (store.dtype != torch.bfloat16 or store.stride(1) != 1)) \
+            or temperature.dtype != torch.float32 or temperature.numel() not in (1, n):
+        return None
+    lib = _native()
+    if lib is None:
+        return None
+    if soft_dtype == torch.bfloat16 and store is None:
+        store = torch.empty(n, t, dtype=torch.bfloat16)
+    temp = temperature.reshape(-1)
+    groups = -(-t // width)
+    tmax, zt, st = (torch.empty(n) for _ in range(3))
+    targ = torch.empty(n, dtype=torch.long)
+    gz = torch.empty(n, groups)
+    lib.tile_stats(raw.data_ptr(), int(raw.dtype == torch.bfloat16), n, t, raw.stride(0), float(softcap or 0.0),
+                   temp.data_ptr(), int(temp.numel() > 1), 0 if store is None else store.data_ptr(),
+                   0 if store is None else store.stride(0), width, tmax.data_ptr(), targ.data_ptr(), zt.data_ptr(),
+                   st.data_ptr(), gz.data_ptr(), torch.get_num_threads())
+    keep = raw if fp32_soft else store
+    return tmax, targ, zt, st, gz, keep
