@@ -144,11 +144,13 @@ def test_loop_state_per_row_is_what_the_engine_holds_at_a_step(lag, monkeypatch)
 
 
 @pytest.mark.parametrize("text", [VOCAB_HEAVY, DECODE_HEAVY])
-def test_pass_step_and_prefill_temporaries_are_the_cpu_allocators_peak(text):
+def test_pass_step_and_prefill_temporaries_are_the_cpu_allocators_peak(text, monkeypatch):
     """b = 1 and 3 requests on the CPU paths, against the allocator's peak: a step's pass (each canvas beside its
     commit; `pass_bytes`), the step (that pass, then the sampler's vocabulary pass; the commits' ids are
     made before it here: `step_bytes` counts them in `decode`), and the engine's first prefill pass as its
-    scheduler plans it (prompts of 100 ids and their first canvases; `prefill_bytes`, its ids included)."""
+    scheduler plans it (prompts of 100 ids and their first canvases; `prefill_bytes`, its ids included).
+    The vocabulary tiles in torch: the formula counts their buffers (the C tile's, fewer: the next test)."""
+    monkeypatch.setenv("DGEMMA_VOCAB_NATIVE", "0")
     from dgcli.sampling.engine import Engine, Request
     from dgcli.sampling.params import DiffusionEbParams
     from dgcli.sampling.rules import sample_step
@@ -270,14 +272,41 @@ def test_cuda_vocab_pass_peak_is_the_formula(dtype, v, chunk, want_soft, triton_
     assert memory_vocab.vocab_bytes(cfg, 1, ab) == max(memory_vocab._cuda_vocab(n, h, v, ab, s) for s in (True, False))
 
 
+def test_the_c_tiles_vocabulary_pass_peaks_under_the_formula(monkeypatch):
+    """bf16 (the dtype the peak tests run): `vocab_bytes` counts the torch tile's buffers (raw [N, T], L and exp in
+    fp32); the C tile (kernels/vocab_native.py) keeps only raw, so its pass peaks under the formula, by up to
+    those buffers. (fp32: the C tile's peak is under the torch tile's, checked here; the fp32 formula is not.)"""
+    from dgcli.kernels import vocab_native
+    from dgcli.kernels.vocab_pass_cpu import vocab_pass_tiled
+
+    if vocab_native._native() is None:
+        pytest.skip("no C compiler here: the torch tile runs (the test above)")
+    cfg = parse_config(make_config(VOCAB_HEAVY, canvas_length=32))
+    n, h, v = 64, cfg.hidden_size, cfg.vocab_size
+    peaks = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        g = torch.Generator().manual_seed(0)
+        hidden, embed = torch.randn(2, 32, h, generator=g).to(dtype), torch.randn(v, h, generator=g).to(dtype)
+        u = torch.rand(2, 32, generator=g, dtype=torch.float64)
+        run = lambda: vocab_pass_tiled(hidden, embed, softcap=30.0, temperature=0.8, embed_scale=2.0, uniform=u)  # noqa: E731,B023
+        for native in ("1", "0"):
+            monkeypatch.setenv("DGEMMA_VOCAB_NATIVE", native)
+            peaks[dtype, native] = _peak_allocated(run)
+    want = memory_vocab.vocab_bytes(cfg, 2, 2, cpu=True)
+    assert peaks[torch.bfloat16, "0"] == pytest.approx(want, rel=0.01, abs=64 * 2**10)
+    assert want - n * min(4096, v) * 8 - 64 * 2**10 <= peaks[torch.bfloat16, "1"] <= want  # tile: auto_tile(256, V)
+    assert peaks[torch.float32, "1"] <= peaks[torch.float32, "0"]
+
+
 @pytest.mark.parametrize("blocks, slots", [([12, 12], 2), ([2, 5, 3, 4], 2)])
-def test_a_whole_batched_run_peaks_where_the_formula_says(blocks, slots):
+def test_a_whole_batched_run_peaks_where_the_formula_says(blocks, slots, monkeypatch):
     """generate_batch_events over one batch of equal requests, and over 4 requests through 2 slots (each
     finished request's slot is taken by the next): the run's peak is its cache, the loop state and the
     larger of prefill and step, as peak_bytes counts them (within the CPU attention kernel's scratch)."""
     from dgcli.sampling.loop import generate_batch_events
     from dgcli.sampling.params import DiffusionEbParams
 
+    monkeypatch.setenv("DGEMMA_VOCAB_NATIVE", "0")  # the formula counts the torch tile (the test above)
     model = random_model(make_config(VOCAB_HEAVY, canvas_length=32), dtype=torch.bfloat16)
     prompts = [torch.randint(0, 4096, (32,)) for _ in blocks]
     params = DiffusionEbParams(max_denoising_steps=2, confidence_threshold=0.0)
