@@ -8,10 +8,14 @@ arriving does to the requests already denoising.
 2. `--arrival`: 4 requests denoise (fixed work); after their 3rd step a 2,000-token prompt is submitted. The
    gaps between consecutive steps of the 4 (their p50, p99 and max over the run), with the prompt encoded in
    chunks (the default: 256 ids a pass) and whole (`--whole`: one chunk, as an engine without chunked prefill).
+3. `--bundled`: the bundled tiny model (fp32, its own weights) in a block's steady state (fixed work; prompts of
+   30 + i ids, all lengths different), batch 1 and 8: ms per engine step (best of --rounds x 20 steps) and the
+   torch calls one step makes (every call through torch's Python API, tensor attribute reads included: a
+   TorchFunctionMode counts them). Its per-op overhead is what a tiny model's step is made of.
 Runs against whichever dgcli is on the path, so an older checkout can be measured side by side:
     PYTHONPATH=/path/to/old python benchmarks/engine_passes.py --prefix --arrival
-Model: benchmarks/dummy-medium.json cut to --layers (default 2: sliding + full), random bf16 weights, 1 thread
-unless --threads. Prints one JSON line per measurement.
+Model (1, 2): benchmarks/dummy-medium.json cut to --layers (default 2: sliding + full), random bf16 weights,
+1 thread unless --threads. Prints one JSON line per measurement.
 """
 
 from __future__ import annotations
@@ -101,19 +105,58 @@ def arrival(model, whole: bool, prompt: int = 2000) -> dict:
             "longest_ms": [round(g * 1e3) for g in top]}
 
 
+def bundled(batch: int, rounds: int = 5) -> dict:
+    from torch.overrides import TorchFunctionMode
+
+    import dgcli
+    from dgcli.runtime.session import BUNDLED
+
+    class Count(TorchFunctionMode):
+        n = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    model = dgcli.load_model(BUNDLED)
+    params = DiffusionEbParams(max_denoising_steps=64, confidence_threshold=0.0)
+    engine = Engine(model, slots=batch, max_len=40 + 2 * model.config.canvas_length, pad_id=0)
+    g = torch.Generator().manual_seed(batch)
+    for i in range(batch):
+        engine.submit(Request(id=i, prompt=torch.randint(3, model.config.vocab_size, (30 + i,), generator=g),
+                              params=params, num_blocks=2, seed=i))
+    seen = 0
+    while seen < 3 * batch:  # prompts encoded and every canvas 3 steps in: the steady state
+        seen += sum(isinstance(e, Step) for e in engine.step())
+    with Count() as count:
+        list(engine.step())
+    best = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(20):
+            list(engine.step())
+        best.append((time.perf_counter() - t0) / 20 * 1e3)
+    return {"bench": "bundled", "batch": batch, "ms_per_step": round(min(best), 2),
+            "rounds_ms": [round(x, 2) for x in best], "torch_calls_per_step": count.n}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prefix", action="store_true")
     ap.add_argument("--arrival", action="store_true")
     ap.add_argument("--whole", action="store_true", help="--arrival with the prompt encoded in one chunk")
+    ap.add_argument("--bundled", action="store_true", help="the bundled model's step at batch 1 and 8")
+    ap.add_argument("--rounds", type=int, default=5, help="--bundled: rounds of 20 steps (the best is kept)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--layers", type=int, default=2, help="layers of dummy-medium kept (the last one full)")
     ap.add_argument("--prompt", type=int, default=2000, help="--arrival: the arriving prompt's length")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    model = model_of(a.layers)
+    model = model_of(a.layers) if a.prefix or a.arrival else None
     rows = []
     with torch.inference_mode():
+        if a.bundled:
+            rows += [bundled(b, a.rounds) for b in (1, 8)]
         if a.prefix:
             rows += [prefix(model, n) for n in (100, 4000)]
         if a.arrival:

@@ -13,12 +13,16 @@ Sliding layers keep a ring of only the last W-1 positions: a segment reads the r
 and its own from this pass's k, v; causal segments write theirs after reading, then the canvases read (so a
 commit and the next block's canvas can share a pass). No step copies a prefix.
 Backends (`backend`): CUDA runs the Triton kernel (`kernels/paged_attention.py`), which walks block tables and
-takes the pass's own keys for sliding layers; elsewhere torch's SDPA runs once per segment over strided views of
-the pool (full layers: one run when the sequence's blocks are consecutive, else the pieces are concatenated,
-a copy bounded by the request's own keys; sliding layers: the ring's one or two views and the segment's own keys
-concatenated, fewer than W + rows keys), with a causal mask only for causal segments ([rows, keys]).
+takes the pass's own keys for sliding layers; elsewhere torch's SDPA, one call per shape (`PassLayout.sdpa_plan`,
+built once per pass): segments with the same rows, keys and mask (prompt chunks of one length at one start,
+canvases after equal prefixes) share a batched call. Full layers: a lone segment reads strided views of the pool
+(one run when its blocks are consecutive, else the pieces concatenated: a copy bounded by its own keys); a batch
+reads its keys gathered from the pool, only while each segment's take at most GATHER_BYTES (longer ones go
+alone: no prefix copied). Sliding layers: every segment's ring keys gathered in one call and its own keys from
+this pass (fewer than W + rows keys each). A causal mask only for causal segments ([rows, keys]).
 On CPU the keys, their order and the mask are those of the reference's own attention call, so the bits are
-SDPA's on those keys (its CPU result does not depend on strides or on the batch: tests/model/test_paged.py).
+SDPA's on those keys (its CPU result does not depend on strides, or on the batch it is computed in:
+tests/model/test_paged.py).
 Must not: know about requests, the sampler or blocks of the diffusion schedule.
 """
 
@@ -63,9 +67,61 @@ def _kernel_ok() -> bool:
     return True
 
 
+# Full layers batch same-shaped segments into one SDPA call only while each one's keys and values take at most
+# this many bytes: their keys are gathered from the pool (a copy), which pays where a call's fixed cost is larger
+# than the copy (short prefixes); longer ones read their views of the pool, one call each.
+GATHER_BYTES = 64 * 1024
+
+
+_MASKS: dict[tuple, torch.Tensor] = {}  # small CPU masks, made once per process
+
+
+def causal_mask(n: int, off: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[n - off, n] bool: causal rows at key offsets off..n-1 of n keys read keys <= their own, within `window`.
+    Small CPU masks are kept (read-only: SDPA does not write its mask); not one made under a tensor subclass's
+    mode (fake tensors, tracing), which must not outlive it."""
+    key = (n, off, window, device)
+    mask = _MASKS.get(key)
+    if mask is None:
+        kpos = torch.arange(n, device=device)
+        qpos = torch.arange(off, n, device=device)[:, None]
+        mask = kpos <= qpos if window is None else (kpos <= qpos) & (kpos > qpos - window)
+        if device.type == "cpu" and type(mask) is torch.Tensor and (n - off) * n <= 1 << 16 and len(_MASKS) < 256:
+            _MASKS[key] = mask
+    return mask
+
+
+def _batch_key(s: Segment, lo: int, hi: int) -> tuple:
+    """Segments with equal keys may share one SDPA call: the same rows, keys lo..hi-1 and mask."""
+    return s.length, hi - lo, s.start - lo, s.canvas
+
+
+@dataclass(frozen=True)
+class _Call:
+    q0: int  # its first row in the plan's row order
+    m: int  # segments batched
+    rows: int  # rows per segment
+    n: int  # keys per segment
+    keys: int | tuple  # offset of its first key in the gathered keys, or a lone segment's runs in the pool
+    mask: torch.Tensor | None  # [rows, n], shared by the batch; None for canvases
+
+
+@dataclass(frozen=True)
+class _Plan:
+    a: int  # the kind's rows a..b-1 of the pass
+    b: int
+    qperm: torch.Tensor | None
+    gather: torch.Tensor | slice | None
+    order: torch.Tensor | None
+    calls: list
+    q_sizes: list  # each call's rows (m · rows)
+    k_sizes: list  # each call's keys (m · n) that reads the gathered keys
+
+
 class PassLayout:
     """One pass's rows: segments in row order (every causal segment before every canvas segment), positions,
-    write slots per cache group and, per (segment, window), the key runs and mask. Host work once per pass.
+    write slots per cache group, per (segment, window) the key runs and mask and, on CPU, per kind of layer the
+    SDPA calls (`sdpa_plan`). Host work once per pass.
     A captured pass (model/graphs.py) keeps one layout's device tensors and `load`s each later pass into them."""
 
     def __init__(self, segments: list[Segment], cache, device: torch.device, every_seq: bool = False):
@@ -82,31 +138,38 @@ class PassLayout:
         kinds = [s.canvas for s in segments]
         if kinds != sorted(kinds):
             raise ValueError("causal segments must come before canvas segments")
-        pos = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments])
+        pos = [p for s in segments for p in range(s.start, s.start + s.length)]
         self.positions = to_device(pos, torch.long, self.device)  # [N]
         self.backend = backend(self.device)
         self._slots: dict[str, torch.Tensor] = {}
         self._reads: dict[tuple[int, int | None], tuple] = {}
         self._rows: dict[tuple, tuple] = {}  # (group, window) -> the kernel's row arrays and block tables
         self._tiles: dict[tuple, tuple] = {}  # (tile, kind) -> row tiles
+        self._plans: dict[tuple, _Plan] = {}  # (group, window, kind) -> the CPU path's SDPA calls
 
     def slots(self, group: str) -> torch.Tensor:
         """Device int64 slots where this pass writes: every row's position on full layers [N]; on sliding layers
         the causal rows' only, the last ring's worth of each segment (a ring never takes a canvas)."""
         if group not in self._slots:
             if group == "full":
-                parts = [self.cache.slots(group, s.seq, s.start, s.start + s.length) for s in self.segments]
+                host = [x for s in self.segments for x in self._slot_list(group, s.seq, s.start, s.start + s.length)]
                 rows = None
             else:
                 keep = self.cache.ring_blocks * self.cache.block_size
                 spans = [(r0 + max(0, s.length - keep), s, max(s.start, s.start + s.length - keep))
                          for s, r0 in zip(self.segments, self.row0) if not s.canvas]
-                parts = [self.cache.slots(group, s.seq, lo, s.start + s.length) for _, s, lo in spans]
-                rows = [torch.arange(r, r + s.start + s.length - lo) for r, s, lo in spans]
-                rows = to_device(torch.cat(rows), torch.long, self.device) if rows else None
-            host = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+                host = [x for _, s, lo in spans for x in self._slot_list(group, s.seq, lo, s.start + s.length)]
+                rows = [x for r, s, lo in spans for x in range(r, r + s.start + s.length - lo)]
+                rows = to_device(rows, torch.long, self.device) if rows else None
             self._slots[group] = (to_device(host, torch.long, self.device), rows)
         return self._slots[group]
+
+    def _slot_list(self, group: str, seq: int, lo: int, hi: int) -> list[int]:
+        """`cache.slots(group, seq, lo, hi)` as a host list, expanded from its runs (no tensor op per segment)."""
+        out = [x for a, b in self.cache.runs(group, seq, lo, hi) for x in range(a, b)]
+        if out and min(out) < 0:  # a block the sequence does not hold (-1): cache.slots says which
+            self.cache.slots(group, seq, lo, hi)
+        return out
 
     def reads(self, j: int, group: str, window: int | None) -> tuple[list[tuple[int, int]], torch.Tensor | None]:
         """Segment j's key runs in the cache and its mask [rows, keys] (None for canvas rows: they read every key).
@@ -116,13 +179,71 @@ class PassLayout:
         if key not in self._reads:
             s = self.segments[j]
             lo, hi = s.keys(window)
-            mask = None
-            if not s.canvas:
-                kpos = torch.arange(lo, hi, device=self.device)
-                qpos = torch.arange(s.start, hi, device=self.device)[:, None]
-                mask = kpos <= qpos if window is None else (kpos <= qpos) & (kpos > qpos - window)
+            mask = None if s.canvas else causal_mask(hi - lo, s.start - lo, window, self.device)
             self._reads[key] = (self.cache.runs(group, s.seq, lo, hi if group == "full" else s.start), mask)
         return self._reads[key]
+
+    def sdpa_plan(self, layer: int, canvas: bool | None) -> _Plan:
+        """The segments of one kind (`canvas`; None: all) as SDPA calls, built once per pass and kind of layer.
+        Segments of the same shape (rows, keys, mask) share one call, batched in the order they come, unless
+        that would copy more than GATHER_BYTES of a full layer's keys and values per segment: then each reads
+        its views of the pool alone. The calls' rows are the kind's in call order (`qperm`: that order as kind
+        rows, None when it is the pass's). Their keys: full layers, the batched calls' gathered from the pool
+        (`gather`, in call order), a lone segment's as runs of the pool; sliding layers, [the ring's keys of
+        every segment (`gather`) | the kind's own rows] picked by `order` into each segment's ring keys then its
+        own, in call order (None: already so). `gather` is a slice where its slots are one run (a view)."""
+        cache = self.cache
+        group, window = cache.kind[layer], cache.windows[layer]
+        key = (group, window, canvas)  # a group's layers share one key shape (the geometry is the kind's: config.py)
+        if key not in self._plans:
+            pool = cache.k[layer]
+            per_key = 2 * pool.shape[0] * pool.shape[2] * pool.element_size()  # a key's and its value's bytes
+            self._plans[key] = self._sdpa_plan(group, window, canvas, per_key)
+        return self._plans[key]
+
+    def _sdpa_plan(self, group: str, window: int | None, canvas: bool | None, key_bytes: int) -> _Plan:
+        fresh = group != "full"
+        kind = [(j, s, r0) for j, (s, r0) in enumerate(zip(self.segments, self.row0))
+                if canvas is None or s.canvas == canvas]
+        a = kind[0][2]
+        shapes: dict[tuple, list] = {}  # batch key -> its segments, in row order
+        for j, s, r0 in kind:
+            lo, hi = s.keys(window)
+            shapes.setdefault(_batch_key(s, lo, hi), []).append((j, s, r0, lo))
+        batches = []  # (rows, keys, the first row's offset in its keys, canvas, segments)
+        for members in shapes.values():
+            s, lo = members[0][1], members[0][3]
+            shape = (s.length, s.keys(window)[1] - lo, s.start - lo, s.canvas)
+            if len(members) > 1 and not fresh and shape[1] * key_bytes > GATHER_BYTES:
+                batches += [(*shape, [m]) for m in members]
+            else:
+                batches.append((*shape, members))
+        qrows, gather, order, calls = [], [], [], []
+        ring = sum(s.start - lo for *_, members in batches for _, s, _, lo in members) if fresh else 0
+        for rows, n, off, cv, members in batches:
+            mask = self.reads(members[0][0], group, window)[1]  # the batch's one mask
+            if fresh or len(members) > 1:
+                keys = len(order) if fresh else len(gather)
+                for j, s, r0, lo in members:
+                    if fresh:  # ring keys at their place in `gather`, own keys after every ring key
+                        order += range(len(gather), len(gather) + s.start - lo)
+                        order += range(ring + r0 - a, ring + r0 - a + s.length)
+                    gather += [x for p, e in self.reads(j, group, window)[0] for x in range(p, e)]
+            else:
+                keys = tuple(self.reads(members[0][0], group, window)[0])
+            calls.append(_Call(len(qrows), len(members), rows, n, keys, mask))
+            qrows += [x for _, s, r0, _ in members for x in range(r0 - a, r0 - a + s.length)]
+        as_dev = functools.partial(to_device, dtype=torch.long, device=self.device)
+        same = qrows == list(range(len(qrows)))
+        if not gather:
+            gather = None
+        elif gather == list(range(gather[0], gather[0] + len(gather))):  # one run of the pool: a view
+            gather = slice(gather[0], gather[0] + len(gather))
+        else:
+            gather = as_dev(gather)
+        return _Plan(a, a + len(qrows), None if same else as_dev(qrows), gather,
+                     None if order == list(range(len(order))) else as_dev(order), calls,
+                     [c.m * c.rows for c in calls], [c.m * c.n for c in calls if isinstance(c.keys, int)])
 
     def kernel_meta(self, group: str, window: int | None, tile: int, canvas: bool | None = None) -> tuple:
         """Per-row (sequence index, lo, hi, fresh position, fresh row) int32 on the device, the group's block
@@ -202,9 +323,7 @@ def _attend(q, k, v, layer: int, layout: PassLayout, canvas: bool | None, out: t
     cache = layout.cache
     group, window = cache.kind[layer], cache.windows[layer]
     pool_k, pool_v = cache.k[layer], cache.v[layer]
-    segments = [(j, s, r0) for j, (s, r0) in enumerate(zip(layout.segments, layout.row0))
-                if canvas is None or s.canvas == canvas]
-    if not segments:
+    if (canvas is False and not layout.n_causal) or (canvas is True and layout.n_causal == layout.rows):
         return
     fresh = group != "full"
     if layout.backend == "triton-paged":
@@ -216,16 +335,44 @@ def _attend(q, k, v, layer: int, layout: PassLayout, canvas: bool | None, out: t
                             cache.ring_blocks if fresh else 0, t0, tn, k[0].transpose(0, 1) if fresh else None,
                             v[0].transpose(0, 1) if fresh else None, f_pos, f_row, out[0].transpose(0, 1))
         return
-    for j, s, r0 in segments:
-        runs, mask = layout.reads(j, group, window)
-        keys = [pool_k[None, :, a:b] for a, b in runs]
-        values = [pool_v[None, :, a:b] for a, b in runs]
-        if fresh:  # the segment's own keys from this pass
-            keys.append(k[:, :, r0:r0 + s.length])
-            values.append(v[:, :, r0:r0 + s.length])
-        if len(keys) > 1:
-            keys, values = torch.cat(keys, dim=2), torch.cat(values, dim=2)
-        else:
-            keys, values = keys[0], values[0]
-        out[:, :, r0:r0 + s.length] = F.scaled_dot_product_attention(
-            q[:, :, r0:r0 + s.length], keys, values, attn_mask=mask, scale=1.0, enable_gqa=True)
+    plan = layout.sdpa_plan(layer, canvas)
+    whole = plan.a == 0 and plan.b == layout.rows
+    rows = (lambda t: t) if whole else (lambda t: t[:, :, plan.a:plan.b])  # [1, heads, rows, d]: the kind's rows
+    qs, dst = rows(q), rows(out)
+    if plan.qperm is not None:  # in call order
+        qs, dst = qs[0].index_select(1, plan.qperm)[None], torch.empty_like(dst)  # (3-d: index_select's fast path)
+    keys = values = None
+    if fresh:  # the ring's keys the segments read (gathered), then the kind's own from this pass, in call order
+        keys, values = rows(k), rows(v)
+        if plan.gather is not None:
+            keys = torch.cat((_take(pool_k, plan.gather), keys), dim=2)
+            values = torch.cat((_take(pool_v, plan.gather), values), dim=2)
+        if plan.order is not None:
+            keys, values = keys[0].index_select(1, plan.order)[None], values[0].index_select(1, plan.order)[None]
+    elif plan.gather is not None:  # the keys of the batched calls, gathered (each bounded by GATHER_BYTES)
+        keys, values = _take(pool_k, plan.gather), _take(pool_v, plan.gather)
+    pieces = (lambda t, sizes: (t,)) if len(plan.calls) == 1 else (lambda t, sizes: t.split(sizes, dim=2))
+    if keys is not None:
+        keys, values = iter(pieces(keys, plan.k_sizes)), iter(pieces(values, plan.k_sizes))
+    strides, (_, hq, _, d), hk = None, q.shape, k.shape[1]  # a batched call's views: a tensor's pieces share strides
+    heads = (hq, hq, hk, hk)
+    for c, qc, oc in zip(plan.calls, pieces(qs, plan.q_sizes), pieces(dst, plan.q_sizes)):
+        if isinstance(c.keys, int):  # c.m segments' keys, one after another
+            kc, vc = next(keys), next(values)
+        else:  # a lone segment's runs in the pool: views (concatenated when its blocks are not consecutive)
+            kc = [pool_k[None, :, a:b] for a, b in c.keys]
+            vc = [pool_v[None, :, a:b] for a, b in c.keys]
+            kc, vc = (torch.cat(kc, dim=2), torch.cat(vc, dim=2)) if len(kc) > 1 else (kc[0], vc[0])
+        if c.m > 1:  # [1, heads, m·rows, d] -> [m, heads, rows, d]: views
+            if strides is None:
+                strides = [t.stride() for t in (qc, oc, kc, vc)]
+            qc, oc, kc, vc = (t.as_strided((c.m, h, r, d), (r * st[2], *st[1:])) for t, h, r, st in zip(
+                (qc, oc, kc, vc), heads, (c.rows, c.rows, c.n, c.n), strides))
+        oc.copy_(F.scaled_dot_product_attention(qc, kc, vc, attn_mask=c.mask, scale=1.0, enable_gqa=True))
+    if plan.qperm is not None:
+        rows(out)[0].index_copy_(1, plan.qperm, dst[0])
+
+
+def _take(pool: torch.Tensor, slots: torch.Tensor | slice) -> torch.Tensor:
+    """The pool's keys at `slots` [1, n_kv, len, d]: a view for one run, else gathered."""
+    return pool[None, :, slots] if isinstance(slots, slice) else pool.index_select(1, slots)[None]

@@ -37,18 +37,19 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-    """cos/sin [T, d] (positions [T], shared by the batch) or [B, T, d] (positions [B, T], per row) for
-    rotate-half RoPE; computed in fp32, cast to the activation dtype as the reference does."""
-    freqs = positions.float()[..., None] * inv_freq  # [..., T, d/2]
+    """cos and signed sin [T, 1, d] (positions [T], shared by the batch) or [B, T, 1, d] (positions [B, T], per
+    row) for rotate-half RoPE (`apply_rope`); computed in fp32, cast to the activation dtype as the reference
+    does. The sin's first half is negated: the rotation's sign lives in the table."""
+    freqs = positions.float()[..., None, None] * inv_freq  # [..., T, 1, d/2]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    sin, half = emb.sin().to(dtype), inv_freq.shape[-1]
+    return emb.cos().to(dtype), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [B, T, n, d]; cos/sin [T, d] or [B, T, d]; pairs (j, j + d/2), not interleaved.
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[..., None, :] + rotated * sin[..., None, :]
+    # x [B, T, n, d]; pairs (j, j + d/2), not interleaved. The reference's x·cos + cat(-x2, x1)·sin, bit for bit:
+    # cat(x2, x1)·(signed sin) differs only by where the sign flips, and a sign flip is exact.
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 def inv_freq_for(g: LayerGeometry, device=None) -> torch.Tensor:
@@ -289,8 +290,10 @@ class DiffusionGemma(nn.Module):
                 x = x[:, nc:]
                 nc = 0
             x = layer.feed_forward(x)
-            if nc:
-                x[:, :nc] *= layer.encoder_layer_scalar
+            if not nc:  # canvas rows only
+                x *= layer.layer_scalar
+                continue
+            x[:, :nc] *= layer.encoder_layer_scalar
             if nc < x.shape[1]:
                 x[:, nc:] *= layer.layer_scalar
         return self.norm(x).view(b, c, -1)

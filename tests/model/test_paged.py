@@ -165,3 +165,75 @@ def test_the_triton_kernel_pass_equals_the_sdpa_pass(model, triton_device, monke
                            chunk=chunk)
     model.to("cpu")
     torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_same_shaped_segments_share_an_sdpa_call_with_the_same_bits(model, dtype, monkeypatch):
+    """On CPU the segments of one shape (rows, keys, mask) attend in one batched SDPA call: prompt chunks of one
+    length at one start, canvases after equal prefixes (not next to each other in the pass: their rows are
+    picked, then put back). Every hidden state equals the pass with one call per segment, bit for bit: SDPA's
+    CPU result for one element of a batch is the element's alone."""
+    from torch.nn import functional as F
+
+    from dgcli.model import attention
+
+    m = model.to(dtype)
+    prompts, canvases = inputs(m, [9, 9, 13, 9], seed=6)  # several windows (W 6, blocks of 2): the rings wrap
+    sdpa, batches = F.scaled_dot_product_attention, []
+
+    def spy(q, *args, **kw):
+        batches.append(q.shape[0])
+        return sdpa(q, *args, **kw)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    with torch.inference_mode():
+        got, _ = hidden_of(m, prompts, canvases, chunk=3, shuffle=True)
+        batched = list(batches)
+        monkeypatch.setattr(attention, "_batch_key", lambda s, lo, hi: (s.seq, s.canvas))  # a call per segment
+        want, _ = hidden_of(m, prompts, canvases, chunk=3, shuffle=True)
+    model.float()
+    assert max(batched) == 4 and 3 in batched  # the 4 prompts' chunks; canvases 0, 1 and 3
+    assert set(batches[len(batched):]) == {1}
+    assert torch.equal(got, want)
+
+
+def test_full_layers_batch_only_short_keys(model, monkeypatch):
+    """A full layer's same-shaped segments share a call only while each one's keys take at most GATHER_BYTES
+    (they are gathered: a copy); past it each reads its own views of the pool (no prefix copied). A sliding
+    layer's are gathered whatever their length (ring keys: fewer than W)."""
+    from dgcli.model import attention
+
+    c, cpu = model.config.canvas_length, torch.device("cpu")
+    cache = model.new_cache(2, 9 + c, block_size=2)
+    assert cache.reserve(0, 9 + c) and cache.reserve(1, 9 + c)
+    segs = [Segment(0, 9, c, True), Segment(1, 9, c, True)]
+    kinds = model.config.layer_types
+    full, sliding = kinds.index("full_attention"), kinds.index("sliding_attention")
+    plan = PassLayout(segs, cache, cpu).sdpa_plan(full, None)
+    assert [x.m for x in plan.calls] == [2] and plan.gather is not None
+    monkeypatch.setattr(attention, "GATHER_BYTES", 0)
+    layout = PassLayout(segs, cache, cpu)
+    plan = layout.sdpa_plan(full, None)
+    assert [x.m for x in plan.calls] == [1, 1] and plan.gather is None
+    assert [x.keys for x in plan.calls] == [tuple(cache.runs("full", s, 0, 9 + c)) for s in (0, 1)]  # views
+    assert [x.m for x in layout.sdpa_plan(sliding, True).calls] == [2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_equals_the_rotate_half_formula_bit_for_bit(dtype):
+    """`apply_rope` (the rotation's sign kept in the sin table: 4 ops, not 10) against the reference's
+    x·cos + cat(-x2, x1)·sin, partial rotary included (zero frequencies: sin ±0), zeros and signs in x."""
+    from dgcli.model.gemma import apply_rope, rope_tables
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 7, 3, 16, generator=g).to(dtype)
+    x[0, 0] = 0.0
+    x[1, 1] = -x[1, 1].abs()
+    inv_freq = torch.cat((1.0 / 10000 ** (torch.arange(0, 10, 2).float() / 16), torch.zeros(3)))  # 5 of 8 pairs
+    pos = torch.tensor([0, 1, 5, 30, 400, 4095, 9])
+    freqs = pos.float()[:, None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+    want = x * cos + torch.cat((-x[..., 8:], x[..., :8]), dim=-1) * sin
+    got = apply_rope(x, *rope_tables(pos, inv_freq, dtype))
+    assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
