@@ -4,7 +4,7 @@
 at 1 and 2 threads; then the error of both int4-form paths against the file's exact weights.
 
     python benchmarks/bench_ggml.py [--threads 1,2] [--reps 3] [--experts 128]
-    python benchmarks/bench_ggml.py --crossover [--threads 1,2]   # int4 kernel vs GEMM path by rows: GEMM_ROWS
+    python benchmarks/bench_ggml.py --crossover [--threads 1,2]   # int4 kernel / GEMV / GEMM path by rows
     python benchmarks/bench_ggml.py --step [--threads 1] [--rounds 2] [--canvas 256]   # whole denoising steps
     python benchmarks/bench_ggml.py --write-200m-config /tmp/200m.json   # for `dgemma bench --dummy ... --weights`
     python benchmarks/bench_ggml.py --quantize [--threads 1,2]   # M values/s of ggml.quantize (`dgemma quantize`)
@@ -25,7 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from dgcli.kernels import ggml_cpu, linear_cpu, moe_cpu
+from dgcli.kernels import ggml_cpu, ggml_native, linear_cpu, moe_cpu
 from dgcli.model import ggml
 
 H, I, DENSE, E, TOP_K = 2816, 704, 2112, 128, 8
@@ -36,10 +36,10 @@ LINEARS = {  # name: (out, in) of the released config's projections
 ROWS = (256, 64, 16)
 # (name, type, out, in) for --crossover: the 200 M config's expert and dense shapes, then the released config's
 CROSS_SHAPES = (("200m expert gate_up", 12, 1024, 1024), ("200m expert down", 12, 1024, 512),
-                ("200m q_proj", 12, 1024, 1024), ("26B expert gate_up", 12, 1408, 2816),
-                ("26B expert down Q4_0", 2, 2816, 704), ("26B expert down Q5_0", 6, 2816, 704),
-                ("26B q_proj", 12, 4096, 2816), ("26B q_proj Q8_0", 8, 4096, 2816))
-CROSS_ROWS = (8, 16, 24, 32, 48, 64, 96, 128)
+                ("26B expert gate_up", 12, 1408, 2816), ("26B expert down Q4_0", 2, 2816, 704),
+                ("26B expert down Q5_0", 6, 2816, 704), ("26B expert down Q8_0", 8, 2816, 704),
+                ("26B q_proj", 12, 4096, 2816), ("26B v_proj Q6_K", 14, 2048, 2816))
+CROSS_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 
 
 def timed(fn, reps: int) -> float:
@@ -93,34 +93,79 @@ def bench_experts(threads: int, reps: int, experts: int, rows_out: list) -> None
         m = ggml.QuantExperts(ggml.random_blocks((experts, 2 * I), tg, H, g), tg,
                               ggml.random_blocks((experts, H), td, I, g), td, H, I)
         forms[label] = (m, ggml_cpu.prepared_bytes(tg, 2 * I, H) + ggml_cpu.prepared_bytes(td, H, I))
+        forms[f"{label}, no GEMV"] = (lambda x, w, i, m=m: _no_gemv(m, x, w, i), forms[label][1])
     for n in ROWS:
         x = torch.randn(n, H, generator=g).bfloat16()
         idx = torch.stack([torch.randperm(experts, generator=g)[:TOP_K] for _ in range(n)])
         w = torch.rand(n, TOP_K, generator=g)
         used = int(torch.unique(idx).numel())
+        best = dict.fromkeys(forms, float("inf"))
+        for fn in forms.values():  # warm each once
+            fn[0](x, w, idx)
+        for _ in range(reps):  # forms alternating within a round (a shared machine's load hits them all alike)
+            for form, (fn, _) in forms.items():
+                t = time.perf_counter()
+                fn(x, w, idx)
+                best[form] = min(best[form], (time.perf_counter() - t) * 1e3)
         for form, (fn, per_expert) in forms.items():
-            ms = timed(lambda: fn(x, w, idx), reps)
+            ms = best[form]
             rows_out.append({"op": f"experts top-{TOP_K}/{experts}", "shape": [experts, H, I], "rows": n,
                              "threads": threads, "form": form, "ms": round(ms, 2), "experts_used": used,
                              "weight_GBps": round(used * per_expert / ms / 1e6, 2)})
     del pgu, pdn
 
 
-def crossover(threads: list[int], reps: int) -> list[dict]:
-    """The int4 kernel vs the GEMM path (bf16 tiles + oneDNN) by rows: ms each, and the fewest rows where the
-    GEMM path won (what GEMM_ROWS / GEMM_ROWS_PLANES are set from)."""
+def _no_gemv(m, x, w, idx):
+    """A QuantExperts call as before the native GEMV: few rows on torch's int4 kernel, planes' GEMM path from
+    GEMM_ROWS_PLANES rows."""
+    rows, gemm_rows = ggml_cpu.GEMV_ROWS, ggml_cpu.gemm_rows
+    ggml_cpu.GEMV_ROWS = 1 << 30
+    ggml_cpu.gemm_rows = lambda p: ggml_cpu.GEMM_ROWS_PLANES if p.qtype in ggml_cpu.PLANES else gemm_rows(p)
+    try:
+        return m(x, w, idx)
+    finally:
+        ggml_cpu.GEMV_ROWS, ggml_cpu.gemm_rows = rows, gemm_rows
+
+
+def crossover(threads: list[int], reps: int, mats: int = 16) -> list[dict]:
+    """Torch's int4 kernel vs the native GEMV vs the GEMM path (bf16 tiles + oneDNN) by rows, and bf16 packed
+    beside them: ms per matrix, each call on the next of `mats` matrices (cold weights, as experts are), and the
+    fewest rows where the GEMM path beat the other two (what GEMM_ROWS / GEMM_ROWS_PLANES / GEMV_ROWS are set
+    from). Q6_K rows: its native tile path (as dispatched) against its torch tile path (DGEMMA_GGML_NATIVE=0)."""
+    import os
+
     rows = []
     g = torch.Generator().manual_seed(4)
     for t in threads:
         torch.set_num_threads(t)
         for name, qtype, n, k in CROSS_SHAPES:
-            p = ggml_cpu.prepare(ggml.random_blocks((n,), qtype, k, g), qtype, k)
+            ps = ggml_cpu.prepare(ggml.random_blocks((mats, n), qtype, k, g), qtype, k)
+            wb = [linear_cpu.pack(torch.randn(n, k, generator=g).bfloat16()) for _ in range(mats)]
             r = {"op": name, "type": ggml.NAMES[qtype], "shape": [n, k], "threads": t, "ms": {}}
             for m in CROSS_ROWS:
                 x = torch.randn(m, k, generator=g).bfloat16()
-                r["ms"][m] = (round(timed(lambda: ggml_cpu._kernel_int4(x, p), reps), 3),
-                              round(timed(lambda: ggml_cpu._gemm_int4(x, p), reps), 3))
-            r["gemm_wins_from"] = next((m for m, (a, b) in r["ms"].items() if b < a), None)
+                xin = torch.cat((x, x), 1) if qtype in ggml_cpu.PLANES else x
+
+                def per_mat(fn):
+                    return round(timed(lambda: [fn(ps.expert(e)) for e in range(mats)], reps) / mats, 3)
+
+                if qtype == ggml.Q6_K:
+                    os.environ["DGEMMA_GGML_NATIVE"] = "0"
+                    torch_tiles = per_mat(lambda p: ggml_cpu.linear(x, p))
+                    del os.environ["DGEMMA_GGML_NATIVE"]
+                    r["ms"][m] = {"native tiles": per_mat(lambda p: ggml_cpu.linear(x, p)), "torch tiles": torch_tiles}
+                else:
+                    r["ms"][m] = {"int4 kernel": per_mat(lambda p: ggml_cpu._kernel_int4(x, p)),
+                                  "gemv": per_mat(lambda p: ggml_native.gemv(xin, p.packed, p.sz, xin.shape[1])),
+                                  "gemm path": per_mat(lambda p: ggml_cpu._gemm_int4(x, p))}
+                bf = [w for w in wb if w is not None]
+                if bf:
+                    ms = timed(lambda: [linear_cpu.linear(x, w) for w in bf], reps)
+                    r["ms"][m]["bf16 packed"] = round(ms / len(bf), 3)
+            r["gemm_wins_from"] = next((m for m, v in r["ms"].items() if "gemm path" in v
+                                        and v["gemm path"] < min(v["int4 kernel"], v["gemv"])), None)
+            r["gemv_wins_from"] = next((m for m, v in r["ms"].items() if "gemv" in v and v["gemv"] < v["int4 kernel"]),
+                                       None)
             rows.append(r)
     return rows
 
@@ -182,6 +227,9 @@ def int4_error() -> dict:
         exact = F.linear(x.float(), w)
         out[f"out_rel_rms_kernel_mean{mean:g}"] = rel(ggml_cpu._kernel_int4(x, p), exact)
         out[f"out_rel_rms_gemm_path_mean{mean:g}"] = rel(ggml_cpu._gemm_int4(x, p), exact)
+        gemv = ggml_native.gemv(x, p.packed, p.sz, k)  # the few-rows GEMV, here on all 256 rows
+        if gemv is not None:
+            out[f"out_rel_rms_gemv_mean{mean:g}"] = rel(gemv[:, :n], exact)
         out[f"out_rel_rms_fp32_kernel_weights_mean{mean:g}"] = rel(F.linear(x.float(), wk), exact)
         out[f"out_rel_rms_bf16_linear_mean{mean:g}"] = rel(F.linear(x, w.bfloat16()), exact)
     return {k2: round(v, 6) for k2, v in out.items()}
@@ -211,8 +259,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--experts", type=int, default=E, help="experts in the MoE layer (128 as released)")
     ap.add_argument("--skip-experts", action="store_true")
+    ap.add_argument("--skip-linears", action="store_true")
     ap.add_argument("--quantize", action="store_true", help="time ggml.quantize (Q4_K, Q6_K, Q8_0) instead")
-    ap.add_argument("--crossover", action="store_true", help="int4 kernel vs GEMM path by rows instead")
+    ap.add_argument("--crossover", action="store_true", help="int4 kernel vs GEMV vs GEMM path by rows instead")
+    ap.add_argument("--mats", type=int, default=16, help="--crossover: matrices cycled through (cold weights)")
     ap.add_argument("--step", action="store_true", help="whole 200 M steps: bf16 vs q4_k (fresh processes)")
     ap.add_argument("--rounds", type=int, default=2, help="--step: rounds of the forms, alternating")
     ap.add_argument("--canvas", type=int, default=256, help="--step: canvas rows")
@@ -234,11 +284,12 @@ def main() -> None:
         print(json.dumps({"step": rows, "torch": torch.__version__}))
         return
     if args.crossover:
-        rows = crossover([int(t) for t in args.threads.split(",")], args.reps)
+        rows = crossover([int(t) for t in args.threads.split(",")], args.reps, args.mats)
         for r in rows:
-            ms = " ".join(f"{m}:{a:.2f}/{b:.2f}" for m, (a, b) in r["ms"].items())
-            print(f"{r['op']:24} {r['type']:5} thr {r['threads']}  GEMM from {r['gemm_wins_from']}  "
-                  f"rows:int4/gemm {ms}")
+            print(f"{r['op']} {r['type']} {r['shape']} thr {r['threads']}: GEMV from {r['gemv_wins_from']}, "
+                  f"GEMM path from {r['gemm_wins_from']} rows")
+            for m, v in r["ms"].items():
+                print(f"  {m:4} rows  " + "  ".join(f"{f} {ms:.3f}" for f, ms in v.items()))
         print(json.dumps({"crossover": rows, "torch": torch.__version__}))
         return
     if args.quantize:
@@ -252,7 +303,8 @@ def main() -> None:
     rows: list[dict] = []
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
-        bench_linears(threads, args.reps, rows)
+        if not args.skip_linears:
+            bench_linears(threads, args.reps, rows)
         if not args.skip_experts:
             bench_experts(threads, args.reps, args.experts, rows)
     print(f"{'op':34} {'rows':>4} {'thr':>3} {'form':32} {'ms':>9} {'GB/s':>7}")

@@ -2,15 +2,17 @@
 
     python benchmarks/bench_q4k_step.py [--threads 1,2] [--rounds 3] [--canvas 256] [--old OLD/ggml_cpu.py]
     python benchmarks/bench_q4k_step.py --profile [--threads 1]   # where a step's time goes, per form
+    python benchmarks/bench_q4k_step.py --per-layer 2,6 [--threads 2] [--rounds 1] [--old ...]   # 26B-A4B, per layer
 
 Each form runs `dgemma bench --dummy` on the ~200 M config (bench_cpu_step.py's; 8 steps, 1 block, 2 runs after
 a warmup run of 8) in a fresh process, alternating forms within a round: bf16 (oneDNN-packed, what an eager
 session runs), q4_k (kernels/ggml_cpu.py as checked out), q4_k with DGEMMA_GGML_NATIVE=0 (the torch unpacker),
 and with --old a ggml_cpu.py from elsewhere (e.g. `git show HEAD~1:kernels/ggml_cpu.py > /tmp/old.py`) loaded in
-its place. Prints each run, then per form and thread count the median ms per step and its ratio to bf16's
-median; one JSON line last. Run it under `flock /tmp/coord/bench.lock nice -n 5` on a shared machine.
---profile adds exclusive wall time per call kind (summed over the whole process: warmup, prompt and steps) so
-the split between unpacking, GEMMs and the experts' loop can be read against bf16's.
+its place; with --gguf a GGUF file of the same config (`--model FILE`, --ignore-eos: a real Q4_K_M mix with
+Q6_K), and with both that file under the old ggml_cpu.py. Prints each run, then per form and thread count the
+median ms per step and its ratio to bf16's median; one JSON line last. Run it under `flock /tmp/coord/bench.lock
+nice -n 5` on a shared machine. --profile adds exclusive wall time per call kind (summed over the whole process:
+warmup, prompt and steps) so the split between unpacking, GEMMs and the experts' loop can be read against bf16's.
 """
 
 from __future__ import annotations
@@ -53,8 +55,13 @@ if profile:
         lib = native._native()
         if lib is not None:
             class Lib:
-                pass
-            shim = Lib(); shim.int4_tile = lib.int4_tile; wrap(shim, "int4_tile", "native unpack")
+                def __getattr__(self, name):
+                    return getattr(lib, name)
+            shim = Lib()
+            for fn, key in (("int4_tile", "native unpack"), ("int4_gemv", "native gemv"),
+                            ("q6k_tile", "native Q6_K unpack")):
+                if hasattr(lib, fn):
+                    setattr(shim, fn, getattr(lib, fn)); wrap(shim, fn, key)
             native._native = lambda: shim
 from dgcli import cli
 sys.argv = ["dgemma", *argv]
@@ -67,10 +74,15 @@ print(json.dumps({"ms_per_step": row["mean_step_ms"], "peak_MiB": row["peak_memo
 '''
 
 
-def run_form(cfg: Path, weights: str, threads: int, old: str, native: bool, profile: bool) -> dict:
-    argv = ["bench", "--dummy", str(cfg), "--diffusion-steps", "8", "--blocks", "1", "--runs", "2", "--warmup", "1",
-            "--num-prompts", "1", "--random-input-len", "32", "--threads", str(threads), "--format", "jsonl",
-            "--weights", weights]
+def run_form(cfg: Path | str, weights: str, threads: int, old: str, native: bool, profile: bool,
+             layers: int = 0) -> dict:
+    """One form in a fresh process; `weights` a --dummy --weights format, or "gguf:PATH" (--model PATH);
+    `layers`: --layers N, 4 steps (the 26B-A4B per-layer runs)."""
+    model = ["--model", weights[5:], "--ignore-eos"] if weights.startswith("gguf:") else \
+        ["--dummy", str(cfg), "--weights", weights]
+    steps = ["--layers", str(layers), "--diffusion-steps", "4"] if layers else ["--diffusion-steps", "8"]
+    argv = ["bench", *model, *steps, "--blocks", "1", "--runs", "2", "--warmup", "1",
+            "--num-prompts", "1", "--random-input-len", "32", "--threads", str(threads), "--format", "jsonl"]
     env = dict(os.environ, **({} if native else {"DGEMMA_GGML_NATIVE": "0"}))
     res = subprocess.run([sys.executable, "-c", CHILD, old, "1" if profile else "0", *argv], capture_output=True,
                          text=True, env=env)
@@ -86,7 +98,14 @@ def main() -> None:
     ap.add_argument("--canvas", type=int, default=256)
     ap.add_argument("--old", default="", help="another kernels/ggml_cpu.py to run as a q4_k form beside this one")
     ap.add_argument("--profile", action="store_true", help="exclusive time per call kind in each form")
+    ap.add_argument("--skip-torch-unpacker", action="store_true", help="leave out the DGEMMA_GGML_NATIVE=0 form")
+    ap.add_argument("--gguf", default="", help="a GGUF file of the same config (e.g. `dgemma quantize "
+                    "/tmp/dgemma-bench-200m F.gguf --type q4_k_m`) run as more forms (and with --old)")
+    ap.add_argument("--per-layer", default="", metavar="L1,L2", help="the 26B-A4B dummy at L1 and L2 layers "
+                    "instead (4 steps): ms per layer = the step's difference / (L2 - L1), per form and round")
     args = ap.parse_args()
+    if args.per_layer:
+        return per_layer(args)
     sys.path.insert(0, str(Path(__file__).parent))
     from bench_cpu_step import TEXT
 
@@ -95,8 +114,14 @@ def main() -> None:
     cfg = Path(tempfile.mkdtemp()) / "config.json"
     cfg.write_text(json.dumps(make_config(TEXT, canvas_length=args.canvas)))
     forms = {"bf16": ("bf16", "", True), "q4_k": ("q4_k", "", True), "q4_k torch unpacker": ("q4_k", "", False)}
+    if args.skip_torch_unpacker:
+        del forms["q4_k torch unpacker"]
     if args.old:
         forms["q4_k old"] = ("q4_k", str(Path(args.old).resolve()), True)
+    if args.gguf:
+        forms["gguf"] = (f"gguf:{Path(args.gguf).resolve()}", "", True)
+        if args.old:
+            forms["gguf old"] = (f"gguf:{Path(args.gguf).resolve()}", str(Path(args.old).resolve()), True)
     rows = []
     for r in range(args.rounds):
         for t in (int(x) for x in args.threads.split(",")):
@@ -113,6 +138,32 @@ def main() -> None:
             summary.append({"threads": t, "form": f, "median_ms_per_step": round(ms, 1),
                             "ratio_to_bf16": round(ms / med["bf16"], 3)})
             print(f"threads {t}  {f:22} {ms:8.1f} ms/step  {ms / med['bf16']:.3f}x bf16")
+    print(json.dumps({"runs": rows, "summary": summary}))
+
+
+def per_layer(args) -> None:
+    """bf16, q4_k (and q4_k under --old) on `--dummy 26B-A4B --layers L1|L2`, alternating, each a fresh process:
+    ms per layer from the difference of the two step times, median over rounds, and its ratio to bf16's."""
+    l1, l2 = (int(x) for x in args.per_layer.split(","))
+    forms = {"bf16": ("bf16", ""), "q4_k": ("q4_k", "")}
+    if args.old:
+        forms["q4_k old"] = ("q4_k", str(Path(args.old).resolve()))
+    rows = []
+    for r in range(args.rounds):
+        for t in (int(x) for x in args.threads.split(",")):
+            for form, (weights, old) in forms.items():
+                ms = {n: run_form("26B-A4B", weights, t, old, True, False, layers=n)["ms_per_step"] for n in (l1, l2)}
+                rows.append({"form": form, "threads": t, "round": r, "ms_per_step": ms,
+                             "ms_per_layer": (ms[l2] - ms[l1]) / (l2 - l1)})
+                print(json.dumps(rows[-1]), flush=True)
+    summary = []
+    for t in sorted({row["threads"] for row in rows}):
+        med = {f: statistics.median(x["ms_per_layer"] for x in rows if x["form"] == f and x["threads"] == t)
+               for f in forms}
+        for f, ms in med.items():
+            summary.append({"threads": t, "form": f, "median_ms_per_layer": round(ms, 1),
+                            "ratio_to_bf16": round(ms / med["bf16"], 3)})
+            print(f"threads {t}  {f:10} {ms:8.1f} ms/layer  {ms / med['bf16']:.3f}x bf16")
     print(json.dumps({"runs": rows, "summary": summary}))
 
 

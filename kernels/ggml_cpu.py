@@ -10,12 +10,16 @@ sub-block of 32 is one group, scale = d·sc, zero = 8·d·sc − dmin·m (exact 
 dtype: bf16 rounds them, relative error <= 2^-9 each); 0.625 bytes per value (Q4_K: 0.5625). Q4_0: scale d, zero 0.
 Q8_0 -> the same kernel on two nibble planes side by side along K (q + 128 = 16a + b: plane a scale 16d, zero 8d;
 plane b scale d, zero 0; x fed twice); 1.25 bytes per value. Q5_0 (llama.cpp's Q4_K_M type for rows not a
-multiple of 256) the same way. Q6_K -> kept as its bytes, dequantized per call in ~1 MB row tiles for F.linear
-(its 16-value sub-blocks do not map onto groups of 32): ~2 ns per weight. Rows are padded to a multiple of 64.
+multiple of 256) the same way. Q6_K -> kept as its bytes (its 16-value sub-blocks do not map onto groups of 32),
+unpacked per call in ~1 M-value row tiles by C into oneDNN-packed bf16 (`_q6k_native`, ~0.25 ns per weight), or
+without native code dequantized in ~1 MB tiles for F.linear (~2.5 ns); both the dequantizer's bits rounded to bf16.
+Rows are padded to a multiple of 64.
 fp32 activations (or scales not in x's dtype) take the exact fp32 tile path (the kernel's fp32 path is ~70x slower).
 
-Two paths for an int4 form by the rows of x (`gemm_rows`). Few (< 64; native unpacker 16; planes 32): torch's int4
-kernel (3.5x fewer bytes than bf16, but fp32 FMAs at ~85 GFLOP/s against oneDNN's ~215 bf16: weight-bound GEMMs).
+Two paths for an int4 form by the rows of x (`gemm_rows`). Few (< 64; native unpacker 16; planes 32, with native
+code 64): `_few_int4`, from GEMV_ROWS (4) rows of bf16 x the native GEMV (`ggml_native.gemv`: the nibbles read
+once, bf16 dot products `_mm512_dpbf16_ps`, the form's exact weights, fp32 sums; bound in kernels/ggml_csrc.py),
+else torch's int4 kernel (3.5x fewer bytes than bf16, but fp32 FMAs at ~85 GFLOP/s against oneDNN's ~215 bf16).
 More: the GEMM path (`_gemm_int4`), tiles of ~4 M weights unpacked to bf16 in per-thread scratch, then oneDNN's bf16
 GEMM; nothing unpacked outlives the call; each weight is the kernel's exact weight rounded once to bf16 (tests check
 the bits). Single-plane forms (Q4_K, Q4_0) are unpacked by C (kernels/ggml_native.py: built by the system's cc at
@@ -46,7 +50,9 @@ TILE_VALUES = 1 << 18  # values dequantized per tile on the tile path (1 MB in f
 # From this many rows of x on, an int4 form takes the GEMM path instead of the kernel (bench_ggml.py --crossover);
 # with the native unpacker (single-plane forms) from GEMM_ROWS // NATIVE_ROWS_DIVISOR (16: its crossover, 1 thread)
 GEMM_ROWS, GEMM_ROWS_PLANES, NATIVE_ROWS_DIVISOR = 64, 32, 4
+GEMV_ROWS = 4  # below the GEMM path, from this many rows the native GEMV instead of torch's int4 kernel
 GEMM_TILE_VALUES = 1 << 22  # weight values per bf16 tile (8 MB + 4 MB int8 scratch): fewer, larger ops
+Q6K_TILE_VALUES = 1 << 20  # weight values per native Q6_K tile (2 MB: 1.05-1.15x faster than 8 MB, 1 thread)
 _NIB = 0x0F0F0F0F0F0F0F0F  # low nibble of each byte of an int64 word
 _scratch = threading.local()  # per thread: the GEMM path's reused (int8, bf16) tile buffers
 
@@ -225,21 +231,49 @@ def _kernel_int4(x2: torch.Tensor, p: Prepared) -> torch.Tensor:
 
 
 def gemm_rows(p: Prepared) -> int:
-    """The fewest rows of bf16 x that take the GEMM path for p (an int4 form)."""
+    """The fewest rows of bf16 x that take the GEMM path for p (an int4 form). Planes with native code: the GEMV
+    runs up to GEMM_ROWS (their GEMM path unpacks by torch ops: ~1 ms a [2816, 704] matrix)."""
     if p.qtype in PLANES:
-        return GEMM_ROWS_PLANES
+        return GEMM_ROWS if ggml_native._native() is not None else GEMM_ROWS_PLANES
     native = ggml_native._native() is not None and packing_available()
     return max(1, GEMM_ROWS // NATIVE_ROWS_DIVISOR) if native else GEMM_ROWS
+
+
+def _few_int4(x2: torch.Tensor, p: Prepared) -> torch.Tensor:
+    """x2 [M, k] @ W.T below the GEMM path's rows: the native GEMV (`ggml_native.gemv`) for bf16 x from GEMV_ROWS
+    rows (planes: x fed twice), else torch's int4 kernel."""
+    if x2.dtype == torch.bfloat16 and x2.shape[0] >= GEMV_ROWS:
+        xin = torch.cat((x2, x2), dim=1) if p.qtype in PLANES else x2
+        y = ggml_native.gemv(xin, p.packed, p.sz, xin.shape[1])
+        if y is not None:
+            return y[:, :p.n] if y.shape[1] != p.n else y
+    return _kernel_int4(x2, p)
+
+
+def _q6k_native(x2: torch.Tensor, p: Prepared) -> torch.Tensor | None:
+    """x2 [M, k] bf16 @ W.T for Q6_K through row tiles unpacked natively into packed weights (about
+    Q6K_TILE_VALUES values each), or None where the native code does not apply (the torch tile path runs)."""
+    step = max(ROW_BLOCK, Q6K_TILE_VALUES // p.k // ROW_BLOCK * ROW_BLOCK)
+    ys = []
+    for r0 in range(0, p.n, step):
+        y = ggml_native.q6k_product(x2, p.packed, p.k, p.n, r0, min(r0 + step, p.n))
+        if y is None:
+            return None
+        ys.append(y[:, :min(step, p.n - r0)])
+    return ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
 
 
 def linear(x: torch.Tensor, p: Prepared) -> torch.Tensor:
     """x [..., k] @ W.T -> [..., n] in x.dtype for one prepared matrix W [n, k]."""
     lead, x2 = x.shape[:-1], x.reshape(-1, p.k)
+    y = None
     if p.kind == "int4" and x.dtype in (torch.bfloat16, torch.float16) and p.sz.dtype == x.dtype \
             and x.device.type == "cpu":
         # bf16 only: the thresholds were measured against oneDNN's bf16 GEMM (fp16 keeps the kernel)
-        y = _gemm_int4(x2, p) if x.dtype == torch.bfloat16 and x2.shape[0] >= gemm_rows(p) else _kernel_int4(x2, p)
-    else:  # tiles of rows dequantized one at a time into x's dtype (the whole matrix never is)
+        y = _gemm_int4(x2, p) if x.dtype == torch.bfloat16 and x2.shape[0] >= gemm_rows(p) else _few_int4(x2, p)
+    elif p.qtype == Q6_K and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        y = _q6k_native(x2, p)
+    if y is None:  # tiles of rows dequantized one at a time into x's dtype (the whole matrix never is)
         step = max(ROW_BLOCK, TILE_VALUES // p.k // ROW_BLOCK * ROW_BLOCK)
         y = torch.cat([F.linear(x2, _dequant_rows(p, r0, min(r0 + step, p.n), x.dtype))
                        for r0 in range(0, p.n, step)], dim=1)
