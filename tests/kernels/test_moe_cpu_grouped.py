@@ -1,11 +1,16 @@
 """kernels/moe_cpu.py's combines: `experts_segments` sums rows kept in expert order (`_sum_slots`, the same bits
-as the pair-order `_combine`) after weighting them in place, `experts_packed` weights and adds each expert's
-rows as it goes. Both equal `experts_reference` bit for bit at top-8 of many experts (the released routing),
-with skewed routing and a single token, at 1 and 2 threads; and the rounding the in-place weighting relies on
-(a mixed-dtype product written into a bf16 tensor rounds the fp32 product once, as the reference's
-`.to(x.dtype)`)."""
+as the pair-order `_combine`) after weighting them in place; `experts_packed` either weights and adds each
+expert's rows as it goes (in turn) or shares the experts out across one-thread workers that weight them into
+a buffer and then sum blocks of tokens (split). All equal `experts_reference` bit for bit at top-8 of many
+experts (the released routing), with skewed routing and a single token, at 1 and 2 threads, also in inference
+mode; the rounding the in-place weighting relies on (a mixed-dtype product written into a bf16 tensor rounds
+the fp32 product once, as the reference's `.to(x.dtype)`); which way the default picks; that the workers run
+one thread each without changing anyone else's count; and callers in two threads at once."""
 
 from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -55,16 +60,73 @@ def test_sum_slots_is_the_pair_order_combine(k):
 CASES = [(32, 64, 32, 32, 8, False), (48, 32, 16, 16, 8, True), (1, 32, 16, 16, 8, False), (20, 48, 24, 6, 3, False)]
 
 
-@pytest.mark.parametrize("n,h,inter,e,k,skew", CASES)
-def test_packed_experts_equal_the_reference_at_top8(n, h, inter, e, k, skew, threads):
-    if not linear_cpu.packing_available():
-        pytest.skip("this torch build has no oneDNN bf16 packed linear")
+needs_packing = pytest.mark.skipif(not linear_cpu.packing_available(),
+                                   reason="this torch build has no oneDNN bf16 packed linear")
+
+
+def packed_case(n, h, inter, e, k, skew=False):
     x, w, idx, gate_up, down = make(n, h, inter, e, k, torch.bfloat16, seed=n + e, skew=skew)
     gu = [linear_cpu.pack(gate_up[i]) for i in range(e)]
     dn = [linear_cpu.pack(down[i]) for i in range(e)]
     assert all(p is not None for p in gu + dn)
-    got = moe_cpu.experts_packed(x, w, idx, gu, dn, inter)
-    assert got.dtype == torch.bfloat16 and torch.equal(got, experts_reference(x, w, idx, gate_up, down))
+    return (x, w, idx, gu, dn, inter), experts_reference(x, w, idx, gate_up, down)
+
+
+@needs_packing
+@pytest.mark.parametrize("split", [None, True, False], ids=["default", "split", "in_turn"])
+@pytest.mark.parametrize("n,h,inter,e,k,skew", CASES + [(150, 32, 16, 16, 8, False)])  # + several token blocks
+def test_packed_experts_equal_the_reference_at_top8(n, h, inter, e, k, skew, split, threads, monkeypatch):
+    monkeypatch.setattr(moe_cpu, "SUM_BLOCK", 64 if n < 150 else 37)  # 37: a ragged last block of tokens
+    args, want = packed_case(n, h, inter, e, k, skew)
+    got = moe_cpu.experts_packed(*args, split=split)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    with torch.inference_mode():  # the model's mode: the workers write inference tensors
+        assert torch.equal(moe_cpu.experts_packed(*args, split=split), want)
+    assert moe_cpu.experts_packed(args[0][:0], args[1][:0], args[2][:0], *args[3:], split=split).shape == (0, h)
+
+
+@needs_packing
+@pytest.mark.parametrize("n,threads_,want", [(32, 2, "split"), (32, 1, "in_turn"), (200, 2, "in_turn")])
+def test_packed_experts_split_only_few_rows_per_expert_on_several_threads(n, threads_, want, monkeypatch):
+    """The default: shared out across workers at <= SPLIT_MAX_ROWS rows per expert that got tokens (32 tokens
+    top-8 of 32 experts: 8 each; 200 tokens top-8 of 16: 100 each) and more than one thread; and never
+    where a worker's GEMM would not give the reference's bits."""
+    args, ref = packed_case(n, 32, 16, 32 if n == 32 else 16, 8)
+    ran = []
+    for name in ("_split", "_in_turn"):
+        fn = getattr(moe_cpu, name)
+        monkeypatch.setattr(moe_cpu, name, lambda *a, _fn=fn, _name=name: ran.append(_name[1:]) or _fn(*a))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads_)
+    try:
+        assert torch.equal(moe_cpu.experts_packed(*args), ref) and ran == [want]
+        monkeypatch.setattr(moe_cpu, "_workers_agree", lambda *a: False)  # a machine where the bits differ
+        assert torch.equal(moe_cpu.experts_packed(*args), ref) and ran[-1] == "in_turn"
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_packing
+def test_workers_run_one_thread_each_and_leave_the_callers_count(threads):
+    """Each worker runs its GEMMs on one thread; making the pool changes no other thread's count (a worker's
+    torch.set_num_threads(1) also sets the count new threads start with: the caller's is set back)."""
+    pool = moe_cpu._pool(3)  # a size no other test uses: made here
+    assert sorted(pool.map(lambda _: torch.get_num_threads(), range(6))) == [1] * 6
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    assert torch.get_num_threads() == threads and seen == [threads]
+
+
+@needs_packing
+def test_split_experts_from_several_callers_at_once():
+    """Two threads calling at once share the workers (tasks queue, none waits on another): both get the
+    reference's bits, neither hangs."""
+    cases = [packed_case(40, 32, 16, 16, 8, skew) for skew in (False, True)]
+    with ThreadPoolExecutor(2) as callers:
+        got = list(callers.map(lambda c: moe_cpu.experts_packed(*c[0], split=True), cases * 3))
+    assert all(torch.equal(g, c[1]) for g, c in zip(got, cases * 3))
 
 
 @pytest.mark.parametrize("n,h,inter,e,k,skew", CASES)
