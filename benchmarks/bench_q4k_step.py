@@ -130,14 +130,19 @@ def main() -> None:
                        **run_form(cfg, weights, t, old, native, args.profile)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+    summarize(rows, forms, "step")
+
+
+def summarize(rows: list[dict], forms: dict, unit: str) -> None:
+    """Per thread count, each form's median ms per `unit` ("step", "layer") and its ratio to bf16's; the JSON."""
     summary = []
     for t in sorted({row["threads"] for row in rows}):
-        med = {f: statistics.median(x["ms_per_step"] for x in rows if x["form"] == f and x["threads"] == t)
+        med = {f: statistics.median(x[f"ms_per_{unit}"] for x in rows if x["form"] == f and x["threads"] == t)
                for f in forms}
         for f, ms in med.items():
-            summary.append({"threads": t, "form": f, "median_ms_per_step": round(ms, 1),
+            summary.append({"threads": t, "form": f, f"median_ms_per_{unit}": round(ms, 1),
                             "ratio_to_bf16": round(ms / med["bf16"], 3)})
-            print(f"threads {t}  {f:22} {ms:8.1f} ms/step  {ms / med['bf16']:.3f}x bf16")
+            print(f"threads {t}  {f:22} {ms:8.1f} ms/{unit}  {ms / med['bf16']:.3f}x bf16")
     print(json.dumps({"runs": rows, "summary": summary}))
 
 
@@ -156,15 +161,7 @@ def per_layer(args) -> None:
                 rows.append({"form": form, "threads": t, "round": r, "ms_per_step": ms,
                              "ms_per_layer": (ms[l2] - ms[l1]) / (l2 - l1)})
                 print(json.dumps(rows[-1]), flush=True)
-    summary = []
-    for t in sorted({row["threads"] for row in rows}):
-        med = {f: statistics.median(x["ms_per_layer"] for x in rows if x["form"] == f and x["threads"] == t)
-               for f in forms}
-        for f, ms in med.items():
-            summary.append({"threads": t, "form": f, "median_ms_per_layer": round(ms, 1),
-                            "ratio_to_bf16": round(ms / med["bf16"], 3)})
-            print(f"threads {t}  {f:10} {ms:8.1f} ms/layer  {ms / med['bf16']:.3f}x bf16")
-    print(json.dumps({"runs": rows, "summary": summary}))
+    summarize(rows, forms, "layer")
 
 
 if __name__ == "__main__":

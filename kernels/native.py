@@ -25,13 +25,15 @@ def enabled(switch: str | None = None) -> bool:
     return os.environ.get("DGEMMA_NATIVE", "1") != "0" and (switch is None or os.environ.get(switch, "1") != "0")
 
 
-def build(name: str, source: str, signatures: dict[str, list], flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    """`source` compiled and loaded, its functions' argtypes set from `signatures`; None where anything fails
-    (no compiler, a compile error, an unloadable library)."""
+def build(name: str, source: str, signatures: dict[str, list], flags: tuple[str, ...] = (),
+          libs: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """`source` compiled (`flags`, then linked with libm and `libs`) and loaded, its functions' argtypes set from
+    `signatures`; None where anything fails (no compiler, a compile or link error, an unloadable library). Never
+    -ffast-math: its startup code would set flush-to-zero for the whole process."""
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     info = Path("/proc/cpuinfo")  # -march=native: the CPU's flags are part of the key
     cpu = [ln for ln in (info.read_text() if info.is_file() else "").splitlines() if ln.startswith(("flags", "Fea"))][:1]
-    key = hashlib.sha256(f"{source}{flags}{cc}{platform.machine()}{cpu}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{source}{flags}{libs}{cc}{platform.machine()}{cpu}".encode()).hexdigest()[:16]
     for d in (Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dgemma",
               Path(tempfile.gettempdir()) / f"dgemma-{os.getuid() if hasattr(os, 'getuid') else 0}"):
         so = d / f"{name}-{key}.so"
@@ -41,7 +43,8 @@ def build(name: str, source: str, signatures: dict[str, list], flags: tuple[str,
                 with tempfile.TemporaryDirectory(dir=d) as tmp:
                     (Path(tmp) / "t.c").write_text(source)
                     for omp in (["-fopenmp"], []):
-                        cmd = [cc, "-O3", "-march=native", *flags, *omp, "-shared", "-fPIC", "t.c", "-o", "t.so", "-lm"]
+                        cmd = [cc, "-O3", "-march=native", *flags, *omp, "-shared", "-fPIC", "t.c", "-o", "t.so",
+                               "-lm", *libs]
                         if subprocess.run(cmd, cwd=tmp, capture_output=True, timeout=120).returncode == 0:
                             os.replace(Path(tmp) / "t.so", so)  # atomic: processes racing here all get a whole file
                             break

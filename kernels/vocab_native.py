@@ -5,10 +5,11 @@ first index, round(L) to bf16 for the soft embedding, exp(L - max) and its sums 
 and its C source, built at first use (kernels/native.py). Rows run in parallel on torch's thread count; each
 row's tile is read once into L (in place on an fp32 tile, else a per-thread fp32 row), then once more for the
 exponentials, while it is still in cache.
-Numbers: tanh and exp are glibc's vector versions (libmvec, -ffast-math: a few ulp from torch's), the sums run in
-another order, and L is divided by the softcap and the temperature as torch does: the outputs equal the torch
-tile's within fp32 rounding (tests/kernels/test_vocab_native.py), so the bits of a step may change; the parity
-and agreement tests bound them (fp32 <= 1e-4, bf16 <= 0.02 against the reference). DGEMMA_NATIVE=0 (or
+Numbers: tanh and exp are glibc's vector versions (libmvec; declared here to vectorise without -ffast-math, whose
+startup code would flush denormals to zero process-wide): a few ulp from torch's; the sums run in another order;
+L is divided by the softcap and the temperature as torch does. The outputs equal the torch tile's within fp32
+rounding (tests/kernels/test_vocab_native.py), so the bits of a step may change; the parity and agreement tests
+bound them (fp32 <= 1e-4, bf16 <= 0.02 against the reference). DGEMMA_NATIVE=0 (or
 DGEMMA_VOCAB_NATIVE=0) keeps the torch tile, whose bits are the reference's elementwise ops.
 Must not: run GEMMs, keep state between tiles (the caller rescales to the running max), or be needed: None
 means "use the torch tile" (no compiler, another dtype, CUDA tensors, strided rows).
@@ -28,6 +29,9 @@ _SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+/* glibc's vector tanh and exp (libmvec), as its math.h declares them under -ffast-math, which is not used here */
+extern float tanhf(float) __attribute__((simd("notinbranch")));
+extern float expf(float) __attribute__((simd("notinbranch")));
 /* Rows of one vocabulary tile R [n, t] (bf16 or fp32, row stride ldr): L = softcap * tanh(R / softcap) / temp
    (temp[i * ldt]), written over R when it is fp32; its max and first argmax; round(L) to bf16 (nearest even) into
    store [n, t] (stride lds) when given; then e = exp(L - max): zt = sum e, st = sum e (L - max), gz [n, groups]
@@ -102,7 +106,8 @@ def _native():
     if not native.enabled("DGEMMA_VOCAB_NATIVE"):
         return None
     if not _lib:
-        _lib.append(native.build("vocab_native", _SOURCE, _SIGNATURE, flags=("-ffast-math",)))
+        _lib.append(native.build("vocab_native", _SOURCE, _SIGNATURE, flags=("-fno-math-errno", "-fopenmp-simd"),
+                                 libs=("-lmvec",)))
     return _lib[0]
 
 

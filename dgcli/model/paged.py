@@ -242,7 +242,7 @@ class PagedKVCache:
 
     def drop_cached(self) -> None:
         """Forget every cached block no sequence holds: later lookups start cold, as in a new cache."""
-        for pool in {id(p): p for p in self.groups.values()}.values():
+        for pool in self.groups.values():
             while pool.lru:
                 b, _ = pool.lru.popitem(last=False)
                 pool.forget(b)

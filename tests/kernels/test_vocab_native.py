@@ -79,3 +79,15 @@ def test_the_vocabulary_pass_with_and_without_the_c_tile(dtype, monkeypatch):
     tol = 1e-5 if dtype == torch.float32 else 2**-7
     torch.testing.assert_close(fast.soft.float(), slow.soft.float(), rtol=tol, atol=tol)
     assert (fast.sample == slow.sample).float().mean() >= 0.9
+
+
+def test_loading_the_native_kernels_leaves_denormals_alone():
+    """No native library may change the process's floating-point environment (-ffast-math's startup code sets
+    flush-to-zero for the whole process: hypothesis and every torch op would see it)."""
+    import subprocess
+    import sys
+
+    code = ("import torch; from dgcli.kernels import vocab_native, ggml_native; "
+            "assert vocab_native._native() is not None; ggml_native._native(); "
+            "assert 5e-324 * 1.0 > 0 and (torch.tensor([1e-40]) * 1.0).item() > 0, 'denormals flushed'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
