@@ -31,6 +31,7 @@ FORMATS = ("bf16", "fp8")
 ACT_BYTES = {"bf16": 2, "fp8": 2, "fp32": 4}  # activations and KV of a run with these weights
 MOE_BLOCK = 64  # kernels/moe.py: experts_triton's block_m (each expert's rows padded to it)
 BUDGET = 2048  # sampling/engine.py: DEFAULT_BUDGET, rows per pass (running canvases first, then prompt chunks)
+SERVE_SLOTS = 8  # cli/serve.py: --max-batch-size's default
 
 
 def cache_length(prompt_len: int, blocks: int, canvas: int) -> int:
@@ -53,16 +54,23 @@ def kv_bytes(cfg: ModelConfig, context: int, ab: int = 2) -> dict:
             "sliding_per_token": sliding, "windows": windows}
 
 
+def cache_blocks(cfg: ModelConfig, b: int, context: int, prefix_caching: bool = False) -> tuple[int, int]:
+    """Blocks of KV_BLOCK positions in the engine's cache for b slots, (full layers' pool, sliding layers' pool):
+    model/paged.py's `pool_blocks`, restated. Without prefix caching every slot's context and canvas, and its ring;
+    with it the sliding pool holds every slot's window and 3 blocks and one pass's causal rows (max(BUDGET,
+    (b + 1) C): the commits and the prompt chunks), at most every position."""
+    full, ring = (n // KV_BLOCK for n in cache_positions(cfg, context))
+    if not ring or not prefix_caching:
+        return b * full, b * ring
+    rows = -(-max(BUDGET, (b + 1) * cfg.canvas_length) // KV_BLOCK)
+    return b * full, min(b * full, b * (ring + 3) + rows)
+
+
 def cache_bytes(cfg: ModelConfig, b: int, context: int, ab: int = 2, prefix_caching: bool = False) -> int:
-    """The engine's whole KV cache for b slots (model/paged.py's `pool_blocks`, restated): without prefix caching
-    b x `kv_bytes`' total; with it the sliding layers' pool holds every slot's window and 3 blocks and one pass's
-    causal rows (max(BUDGET, (b + 1) C): the commits and the prompt chunks), at most every position."""
+    """The engine's whole KV cache for b slots (`cache_blocks`' pools)."""
     kv = kv_bytes(cfg, context, ab)
-    if not prefix_caching:
-        return b * kv["total"]
-    rows = -(-max(BUDGET, (b + 1) * cfg.canvas_length) // KV_BLOCK) * KV_BLOCK
-    sliding = min(b * kv["windows"] + rows * kv["sliding_per_token"], b * kv["full_positions"] * kv["sliding_per_token"])
-    return b * kv["full_per_token"] * kv["full_positions"] + (sliding if kv["rings"] else 0)
+    full, sliding = cache_blocks(cfg, b, context, prefix_caching)
+    return KV_BLOCK * (full * kv["full_per_token"] + sliding * kv["sliding_per_token"])
 
 
 def weights_bytes(cfg: ModelConfig, fmt: str = "bf16") -> dict:
@@ -276,6 +284,7 @@ def batch_memory(cfg: ModelConfig, *, context: int, prompt_len: int, dtype: str,
                          "weights" if w > usable else "one_slot"})
     return {
         "context": context, "dtype": dtype, "headroom": headroom,
+        "prefix_cache_blocks": dict(zip(("full", "sliding"), cache_blocks(cfg, SERVE_SLOTS, context, True))),
         "per_slot": {"kv_cache": kv["total"], "kv": kv, "loop_state": state["total"], "loop_state_parts": state,
                      "step_per_row": step, "total": {p: kv["total"] + row[p] + s for p, s in step.items()}},
         "weights": {fmt: weights_bytes(cfg, fmt) for fmt in formats},
@@ -306,7 +315,7 @@ _PHASES = {"step": "a step", "prefill": "the prefill", "weights": "weights alone
 
 def markdown(sec: dict) -> str:
     """The section as `dgemma info` prints it."""
-    ps, w = sec["per_slot"], sec["weights"]
+    ps, w, pc = sec["per_slot"], sec["weights"], sec["prefix_cache_blocks"]
     st, kv = ps["loop_state_parts"], ps["kv"]
     lines = [(f"**batch memory** ({sec['dtype']} KV, {sec['context']:,} cached tokens per slot = the longest "
               f"request's prompt + every block but the last; --context):"),
@@ -319,6 +328,8 @@ def markdown(sec: dict) -> str:
               f"{_b(kv['was_per_token'])}/token): {_b(kv['total'])} per slot at {kv['context']:,} tokens "
               f"(was {_b(kv['was'])}); with prefix caching (the default) the sliding layers hold {_b(kv['windows'])} "
               f"per slot (its window and 3 blocks) and one pass's rows beside them"),
+             (f"- prefix cache (`serve`'s {SERVE_SLOTS} slots): {pc['full']:,} blocks of {KV_BLOCK} positions on full "
+              f"layers, {pc['sliding']:,} on sliding layers; blocks no request holds stay cached until one needs room"),
              "- weights: " + ", ".join(f"{k} {_b(v['bytes'])}" for k, v in w.items()), "",
              f"**largest batch that fits** ({1 - sec['headroom']:.0%} of the memory usable):", "",
              "| memory | weights | usable | largest batch | peak at | with prefix caching |", "|---|---|---|---|---|---|"]

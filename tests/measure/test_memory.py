@@ -379,6 +379,9 @@ def test_memory_constants_follow_the_kernels():
     from dgcli.sampling import engine
 
     assert memory.BUDGET == engine.DEFAULT_BUDGET
+    from dgcli.cli import serve
+
+    assert memory.SERVE_SLOTS == inspect.signature(serve.serve).parameters["max_batch_size"].default
     blocks = {inspect.signature(f).parameters["block_size"].default
               for f in (paged.PagedKVCache.__init__, engine.Engine.__init__, DiffusionGemma.new_cache)}
     assert blocks == {info.KV_BLOCK}

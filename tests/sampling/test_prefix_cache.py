@@ -181,5 +181,7 @@ def test_kv_with_and_without_prefix_caching_is_what_the_cache_allocates(session,
         for slots in (1, 3):
             cache = Engine(session.model, slots=slots, max_len=context, prefix_caching=prefix).cache
             assert cache.nbytes() == memory.cache_bytes(cfg, slots, context, 4, prefix)
+            pools = (cache.groups["full"].n, cache.groups["ring"].n)
+            assert pools == memory.cache_blocks(cfg, slots, context, prefix)  # what `info` says the cache holds
     every = 3 * memory.kv_bytes(cfg, context, 4)["was"]
     assert (memory.cache_bytes(cfg, 3, context, 4, True) < every) == (context == 3000)  # (the pass: 2,048 rows)
