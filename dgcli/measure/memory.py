@@ -43,7 +43,7 @@ def kv_bytes(cfg: ModelConfig, context: int, ab: int = 2) -> dict:
     """One slot's KV cache for requests of `context` positions (card.cache_positions: model/paged.py's layout):
     `full_per_token` bytes a position on full layers, which hold `full_positions`; `rings` (fixed per slot) on
     sliding layers; `was_per_token` and `was`: every position on every layer, what the rings replace;
-    `windows`: what a slot holds on sliding layers with prefix caching, its window and 3 blocks (`kv_cache`)."""
+    `windows`: what a slot holds on sliding layers with prefix caching, its window and 3 blocks (`cache_blocks`)."""
     full, ring = cache_positions(cfg, context)
     row = [2 * g.num_kv_heads * g.head_dim * ab for g in cfg.layers]  # K and V of one position
     per = sum(r for r, g in zip(row, cfg.layers) if g.window is None)

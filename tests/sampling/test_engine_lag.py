@@ -52,9 +52,9 @@ def same(a: dict, b: dict, tol: float = 1e-4) -> None:
                 assert x == y, rid
 
 
-def per_request(lag, session, jobs, slots, cancel=None, **kw):
-    """{request id: its events as records}; `cancel` = (id, after its Nth step event) withdraws it."""
-    engine = Engine(session.model, slots=slots, max_len=400, pad_id=session.pad_id, lag=lag, **kw)
+def run_jobs(engine, session, jobs, cancel=None) -> dict[int, list]:
+    """Submit `jobs` [(ids, params, blocks)] (request id = index, seed = id) and run the engine dry: {request id:
+    its events as records}; `cancel` = (id, after its Nth step event) withdraws it."""
     for rid, (ids, params, blocks) in enumerate(jobs):
         engine.submit(Request(id=rid, prompt=torch.tensor(ids), params=params, num_blocks=blocks, seed=rid,
                               stops=set(session.stop_ids)))
@@ -63,6 +63,13 @@ def per_request(lag, session, jobs, slots, cancel=None, **kw):
         got.setdefault(ev.row, []).append(record(ev))
         if cancel and ev.row == cancel[0] and sum(r[0] == "step" for r in got[ev.row]) == cancel[1]:
             assert engine.cancel(cancel[0])
+    return got
+
+
+def per_request(lag, session, jobs, slots, cancel=None, **kw):
+    """`run_jobs` on a fresh engine of `slots` slots at `lag`, then every block is checked back."""
+    engine = Engine(session.model, slots=slots, max_len=400, pad_id=session.pad_id, lag=lag, **kw)
+    got = run_jobs(engine, session, jobs, cancel)
     assert engine.idle and engine.sched.free == list(range(slots)) and engine.cache.tables == {}
     assert all(len(p.free) == p.n for p in engine.cache.groups.values())  # every block back
     return got, engine.stats

@@ -10,14 +10,14 @@ import dataclasses
 
 import pytest
 import torch
-from test_engine_lag import bundled, record, same  # noqa: F401  (fixture)
+from test_engine_lag import bundled, run_jobs, same  # noqa: F401  (fixture)
 
 from dgcli.cli.options import sampler_flags
 from dgcli.model import attention
 from dgcli.model.attention import PassLayout, Segment
 from dgcli.model.graphs import buckets
 from dgcli.runtime.session import open_session
-from dgcli.sampling.engine import Engine, Request, new_engine
+from dgcli.sampling.engine import Engine, new_engine
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +42,7 @@ def paged_kernel(monkeypatch):
 def events(session, jobs, slots, graphs, prefix_caching=False):
     engine = Engine(session.model, slots=slots, max_len=200, pad_id=session.pad_id, graphs=graphs,
                     prefix_caching=prefix_caching)
-    for rid, (ids, params, blocks) in enumerate(jobs):
-        engine.submit(Request(id=rid, prompt=torch.tensor(ids), params=params, num_blocks=blocks, seed=rid,
-                              stops=set(session.stop_ids)))
-    got: dict[int, list] = {}
-    for ev in engine.events():
-        got.setdefault(ev.row, []).append(record(ev))
+    got = run_jobs(engine, session, jobs)
     assert engine.idle and engine.sched.free == list(range(slots))
     return got, engine
 
