@@ -43,7 +43,9 @@ def group_logits(rows: torch.Tensor, embed: torch.Tensor, group: torch.Tensor, w
             e = blocks.index_select(0, group[lo:lo + step])  # [r, W, H]
         else:
             e = embed[cols[lo:lo + step].clamp(max=v - 1)]  # [r, W, H]
-        out[lo:lo + step] = torch.bmm(e, rows[lo:lo + step, :, None].to(embed.dtype))[..., 0].float()
+        # [r, 1, H] x [r, H, W]: each row's W logits as one row by a [W, H] block, a row alone through F.linear's
+        # bits here (tests/kernels/test_vocab_pass.py); [r, W, H] x [r, H, 1] is a GEMV torch runs 4-8x slower
+        out[lo:lo + step] = torch.bmm(rows[lo:lo + step, None, :].to(embed.dtype), e.transpose(1, 2))[:, 0].float()
     out = processed_logits(out, softcap, temperature)
     return out.masked_fill_(cols >= v, float("-inf"))
 

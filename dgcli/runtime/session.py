@@ -61,6 +61,7 @@ class Session:
     packed_weights: int = 0  # weight matrices prepacked for oneDNN (eager CPU bf16; dgcli.model.packed)
     threads: int = 0  # torch intra-op threads the run uses (`thread_rule`)
     threads_source: str = ""  # why: the --threads flag, OMP_NUM_THREADS, or the rule
+    wide_passes: tuple[int, int] | None = None  # (rows, threads): a pass that large runs on more (`wide_passes`)
 
     @property
     def params(self):
@@ -75,8 +76,10 @@ class Session:
         return str(self.model.embed_weight.dtype).removeprefix("torch.")
 
 
-# Below this size a CPU model runs on one thread (see `thread_rule`).
+# Below this size a CPU model runs on one thread (see `thread_rule`), but a pass of at least this many matmul
+# FLOPs on all cores (see `wide_passes`).
 SMALL_MODEL_PARAMS = 50_000_000
+WIDE_PASS_FLOP = 300_000_000
 TORCH_DEFAULT_THREADS = torch.get_num_threads()  # torch's own choice at start-up (the cores), before dgemma's
 
 
@@ -100,6 +103,19 @@ def thread_rule(parameters: int, device_type: str, flag: int | None = None) -> t
     if device_type == "cpu" and parameters < SMALL_MODEL_PARAMS:
         return 1, f"rule: a CPU model under {SMALL_MODEL_PARAMS // 1_000_000} M parameters runs on 1 thread"
     return TORCH_DEFAULT_THREADS, f"rule: torch's default, one per core ({TORCH_DEFAULT_THREADS})"
+
+
+def wide_passes(cfg: ModelConfig, device: torch.device, threads: tuple[int, str]) -> tuple[int, int] | None:
+    """(rows, threads) where the rule put a small CPU model on one thread: a pass of at least `rows` rows
+    (WIDE_PASS_FLOP of matmuls, 2 x active parameters a row) runs on every core. Its ops are then large enough
+    to split: the bundled model's batch-8 step 18.8 -> 16.0 ms on 2 threads, its batch-1 step (16 rows, 1 thread)
+    as before (benchmarks/RESULTS.md). Threads do not change the GEMMs' bits here (tests/runtime/test_threads.py).
+    None where a flag, OMP_NUM_THREADS or a larger model set the count, or one core is all there is."""
+    from dgcli.measure.card import param_counts
+
+    if device.type != "cpu" or threads[0] != 1 or not threads[1].startswith("rule") or TORCH_DEFAULT_THREADS < 2:
+        return None
+    return -(-WIDE_PASS_FLOP // (2 * param_counts(cfg)["active_per_token"])), TORCH_DEFAULT_THREADS
 
 
 def set_threads(cfg: ModelConfig, device: torch.device, flag: int | None) -> tuple[int, str]:
@@ -170,9 +186,12 @@ def _session(path: Path, m: Any, tokenizer: Any, resolved: Resolved, gen: dict |
     if tokenizer is not None and not stop_ids:
         stop_ids = list(tokenizer.stop_ids)
     num_blocks = blocks_for(resolved.params, resolved.run.max_tokens, cfg.canvas_length)
+    wide = wide_passes(cfg, device, threads)
+    if wide is not None:
+        threads = threads[0], f"{threads[1]}; a pass of {wide[0]}+ rows on {wide[1]}"
     return Session(path, cfg, m, tokenizer, ran_with(resolved, m), device, stop_ids, num_blocks, name=name,
                    dummy=dummy, compiled=compile, step_mode=step_mode, packed_weights=packed, threads=threads[0],
-                   threads_source=threads[1])
+                   threads_source=threads[1], wide_passes=wide)
 
 
 def ran_with(resolved: Resolved, model: Any) -> Resolved:

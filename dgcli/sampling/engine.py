@@ -119,11 +119,13 @@ class Engine:
 
     def __init__(self, model: Any, *, slots: int, max_len: int, pad_id: int = 0, compile_tiles: bool = False,
                  stats: dict | None = None, lag: int | None = None, budget: int = DEFAULT_BUDGET,
-                 block_size: int = 16, graphs: bool = False, prefix_caching: bool = False):
+                 block_size: int = 16, graphs: bool = False, prefix_caching: bool = False,
+                 wide: tuple[int, int] | None = None):
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise UserError(f"max_batch={slots!r}: must be a whole number >= 1")
         self.model, self.slots, self.max_len, self.pad_id = model, slots, max_len, pad_id
         self.compile_tiles = compile_tiles
+        self.wide = wide  # (rows, threads): a pass of at least `rows` rows runs on `threads` (runtime/session.py)
         self.c, self.vocab = model.config.canvas_length, model.config.vocab_size
         self.device = model.embed_weight.device
         self.lag = (1 if self.device.type == "cuda" else 0) if lag is None else lag
@@ -250,15 +252,21 @@ class Engine:
                 zero = next(r.soft for r in rows if r.soft is not None).new_zeros(self.c, self.model.config.hidden_size)
                 soft = torch.stack([zero if r.soft is None else r.soft for r in rows])
         ids = torch.cat([*plan.causal_ids, *([p.canvas_in.flatten()] if rows else [])])
-        hidden = None if self.graphs is None else self.graphs.forward(ids, plan.segments, soft)
-        if hidden is None:
-            hidden = self.model.forward_pass(ids, plan.segments, self.cache, soft)
-        else:
-            self.stats["graph_passes"] += 1
-        for r in plan.commits:
-            r.commit = None
-        if rows:
-            self._sample(p, hidden)
+        narrow = torch.get_num_threads()
+        if self.wide is not None and len(ids) >= self.wide[0]:
+            torch.set_num_threads(self.wide[1])
+        try:
+            hidden = None if self.graphs is None else self.graphs.forward(ids, plan.segments, soft)
+            if hidden is None:
+                hidden = self.model.forward_pass(ids, plan.segments, self.cache, soft)
+            else:
+                self.stats["graph_passes"] += 1
+            for r in plan.commits:
+                r.commit = None
+            if rows:
+                self._sample(p, hidden)
+        finally:
+            torch.set_num_threads(narrow)
         if timing is not None:
             timing[1].record()
         p.timing = timing if timing is not None else time.perf_counter() - t0

@@ -75,7 +75,8 @@ class Worker:
     def _engine(self) -> Engine:
         s = self.session
         return new_engine(s.model, slots=self.slots, max_len=self.max_len, pad_id=s.pad_id, compile_tiles=s.compiled,
-                          step_mode=s.step_mode, prefix_caching=getattr(s, "prefix_caching", True))
+                          step_mode=s.step_mode, prefix_caching=getattr(s, "prefix_caching", True),
+                          wide=getattr(s, "wide_passes", None))
 
     # ---- any thread --------------------------------------------------------------------------------------
 
