@@ -119,12 +119,14 @@ def wide_passes(cfg: ModelConfig, device: torch.device, threads: tuple[int, str]
 
 
 def set_threads(cfg: ModelConfig, device: torch.device, flag: int | None) -> tuple[int, str]:
-    """Apply `thread_rule` for a model of `cfg` on `device` (before loading: loading uses threads too)."""
+    """Apply `thread_rule` for a model of `cfg` on `device` (before loading: loading uses threads too); the
+    source names the wide passes too, where there are some (`wide_passes`)."""
     from dgcli.measure.card import param_counts
 
     n, source = thread_rule(param_counts(cfg)["total"], device.type, flag)
     torch.set_num_threads(n)
-    return n, source
+    wide = wide_passes(cfg, device, (n, source))
+    return n, source if wide is None else f"{source}; a pass of {wide[0]}+ rows on {wide[1]}"
 
 
 def compile_decoder(model: Any) -> None:
@@ -186,12 +188,9 @@ def _session(path: Path, m: Any, tokenizer: Any, resolved: Resolved, gen: dict |
     if tokenizer is not None and not stop_ids:
         stop_ids = list(tokenizer.stop_ids)
     num_blocks = blocks_for(resolved.params, resolved.run.max_tokens, cfg.canvas_length)
-    wide = wide_passes(cfg, device, threads)
-    if wide is not None:
-        threads = threads[0], f"{threads[1]}; a pass of {wide[0]}+ rows on {wide[1]}"
     return Session(path, cfg, m, tokenizer, ran_with(resolved, m), device, stop_ids, num_blocks, name=name,
                    dummy=dummy, compiled=compile, step_mode=step_mode, packed_weights=packed, threads=threads[0],
-                   threads_source=threads[1], wide_passes=wide)
+                   threads_source=threads[1], wide_passes=wide_passes(cfg, device, threads))
 
 
 def ran_with(resolved: Resolved, model: Any) -> Resolved:
