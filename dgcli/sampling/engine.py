@@ -124,8 +124,7 @@ class Engine:
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise UserError(f"max_batch={slots!r}: must be a whole number >= 1")
         self.model, self.slots, self.max_len, self.pad_id = model, slots, max_len, pad_id
-        self.compile_tiles = compile_tiles
-        self.wide = wide  # (rows, threads): a pass of at least `rows` rows runs on `threads` (runtime/session.py)
+        self.compile_tiles, self.wide = compile_tiles, wide  # wide (rows, threads): see runtime/session.py
         self.c, self.vocab = model.config.canvas_length, model.config.vocab_size
         self.device = model.embed_weight.device
         self.lag = (1 if self.device.type == "cuda" else 0) if lag is None else lag
@@ -253,14 +252,12 @@ class Engine:
                 soft = torch.stack([zero if r.soft is None else r.soft for r in rows])
         ids = torch.cat([*plan.causal_ids, *([p.canvas_in.flatten()] if rows else [])])
         narrow = torch.get_num_threads()
-        if self.wide is not None and len(ids) >= self.wide[0]:
-            torch.set_num_threads(self.wide[1])
+        torch.set_num_threads(self.wide[1] if self.wide is not None and len(ids) >= self.wide[0] else narrow)
         try:
             hidden = None if self.graphs is None else self.graphs.forward(ids, plan.segments, soft)
+            self.stats["graph_passes"] += hidden is not None
             if hidden is None:
                 hidden = self.model.forward_pass(ids, plan.segments, self.cache, soft)
-            else:
-                self.stats["graph_passes"] += 1
             for r in plan.commits:
                 r.commit = None
             if rows:
