@@ -3,7 +3,8 @@
 (kernels/ggml_cpu.py: as dispatched, and "T int4" = torch's int4 kernel forced), at 256, 64 and 16 canvas rows,
 at 1 and 2 threads; then the error of both int4-form paths against the file's exact weights.
 
-    python benchmarks/bench_ggml.py [--threads 1,2] [--reps 3] [--experts 128]
+    python benchmarks/bench_ggml.py [--threads 1,2] [--reps 3] [--experts 128] [--rows 256,64,16]
+    python benchmarks/bench_ggml.py --skip-linears --q4k-only --old-csrc OLD/ggml_csrc.py   # experts, old C beside
     python benchmarks/bench_ggml.py --crossover [--threads 1,2]   # int4 kernel / GEMV / GEMM path by rows
     python benchmarks/bench_ggml.py --step [--threads 1] [--rounds 2] [--canvas 256]   # whole denoising steps
     python benchmarks/bench_ggml.py --write-200m-config /tmp/200m.json   # for `dgemma bench --dummy ... --weights`
@@ -79,7 +80,36 @@ def bench_linears(threads: int, reps: int, rows_out: list) -> None:
                                  "ms": round(ms, 3), "weight_GBps": round(nbytes / ms / 1e6, 2)})
 
 
-def bench_experts(threads: int, reps: int, experts: int, rows_out: list) -> None:
+def _old_native(path: str):
+    """The native library built from another kernels/ggml_csrc.py's SOURCE (e.g. `git show
+    HEAD~1:kernels/ggml_csrc.py`), same signatures: swapped in for the "(old C)" forms."""
+    import runpy
+
+    from dgcli.kernels import native
+
+    src = runpy.run_path(path)["SOURCE"]
+    sigs = {n: f.argtypes for n in ("int4_tile", "q6k_tile", "int4_gemv")
+            if (f := getattr(ggml_native._native(), n, None)) is not None}
+    return native.build("ggml_native_old", src, sigs)
+
+
+def _with_lib(lib, fn):
+    """fn run with `lib` as the native library (the forms alternate, so it is swapped per call)."""
+    def run(*a):
+        saved = ggml_native._native_lib[:]
+        ggml_native._native_lib[:] = [lib]
+        try:
+            return fn(*a)
+        finally:
+            ggml_native._native_lib[:] = saved
+    return run
+
+
+def bench_experts(threads: int, reps: int, experts: int, rows_out: list, rows: tuple = ROWS, q4k_only: bool = False,
+                  old_csrc: str = "") -> None:
+    """One MoE layer at the released shapes per form, forms alternating within each of `reps` rounds (best of).
+    q4k_only: bf16 packed and Q4_K + Q4_0 only; old_csrc: that form again on the native code built from another
+    ggml_csrc.py."""
     g = torch.Generator().manual_seed(1)
     gu = torch.randn(experts, 2 * I, H, generator=g).bfloat16() * H ** -0.5
     dn = torch.randn(experts, H, I, generator=g).bfloat16() * I ** -0.5
@@ -93,8 +123,14 @@ def bench_experts(threads: int, reps: int, experts: int, rows_out: list) -> None
         m = ggml.QuantExperts(ggml.random_blocks((experts, 2 * I), tg, H, g), tg,
                               ggml.random_blocks((experts, H), td, I, g), td, H, I)
         forms[label] = (m, ggml_cpu.prepared_bytes(tg, 2 * I, H) + ggml_cpu.prepared_bytes(td, H, I))
+        if old_csrc and tg == ggml.Q4_K and td == ggml.Q4_0:
+            forms[f"{label} (old C)"] = (_with_lib(_old_native(old_csrc), m), forms[label][1])
+        if q4k_only:
+            break
         forms[f"{label}, no GEMV"] = (lambda x, w, i, m=m: _no_gemv(m, x, w, i), forms[label][1])
-    for n in ROWS:
+    if q4k_only:
+        del forms["bf16 grouped_mm"]
+    for n in rows:
         x = torch.randn(n, H, generator=g).bfloat16()
         idx = torch.stack([torch.randperm(experts, generator=g)[:TOP_K] for _ in range(n)])
         w = torch.rand(n, TOP_K, generator=g)
@@ -260,6 +296,10 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=E, help="experts in the MoE layer (128 as released)")
     ap.add_argument("--skip-experts", action="store_true")
     ap.add_argument("--skip-linears", action="store_true")
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)),
+                    help="canvas rows of the experts (the linears: 256, 64, 16)")
+    ap.add_argument("--q4k-only", action="store_true", help="experts: bf16 packed and Q4_K + Q4_0 only")
+    ap.add_argument("--old-csrc", default="", help="experts: Q4_K + Q4_0 again on another ggml_csrc.py's C")
     ap.add_argument("--quantize", action="store_true", help="time ggml.quantize (Q4_K, Q6_K, Q8_0) instead")
     ap.add_argument("--crossover", action="store_true", help="int4 kernel vs GEMV vs GEMM path by rows instead")
     ap.add_argument("--mats", type=int, default=16, help="--crossover: matrices cycled through (cold weights)")
@@ -306,7 +346,8 @@ def main() -> None:
         if not args.skip_linears:
             bench_linears(threads, args.reps, rows)
         if not args.skip_experts:
-            bench_experts(threads, args.reps, args.experts, rows)
+            bench_experts(threads, args.reps, args.experts, rows, tuple(int(r) for r in args.rows.split(",")),
+                          args.q4k_only, args.old_csrc)
     print(f"{'op':34} {'rows':>4} {'thr':>3} {'form':32} {'ms':>9} {'GB/s':>7}")
     for r in rows:
         print(f"{r['op']:34} {r['rows']:>4} {r['threads']:>3} {r['form']:32} {r['ms']:>9.3f} {r['weight_GBps']:>7.2f}")

@@ -11,7 +11,7 @@ dtype: bf16 rounds them, relative error <= 2^-9 each); 0.625 bytes per value (Q4
 Q8_0 -> the same kernel on two nibble planes side by side along K (q + 128 = 16a + b: plane a scale 16d, zero 8d;
 plane b scale d, zero 0; x fed twice); 1.25 bytes per value. Q5_0 (llama.cpp's Q4_K_M type for rows not a
 multiple of 256) the same way. Q6_K -> kept as its bytes (its 16-value sub-blocks do not map onto groups of 32),
-unpacked per call in ~1 M-value row tiles by C into oneDNN-packed bf16 (`_q6k_native`, ~0.25 ns per weight), or
+unpacked per call in ~1 M-value row tiles by C into oneDNN-packed bf16 (`_q6k_native`, ~0.15-0.2 ns per weight), or
 without native code dequantized in ~1 MB tiles for F.linear (~2.5 ns); both the dequantizer's bits rounded to bf16.
 Rows are padded to a multiple of 64.
 fp32 activations (or scales not in x's dtype) take the exact fp32 tile path (the kernel's fp32 path is ~70x slower).
@@ -23,8 +23,9 @@ else torch's int4 kernel (3.5x fewer bytes than bf16, but fp32 FMAs at ~85 GFLOP
 More: the GEMM path (`_gemm_int4`), tiles of ~4 M weights unpacked to bf16 in per-thread scratch, then oneDNN's bf16
 GEMM; nothing unpacked outlives the call; each weight is the kernel's exact weight rounded once to bf16 (tests check
 the bits). Single-plane forms (Q4_K, Q4_0) are unpacked by C (kernels/ggml_native.py: built by the system's cc at
-first use) straight into a oneDNN-packed weight, so the GEMM skips F.linear's per-call reorder: ~0.085 ns per weight
-at 1 thread, then the packed bf16 rate.
+first use) straight into a oneDNN-packed weight, so the GEMM skips F.linear's per-call reorder: ~0.065 ns per weight
+at 1 thread (weights read from memory; ~0.13 measured inside a 200 M step, memory-bound there), then the
+packed bf16 rate.
 Planes, and machines without a compiler or packing (or DGEMMA_GGML_NATIVE=0): torch ops (`_int4_tile_t`, ~0.55-0.8
 ns per weight) and x @ W.T. Crossovers: bench_ggml.py --crossover.
 Output error against the file's exact weights (relative RMS, Q4_K [1408, 2816], 256 rows, zero-mean / mean-1 x):
@@ -68,8 +69,8 @@ class Prepared(NamedTuple):
     packed: torch.Tensor
     sz: torch.Tensor | None
 
-    def expert(self, e: int) -> "Prepared":  # matrix e of a stack [E, ...]
-        return self._replace(packed=self.packed[e], sz=None if self.sz is None else self.sz[e])
+    def expert(self, e: int) -> "Prepared":  # matrix e of a stack [E, ...] (not _replace: ~3x its cost per call)
+        return Prepared(self.kind, self.qtype, self.n, self.k, self.packed[e], None if self.sz is None else self.sz[e])
 
     def nbytes(self) -> int:
         return self.packed.nbytes + (0 if self.sz is None else self.sz.nbytes)
@@ -216,6 +217,11 @@ def _gemm_int4(x2: torch.Tensor, p: Prepared) -> torch.Tensor:
     native code into oneDNN's packed layout where it can (`_native_tile`), else by torch ops as W.T."""
     blocks = p.packed.shape[-2] // ROW_BLOCK
     step = max(1, GEMM_TILE_VALUES // (p.k * ROW_BLOCK))
+    if step >= blocks:  # one tile (most matrices): no lists
+        y = _native_tile(x2, p, 0, blocks)
+        if y is None:
+            y = x2 @ _int4_tile_t(p, 0, blocks, x2.dtype)
+        return y[:, :p.n] if y.shape[1] != p.n else y
     ys = [_native_tile(x2, p, b0, min(b0 + step, blocks)) for b0 in range(0, blocks, step)]
     ys = [x2 @ _int4_tile_t(p, b0, min(b0 + step, blocks), x2.dtype) if y is None else y
           for b0, y in zip(range(0, blocks, step), ys)]

@@ -1,11 +1,16 @@
 """The C source of the GGML native code (built and loaded by kernels/ggml_native.py; text only here).
 
-Owns: `SOURCE`, three functions over the forms kernels/ggml_cpu.py keeps, each AVX-512 BF16 where the compiler
-targets it (`VEC`) with a plain-C twin otherwise, OpenMP-parallel over 64-row blocks:
+Owns: `SOURCE`, three functions over the forms kernels/ggml_cpu.py keeps, each AVX-512 BF16 (+ BW, VBMI) where
+the compiler targets it (`VEC`) with a plain-C twin otherwise, OpenMP-parallel over 64-row blocks:
 - `int4_tile`: row blocks of an int4 form (Q4_K, Q4_0) -> bf16(zero + (q - 8)·scale), rounded to nearest even (the
-  torch unpacker's bits), in oneDNN's packed layout [rows/64][k/2][64][2] (the GEMM path);
+  torch unpacker's bits), in oneDNN's packed layout [rows/64][k/2][64][2] (the GEMM path). Vector code: one byte
+  shuffle per 64 bytes puts each output's nibble in the low 4 bits of a dword lane (shifted 8j), `vpermps` (which
+  reads only those bits) looks float(q - 8) up, one fma with the row's scale and zero (held in registers per
+  group), ~7 ops per 32 weights (was ~11: widen, subtract, convert); the next groups' scales prefetched (they sit
+  np·4 bytes apart);
 - `q6k_tile`: Q6_K rows (GGUF bytes) -> bf16(d·sc·(q - 32)) (the torch dequantizer's bits: every fp32 product is
-  exact) in the same layout: each 32-row x 256-value piece decoded row-major, then 16 x 16 transposes of pairs;
+  exact) in the same layout: each 32-row x 256-value piece decoded row-major, then 16 x 16 transposes of pairs
+  (each row's next block and the block 4 rows on prefetched: the column-wise reads missed the hardware's);
 - `int4_gemv`: few rows of bf16 x times an int4 form (planes: x fed twice) with the form's exact weights, factored
   per group of 32 (y = sum_g scale·sum((q - 8)·x) + zero·sum(x)); the vector code makes each nibble the bf16
   1 + q/16 (two ops; exact) and runs `_mm512_dpbf16_ps` (products exact, fp32 sums) on row chunks of <= 6, so
@@ -17,55 +22,77 @@ Must not: be imported for anything but its text.
 SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512BW__) && defined(__AVX512BF16__)
+#if defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 #include <immintrin.h>
 #define VEC 1
 #endif
+#define PF 4  /* groups ahead: software prefetch of the scales (int4_tile, int4_gemv) */
 /* Row blocks b0..b1 of an int4 form (packed uint8 [blocks, k, 32]: byte j of row kk of block b holds rows 64b + j
    (low nibble) and 64b + 32 + j (high); sz bf16 [k/32, np, 2]: scale, zero) -> bf16(zero + (q - 8) * scale) rounded
    to nearest even (the vector conversion flushes denormals: none here), in oneDNN's layout [b1 - b0][k/2][64][2]. */
 void int4_tile(const uint8_t *packed, const uint16_t *sz, uint16_t *out, long k, long np, long b0, long b1,
                int threads) {
+#ifdef VEC
+    /* Byte 4L + j of a shuffled 64-byte [e (32) | o (32)] load: the byte of output 16j + L (output i: row i/2 of the
+       pair's k parity i&1, low nibbles, outputs 64 + i: high nibbles), so that lane L of (bytes >> 8j) holds output
+       16j + L's nibble in its low 4 bits: `vpermps` (which reads only those bits) turns it into float(q - 8). */
+    uint8_t ib[64];
+    for (int p = 0; p < 64; p++) {
+        int i = 16 * (p & 3) + p / 4;
+        ib[p] = (uint8_t)((i & 1) * 32 + (i >> 1));
+    }
+    const __m512i ia = _mm512_loadu_si512(ib);
+    const __m512 tab = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4,
+                                     3, 2, 1, 0)), _mm512_set1_ps(8.f));
+#endif
 #pragma omp parallel for collapse(2) schedule(static) num_threads(threads) if (threads > 1)
     for (long b = b0; b < b1; b++)
         for (long g = 0; g < k / 32; g++) {
-            float s[128], z[128];  /* per (row, k parity), fp32 (bf16 bits shifted up): a row's pair shares them */
-            uint8_t q[128];
-            uint32_t r = 0, u, v;
-#ifdef VEC
-            for (const __m512i lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0),
-                 hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8)); r < 128; r += 32) {
-                __m512i w = _mm512_loadu_si512(sz + (g * np + b * 64 + r / 2) * 2);  /* 16 rows' (scale, zero) */
+#ifdef VEC  /* per output vector j (16 outputs: rows 8j.., both parities): fp32 scale and zero in registers */
+            __m512 S[8], Z[8];
+            if (g + PF < k / 32)  /* a later group's scales: groups sit np·4 bytes apart (a stride the hardware
+                                     prefetcher misses: ~10 % of the tile's time from memory) */
+                for (int c = 0; c < 256; c += 64)
+                    _mm_prefetch((const char *)(sz + ((g + PF) * np + b * 64) * 2) + c, _MM_HINT_T0);
+            const __m512i lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0),
+                hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+            for (int c = 0; c < 4; c++) {
+                __m512i w = _mm512_loadu_si512(sz + (g * np + b * 64 + 16 * c) * 2);  /* 16 rows' (scale, zero) */
                 __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
                 __m512 zv = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xFFFF0000u)));
-                _mm512_storeu_ps(s + r, _mm512_permutexvar_ps(lo, sv)), _mm512_storeu_ps(s + r + 16, _mm512_permutexvar_ps(hi, sv));
-                _mm512_storeu_ps(z + r, _mm512_permutexvar_ps(lo, zv)), _mm512_storeu_ps(z + r + 16, _mm512_permutexvar_ps(hi, zv));
+                S[2 * c] = _mm512_permutexvar_ps(lo, sv), S[2 * c + 1] = _mm512_permutexvar_ps(hi, sv);
+                Z[2 * c] = _mm512_permutexvar_ps(lo, zv), Z[2 * c + 1] = _mm512_permutexvar_ps(hi, zv);
             }
-#endif
-            for (; r < 128; r++)
+            for (long kk = 32 * g; kk < 32 * g + 32; kk += 2) {
+                __m512i a = _mm512_permutexvar_epi8(ia, _mm512_loadu_si512(packed + (b * k + kk) * 32));
+                __m512i h = _mm512_srli_epi32(a, 4);
+                uint16_t *dst = out + ((b - b0) * (k / 2) + kk / 2) * 128;
+                __m512 f[8];
+                for (int j = 0; j < 4; j++)  /* fma: z + (q - 8)·s rounded once, then to bf16 (nearest even) */
+                    f[j] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(a, 8 * j), tab), S[j], Z[j]),
+                    f[4 + j] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(h, 8 * j), tab), S[4 + j],
+                                               Z[4 + j]);
+                for (int c = 0; c < 4; c++)
+                    _mm512_storeu_si512(dst + 32 * c, (__m512i)_mm512_cvtne2ps_pbh(f[2 * c + 1], f[2 * c]));
+            }
+#else
+            float s[128], z[128];  /* per (row, k parity), fp32 (bf16 bits shifted up): a row's pair shares them */
+            uint8_t q[128];
+            uint32_t u, v;
+            for (int r = 0; r < 128; r++)
                 u = (uint32_t)sz[(g * np + b * 64 + r / 2) * 2] << 16, v = (uint32_t)sz[(g * np + b * 64 + r / 2) * 2 + 1] << 16,
                 memcpy(s + r, &u, 4), memcpy(z + r, &v, 4);
             for (long kk = 32 * g; kk < 32 * g + 32; kk += 2) {
                 const uint8_t *e = packed + (b * k + kk) * 32, *o = e + 32;
-                uint16_t *dst = out + ((b - b0) * (k / 2) + kk / 2) * 128, i = 0;
-#ifdef VEC  /* bytes (e_j, o_j) side by side, their low then their high nibbles; 32 values per conversion */
-                __m512i pr = _mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)e)),
-                    _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)o)), 8));
-                _mm512_storeu_si512(q, _mm512_and_si512(pr, _mm512_set1_epi16(0x0F0F)));
-                _mm512_storeu_si512(q + 64, _mm512_and_si512(_mm512_srli_epi16(pr, 4), _mm512_set1_epi16(0x0F0F)));
-                for (__m512 f[2]; i < 128; i += 32) {
-                    for (int h = 0; h < 2; h++)
-                        f[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(
-                            (const __m128i *)(q + i + 16 * h))), _mm512_set1_epi32(8))), _mm512_loadu_ps(s + i + 16 * h),
-                            _mm512_loadu_ps(z + i + 16 * h));
-                    _mm512_storeu_si512(dst + i, (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]));
-                }
-#endif
-                for (int j = 0; j < 32 && i < 128; j++)
+                uint16_t *dst = out + ((b - b0) * (k / 2) + kk / 2) * 128;
+                for (int j = 0; j < 32; j++)
                     q[2 * j] = e[j] & 15, q[2 * j + 1] = o[j] & 15, q[64 + 2 * j] = e[j] >> 4, q[65 + 2 * j] = o[j] >> 4;
-                for (float f; i < 128; i++)  /* round to nearest even, as torch */
-                    f = z[i] + (float)((int)q[i] - 8) * s[i], memcpy(&u, &f, 4), dst[i] = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+                for (int i = 0; i < 128; i++) {  /* round to nearest even, as torch */
+                    float f = z[i] + (float)((int)q[i] - 8) * s[i];
+                    memcpy(&u, &f, 4), dst[i] = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+                }
             }
+#endif
         }
 }
 
@@ -142,6 +169,9 @@ void q6k_tile(const uint8_t *raw, uint16_t *out, long k, long n, long r0, long r
                     }
                     const uint8_t *bl = raw + (r * nb + bi) * 210;
                     float d = f16(bl + 208);
+                    for (int c = 0; c < 256; c += 64)  /* this row's next block, this block 4 rows on: rows sit nb·210
+                        bytes apart, read a block at a time (the hardware prefetcher misses it: 2.5-3.5x slower) */
+                        __builtin_prefetch(bl + 210 + c), __builtin_prefetch(bl + 4 * nb * 210 + c);
 #ifdef VEC
                     for (int h = 0; h < 2; h++)
                         for (int j = 0; j < 4; j++) {  /* 32 values: sub-blocks 8h + 2j and 8h + 2j + 1 */
@@ -205,6 +235,8 @@ void int4_gemv(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uin
         for (long g = 0; g < gs; g++) {
             const uint16_t *sg = sz + (g * np + b * 64) * 2;
 #ifdef VEC
+            if (g + PF < gs)
+                for (int c = 0; c < 256; c += 64) _mm_prefetch((const char *)(sg + PF * np * 2) + c, _MM_HINT_T0);
             __m512i w[64];  /* [kk pair][16-row vector]: bf16 pairs 1 + q/16 */
             __m512 s[4], z[4];
             for (int v = 0; v < 4; v++) {

@@ -8,7 +8,7 @@ per-thread packed tiles
 (`_packed_tile`: oneDNN's layout [n/64][k/2][64][2] checked once per shape against a real `linear_cpu.pack`),
 `tile_product` and `q6k_product` (the tile's weights: the torch unpacker's / dequantizer's bits, tests) and
 `gemv` (the form's exact weights, fp32 sums: within the bound ggml_csrc.py states). Why C: torch's ops need ~6
-passes over a tile (0.55-0.8 ns a weight here, Q6_K ~2.5); these are one (~0.085 ns, Q6_K ~0.25). Off (`NATIVE =
+passes over a tile (0.55-0.8 ns a weight here, Q6_K ~2.5); these are one (~0.065 ns, Q6_K ~0.15-0.2). Off (`NATIVE =
 False`, DGEMMA_GGML_NATIVE=0 or DGEMMA_NATIVE=0), without a compiler or without oneDNN packing: each returns None and ggml_cpu's
 torch paths run.
 Must not: know GGUF types beyond the forms' layouts (ggml_cpu.py), or be needed: every path works without it.
