@@ -1,10 +1,11 @@
 """Which implementation runs each fused op: Triton kernels on CUDA, the fast torch paths on CPU, the torch
 references when asked (`DGEMMA_KERNELS=reference`) or when nothing better applies.
 
-Owns: `vocab_pass`, `experts`, `rms_norm` (same signatures as their references), the FP8 ops `fp8_linear`
-and `fp8_experts` with `fp8_semantics` (DGEMMA_FP8: weight-only, the default, or dynamic FP8 activations;
-see kernels/fp8.py), and `implementation`, which names the choice (benchmarks and traces record it), decided
-once per op, device and DGEMMA_KERNELS value. The variable is read at each call, so a test or a benchmark
+Owns: `vocab_pass`, `experts`, `rms_norm` (same signatures as their references), `rms_norm_add` (with the
+residual add and the add before the norm), `gelu_mul` / `gelu_mul_fused` (the gated GELU(tanh)), the FP8 ops
+`fp8_linear` and `fp8_experts` with `fp8_semantics` (DGEMMA_FP8: weight-only, the default, or dynamic FP8
+activations; see kernels/fp8.py), and `implementation`, which names the choice (benchmarks and traces record
+it), decided once per op, device and DGEMMA_KERNELS value. The variable is read at each call, so a test or a benchmark
 can flip it. The Triton kernels are reached through their torch custom ops (kernels/ops.py), so eager,
 compiled and fake-tensor runs take the same door. Must not: hold math of its own, or import Triton unless a
 CUDA tensor asks for a kernel (so CPU-only installs without Triton work).
@@ -17,7 +18,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from . import ops, reference, reference_ops
+from . import norm_native, ops, reference, reference_ops
 
 MODES = ("auto", "reference")
 FP8_SEMANTICS = ("weight-only", "dynamic")
@@ -52,10 +53,10 @@ _CHOSEN: dict[tuple, str] = {}  # (op, device, DGEMMA_KERNELS as set) -> impleme
 
 
 def implementation(op: str, device: torch.device | str) -> str:
-    """'triton', 'cuda', 'cpu' or 'reference': what `op` ('vocab_pass', 'experts', 'rms_norm', 'fp8_experts',
-    'fp8_linear', 'linear') runs on `device`. 'linear' is decided when a session starts: 'cpu' there prepacks
-    bf16 weights for oneDNN (dgcli/model/packed.py). FP8 linears on CUDA: 'triton' (weight-only: the W8A16
-    kernel, kernels/fp8_linear.py; dynamic: torch._scaled_mm) or, without Triton, 'cuda' (torch's CUDA ops:
+    """'triton', 'cuda', 'cpu' or 'reference': what `op` ('vocab_pass', 'experts', 'rms_norm', 'gelu_mul',
+    'fp8_experts', 'fp8_linear', 'linear') runs on `device`. 'linear' is decided when a session starts: 'cpu'
+    there prepacks bf16 weights for oneDNN (dgcli/model/packed.py). FP8 linears on CUDA: 'triton' (weight-only:
+    the W8A16 kernel, kernels/fp8_linear.py; dynamic: torch._scaled_mm) or, without Triton, 'cuda' (torch's CUDA ops:
     dequantized tiles or torch._scaled_mm).
     Decided once per op, device and DGEMMA_KERNELS value (a dict lookup afterwards: this runs ~13 times per
     layer per step); only the variable itself is read at each call, so a test or a benchmark can flip it."""
@@ -75,7 +76,7 @@ def _choose(op: str, dev: torch.device) -> str:
         return "cuda"
     if dev.type == "cuda" and _triton_ok():
         return "triton"
-    if dev.type == "cpu" and op in ("vocab_pass", "experts", "fp8_experts", "fp8_linear", "rms_norm"):
+    if dev.type == "cpu" and op in ("vocab_pass", "experts", "fp8_experts", "fp8_linear", "rms_norm", "gelu_mul"):
         return "cpu"
     return "reference"
 
@@ -112,12 +113,44 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     impl = implementation("rms_norm", x.device)
     if impl == "triton":
         return ops.rms_norm(x, weight, eps)
+    if impl == "cpu":  # one C pass over x (kernels/norm_native.py), torch's bits
+        y = norm_native.rms_norm(x, weight, eps)
+        if y is not None:
+            return y
     if impl == "cpu" and (weight is None or weight.dtype == x.dtype):
-        # torch's own CPU op: the reference's formula in fp32 (its pow(-0.5) is the same rsqrt), one call where
-        # the reference makes nine (45 norms a step: ~1/3 of the bundled model's torch calls); bit for bit the
-        # reference's (tests/kernels/test_kernel_dispatch.py)
+        # torch's own CPU op (DGEMMA_NATIVE=0, no compiler, strided rows, autograd): the reference's formula in
+        # fp32 (its pow(-0.5) is the same rsqrt), one call where the reference makes nine (45 norms a step:
+        # ~1/3 of the bundled model's torch calls); bit for bit the reference's (tests/kernels/test_kernel_dispatch.py)
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return reference_ops.rms_norm_reference(x, weight, eps)
+
+
+def rms_norm_add(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, residual: torch.Tensor | None = None,
+                 pre_add: torch.Tensor | None = None) -> torch.Tensor:
+    """residual + rms_norm(x + pre_add) (either may be None), each add rounded to x.dtype as torch's add rounds:
+    one C pass on CPU (kernels/norm_native.py; the composition's bits), else that composition of torch ops."""
+    if implementation("rms_norm", x.device) == "cpu":
+        y = norm_native.rms_norm(x, weight, eps, residual=residual, pre_add=pre_add)
+        if y is not None:
+            return y
+    y = rms_norm(x if pre_add is None else x + pre_add, weight, eps)
+    return y if residual is None else residual + y
+
+
+def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """F.gelu(gate, approximate="tanh") * up, the gated MLPs' activation: one C pass on CPU where it pays
+    (kernels/norm_native.py; torch's bits), else those torch ops."""
+    if implementation("gelu_mul", gate.device) == "cpu":
+        y = norm_native.gelu_mul(gate, up)
+        if y is not None:
+            return y
+    y = F.gelu(gate, approximate="tanh")
+    return y * up if torch.is_grad_enabled() else y.mul_(up)  # in place where no graph is kept: one buffer fewer
+
+
+def gelu_mul_fused(gu: torch.Tensor, inter: int) -> torch.Tensor:
+    """gelu_mul of a [..., 2·inter] gate_up tensor's halves (gate first)."""
+    return gelu_mul(gu[..., :inter], gu[..., inter:])
 
 
 def fp8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:

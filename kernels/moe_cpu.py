@@ -45,6 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.nn.functional as F
 
+from . import dispatch
 from .linear_cpu import PROBE_ROWS, linear, pack
 from .reference_ops import experts_reference
 
@@ -148,7 +149,7 @@ def experts_grouped(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up
     xs = x.new_zeros(num_experts, cap, h)  # [E, cap, H]
     xs[expert, slot] = x[order // k]
     gu = torch.bmm(xs, gate_up_proj.transpose(1, 2))  # [E, cap, 2I]
-    act = F.gelu(gu[..., :inter], approximate="tanh") * gu[..., inter:]  # [E, cap, I]
+    act = dispatch.gelu_mul_fused(gu, inter)  # [E, cap, I]: gelu_tanh(gate) * up
     y = torch.bmm(act, down_proj.transpose(1, 2))  # [E, cap, H]
 
     pairs = torch.empty(n * k, h, dtype=y.dtype, device=x.device)  # [N*k, H] back in pair order
@@ -182,7 +183,7 @@ def experts_segments(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_u
     offs = counts.cumsum(0, dtype=torch.int32)  # [E] end of each expert's segment
     # [N*k, H] rows copied whole (x[order // k] copies element by element), freed after the GEMM
     gu = F.grouped_mm(x.index_select(0, order // k), gate_up_proj.transpose(1, 2), offs=offs)  # [N*k, 2I]
-    act = F.gelu(gu[:, :inter], approximate="tanh") * gu[:, inter:]  # [N*k, I]
+    act = dispatch.gelu_mul_fused(gu, inter)  # [N*k, I]: gelu_tanh(gate) * up
     y = F.grouped_mm(act, down_proj.transpose(1, 2), offs=offs)  # [N*k, H]
     # fp32 product rounded to x.dtype in place: a mixed-dtype in-place mul computes in fp32 and rounds once
     return _sum_slots(y.mul_(_sorted_weights(w_sorted, order)), order, k)
@@ -229,7 +230,7 @@ def _in_turn(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: Seque
         if c:
             rows = tok[lo:lo + c]
             gu = linear(x.index_select(0, rows), gate_up[e])  # [c, 2I]
-            act = F.gelu(gu[:, :inter], approximate="tanh").mul_(gu[:, inter:])  # [c, I]
+            act = dispatch.gelu_mul_fused(gu, inter)  # [c, I]
             # fp32 product rounded once to x.dtype (explicit upcast: faster than a mixed-dtype mul)
             y = linear(act, down[e]).float().mul_(ws[lo:lo + c]).to(x.dtype)  # [c, H]
             out.index_add_(0, rows, y)
@@ -264,7 +265,7 @@ def _split(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: Sequenc
     def expert_rows() -> None:
         for e, rows, we, ye in experts:
             gu = linear(x.index_select(0, rows), gate_up[e])  # [c, 2I]
-            act = F.gelu(gu[:, :inter], approximate="tanh").mul_(gu[:, inter:])  # [c, I]
+            act = dispatch.gelu_mul_fused(gu, inter)  # [c, I]
             # the fp32 product written into a bf16 buffer rounds once, as the reference's .to(x.dtype)
             torch.mul(linear(act, down[e]), we, out=ye)
 

@@ -35,6 +35,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dispatch.rms_norm(x, self.weight, self.eps)
 
+    def add(self, residual: torch.Tensor, x: torch.Tensor, pre_add: torch.Tensor | None = None) -> torch.Tensor:
+        """residual + self(x [+ pre_add]), each add rounded to x.dtype: one pass on CPU (dispatch.rms_norm_add)."""
+        return dispatch.rms_norm_add(x, self.weight, self.eps, residual=residual, pre_add=pre_add)
+
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
     """cos and signed sin [T, 1, d] (positions [T], shared by the batch) or [B, T, 1, d] (positions [B, T], per
@@ -107,7 +111,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inner, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        return self.down_proj(dispatch.gelu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class Router(nn.Module):
@@ -171,7 +175,7 @@ class DecoderLayer(nn.Module):
         w, idx = self.router(flat)  # routes on the un-normed residual
         moe = self.experts(self.pre_feedforward_layernorm_2(flat), w, idx).reshape(r.shape)
         moe = self.post_feedforward_layernorm_2(moe)
-        return r + self.post_feedforward_layernorm(dense + moe)
+        return self.post_feedforward_layernorm.add(r, dense, moe)  # r + norm(dense + moe)
 
 
 class SelfConditioning(MLP):
@@ -283,7 +287,7 @@ class DiffusionGemma(nn.Module):
         for i, (layer, g) in enumerate(zip(self.layers, self.geometry)):
             attn = layer.self_attn
             q, k, v = attn.project(layer.input_layernorm(x), *tables[g.kind])
-            x = x + layer.post_attention_layernorm(attn.out(attend(q, k, v, i, layout)))
+            x = layer.post_attention_layernorm.add(x, attn.out(attend(q, k, v, i, layout)))
             if i == last:
                 if not canvases:
                     return None
@@ -347,7 +351,7 @@ class DiffusionGemma(nn.Module):
                 mask = (mask & valid) | torch.eye(p + c, dtype=torch.bool, device=pos.device)
             attn = layer.self_attn
             q, k, v = attn.project(layer.input_layernorm(x), *tables[g.kind])
-            x = x + layer.post_attention_layernorm(attn.attend(q, k, v, mask))
+            x = layer.post_attention_layernorm.add(x, attn.attend(q, k, v, mask))
             x = layer.feed_forward(x)
             x = torch.where(is_prefix_row, x * layer.encoder_layer_scalar, x * layer.layer_scalar).to(x.dtype)
         x = self.norm(x)

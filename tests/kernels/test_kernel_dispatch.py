@@ -67,11 +67,13 @@ def test_kernels_package_is_this_repository():
     assert (pathlib.Path(dispatch.__file__).parent / "reference.py").exists()
 
 
+@pytest.mark.parametrize("native", ["1", "0"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_cpu_rms_norm_is_the_reference_bit_for_bit(dtype):
-    """torch's CPU rms_norm (the 'cpu' implementation) against the reference's formula: widths of the real and
-    tiny configs, odd ones, 1 to 300 rows, 3-D and strided inputs, large and tiny magnitudes, with and without a
-    weight, several eps."""
+def test_the_cpu_rms_norm_is_the_reference_bit_for_bit(dtype, native, monkeypatch):
+    """The 'cpu' implementation (the C kernel of kernels/norm_native.py, or under DGEMMA_NATIVE=0 torch's CPU
+    rms_norm) against the reference's formula: widths of the real and tiny configs, odd ones, 1 to 300 rows, 3-D
+    and strided inputs, large and tiny magnitudes, with and without a weight, several eps."""
+    monkeypatch.setenv("DGEMMA_NATIVE", native)
     g = torch.Generator().manual_seed(0)
     for width in (80, 160, 256, 512, 2816, 7, 33):
         for rows in (1, 16, 300):
