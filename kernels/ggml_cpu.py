@@ -212,17 +212,18 @@ def _int4_tile_t(p: Prepared, b0: int, b1: int, dtype: torch.dtype) -> torch.Ten
     return w.view(k, tn)
 
 
-def _gemm_int4(x2: torch.Tensor, p: Prepared) -> torch.Tensor:
+def _gemm_int4(x2: torch.Tensor, p: Prepared, lib=None) -> torch.Tensor:
     """x2 [M, k] @ W.T through bf16 tiles of W (about GEMM_TILE_VALUES values each) -> [M, n]: unpacked by the
-    native code into oneDNN's packed layout where it can (`_native_tile`), else by torch ops as W.T."""
+    native code into oneDNN's packed layout where it can (`_native_tile`), else by torch ops as W.T. `lib`: the
+    native library where the caller looked it up (None: looked up here)."""
     blocks = p.packed.shape[-2] // ROW_BLOCK
     step = max(1, GEMM_TILE_VALUES // (p.k * ROW_BLOCK))
     if step >= blocks:  # one tile (most matrices): no lists
-        y = _native_tile(x2, p, 0, blocks)
+        y = _native_tile(x2, p, 0, blocks, lib)
         if y is None:
             y = x2 @ _int4_tile_t(p, 0, blocks, x2.dtype)
         return y[:, :p.n] if y.shape[1] != p.n else y
-    ys = [_native_tile(x2, p, b0, min(b0 + step, blocks)) for b0 in range(0, blocks, step)]
+    ys = [_native_tile(x2, p, b0, min(b0 + step, blocks), lib) for b0 in range(0, blocks, step)]
     ys = [x2 @ _int4_tile_t(p, b0, min(b0 + step, blocks), x2.dtype) if y is None else y
           for b0, y in zip(range(0, blocks, step), ys)]
     y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
@@ -236,33 +237,38 @@ def _kernel_int4(x2: torch.Tensor, p: Prepared) -> torch.Tensor:
     return y[:, :p.n] if y.shape[1] != p.n else y
 
 
-def gemm_rows(p: Prepared) -> int:
+def gemm_rows(p: Prepared, lib=None) -> int:
     """The fewest rows of bf16 x that take the GEMM path for p (an int4 form). Planes with native code: the GEMV
-    runs up to GEMM_ROWS (their GEMM path unpacks by torch ops: ~1 ms a [2816, 704] matrix)."""
+    runs up to GEMM_ROWS (their GEMM path unpacks by torch ops: ~1 ms a [2816, 704] matrix). `lib`: the native
+    library where the caller looked it up (None: looked up here)."""
+    native = (lib or ggml_native._native()) is not None
     if p.qtype in PLANES:
-        return GEMM_ROWS if ggml_native._native() is not None else GEMM_ROWS_PLANES
-    native = ggml_native._native() is not None and packing_available()
-    return max(1, GEMM_ROWS // NATIVE_ROWS_DIVISOR) if native else GEMM_ROWS
+        return GEMM_ROWS if native else GEMM_ROWS_PLANES
+    return max(1, GEMM_ROWS // NATIVE_ROWS_DIVISOR) if native and packing_available() else GEMM_ROWS
 
 
-def _few_int4(x2: torch.Tensor, p: Prepared) -> torch.Tensor:
+def _few_int4(x2: torch.Tensor, p: Prepared, lib=None) -> torch.Tensor:
     """x2 [M, k] @ W.T below the GEMM path's rows: the native GEMV (`ggml_native.gemv`) for bf16 x from GEMV_ROWS
-    rows (planes: x fed twice), else torch's int4 kernel."""
+    rows (planes: x fed twice), else torch's int4 kernel. `lib` as `_gemm_int4`'s."""
     if x2.dtype == torch.bfloat16 and x2.shape[0] >= GEMV_ROWS:
         xin = torch.cat((x2, x2), dim=1) if p.qtype in PLANES else x2
-        y = ggml_native.gemv(xin, p.packed, p.sz, xin.shape[1])
+        y = ggml_native.gemv(xin, p.packed, p.sz, xin.shape[1], lib=lib)
         if y is not None:
             return y[:, :p.n] if y.shape[1] != p.n else y
     return _kernel_int4(x2, p)
 
 
-def _q6k_native(x2: torch.Tensor, p: Prepared) -> torch.Tensor | None:
+def _q6k_native(x2: torch.Tensor, p: Prepared, lib=None) -> torch.Tensor | None:
     """x2 [M, k] bf16 @ W.T for Q6_K through row tiles unpacked natively into packed weights (about
-    Q6K_TILE_VALUES values each), or None where the native code does not apply (the torch tile path runs)."""
+    Q6K_TILE_VALUES values each), or None where the native code does not apply (the torch tile path runs).
+    `lib` as `_gemm_int4`'s."""
     step = max(ROW_BLOCK, Q6K_TILE_VALUES // p.k // ROW_BLOCK * ROW_BLOCK)
+    if step >= p.n:  # one tile (most matrices): no lists
+        y = ggml_native.q6k_product(x2, p.packed, p.k, p.n, 0, p.n, lib=lib)
+        return y if y is None or y.shape[1] == p.n else y[:, :p.n]
     ys = []
     for r0 in range(0, p.n, step):
-        y = ggml_native.q6k_product(x2, p.packed, p.k, p.n, r0, min(r0 + step, p.n))
+        y = ggml_native.q6k_product(x2, p.packed, p.k, p.n, r0, min(r0 + step, p.n), lib=lib)
         if y is None:
             return None
         ys.append(y[:, :min(step, p.n - r0)])
@@ -270,20 +276,23 @@ def _q6k_native(x2: torch.Tensor, p: Prepared) -> torch.Tensor | None:
 
 
 def linear(x: torch.Tensor, p: Prepared) -> torch.Tensor:
-    """x [..., k] @ W.T -> [..., n] in x.dtype for one prepared matrix W [n, k]."""
-    lead, x2 = x.shape[:-1], x.reshape(-1, p.k)
+    """x [..., k] @ W.T -> [..., n] in x.dtype for one prepared matrix W [n, k]. Runs ~200 times a decoder pass:
+    the native library is looked up once per call and handed down (each lookup reads the environment)."""
+    x2 = x if x.dim() == 2 and x.shape[1] == p.k else x.reshape(-1, p.k)
     y = None
-    if p.kind == "int4" and x.dtype in (torch.bfloat16, torch.float16) and p.sz.dtype == x.dtype \
-            and x.device.type == "cpu":
-        # bf16 only: the thresholds were measured against oneDNN's bf16 GEMM (fp16 keeps the kernel)
-        y = _gemm_int4(x2, p) if x.dtype == torch.bfloat16 and x2.shape[0] >= gemm_rows(p) else _few_int4(x2, p)
-    elif p.qtype == Q6_K and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-        y = _q6k_native(x2, p)
+    if x.dtype == torch.bfloat16 and x.is_cpu:  # the thresholds were measured against oneDNN's bf16 GEMM
+        if p.kind == "int4" and p.sz.dtype == torch.bfloat16:
+            lib = ggml_native._native()
+            y = _gemm_int4(x2, p, lib) if x2.shape[0] >= gemm_rows(p, lib) else _few_int4(x2, p, lib)
+        elif p.qtype == Q6_K:
+            y = _q6k_native(x2, p, ggml_native._native())
+    elif p.kind == "int4" and x.dtype == torch.float16 and p.sz.dtype == x.dtype and x.is_cpu:
+        y = _few_int4(x2, p)  # fp16 keeps torch's int4 kernel
     if y is None:  # tiles of rows dequantized one at a time into x's dtype (the whole matrix never is)
         step = max(ROW_BLOCK, TILE_VALUES // p.k // ROW_BLOCK * ROW_BLOCK)
         y = torch.cat([F.linear(x2, _dequant_rows(p, r0, min(r0 + step, p.n), x.dtype))
                        for r0 in range(0, p.n, step)], dim=1)
-    return y.reshape(*lead, p.n)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], p.n)
 
 
 def experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: Prepared, down: Prepared,
@@ -294,19 +303,27 @@ def experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: Prepar
     flat = idx.reshape(-1)  # [N*k] pair p = token p // k
     order = torch.argsort(flat, stable=True)  # [N*k] pairs grouped by expert (none for N = 0)
     tok, ws, lo = order // k, w.reshape(-1, 1).index_select(0, order), 0  # tokens, fp32 weights in that order
+    gu_e, dn_e = _experts_of(gate_up), _experts_of(down)
     for e, c in enumerate(torch.bincount(flat, minlength=gate_up.packed.shape[0]).tolist()):
         if c:
             rows = tok[lo:lo + c]
-            gu = linear(x.index_select(0, rows), gate_up.expert(e))  # [c, 2I]
+            gu = linear(x.index_select(0, rows), gu_e(e))  # [c, 2I]
             act = F.gelu(gu[:, :inter], approximate="tanh").mul_(gu[:, inter:])  # [c, I]
-            out.index_add_(0, rows, linear(act, down.expert(e)).float().mul_(ws[lo:lo + c]).to(x.dtype))
+            out.index_add_(0, rows, linear(act, dn_e(e)).float().mul_(ws[lo:lo + c]).to(x.dtype))
             lo += c
     return out
 
 
-def _native_tile(x2: torch.Tensor, p: Prepared, b0: int, b1: int) -> torch.Tensor | None:
+def _experts_of(p: Prepared):
+    """e -> matrix e of the stack p, its views cut in one call each (`unbind`: ~3x cheaper than indexing per
+    expert)."""
+    packed, sz = p.packed.unbind(0), (None,) * len(p.packed) if p.sz is None else p.sz.unbind(0)
+    return lambda e: Prepared(p.kind, p.qtype, p.n, p.k, packed[e], sz[e])
+
+
+def _native_tile(x2: torch.Tensor, p: Prepared, b0: int, b1: int, lib=None) -> torch.Tensor | None:
     """x2 @ (row blocks b0..b1 of W).T by the native unpacker (kernels/ggml_native.py); None for planes or where
-    it does not apply (the torch unpacker runs then)."""
+    it does not apply (the torch unpacker runs then). `lib` as `_gemm_int4`'s."""
     if p.qtype in PLANES:
         return None
-    return ggml_native.tile_product(x2, p.packed, p.sz, p.k, b0, b1)
+    return ggml_native.tile_product(x2, p.packed, p.sz, p.k, b0, b1, lib=lib)

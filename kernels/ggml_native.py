@@ -50,10 +50,12 @@ def _native():
     return _native_lib[0]
 
 
-def _packed_tile(tn: int, k: int):
+def _packed_tile(tn: int, k: int, threads: int | None = None):
     """This thread's oneDNN-packed bf16 weight [tn, k] (linear_cpu.pack) and its blocks' address, or None where
-    packing is unavailable or its layout is not [tn/64][k/2][64][2] (checked once per shape on a real packing)."""
-    tiles, key = _scratch.__dict__.setdefault("packed", {}), (tn, k, torch.get_num_threads())  # pack checks per count
+    packing is unavailable or its layout is not [tn/64][k/2][64][2] (checked once per shape on a real packing).
+    `threads`: torch.get_num_threads() where the caller has it."""
+    tiles = _scratch.__dict__.setdefault("packed", {})
+    key = (tn, k, torch.get_num_threads() if threads is None else threads)  # pack checks per count
     if key not in tiles:
         if sum(2 * a * b for a, b, _ in tiles) + 2 * tn * k > PACKED_CACHE_BYTES:
             tiles.clear()
@@ -69,27 +71,29 @@ def _packed_tile(tn: int, k: int):
     return tiles[key]
 
 
-def tile_product(x2: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, k: int, b0: int, b1: int):
+def tile_product(x2: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, k: int, b0: int, b1: int, lib=None):
     """x2 [M, k] bf16 @ (row blocks b0..b1 of the int4 form `packed`, `sz`).T -> [M, (b1 - b0)·64], the tile
     unpacked natively into a packed weight; None where that does not apply (no native code or packing here, not
-    bf16, odd k, non-contiguous form)."""
+    bf16, odd k, non-contiguous form). `lib`: `_native()` where the caller has it (each lookup reads the
+    environment: ~2 µs), else looked up here; the same holds for `gemv` and `q6k_product`."""
     if x2.dtype != torch.bfloat16 or sz.dtype != torch.bfloat16 or k % 2 \
             or not (packed.is_contiguous() and sz.is_contiguous()):
         return None
-    lib = _native()
-    tile = None if lib is None else _packed_tile((b1 - b0) * 64, k)
+    lib = lib or _native()
+    threads = torch.get_num_threads()
+    tile = None if lib is None else _packed_tile((b1 - b0) * 64, k, threads)
     if tile is None:
         return None
-    lib.int4_tile(packed.data_ptr(), sz.data_ptr(), tile[1], k, packed.shape[-2], b0, b1, torch.get_num_threads())
+    lib.int4_tile(packed.data_ptr(), sz.data_ptr(), tile[1], k, packed.shape[-2], b0, b1, threads)
     return packed_linear(x2, tile[0])
 
 
-def gemv(x2: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, kp: int):
+def gemv(x2: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, kp: int, lib=None):
     """x2 [M, kp] bf16 @ W.T -> [M, Np] bf16 for the int4 form `packed`, `sz` by `int4_gemv` (the form's exact
     weights, fp32 sums, one bf16 rounding); None where that does not apply (no native code, not bf16)."""
     if x2.dtype != torch.bfloat16 or sz.dtype != torch.bfloat16 or not (packed.is_contiguous() and sz.is_contiguous()):
         return None
-    lib = _native()
+    lib = lib or _native()
     if lib is None:
         return None
     x2 = x2.contiguous()
@@ -100,16 +104,16 @@ def gemv(x2: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, kp: int):
     return out
 
 
-def q6k_product(x2: torch.Tensor, raw: torch.Tensor, k: int, n: int, r0: int, r1: int):
+def q6k_product(x2: torch.Tensor, raw: torch.Tensor, k: int, n: int, r0: int, r1: int, lib=None):
     """x2 [M, k] bf16 @ (Q6_K rows r0..r1 of `raw` [n, row bytes]).T -> [M, r1 - r0 rounded up to 64] (rows past n:
     0), the rows unpacked natively (`q6k_tile`) into a packed weight; None where that does not apply."""
     if x2.dtype != torch.bfloat16 or k % 256 or not raw.is_contiguous():
         return None
-    lib = _native()
-    tn = -(-(r1 - r0) // 64) * 64
-    tile = None if lib is None else _packed_tile(tn, k)
+    lib = lib or _native()
+    tn, threads = -(-(r1 - r0) // 64) * 64, torch.get_num_threads()
+    tile = None if lib is None else _packed_tile(tn, k, threads)
     if tile is None:
         return None
     # rows past n read no bytes (r < n guards every read); the pointer stays the row base
-    lib.q6k_tile(raw.data_ptr(), tile[1], k, n, r0, r0 + tn, torch.get_num_threads())
+    lib.q6k_tile(raw.data_ptr(), tile[1], k, n, r0, r0 + tn, threads)
     return packed_linear(x2, tile[0])

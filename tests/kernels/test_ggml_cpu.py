@@ -161,7 +161,7 @@ def test_linear_takes_the_gemm_path_from_its_threshold(qtype, monkeypatch):
     called = []
     for name in ("_gemm_int4", "_few_int4"):
         real = getattr(ggml_cpu, name)
-        monkeypatch.setattr(ggml_cpu, name, lambda x2, p, real=real, name=name: called.append(name) or real(x2, p))
+        monkeypatch.setattr(ggml_cpu, name, lambda *a, real=real, name=name: called.append(name) or real(*a))
     g = torch.Generator().manual_seed(6)
     for m_rows, path in ((rows - 1, "_few_int4"), (rows, "_gemm_int4")):
         x = torch.randn(m_rows, k, generator=g).bfloat16()
@@ -219,13 +219,18 @@ def test_experts_on_the_gemm_path_match_reference(types, rows, monkeypatch):
     assert _rel(y, experts_reference(x, w, idx, wgu.bfloat16(), wdn.bfloat16())) <= 2 * BF16_REL
 
 
+def test_held_form_follows_the_buffers():
+    """`_held` keeps a module's prepared matrix between calls, and builds it again over buffers .to() or a load put."""
+    m = ggml.QuantLinear(_weights(64, 256, ggml.Q4_K)[0], ggml.Q4_K, 256, 64)
+    p = ggml._held(m, "weight")
+    assert ggml._held(m, "weight") is p and not m.float()._prepared and ggml._held(m, "weight").sz is m.weight_sz
+    m.load_state_dict({"weight_packed": p.packed.clone(), "weight_sz": p.sz}, assign=True)
+    assert ggml._held(m, "weight").packed is m.weight_packed and ggml._held(m, "weight").sz.dtype == torch.bfloat16
 
 
 def test_gemm_scratch_made_in_inference_mode_serves_calls_outside_it(monkeypatch):
     """The per-thread scratch is made by whichever call comes first: one inside a model's inference-mode pass must
     not leave an inference tensor that a later call outside inference mode cannot write."""
-    from dgcli.kernels import ggml_cpu
-
     monkeypatch.setattr(ggml_cpu._scratch, "bufs", {}, raising=False)
     _low_thresholds(monkeypatch)
     w = torch.randn(128, 256)
@@ -351,7 +356,7 @@ def test_native_gemv_within_its_bound(qtype, monkeypatch):
     w = ggml_cpu.dequantize_prepared(p)
     called = []
     real = ggml_native.gemv
-    monkeypatch.setattr(ggml_native, "gemv", lambda *a: called.append(1) or real(*a))
+    monkeypatch.setattr(ggml_native, "gemv", lambda *a, **kw: called.append(1) or real(*a, **kw))
     g = torch.Generator().manual_seed(17)
     old = torch.get_num_threads()
     try:
