@@ -149,8 +149,10 @@ def test_pass_step_and_prefill_temporaries_are_the_cpu_allocators_peak(text, mon
     commit; `pass_bytes`), the step (that pass, then the sampler's vocabulary pass; the commits' ids are
     made before it here: `step_bytes` counts them in `decode`), and the engine's first prefill pass as its
     scheduler plans it (prompts of 100 ids and their first canvases; `prefill_bytes`, its ids included).
-    The vocabulary tiles in torch: the formula counts their buffers (the C tile's, fewer: the next test)."""
+    The vocabulary tiles and the norms in torch: the formula counts their buffers (the C tile's, fewer: the next
+    test; the C norms hold only their outputs: the peaks stay under the formula, checked here)."""
     monkeypatch.setenv("DGEMMA_VOCAB_NATIVE", "0")
+    monkeypatch.setenv("DGEMMA_NORM_NATIVE", "0")
     from dgcli.sampling.engine import Engine, Request
     from dgcli.sampling.params import DiffusionEbParams
     from dgcli.sampling.rules import sample_step
@@ -185,6 +187,9 @@ def test_pass_step_and_prefill_temporaries_are_the_cpu_allocators_peak(text, mon
         for measured, want in ((pre, want_pre), (one, want_one), (step, want_step)):
             assert measured == pytest.approx(want, rel=0.01, abs=64 * 2**10)
         got[b] = (step, pre, want_step, want_pre)
+        monkeypatch.setenv("DGEMMA_NORM_NATIVE", "1")
+        assert _peak_allocated(lambda: model.forward_pass(ids, segs, eng.cache, soft)) <= want_one + 64 * 2**10
+        monkeypatch.setenv("DGEMMA_NORM_NATIVE", "0")
     per_row = [(got[3][i] - got[1][i]) / 2 for i in range(4)]
     # The slope within 0.5 %, or within half the uncounted attention scratch (one end of it may carry it).
     assert per_row[0] == pytest.approx(per_row[2], rel=0.005, abs=24 * 2**10)
