@@ -62,8 +62,6 @@ class Worker:
         if spec["threads"] is None and s.device.type == "cpu" and s.threads > self.cpus:
             torch.set_num_threads(self.cpus)
             s = dataclasses.replace(s, threads=self.cpus, threads_source=f"ray: the worker's {self.cpus} CPU(s)")
-        if s.wide_passes is not None and s.wide_passes[1] > self.cpus:  # large passes: no more than its CPUs
-            s = dataclasses.replace(s, wide_passes=(s.wide_passes[0], self.cpus) if self.cpus > 1 else None)
         s.prefix_caching = prefix_caching  # the driver's --no-prefix-caching
         self.session = s
         return s

@@ -158,7 +158,7 @@ def stream(session: Any, prompt_ids: Sequence[int], *, params: Any = None, ignor
     return generate_events(session.model, prompt_ids, params=params, num_blocks=num_blocks,
                            stop_ids=() if ignore_eos else session.stop_ids, pad_id=session.pad_id,
                            init_canvas=init_canvas, compile_tiles=session.compiled,
-                           step_mode=session.step_mode, wide_passes=getattr(session, "wide_passes", None))
+                           step_mode=session.step_mode)
 
 
 def run(session: Any, prompt_ids: Sequence[int], *, params: Any = None, ignore_eos: bool = False,
@@ -200,7 +200,7 @@ def run_batch(session: Any, prompts: Sequence[Sequence[int]], *, batch_size: int
         session.model, prompts, params=params, num_blocks=num_blocks, seeds=seeds,
         stop_ids=() if ignore_eos else session.stop_ids, pad_id=session.pad_id, init_canvases=init_canvases,
         compile_tiles=session.compiled, max_batch=batch_size, stats=stats, step_mode=session.step_mode,
-        prefix_caching=getattr(session, "prefix_caching", True), wide_passes=getattr(session, "wide_passes", None))
+        prefix_caching=getattr(session, "prefix_caching", True))
     for event in events:
         if on_event is not None:
             on_event(event)

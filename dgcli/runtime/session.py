@@ -61,7 +61,6 @@ class Session:
     packed_weights: int = 0  # weight matrices prepacked for oneDNN (eager CPU bf16; dgcli.model.packed)
     threads: int = 0  # torch intra-op threads the run uses (`thread_rule`)
     threads_source: str = ""  # why: the --threads flag, OMP_NUM_THREADS, or the rule
-    wide_passes: tuple[int, int] | None = None  # (rows, threads): a pass that large runs on more (`wide_passes`)
 
     @property
     def params(self):
@@ -76,10 +75,8 @@ class Session:
         return str(self.model.embed_weight.dtype).removeprefix("torch.")
 
 
-# Below this size a CPU model runs on one thread (see `thread_rule`), but a pass of at least this many matmul
-# FLOPs on all cores (see `wide_passes`).
+# Below this size a CPU model runs on one thread (see `thread_rule`).
 SMALL_MODEL_PARAMS = 50_000_000
-WIDE_PASS_FLOP = 300_000_000
 TORCH_DEFAULT_THREADS = torch.get_num_threads()  # torch's own choice at start-up (the cores), before dgemma's
 
 
@@ -105,28 +102,13 @@ def thread_rule(parameters: int, device_type: str, flag: int | None = None) -> t
     return TORCH_DEFAULT_THREADS, f"rule: torch's default, one per core ({TORCH_DEFAULT_THREADS})"
 
 
-def wide_passes(cfg: ModelConfig, device: torch.device, threads: tuple[int, str]) -> tuple[int, int] | None:
-    """(rows, threads) where the rule put a small CPU model on one thread: a pass of at least `rows` rows
-    (WIDE_PASS_FLOP of matmuls, 2 x active parameters a row) runs on every core. Its ops are then large enough
-    to split: the bundled model's batch-8 step 18.8 -> 16.0 ms on 2 threads, its batch-1 step (16 rows, 1 thread)
-    as before (benchmarks/RESULTS.md). Threads do not change the GEMMs' bits here (tests/runtime/test_threads.py).
-    None where a flag, OMP_NUM_THREADS or a larger model set the count, or one core is all there is."""
-    from dgcli.measure.card import param_counts
-
-    if device.type != "cpu" or threads[0] != 1 or not threads[1].startswith("rule") or TORCH_DEFAULT_THREADS < 2:
-        return None
-    return -(-WIDE_PASS_FLOP // (2 * param_counts(cfg)["active_per_token"])), TORCH_DEFAULT_THREADS
-
-
 def set_threads(cfg: ModelConfig, device: torch.device, flag: int | None) -> tuple[int, str]:
-    """Apply `thread_rule` for a model of `cfg` on `device` (before loading: loading uses threads too); the
-    source names the wide passes too, where there are some (`wide_passes`)."""
+    """Apply `thread_rule` for a model of `cfg` on `device` (before loading: loading uses threads too)."""
     from dgcli.measure.card import param_counts
 
     n, source = thread_rule(param_counts(cfg)["total"], device.type, flag)
     torch.set_num_threads(n)
-    wide = wide_passes(cfg, device, (n, source))
-    return n, source if wide is None else f"{source}; a pass of {wide[0]}+ rows on {wide[1]}"
+    return n, source
 
 
 def compile_decoder(model: Any) -> None:
@@ -190,7 +172,7 @@ def _session(path: Path, m: Any, tokenizer: Any, resolved: Resolved, gen: dict |
     num_blocks = blocks_for(resolved.params, resolved.run.max_tokens, cfg.canvas_length)
     return Session(path, cfg, m, tokenizer, ran_with(resolved, m), device, stop_ids, num_blocks, name=name,
                    dummy=dummy, compiled=compile, step_mode=step_mode, packed_weights=packed, threads=threads[0],
-                   threads_source=threads[1], wide_passes=wide_passes(cfg, device, threads))
+                   threads_source=threads[1])
 
 
 def ran_with(resolved: Resolved, model: Any) -> Resolved:

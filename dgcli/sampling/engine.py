@@ -119,12 +119,11 @@ class Engine:
 
     def __init__(self, model: Any, *, slots: int, max_len: int, pad_id: int = 0, compile_tiles: bool = False,
                  stats: dict | None = None, lag: int | None = None, budget: int = DEFAULT_BUDGET,
-                 block_size: int = 16, graphs: bool = False, prefix_caching: bool = False,
-                 wide: tuple[int, int] | None = None):
+                 block_size: int = 16, graphs: bool = False, prefix_caching: bool = False):
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise UserError(f"max_batch={slots!r}: must be a whole number >= 1")
         self.model, self.slots, self.max_len, self.pad_id = model, slots, max_len, pad_id
-        self.compile_tiles, self.wide = compile_tiles, wide  # wide (rows, threads): see runtime/session.py
+        self.compile_tiles = compile_tiles
         self.c, self.vocab = model.config.canvas_length, model.config.vocab_size
         self.device = model.embed_weight.device
         self.lag = (1 if self.device.type == "cuda" else 0) if lag is None else lag
@@ -251,19 +250,15 @@ class Engine:
                 zero = next(r.soft for r in rows if r.soft is not None).new_zeros(self.c, self.model.config.hidden_size)
                 soft = torch.stack([zero if r.soft is None else r.soft for r in rows])
         ids = torch.cat([*plan.causal_ids, *([p.canvas_in.flatten()] if rows else [])])
-        narrow = torch.get_num_threads()
-        torch.set_num_threads(self.wide[1] if self.wide is not None and len(ids) >= self.wide[0] else narrow)
-        try:
-            hidden = None if self.graphs is None else self.graphs.forward(ids, plan.segments, soft)
-            self.stats["graph_passes"] += hidden is not None
-            if hidden is None:
-                hidden = self.model.forward_pass(ids, plan.segments, self.cache, soft)
-            for r in plan.commits:
-                r.commit = None
-            if rows:
-                self._sample(p, hidden)
-        finally:
-            torch.set_num_threads(narrow)
+        hidden = None if self.graphs is None else self.graphs.forward(ids, plan.segments, soft)
+        if hidden is None:
+            hidden = self.model.forward_pass(ids, plan.segments, self.cache, soft)
+        else:
+            self.stats["graph_passes"] += 1
+        for r in plan.commits:
+            r.commit = None
+        if rows:
+            self._sample(p, hidden)
         if timing is not None:
             timing[1].record()
         p.timing = timing if timing is not None else time.perf_counter() - t0

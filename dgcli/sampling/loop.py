@@ -84,7 +84,6 @@ def generate_batch_events(
     stats: dict | None = None,
     step_mode: str = "dynamic",
     prefix_caching: bool = False,
-    wide_passes: tuple[int, int] | None = None,
 ) -> Iterator[Event]:
     """Run the entropy-bound sampler on several prompts at once, yielding each row's BlockStart, Step...,
     Commit per block and its Done, every event carrying `row` (the prompt's index). Rows may differ in
@@ -107,8 +106,7 @@ def generate_batch_events(
     decoder passes' own time, each pass once) and encode_s (prefills and commits). `step_mode` picks how a
     step runs: "dynamic" (its exact shapes) or "graphs" (CUDA graphs of denoise-only passes: model/graphs.py;
     the engine is kept for the next call of the same shape). `prefix_caching`: prompts share the cached
-    whole blocks of earlier prompts and answers of this call (stats gain prefix_cache_queries and _hits).
-    `wide_passes` (rows, threads): a pass of at least that many rows runs on that many threads."""
+    whole blocks of earlier prompts and answers of this call (stats gain prefix_cache_queries and _hits)."""
     n_rows = len(prompts)
     if n_rows < 1:
         raise UserError("no prompts: give at least one")
@@ -155,7 +153,7 @@ def generate_batch_events(
     if engine is None:
         engine = new_engine(model, slots=slots, max_len=max_len, pad_id=pad_id, compile_tiles=compile_tiles,
                             stats=None if step_mode == "graphs" else stats, step_mode=step_mode,
-                            prefix_caching=prefix_caching, wide=wide_passes)
+                            prefix_caching=prefix_caching)
         if step_mode == "graphs":
             _KEPT.clear()
             _KEPT[key] = engine
@@ -194,7 +192,6 @@ def generate_events(
     init_canvas: Sequence[int] | torch.Tensor | None = None,
     compile_tiles: bool = False,
     step_mode: str = "dynamic",
-    wide_passes: tuple[int, int] | None = None,
 ) -> Iterator[Event]:
     """Run the entropy-bound sampler on one prompt (a batch of one in `generate_batch_events`), yielding
     BlockStart, Step..., Commit per block, then Done. `params` needs max_denoising_steps, t_min, t_max,
@@ -207,7 +204,7 @@ def generate_events(
     prompt = _ids_tensor(prompt_ids, "prompt", vocab, model.embed_weight.device)  # [1, P]: one row only
     yield from generate_batch_events(model, [prompt[0]], params=params, num_blocks=num_blocks, stop_ids=stop_ids,
                                      pad_id=pad_id, init_canvases=[init_canvas], compile_tiles=compile_tiles,
-                                     step_mode=step_mode, wide_passes=wide_passes)
+                                     step_mode=step_mode)
 
 
 def generate(model: Any, prompt_ids: Sequence[int] | torch.Tensor, **kw: Any) -> Done:

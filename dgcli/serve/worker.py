@@ -75,8 +75,7 @@ class Worker:
     def _engine(self) -> Engine:
         s = self.session
         return new_engine(s.model, slots=self.slots, max_len=self.max_len, pad_id=s.pad_id, compile_tiles=s.compiled,
-                          step_mode=s.step_mode, prefix_caching=getattr(s, "prefix_caching", True),
-                          wide=getattr(s, "wide_passes", None))
+                          step_mode=s.step_mode, prefix_caching=getattr(s, "prefix_caching", True))
 
     # ---- any thread --------------------------------------------------------------------------------------
 
