@@ -3,8 +3,8 @@ before it) and the gated GELU(tanh) of the MLPs and experts, as C functions buil
 
 Owns: `rms_norm(x, weight, eps, *, residual=None, pre_add=None)` (kernels/reference_ops.py::rms_norm_reference's
 Norm_w / Norm_0 of x, or of round(x + pre_add); plus round(residual + round(y)) when `residual` is given),
-`gelu_mul(gate, up)` and `gelu_mul_fused(gu, inter)` (F.gelu(gate, approximate="tanh") * up; the fused form takes
-gate and up as the two halves of one [..., 2I] tensor), and their C source. Norm rows run on torch's thread count
+`gelu_mul(gate, up)` (F.gelu(gate, approximate="tanh") * up; gate and up may be the two halves of one [..., 2I]
+tensor: rows of a stride of their own, as kernels/dispatch.py::gelu_mul_fused passes them), and their C source. Norm rows run on torch's thread count
 only from `PARALLEL_ELEMENTS` on (below it one thread, no OpenMP region); the GELU splits as torch's does.
 Numbers: torch's bits, not just its formula (tests/kernels/test_norm_native.py checks them equal). The norm keeps
 every rounding of the torch ops: x (+ pre_add, rounded to x.dtype) read as fp32; the sum of squares in the order of
@@ -391,10 +391,3 @@ def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
                     dtype == torch.bfloat16, -(-total // t), _tanh16(), t) != 0:
         return None
     return out
-
-
-def gelu_mul_fused(gu: torch.Tensor, inter: int) -> torch.Tensor | None:
-    """gelu_mul(gu[..., :inter], gu[..., inter:]) for a [..., 2·inter] gate_up tensor, or None."""
-    if gu.dim() == 0 or gu.shape[-1] != 2 * inter:
-        return None
-    return gelu_mul(gu[..., :inter], gu[..., inter:])
