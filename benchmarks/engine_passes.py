@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from dgcli.model.packed import pack_for_cpu
 from dgcli.model.random_weights import random_model
 from dgcli.sampling.engine import Engine, Request
 from dgcli.sampling.events import Step
@@ -119,6 +120,7 @@ def bundled(batch: int, rounds: int = 5) -> dict:
             return func(*args, **(kwargs or {}))
 
     model = dgcli.load_model(BUNDLED)
+    pack_for_cpu(model)  # as a session runs it (fp32: the C GEMM's panels, kernels/gemm_native.py)
     # every timed step inside the first block (a finished request would leave steps with nothing to do: 0 ms)
     params = DiffusionEbParams(max_denoising_steps=20 * rounds + 8, confidence_threshold=0.0)
     engine = Engine(model, slots=batch, max_len=40 + 2 * model.config.canvas_length, pad_id=0)

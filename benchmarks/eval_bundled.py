@@ -128,8 +128,10 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.time()
         if impl == "dgemma":
             import dgcli
+            from dgcli.model.packed import pack_for_cpu
 
             model = dgcli.load_model(model_dir, dtype=torch.float32)
+            pack_for_cpu(model)  # as a session runs it (the C GEMM's panels: kernels/gemm_native.py)
             with torch.no_grad():
                 res = evaluate(model, tok, examples, num_blocks=a.blocks, params=params, stop_ids=stop_ids,
                                keep_outputs=True)

@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, a.dtype)
 
     import dgcli
+    from dgcli.model.packed import pack_for_cpu
     from dgcli.model.random_weights import write_random_checkpoint
     from dgcli.sampling.loop import generate
     from dgcli.sampling.params import DiffusionEbParams
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                                            tokenizer=False))
     hf_logging.set_verbosity_error()  # the random checkpoint has no vision tower: transformers lists it as missing
     ours = dgcli.load_model(path, dtype=dtype)
+    pack_for_cpu(ours)  # as a session runs it (prepacked / C GEMM weights: dgcli/model/packed.py)
     hf = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=dtype).eval()
     hf.generation_config.eos_token_id = None  # fixed work: no stop ids (see the docstring)
     cfg = ours.config

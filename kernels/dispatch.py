@@ -18,7 +18,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from . import norm_native, ops, reference, reference_ops
+from . import native, norm_native, ops, reference, reference_ops
 
 MODES = ("auto", "reference")
 FP8_SEMANTICS = ("weight-only", "dynamic")
@@ -60,7 +60,7 @@ def implementation(op: str, device: torch.device | str) -> str:
     dequantized tiles or torch._scaled_mm).
     Decided once per op, device and DGEMMA_KERNELS value (a dict lookup afterwards: this runs ~13 times per
     layer per step); only the variable itself is read at each call, so a test or a benchmark can flip it."""
-    key = (op, device, os.environ.get("DGEMMA_KERNELS"))
+    key = (op, device, native.getenv("DGEMMA_KERNELS"))
     got = _CHOSEN.get(key)
     if got is None:
         got = _CHOSEN[key] = _choose(op, torch.device(device))

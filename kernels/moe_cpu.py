@@ -4,9 +4,10 @@ Owns: `experts_segments` (the default for a model as loaded: pairs sorted into c
 segments, two `F.grouped_mm` calls, no padding, no host read, so it compiles into the decoder's graph),
 `experts_grouped` (padded batched GEMMs; used where grouped_mm's 16-byte stride rule does not hold,
 and for non-bf16 inputs inside torch.compile) and `experts_packed` (bf16 weights prepacked for oneDNN
-at session start, one GEMM pair per expert on its gathered rows: what an eager CPU session runs; see
+at session start, one GEMM pair per expert on its gathered rows: what an eager bf16 CPU session runs; see
 kernels/linear_cpu.py and dgcli/model/packed.py), with its pool of one-thread workers (`_pool`) that
-share out the experts where each gets few rows.
+share out the experts where each gets few rows, and `experts_native` (fp32 sessions: `experts_segments` with
+the C GEMM, kernels/gemm_native.py).
 All equal `kernels/reference_ops.py::experts_reference` (and so the model's `Experts.forward`): same
 GEMM inputs and dtypes, same activation, the fp32 routing-weight product rounded to x.dtype, and a
 token's k contributions added in ascending expert order with one rounding per addition. Only the GEMM
@@ -45,7 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.nn.functional as F
 
-from . import dispatch
+from . import dispatch, gemm_native
 from .linear_cpu import PROBE_ROWS, linear, pack
 from .reference_ops import experts_reference
 
@@ -186,6 +187,22 @@ def experts_segments(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_u
     act = dispatch.gelu_mul_fused(gu, inter)  # [N*k, I]: gelu_tanh(gate) * up
     y = F.grouped_mm(act, down_proj.transpose(1, 2), offs=offs)  # [N*k, H]
     # fp32 product rounded to x.dtype in place: a mixed-dtype in-place mul computes in fp32 and rounds once
+    return _sum_slots(y.mul_(_sorted_weights(w_sorted, order)), order, k)
+
+
+def experts_native(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                   inter: int) -> torch.Tensor | None:
+    """`experts_segments` for fp32 with the C GEMM (kernels/gemm_native.py) over weights packed as panels
+    (gate_up [E, ..] packs gate_up_proj, down packs down_proj): each GEMM pair is one call over every expert's
+    segment, the rows gathered inside it. None where the C GEMM does not apply. Bits: the C GEMM's (k order)."""
+    n, k = idx.shape
+    flat, w_sorted = _pairs(idx, w)  # [N*k], [N, k]
+    order = torch.argsort(flat, stable=True)  # [N*k] pairs grouped by expert
+    ends = torch.bincount(flat, minlength=gate_up.shape[0]).cumsum_(0)  # [E] end of each expert's segment
+    gu = gemm_native.grouped(x, order // k, gate_up, ends, 2 * inter)  # [N*k, 2I]
+    if gu is None:
+        return None
+    y = gemm_native.grouped(dispatch.gelu_mul_fused(gu, inter), None, down, ends, x.shape[1])  # [N*k, H]
     return _sum_slots(y.mul_(_sorted_weights(w_sorted, order)), order, k)
 
 

@@ -20,9 +20,25 @@ import tempfile
 from pathlib import Path
 
 
+_DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None  # CPython: bytes name -> bytes value
+_NAMES: dict[str, bytes] = {}
+
+
+def getenv(name: str) -> str | None:
+    """os.environ.get(name), read as it is now, without os.environ's per-call encoding (~1 µs; the kernels'
+    switches are read a few hundred times a denoising step): CPython keeps POSIX's environment in `_data`."""
+    if _DATA is None:
+        return os.environ.get(name)
+    key = _NAMES.get(name)
+    if key is None:
+        key = _NAMES[name] = os.fsencode(name)
+    v = _DATA.get(key)
+    return None if v is None else os.fsdecode(v)
+
+
 def enabled(switch: str | None = None) -> bool:
     """False under DGEMMA_NATIVE=0, or under the kernel's own `switch` variable set to 0."""
-    return os.environ.get("DGEMMA_NATIVE", "1") != "0" and (switch is None or os.environ.get(switch, "1") != "0")
+    return getenv("DGEMMA_NATIVE") != "0" and (switch is None or getenv(switch) != "0")
 
 
 def build(name: str, source: str, signatures: dict[str, list], flags: tuple[str, ...] = (),

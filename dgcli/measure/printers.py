@@ -83,7 +83,8 @@ def provenance(*, device: Any, dtype: str, model: str, model_name: str, paramete
 
 def kernel_choices(device: Any, packed_weights: int = 0) -> dict[str, str]:
     """Which implementation each fused op ran (triton | cpu | reference); `linear`: cpu where the session
-    prepacked its weights for oneDNN (`packed_weights` matrices), else torch's own GEMM (reference);
+    prepacked its weights (`packed_weights` matrices: bf16 for oneDNN, fp32 for the C GEMM), else torch's own
+    GEMM (reference);
     `attention`: the paged attention's backend (triton-paged | torch-sdpa, dgcli/model/attention.py)."""
     import torch
 

@@ -1,22 +1,29 @@
-"""A loaded bf16 model on CPU with its linear and expert weights prepacked for oneDNN (same bits, faster GEMMs).
+"""A loaded model on CPU with its linear and expert weights prepacked: bf16 for oneDNN (same bits), fp32 as the C
+GEMM's panels (kernels/gemm_native.py: other bits, within fp32 rounding); faster GEMMs either way.
 
 Owns: `pack_for_cpu(model)`, which swaps each bf16 `nn.Linear` for a `PackedLinear` and each `Experts` for a
-`PackedExperts` holding the packed copies (the stored weights are dropped: no second copy in memory), and
-says how many matrices it packed. The embedding (also the tied head) stays as stored: the embedding lookup,
-the vocabulary pass's soft GEMM and its draw read it in its own layout.
+`PackedExperts`, each fp32 one for a `NativeLinear` / `NativeExperts`, holding the packed copies (the stored
+weights are dropped: no second copy in memory), and says how many matrices it packed. The embedding (also the
+tied head) stays as stored: the embedding lookup, the vocabulary pass's soft GEMM and its draw read it in its
+own layout.
 Must not: pack for torch.compile (inductor traces plain weights; `--compile` sessions stay unpacked), or touch
-fp32 or FP8 modules. There is no way back: a packed model has no state_dict for its packed weights.
-The GEMM and its bit check: kernels/linear_cpu.py; the experts' loop: kernels/moe_cpu.py::experts_packed.
+FP8 modules. There is no way back: a packed model has no state_dict for its packed weights.
+The GEMMs: kernels/linear_cpu.py (bf16, and its bit check), kernels/gemm_native.py (fp32); the experts:
+kernels/moe_cpu.py::experts_packed / experts_native.
 
-When: a bf16 session on CPU, eager (not `--compile`, not `DGEMMA_KERNELS=reference`), packs at load. Why:
-torch's own bf16 GEMM re-lays the weight out on every call, which costs most where a GEMM has few rows (a
-ragged expert's). Same bits: `pack` checks each weight shape, on the machine it runs on, against `F.linear`
-on probe rows (1, 17 and 256) and keeps a weight as stored where they differ; the tests compare the packed
-model with the model as loaded, layer by layer and request by request. Memory is unchanged (the stored copy
-is dropped, and with it the checkpoint's file mapping). Cost: ~2 s per GB of weights at 2 threads at load,
+When: a bf16 or fp32 session on CPU, eager (not `--compile`, not `DGEMMA_KERNELS=reference`), packs at load.
+Why bf16: torch's own bf16 GEMM re-lays the weight out on every call, which costs most where a GEMM has few
+rows (a ragged expert's). Same bits: `pack` checks each weight shape, on the machine it runs on, against
+`F.linear` on probe rows (1, 17 and 256) and keeps a weight as stored where they differ; the tests compare the
+packed model with the model as loaded, layer by layer and request by request. Memory is unchanged (the stored
+copy is dropped, and with it the checkpoint's file mapping). Cost: ~2 s per GB of weights at 2 threads at load,
 about 1.5-2 minutes for the full checkpoint on a 2-core machine, repaid after ~40-60 denoising steps; less
-with more cores. Bench rows say `"linear": "cpu"` in `provenance.kernels` when it ran. Speed-ups measured
-per GEMM size and per model: benchmarks/RESULTS.md.
+with more cores. Bench rows say `"linear": "cpu"` in `provenance.kernels` when it ran.
+Why fp32 (the bundled model): MKL's fp32 GEMM runs the bundled model's 16-128-row products at a third to two
+thirds of the core's rate; the C GEMM streams each weight panel once (kernels/gemm_native.py says what it
+changes: each output summed in k order, batch-invariant; the fp32 parity tests hold it to the reference).
+`DGEMMA_GEMM_NATIVE=0` (or DGEMMA_NATIVE=0) at load keeps fp32 models as loaded, with torch's bits.
+Speed-ups measured per GEMM size and per model: benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dgcli.kernels import dispatch, linear_cpu, moe_cpu
+import torch.nn.functional as F
+
+from dgcli.kernels import dispatch, gemm_native, linear_cpu, moe_cpu
 from dgcli.model.gemma import Experts
 
 
@@ -53,14 +62,64 @@ class PackedExperts(nn.Module):
         return moe_cpu.experts_packed(x, w, idx, self.gate_up, self.down, self.inter)
 
 
-def _packed_linear(m: nn.Linear) -> PackedLinear | None:
+class NativeLinear(nn.Module):
+    """fp32 `nn.Linear` without bias whose weight [N, K] lives as the C GEMM's panels (kernels/gemm_native.py); a
+    buffer, so `.to()` moves it (another dtype or device, or the kernel switched off: torch's GEMM, a copy of the
+    weight in its stored layout per call)."""
+
+    def __init__(self, packed: torch.Tensor, in_features: int, out_features: int):
+        super().__init__()
+        self.register_buffer("packed", packed, persistent=False)
+        self.in_features, self.out_features = in_features, out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = gemm_native.linear(x, self.packed, self.out_features)
+        return F.linear(x, _stored(self.packed, self.out_features)) if y is None else y
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed (C panels)"
+
+
+class NativeExperts(nn.Module):
+    """fp32 `Experts` with gate_up_proj [E, 2I, H] and down_proj [E, H, I] as the C GEMM's panels."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, hidden: int, inter: int):
+        super().__init__()
+        self.register_buffer("gate_up", gate_up, persistent=False)
+        self.register_buffer("down", down, persistent=False)
+        self.hidden, self.inter = hidden, inter
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        y = None
+        if x.dtype == self.gate_up.dtype:
+            y = moe_cpu.experts_native(x, w, idx, self.gate_up, self.down, self.inter)
+        if y is None:  # the stored layout back (copies): the device's own path
+            y = dispatch.experts(x, w, idx, _stored(self.gate_up, 2 * self.inter), _stored(self.down, self.hidden))
+        return y
+
+
+def _stored(panels: torch.Tensor, n: int) -> torch.Tensor:
+    """Panels [.., P, K, 16] back to the weight [.., n, K] as stored (a contiguous copy)."""
+    return panels.transpose(-2, -1).flatten(-3, -2)[..., :n, :].contiguous()
+
+
+def _packed_linear(m: nn.Linear) -> PackedLinear | NativeLinear | None:
     if m.bias is not None:
         return None
+    if _native_fp32(m.weight):
+        return NativeLinear(gemm_native.pack(m.weight), m.in_features, m.out_features)
     p = linear_cpu.pack(m.weight)
     return None if p is None else PackedLinear(p, m.in_features, m.out_features)
 
 
-def _packed_experts(m: Experts) -> PackedExperts | None:
+def _native_fp32(w: torch.Tensor) -> bool:
+    return w.dtype == torch.float32 and w.device.type == "cpu" and gemm_native.available()
+
+
+def _packed_experts(m: Experts) -> PackedExperts | NativeExperts | None:
+    if _native_fp32(m.gate_up_proj):
+        return NativeExperts(gemm_native.pack(m.gate_up_proj), gemm_native.pack(m.down_proj), m.down_proj.shape[1],
+                             m.down_proj.shape[2])
     gate_up, down = [], []
     for e in range(m.gate_up_proj.shape[0]):  # every expert the same shapes: the first refusal decides
         gate_up.append(linear_cpu.pack(m.gate_up_proj[e]))
@@ -102,6 +161,8 @@ def _own_the_rest(model: nn.Module) -> None:
     resident: the packed copies would come on top of the file's pages (measured: RSS +324 MB on the 200 M
     config). After this the mapping goes, and the model holds what it held before packing."""
     for module in model.modules():
+        if isinstance(module, (NativeLinear, NativeExperts)):  # their panels are new memory already
+            continue
         for p in module.parameters(recurse=False):
             p.data = p.data.clone()
         for name, b in list(module.named_buffers(recurse=False)):

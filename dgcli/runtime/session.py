@@ -58,7 +58,7 @@ class Session:
     compiled: bool = False  # --compile: decoder and vocabulary tiles through torch.compile
     step_mode: str = "dynamic"  # the engine's step: "graphs" with --cuda-graphs (dgcli.sampling.engine.new_engine)
     prefix_caching: bool = True  # batched engines share cached prompt blocks (--no-prefix-caching: off)
-    packed_weights: int = 0  # weight matrices prepacked for oneDNN (eager CPU bf16; dgcli.model.packed)
+    packed_weights: int = 0  # weight matrices prepacked (eager CPU: bf16 for oneDNN, fp32 for the C GEMM; model.packed)
     threads: int = 0  # torch intra-op threads the run uses (`thread_rule`)
     threads_source: str = ""  # why: the --threads flag, OMP_NUM_THREADS, or the rule
 
@@ -162,8 +162,9 @@ def _session(path: Path, m: Any, tokenizer: Any, resolved: Resolved, gen: dict |
     step_mode = check_cuda_graphs(cuda_graphs, m.embed_weight.device, compile)
     if compile:
         compile_decoder(m)
-    # An eager session's bf16 CPU weights, prepacked for oneDNN (same bits; short GEMMs such as a ragged expert's
-    # run up to 1.5x faster). Not under --compile: inductor traces plain weights.
+    # An eager session's CPU weights prepacked: bf16 for oneDNN (same bits; short GEMMs such as a ragged expert's
+    # run up to 1.5x faster), fp32 for the C GEMM (dgcli/model/packed.py). Not under --compile: inductor traces
+    # plain weights.
     packed = 0 if compile else pack_for_cpu(m)
     cfg = m.config
     stop_ids = stop_ids_from_generation_config(gen) if gen else list(cfg.eos_token_ids)

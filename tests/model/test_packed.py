@@ -94,11 +94,13 @@ def test_packed_model_gives_every_request_the_same_events():
 
 
 def test_nothing_is_packed_where_it_does_not_apply(monkeypatch):
-    """fp32 weights (MKL's GEMM), a machine where the packed GEMM's bits differ, DGEMMA_KERNELS=reference
-    (torch's own ops): the model is left as loaded."""
+    """fp32 weights with the C GEMM switched off (MKL's GEMM), a machine where the packed GEMM's bits differ,
+    DGEMMA_KERNELS=reference (torch's own ops): the model is left as loaded."""
     tc, canvas = text_config("gqa2_window6")
     cfg = make_config(tc, canvas_length=canvas)
-    assert pack_for_cpu(random_model(cfg, dtype=torch.float32)) == 0
+    with monkeypatch.context() as m:
+        m.setenv("DGEMMA_GEMM_NATIVE", "0")
+        assert pack_for_cpu(random_model(cfg, dtype=torch.float32)) == 0
     with monkeypatch.context() as m:
         m.setattr(linear_cpu, "_agrees", lambda n, k, threads: False)
         model = random_model(cfg, dtype=torch.bfloat16)

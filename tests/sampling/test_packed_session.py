@@ -1,6 +1,7 @@
 """A CPU session in bf16 prepacks its weights for oneDNN (dgcli/model/packed.py) and gives every request exactly
-the events of the same session unpacked, on the bundled model's held-out prompts; it does not pack in fp32,
-under --compile or with DGEMMA_KERNELS=reference; bench's provenance says which linear ran."""
+the events of the same session unpacked, on the bundled model's held-out prompts; in fp32 it packs for the C
+GEMM (kernels/gemm_native.py; not with DGEMMA_GEMM_NATIVE=0); nothing packs under --compile or with
+DGEMMA_KERNELS=reference; bench's provenance says which linear ran."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from test_engine_lag import mixed_jobs, per_request
 
 import dgcli
 from dgcli.cli.options import sampler_flags
-from dgcli.kernels import linear_cpu
+from dgcli.kernels import gemm_native, linear_cpu
 from dgcli.model import packed as packed_mod
-from dgcli.model.packed import PackedLinear
+from dgcli.model.packed import NativeExperts, NativeLinear, PackedLinear
 from dgcli.runtime import request
 from dgcli.runtime.session import open_session
 from dgcli.text.prompts import read_prompt_file
@@ -57,25 +58,36 @@ def test_packed_session_gives_every_request_the_same_events(sessions, slots):
     assert a == b
 
 
-def test_no_packing_in_fp32_under_compile_or_on_the_references(monkeypatch):
+def test_fp32_packs_for_the_c_gemm_and_nothing_packs_under_compile_or_on_the_references(monkeypatch):
     fp32 = open_session(None, None, sampler_flags(blocks=1, device="cpu", dtype="float32"))
-    assert fp32.packed_weights == 0
+    native = [m for m in fp32.model.modules() if isinstance(m, (NativeLinear, NativeExperts))]
+    if gemm_native.available():  # fp32: the C GEMM's panels (every linear and the experts of every layer)
+        assert fp32.packed_weights > 0 and len(native) > len(fp32.model.layers)
+    else:
+        assert fp32.packed_weights == 0 and not native
+    with monkeypatch.context() as m:
+        m.setenv("DGEMMA_GEMM_NATIVE", "0")
+        assert open_session(None, None, sampler_flags(blocks=1, device="cpu", dtype="float32")).packed_weights == 0
     assert bf16_session(compile=True).packed_weights == 0  # inductor traces the weights as loaded
     monkeypatch.setenv("DGEMMA_KERNELS", "reference")
     assert bf16_session().packed_weights == 0
+    assert open_session(None, None, sampler_flags(blocks=1, device="cpu", dtype="float32")).packed_weights == 0
 
 
-def test_bench_provenance_names_the_linear_that_ran(cli_ckpt):
+def test_bench_provenance_names_the_linear_that_ran(cli_ckpt, monkeypatch):
     from typer.testing import CliRunner
 
     from dgcli.cli import app
 
-    kinds = {}
-    for dtype in ("bfloat16", "float32"):
-        r = CliRunner().invoke(app, ["bench", "--model", str(cli_ckpt), "--dtype", dtype, "--diffusion-steps", "2",
+    kinds, fp32 = {}, "cpu" if gemm_native.available() else "reference"  # fp32: the C GEMM where it builds
+    for dtype in ("bfloat16", "float32", "float32-torch"):
+        if dtype == "float32-torch":
+            monkeypatch.setenv("DGEMMA_GEMM_NATIVE", "0")
+        r = CliRunner().invoke(app, ["bench", "--model", str(cli_ckpt), "--dtype", dtype.removesuffix("-torch"),
+                                     "--diffusion-steps", "2",
                                      "--confidence-threshold", "0", "--blocks", "1", "--random-prompts",
                                      "--num-prompts", "1", "--random-input-len", "6", "--no-measure-peaks",
                                      "--runs", "1", "--warmup", "0", "--format", "jsonl"])
         assert r.exit_code == 0, (r.output, r.exception)
         kinds[dtype] = json.loads(r.stdout)["provenance"]["kernels"]["linear"]
-    assert kinds == {"bfloat16": "cpu", "float32": "reference"}
+    assert kinds == {"bfloat16": "cpu", "float32": fp32, "float32-torch": "reference"}
