@@ -11,6 +11,7 @@ needed: every caller has a torch path.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -39,6 +40,25 @@ def getenv(name: str) -> str | None:
 def enabled(switch: str | None = None) -> bool:
     """False under DGEMMA_NATIVE=0, or under the kernel's own `switch` variable set to 0."""
     return getenv("DGEMMA_NATIVE") != "0" and (switch is None or getenv(switch) != "0")
+
+
+@functools.cache
+def vector_tanh(which: str) -> int | None:
+    """The address of a 16-lane fp32 tanh (AVX-512) in this process, or None: "sleef", torch's own
+    Sleef_tanhf16_u10 (0.5 ulp; where torch runs its AVX512 kernels), or "libmvec", glibc's _ZGVeN16v_tanhf
+    (<= 1.3 ulp; ~3.5x faster on a 2-core EPYC: 0.47 against 1.65 ns an element)."""
+    import torch
+
+    try:
+        if which == "sleef":
+            if torch.backends.cpu.get_cpu_capability() != "AVX512":
+                return None
+            fn = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so")).Sleef_tanhf16_u10
+        else:
+            fn = ctypes.CDLL("libmvec.so.1")._ZGVeN16v_tanhf
+    except (OSError, AttributeError):
+        return None
+    return ctypes.cast(fn, ctypes.c_void_p).value
 
 
 def build(name: str, source: str, signatures: dict[str, list], flags: tuple[str, ...] = (),

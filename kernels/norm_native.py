@@ -4,8 +4,9 @@ before it) and the gated GELU(tanh) of the MLPs and experts, as C functions buil
 Owns: `rms_norm(x, weight, eps, *, residual=None, pre_add=None)` (kernels/reference_ops.py::rms_norm_reference's
 Norm_w / Norm_0 of x, or of round(x + pre_add); plus round(residual + round(y)) when `residual` is given),
 `gelu_mul(gate, up)` (F.gelu(gate, approximate="tanh") * up; gate and up may be the two halves of one [..., 2I]
-tensor: rows of a stride of their own, as kernels/dispatch.py::gelu_mul_fused passes them), and their C source. Norm rows run on torch's thread count
-only from `PARALLEL_ELEMENTS` on (below it one thread, no OpenMP region); the GELU splits as torch's does.
+tensor: rows of a stride of their own, as kernels/dispatch.py::gelu_mul_fused passes them), and their C source.
+Norm rows run on torch's thread count only from `PARALLEL_ELEMENTS` on (below it one thread, no OpenMP region);
+the GELU splits as torch's does.
 Numbers: torch's bits, not just its formula (tests/kernels/test_norm_native.py checks them equal). The norm keeps
 every rounding of the torch ops: x (+ pre_add, rounded to x.dtype) read as fp32; the sum of squares in the order of
 ATen's cascade_sum (8-float vectors, 4 interleaved accumulators, a 4-level cascade; `sum_sq`); mean = sum / d;
@@ -15,7 +16,9 @@ The GELU is ATen's AVX512 kernel op for op: 0.5·x·(1 + tanh(√(2/π)·(x + 0.
 by torch's own Sleef_tanhf16_u10 on the elements its loops take as whole vectors and glibc's tanhf on the rest
 (the same runs: its thread split, row ends), rounded to the activation dtype, then times up, rounded again.
 No -ffast-math (its startup code would flush denormals to zero process-wide), no FMA contraction.
-DGEMMA_NATIVE=0 (or DGEMMA_NORM_NATIVE=0) runs the torch ops themselves.
+Except fp32 GELUs (FAST_TANH_DTYPES): their tanh is glibc's vector tanhf (libmvec, <= 1.3 ulp from tanh against
+Sleef's 0.5; 0.47 against 1.65 ns an element here), so fp32 GELU bits differ from torch's in the last places
+(the fp32 parity tests bound them). DGEMMA_NATIVE=0 (or DGEMMA_NORM_NATIVE=0) runs the torch ops themselves.
 Must not: pick devices or implementations (kernels/dispatch.py does), run under autograd or inside a compiled
 graph, or be needed: None means "use the torch ops" (no compiler, CUDA tensors, other dtypes, a last dimension
 that is not contiguous, leading dimensions that do not fold into one row stride, gradients wanted, a one-row norm
@@ -26,7 +29,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-from pathlib import Path
 
 import torch
 
@@ -266,11 +268,12 @@ _SIGNATURE = {"rms_norm": [_P, _L, _P, _L, _P, _L, _P, _L, _L, _L, _I, _P, _I, _
               "gelu_mul": [_P, _P, _L, _P, _L, _L, _I, _L, _P, _I]}
 _FLAGS = ("-fno-math-errno", "-fopenmp-simd", "-ffp-contract=off")  # no FMA: y is rounded before the residual add
 _lib: list = []  # [the loaded library, or None]: filled at first use
-_sleef: list = []  # [Sleef_tanhf16_u10's address, or None]: filled at first use
 _GELU_SERIAL = 16384  # ATen's GELU_MIN_ELEMENTS_FOR_MULTI_THREADING: up to it one run of the flat index
 # Below this many elements torch's gelu and mul are as fast (Sleef's tanh takes the time): gelu_mul says None.
 GELU_MIN_ELEMENTS = _GELU_SERIAL + 1
 GELU_DTYPES = (torch.float32,)  # bf16 runs bit for bit too, but no faster than torch's (both Sleef-bound)
+# GELUs of these dtypes take glibc's vector tanh instead, at every size (other bits, ~1 ulp of tanh)
+FAST_TANH_DTYPES = (torch.float32,)
 _REDUCE_SERIAL = 32768  # ATen's GRAIN_SIZE: a one-row sum shorter than it runs on one thread
 _DTYPES = (torch.float32, torch.bfloat16)
 _WKIND = {torch.float32: 1, torch.bfloat16: 2}  # the C function's weight kinds (0: none)
@@ -354,40 +357,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, residu
     return out
 
 
-def _tanh16() -> int | None:
-    """The address of Sleef_tanhf16_u10 in torch's own library, where torch runs its AVX512 kernels, else None."""
-    if not _sleef:
-        addr = None
-        if torch.backends.cpu.get_cpu_capability() == "AVX512":
-            try:
-                lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
-                addr = ctypes.cast(lib.Sleef_tanhf16_u10, ctypes.c_void_p).value
-            except (OSError, AttributeError):
-                addr = None
-        _sleef.append(addr)
-    return _sleef[0]
-
-
 def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
-    """F.gelu(gate, approximate="tanh") * up (same shapes, dtype and row stride), bit for bit, as a new
-    contiguous tensor, or None (also where torch does not run its AVX512 kernels, or for GELU_DTYPES' others)."""
+    """F.gelu(gate, approximate="tanh") * up (same shapes, dtype and row stride) as a new contiguous tensor: bit
+    for bit, or (FAST_TANH_DTYPES) with glibc's vector tanh; None where neither applies (module docstring)."""
     got = _usable(gate)
     if got is None:
         return None
     lib, shape, dtype = got
     total = math.prod(shape)
-    if total < GELU_MIN_ELEMENTS or dtype not in GELU_DTYPES:
+    fast = native.vector_tanh("libmvec") if dtype in FAST_TANH_DTYPES else None
+    if not fast and (total < GELU_MIN_ELEMENTS or dtype not in GELU_DTYPES):
         return None
+    tanh = fast or native.vector_tanh("sleef")
     ld = _ld(gate, shape, dtype, same=True)
-    if ld is None or _ld(up, shape, dtype) != ld or _tanh16() is None:
+    if ld is None or _ld(up, shape, dtype) != ld or tanh is None:
         return None
     d = shape[-1]
     n = total // d
-    # torch's split of the flat index (GeluKernelImpl's grain, TensorIterator.for_each, at::parallel_for), which
-    # decides which elements its loops reach as whole vectors; the same pieces run on as many threads here
+    # exact: torch's split of the flat index (GeluKernelImpl's grain, TensorIterator.for_each, at::parallel_for),
+    # which decides which elements its loops reach as whole vectors; the same pieces run on as many threads here.
+    # fast: every size, one row a piece, so a row's bits do not depend on its batch or the thread count
     t = torch.get_num_threads() if total > _GELU_SERIAL else 1
     out = torch.empty(shape, dtype=dtype)
     if lib.gelu_mul(gate.data_ptr(), up.data_ptr(), d if n == 1 else ld, out.data_ptr(), n, d,
-                    dtype == torch.bfloat16, -(-total // t), _tanh16(), t) != 0:
+                    dtype == torch.bfloat16, d if fast else -(-total // t), tanh, t) != 0:
         return None
     return out

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dgcli.kernels import dispatch, norm_native, reference_ops
+from dgcli.kernels import dispatch, native, norm_native, reference_ops
 
 pytestmark = pytest.mark.skipif(norm_native._native() is None, reason="no C compiler here")
 DTYPES = [torch.float32, torch.bfloat16]
@@ -84,6 +84,7 @@ def test_residual_and_pre_add_fusions_are_the_composition(dtype):
 def test_gelu_mul_is_torchs_bits(dtype, threads, monkeypatch):
     monkeypatch.setattr(norm_native, "GELU_MIN_ELEMENTS", 0)
     monkeypatch.setattr(norm_native, "GELU_DTYPES", tuple(DTYPES))
+    monkeypatch.setattr(norm_native, "FAST_TANH_DTYPES", ())  # Sleef's tanh, torch's own
     g = torch.Generator().manual_seed(3)
     for t in (1, 2):
         torch.set_num_threads(t)
@@ -96,6 +97,28 @@ def test_gelu_mul_is_torchs_bits(dtype, threads, monkeypatch):
             assert _same(got, F.gelu(gu[:, :width], approximate="tanh") * gu[:, width:]), (t, rows, width)
         gu = (torch.randn(4, 70, 2 * 160, generator=g) * 3).to(dtype)  # [E, cap, 2I]
         assert _same(dispatch.gelu_mul_fused(gu, 160), F.gelu(gu[..., :160], approximate="tanh") * gu[..., 160:])
+
+
+def test_the_fast_fp32_gelu_is_within_a_few_ulp_of_torchs(threads, monkeypatch):
+    """fp32 GELUs take glibc's vector tanh (FAST_TANH_DTYPES): other bits, a few ulp of tanh from torch's."""
+    if native.vector_tanh("libmvec") is None:
+        pytest.skip("no libmvec tanhf here: fp32 GELUs keep torch's bits")
+    g = torch.Generator().manual_seed(9)
+    for t in (1, 2):
+        torch.set_num_threads(t)
+        for rows, width in ((16, 320), (37, 33), (300, 160), (3, 40000)):
+            gu = torch.randn(rows, 2 * width, generator=g) * 3
+            gate, up = gu[:, :width], gu[:, width:]
+            got, want = norm_native.gelu_mul(gate, up), F.gelu(gate, approximate="tanh") * up
+            bound = 4 * 2.0**-23 * (0.5 * gate * up).abs() + 2 * 2.0**-23 * want.abs() + 1e-37
+            assert got is not None and ((got - want).abs() <= bound).all(), (t, rows, width)
+    assert not _same(got, want)  # it did take the other tanh (a 120,000-element GELU differs somewhere)
+    gu = torch.randn(37, 2 * 40, generator=g) * 3  # rows of 40: 32 through the vector tanh, 8 through tanhf
+    whole = norm_native.gelu_mul(gu[:, :40], gu[:, 40:])
+    for r in (0, 5, 36):  # a row alone, at every size: its bits whatever its batch
+        assert _same(norm_native.gelu_mul(gu[r:r + 1, :40], gu[r:r + 1, 40:]), whole[r:r + 1])
+    g2, u2 = gu[:, :40].contiguous(), gu[:, 40:].contiguous()  # contiguous: still one row a piece
+    assert _same(norm_native.gelu_mul(g2, u2), whole) and _same(norm_native.gelu_mul(g2[3:9], u2[3:9]), whole[3:9])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -125,6 +148,7 @@ def test_the_switches_keep_the_torch_ops(monkeypatch):
             return getattr(real, name)
 
     monkeypatch.setattr(norm_native, "_lib", [Spy()])
+    monkeypatch.setattr(norm_native, "FAST_TANH_DTYPES", ())  # torch's bits with the kernel on and off
     for env in ({}, {"DGEMMA_NATIVE": "0"}, {"DGEMMA_NORM_NATIVE": "0"}):
         calls.clear()
         for k in ("DGEMMA_NATIVE", "DGEMMA_NORM_NATIVE"):
@@ -147,6 +171,7 @@ def test_a_model_pass_is_the_same_with_and_without_the_kernels(monkeypatch):
 
     monkeypatch.setattr(norm_native, "GELU_MIN_ELEMENTS", 0)  # this pass's GELUs are small
     monkeypatch.setattr(norm_native, "GELU_DTYPES", tuple(DTYPES))
+    monkeypatch.setattr(norm_native, "FAST_TANH_DTYPES", ())  # torch's bits (the fast fp32 tanh: parity tests)
     text = dict(vocab_size=96, hidden_size=160, intermediate_size=160, moe_intermediate_size=128,
                 num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, num_global_key_value_heads=1,
                 head_dim=64, global_head_dim=64, num_experts=4, top_k_experts=2, sliding_window=6,
