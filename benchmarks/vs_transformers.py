@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                                            tokenizer=False))
     hf_logging.set_verbosity_error()  # the random checkpoint has no vision tower: transformers lists it as missing
     ours = dgcli.load_model(path, dtype=dtype)
-    pack_for_cpu(ours)  # as a session runs it (prepacked / C GEMM weights: dgcli/model/packed.py)
+    packed = pack_for_cpu(ours)  # as a session runs it (prepacked / C GEMM weights: dgcli/model/packed.py)
     hf = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=dtype).eval()
     hf.generation_config.eos_token_id = None  # fixed work: no stop ids (see the docstring)
     cfg = ours.config
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         "canvas": c, "blocks": a.blocks, "steps": a.steps, "config": a.checkpoint or a.config, "dtype": a.dtype,
         "threads": a.threads, "parameters": sum(p.numel() for p in ours.parameters()),
         "torch": torch.__version__, "transformers": __import__("transformers").__version__,
-        "dgemma_kernels": kernel_choices(torch.device("cpu")), "git_commit": git_commit(),
+        "dgemma_kernels": kernel_choices(torch.device("cpu"), packed), "git_commit": git_commit(),
         "machine": f"{cpu_name() or platform.machine()}, {torch.get_num_threads()} thread(s)",
         "date": time.strftime("%Y-%m-%d"),
     }
