@@ -6,9 +6,11 @@ first j with Σ_{i≤j} exp(L_i - M) > u·Σ_i exp(L_i - M), sums in float64). A
 vocabulary keeps, per row and per group of `width` consecutive columns, a reference value m_g ≥ the
 group's logits and w_g = Σ_{j∈g} exp(L_j - m_g) (fp32); this finds the group where the cumulative mass
 crosses u·total, recomputes that group's logits for each row (`group_logits`: a [rows, width, H] gather
-of E, a few rows at a time) and finds the column inside it. Same draw as the reference's up to float
-rounding (group sums in fp32, a different summation order) when u·total falls within that rounding of
-a CDF boundary. Must not: know about devices beyond the tensors given, or sync with the host.
+of E, a few rows at a time, or one GEMM per group when few groups are drawn) and finds the column inside it.
+Same draw as the reference's up to float rounding (group sums in fp32, a different summation order) when
+u·total falls within that rounding of a CDF boundary. The CPU pass's searches are C calls
+(kernels/sampler_native.py: the same bits as the torch ops, which a device kernel's draw keeps). Must not: know
+about devices beyond the tensors given, or sync with the host (CPU tensors are read as lists: no device there).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from . import sampler_native
 from .reference import processed_logits
 
 # A row chunk's gathered embedding rows [rows, width, H] stay within this many bytes. 8 MiB, not 32: a
@@ -24,6 +27,13 @@ from .reference import processed_logits
 # call (21 ms of the 200 M benchmark's ~250 ms CPU vocabulary pass on a 2-core EPYC VM); 8 MiB chunks come
 # from the heap and cost 11 ms in all (the same bits: rows are independent).
 GATHER_BYTES = 8 * 2**20
+# fp32 embedding on CPU: one GEMM call per distinct group, each reading its block in place, when the calls (~12 us
+# each) cost less than the gather's copy, taken at this many bytes a call: rows sharing a group (a canvas's pad or
+# end-of-text columns; nearly every row of the bundled tiny model) read one block. Measured (1 thread, 2-core EPYC):
+# W = 64, H = 160, 16 rows: 71 against 179 us (1 group), break-even near 4 groups; 128 rows, 16 groups: 438
+# against 555 us; H = 1024, 256 rows: 1.4 against 14.5 ms (4 groups), 7.8 against 11.0 ms (all distinct). Not in
+# bf16: torch's bf16 bmm on a broadcast block is slower than the gather (40 against 18 ms at 4 groups there).
+RUN_BYTES = 128 * 2**10
 
 
 def group_logits(rows: torch.Tensor, embed: torch.Tensor, group: torch.Tensor, width: int,
@@ -32,12 +42,15 @@ def group_logits(rows: torch.Tensor, embed: torch.Tensor, group: torch.Tensor, w
     for rows [N, H]: the head in the embedding dtype, then softcap and temperature as the reference."""
     n, h = rows.shape
     v = embed.shape[0]
-    cols = group[:, None] * width + torch.arange(width, device=rows.device)  # [N, W]
     out = torch.empty(n, width, dtype=torch.float32, device=rows.device)
-    step = max(1, GATHER_BYTES // max(1, width * h * embed.element_size()))
     # Whole groups: each row's group is one contiguous [W, H] block of E, copied as a block (index_select on
     # a [V/W, W, H] view: 2.7 ms against 4.2 ms per 32 MiB row by row on the 200 M benchmark, same bytes).
     blocks = embed.view(v // width, width, h) if v % width == 0 and embed.is_contiguous() else None
+    if blocks is not None and embed.dtype == torch.float32 and group.device.type == "cpu" \
+            and _by_group(rows, blocks, group, out):
+        return processed_logits(out, softcap, temperature)  # every column < V: its group indexed a block
+    cols = group[:, None] * width + torch.arange(width, device=rows.device)  # [N, W]
+    step = max(1, GATHER_BYTES // max(1, width * h * embed.element_size()))
     for lo in range(0, n, step):
         if blocks is not None:
             e = blocks.index_select(0, group[lo:lo + step])  # [r, W, H]
@@ -50,6 +63,30 @@ def group_logits(rows: torch.Tensor, embed: torch.Tensor, group: torch.Tensor, w
     return out.masked_fill_(cols >= v, float("-inf"))
 
 
+def _by_group(rows: torch.Tensor, blocks: torch.Tensor, group: torch.Tensor, out: torch.Tensor) -> bool:
+    """fp32 blocks on CPU (the groups read as a list), when few distinct groups are drawn: each group's [W, H]
+    block read in place by its rows (sorted by group), one GEMM call per group, the same call per row as the
+    gather's bmm (the same bits: tests/kernels/test_categorical.py), into `out` [N, W]. False (nothing written)
+    where the gather costs less: RUN_BYTES per call against its bytes."""
+    n, h = rows.shape
+    width = blocks.shape[1]
+    gl = group.tolist()
+    order = sorted(range(n), key=gl.__getitem__)
+    starts = [k for k in range(n) if k == 0 or gl[order[k]] != gl[order[k - 1]]]
+    if len(starts) * RUN_BYTES >= n * width * h * blocks.element_size():
+        return False
+    one = len(starts) == 1  # rows already in order
+    idx = None if one else torch.tensor(order)
+    src = rows if one else rows.index_select(0, idx)
+    buf = out if one else torch.empty_like(out)  # the rows' logits in group order
+    for lo, hi in zip(starts, [*starts[1:], n]):
+        e = blocks[gl[order[lo]]].expand(hi - lo, width, h)  # [k, W, H] one block, not copied
+        torch.bmm(src[lo:hi, None, :].to(blocks.dtype), e.transpose(1, 2), out=buf[lo:hi, None, :])
+    if idx is not None:
+        out.index_copy_(0, idx, buf)
+    return True
+
+
 def draw_from_groups(gmax: torch.Tensor, gsum: torch.Tensor, u: torch.Tensor, width: int, rows: torch.Tensor,
                      embed: torch.Tensor, softcap: float | None, temperature: float | torch.Tensor,
                      logits_fn: Callable | None = None) -> torch.Tensor:
@@ -58,6 +95,13 @@ def draw_from_groups(gmax: torch.Tensor, gsum: torch.Tensor, u: torch.Tensor, wi
     default `group_logits`: a device's own kernel may take its place, same arguments and result)."""
     top = gmax.max(dim=1, keepdim=True).values  # [N, 1] the row max M (a group's m_g may exceed its own max)
     mass = gsum.double() * torch.exp((gmax - top).double())  # [N, G] Σ exp(L - M) per group
+    # the CPU pass's draw (its own group_logits): the search below in two C calls, the same bits; a device
+    # kernel's draw (`logits_fn`) keeps the torch ops, on CUDA and in Triton's CPU interpreter alike
+    located = sampler_native.locate_group(mass, u.double()) if logits_fn is None else None
+    if located is not None:
+        g, target, before = located
+        p = torch.exp(group_logits(rows, embed, g, width, softcap, temperature) - top).double()  # [N, W]
+        return sampler_native.locate_column(p, g, target, before)
     cum = mass.cumsum(dim=1)  # [N, G]
     target = u.double() * cum[:, -1]  # [N]
     g = torch.searchsorted(cum, target[:, None], right=True).clamp_(max=cum.shape[1] - 1)  # [N, 1]

@@ -228,7 +228,9 @@ def vocab_pass_tiled(
     elif want_soft:
         soft = (acc / z.unsqueeze(1)) * scale
     u = uniform.reshape(n).to(device=dev, dtype=torch.float64)  # [N]
-    pick = draw_from_groups(torch.cat(gmax, dim=1), torch.cat(gsum, dim=1), u, width, rows, embed, softcap, temp)
+    if len(gmax) > 1:  # one tile: its statistics as they are (an expanded max: the same values)
+        gmax, gsum = [torch.cat(gmax, dim=1)], [torch.cat(gsum, dim=1)]
+    pick = draw_from_groups(gmax[0], gsum[0], u, width, rows, embed, softcap, temp)
     return VocabPassOut(
         sample=pick.view(b, c),
         argmax=arg.view(b, c),

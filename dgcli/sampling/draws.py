@@ -3,7 +3,9 @@ position), so a draw never depends on which kernel path runs, on batch-mates, on
 in which draws are made.
 
 Owns: `uniform` (float64 in [0, 1)) and `token_ids` (ints in [0, V)) over broadcastable counter
-tensors, their row forms (`rows`, `uniform_at`, `token_ids_at`: the per-row words hashed on the host), the purposes (`INIT`, `DRAW`, `RENOISE`, `PAD`) and the hash behind them. Must not: keep state,
+tensors, their row forms (`rows`, `uniform_at`, `token_ids_at`: the per-row words hashed on the host, the
+position's fold in one C call on CPU: kernels/sampler_native.py), the purposes (`INIT`, `DRAW`, `RENOISE`, `PAD`)
+and the hash behind them. Must not: keep state (beyond a memo of the pure host hash of counter prefixes),
 read a torch.Generator, or know about models.
 
 Why not torch.Generator: its draws depend on how many numbers were taken before (the reference, CPU
@@ -20,8 +22,11 @@ not cryptographic; it only has to look independent across neighbouring counters 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from dgcli.kernels import sampler_native
 from dgcli.kernels.transfer import to_device
 
 # Purposes: a block's first canvas, the categorical draw, renoise ids, --init-canvas padding.
@@ -85,18 +90,22 @@ def token_ids(seed: torch.Tensor | int, purpose: int, block: torch.Tensor | int,
 # A row's seed, purpose, block and step are host ints: their state (`rows`) is folded in Python, exactly (the same
 # 32-bit arithmetic on ints), and only the position word is folded by tensor ops, its inner mix made once
 # (`mixed_positions`). The engine draws this way: a few dozen tensor ops per draw instead of a few hundred (each a
-# kernel launch on CUDA). Bits equal `uniform` / `token_ids` of the same counters (tests/sampling/test_draws.py).
+# kernel launch on CUDA); on CPU one C call (kernels/sampler_native.py), and a step folds only its own word on the host
+# (`_state`). Bits equal `uniform` / `token_ids` of the same counters (tests/sampling/test_draws.py).
 
 
 def rows(counters: list[tuple[int, ...]], device: torch.device | str) -> torch.Tensor:
     """[n, 1] int64 hash states of host counter rows (seed, purpose, block, step), sent without waiting."""
-    states = []
-    for seed, *words in counters:
-        h = _mix((seed & _M32) ^ _GOLDEN)
-        for w in (seed >> 32, *words):
-            h = _fold(h, w, None)
-        states.append(h)
-    return to_device(states, torch.long, device)[:, None]
+    return to_device([_state(*c) for c in counters], torch.long, device)[:, None]
+
+
+@functools.lru_cache(maxsize=4096)
+def _state(seed: int, *words: int) -> int:
+    """The hash state of host ints (seed, *words), each prefix memoised (a pure function: a row's seed, purpose and
+    block repeat at every step of its block, so a step folds only its own word)."""
+    if not words:
+        return _fold(_mix((seed & _M32) ^ _GOLDEN), seed >> 32, None)
+    return _fold(_state(seed, *words[:-1]), words[-1], None)
 
 
 def mixed_positions(position: torch.Tensor) -> torch.Tensor:
@@ -106,13 +115,15 @@ def mixed_positions(position: torch.Tensor) -> torch.Tensor:
 
 def uniform_at(states: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
     """`uniform(seed, purpose, block, step, position)` from `rows` states [n, 1] and `mixed_positions` [C]."""
-    return _halves(_fold_mixed(states, mixed), states.device)
+    out = sampler_native.fold_mixed(states, mixed)  # CPU: one C call, the same bits
+    return out if out is not None else _halves(_fold_mixed(states, mixed), states.device)
 
 
 def token_ids_at(states: torch.Tensor, mixed: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """`token_ids(seed, purpose, block, step, position, vocab_size)` from `rows` states and `mixed_positions`."""
     _check_vocab(vocab_size)
-    return (_fold_mixed(states, mixed) * vocab_size) >> 32
+    out = sampler_native.fold_mixed(states, mixed, vocab_size)  # CPU: one C call, the same bits
+    return out if out is not None else (_fold_mixed(states, mixed) * vocab_size) >> 32
 
 
 def _fold_mixed(h: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:

@@ -287,11 +287,13 @@ class Engine:
             p.stop = stop
             if dev.type == "cuda":  # read a pass late: a pinned copy, done by then
                 p.stop = torch.empty(stop.shape, dtype=torch.bool, pin_memory=True).copy_(stop, non_blocking=True)
+        s_all, canvases, hists = new_hist.shape[0], next_canvas.unbind(), new_hist.unbind(1)  # views: one call each
+        softs = [None] * len(rows) if out.soft is None else out.soft.unbind()
         for k, r in enumerate(rows):
             if r.step + 1 < r.max_steps:
                 r.step += 1
-                r.canvas, r.soft = next_canvas[k], (None if out.soft is None else out.soft[k])
-                r.history = new_hist[new_hist.shape[0] - r.params.stability_threshold:, k]
+                r.canvas, r.soft, s = canvases[k], softs[k], r.params.stability_threshold
+                r.history = hists[k] if s == s_all else hists[k][s_all - s:]
             else:
                 r.waiting = True  # its block ends at this pass whatever the flags say
 
