@@ -16,10 +16,9 @@ The GELU is ATen's AVX512 kernel op for op: 0.5·x·(1 + tanh(√(2/π)·(x + 0.
 by torch's own Sleef_tanhf16_u10 on the elements its loops take as whole vectors and glibc's tanhf on the rest
 (the same runs: its thread split, row ends), rounded to the activation dtype, then times up, rounded again.
 No -ffast-math (its startup code would flush denormals to zero process-wide), no FMA contraction.
-Except the GELUs' tanh (FAST_TANH_DTYPES: fp32 and bf16): glibc's vector tanhf (libmvec, <= 1.3 ulp from tanh
-against Sleef's 0.5; 0.47 against 1.65 ns an element here): GELU values differ from torch's by a few ulp of tanh
-times 0.5·|gate·up| (relatively more where 1 + tanh cancels, at large negative gates), in bf16 then by up to two
-ulp (its two roundings: tests/kernels/test_norm_native.py; the parity tests bound the effect). DGEMMA_NATIVE=0 (or DGEMMA_NORM_NATIVE=0) runs the torch ops themselves.
+Except fp32 GELUs (FAST_TANH_DTYPES): their tanh is glibc's vector tanhf (libmvec, <= 1.3 ulp from tanh against
+Sleef's 0.5; 0.47 against 1.65 ns an element here), so fp32 GELU bits differ from torch's in the last places
+(the fp32 parity tests bound them). DGEMMA_NATIVE=0 (or DGEMMA_NORM_NATIVE=0) runs the torch ops themselves.
 Must not: pick devices or implementations (kernels/dispatch.py does), run under autograd or inside a compiled
 graph, or be needed: None means "use the torch ops" (no compiler, CUDA tensors, other dtypes, a last dimension
 that is not contiguous, leading dimensions that do not fold into one row stride, gradients wanted, a one-row norm
@@ -274,7 +273,7 @@ _GELU_SERIAL = 16384  # ATen's GELU_MIN_ELEMENTS_FOR_MULTI_THREADING: up to it o
 GELU_MIN_ELEMENTS = _GELU_SERIAL + 1
 GELU_DTYPES = (torch.float32,)  # bf16 runs bit for bit too, but no faster than torch's (both Sleef-bound)
 # GELUs of these dtypes take glibc's vector tanh instead, at every size (other bits, ~1 ulp of tanh)
-FAST_TANH_DTYPES = (torch.float32, torch.bfloat16)
+FAST_TANH_DTYPES = (torch.float32,)
 _REDUCE_SERIAL = 32768  # ATen's GRAIN_SIZE: a one-row sum shorter than it runs on one thread
 _DTYPES = (torch.float32, torch.bfloat16)
 _WKIND = {torch.float32: 1, torch.bfloat16: 2}  # the C function's weight kinds (0: none)

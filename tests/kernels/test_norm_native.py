@@ -99,8 +99,8 @@ def test_gelu_mul_is_torchs_bits(dtype, threads, monkeypatch):
         assert _same(dispatch.gelu_mul_fused(gu, 160), F.gelu(gu[..., :160], approximate="tanh") * gu[..., 160:])
 
 
-def test_the_fast_gelu_is_within_a_few_ulp_of_torchs(threads, monkeypatch):
-    """GELUs take glibc's vector tanh (FAST_TANH_DTYPES): other bits, within a few ulp of tanh of torch's."""
+def test_the_fast_fp32_gelu_is_within_a_few_ulp_of_torchs(threads, monkeypatch):
+    """fp32 GELUs take glibc's vector tanh (FAST_TANH_DTYPES): other bits, a few ulp of tanh from torch's."""
     if native.vector_tanh("libmvec") is None:
         pytest.skip("no libmvec tanhf here: fp32 GELUs keep torch's bits")
     g = torch.Generator().manual_seed(9)
@@ -113,12 +113,6 @@ def test_the_fast_gelu_is_within_a_few_ulp_of_torchs(threads, monkeypatch):
             bound = 4 * 2.0**-23 * (0.5 * gate * up).abs() + 2 * 2.0**-23 * want.abs() + 1e-37
             assert got is not None and ((got - want).abs() <= bound).all(), (t, rows, width)
     assert not _same(got, want)  # it did take the other tanh (a 120,000-element GELU differs somewhere)
-    gate16, up16 = gate.bfloat16(), up.bfloat16()
-    got16, want16 = norm_native.gelu_mul(gate16, up16), F.gelu(gate16, approximate="tanh") * up16
-    # the tanh's few ulp (absolute: 1 + tanh cancels for large negative gates), then the two bf16 roundings (of the
-    # GELU, of the product) one ulp each the other way: two ulp of the result
-    bound16 = 4 * 2.0**-23 * (0.5 * gate16.float() * up16.float()).abs() + 2.0**-6 * want16.float().abs() + 1e-37
-    assert ((got16.float() - want16.float()).abs() <= bound16).all() and not _same(got16, want16)
     gu = torch.randn(37, 2 * 40, generator=g) * 3  # rows of 40: 32 through the vector tanh, 8 through tanhf
     whole = norm_native.gelu_mul(gu[:, :40], gu[:, 40:])
     for r in (0, 5, 36):  # a row alone, at every size: its bits whatever its batch
