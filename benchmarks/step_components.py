@@ -76,7 +76,7 @@ def component_flops(cfg, prefix: int) -> dict:
 def instrumented_step(model, canvas, cache, soft, temp, history, params, uniform, noise):
     """A whole step (batch 1) with a clock: the ops of `forward_pass` for one canvas segment after the prompt
     (dgcli/model/gemma.py), then `rules.sample_step`'s."""
-    from dgcli.kernels.dispatch import vocab_pass
+    from dgcli.kernels.dispatch import gelu_mul, vocab_pass
     from dgcli.model.attention import PassLayout, Segment, attend
     from dgcli.model.gemma import apply_rope
     from dgcli.sampling.rules import accept_mask, is_confident, is_stable, push_history
@@ -90,7 +90,7 @@ def instrumented_step(model, canvas, cache, soft, temp, history, params, uniform
     ck.lap("norms_rope_elem")
     pre = sc.pre_norm(soft)
     ck.lap("norms_rope_elem")
-    m = sc.down_proj(F.gelu(sc.gate_proj(pre), approximate="tanh") * sc.up_proj(pre))
+    m = sc.down_proj(gelu_mul(sc.gate_proj(pre), sc.up_proj(pre)))  # as MLP.forward
     ck.lap("selfcond_mlp")
     x = sc.post_norm(e + m).flatten(0, 1)[None]  # [1, C, H]: the pass's rows
     tables = model._tables(layout.positions, x.dtype)

@@ -11,7 +11,8 @@ the C GEMM, kernels/gemm_native.py).
 All equal `kernels/reference_ops.py::experts_reference` (and so the model's `Experts.forward`): same
 GEMM inputs and dtypes, same activation, the fp32 routing-weight product rounded to x.dtype, and a
 token's k contributions added in ascending expert order with one rounding per addition. Only the GEMM
-kernel may differ, so fp32 agrees to accumulation order and bf16 to one rounding of a GEMM output.
+kernel may differ (and in fp32 the GELU's tanh: kernels/norm_native.py), so fp32 agrees to accumulation order
+and tanh's last places, bf16 to one rounding of a GEMM output.
 Must not: route (the router is the model's), run on CUDA (kernels/moe.py does), import
 torch._dynamo (about 1 s) in a process that never compiles (`experts_grouped` is kept out of compiled
 graphs by `_outside_compiled_graphs`, which touches the compiler only once something compiles), or
