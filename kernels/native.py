@@ -2,10 +2,12 @@
 
 Owns: `build` (one C source -> a loaded library: `cc -O3 -march=native [-fopenmp]` into ~/.cache/dgemma or the
 temp dir, keyed by the source, the flags, the compiler and the CPU's flags, so a library built for one CPU never
-loads on another; OpenMP binds to the libgomp torch already loaded) and `enabled` (DGEMMA_NATIVE=0 turns every
-native kernel off). No torch headers, no build step at install: a machine without a compiler runs the torch ops.
-Must not: know what the kernels compute (their modules: kernels/ggml_native.py, kernels/vocab_native.py), or be
-needed: every caller has a torch path.
+loads on another; OpenMP binds to the libgomp torch already loaded), `enabled` (DGEMMA_NATIVE=0 turns every
+native kernel off), `getenv` (the switches, read cheaply at each call) and `vector_tanh` (the 16-lane tanh
+functions a kernel may call: torch's Sleef one, glibc's libmvec one). No torch headers, no build step at install:
+a machine without a compiler runs the torch ops.
+Must not: know what the kernels compute (their modules: kernels/gemm_native.py, ggml_native.py, norm_native.py,
+sampler_native.py, vocab_native.py), or be needed: every caller has a torch path.
 """
 
 from __future__ import annotations
