@@ -131,9 +131,10 @@ def _packed_experts(m: Experts) -> PackedExperts | NativeExperts | None:
 
 @torch.no_grad()
 def pack_for_cpu(model: nn.Module) -> int:
-    """Swap the bf16 CPU linears and experts of `model` for packed ones, in place; the number of weight
-    matrices packed (0: nothing applied: another dtype or device, DGEMMA_KERNELS=reference, no oneDNN bf16
-    here, or the packed GEMM's bits differ from F.linear's on this machine)."""
+    """Swap the bf16 and fp32 CPU linears and experts of `model` for packed ones, in place; the number of weight
+    matrices packed (0: nothing applied: another dtype or device, DGEMMA_KERNELS=reference; for bf16 no oneDNN
+    bf16 here, or the packed GEMM's bits differ from F.linear's on this machine; for fp32 no C GEMM here, or
+    DGEMMA_GEMM_NATIVE=0 / DGEMMA_NATIVE=0)."""
     if dispatch.implementation("linear", "cpu") != "cpu":  # DGEMMA_KERNELS=reference: torch's own ops
         return 0
     packed = 0
