@@ -4,7 +4,8 @@ Owns: `pack(w)` (an fp32 weight [N, K] as panels [ceil(N/16), K, 16], zero past 
 (x [..., K] @ w.T) and `grouped(x, rows, packed, ends, n)` (the routed experts' GEMMs in one call: row block e of
 the result is x[rows[block e]] @ w_e.T), and their C source, built at first use (kernels/native.py).
 Must not: run on CUDA, handle other dtypes, know about modules (dgcli/model/packed.py swaps them in), or be needed:
-None means "use torch's GEMM" (no AVX-512 compiler target, another dtype, DGEMMA_NATIVE=0 / DGEMMA_GEMM_NATIVE=0).
+None means "use torch's GEMM" (no compiler, a CPU without AVX-512: the library built says so and is kept, another
+dtype, DGEMMA_NATIVE=0 / DGEMMA_GEMM_NATIVE=0).
 
 Why: torch's fp32 GEMM on CPU (MKL) is slow at the bundled model's shapes (16-128 rows, K and N of 160-1024):
 ~60-70 GFLOP/s with the weight in cache and ~35 with it cold (each of a step's ~100 GEMMs reads a weight the
@@ -29,11 +30,10 @@ from . import native
 PANEL = 16  # columns per packed panel: one AVX-512 vector of fp32
 
 _SOURCE = r"""
-#include <immintrin.h>
 #include <stdint.h>
-#ifndef __AVX512F__
-#error "AVX-512 needed"
-#endif
+#ifdef __AVX512F__
+#include <immintrin.h>
+int gemm_ok(void) { return 1; }
 #define MR 12
 #ifndef PF
 #define PF 16
@@ -111,11 +111,16 @@ void grouped(const float *x, const int64_t *rows, long k, long ldx, const float 
         start = end;
     }
 }
+#else /* no AVX-512 target: a library that says so (built once, not retried by every process) */
+int gemm_ok(void) { return 0; }
+void gemm(void) {}
+void grouped(void) {}
+#endif
 """
 
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 _SIGNATURE = {"gemm": [_P, _L, _L, _L, _P, _L, _P, _L, _I],
-              "grouped": [_P, _P, _L, _L, _P, _L, _L, _P, _L, _P, _L, _I]}
+              "grouped": [_P, _P, _L, _L, _P, _L, _L, _P, _L, _P, _L, _I], "gemm_ok": []}
 _lib: list = []
 
 
@@ -123,7 +128,8 @@ def _native():
     if not native.enabled("DGEMMA_GEMM_NATIVE"):
         return None
     if not _lib:
-        _lib.append(native.build("gemm_native", _SOURCE, _SIGNATURE))
+        lib = native.build("gemm_native", _SOURCE, _SIGNATURE)
+        _lib.append(lib if lib is not None and lib.gemm_ok() else None)
     return _lib[0]
 
 
