@@ -154,10 +154,10 @@ def _threads(m: int, n: int, k: int) -> int:
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor | None:
     """x [..., K] fp32 @ W.T -> [..., n] for the W that `pack` packed, or None where the C GEMM does not apply."""
     lib = _native()
-    if lib is None or x.dtype != torch.float32 or packed.dtype != torch.float32 or not x.is_cpu \
-            or not packed.is_cpu or x.stride(-1) != 1:
-        return None
     k = x.shape[-1]
+    if lib is None or x.dtype != torch.float32 or packed.dtype != torch.float32 or not x.is_cpu \
+            or not packed.is_cpu or x.stride(-1) != 1 or packed.shape[-2] != k or packed.shape[-3] * PANEL < n:
+        return None
     x2 = x.reshape(-1, k)
     if x2.shape[0] > 1 and x2.stride(0) < k:
         x2 = x2.contiguous()
@@ -174,10 +174,12 @@ def grouped(x: torch.Tensor, rows: torch.Tensor | None, packed: torch.Tensor, en
     """Row segments of x (x[rows] when rows [R] int64 is given, else x's own rows in order) times the packed
     stack's matrices: segment e (rows ends[e-1] .. ends[e], ends [E] int64) by matrix e -> [R, n] fp32."""
     lib = _native()
-    if lib is None or x.dtype != torch.float32 or packed.dtype != torch.float32 or not x.is_cpu \
-            or not packed.is_cpu or x.stride(-1) != 1:
-        return None
     k = x.shape[1]
+    if lib is None or x.dtype != torch.float32 or packed.dtype != torch.float32 or not x.is_cpu \
+            or not packed.is_cpu or x.stride(-1) != 1 or packed.shape[-2] != k or packed.shape[-3] * PANEL < n \
+            or ends.dtype != torch.int64 or not ends.is_contiguous() or ends.shape[0] != packed.shape[0] \
+            or (rows is not None and (rows.dtype != torch.int64 or not rows.is_contiguous())):
+        return None
     r = x.shape[0] if rows is None else rows.shape[0]
     y = torch.empty(r, n, dtype=torch.float32)
     if r:

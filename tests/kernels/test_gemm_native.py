@@ -130,3 +130,16 @@ def test_a_cpu_without_avx512_builds_a_library_that_says_so():
                        flags=("-mno-avx512f",))
     assert lib is not None and lib.gemm_ok() == 0
     assert gemm_native._native().gemm_ok() == 1  # this machine's own build
+
+
+def test_what_it_leaves_to_torch():
+    """Arguments that do not fit the packed weight (or another dtype of index) get None, never a wild read."""
+    w = torch.randn(2, 40, 24)
+    p, x = gemm_native.pack(w), torch.randn(5, 24)
+    ends = torch.tensor([2, 5])
+    assert gemm_native.linear(torch.randn(5, 23), p[0], 40) is None  # K differs
+    assert gemm_native.linear(x, p[0], 49) is None  # more columns than the panels hold
+    assert gemm_native.grouped(x, None, p, ends.int(), 40) is None  # int32 ends
+    assert gemm_native.grouped(x, None, p, torch.tensor([5]), 40) is None  # one end for two matrices
+    assert gemm_native.grouped(x, torch.tensor([0, 1, 2, 3, 4], dtype=torch.int32), p, ends, 40) is None
+    assert gemm_native.grouped(x, None, p, ends, 40) is not None
