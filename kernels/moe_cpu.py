@@ -204,7 +204,7 @@ def experts_native(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up:
     if gu is None:
         return None
     y = gemm_native.grouped(dispatch.gelu_mul_fused(gu, inter), None, down, ends, x.shape[1])  # [N*k, H]
-    return _sum_slots(y.mul_(_sorted_weights(w_sorted, order)), order, k)
+    return None if y is None else _sum_slots(y.mul_(_sorted_weights(w_sorted, order)), order, k)
 
 
 def experts_packed(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: Sequence[torch.Tensor],
