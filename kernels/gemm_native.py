@@ -1,7 +1,7 @@
 """fp32 GEMMs with few rows on CPU in C, from weights packed once into column panels.
 
-Owns: `pack(w)` (an fp32 weight [N, K] as panels [ceil(N/16), K, 16], zero past column N), `linear(x, packed, n)`
-(x [..., K] @ w.T) and `grouped(x, rows, packed, ends, n)` (the routed experts' GEMMs in one call: row block e of
+Owns: `pack(w)` (an fp32 weight [N, K] as panels [ceil(N/16), K, 16], zero past column N; `unpack` back),
+`linear(x, packed, n)` (x [..., K] @ w.T) and `grouped(x, rows, packed, ends, n)` (the routed experts' GEMMs in one call: row block e of
 the result is x[rows[block e]] @ w_e.T), and their C source, built at first use (kernels/native.py).
 Must not: run on CUDA, handle other dtypes, know about modules (dgcli/model/packed.py swaps them in), or be needed:
 None means "use torch's GEMM" (no compiler, a CPU without AVX-512: the library built says so and is kept, another
@@ -145,6 +145,11 @@ def pack(w: torch.Tensor) -> torch.Tensor:
     if pad:
         w = torch.cat([w, w.new_zeros(*w.shape[:-2], pad, k)], dim=-2)
     return w.unflatten(-2, (-1, PANEL)).transpose(-2, -1).contiguous()
+
+
+def unpack(panels: torch.Tensor, n: int) -> torch.Tensor:
+    """`pack`'s inverse: panels [.., P, K, 16] -> the weight [.., n, K] as stored (a contiguous copy)."""
+    return panels.transpose(-2, -1).flatten(-3, -2)[..., :n, :].contiguous()
 
 
 def _threads(m: int, n: int, k: int) -> int:

@@ -74,7 +74,7 @@ class NativeLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = gemm_native.linear(x, self.packed, self.out_features)
-        return F.linear(x, _stored(self.packed, self.out_features)) if y is None else y
+        return F.linear(x, gemm_native.unpack(self.packed, self.out_features)) if y is None else y
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed (C panels)"
@@ -94,13 +94,9 @@ class NativeExperts(nn.Module):
         if x.dtype == self.gate_up.dtype:
             y = moe_cpu.experts_native(x, w, idx, self.gate_up, self.down, self.inter)
         if y is None:  # the stored layout back (copies): the device's own path
-            y = dispatch.experts(x, w, idx, _stored(self.gate_up, 2 * self.inter), _stored(self.down, self.hidden))
+            y = dispatch.experts(x, w, idx, gemm_native.unpack(self.gate_up, 2 * self.inter),
+                                 gemm_native.unpack(self.down, self.hidden))
         return y
-
-
-def _stored(panels: torch.Tensor, n: int) -> torch.Tensor:
-    """Panels [.., P, K, 16] back to the weight [.., n, K] as stored (a contiguous copy)."""
-    return panels.transpose(-2, -1).flatten(-3, -2)[..., :n, :].contiguous()
 
 
 def _packed_linear(m: nn.Linear) -> PackedLinear | NativeLinear | None:
