@@ -1,8 +1,9 @@
 """fp32 GEMMs with few rows on CPU in C, from weights packed once into column panels.
 
 Owns: `pack(w)` (an fp32 weight [N, K] as panels [ceil(N/16), K, 16], zero past column N; `unpack` back),
-`linear(x, packed, n)` (x [..., K] @ w.T) and `grouped(x, rows, packed, ends, n)` (the routed experts' GEMMs in one call: row block e of
-the result is x[rows[block e]] @ w_e.T), and their C source, built at first use (kernels/native.py).
+`linear(x, packed, n)` (x [..., K] @ w.T) and `grouped(x, rows, packed, ends, n)` (the routed experts' GEMMs in
+one call: row block e of the result is x[rows[block e]] @ w_e.T), and their C source, built at first use
+(kernels/native.py).
 Must not: run on CUDA, handle other dtypes, know about modules (dgcli/model/packed.py swaps them in), or be needed:
 None means "use torch's GEMM" (no compiler, a CPU without AVX-512: the library built says so and is kept, another
 dtype, DGEMMA_NATIVE=0 / DGEMMA_GEMM_NATIVE=0).
