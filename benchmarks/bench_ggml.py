@@ -26,7 +26,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from dgcli.kernels import ggml_cpu, ggml_native, linear_cpu, moe_cpu
+from dgcli.kernels import ggml_cpu, ggml_native, ggml_q8, linear_cpu, moe_cpu
 from dgcli.model import ggml
 
 H, I, DENSE, E, TOP_K = 2816, 704, 2112, 128, 8
@@ -123,8 +123,10 @@ def bench_experts(threads: int, reps: int, experts: int, rows_out: list, rows: t
         m = ggml.QuantExperts(ggml.random_blocks((experts, 2 * I), tg, H, g), tg,
                               ggml.random_blocks((experts, H), td, I, g), td, H, I)
         forms[label] = (m, ggml_cpu.prepared_bytes(tg, 2 * I, H) + ggml_cpu.prepared_bytes(td, H, I))
+        if ggml_q8.available():  # as dispatched: int8 x (kernels/ggml_q8.py); beside it the bf16 paths
+            forms[f"{label}, bf16 x"] = (lambda x, w, i, m=m: _bf16_x(m, x, w, i), forms[label][1])
         if old_csrc and tg == ggml.Q4_K and td == ggml.Q4_0:
-            forms[f"{label} (old C)"] = (_with_lib(_old_native(old_csrc), m), forms[label][1])
+            forms[f"{label} (old C)"] = (_with_lib(_old_native(old_csrc), _bf16_x_of(m)), forms[label][1])
         if q4k_only:
             break
         forms[f"{label}, no GEMV"] = (lambda x, w, i, m=m: _no_gemv(m, x, w, i), forms[label][1])
@@ -149,6 +151,22 @@ def bench_experts(threads: int, reps: int, experts: int, rows_out: list, rows: t
                              "threads": threads, "form": form, "ms": round(ms, 2), "experts_used": used,
                              "weight_GBps": round(used * per_expert / ms / 1e6, 2)})
     del pgu, pdn
+
+
+def _bf16_x(m, *a):
+    """m(*a) on the bf16 paths (DGEMMA_GGML_Q8=0): what ran before the int8 path."""
+    import os
+
+    saved = os.environ.get("DGEMMA_GGML_Q8")
+    os.environ["DGEMMA_GGML_Q8"] = "0"
+    try:
+        return m(*a)
+    finally:
+        os.environ.pop("DGEMMA_GGML_Q8") if saved is None else os.environ.__setitem__("DGEMMA_GGML_Q8", saved)
+
+
+def _bf16_x_of(m):
+    return lambda *a: _bf16_x(m, *a)
 
 
 def _no_gemv(m, x, w, idx):

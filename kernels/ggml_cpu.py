@@ -16,7 +16,10 @@ without native code dequantized in ~1 MB tiles for F.linear (~2.5 ns); both the 
 Rows are padded to a multiple of 64.
 fp32 activations (or scales not in x's dtype) take the exact fp32 tile path (the kernel's fp32 path is ~70x slower).
 
-Two paths for an int4 form by the rows of x (`gemm_rows`). Few (< 64; native unpacker 16; planes 32, with native
+Where the CPU has AVX-512 VNNI, bf16 x of GEMV_ROWS rows or more takes the int8 path instead (kernels/ggml_q8.py:
+x rounded to int8 per group of 32, then integer dot products over the nibbles; 0.66-0.8x bf16's time at 4-256 rows
+for Q4_K / Q4_0, its own stated bound); DGEMMA_GGML_Q8=0 keeps the bf16 paths below. Two bf16 paths for an int4
+form by the rows of x (`gemm_rows`). Few (< 64; native unpacker 16; planes 32, with native
 code 64): `_few_int4`, from GEMV_ROWS (4) rows of bf16 x the native GEMV (`ggml_native.gemv`: the nibbles read
 once, bf16 dot products `_mm512_dpbf16_ps`, the form's exact weights, fp32 sums; bound in kernels/ggml_csrc.py),
 else torch's int4 kernel (3.5x fewer bytes than bf16, but fp32 FMAs at ~85 GFLOP/s against oneDNN's ~215 bf16).
@@ -40,7 +43,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from . import ggml_native
+from . import ggml_native, ggml_q8
 from .linear_cpu import packing_available
 
 Q4_0, Q5_0, Q8_0, Q4_K, Q6_K = 2, 6, 8, 12, 14
@@ -282,8 +285,13 @@ def linear(x: torch.Tensor, p: Prepared) -> torch.Tensor:
     y = None
     if x.dtype == torch.bfloat16 and x.is_cpu:  # the thresholds were measured against oneDNN's bf16 GEMM
         if p.kind == "int4" and p.sz.dtype == torch.bfloat16:
-            lib = ggml_native._native()
-            y = _gemm_int4(x2, p, lib) if x2.shape[0] >= gemm_rows(p, lib) else _few_int4(x2, p, lib)
+            if x2.shape[0] >= GEMV_ROWS and ggml_q8.available():  # int8 dot products (its own numerics)
+                xin = torch.cat((x2, x2), dim=1) if p.qtype in PLANES else x2
+                y = ggml_q8.product(xin, p.packed, p.sz, xin.shape[1])
+                y = y if y is None or y.shape[1] == p.n else y[:, :p.n]
+            if y is None:
+                lib = ggml_native._native()
+                y = _gemm_int4(x2, p, lib) if x2.shape[0] >= gemm_rows(p, lib) else _few_int4(x2, p, lib)
         elif p.qtype == Q6_K:
             y = _q6k_native(x2, p, ggml_native._native())
     elif p.kind == "int4" and x.dtype == torch.float16 and p.sz.dtype == x.dtype and x.is_cpu:

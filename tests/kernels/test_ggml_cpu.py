@@ -15,6 +15,13 @@ TYPES = [ggml.Q4_K, ggml.Q8_0, ggml.Q6_K, ggml.Q4_0, ggml.Q5_0]
 BF16_REL = 1e-2
 
 
+@pytest.fixture(autouse=True)
+def _bf16_paths(monkeypatch):
+    """These tests cover the bf16 paths (their bits and bounds): the int8 one (kernels/ggml_q8.py, tested in
+    test_ggml_q8.py) off, as DGEMMA_GGML_Q8=0 has it."""
+    monkeypatch.setenv("DGEMMA_GGML_Q8", "0")
+
+
 def _weights(n, k, qtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     raw = ggml.quantize(torch.randn(n, k, generator=g) * k ** -0.5, qtype)

@@ -1,0 +1,199 @@
+"""An int4 form (kernels/ggml_cpu.py: Q4_K, Q4_0; Q8_0 and Q5_0 as two nibble planes) times bf16 x through int8
+dot products (AVX-512 VNNI `vpdpbusd`: 64 multiply-adds an instruction, twice `vdpbf16ps`'s 32), the way
+llama.cpp runs its K-quants: x quantized per row and group of 32 to int8, the nibbles multiplied as they are.
+
+Owns: `SOURCE` (C, built at first use through kernels/native.py), `available` and `product`.
+Numerics (not the bf16 paths' bits; DGEMMA_GGML_Q8=0 keeps those): per row and group of 32 values along K,
+dx = max|x|/127 and xq = round(x·(127/max|x|)) in int8 (nearest even); then the exact product of the form's
+weights w = (q − 8)·scale + zero with x̂ = dx·xq: y = sum_g dx·(scale·sum((q − 8)·xq) + zero·sum(xq)), the integer
+sums exact, the rest fp32, rounded once to bf16. So |y − x·Wᵀ| ≤ 2⁻⁸|x·Wᵀ| + sum_g ½·dx_g·sum_k |w_k| (+ fp32
+sums; tests check both). Relative RMS error against x·Wᵀ ~5-6e-3 on random x (the bf16 GEMM path: ~2.4e-3),
+small beside 4-bit weights' own error; per 32 values, finer than llama.cpp's Q8_K (per 256) for its K-quants.
+Layout: per 64-row block the form's [k, 32] bytes (byte j: rows j and j + 32 as low / high nibble) are regrouped
+once per call into [k/4][4 vectors][16 rows][4 k] bytes in per-thread scratch (two `vpermi2b` per 4 k), then
+every chunk of MR rows of x runs over the whole K with its 2 x 16 outputs' sums in registers.
+Must not: know GGUF types (the caller feeds planes' x twice), or be needed: `product` is None without VNNI.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from . import native
+
+SOURCE = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#include <immintrin.h>
+#define VNNI 1
+#endif
+#define MR 4
+int q8_ok(void) {
+#ifdef VNNI
+    return 1;
+#else
+    return 0;
+#endif
+}
+#ifdef VNNI
+static __thread void *buf[2];
+static __thread size_t cap[2];
+static void *scratch(int i, size_t n) {  /* this thread's buffer i, grown (never shrunk): no allocation a call */
+    if (cap[i] < n) {
+        free(buf[i]);
+        buf[i] = aligned_alloc(64, (n + 63) / 64 * 64);
+        cap[i] = buf[i] ? n : 0;
+    }
+    return buf[i];
+}
+static inline __m512 bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+/* Rows m0..m0 + mr of x (int8 xq [m, k]; per (row, group): dx, xs = dx·sum xq, nb = -8·sum xq) times the 32
+   outputs of block scratch w, vector pair p (outputs 32p..32p + 31 of the block), all K. */
+static inline __attribute__((always_inline)) void rows(const uint8_t *w, int p, const int8_t *xq, const float *dx,
+        const float *xs, const int32_t *nb, const uint16_t *sz, long k, long np, long col, const int mr,
+        uint16_t *out) {
+    long gs = k / 32;
+    __m512 f[MR][2];
+    for (int m = 0; m < mr; m++) f[m][0] = f[m][1] = _mm512_setzero_ps();
+    const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (long g = 0; g < gs; g++) {
+        const uint16_t *sg = sz + (g * np + col) * 2;  /* 32 outputs' (scale, zero), bf16 pairs */
+        __m512i r0 = _mm512_loadu_si512(sg), r1 = _mm512_loadu_si512(sg + 32);
+        __m512 s0 = _mm512_castsi512_ps(_mm512_slli_epi32(r0, 16)), z0 = _mm512_castsi512_ps(_mm512_and_si512(r0, hi));
+        __m512 s1 = _mm512_castsi512_ps(_mm512_slli_epi32(r1, 16)), z1 = _mm512_castsi512_ps(_mm512_and_si512(r1, hi));
+        __m512i a[MR][2];
+        for (int m = 0; m < mr; m++) a[m][0] = a[m][1] = _mm512_set1_epi32(nb[m * gs + g]);
+        const uint8_t *wg = w + (8 * g * 4 + 2 * p) * 64;
+        const int8_t *xg = xq + 32 * g;
+        for (int t = 0; t < 8; t++) {
+            __m512i w0 = _mm512_load_si512(wg + t * 256), w1 = _mm512_load_si512(wg + t * 256 + 64);
+            for (int m = 0; m < mr; m++) {
+                int32_t xv;
+                memcpy(&xv, xg + m * k + 4 * t, 4);
+                __m512i xb = _mm512_set1_epi32(xv);
+                a[m][0] = _mm512_dpbusd_epi32(a[m][0], w0, xb);
+                a[m][1] = _mm512_dpbusd_epi32(a[m][1], w1, xb);
+            }
+        }
+        for (int m = 0; m < mr; m++) {
+            __m512 d = _mm512_set1_ps(dx[m * gs + g]), x = _mm512_set1_ps(xs[m * gs + g]);
+            f[m][0] = _mm512_fmadd_ps(z0, x, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][0]), _mm512_mul_ps(s0, d), f[m][0]));
+            f[m][1] = _mm512_fmadd_ps(z1, x, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][1]), _mm512_mul_ps(s1, d), f[m][1]));
+        }
+    }
+    for (int m = 0; m < mr; m++)  /* to bf16, nearest even (no NaN payloads to keep: the sums are finite or inf) */
+        _mm512_storeu_si512(out + m * np + col, (__m512i)_mm512_cvtne2ps_pbh(f[m][1], f[m][0]));
+}
+#endif
+/* out bf16 [m, np] = x bf16 [m, k] @ W.T for the int4 form (packed uint8 [np/64, k, 32], sz bf16 [k/32, np, 2]);
+   1, or 0 where scratch could not be had (out unwritten). */
+int q8_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint16_t *out, long mrows, long k,
+             long np, int threads) {
+#ifdef VNNI
+    long gs = k / 32;
+    int8_t *xq = scratch(0, (size_t)(mrows * k + 3 * mrows * gs * 4));
+    int ok = xq != NULL;
+    if (!ok) return 0;
+    float *dx = (float *)(xq + mrows * k), *xs = dx + mrows * gs;
+    int32_t *nb = (int32_t *)(xs + mrows * gs);
+    const __m512 absm = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && mrows * k >= (1L << 16))
+    for (long r = 0; r < mrows; r++)
+        for (long g = 0; g < gs; g++) {  /* x's group: int8 at dx = max|x|/127, its fp32 sum, -8·sum of xq */
+            __m512 lo = bf16x16(x + r * k + 32 * g), hi = bf16x16(x + r * k + 32 * g + 16);
+            float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(lo, absm), _mm512_and_ps(hi, absm)));
+            __m512 inv = _mm512_set1_ps(amax > 0 ? 127.f / amax : 0.f);
+            __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+            _mm_storeu_si128((__m128i *)(xq + r * k + 32 * g), _mm512_cvtsepi32_epi8(ql));
+            _mm_storeu_si128((__m128i *)(xq + r * k + 32 * g + 16), _mm512_cvtsepi32_epi8(qh));
+            int sq = _mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh));
+            dx[r * gs + g] = amax / 127.f;
+            xs[r * gs + g] = amax / 127.f * (float)sq;
+            nb[r * gs + g] = -8 * sq;
+        }
+    /* byte 4l + i of a regrouped vector: k row i of the 4, byte l (+16 for the second) of the form's 32 */
+    uint8_t ib[64];
+    for (int l = 0; l < 16; l++)
+        for (int i = 0; i < 4; i++) ib[4 * l + i] = (uint8_t)(32 * i + l);
+    const __m512i i0 = _mm512_loadu_si512(ib), i1 = _mm512_add_epi8(i0, _mm512_set1_epi8(16)),
+        nib = _mm512_set1_epi8(15);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (long b = 0; b < np / 64; b++) {
+        uint8_t *w = scratch(1, (size_t)(k * 64));
+        if (!w) {
+#pragma omp atomic write
+            ok = 0;
+            continue;
+        }
+        const uint8_t *pb = packed + b * k * 32;
+        for (long t = 0; t < k / 4; t++) {  /* 4 k rows of 64 outputs -> rows 0-15, 16-31, 32-47, 48-63 */
+            __m512i l0 = _mm512_loadu_si512(pb + t * 128), l1 = _mm512_loadu_si512(pb + t * 128 + 64);
+            __m512i p0 = _mm512_permutex2var_epi8(l0, i0, l1), p1 = _mm512_permutex2var_epi8(l0, i1, l1);
+            uint8_t *d = w + t * 256;
+            _mm512_store_si512(d, _mm512_and_si512(p0, nib));
+            _mm512_store_si512(d + 64, _mm512_and_si512(p1, nib));
+            _mm512_store_si512(d + 128, _mm512_and_si512(_mm512_srli_epi16(p0, 4), nib));
+            _mm512_store_si512(d + 192, _mm512_and_si512(_mm512_srli_epi16(p1, 4), nib));
+        }
+        for (long m0 = 0, mr; m0 < mrows; m0 += mr)
+            for (int p = 0; p < 2; p++) {
+                const int8_t *xm = xq + m0 * k;
+                const float *dm = dx + m0 * gs, *sm = xs + m0 * gs;
+                const int32_t *nm = nb + m0 * gs;
+                uint16_t *om = out + m0 * np;
+                switch (mr = mrows - m0 < MR ? mrows - m0 : MR) {
+                case 1: rows(w, p, xm, dm, sm, nm, sz, k, np, 64 * b + 32 * p, 1, om); break;
+                case 2: rows(w, p, xm, dm, sm, nm, sz, k, np, 64 * b + 32 * p, 2, om); break;
+                case 3: rows(w, p, xm, dm, sm, nm, sz, k, np, 64 * b + 32 * p, 3, om); break;
+                default: rows(w, p, xm, dm, sm, nm, sz, k, np, 64 * b + 32 * p, MR, om); break;
+                }
+            }
+    }
+    return ok;
+#else
+    return 0;
+#endif
+}
+"""
+
+_lib: list = []  # [the loaded library, or None]: filled at first use
+
+
+def _load():
+    """The library (built at first use), or None: no compiler, no AVX-512 VNNI + VBMI here, or switched off
+    (DGEMMA_GGML_Q8=0, DGEMMA_GGML_NATIVE=0 or DGEMMA_NATIVE=0)."""
+    if not (native.enabled("DGEMMA_GGML_Q8") and native.getenv("DGEMMA_GGML_NATIVE") != "0"):
+        return None
+    if not _lib:
+        p, n, i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+        lib = native.build("ggml_q8", SOURCE, {"q8_ok": [], "q8_gemm": [p] * 4 + [n] * 3 + [i]})
+        _lib.append(lib if lib is not None and lib.q8_ok() else None)
+    return _lib[0]
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def product(x2: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, kp: int) -> torch.Tensor | None:
+    """x2 [M, kp] bf16 @ W.T -> [M, Np] bf16 for the int4 form `packed` [Np, kp/2], `sz` [kp/32, Np, 2] (the
+    numerics above); None where it does not apply (no library, not bf16, K not a multiple of 32)."""
+    if x2.dtype != torch.bfloat16 or sz.dtype != torch.bfloat16 or kp % 32 \
+            or not (packed.is_contiguous() and sz.is_contiguous()):
+        return None
+    lib = _load()
+    if lib is None:
+        return None
+    x2 = x2.contiguous()
+    np_ = packed.shape[-2]
+    out = torch.empty(x2.shape[0], np_, dtype=torch.bfloat16)
+    if x2.shape[0] and not lib.q8_gemm(x2.data_ptr(), packed.data_ptr(), sz.data_ptr(), out.data_ptr(),
+                                       x2.shape[0], kp, np_, torch.get_num_threads()):
+        return None
+    return out

@@ -1,0 +1,113 @@
+"""The int8 path for int4 forms (kernels/ggml_q8.py): its stated numerics (x rounded to int8 per row and group of 32,
+then the exact product, rounded once to bf16), its bound against the exact x, threads, and where linear takes it."""
+
+import pytest
+import torch
+
+from dgcli.kernels import ggml_cpu, ggml_q8, native
+from dgcli.kernels.reference_ops import experts_reference
+from dgcli.model import ggml
+
+pytestmark = pytest.mark.skipif(not ggml_q8.available(), reason="no AVX-512 VNNI + VBMI (or no compiler) here")
+TYPES = [ggml.Q4_K, ggml.Q4_0, ggml.Q8_0, ggml.Q5_0]
+
+
+def _form(qtype, n, k, seed=0):
+    raw = ggml.quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * k ** -0.5, qtype)
+    p = ggml_cpu.prepare(raw, qtype, k)
+    return p, ggml_cpu.dequantize_prepared(p).double()  # the form's exact weights [n, k]
+
+
+def _x_int8(x):
+    """x bf16 [M, k] -> (xq [M, k] as float64, dx [M, k/32] float64): the kernel's rounding, in torch."""
+    g = x.float().view(x.shape[0], -1, 32)
+    amax = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))  # fp32, as the C
+    xq = torch.round(g * inv).clamp(-127, 127)  # nearest even
+    return xq.reshape_as(x).double(), (amax / 127).squeeze(-1).double()
+
+
+def _run(x, p):
+    xin = torch.cat((x, x), dim=1) if p.qtype in ggml_cpu.PLANES else x
+    y = ggml_q8.product(xin, p.packed, p.sz, xin.shape[1])
+    return y[:, :p.n].double()
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("n", [128, 80])  # 80: the last 64-row block is padding
+def test_product_is_the_exact_product_of_int8_rounded_x(qtype, n):
+    k = 512
+    p, w = _form(qtype, n, k)
+    for m in (1, 3, 4, 5, 9, 37):  # whole and partial chunks of MR rows
+        x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 2).bfloat16()
+        x[0, :32] = 0  # an all-zero group: dx 0
+        y = _run(x, p)
+        xq, dx = _x_int8(x)
+        xhat = (xq.view(m, -1, 32) * dx.unsqueeze(-1)).view(m, k)
+        ref, mag = xhat @ w.T, xhat.abs() @ w.abs().T
+        # one bf16 rounding of the result, fp32 sums (products of <= 2^14 terms of K)
+        assert ((y - ref).abs() <= 2 ** -8 * ref.abs() + 1e-5 * mag).all(), (qtype, m)
+        # against the exact x: x's rounding (|x - xhat| <= dx/2 per value) on top
+        exact = x.double() @ w.T
+        slack = (dx.repeat_interleave(32, dim=1) / 2) @ w.abs().T
+        assert ((y - exact).abs() <= 2 ** -8 * exact.abs() + slack * 1.001 + 1e-5 * mag).all(), (qtype, m)
+
+
+@pytest.mark.parametrize("qtype", [ggml.Q4_K, ggml.Q8_0])
+def test_threads_do_not_change_bits(qtype):
+    p, _ = _form(qtype, 384, 256, seed=3)
+    x = torch.randn(19, 256).bfloat16()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _run(x, p)
+        torch.set_num_threads(2)
+        two = _run(x, p)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_linear_takes_it_from_gemv_rows_unless_switched_off(monkeypatch):
+    p, _ = _form(ggml.Q4_K, 128, 256)
+    called = []
+    real = ggml_q8.product
+    monkeypatch.setattr(ggml_q8, "product", lambda *a: called.append(a[0].shape[0]) or real(*a))
+    for m in (ggml_cpu.GEMV_ROWS - 1, ggml_cpu.GEMV_ROWS, 70):
+        x = torch.randn(m, 256).bfloat16()
+        y = ggml_cpu.linear(x, p)
+        assert y.shape == (m, 128)
+        if m >= ggml_cpu.GEMV_ROWS:
+            assert torch.equal(y, real(x, p.packed, p.sz, 256))
+    assert called == [ggml_cpu.GEMV_ROWS, 70]  # below GEMV_ROWS the int4 kernel / GEMV as before
+    monkeypatch.setenv("DGEMMA_GGML_Q8", "0")
+    ggml_cpu.linear(torch.randn(70, 256).bfloat16(), p)
+    assert called == [ggml_cpu.GEMV_ROWS, 70]
+    assert ggml_cpu.linear(torch.randn(70, 256), p).dtype == torch.float32  # fp32 x: the exact tile path
+    assert called == [ggml_cpu.GEMV_ROWS, 70]
+
+
+def test_experts_through_it_match_the_reference():
+    h, inter, e, n_tok = 256, 96, 8, 40  # 96: Q4_0 rows (not a multiple of 256), the down projection
+    g = torch.Generator().manual_seed(5)
+    gate_up = ggml.quantize(torch.randn(e * 2 * inter, h, generator=g) * h ** -0.5, ggml.Q4_K)
+    down = ggml.quantize(torch.randn(e * h, inter, generator=g) * inter ** -0.5, ggml.Q4_0)
+    pg = ggml_cpu.prepare(gate_up.view(e, 2 * inter, -1), ggml.Q4_K, h)
+    pd = ggml_cpu.prepare(down.view(e, h, -1), ggml.Q4_0, inter)
+    x = torch.randn(n_tok, h, generator=g).bfloat16()
+    w = torch.rand(n_tok, 2, generator=g)
+    idx = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(n_tok)])  # ~10 rows an expert
+    y = ggml_cpu.experts(x, w, idx, pg, pd, inter)
+    ref = experts_reference(x.double(), w.double(), idx, ggml_cpu.dequantize_prepared(pg).double(),
+                            ggml_cpu.dequantize_prepared(pd).double())
+    rel = ((y.double() - ref).norm() / ref.norm()).item()
+    assert rel < 2.5e-2, rel  # measured 1.3e-2 (the bf16 paths: 4.8e-3): int8 x twice, bf16 between
+
+
+def test_zero_rows_and_no_vnni_build(tmp_path, monkeypatch):
+    p, _ = _form(ggml.Q4_0, 64, 64)
+    assert ggml_q8.product(torch.empty(0, 64, dtype=torch.bfloat16), p.packed, p.sz, 64).shape == (0, 64)
+    assert ggml_q8.product(torch.randn(4, 64), p.packed, p.sz, 64) is None  # fp32 x: not this path
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    lib = native.build("ggml_q8_novnni", ggml_q8.SOURCE, {"q8_ok": []}, flags=("-mno-avx512vnni",))
+    assert lib is not None and lib.q8_ok() == 0  # such a CPU: `available()` is False, linear's bf16 paths run
