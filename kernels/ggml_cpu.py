@@ -16,9 +16,9 @@ without native code dequantized in ~1 MB tiles for F.linear (~2.5 ns); both the 
 Rows are padded to a multiple of 64.
 fp32 activations (or scales not in x's dtype) take the exact fp32 tile path (the kernel's fp32 path is ~70x slower).
 
-Where the CPU has AVX-512 VNNI, bf16 x of GEMV_ROWS rows or more takes the int8 path instead (kernels/ggml_q8.py:
-x rounded to int8 per group of 32, then integer dot products over the nibbles; 0.66-0.8x bf16's time at 4-256 rows
-for Q4_K / Q4_0, its own stated bound); DGEMMA_GGML_Q8=0 keeps the bf16 paths below. Two bf16 paths for an int4
+Where the CPU has AVX-512 VNNI, bf16 x of Q8_ROWS rows or more takes the int8 path instead (kernels/ggml_q8.py:
+x rounded to int8 per group of 32, then integer dot products over the nibbles, a plane pair's joined into bytes;
+0.62-0.93x bf16's GEMM time at 3-256 rows, its own stated bound); DGEMMA_GGML_Q8=0 keeps the bf16 paths below. Two bf16 paths for an int4
 form by the rows of x (`gemm_rows`). Few (< 64; native unpacker 16; planes 32, with native
 code 64): `_few_int4`, from GEMV_ROWS (4) rows of bf16 x the native GEMV (`ggml_native.gemv`: the nibbles read
 once, bf16 dot products `_mm512_dpbf16_ps`, the form's exact weights, fp32 sums; bound in kernels/ggml_csrc.py),
@@ -48,6 +48,7 @@ from .linear_cpu import packing_available
 
 Q4_0, Q5_0, Q8_0, Q4_K, Q6_K = 2, 6, 8, 12, 14
 PLANES = (Q5_0, Q8_0)  # 5- and 8-bit types: two nibble planes side by side along K
+PLANE_OFFSET = {Q5_0: 16, Q8_0: 128}  # planes' weights d·(16a + b − offset)
 GROUP = 32  # the int4 kernel's group size: one Q4_K sub-block, one Q8_0 block
 ROW_BLOCK = 64  # the int4 packed layout's row block
 TILE_VALUES = 1 << 18  # values dequantized per tile on the tile path (1 MB in fp32)
@@ -55,6 +56,9 @@ TILE_VALUES = 1 << 18  # values dequantized per tile on the tile path (1 MB in f
 # with the native unpacker (single-plane forms) from GEMM_ROWS // NATIVE_ROWS_DIVISOR (16: its crossover, 1 thread)
 GEMM_ROWS, GEMM_ROWS_PLANES, NATIVE_ROWS_DIVISOR = 64, 32, 4
 GEMV_ROWS = 4  # below the GEMM path, from this many rows the native GEMV instead of torch's int4 kernel
+# From this many rows of bf16 x (single-plane forms, planes) the int8 path where the CPU has VNNI (below: torch's
+# int4 kernel reads the nibbles once, 1.5x faster at 1-2 rows; planes' other paths are slower at every count)
+Q8_ROWS = (3, 1)
 GEMM_TILE_VALUES = 1 << 22  # weight values per bf16 tile (8 MB + 4 MB int8 scratch): fewer, larger ops
 Q6K_TILE_VALUES = 1 << 20  # weight values per native Q6_K tile (2 MB: 1.05-1.15x faster than 8 MB, 1 thread)
 _NIB = 0x0F0F0F0F0F0F0F0F  # low nibble of each byte of an int64 word
@@ -285,9 +289,8 @@ def linear(x: torch.Tensor, p: Prepared) -> torch.Tensor:
     y = None
     if x.dtype == torch.bfloat16 and x.is_cpu:  # the thresholds were measured against oneDNN's bf16 GEMM
         if p.kind == "int4" and p.sz.dtype == torch.bfloat16:
-            if x2.shape[0] >= GEMV_ROWS and ggml_q8.available():  # int8 dot products (its own numerics)
-                xin = torch.cat((x2, x2), dim=1) if p.qtype in PLANES else x2
-                y = ggml_q8.product(xin, p.packed, p.sz, xin.shape[1])
+            if x2.shape[0] >= Q8_ROWS[p.qtype in PLANES] and ggml_q8.available():  # int8 (its own numerics)
+                y = ggml_q8.product(x2, p.packed, p.sz, p.k, PLANE_OFFSET.get(p.qtype, 0))
                 y = y if y is None or y.shape[1] == p.n else y[:, :p.n]
             if y is None:
                 lib = ggml_native._native()

@@ -1,18 +1,20 @@
 """An int4 form (kernels/ggml_cpu.py: Q4_K, Q4_0; Q8_0 and Q5_0 as two nibble planes) times bf16 x through int8
 dot products (AVX-512 VNNI `vpdpbusd`: 64 multiply-adds an instruction, twice `vdpbf16ps`'s 32), the way
-llama.cpp runs its K-quants: x quantized per row and group of 32 to int8, the nibbles multiplied as they are.
+llama.cpp runs its quants: x quantized per row and group of 32 to int8, the nibbles multiplied as they are (a
+two-plane form's two nibbles joined into its 8-bit weight first: one dot product, not one a plane).
 
 Owns: `SOURCE` (C, built at first use through kernels/native.py), `available` and `product`.
 Numerics (not the bf16 paths' bits; DGEMMA_GGML_Q8=0 keeps those): per row and group of 32 values along K,
 dx = max|x|/127 and xq = round(x·(127/max|x|)) in int8 (nearest even); then the exact product of the form's
-weights w = (q − 8)·scale + zero with x̂ = dx·xq: y = sum_g dx·(scale·sum((q − 8)·xq) + zero·sum(xq)), the integer
-sums exact, the rest fp32, rounded once to bf16. So |y − x·Wᵀ| ≤ 2⁻⁸|x·Wᵀ| + sum_g ½·dx_g·sum_k |w_k| (+ fp32
-sums; tests check both). Relative RMS error against x·Wᵀ ~5-6e-3 on random x (the bf16 GEMM path: ~2.4e-3),
-small beside 4-bit weights' own error; per 32 values, finer than llama.cpp's Q8_K (per 256) for its K-quants.
+weights (w = (q − 8)·scale + zero; planes d·(16a + b − offset)) with x̂ = dx·xq, integer sums per group, the rest
+in fp32, rounded once to bf16. So |y − x·Wᵀ| ≤ 2⁻⁸|x·Wᵀ| + sum_g ½·dx_g·sum_k |w_k| (+ fp32 sums; tests check
+both). Relative RMS error against x·Wᵀ ~5-6e-3 on random x (the bf16 GEMM path: ~2.4e-3), small beside 4-bit
+weights' own error; per 32 values, finer than llama.cpp's Q8_K (per 256) for its K-quants.
 Layout: per 64-row block the form's [k, 32] bytes (byte j: rows j and j + 32 as low / high nibble) are regrouped
 once per call into [k/4][4 vectors][16 rows][4 k] bytes in per-thread scratch (two `vpermi2b` per 4 k), then
 every chunk of MR rows of x runs over the whole K with its 2 x 16 outputs' sums in registers.
-Must not: know GGUF types (the caller feeds planes' x twice), or be needed: `product` is None without VNNI.
+Must not: know GGUF types (the caller names a two-plane form's offset), or be needed: `product` is None without
+VNNI.
 """
 
 from __future__ import annotations
@@ -53,11 +55,12 @@ static void *scratch(int i, size_t n) {  /* this thread's buffer i, grown (never
 static inline __m512 bf16x16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
-/* Rows m0..m0 + mr of x (int8 xq [m, k]; per (row, group): dx, xs = dx·sum xq, nb = -8·sum xq) times the 32
-   outputs of block scratch w, vector pair p (outputs 32p..32p + 31 of the block), all K. */
+/* Rows m0..m0 + mr of x (int8 xq [m, k]; per (row, group): dx, xs = dx·sum xq, nb = -off·sum xq) times the 32
+   outputs of block scratch w (u8 weights u: w = (u - off)·scale [+ zero]), vector pair p (outputs 32p..32p + 31
+   of the block), all K; `zero`: the form has zeros (single-plane forms; planes' combined weights have none). */
 static inline __attribute__((always_inline)) void rows(const uint8_t *w, int p, const int8_t *xq, const float *dx,
         const float *xs, const int32_t *nb, const uint16_t *sz, long k, long np, long col, const int mr,
-        uint16_t *out) {
+        const int zero, uint16_t *out) {
     long gs = k / 32;
     __m512 f[MR][2];
     for (int m = 0; m < mr; m++) f[m][0] = f[m][1] = _mm512_setzero_ps();
@@ -82,19 +85,25 @@ static inline __attribute__((always_inline)) void rows(const uint8_t *w, int p, 
             }
         }
         for (int m = 0; m < mr; m++) {
-            __m512 d = _mm512_set1_ps(dx[m * gs + g]), x = _mm512_set1_ps(xs[m * gs + g]);
-            f[m][0] = _mm512_fmadd_ps(z0, x, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][0]), _mm512_mul_ps(s0, d), f[m][0]));
-            f[m][1] = _mm512_fmadd_ps(z1, x, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][1]), _mm512_mul_ps(s1, d), f[m][1]));
+            __m512 d = _mm512_set1_ps(dx[m * gs + g]);
+            f[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][0]), _mm512_mul_ps(s0, d), f[m][0]);
+            f[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][1]), _mm512_mul_ps(s1, d), f[m][1]);
+            if (zero) {
+                __m512 x = _mm512_set1_ps(xs[m * gs + g]);
+                f[m][0] = _mm512_fmadd_ps(z0, x, f[m][0]), f[m][1] = _mm512_fmadd_ps(z1, x, f[m][1]);
+            }
         }
     }
     for (int m = 0; m < mr; m++)  /* to bf16, nearest even (no NaN payloads to keep: the sums are finite or inf) */
         _mm512_storeu_si512(out + m * np + col, (__m512i)_mm512_cvtne2ps_pbh(f[m][1], f[m][0]));
 }
 #endif
-/* out bf16 [m, np] = x bf16 [m, k] @ W.T for the int4 form (packed uint8 [np/64, k, 32], sz bf16 [k/32, np, 2]);
-   1, or 0 where scratch could not be had (out unwritten). */
+/* out bf16 [m, np] = x bf16 [m, k] @ W.T for the int4 form (packed uint8 [np/64, k, 32], sz bf16 [k/32, np, 2]),
+   off 0; or for a two-plane form (packed [np/64, 2k, 32], sz [2k/32, np, 2]: plane a's k rows, then plane b's)
+   whose weights are d·(16a + b - off) with d plane b's scale, off > 0: each weight's two nibbles are joined into
+   one byte, so the planes cost one dot product, not two. 1, or 0 where scratch could not be had (out unwritten). */
 int q8_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint16_t *out, long mrows, long k,
-             long np, int threads) {
+             long np, int threads, int off) {
 #ifdef VNNI
     long gs = k / 32;
     int8_t *xq = scratch(0, (size_t)(mrows * k + 3 * mrows * gs * 4));
@@ -115,14 +124,16 @@ int q8_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint16
             int sq = _mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh));
             dx[r * gs + g] = amax / 127.f;
             xs[r * gs + g] = amax / 127.f * (float)sq;
-            nb[r * gs + g] = -8 * sq;
+            nb[r * gs + g] = -(off ? off : 8) * sq;
         }
     /* byte 4l + i of a regrouped vector: k row i of the 4, byte l (+16 for the second) of the form's 32 */
     uint8_t ib[64];
     for (int l = 0; l < 16; l++)
         for (int i = 0; i < 4; i++) ib[4 * l + i] = (uint8_t)(32 * i + l);
     const __m512i i0 = _mm512_loadu_si512(ib), i1 = _mm512_add_epi8(i0, _mm512_set1_epi8(16)),
-        nib = _mm512_set1_epi8(15);
+        nib = _mm512_set1_epi8(15), top = _mm512_set1_epi8((char)0xF0);
+    const long kr = off ? 2 * k : k;  /* the form's rows of K per block */
+    const uint16_t *sc = off ? sz + gs * np * 2 : sz;  /* the scales: plane b's */
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (long b = 0; b < np / 64; b++) {
         uint8_t *w = scratch(1, (size_t)(k * 64));
@@ -131,11 +142,20 @@ int q8_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint16
             ok = 0;
             continue;
         }
-        const uint8_t *pb = packed + b * k * 32;
+        const uint8_t *pb = packed + b * kr * 32;
         for (long t = 0; t < k / 4; t++) {  /* 4 k rows of 64 outputs -> rows 0-15, 16-31, 32-47, 48-63 */
             __m512i l0 = _mm512_loadu_si512(pb + t * 128), l1 = _mm512_loadu_si512(pb + t * 128 + 64);
             __m512i p0 = _mm512_permutex2var_epi8(l0, i0, l1), p1 = _mm512_permutex2var_epi8(l0, i1, l1);
             uint8_t *d = w + t * 256;
+            if (off) {  /* plane b's nibbles (k rows on) under plane a's: byte 16a + b (bitwise select, 0xCA) */
+                __m512i m0 = _mm512_loadu_si512(pb + (k + 4 * t) * 32), m1 = _mm512_loadu_si512(pb + (k + 4 * t) * 32 + 64);
+                __m512i q0 = _mm512_permutex2var_epi8(m0, i0, m1), q1 = _mm512_permutex2var_epi8(m0, i1, m1);
+                _mm512_store_si512(d, _mm512_ternarylogic_epi32(top, _mm512_slli_epi16(p0, 4), q0, 0xCA));
+                _mm512_store_si512(d + 64, _mm512_ternarylogic_epi32(top, _mm512_slli_epi16(p1, 4), q1, 0xCA));
+                _mm512_store_si512(d + 128, _mm512_ternarylogic_epi32(top, p0, _mm512_srli_epi16(q0, 4), 0xCA));
+                _mm512_store_si512(d + 192, _mm512_ternarylogic_epi32(top, p1, _mm512_srli_epi16(q1, 4), 0xCA));
+                continue;
+            }
             _mm512_store_si512(d, _mm512_and_si512(p0, nib));
             _mm512_store_si512(d + 64, _mm512_and_si512(p1, nib));
             _mm512_store_si512(d + 128, _mm512_and_si512(_mm512_srli_epi16(p0, 4), nib));
@@ -148,10 +168,10 @@ int q8_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint16
                 const int32_t *nm = nb + m0 * gs;
                 uint16_t *om = out + m0 * np;
                 switch (mr = mrows - m0 < MR ? mrows - m0 : MR) {
-                case 1: rows(w, p, xm, dm, sm, nm, sz, k, np, 64 * b + 32 * p, 1, om); break;
-                case 2: rows(w, p, xm, dm, sm, nm, sz, k, np, 64 * b + 32 * p, 2, om); break;
-                case 3: rows(w, p, xm, dm, sm, nm, sz, k, np, 64 * b + 32 * p, 3, om); break;
-                default: rows(w, p, xm, dm, sm, nm, sz, k, np, 64 * b + 32 * p, MR, om); break;
+                case 1: rows(w, p, xm, dm, sm, nm, sc, k, np, 64 * b + 32 * p, 1, !off, om); break;
+                case 2: rows(w, p, xm, dm, sm, nm, sc, k, np, 64 * b + 32 * p, 2, !off, om); break;
+                case 3: rows(w, p, xm, dm, sm, nm, sc, k, np, 64 * b + 32 * p, 3, !off, om); break;
+                default: rows(w, p, xm, dm, sm, nm, sc, k, np, 64 * b + 32 * p, MR, !off, om); break;
                 }
             }
     }
@@ -172,7 +192,7 @@ def _load():
         return None
     if not _lib:
         p, n, i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-        lib = native.build("ggml_q8", SOURCE, {"q8_ok": [], "q8_gemm": [p] * 4 + [n] * 3 + [i]})
+        lib = native.build("ggml_q8", SOURCE, {"q8_ok": [], "q8_gemm": [p] * 4 + [n] * 3 + [i, i]})
         _lib.append(lib if lib is not None and lib.q8_ok() else None)
     return _lib[0]
 
@@ -181,11 +201,13 @@ def available() -> bool:
     return _load() is not None
 
 
-def product(x2: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, kp: int) -> torch.Tensor | None:
-    """x2 [M, kp] bf16 @ W.T -> [M, Np] bf16 for the int4 form `packed` [Np, kp/2], `sz` [kp/32, Np, 2] (the
-    numerics above); None where it does not apply (no library, not bf16, K not a multiple of 32)."""
-    if x2.dtype != torch.bfloat16 or sz.dtype != torch.bfloat16 or kp % 32 \
-            or not (packed.is_contiguous() and sz.is_contiguous()):
+def product(x2: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, k: int, offset: int = 0) -> torch.Tensor | None:
+    """x2 [M, k] bf16 @ W.T -> [M, Np] bf16 for the int4 form `packed` [Np, k/2], `sz` [k/32, Np, 2], or with
+    `offset` > 0 for a two-plane form ([Np, k], [2k/32, Np, 2]) of weights d·(16a + b − offset), d plane b's scale
+    (Q8_0: 128, Q5_0: 16); the numerics above. None where it does not apply (no library, not bf16, K not a
+    multiple of 32, or the form's shape not K's)."""
+    if x2.dtype != torch.bfloat16 or sz.dtype != torch.bfloat16 or k % 32 or x2.shape[-1] != k \
+            or packed.shape[-1] * (1 if offset else 2) != k or not (packed.is_contiguous() and sz.is_contiguous()):
         return None
     lib = _load()
     if lib is None:
@@ -194,6 +216,6 @@ def product(x2: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, kp: int) -
     np_ = packed.shape[-2]
     out = torch.empty(x2.shape[0], np_, dtype=torch.bfloat16)
     if x2.shape[0] and not lib.q8_gemm(x2.data_ptr(), packed.data_ptr(), sz.data_ptr(), out.data_ptr(),
-                                       x2.shape[0], kp, np_, torch.get_num_threads()):
+                                       x2.shape[0], k, np_, torch.get_num_threads(), offset):
         return None
     return out

@@ -28,8 +28,7 @@ def _x_int8(x):
 
 
 def _run(x, p):
-    xin = torch.cat((x, x), dim=1) if p.qtype in ggml_cpu.PLANES else x
-    y = ggml_q8.product(xin, p.packed, p.sz, xin.shape[1])
+    y = ggml_q8.product(x, p.packed, p.sz, p.k, ggml_cpu.PLANE_OFFSET.get(p.qtype, 0))
     return y[:, :p.n].double()
 
 
@@ -68,23 +67,25 @@ def test_threads_do_not_change_bits(qtype):
     assert torch.equal(one, two)
 
 
-def test_linear_takes_it_from_gemv_rows_unless_switched_off(monkeypatch):
-    p, _ = _form(ggml.Q4_K, 128, 256)
+@pytest.mark.parametrize("qtype", [ggml.Q4_K, ggml.Q8_0])
+def test_linear_takes_it_from_its_rows_unless_switched_off(qtype, monkeypatch):
+    p, _ = _form(qtype, 128, 256)
+    first = ggml_cpu.Q8_ROWS[qtype in ggml_cpu.PLANES]
     called = []
     real = ggml_q8.product
     monkeypatch.setattr(ggml_q8, "product", lambda *a: called.append(a[0].shape[0]) or real(*a))
-    for m in (ggml_cpu.GEMV_ROWS - 1, ggml_cpu.GEMV_ROWS, 70):
+    for m in (first - 1, first, 70):
         x = torch.randn(m, 256).bfloat16()
         y = ggml_cpu.linear(x, p)
         assert y.shape == (m, 128)
-        if m >= ggml_cpu.GEMV_ROWS:
-            assert torch.equal(y, real(x, p.packed, p.sz, 256))
-    assert called == [ggml_cpu.GEMV_ROWS, 70]  # below GEMV_ROWS the int4 kernel / GEMV as before
+        if m >= first:
+            assert torch.equal(y, real(x, p.packed, p.sz, 256, ggml_cpu.PLANE_OFFSET.get(qtype, 0)))
+    assert called == [first, 70]  # below: torch's int4 kernel as before
     monkeypatch.setenv("DGEMMA_GGML_Q8", "0")
     ggml_cpu.linear(torch.randn(70, 256).bfloat16(), p)
-    assert called == [ggml_cpu.GEMV_ROWS, 70]
+    assert called == [first, 70]
     assert ggml_cpu.linear(torch.randn(70, 256), p).dtype == torch.float32  # fp32 x: the exact tile path
-    assert called == [ggml_cpu.GEMV_ROWS, 70]
+    assert called == [first, 70]
 
 
 def test_experts_through_it_match_the_reference():
