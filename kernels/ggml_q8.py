@@ -60,13 +60,15 @@ static inline __m512 bf16x16(const uint16_t *p) {
    of the block), all K; `zero`: the form has zeros (single-plane forms; planes' combined weights have none). */
 static inline __attribute__((always_inline)) void rows(const uint8_t *w, int p, const int8_t *xq, const float *dx,
         const float *xs, const int32_t *nb, const uint16_t *sz, long k, long np, long col, const int mr,
-        const int zero, uint16_t *out) {
+        const int zero, const char *pf, long pfg, uint16_t *out) {
     long gs = k / 32;
     __m512 f[MR][2];
     for (int m = 0; m < mr; m++) f[m][0] = f[m][1] = _mm512_setzero_ps();
     const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);
     for (long g = 0; g < gs; g++) {
         const uint16_t *sg = sz + (g * np + col) * 2;  /* 32 outputs' (scale, zero), bf16 pairs */
+        if (pf)  /* the next block's form, a group's share at a time: read while this one computes, not after */
+            for (long c = 0; c < pfg; c += 64) _mm_prefetch(pf + g * pfg + c, _MM_HINT_T1);
         __m512i r0 = _mm512_loadu_si512(sg), r1 = _mm512_loadu_si512(sg + 32);
         __m512 s0 = _mm512_castsi512_ps(_mm512_slli_epi32(r0, 16)), z0 = _mm512_castsi512_ps(_mm512_and_si512(r0, hi));
         __m512 s1 = _mm512_castsi512_ps(_mm512_slli_epi32(r1, 16)), z1 = _mm512_castsi512_ps(_mm512_and_si512(r1, hi));
@@ -163,15 +165,17 @@ int q8_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint16
         }
         for (long m0 = 0, mr; m0 < mrows; m0 += mr)
             for (int p = 0; p < 2; p++) {
+                const char *pf = m0 == 0 && p == 0 && b + 1 < np / 64 ? (const char *)(pb + kr * 32) : NULL;
+                const long pfg = kr * 32 / gs;  /* bytes of the next block a group */
                 const int8_t *xm = xq + m0 * k;
                 const float *dm = dx + m0 * gs, *sm = xs + m0 * gs;
                 const int32_t *nm = nb + m0 * gs;
                 uint16_t *om = out + m0 * np;
                 switch (mr = mrows - m0 < MR ? mrows - m0 : MR) {
-                case 1: rows(w, p, xm, dm, sm, nm, sc, k, np, 64 * b + 32 * p, 1, !off, om); break;
-                case 2: rows(w, p, xm, dm, sm, nm, sc, k, np, 64 * b + 32 * p, 2, !off, om); break;
-                case 3: rows(w, p, xm, dm, sm, nm, sc, k, np, 64 * b + 32 * p, 3, !off, om); break;
-                default: rows(w, p, xm, dm, sm, nm, sc, k, np, 64 * b + 32 * p, MR, !off, om); break;
+                case 1: rows(w, p, xm, dm, sm, nm, sc, k, np, 64 * b + 32 * p, 1, !off, pf, pfg, om); break;
+                case 2: rows(w, p, xm, dm, sm, nm, sc, k, np, 64 * b + 32 * p, 2, !off, pf, pfg, om); break;
+                case 3: rows(w, p, xm, dm, sm, nm, sc, k, np, 64 * b + 32 * p, 3, !off, pf, pfg, om); break;
+                default: rows(w, p, xm, dm, sm, nm, sc, k, np, 64 * b + 32 * p, MR, !off, pf, pfg, om); break;
                 }
             }
     }
