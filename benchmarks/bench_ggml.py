@@ -260,12 +260,13 @@ def bench_step(threads: int, rounds: int, canvas: int) -> list[dict]:
 
 
 def int4_error() -> dict:
-    """Q4_K through the int4 kernel and the GEMM path vs the file's exact weights: weight error (scale, zero in
-    bf16) and output error (relative RMS, 256 rows) for zero-mean and mean-1 inputs, beside bf16 F.linear of the
-    exact weights (a bf16 checkpoint's error)."""
+    """Q4_K through the int4 kernel, the GEMM path, the GEMV and the int8 path vs the file's exact weights: weight
+    error (scale, zero in bf16) and output error (relative RMS, 256 rows) for zero-mean and mean-1 inputs, beside
+    bf16 F.linear of the exact weights (a bf16 checkpoint's error) and Q4_K's own (exact weights vs unquantized)."""
     g = torch.Generator().manual_seed(2)
     n, k = 1408, H
-    raw = ggml.quantize(torch.randn(n, k, generator=g) * k ** -0.5, ggml.Q4_K)
+    w0 = torch.randn(n, k, generator=g) * k ** -0.5
+    raw = ggml.quantize(w0, ggml.Q4_K)
     w = ggml.dequantize(raw, ggml.Q4_K, k)
     m = ggml.QuantLinear(raw, ggml.Q4_K, k, n)
     wk = m.dequantized()
@@ -284,8 +285,12 @@ def int4_error() -> dict:
         gemv = ggml_native.gemv(x, p.packed, p.sz, k)  # the few-rows GEMV, here on all 256 rows
         if gemv is not None:
             out[f"out_rel_rms_gemv_mean{mean:g}"] = rel(gemv[:, :n], exact)
+        int8 = ggml_q8.product(x, p.packed, p.sz, p.k)
+        if int8 is not None:  # kernels/ggml_q8.py: x rounded to int8 per group of 32
+            out[f"out_rel_rms_int8_path_mean{mean:g}"] = rel(int8[:, :n], exact)
         out[f"out_rel_rms_fp32_kernel_weights_mean{mean:g}"] = rel(F.linear(x.float(), wk), exact)
         out[f"out_rel_rms_bf16_linear_mean{mean:g}"] = rel(F.linear(x, w.bfloat16()), exact)
+        out[f"out_rel_rms_q4k_itself_mean{mean:g}"] = rel(exact, F.linear(x.float(), w0))  # the quantization's own
     return {k2: round(v, 6) for k2, v in out.items()}
 
 
