@@ -104,12 +104,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=0, help="first N prompts per family (0 = all)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="dgemma's dtype (bf16: a GGUF's int8 path)")
     ap.add_argument("--out", default="", help="also write the full result (with outputs) as JSON here")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
 
     model_dir = Path(a.model)
-    tok = load_tokenizer(model_dir)
+    if model_dir.suffix == ".gguf":  # a GGUF file (e.g. `dgemma quantize dgcli/data/tiny F.gguf --type q8_0`)
+        from dgcli.model.gguf_model import load_gguf_tokenizer
+
+        tok = load_gguf_tokenizer(model_dir)
+    else:
+        tok = load_tokenizer(model_dir)
     raw_gen = load_generation_config(model_dir) or {}
     params = DiffusionEbParams.from_dict({k: v for k, v in from_generation_config(raw_gen).items()
                                           if k != "max_tokens"}).replace(seed=a.seed)
@@ -130,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             import dgcli
             from dgcli.model.packed import pack_for_cpu
 
-            model = dgcli.load_model(model_dir, dtype=torch.float32)
+            model = dgcli.load_model(model_dir, dtype=torch.float32 if a.dtype == "fp32" else torch.bfloat16)
             pack_for_cpu(model)  # as a session runs it (the C GEMM's panels: kernels/gemm_native.py)
             with torch.no_grad():
                 res = evaluate(model, tok, examples, num_blocks=a.blocks, params=params, stop_ids=stop_ids,
@@ -158,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "model": str(model_dir), "prompts": str(a.prompts), "n_prompts": len(examples), "seed": a.seed, "block_cap": a.blocks,
         "settings": vars(params) if hasattr(params, "__dict__") else str(params),
-        "machine": platform.processor() or platform.machine(), "threads": a.threads, "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(), "threads": a.threads, "dtype": a.dtype,
+        "torch": torch.__version__,
         "commit": git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "results": {impl: {k: v for k, v in r.items() if k != "outputs"} for impl, r in results.items()},
     }
