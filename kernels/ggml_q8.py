@@ -24,8 +24,9 @@ import ctypes
 import torch
 
 from . import native
+from .ggml_csrc import Q6K_HELPERS
 
-SOURCE = r"""
+SOURCE = Q6K_HELPERS + r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -54,6 +55,33 @@ static void *scratch(int i, size_t n) {  /* this thread's buffer i, grown (never
 }
 static inline __m512 bf16x16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+/* x bf16 [m, k] -> int8 per row and group of 32 (this thread's scratch 0): xq [m, k], and per (row, group) dx =
+   max|x|/127, xs = dx·sum xq, nb = -off·sum xq; with q6 also n16 [m, k/16]: -32·sum xq per 16 values. */
+struct xint { int8_t *xq; float *dx, *xs; int32_t *nb, *n16; };
+static int quantize(const uint16_t *x, long mrows, long k, int off, int q6, int threads, struct xint *q) {
+    long gs = k / 32;
+    q->xq = scratch(0, (size_t)(mrows * k + (3 + 2 * q6) * mrows * gs * 4));
+    if (!q->xq) return 0;
+    q->dx = (float *)(q->xq + mrows * k), q->xs = q->dx + mrows * gs;
+    q->nb = (int32_t *)(q->xs + mrows * gs), q->n16 = q->nb + mrows * gs;
+    const __m512 absm = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && mrows * k >= (1L << 16))
+    for (long r = 0; r < mrows; r++)
+        for (long g = 0; g < gs; g++) {
+            __m512 lo = bf16x16(x + r * k + 32 * g), hi = bf16x16(x + r * k + 32 * g + 16);
+            float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(lo, absm), _mm512_and_ps(hi, absm)));
+            __m512 inv = _mm512_set1_ps(amax > 0 ? 127.f / amax : 0.f);
+            __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+            _mm_storeu_si128((__m128i *)(q->xq + r * k + 32 * g), _mm512_cvtsepi32_epi8(ql));
+            _mm_storeu_si128((__m128i *)(q->xq + r * k + 32 * g + 16), _mm512_cvtsepi32_epi8(qh));
+            int sl = _mm512_reduce_add_epi32(ql), sh = _mm512_reduce_add_epi32(qh);
+            q->dx[r * gs + g] = amax / 127.f;
+            q->xs[r * gs + g] = amax / 127.f * (float)(sl + sh);
+            q->nb[r * gs + g] = -off * (sl + sh);
+            if (q6) q->n16[r * 2 * gs + 2 * g] = -32 * sl, q->n16[r * 2 * gs + 2 * g + 1] = -32 * sh;
+        }
+    return 1;
 }
 /* Rows m0..m0 + mr of x (int8 xq [m, k]; per (row, group): dx, xs = dx·sum xq, nb = -off·sum xq) times the 32
    outputs of block scratch w (u8 weights u: w = (u - off)·scale [+ zero]), vector pair p (outputs 32p..32p + 31
@@ -99,6 +127,37 @@ static inline __attribute__((always_inline)) void rows(const uint8_t *w, int p, 
     for (int m = 0; m < mr; m++)  /* to bf16, nearest even (no NaN payloads to keep: the sums are finite or inf) */
         _mm512_storeu_si512(out + m * np + col, (__m512i)_mm512_cvtne2ps_pbh(f[m][1], f[m][0]));
 }
+/* Q6_K (GGUF bytes [n, k/256 * 210]): weights d·sc·(q - 32), sc one int8 a 16 values. Rows m0..m0 + mr times the
+   32 outputs of pair p of block scratch w (q bytes in the layout above), scales scl fp32 [k/16][64]; n16 per 16. */
+static inline __attribute__((always_inline)) void rows6(const uint8_t *w, const float *scl, int p, const int8_t *xq,
+        const float *dx, const int32_t *n16, long k, long np, long col, const int mr, uint16_t *out) {
+    long gs = k / 32;
+    __m512 f[MR][2];
+    for (int m = 0; m < mr; m++) f[m][0] = f[m][1] = _mm512_setzero_ps();
+    for (long h = 0; h < 2 * gs; h++) {
+        __m512 s0 = _mm512_load_ps(scl + h * 64 + 32 * p), s1 = _mm512_load_ps(scl + h * 64 + 32 * p + 16);
+        __m512i a[MR][2];
+        for (int m = 0; m < mr; m++) a[m][0] = a[m][1] = _mm512_set1_epi32(n16[m * 2 * gs + h]);
+        const uint8_t *wh = w + (16 * h + 2 * p) * 64;
+        for (int t = 0; t < 4; t++) {
+            __m512i w0 = _mm512_load_si512(wh + t * 256), w1 = _mm512_load_si512(wh + t * 256 + 64);
+            for (int m = 0; m < mr; m++) {
+                int32_t xv;
+                memcpy(&xv, xq + m * k + 16 * h + 4 * t, 4);
+                __m512i xb = _mm512_set1_epi32(xv);
+                a[m][0] = _mm512_dpbusd_epi32(a[m][0], w0, xb);
+                a[m][1] = _mm512_dpbusd_epi32(a[m][1], w1, xb);
+            }
+        }
+        for (int m = 0; m < mr; m++) {
+            __m512 d = _mm512_set1_ps(dx[m * gs + h / 2]);
+            f[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][0]), _mm512_mul_ps(s0, d), f[m][0]);
+            f[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][1]), _mm512_mul_ps(s1, d), f[m][1]);
+        }
+    }
+    for (int m = 0; m < mr; m++)
+        _mm512_storeu_si512(out + m * np + col, (__m512i)_mm512_cvtne2ps_pbh(f[m][1], f[m][0]));
+}
 #endif
 /* out bf16 [m, np] = x bf16 [m, k] @ W.T for the int4 form (packed uint8 [np/64, k, 32], sz bf16 [k/32, np, 2]),
    off 0; or for a two-plane form (packed [np/64, 2k, 32], sz [2k/32, np, 2]: plane a's k rows, then plane b's)
@@ -108,26 +167,12 @@ int q8_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint16
              long np, int threads, int off) {
 #ifdef VNNI
     long gs = k / 32;
-    int8_t *xq = scratch(0, (size_t)(mrows * k + 3 * mrows * gs * 4));
-    int ok = xq != NULL;
-    if (!ok) return 0;
-    float *dx = (float *)(xq + mrows * k), *xs = dx + mrows * gs;
-    int32_t *nb = (int32_t *)(xs + mrows * gs);
-    const __m512 absm = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && mrows * k >= (1L << 16))
-    for (long r = 0; r < mrows; r++)
-        for (long g = 0; g < gs; g++) {  /* x's group: int8 at dx = max|x|/127, its fp32 sum, -8·sum of xq */
-            __m512 lo = bf16x16(x + r * k + 32 * g), hi = bf16x16(x + r * k + 32 * g + 16);
-            float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(lo, absm), _mm512_and_ps(hi, absm)));
-            __m512 inv = _mm512_set1_ps(amax > 0 ? 127.f / amax : 0.f);
-            __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
-            _mm_storeu_si128((__m128i *)(xq + r * k + 32 * g), _mm512_cvtsepi32_epi8(ql));
-            _mm_storeu_si128((__m128i *)(xq + r * k + 32 * g + 16), _mm512_cvtsepi32_epi8(qh));
-            int sq = _mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh));
-            dx[r * gs + g] = amax / 127.f;
-            xs[r * gs + g] = amax / 127.f * (float)sq;
-            nb[r * gs + g] = -(off ? off : 8) * sq;
-        }
+    struct xint q;
+    if (!quantize(x, mrows, k, off ? off : 8, 0, threads, &q)) return 0;
+    int8_t *xq = q.xq;
+    float *dx = q.dx, *xs = q.xs;
+    int32_t *nb = q.nb;
+    int ok = 1;
     /* byte 4l + i of a regrouped vector: k row i of the 4, byte l (+16 for the second) of the form's 32 */
     uint8_t ib[64];
     for (int l = 0; l < 16; l++)
@@ -184,6 +229,67 @@ int q8_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint16
     return 0;
 #endif
 }
+/* out bf16 [m, np] = x bf16 [m, k] @ W.T for Q6_K rows (np: n rounded up to 64; rows from n on weigh 0). Per 64-row
+   block: each 16 rows' 256-value blocks decoded to q bytes, transposed by 4-value words into the scratch layout,
+   d·sc kept per 16 values; 1, or 0 where scratch could not be had. */
+int q6k_gemm(const uint16_t *x, const uint8_t *raw, uint16_t *out, long mrows, long k, long n, long np, int threads) {
+#ifdef VNNI
+    struct xint q;
+    if (!quantize(x, mrows, k, 8, 1, threads, &q)) return 0;
+    long nbk = k / 256, gs = k / 32;
+    int ok = 1;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (long b = 0; b < np / 64; b++) {
+        uint8_t *w = scratch(1, (size_t)(k * 64 + k / 16 * 64 * 4));
+        if (!w) {
+#pragma omp atomic write
+            ok = 0;
+            continue;
+        }
+        float *scl = (float *)(w + k * 64);
+        for (int v = 0; v < 4; v++)
+            for (long bi = 0; bi < nbk; bi++) {
+                uint32_t tmp[16 * 64];  /* 16 rows' 256 q bytes */
+                for (int rr = 0; rr < 16; rr++) {
+                    long r = 64 * b + 16 * v + rr;
+                    uint8_t *t = (uint8_t *)(tmp + 64 * rr);
+                    float *sr = scl + bi * 16 * 64 + 16 * v + rr;
+                    if (r >= n) {
+                        memset(t, 32, 256);
+                        for (int j = 0; j < 16; j++) sr[j * 64] = 0.f;
+                        continue;
+                    }
+                    const uint8_t *bl = raw + (r * nbk + bi) * 210;
+                    for (int c = 0; c < 256; c += 64)  /* the row's next block (rows sit nbk·210 bytes apart) */
+                        __builtin_prefetch(bl + 210 + c);
+                    float d = f16(bl + 208);
+                    for (int j = 0; j < 16; j++) sr[j * 64] = d * (float)((const int8_t *)bl)[192 + j];
+                    for (int h = 0; h < 2; h++)
+                        for (int j = 0; j < 4; j++)
+                            _mm256_storeu_si256((__m256i *)(t + 128 * h + 32 * j), q6k_quarter(bl, h, j));
+                }
+                for (int c = 0; c < 4; c++)  /* words (4 values) of 16 rows -> 16 quads of the layout */
+                    tr16(tmp + 16 * c, 64, (uint32_t *)(w + (bi * 64 + 16 * c) * 256 + 64 * v), 64);
+            }
+        for (long m0 = 0, mr; m0 < mrows; m0 += mr)
+            for (int p = 0; p < 2; p++) {
+                const int8_t *xm = q.xq + m0 * k;
+                const float *dm = q.dx + m0 * gs;
+                const int32_t *nm = q.n16 + m0 * 2 * gs;
+                uint16_t *om = out + m0 * np;
+                switch (mr = mrows - m0 < MR ? mrows - m0 : MR) {
+                case 1: rows6(w, scl, p, xm, dm, nm, k, np, 64 * b + 32 * p, 1, om); break;
+                case 2: rows6(w, scl, p, xm, dm, nm, k, np, 64 * b + 32 * p, 2, om); break;
+                case 3: rows6(w, scl, p, xm, dm, nm, k, np, 64 * b + 32 * p, 3, om); break;
+                default: rows6(w, scl, p, xm, dm, nm, k, np, 64 * b + 32 * p, MR, om); break;
+                }
+            }
+    }
+    return ok;
+#else
+    return 0;
+#endif
+}
 """
 
 _lib: list = []  # [the loaded library, or None]: filled at first use
@@ -196,7 +302,8 @@ def _load():
         return None
     if not _lib:
         p, n, i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-        lib = native.build("ggml_q8", SOURCE, {"q8_ok": [], "q8_gemm": [p] * 4 + [n] * 3 + [i, i]})
+        lib = native.build("ggml_q8", SOURCE, {"q8_ok": [], "q8_gemm": [p] * 4 + [n] * 3 + [i, i],
+                                                "q6k_gemm": [p] * 3 + [n] * 4 + [i]})
         _lib.append(lib if lib is not None and lib.q8_ok() else None)
     return _lib[0]
 
@@ -221,5 +328,21 @@ def product(x2: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, k: int, of
     out = torch.empty(x2.shape[0], np_, dtype=torch.bfloat16)
     if x2.shape[0] and not lib.q8_gemm(x2.data_ptr(), packed.data_ptr(), sz.data_ptr(), out.data_ptr(),
                                        x2.shape[0], k, np_, torch.get_num_threads(), offset):
+        return None
+    return out
+
+
+def q6k_product(x2: torch.Tensor, raw: torch.Tensor, k: int, n: int) -> torch.Tensor | None:
+    """x2 [M, k] bf16 @ W.T -> [M, n rounded up to 64] bf16 for Q6_K rows `raw` [n, k/256·210] (GGUF bytes), the
+    numerics above with weights d·sc·(q − 32); None where it does not apply."""
+    if x2.dtype != torch.bfloat16 or k % 256 or x2.shape[-1] != k or not raw.is_contiguous():
+        return None
+    lib = _load()
+    if lib is None:
+        return None
+    x2 = x2.contiguous()
+    out = torch.empty(x2.shape[0], -(-n // 64) * 64, dtype=torch.bfloat16)
+    if x2.shape[0] and not lib.q6k_gemm(x2.data_ptr(), raw.data_ptr(), out.data_ptr(), x2.shape[0], k, n,
+                                        out.shape[1], torch.get_num_threads()):
         return None
     return out

@@ -28,11 +28,13 @@ def _x_int8(x):
 
 
 def _run(x, p):
+    if p.qtype == ggml.Q6_K:  # GGUF bytes, decoded per call
+        return ggml_q8.q6k_product(x, p.packed, p.k, p.n)[:, :p.n].double()
     y = ggml_q8.product(x, p.packed, p.sz, p.k, ggml_cpu.PLANE_OFFSET.get(p.qtype, 0))
     return y[:, :p.n].double()
 
 
-@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("qtype", TYPES + [ggml.Q6_K])
 @pytest.mark.parametrize("n", [128, 80])  # 80: the last 64-row block is padding
 def test_product_is_the_exact_product_of_int8_rounded_x(qtype, n):
     k = 512
@@ -52,7 +54,7 @@ def test_product_is_the_exact_product_of_int8_rounded_x(qtype, n):
         assert ((y - exact).abs() <= 2 ** -8 * exact.abs() + slack * 1.001 + 1e-5 * mag).all(), (qtype, m)
 
 
-@pytest.mark.parametrize("qtype", [ggml.Q4_K, ggml.Q8_0])
+@pytest.mark.parametrize("qtype", [ggml.Q4_K, ggml.Q8_0, ggml.Q6_K])
 def test_threads_do_not_change_bits(qtype):
     p, _ = _form(qtype, 384, 256, seed=3)
     x = torch.randn(19, 256).bfloat16()
@@ -86,6 +88,16 @@ def test_linear_takes_it_from_its_rows_unless_switched_off(qtype, monkeypatch):
     assert called == [first, 70]
     assert ggml_cpu.linear(torch.randn(70, 256), p).dtype == torch.float32  # fp32 x: the exact tile path
     assert called == [first, 70]
+
+
+def test_linear_runs_q6k_through_it_at_every_row_count(monkeypatch):
+    p, _ = _form(ggml.Q6_K, 80, 256)
+    for m in (1, 5):
+        x = torch.randn(m, 256).bfloat16()
+        assert torch.equal(ggml_cpu.linear(x, p), ggml_q8.q6k_product(x, p.packed, 256, 80)[:, :80])
+    monkeypatch.setenv("DGEMMA_GGML_Q8", "0")  # the native tiles: the dequantizer's bf16 weights
+    x = torch.randn(5, 256).bfloat16()
+    assert torch.equal(ggml_cpu.linear(x, p), ggml_cpu._q6k_native(x, p))
 
 
 def test_experts_through_it_match_the_reference():
