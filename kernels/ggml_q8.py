@@ -3,7 +3,9 @@ dot products (AVX-512 VNNI `vpdpbusd`: 64 multiply-adds an instruction, twice `v
 llama.cpp runs its quants: x quantized per row and group of 32 to int8, the nibbles multiplied as they are (a
 two-plane form's two nibbles joined into its 8-bit weight first: one dot product, not one a plane).
 
-Owns: `SOURCE` (C, built at first use through kernels/native.py), `available` and `product`.
+Owns: `SOURCE` (C, built at first use through kernels/native.py), `available`, `product` (int4 forms) and
+`q6k_product` (Q6_K's GGUF bytes: per 64-row block each row's q decoded to bytes and transposed by 4-value words
+into the same layout, d·sc kept per 16 values; its weights d·sc·(q − 32)).
 Numerics (not the bf16 paths' bits; DGEMMA_GGML_Q8=0 keeps those): per row and group of 32 values along K,
 dx = max|x|/127 and xq = round(x·(127/max|x|)) in int8 (nearest even); then the exact product of the form's
 weights (w = (q − 8)·scale + zero; planes d·(16a + b − offset)) with x̂ = dx·xq, integer sums per group, the rest
