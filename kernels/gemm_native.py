@@ -23,6 +23,7 @@ reference's bits).
 from __future__ import annotations
 
 import ctypes
+import math
 
 import torch
 
@@ -123,13 +124,14 @@ _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 _SIGNATURE = {"gemm": [_P, _L, _L, _L, _P, _L, _P, _L, _I],
               "grouped": [_P, _P, _L, _L, _P, _L, _L, _P, _L, _P, _L, _I], "gemm_ok": []}
 _lib: list = []
+_ON = native.switch("DGEMMA_GEMM_NATIVE")  # on unless DGEMMA_NATIVE or it is "0", read at each call
 
 
 def _native():
-    if not native.enabled("DGEMMA_GEMM_NATIVE"):
+    if not _ON():
         return None
     if not _lib:
-        lib = native.build("gemm_native", _SOURCE, _SIGNATURE)
+        lib = native.build("gemm_native", _SOURCE, _SIGNATURE, direct=True)
         _lib.append(lib if lib is not None and lib.gemm_ok() else None)
     return _lib[0]
 
@@ -160,18 +162,24 @@ def _threads(m: int, n: int, k: int) -> int:
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor | None:
     """x [..., K] fp32 @ W.T -> [..., n] for the W that `pack` packed, or None where the C GEMM does not apply."""
     lib = _native()
-    k = x.shape[-1]
+    shape, ps = x.shape, packed.shape
+    k = shape[-1]
     if lib is None or x.dtype != torch.float32 or packed.dtype != torch.float32 or not x.is_cpu \
-            or not packed.is_cpu or x.stride(-1) != 1 or packed.shape[-2] != k or packed.shape[-3] * PANEL < n:
+            or not packed.is_cpu or ps[-2] != k or ps[-3] * PANEL < n:
         return None
-    x2 = x.reshape(-1, k)
-    if x2.shape[0] > 1 and x2.stride(0) < k:
-        x2 = x2.contiguous()
-    m = x2.shape[0]
-    y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
+    if k > 1 and x.is_contiguous():  # the model's rows: no reshape (a tensor call costs ~0.5 µs, ~35 GEMMs a step)
+        m, ldx = x.numel() // k, k
+    elif x.stride(-1) != 1:
+        return None
+    else:
+        x = x.reshape(-1, k)
+        if x.shape[0] > 1 and x.stride(0) < k:
+            x = x.contiguous()
+        m = x.shape[0]
+        ldx = x.stride(0) if m > 1 else k
+    y = torch.empty(*shape[:-1], n, dtype=torch.float32)  # unpacked: a torch.Size is slower to parse
     if m:
-        lib.gemm(x2.data_ptr(), m, k, x2.stride(0) if m > 1 else k, packed.data_ptr(), n, y.data_ptr(), n,
-                 _threads(m, n, k))
+        lib.gemm(x.data_ptr(), m, k, ldx, packed.data_ptr(), n, y.data_ptr(), n, _threads(m, n, k))
     return y
 
 
@@ -180,15 +188,16 @@ def grouped(x: torch.Tensor, rows: torch.Tensor | None, packed: torch.Tensor, en
     """Row segments of x (x[rows] when rows [R] int64 is given, else x's own rows in order) times the packed
     stack's matrices: segment e (rows ends[e-1] .. ends[e], ends [E] int64) by matrix e -> [R, n] fp32."""
     lib = _native()
+    ps = packed.shape
     k = x.shape[1]
     if lib is None or x.dtype != torch.float32 or packed.dtype != torch.float32 or not x.is_cpu \
-            or not packed.is_cpu or x.stride(-1) != 1 or packed.shape[-2] != k or packed.shape[-3] * PANEL < n \
-            or ends.dtype != torch.int64 or not ends.is_contiguous() or ends.shape[0] != packed.shape[0] \
+            or not packed.is_cpu or x.stride(-1) != 1 or ps[-2] != k or ps[-3] * PANEL < n \
+            or ends.dtype != torch.int64 or not ends.is_contiguous() or ends.shape[0] != ps[0] \
             or (rows is not None and (rows.dtype != torch.int64 or not rows.is_contiguous())):
         return None
     r = x.shape[0] if rows is None else rows.shape[0]
     y = torch.empty(r, n, dtype=torch.float32)
     if r:
         lib.grouped(x.data_ptr(), None if rows is None else rows.data_ptr(), k, x.stride(0), packed.data_ptr(),
-                    packed[0].numel(), n, ends.data_ptr(), ends.shape[0], y.data_ptr(), n, _threads(r, n, k))
+                    math.prod(ps[1:]), n, ends.data_ptr(), ps[0], y.data_ptr(), n, _threads(r, n, k))
     return y

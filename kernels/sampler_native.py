@@ -97,18 +97,20 @@ _P, _L = ctypes.c_void_p, ctypes.c_long
 _SIGNATURE = {"fold_mixed": [_P, _L, _P, _L, _L, _P, _P], "locate_group": [_P, _L, _L, _P, _P, _P, _P],
               "locate_column": [_P, _L, _L, _P, _P, _P, _P]}
 _lib: list = []  # [the loaded library, or None]: filled at first use
+_ON = native.switch("DGEMMA_SAMPLER_NATIVE")  # on unless DGEMMA_NATIVE or it is "0", read at each call
 
 
 def _native():
-    if not native.enabled("DGEMMA_SAMPLER_NATIVE"):
+    if not _ON():
         return None
     if not _lib:
-        _lib.append(native.build("sampler_native", _SOURCE, _SIGNATURE, flags=("-ffp-contract=off",)))
+        _lib.append(native.build("sampler_native", _SOURCE, _SIGNATURE, flags=("-ffp-contract=off",),
+                                 direct=True))
     return _lib[0]
 
 
-def _cpu(*ts: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.is_contiguous() for t in ts)
+def _cpu(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.is_cpu and b.is_cpu and a.is_contiguous() and b.is_contiguous()  # (is_cpu: no torch.device made)
 
 
 def fold_mixed(states: torch.Tensor, mixed: torch.Tensor, vocab_size: int = 0) -> torch.Tensor | None:
@@ -130,7 +132,7 @@ def fold_mixed(states: torch.Tensor, mixed: torch.Tensor, vocab_size: int = 0) -
 def locate_group(mass: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
     """The group each row's target u·Σmass falls in: (group [N] int64, target [N], mass before the group [N]) from
     group masses [N, G] (float64; overwritten by their cumsum) and uniforms u [N] (float64); None: use torch."""
-    if mass.device.type != "cpu" or u.device.type != "cpu":
+    if not mass.is_cpu or not u.is_cpu:
         return None
     mass, u = mass.contiguous(), u.contiguous()  # no copy for the pass's own results
     if not _cpu(mass, u) or mass.dtype != torch.float64 or u.dtype != torch.float64 or mass.dim() != 2 \

@@ -100,14 +100,15 @@ void tile_stats(void *raw, int raw_bf16, long n, long t, long ldr, float softcap
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _SIGNATURE = {"tile_stats": [_P, _I, _L, _L, _L, _F, _P, _L, _P, _L, _L, _P, _P, _P, _P, _P, _I]}
 _lib: list = []  # [the loaded library, or None]: filled at first use
+_ON = native.switch("DGEMMA_VOCAB_NATIVE")  # on unless DGEMMA_NATIVE or it is "0", read at each call
 
 
 def _native():
-    if not native.enabled("DGEMMA_VOCAB_NATIVE"):
+    if not _ON():
         return None
     if not _lib:
         _lib.append(native.build("vocab_native", _SOURCE, _SIGNATURE, flags=("-fno-math-errno", "-fopenmp-simd"),
-                                 libs=("-lmvec",)))
+                                 libs=("-lmvec",), direct=True))
     return _lib[0]
 
 
@@ -117,7 +118,7 @@ def tile_stats(raw: torch.Tensor, softcap: float | None, temperature: torch.Tens
     is overwritten (by L, then exp(L - max): the fp32 soft embedding's `keep`), as the torch tile does."""
     n, t = raw.shape
     fp32_soft = soft_dtype == torch.float32
-    if raw.device.type != "cpu" or raw.dtype not in (torch.bfloat16, torch.float32) or raw.stride(1) != 1 \
+    if not raw.is_cpu or raw.dtype not in (torch.bfloat16, torch.float32) or raw.stride(1) != 1 \
             or soft_dtype not in (None, torch.float32, torch.bfloat16) or (fp32_soft and raw.dtype != torch.float32) \
             or (store is not None and (store.dtype != torch.bfloat16 or store.stride(1) != 1)) \
             or temperature.dtype != torch.float32 or temperature.numel() not in (1, n):

@@ -73,8 +73,9 @@ class NativeLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = gemm_native.linear(x, self.packed, self.out_features)
-        return F.linear(x, gemm_native.unpack(self.packed, self.out_features)) if y is None else y
+        packed = self._buffers["packed"]  # not nn.Module.__getattr__ (~0.6 µs; ~35 of these a step)
+        y = gemm_native.linear(x, packed, self.out_features)
+        return F.linear(x, gemm_native.unpack(packed, self.out_features)) if y is None else y
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed (C panels)"
@@ -91,11 +92,12 @@ class NativeExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         y = None
-        if x.dtype == self.gate_up.dtype:
-            y = moe_cpu.experts_native(x, w, idx, self.gate_up, self.down, self.inter)
+        gate_up, down = self._buffers["gate_up"], self._buffers["down"]  # not nn.Module.__getattr__
+        if x.dtype == gate_up.dtype:
+            y = moe_cpu.experts_native(x, w, idx, gate_up, down, self.inter)
         if y is None:  # the stored layout back (copies): the device's own path
-            y = dispatch.experts(x, w, idx, gemm_native.unpack(self.gate_up, 2 * self.inter),
-                                 gemm_native.unpack(self.down, self.hidden))
+            y = dispatch.experts(x, w, idx, gemm_native.unpack(gate_up, 2 * self.inter),
+                                 gemm_native.unpack(down, self.hidden))
         return y
 
 
