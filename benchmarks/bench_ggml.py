@@ -129,7 +129,6 @@ def bench_experts(threads: int, reps: int, experts: int, rows_out: list, rows: t
             forms[f"{label} (old C)"] = (_with_lib(_old_native(old_csrc), _bf16_x_of(m)), forms[label][1])
         if q4k_only:
             break
-        forms[f"{label}, no GEMV"] = (lambda x, w, i, m=m: _no_gemv(m, x, w, i), forms[label][1])
     if q4k_only:
         del forms["bf16 grouped_mm"]
     for n in rows:
@@ -167,18 +166,6 @@ def _bf16_x(m, *a):
 
 def _bf16_x_of(m):
     return lambda *a: _bf16_x(m, *a)
-
-
-def _no_gemv(m, x, w, idx):
-    """A QuantExperts call as before the native GEMV: few rows on torch's int4 kernel, planes' GEMM path from
-    GEMM_ROWS_PLANES rows."""
-    rows, gemm_rows = ggml_cpu.GEMV_ROWS, ggml_cpu.gemm_rows
-    ggml_cpu.GEMV_ROWS = 1 << 30
-    ggml_cpu.gemm_rows = lambda p: ggml_cpu.GEMM_ROWS_PLANES if p.qtype in ggml_cpu.PLANES else gemm_rows(p)
-    try:
-        return m(x, w, idx)
-    finally:
-        ggml_cpu.GEMV_ROWS, ggml_cpu.gemm_rows = rows, gemm_rows
 
 
 def crossover(threads: list[int], reps: int, mats: int = 16) -> list[dict]:
