@@ -78,8 +78,10 @@ static int quantize(const uint16_t *x, long mrows, long k, int off, int q6, int 
             _mm_storeu_si128((__m128i *)(q->xq + r * k + 32 * g), _mm512_cvtsepi32_epi8(ql));
             _mm_storeu_si128((__m128i *)(q->xq + r * k + 32 * g + 16), _mm512_cvtsepi32_epi8(qh));
             int sl = _mm512_reduce_add_epi32(ql), sh = _mm512_reduce_add_epi32(qh);
-            q->dx[r * gs + g] = amax / 127.f;
-            q->xs[r * gs + g] = amax / 127.f * (float)(sl + sh);
+            /* a NaN in the group: dx NaN, so the outputs it reaches are NaN, as the bf16 product's (max drops it) */
+            int nan = _mm512_cmp_ps_mask(lo, lo, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(hi, hi, _CMP_UNORD_Q);
+            q->dx[r * gs + g] = nan ? __builtin_nanf("") : amax / 127.f;
+            q->xs[r * gs + g] = q->dx[r * gs + g] * (float)(sl + sh);
             q->nb[r * gs + g] = -off * (sl + sh);
             if (q6) q->n16[r * 2 * gs + 2 * g] = -32 * sl, q->n16[r * 2 * gs + 2 * g + 1] = -32 * sh;
         }
@@ -320,7 +322,9 @@ def product(x2: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, k: int, of
     (Q8_0: 128, Q5_0: 16); the numerics above. None where it does not apply (no library, not bf16, K not a
     multiple of 32, or the form's shape not K's)."""
     if x2.dtype != torch.bfloat16 or sz.dtype != torch.bfloat16 or k % 32 or x2.shape[-1] != k \
-            or packed.shape[-1] * (1 if offset else 2) != k or not (packed.is_contiguous() and sz.is_contiguous()):
+            or packed.shape[-1] * (1 if offset else 2) != k or packed.shape[-2] % 64 \
+            or sz.shape != ((2 if offset else 1) * k // 32, packed.shape[-2], 2) \
+            or not (packed.is_contiguous() and sz.is_contiguous()):
         return None
     lib = _load()
     if lib is None:
@@ -337,7 +341,8 @@ def product(x2: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, k: int, of
 def q6k_product(x2: torch.Tensor, raw: torch.Tensor, k: int, n: int) -> torch.Tensor | None:
     """x2 [M, k] bf16 @ W.T -> [M, n rounded up to 64] bf16 for Q6_K rows `raw` [n, k/256·210] (GGUF bytes), the
     numerics above with weights d·sc·(q − 32); None where it does not apply."""
-    if x2.dtype != torch.bfloat16 or k % 256 or x2.shape[-1] != k or not raw.is_contiguous():
+    if x2.dtype != torch.bfloat16 or k % 256 or x2.shape[-1] != k or raw.shape != (n, k // 256 * 210) \
+            or raw.dtype != torch.uint8 or not raw.is_contiguous():
         return None
     lib = _load()
     if lib is None:

@@ -124,3 +124,23 @@ def test_zero_rows_and_no_vnni_build(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     lib = native.build("ggml_q8_novnni", ggml_q8.SOURCE, {"q8_ok": []}, flags=("-mno-avx512vnni",))
     assert lib is not None and lib.q8_ok() == 0  # such a CPU: `available()` is False, linear's bf16 paths run
+
+
+@pytest.mark.parametrize("qtype", [ggml.Q4_K, ggml.Q8_0, ggml.Q6_K])
+def test_non_finite_x_reaches_the_outputs(qtype):
+    p, _ = _form(qtype, 64, 256)
+    x = torch.randn(4, 256).bfloat16()
+    x[1, 7], x[2, 100] = float("nan"), float("inf")
+    y = _run(x, p)
+    assert torch.isfinite(y[[0, 3]]).all()
+    assert torch.isnan(y[1]).all() and not torch.isfinite(y[2]).any()  # as the bf16 product's: NaN, inf or NaN
+
+
+def test_forms_of_another_shape_are_refused():
+    p, _ = _form(ggml.Q4_K, 128, 256)
+    x = torch.randn(4, 256).bfloat16()
+    assert ggml_q8.product(x, p.packed, p.sz, 512) is None  # K not the form's
+    assert ggml_q8.product(x, p.packed, p.sz[:4], 256) is None  # scales cut short
+    assert ggml_q8.product(x, p.packed[:100], p.sz, 256) is None  # rows not whole 64-row blocks
+    q6, _ = _form(ggml.Q6_K, 64, 256)
+    assert ggml_q8.q6k_product(x, q6.packed, 256, 80) is None  # more rows asked than the bytes hold
