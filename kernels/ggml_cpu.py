@@ -19,8 +19,8 @@ fp32 activations (or scales not in x's dtype) take the exact fp32 tile path (the
 Where the CPU has AVX-512 VNNI, bf16 x of Q8_ROWS rows or more takes the int8 path instead (kernels/ggml_q8.py:
 x rounded to int8 per group of 32, then integer dot products over the nibbles, a plane pair's joined into bytes;
 0.62-0.93x bf16's GEMM time at 3-256 rows, its own stated bound), and Q6_K at every row count (0.5-0.75x the
-native tiles' time); DGEMMA_GGML_Q8=0 keeps the bf16 paths below. Two bf16 paths for an int4
-form by the rows of x (`gemm_rows`). Few (< 64; native unpacker 16; planes 32, with native
+native tiles' time); DGEMMA_GGML_Q8=0 keeps the bf16 paths below.
+Two bf16 paths for an int4 form by the rows of x (`gemm_rows`). Few (< 64; native unpacker 16; planes 32, with native
 code 64): `_few_int4`, from GEMV_ROWS (4) rows of bf16 x the native GEMV (`ggml_native.gemv`: the nibbles read
 once, bf16 dot products `_mm512_dpbf16_ps`, the form's exact weights, fp32 sums; bound in kernels/ggml_csrc.py),
 else torch's int4 kernel (3.5x fewer bytes than bf16, but fp32 FMAs at ~85 GFLOP/s against oneDNN's ~215 bf16).
@@ -298,7 +298,10 @@ def linear(x: torch.Tensor, p: Prepared) -> torch.Tensor:
                 y = _gemm_int4(x2, p, lib) if x2.shape[0] >= gemm_rows(p, lib) else _few_int4(x2, p, lib)
         elif p.qtype == Q6_K:
             y = ggml_q8.q6k_product(x2, p.packed, p.k, p.n) if ggml_q8.available() else None  # 0.5-0.75x tiles'
-            y = _q6k_native(x2, p, ggml_native._native()) if y is None else y if y.shape[1] == p.n else y[:, :p.n]
+            if y is None:
+                y = _q6k_native(x2, p, ggml_native._native())
+            elif y.shape[1] != p.n:
+                y = y[:, :p.n]
     elif p.kind == "int4" and x.dtype == torch.float16 and p.sz.dtype == x.dtype and x.is_cpu:
         y = _few_int4(x2, p)  # fp16 keeps torch's int4 kernel
     if y is None:  # tiles of rows dequantized one at a time into x's dtype (the whole matrix never is)
