@@ -78,8 +78,10 @@ static int quantize(const uint16_t *x, long mrows, long k, int off, int q6, int 
             _mm_storeu_si128((__m128i *)(q->xq + r * k + 32 * g), _mm512_cvtsepi32_epi8(ql));
             _mm_storeu_si128((__m128i *)(q->xq + r * k + 32 * g + 16), _mm512_cvtsepi32_epi8(qh));
             int sl = _mm512_reduce_add_epi32(ql), sh = _mm512_reduce_add_epi32(qh);
-            /* a NaN in the group: dx NaN, so the outputs it reaches are NaN, as the bf16 product's (max drops it) */
+            /* a NaN in the group: dx NaN, so the outputs it reaches are NaN, as the bf16 product's (max drops it;
+               its lanes converted to INT_MIN: sums of 0 instead, no overflow) */
             int nan = _mm512_cmp_ps_mask(lo, lo, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(hi, hi, _CMP_UNORD_Q);
+            if (nan) sl = sh = 0;
             q->dx[r * gs + g] = nan ? __builtin_nanf("") : amax / 127.f;
             q->xs[r * gs + g] = q->dx[r * gs + g] * (float)(sl + sh);
             q->nb[r * gs + g] = -off * (sl + sh);
