@@ -408,3 +408,24 @@ def test_q6k_native_tiles_give_the_torch_tiles_bits(rows, monkeypatch):
     for tile in (64 * k, 1 << 22):
         monkeypatch.setattr(ggml_cpu, "Q6K_TILE_VALUES", tile)
         assert torch.equal(ggml_cpu.linear(x, p), want)
+
+
+@pytest.mark.parametrize("n", [1, 5, 40])
+def test_experts_give_the_per_expert_loops_bits(n):
+    """experts() gathers, gates and scatters all routed rows at once; each token's output is still the loop's: one
+    GEMM pair per expert, the weighted result rounded to x's dtype and added in ascending expert order."""
+    h, inter, e, k = 256, 96, 8, 3
+    g = torch.Generator().manual_seed(n)
+    gu = ggml_cpu.prepare(ggml.random_blocks((e, 2 * inter), ggml.Q4_K, h, g), ggml.Q4_K, h)
+    dn = ggml_cpu.prepare(ggml.random_blocks((e, h), ggml.Q4_0, inter, g), ggml.Q4_0, inter)
+    x = torch.randn(n, h, generator=g).bfloat16()
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
+    w = torch.rand(n, k, generator=g)
+    want = torch.zeros_like(x)
+    for ex in range(e):
+        tok, slot = (idx == ex).nonzero(as_tuple=True)
+        if len(tok):
+            y = ggml_cpu.linear(x[tok], gu.expert(ex))
+            act = F.gelu(y[:, :inter], approximate="tanh") * y[:, inter:]
+            want.index_add_(0, tok, (ggml_cpu.linear(act, dn.expert(ex)).float() * w[tok, slot, None]).to(x.dtype))
+    assert torch.equal(ggml_cpu.experts(x, w, idx, gu, dn, inter), want)
