@@ -175,8 +175,19 @@ def make_row(s: Any, *, prompts: list[Prompt], prompt_source: str, params: Any, 
         prompt_hash=prompt_set_hash(prompts), label=label, metadata=metadata, dummy=s.dummy,
         compiled=s.compiled, step_mode=getattr(s, "step_mode", "dynamic"),
         threads_source=getattr(s, "threads_source", None), packed_weights=getattr(s, "packed_weights", 0),
-        prefix_caching=getattr(s, "prefix_caching", True))
+        prefix_caching=getattr(s, "prefix_caching", True), ggml=ggml_activations(s))
     return row
+
+
+def ggml_activations(s: Any) -> str | None:
+    """The GGML weights' activation path of a local session (dgcli/model/ggml.py); None without GGML weights or
+    a local model (a --ray or --base-url row)."""
+    model = getattr(s, "model", None)
+    if model is None:
+        return None
+    from dgcli.model.ggml import activation_path
+
+    return activation_path(model)
 
 
 def weight_bytes(s: Any) -> int:

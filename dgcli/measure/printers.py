@@ -64,7 +64,8 @@ def device_name(device: Any) -> str:
 def provenance(*, device: Any, dtype: str, model: str, model_name: str, parameters: int, active: int,
                settings: dict, seed: int, prompt_hash: str, label: str | None, metadata: dict,
                dummy: bool, compiled: bool = False, step_mode: str = "dynamic",
-               threads_source: str | None = None, packed_weights: int = 0, prefix_caching: bool | None = None) -> dict:
+               threads_source: str | None = None, packed_weights: int = 0, prefix_caching: bool | None = None,
+               ggml: str | None = None) -> dict:
     import torch
 
     return {
@@ -75,16 +76,17 @@ def provenance(*, device: Any, dtype: str, model: str, model_name: str, paramete
         "model": model, "model_name": model_name, "model_parameters": parameters,
         "model_active_parameters": active, "dummy_weights": dummy, "settings": settings, "seed": seed,
         "prompt_set_hash": prompt_hash, "label": label, "metadata": metadata,
-        "kernels": kernel_choices(device, packed_weights), "compiled_decoder": compiled, "step_mode": step_mode,
+        "kernels": kernel_choices(device, packed_weights, ggml), "compiled_decoder": compiled, "step_mode": step_mode,
         "prefix_caching": prefix_caching,
         "host": platform.node(), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
 
-def kernel_choices(device: Any, packed_weights: int = 0) -> dict[str, str]:
+def kernel_choices(device: Any, packed_weights: int = 0, ggml: str | None = None) -> dict[str, str]:
     """Which implementation each fused op ran (triton | cpu | reference); `linear`: cpu where the session
     prepacked its weights (`packed_weights` matrices: bf16 for oneDNN, fp32 for the C GEMM), else torch's own
-    GEMM (reference);
+    GEMM (reference); `ggml_activations` (GGML weights only: dgcli/model/ggml.py::activation_path): int8 or the
+    activations' dtype;
     `attention`: the paged attention's backend (triton-paged | torch-sdpa, dgcli/model/attention.py)."""
     import torch
 
@@ -92,7 +94,8 @@ def kernel_choices(device: Any, packed_weights: int = 0) -> dict[str, str]:
     from dgcli.model.attention import backend
 
     ops = {op: implementation(op, device) for op in ("vocab_pass", "experts", "rms_norm")}
-    return {**ops, "linear": "cpu" if packed_weights else "reference", "attention": backend(torch.device(device))}
+    out = {**ops, "linear": "cpu" if packed_weights else "reference", "attention": backend(torch.device(device))}
+    return out if ggml is None else {**out, "ggml_activations": ggml}
 
 
 def parse_metadata(items: Iterable[str]) -> dict[str, str]:

@@ -189,6 +189,20 @@ def _held(module: nn.Module, prefix: str):
     return p
 
 
+def activation_path(model: nn.Module) -> str | None:
+    """What a model's GGML weights are multiplied by on this machine, for bench records: "int8" (bf16 activations
+    on a CPU with the int8 kernel: rounded per group of 32, kernels/ggml_q8.py; 1-2-row single-plane products
+    stay bf16), else the activations' dtype name; None when no weight is GGML."""
+    if not any(isinstance(m, _Quantized) for m in model.modules()):
+        return None
+    from dgcli.kernels import ggml_q8
+
+    w = model.embed_weight
+    if w.dtype == torch.bfloat16 and w.device.type == "cpu" and ggml_q8.available():
+        return "int8"
+    return str(w.dtype).removeprefix("torch.")
+
+
 class _Quantized(nn.Module):
     """What QuantLinear and QuantExperts share: the prepared matrices' metadata (`_hold`) and the ones `_held`
     keeps between calls, dropped when .to() / .float() / ... replaces the buffers (no old copy stays alive)."""

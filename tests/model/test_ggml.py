@@ -280,6 +280,15 @@ def test_fp32_model_runs_the_exact_dequantized_weights(plain):
                                rtol=1e-4, atol=1e-4)
 
 
+def test_activation_path_names_what_the_linears_multiply_by(plain, x_path, monkeypatch):
+    import copy
+
+    assert ggml.activation_path(plain) is None  # no GGML weight
+    model = ggml.quantize_model_(copy.deepcopy(plain), ggml.Q4_K)
+    assert ggml.activation_path(model) == ("int8" if x_path == "int8" else "bfloat16")
+    assert ggml.activation_path(model.float()) == "float32"  # fp32 sessions never take the int8 path
+
+
 @pytest.mark.parametrize("weights", ["q4_k", "q8_0"])
 def test_dummy_ggml_model(weights, x_path):
     cfg = make_config(dict(TEXT, moe_intermediate_size=96), canvas_length=8)  # 96: no Q4_K rows -> Q4_0
@@ -304,7 +313,10 @@ def test_bench_dummy_q4_k_row_and_bad_flag(tmp_path, capsys):
             "--format", "jsonl", "--no-measure-peaks"]
     code, out, err = run(["bench", "--dummy", str(cfg), "--weights", "q4_k", *fast], capsys)
     assert code == 0, err
-    assert json.loads(out.strip().splitlines()[-1])["weights"] == "Q4_K"
+    row = json.loads(out.strip().splitlines()[-1])
+    assert row["weights"] == "Q4_K"
+    assert row["provenance"]["kernels"]["ggml_activations"] == ggml.activation_path(random_ggml_model(
+        make_config(TEXT, canvas_length=8), "q4_k", seed=0)) in ("int8", "bfloat16")
     code, out, err = run(["bench", "--model", str(tmp_path), "--weights", "q4_k", *fast], capsys)
     assert code == 2 and "--weights q4_k builds --dummy weights" in err and err.count("\n") == 1, err
 
