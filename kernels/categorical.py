@@ -6,7 +6,8 @@ first j with Σ_{i≤j} exp(L_i - M) > u·Σ_i exp(L_i - M), sums in float64). A
 vocabulary keeps, per row and per group of `width` consecutive columns, a reference value m_g ≥ the
 group's logits and w_g = Σ_{j∈g} exp(L_j - m_g) (fp32); this finds the group where the cumulative mass
 crosses u·total, recomputes that group's logits for each row (`group_logits`: a [rows, width, H] gather
-of E, a few rows at a time, or one GEMM per group when few groups are drawn) and finds the column inside it.
+of E, a few rows at a time, or one GEMM per group when few groups are drawn; in bf16 on CPU one C call reading
+each block in place, in the head GEMM's summation order) and finds the column inside it.
 Same draw as the reference's up to float rounding (group sums in fp32, a different summation order) when
 u·total falls within that rounding of a CDF boundary. The CPU pass's searches are C calls
 (kernels/sampler_native.py: the same bits as the torch ops, which a device kernel's draw keeps). Must not: know
@@ -49,6 +50,12 @@ def group_logits(rows: torch.Tensor, embed: torch.Tensor, group: torch.Tensor, w
     if blocks is not None and embed.dtype == torch.float32 and group.device.type == "cpu" \
             and _by_group(rows, blocks, group, out):
         return processed_logits(out, softcap, temperature)  # every column < V: its group indexed a block
+    if blocks is not None and embed.dtype == torch.bfloat16:
+        # bf16 on CPU: no gather (1.6-2.1 against 5-13 ms at 256 rows, H = 1024, 2 threads), the tile's head GEMM's
+        # bits (kernels/sampler_native.py; the bmm below differs in a few logits in 10^4 where H > 1024)
+        native = sampler_native.group_logits_bf16(rows.to(embed.dtype).contiguous(), embed, group, width)
+        if native is not None:
+            return processed_logits(native, softcap, temperature)
     cols = group[:, None] * width + torch.arange(width, device=rows.device)  # [N, W]
     step = max(1, GATHER_BYTES // max(1, width * h * embed.element_size()))
     for lo in range(0, n, step):

@@ -3,12 +3,17 @@
 
 Owns: `fold_mixed` (dgcli/sampling/draws.py's `uniform_at` / `token_ids_at` from a row's hash state and the
 positions' mixed words), `locate_group` and `locate_column` (kernels/categorical.py's inverse-CDF search over the
-group masses, then inside the chosen group), and their C source, built at first use (kernels/native.py).
+group masses, then inside the chosen group), `group_logits_bf16` (the chosen groups' bf16 logits, each [W, H] block
+of E read in place: no gathered copy), and their C source, built at first use (kernels/native.py).
 Numbers: the same bits as the torch ops they replace (tests/sampling/test_draws.py, tests/kernels/test_categorical.py):
 exact 32-bit unsigned words (uint32_t wraps by definition), the uniform's 53 bits converted exactly to float64 and
 scaled by 2^-53 (exact); torch's CPU cumsum (a float64 running sum from 0, in order), its searchsorted (the same
 binary search, `!(mid > value)` moving right), products and differences in float64 without contraction into FMAs
-(-ffp-contract=off). The exponentials stay torch's. DGEMMA_NATIVE=0 (or DGEMMA_SAMPLER_NATIVE=0) keeps the torch ops.
+(-ffp-contract=off). The exponentials stay torch's. `group_logits_bf16` sums as the vocabulary tile's head GEMM
+(oneDNN's bf16 brgemm, without AMX) does: fp32 lanes fed by vdpbf16ps k pair by k pair, in k chunks whose sums are
+added; at H 160-2560 on the 2-core EPYC, the same bits as F.linear(rows, E) in every one of 65536 random logits (the
+gather's bmm: 2-3 in 10^4 one bf16 step off where H > 1024); one bf16 step from an fp32 product elsewhere.
+DGEMMA_NATIVE=0 (or DGEMMA_SAMPLER_NATIVE=0) keeps the torch ops.
 Must not: know what the counters or groups mean (draws.py, categorical.py do), or be needed: None means "use the
 torch ops" (no compiler, CUDA or strided tensors, another dtype).
 """
@@ -91,11 +96,87 @@ void locate_column(double *p, long n, long w, const int64_t *grp, const double *
         pick[i] = grp[i] * w + (j < last ? j : last);
     }
 }
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+/* t[0..16): 16 rows of 16 dwords (bf16 pairs) -> t[p] = dword p of every row (a 16x16 transpose) */
+static inline void transpose16(__m512i *t) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 16; i += 2)
+        a[i] = _mm512_unpacklo_epi32(t[i], t[i + 1]), a[i + 1] = _mm512_unpackhi_epi32(t[i], t[i + 1]);
+    for (int i = 0; i < 16; i += 4)  /* b[i + c]: rows i..i+3 of dword 4l + c in each 128-bit lane l */
+        for (int q = 0; q < 2; q++)
+            b[i + 2 * q] = _mm512_unpacklo_epi64(a[i + q], a[i + q + 2]),
+            b[i + 2 * q + 1] = _mm512_unpackhi_epi64(a[i + q], a[i + q + 2]);
+    for (int c = 0; c < 4; c++)  /* then a 4x4 transpose of 128-bit lanes across b[c], b[4 + c], b[8 + c], b[12 + c] */
+        a[c] = _mm512_shuffle_i32x4(b[c], b[c + 4], 0x88), a[c + 4] = _mm512_shuffle_i32x4(b[c], b[c + 4], 0xdd),
+        a[c + 8] = _mm512_shuffle_i32x4(b[c + 8], b[c + 12], 0x88),
+        a[c + 12] = _mm512_shuffle_i32x4(b[c + 8], b[c + 12], 0xdd);
+    for (int c = 0; c < 4; c++)
+        for (int q = 0; q < 2; q++)
+            t[c + 4 * q] = _mm512_shuffle_i32x4(a[c + 4 * q], a[c + 8 + 4 * q], 0x88),
+            t[c + 8 + 4 * q] = _mm512_shuffle_i32x4(a[c + 4 * q], a[c + 8 + 4 * q], 0xdd);
+}
+#endif
+/* out[i, j] = bf16_round(Σ_k x[i, k] e[grp[i] * w + j, k]) as float (j < w) for bf16 rows x [n, h], e [v, h]: one
+   fp32 lane per column, k in order by vdpbf16ps pairs within chunks of kb, the chunks' sums added in order (the
+   head GEMM's order here, oneDNN's brgemm). Rows over `threads` threads; the next row's block prefetched into L2.
+   -1 (nothing written) without AVX512-BF16, for w % 16, h % 32, kb % 32 != 0 or a group outside [0, v / w). */
+int group_logits_bf16(const uint16_t *x, long n, long h, const uint16_t *e, long v, const int64_t *grp, long w,
+                      long kb, long threads, float *out) {
+#ifdef __AVX512BF16__
+    if (w % 16 || h % 32 || kb % 32 || kb <= 0)
+        return -1;
+    for (long i = 0; i < n; i++)
+        if (grp[i] < 0 || grp[i] >= v / w)
+            return -1;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long i = 0; i < n; i++) {
+        const uint16_t *xi = x + i * h, *blk = e + grp[i] * w * h;
+        const char *next = i + 1 < n && grp[i + 1] != grp[i] ? (const char *)(e + grp[i + 1] * w * h) : 0;
+        for (long j0 = 0; j0 < w; j0 += 64) {
+            const int nj = (w - j0 < 64 ? w - j0 : 64) / 16;  /* 16-column vectors in this pass */
+            __m512 tot[4], part[4];
+            for (long k0 = 0; k0 < h; k0 += kb) {
+                for (int g = 0; g < 4; g++)
+                    part[g] = _mm512_setzero_ps();
+                for (long k = k0; k < h && k < k0 + kb; k += 32) {
+                    __m512i t[4][16];
+                    for (int g = 0; g < nj; g++) {
+                        for (int r = 0; r < 16; r++) {
+                            long j = j0 + g * 16 + r;
+                            t[g][r] = _mm512_loadu_si512(blk + j * h + k);
+                            if (next)
+                                _mm_prefetch(next + (j * h + k) * 2, _MM_HINT_T1);
+                        }
+                        transpose16(t[g]);
+                    }
+                    for (int p = 0; p < 16; p++) {
+                        __m512bh xb = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(xi + k + 2 * p));
+                        for (int g = 0; g < nj; g++)
+                            part[g] = _mm512_dpbf16_ps(part[g], (__m512bh)t[g][p], xb);
+                    }
+                }
+                for (int g = 0; g < nj; g++)
+                    tot[g] = k0 ? _mm512_add_ps(tot[g], part[g]) : part[g];
+            }
+            for (int g = 0; g < nj; g++) {  /* round to bf16 (nearest even), back to float */
+                __m256i b = (__m256i)_mm512_cvtneps_pbh(tot[g]);
+                _mm512_storeu_ps(out + i * w + j0 + g * 16,
+                                 _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+            }
+        }
+    }
+    return 0;
+#else
+    return -1;
+#endif
+}
 """
 
 _P, _L = ctypes.c_void_p, ctypes.c_long
 _SIGNATURE = {"fold_mixed": [_P, _L, _P, _L, _L, _P, _P], "locate_group": [_P, _L, _L, _P, _P, _P, _P],
-              "locate_column": [_P, _L, _L, _P, _P, _P, _P]}
+              "locate_column": [_P, _L, _L, _P, _P, _P, _P],
+              "group_logits_bf16": [_P, _L, _L, _P, _L, _P, _L, _L, _L, _P]}
 _lib: list = []  # [the loaded library, or None]: filled at first use
 _ON = native.switch("DGEMMA_SAMPLER_NATIVE")  # on unless DGEMMA_NATIVE or it is "0", read at each call
 
@@ -157,3 +238,24 @@ def locate_column(p: torch.Tensor, grp: torch.Tensor, target: torch.Tensor, befo
     _native().locate_column(p.data_ptr(), n, w, grp.data_ptr(), target.data_ptr(), before.data_ptr(),
                             pick.data_ptr())
     return pick
+
+
+def group_logits_bf16(rows: torch.Tensor, embed: torch.Tensor, group: torch.Tensor, width: int) -> torch.Tensor | None:
+    """The head's logits [N, width] (float32 holding bf16 values) of columns group·width + [0, width) for bf16 rows
+    [N, H] and embedding [V, H] (CPU, contiguous, V % width == 0), each block read in place; None: use torch."""
+    if not _cpu(rows, embed) or not group.is_cpu or not group.is_contiguous() or rows.dtype != torch.bfloat16 \
+            or embed.dtype != torch.bfloat16 or group.dtype != torch.long or rows.dim() != 2 or embed.dim() != 2 \
+            or embed.shape[0] % width or rows.shape[1] != embed.shape[1] or group.shape != rows.shape[:1]:
+        return None
+    lib = _native()
+    if lib is None:
+        return None
+    (n, h), v = rows.shape, embed.shape[0]
+    out = torch.empty(n, width)
+    # oneDNN's K blocking for its bf16 head GEMM here (brgemm, 2-core EPYC, torch 2.13): the k chunks whose fp32
+    # sums it adds, found by emulation (tests/kernels/test_categorical.py): 512 up to H = 1024, else 1024
+    kb = 512 if h <= 1024 else 1024
+    if lib.group_logits_bf16(rows.data_ptr(), n, h, embed.data_ptr(), v, group.data_ptr(), width, kb,
+                             torch.get_num_threads(), out.data_ptr()) != 0:
+        return None
+    return out
