@@ -13,8 +13,10 @@ read of all the expert weights at the machine's memory rate; "floor ms" is its t
 where every expert gets tokens (all of them do here). Each path's output is compared with `experts_reference`
 (bits: "=" equal).
 
-Paths: segments, grouped, packed (experts_packed as a model runs it), and packed's two ways forced: in_turn (one
-expert at a time on all threads) and split (experts shared out across one-thread workers).
+Paths: segments, grouped, packed (experts_packed: oneDNN, the reference's bits, what a bf16 session runs by
+default), packed's two ways forced: in_turn (one expert at a time on all threads) and split (experts shared out
+across one-thread workers), and native (experts_native with the C bf16 GEMM, kernels/gemm_bf16.py: what a session
+runs under DGEMMA_BF16_FAST=1 on an AVX512-BF16 CPU; other bits, "≠"; skipped where it is not available).
 
     python benchmarks/bench_experts_cpu.py [--threads 1 2] [--rounds 5] [--configs real 200m] [--paths ...] [--rows ...]
 """
@@ -36,7 +38,7 @@ from bench_cpu_step import cpu_name, load_avg, median  # noqa: E402
 # name -> (experts, top-k, hidden, intermediate, row counts)
 CONFIGS = {"real": (128, 8, 2816, 704, (256, 2048)), "200m": (12, 4, 1024, 512, (256,))}
 GEMM_ROWS = 2048
-PATHS = ["segments", "grouped", "packed", "in_turn", "split"]
+PATHS = ["segments", "grouped", "packed", "in_turn", "split", "native"]
 
 
 def timed(fns: dict, rounds: int) -> dict[str, list[float]]:
@@ -63,6 +65,11 @@ def run_config(name: str, threads: int, rounds: int, paths: list[str], only_rows
     pg = [pack(gate_up[i]) for i in range(e)]
     pd = [pack(down[i]) for i in range(e)]
     packed = all(p is not None for p in pg + pd)
+    try:  # the C bf16 GEMM (absent from older trees: the same script times both)
+        from dgcli.kernels import gemm_bf16
+        native = (gemm_bf16.pack(gate_up), gemm_bf16.pack(down)) if gemm_bf16.available() else None
+    except ImportError:
+        native = None
     # The GEMM rate's pair (2,048 rows against expert 0's weights) and the weight stream (one row through
     # every expert) run in the same rounds as the paths, so a slow round slows them all alike.
     a = torch.randn(GEMM_ROWS, h, generator=g).bfloat16()  # [2048, H]
@@ -83,6 +90,8 @@ def run_config(name: str, threads: int, rounds: int, paths: list[str], only_rows
             fns["packed"] = lambda: moe_cpu.experts_packed(x, w, idx, pg, pd, inter)
             fns["in_turn"] = lambda: moe_cpu.experts_packed(x, w, idx, pg, pd, inter, split=False)
             fns["split"] = lambda: moe_cpu.experts_packed(x, w, idx, pg, pd, inter, split=True)
+        if native is not None:
+            fns["native"] = lambda: moe_cpu.experts_native(x, w, idx, *native, inter, gemm_bf16)
         fns = {p: fn for p, fn in fns.items() if not paths or p in paths}
         want = experts_reference(x, w, idx, gate_up, down)
         exact = {p: torch.equal(fn(), want) for p, fn in fns.items()}

@@ -6,8 +6,8 @@ segments, two `F.grouped_mm` calls, no padding, no host read, so it compiles int
 and for non-bf16 inputs inside torch.compile) and `experts_packed` (bf16 weights prepacked for oneDNN
 at session start, one GEMM pair per expert on its gathered rows: what an eager bf16 CPU session runs; see
 kernels/linear_cpu.py and dgcli/model/packed.py), with its pool of one-thread workers (`_pool`) that
-share out the experts where each gets few rows, and `experts_native` (fp32 sessions: `experts_segments` with
-the C GEMM, kernels/gemm_native.py).
+share out the experts where each gets few rows, and `experts_native` (fp32 sessions, and bf16 ones under
+DGEMMA_BF16_FAST=1: `experts_segments` with the C GEMM, kernels/gemm_native.py / gemm_bf16.py).
 All equal `kernels/reference_ops.py::experts_reference` (and so the model's `Experts.forward`): same
 GEMM inputs and dtypes, same activation, the fp32 routing-weight product rounded to x.dtype, and a
 token's k contributions added in ascending expert order with one rounding per addition. Only the GEMM
@@ -47,7 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.nn.functional as F
 
-from . import dispatch, gemm_native
+from . import dispatch, gemm_bf16, gemm_native
 from .linear_cpu import PROBE_ROWS, linear, pack
 from .reference_ops import experts_reference
 
@@ -192,19 +192,25 @@ def experts_segments(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_u
 
 
 def experts_native(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                   inter: int) -> torch.Tensor | None:
-    """`experts_segments` for fp32 with the C GEMM (kernels/gemm_native.py) over weights packed as panels
-    (gate_up [E, ..] packs gate_up_proj, down packs down_proj): each GEMM pair is one call over every expert's
-    segment, the rows gathered inside it. None where the C GEMM does not apply. Bits: the C GEMM's (k order)."""
+                   inter: int, gemm=gemm_native) -> torch.Tensor | None:
+    """`experts_segments` with a C GEMM over weights packed as its panels (gate_up [E, ..] packs gate_up_proj, down
+    packs down_proj): `gemm` kernels/gemm_native.py (fp32) or kernels/gemm_bf16.py (bf16). Each GEMM pair is one
+    call over every expert's segment, the rows gathered inside it. None where the C GEMM does not apply. Bits: the
+    C GEMM's (k order); the activation, weighting and sums are the reference's."""
     n, k = idx.shape
     flat, w_sorted = _pairs(idx, w)  # [N*k], [N, k]
     order = torch.argsort(flat, stable=True)  # [N*k] pairs grouped by expert
     ends = torch.bincount(flat, minlength=gate_up.shape[0]).cumsum_(0)  # [E] end of each expert's segment
-    gu = gemm_native.grouped(x, order // k, gate_up, ends, 2 * inter)  # [N*k, 2I]
+    gu = gemm.grouped(x, order // k, gate_up, ends, 2 * inter)  # [N*k, 2I]
     if gu is None:
         return None
-    y = gemm_native.grouped(dispatch.gelu_mul_fused(gu, inter), None, down, ends, x.shape[1])  # [N*k, H]
-    return None if y is None else _sum_slots(y.mul_(_sorted_weights(w_sorted, order)), order, k)
+    ws, act = _sorted_weights(w_sorted, order), dispatch.gelu_mul_fused(gu, inter)  # [N*k, 1] fp32, [N*k, I]
+    if gemm is gemm_bf16:  # weights its rows as it stores them, with `mul_`'s bits: one pass fewer over y
+        y = gemm.grouped(act, None, down, ends, x.shape[1], ws)  # [N*k, H]
+    else:
+        y = gemm.grouped(act, None, down, ends, x.shape[1])
+        y = None if y is None else y.mul_(ws)
+    return None if y is None else _sum_slots(y, order, k)
 
 
 def experts_packed(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: Sequence[torch.Tensor],

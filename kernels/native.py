@@ -7,8 +7,10 @@ loads on another; OpenMP binds to the libgomp torch already loaded), `enabled` (
 native kernel off) and `switch` (the same as a function of nothing, cheaper), `getenv` (the switches, read cheaply
 at each call) and `vector_tanh` (the 16-lane tanh functions a kernel may call: torch's Sleef one, glibc's libmvec
 one). No torch headers, no build step at install: a machine without a compiler runs the torch ops.
-Must not: know what the kernels compute (their modules: kernels/gemm_native.py, ggml_native.py, ggml_q8.py,
-norm_native.py, sampler_native.py, vocab_native.py), or be needed: every caller has a torch path.
+Also `fast_bf16` (DGEMMA_BF16_FAST=1: the opt-in for the bf16 kernels whose bits are not the reference's).
+Must not: know what the kernels compute (their modules: kernels/attention_native.py, gemm_bf16.py, gemm_native.py,
+ggml_native.py, ggml_q8.py, norm_native.py, sampler_native.py, vocab_native.py), or be needed: every caller has a
+torch path.
 """
 
 from __future__ import annotations
@@ -58,6 +60,16 @@ def switch(name: str) -> Callable[[], bool]:
         return functools.partial(enabled, name)
     get, key = _DATA.get, os.fsencode(name)
     return lambda: get(b"DGEMMA_NATIVE") != b"0" and get(key) != b"0"
+
+
+FAST_BF16 = "DGEMMA_BF16_FAST"  # =1: the bf16 kernels whose bits are not the reference's (attention_native, gemm_bf16)
+
+
+def fast_bf16() -> bool:
+    """DGEMMA_BF16_FAST=1 (and native kernels not off): bf16 sessions may run the C kernels that sum in their own
+    order (kernels/attention_native.py, kernels/gemm_bf16.py's experts): faster, about a bf16 rounding apart per
+    op, so not transformers' bits; by default a bf16 CPU session keeps the reference's ops and bits."""
+    return getenv(FAST_BF16) == "1" and getenv("DGEMMA_NATIVE") != "0"
 
 
 @functools.cache

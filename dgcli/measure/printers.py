@@ -86,15 +86,18 @@ def kernel_choices(device: Any, packed_weights: int = 0, ggml: str | None = None
     """Which implementation each fused op ran (triton | cpu | reference); `linear`: cpu where the session
     prepacked its weights (`packed_weights` matrices: bf16 for oneDNN, fp32 for the C GEMM), else torch's own
     GEMM (reference); `ggml_activations` (GGML weights only: dgcli/model/ggml.py::activation_path): int8 or the
-    activations' dtype;
+    activations' dtype; `bf16_fast`: DGEMMA_BF16_FAST=1 (a bf16 CPU session's C attention and experts, not the
+    reference's bits: kernels/native.py::fast_bf16);
     `attention`: the paged attention's backend (triton-paged | torch-sdpa, dgcli/model/attention.py)."""
     import torch
 
     from dgcli.kernels.dispatch import implementation
+    from dgcli.kernels.native import fast_bf16
     from dgcli.model.attention import backend
 
     ops = {op: implementation(op, device) for op in ("vocab_pass", "experts", "rms_norm")}
-    out = {**ops, "linear": "cpu" if packed_weights else "reference", "attention": backend(torch.device(device))}
+    out = {**ops, "linear": "cpu" if packed_weights else "reference", "attention": backend(torch.device(device)),
+           "bf16_fast": fast_bf16()}
     return out if ggml is None else {**out, "ggml_activations": ggml}
 
 

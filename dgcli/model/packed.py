@@ -2,13 +2,14 @@
 GEMM's panels (kernels/gemm_native.py: other bits, within fp32 rounding); faster GEMMs either way.
 
 Owns: `pack_for_cpu(model)`, which swaps each bf16 `nn.Linear` for a `PackedLinear` and each `Experts` for a
-`PackedExperts`, each fp32 one for a `NativeLinear` / `NativeExperts`, holding the packed copies (the stored
-weights are dropped: no second copy in memory), and says how many matrices it packed. The embedding (also the
-tied head) stays as stored: the embedding lookup, the vocabulary pass's soft GEMM and its draw read it in its
-own layout.
+`PackedExperts` (under DGEMMA_BF16_FAST=1 on an AVX512-BF16 CPU a `NativeExperts`), each fp32 one for a `NativeLinear` / `NativeExperts`,
+holding the packed copies (the stored weights are dropped: no second copy in memory), and says how many
+matrices it packed. The embedding (also the tied head) stays as stored: the embedding lookup, the vocabulary
+pass's soft GEMM and its draw read it in its own layout.
 Must not: pack for torch.compile (inductor traces plain weights; `--compile` sessions stay unpacked), or touch
 FP8 modules. There is no way back: a packed model has no state_dict for its packed weights.
-The GEMMs: kernels/linear_cpu.py (bf16, and its bit check), kernels/gemm_native.py (fp32); the experts:
+The GEMMs: kernels/linear_cpu.py (bf16, and its bit check), kernels/gemm_native.py (fp32), gemm_bf16.py (bf16
+experts); the experts:
 kernels/moe_cpu.py::experts_packed / experts_native.
 
 When: a bf16 or fp32 session on CPU, eager (not `--compile`, not `DGEMMA_KERNELS=reference`), packs at load.
@@ -23,6 +24,11 @@ Why fp32 (the bundled model): MKL's fp32 GEMM runs the bundled model's 16-128-ro
 thirds of the core's rate; the C GEMM streams each weight panel once (kernels/gemm_native.py says what it
 changes: each output summed in k order, batch-invariant; the fp32 parity tests hold it to the reference).
 `DGEMMA_GEMM_NATIVE=0` (or DGEMMA_NATIVE=0) at load keeps fp32 models as loaded, with torch's bits.
+Why bf16 experts in C, opt-in (DGEMMA_BF16_FAST=1 at load, an AVX512-BF16 CPU): oneDNN without AMX runs an
+expert's few-row GEMMs at about half its big-GEMM rate; kernels/gemm_bf16.py runs all experts of a GEMM in one call
+near the core's dpbf16 rate. Its sums are in k-pair order, so its outputs differ from F.linear's by about one bf16
+rounding: not the reference's bits, which the bf16 parity tests need (kernels/native.py::fast_bf16), so by default
+the experts are packed for oneDNN (tests/model/test_bf16_fast.py holds the fast mode's accuracy).
 Speed-ups measured per GEMM size and per model: benchmarks/RESULTS.md.
 """
 
@@ -33,7 +39,7 @@ from torch import nn
 
 import torch.nn.functional as F
 
-from dgcli.kernels import dispatch, gemm_native, linear_cpu, moe_cpu
+from dgcli.kernels import dispatch, gemm_bf16, gemm_native, linear_cpu, moe_cpu, native
 from dgcli.model.gemma import Experts
 
 
@@ -82,22 +88,23 @@ class NativeLinear(nn.Module):
 
 
 class NativeExperts(nn.Module):
-    """fp32 `Experts` with gate_up_proj [E, 2I, H] and down_proj [E, H, I] as the C GEMM's panels."""
+    """`Experts` with gate_up_proj [E, 2I, H] and down_proj [E, H, I] as a C GEMM's panels: `gemm` is
+    kernels/gemm_native.py (fp32) or kernels/gemm_bf16.py (bf16)."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, hidden: int, inter: int):
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, hidden: int, inter: int, gemm=gemm_native):
         super().__init__()
         self.register_buffer("gate_up", gate_up, persistent=False)
         self.register_buffer("down", down, persistent=False)
-        self.hidden, self.inter = hidden, inter
+        self.hidden, self.inter, self.gemm = hidden, inter, gemm
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         y = None
         gate_up, down = self._buffers["gate_up"], self._buffers["down"]  # not nn.Module.__getattr__
         if x.dtype == gate_up.dtype:
-            y = moe_cpu.experts_native(x, w, idx, gate_up, down, self.inter)
+            y = moe_cpu.experts_native(x, w, idx, gate_up, down, self.inter, self.gemm)
         if y is None:  # the stored layout back (copies): the device's own path
-            y = dispatch.experts(x, w, idx, gemm_native.unpack(gate_up, 2 * self.inter),
-                                 gemm_native.unpack(down, self.hidden))
+            y = dispatch.experts(x, w, idx, self.gemm.unpack(gate_up, 2 * self.inter),
+                                 self.gemm.unpack(down, self.hidden))
         return y
 
 
@@ -114,10 +121,20 @@ def _native_fp32(w: torch.Tensor) -> bool:
     return w.dtype == torch.float32 and w.device.type == "cpu" and gemm_native.available()
 
 
+def _native_bf16(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """bf16 experts under DGEMMA_BF16_FAST=1 on an AVX512-BF16 CPU with the C GEMM on (even H and I: `unpack` gives
+    the weight back)."""
+    return (native.fast_bf16() and gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu" and gate_up.shape[2] % 2 == 0
+            and down.shape[2] % 2 == 0 and gemm_bf16.available())
+
+
 def _packed_experts(m: Experts) -> PackedExperts | NativeExperts | None:
     if _native_fp32(m.gate_up_proj):
         return NativeExperts(gemm_native.pack(m.gate_up_proj), gemm_native.pack(m.down_proj), m.down_proj.shape[1],
                              m.down_proj.shape[2])
+    if _native_bf16(m.gate_up_proj, m.down_proj):  # the C bf16 GEMM's panels instead of oneDNN's (not both)
+        return NativeExperts(gemm_bf16.pack(m.gate_up_proj), gemm_bf16.pack(m.down_proj), m.down_proj.shape[1],
+                             m.down_proj.shape[2], gemm_bf16)
     gate_up, down = [], []
     for e in range(m.gate_up_proj.shape[0]):  # every expert the same shapes: the first refusal decides
         gate_up.append(linear_cpu.pack(m.gate_up_proj[e]))
