@@ -20,18 +20,21 @@ cold weights): ~200 GFLOP/s on 1 thread (~88 % of the core's dpbf16 peak), ~350-
 released config's at 256 rows 70-85 against 100-117 ms: faster at 1 to 128 rows per expert (benchmarks/
 bench_experts_cpu.py, path `native`).
 Bits: each output is Σ_j (x[2j]·w[2j] + x[2j+1]·w[2j+1]) accumulated in fp32 by `vdpbf16ps` in k-pair order from
-0 (the products are exact; the hardware rounds each addition to nearest even and flushes denormals), then rounded
-once to bf16 (nearest even, `vcvtneps2bf16`); a scaled row is then widened, multiplied by its fp32 scale and
-rounded again, as torch's mixed-dtype `mul_` does (equal bits but for denormals). Whatever the row count, the
-row's place in its block, the thread count or the segment: batch-invariant. Not oneDNN's order: outputs differ from
-F.linear's by about one bf16 rounding (tests/kernels/test_gemm_bf16.py bounds it against the fp32 product; on the
-200 M config's experts 1.7e-4 rms apart, both 5.0e-3 from the float64 product). So a session packs its experts
-here only under DGEMMA_BF16_FAST=1 (dgcli/model/packed.py); by default oneDNN runs them, with the reference's bits.
+0 within chunks of `chunk(K, rows)` values, the chunks' sums added in order (the products are exact; the hardware rounds
+each addition to nearest even and flushes denormals), then rounded once to bf16 (nearest even, `vcvtneps2bf16`); a
+scaled row is then widened, multiplied by its fp32 scale and rounded again, as torch's mixed-dtype `mul_` does
+(equal bits but for denormals). Whatever the row count, the row's place in its block, the thread count or the
+segment: batch-invariant. That is oneDNN's own order on an AVX512-BF16 CPU without AMX: the same bits as F.linear
+(measured at the 200 M and released configs' expert shapes, 1-256 rows: every output equal), so a session packs its
+bf16 experts here where `agrees` finds F.linear's bits for their shapes at load (dgcli/model/packed.py); elsewhere
+(an AMX CPU, another oneDNN) oneDNN runs them, unless DGEMMA_BF16_FAST=1 asks for this GEMM anyway (then about one
+bf16 rounding from F.linear: tests/kernels/test_gemm_bf16.py bounds it against the fp32 product).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 
 import torch
@@ -39,6 +42,14 @@ import torch
 from . import native
 
 PANEL = 16  # columns per packed panel: one AVX-512 vector of fp32 accumulators
+PROBE_ROWS = (1, 2, 3, 8, 17, 85)  # row counts `agrees` compares (tails of the 8-row blocks, one and many blocks)
+
+
+def chunk(k: int, rows: int) -> int:
+    """The k chunk whose fp32 sums are added to each other for a product of `rows` rows: oneDNN's bf16 GEMM without
+    AMX (torch 2.13) blocks K so (found by trying chunk sizes on a 2-core EPYC at K 160-2816 and 1-256 rows: every
+    output equal; one row is another kernel, with 512 at every K); `agrees` checks it."""
+    return 512 if k <= 1024 or rows == 1 else 1024
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -71,15 +82,22 @@ static inline __m256i out16(__m512 a, const float *sc, int r) {
 
 /* Rows xr[0..R) (k elements each) of a block times NP (1 or 2) panels p (kp k-pairs x 16 x 2 each, the second at
    p + kp*32): y[i, 0 : 16*NP] as bf16 (the last panel's columns masked by `last`), scaled by sc[i] if sc. Sums in
-   k-pair order from 0. nx: a panel pair to pull into cache meanwhile (2*kp lines of 64 B, two per k-pair), or 0. */
+   k-pair order from 0 within chunks of kc pairs, the chunks' sums added in order (oneDNN's order: see the Python
+   side). nx: a panel pair to pull into cache meanwhile (2*kp lines of 64 B, two per k-pair), or 0. */
 static inline __attribute__((always_inline)) void tile(const int R, const int NP, const uint16_t *const *xr,
-        const uint16_t *p, long k, uint16_t *y, long ldy, __mmask16 last, const char *nx, const float *sc) {
-    __m512 acc[MR][2];
+        const uint16_t *p, long k, long kc, uint16_t *y, long ldy, __mmask16 last, const char *nx, const float *sc) {
+    __m512 acc[MR][2], tot[MR][2];
     long kp = k / 2;
     for (int r = 0; r < R; r++)
         for (int c = 0; c < NP; c++) acc[r][c] = _mm512_setzero_ps();
     const uint16_t *p1 = p + ((k + 1) / 2) * 32;
     for (long j = 0; j < kp; j++) {
+        if (j && j % kc == 0)  /* a chunk ends: its sums into the total (the first one is the total) */
+            for (int r = 0; r < R; r++)
+                for (int c = 0; c < NP; c++) {
+                    tot[r][c] = j == kc ? acc[r][c] : _mm512_add_ps(tot[r][c], acc[r][c]);
+                    acc[r][c] = _mm512_setzero_ps();
+                }
         __m512bh w0 = (__m512bh)_mm512_loadu_si512(p + j * 32);
         __m512bh w1 = NP > 1 ? (__m512bh)_mm512_loadu_si512(p1 + j * 32) : w0;
         _mm_prefetch((const char *)(p + (j + PF) * 32), _MM_HINT_T0);
@@ -100,6 +118,9 @@ static inline __attribute__((always_inline)) void tile(const int R, const int NP
             if (NP > 1) acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
         }
     }
+    if (kp > kc)  /* the last chunk's sums */
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < NP; c++) acc[r][c] = _mm512_add_ps(tot[r][c], acc[r][c]);
     for (int r = 0; r < R; r++) {
         __m256i h0 = out16(acc[r][0], sc, r);
         if (NP > 1) {
@@ -111,11 +132,11 @@ static inline __attribute__((always_inline)) void tile(const int R, const int NP
     }
 }
 
-#define CASE(R) case R: if (np == 2) tile(R, 2, xr, p, k, y, ldy, last, nx, sc); \
-                      else tile(R, 1, xr, p, k, y, ldy, last, nx, sc); break;
+#define CASE(R) case R: if (np == 2) tile(R, 2, xr, p, k, kc, y, ldy, last, nx, sc); \
+                      else tile(R, 1, xr, p, k, kc, y, ldy, last, nx, sc); break;
 
-static void block(long rows, int np, const uint16_t *const *xr, const uint16_t *p, long k, uint16_t *y, long ldy,
-                  __mmask16 last, const char *nx, const float *sc) {
+static void block(long rows, int np, const uint16_t *const *xr, const uint16_t *p, long k, long kc, uint16_t *y,
+                  long ldy, __mmask16 last, const char *nx, const float *sc) {
     switch (rows) {
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
     }
@@ -124,8 +145,8 @@ static void block(long rows, int np, const uint16_t *const *xr, const uint16_t *
 /* This thread's panel pairs [j0, j1) of y [m, n] = X @ W.T (X's row i at x + (rows ? rows[i] : i) * ldx, W panels
    at p), over row blocks of near-equal sizes <= MR. While a pair's first block runs, the next pair (nx_last after
    the last one: the next expert's) is pulled into cache. No output depends on the split or the blocks. */
-static void pairs(const uint16_t *x, const int64_t *rows, long m, long k, long ldx, const uint16_t *p, long n,
-                  uint16_t *y, long ldy, long j0, long j1, const uint16_t *nx_last, const float *sc) {
+static void pairs(const uint16_t *x, const int64_t *rows, long m, long k, long kc, long ldx, const uint16_t *p,
+                  long n, uint16_t *y, long ldy, long j0, long j1, const uint16_t *nx_last, const float *sc) {
     long panels = (n + 15) / 16, pstep = ((k + 1) / 2) * 32, blocks = (m + MR - 1) / MR;
     long base = m / blocks, extra = m % blocks;
     for (long j = j0; j < j1; j++) {
@@ -139,7 +160,7 @@ static void pairs(const uint16_t *x, const int64_t *rows, long m, long k, long l
             long nr = base + (b < extra);
             const uint16_t *xr[MR];
             for (long r = 0; r < nr; r++) xr[r] = x + (rows ? rows[r0 + r] : r0 + r) * ldx;
-            block(nr, np, xr, pj, k, y + r0 * ldy + c0, ldy, last, b ? 0 : nx, sc ? sc + r0 : 0);
+            block(nr, np, xr, pj, k, kc, y + r0 * ldy + c0, ldy, last, b ? 0 : nx, sc ? sc + r0 : 0);
             r0 += nr;
         }
     }
@@ -148,8 +169,9 @@ static void pairs(const uint16_t *x, const int64_t *rows, long m, long k, long l
 /* Segments: rows [ends[e-1], ends[e]) of y are X[rows[..]] @ W_e.T, W_e packed at p + e * pstride. One parallel
    region: thread t takes the same share of panel pairs of every expert, so each thread streams its own weights and
    prefetches its next expert's share; no barrier between experts (they write disjoint rows). */
-void grouped(const uint16_t *x, const int64_t *rows, long k, long ldx, const uint16_t *p, long pstride, long n,
-             const int64_t *ends, long experts, uint16_t *y, long ldy, const float *sc, int threads) {
+void grouped(const uint16_t *x, const int64_t *rows, long k, long kc, long kc1, long ldx, const uint16_t *p,
+             long pstride, long n, const int64_t *ends, long experts, uint16_t *y, long ldy, const float *sc,
+             int threads) {
     long np = ((n + 15) / 16 + 1) / 2;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
@@ -165,8 +187,8 @@ void grouped(const uint16_t *x, const int64_t *rows, long k, long ldx, const uin
                 long nxt = e + 1;  /* the next expert with rows: its first pair of this thread's share */
                 while (nxt < experts && ends[nxt] == end) nxt++;
                 const uint16_t *nx = nxt < experts ? p + nxt * pstride + 2 * j0 * ((k + 1) / 2) * 32 : 0;
-                pairs(xe, rows ? rows + start : 0, end - start, k, ldx, p + e * pstride, n, y + start * ldy, ldy,
-                      j0, j1, nx, sc ? sc + start : 0);
+                pairs(xe, rows ? rows + start : 0, end - start, k, end - start > 1 ? kc : kc1, ldx,
+                      p + e * pstride, n, y + start * ldy, ldy, j0, j1, nx, sc ? sc + start : 0);
             }
             if (!rows) xe += (end - start) * ldx;
             start = end;
@@ -180,7 +202,7 @@ void grouped(void) {}
 """
 
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-_SIGNATURE = {"grouped": [_P, _P, _L, _L, _P, _L, _L, _P, _L, _P, _L, _P, _I], "gemm_ok": []}
+_SIGNATURE = {"grouped": [_P, _P, _L, _L, _L, _L, _P, _L, _L, _P, _L, _P, _L, _P, _I], "gemm_ok": []}
 _lib: list = []
 _ON = native.switch("DGEMMA_GEMM_NATIVE")  # on unless DGEMMA_NATIVE or it is "0", read at each call
 
@@ -197,6 +219,23 @@ def _native():
 def available() -> bool:
     """The C bf16 GEMM built (an AVX512-BF16 CPU) and enabled here."""
     return _native() is not None
+
+
+@functools.cache
+def agrees(n: int, k: int, threads: int) -> bool:
+    """Does this GEMM give F.linear's bits (oneDNN's, the reference's) for a weight [n, k] at the caller's thread
+    count here? Random values, PROBE_ROWS rows. False on CPUs whose oneDNN sums otherwise (with AMX, for one)."""
+    if not available():
+        return False
+    g = torch.Generator().manual_seed(n * 7919 + k)
+    w = torch.empty(n, k, dtype=torch.bfloat16).uniform_(-(3 / k) ** 0.5, (3 / k) ** 0.5, generator=g)
+    p = pack(w)
+    for m in PROBE_ROWS:  # one row is another kernel in oneDNN: 16 such calls (a wrong order shows in ~1/3 of them)
+        for _ in range(16 if m == 1 else 1):
+            x = torch.empty(m, k, dtype=torch.bfloat16).uniform_(-2, 2, generator=g)
+            if not torch.equal(linear(x, p, n), torch.nn.functional.linear(x, w)):
+                return False
+    return True
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
@@ -238,7 +277,8 @@ def grouped(x: torch.Tensor, rows: torch.Tensor | None, packed: torch.Tensor, en
     y = torch.empty(r, n, dtype=torch.bfloat16)
     if r:
         threads = torch.get_num_threads() if r * n * k >= (1 << 22) else 1
-        lib.grouped(x.data_ptr(), None if rows is None else rows.data_ptr(), k, x.stride(0) if x.shape[0] > 1 else k,
+        lib.grouped(x.data_ptr(), None if rows is None else rows.data_ptr(), k, chunk(k, 2) // 2, chunk(k, 1) // 2,
+                    x.stride(0) if x.shape[0] > 1 else k,
                     packed.data_ptr(), math.prod(packed.shape[1:]), n, ends.data_ptr(), packed.shape[0], y.data_ptr(),
                     n, None if scale is None else scale.data_ptr(), threads)
     return y

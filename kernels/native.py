@@ -62,14 +62,12 @@ def switch(name: str) -> Callable[[], bool]:
     return lambda: get(b"DGEMMA_NATIVE") != b"0" and get(key) != b"0"
 
 
-FAST_BF16 = "DGEMMA_BF16_FAST"  # =1: the bf16 kernels whose bits are not the reference's (attention_native, gemm_bf16)
-
-
 def fast_bf16() -> bool:
     """DGEMMA_BF16_FAST=1 (and native kernels not off): bf16 sessions may run the C kernels that sum in their own
-    order (kernels/attention_native.py, kernels/gemm_bf16.py's experts): faster, about a bf16 rounding apart per
-    op, so not transformers' bits; by default a bf16 CPU session keeps the reference's ops and bits."""
-    return getenv(FAST_BF16) == "1" and getenv("DGEMMA_NATIVE") != "0"
+    order (kernels/attention_native.py; kernels/gemm_bf16.py's experts where it does not sum as oneDNN does): faster,
+    about a bf16 rounding apart per op, so not transformers' bits; by default a bf16 CPU session keeps the
+    reference's bits."""
+    return getenv("DGEMMA_BF16_FAST") == "1" and getenv("DGEMMA_NATIVE") != "0"
 
 
 @functools.cache

@@ -2,7 +2,8 @@
 GEMM's panels (kernels/gemm_native.py: other bits, within fp32 rounding); faster GEMMs either way.
 
 Owns: `pack_for_cpu(model)`, which swaps each bf16 `nn.Linear` for a `PackedLinear` and each `Experts` for a
-`PackedExperts` (under DGEMMA_BF16_FAST=1 on an AVX512-BF16 CPU a `NativeExperts`), each fp32 one for a `NativeLinear` / `NativeExperts`,
+`PackedExperts` (a `NativeExperts` where the C bf16 GEMM gives oneDNN's bits, or under DGEMMA_BF16_FAST=1), each
+fp32 one for a `NativeLinear` / `NativeExperts`,
 holding the packed copies (the stored weights are dropped: no second copy in memory), and says how many
 matrices it packed. The embedding (also the tied head) stays as stored: the embedding lookup, the vocabulary
 pass's soft GEMM and its draw read it in its own layout.
@@ -24,11 +25,11 @@ Why fp32 (the bundled model): MKL's fp32 GEMM runs the bundled model's 16-128-ro
 thirds of the core's rate; the C GEMM streams each weight panel once (kernels/gemm_native.py says what it
 changes: each output summed in k order, batch-invariant; the fp32 parity tests hold it to the reference).
 `DGEMMA_GEMM_NATIVE=0` (or DGEMMA_NATIVE=0) at load keeps fp32 models as loaded, with torch's bits.
-Why bf16 experts in C, opt-in (DGEMMA_BF16_FAST=1 at load, an AVX512-BF16 CPU): oneDNN without AMX runs an
-expert's few-row GEMMs at about half its big-GEMM rate; kernels/gemm_bf16.py runs all experts of a GEMM in one call
-near the core's dpbf16 rate. Its sums are in k-pair order, so its outputs differ from F.linear's by about one bf16
-rounding: not the reference's bits, which the bf16 parity tests need (kernels/native.py::fast_bf16), so by default
-the experts are packed for oneDNN (tests/model/test_bf16_fast.py holds the fast mode's accuracy).
+Why bf16 experts in C (an AVX512-BF16 CPU): oneDNN without AMX runs an expert's few-row GEMMs at about half its
+big-GEMM rate; kernels/gemm_bf16.py runs all experts of a GEMM in one call near the core's dpbf16 rate, summing in
+oneDNN's own order there: taken where `gemm_bf16.agrees` finds F.linear's bits for both weight shapes at load (the
+reference's bits, which the bf16 parity tests need), else only under DGEMMA_BF16_FAST=1 (kernels/native.py::
+fast_bf16: about a bf16 rounding from F.linear; tests/model/test_bf16_fast.py). DGEMMA_GEMM_NATIVE=0: oneDNN.
 Speed-ups measured per GEMM size and per model: benchmarks/RESULTS.md.
 """
 
@@ -122,10 +123,13 @@ def _native_fp32(w: torch.Tensor) -> bool:
 
 
 def _native_bf16(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """bf16 experts under DGEMMA_BF16_FAST=1 on an AVX512-BF16 CPU with the C GEMM on (even H and I: `unpack` gives
-    the weight back)."""
-    return (native.fast_bf16() and gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu" and gate_up.shape[2] % 2 == 0
-            and down.shape[2] % 2 == 0 and gemm_bf16.available())
+    """bf16 experts on an AVX512-BF16 CPU with the C GEMM on (even H and I: `unpack` gives the weight back), where it
+    gives F.linear's bits for both shapes (or under DGEMMA_BF16_FAST=1)."""
+    if not (gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu" and gate_up.shape[2] % 2 == 0
+            and down.shape[2] % 2 == 0 and gemm_bf16.available()):
+        return False
+    threads = torch.get_num_threads()
+    return native.fast_bf16() or all(gemm_bf16.agrees(*w.shape[1:], threads) for w in (gate_up, down))
 
 
 def _packed_experts(m: Experts) -> PackedExperts | NativeExperts | None:
