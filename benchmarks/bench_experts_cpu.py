@@ -13,10 +13,10 @@ read of all the expert weights at the machine's memory rate; "floor ms" is its t
 where every expert gets tokens (all of them do here). Each path's output is compared with `experts_reference`
 (bits: "=" equal).
 
-Paths: segments, grouped, packed (experts_packed: oneDNN, the reference's bits, what a bf16 session runs by
-default), packed's two ways forced: in_turn (one expert at a time on all threads) and split (experts shared out
-across one-thread workers), and native (experts_native with the C bf16 GEMM, kernels/gemm_bf16.py: what a session
-runs under DGEMMA_BF16_FAST=1 on an AVX512-BF16 CPU; other bits, "≠"; skipped where it is not available).
+Paths: segments, grouped, packed (experts_packed: oneDNN, the reference's bits), packed's two ways forced: in_turn
+(one expert at a time on all threads) and split (experts shared out across one-thread workers), and native
+(experts_native with the C bf16 GEMM, kernels/gemm_bf16.py: what a bf16 session runs where that GEMM sums as oneDNN
+does, "=" then; skipped where it is not available).
 
     python benchmarks/bench_experts_cpu.py [--threads 1 2] [--rounds 5] [--configs real 200m] [--paths ...] [--rows ...]
 """

@@ -4,10 +4,11 @@ Owns: `experts_segments` (the default for a model as loaded: pairs sorted into c
 segments, two `F.grouped_mm` calls, no padding, no host read, so it compiles into the decoder's graph),
 `experts_grouped` (padded batched GEMMs; used where grouped_mm's 16-byte stride rule does not hold,
 and for non-bf16 inputs inside torch.compile) and `experts_packed` (bf16 weights prepacked for oneDNN
-at session start, one GEMM pair per expert on its gathered rows: what an eager bf16 CPU session runs; see
-kernels/linear_cpu.py and dgcli/model/packed.py), with its pool of one-thread workers (`_pool`) that
-share out the experts where each gets few rows, and `experts_native` (fp32 sessions, and bf16 ones under
-DGEMMA_BF16_FAST=1: `experts_segments` with the C GEMM, kernels/gemm_native.py / gemm_bf16.py).
+at session start, one GEMM pair per expert on its gathered rows: what an eager bf16 CPU session runs where the C
+GEMM does not sum as oneDNN does; see kernels/linear_cpu.py and dgcli/model/packed.py), with its pool of one-thread
+workers (`_pool`) that share out the experts where each gets few rows, and `experts_native` (fp32 sessions, and bf16
+ones where the C bf16 GEMM gives oneDNN's bits: `experts_segments` with the C GEMM, kernels/gemm_native.py /
+gemm_bf16.py).
 All equal `kernels/reference_ops.py::experts_reference` (and so the model's `Experts.forward`): same
 GEMM inputs and dtypes, same activation, the fp32 routing-weight product rounded to x.dtype, and a
 token's k contributions added in ascending expert order with one rounding per addition. Only the GEMM
