@@ -67,7 +67,7 @@ def fast_bf16() -> bool:
     order (kernels/attention_native.py; kernels/gemm_bf16.py's experts where it does not sum as oneDNN does): faster,
     about a bf16 rounding apart per op, so not transformers' bits; by default a bf16 CPU session keeps the
     reference's bits."""
-    return getenv("DGEMMA_BF16_FAST") == "1" and getenv("DGEMMA_NATIVE") != "0"
+    return (getenv("DGEMMA_BF16_FAST") or "").lower() in ("1", "true", "yes", "on") and getenv("DGEMMA_NATIVE") != "0"
 
 
 @functools.cache

@@ -86,8 +86,8 @@ def kernel_choices(device: Any, packed_weights: int = 0, ggml: str | None = None
     """Which implementation each fused op ran (triton | cpu | reference); `linear`: cpu where the session
     prepacked its weights (`packed_weights` matrices: bf16 for oneDNN, fp32 for the C GEMM), else torch's own
     GEMM (reference); `ggml_activations` (GGML weights only: dgcli/model/ggml.py::activation_path): int8 or the
-    activations' dtype; `bf16_fast`: DGEMMA_BF16_FAST=1 (a bf16 CPU session's C attention and experts, not the
-    reference's bits: kernels/native.py::fast_bf16);
+    activations' dtype; `bf16_fast`: DGEMMA_BF16_FAST=1 (a bf16 CPU session's canvases attend in C: not the
+    reference's bits; kernels/native.py::fast_bf16);
     `attention`: the paged attention's backend (triton-paged | torch-sdpa, dgcli/model/attention.py)."""
     import torch
 

@@ -3,15 +3,13 @@ GEMM's panels (kernels/gemm_native.py: other bits, within fp32 rounding); faster
 
 Owns: `pack_for_cpu(model)`, which swaps each bf16 `nn.Linear` for a `PackedLinear` and each `Experts` for a
 `PackedExperts` (a `NativeExperts` where the C bf16 GEMM gives oneDNN's bits, or under DGEMMA_BF16_FAST=1), each
-fp32 one for a `NativeLinear` / `NativeExperts`,
-holding the packed copies (the stored weights are dropped: no second copy in memory), and says how many
-matrices it packed. The embedding (also the tied head) stays as stored: the embedding lookup, the vocabulary
-pass's soft GEMM and its draw read it in its own layout.
+fp32 one for a `NativeLinear` / `NativeExperts`, holding the packed copies (the stored weights are dropped: no
+second copy in memory), and says how many matrices it packed. The embedding (also the tied head) stays as stored:
+the embedding lookup, the vocabulary pass's soft GEMM and its draw read it in its own layout.
 Must not: pack for torch.compile (inductor traces plain weights; `--compile` sessions stay unpacked), or touch
 FP8 modules. There is no way back: a packed model has no state_dict for its packed weights.
 The GEMMs: kernels/linear_cpu.py (bf16, and its bit check), kernels/gemm_native.py (fp32), gemm_bf16.py (bf16
-experts); the experts:
-kernels/moe_cpu.py::experts_packed / experts_native.
+experts, and its bit check); the experts: kernels/moe_cpu.py::experts_packed / experts_native.
 
 When: a bf16 or fp32 session on CPU, eager (not `--compile`, not `DGEMMA_KERNELS=reference`), packs at load.
 Why bf16: torch's own bf16 GEMM re-lays the weight out on every call, which costs most where a GEMM has few
@@ -124,12 +122,15 @@ def _native_fp32(w: torch.Tensor) -> bool:
 
 def _native_bf16(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
     """bf16 experts on an AVX512-BF16 CPU with the C GEMM on (even H and I: `unpack` gives the weight back), where it
-    gives F.linear's bits for both shapes (or under DGEMMA_BF16_FAST=1)."""
+    gives F.linear's bits for both shapes (or under DGEMMA_BF16_FAST=1 on a CPU without AMX)."""
     if not (gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu" and gate_up.shape[2] % 2 == 0
             and down.shape[2] % 2 == 0 and gemm_bf16.available()):
         return False
     threads = torch.get_num_threads()
-    return native.fast_bf16() or all(gemm_bf16.agrees(*w.shape[1:], threads) for w in (gate_up, down))
+    if all(gemm_bf16.agrees(*w.shape[1:], threads) for w in (gate_up, down)):
+        return True
+    # other bits: only when asked, and not where oneDNN has AMX tiles (several times this GEMM's rate there)
+    return native.fast_bf16() and not torch.cpu._is_amx_tile_supported()
 
 
 def _packed_experts(m: Experts) -> PackedExperts | NativeExperts | None:

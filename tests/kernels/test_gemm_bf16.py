@@ -195,6 +195,9 @@ def test_a_bf16_model_packs_its_experts_here_with_the_references_bits_where_they
     fallback = packed()
     assert fallback is None or type(fallback[0]) is PackedExperts
     fast = packed(DGEMMA_BF16_FAST="1")
+    if torch.cpu._is_amx_tile_supported():  # oneDNN's AMX GEMM is the faster one there: asking changes nothing
+        assert fast is None or type(fast[0]) is PackedExperts
+        return
     assert type(fast[0]) is NativeExperts
     with torch.inference_mode():
         got = fast[0](x, w, idx)

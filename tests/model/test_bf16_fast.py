@@ -60,8 +60,9 @@ def test_fast_logits_are_as_close_to_fp32_as_the_references_bf16(name, seed, mon
     monkeypatch.setenv("DGEMMA_BF16_FAST", "1")
     fast = random_model(cfg, seed=seed, dtype=torch.bfloat16)
     pack_for_cpu(fast)
-    assert all(isinstance(layer.experts, NativeExperts) for layer in fast.layers)
-    assert not any(isinstance(m, PackedExperts) for m in fast.modules())
+    # the C GEMM's experts (oneDNN's where it has AMX tiles and sums otherwise: dgcli/model/packed.py)
+    kinds = {type(layer.experts) for layer in fast.layers}
+    assert kinds == {NativeExperts} or (torch.cpu._is_amx_tile_supported() and kinds == {PackedExperts})
     calls, attend = [], attention_native.attend
 
     def spy(q, k, v, out):
