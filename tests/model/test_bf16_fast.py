@@ -90,7 +90,11 @@ def test_bench_records_say_whether_the_fast_mode_ran(monkeypatch):
 
     monkeypatch.delenv("DGEMMA_BF16_FAST", raising=False)
     assert kernel_choices("cpu")["bf16_fast"] is False
+    for on in ("1", "true", "Yes", "on"):
+        monkeypatch.setenv("DGEMMA_BF16_FAST", on)
+        assert kernel_choices("cpu")["bf16_fast"] is True
+    monkeypatch.setenv("DGEMMA_BF16_FAST", "0")
+    assert kernel_choices("cpu")["bf16_fast"] is False
     monkeypatch.setenv("DGEMMA_BF16_FAST", "1")
-    assert kernel_choices("cpu")["bf16_fast"] is True
     monkeypatch.setenv("DGEMMA_NATIVE", "0")  # no C kernel at all
     assert kernel_choices("cpu")["bf16_fast"] is False
