@@ -221,12 +221,15 @@ def available() -> bool:
     return _native() is not None
 
 
-@functools.cache
 def agrees(n: int, k: int, threads: int) -> bool:
     """Does this GEMM give F.linear's bits (oneDNN's, the reference's) for a weight [n, k] at the caller's thread
-    count here? Random values, PROBE_ROWS rows. False on CPUs whose oneDNN sums otherwise (with AMX, for one)."""
-    if not available():
-        return False
+    count here? Random values, PROBE_ROWS rows. False on CPUs whose oneDNN sums otherwise (with AMX, for one), and
+    while the GEMM is off (not remembered: the switch is read at each call)."""
+    return available() and _agrees(n, k, threads)
+
+
+@functools.cache
+def _agrees(n: int, k: int, threads: int) -> bool:
     g = torch.Generator().manual_seed(n * 7919 + k)
     w = torch.empty(n, k, dtype=torch.bfloat16).uniform_(-(3 / k) ** 0.5, (3 / k) ** 0.5, generator=g)
     p = pack(w)

@@ -109,6 +109,9 @@ def test_what_it_leaves_to_torch(monkeypatch):
     assert gemm_bf16.grouped(x, None, p, ends[:1], 40) is None  # one end for two experts
     monkeypatch.setenv("DGEMMA_GEMM_NATIVE", "0")
     assert gemm_bf16.linear(x, p[0], 40) is None
+    assert not gemm_bf16.agrees(64, 48, 1)  # off: no agreement, and none remembered for later
+    monkeypatch.delenv("DGEMMA_GEMM_NATIVE")
+    assert gemm_bf16.agrees(64, 48, 1) == gemm_bf16._agrees(64, 48, 1)
 
 
 def test_experts_against_the_reference():
