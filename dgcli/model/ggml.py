@@ -192,8 +192,9 @@ def _held(module: nn.Module, prefix: str):
 def activation_path(model: nn.Module) -> str | None:
     """What a model's GGML weights are multiplied by on this machine, for bench records: "int8" (bf16 activations
     on a CPU with the int8 kernel: rounded per group of 32, kernels/ggml_q8.py; 1-2-row single-plane products
-    stay bf16), else the activations' dtype name; None when no weight is GGML."""
-    if not any(isinstance(m, _Quantized) for m in model.modules()):
+    stay bf16), else the activations' dtype name; None when no weight is GGML, or `model` holds no modules (a Ray
+    driver's stand-in: dgcli/cluster/worker.py)."""
+    if not isinstance(model, nn.Module) or not any(isinstance(m, _Quantized) for m in model.modules()):
         return None
     from dgcli.kernels import ggml_q8
 

@@ -284,6 +284,7 @@ def test_activation_path_names_what_the_linears_multiply_by(plain, x_path, monke
     import copy
 
     assert ggml.activation_path(plain) is None  # no GGML weight
+    assert ggml.activation_path(object()) is None  # a Ray driver's stand-in for the model
     model = ggml.quantize_model_(copy.deepcopy(plain), ggml.Q4_K)
     assert ggml.activation_path(model) == ("int8" if x_path == "int8" else "bfloat16")
     assert ggml.activation_path(model.float()) == "float32"  # fp32 sessions never take the int8 path
