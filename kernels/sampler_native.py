@@ -24,7 +24,7 @@ import ctypes
 
 import torch
 
-from . import native
+from . import gemm_bf16, native
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -252,9 +252,8 @@ def group_logits_bf16(rows: torch.Tensor, embed: torch.Tensor, group: torch.Tens
         return None
     (n, h), v = rows.shape, embed.shape[0]
     out = torch.empty(n, width)
-    # oneDNN's K blocking for its bf16 head GEMM here (brgemm, 2-core EPYC, torch 2.13): the k chunks whose fp32
-    # sums it adds, found by emulation (tests/kernels/test_categorical.py): 512 up to H = 1024, else 1024
-    kb = 512 if h <= 1024 else 1024
+    # oneDNN's K blocking for its bf16 head GEMM here (a tile of many rows): the k chunks whose fp32 sums it adds
+    kb = gemm_bf16.chunk(h, rows=2)
     if lib.group_logits_bf16(rows.data_ptr(), n, h, embed.data_ptr(), v, group.data_ptr(), width, kb,
                              torch.get_num_threads(), out.data_ptr()) != 0:
         return None
