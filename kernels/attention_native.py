@@ -233,10 +233,7 @@ PACK_BYTES = 64 << 20  # the most a call's packed K and V may take (a canvas of 
 
 
 def _library():
-    if not _lib:
-        lib = native.build("attention_native", _SOURCE, _SIGNATURE, libs=("-lmvec",), direct=True)
-        _lib.append(lib if lib is not None and lib.attn_ok() else None)
-    return _lib[0]
+    return native.load_once(_lib, "attention_native", _SOURCE, _SIGNATURE, ok="attn_ok", libs=("-lmvec",), direct=True)
 
 
 def _native():
@@ -254,7 +251,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor)
     """out [B, Hq, R, d] = softmax(q k^T) v (scale 1, GQA: q head h reads kv head h // (Hq / Hk)), or None (out
     untouched) where the C kernel does not apply: the caller runs SDPA."""
     bf16 = torch.bfloat16
-    if q.dtype != bf16 or k.dtype != bf16 or v.dtype != bf16 or out.dtype != bf16 or not q.is_cpu or not k.is_cpu \
+    if q.dtype != bf16 or not native.fast_bf16():  # the default's calls stop here: not asked for (two dict reads)
+        return None
+    if k.dtype != bf16 or v.dtype != bf16 or out.dtype != bf16 or not q.is_cpu or not k.is_cpu \
             or not v.is_cpu or not out.is_cpu or q.dim() != 4 or out.shape != q.shape:
         return None
     nb, hq, r, d = q.shape

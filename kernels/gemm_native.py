@@ -128,12 +128,7 @@ _ON = native.switch("DGEMMA_GEMM_NATIVE")  # on unless DGEMMA_NATIVE or it is "0
 
 
 def _native():
-    if not _ON():
-        return None
-    if not _lib:
-        lib = native.build("gemm_native", _SOURCE, _SIGNATURE, direct=True)
-        _lib.append(lib if lib is not None and lib.gemm_ok() else None)
-    return _lib[0]
+    return native.load_once(_lib, "gemm_native", _SOURCE, _SIGNATURE, ok="gemm_ok", direct=True) if _ON() else None
 
 
 def available() -> bool:

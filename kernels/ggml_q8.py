@@ -301,6 +301,8 @@ int q6k_gemm(const uint16_t *x, const uint8_t *raw, uint16_t *out, long mrows, l
 """
 
 _lib: list = []  # [the loaded library, or None]: filled at first use
+_P, _N, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+_SIGNATURE = {"q8_ok": [], "q8_gemm": [_P] * 4 + [_N] * 3 + [_I, _I], "q6k_gemm": [_P] * 3 + [_N] * 4 + [_I]}
 
 
 def _load():
@@ -308,12 +310,7 @@ def _load():
     (DGEMMA_GGML_Q8=0, DGEMMA_GGML_NATIVE=0 or DGEMMA_NATIVE=0)."""
     if not (native.enabled("DGEMMA_GGML_Q8") and native.getenv("DGEMMA_GGML_NATIVE") != "0"):
         return None
-    if not _lib:
-        p, n, i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-        lib = native.build("ggml_q8", SOURCE, {"q8_ok": [], "q8_gemm": [p] * 4 + [n] * 3 + [i, i],
-                                                "q6k_gemm": [p] * 3 + [n] * 4 + [i]})
-        _lib.append(lib if lib is not None and lib.q8_ok() else None)
-    return _lib[0]
+    return native.load_once(_lib, "ggml_q8", SOURCE, _SIGNATURE, ok="q8_ok")
 
 
 def available() -> bool:

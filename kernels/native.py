@@ -108,6 +108,17 @@ def build(name: str, source: str, signatures: dict[str, list], flags: tuple[str,
     return _built(name, (source,), flags, libs, None, lambda so: _ctypes(so, signatures))
 
 
+def load_once(cell: list, name: str, source: str, signatures: dict[str, list], ok: str | None = None,
+              **kw) -> ctypes.CDLL | ModuleType | None:
+    """`build(name, source, signatures, **kw)` at the first call, kept in `cell` (the kernel module's one-item list,
+    which tests may swap) for every later one; None where it failed or its `ok` function says 0 (a library built
+    for a CPU without the kernel's instructions: kept, so no process retries the compiler)."""
+    if not cell:
+        lib = build(name, source, signatures, **kw)
+        cell.append(lib if lib is not None and (ok is None or getattr(lib, ok)()) else None)
+    return cell[0]
+
+
 def _ctypes(so: Path, signatures: dict[str, list]) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(so))
     for fn, argtypes in signatures.items():

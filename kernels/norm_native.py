@@ -286,11 +286,7 @@ PARALLEL_ELEMENTS = 1 << 15
 
 
 def _native():
-    if not _ON():
-        return None
-    if not _lib:
-        _lib.append(native.build("norm_native", _SOURCE, _SIGNATURE, flags=_FLAGS, direct=True))
-    return _lib[0]
+    return native.load_once(_lib, "norm_native", _SOURCE, _SIGNATURE, flags=_FLAGS, direct=True) if _ON() else None
 
 
 def _usable(x: torch.Tensor):

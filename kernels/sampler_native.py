@@ -184,10 +184,7 @@ _ON = native.switch("DGEMMA_SAMPLER_NATIVE")  # on unless DGEMMA_NATIVE or it is
 def _native():
     if not _ON():
         return None
-    if not _lib:
-        _lib.append(native.build("sampler_native", _SOURCE, _SIGNATURE, flags=("-ffp-contract=off",),
-                                 direct=True))
-    return _lib[0]
+    return native.load_once(_lib, "sampler_native", _SOURCE, _SIGNATURE, flags=("-ffp-contract=off",), direct=True)
 
 
 def _cpu(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -106,10 +106,8 @@ _ON = native.switch("DGEMMA_VOCAB_NATIVE")  # on unless DGEMMA_NATIVE or it is "
 def _native():
     if not _ON():
         return None
-    if not _lib:
-        _lib.append(native.build("vocab_native", _SOURCE, _SIGNATURE, flags=("-fno-math-errno", "-fopenmp-simd"),
-                                 libs=("-lmvec",), direct=True))
-    return _lib[0]
+    return native.load_once(_lib, "vocab_native", _SOURCE, _SIGNATURE, flags=("-fno-math-errno", "-fopenmp-simd"),
+                            libs=("-lmvec",), direct=True)
 
 
 def tile_stats(raw: torch.Tensor, softcap: float | None, temperature: torch.Tensor,
