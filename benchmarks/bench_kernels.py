@@ -174,11 +174,17 @@ def cases(dev: torch.device, s: dict):
                   uniform=torch.rand(1, n, device=dev, generator=g, dtype=torch.float64))
         return (lambda: dispatch.vocab_pass(hidden, embed, **kw), lambda: reference.vocab_pass(hidden, embed, **kw))
 
-    def experts():
-        x = torch.randn(n, h, device=dev, generator=g).to(bf)
-        w, idx = torch.softmax(torch.randn(n, e, device=dev, generator=g), -1).topk(k, -1)
+    def experts(rows=n, block_m=None):
+        """block_m: the tuned path with this BLOCK_M instead of kernels/moe.py::block_rows' (CUDA only)."""
+        x = torch.randn(rows, h, device=dev, generator=g).to(bf)
+        w, idx = torch.softmax(torch.randn(rows, e, device=dev, generator=g), -1).topk(k, -1)
         gu = (torch.randn(e, 2 * inter, h, device=dev, generator=g) * h**-0.5).to(bf)
         dn = (torch.randn(e, h, inter, device=dev, generator=g) * inter**-0.5).to(bf)
+        if block_m:
+            from dgcli.kernels.moe import experts_triton
+
+            return (lambda: experts_triton(x, w, idx, gu, dn, block_m=block_m),
+                    lambda: reference_ops.experts_reference(x, w, idx, gu, dn))
         return (lambda: dispatch.experts(x, w, idx, gu, dn),
                 lambda: reference_ops.experts_reference(x, w, idx, gu, dn))
 
@@ -215,9 +221,15 @@ def cases(dev: torch.device, s: dict):
         return fast, lambda: pa.paged_attention_reference(*a)
 
     cuda = dev.type == "cuda"
+    # On CUDA the experts at 8x the rows also run with the BLOCK_M that block_rows does not pick there (64 rows:
+    # more row blocks, less padding), to check its rule on the device
+    other_bm = [("experts x8 rows, BLOCK_M 64", "triton (tuned)", lambda: experts(8 * n, 64),
+                 experts_work(8 * n, h, inter, e, k))] if cuda else []
     return [
         ("vocab_pass", dispatch.implementation("vocab_pass", dev), vocab, vocab_work(n, v, h)),
         ("experts", dispatch.implementation("experts", dev), experts, experts_work(n, h, inter, e, k)),
+        ("experts x8 rows", dispatch.implementation("experts", dev), lambda: experts(8 * n),
+         experts_work(8 * n, h, inter, e, k)), *other_bm,
         ("rms_norm", dispatch.implementation("rms_norm", dev), norm, rms_norm_work(n, h)),
         ("fp8_linear", dispatch.implementation("fp8_linear", dev), fp8_linear, fp8_linear_work(n, h, 2 * dense)),
         ("paged_attention", "triton" if cuda else "reference (the interpreter is too slow to time)", paged,
@@ -299,6 +311,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"shapes: {s}; reps {args.reps} (median{', CUDA events' if dev.type == 'cuda' else ''})")
         rows = bench_kernel_rows(dev, s, args.reps, not args.no_reference, pf, pb)
         print("\n".join(kernel_table(rows)))
+        if dev.type == "cuda":  # which tiles the experts' autotuner chose (kernels/moe.py::TUNE)
+            from dgcli.kernels.moe import tuned_picks
+
+            print("\n".join(["experts tiles:", *tuned_picks()]))
     steps = []
     if args.step:
         from step_breakdown import step_breakdown, step_table  # it builds on this module's timers

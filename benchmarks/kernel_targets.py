@@ -79,25 +79,39 @@ def _moe_variants(target: str):
             yield f"{dt} fp8-dyn s={sdt}", dt, FP8, sdt, True
 
 
+def _moe_tiles(dt: str, dyn: bool):
+    """(label suffix, BLOCK_M, BLOCK_N, launch options or None for the wrapper's) for each tile experts_triton
+    can launch on CUDA: the fixed one, and for bf16 without dynamic FP8 every autotuned configuration."""
+    from dgcli.kernels.moe import BLOCK, TUNE
+
+    yield "", BLOCK, BLOCK, None
+    if dt == "bf16" and not dyn:
+        for bm, tiles in TUNE.items():
+            for bn, warps, stages in tiles:
+                yield f" tuned {bm}x{bn} w{warps} s{stages}", bm, bn, dict(num_warps=warps, num_stages=stages)
+
+
 def _moe(target: str) -> list[dict]:
-    from dgcli.kernels.moe import launch_options
+    from dgcli.kernels.moe import BLOCK, launch_options
 
     out = []
     for label, dt, wdt, sdt, dyn in _moe_variants(target):
         fp8 = sdt is not None
-        flags = dict(IS_BF16=dt == "bf16", DOT_BF16=dt == "bf16", W_FP8=fp8, A_FP8=dyn,
-                     W_ROUND=fp8 and (dt == "bf16" or sdt == "bf16"), **TILE)
-        tc = flags["DOT_BF16"] or dyn  # fp32 storage runs full-precision (ieee) dots: no tensor cores, by design
+        tc = dt == "bf16" or dyn  # fp32 storage runs full-precision (ieee) dots: no tensor cores, by design
         scale = "*" + (sdt or dt)
         gu = dict(x_ptr="*" + (FP8 if dyn else dt), w_ptr="*" + wdt, pair_ptr="*i32", block_expert_ptr="*i32",
                   act_ptr="*" + dt, xs_ptr="*" + ("fp32" if dyn else dt), ws_ptr=scale, H=H, I=I, TOPK=TOPK,
-                  stride_xn=H, stride_we=2 * I * H, stride_wr=H, stride_an=I, stride_se=2 * I if fp8 else H)
+                  PAIRS=CANVAS * TOPK, stride_xn=H, stride_we=2 * I * H, stride_wr=H, stride_an=I,
+                  stride_se=2 * I if fp8 else H)
         dn = dict(act_ptr="*" + (FP8 if dyn else dt), w_ptr="*" + wdt, pair_ptr="*i32", block_expert_ptr="*i32",
                   rw_ptr="*fp32", y_ptr="*" + dt, as_ptr="*" + ("fp32" if dyn else dt), ws_ptr=scale, H=H, I=I,
-                  stride_an=I, stride_we=H * I, stride_wr=I, stride_yn=H, stride_se=H)
-        opts = launch_options(fp8, dyn, dt == "bf16")
-        out.append(spec("moe._gate_up_kernel", label, target, gu, flags, tc, opts))
-        out.append(spec("moe._down_kernel", label, target, dn, flags, tc, opts))
+                  PAIRS=CANVAS * TOPK, stride_an=I, stride_we=H * I, stride_wr=I, stride_yn=H, stride_se=H)
+        for suffix, bm, bn, opts in _moe_tiles(dt, dyn):
+            flags = dict(IS_BF16=dt == "bf16", DOT_BF16=dt == "bf16", W_FP8=fp8, A_FP8=dyn,
+                         W_ROUND=fp8 and (dt == "bf16" or sdt == "bf16"), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK)
+            opts = launch_options(fp8, dyn, dt == "bf16") if opts is None else opts
+            out.append(spec("moe._gate_up_kernel", label + suffix, target, gu, flags, tc, opts))
+            out.append(spec("moe._down_kernel", label + suffix, target, dn, flags, tc, opts))
     return out
 
 

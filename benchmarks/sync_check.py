@@ -71,9 +71,10 @@ def main() -> None:
             engine.submit(Request(id=first_id + i, prompt=ids, params=session.params, num_blocks=4, seed=i,
                                   stops=set(session.stop_ids)))
 
-    # Warm-up, unchecked: Triton compiles each kernel and autotunes the vocabulary pass at the first call of
-    # each shape, and each graph bucket is captured at its first pass, which syncs by design (once per shape,
-    # not per pass); the checked run repeats the same requests on the same engine: the same passes and buckets.
+    # Warm-up, unchecked: Triton compiles each kernel and autotunes the vocabulary pass and the experts at the
+    # first call of each shape, and each graph bucket is captured at its first pass, which syncs by design (once
+    # per shape, not per pass); the checked run repeats the same requests on the same engine: the same passes
+    # and buckets.
     submit(0)
     for _ in engine.events():
         pass

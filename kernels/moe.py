@@ -16,6 +16,15 @@ launch grid is an upper bound on the number of row blocks (unused blocks exit at
 Layout: pair p = n·k + j after sorting each row's experts ascending. Pairs are laid out by expert in
 "slots", each expert's run padded to a multiple of BLOCK_M; block b of slots belongs to one expert
 (`block_expert[b]`, -1 past the end). Kernel 1 writes act[slot, I]; kernel 2 writes y[pair, H].
+
+Tiles on CUDA (bf16 experts, dense or FP8 weight-only; no tile asked for): BLOCK_M by the mean pairs per expert
+(`block_rows`: one row block per expert on average, so each weight tile is streamed about once), the rest
+autotuned at the first call of each (H, I, BLOCK_M, pairs bucket) over `TUNE` (no GPU was lent to measure a fixed
+table). BLOCK_K stays 64 in every configuration: it sets how each output's k chain is cut, so a tile choice
+(and with it the batch) cannot change a token's bits; on a GPU tests/kernels/test_kernel_moe.py checks every
+configuration bit for bit against the default. fp32 experts (full-precision dots) and FP8 with fp32 activations
+keep the fixed 64x64x64 tile. Every configuration compiles for sm_90 and sm_80 within shared memory and without
+spills (benchmarks/kernel_targets.py).
 """
 
 from __future__ import annotations
@@ -26,6 +35,14 @@ import triton.language as tl
 
 from .fp8 import quantize_per_token
 from .triton_common import interpreting, round_bf16, round_to
+
+BLOCK = 64  # the fixed tile (BLOCK_M, BLOCK_N, BLOCK_K): the interpreter, fp32 experts, explicit tiles
+# BLOCK_M -> the autotuned (BLOCK_N, num_warps, num_stages) on CUDA. 64 rows: memory-bound (a canvas of 256
+# tokens x top-8 over 128 experts is ~16 pairs an expert), so narrow and deep tiles for more loads in flight;
+# 128 rows (batch 8 and up): 8 warps for the two [128, BLOCK_N] fp32 accumulators. Left out: the tiles whose
+# gate/up kernel spills on sm_80 (72-152 B: [64, 128] and [128, 64] on 4 warps, [128, 128] on 8).
+TUNE = {64: ((64, 4, 3), (32, 4, 4), (64, 4, 4), (128, 8, 3)),
+        128: ((64, 8, 3), (64, 8, 4), (32, 4, 3))}
 
 
 @triton.jit
@@ -41,7 +58,7 @@ def _dequant(w, scale, W_FP8: tl.constexpr, W_ROUND: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, pair_ptr, block_expert_ptr, act_ptr, xs_ptr, ws_ptr, H, I, TOPK,
+def _gate_up_kernel(x_ptr, w_ptr, pair_ptr, block_expert_ptr, act_ptr, xs_ptr, ws_ptr, H, I, TOPK, PAIRS,
                     stride_xn, stride_we, stride_wr, stride_an, stride_se,
                     IS_BF16: tl.constexpr, DOT_BF16: tl.constexpr, W_FP8: tl.constexpr, A_FP8: tl.constexpr,
                     W_ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -101,7 +118,7 @@ def _gate_up_kernel(x_ptr, w_ptr, pair_ptr, block_expert_ptr, act_ptr, xs_ptr, w
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, pair_ptr, block_expert_ptr, rw_ptr, y_ptr, as_ptr, ws_ptr, H, I,
+def _down_kernel(act_ptr, w_ptr, pair_ptr, block_expert_ptr, rw_ptr, y_ptr, as_ptr, ws_ptr, H, I, PAIRS,
                  stride_an, stride_we, stride_wr, stride_yn, stride_se,
                  IS_BF16: tl.constexpr, DOT_BF16: tl.constexpr, W_FP8: tl.constexpr, A_FP8: tl.constexpr,
                  W_ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -167,6 +184,37 @@ def group_by_expert(flat: torch.Tensor, num_experts: int, block_m: int) -> tuple
     return pair_of_slot, block_expert
 
 
+def block_rows(pairs: int, num_experts: int) -> int:
+    """BLOCK_M of the tuned path: 128 once the mean pairs per expert pass 64 (batch 8 of 256-token canvases at
+    the released config: 128 a expert), else 64 (the smallest wgmma tile of a warp group)."""
+    return 128 if pairs > BLOCK * num_experts else BLOCK
+
+
+def _pairs_bucket(pairs: int) -> int:
+    """The autotuner's batch key: pairs rounded up to a power of two (one tuning per bucket, not per length)."""
+    return 1 << max(0, pairs - 1).bit_length()
+
+
+def _tuned(kernel, block_m: int):
+    """`kernel` autotuned over TUNE[block_m], keyed by (H, I, BLOCK_M, PAIRS); made once per (kernel, BLOCK_M).
+    The timing runs happen at a key's first call: an engine's warm-up, outside any CUDA-graph capture."""
+    key = (kernel.__name__, block_m)
+    if key not in _TUNED:
+        configs = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st) for bn, w, st in TUNE[block_m]]
+        _TUNED[key] = triton.autotune(configs, key=["H", "I", "BLOCK_M", "PAIRS"])(kernel)
+    return _TUNED[key]
+
+
+_TUNED: dict = {}  # (kernel name, BLOCK_M) -> the autotuned kernel
+
+
+def tuned_picks() -> list[str]:
+    """The autotuner's choices so far, one line per kernel and key (for benchmark reports)."""
+    return [f"{name} BLOCK_M={bm} H={key[0]} I={key[1]} pairs<={key[3]}: BLOCK_N={c.kwargs['BLOCK_N']} "
+            f"warps={c.num_warps} stages={c.num_stages}"
+            for (name, bm), tuner in _TUNED.items() for key, c in tuner.cache.items()]
+
+
 def launch_options(fp8: bool, dynamic: bool, is_bf16: bool) -> dict:
     """Triton launch options beyond the defaults for both kernels. fp32 dots on dequantized FP8 tiles: the
     default 3-stage pipelining spills ~5 KB per thread on sm_90 (benchmarks/kernel_targets.py); one stage
@@ -177,9 +225,12 @@ def launch_options(fp8: bool, dynamic: bool, is_bf16: bool) -> dict:
 def experts_triton(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_proj: torch.Tensor,
                    down_proj: torch.Tensor, *, gate_up_scale: torch.Tensor | None = None,
                    down_scale: torch.Tensor | None = None, dynamic: bool = False,
-                   block_m: int = 64, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
+                   block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
+                   num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """x [N, H], w [N, k] fp32, idx [N, k] (distinct per row), gate_up_proj [E, 2I, H], down_proj [E, H, I]
-    -> [N, H] in x.dtype. Block sizes must be >= 16 (tl.dot). FP8 experts (float8_e4m3fn weights with
+    -> [N, H] in x.dtype. Block sizes must be >= 16 (tl.dot). None given, or only a block_m of TUNE: the tuned
+    path on CUDA (module docstring); else BLOCK where none is given, and the given warps / stages.
+    FP8 experts (float8_e4m3fn weights with
     gate_up_scale [E, 2I, 1] and down_scale [E, H, 1], bf16 or fp32): weight-only, each tile dequantized as
     `kernels/fp8.py::dequantize`, or `dynamic` (FP8 activations, `kernels/fp8.py::experts_fp8_reference`)."""
     if x.dtype not in (torch.float32, torch.bfloat16):
@@ -194,27 +245,35 @@ def experts_triton(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_
     gate_up_proj, down_proj = gate_up_proj.contiguous(), down_proj.contiguous()
     idx_sorted, perm = idx.sort(dim=1)  # ascending experts per row: the reference's addition order
     rw = w.gather(1, perm).to(torch.float32).reshape(-1).contiguous()  # [N·k]
-    pair_of_slot, block_expert = group_by_expert(idx_sorted.reshape(-1), num_experts, block_m)
     is_bf16 = x.dtype == torch.bfloat16
+    explicit = any(v is not None for v in (block_n, block_k, num_warps, num_stages)) or block_m not in (None, *TUNE)
+    tuned = is_bf16 and not dynamic and not explicit and not interpreting()
+    bm = block_m or (block_rows(n * k, num_experts) if tuned else BLOCK)
+    pair_of_slot, block_expert = group_by_expert(idx_sorted.reshape(-1), num_experts, bm)
     dot_bf16 = is_bf16 and not interpreting()
     gus = gate_up_scale.reshape(num_experts, -1).contiguous() if fp8 else x  # [E, 2I] (else unused)
     dns = down_scale.reshape(num_experts, -1).contiguous() if fp8 else x  # [E, H]
     w_round = fp8 and (is_bf16 or gus.dtype == torch.bfloat16)
     xin, xs = quantize_per_token(x) if dynamic else (x, x)  # [N, H] e4m3 and [N, 1] fp32 scales
-    flags = dict(IS_BF16=is_bf16, DOT_BF16=dot_bf16, W_FP8=fp8, A_FP8=dynamic, W_ROUND=w_round,
-                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
-    flags.update(launch_options(fp8, dynamic, is_bf16))
+    flags = dict(IS_BF16=is_bf16, DOT_BF16=dot_bf16, W_FP8=fp8, A_FP8=dynamic, W_ROUND=w_round, BLOCK_M=bm,
+                 BLOCK_K=block_k or BLOCK)
+    if tuned:  # BLOCK_N, warps and stages from the autotuner
+        gate_up, down = _tuned(_gate_up_kernel, bm), _tuned(_down_kernel, bm)
+    else:
+        gate_up, down = _gate_up_kernel, _down_kernel
+        flags.update(BLOCK_N=block_n or BLOCK, **launch_options(fp8, dynamic, is_bf16))
+        flags.update({name: v for name, v in dict(num_warps=num_warps, num_stages=num_stages).items() if v is not None})
+    pairs = _pairs_bucket(n * k)
     act = torch.empty(pair_of_slot.numel(), inter, dtype=x.dtype, device=x.device)  # [S, I]
-    grid = (block_expert.numel(), triton.cdiv(inter, block_n))
-    _gate_up_kernel[grid](xin, gate_up_proj, pair_of_slot, block_expert, act, xs, gus, h, inter, k,
-                          xin.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), act.stride(0),
-                          gus.stride(0), **flags)
+    grid = lambda meta: (block_expert.numel(), triton.cdiv(inter, meta["BLOCK_N"]))  # noqa: E731
+    gate_up[grid](xin, gate_up_proj, pair_of_slot, block_expert, act, xs, gus, h, inter, k, pairs,
+                  xin.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), act.stride(0), gus.stride(0), **flags)
     # Dynamic: the intermediate quantized per row (padding slots too: rows are independent, never read)
     act, a_s = quantize_per_token(act) if dynamic else (act, act)
     y = torch.empty(n * k, h, dtype=x.dtype, device=x.device)  # [N·k, H]
-    grid = (block_expert.numel(), triton.cdiv(h, block_n))
-    _down_kernel[grid](act, down_proj, pair_of_slot, block_expert, rw, y, a_s, dns, h, inter,
-                       act.stride(0), down_proj.stride(0), down_proj.stride(1), y.stride(0), dns.stride(0), **flags)
+    grid = lambda meta: (block_expert.numel(), triton.cdiv(h, meta["BLOCK_N"]))  # noqa: E731
+    down[grid](act, down_proj, pair_of_slot, block_expert, rw, y, a_s, dns, h, inter, pairs,
+               act.stride(0), down_proj.stride(0), down_proj.stride(1), y.stride(0), dns.stride(0), **flags)
     y = y.view(n, k, h)
     out = y[:, 0].clone()
     for j in range(1, k):

@@ -29,9 +29,15 @@ HEADROOM = 0.10  # of the budget: CUDA context (~0.5 GiB) and the caching alloca
 GPUS = (("H100 80 GB", 80 * GIB), ("H200 141 GB", 141 * GIB))
 FORMATS = ("bf16", "fp8")
 ACT_BYTES = {"bf16": 2, "fp8": 2, "fp32": 4}  # activations and KV of a run with these weights
-MOE_BLOCK = 64  # kernels/moe.py: experts_triton's block_m (each expert's rows padded to it)
+MOE_BLOCK = 64  # kernels/moe.py::BLOCK: experts_triton's fixed block_m (each expert's rows padded to it)
 BUDGET = 2048  # sampling/engine.py: DEFAULT_BUDGET, rows per pass (running canvases first, then prompt chunks)
 SERVE_SLOTS = 8  # cli/serve.py: --max-batch-size's default
+
+
+def moe_block_rows(pairs: int, experts: int, ab: int) -> int:
+    """experts_triton's BLOCK_M on CUDA: kernels/moe.py::block_rows for bf16 activations (the tuned path),
+    else the fixed MOE_BLOCK. (The interpreter runs the fixed tile: at most 2·MOE_BLOCK·E slots counted over.)"""
+    return 2 * MOE_BLOCK if ab == 2 and pairs > MOE_BLOCK * experts else MOE_BLOCK
 
 
 def cache_length(prompt_len: int, blocks: int, canvas: int) -> int:
@@ -189,8 +195,9 @@ def pass_bytes(cfg: ModelConfig, causal: list[tuple[int, int, int]], canvases: i
             gu, y = 2 * tk * im * ab, tk * h * ab  # ... and act: gu's half
             moe = 20 * tk + max(8 * tk + y + gu, 2 * gu, 3 * gu // 2 + y + (4 * tk + 8 * tk * h if ab < 4 else 0),
                                 3 * gu // 2 + y + 16 * tk + 2 * xf)
-        else:  # moe.experts_triton: act [slots, Im] (experts padded to MOE_BLOCK), y [T·k, H], out [T, H]
-            slots = -(-(tk + e * (MOE_BLOCK - 1)) // MOE_BLOCK) * MOE_BLOCK
+        else:  # moe.experts_triton: act [slots, Im] (experts padded to BLOCK_M), y [T·k, H], out [T, H]
+            bm = moe_block_rows(tk, e, ab)
+            slots = -(-(tk + e * (bm - 1)) // bm) * bm
             moe = slots * (im * ab + 4) + tk * h * ab + xf + tk * (8 + 8 + 4)
         # pre_feedforward_layernorm_2, the experts over its output, then the post-norms and the sums (dense,
         # moe and the normed sum bound until the residual add)

@@ -124,6 +124,45 @@ def test_triton_uneven_groups(triton_device):
     torch.testing.assert_close(got.cpu(), experts_reference(x, w, idx, gate_up, down), atol=2e-2, rtol=2**-7)
 
 
+@needs_triton
+def test_tuned_tiles_change_no_bits(triton_device):
+    """Every autotuned configuration (kernels/moe.py::TUNE: BLOCK_M 64 and 128, each BLOCK_N, warps, stages) gives
+    the fixed tile's bits, since BLOCK_K, which cuts each output's k chain, is the same in all: the autotuner's
+    pick, and the batch (BLOCK_M follows it), cannot change a token's output. On CUDA this checks the claim the
+    tuned path rests on; the interpreter ignores warps and stages and checks the row and column tiling."""
+    from dgcli.kernels.moe import BLOCK, TUNE, experts_triton
+
+    x, w, idx, gate_up, down = make(70, 96, 80, 6, 2, torch.bfloat16, seed=4)  # H, I not multiples of a tile
+    args = [t.to(triton_device) for t in (x, w, idx, gate_up, down)]
+    want = experts_triton(*args, block_m=BLOCK)
+    torch.testing.assert_close(want.cpu(), experts_reference(x, w, idx, gate_up, down), atol=2e-2, rtol=2**-7)
+    for bm, tiles in TUNE.items():
+        for bn, warps, stages in tiles:
+            got = experts_triton(*args, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+            assert torch.equal(got, want), (bm, bn, warps, stages)
+
+
+@needs_triton
+@pytest.mark.parametrize("n,h,inter,e,k", [(40, 32, 16, 128, 8), (3, 2816, 704, 2, 2)], ids=["experts", "widths"])
+def test_triton_at_the_released_shapes(n, h, inter, e, k, triton_device):
+    """The released config's routing (128 experts, top-8; ~2.5 pairs an expert here, most experts empty) and its
+    widths (H 2816, I 704: 44 and 11 k blocks; 2 experts, as each costs the interpreter ~4 s here and all 128
+    would hold 1.5 GB), bf16, default tiles (the tuned path on CUDA), against the reference."""
+    from dgcli.kernels.moe import experts_triton
+
+    x, w, idx, gate_up, down = make(n, h, inter, e, k, torch.bfloat16, seed=5)
+    got = experts_triton(*(t.to(triton_device) for t in (x, w, idx, gate_up, down)))
+    torch.testing.assert_close(got.cpu(), experts_reference(x, w, idx, gate_up, down), atol=2e-2, rtol=2**-7)
+
+
+def test_block_rows_and_the_autotuner_key():
+    pytest.importorskip("triton")
+    from dgcli.kernels.moe import _pairs_bucket, block_rows
+
+    assert [block_rows(p, 128) for p in (8, 2048, 8192, 8193, 16384)] == [64, 64, 64, 128, 128]
+    assert [_pairs_bucket(p) for p in (1, 2, 3, 2048, 2049)] == [1, 2, 4, 2048, 4096]
+
+
 def test_group_by_expert_layout():
     pytest.importorskip("triton")
     from dgcli.kernels.moe import group_by_expert

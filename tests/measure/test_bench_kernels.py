@@ -118,7 +118,8 @@ def test_cpu_run_reports_kernels_and_the_step_breakdown(tmp_path):
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout.strip().splitlines()[-1])
-    assert [r["op"] for r in doc["rows"]] == ["vocab_pass", "experts", "rms_norm", "fp8_linear", "paged_attention"]
+    assert [r["op"] for r in doc["rows"]] == ["vocab_pass", "experts", "experts x8 rows", "rms_norm", "fp8_linear",
+                                                "paged_attention"]
     assert doc["peak_flops"] > 0 and all(r["tflops"] > 0 and r["flop_share"] > 0 for r in doc["rows"])
     assert [s["batch"] for s in doc["step"]] == [1, 2]
     for s in doc["step"]:

@@ -409,7 +409,11 @@ def test_memory_constants_follow_the_kernels():
                  "cols_per_split = triton.cdiv(triton.cdiv(v, splits), bn) * bn",
                  "per_soft = triton.cdiv(triton.cdiv(v, SOFT_SPLITS), bk) * bk"):
         assert line in triton_src, line
-    assert re.search(rf"block_m: int = {memory.MOE_BLOCK},", (kernels / "moe.py").read_text())
+    assert re.search(rf"^BLOCK = {memory.MOE_BLOCK}  #", (kernels / "moe.py").read_text(), re.M)
+    moe = pytest.importorskip("dgcli.kernels.moe")  # the tuned path's BLOCK_M, mirrored for bf16
+    for pairs, e in ((8, 128), (2048, 128), (8192, 128), (8193, 128), (16384, 128), (300, 4)):
+        assert memory.moe_block_rows(pairs, e, 2) == moe.block_rows(pairs, e)
+        assert memory.moe_block_rows(pairs, e, 4) == moe.BLOCK
 
 def _info(*args):
     from dgcli.cli import app
