@@ -242,6 +242,11 @@ def _native():
     return _library()
 
 
+def enabled() -> bool:
+    """bf16 canvases attend here in C: DGEMMA_BF16_FAST=1 and the library built (what bench rows report)."""
+    return _native() is not None
+
+
 def available() -> bool:
     """The C attention can run here (a compiler, AVX512-BF16), whether or not DGEMMA_BF16_FAST asks for it."""
     return _library() is not None

@@ -76,27 +76,34 @@ def provenance(*, device: Any, dtype: str, model: str, model_name: str, paramete
         "model": model, "model_name": model_name, "model_parameters": parameters,
         "model_active_parameters": active, "dummy_weights": dummy, "settings": settings, "seed": seed,
         "prompt_set_hash": prompt_hash, "label": label, "metadata": metadata,
-        "kernels": kernel_choices(device, packed_weights, ggml), "compiled_decoder": compiled, "step_mode": step_mode,
+        "kernels": kernel_choices(device, packed_weights, ggml, dtype), "compiled_decoder": compiled,
+        "step_mode": step_mode,
         "prefix_caching": prefix_caching,
         "host": platform.node(), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
 
-def kernel_choices(device: Any, packed_weights: int = 0, ggml: str | None = None) -> dict[str, str]:
+def kernel_choices(device: Any, packed_weights: int = 0, ggml: str | None = None,
+                   dtype: str | None = None) -> dict[str, str]:
     """Which implementation each fused op ran (triton | cpu | reference); `linear`: cpu where the session
     prepacked its weights (`packed_weights` matrices: bf16 for oneDNN, fp32 for the C GEMM), else torch's own
     GEMM (reference); `ggml_activations` (GGML weights only: dgcli/model/ggml.py::activation_path): int8 or the
     activations' dtype; `bf16_fast`: DGEMMA_BF16_FAST=1 (a bf16 CPU session's canvases attend in C: not the
     reference's bits; kernels/native.py::fast_bf16);
-    `attention`: the paged attention's backend (triton-paged | torch-sdpa, dgcli/model/attention.py)."""
+    `attention`: the paged attention's backend (triton-paged | torch-sdpa, dgcli/model/attention.py; a bf16 CPU
+    session (`dtype` "bfloat16") whose canvases attend in C: "torch-sdpa, canvases native")."""
     import torch
 
+    from dgcli.kernels import attention_native
     from dgcli.kernels.dispatch import implementation
     from dgcli.kernels.native import fast_bf16
     from dgcli.model.attention import backend
 
     ops = {op: implementation(op, device) for op in ("vocab_pass", "experts", "rms_norm")}
-    out = {**ops, "linear": "cpu" if packed_weights else "reference", "attention": backend(torch.device(device)),
+    attention = backend(torch.device(device))
+    if attention == "torch-sdpa" and dtype == "bfloat16" and attention_native.enabled():
+        attention = "torch-sdpa, canvases native"
+    out = {**ops, "linear": "cpu" if packed_weights else "reference", "attention": attention,
            "bf16_fast": fast_bf16()}
     return out if ggml is None else {**out, "ggml_activations": ggml}
 

@@ -93,8 +93,11 @@ def test_bench_records_say_whether_the_fast_mode_ran(monkeypatch):
     for on in ("1", "true", "Yes", "on"):
         monkeypatch.setenv("DGEMMA_BF16_FAST", on)
         assert kernel_choices("cpu")["bf16_fast"] is True
+        assert kernel_choices("cpu", dtype="float32")["attention"] == "torch-sdpa"  # fp32: SDPA all the same
+    assert kernel_choices("cpu", dtype="bfloat16")["attention"] == "torch-sdpa, canvases native"
     monkeypatch.setenv("DGEMMA_BF16_FAST", "0")
     assert kernel_choices("cpu")["bf16_fast"] is False
+    assert kernel_choices("cpu", dtype="bfloat16")["attention"] == "torch-sdpa"
     monkeypatch.setenv("DGEMMA_BF16_FAST", "1")
     monkeypatch.setenv("DGEMMA_NATIVE", "0")  # no C kernel at all
     assert kernel_choices("cpu")["bf16_fast"] is False
