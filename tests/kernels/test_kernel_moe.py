@@ -155,6 +155,34 @@ def test_triton_at_the_released_shapes(n, h, inter, e, k, triton_device):
     torch.testing.assert_close(got.cpu(), experts_reference(x, w, idx, gate_up, down), atol=2e-2, rtol=2**-7)
 
 
+@needs_triton
+def test_the_tuned_path_runs_its_autotuner(monkeypatch, triton_device):
+    """The autotuned launch (kernels/moe.py::_tuned: grid by the chosen BLOCK_N, the key, the pick's report),
+    made to run where the tests do: in the interpreter with a host timer standing in for CUDA events. Its output
+    is the fixed tile's, bit for bit, at both BLOCK_Ms."""
+    import time
+
+    from dgcli.kernels import moe
+
+    def host_bench(call, quantiles):
+        t0 = time.perf_counter()
+        call()
+        return [time.perf_counter() - t0] * len(quantiles)
+
+    monkeypatch.setattr(moe, "_tuning", lambda x, dynamic, explicit: not explicit)
+    monkeypatch.setattr(moe, "_BENCH", host_bench)
+    monkeypatch.setattr(moe, "_TUNED", {})
+    x, w, idx, gate_up, down = make(40, 48, 40, 4, 2, torch.bfloat16, seed=6)  # 80 pairs: 20 an expert
+    args = [t.to(triton_device) for t in (x, w, idx, gate_up, down)]
+    want = moe.experts_triton(*args, block_m=moe.BLOCK, block_n=moe.BLOCK)  # explicit: the fixed tile
+    for bm in moe.TUNE:
+        assert torch.equal(moe.experts_triton(*args, block_m=bm), want)
+    assert torch.equal(moe.experts_triton(*args), want)  # block_rows' choice: 64 rows
+    picks = moe.tuned_picks()
+    assert len(picks) == 4 and all("H=48 I=40 pairs<=128" in p for p in picks), picks
+    assert {p.split(" BLOCK_M=")[1].split()[0] for p in picks} == {"64", "128"}
+
+
 def test_block_rows_and_the_autotuner_key():
     pytest.importorskip("triton")
     from dgcli.kernels.moe import _pairs_bucket, block_rows
