@@ -24,11 +24,11 @@ k, v (rows of k_new / v_new) instead of the cache, which has not been written th
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from .triton_common import interpreting
 
 # Block shapes by storage dtype and padded head dim: (BLOCK_M query slots = rows x group, BLOCK_N keys,
 # num_warps, num_stages). The fp32 accumulator is [BLOCK_M, BLOCK_D] (64x256, 32x512: 64 registers a thread
@@ -39,10 +39,6 @@ import triton.language as tl
 TILES = {"bf16": {128: (64, 64, 8, 3), 256: (64, 32, 8, 2), 512: (32, 32, 8, 2)},
          "fp32": {128: (64, 32, 8, 2), 256: (64, 16, 8, 2), 512: (16, 32, 8, 1)}}
 REFERENCE_BYTES = 256 * 2**20  # the reference's gathered fp32 K+V per chunk of rows
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -217,7 +213,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         out.stride(0), out.stride(1), tables.stride(0), *kn_s, *vn_s,
         GROUP=group, ROWS=bm // group, BLOCK_SIZE=block_size, RING=ring_blocks > 0, FRESH=fresh,
-        DOT_BF16=q.dtype == torch.bfloat16 and not _interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
+        DOT_BF16=q.dtype == torch.bfloat16 and not interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
         num_warps=warps, num_stages=stages)
     return out
 

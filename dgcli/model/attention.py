@@ -99,7 +99,6 @@ def _batch_key(s: Segment, lo: int, hi: int) -> tuple:
 
 @dataclass(frozen=True)
 class _Call:
-    q0: int  # its first row in the plan's row order
     m: int  # segments batched
     rows: int  # rows per segment
     n: int  # keys per segment
@@ -232,7 +231,7 @@ class PassLayout:
                     gather += [x for p, e in self.reads(j, group, window)[0] for x in range(p, e)]
             else:
                 keys = tuple(self.reads(members[0][0], group, window)[0])
-            calls.append(_Call(len(qrows), len(members), rows, n, keys, mask))
+            calls.append(_Call(len(members), rows, n, keys, mask))
             qrows += [x for _, s, r0, _ in members for x in range(r0 - a, r0 - a + s.length)]
         as_dev = functools.partial(to_device, dtype=torch.long, device=self.device)
         same = qrows == list(range(len(qrows)))

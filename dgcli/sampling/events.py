@@ -19,14 +19,6 @@ StopReason = Literal["stable_confident", "step_cap"]
 FinishReason = Literal["stop", "length"]
 
 
-def _ids(t: torch.Tensor) -> list[int]:
-    return t.tolist()
-
-
-def _floats(t: torch.Tensor) -> list[float]:
-    return t.float().tolist()
-
-
 @dataclass
 class BlockStart:
     """A block's denoising begins from `canvas` (uniform-random ids, or the user's initial canvas)."""
@@ -43,7 +35,7 @@ class BlockStart:
             "block": self.block,
             "num_blocks": self.num_blocks,
             "prefix_len": self.prefix_len,
-            "canvas": _ids(self.canvas),
+            "canvas": self.canvas.tolist(),
         }
 
 
@@ -76,9 +68,9 @@ class Step:
             "temperature": round(self.temperature, 6),  # the float32 value printed as set (0.8, not 0.800000012)
             "accepted_count": int(self.accepted_count),
             "mean_entropy": float(self.mean_entropy),
-            "canvas": _ids(self.canvas_in),
-            "argmax": _ids(self.argmax),
-            "entropy": _floats(self.entropy),
+            "canvas": self.canvas_in.tolist(),
+            "argmax": self.argmax.tolist(),
+            "entropy": self.entropy.float().tolist(),
             "accepted": [int(a) for a in self.accepted_mask.tolist()],
             "stop_reason": self.stop_reason,
             "elapsed_s": self.elapsed_s,

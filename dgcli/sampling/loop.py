@@ -36,8 +36,7 @@ import torch
 
 from dgcli.errors import UserError
 from dgcli.kernels.transfer import to_device
-from dgcli.sampling.engine import new_engine
-from dgcli.sampling.engine import Request
+from dgcli.sampling.engine import Request, new_engine
 from dgcli.sampling.events import Done, Event
 from dgcli.sampling.params import DiffusionEbParams
 

@@ -28,8 +28,7 @@ import torch
 
 from dgcli.errors import UserError
 from dgcli.sampling import host_reads
-from dgcli.sampling.engine import new_engine
-from dgcli.sampling.engine import Engine, Request
+from dgcli.sampling.engine import Engine, Request, new_engine
 from dgcli.sampling.events import BlockStart, Commit, Done, Step
 from dgcli.serve.metrics import Metrics
 from dgcli.serve.output import Output

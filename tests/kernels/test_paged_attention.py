@@ -214,7 +214,7 @@ def test_kernel_reads_the_mode():
     """bf16 operands reach tl.dot only when compiled (the interpreter computes bf16 dots wrongly)."""
     from dgcli.kernels import paged_attention as mod
 
-    assert mod._interpreting() is (not torch.cuda.is_available())
+    assert mod.interpreting() is (not torch.cuda.is_available())
 
 
 def test_row_tiles_cut_each_sequence():
