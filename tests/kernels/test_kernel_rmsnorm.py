@@ -16,8 +16,9 @@ pytestmark = pytest.mark.skipif(find_spec("triton") is None, reason="triton is n
 # (dtype, atol, rtol): fp32 differs from the reference only by rsqrt vs pow(-0.5) and the reduction
 # order (a few ulps); bf16 outputs are the same fp32 values rounded once, so at most 1 bf16 ulp apart.
 TOLS = [(torch.float32, 1e-5, 1e-5), (torch.bfloat16, 1e-2, 2**-7)]
-# Rows × width: a power of two, an odd width (masked lanes), one row, a 3-D input.
-SHAPES = [(4, 64), (3, 37), (1, 5), (2, 3, 24)]
+# Rows × width: a power of two, an odd width (masked lanes), one row, a 3-D input; the released config's hidden
+# size and its sliding and full heads' q/k norms (H 2816 in a 4,096 block: the one masked block of the real model).
+SHAPES = [(4, 64), (3, 37), (1, 5), (2, 3, 24), (3, 2816), (2, 4, 256), (2, 2, 512)]
 
 
 def _inputs(shape, dtype, device="cpu", seed=0):
