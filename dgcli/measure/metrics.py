@@ -43,7 +43,7 @@ DEFINITIONS: dict[str, str] = {
     "p99_e2el_ms": "[ms] 99th percentile end-to-end latency",
     "std_e2el_ms": "[ms] standard deviation of end-to-end latency",
     "mean_queue_ms": "[ms] wait for a free slot: from submission to the start of the request's prefill. Every timed pass submits all its prompts at once, so with fewer slots than prompts (batch size 1 included) it is the wait behind the pass's earlier prompts: it grows with --num-prompts and is the workload's backlog, not a fault; 0 when every request fits in the batch",
-    "mean_prefill_ms": "[ms] prompt encoder pass per request (one pass encodes the requests that take slots together)",
+    "mean_prefill_ms": "[ms] per request, the whole time of the passes that carry its prompt (chunks under the pass budget); such a pass also steps the running canvases and, in its last chunk, the request's own first canvas, so it overlaps the denoising time (a step's share is mean_step_ms)",
     "diffusion_committed_tokens": "canvas tokens committed: blocks x canvas length (incl. positions after a stop id)",
     "diffusion_committed_throughput": "[tok/s] canvas tokens/s while denoising: committed canvas tokens / denoising time (the batched decoder passes' own time)",
     "diffusion_canvas_positions": "canvas positions evaluated: denoising steps (request rows of the decoder passes) x canvas length",

@@ -70,7 +70,7 @@ class Request:
     answer: list[int] = field(default_factory=list)
     counted: int = 0  # ids for tokens_per_forward (HF definition)
     steps_per_block: list[int] = field(default_factory=list)
-    prefill_s: float = 0.0
+    prefill_s: float = 0.0  # the passes carrying its prompt rows, whole (the last also runs its first step)
     denoise_s: float = 0.0
     commit_s: float = 0.0
     first_block_s: float = 0.0

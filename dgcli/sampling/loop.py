@@ -18,7 +18,8 @@ Decisions (kept from the reference unless noted):
 * `tokens_per_forward` is HF's: generated ids up to and including the stop id, not counting ids equal
   to `pad_id`, divided by decoder passes (encoder passes are not counted).
 * Timings (seconds, the loop's own time; time spent by the consumer between events is excluded):
-  prefill_s (prompt encode), denoise_s (all blocks' steps up to the block-end read-back),
+  prefill_s (the passes carrying the prompt, whole: the last also runs the first block's first step, which
+  denoise_s counts too), denoise_s (all blocks' steps up to the block-end read-back),
   commit_s (encodes of committed blocks), first_block_s (start to the first block's tokens),
   total_s; in a batch every request's clock starts at the call, so a queued request's include its wait.
 * Batch: each request at its own step of its own block, finished ones freeing their slot for the
