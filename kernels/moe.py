@@ -19,12 +19,12 @@ Layout: pair p = n·k + j after sorting each row's experts ascending. Pairs are 
 
 Tiles on CUDA (bf16 experts, dense or FP8 weight-only; no tile asked for): BLOCK_M by the mean pairs per expert
 (`block_rows`: one row block per expert on average, so each weight tile is streamed about once), the rest
-autotuned at the first call of each (H, I, BLOCK_M, pairs bucket) over `TUNE` (no GPU was lent to measure a fixed
-table). BLOCK_K stays 64 in every configuration: it sets how each output's k chain is cut, so a tile choice
-(and with it the batch) cannot change a token's bits; on a GPU tests/kernels/test_kernel_moe.py checks every
-configuration bit for bit against the default. fp32 experts (full-precision dots) and FP8 with fp32 activations
-keep the fixed 64x64x64 tile. Every configuration compiles for sm_90 and sm_80 within shared memory and without
-spills (benchmarks/kernel_targets.py).
+autotuned at the first call of each (H, I, BLOCK_M, pairs bucket) over `TUNE` (no table measured on a GPU yet).
+BLOCK_K stays 64 in every configuration: it sets how each output's k chain is cut, so a tile choice (and with it
+the batch) keeps every output's summation order; tests/kernels/test_kernel_moe.py checks that each configuration
+gives the fixed tile's bits (on a GPU with its warps and stages). fp32 activations (full-precision dots) and
+dynamic FP8 keep the fixed 64x64x64 tile. Every configuration compiles for sm_90 and sm_80 within shared memory
+and without spills (benchmarks/kernel_targets.py).
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def group_by_expert(flat: torch.Tensor, num_experts: int, block_m: int) -> tuple
 
 def block_rows(pairs: int, num_experts: int) -> int:
     """BLOCK_M of the tuned path: 128 once the mean pairs per expert pass 64 (batch 8 of 256-token canvases at
-    the released config: 128 a expert), else 64 (the smallest wgmma tile of a warp group)."""
+    the released config: 128 an expert), else 64 (the smallest wgmma tile of a warp group)."""
     return 128 if pairs > BLOCK * num_experts else BLOCK
 
 

@@ -38,7 +38,7 @@ SERVE_SLOTS = 8  # cli/serve.py: --max-batch-size's default
 
 def moe_block_rows(pairs: int, experts: int, ab: int) -> int:
     """experts_triton's BLOCK_M on CUDA: kernels/moe.py::block_rows for bf16 activations (the tuned path),
-    else the fixed MOE_BLOCK. (The interpreter runs the fixed tile: at most 2·MOE_BLOCK·E slots counted over.)"""
+    else the fixed MOE_BLOCK. (The interpreter runs the fixed tile: there it counts up to ~MOE_BLOCK·E slots over.)"""
     return 2 * MOE_BLOCK if ab == 2 and pairs > MOE_BLOCK * experts else MOE_BLOCK
 
 
