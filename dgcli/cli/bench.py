@@ -140,10 +140,11 @@ def bench(
     if s.dummy and not ignore_eos:
         warn("dgemma: note: --ignore-eos is on: random weights would hit stop ids at random")
     ignore = ignore_eos or s.dummy
-    peaks = b.device_peaks(s.device, measure_cpu=measure_peaks) if pool is None else ray_peaks
+    peaks = b.device_peaks(s.device, measure_cpu=measure_peaks, compute=b.compute_dtype(s)) if pool is None \
+        else ray_peaks
     longest = max(len(p.ids) for p in plist)
     card = b.target_card(s, prompt_len=round(sum(len(p.ids) for p in plist) / len(plist)),
-                         context=longest + s.num_blocks * s.config.canvas_length, peaks=b.peaks_for_card(peaks))
+                         context=longest + s.num_blocks * s.config.canvas_length, peaks=b.card_peaks(s, peaks))
     card_text = "# dgemma bench\n\n" + (report.card_markdown(card) if verbose else brief.card_text(card))
     (sys.stdout if fmt == "md" else sys.stderr).write(card_text + "\n")
     sys.stdout.flush()

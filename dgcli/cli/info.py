@@ -89,8 +89,16 @@ def info(
     if run_dtype not in ("bfloat16", "float32", "float16"):
         raise UserError(f"--dtype {run_dtype}: use auto, bfloat16 or float32")
     dev, n_threads = _threads(cfg, device or "auto", threads)
+    compute = "float32" if run_dtype == "float32" else "bfloat16"  # the roofline's matmul (bench.compute_dtype)
+    if gguf:  # GGML weights: int8 activations where the int8 kernel runs
+        import torch
+
+        from dgcli.model.ggml import activations_on
+
+        compute = "int8" if activations_on(getattr(torch, run_dtype), dev) == "int8" else compute
+    peaks = peaks_for_card(device_peaks(dev, measure_cpu=measure_peaks, compute=compute), compute)
     card = inf.card(cfg, name=name, source=source, dtype=run_dtype, context=context, prompt_len=prompt_len,
-                    peaks=peaks_for_card(device_peaks(dev, measure_cpu=measure_peaks)), inventory=inventory,
+                    peaks=peaks, inventory=inventory,
                     threads=n_threads, budgets=_budgets(dev, memory), headroom=headroom / 100)
     extra = ""
     if gguf:  # weights as loaded (quantized matrices as stored), and whether this machine holds the run

@@ -155,10 +155,11 @@ def sweep(
     done_keys = {r["cell_key"] for r in rows if r.get("kind") == "cell"}
     todo = [c for c in cells if c.key not in done_keys]
 
-    peaks = b.device_peaks(s.device, measure_cpu=measure_peaks) if pool is None else ray_peaks
+    peaks = b.device_peaks(s.device, measure_cpu=measure_peaks, compute=b.compute_dtype(s)) if pool is None \
+        else ray_peaks
     card = b.target_card(s, prompt_len=round(sum(len(p.ids) for p in plist) / len(plist)),
                          context=max(len(p.ids) for p in plist) + s.num_blocks * s.config.canvas_length,
-                         peaks=b.peaks_for_card(peaks))
+                         peaks=b.card_peaks(s, peaks))
     (sys.stdout if fmt == "md" else sys.stderr).write("# dgemma sweep\n\n" + report.card_markdown(card) + "\n")
     where = f"dgemma: sweep rows in {output} (resume with -o {output} --resume)"
     warn(where)  # once the model loaded: a bad flag or model is still one error line

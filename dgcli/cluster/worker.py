@@ -84,7 +84,8 @@ class Worker:
         from dgcli.measure import bench as b
 
         if measure not in self.peaks:
-            self.peaks[measure] = b.device_peaks(self._open().device, measure_cpu=measure)
+            s = self._open()
+            self.peaks[measure] = b.device_peaks(s.device, measure_cpu=measure, compute=b.compute_dtype(s))
         return self.peaks[measure]
 
     def generate(self, items: list[tuple], batch_size: int, show_thinking: bool, events: bool) -> list[tuple]:

@@ -25,6 +25,7 @@ from typing import Any, Callable
 from dgcli.errors import UserError
 from dgcli.measure import card as info
 from dgcli.measure.metrics import Pass
+from dgcli.measure.peaks import table_peaks
 from dgcli.measure.workload import RANDOM_PROMPT_WARNING, Prompt, prompt_set_hash
 from dgcli.runtime import request
 from dgcli.runtime.request import Response
@@ -129,13 +130,30 @@ def measure(session: Any, prompts: list[Prompt], params: Any, *, runs: int, warm
     return out
 
 
-def device_peaks(device: Any, *, measure_cpu: bool = True) -> info.Peaks | None:
-    """The roofline peaks of the run's device: measured on CPU, the table on H100/H200, else None."""
+def device_peaks(device: Any, *, measure_cpu: bool = True, compute: str = "bfloat16") -> info.Peaks | None:
+    """The roofline peaks of the run's device for `compute` matmuls (`compute_dtype`): measured on CPU (bf16
+    there for float8, which a CPU runs in bf16), the table on H100/H200, else None."""
     if device.type == "cuda":
         import torch
 
-        return info.gpu_peaks(torch.cuda.get_device_name(device))
-    return info.measure_cpu_peaks() if measure_cpu else None
+        return info.gpu_peaks(torch.cuda.get_device_name(device), compute)
+    return info.measure_cpu_peaks(compute="bfloat16" if compute == "float8" else compute) if measure_cpu else None
+
+
+def compute_dtype(s: Any) -> str:
+    """The fastest matmul a session's kernels run, whose peak keeps the roofline floor a lower bound: "int8"
+    for GGML weights on the int8 path, "float8" for FP8 weights with dynamic activations on CUDA (e4m3 dots),
+    "float32" for an fp32 model (every matmul fp32), else "bfloat16"."""
+    if ggml_activations(s) == "int8":
+        return "int8"
+    model = getattr(s, "model", None)
+    if s.device.type == "cuda" and hasattr(model, "named_modules"):
+        from dgcli.kernels.dispatch import fp8_semantics
+        from dgcli.model.fp8 import is_fp8
+
+        if is_fp8(model) and fp8_semantics() == "dynamic":
+            return "float8"
+    return "float32" if s.dtype_name == "float32" else "bfloat16"
 
 
 def workload_mode(params: Any, dummy: bool) -> str:
@@ -194,10 +212,19 @@ def weight_bytes(s: Any) -> int:
     return info.DTYPE_BYTES[s.dtype_name]
 
 
-def peaks_for_card(local: info.Peaks | None) -> list[info.Peaks]:
-    """The run's device first (measured CPU or tabled GPU), then the H100 and H200 table rows."""
+def card_peaks(s: Any, local: info.Peaks | None) -> list[info.Peaks]:
+    """`peaks_for_card` for session s: the table rows at the local peak's matmul dtype, else at s's own (a
+    --no-measure-peaks run on a CPU has no local peak; a Ray driver's `s` holds no weights, its peak came from a
+    worker that did)."""
+    return peaks_for_card(local, None if local is not None else compute_dtype(s))
+
+
+def peaks_for_card(local: info.Peaks | None, compute: str | None = None) -> list[info.Peaks]:
+    """The run's device first (measured CPU or tabled GPU), then the H100 and H200 table rows at the same matmul
+    dtype (`compute`, else the local peak's; bf16 without either)."""
+    compute = compute or (local.compute if local is not None else "bfloat16")
     out = [local] if local is not None else []
-    return out + [p for p in info.DEVICE_TABLE.values() if local is None or p.name != local.name]
+    return out + [table_peaks(p, compute) for p in info.DEVICE_TABLE.values() if local is None or p.name != local.name]
 
 
 def target_card(s: Any, *, prompt_len: int, context: int, peaks: list[info.Peaks]) -> dict:

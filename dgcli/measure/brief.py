@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from dgcli.measure.peaks import COMPUTE
 from dgcli.measure.printers import cell, count, fmt, human, md_table, row_names
 
 MORE = "Every figure with its definition, the step histogram and provenance: add --verbose (or --format json)."
@@ -49,11 +50,13 @@ def card_text(card: dict) -> str:
     if card.get("threads"):
         lines.append(f"- **threads**: {card['threads']['count']} ({card['threads']['source']})")
     if card["devices"]:
-        body = [[_measured(d["name"]) if d.get("flops_range") else d["name"], human(d["flops_per_s"], "FLOP/s"),
+        body = [[_measured(d["name"]) if d.get("flops_range") else d["name"],
+                 f"{human(d['flops_per_s'], 'FLOP/s')} {COMPUTE[d.get('compute', 'bfloat16')]}",
                  human(d["bytes_per_s"], "B/s"), f"{_ms(d['floor_step_ms'])} ({d['floor_step_bound']})",
                  human(d["ceiling_canvas_tokens_per_s"], "tok/s")] for d in card["devices"]]
         lines += ["", "Roofline floor per denoising step, max(FLOPs / peak, bytes / bandwidth):", "",
-                  md_table(["device", "peak bf16", "bandwidth", "floor / step", "canvas ceiling (1 step/block)"], body)]
+                  md_table(["device", "peak matmul", "bandwidth", "floor / step", "canvas ceiling (1 step/block)"],
+                           body)]
     return "\n".join(lines) + "\n"
 
 

@@ -73,7 +73,8 @@ DEFINITIONS: dict[str, str] = {
     "denoise_bytes": "[B] bytes the denoising steps must move at least: each request's KV, the weights once per batched decoder pass (for the experts its mean rows x canvas tokens touch; dgcli.measure.card conventions)",
     "achieved_flops_per_s": "[FLOP/s] denoise_flops / denoising time",
     "achieved_bytes_per_s": "[B/s] denoise_bytes / denoising time",
-    "peak_flops_per_s": "[FLOP/s] the device's bf16 matmul peak (source in peaks_source)",
+    "peak_flops_per_s": "[FLOP/s] the device's matmul peak in peak_compute (source in peaks_source)",
+    "peak_compute": "the matmul dtype of peak_flops_per_s: the fastest the run's kernels use (int8 for GGML weights on the int8 path, float32 for an fp32 model, bfloat16 else; float8 for dynamic FP8 on CUDA), so the floor stays a lower bound",
     "peak_bytes_per_s": "[B/s] the device's memory bandwidth peak (source in peaks_source)",
     "flops_utilization": "achieved_flops_per_s / peak_flops_per_s",
     "bandwidth_utilization": "achieved_bytes_per_s / peak_bytes_per_s",
@@ -249,7 +250,7 @@ def summarize(passes: list[Pass], cfg: ModelConfig, max_steps: int, *, weight_by
     if peaks is not None:
         floor_s, bound = info.floor_seconds(cost, peaks)
         row.update({
-            "peak_flops_per_s": peaks.flops_per_s, "peak_bytes_per_s": peaks.bytes_per_s,
+            "peak_flops_per_s": peaks.flops_per_s, "peak_compute": peaks.compute, "peak_bytes_per_s": peaks.bytes_per_s,
             "peaks_device": peaks.name, "peaks_source": peaks.source,
             "peak_flops_range": list(peaks.flops_range) if peaks.flops_range else None,
             "peak_bytes_range": list(peaks.bytes_range) if peaks.bytes_range else None,

@@ -1,12 +1,17 @@
 """A device's roofline peaks: the H100/H200 datasheet table, and a brief measurement on this CPU taken
 several times, so the card shows the median and how far the repeats spread (a busy machine moves them 2x).
 
-Owns: `Peaks`, `DEVICE_TABLE`, `measure_cpu_peaks` (cached per process and thread count), `cpu_name`,
+Owns: `Peaks`, `DEVICE_TABLE`, `measure_cpu_peaks` (cached per process, thread count and matmul dtype), `cpu_name`,
 `gpu_peaks`. Must not: run the model or print; torch is imported only inside `measure_cpu_peaks`.
+
+A peak is a matmul rate in one dtype (`Peaks.compute`): a run is held to the fastest matmul its kernels use
+(measure/bench.py::compute_dtype: int8 for GGML weights on the int8 path, float32 for an fp32 model, bf16 else),
+so its floor stays a lower bound (this 2-core EPYC, 1 thread: int8 ~430 GOP/s, bf16 ~210, fp32 ~95 GFLOP/s).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -16,19 +21,24 @@ from pathlib import Path
 @dataclass(frozen=True)
 class Peaks:
     name: str
-    flops_per_s: float  # dense bf16 matmul (measured: the median of the repeats)
+    flops_per_s: float  # dense matmul in `compute` (measured: the median of the repeats)
     bytes_per_s: float  # memory bandwidth (measured: the median of the repeats)
     source: str
     flops_range: tuple[float, float] | None = None  # measured: (min, max) over the repeats; None for a datasheet
     bytes_range: tuple[float, float] | None = None
     repeats: int = 1
+    compute: str = "bfloat16"  # the matmul's dtype: bfloat16, float32, int8 or float8 (e4m3, CUDA only)
 
 
-# Vendor datasheet figures (dense bf16 tensor-core FLOP/s without sparsity, HBM bandwidth).
+COMPUTE = {"bfloat16": "bf16", "float32": "fp32", "int8": "int8", "float8": "fp8"}  # dtype -> short name
+# Vendor datasheet figures (dense tensor-core FLOP/s without sparsity; fp32 on the CUDA cores, as torch runs an
+# fp32 matmul by default (no TF32); HBM bandwidth). The H200 has the H100's compute.
 DEVICE_TABLE = {
     "H100": Peaks("NVIDIA H100 SXM", 989e12, 3.35e12, "NVIDIA H100 SXM datasheet: bf16 dense 989 TFLOP/s, HBM3 3.35 TB/s"),
     "H200": Peaks("NVIDIA H200 SXM", 989e12, 4.8e12, "NVIDIA H200 SXM datasheet: bf16 dense 989 TFLOP/s, HBM3e 4.8 TB/s"),
 }
+GPU_COMPUTE = {"bfloat16": (989e12, "bf16 dense 989 TFLOP/s"), "float32": (67e12, "fp32 (no TF32) 67 TFLOP/s"),
+               "int8": (1979e12, "int8 dense 1979 TOP/s"), "float8": (1979e12, "fp8 dense 1979 TFLOP/s")}
 
 _measured: dict[str, Peaks] = {}
 
@@ -44,35 +54,44 @@ def _best(fn, work: float, seconds: float) -> float:
             return best
 
 
-def measure_cpu_peaks(seconds: float = 1.0, repeats: int = 5) -> Peaks:
-    """bf16 1024^3 matmul FLOP/s and 128 MiB copy bandwidth (read + write) on this CPU, at the current torch
-    thread count (the run's: see dgcli.runtime.session.thread_rule). `repeats` rounds, each the best of
-    matmuls then of copies over seconds / (2 x repeats); the peaks are the rounds' medians and the ranges
-    their min and max. Cached per process and thread count. Measured, so it moves with other load."""
+def measure_cpu_peaks(seconds: float = 1.0, repeats: int = 5, compute: str = "bfloat16") -> Peaks:
+    """1024^3 matmul FLOP/s in `compute` (bfloat16, float32 or int8: torch's int8 GEMM, oneDNN's VNNI / AMX
+    kernels) and 128 MiB copy bandwidth (read + write) on this CPU, at the current torch thread count (the run's:
+    see dgcli.runtime.session.thread_rule). `repeats` rounds, each the best of matmuls then of copies over
+    seconds / (2 x repeats); the peaks are the rounds' medians and the ranges their min and max. Cached per
+    process, thread count and dtype. Measured, so it moves with other load."""
     import platform
 
     import torch
 
+    if compute not in ("bfloat16", "float32", "int8"):
+        raise ValueError(f"no CPU peak for {compute} matmuls: use bfloat16, float32 or int8")
     threads = torch.get_num_threads()
-    key = f"cpu/{threads}"
+    key = f"cpu/{threads}/{compute}"
     if key in _measured:
         return _measured[key]
     n = 1024
-    a, b = torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16()
-    out = torch.empty(n, n, dtype=torch.bfloat16)
+    if compute == "int8":
+        a, b = (torch.randint(-128, 128, (n, n), dtype=torch.int8) for _ in range(2))
+        matmul = lambda: torch._int_mm(a, b)  # noqa: E731
+    else:
+        a, b = (torch.randn(n, n).to(getattr(torch, compute)) for _ in range(2))
+        out = torch.empty(n, n, dtype=a.dtype)
+        matmul = lambda: torch.mm(a, b, out=out)  # noqa: E731
     x = torch.ones(32 * 2**20)  # 128 MiB float32
     y = torch.empty_like(x)
     window = seconds / (2 * repeats)
     flops, band = [], []
     for _ in range(repeats):
-        flops.append(_best(lambda: torch.mm(a, b, out=out), 2 * n**3, window))
+        flops.append(_best(matmul, 2 * n**3, window))
         band.append(_best(lambda: y.copy_(x), 2 * x.numel() * 4, window))
     name = cpu_name() or platform.processor() or "CPU"
     peaks = Peaks(f"{name} ({threads} thread{'s' if threads != 1 else ''})", statistics.median(flops),
                   statistics.median(band),
-                  f"measured here: median of {repeats} rounds, each the best of bf16 {n}x{n} matmuls and of "
+                  f"measured here: median of {repeats} rounds, each the best of {compute} {n}x{n} matmuls and of "
                   f"128 MiB copies over {window:.2g} s; {threads} thread(s)",
-                  flops_range=(min(flops), max(flops)), bytes_range=(min(band), max(band)), repeats=repeats)
+                  flops_range=(min(flops), max(flops)), bytes_range=(min(band), max(band)), repeats=repeats,
+                  compute=compute)
     _measured[key] = peaks
     return peaks
 
@@ -87,9 +106,19 @@ def cpu_name() -> str | None:
     return None
 
 
-def gpu_peaks(device_name: str) -> Peaks | None:
-    """Table peaks for a CUDA device name (e.g. 'NVIDIA H100 80GB HBM3'), or None when not tabled."""
+def gpu_peaks(device_name: str, compute: str = "bfloat16") -> Peaks | None:
+    """Table peaks for a CUDA device name (e.g. 'NVIDIA H100 80GB HBM3') and matmul dtype, or None when not
+    tabled."""
     for key, peaks in DEVICE_TABLE.items():
         if key in device_name.upper():
-            return peaks
+            return table_peaks(peaks, compute)
     return None
+
+
+def table_peaks(peaks: Peaks, compute: str) -> Peaks:
+    """A datasheet row (bf16) at another matmul dtype's compute peak."""
+    if compute == "bfloat16":
+        return peaks
+    flops, what = GPU_COMPUTE[compute]
+    return dataclasses.replace(peaks, flops_per_s=flops, compute=compute,
+                               source=peaks.source.replace(GPU_COMPUTE["bfloat16"][1], what))

@@ -21,6 +21,7 @@ from typing import Any, Iterable
 
 from dgcli import __version__
 from dgcli.errors import UserError
+from dgcli.measure.peaks import COMPUTE
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -304,12 +305,12 @@ def card_markdown(card: dict) -> str:
     if card.get("threads"):
         lines += [f"**threads**: {card['threads']['count']} ({card['threads']['source']})"]
     if card["devices"]:
-        body = [[d["name"], _peak(d, "flops", "FLOP/s"), _peak(d, "bytes", "B/s"),
+        body = [[d["name"], _peak(d, "flops", "FLOP/s " + COMPUTE[d.get("compute", "bfloat16")]), _peak(d, "bytes", "B/s"),
                  f"{d['floor_step_ms']:.4g} ms ({d['floor_step_bound']})",
                  f"{d['floor_commit_ms']:.4g} ms ({d['floor_commit_bound']})",
                  f"{d['ceiling_canvas_tokens_per_s']:.4g}", d["source"]] for d in card["devices"]]
         lines += ["", "**theoretical floor** (roofline: max(FLOPs/peak, bytes/bandwidth)):", "",
-                  md_table(["device", "peak bf16", "bandwidth", "floor / step", "floor / commit",
+                  md_table(["device", "peak matmul", "bandwidth", "floor / step", "floor / commit",
                             "canvas tok/s ceiling (1 step/block)", "peaks source"], body)]
     lines += ["", f"_{card['conventions']}_"]
     return "\n".join(lines) + "\n"

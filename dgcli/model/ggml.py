@@ -196,12 +196,16 @@ def activation_path(model: nn.Module) -> str | None:
     driver's stand-in: dgcli/cluster/worker.py)."""
     if not isinstance(model, nn.Module) or not any(isinstance(m, _Quantized) for m in model.modules()):
         return None
+    return activations_on(model.embed_weight.dtype, model.embed_weight.device)
+
+
+def activations_on(dtype: torch.dtype, device: torch.device) -> str:
+    """What GGML weights are multiplied by in a model of `dtype` on `device` (activation_path's rule)."""
     from dgcli.kernels import ggml_q8
 
-    w = model.embed_weight
-    if w.dtype == torch.bfloat16 and w.device.type == "cpu" and ggml_q8.available():
+    if dtype == torch.bfloat16 and device.type == "cpu" and ggml_q8.available():
         return "int8"
-    return str(w.dtype).removeprefix("torch.")
+    return str(dtype).removeprefix("torch.")
 
 
 class _Quantized(nn.Module):

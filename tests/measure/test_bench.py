@@ -57,7 +57,8 @@ def doc(ckpt):
 def test_json_has_every_figure_with_sane_fixed_work_values(doc, ckpt):
     row = doc["rows"][0]
     missing = [k for k in metrics.DEFINITIONS if k not in row and k not in QUALITY
-               and k not in ("peak_flops_per_s", "peak_bytes_per_s", "flops_utilization", "bandwidth_utilization",
+               and k not in ("peak_flops_per_s", "peak_compute", "peak_bytes_per_s", "flops_utilization",
+                             "bandwidth_utilization",
                              "floor_step_ms", "floor_bound", "step_vs_floor", "peak_flops_range",
                              "peak_bytes_range")]  # need peaks: checked below
     assert not missing
@@ -181,8 +182,11 @@ def test_dummy_layers_keep_the_pattern():
 
 
 def test_peaks_give_the_roofline_columns(ckpt, monkeypatch):
-    monkeypatch.setattr(b, "device_peaks", lambda dev, measure_cpu=True: info.Peaks("fake", 1e12, 1e11, "test"))
+    monkeypatch.setattr(b, "device_peaks", lambda dev, measure_cpu=True, compute="bfloat16": info.Peaks(
+        "fake", 1e12, 1e11, "test", compute=compute))
     row = json.loads(run("--model", str(ckpt), *FIXED, "--runs", "1", "--warmup", "0", "--format", "jsonl").stdout)
+    # held to the peak of the matmul the run uses: its model dtype's (no GGML weights here)
+    assert row["peak_compute"] == row["provenance"]["dtype"] in ("float32", "bfloat16")
     floor = max(row["denoise_flops"] / 1e12, row["denoise_bytes"] / 1e11)
     assert row["floor_step_ms"] == pytest.approx(floor / row["diffusion_denoising_steps"] * 1e3)
     assert row["step_vs_floor"] == pytest.approx(row["mean_step_ms"] / row["floor_step_ms"])

@@ -153,7 +153,53 @@ def test_floor_picks_the_binding_peak():
 def test_measured_cpu_peaks_are_positive():
     info._measured.clear()
     p = info.measure_cpu_peaks(seconds=0.3)
-    assert p.flops_per_s > 1e8 and p.bytes_per_s > 1e8 and "measured" in p.source
+    assert p.flops_per_s > 1e8 and p.bytes_per_s > 1e8 and "measured" in p.source and p.compute == "bfloat16"
+
+
+def test_cpu_peaks_are_measured_in_the_runs_matmul_dtype():
+    """One peak per matmul dtype (cached apart): the int8 GEMM (what GGML weights on the int8 path run) is
+    faster than the bf16 one on a CPU with VNNI or AMX, and fp32 slower than bf16 where the CPU has bf16 dots."""
+    from dgcli.kernels import ggml_q8
+
+    info._measured.clear()
+    got = {c: info.measure_cpu_peaks(seconds=0.3, repeats=3, compute=c) for c in ("bfloat16", "float32", "int8")}
+    for c, p in got.items():
+        assert p.compute == c and f"best of {c} 1024x1024 matmuls" in p.source and p.flops_per_s > 1e8
+        assert info.measure_cpu_peaks(compute=c) is p
+    if ggml_q8.available():  # the int8 kernel's instructions (AVX-512 VNNI) are here: so are oneDNN's
+        assert got["int8"].flops_per_s > got["bfloat16"].flops_per_s
+    with pytest.raises(ValueError, match="no CPU peak for float8"):
+        info.measure_cpu_peaks(compute="float8")
+
+
+def test_gpu_peaks_by_matmul_dtype():
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert info.gpu_peaks(h100) is info.DEVICE_TABLE["H100"]
+    assert info.gpu_peaks(h100, "float32").flops_per_s == 67e12 and "fp32 (no TF32)" in info.gpu_peaks(h100, "float32").source
+    assert info.gpu_peaks(h100, "int8").flops_per_s == info.gpu_peaks("NVIDIA H200", "float8").flops_per_s == 1979e12
+    assert info.gpu_peaks(h100, "int8").bytes_per_s == 3.35e12 and info.gpu_peaks("a T4", "float32") is None
+
+
+def test_the_roofline_matmul_dtype_of_a_session(monkeypatch):
+    from types import SimpleNamespace
+
+    from dgcli.measure import bench as b
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(b, "ggml_activations", lambda s: None)
+    assert b.compute_dtype(SimpleNamespace(model=None, device=cpu, dtype_name="float32")) == "float32"
+    assert b.compute_dtype(SimpleNamespace(model=None, device=cpu, dtype_name="bfloat16")) == "bfloat16"
+    monkeypatch.setattr(b, "ggml_activations", lambda s: "int8")  # GGML weights on the int8 path
+    assert b.compute_dtype(SimpleNamespace(model=None, device=cpu, dtype_name="bfloat16")) == "int8"
+    # the card's H100 / H200 rows at the run's matmul dtype
+    local = info.Peaks("here", 1e11, 1e10, "test", compute="float32")
+    assert [p.flops_per_s for p in b.peaks_for_card(local)] == [1e11, 67e12, 67e12]
+    assert [p.flops_per_s for p in b.peaks_for_card(None)] == [989e12, 989e12]
+    # no local peak (--no-measure-peaks on a CPU): the table rows at the session's own matmul dtype
+    fp32 = SimpleNamespace(model=None, device=cpu, dtype_name="float32")
+    monkeypatch.setattr(b, "ggml_activations", lambda s: None)
+    assert [p.flops_per_s for p in b.card_peaks(fp32, None)] == [67e12, 67e12]
+    assert [p.compute for p in b.card_peaks(fp32, local)] == ["float32"] * 3
 
 
 # ---- the command ---------------------------------------------------------------------------------------

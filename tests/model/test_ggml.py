@@ -303,21 +303,28 @@ def test_dummy_ggml_model(weights, x_path):
     assert _rms(logits, deq.forward_canvas(*_inputs()[:2])) <= (Q8_LOGIT_RMS if x_path == "int8" else LOGIT_RMS)
 
 
-def test_bench_dummy_q4_k_row_and_bad_flag(tmp_path, capsys):
+def test_bench_dummy_q4_k_row_and_bad_flag(tmp_path, capsys, monkeypatch):
     import json
 
     from cli_run import run
 
+    from dgcli.measure import bench as b
+    from dgcli.measure.peaks import Peaks
+
+    # the roofline's peak is the matmul the GGML weights run: int8 where the int8 kernel does
+    monkeypatch.setattr(b, "device_peaks", lambda dev, measure_cpu=True, compute="bfloat16": Peaks(
+        "fake", 1e12, 1e11, "test", compute=compute))
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(make_config(TEXT, canvas_length=8)))
     fast = ["--runs", "1", "--warmup", "0", "--num-prompts", "1", "--random-input-len", "4", "--diffusion-steps", "1",
-            "--format", "jsonl", "--no-measure-peaks"]
+            "--format", "jsonl"]
     code, out, err = run(["bench", "--dummy", str(cfg), "--weights", "q4_k", *fast], capsys)
     assert code == 0, err
     row = json.loads(out.strip().splitlines()[-1])
     assert row["weights"] == "Q4_K"
     assert row["provenance"]["kernels"]["ggml_activations"] == ggml.activation_path(random_ggml_model(
         make_config(TEXT, canvas_length=8), "q4_k", seed=0)) in ("int8", "bfloat16")
+    assert row["peak_compute"] == row["provenance"]["kernels"]["ggml_activations"]
     code, out, err = run(["bench", "--model", str(tmp_path), "--weights", "q4_k", *fast], capsys)
     assert code == 2 and "--weights q4_k builds --dummy weights" in err and err.count("\n") == 1, err
 
