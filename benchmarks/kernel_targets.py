@@ -101,11 +101,10 @@ def _moe(target: str) -> list[dict]:
         scale = "*" + (sdt or dt)
         gu = dict(x_ptr="*" + (FP8 if dyn else dt), w_ptr="*" + wdt, pair_ptr="*i32", block_expert_ptr="*i32",
                   act_ptr="*" + dt, xs_ptr="*" + ("fp32" if dyn else dt), ws_ptr=scale, H=H, I=I, TOPK=TOPK,
-                  PAIRS=CANVAS * TOPK, stride_xn=H, stride_we=2 * I * H, stride_wr=H, stride_an=I,
-                  stride_se=2 * I if fp8 else H)
+                  stride_xn=H, stride_we=2 * I * H, stride_wr=H, stride_an=I, stride_se=2 * I if fp8 else H)
         dn = dict(act_ptr="*" + (FP8 if dyn else dt), w_ptr="*" + wdt, pair_ptr="*i32", block_expert_ptr="*i32",
                   rw_ptr="*fp32", y_ptr="*" + dt, as_ptr="*" + ("fp32" if dyn else dt), ws_ptr=scale, H=H, I=I,
-                  PAIRS=CANVAS * TOPK, stride_an=I, stride_we=H * I, stride_wr=I, stride_yn=H, stride_se=H)
+                  stride_an=I, stride_we=H * I, stride_wr=I, stride_yn=H, stride_se=H)
         for suffix, bm, bn, opts in _moe_tiles(dt, dyn):
             flags = dict(IS_BF16=dt == "bf16", DOT_BF16=dt == "bf16", W_FP8=fp8, A_FP8=dyn,
                          W_ROUND=fp8 and (dt == "bf16" or sdt == "bf16"), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK)

@@ -19,7 +19,7 @@ Layout: pair p = n·k + j after sorting each row's experts ascending. Pairs are 
 
 Tiles on CUDA (bf16 experts, dense or FP8 weight-only; no tile asked for): BLOCK_M by the mean pairs per expert
 (`block_rows`: one row block per expert on average, so each weight tile is streamed about once), the rest
-autotuned at the first call of each (H, I, BLOCK_M, pairs bucket) over `TUNE` (no table measured on a GPU yet).
+autotuned at the first call of each (H, I, BLOCK_M) over `TUNE` (no table measured on a GPU yet).
 BLOCK_K stays 64 in every configuration: it sets how each output's k chain is cut, so a tile choice (and with it
 the batch) keeps every output's summation order; tests/kernels/test_kernel_moe.py checks that each configuration
 gives the fixed tile's bits (on a GPU with its warps and stages). fp32 activations (full-precision dots) and
@@ -58,7 +58,7 @@ def _dequant(w, scale, W_FP8: tl.constexpr, W_ROUND: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, pair_ptr, block_expert_ptr, act_ptr, xs_ptr, ws_ptr, H, I, TOPK, PAIRS,
+def _gate_up_kernel(x_ptr, w_ptr, pair_ptr, block_expert_ptr, act_ptr, xs_ptr, ws_ptr, H, I, TOPK,
                     stride_xn, stride_we, stride_wr, stride_an, stride_se,
                     IS_BF16: tl.constexpr, DOT_BF16: tl.constexpr, W_FP8: tl.constexpr, A_FP8: tl.constexpr,
                     W_ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -118,7 +118,7 @@ def _gate_up_kernel(x_ptr, w_ptr, pair_ptr, block_expert_ptr, act_ptr, xs_ptr, w
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, pair_ptr, block_expert_ptr, rw_ptr, y_ptr, as_ptr, ws_ptr, H, I, PAIRS,
+def _down_kernel(act_ptr, w_ptr, pair_ptr, block_expert_ptr, rw_ptr, y_ptr, as_ptr, ws_ptr, H, I,
                  stride_an, stride_we, stride_wr, stride_yn, stride_se,
                  IS_BF16: tl.constexpr, DOT_BF16: tl.constexpr, W_FP8: tl.constexpr, A_FP8: tl.constexpr,
                  W_ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -190,33 +190,38 @@ def block_rows(pairs: int, num_experts: int) -> int:
     return 128 if pairs > BLOCK * num_experts else BLOCK
 
 
-def _pairs_bucket(pairs: int) -> int:
-    """The autotuner's batch key: pairs rounded up to a power of two (one tuning per bucket, not per length)."""
-    return 1 << max(0, pairs - 1).bit_length()
-
-
 def _tuning(x: torch.Tensor, dynamic: bool, explicit: bool) -> bool:
     """The tuned path: bf16 activations on CUDA (compiled kernels), no tile asked for, no dynamic FP8."""
     return x.dtype == torch.bfloat16 and x.is_cuda and not dynamic and not explicit
 
 
 def _tuned(kernel, block_m: int):
-    """`kernel` autotuned over TUNE[block_m], keyed by (H, I, BLOCK_M, PAIRS); made once per (kernel, BLOCK_M).
-    The timing runs happen at a key's first call: an engine's warm-up, outside any CUDA-graph capture."""
+    """`kernel` autotuned over TUNE[block_m], keyed by (H, I, BLOCK_M); made once per (kernel, BLOCK_M). BLOCK_M
+    stands for the batch (block_rows), so a model tunes twice per kernel, not once per batch: an eager server's
+    first passes pay it, not every new prompt length. The timing runs happen at a key's first call (an engine's
+    warm-up, outside any CUDA-graph capture)."""
     key = (kernel.__name__, block_m)
     if key not in _TUNED:
         configs = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st) for bn, w, st in TUNE[block_m]]
-        _TUNED[key] = triton.autotune(configs, key=["H", "I", "BLOCK_M", "PAIRS"], do_bench=_BENCH)(kernel)
+        _TUNED[key] = triton.autotune(configs, key=["H", "I", "BLOCK_M"], do_bench=_BENCH)(kernel)
     return _TUNED[key]
 
 
+def _device_bench(call, quantiles):
+    """The autotuner's timer: Triton's (CUDA events) over 5 ms of warm-up and 25 ms of repeats a configuration
+    (its default 25 / 100 ms would make each tuning ~4x longer; not measured which gives the better pick)."""
+    import triton.testing
+
+    return triton.testing.do_bench(call, warmup=5, rep=25, quantiles=quantiles)
+
+
 _TUNED: dict = {}  # (kernel name, BLOCK_M) -> the autotuned kernel
-_BENCH = None  # the autotuner's timer: None is Triton's (CUDA events); a test runs the tuned path with a CPU one
+_BENCH = _device_bench  # the autotuner's timer (a test runs the tuned path in the interpreter with a host one)
 
 
 def tuned_picks() -> list[str]:
     """The autotuner's choices so far, one line per kernel and key (for benchmark reports)."""
-    return [f"{name} BLOCK_M={bm} H={key[0]} I={key[1]} pairs<={key[3]}: BLOCK_N={c.kwargs['BLOCK_N']} "
+    return [f"{name} BLOCK_M={bm} H={key[0]} I={key[1]}: BLOCK_N={c.kwargs['BLOCK_N']} "
             f"warps={c.num_warps} stages={c.num_stages}"
             for (name, bm), tuner in _TUNED.items() for key, c in tuner.cache.items()]
 
@@ -269,16 +274,15 @@ def experts_triton(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_
         gate_up, down = _gate_up_kernel, _down_kernel
         flags.update(BLOCK_N=block_n or BLOCK, **launch_options(fp8, dynamic, is_bf16))
         flags.update({name: v for name, v in dict(num_warps=num_warps, num_stages=num_stages).items() if v is not None})
-    pairs = _pairs_bucket(n * k)
     act = torch.empty(pair_of_slot.numel(), inter, dtype=x.dtype, device=x.device)  # [S, I]
     grid = lambda meta: (block_expert.numel(), triton.cdiv(inter, meta["BLOCK_N"]))  # noqa: E731
-    gate_up[grid](xin, gate_up_proj, pair_of_slot, block_expert, act, xs, gus, h, inter, k, pairs,
+    gate_up[grid](xin, gate_up_proj, pair_of_slot, block_expert, act, xs, gus, h, inter, k,
                   xin.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), act.stride(0), gus.stride(0), **flags)
     # Dynamic: the intermediate quantized per row (padding slots too: rows are independent, never read)
     act, a_s = quantize_per_token(act) if dynamic else (act, act)
     y = torch.empty(n * k, h, dtype=x.dtype, device=x.device)  # [N·k, H]
     grid = lambda meta: (block_expert.numel(), triton.cdiv(h, meta["BLOCK_N"]))  # noqa: E731
-    down[grid](act, down_proj, pair_of_slot, block_expert, rw, y, a_s, dns, h, inter, pairs,
+    down[grid](act, down_proj, pair_of_slot, block_expert, rw, y, a_s, dns, h, inter,
                act.stride(0), down_proj.stride(0), down_proj.stride(1), y.stride(0), dns.stride(0), **flags)
     y = y.view(n, k, h)
     out = y[:, 0].clone()
