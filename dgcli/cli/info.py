@@ -56,7 +56,7 @@ def info(
     model = model_opt if model_opt is not None else model_arg
     from dgcli.measure import card as inf
     from dgcli.measure import printers as report
-    from dgcli.measure.bench import device_peaks, peaks_for_card
+    from dgcli.measure.bench import device_peaks, matmul_dtype, peaks_for_card
     from dgcli.model.random_weights import dummy_config
     from dgcli.model.config import load_config, parse_config
     from dgcli.runtime.session import default_model_path
@@ -89,13 +89,14 @@ def info(
     if run_dtype not in ("bfloat16", "float32", "float16"):
         raise UserError(f"--dtype {run_dtype}: use auto, bfloat16 or float32")
     dev, n_threads = _threads(cfg, device or "auto", threads)
-    compute = "float32" if run_dtype == "float32" else "bfloat16"  # the roofline's matmul (bench.compute_dtype)
+    ggml = None
     if gguf:  # GGML weights: int8 activations where the int8 kernel runs
         import torch
 
         from dgcli.model.ggml import activations_on
 
-        compute = "int8" if activations_on(getattr(torch, run_dtype), dev) == "int8" else compute
+        ggml = activations_on(getattr(torch, run_dtype), dev)
+    compute = matmul_dtype(run_dtype, ggml)
     peaks = peaks_for_card(device_peaks(dev, measure_cpu=measure_peaks, compute=compute), compute)
     card = inf.card(cfg, name=name, source=source, dtype=run_dtype, context=context, prompt_len=prompt_len,
                     peaks=peaks, inventory=inventory,

@@ -141,19 +141,26 @@ def device_peaks(device: Any, *, measure_cpu: bool = True, compute: str = "bfloa
 
 
 def compute_dtype(s: Any) -> str:
-    """The fastest matmul a session's kernels run, whose peak keeps the roofline floor a lower bound: "int8"
-    for GGML weights on the int8 path, "float8" for FP8 weights with dynamic activations on CUDA (e4m3 dots),
-    "float32" for an fp32 model (every matmul fp32), else "bfloat16"."""
-    if ggml_activations(s) == "int8":
-        return "int8"
+    """`matmul_dtype` of a session: its model dtype, its GGML weights' activation path, FP8 dynamic on CUDA."""
     model = getattr(s, "model", None)
+    fp8_dynamic = False
     if s.device.type == "cuda" and hasattr(model, "named_modules"):
         from dgcli.kernels.dispatch import fp8_semantics
         from dgcli.model.fp8 import is_fp8
 
-        if is_fp8(model) and fp8_semantics() == "dynamic":
-            return "float8"
-    return "float32" if s.dtype_name == "float32" else "bfloat16"
+        fp8_dynamic = is_fp8(model) and fp8_semantics() == "dynamic"
+    return matmul_dtype(s.dtype_name, ggml_activations(s), fp8_dynamic)
+
+
+def matmul_dtype(run_dtype: str, ggml: str | None = None, fp8_dynamic: bool = False) -> str:
+    """The fastest matmul a run's kernels use, whose peak keeps the roofline floor a lower bound: "int8" for GGML
+    weights on the int8 path (`ggml`: dgcli/model/ggml.py's activation path), "float8" for FP8 weights with
+    dynamic activations on CUDA (e4m3 dots), "float32" for an fp32 model (every matmul fp32), else "bfloat16"."""
+    if ggml == "int8":
+        return "int8"
+    if fp8_dynamic:
+        return "float8"
+    return "float32" if run_dtype == "float32" else "bfloat16"
 
 
 def workload_mode(params: Any, dummy: bool) -> str:
