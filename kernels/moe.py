@@ -199,11 +199,12 @@ def _tuned(kernel, block_m: int):
     """`kernel` autotuned over TUNE[block_m], keyed by (H, I, BLOCK_M); made once per (kernel, BLOCK_M). BLOCK_M
     stands for the batch (block_rows), so a model tunes twice per kernel, not once per batch: an eager server's
     first passes pay it, not every new prompt length. The timing runs happen at a key's first call (an engine's
-    warm-up, outside any CUDA-graph capture)."""
+    warm-up, outside any CUDA-graph capture); the picks are kept in Triton's on-disk cache (keyed by the GPU
+    target, the kernel's source and the configurations), so a later process on that GPU reuses them."""
     key = (kernel.__name__, block_m)
     if key not in _TUNED:
         configs = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st) for bn, w, st in TUNE[block_m]]
-        _TUNED[key] = triton.autotune(configs, key=["H", "I", "BLOCK_M"], do_bench=_BENCH)(kernel)
+        _TUNED[key] = triton.autotune(configs, key=["H", "I", "BLOCK_M"], do_bench=_BENCH, cache_results=True)(kernel)
     return _TUNED[key]
 
 

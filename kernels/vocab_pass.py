@@ -262,14 +262,15 @@ def _group_logits(rows, embed, group, width, softcap, temperature):
 def _soft_launcher(interpreting: bool, block_m: int | None, block_n: int | None, dtype: torch.dtype):
     """The soft kernel and its fixed tile, or (on CUDA, no tile asked for) its autotuned twin, keyed by
     (H, V, rows), and no tile. The autotuner times its configurations at the first call of each key: the
-    static step's warm-up runs (outside any CUDA-graph capture) make that call."""
+    static step's warm-up runs (outside any CUDA-graph capture) make that call; its picks stay in Triton's on-disk
+    cache for later processes on the same GPU."""
     if block_m is not None or interpreting:
         return _soft_kernel, dict(BLOCK_M=block_m or 64, BLOCK_N=block_n or 64)
     name = "bf16" if dtype == torch.bfloat16 else "fp32"
     if name not in _SOFT_TUNED:
         configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
                    for bm, bn, w, st in SOFT_TUNE[name]]
-        _SOFT_TUNED[name] = triton.autotune(configs, key=["H", "V", "N"])(_soft_kernel)
+        _SOFT_TUNED[name] = triton.autotune(configs, key=["H", "V", "N"], cache_results=True)(_soft_kernel)
     return _SOFT_TUNED[name], {}
 
 

@@ -110,7 +110,8 @@ def info(
 
         fit = gguf_info.gguf_fit(inventory, cfg, run_dtype, context, _ram(), free_bytes(torch.device("cpu")))
         mem = card["memory"]
-        mem["weights"], mem["total"] = fit["weights_loaded"], mem["total"] - mem["weights"] + fit["weights_loaded"]
+        mem["total"] = {path: t - mem["weights"] + fit["weights_loaded"] for path, t in mem["total"].items()}
+        mem["weights"] = fit["weights_loaded"]
         card["gguf"], card["bytes_source"] = fit, "GGUF header (by ggml type)"
         extra = gguf_info.gguf_markdown(inventory, fit)
     if fmt == "json":

@@ -57,7 +57,7 @@ Compile = Annotated[bool, typer.Option("--compile", help="torch.compile the deco
 CudaGraphs = Annotated[Optional[bool], typer.Option("--cuda-graphs/--no-cuda-graphs", help=dflt("Replay CUDA graphs for denoising-only passes (one per batch bucket 1, 2, 4, ...; passes that encode prompts or commit blocks run eagerly). CUDA with Triton only.", "on with CUDA and Triton, unless --compile"))]
 NoPrefixCaching = Annotated[bool, typer.Option("--no-prefix-caching", help=(
     "Encode every prompt whole: no sharing of cached whole blocks (16 tokens) of earlier prompts and answers "
-    "between the requests of one engine (on by default; sliding layers then hold every position, not a ring)."))]
+    "between the requests of one engine (on by default; sliding layers then keep their window and one pass's rows)."))]
 Trace = Annotated[Optional[str], typer.Option("--trace", metavar="FILE", help="Write the per-step JSONL trace to FILE.")]
 InitCanvas = Annotated[Optional[str], typer.Option("--init-canvas", metavar="TEXT|ids:IDS", help=(
     "Warm-start the first block: text (\"1 2 3\" is text too), or token ids with the prefix ids: "

@@ -40,8 +40,9 @@ def card_text(card: dict) -> str:
              f"- experts: {cfg['experts']}; dense MLP {cfg['dense_mlp']}; canvas {cfg['canvas_length']} tokens",
              f"- parameters: {count(p['total'])} ({count(p['active_per_token'])} active per token); weights "
              + ", ".join(f"{k} {mib(v)}" for k, v in card["bytes_by_dtype"].items()),
-             f"- memory to run ({card['dtype']}, KV for {m['kv_context']:,} tokens): ~{mib(m['total'])} = weights "
-             f"{mib(m['weights'])} + KV cache {mib(m['kv_cache'])} + sampler ~{mib(m['step_working_set'])}",
+             f"- memory to run ({card['dtype']}, KV for {m['kv_context']:,} tokens): ~{mib(m['total']['cpu'])} on CPU "
+             f"= weights {mib(m['weights'])} + KV cache {mib(m['kv_cache'])} + one request's passes "
+             f"~{mib(m['one_request']['cpu'])} (CUDA ~{mib(m['total']['cuda'])})",
              f"- per denoising step (prompt {card['prompt_len']} tokens): {human(s['flops'], 'FLOP')}, "
              f"{human(s['bytes'], 'B')} moved at least; per commit {human(card['per_commit']['flops'], 'FLOP')}; "
              f"prefill {human(card['prefill']['flops'], 'FLOP')}"]

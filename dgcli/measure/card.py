@@ -286,26 +286,6 @@ def kv_cache_bytes(cfg: ModelConfig, context: int, kv_bytes: int = 2, *, trimmed
     return sum((full if g.window is None else ring) * _kv_row(g, kv_bytes) for g in cfg.layers)
 
 
-def working_set_bytes(cfg: ModelConfig, context: int, act_bytes: int = 2) -> dict[str, int]:
-    """Estimate of the transient memory of one denoising step (largest layer), by part."""
-    c, h, v, n = cfg.canvas_length, cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads
-    rows = min(c, max(1, (32 * 2**20) // (4 * v)))  # the reference vocab pass' row chunk (CHUNK_BYTES)
-    d = max(g.head_dim for g in cfg.layers)
-    kvh = max(g.num_kv_heads for g in cfg.layers)
-    keys = context + c
-    parts = {
-        "vocab_pass_chunk": 3 * rows * v * 4,  # fp32 logits, log-probs and noise of one row chunk
-        "step_outputs": c * (8 + 8 + 4 + 8 + 8) + c * h * act_bytes,  # sample, argmax, entropy, canvases; soft
-        "hidden_states": 4 * c * h * act_bytes,  # residual, normed input, attention out, feed-forward out
-        "attention": c * n * d * act_bytes + 2 * keys * kvh * d * act_bytes + n * c * keys * 4,  # q; [cache|canvas] K,V; scores
-        "feed_forward": c * 2 * cfg.intermediate_size * act_bytes
-                        + c * cfg.top_k_experts * 2 * cfg.moe_intermediate_size * act_bytes,
-    }
-    parts["total"] = sum(parts.values())
-    parts["unchunked_vocab_fp32"] = 3 * c * v * 4  # what a [C, V] fp32 sampler would hold instead
-    return parts
-
-
 # ---- devices -------------------------------------------------------------------------------------------
 
 
@@ -344,7 +324,7 @@ def card(cfg: ModelConfig, *, name: str, source: str, dtype: str, context: int =
                    step_cost(cfg, prompt_len, soft=False, weight_bytes=wb))
     commit = encode_cost(cfg, prompt_len, cfg.canvas_length, weight_bytes=wb)
     prefill = encode_cost(cfg, 0, prompt_len, weight_bytes=wb)
-    ws = working_set_bytes(cfg, context, wb)
+    extra = memory.one_request(cfg, context, prompt_len, wb)  # sampler state, a pass's temporaries
     kv = kv_cache_bytes(cfg, context, wb, trimmed=True)  # what dgemma's cache holds (sliding rings)
     devices = []
     for p in peaks:
@@ -379,8 +359,7 @@ def card(cfg: ModelConfig, *, name: str, source: str, dtype: str, context: int =
             "weights": weights, "kv_context": context, "kv_cache": kv,
             "kv_per_token": kv_cache_bytes(cfg, 1, wb),  # every layer's K/V of one position
             "kv_cache_every_position": kv_cache_bytes(cfg, context, wb),
-            "step_working_set": ws["total"], "working_set_parts": ws,
-            "total": weights + kv + ws["total"],
+            "one_request": extra, "total": {path: weights + kv + x for path, x in extra.items()},
         },
         "batch_memory": memory.batch_memory(cfg, context=context, prompt_len=prompt_len, dtype=dtype,
                                             budgets=budgets, headroom=headroom),

@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from dgcli.measure.card import DTYPE_BYTES, kv_cache_bytes, working_set_bytes
+from dgcli.measure.card import DTYPE_BYTES, kv_cache_bytes
+from dgcli.measure.memory import one_request
 from dgcli.model.config import ModelConfig
 
 
@@ -40,11 +41,11 @@ def gguf_inventory(path: Path) -> dict:
 def gguf_fit(inventory: dict, cfg: ModelConfig, dtype: str, context: int, ram_bytes: int,
              available_bytes: int | None) -> dict:
     """Whether a GGUF model runs in this machine's memory: weights as loaded (quantized matrices as stored,
-    the rest in `dtype`) + the KV cache for `context` tokens + the step's working set, against the memory
+    the rest in `dtype`) + the KV cache for `context` tokens + one request's passes (`memory.one_request`), against the memory
     available now (MemAvailable) and the machine's RAM."""
     wb = DTYPE_BYTES[dtype]
     weights = inventory["quantized_bytes_kept"] + inventory["dense_elements"] * wb
-    need = weights + kv_cache_bytes(cfg, context, wb, trimmed=True) + working_set_bytes(cfg, context, wb)["total"]
+    need = weights + kv_cache_bytes(cfg, context, wb, trimmed=True) + one_request(cfg, context, ab=wb)["cpu"]
     return {"weights_loaded": weights, "need": need, "ram": ram_bytes, "available": available_bytes,
             "fits_ram": need <= ram_bytes,
             "fits_available": None if available_bytes is None else need <= available_bytes}

@@ -2,7 +2,8 @@
 
 Owns: `kv_bytes`, `weights_bytes` (bf16, or FP8 as an FP8 checkpoint stores it), `loop_state_bytes` (what the
 engine holds per request at a step), `pass_bytes` (one forward pass's temporaries), `step_bytes` and
-`prefill_bytes` (the passes a run peaks at; the vocabulary pass's share: `memory_vocab.py`), `peak_bytes`, `largest_batch`, and `batch_memory` / `markdown` (the
+`prefill_bytes` (the passes a run peaks at; the vocabulary pass's share: `memory_vocab.py`), `peak_bytes`, `one_request`
+(the card's memory to run), `largest_batch`, and `batch_memory` / `markdown` (the
 section `dgemma info` prints). Must not: run the model, allocate tensors, or import torch (the engine's constants
 are restated; tests/measure/test_memory.py keeps them equal and measures every term: the engine's cache, its
 tensors at a step, the CPU allocator's peak of a pass). Notation: b requests, C canvas, N rows of a pass, H
@@ -247,6 +248,16 @@ def peak_bytes(cfg: ModelConfig, b: int, *, context: int, prompt_len: int = 256,
             "graphs": graphs, "total": weights + kv + state + phases[top] + graphs}
 
 
+def one_request(cfg: ModelConfig, context: int, prompt_len: int = 256, ab: int = 2) -> dict[str, int]:
+    """What one request holds beyond its weights and KV at its peak (`peak_bytes` of one slot), by path: its
+    sampler state and the larger of a step's and its prefill's temporaries; on CUDA also the graphs' step."""
+    out = {}
+    for path in ("cuda", "cpu"):
+        p = peak_bytes(cfg, 1, context=context, prompt_len=prompt_len, ab=ab, cpu=path == "cpu")
+        out[path] = p["total"] - p["weights"] - p["kv_cache"]
+    return out
+
+
 def largest_batch(cfg: ModelConfig, budget: int, *, headroom: float = HEADROOM, limit: int = 1 << 20, **kw) -> int:
     """The largest b whose `peak_bytes` fits budget·(1 - headroom) (0: not even one row). peak_bytes grows
     with b, so a bisection finds the boundary: b fits and b + 1 does not."""
@@ -333,9 +344,9 @@ def markdown(sec: dict) -> str:
               f"{_b(ps['step_per_row']['cuda'])} on CUDA ({_b(ps['step_per_row']['cpu'])} on CPU) = "
               f"**{_b(ps['total']['cuda'])}** (CUDA), {_b(ps['total']['cpu'])} (CPU)"),
              (f"- KV cache: {_b(kv['full_per_token'])}/token for full layers ({kv['full_positions']:,} positions: "
-              f"the context and a canvas) + {_b(kv['rings'])} per slot for the sliding rings (was "
-              f"{_b(kv['was_per_token'])}/token): {_b(kv['total'])} per slot at {kv['context']:,} tokens "
-              f"(was {_b(kv['was'])}); with prefix caching (the default) the sliding layers hold {_b(kv['windows'])} "
+              f"the context and a canvas) + {_b(kv['rings'])} per slot for the sliding rings: {_b(kv['total'])} per "
+              f"slot at {kv['context']:,} tokens (without rings, every layer at {_b(kv['was_per_token'])}/token: "
+              f"{_b(kv['was'])}); with prefix caching (the default) the sliding layers hold {_b(kv['windows'])} "
               f"per slot (its window and 3 blocks) and one pass's rows beside them"),
              (f"- prefix cache (`serve`'s {SERVE_SLOTS} slots): {pc['full']:,} blocks of {KV_BLOCK} positions on full "
               f"layers, {pc['sliding']:,} on sliding layers; blocks no request holds stay cached until one needs room"),

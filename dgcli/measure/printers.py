@@ -286,16 +286,16 @@ def card_markdown(card: dict) -> str:
     if card.get("vision"):
         v = card["vision"]
         lines.append(f"vision tower: {count(v['parameters'])} parameters, {v['note']}")
-    ws = m["working_set_parts"]
     lines += ["", f"**memory to run** ({card['dtype']}, KV for {m['kv_context']:,} tokens):",
               f"- weights {human(m['weights'], 'B', 1024)}",
-              f"- KV cache {human(m['kv_cache'], 'B', 1024)} (sliding layers keep a ring of their window; every "
-              f"position in every layer would be {human(m['kv_cache_every_position'], 'B', 1024)}, "
+              f"- KV cache {human(m['kv_cache'], 'B', 1024)} (sliding layers keep a ring of their window; the "
+              f"context's positions in every layer would be {human(m['kv_cache_every_position'], 'B', 1024)}, "
               f"{human(m['kv_per_token'], 'B', 1024)}/token)",
-              f"- sampler working set per step ~{human(m['step_working_set'], 'B', 1024)} (vocab chunk "
-              f"{human(ws['vocab_pass_chunk'], 'B', 1024)}; an unchunked fp32 [C, V] sampler would need "
-              f"{human(ws['unchunked_vocab_fp32'], 'B', 1024)})",
-              f"- total ~**{human(m['total'], 'B', 1024)}**", ""]
+              f"- one request's sampler state and its largest pass's temporaries (computed as in the batch memory "
+              f"below): {human(m['one_request']['cuda'], 'B', 1024)} on CUDA (CUDA graphs' copy included), "
+              f"{human(m['one_request']['cpu'], 'B', 1024)} on CPU",
+              f"- total ~**{human(m['total']['cuda'], 'B', 1024)}** on CUDA, ~{human(m['total']['cpu'], 'B', 1024)} "
+              f"on CPU", ""]
     s, c, pf = card["per_step"], card["per_commit"], card["prefill"]
     lines += [f"**per denoising step** (prompt {card['prompt_len']} tokens): {human(s['flops'], 'FLOP')}, "
               f"{human(s['bytes'], 'B')} moved at least (first step {human(s['first_step_flops'], 'FLOP')}, "

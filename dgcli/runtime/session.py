@@ -267,14 +267,15 @@ def open_any(model: str | None, dummy: str | None, layers: int | None, preset: s
 def preflight(cfg: ModelConfig, weight_bytes: int, device: Any, *, spec: str, total_bytes: int | None = None) -> None:
     """Refuse a dummy model that cannot fit, before allocating it (an OOM half-way is worse), and say
     how many layers would. `total_bytes`: the weights' bytes when not params x weight_bytes (GGML blocks)."""
-    from dgcli.measure import card
+    from dgcli.measure import card, memory
 
     free = free_bytes(device)
     if free is None:
         return  # no way to know here: try
     counts = card.param_counts(cfg)
     weights = counts["total"] * weight_bytes if total_bytes is None else total_bytes
-    need = weights + card.working_set_bytes(cfg, 4096, weight_bytes)["total"]
+    path = "cuda" if torch.device(device).type == "cuda" else "cpu"  # + one request of 4,096 tokens' passes
+    need = weights + memory.one_request(cfg, 4096, ab=4 if weight_bytes == 4 else 2)[path]
     if need <= 0.9 * free:
         return
     per_layer = (weights - counts["embedding"] * weight_bytes) / cfg.num_hidden_layers

@@ -350,6 +350,18 @@ def test_largest_batch_is_the_boundary_and_grows_with_memory():
     assert memory.largest_batch(cfg, 40 * memory.GIB, **kw) == 0  # 36 GiB usable < 47 GiB of bf16 weights
 
 
+def test_the_cards_memory_to_run_is_one_slot_of_the_batch_model():
+    """`info`'s memory to run: weights + KV + what `peak_bytes` holds for one slot beyond them (one model of the
+    passes' temporaries: the one tests/measure checks against the allocator)."""
+    cfg = load_config(real_config_path())
+    m = info.card(cfg, name="x", source="y", dtype="bfloat16", budgets=[])["memory"]
+    for path in ("cuda", "cpu"):
+        p = memory.peak_bytes(cfg, 1, context=4096, ab=2, cpu=path == "cpu")
+        assert m["one_request"][path] == p["total"] - p["weights"] - p["kv_cache"] > p["phases"]["step"]
+        assert m["total"][path] == m["weights"] + m["kv_cache"] + m["one_request"][path]
+    assert m["one_request"]["cuda"] > m["one_request"]["cpu"]  # the CUDA graphs' copy of a step
+
+
 def test_weight_formats():
     cfg = load_config(real_config_path())
     n = info.param_counts(cfg)
@@ -449,7 +461,8 @@ def test_info_dummy_26b_prints_the_batch_table():
     assert "**largest batch that fits**" in md and "| H100 80 GB (cuda) | bf16 47.03 GiB | 72 GiB | **62** |" in md
     assert "per slot: KV cache 285 MiB" in md and "this machine (cpu)" in md
     assert ("KV cache: 20 KiB/token for full layers (4,352 positions: the context and a canvas) + 200 MiB per slot "
-            "for the sliding rings (was 220 KiB/token): 285 MiB per slot at 4,096 tokens (was 935 MiB)") in md
+            "for the sliding rings: 285 MiB per slot at 4,096 tokens (without rings, every layer at 220 KiB/token: "
+            "935 MiB)") in md
 
 
 def test_info_memory_and_headroom_options():
