@@ -12,6 +12,7 @@ command modules: `dgemma --help`, `--version` and `dgemma CMD --help` load only 
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from typing import Optional
@@ -99,6 +100,9 @@ def _is_closed_pipe(e: BaseException) -> bool:
     return isinstance(e, BrokenPipeError) or isinstance(e.__context__, BrokenPipeError)
 
 
+_WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}
+
+
 def main() -> None:
     try:
         rc = app(standalone_mode=False)
@@ -118,6 +122,12 @@ def main() -> None:
         sys.exit(130)
     except BrokenPipeError:
         _closed_pipe()
+    except OSError as e:  # a full disk or a failing device under the output: one line, as bad input gets
+        if e.errno not in _WRITE_ERRORS or os.environ.get("DGEMMA_DEBUG") == "1":
+            raise
+        where = f" {e.filename}" if e.filename else " the output"
+        print(f"dgemma: error: cannot write{where}: {e.strerror} (free space, or write elsewhere)", file=sys.stderr)
+        sys.exit(2)
     except SystemExit as e:
         if _is_closed_pipe(e):
             _closed_pipe()
@@ -135,6 +145,9 @@ def main() -> None:
         if hasattr(e, "format_message") and hasattr(e, "exit_code"):  # usage errors: one line, like ours
             ctx = getattr(e, "ctx", None)
             hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+            if ctx is not None and "unexpected extra argument" in e.format_message() and any(
+                    "PROMPT" in p for p in ctx.command.collect_usage_pieces(ctx)):  # `dgemma generate Sort: 3 1`
+                hint = f" (a prompt with spaces is one argument: quote it, dgemma {ctx.info_name} \"...\")"
             print(f"dgemma: error: {e.format_message()}{hint}", file=sys.stderr)
             sys.exit(e.exit_code)
         raise

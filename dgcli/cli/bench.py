@@ -106,6 +106,9 @@ def bench(
     from dgcli.measure import bench as b
     from dgcli.measure import brief, metrics
     from dgcli.measure import printers as report
+
+    if save_result or result_dir is not None or result_filename is not None:
+        report.check_result_place(result_dir, result_filename)
     from dgcli.measure.quality import bench_quality
     from dgcli.measure.workload import build_prompts
     from dgcli.runtime.session import open_any
@@ -246,6 +249,8 @@ def _remote(ctx: typer.Context, base_url: str, api_key: str | None, concurrency:
         raise UserError(f"{flag} does not apply with --base-url: {rm.NOT_WITH_BASE_URL[name]}")
     levels, rate = rm.parse_concurrency(concurrency or "1"), rm.check_rate(request_rate)
     check_counts(num_prompts=num_prompts, runs=runs, warmup=warmup, input_len=1)
+    if save[0]:
+        report.check_result_place(save[1], save[2])
     meta = report.parse_metadata(metadata)
     fields = rm.request_fields(**flags)
     plist, source = rm.load_prompts(prompts, num_prompts)

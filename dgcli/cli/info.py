@@ -86,7 +86,7 @@ def info(
     gguf = inventory is not None and "quantized_bytes_kept" in inventory
     stored = cfg.dtype if gguf else _stored_dtype(inventory, cfg.dtype)  # GGUF: the loader's run dtype
     run_dtype = dtype if dtype not in (None, "auto") else stored
-    if run_dtype not in ("bfloat16", "float32", "float16"):
+    if run_dtype not in ("bfloat16", "float32", "float16") or dtype == "float16":  # fp16: a checkpoint's own only
         raise UserError(f"--dtype {run_dtype}: use auto, bfloat16 or float32")
     dev, n_threads = _threads(cfg, device or "auto", threads)
     ggml = None

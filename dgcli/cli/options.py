@@ -21,7 +21,7 @@ def dflt(help: str, default: str) -> str:
 # Sampler options default to None: the value comes from defaults < checkpoint < preset < flag.
 CKPT = "or the checkpoint's"
 
-Model = Annotated[Optional[str], typer.Option("--model", "-m", metavar="DIR", help=dflt("Checkpoint directory.", "the bundled tiny model"))]
+Model = Annotated[Optional[str], typer.Option("--model", "-m", metavar="DIR|FILE.gguf", help=dflt("Checkpoint directory, or a llama.cpp GGUF file.", "the bundled tiny model"))]
 Preset = Annotated[Optional[str], typer.Option("--preset", metavar="NAME|FILE", help="Preset name (presets/NAME.yaml) or YAML file.")]
 Device = Annotated[Optional[str], typer.Option("--device", metavar="DEVICE", help=dflt("auto | cpu | cuda | cuda:N", "auto"))]
 Dtype = Annotated[Optional[str], typer.Option("--dtype", metavar="DTYPE", help=dflt("auto | bfloat16 | float32", "auto"))]

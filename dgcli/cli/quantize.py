@@ -58,6 +58,9 @@ def quantize(
         return
     if not fp8:
         raise UserError("give the format: --fp8 (an FP8-dynamic checkpoint) or --type f32|bf16|q8_0|q4_k_m (a GGUF file)")
+    if dst.lower().endswith(".gguf"):
+        raise UserError(f"{dst}: --fp8 writes a checkpoint directory, not a GGUF file; name a directory, or use "
+                        "--type q8_0|q4_k_m for a .gguf")
     from dgcli.model.quantize import quantize_checkpoint
 
     s = quantize_checkpoint(src, dst, progress=progress)

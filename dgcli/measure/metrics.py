@@ -95,7 +95,7 @@ DEFINITIONS: dict[str, str] = {
 # The main figures of bench's short human output (dgcli.measure.brief), in order, each with a short meaning
 # ({num_prompts} is filled in); every other figure is in --verbose and the machine formats.
 SUMMARY: dict[str, str] = {
-    "quality": "exact match with the prompt file's answers (n/a: the prompts carry none)",
+    "quality": "exact match with the prompt file's answers (n/a where it has none)",
     "output_throughput": "answer tokens / wall time, end to end (prefill included)",
     "diffusion_committed_throughput": "canvas tokens committed / denoising time",
     "diffusion_canvas_positions_per_s": "canvas positions evaluated / denoising time",

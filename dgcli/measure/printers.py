@@ -334,13 +334,32 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_result(doc: dict, result_dir: str | None, filename: str | None, label: str | None) -> Path:
+def check_result_place(result_dir: str | None, filename: str | None) -> None:
+    """Before anything is measured: the result's folder exists (made if need be) and takes files, and a named
+    file is not a folder, so a long run never ends unsaved."""
     d = Path(result_dir or ".")
+    if d.exists() and not d.is_dir():
+        raise UserError(f"--result-dir {d} is a file; name a folder")
     try:
         d.mkdir(parents=True, exist_ok=True)
-        name = filename or f"dgemma-bench-{(label + '-') if label else ''}{time.strftime('%Y%m%d-%H%M%S')}.json"
-        path = d / name
+    except OSError as e:
+        raise UserError(f"--result-dir {d}: cannot make the folder ({e.strerror}); pick a writable folder") from None
+    path = d / filename if filename else None
+    folder = path.parent if path is not None else d
+    if path is not None and path.is_dir():
+        raise UserError(f"--result-filename {filename}: {path} is a folder; name a file")
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        flag = "--result-filename" if path is not None and folder != d else "--result-dir"
+        raise UserError(f"{flag}: cannot write in {folder} (no such folder, or not writable); pick a writable folder")
+
+
+def save_result(doc: dict, result_dir: str | None, filename: str | None, label: str | None) -> Path:
+    d = Path(result_dir or ".")
+    name = filename or f"dgemma-bench-{(label + '-') if label else ''}{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path = d / name
+    try:
+        d.mkdir(parents=True, exist_ok=True)
         write_atomic(path, to_json(doc))
     except OSError as e:
-        raise UserError(f"--result-dir {d}: cannot write the result ({e.strerror}); pick a writable folder") from None
+        raise UserError(f"{path}: cannot write the result ({e.strerror}); pick a writable --result-dir") from None
     return path

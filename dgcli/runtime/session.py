@@ -186,9 +186,9 @@ def ran_with(resolved: Resolved, model: Any) -> Resolved:
 
 
 def open_session(model: str | None, preset: str | None, flags: dict, *, need_tokenizer: bool = True,
-                 compile: bool = False, threads: int | None = None, cuda_graphs: bool | None = False) -> Session:
+                 compile: bool = False, threads: int | None = None, cuda_graphs: bool | None = None) -> Session:
     """A checkpoint (directory or GGUF file) with its tokenizer and resolved settings; `threads` is `--threads`
-    (None: the rule)."""
+    (None: the rule); `cuda_graphs` as `check_cuda_graphs` takes it (None, as the CLI: where they run)."""
     from dgcli.model.loader import load_model, resolve_dtype
     from dgcli.text.tokenizer import load_tokenizer
 

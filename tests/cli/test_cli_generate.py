@@ -2,6 +2,7 @@
 
 import io
 import json
+import os
 import subprocess
 import sys
 
@@ -31,6 +32,15 @@ def test_argument_prompt_prints_only_the_answer(ckpt, capsys):
     assert code == 0
     assert out.endswith("\n") and out.count("\n") >= 1
     assert "step" not in out  # progress never reaches stdout
+
+
+@pytest.mark.parametrize("cmd", ["generate", "watch"])
+def test_an_unquoted_prompt_is_told_to_quote_it(capsys, cmd):
+    code, out, err = run([cmd, "Reverse:", "c", "a", "t"], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "unexpected extra argument(s) (c a t)" in err and f'quote it, dgemma {cmd} "..."' in err
+    code, _, err = run(["info", "a", "b"], capsys)  # no prompt there: the usual hint
+    assert code == 2 and "quote it" not in err and "info --help'" in err
 
 
 def test_stdin_and_dash(ckpt, capsys, monkeypatch):
@@ -193,6 +203,16 @@ def test_closed_pipe_exits_141_quietly(ckpt, tmp_path):
     p.stdout.close()  # what head does after its line; 39 answers are still to come
     err = p.stderr.read().decode()
     assert p.wait(timeout=120) == 141 and err == "", err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux): a device that is always full")
+def test_a_full_disk_under_stdout_is_one_line(ckpt):
+    """`dgemma generate ... > /dev/full` (ENOSPC on the answer's write): one error line, exit 2, no traceback."""
+    with open("/dev/full", "w") as full:
+        p = subprocess.run(["dgemma", "generate", "--model", str(ckpt), *FAST, "hi"], stdout=full,
+                           stderr=subprocess.PIPE, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.splitlines() == [
+        "dgemma: error: cannot write the output: No space left on device (free space, or write elsewhere)"], p.stderr
 
 
 def test_show_config_honours_format_json(ckpt, capsys):

@@ -88,10 +88,16 @@ def test_the_check_and_the_step_mode():
     assert sess.check_cuda_graphs(False, torch.device("cuda", 0)) == "dynamic"  # --no-cuda-graphs
 
 
-def test_a_session_without_the_flag_runs_the_dynamic_step():
-    s = sess.open_session(None, None, {"device": "cpu"}, cuda_graphs=False)
-    assert s.step_mode == "dynamic"
-    assert sess.open_session(None, None, {"device": "cpu"}).step_mode == "dynamic"
+def test_a_library_session_takes_the_clis_default():
+    """`dgcli.open_session()` without cuda_graphs: the CLI's default (graphs where they run: CUDA with Triton),
+    so the README's "denoise-only passes replay CUDA graphs" holds for library callers too."""
+    import inspect
+
+    import dgcli
+
+    assert inspect.signature(sess.open_session).parameters["cuda_graphs"].default is None
+    assert dgcli.open_session(settings={"device": "cpu"}).step_mode == "dynamic"  # off CUDA: the dynamic step
+    assert sess.open_session(None, None, {"device": "cpu"}, cuda_graphs=False).step_mode == "dynamic"
 
 
 def test_a_graphs_session_off_cuda_is_one_clear_error():

@@ -125,6 +125,12 @@ def test_info_two_different_models_is_one_line(cli_ckpt, tmp_path):
     one_line_error(invoke("info", "-m", str(cli_ckpt), "--dummy", "26B-A4B", "--no-measure-peaks"), "--dummy")
 
 
+def test_info_takes_the_dtypes_the_other_commands_take(cli_ckpt):
+    """--dtype float16 is refused as generate refuses it (a float16 checkpoint's own dtype is still described)."""
+    one_line_error(invoke("info", "-m", str(cli_ckpt), "--dtype", "float16", "--no-measure-peaks"),
+                   "--dtype float16: use auto, bfloat16 or float32")
+
+
 # ---- item 10c: --result-dir / --result-filename imply --save-result --------------------------------------
 
 
@@ -138,3 +144,14 @@ def test_bench_result_dir_implies_save_result(cli_ckpt, tmp_path, extra):
     assert len(saved) == 1 and len(json.loads(saved[0].read_text())["rows"]) == 1
     if extra:
         assert saved[0].name == "r.json"
+
+
+def test_bench_refuses_a_result_place_it_cannot_write_before_measuring(cli_ckpt, tmp_path, nothing_loaded):
+    """A run that cannot be saved stops before the model loads, not after the measuring."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    cases = [(["--result-dir", str(afile)], "is a file; name a folder"),
+             (["--result-dir", str(tmp_path), "--result-filename", "nodir/r.json"], "--result-filename: cannot write in"),
+             (["--result-dir", str(tmp_path.parent), "--result-filename", tmp_path.name], "is a folder; name a file")]
+    for extra, says in cases:
+        one_line_error(invoke("bench", "--model", str(cli_ckpt), *FAST, "--runs", "1", *extra), says)

@@ -23,7 +23,9 @@ def test_quantize_errors_are_one_line(cli_ckpt, tmp_path, capsys):
     (tmp_path / "full" / "x").write_text("")
     for argv, needle in ((["quantize", str(cli_ckpt), str(tmp_path / "a")], "--fp8"),
                          (["quantize", str(cli_ckpt), str(tmp_path / "full"), "--fp8"], "not empty"),
-                         (["quantize", str(tmp_path / "nope"), str(tmp_path / "b"), "--fp8"], "no such checkpoint")):
+                         (["quantize", str(tmp_path / "nope"), str(tmp_path / "b"), "--fp8"], "no such checkpoint"),
+                         (["quantize", str(cli_ckpt), str(tmp_path / "x.gguf"), "--fp8"], "not a GGUF file")):
         code, out, err = run(argv, capsys)
         assert code == 2 and out == ""
         assert err.startswith("dgemma: error:") and err.count("\n") == 1 and needle in err, err
+    assert not (tmp_path / "x.gguf").exists()  # nothing written
