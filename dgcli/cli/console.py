@@ -67,7 +67,8 @@ def read_prompt(prompt: str | None) -> str:
     if prompt is None or prompt == "-":
         if prompt is None and sys.stdin.isatty():
             raise UserError("no prompt: pass PROMPT, or pipe text on stdin (use - to read stdin explicitly)")
-        text = sys.stdin.read()
+        raw = getattr(sys.stdin, "buffer", None)  # bytes: a bad one is reported by the tokenizer, whatever the locale
+        text = raw.read().decode("utf-8", "surrogateescape") if raw is not None else sys.stdin.read()
         if not text.strip():
             raise UserError("stdin is empty; pipe a prompt in or pass it as an argument")
         text = text.strip("\n")  # `echo` and files end with a line break: it is not a second line

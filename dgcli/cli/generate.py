@@ -17,6 +17,7 @@ from dgcli.cli import options as o
 from dgcli.cli.console import (THINKING_NOTE, Progress, init_canvas_note, loading, note_answers, print_answer,
                                read_prompt, run_one, show_config as print_config, warn)
 from dgcli.errors import UserError
+from dgcli.runtime.determinism import Recorder
 
 FORMATS = ("text", "json", "ndjson")
 EXAMPLES = ['dgemma generate "Sort: 5 9 8 6 9 0 9 2"',
@@ -46,6 +47,9 @@ def generate(
     cuda_graphs: o.CudaGraphs = None,
     no_prefix_caching: o.NoPrefixCaching = False,
     ray: o.Ray = None, ray_workers: o.RayWorkers = None, ray_gpus: o.RayGpus = None,
+    check_determinism: Annotated[bool, typer.Option("--check-determinism", help=(
+        "Then run the prompts twice more (as before, and batched the other way: alone, or beside a batch-mate) "
+        "and check that every step decides the same; exit 1 at the first difference."))] = False,
 ) -> None:
     """Generate text for a prompt (argument, stdin or JSONL).
 
@@ -69,6 +73,8 @@ def generate(
         raise UserError("--batch-size batches the rows of --input-jsonl; give --input-jsonl FILE, or drop --batch-size")
     if trace and input_jsonl is not None:
         raise UserError("--trace records one generation; run one prompt, or drop --trace for --input-jsonl")
+    if check_determinism and ray is not None:
+        raise UserError("--check-determinism runs here, not on a cluster: drop --ray")
     if ray is not None and input_jsonl is None:
         raise UserError("--ray spreads the rows of --input-jsonl over a cluster; give --input-jsonl FILE, or drop --ray")
     from dgcli.cluster import check_flags  # torch-free
@@ -108,7 +114,7 @@ def generate(
 
         requests = batch.parse_rows(session, rows, input_jsonl, raw=raw, thinking=thinking, init_flag=given)
         _run_file(session, rows, requests, batch_size=batch_size, fmt=fmt, raw=raw, show_thinking=show_thinking,
-                  pool=pool)
+                  pool=pool, check=check_determinism)
         return
     canvas = fill_canvas(session, given, session.params.seed) if given is not None else None
     progress = Progress(sys.stderr.isatty() and fmt != "ndjson", compiling=session.compiled)
@@ -118,15 +124,36 @@ def generate(
             if fmt == "ndjson" and not isinstance(event, Done):  # the result line replaces `done`
                 sys.stdout.write(json.dumps(event.to_record(), separators=(",", ":")) + "\n")
 
+        recorder = Recorder(on_event) if check_determinism else None  # keeps every step's decisions on the host
         response = run_one(session, text, raw=raw, thinking=thinking, show_thinking=show_thinking, trace=trace,
-                           init_canvas=canvas, on_event=on_event)
+                           init_canvas=canvas, on_event=recorder or on_event)
         _write(response, response.as_dict(session.resolved.as_dict()), fmt)
     finally:
         progress.stop()
     note_answers(session, [response], raw=raw)
+    if check_determinism:
+        from dgcli.cli.batch import Request
+
+        _check(session, [Request(response.prompt_ids, session.params.seed, canvas)], recorder.records, 1)
 
 
-def _run_file(session, rows, requests, *, batch_size, fmt, raw, show_thinking, pool=None) -> None:
+def _check(session, requests, reference, batch_size) -> None:
+    """--check-determinism: the requests again (dgcli.runtime.determinism); the outcome on stderr, exit 1 if
+    a decision differs."""
+    from dgcli.runtime.determinism import DECISIONS, check
+
+    with loading("checking determinism…"):
+        out = check(session, requests, reference, batch_size)
+    runs = f"{len(out.runs)} more runs ({'; '.join(out.runs)})"
+    if out.difference is not None:
+        warn(f"dgemma: determinism: FAILED in {runs}: {out.difference}")
+        raise SystemExit(1)
+    bits = "equal bits" if out.entropy_gap == 0 else f"within {out.entropy_gap:.2g} (not bit for bit)"
+    warn(f"dgemma: determinism: the same in {runs}: every step's {', '.join(DECISIONS)}, stop and answer; "
+         f"entropies {bits}")
+
+
+def _run_file(session, rows, requests, *, batch_size, fmt, raw, show_thinking, pool=None, check=False) -> None:
     """--input-jsonl: the checked rows through the batched loop, results in input order; the notes once."""
     from dgcli.cli import batch
     from dgcli.sampling.events import Done
@@ -142,6 +169,8 @@ def _run_file(session, rows, requests, *, batch_size, fmt, raw, show_thinking, p
     def write(index, response) -> None:
         _write(response, batch.json_result(index, rows[index], response, settings), fmt)
 
+    recorder = Recorder(on_event) if check else None
+
     try:
         if pool is not None:  # --ray: the workers' events come back only for ndjson (the progress is the pool's)
             from dgcli.cluster import jobs
@@ -150,12 +179,14 @@ def _run_file(session, rows, requests, *, batch_size, fmt, raw, show_thinking, p
                                       on_event=on_event if fmt == "ndjson" else None, write=write)
         else:
             responses = batch.run_rows(session, requests, batch_size=batch_size, show_thinking=show_thinking,
-                                       on_event=on_event, write=write)
+                                       on_event=recorder or on_event, write=write)
     finally:
         progress.stop()
         if pool is not None:
             pool.close()
     note_answers(session, responses, raw=raw)
+    if check:
+        _check(session, requests, recorder.records, batch_size)
 
 
 def _write(response, result: dict, fmt: str) -> None:

@@ -21,6 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from dgcli.errors import UserError
+from dgcli.text.prompts import not_unicode
 
 # Attribute name -> token string; ids always come from the checkpoint's vocab (never hard-coded).
 SPECIAL_TOKENS: dict[str, str] = {
@@ -123,12 +124,14 @@ class ChatTokenizer:
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of `text` with no special tokens added (special token strings still match)."""
+        _check_unicode(text, "the text")  # entry points check first and name the field; this is the backstop
         # encode_batch releases the GIL while it runs (encode holds it throughout): a server thread
         # tokenizing a long prompt leaves the event loop serving. The ids are encode's.
         return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
     def encode_prompt(self, prompt: str, *, raw: bool = False, thinking: bool = False) -> list[int]:
         """Prompt ids: a chat-templated user turn + generation prompt, or `raw` text; one BOS either way."""
+        _check_unicode(prompt, "the prompt")  # before the template, so the position is the prompt's own
         if not raw:
             prompt = self.render_chat([{"role": "user", "content": prompt}], thinking=thinking)
         return self._with_one_bos(self.encode_text(prompt))
@@ -259,6 +262,15 @@ class ChatTokenizer:
             token = self.tokenizer.id_to_token(int(i))
             pieces.append("\ufffd" if token is None else self.tokenizer.decoder.decode([token]))
         return pieces
+
+
+def _check_unicode(text: str, what: str) -> None:
+    # The tokenizer takes only Unicode text: a lone surrogate (a JSON \ud800, or a byte of argv or stdin
+    # that is not UTF-8) would end in its TypeError, which names neither the problem nor the fix.
+    problem = not_unicode(text)
+    if problem:
+        raise UserError(f"{what} is not valid UTF-8 ({problem}); pass UTF-8 text (check the encoding of the "
+                        "terminal or file)")
 
 
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
