@@ -65,6 +65,7 @@ def bench(
     weights: Annotated[str, typer.Option("--weights", metavar="FORMAT", help="With --dummy: bf16 | fp8 (e4m3 attention, MLP and expert matrices with per-channel scales, as an FP8-dynamic checkpoint) | q4_k | q8_0 (GGML blocks as a Q4_K_M / Q8_0 GGUF holds them, kept quantized; CPU). A checkpoint runs in its own format.")] = "bf16",
     fp8_activations: Annotated[bool, typer.Option("--fp8-activations", help="FP8 weights: quantize activations per token to e4m3 (vLLM's FP8-dynamic semantics) instead of dequantizing the weights (weight-only, the default); the row's fp8_semantics says which ran.")] = False,
     ray: o.Ray = None, ray_workers: o.RayWorkers = None, ray_gpus: o.RayGpus = None,
+    show_config: o.ShowConfig = False,
 ) -> None:
     """Benchmark one sampler setting: labelled figures, roofline.
 
@@ -76,6 +77,8 @@ def bench(
         raise UserError(f"--format {fmt}: use one of {', '.join(FORMATS)}")
     if base_url is not None and ray is not None:
         raise UserError("--base-url measures a running server; --ray runs the model on a Ray cluster: give one of them")
+    if base_url is not None and show_config:
+        raise UserError("--show-config prints a local run's settings; with --base-url the server's apply: drop one")
     if base_url is not None:
         fields = {"steps": steps, "t_min": t_min, "t_max": t_max, "entropy_bound": entropy_bound,
                   "stability": stability_threshold, "confidence": confidence_threshold, "blocks": blocks, "seed": seed,
@@ -106,9 +109,6 @@ def bench(
     from dgcli.measure import bench as b
     from dgcli.measure import brief, metrics
     from dgcli.measure import printers as report
-
-    if save_result or result_dir is not None or result_filename is not None:
-        report.check_result_place(result_dir, result_filename)
     from dgcli.measure.quality import bench_quality
     from dgcli.measure.workload import build_prompts
     from dgcli.runtime.session import open_any
@@ -116,6 +116,12 @@ def bench(
     flags = o.sampler_flags(steps=steps, t_min=t_min, t_max=t_max, entropy_bound=entropy_bound,
                             stability=stability_threshold, confidence=confidence_threshold, seed=seed,
                             blocks=blocks, device=device, dtype=dtype, max_tokens=max_tokens)
+    if show_config:
+        from dgcli.cli.console import show_config as print_config
+
+        return print_config(model, preset, flags, "text" if fmt in ("md", "csv") else "json", dummy, layers)
+    if save_result or result_dir is not None or result_filename is not None:
+        report.check_result_place(result_dir, result_filename)
     baseline = b.PeakMemory.maxrss()  # before the model exists, for the CPU peak-memory figure
     from dgcli.cluster import check_flags  # torch-free
 

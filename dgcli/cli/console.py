@@ -217,13 +217,14 @@ def note_answers(session: Any, responses: list[Any], *, raw: bool = False) -> No
         warn(msg)
 
 
-def show_config(model: str | None, preset: str | None, flags: dict, fmt: str) -> None:
+def show_config(model: str | None, preset: str | None, flags: dict, fmt: str, dummy: str | None = None,
+                layers: int | None = None) -> None:
     """`--show-config`: the resolved settings, where each came from, and the block count a run will use."""
     import json
 
     from dgcli.runtime.session import resolve_for
 
-    path, cfg, _, resolved = resolve_for(model, preset, flags)
+    path, cfg, _, resolved = resolve_for(model, preset, flags, dummy, layers)
     if fmt == "text":
         sys.stdout.write(f"model: {path}\n{resolved.describe(cfg.canvas_length)}\n")
     else:  # json and ndjson: one machine-readable line, like every other output of those formats

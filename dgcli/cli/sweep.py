@@ -13,6 +13,7 @@ another never collides with an earlier file.
 
 from __future__ import annotations
 
+import itertools
 import sys
 from typing import Annotated, Optional
 
@@ -93,6 +94,7 @@ def sweep(
     seed_list = sw.parse_seeds(seeds)
     if plot:
         sw.check_plot_path(plot)
+        _check_writable("--plot", plot, "frontier.svg")
     meta = report.parse_metadata(metadata)
     single = {k: v[0] for k, v in axes.items() if len(v) == 1}
     if len(axes.get("max_blocks", [])) > 1 and min(axes["max_blocks"]) > 0:
@@ -106,14 +108,19 @@ def sweep(
                             max_tokens=max_tokens)
     fresh = output is None  # the file is named per run: a dry run only says so
     output = _row_file(output, resume)
+    _check_writable("--output", output, "sweep.jsonl", appends=True)  # now, not after the first cell
     store = sw.RowStore(output)
     if store.path.exists() and store.path.stat().st_size and not (resume or dry_run):
         raise UserError(f"--output {output} exists: add --resume to continue it, or choose another --output")
 
     if dry_run:
         where = "a new sweep-YYYYmmdd-HHMMSS.jsonl (named when the sweep starts)" if fresh else str(store.path)
-        _print_plan(model, dummy, layers, preset, flags, axes, seed_list, store, resume, where)
+        resolve, name, canvas = _resolver(model, dummy, layers, preset)
+        flags = _base_flags(resolve, flags, axes)
+        _print_plan(resolve(flags), name, canvas, axes, seed_list, store, resume, where)
         return
+    if any(len(axes.get(k, [])) > 1 for k in ("t_min", "t_max")):  # before loading: see _base_flags
+        flags = _base_flags(_resolver(model, dummy, layers, preset)[0], flags, axes)
 
     baseline = b.PeakMemory.maxrss()  # before the model exists, for the CPU peak-memory figure
     pool = None
@@ -227,21 +234,64 @@ def _budget_note(rows: list[dict], cells: list) -> None:
              f"up to {worst:.2f}); raise it with --max-tokens or --blocks")
 
 
-def _print_plan(model, dummy, layers, preset, flags, axes, seeds, store, resume, where) -> None:
+def _check_writable(flag: str, path: str, example: str, *, appends: bool = False) -> None:
+    """Before any work: `path` can be written (its folder exists and takes files; a file appended to takes
+    writes), so a long sweep never ends unsaved. A folder given as the file is refused as such."""
+    import os
+    from pathlib import Path
+
+    p = Path(path)
+    if p.is_dir():
+        raise UserError(f"{flag} {path}: is a directory; give a file name, e.g. {flag} {p / example}")
+    if not p.parent.is_dir():
+        raise UserError(f"{flag} {path}: no folder {p.parent}; create it (mkdir -p {p.parent}) or choose another {flag}")
+    if not os.access(p.parent, os.W_OK | os.X_OK) or (appends and p.exists() and not os.access(p, os.W_OK)):
+        raise UserError(f"{flag} {path}: cannot write there (permission denied); choose a writable {flag}")
+
+
+def _resolver(model, dummy, layers, preset):
+    """(flags -> the resolved settings, the model's name, its canvas length), from the config files alone."""
+    from dgcli.runtime.session import settings_source
+    from dgcli.runtime.settings import resolve
+
+    path, cfg, gen, forced = settings_source(model, dummy, layers)
+    return lambda flags: resolve(gen, preset, {**flags, **forced}), getattr(path, "name", path), cfg.canvas_length
+
+
+def _base_flags(resolve, flags: dict, axes: dict) -> dict:
+    """The flags the session opens with, once some cell is possible. A single --t-min (or --t-max) beside a
+    swept --t-max (--t-min) need not fit the checkpoint's value of the swept one, which no cell uses: then
+    the first possible pair of swept values joins the flags (each cell sets its own). No possible pair, or a
+    value no pair fixes: one error line."""
+    from dgcli.sampling.params import SettingsError
+
+    pair = [k for k in ("t_min", "t_max") if len(axes.get(k, [])) > 1]
+    try:
+        resolve(flags)
+        if not pair:
+            return flags
+        base = flags  # the checkpoint's values of the swept axes stay the base (agreement's reference)
+    except SettingsError as e:
+        if not pair or set(e.keys) != {"t_min", "t_max"}:  # not the pair's rule: no cell fixes it
+            raise
+        base = None
+    first = None
+    for combo in itertools.product(*(axes[k] for k in pair)):
+        tried = dict(flags, **dict(zip(pair, combo)))
+        try:
+            resolve(tried)
+            return tried if base is None else base
+        except SettingsError as e:
+            if set(e.keys) != {"t_min", "t_max"}:
+                raise
+            first = first or e
+    raise UserError(f"no cell of the grid is possible: {first}") from None
+
+
+def _print_plan(resolved, name, canvas, axes, seeds, store, resume, where) -> None:
     from dgcli.measure import sweep as sw
-    from dgcli.model.random_weights import dummy_config
-    from dgcli.runtime.session import resolve_for
-    from dgcli.runtime.settings import blocks_for, resolve
+    from dgcli.runtime.settings import blocks_for
 
-    if dummy is not None:
-        raw, gen, name = dummy_config(dummy, layers)
-        resolved = resolve(gen, preset, dict(flags, confidence_threshold=0.0))
-        from dgcli.model.config import parse_config
-
-        canvas = parse_config(raw).canvas_length
-    else:
-        path, cfg, _, resolved = resolve_for(model, preset, flags)
-        name, canvas = path.name, cfg.canvas_length
     cells, skipped = sw.plan(resolved.params, axes)
     done = {r.get("cell_key") for r in store.load()} if resume else set()
     print(f"plan: {len(cells)} cell(s) x {len(seeds)} seed(s) {seeds} on {name}; rows go to {where}")

@@ -1,9 +1,10 @@
 """Sweeps over sampler settings: the grid, the resumable row file, quality, the Pareto frontier, the plot.
 
 Owns: turning axis specs (`8,16,32`, `a-b+step`) into cells (the Cartesian product of the sampler axes and
---batch-size, impossible cells set aside with the reason), each cell's key, the sweep's fingerprint (what must match for --resume to continue
-a file), the JSONL store (one row per finished cell, appended with a single write + fsync; a torn last
-line from a kill is dropped on resume), exact-match and agreement quality, the speed-quality Pareto
+--batch-size; a value impossible on its own refused, impossible combinations set aside with the reason),
+each cell's key, the sweep's fingerprint (what must match for --resume to continue a file), the JSONL
+store (one row per finished cell, appended with a single write + fsync; a torn last line from a kill is
+dropped on resume), exact-match and agreement quality, the speed-quality Pareto
 frontier and its SVG (or PNG, with matplotlib) plot, and running one cell (every seed x run x prompt
 through `dgcli.measure.bench.measure`, the request API) or the reference outputs agreement needs.
 Must not: print (dgcli.cli.sweep does), time requests itself (dgcli.measure.bench does), or contain a
@@ -53,7 +54,22 @@ def parse_axes(specs: dict[str, str | None]) -> dict[str, list]:
             out[key] = parse_grid_values(str(spec), AXES[key])
         except UserError as e:
             raise UserError(f"{CLI_FLAG[key]}: {e}") from None
+        for value in out[key]:
+            _check_alone(key, value, f"{CLI_FLAG[key]} {spec}")
     return out
+
+
+def _check_alone(key: str, value: Any, given: str) -> None:
+    """A value that no other setting makes possible (0 steps, a negative bound, one over its limit) is an
+    error, as when given alone; only combinations (t_min >= t_max) are cells that `plan` skips."""
+    try:
+        DiffusionEbParams().replace(**{key: value})
+    except SettingsError as e:
+        if set(e.keys) != {"t_min", "t_max"}:
+            raise UserError(f"{given}: {e}") from None
+        if key == "t_max" and value <= 0:  # t_min >= 0 must be below it: no cell could take this value
+            raise UserError(f"{given}: t_max={value}: must be above 0 (t_min, at least 0, is below it); "
+                            f"set t_max (--t-max) to e.g. {DiffusionEbParams.t_max} (the default)") from None
 
 
 def parse_seeds(spec: str) -> list[int]:
@@ -114,7 +130,6 @@ def fresh_row_file(directory: str | Path = ".", now: float | None = None) -> Pat
         n += 1
         path = Path(directory) / f"{stem}-{n}.jsonl"
     return path
-
 
 
 class RowStore:
@@ -268,7 +283,7 @@ def svg_plot(rows: list[dict], front: list[dict], x: str, y: str, *, title: str,
 
 
 def check_plot_path(path: str | Path) -> None:
-    """Before any work: the plot's format must be one we can write."""
+    """Before any work: the plot's format must be one we can write (its folder: dgcli.cli.sweep checks)."""
     suffix = Path(path).suffix.lower()
     if suffix not in (".svg", ".png"):
         raise UserError(f"--plot {path}: use a .svg or .png file name")

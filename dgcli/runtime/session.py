@@ -143,12 +143,25 @@ def check_cuda_graphs(cuda_graphs: bool | None, device: torch.device, compile: b
     return "graphs"
 
 
-def resolve_for(model: str | None, preset: str | None, flags: dict) -> tuple[Path, ModelConfig, dict | None, Resolved]:
-    """Settings without loading weights (for --show-config and plans)."""
+def settings_source(model: str | None, dummy: str | None = None,
+                    layers: int | None = None) -> tuple[Path | str, ModelConfig, dict | None, dict]:
+    """Without loading weights: the checkpoint's path (or a `--dummy` config's name), its config, its generation
+    config and the flags a run of it forces (dummy weights: fixed work, as `open_dummy_session` runs them)."""
+    if dummy is not None:
+        from dgcli.model.random_weights import dummy_config
+
+        raw, gen, name = dummy_config(dummy, layers)
+        return (name if name.lower().startswith("dummy") else f"dummy {name}"), parse_config(raw), gen, \
+            {"confidence_threshold": 0.0}
     path = Path(model) if model else default_model_path()
-    cfg = load_config(path, flag="--model" if model else None, file_ok=False)
-    gen = load_generation_config(path)
-    return path, cfg, gen, resolve(gen, preset, flags)
+    return path, load_config(path, flag="--model" if model else None, file_ok=False), load_generation_config(path), {}
+
+
+def resolve_for(model: str | None, preset: str | None, flags: dict, dummy: str | None = None,
+                layers: int | None = None) -> tuple[Path | str, ModelConfig, dict | None, Resolved]:
+    """Settings without loading weights (for --show-config and plans): `settings_source`'s, resolved."""
+    path, cfg, gen, forced = settings_source(model, dummy, layers)
+    return path, cfg, gen, resolve(gen, preset, {**flags, **forced})
 
 
 def _session(path: Path, m: Any, tokenizer: Any, resolved: Resolved, gen: dict | None, device: torch.device, *,

@@ -125,6 +125,20 @@ def test_info_two_different_models_is_one_line(cli_ckpt, tmp_path):
     one_line_error(invoke("info", "-m", str(cli_ckpt), "--dummy", "26B-A4B", "--no-measure-peaks"), "--dummy")
 
 
+def test_bench_show_config_resolves_without_loading(cli_ckpt, monkeypatch):
+    """bench takes --preset and the sampler flags, so --show-config shows what they resolve to (a --dummy config
+    as its session runs it: fixed work), without loading anything."""
+    from dgcli.runtime import session
+
+    forbid(monkeypatch, ((session, "open_any"),), "bench --show-config loaded the model")
+    r = invoke("bench", "-m", str(cli_ckpt), "--diffusion-steps", "8", "--show-config")
+    assert r.exit_code == 0 and "max_denoising_steps   8       flag" in r.stdout, r.output
+    r = invoke("bench", "--dummy", "26B-A4B", "--layers", "2", "--show-config", "--format", "json")
+    doc = json.loads(r.stdout)
+    assert doc["model"].startswith("dummy diffusiongemma-26B-A4B") and doc["params"]["confidence_threshold"] == 0.0
+    one_line_error(invoke("bench", "--show-config", "--base-url", "http://127.0.0.1:9/v1"), "--show-config", "drop one")
+
+
 def test_info_takes_the_dtypes_the_other_commands_take(cli_ckpt):
     """--dtype float16 is refused as generate refuses it (a float16 checkpoint's own dtype is still described)."""
     one_line_error(invoke("info", "-m", str(cli_ckpt), "--dtype", "float16", "--no-measure-peaks"),

@@ -278,3 +278,109 @@ def test_two_sweeps_in_a_row_without_output_do_not_collide(ckpt, tmp_path, monke
     assert isinstance(r.exception, UserError) and "add --resume" in str(r.exception)
     assert "rows go to a new sweep-" in cli(*args, "--dry-run").stdout  # named when a run starts: none made
     assert sorted(p.name for p in tmp_path.glob("sweep-*.jsonl")) == files
+
+
+# ---- checks before any measuring: the plot's and the row file's places, each cell's own settings --------
+
+
+@pytest.fixture
+def nothing_opened(monkeypatch):
+    """Opening the model fails the test: the checks must come before any measuring."""
+    from cli_run import forbid
+    from dgcli.runtime import session
+
+    forbid(monkeypatch, ((session, "open_any"),), "the model was opened before the sweep's flags were checked")
+
+
+FAST = ["--diffusion-steps", "2,4", "--runs", "1", "--num-prompts", "2", "--warmup", "0", "--no-measure-peaks"]
+
+
+def one_line(r, *words):
+    assert isinstance(r.exception, UserError), (r.output, r.exception)  # main() makes it exit 2
+    msg = str(r.exception)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+    return msg
+
+
+def test_plot_and_output_places_are_checked_before_measuring(ckpt, tmp_path, nothing_opened):
+    from dgcli.cli import app
+
+    def run(*args):
+        return CliRunner().invoke(app, ["sweep", "--model", str(ckpt), *FAST, *args])
+
+    out = tmp_path / "g.jsonl"
+    one_line(run("-o", str(out), "--plot", str(tmp_path / "no" / "f.svg")), "--plot", "mkdir -p")
+    one_line(run("-o", str(tmp_path / "no" / "g.jsonl")), "--output", "no folder", "mkdir -p")
+    for resume in ([], ["--resume"]):  # a folder is said to be one, not "exists: add --resume"
+        msg = one_line(run("-o", str(tmp_path), *resume), "--output", "is a directory")
+        assert "--resume" not in msg
+    one_line(run("-o", str(out), "--plot", str(tmp_path)), "--plot")
+    one_line(run("-o", str(out), "--plot", str(tmp_path), "--dry-run"), "--plot")
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_read_only_folder_is_refused_before_measuring(ckpt, tmp_path, nothing_opened, monkeypatch):
+    from dgcli.cli import app
+
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o555)
+    real = os.access  # root writes anywhere: the folder's answer is made a non-root user's
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p) == str(ro) else real(p, mode, **kw))
+    r = CliRunner().invoke(app, ["sweep", "--model", str(ckpt), *FAST, "-o", str(ro / "g.jsonl")])
+    one_line(r, "--output", "cannot write")
+
+
+@pytest.mark.parametrize("args, swept, fixed", [
+    (["--t-min", "0.9", "--t-max", "1.0,1.2"], "t_max=1.2", "'t_min': 0.9"),
+    (["--t-max", "0.3", "--t-min", "0.1,0.2"], "t_min=0.2", "'t_max': 0.3"),
+])
+def test_single_temperature_beside_a_swept_one_is_checked_per_cell(ckpt, args, swept, fixed):
+    r = cli("--model", str(ckpt), *args, "--dry-run")
+    assert "plan: 2 cell(s)" in r.stdout and swept in r.stdout and fixed in r.stdout and "skipped" not in r.stdout
+
+
+def test_the_session_opens_with_a_possible_pair(ckpt, tmp_path, monkeypatch):
+    from dgcli.cli import app
+    from dgcli.runtime import session
+
+    seen = []
+
+    def opened(model, dummy, layers, preset, flags, **kw):
+        seen.append(flags)
+        raise UserError("stop here")
+
+    monkeypatch.setattr(session, "open_any", opened)
+    r = CliRunner().invoke(app, ["sweep", "--model", str(ckpt), "--t-min", "0.9", "--t-max", "0.5,1.0,1.2",
+                                 "-o", str(tmp_path / "g.jsonl")])
+    assert str(r.exception) == "stop here" and (seen[0]["t_min"], seen[0]["t_max"]) == (0.9, 1.0)
+    r = CliRunner().invoke(app, ["sweep", "--model", str(ckpt), "--t-min", "0.5,0.9", "-o", str(tmp_path / "g.jsonl")])
+    assert seen[1]["t_min"] is None  # a base that resolves as given stays as given (agreement's reference)
+
+
+def test_a_grid_with_no_possible_cell_is_one_error(ckpt, nothing_opened):
+    from dgcli.cli import app
+
+    for args in (["--t-min", "0.9", "--t-max", "0.5,0.7"], ["--t-min", "0.85,0.9"]):
+        for dry in ([], ["--dry-run"]):
+            r = CliRunner().invoke(app, ["sweep", "--model", str(ckpt), *args, *dry])
+            one_line(r, "no cell of the grid is possible", "t_max")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--diffusion-steps", "0,2"], ["--diffusion-steps 0,2", "max_denoising_steps=0"]),
+    (["--diffusion-steps", "4,5000"], ["--diffusion-steps", "5000"]),
+    (["--t-min", "-1,0.2"], ["--t-min", "t_min=-1"]),
+    (["--t-max", "0,0.5"], ["--t-max", "t_max=0"]),
+    (["--entropy-bound", "0.1,-0.1"], ["--entropy-bound", "-0.1"]),
+    (["--stability-threshold", "1,300"], ["--stability-threshold", "300"]),
+    (["--blocks", "-1,2"], ["--blocks", "-1"]),
+])
+def test_a_value_impossible_on_its_own_is_an_error_not_a_skipped_cell(ckpt, tmp_path, nothing_opened, args, words):
+    from dgcli.cli import app
+
+    out = tmp_path / "g.jsonl"
+    for dry in ([], ["--dry-run"]):
+        one_line(CliRunner().invoke(app, ["sweep", "--model", str(ckpt), *args, "-o", str(out), *dry]), *words)
+    assert not out.exists()
+    # a value only impossible together with another stays a cell of its own, skipped where it clashes
+    assert sw.parse_axes({"t_min": "0.2,0.9", "t_max": "0.5"}) == {"t_min": [0.2, 0.9], "t_max": [0.5]}
