@@ -95,8 +95,8 @@ def check(session: Any, requests: list[Any], reference: dict[int, Record], batch
     plans = [(f"again at batch size {batch_size}", requests, batch_size, range(n))]  # (name, requests, slots, where)
     if batch_size > 1:
         plans.append(("each alone", requests, 1, range(n)))
-    else:  # beside a batch-mate: each prompt once more with another seed, so every pass holds two rows
-        mates = [type(r)(r.prompt_ids, r.seed + 1, None) for r in requests]
+    else:  # beside a batch-mate: each prompt once more with another seed (in range), so every pass holds two rows
+        mates = [type(r)(r.prompt_ids, r.seed ^ 1, None) for r in requests]
         pairs = [x for pair in zip(requests, mates) for x in pair]
         plans.append(("each beside a batch-mate (batch size 2)", pairs, 2, range(0, 2 * n, 2)))
     gap = 0.0
