@@ -4,7 +4,8 @@ Owns: the routes (`/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/hea
 `/web/*`, the static files of dgcli/data/web, which need no key: the page's own API calls send it), the API
 key check, admission (a body over 8 MiB answers 413 unread, a full queue 429 at once, a server shutting
 down 503), SSE streaming, and cancelling a request whose client went away (streaming: Starlette cancels the
-response when the client disconnects; non-streaming: the handler watches the connection while it waits).
+response when the client disconnects; non-streaming: the handler watches the connection while it waits; a
+client gone before its body was read counts as 499 too, quietly).
 The event loop never does a request's CPU work: JSON, the chat template and the tokenizer run in a small
 thread pool under a time limit. Every error is OpenAI's error object. Must not: touch the engine (the
 worker's thread owns it) or parse request fields (protocol.py does).
@@ -13,16 +14,18 @@ worker's thread owns it) or parse request fields (protocol.py does).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from importlib.resources import files
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
@@ -57,6 +60,12 @@ def _error(e: ApiError, state: State) -> JSONResponse:
     state.metrics.count(e.status)
     headers = {"Retry-After": "1"} if e.status in (429, 503) else None  # clients back off, then retry
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+def _gone(state: State) -> Response:
+    """The answer to a client that went away (never read)."""
+    state.metrics.count(499)  # nginx's "client closed request"
+    return Response(status_code=499)
 
 
 def _authorized(request: Request, state: State) -> bool:
@@ -125,6 +134,8 @@ async def complete(request: Request, chat: bool) -> Response:
                            "retry later", code="queue_full")
     except ApiError as e:
         return _error(e, state)
+    except ClientDisconnect:  # gone while sending its body (a slow or dropped client): nobody to answer
+        return _gone(state)
     loop = asyncio.get_running_loop()
     output = Output(state.ctx.tokenizer, stop_strings=spec.stop, max_tokens=spec.max_tokens)
     job = Job(spec, output, loop, asyncio.Queue())
@@ -145,9 +156,8 @@ async def _whole(request: Request, job: Job, state: State) -> Response:
             message = await asyncio.wait_for(job.queue.get(), timeout=0.5)
         except asyncio.TimeoutError:
             if await request.is_disconnected():
-                state.metrics.count(499)  # nginx's "client closed request"
                 state.worker.cancel(job)
-                return Response(status_code=499)
+                return _gone(state)
             continue
         except asyncio.CancelledError:  # the server stopped waiting for this request (shutdown timeout)
             state.worker.cancel(job)
@@ -253,7 +263,38 @@ async def _crash(request: Request, exc: Exception) -> Response:
     return _error(ApiError(500, f"internal error ({type(exc).__name__}); see the server log"), state)
 
 
-def build_app(state: State) -> Starlette:
+def _quiet_when_stopped(app: Starlette, state: State) -> Any:
+    """`app` as uvicorn runs it. A request still running when the server is stopped hard (a second Ctrl-C, a
+    client that stops reading past the shutdown timeout) is cancelled; uvicorn would log a traceback and send
+    text/plain 500. Here it gets the 503 error object (a stream: the error object and [DONE]), quietly."""
+
+    async def guarded(scope: dict, receive: Any, send: Any) -> None:
+        sent: dict = {}  # the response's start message, once sent
+
+        async def send_and_note(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                sent.update(message)
+            await send(message)
+
+        try:
+            await app(scope, receive, send_and_note)
+        except asyncio.CancelledError:
+            if not state.closing or scope["type"] != "http":
+                raise
+            error = ApiError(503, SHUTTING_DOWN)
+            stream = any(k == b"content-type" and v.startswith(b"text/event-stream")
+                         for k, v in sent.get("headers", ()))
+            with contextlib.suppress(Exception):  # a client that stopped reading gets nothing more
+                if not sent:
+                    await asyncio.wait_for(_error(error, state)(scope, receive, send), 0.5)
+                elif stream:
+                    tail = _sse(error.body()) + b"data: [DONE]\n\n"
+                    await asyncio.wait_for(send({"type": "http.response.body", "body": tail, "more_body": False}), 0.5)
+
+    return guarded
+
+
+def build_app(state: State) -> Any:
     routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
@@ -263,4 +304,4 @@ def build_app(state: State) -> Starlette:
               Mount("/web", StaticFiles(directory=str(WEB)), name="web")]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _crash})
     app.state.dgemma = state
-    return app
+    return _quiet_when_stopped(app, state)

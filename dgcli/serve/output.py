@@ -16,7 +16,10 @@ Rules, decided here:
 * Stop strings (OpenAI `stop`) apply to the content: the first match ends the answer, the match and
   what follows are dropped, finish reason "stop".
 * `max_tokens` cuts the answer ids (as `request.cut` does for the CLI); reaching it ends the request,
-  finish reason "length".
+  finish reason "length", also when a stop id follows in the same block past the cut (the cut came first).
+* `completion_tokens` counts the ids of the text returned: after a stop string, the ids up to the last one
+  any of whose text is returned (a token the match starts inside counts whole; the match and what
+  follows do not count).
 Must not: touch the engine, torch or the network.
 """
 
@@ -35,6 +38,7 @@ class Output:
         self.sent_reasoning = ""
         self.sent_content = ""
         self.finish_reason: str | None = None  # set once the answer has ended
+        self.returned: int | None = None  # ids behind the returned text, once a stop string has cut it
         # A trailing run of these may still decode differently: byte tokens join the bytes after them, and
         # skipped specials let bytes on either side join (the channel markers are handled on their own).
         self.pending = (tokenizer.byte_ids | tokenizer.special_ids) - {tokenizer.channel_start_id,
@@ -42,7 +46,7 @@ class Output:
 
     @property
     def completion_tokens(self) -> int:
-        return len(self._cut())
+        return len(self._cut()) if self.returned is None else self.returned
 
     def _cut(self) -> list[int]:
         return self.ids if self.max_tokens is None else self.ids[: self.max_tokens]
@@ -53,9 +57,10 @@ class Output:
         if self.finish_reason is not None:
             return "", ""
         self.ids += list(tokens if stop_index is None else tokens[:stop_index])
-        if stop_index is not None:
-            self.finish_reason = "stop"
-        elif self.max_tokens is not None and len(self.ids) >= self.max_tokens:
+        full = self.max_tokens is not None and len(self.ids) >= self.max_tokens
+        if stop_index is not None:  # a stop id past the cut was never reached (the CLI's `request.cut` agrees)
+            self.finish_reason = "length" if full and len(self.ids) > self.max_tokens else "stop"
+        elif full:
             self.finish_reason = "length"
         return self._advance(final=self.finish_reason is not None)
 
@@ -83,10 +88,26 @@ class Output:
         if hits:
             content = content[: min(hits)]
             self.finish_reason = "stop"
+            self.returned = self._ids_for(reasoning, content)
             final = True
         if not final:
             content = content[: len(content) - self._held(content)]
         return self._delta(reasoning, content)
+
+    def _ids_for(self, reasoning: str, content: str) -> int:
+        """The fewest leading answer ids whose text still holds `reasoning` and `content` whole (the text of a
+        prefix grows with it, so a bisection: a few decodes, not one per id past the stop string)."""
+        ids = self._cut()
+
+        def holds(n: int) -> bool:
+            r, c = self.tok.split_thinking(ids[:n], stop_ids=())
+            return r == reasoning and c.startswith(content)
+
+        lo, hi = 0, len(ids)  # holds(hi); find the least n that holds
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if holds(mid) else (mid + 1, hi)
+        return hi
 
     def _held(self, content: str) -> int:
         """How many trailing characters may still turn into a stop string."""

@@ -3,7 +3,8 @@ objects and stream chunks out (OpenAI's error object: serve/errors.py).
 
 Decisions:
 * Fields that do not apply to the entropy-bound sampler (`temperature`, `top_p`, penalties, logprobs,
-  tools...) are rejected with 400 naming the field and what to use instead, unless null (or false).
+  tools...) are rejected with 400 naming the field and what to use instead, unless null or false (0 is
+  a value: `temperature: 0` is refused).
 * The sampler's settings are extra body fields with the preset key names, checked by the one validator
   (`DiffusionEbParams`): the server's settings (checkpoint < preset < `serve` flags) are the base a request
   changes. OpenAI's `seed` is the sampler's seed.
@@ -13,8 +14,8 @@ Decisions:
   (vLLM's name) runs every block whatever the model says, for fixed-length benchmarks.
 * Draft events (`stream_options.include_drafts`) are chunks with an empty `choices` list (as the usage
   chunk has) and a `dgemma_draft` object, so a standard client reads no text from them.
-* Types are strict (`stream: 0` is no boolean), and text is checked before it is tokenized: a lone
-  surrogate is refused, as is a prompt with more characters than the context could hold (`max_chars`).
+* Types are strict (`stream: 0` is no boolean, `"8"` no number, 8.0 no step count), and text is checked
+  before it is tokenized: a lone surrogate is refused, as is a prompt too long for the context (`max_chars`).
 * Every field that sizes work has an upper bound (`sampling/params.py: LIMITS`: steps, stability history,
   blocks, max_tokens, messages, stop strings), and a token-id prompt's length is checked against the
   context before its ids are: no one request can wedge the server.
@@ -22,8 +23,9 @@ Must not: touch the engine, the network or torch.
 
 OpenAI fields read: `model` (optional; another name is 404), `messages` (text content; roles system,
 developer, user, assistant) or `prompt` (completions: a string or token ids, no chat template),
-`max_tokens` / `max_completion_tokens` (the answer's cut; with `max_blocks` unset it also sets the block
-count), `seed`, `stream`, `stream_options.include_usage`, `stop` (strings, matched in the content), `n` (1).
+`max_tokens` / `max_completion_tokens` (the answer's cut, either or both if equal; with `max_blocks` unset it
+also sets the block count), `seed`, `stream`, `stream_options.include_usage`, `stop` (strings, matched in the
+content), `n` (1).
 The thought channel comes back as `reasoning_content` (in `message`, or in `delta` when streaming).
 A stream (SSE, OpenAI's chunk shape): a first chunk with the role, one chunk per committed block with its new
 text in `delta.content` (append-only; serve/output.py says what waits for the next block), a last chunk with
@@ -41,6 +43,7 @@ context: code `context_length_exceeded`), 401 wrong or missing key, 404 unknown 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 import uuid
@@ -50,7 +53,7 @@ from typing import Any
 
 from dgcli.errors import UserError
 from dgcli.runtime.settings import PARAM_KEYS, blocks_for
-from dgcli.sampling.params import LIMITS, SettingsError, over_limit, suggest
+from dgcli.sampling.params import LIMITS, SettingsError, coerce, over_limit, suggest
 from dgcli.serve.errors import ApiError
 
 SAMPLER_KEYS = tuple(k for k in PARAM_KEYS if k != "seed")  # seed is OpenAI's own field
@@ -139,6 +142,25 @@ def _int(body: dict, key: str, low: int, limit: str | None = None) -> int | None
     if too_big:
         raise ApiError(400, too_big, param=key)
     return v
+
+
+def _max_tokens(body: dict) -> int | None:
+    """`max_completion_tokens` (OpenAI's newer name) or `max_tokens`: both checked when both are sent, and
+    refused when they differ (which one wins would be a guess)."""
+    new, old = (_int(body, k, 1, "max_tokens") for k in ("max_completion_tokens", "max_tokens"))
+    if new is not None and old is not None and new != old:
+        raise ApiError(400, f"max_completion_tokens={new} and max_tokens={old} differ: send one of them",
+                       param="max_tokens")
+    return new if new is not None else old
+
+
+def _strict(params: Any, key: str, value: Any) -> Any:
+    """A sampler field as sent, refused unless it has the field's type: JSON has numbers, so "8" is no
+    step count and 8.0 no whole number (the settings' validator is lax, for YAML and flags)."""
+    try:
+        return coerce(type(params), key, value, "", strict=True, current=dataclasses.asdict(params))
+    except SettingsError as e:
+        raise ApiError(400, _flagless(str(e)), param=key) from None
 
 
 def _flag(obj: dict, key: str, default: bool = False, *, inside: str | None = None) -> bool:
@@ -268,7 +290,8 @@ def parse(body: Any, *, chat: bool, ctx: Context) -> Spec:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for key, why in NOT_APPLICABLE.items():
-        if body.get(key) not in (None, False):
+        v = body.get(key)
+        if v is not None and v is not False:  # by identity: 0 and 0.0 equal False, and are values sent
             raise ApiError(400, f"{key} is not supported: {why}", param=key, code="unsupported_parameter")
     known = KNOWN[chat] + SAMPLER_KEYS + tuple(NOT_APPLICABLE)
     for key in body:
@@ -303,9 +326,8 @@ def parse(body: Any, *, chat: bool, ctx: Context) -> Spec:
     if too_long:
         raise ApiError(400, too_long, param="stop")
     ignore_eos = _flag(body, "ignore_eos")
-    max_tokens = _int(body, "max_completion_tokens", 1, "max_tokens")
-    max_tokens = _int(body, "max_tokens", 1, "max_tokens") if max_tokens is None else max_tokens
-    changes = {k: body[k] for k in SAMPLER_KEYS if body.get(k) is not None}
+    max_tokens = _max_tokens(body)
+    changes = {k: _strict(ctx.params, k, body[k]) for k in SAMPLER_KEYS if body.get(k) is not None}
     seed = _int(body, "seed", 0)
     if seed is not None:
         changes["seed"] = seed

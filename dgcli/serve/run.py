@@ -9,13 +9,15 @@ engine thread and returns True (the command exits 0). An engine thread still in 
 least ENGINE_GRACE s after the stop began) is left behind: `serve` returns False and the command exits 1
 at once. uvicorn re-raises a caught signal after its shutdown, which would turn that clean stop into a
 death by signal; `_Server` keeps the signal handling and drops the re-raise. A second Ctrl-C stops at once
-(uvicorn's force exit; the engine gets ENGINE_GRACE s).
+(uvicorn's force exit: what is still in flight is cancelled, and answered 503 quietly by app.py; the engine
+gets ENGINE_GRACE s). A host other than the loopback without an API key is served, with a note at the start.
 Must not: parse requests or touch the engine directly.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import signal
 import socket
 import threading
@@ -116,6 +118,14 @@ def build(session: Any, *, host: str, port: int, slots: int, max_queue: int, api
     return _Server(config, state, shutdown_timeout), worker
 
 
+def loopback(host: str) -> bool:
+    """Whether `host` is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host.lower().rstrip(".") == "localhost" or host.lower().endswith(".localhost")
+
+
 def listen(host: str, port: int) -> socket.socket:
     """The listening socket, bound here so that a port in use is one clear line (uvicorn would log and exit 3)."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -141,6 +151,8 @@ def serve(session: Any, *, say: Callable[[str], None], **kw: Any) -> bool:
     say(f"dgemma serve: {kw['model_name']} on http://{where}:{port}/v1 ({session.resolved.run.device}, "
         f"{session.resolved.run.dtype}; {slots} slot(s) of {context} positions, KV cache {mib:,.1f} MiB; "
         f"queue up to {kw['max_queue']}{'; API key required' if kw['api_key'] else ''})")
+    if not kw["api_key"] and not loopback(host):  # served all the same, as vLLM does
+        say(f"dgemma serve: note: listening on {host} without --api-key: anyone who can reach the port can use it")
     try:
         server.run(sockets=[sock])
     finally:

@@ -170,6 +170,40 @@ def test_a_body_over_the_limit_is_refused_unread(live):
     assert r.json()["choices"][0]["message"]["content"] == "t a c" and time.monotonic() - t0 < 5
 
 
+def _count(base: str, status: int) -> float:
+    found = re.search(rf'^dgemma_requests_total\{{status="{status}"\}} (\S+)$', httpx.get(base + "/metrics").text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_a_client_gone_while_sending_its_body_is_a_quiet_499(live):
+    """Before, starlette's ClientDisconnect reached the 500 handler: a traceback per slowloris client."""
+    base, _ = live
+    port = int(base.rsplit(":", 1)[1])
+    records: list[logging.LogRecord] = []
+    catch = logging.Handler()
+    catch.emit = records.append
+    loggers = [logging.getLogger(name) for name in ("dgemma.serve", "uvicorn.error")]
+    before = {status: _count(base, status) for status in (499, 500)}
+    for logger in loggers:
+        logger.addHandler(catch)
+    try:
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                s.sendall(b'POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"messages"')
+                time.sleep(0.3)
+        deadline = time.monotonic() + 10
+        while _count(base, 499) < before[499] + 3:
+            assert time.monotonic() < deadline, httpx.get(base + "/metrics").text
+            time.sleep(0.05)
+    finally:
+        for logger in loggers:
+            logger.removeHandler(catch)
+    assert _count(base, 500) == before[500]
+    assert not [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+    r = httpx.post(base + "/v1/chat/completions", json=CAT, timeout=30)
+    assert r.json()["choices"][0]["message"]["content"] == "t a c"
+
+
 def _progress(text: str) -> float:
     return float(re.search(r"^dgemma_engine_last_progress_seconds (\S+)$", text, re.M).group(1))
 

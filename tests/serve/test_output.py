@@ -88,3 +88,34 @@ def test_streamed_deltas_add_up_to_the_final_answer_on_random_ids(tok):
         reasoning, content = joined(feed(out, blocks))
         want_r, want_c = tok.split_thinking(ids, stop_ids=())
         assert (reasoning, content) == (want_r, want_c), (trial, ids, blocks)
+
+
+def test_a_stop_id_past_the_max_tokens_cut_finishes_by_length(tok):
+    """The cut comes first: "t a c" then the stop id, in one block, with max_tokens 1 (as `dgemma generate`)."""
+    ids = tok.encode_text("t a c")
+    for max_tokens, want in ((1, "length"), (2, "length"), (3, "stop"), (4, "stop")):
+        out = Output(tok, max_tokens=max_tokens)
+        d = feed(out, [ids + [tok.stop_ids[0]]], stop_at=len(ids))
+        assert out.finish_reason == want and joined(d)[1] == tok.decode(ids[:max_tokens]), max_tokens
+        assert out.completion_tokens == min(max_tokens, len(ids))
+
+
+@pytest.mark.parametrize("stop,content,tokens", [
+    ("9 10", "7 8 ", 3),  # the match starts inside " 9": its space is returned, so the token counts
+    (" 9 1", "7 8", 2),   # the match ends inside " 10": neither it nor " 9" is returned
+    (" 12", "7 8 9 10 11", 5), ("7", "", 0)])
+def test_completion_tokens_count_the_text_returned_after_a_stop_string(tok, stop, content, tokens):
+    ids = tok.encode_text("7 8 9 10 11 12 13")
+    for cut in range(1, len(ids)):
+        out = Output(tok, stop_strings=[stop])
+        d = feed(out, [ids[:cut], ids[cut:]])
+        assert joined(d)[1] == content and out.finish_reason == "stop", cut
+        assert out.completion_tokens == tokens, cut
+
+
+def test_completion_tokens_after_a_stop_string_count_the_thought_before_it(tok):
+    ids = tok.encode_text("<|channel>thought\nfirst count<channel|>7 8 9 10")
+    answer = len(tok.encode_text("7 8 9 10"))
+    out = Output(tok, stop_strings=[" 10"])
+    assert joined(feed(out, [ids])) == ("first count", "7 8 9")
+    assert out.completion_tokens == len(ids) - 1 == len(ids) - answer + 3  # all but " 10"

@@ -135,6 +135,23 @@ def test_stop_strings_and_max_tokens(client):
     assert full.startswith(short.choices[0].message.content)
 
 
+def test_the_finish_reason_and_usage_of_a_cut_answer(client):
+    """A stop id after the max_tokens cut (same block) finishes by length, as `dgemma generate` says; after a
+    stop string, completion_tokens counts the tokens of the returned text; streamed and not alike."""
+    tok = load_tokenizer(BUNDLED)
+    cut = chat(client, "Reverse: c a t", max_tokens=1)
+    assert (cut.choices[0].message.content, cut.choices[0].finish_reason) == ("t", "length")
+    text, _, finish, _, _ = streamed(client, "Reverse: c a t", max_tokens=1)
+    assert (text, finish) == ("t", "length")
+    stopped = chat(client, "Count from 7 to 31.", stop="9 10")
+    assert stopped.choices[0].message.content == "7 8 "
+    returned = len(tok.encode_text("7 8 9"))  # " 9" is split by the cut: its space is returned
+    assert stopped.usage.completion_tokens == returned, stopped.usage
+    text, _, finish, use, _ = streamed(client, "Count from 7 to 31.", stop="9 10",
+                                       stream_options={"include_usage": True})
+    assert (text, finish, use.completion_tokens) == ("7 8 ", "stop", returned)
+
+
 BAD = [
     ("malformed JSON", b"{not json", 400, "not valid JSON"),
     ("missing messages", {"model": "tiny"}, 400, "messages is missing"),
@@ -147,6 +164,11 @@ BAD = [
     ("a long model name", {"model": "m" * 200_000, "messages": [{"role": "user", "content": "hi"}]}, 404,
      "characters cut"),
     ("temperature", {"messages": [{"role": "user", "content": "hi"}], "temperature": 0.7}, 400, "t_min and t_max"),
+    ("temperature 0", {"messages": [{"role": "user", "content": "hi"}], "temperature": 0}, 400, "t_min and t_max"),
+    ("steps a string", {"messages": [{"role": "user", "content": "hi"}], "max_denoising_steps": "8"}, 400,
+     "max_denoising_steps='8': expected a whole number"),
+    ("max_tokens beside max_completion_tokens", {"messages": [{"role": "user", "content": "hi"}],
+                                                 "max_completion_tokens": 5, "max_tokens": "x"}, 400, "max_tokens='x'"),
     ("typo", {"messages": [{"role": "user", "content": "hi"}], "max_denoising_step": 4}, 400, "did you mean max_denoising_steps"),
     ("image part", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      400, "image_url"),

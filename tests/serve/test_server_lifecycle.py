@@ -102,6 +102,34 @@ def test_sigterm_past_the_timeout_cancels_what_is_left_and_exits_0(tmp_path):
     assert "Traceback" not in log and "dgemma serve: stopped" in log, log
 
 
+def test_a_second_sigint_with_requests_in_flight_answers_them_503_without_a_traceback(tmp_path):
+    """Ctrl-C twice: uvicorn stops at once and cancels what runs; before, a traceback per request and a
+    text/plain 500 for a non-streamed one."""
+    endless = {**LONG, "max_blocks": 200}
+    with serve("--max-batch-size", "2", tmp_path=tmp_path) as s:
+        whole = []
+        waiting = threading.Thread(target=lambda: whole.append(httpx.post(
+            s.v1 + "/chat/completions", json={**endless, "stream": False}, timeout=60)), daemon=True)
+        waiting.start()
+        (t, out, started), = _start(s.v1 + "/chat/completions", endless, 1)
+        assert started.wait(60)
+        deadline = time.monotonic() + 30
+        while "dgemma_slots_busy 2" not in httpx.get(s.base_url + "/metrics").text:  # both in the engine
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        s.proc.send_signal(signal.SIGINT)
+        time.sleep(0.7)
+        assert s.stop(signal.SIGINT, timeout=30) == 0, s.log()
+        waiting.join(10)
+        t.join(10)
+        log = s.log()
+    (r,) = whole
+    assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"], r.text
+    assert out[-1] == "[DONE]" and "shutting down" in out[-2], out[-3:]
+    assert "Traceback" not in log and "Exception in ASGI" not in log, log
+    assert log.strip().splitlines()[-1] == "dgemma serve: stopped", log
+
+
 def test_a_client_gone_from_a_non_streamed_request_frees_its_slot(tmp_path):
     endless = {**LONG, "max_blocks": 200, "stream": False}
     with serve("--max-batch-size", "1", tmp_path=tmp_path) as s:
@@ -136,3 +164,30 @@ def test_bad_serve_flags_are_one_line_errors(capsys):
                         (["--max-queue", "-1"], "--max-queue -1: must be >= 0")):
         code, _, err = run(["serve", "--port", "1", *argv], capsys)
         assert code == 2 and words in err and "Traceback" not in err, err
+
+
+NOTE = "dgemma serve: note: listening on 0.0.0.0 without --api-key: anyone who can reach the port can use it"
+
+
+@pytest.mark.parametrize("host,env,noted", [("0.0.0.0", {}, True), ("0.0.0.0", {"DGEMMA_API_KEY": "k"}, False),
+                                            ("127.0.0.1", {}, False)], ids=["open", "with a key", "loopback"])
+def test_a_non_loopback_host_without_a_key_is_served_with_a_note(capsys, monkeypatch, host, env, noted):
+    from cli_run import run
+    from dgcli.serve import run as serve_run
+
+    monkeypatch.delenv("DGEMMA_API_KEY", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    # Bound, never listening: the startup lines are written, then the server "stops" at once.
+    monkeypatch.setattr(serve_run._Server, "run", lambda self, sockets=None: None)
+    code, _, err = run(["serve", "--host", host, "--port", "0"], capsys)
+    lines = err.strip().splitlines()
+    assert code == 0 and lines[-1] == "dgemma serve: stopped", err
+    assert (NOTE in lines) == noted and (not noted or lines[lines.index(NOTE) - 1].startswith("dgemma serve: tiny on"))
+
+
+def test_which_hosts_are_loopback():
+    from dgcli.serve.run import loopback
+
+    assert all(map(loopback, ["127.0.0.1", "127.1.2.3", "::1", "localhost", "LOCALHOST.", "app.localhost"]))
+    assert not any(map(loopback, ["0.0.0.0", "::", "192.168.1.5", "10.0.0.1", "example.com", "fe80::1"]))
