@@ -1,11 +1,12 @@
 """The ASGI app: OpenAI-compatible routes over one `Worker`, and the web page at `/`.
 
-Owns: the routes (`/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`, `/metrics`; `/` and
-`/web/*`, the static files of dgcli/data/web, which need no key: the page's own API calls send it), the API
-key check, admission (a body over 8 MiB answers 413 unread, a full queue 429 at once, a server shutting
-down 503), SSE streaming, and cancelling a request whose client went away (streaming: Starlette cancels the
-response when the client disconnects; non-streaming: the handler watches the connection while it waits; a
-client gone before its body was read counts as 499 too, quietly).
+Owns: the routes (`/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/v1/models/{model}`, `/health`,
+`/metrics`; `/` and `/web/*`, the static files of dgcli/data/web, which need no key: the page's own API calls
+send it), the API key check, admission (a body over 8 MiB answers 413 unread, a full queue 429 at once, a
+server shutting down 503), SSE streaming (a comment line keeps a quiet stream alive), and cancelling a request
+whose client went away (streaming: Starlette cancels the response when the client disconnects;
+non-streaming: the handler watches the connection while it waits; a client gone before its body was read
+counts as 499 too, quietly).
 The event loop never does a request's CPU work: JSON, the chat template and the tokenizer run in a small
 thread pool under a time limit. Every error is OpenAI's error object. Must not: touch the engine (the
 worker's thread owns it) or parse request fields (protocol.py does).
@@ -40,6 +41,9 @@ from dgcli.serve.worker import SHUTTING_DOWN, Job, Worker
 log = logging.getLogger("dgemma.serve")
 MAX_BODY = 8 * 1024 * 1024
 PARSE_TIMEOUT = 10.0  # s for JSON + template + tokenizer: the character bound keeps a prompt well under this
+# Seconds a stream may stay silent before it sends an SSE comment: a block on a slow device (the 26B model on a
+# CPU) takes minutes, and clients with a read timeout (httpx's, the openai client's) would give up on it
+KEEPALIVE_S = 15.0
 WEB = files("dgcli") / "data" / "web"  # the page at `/`: plain HTML, CSS and JS, no build step
 
 
@@ -47,9 +51,9 @@ class State:
     """What the routes share: the worker, the parsing context, the limits, the metrics, the parsing threads."""
 
     def __init__(self, worker: Worker, ctx: Context, *, max_queue: int, api_key: str | None,
-                 stall_timeout: float = 60.0, parse_timeout: float = PARSE_TIMEOUT):
+                 stall_timeout: float = 60.0, parse_timeout: float = PARSE_TIMEOUT, keepalive: float = KEEPALIVE_S):
         self.worker, self.ctx, self.max_queue, self.api_key = worker, ctx, max_queue, api_key
-        self.stall_timeout, self.parse_timeout = stall_timeout, parse_timeout
+        self.stall_timeout, self.parse_timeout, self.keepalive = stall_timeout, parse_timeout, keepalive
         self.metrics: Metrics = worker.metrics
         self.closing = False  # set on shutdown: new requests get 503
         # The tokenizer releases the GIL, so a few prompts tokenize side by side while the loop serves.
@@ -74,6 +78,10 @@ def _authorized(request: Request, state: State) -> bool:
     got = request.headers.get("authorization", "")
     token = got[7:] if got.lower().startswith("bearer ") else ""
     return hmac.compare_digest(token.encode(), state.api_key.encode())
+
+
+def _denied() -> ApiError:
+    return ApiError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
 
 async def _body(request: Request) -> bytes:
@@ -122,8 +130,7 @@ async def complete(request: Request, chat: bool) -> Response:
     state: State = request.app.state.dgemma
     try:
         if not _authorized(request, state):
-            raise ApiError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+            raise _denied()
         spec = await _prepare(await _body(request), chat, state)
         if state.closing:
             raise ApiError(503, SHUTTING_DOWN)
@@ -176,14 +183,19 @@ async def _whole(request: Request, job: Job, state: State) -> Response:
 
 async def _stream(job: Job, state: State) -> AsyncIterator[bytes]:
     """SSE: the role first, then one chunk per committed block's new text (drafts between, when asked), the
-    finish reason, the usage chunk when asked, [DONE]. A client that goes away cancels the generator here
-    (Starlette), and the `finally` withdraws the request."""
+    finish reason, the usage chunk when asked, [DONE]; `: keep-alive` after `state.keepalive` s with nothing
+    to send (SSE clients skip comment lines). A client that goes away cancels the generator here (Starlette),
+    and the `finally` withdraws the request."""
     spec, name = job.spec, state.ctx.model_name
     finished = False
     try:
         yield _sse(protocol.chunk(spec, name, content="", role=True))
         while True:
-            message = await job.queue.get()
+            try:  # a get cut short by the timeout takes nothing off the queue
+                message = await asyncio.wait_for(job.queue.get(), state.keepalive)
+            except asyncio.TimeoutError:
+                yield b": keep-alive\n\n"
+                continue
             kind = message[0]
             if kind == "text":
                 yield _sse(protocol.chunk(spec, name, reasoning=message[1], content=message[2]))
@@ -213,14 +225,28 @@ async def completions(request: Request) -> Response:
     return await complete(request, chat=False)
 
 
+def _card(ctx: Context) -> dict:
+    return {"id": ctx.model_name, "object": "model", "created": 0, "owned_by": "dgemma",
+            "max_model_len": ctx.context}
+
+
 async def models(request: Request) -> Response:
     state: State = request.app.state.dgemma
     if not _authorized(request, state):
-        return _error(ApiError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                               code="invalid_api_key"), state)
-    ctx = state.ctx
-    return JSONResponse({"object": "list", "data": [{"id": ctx.model_name, "object": "model", "created": 0,
-                                                     "owned_by": "dgemma", "max_model_len": ctx.context}]})
+        return _error(_denied(), state)
+    return JSONResponse({"object": "list", "data": [_card(state.ctx)]})
+
+
+async def model(request: Request) -> Response:
+    """`GET /v1/models/{model}`: the list's one entry, or OpenAI's 404 for any other name."""
+    state: State = request.app.state.dgemma
+    if not _authorized(request, state):
+        return _error(_denied(), state)
+    name = request.path_params["model"]
+    if name != state.ctx.model_name:
+        return _error(ApiError(404, f"The model '{name}' does not exist; this server serves "
+                               f"'{state.ctx.model_name}'", param="model", code="model_not_found"), state)
+    return JSONResponse(_card(state.ctx))
 
 
 async def health(request: Request) -> Response:
@@ -298,6 +324,7 @@ def build_app(state: State) -> Any:
     routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
+              Route("/v1/models/{model:path}", model, methods=["GET"]),  # a name may hold a slash
               Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"]),
               Route("/", page, methods=["GET"]),

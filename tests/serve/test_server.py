@@ -60,6 +60,16 @@ def test_models_and_health(server, client):
     assert httpx.get(server.base_url + "/health").json() == {"status": "ok"}
 
 
+def test_retrieve_a_model_by_name(server, client):
+    assert client.models.retrieve("tiny") == client.models.list().data[0]
+    for name in ("gpt-4o", "org/tiny"):  # a slash is sent as %2F and still names one model
+        with pytest.raises(openai.NotFoundError) as e:
+            client.models.retrieve(name)
+        assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+        assert f"'{name}' does not exist" in e.value.body["message"]
+    assert httpx.get(server.v1 + "/models/tiny").status_code == 401  # the key is checked here too
+
+
 def test_chat_streamed_equals_whole_and_the_cli(server, client):
     for prompt in ("Reverse: c a t", "Count from 7 to 31."):
         whole = chat(client, prompt, seed=3)
