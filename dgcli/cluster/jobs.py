@@ -57,12 +57,10 @@ def open_pool(address: str, workers: int | None, gpus: float | None, worker_spec
 def driver_session(pool: Pool, *, measure_peaks: bool = False, need_tokenizer: bool = True) -> tuple[Any, Any, dict]:
     """(session, the workers' device peaks, `weights_fields` of their model) in the driver: the first worker's session
     without weights, with the tokenizer loaded here (prompts are encoded and answers written here)."""
-    from dgcli.text.tokenizer import load_tokenizer
+    from dgcli.runtime.session import tokenizer_for
 
     shadow, peaks, fp8 = pool.call("describe", measure_peaks)
-    tokenizer = None
-    if not shadow.dummy and (need_tokenizer or (Path(shadow.path) / "tokenizer.json").exists()):
-        tokenizer = load_tokenizer(shadow.path)
+    tokenizer = None if shadow.dummy else tokenizer_for(Path(shadow.path), need_tokenizer)  # a GGUF file's own
     return dataclasses.replace(shadow, tokenizer=tokenizer), peaks, fp8
 
 

@@ -199,7 +199,8 @@ def make_row(s: Any, *, prompts: list[Prompt], prompt_source: str, params: Any, 
         parameters=counts["total"], active=counts["active_per_token"], settings=settings, seed=params.seed,
         prompt_hash=prompt_set_hash(prompts), label=label, metadata=metadata, dummy=s.dummy,
         compiled=s.compiled, step_mode=getattr(s, "step_mode", "dynamic"),
-        threads_source=getattr(s, "threads_source", None), packed_weights=getattr(s, "packed_weights", 0),
+        threads=getattr(s, "threads", 0) or None, threads_source=getattr(s, "threads_source", None),
+        packed_weights=getattr(s, "packed_weights", 0),
         prefix_caching=getattr(s, "prefix_caching", True), ggml=ggml_activations(s))
     return row
 

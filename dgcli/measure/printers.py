@@ -66,13 +66,14 @@ def provenance(*, device: Any, dtype: str, model: str, model_name: str, paramete
                settings: dict, seed: int, prompt_hash: str, label: str | None, metadata: dict,
                dummy: bool, compiled: bool = False, step_mode: str = "dynamic",
                threads_source: str | None = None, packed_weights: int = 0, prefix_caching: bool | None = None,
-               ggml: str | None = None) -> dict:
+               ggml: str | None = None, threads: int | None = None) -> dict:
+    """A row's record of what ran; `threads`: the session's (a Ray worker's, not this driver's)."""
     import torch
 
     return {
         "device": str(device), "device_name": device_name(device), "dtype": dtype,
         "torch": torch.__version__, "triton": _version("triton"), "cuda": torch.version.cuda,
-        "torch_threads": torch.get_num_threads(), "threads_source": threads_source,
+        "torch_threads": threads or torch.get_num_threads(), "threads_source": threads_source,
         "dgemma": __version__, "git_commit": git_commit(),
         "model": model, "model_name": model_name, "model_parameters": parameters,
         "model_active_parameters": active, "dummy_weights": dummy, "settings": settings, "seed": seed,

@@ -198,29 +198,36 @@ def ran_with(resolved: Resolved, model: Any) -> Resolved:
     return dataclasses.replace(resolved, run=run)
 
 
+def tokenizer_for(path: Path, required: bool = True) -> Any:
+    """A checkpoint's tokenizer: a GGUF file's own, else the directory's tokenizer.json; None where there is none
+    and none is `required` (bench and sweep run on ids)."""
+    if path.is_file():
+        from dgcli.model.gguf_model import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(path, required=required)
+    from dgcli.text.tokenizer import load_tokenizer
+
+    return load_tokenizer(path) if required or (path / "tokenizer.json").exists() else None
+
+
 def open_session(model: str | None, preset: str | None, flags: dict, *, need_tokenizer: bool = True,
                  compile: bool = False, threads: int | None = None, cuda_graphs: bool | None = None) -> Session:
     """A checkpoint (directory or GGUF file) with its tokenizer and resolved settings; `threads` is `--threads`
     (None: the rule); `cuda_graphs` as `check_cuda_graphs` takes it (None, as the CLI: where they run)."""
     from dgcli.model.loader import load_model, resolve_dtype
-    from dgcli.text.tokenizer import load_tokenizer
 
     path, cfg, gen, resolved = resolve_for(model, preset, flags)
     device = pick_device(resolved.run.device)
     check_cuda_graphs(cuda_graphs, device, compile)  # before anything heavy is loaded
     dtype = resolve_dtype(resolved.run.dtype)  # auto: the checkpoint's own dtype
     n_threads = set_threads(cfg, device, threads)
-    tokenizer = None
-    if path.is_file():  # a GGUF file (config_path let it through): tokenizer and weights from the file
-        from dgcli.model.gguf_model import load_gguf_model, load_gguf_tokenizer
+    tokenizer = tokenizer_for(path, need_tokenizer)
+    if path.is_file():  # a GGUF file (config_path let it through): weights from the file too
+        from dgcli.model.gguf_model import load_gguf_model
 
-        tokenizer = load_gguf_tokenizer(path, required=need_tokenizer)
         m = load_gguf_model(path, device=device, dtype=dtype)
-        return _session(path, m, tokenizer, resolved, gen, device, compile=compile, name=path.name,
-                        threads=n_threads, cuda_graphs=cuda_graphs)
-    if need_tokenizer or (path / "tokenizer.json").exists():
-        tokenizer = load_tokenizer(path)
-    m = load_model(path, device=device, dtype=dtype)
+    else:
+        m = load_model(path, device=device, dtype=dtype)
     return _session(path, m, tokenizer, resolved, gen, device, compile=compile, name=path.name, threads=n_threads,
                     cuda_graphs=cuda_graphs)
 

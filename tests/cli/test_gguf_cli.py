@@ -119,3 +119,22 @@ def test_bench_card_counts_the_bytes_a_gguf_model_holds(bundled_gguf, capsys):
     bf16 = weights_bytes_total(load_config(bundled_gguf["q8_0"]), 2)
     assert card["source"].startswith("GGUF file") and "uint8" in card["bytes_by_dtype"]
     assert card["memory"]["weights"] == sum(card["bytes_by_dtype"].values()) < bf16
+
+
+def test_a_cluster_driver_reads_a_gguf_files_own_tokenizer(bundled_gguf):
+    """`--ray` with `-m FILE.gguf`: the driver encodes prompts and writes answers with the file's tokenizer (it looked
+    for FILE.gguf/tokenizer.json: generate stopped, bench answered padding). A stand-in pool, no cluster."""
+    import dataclasses
+
+    from dgcli.cluster import jobs
+    from dgcli.runtime.session import open_session
+
+    shadow = dataclasses.replace(open_session(str(bundled_gguf["q8_0"]), None, {}), tokenizer=None)
+
+    class Pool:
+        def call(self, what, *args):
+            return shadow, [], {}
+
+    session = jobs.driver_session(Pool())[0]
+    assert session.tokenizer is not None and session.tokenizer.encode_text("Sort: 7 2") == \
+        open_session(None, None, {}).tokenizer.encode_text("Sort: 7 2")

@@ -254,6 +254,8 @@ def test_bench_on_the_cluster_says_who_ran_it(head, capsys):
     same = ("quality", "num_prompts", "total_output_tokens", "diffusion_denoising_steps", "batched_decoder_passes",
             "steps_histogram", "finish_length_rate")
     assert {k: mine.get(k) for k in same} == {k: row.get(k) for k in same}
+    # the threads the workers measured on (the bundled model: the rule's 1), not this driver's count
+    assert mine["provenance"]["torch_threads"] == 1 and "1 thread" in mine["provenance"]["threads_source"]
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
