@@ -6,15 +6,17 @@ first stop id and at `max_tokens`, the finish reason, the loop's `Done`, the dec
 is text in, `Response` out. generate, watch, bench, sweep (and the server to come) all call these, so
 the `--max-tokens` cut and the decoding happen in exactly one place.
 
-Owns: prompt encoding within the context limit, reading `--init-canvas` (text, or `ids:` token ids) into the
+Owns: prompt encoding within the context limit, the library's input checks (each a one-line UserError naming
+the argument, once per call: never per step), reading `--init-canvas` (text, or `ids:` token ids) into the
 first canvas, the max_tokens cut, what counts as an empty answer, the response record. Must not: print, write
 files (a trace writer is just an `on_event` consumer), or contain a denoising loop.
 """
 
 from __future__ import annotations
 
+import numbers
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +56,11 @@ def check_context(session: Any, prompt_len: int, num_blocks: int | None = None) 
 def encode(session: Any, text: str, *, raw: bool = False, thinking: bool | None = None) -> list[int]:
     """Prompt text -> ids through the checkpoint's chat template (`raw`: without it); thinking None = the
     session's setting. Checked against the context for the session's block count."""
+    if not isinstance(text, str):
+        fix = ("decode it first (prompt.decode())" if isinstance(text, (bytes, bytearray)) else "pass a str"
+               if text is None or isinstance(text, numbers.Number) else
+               "for token ids call request.run(session, ids) or request.stream(session, ids)")
+        raise UserError(f"the prompt is {_kind(text)}, not text; {fix}")
     if session.tokenizer is None:
         raise UserError(f"{session.path}: no tokenizer.json; text prompts need the checkpoint's tokenizer")
     if not text.strip():
@@ -114,6 +121,51 @@ def _id_list(spec: str, name: str) -> list[int]:
     return [int(p) for p in parts]
 
 
+PROMPT_FIX = "pass token ids (request.encode(session, text)) or use dgcli.generate for text"
+
+
+def token_ids(ids: Any, vocab: int, what: str, fix: str = PROMPT_FIX) -> list[int]:
+    """`ids` (a sequence of ints, or a 1-D integer tensor or array) as a list of ints in [0, vocab), at least
+    one; else one line naming `what` (the argument, with its index in a batch). `fix`: what to do with text."""
+    if isinstance(ids, (str, bytes, bytearray)):
+        raise UserError(f"{what} is text, not token ids; {fix}")
+    if hasattr(ids, "tolist") and getattr(ids, "ndim", 1) == 1:  # a tensor or array: its dtype shows in the items
+        ids = ids.tolist()
+    try:
+        out = list(ids)
+    except TypeError:
+        raise UserError(f"{what} is {_kind(ids)}, not a list of token ids; {fix}") from None
+    if not all(type(i) is int for i in out):  # the common case in one pass; otherwise name the first bad item
+        for n, i in enumerate(out):
+            if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+                raise UserError(f"{what}[{n}] is {i!r}; token ids are ints, as a tokenizer gives them")
+        out = [int(i) for i in out]
+    if not out:
+        raise UserError(f"{what} is empty; give at least one token id")
+    if min(out) < 0 or max(out) >= vocab:
+        n = next(n for n, i in enumerate(out) if not 0 <= i < vocab)
+        raise UserError(f"{what}[{n}] = {out[n]} is outside the vocabulary [0, {vocab}); "
+                        "was it tokenized for this model?")
+    return out
+
+
+def _kind(x: Any) -> str:
+    return "None" if x is None else type(x).__name__
+
+
+def canvas_ids(session: Any, ids: Any, what: str = "init_canvas") -> list[int] | None:
+    """A whole first canvas (`canvas_length` token ids) or None, checked as `token_ids`."""
+    if ids is None:
+        return None
+    c = session.config.canvas_length
+    fix = (f"give {c} token ids: request.fill_canvas(session, request.read_init_canvas(session, text)[0], seed) "
+           "builds them, and dgcli.generate takes text")
+    out = token_ids(ids, session.config.vocab_size, what, fix)
+    if len(out) != c:
+        raise UserError(f"{what} has {len(out)} ids; the canvas holds {c}: {fix}")
+    return out
+
+
 def fill_canvas(session: Any, ids: Sequence[int], seed: int) -> list[int]:
     """A first canvas that starts with `ids`; the rest stays uniform noise (the counter stream's `PAD` draws
     for `seed`, apart from the sampler's own draws)."""
@@ -148,8 +200,15 @@ def cut(done: Done, max_tokens: int | None) -> tuple[list[int], str]:
 
 def stream(session: Any, prompt_ids: Sequence[int], *, params: Any = None, ignore_eos: bool = False,
            init_canvas: Sequence[int] | None = None) -> Iterator[Event]:
-    """The loop's events for one request. `params` (default: the session's) may change per request;
-    its `max_blocks` sets the block count under the session's token budget."""
+    """The loop's events for one request. `prompt_ids`: token ids (`encode` makes them from text); `params`
+    (default: the session's) may change per request, its `max_blocks` setting the block count under the session's
+    token budget; `init_canvas`: a whole first canvas of token ids (see `fill_canvas`)."""
+    prompt_ids = token_ids(prompt_ids, session.config.vocab_size, "prompt_ids")
+    return _stream(session, prompt_ids, params, ignore_eos, canvas_ids(session, init_canvas))
+
+
+def _stream(session: Any, prompt_ids: list[int], params: Any, ignore_eos: bool,
+            init_canvas: list[int] | None) -> Iterator[Event]:
     from dgcli.sampling.loop import generate_events
 
     params = session.params if params is None else params
@@ -164,10 +223,12 @@ def stream(session: Any, prompt_ids: Sequence[int], *, params: Any = None, ignor
 def run(session: Any, prompt_ids: Sequence[int], *, params: Any = None, ignore_eos: bool = False,
         init_canvas: Sequence[int] | None = None, on_event: Callable[[Event], None] | None = None,
         show_thinking: bool = False) -> Response:
-    """One request to its `Response`; `on_event` sees every event as it happens (progress, watch, trace)."""
+    """One request to its `Response` (arguments as `stream`'s); `on_event` sees every event as it happens
+    (progress, watch, trace)."""
+    prompt_ids = token_ids(prompt_ids, session.config.vocab_size, "prompt_ids")
     starts: list[int] = []
     done = None
-    for event in stream(session, prompt_ids, params=params, ignore_eos=ignore_eos, init_canvas=init_canvas):
+    for event in _stream(session, prompt_ids, params, ignore_eos, canvas_ids(session, init_canvas)):
         if on_event is not None:
             on_event(event)
         if isinstance(event, BlockStart):
@@ -177,24 +238,58 @@ def run(session: Any, prompt_ids: Sequence[int], *, params: Any = None, ignore_e
     return _response(session, prompt_ids, done, starts, show_thinking)
 
 
-def run_batch(session: Any, prompts: Sequence[Sequence[int]], *, batch_size: int, seeds: Sequence[int] | None = None,
-              init_canvases: Sequence[Sequence[int] | None] | None = None, params: Any = None,
+def run_batch(session: Any, prompts: Iterable[Sequence[int]], *, batch_size: int, seeds: Iterable[int] | None = None,
+              init_canvases: Iterable[Sequence[int] | None] | None = None, params: Any = None,
               ignore_eos: bool = False, show_thinking: bool = False,
               on_event: Callable[[Event], None] | None = None, stats: dict | None = None) -> Iterator[tuple[int, Response]]:
     """Many requests through the batched loop with continuous batching (`batch_size` slots; the rest queue
     in input order); yields (index, Response) as each request finishes (events carry `row` = the index).
-    Seeds default to the params' seed; a request's answer does not depend on its batch-mates (see
-    `generate_batch_events`). `stats` receives the loop's pass counts."""
-    from dgcli.sampling.loop import generate_batch_events
-
+    `prompts`: token-id lists (`encode` makes them), any iterable (read whole at the call); `seeds` (default:
+    the params' seed) and `init_canvases` (whole first canvases or None, see `fill_canvas`): one per prompt.
+    Every input is checked at the call, before anything runs. A request's answer does not depend on its
+    batch-mates (see `generate_batch_events`). `stats` receives the loop's pass counts."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise UserError(f"--batch-size {batch_size}: must be a whole number >= 1")
-    if not prompts:
-        return
+    fix = "pass a list of token-id lists ([request.encode(session, text), ...])"
+    if isinstance(prompts, (str, bytes, bytearray)) or not isinstance(prompts, Iterable):
+        raise UserError(f"prompts is {_kind(prompts)}; {fix}")
+    vocab = session.config.vocab_size
+    prompts = [token_ids(ids, vocab, f"prompts[{i}]") for i, ids in enumerate(prompts)]
+    seeds = _per_prompt(seeds, "seeds", len(prompts))
+    for i, x in enumerate(seeds or ()):
+        if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+            raise UserError(f"seeds[{i}] is {x!r}; a seed is a whole number (int)")
+    inits = _per_prompt(init_canvases, "init_canvases", len(prompts))
+    inits = None if inits is None else [canvas_ids(session, x, f"init_canvases[{i}]") for i, x in enumerate(inits)]
     params = session.params if params is None else params
     num_blocks = blocks_for(params, session.resolved.run.max_tokens, session.config.canvas_length)
-    for ids in prompts:  # every prompt before the first runs
-        check_context(session, len(ids), num_blocks)
+    for i, ids in enumerate(prompts):  # every prompt before the first runs
+        try:
+            check_context(session, len(ids), num_blocks)
+        except UserError as e:
+            raise UserError(f"prompts[{i}]: {e}") from None
+    if not prompts:
+        return iter(())
+    return _run_batch(session, prompts, batch_size, seeds, inits, params, num_blocks, ignore_eos, show_thinking,
+                      on_event, stats)
+
+
+def _per_prompt(values: Iterable | None, name: str, n: int) -> list | None:
+    if values is None:
+        return None
+    if isinstance(values, (str, bytes, bytearray)) or not isinstance(values, Iterable):
+        raise UserError(f"{name} is {_kind(values)}; give a list, one per prompt, or leave it out")
+    values = list(values)
+    if len(values) != n:
+        raise UserError(f"{name} has {len(values)} items for {n} prompts; give one per prompt, or leave it out")
+    return values
+
+
+def _run_batch(session: Any, prompts: list[list[int]], batch_size: int, seeds: list | None, init_canvases: list | None,
+               params: Any, num_blocks: int, ignore_eos: bool, show_thinking: bool,
+               on_event: Callable[[Event], None] | None, stats: dict | None) -> Iterator[tuple[int, Response]]:
+    from dgcli.sampling.loop import generate_batch_events
+
     starts: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     events = generate_batch_events(
         session.model, prompts, params=params, num_blocks=num_blocks, seeds=seeds,
@@ -219,6 +314,12 @@ def _response(session: Any, prompt_ids: Sequence[int], done: Done, starts: list[
 
 
 def generate(session: Any, text: str, *, raw: bool = False, thinking: bool | None = None,
-             show_thinking: bool = False, **kw: Any) -> Response:
-    """Text in, `Response` out: `encode` then `run` (keyword arguments as `run`'s)."""
-    return run(session, encode(session, text, raw=raw, thinking=thinking), show_thinking=show_thinking, **kw)
+             show_thinking: bool = False, init_canvas: str | Sequence[int] | None = None, **kw: Any) -> Response:
+    """Text in, `Response` out: `encode` then `run` (keyword arguments as `run`'s). `init_canvas` as the CLI's
+    --init-canvas: a str is text ("1 2 3" too) or "ids:5,6,7" (`read_init_canvas`), the rest of the canvas
+    seeded noise for the params' seed (`fill_canvas`); token ids are a whole canvas, as `run` takes them."""
+    ids = encode(session, text, raw=raw, thinking=thinking)
+    if isinstance(init_canvas, str):
+        seed = (kw.get("params") or session.params).seed
+        init_canvas = fill_canvas(session, read_init_canvas(session, init_canvas, name="init_canvas")[0], seed)
+    return run(session, ids, show_thinking=show_thinking, init_canvas=init_canvas, **kw)

@@ -30,6 +30,7 @@ Decisions (kept from the reference unless noted):
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -51,10 +52,14 @@ def _ids_tensor(ids: Sequence[int] | torch.Tensor, what: str, vocab: int, device
         if min(ids) < 0 or max(ids) >= vocab:
             raise UserError(f"{what} holds ids outside the vocabulary [0, {vocab}); was it tokenized for this model?")
         return to_device(ids, torch.long, device)[None]  # no copy that waits for the device
-    t = ids if isinstance(ids, torch.Tensor) else torch.tensor(list(ids), dtype=torch.long)
+    try:  # no dtype given: float ids stay floats and are refused below, not truncated
+        t = ids if isinstance(ids, torch.Tensor) else torch.tensor(list(ids)) if len(ids) else torch.zeros(0).long()
+    except (TypeError, ValueError, RuntimeError):
+        raise UserError(f"{what} must be a list of token ids (ints) or an integer tensor [1, T]; "
+                        f"got {type(ids).__name__}") from None
     if t.dim() == 1:
         t = t[None]
-    if t.dim() != 2 or t.dtype.is_floating_point:
+    if t.dim() != 2 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise UserError(f"{what} must be a list of token ids or an integer tensor [1, T]; got shape {tuple(t.shape)}")
     if t.shape[0] != 1:
         raise UserError(f"{what} has {t.shape[0]} rows; pass one prompt here, or a list of prompts to "
@@ -116,10 +121,15 @@ def generate_batch_events(
         raise UserError(f"{n_rows} prompts need one params each, got {len(row_params)}")
     row_params = row_params if many else row_params * n_rows
     blocks = [num_blocks] * n_rows if isinstance(num_blocks, int) else list(num_blocks)
-    seeds = [p.seed for p in row_params] if seeds is None else [int(x) for x in seeds]
+    seeds = [p.seed for p in row_params] if seeds is None else list(seeds)
     inits = [None] * n_rows if init_canvases is None else list(init_canvases)
-    if not len(blocks) == len(seeds) == len(inits) == n_rows:
-        raise UserError(f"{n_rows} prompts need as many block caps, seeds and initial canvases")
+    for name, values in (("num_blocks", blocks), ("seeds", seeds), ("init_canvases", inits)):
+        if len(values) != n_rows:
+            raise UserError(f"{name} has {len(values)} items for {n_rows} prompts; give one per prompt")
+    for i, x in enumerate(seeds):
+        if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+            raise UserError(f"seeds[{i}] is {x!r}; a seed is a whole number (int)")
+    seeds = [int(x) for x in seeds]
     for nb in blocks:
         if not isinstance(nb, int) or nb < 1:
             raise UserError(f"num_blocks={nb!r}: generate at least one block")
@@ -136,12 +146,13 @@ def generate_batch_events(
     device = model.embed_weight.device
     requests = []
     for r in range(n_rows):
-        first = None
+        first, at = None, "" if n_rows == 1 else f" (prompts[{r}])"  # which row, in a batch
+        prompt = _ids_tensor(prompts[r], f"prompt{at}", vocab, device)[0]  # [P]
         if inits[r] is not None:
-            first = _ids_tensor(inits[r], "initial canvas", vocab, device)[0]  # [C]
+            first = _ids_tensor(inits[r], f"initial canvas{at}", vocab, device)[0]  # [C]
             if first.shape[0] != c:
-                raise UserError(f"initial canvas has {first.shape[0]} ids; the model's canvas holds {c}")
-        requests.append(Request(id=r, prompt=_ids_tensor(prompts[r], "prompt", vocab, device)[0], params=row_params[r],
+                raise UserError(f"initial canvas has {first.shape[0]} ids{at}; the model's canvas holds {c}")
+        requests.append(Request(id=r, prompt=prompt, params=row_params[r],
                                 num_blocks=blocks[r], seed=seeds[r], stops=row_stops[r], first_canvas=first))
     slots = n_rows if max_batch is None else max_batch
     if isinstance(slots, int) and not isinstance(slots, bool):

@@ -137,7 +137,8 @@ def _int(body: dict, key: str, low: int, limit: str | None = None) -> int | None
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int) or v < low:
-        raise ApiError(400, f"{key}={v!r}: must be a whole number >= {low}", param=key)
+        raise ApiError(400, f"{key}={v!r}: must be an integer >= {low}" + (" (JSON with no point or exponent)"
+                                                                           if isinstance(v, float) else ""), param=key)
     too_big = limit and over_limit(limit, v, f"send a smaller {key} or leave it out", shown=f"{key}={v}")
     if too_big:
         raise ApiError(400, too_big, param=key)

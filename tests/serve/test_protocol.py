@@ -64,9 +64,9 @@ def test_a_field_that_does_not_apply_may_be_null_or_false(ctx):
 
 @pytest.mark.parametrize("chat", [True, False])
 def test_max_tokens_and_max_completion_tokens_are_both_checked(ctx, chat):
-    for body, param, words in (({"max_completion_tokens": 5, "max_tokens": "x"}, "max_tokens", "whole number"),
+    for body, param, words in (({"max_completion_tokens": 5, "max_tokens": "x"}, "max_tokens", "an integer"),
                                ({"max_completion_tokens": "x", "max_tokens": 5}, "max_completion_tokens",
-                                "whole number"),
+                                "an integer"),
                                ({"max_completion_tokens": 5, "max_tokens": 0}, "max_tokens", ">= 1"),
                                ({"max_completion_tokens": 5, "max_tokens": 10**12}, "max_tokens", "at most"),
                                ({"max_completion_tokens": 5, "max_tokens": 6}, "max_tokens", "send one of them")):
@@ -76,3 +76,9 @@ def test_max_tokens_and_max_completion_tokens_are_both_checked(ctx, chat):
                  {"max_tokens": 5}, {"max_completion_tokens": 5}):
         spec = parse({"messages": HI, **body} if chat else {"prompt": "hi", **body}, chat=chat, ctx=ctx)
         assert spec.max_tokens == 5, body
+
+
+def test_a_float_for_an_integer_field_says_how_to_write_one(ctx):
+    """A seed of 1e30 (JSON reads it as a float) is told to be an integer, not "a whole number" (it is one)."""
+    with pytest.raises(ApiError, match=r"seed=1e\+30: must be an integer >= 0 \(JSON with no point or exponent\)"):
+        parse({"messages": HI, "seed": 1e30}, chat=True, ctx=ctx)

@@ -1,8 +1,9 @@
 """The web page at `/` end to end, in a real headless Chromium (Debian's `chromium`, driven by Playwright; no
 browser download): `dgemma serve --api-key` on the bundled model, a wrong key shows the server's error, the
 canvas is drawn live from draft events (at least two distinct frames before the answer), the final text is the
-API's answer for the same messages, settings and seed (two turns), and Stop cancels a long request and frees
-its slot (Stop button and Escape). With DGEMMA_WEB_SHOTS=1 it also writes benchmarks/web-360.png and
+API's answer for the same messages, settings and seed (two turns), a failed request (400, 401) gives its
+prompt back, New chat (keyboard, 360 px, mid-request) empties the history and the transcript, and Stop cancels
+a long request and frees its slot (Stop button and Escape). With DGEMMA_WEB_SHOTS=1 it also writes benchmarks/web-360.png and
 benchmarks/web-1440.png. Fast checks: `serve --open` with and without a display, and the page's files ship in
 the package and load nothing from another site."""
 
@@ -96,8 +97,12 @@ def wait_state(page, n: int, state: str) -> None:
 @pytest.mark.slow
 def test_page_asks_for_the_key_and_shows_the_servers_error(server, page):
     assert httpx.get(server.base_url + "/").status_code == 200  # the page itself needs no key
+    asked = []
+    page.on("request", lambda r: asked.append(r.url))
     page.goto(server.base_url + "/")
     page.wait_for_selector("#key-form:not([hidden])")
+    assert page.get_attribute("link[rel=icon]", "href").startswith("data:")  # no /favicon.ico 404
+    assert not [u for u in asked if u.endswith("/favicon.ico")], asked
     page.get_by_label("This server needs an API key").fill("wrong")
     page.get_by_role("button", name="Use key").click()
     wanted = httpx.get(server.v1 + "/models", headers={"Authorization": "Bearer wrong"}).json()["error"]["message"]
@@ -128,6 +133,86 @@ def test_canvas_frames_then_the_apis_answer_over_two_turns(server, page):
     assert second == api_answer(server, [{"role": "user", "content": "Count from 7 to 31."},
                                          {"role": "assistant", "content": first},
                                          {"role": "user", "content": "Sort: 7 2 9 2"}])
+
+
+def sent_messages(page, prompt: str) -> list[dict]:
+    """Asks `prompt` and returns the messages the page sent with it."""
+    with page.expect_request("**/v1/chat/completions") as request:
+        ask(page, prompt)
+    return request.value.post_data_json["messages"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("status", [400, 401])
+def test_a_failed_request_gives_the_prompt_back(server, page, status):
+    n = page.locator("#log li.assistant").count()
+    if status == 400:
+        page.fill("#seed", "1e30")  # a whole number, but past 2**63-1
+    else:
+        page.evaluate("sessionStorage.setItem('dgemma-api-key', 'wrong')")
+    ask(page, "Sort: 3 1 2")
+    wait_state(page, n, "error")
+    assert page.input_value("#prompt") == "Sort: 3 1 2"
+    assert turn(page, n).get_by_role("alert").text_content()
+    if status == 400:
+        assert "seed" in turn(page, n).get_by_role("alert").text_content()
+        page.fill("#seed", SETTINGS["seed"])
+    else:
+        page.wait_for_selector("#key-form:not([hidden])")
+        page.get_by_label("This server needs an API key").fill(KEY)
+        page.get_by_role("button", name="Use key").click()
+        page.wait_for_selector("#key-form[hidden]", state="attached")
+    page.press("#prompt", "Enter")  # resent as it came back
+    wait_state(page, n + 1, "done")
+    assert page.input_value("#prompt") == ""
+
+
+@pytest.mark.slow
+def test_new_chat_empties_the_history_and_the_transcript(server, page):
+    from playwright.sync_api import expect
+
+    assert page.locator("#log li.assistant").count() >= 2  # the turns of the tests above
+    assert len(sent_messages(page, "Sort: 7 2 9 2")) > 1  # ... carried as context
+    wait_state(page, page.locator("#log li.assistant").count() - 1, "done")
+    # A real button, reached with Tab and pressed with Enter.
+    page.evaluate("document.activeElement.blur()")
+    for _ in range(30):
+        page.keyboard.press("Tab")
+        if page.evaluate("document.activeElement.id") == "new-chat":
+            break
+    else:
+        pytest.fail("Tab never reaches the New chat button")
+    page.keyboard.press("Enter")
+    expect(page.locator("#log > li")).to_have_count(0)
+    assert page.evaluate("document.activeElement.id") == "prompt"
+    assert sent_messages(page, "Sort: 7 2 9 2") == [{"role": "user", "content": "Sort: 7 2 9 2"}]
+    wait_state(page, 0, "done")
+    assert turn(page, 0).locator(".answer").text_content() == api_answer(
+        server, [{"role": "user", "content": "Sort: 7 2 9 2"}])
+
+    # At phone width, mid-request: it stops the request (freeing its slot) and clears the page.
+    page.set_viewport_size({"width": 360, "height": 780})
+    try:
+        fill(page, {"steps": "4096", "entropy_bound": "0", "blocks": "4"})
+        ask(page, "Continue: And God said")
+        turn(page, 1).locator(".canvas .tok").first.wait_for()
+        button = page.get_by_role("button", name="New chat")
+        box = button.bounding_box()
+        assert box["x"] >= 0 and box["x"] + box["width"] <= 360, box
+        assert page.evaluate("document.documentElement.scrollWidth") <= 360
+        button.click()
+        expect(page.locator("#log > li")).to_have_count(0)
+        deadline = time.monotonic() + 10
+        while metric(server, "slots_busy") != 0:
+            assert time.monotonic() < deadline, "the request New chat stopped still holds its slot"
+            time.sleep(0.1)
+        assert page.is_enabled("#send") and not page.is_enabled("#stop")
+        assert page.input_value("#prompt") == "" and page.text_content("#status") == ""
+    finally:
+        page.set_viewport_size({"width": 1440, "height": 900})
+        fill(page, {**SETTINGS, "entropy_bound": ""})
+    assert sent_messages(page, "Sort: 7 2 9 2") == [{"role": "user", "content": "Sort: 7 2 9 2"}]
+    wait_state(page, 0, "done")
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 // The page's client: a multi-turn chat over POST /v1/chat/completions (stream: true, fetch + ReadableStream
 // SSE parsing), drawing each `dgemma_draft` event as the current block's canvas. It uses only the public API,
-// so it is also a reference client. Must not: know server internals or hold state beyond this tab (the API key
+// so it is also a reference client. "New chat" empties the history and the transcript. Must not: know server internals or hold state beyond this tab (the API key
 // lives in sessionStorage).
 "use strict";
 
@@ -9,6 +9,7 @@ const KEY = "dgemma-api-key";
 const ENTROPY_EDGES = [1e-1, 1e-2, 1e-3]; // nats, as `dgemma watch`: below edge i is at least level i + 1
 const history = []; // {role, content}: the turns that completed (a stopped or failed one is left out)
 let running = null; // the AbortController of the request in flight
+let conversation = 0; // counts "New chat"s: a request started before one must not add to the new history
 
 function headers() {
   const h = {"Content-Type": "application/json"};
@@ -87,7 +88,8 @@ function setRunning(controller) {
 async function send() {
   const prompt = $("prompt").value;
   if (running || !prompt.trim()) return;
-  $("prompt").value = "";
+  $("prompt").value = ""; // the prompt moves to the transcript; it comes back unless the turn completes
+  const started = conversation;
   const messages = [...history, {role: "user", content: prompt}];
   const turn = new Turn(prompt);
   const controller = new AbortController();
@@ -109,9 +111,23 @@ async function send() {
   } catch (e) {
     if (e.name === "AbortError") { turn.stop(); outcome = "stopped"; } else turn.fail(String(e.message || e));
   }
+  if (started !== conversation) return; // "New chat" stopped it and cleared the page
   if (outcome === "done") history.push({role: "user", content: prompt}, {role: "assistant", content: turn.content});
+  // A failed or stopped turn is not context: give its prompt back to edit or resend, unless a new one is typed.
+  else if ($("prompt").value === "") $("prompt").value = prompt;
   setRunning(null);
   setStatus(outcome === "done" ? "" : outcome);
+}
+
+function newChat() {
+  // Every request carries the whole history; this starts over with none (stopping a request in flight).
+  conversation += 1;
+  if (running) running.abort();
+  setRunning(null);
+  history.length = 0;
+  $("log").replaceChildren();
+  setStatus("");
+  $("prompt").focus();
 }
 
 async function readStream(response, turn) {
@@ -249,6 +265,7 @@ function stop() { if (running) running.abort(); }
 
 $("composer").addEventListener("submit", (event) => { event.preventDefault(); send(); });
 $("stop").addEventListener("click", stop);
+$("new-chat").addEventListener("click", newChat);
 $("prompt").addEventListener("keydown", (event) => {
   if (event.key === "Enter" && !event.shiftKey && !event.isComposing) { event.preventDefault(); send(); }
 });
