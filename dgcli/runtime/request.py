@@ -95,7 +95,10 @@ def read_init_canvas(session: Any, spec: str | list, *, name: str = "--init-canv
         if session.tokenizer is None:
             raise UserError(f"{name} {spec!r} is text, which needs the checkpoint's tokenizer; "
                             f"give token ids as {IDS_PREFIX}5,6,7")
-        ids, how = session.tokenizer.encode_text(spec), "text"
+        try:
+            ids, how = session.tokenizer.encode_text(spec), "text"
+        except UserError as e:  # text that is not UTF-8: say which value it was
+            raise UserError(f"{name}: {e}") from None
     else:
         ids, how = [], "text"
     if not ids:

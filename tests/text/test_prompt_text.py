@@ -99,6 +99,7 @@ def test_text_that_is_not_unicode_is_one_line_before_the_tokenizer(how, tiny_ckp
     line = one_error(*run(argv, capsys, stdin=stdin, monkeypatch=monkeypatch))
     where = "character 0" if how == "init-canvas" else "character 9"
     assert f"is not valid UTF-8 (byte 0xff at {where}); pass UTF-8 text" in line
+    assert line.startswith("dgemma: error: --init-canvas: ") == (how == "init-canvas")  # which value it was
 
 
 def test_the_tokenizer_refuses_a_lone_surrogate_with_a_user_error(tiny_ckpt):
