@@ -10,6 +10,8 @@ denoising loop or draw frames itself (dgcli.render.watch does).
 
 from __future__ import annotations
 
+import math
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -31,6 +33,11 @@ NOT_A_TERMINAL_NOTE = ("dgemma: note: not a terminal, so no animation: the last 
 
 
 def _check_pacing(fps: float | None, step_delay: float | None, speed: float | None, replay: str | None) -> None:
+    for flag, value in (("--fps", fps), ("--step-delay", step_delay), ("--speed", speed)):
+        if value is not None and not math.isfinite(value):
+            raise UserError(f"{flag} {value}: give a finite number")
+    if speed is not None and 0 < speed < 1e-6:
+        raise UserError(f"--speed {speed}: too slow to wait out; use 0.001 or more (0 = no waiting)")
     if fps is not None and fps <= 0:
         raise UserError(f"--fps {fps}: the redraw rate must be above 0 (leave it out to draw every step)")
     if step_delay is not None and step_delay < 0:
@@ -44,17 +51,25 @@ def _check_pacing(fps: float | None, step_delay: float | None, speed: float | No
 def _check_outputs(**paths: str | None) -> None:
     """Before any model work: a picture that cannot be written must not cost a whole run."""
     for flag, path in paths.items():
-        if path is not None and not Path(path).resolve().parent.is_dir():
-            raise UserError(f"--{flag.replace('_', '-')} {path}: its folder does not exist; create it or pick another path")
+        if path is None:
+            continue
+        p, flag = Path(path).resolve(), f"--{flag.replace('_', '-')}"
+        if p.is_dir():
+            raise UserError(f"{flag} {path} is a folder; name a file in it")
+        if not p.parent.is_dir():
+            raise UserError(f"{flag} {path}: its folder does not exist; create it or pick another path")
+        if not os.access(p.parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+            raise UserError(f"{flag} {path}: not writable here; pick another path")
 
 
 def _screen():
     """(console, mode, note): animate on whichever of stdout and stderr is a terminal, stdout first."""
     from dgcli.render.watch import NO_WRAP, make_console
 
-    if sys.stdout.isatty():
+    dumb = os.environ.get("TERM") == "dumb"  # no cursor movement: a live view would draw nothing
+    if sys.stdout.isatty() and not dumb:
         return make_console(), "live", None
-    if sys.stderr.isatty():
+    if sys.stderr.isatty() and not dumb:
         return make_console(stderr=True), "live", None
     return make_console(stderr=True, width=NO_WRAP), "blocks", NOT_A_TERMINAL_NOTE
 
@@ -151,10 +166,10 @@ def watch(
                                init_canvas=canvas, on_event=lambda event: w.feed(event.to_record()))
     except KeyboardInterrupt:
         _interrupted(w)
+    print_answer(response)  # first: a picture that fails to write must not cost the answer
+    note_answers(session, [response], raw=raw)
     title, meta = _describe(str(session.path), session.resolved.as_dict(), text)
     _pictures(w, title, meta, save_svg, save_html)
-    print_answer(response)
-    note_answers(session, [response], raw=raw)
 
 
 def _replay(path: str, *, speed: float | None, fps: float | None, step_delay: float | None, save_svg: str | None,
@@ -163,22 +178,32 @@ def _replay(path: str, *, speed: float | None, fps: float | None, step_delay: fl
     from dgcli.render.watch import Pieces
 
     header, records = read_trace(path)  # one clear UserError for a truncated, foreign or other-version file
-    pieces = Pieces.from_trace(records[-1])
-    first_step = next((r for r in records if r["type"] == "step"), {})
-    max_steps = header.get("settings", {}).get("params", {}).get("max_denoising_steps") or first_step.get("max_steps", 0)
-    w = _watch(pieces, max_steps, fps=fps, step_delay=step_delay, speed=speed, replay=True)
+    bad = UserError(f"{path}: a record lacks the fields a step trace has, or has them of another type; "
+                    "re-record it with --trace")
+    w = None
     try:
+        pieces = Pieces.from_trace(records[-1])
+        first_step = next((r for r in records if r["type"] == "step"), {})
+        settings = header.get("settings") or {}
+        max_steps = settings.get("params", {}).get("max_denoising_steps") or first_step.get("max_steps", 0)
+        w = _watch(pieces, max_steps, fps=fps, step_delay=step_delay, speed=speed, replay=True)
         with w.display:
             for rec in records:
                 w.feed(rec)
+        title, meta = _describe(str(header.get("model", "trace")), settings, header.get("prompt"))
+        answer = w.final_text().rstrip("\n") + "\n"
     except KeyboardInterrupt:
+        if w is None:
+            raise
         _interrupted(w)
-    except (KeyError, TypeError, IndexError):  # a record with fields missing or of the wrong type
-        raise UserError(f"{path}: a record lacks the fields a step trace has; re-record it with --trace") from None
-    title, meta = _describe(str(header.get("model", "trace")), header.get("settings", {}), header.get("prompt"))
-    _pictures(w, title, meta, save_svg, save_html)
-    sys.stdout.write(w.final_text().rstrip("\n") + "\n")
+    except (KeyError, TypeError, IndexError, AttributeError, ValueError):  # fields missing or of the wrong type
+        raise bad from None
+    sys.stdout.write(answer)  # first: a picture that fails to write must not cost the answer
     sys.stdout.flush()
+    try:
+        _pictures(w, title, meta, save_svg, save_html)
+    except (KeyError, TypeError, IndexError, AttributeError, ValueError):
+        raise bad from None
 
 
 def _interrupted(w) -> None:

@@ -133,6 +133,9 @@ class Display:
 
     def __exit__(self, *exc) -> None:
         if self.live is not None:
+            # An empty view first: stop() redraws the last frame uncropped, and one taller than the terminal
+            # could not be erased above its top (it stayed in the scrollback, a second answer among it).
+            self.live.update(Text(""), refresh=True)
             self.live.stop()  # also on Ctrl-C: shows the cursor again and clears the view
             self.live = None
 

@@ -320,6 +320,42 @@ def test_on_a_terminal_a_finished_block_leaves_its_status_line_not_its_text(monk
     assert display.answer == list(w.commits[0].ids)  # shown in the view instead, until the end
 
 
+def test_a_dumb_terminal_gets_the_blocks_view(monkeypatch):
+    """TERM=dumb: no cursor movement, so a live view would show nothing but the status lines: the pipe's view."""
+    import dgcli.cli.watch as cmd
+
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    monkeypatch.setenv("TERM", "dumb")
+    assert cmd._screen()[1] == "blocks"
+    monkeypatch.setenv("TERM", "xterm-256color")
+    assert cmd._screen()[1] == "live"
+
+
+def test_a_picture_place_that_is_not_writable_is_refused_before_the_run(monkeypatch, tmp_path):
+    import os
+
+    from dgcli.cli.watch import _check_outputs
+    from dgcli.errors import UserError
+
+    real = os.access  # root writes anywhere: the folder answers as it would for a user
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p) == str(tmp_path) else real(p, mode, **kw))
+    with pytest.raises(UserError, match="--save-svg .*x.svg: not writable here"):
+        _check_outputs(save_svg=str(tmp_path / "x.svg"))
+
+
+def test_a_picture_that_fails_to_write_costs_no_answer(ckpt, monkeypatch, tmp_path):
+    import dgcli.render.watch as rw
+
+    def fail(*a, **k):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(rw, "save_svg", fail)
+    from dgcli.cli import app
+
+    r = CliRunner().invoke(app, ["watch", "--model", str(ckpt), "--save-svg", str(tmp_path / "x.svg"), *RUN])
+    assert r.stdout.strip() and isinstance(r.exception, OSError)  # the answer came out before the picture failed
+
+
 def _dgemma(*args: str) -> subprocess.CompletedProcess:
     exe = Path(sys.executable).with_name("dgemma")
     return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=60)
@@ -333,7 +369,11 @@ def test_bad_traces_give_one_line_and_exit_2(tmp_path):
     cases = {"truncated.jsonl": ("\n".join(lines[:-1]) + "\n" + lines[-1][:20], "truncated"),
              "nodone.jsonl": ("\n".join(lines[:-1]) + "\n", "truncated"),
              "version.jsonl": ("\n".join([json.dumps(header | {"version": 99})] + lines[1:]) + "\n", "version 99"),
-             "notes.txt": ("hello, world\n", "not a dgemma trace")}
+             "notes.txt": ("hello, world\n", "not a dgemma trace"),
+             # fields of another type (a list for settings, a list for the answer's token strings): was a traceback
+             "types.jsonl": ("\n".join([json.dumps(header | {"settings": [1]})] + lines[1:]) + "\n", "another type"),
+             "strings.jsonl": ("\n".join(lines[:-1] + [json.dumps(good[-1] | {"token_strings": [1]})]) + "\n",
+                               "another type")}
     for name, (text, message) in cases.items():
         (tmp_path / name).write_text(text)
         r = _dgemma("watch", "--replay", str(tmp_path / name))
@@ -347,7 +387,9 @@ def test_bad_traces_give_one_line_and_exit_2(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--fps", "0", "x"], "--fps"), (["--step-delay", "-1", "x"], "--step-delay"), (["--speed", "2", "x"], "--speed"),
-    (["--replay", "t.jsonl", "prompt"], "drop PROMPT"), (["--save-html", "/no/such/dir/x.html", "x"], "--save-html"), (["--replay", "t.jsonl", "--diffusion-steps", "4"], "drop")])
+    (["--replay", "t.jsonl", "prompt"], "drop PROMPT"), (["--save-html", "/no/such/dir/x.html", "x"], "--save-html"), (["--replay", "t.jsonl", "--diffusion-steps", "4"], "drop"),
+    (["--step-delay", "nan", "x"], "--step-delay nan: give a finite number"), (["--fps", "inf", "x"], "--fps inf"),
+    (["--replay", "t.jsonl", "--speed", "1e-300"], "too slow"), (["--save-svg", "/tmp", "x"], "is a folder")])
 def test_bad_options_are_one_line_errors(args, message):
     from dgcli.cli.watch import watch
     from dgcli.errors import UserError

@@ -123,6 +123,16 @@ def test_preset_overrides_checkpoint(tmp_path):
     assert Path(r.preset) == Path(preset)
 
 
+def test_a_local_preset_file_named_like_a_shipped_one_is_the_file(tmp_path, monkeypatch):
+    """`--preset ./fast` is the file here, not the shipped `fast` (the path lost its "./" on the way and was
+    looked up again as a name)."""
+    (tmp_path / "fast").write_text("max_denoising_steps: 8\n")
+    monkeypatch.chdir(tmp_path)
+    r = resolve(OTHER_GEN, "./fast", {})
+    assert r.params.max_denoising_steps == 8 and Path(r.preset) == tmp_path / "fast"
+    assert resolve(OTHER_GEN, "fast", {}).params.max_denoising_steps != 8  # the shipped one, by name
+
+
 def test_flags_override_preset_and_none_means_not_given(tmp_path):
     preset = write_preset(tmp_path, "max_denoising_steps: 12\nt_max: 0.7\ndtype: float32\n")
     flags = {"max_denoising_steps": 20, "t_max": None, "dtype": "bfloat16", "seed": 7, "max_blocks": None}
