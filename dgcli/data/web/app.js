@@ -1,7 +1,7 @@
 // The page's client: a multi-turn chat over POST /v1/chat/completions (stream: true, fetch + ReadableStream
 // SSE parsing), drawing each `dgemma_draft` event as the current block's canvas. It uses only the public API,
-// so it is also a reference client. "New chat" empties the history and the transcript. Must not: know server internals or hold state beyond this tab (the API key
-// lives in sessionStorage).
+// so it is also a reference client. "New chat" empties the history and the transcript. Must not: know server
+// internals or hold state beyond this tab (the API key lives in sessionStorage).
 "use strict";
 
 const $ = (id) => document.getElementById(id);
