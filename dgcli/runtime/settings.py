@@ -157,8 +157,20 @@ def load_preset(name_or_path: str) -> dict[str, Any]:
     import yaml  # here, not at import: most runs read no preset (start-up time)
 
     path = _preset_path(name_or_path)
+
+    class Strict(yaml.SafeLoader):  # a key set twice is an error: the later line must not silently win
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise UserError(f"preset {path}: '{key}' is set twice (again at line {key_node.start_mark.line + 1}); "
+                                    "keep one line")
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=Strict)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
@@ -174,6 +186,9 @@ def load_preset(name_or_path: str) -> dict[str, Any]:
     ps = data.get("prompt_set")
     if isinstance(ps, str) and ps.strip() and not Path(ps).expanduser().is_absolute():
         data["prompt_set"] = str((path.parent / ps).resolve())
+    if isinstance(ps, str) and ps.strip() and not Path(data["prompt_set"]).expanduser().is_file():
+        raise UserError(f"preset {path}: prompt_set {ps}: no such file (a relative path is read from the preset's "
+                        f"folder, {path.parent}); fix the path or drop the line")
     return data
 
 

@@ -390,12 +390,23 @@ def test_relative_prompt_set_is_relative_to_the_preset(tmp_path):
     sub = tmp_path / "cfg"
     sub.mkdir()
     preset = write_preset(sub, "prompt_set: prompts/set.jsonl\n")
+    with pytest.raises(UserError, match=r"prompt_set prompts/set.jsonl: no such file \(a relative path is read from "
+                                        r"the preset's folder"):  # checked with the preset, not after a model loads
+        load_preset(preset)
+    (sub / "prompts").mkdir()
+    (sub / "prompts" / "set.jsonl").write_text('{"prompt": "hi"}\n')
     assert Path(load_preset(preset)["prompt_set"]) == (sub / "prompts" / "set.jsonl").resolve()
     r = resolve(None, None, {"prompt_set": "rel/p.txt"})  # a flag stays relative to the cwd
     assert r.run.prompt_set == "rel/p.txt"
 
 
 # ------------------------------------------------------------------ generation_config.json
+
+
+def test_a_key_set_twice_in_a_preset_is_an_error(tmp_path):
+    preset = write_preset(tmp_path, "max_denoising_steps: 8\nentropy_bound: 0.2\nmax_denoising_steps: 9\n")
+    with pytest.raises(UserError, match="'max_denoising_steps' is set twice \\(again at line 3\\); keep one line"):
+        load_preset(preset)
 
 
 def test_generation_config_mapping_real_values():
