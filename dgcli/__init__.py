@@ -24,10 +24,7 @@ def load_model(path, device="cpu", dtype=None):
     name = str(device) if isinstance(device, torch.device) else device
     if not isinstance(name, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", name):
         raise UserError(f"device={device!r}: use \"cpu\", \"cuda\", \"cuda:N\" or \"auto\" (CUDA if present)")
-    try:  # the loader would fail later, blaming the file ("corrupt") or torch's pinned-memory allocator
-        device = pick_device(name)
-    except UserError as e:
-        raise UserError(str(e).replace("--device ", "device=")) from None
+    device = pick_device(name, flag="device=")  # now: the loader would blame the file or torch's pinned memory
     if not isinstance(path, (str, PathLike)):
         raise UserError(f"path={path!r}: give a checkpoint directory or GGUF file (a str or Path)")
     if dtype is not None and not isinstance(dtype, (str, torch.dtype)):

@@ -30,16 +30,18 @@ def default_model_path() -> Path:
     return BUNDLED
 
 
-def pick_device(name: str) -> torch.device:
+def pick_device(name: str, flag: str = "--device ") -> torch.device:
+    """`name` (auto | cpu | cuda[:N]) as a device here; `flag`: how errors name the setting ("device=" for the
+    library's argument)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise UserError(f"--device {name}: no CUDA device is visible to torch here; use --device cpu")
+        raise UserError(f"{flag}{name}: no CUDA device is visible to torch here; use {flag}cpu")
     dev = torch.device(name)
     if dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise UserError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) here; pick cuda:0..")
+        raise UserError(f"{flag}{name}: only {torch.cuda.device_count()} CUDA device(s) here; pick cuda:0..")
     return dev
 
 
