@@ -74,7 +74,11 @@ def plan(device: str, workers: int = 1, k: str | None = None) -> dict[str, tuple
     dummy_run = bench + dummy + ["--dtype", "bfloat16", "--batch-size", "1,4,8", "--diffusion-steps", "16",
                                  "--runs", "3" if cuda else "1", "--warmup", "1", "--num-prompts",
                                  "8" if cuda else "4", "--random-input-len", "128" if cuda else "32"]
-    pytest = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    # pytest with the checkout off sys.path, as the README's test command (the entry point beside the interpreter,
+    # else -P): `python -m pytest` would put it there, where kernels/ hides the PyPI `kernels` transformers imports
+    entry = Path(py).with_name("pytest")
+    pytest = [str(entry)] if entry.exists() else [py, "-P", "-m", "pytest"]
+    pytest += ["-q", "-p", "no:cacheprovider"]
     if workers > 1 and importlib.util.find_spec("xdist") is not None:
         pytest += ["-n", str(workers)]
     # The ahead-of-time compile check is the same on any machine (CI runs it): not worth a lease's minutes.

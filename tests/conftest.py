@@ -10,7 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The console script lives beside this interpreter (e.g. .venv/bin): subprocesses and tmux shells
-# must find `dgemma` there even when the venv is not activated (CI runs .venv/bin/python -m pytest).
+# must find `dgemma` there even when the venv is not activated (CI runs .venv/bin/pytest).
 os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
 
 # Tests use tiny shapes on 2 shared cores: a second intra-op thread only adds barrier waits

@@ -1,5 +1,6 @@
 """The layout is the architecture: which layer may import which, training code kept out of run time, no
-file over 400 lines, and `dgcli.kernels` resolving to this repository's top-level kernels/."""
+file over 400 lines, `dgcli.kernels` resolving to this repository's top-level kernels/, and plain `kernels` never
+(the PyPI package of that name)."""
 
 from __future__ import annotations
 
@@ -116,3 +117,21 @@ def test_a_plain_checkout_imports_the_kernels(tmp_path):
             "print(pathlib.Path(d.__file__).resolve())\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == str(ROOT / "kernels" / "dispatch.py")
+
+
+def test_the_test_process_never_takes_our_kernels_for_the_pypi_package():
+    """`import kernels` names the PyPI package (transformers imports it for its hub kernels), never this
+    repository's top-level kernels/: the README's test command keeps the checkout's root off sys.path. Run as
+    `python -m pytest` from the root, this fails (the root is on sys.path), and so would every transformers oracle."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.find_spec("kernels")
+    places = [] if spec is None else [spec.origin, *(spec.submodule_search_locations or [])]
+    folders = (ROOT / "kernels", ROOT / "tests" / "kernels")  # a regular package; a namespace portion
+    ours = [p for p in places if p and any(Path(p).resolve().is_relative_to(f) for f in folders)]
+    at = [i for i, p in enumerate(sys.path) if Path(p or ".").resolve() == ROOT]
+    assert not ours, (f"`import kernels` resolves to {ours[0]} (the repository root is sys.path{at}): run the tests "
+                      "with the venv's pytest entry point (.venv/bin/pytest), not `python -m pytest`")
+    from transformers.integrations import hub_kernels  # noqa: F401  (imports `kernels` where it is installed)
+    from transformers import PreTrainedModel  # noqa: F401  (modeling_utils imports hub_kernels)

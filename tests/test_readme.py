@@ -60,6 +60,15 @@ def test_readme_is_short_and_has_no_development_log():
         assert text.count(marker) == 1, marker  # .ci/run extracts the test command between these
 
 
+def test_the_test_command_runs_pytest_by_the_venvs_entry_point():
+    """`python -m pytest` would put the checkout's root first on sys.path, and its kernels/ would hide the PyPI
+    `kernels` that transformers imports (tests/test_layout.py checks the running process too)."""
+    text = README.read_text()
+    cmd = text.split("<!-- test-command -->")[1].split("<!-- /test-command -->")[0]
+    assert "-m pytest" not in cmd and " .venv/bin/pytest " in cmd, cmd
+    assert re.search(r"-e '\.\[test\]'", cmd), cmd  # the test extras (pinned in pyproject.toml) installed
+
+
 def test_every_command_has_an_example_and_every_skip_says_why():
     found = examples(README.read_text())
     for lang, code in found:

@@ -27,6 +27,8 @@ def test_dry_run_plans_every_step_at_cpu_sizes():
     assert steps == ["env", "tests", "kernels", "sync_check", "engine_passes", "profile", "bench_kernels",
                      "bench_dummy", "bench_bundled"]
     assert "TRITON_INTERPRET=1" in out and "--small" in out and "dummy-medium.json --layers 2" in out
+    # pytest as the README runs it: never `python -m pytest`, which puts the checkout (and kernels/) on sys.path
+    assert " -m pytest" not in out.replace(" -P -m pytest", "") and "pytest -q" in out
     passes = "benchmarks/engine_passes.py --prefix --arrival --layers 6"
     cuda = subprocess.run([sys.executable, str(SCRIPT), "--device", "cuda", "--dry-run"],
                           capture_output=True, text=True, check=True, cwd=ROOT).stdout

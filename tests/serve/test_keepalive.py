@@ -62,7 +62,7 @@ def test_a_quiet_stream_sends_comments_and_the_raw_stream_still_parses(live, hel
 def test_the_openai_client_reads_past_the_comments(live, held):
     base, _ = live
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0,
-                           timeout=httpx.Timeout(30, read=READ_TIMEOUT_S))
+                           timeout=openai.Timeout(30, read=READ_TIMEOUT_S))
     chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "t a c"
     assert chunks[-1].choices[0].finish_reason == "stop"
