@@ -6,11 +6,9 @@ first j with Σ_{i≤j} exp(L_i - M) > u·Σ_i exp(L_i - M), sums in float64). A
 vocabulary keeps, per row and per group of `width` consecutive columns, a reference value m_g ≥ the
 group's logits and w_g = Σ_{j∈g} exp(L_j - m_g) (fp32); this finds the group where the cumulative mass
 crosses u·total, recomputes that group's logits for each row (`group_logits`: a [rows, width, H] gather
-of E, a few rows at a time, or one GEMM per group when few groups are drawn; in bf16 on CPU one C call reading
-each block in place, in the head GEMM's summation order) and finds the column inside it.
+of E, a few rows at a time, or one GEMM per group when few groups are drawn) and finds the column inside it.
 Same draw as the reference's up to float rounding (group sums in fp32, a different summation order) when
-u·total falls within that rounding of a CDF boundary. The CPU pass's searches are C calls
-(kernels/sampler_native.py: the same bits as the torch ops, which a device kernel's draw keeps). Must not: know
+u·total falls within that rounding of a CDF boundary. Must not: know
 about devices beyond the tensors given, or sync with the host (CPU tensors are read as lists: no device there).
 """
 
@@ -20,7 +18,6 @@ from collections.abc import Callable
 
 import torch
 
-from . import sampler_native
 from .reference import processed_logits
 
 # A row chunk's gathered embedding rows [rows, width, H] stay within this many bytes. 8 MiB, not 32: a
@@ -50,12 +47,6 @@ def group_logits(rows: torch.Tensor, embed: torch.Tensor, group: torch.Tensor, w
     if blocks is not None and embed.dtype == torch.float32 and group.device.type == "cpu" \
             and _by_group(rows, blocks, group, out):
         return processed_logits(out, softcap, temperature)  # every column < V: its group indexed a block
-    if blocks is not None and embed.dtype == torch.bfloat16:
-        # bf16 on CPU: no gather (1.6-2.1 against 5-13 ms at 256 rows, H = 1024, 2 threads), the tile's head GEMM's
-        # bits (kernels/sampler_native.py; the bmm below differs in a few logits in 10^4 where H > 1024)
-        native = sampler_native.group_logits_bf16(rows.to(embed.dtype).contiguous(), embed, group, width)
-        if native is not None:
-            return processed_logits(native, softcap, temperature)
     cols = group[:, None] * width + torch.arange(width, device=rows.device)  # [N, W]
     step = max(1, GATHER_BYTES // max(1, width * h * embed.element_size()))
     for lo in range(0, n, step):
@@ -102,13 +93,6 @@ def draw_from_groups(gmax: torch.Tensor, gsum: torch.Tensor, u: torch.Tensor, wi
     default `group_logits`: a device's own kernel may take its place, same arguments and result)."""
     top = gmax.max(dim=1, keepdim=True).values  # [N, 1] the row max M (a group's m_g may exceed its own max)
     mass = gsum.double() * torch.exp((gmax - top).double())  # [N, G] Σ exp(L - M) per group
-    # the CPU pass's draw (its own group_logits): the search below in two C calls, the same bits; a device
-    # kernel's draw (`logits_fn`) keeps the torch ops, on CUDA and in Triton's CPU interpreter alike
-    located = sampler_native.locate_group(mass, u.double()) if logits_fn is None else None
-    if located is not None:
-        g, target, before = located
-        p = torch.exp(group_logits(rows, embed, g, width, softcap, temperature) - top).double()  # [N, W]
-        return sampler_native.locate_column(p, g, target, before)
     cum = mass.cumsum(dim=1)  # [N, G]
     target = u.double() * cum[:, -1]  # [N]
     g = torch.searchsorted(cum, target[:, None], right=True).clamp_(max=cum.shape[1] - 1)  # [N, 1]

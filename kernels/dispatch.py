@@ -1,36 +1,26 @@
-"""Which implementation runs each fused op: Triton kernels on CUDA, the fast torch paths on CPU, the torch
-references when asked (`DGEMMA_KERNELS=reference`) or when nothing better applies.
+"""Which implementation runs each fused op: Triton kernels on CUDA; on CPU torch's own kernels, or our C kernels
+(kernels/csrc, kernels/native.py) where one is faster; the torch references when asked (`DGEMMA_KERNELS=reference`)
+or when nothing better applies. Per op and device: one reference and at most one fast implementation.
 
 Owns: `vocab_pass`, `experts`, `rms_norm` (same signatures as their references), `rms_norm_add` (with the
 residual add and the add before the norm), `gelu_mul` / `gelu_mul_fused` (the gated GELU(tanh)), the FP8 ops
 `fp8_linear` and `fp8_experts` with `fp8_semantics` (DGEMMA_FP8: weight-only, the default, or dynamic FP8
 activations; see kernels/fp8.py), and `implementation`, which names the choice (benchmarks and traces record
-it), decided once per op, device and DGEMMA_KERNELS value. The variable is read at each call, so a test or a benchmark
-can flip it. The Triton kernels are reached through their torch custom ops (kernels/ops.py), so eager,
+it), decided once per op, device and DGEMMA_KERNELS value, and `provenance`, which names per op what a session
+ran (bench rows record it). The variable is read at each call, so a test or a benchmark can flip it.
+The two switches: DGEMMA_KERNELS (auto: the default; torch: torch's kernels only, no C; reference: the references)
+and DGEMMA_FP8 (how FP8 weights run). The Triton kernels are reached through their torch custom ops (kernels/ops.py), so eager,
 compiled and fake-tensor runs take the same door. Must not: hold math of its own, or import Triton unless a
 CUDA tensor asks for a kernel (so CPU-only installs without Triton work).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-from . import native, norm_native, ops, reference, reference_ops
-
-MODES = ("auto", "reference")
-FP8_SEMANTICS = ("weight-only", "dynamic")
-
-
-def mode() -> str:
-    """DGEMMA_KERNELS: 'auto' (default: kernels on CUDA, fast paths on CPU) or 'reference'."""
-    m = os.environ.get("DGEMMA_KERNELS", "auto").strip().lower() or "auto"
-    if m not in MODES:
-        raise ValueError(f"DGEMMA_KERNELS={m!r}: use one of {', '.join(MODES)}")
-    return m
-
+from . import norm_native, ops, reference, reference_ops
+from .switches import FP8_SEMANTICS, MODES, SWITCHES, fp8_semantics, getenv, mode  # noqa: F401 (public names)
 
 def _triton_ok() -> bool:
     try:
@@ -38,15 +28,6 @@ def _triton_ok() -> bool:
     except ImportError:
         return False
     return True
-
-
-def fp8_semantics() -> str:
-    """DGEMMA_FP8: how FP8 weights run. 'weight-only' (default): dequantized per tile, activations stay in
-    the model dtype; 'dynamic': activations quantized per token to e4m3 as vLLM runs FP8-dynamic checkpoints."""
-    m = os.environ.get("DGEMMA_FP8", "weight-only").strip().lower() or "weight-only"
-    if m not in FP8_SEMANTICS:
-        raise ValueError(f"DGEMMA_FP8={m!r}: use one of {', '.join(FP8_SEMANTICS)}")
-    return m
 
 
 _CHOSEN: dict[tuple, str] = {}  # (op, device, DGEMMA_KERNELS as set) -> implementation
@@ -60,7 +41,7 @@ def implementation(op: str, device: torch.device | str) -> str:
     dequantized tiles or torch._scaled_mm).
     Decided once per op, device and DGEMMA_KERNELS value (a dict lookup afterwards: this runs ~13 times per
     layer per step); only the variable itself is read at each call, so a test or a benchmark can flip it."""
-    key = (op, device, native.getenv("DGEMMA_KERNELS"))
+    key = (op, device, getenv("DGEMMA_KERNELS"))
     got = _CHOSEN.get(key)
     if got is None:
         got = _CHOSEN[key] = _choose(op, torch.device(device))
@@ -118,7 +99,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
         if y is not None:
             return y
     if impl == "cpu" and (weight is None or weight.dtype == x.dtype):
-        # torch's own CPU op (DGEMMA_NATIVE=0, no compiler, strided rows, autograd): the reference's formula in
+        # torch's own CPU op (DGEMMA_KERNELS=torch, no compiler, strided rows, autograd): the reference's formula in
         # fp32 (its pow(-0.5) is the same rsqrt), one call where the reference makes nine (45 norms a step:
         # ~1/3 of the bundled model's torch calls); bit for bit the reference's (tests/kernels/test_kernel_dispatch.py)
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
@@ -140,17 +121,12 @@ def rms_norm_add(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, re
 def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """F.gelu(gate, approximate="tanh") * up, the gated MLPs' activation: one C pass on CPU where it pays
     (kernels/norm_native.py; torch's bits), else those torch ops."""
-    if implementation("gelu_mul", gate.device) == "cpu":
-        y = norm_native.gelu_mul(gate, up)
-        if y is not None:
-            return y
-    y = F.gelu(gate, approximate="tanh")
-    return y * up if torch.is_grad_enabled() else y.mul_(up)  # in place where no graph is kept: one buffer fewer
+    return norm_native.gelu_mul_any(gate, up)
 
 
 def gelu_mul_fused(gu: torch.Tensor, inter: int) -> torch.Tensor:
     """gelu_mul of a [..., 2·inter] gate_up tensor's halves (gate first)."""
-    return gelu_mul(gu[..., :inter], gu[..., inter:])
+    return norm_native.gelu_mul_any(gu[..., :inter], gu[..., inter:])
 
 
 def fp8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -185,3 +161,29 @@ def fp8_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_pro
     if impl == "cpu" and not dynamic:
         return fp8.experts_fp8_segments(x, w, idx, gate_up_proj, gate_up_scale, down_proj, down_scale)
     return fp8.experts_fp8_reference(x, w, idx, gate_up_proj, gate_up_scale, down_proj, down_scale, dynamic=dynamic)
+
+
+def provenance(device: torch.device | str, dtype: str | None = None, packed: bool = False) -> dict[str, str]:
+    """Per op, the implementation a session on `device` with weights of `dtype` ('float32', 'bfloat16', ...) runs;
+    `packed`: dgcli/model/packed.py prepacked its linears and experts at load. Names: 'triton', 'reference',
+    torch's own kernels ('torch.linear', 'torch.grouped_mm', 'torch.rms_norm', 'torch-ops', 'onednn-packed':
+    torch's oneDNN GEMM on weights prepacked once) and our C kernels ('c-panels', 'c'). Two bench rows whose
+    numbers differ can say why."""
+    from . import vocab_native
+
+    dev = torch.device(device)
+    ops_ = {op: implementation(op, dev) for op in ("vocab_pass", "experts", "rms_norm", "gelu_mul")}
+    if dev.type != "cpu":
+        return {**ops_, "linear": "torch.linear"}
+    fp32 = dtype in (None, "float32")  # only the C GEMM packs fp32 weights (dgcli/model/packed.py)
+    linear = ("c-panels" if fp32 else "onednn-packed") if packed else "torch.linear"
+    out = {"linear": linear}
+    if ops_["experts"] == "cpu":
+        out["experts"] = linear if packed else "torch.grouped_mm"
+    if ops_["vocab_pass"] == "cpu":
+        out["vocab_pass"] = "tiled, c" if vocab_native.available() else "tiled, torch-ops"
+    if ops_["rms_norm"] == "cpu":
+        out["rms_norm"] = "c" if norm_native.available() else "torch.rms_norm"
+    if ops_["gelu_mul"] == "cpu":
+        out["gelu_mul"] = "c" if norm_native.available() else "torch-ops"
+    return {**ops_, **out}

@@ -11,27 +11,19 @@ dtype: bf16 rounds them, relative error <= 2^-9 each); 0.625 bytes per value (Q4
 Q8_0 -> the same kernel on two nibble planes side by side along K (q + 128 = 16a + b: plane a scale 16d, zero 8d;
 plane b scale d, zero 0; x fed twice); 1.25 bytes per value. Q5_0 (llama.cpp's Q4_K_M type for rows not a
 multiple of 256) the same way. Q6_K -> kept as its bytes (its 16-value sub-blocks do not map onto groups of 32),
-unpacked per call in ~1 M-value row tiles by C into oneDNN-packed bf16 (`_q6k_native`, ~0.15-0.2 ns per weight), or
-without native code dequantized in ~1 MB tiles for F.linear (~2.5 ns); both the dequantizer's bits rounded to bf16.
+dequantized in ~1 MB tiles for F.linear (~2.5 ns per weight; the dequantizer's bits rounded to x's dtype).
 Rows are padded to a multiple of 64.
 fp32 activations (or scales not in x's dtype) take the exact fp32 tile path (the kernel's fp32 path is ~70x slower).
 
-Where the CPU has AVX-512 VNNI, bf16 x of Q8_ROWS rows or more takes the int8 path instead (kernels/ggml_q8.py:
-x rounded to int8 per group of 32, then integer dot products over the nibbles, a plane pair's joined into bytes;
-0.62-0.93x bf16's GEMM time at 3-256 rows, its own stated bound), and Q6_K at every row count (0.5-0.75x the
-native tiles' time); DGEMMA_GGML_Q8=0 keeps the bf16 paths below.
-Two bf16 paths for an int4 form by the rows of x (`gemm_rows`). Few (< 64; native unpacker 16; planes 32, with native
-code 64): `_few_int4`, from GEMV_ROWS (4) rows of bf16 x the native GEMV (`ggml_native.gemv`: the nibbles read
-once, bf16 dot products `_mm512_dpbf16_ps`, the form's exact weights, fp32 sums; bound in kernels/ggml_csrc.py),
-else torch's int4 kernel (3.5x fewer bytes than bf16, but fp32 FMAs at ~85 GFLOP/s against oneDNN's ~215 bf16).
-More: the GEMM path (`_gemm_int4`), tiles of ~4 M weights unpacked to bf16 in per-thread scratch, then oneDNN's bf16
-GEMM; nothing unpacked outlives the call; each weight is the kernel's exact weight rounded once to bf16 (tests check
-the bits). Single-plane forms (Q4_K, Q4_0) are unpacked by C (kernels/ggml_native.py: built by the system's cc at
-first use) straight into a oneDNN-packed weight, so the GEMM skips F.linear's per-call reorder: ~0.065 ns per weight
-at 1 thread (weights read from memory; ~0.13 measured inside a 200 M step, memory-bound there), then the
-packed bf16 rate.
-Planes, and machines without a compiler or packing (or DGEMMA_GGML_NATIVE=0): torch ops (`_int4_tile_t`, ~0.55-0.8
-ns per weight) and x @ W.T. Crossovers: bench_ggml.py --crossover.
+The one C fast path: where the CPU has AVX-512 VNNI + VBMI (and a C compiler), bf16 x of Q8_ROWS rows or more takes
+the int8 path (kernels/ggml_q8.py: x rounded to int8 per group of 32, then integer dot products over the nibbles, a
+plane pair's joined into bytes; 0.62-0.93x bf16's GEMM time at 3-256 rows, its own stated bound), and Q6_K at every
+row count. Measured against the torch paths below in benchmarks/RESULTS.md (a GGUF step ~1.8x faster).
+The torch paths (DGEMMA_KERNELS=torch, no compiler, no VNNI), for an int4 form by the rows of x (`gemm_rows`): few
+(< 64; planes 32): torch's int4 kernel (3.5x fewer bytes than bf16, but fp32 FMAs); more: the GEMM path
+(`_gemm_int4`), tiles of ~4 M weights unpacked to bf16 by torch ops in per-thread scratch (`_int4_tile_t`, ~0.55-0.8
+ns per weight), then x @ W.T; nothing unpacked outlives the call; each weight is the kernel's exact weight rounded
+once to bf16 (tests check the bits).
 Output error against the file's exact weights (relative RMS, Q4_K [1408, 2816], 256 rows, zero-mean / mean-1 x):
 kernel 2.5e-3 / 4.0e-3, GEMM path 3.0e-3 / 4.6e-3 (one more bf16 rounding per weight), bf16 checkpoint 2.4e-3 / 2.7e-3.
 """
@@ -44,8 +36,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from . import ggml_native, ggml_q8
-from .linear_cpu import packing_available
+from . import ggml_q8
 
 Q4_0, Q5_0, Q8_0, Q4_K, Q6_K = 2, 6, 8, 12, 14
 PLANES = (Q5_0, Q8_0)  # 5- and 8-bit types: two nibble planes side by side along K
@@ -53,15 +44,12 @@ PLANE_OFFSET = {Q5_0: 16, Q8_0: 128}  # planes' weights d·(16a + b − offset)
 GROUP = 32  # the int4 kernel's group size: one Q4_K sub-block, one Q8_0 block
 ROW_BLOCK = 64  # the int4 packed layout's row block
 TILE_VALUES = 1 << 18  # values dequantized per tile on the tile path (1 MB in fp32)
-# From this many rows of x on, an int4 form takes the GEMM path instead of the kernel (bench_ggml.py --crossover);
-# with the native unpacker (single-plane forms) from GEMM_ROWS // NATIVE_ROWS_DIVISOR (16: its crossover, 1 thread)
-GEMM_ROWS, GEMM_ROWS_PLANES, NATIVE_ROWS_DIVISOR = 64, 32, 4
-GEMV_ROWS = 4  # below the GEMM path, from this many rows the native GEMV instead of torch's int4 kernel
+# From this many rows of x on, an int4 form takes the GEMM path instead of torch's int4 kernel
+GEMM_ROWS, GEMM_ROWS_PLANES = 64, 32
 # From this many rows of bf16 x (single-plane forms, planes) the int8 path where the CPU has VNNI (below: torch's
 # int4 kernel reads the nibbles once, 1.5x faster at 1-2 rows; planes' other paths are slower at every count)
 Q8_ROWS = (3, 1)
 GEMM_TILE_VALUES = 1 << 22  # weight values per bf16 tile (8 MB + 4 MB int8 scratch): fewer, larger ops
-Q6K_TILE_VALUES = 1 << 20  # weight values per native Q6_K tile (2 MB: 1.05-1.15x faster than 8 MB, 1 thread)
 _NIB = 0x0F0F0F0F0F0F0F0F  # low nibble of each byte of an int64 word
 _scratch = threading.local()  # per thread: the GEMM path's reused (int8, bf16) tile buffers
 
@@ -220,20 +208,11 @@ def _int4_tile_t(p: Prepared, b0: int, b1: int, dtype: torch.dtype) -> torch.Ten
     return w.view(k, tn)
 
 
-def _gemm_int4(x2: torch.Tensor, p: Prepared, lib=None) -> torch.Tensor:
-    """x2 [M, k] @ W.T through bf16 tiles of W (about GEMM_TILE_VALUES values each) -> [M, n]: unpacked by the
-    native code into oneDNN's packed layout where it can (`_native_tile`), else by torch ops as W.T. `lib`: the
-    native library where the caller looked it up (None: looked up here)."""
+def _gemm_int4(x2: torch.Tensor, p: Prepared) -> torch.Tensor:
+    """x2 [M, k] @ W.T through bf16 tiles of W (about GEMM_TILE_VALUES values each, unpacked by torch ops) -> [M, n]."""
     blocks = p.packed.shape[-2] // ROW_BLOCK
     step = max(1, GEMM_TILE_VALUES // (p.k * ROW_BLOCK))
-    if step >= blocks:  # one tile (most matrices): no lists
-        y = _native_tile(x2, p, 0, blocks, lib)
-        if y is None:
-            y = x2 @ _int4_tile_t(p, 0, blocks, x2.dtype)
-        return y[:, :p.n] if y.shape[1] != p.n else y
-    ys = [_native_tile(x2, p, b0, min(b0 + step, blocks), lib) for b0 in range(0, blocks, step)]
-    ys = [x2 @ _int4_tile_t(p, b0, min(b0 + step, blocks), x2.dtype) if y is None else y
-          for b0, y in zip(range(0, blocks, step), ys)]
+    ys = [x2 @ _int4_tile_t(p, b0, min(b0 + step, blocks), x2.dtype) for b0 in range(0, blocks, step)]
     y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
     return y[:, :p.n] if y.shape[1] != p.n else y
 
@@ -245,47 +224,13 @@ def _kernel_int4(x2: torch.Tensor, p: Prepared) -> torch.Tensor:
     return y[:, :p.n] if y.shape[1] != p.n else y
 
 
-def gemm_rows(p: Prepared, lib=None) -> int:
-    """The fewest rows of bf16 x that take the GEMM path for p (an int4 form). Planes with native code: the GEMV
-    runs up to GEMM_ROWS (their GEMM path unpacks by torch ops: ~1 ms a [2816, 704] matrix). `lib`: the native
-    library where the caller looked it up (None: looked up here)."""
-    native = (lib or ggml_native._native()) is not None
-    if p.qtype in PLANES:
-        return GEMM_ROWS if native else GEMM_ROWS_PLANES
-    return max(1, GEMM_ROWS // NATIVE_ROWS_DIVISOR) if native and packing_available() else GEMM_ROWS
-
-
-def _few_int4(x2: torch.Tensor, p: Prepared, lib=None) -> torch.Tensor:
-    """x2 [M, k] @ W.T below the GEMM path's rows: the native GEMV (`ggml_native.gemv`) for bf16 x from GEMV_ROWS
-    rows (planes: x fed twice), else torch's int4 kernel. `lib` as `_gemm_int4`'s."""
-    if x2.dtype == torch.bfloat16 and x2.shape[0] >= GEMV_ROWS:
-        xin = torch.cat((x2, x2), dim=1) if p.qtype in PLANES else x2
-        y = ggml_native.gemv(xin, p.packed, p.sz, xin.shape[1], lib=lib)
-        if y is not None:
-            return y[:, :p.n] if y.shape[1] != p.n else y
-    return _kernel_int4(x2, p)
-
-
-def _q6k_native(x2: torch.Tensor, p: Prepared, lib=None) -> torch.Tensor | None:
-    """x2 [M, k] bf16 @ W.T for Q6_K through row tiles unpacked natively into packed weights (about
-    Q6K_TILE_VALUES values each), or None where the native code does not apply (the torch tile path runs).
-    `lib` as `_gemm_int4`'s."""
-    step = max(ROW_BLOCK, Q6K_TILE_VALUES // p.k // ROW_BLOCK * ROW_BLOCK)
-    if step >= p.n:  # one tile (most matrices): no lists
-        y = ggml_native.q6k_product(x2, p.packed, p.k, p.n, 0, p.n, lib=lib)
-        return y if y is None or y.shape[1] == p.n else y[:, :p.n]
-    ys = []
-    for r0 in range(0, p.n, step):
-        y = ggml_native.q6k_product(x2, p.packed, p.k, p.n, r0, min(r0 + step, p.n), lib=lib)
-        if y is None:
-            return None
-        ys.append(y[:, :min(step, p.n - r0)])
-    return ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
+def gemm_rows(p: Prepared) -> int:
+    """The fewest rows of bf16 x that take the GEMM path for p (an int4 form) on the torch paths."""
+    return GEMM_ROWS_PLANES if p.qtype in PLANES else GEMM_ROWS
 
 
 def linear(x: torch.Tensor, p: Prepared) -> torch.Tensor:
-    """x [..., k] @ W.T -> [..., n] in x.dtype for one prepared matrix W [n, k]. Runs ~200 times a decoder pass:
-    the native library is looked up once per call and handed down (each lookup reads the environment)."""
+    """x [..., k] @ W.T -> [..., n] in x.dtype for one prepared matrix W [n, k] (~200 calls a decoder pass)."""
     x2 = x if x.dim() == 2 and x.shape[1] == p.k else x.reshape(-1, p.k)
     y = None
     if x.dtype == torch.bfloat16 and x.is_cpu:  # the thresholds were measured against oneDNN's bf16 GEMM
@@ -294,16 +239,13 @@ def linear(x: torch.Tensor, p: Prepared) -> torch.Tensor:
                 y = ggml_q8.product(x2, p.packed, p.sz, p.k, PLANE_OFFSET.get(p.qtype, 0))
                 y = y if y is None or y.shape[1] == p.n else y[:, :p.n]
             if y is None:
-                lib = ggml_native._native()
-                y = _gemm_int4(x2, p, lib) if x2.shape[0] >= gemm_rows(p, lib) else _few_int4(x2, p, lib)
+                y = _gemm_int4(x2, p) if x2.shape[0] >= gemm_rows(p) else _kernel_int4(x2, p)
         elif p.qtype == Q6_K:
-            y = ggml_q8.q6k_product(x2, p.packed, p.k, p.n) if ggml_q8.available() else None  # 0.5-0.75x tiles'
-            if y is None:
-                y = _q6k_native(x2, p, ggml_native._native())
-            elif y.shape[1] != p.n:
+            y = ggml_q8.q6k_product(x2, p.packed, p.k, p.n) if ggml_q8.available() else None
+            if y is not None and y.shape[1] != p.n:
                 y = y[:, :p.n]
     elif p.kind == "int4" and x.dtype == torch.float16 and p.sz.dtype == x.dtype and x.is_cpu:
-        y = _few_int4(x2, p)  # fp16 keeps torch's int4 kernel
+        y = _kernel_int4(x2, p)  # fp16 keeps torch's int4 kernel
     if y is None:  # tiles of rows dequantized one at a time into x's dtype (the whole matrix never is)
         step = max(ROW_BLOCK, TILE_VALUES // p.k // ROW_BLOCK * ROW_BLOCK)
         y = torch.cat([F.linear(x2, _dequant_rows(p, r0, min(r0 + step, p.n), x.dtype))
@@ -351,10 +293,3 @@ def _experts_of(p: Prepared):
     packed, sz = p.packed.unbind(0), (None,) * len(p.packed) if p.sz is None else p.sz.unbind(0)
     return lambda e: Prepared(p.kind, p.qtype, p.n, p.k, packed[e], sz[e])
 
-
-def _native_tile(x2: torch.Tensor, p: Prepared, b0: int, b1: int, lib=None) -> torch.Tensor | None:
-    """x2 @ (row blocks b0..b1 of W).T by the native unpacker (kernels/ggml_native.py); None for planes or where
-    it does not apply (the torch unpacker runs then). `lib` as `_gemm_int4`'s."""
-    if p.qtype in PLANES:
-        return None
-    return ggml_native.tile_product(x2, p.packed, p.sz, p.k, b0, b1, lib=lib)

@@ -1,22 +1,19 @@
-"""Routed experts for CPU: token-expert pairs grouped by expert, GEMMs over all experts at once.
+"""Routed experts for CPU: token-expert pairs grouped by expert.
 
-Owns: `experts_segments` (the default for a model as loaded: pairs sorted into contiguous per-expert
-segments, two `F.grouped_mm` calls, no padding, no host read, so it compiles into the decoder's graph),
-`experts_grouped` (padded batched GEMMs; used where grouped_mm's 16-byte stride rule does not hold,
-and for non-bf16 inputs inside torch.compile) and `experts_packed` (bf16 weights prepacked for oneDNN
-at session start, one GEMM pair per expert on its gathered rows: what an eager bf16 CPU session runs where the C
-GEMM does not sum as oneDNN does; see kernels/linear_cpu.py and dgcli/model/packed.py), with its pool of one-thread
-workers (`_pool`) that share out the experts where each gets few rows, and `experts_native` (fp32 sessions, and bf16
-ones where the C bf16 GEMM gives oneDNN's bits: `experts_segments` with the C GEMM, kernels/gemm_native.py /
-gemm_bf16.py).
+Owns: `experts_segments` (torch's own grouped GEMM, for a model as loaded: pairs sorted into contiguous per-expert
+segments, two `F.grouped_mm` calls, no padding, no host read, so it compiles into the decoder's graph; the
+reference where grouped_mm's 16-byte stride rule does not hold) and the fast path of a session that packed its
+weights at load (dgcli/model/packed.py): `experts_packed` (bf16 weights prepacked for oneDNN, one GEMM pair per
+expert on its gathered rows, with its pool of one-thread workers (`_pool`) that share out the experts where each
+gets few rows) and `experts_native` (fp32: the same segments through the C GEMM, kernels/gemm_native.py).
 All equal `kernels/reference_ops.py::experts_reference` (and so the model's `Experts.forward`): same
 GEMM inputs and dtypes, same activation, the fp32 routing-weight product rounded to x.dtype, and a
 token's k contributions added in ascending expert order with one rounding per addition. Only the GEMM
 kernel may differ (and in fp32 the GELU's tanh: kernels/norm_native.py), so fp32 agrees to accumulation order
 and tanh's last places, bf16 to one rounding of a GEMM output.
 Must not: route (the router is the model's), run on CUDA (kernels/moe.py does), import
-torch._dynamo (about 1 s) in a process that never compiles (`experts_grouped` is kept out of compiled
-graphs by `_outside_compiled_graphs`, which touches the compiler only once something compiles), or
+torch._dynamo (about 1 s) in a process that never compiles (`_outside_compiled_graphs` touches the compiler only
+once something compiles), or
 change the torch thread count of any thread but its own workers.
 
 Why grouped: on this CPU a bf16 GEMM with ~20-80 rows runs at a fraction of the AMX rate and a Python
@@ -48,12 +45,11 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.nn.functional as F
 
-from . import dispatch, gemm_bf16, gemm_native
+from . import gemm_native
+from .norm_native import gelu_mul_any
 from .linear_cpu import PROBE_ROWS, linear, pack
 from .reference_ops import experts_reference
 
-# Batched GEMMs compute E·cap rows for N·k useful ones; above this ratio the per-expert loop wins.
-MAX_PADDING = 2.0
 # experts_packed shares the experts out across one-thread workers up to this many rows per expert that got tokens.
 SPLIT_MAX_ROWS = 64
 # ... and then sums this many tokens' contributions at a time, each block handed to the next free worker.
@@ -130,36 +126,6 @@ def _outside_compiled_graphs(fn):
     return wrapper
 
 
-@_outside_compiled_graphs  # reads the largest group size back to the host: keep it out of compiled graphs
-def experts_grouped(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_proj: torch.Tensor,
-                    down_proj: torch.Tensor) -> torch.Tensor:
-    """x [N, H], w [N, k] fp32, idx [N, k] (distinct experts per row), gate_up_proj [E, 2I, H],
-    down_proj [E, H, I] -> [N, H] in x.dtype."""
-    n, k = idx.shape
-    num_experts, h = gate_up_proj.shape[0], x.shape[1]
-    inter = down_proj.shape[2]
-    if n == 0:
-        return torch.zeros_like(x)
-    flat, w_sorted = _pairs(idx, w)  # [N*k], [N, k]
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
-    cap = int(counts.max())
-    if cap * num_experts > MAX_PADDING * n * k:
-        return experts_reference(x, w, idx, gate_up_proj, down_proj)
-
-    order = torch.argsort(flat, stable=True)  # [N*k] pairs grouped by expert
-    expert = flat[order]  # [N*k]
-    slot = torch.arange(n * k, device=x.device) - (counts.cumsum(0) - counts)[expert]  # [N*k] row in its group
-    xs = x.new_zeros(num_experts, cap, h)  # [E, cap, H]
-    xs[expert, slot] = x[order // k]
-    gu = torch.bmm(xs, gate_up_proj.transpose(1, 2))  # [E, cap, 2I]
-    act = dispatch.gelu_mul_fused(gu, inter)  # [E, cap, I]: gelu_tanh(gate) * up
-    y = torch.bmm(act, down_proj.transpose(1, 2))  # [E, cap, H]
-
-    pairs = torch.empty(n * k, h, dtype=y.dtype, device=x.device)  # [N*k, H] back in pair order
-    pairs[order] = y[expert, slot]
-    return _combine(pairs, w_sorted, x.dtype)
-
-
 def segments_fit(hidden: int, inter: int, dtype: torch.dtype) -> bool:
     """`F.grouped_mm` needs every row stride to be a multiple of 16 bytes (true of released shapes),
     and inside torch.compile bf16 inputs (its shape function rejects fp32, which eager CPU accepts)."""
@@ -171,14 +137,14 @@ def segments_fit(hidden: int, inter: int, dtype: torch.dtype) -> bool:
 
 def experts_segments(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_proj: torch.Tensor,
                      down_proj: torch.Tensor) -> torch.Tensor:
-    """`experts_grouped` with no padding and no host read: pairs sorted by expert into contiguous
+    """Routed experts with no padding and no host read (torch's own grouped GEMM): pairs sorted by expert into contiguous
     segments, two `F.grouped_mm` calls with the segment ends as offsets. Every shape is static, so it
     compiles into the decoder's graph (`--compile`) without a break; the GEMM per segment is the same
     as the reference's per-expert GEMM (bit-equal on this CPU)."""
     k = idx.shape[1]
     num_experts, h, inter = gate_up_proj.shape[0], x.shape[1], down_proj.shape[2]
     if not segments_fit(h, inter, x.dtype):
-        return experts_grouped(x, w, idx, gate_up_proj, down_proj)
+        return experts_reference(x, w, idx, gate_up_proj, down_proj)
     flat, w_sorted = _pairs(idx, w)  # [N*k], [N, k]
     order = torch.argsort(flat, stable=True)  # [N*k] pairs grouped by expert
     counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device).scatter_add_(
@@ -186,32 +152,28 @@ def experts_segments(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_u
     offs = counts.cumsum(0, dtype=torch.int32)  # [E] end of each expert's segment
     # [N*k, H] rows copied whole (x[order // k] copies element by element), freed after the GEMM
     gu = F.grouped_mm(x.index_select(0, order // k), gate_up_proj.transpose(1, 2), offs=offs)  # [N*k, 2I]
-    act = dispatch.gelu_mul_fused(gu, inter)  # [N*k, I]: gelu_tanh(gate) * up
+    act = gelu_mul_any(gu[:, :inter], gu[:, inter:])  # [N*k, I]: gelu_tanh(gate) * up
     y = F.grouped_mm(act, down_proj.transpose(1, 2), offs=offs)  # [N*k, H]
     # fp32 product rounded to x.dtype in place: a mixed-dtype in-place mul computes in fp32 and rounds once
     return _sum_slots(y.mul_(_sorted_weights(w_sorted, order)), order, k)
 
 
 def experts_native(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                   inter: int, gemm=gemm_native) -> torch.Tensor | None:
-    """`experts_segments` with a C GEMM over weights packed as its panels (gate_up [E, ..] packs gate_up_proj, down
-    packs down_proj): `gemm` kernels/gemm_native.py (fp32) or kernels/gemm_bf16.py (bf16). Each GEMM pair is one
+                   inter: int) -> torch.Tensor | None:
+    """`experts_segments` with the C fp32 GEMM over weights packed as its panels (kernels/gemm_native.py; gate_up
+    [E, ..] packs gate_up_proj, down packs down_proj). Each GEMM pair is one
     call over every expert's segment, the rows gathered inside it. None where the C GEMM does not apply. Bits: the
     C GEMM's (k order); the activation, weighting and sums are the reference's."""
     n, k = idx.shape
     flat, w_sorted = _pairs(idx, w)  # [N*k], [N, k]
     order = torch.argsort(flat, stable=True)  # [N*k] pairs grouped by expert
     ends = torch.bincount(flat, minlength=gate_up.shape[0]).cumsum_(0)  # [E] end of each expert's segment
-    gu = gemm.grouped(x, order // k, gate_up, ends, 2 * inter)  # [N*k, 2I]
+    gu = gemm_native.grouped(x, order // k, gate_up, ends, 2 * inter)  # [N*k, 2I]
     if gu is None:
         return None
-    ws, act = _sorted_weights(w_sorted, order), dispatch.gelu_mul_fused(gu, inter)  # [N*k, 1] fp32, [N*k, I]
-    if gemm is gemm_bf16:  # weights its rows as it stores them, with `mul_`'s bits: one pass fewer over y
-        y = gemm.grouped(act, None, down, ends, x.shape[1], ws)  # [N*k, H]
-    else:
-        y = gemm.grouped(act, None, down, ends, x.shape[1])
-        y = None if y is None else y.mul_(ws)
-    return None if y is None else _sum_slots(y, order, k)
+    ws, act = _sorted_weights(w_sorted, order), gelu_mul_any(gu[:, :inter], gu[:, inter:])  # [N*k, 1] fp32, [N*k, I]
+    y = gemm_native.grouped(act, None, down, ends, x.shape[1])
+    return None if y is None else _sum_slots(y.mul_(ws), order, k)
 
 
 def experts_packed(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: Sequence[torch.Tensor],
@@ -255,7 +217,7 @@ def _in_turn(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: Seque
         if c:
             rows = tok[lo:lo + c]
             gu = linear(x.index_select(0, rows), gate_up[e])  # [c, 2I]
-            act = dispatch.gelu_mul_fused(gu, inter)  # [c, I]
+            act = gelu_mul_any(gu[:, :inter], gu[:, inter:])  # [c, I]
             # fp32 product rounded once to x.dtype (explicit upcast: faster than a mixed-dtype mul)
             y = linear(act, down[e]).float().mul_(ws[lo:lo + c]).to(x.dtype)  # [c, H]
             out.index_add_(0, rows, y)
@@ -290,7 +252,7 @@ def _split(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: Sequenc
     def expert_rows() -> None:
         for e, rows, we, ye in experts:
             gu = linear(x.index_select(0, rows), gate_up[e])  # [c, 2I]
-            act = dispatch.gelu_mul_fused(gu, inter)  # [c, I]
+            act = gelu_mul_any(gu[:, :inter], gu[:, inter:])  # [c, I]
             # the fp32 product written into a bf16 buffer rounds once, as the reference's .to(x.dtype)
             torch.mul(linear(act, down[e]), we, out=ye)
 

@@ -9,8 +9,7 @@ Numbers: tanh and exp are glibc's vector versions (libmvec; declared here to vec
 startup code would flush denormals to zero process-wide): a few ulp from torch's; the sums run in another order;
 L is divided by the softcap and the temperature as torch does. The outputs equal the torch tile's within fp32
 rounding (tests/kernels/test_vocab_native.py), so the bits of a step may change; the parity and agreement tests
-bound them (fp32 <= 1e-4, bf16 <= 0.02 against the reference). DGEMMA_NATIVE=0 (or
-DGEMMA_VOCAB_NATIVE=0) keeps the torch tile, whose bits are the reference's elementwise ops.
+bound them (fp32 <= 1e-4, bf16 <= 0.02 against the reference). DGEMMA_KERNELS=torch keeps the torch tile, whose bits are the reference's elementwise ops.
 Must not: run GEMMs, keep state between tiles (the caller rescales to the running max), or be needed: None
 means "use the torch tile" (no compiler, another dtype, CUDA tensors, strided rows).
 """
@@ -23,91 +22,18 @@ import torch
 
 from . import native
 
-_SOURCE = r"""
-#include <float.h>
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-/* glibc's vector tanh and exp (libmvec), as its math.h declares them under -ffast-math, which is not used here */
-extern float tanhf(float) __attribute__((simd("notinbranch")));
-extern float expf(float) __attribute__((simd("notinbranch")));
-/* Rows of one vocabulary tile R [n, t] (bf16 or fp32, row stride ldr): L = softcap * tanh(R / softcap) / temp
-   (temp[i * ldt]), written over R when it is fp32; its max and first argmax; round(L) to bf16 (nearest even) into
-   store [n, t] (stride lds) when given; then e = exp(L - max): zt = sum e, st = sum e (L - max), gz [n, groups]
-   = sum e per `width` columns, and e over L (what an fp32 soft embedding weights its rows by). */
-void tile_stats(void *raw, int raw_bf16, long n, long t, long ldr, float softcap, const float *temp, long ldt,
-                uint16_t *store, long lds, long width, float *tmax, int64_t *targ, float *zt, float *st, float *gz,
-                int threads) {
-    long groups = (t + width - 1) / width;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        float *buf = raw_bf16 ? malloc(sizeof(float) * t) : NULL;
-#pragma omp for schedule(static)
-        for (long i = 0; i < n; i++) {
-            float *l = raw_bf16 ? buf : (float *)raw + i * ldr, tp = temp[i * ldt], m = -FLT_MAX;
-            if (raw_bf16) {
-                const uint16_t *r = (const uint16_t *)raw + i * ldr;
-#pragma omp simd
-                for (long j = 0; j < t; j++) {
-                    uint32_t u = (uint32_t)r[j] << 16;
-                    memcpy(l + j, &u, 4);
-                }
-            }
-            if (softcap > 0) {
-#pragma omp simd reduction(max : m)
-                for (long j = 0; j < t; j++) {
-                    float v = tanhf(l[j] / softcap) * softcap / tp;
-                    l[j] = v, m = v > m ? v : m;
-                }
-            } else {
-#pragma omp simd reduction(max : m)
-                for (long j = 0; j < t; j++) {
-                    float v = l[j] / tp;
-                    l[j] = v, m = v > m ? v : m;
-                }
-            }
-            long a = 0;
-            while (a < t - 1 && l[a] != m)
-                a++;
-            if (store) {
-                uint16_t *s = store + i * lds;
-#pragma omp simd
-                for (long j = 0; j < t; j++) {
-                    uint32_t u;
-                    memcpy(&u, l + j, 4);
-                    s[j] = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-                }
-            }
-            float z = 0, q = 0;
-            for (long g = 0; g < groups; g++) {
-                long lo = g * width, hi = lo + width < t ? lo + width : t;
-                float gs = 0;
-#pragma omp simd reduction(+ : gs, q)
-                for (long j = lo; j < hi; j++) {
-                    float d = l[j] - m, e = expf(d);
-                    gs += e, q += e * d, l[j] = e;
-                }
-                gz[i * groups + g] = gs, z += gs;
-            }
-            tmax[i] = m, targ[i] = a, zt[i] = z, st[i] = q;
-        }
-        free(buf);
-    }
-}
-"""
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _SIGNATURE = {"tile_stats": [_P, _I, _L, _L, _L, _F, _P, _L, _P, _L, _L, _P, _P, _P, _P, _P, _I]}
-_lib: list = []  # [the loaded library, or None]: filled at first use
-_ON = native.switch("DGEMMA_VOCAB_NATIVE")  # on unless DGEMMA_NATIVE or it is "0", read at each call
 
 
 def _native():
-    if not _ON():
-        return None
-    return native.load_once(_lib, "vocab_native", _SOURCE, _SIGNATURE, flags=("-fno-math-errno", "-fopenmp-simd"),
-                            libs=("-lmvec",), direct=True)
+    return native.library("vocab_native", _SIGNATURE)
+
+
+def available() -> bool:
+    """The C library built and enabled here (not under DGEMMA_KERNELS=torch|reference, a compiler is here)."""
+    return _native() is not None
 
 
 def tile_stats(raw: torch.Tensor, softcap: float | None, temperature: torch.Tensor,

@@ -103,7 +103,21 @@ def _is_closed_pipe(e: BaseException) -> bool:
 _WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}
 
 
+# Every DGEMMA_* variable dgemma reads; any other is a typo or a retired switch, and would change nothing silently.
+KNOWN_VARIABLES = ("DGEMMA_KERNELS", "DGEMMA_FP8", "DGEMMA_API_KEY", "DGEMMA_DEBUG")
+
+
+def _warn_unknown_variables() -> None:
+    for name in sorted(os.environ):
+        if name.startswith("DGEMMA_") and name not in KNOWN_VARIABLES:
+            print(f"dgemma: warning: {name} is not a dgemma setting and changes nothing (known: "
+                  f"{', '.join(KNOWN_VARIABLES)})", file=sys.stderr)
+
+
 def main() -> None:
+    from dgcli.kernels.native import NativeBuildError
+
+    _warn_unknown_variables()
     try:
         rc = app(standalone_mode=False)
         sys.stdout.flush()  # a write that is still buffered must fail here, not at interpreter exit
@@ -112,7 +126,7 @@ def main() -> None:
             sys.exit(130)
         if isinstance(rc, int) and rc:
             sys.exit(rc)
-    except UserError as e:
+    except (UserError, NativeBuildError) as e:
         if os.environ.get("DGEMMA_DEBUG") == "1":
             raise
         print(f"dgemma: error: {e}", file=sys.stderr)

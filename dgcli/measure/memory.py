@@ -15,9 +15,7 @@ b·KV (`kv_bytes`: one paged cache, `model.new_cache(slots, max_len + C)`) + b·
 on CUDA + one more step held by the CUDA graphs' pool and their static buffers (`peak_bytes`).
 Not counted: the CUDA context and the allocator's fragmentation (the headroom, 10 % of the budget by default),
 torch.compile's buffers, the CPU flash-attention kernel's per-thread scratch (a few hundred KiB a thread), the
-prompts' ids (8 bytes a token), the Triton autotuner's buffers (a warm-up's), and under DGEMMA_BF16_FAST=1 the C
-canvas attention's packed K and V (kernels/attention_native.py: malloc'd per call, at most PACK_BYTES = 64 MiB;
-~0.6 MiB at the 200 M canvas).
+prompts' ids (8 bytes a token) and the Triton autotuner's buffers (a warm-up's).
 """
 
 from __future__ import annotations

@@ -87,27 +87,21 @@ def provenance(*, device: Any, dtype: str, model: str, model_name: str, paramete
 
 def kernel_choices(device: Any, packed_weights: int = 0, ggml: str | None = None,
                    dtype: str | None = None) -> dict[str, str]:
-    """Which implementation each fused op ran (triton | cpu | reference); `linear`: cpu where the session
-    prepacked its weights (`packed_weights` matrices: bf16 for oneDNN, fp32 for the C GEMM), else torch's own
-    GEMM (reference); `ggml_activations` (GGML weights only: dgcli/model/ggml.py::activation_path): int8 or the
-    activations' dtype; `bf16_fast`: DGEMMA_BF16_FAST=1 (a bf16 CPU session's canvases attend in C: not the
-    reference's bits; kernels/native.py::fast_bf16);
-    `attention`: the paged attention's backend (triton-paged | torch-sdpa, dgcli/model/attention.py; a bf16 CPU
-    session (`dtype` "bfloat16") whose canvases attend in C: "torch-sdpa, canvases native")."""
+    """Which implementation each op ran (kernels/dispatch.py::provenance: per op, 'triton', 'reference', one of
+    torch's kernels or one of our C kernels; `packed_weights`: the matrices the session prepacked at load);
+    `ggml_activations` (GGML weights only: dgcli/model/ggml.py::activation_path): int8 or the activations' dtype;
+    `attention`: the paged attention's backend (triton-paged | torch-sdpa, dgcli/model/attention.py)."""
     import torch
 
-    from dgcli.kernels import attention_native
-    from dgcli.kernels.dispatch import implementation
-    from dgcli.kernels.native import fast_bf16
+    from dgcli.kernels.dispatch import provenance
     from dgcli.model.attention import backend
 
-    ops = {op: implementation(op, device) for op in ("vocab_pass", "experts", "rms_norm")}
-    attention = backend(torch.device(device))
-    if attention == "torch-sdpa" and dtype == "bfloat16" and attention_native.enabled():
-        attention = "torch-sdpa, canvases native"
-    out = {**ops, "linear": "cpu" if packed_weights else "reference", "attention": attention,
-           "bf16_fast": fast_bf16()}
-    return out if ggml is None else {**out, "ggml_activations": ggml}
+    out = {**provenance(device, dtype, packed=bool(packed_weights)), "attention": backend(torch.device(device))}
+    if ggml is None:
+        return out
+    # GGML weights: their linears and experts run kernels/ggml_cpu.py (int8: the C int8 kernel; else torch's)
+    ggml_impl = "ggml, c-int8" if ggml == "int8" else "ggml, torch-ops"
+    return {**out, "linear": ggml_impl, "experts": ggml_impl, "ggml_activations": ggml}
 
 
 def parse_metadata(items: Iterable[str]) -> dict[str, str]:

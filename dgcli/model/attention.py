@@ -22,8 +22,7 @@ alone: no prefix copied). Sliding layers: every segment's ring keys gathered in 
 this pass (fewer than W + rows keys each). A causal mask only for causal segments ([rows, keys]).
 On CPU the keys, their order and the mask are those of the reference's own attention call: the bits are SDPA's
 on those keys (its CPU result does not depend on strides, or on the batch it is computed in:
-tests/model/test_paged.py); under DGEMMA_BF16_FAST=1 the unmasked bf16 calls (canvases) run the C kernel
-instead (kernels/attention_native.py: about a bf16 step from SDPA per output, as batch-invariant).
+tests/model/test_paged.py).
 Must not: know about requests, the sampler or blocks of the diffusion schedule.
 """
 
@@ -35,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dgcli.kernels import attention_native, ops
+from dgcli.kernels import ops
 from dgcli.kernels.transfer import to_device
 
 
@@ -368,8 +367,7 @@ def _attend(q, k, v, layer: int, layout: PassLayout, canvas: bool | None, out: t
                 strides = [t.stride() for t in (qc, oc, kc, vc)]
             qc, oc, kc, vc = (t.as_strided((c.m, h, r, d), (r * st[2], *st[1:])) for t, h, r, st in zip(
                 (qc, oc, kc, vc), heads, (c.rows, c.rows, c.n, c.n), strides))
-        if c.mask is not None or attention_native.attend(qc, kc, vc, oc) is None:  # the C kernel: canvases, bf16
-            oc.copy_(F.scaled_dot_product_attention(qc, kc, vc, attn_mask=c.mask, scale=1.0, enable_gqa=True))
+        oc.copy_(F.scaled_dot_product_attention(qc, kc, vc, attn_mask=c.mask, scale=1.0, enable_gqa=True))
     if plan.qperm is not None:
         rows(out)[0].index_copy_(1, plan.qperm, dst[0])
 

@@ -2,16 +2,16 @@
 GEMM's panels (kernels/gemm_native.py: other bits, within fp32 rounding); faster GEMMs either way.
 
 Owns: `pack_for_cpu(model)`, which swaps each bf16 `nn.Linear` for a `PackedLinear` and each `Experts` for a
-`PackedExperts` (a `NativeExperts` where the C bf16 GEMM gives oneDNN's bits, or under DGEMMA_BF16_FAST=1), each
-fp32 one for a `NativeLinear` / `NativeExperts`, holding the packed copies (the stored weights are dropped: no
+`PackedExperts`, each fp32 one for a `NativeLinear` / `NativeExperts`, holding the packed copies (the stored weights are dropped: no
 second copy in memory), and says how many matrices it packed. The embedding (also the tied head) stays as stored:
 the embedding lookup, the vocabulary pass's soft GEMM and its draw read it in its own layout.
 Must not: pack for torch.compile (inductor traces plain weights; `--compile` sessions stay unpacked), or touch
 FP8 modules. There is no way back: a packed model has no state_dict for its packed weights.
-The GEMMs: kernels/linear_cpu.py (bf16, and its bit check), kernels/gemm_native.py (fp32), gemm_bf16.py (bf16
-experts, and its bit check); the experts: kernels/moe_cpu.py::experts_packed / experts_native.
+The GEMMs: kernels/linear_cpu.py (bf16, and its bit check), kernels/gemm_native.py (fp32); the experts:
+kernels/moe_cpu.py::experts_packed / experts_native.
 
-When: a bf16 or fp32 session on CPU, eager (not `--compile`, not `DGEMMA_KERNELS=reference`), packs at load.
+When: a bf16 or fp32 session on CPU, eager (not `--compile`, not `DGEMMA_KERNELS=reference`), packs at load
+(fp32 only where the C GEMM is here: not under DGEMMA_KERNELS=torch or without a C compiler).
 Why bf16: torch's own bf16 GEMM re-lays the weight out on every call, which costs most where a GEMM has few
 rows (a ragged expert's). Same bits: `pack` checks each weight shape, on the machine it runs on, against
 `F.linear` on probe rows (1, 17 and 256) and keeps a weight as stored where they differ; the tests compare the
@@ -22,12 +22,7 @@ with more cores. Bench rows say `"linear": "cpu"` in `provenance.kernels` when i
 Why fp32 (the bundled model): MKL's fp32 GEMM runs the bundled model's 16-128-row products at a third to two
 thirds of the core's rate; the C GEMM streams each weight panel once (kernels/gemm_native.py says what it
 changes: each output summed in k order, batch-invariant; the fp32 parity tests hold it to the reference).
-`DGEMMA_GEMM_NATIVE=0` (or DGEMMA_NATIVE=0) at load keeps fp32 models as loaded, with torch's bits.
-Why bf16 experts in C (an AVX512-BF16 CPU): oneDNN without AMX runs an expert's few-row GEMMs at about half its
-big-GEMM rate; kernels/gemm_bf16.py runs all experts of a GEMM in one call near the core's dpbf16 rate, summing in
-oneDNN's own order there: taken where `gemm_bf16.agrees` finds F.linear's bits for both weight shapes at load (the
-reference's bits, which the bf16 parity tests need), else only under DGEMMA_BF16_FAST=1 (kernels/native.py::
-fast_bf16: about a bf16 rounding from F.linear; tests/model/test_bf16_fast.py). DGEMMA_GEMM_NATIVE=0: oneDNN.
+`DGEMMA_KERNELS=torch` at load keeps fp32 models as loaded, with torch's bits.
 Speed-ups measured per GEMM size and per model: benchmarks/RESULTS.md.
 """
 
@@ -38,7 +33,7 @@ from torch import nn
 
 import torch.nn.functional as F
 
-from dgcli.kernels import dispatch, gemm_bf16, gemm_native, linear_cpu, moe_cpu, native
+from dgcli.kernels import dispatch, gemm_native, linear_cpu, moe_cpu
 from dgcli.model.gemma import Experts
 
 
@@ -87,23 +82,23 @@ class NativeLinear(nn.Module):
 
 
 class NativeExperts(nn.Module):
-    """`Experts` with gate_up_proj [E, 2I, H] and down_proj [E, H, I] as a C GEMM's panels: `gemm` is
-    kernels/gemm_native.py (fp32) or kernels/gemm_bf16.py (bf16)."""
+    """fp32 `Experts` with gate_up_proj [E, 2I, H] and down_proj [E, H, I] as the C GEMM's panels
+    (kernels/gemm_native.py)."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, hidden: int, inter: int, gemm=gemm_native):
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, hidden: int, inter: int):
         super().__init__()
         self.register_buffer("gate_up", gate_up, persistent=False)
         self.register_buffer("down", down, persistent=False)
-        self.hidden, self.inter, self.gemm = hidden, inter, gemm
+        self.hidden, self.inter = hidden, inter
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         y = None
         gate_up, down = self._buffers["gate_up"], self._buffers["down"]  # not nn.Module.__getattr__
         if x.dtype == gate_up.dtype:
-            y = moe_cpu.experts_native(x, w, idx, gate_up, down, self.inter, self.gemm)
+            y = moe_cpu.experts_native(x, w, idx, gate_up, down, self.inter)
         if y is None:  # the stored layout back (copies): the device's own path
-            y = dispatch.experts(x, w, idx, self.gemm.unpack(gate_up, 2 * self.inter),
-                                 self.gemm.unpack(down, self.hidden))
+            y = dispatch.experts(x, w, idx, gemm_native.unpack(gate_up, 2 * self.inter),
+                                 gemm_native.unpack(down, self.hidden))
         return y
 
 
@@ -120,26 +115,10 @@ def _native_fp32(w: torch.Tensor) -> bool:
     return w.dtype == torch.float32 and w.device.type == "cpu" and gemm_native.available()
 
 
-def _native_bf16(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """bf16 experts on an AVX512-BF16 CPU with the C GEMM on (even H and I: `unpack` gives the weight back), where it
-    gives F.linear's bits for both shapes (or under DGEMMA_BF16_FAST=1 on a CPU without AMX)."""
-    if not (gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu" and gate_up.shape[2] % 2 == 0
-            and down.shape[2] % 2 == 0 and gemm_bf16.available()):
-        return False
-    threads = torch.get_num_threads()
-    if all(gemm_bf16.agrees(*w.shape[1:], threads) for w in (gate_up, down)):
-        return True
-    # other bits: only when asked, and not where oneDNN has AMX tiles (several times this GEMM's rate there)
-    return native.fast_bf16() and not torch.cpu._is_amx_tile_supported()
-
-
 def _packed_experts(m: Experts) -> PackedExperts | NativeExperts | None:
     if _native_fp32(m.gate_up_proj):
         return NativeExperts(gemm_native.pack(m.gate_up_proj), gemm_native.pack(m.down_proj), m.down_proj.shape[1],
                              m.down_proj.shape[2])
-    if _native_bf16(m.gate_up_proj, m.down_proj):  # the C bf16 GEMM's panels instead of oneDNN's (not both)
-        return NativeExperts(gemm_bf16.pack(m.gate_up_proj), gemm_bf16.pack(m.down_proj), m.down_proj.shape[1],
-                             m.down_proj.shape[2], gemm_bf16)
     gate_up, down = [], []
     for e in range(m.gate_up_proj.shape[0]):  # every expert the same shapes: the first refusal decides
         gate_up.append(linear_cpu.pack(m.gate_up_proj[e]))
@@ -154,7 +133,7 @@ def pack_for_cpu(model: nn.Module) -> int:
     """Swap the bf16 and fp32 CPU linears and experts of `model` for packed ones, in place; the number of weight
     matrices packed (0: nothing applied: another dtype or device, DGEMMA_KERNELS=reference; for bf16 no oneDNN
     bf16 here, or the packed GEMM's bits differ from F.linear's on this machine; for fp32 no C GEMM here, or
-    DGEMMA_GEMM_NATIVE=0 / DGEMMA_NATIVE=0)."""
+    DGEMMA_KERNELS=torch)."""
     if dispatch.implementation("linear", "cpu") != "cpu":  # DGEMMA_KERNELS=reference: torch's own ops
         return 0
     packed = 0

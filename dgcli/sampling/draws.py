@@ -4,7 +4,7 @@ in which draws are made.
 
 Owns: `uniform` (float64 in [0, 1)) and `token_ids` (ints in [0, V)) over broadcastable counter
 tensors, their row forms (`rows`, `uniform_at`, `token_ids_at`: the per-row words hashed on the host, the
-position's fold in one C call on CPU: kernels/sampler_native.py), the purposes (`INIT`, `DRAW`, `RENOISE`, `PAD`)
+position's fold by tensor ops), the purposes (`INIT`, `DRAW`, `RENOISE`, `PAD`)
 and the hash behind them. Must not: keep state (beyond a memo of the pure host hash of counter prefixes),
 read a torch.Generator, or know about models.
 
@@ -26,7 +26,6 @@ import functools
 
 import torch
 
-from dgcli.kernels import sampler_native
 from dgcli.kernels.transfer import to_device
 
 # Purposes: a block's first canvas, the categorical draw, renoise ids, --init-canvas padding.
@@ -90,7 +89,7 @@ def token_ids(seed: torch.Tensor | int, purpose: int, block: torch.Tensor | int,
 # A row's seed, purpose, block and step are host ints: their state (`rows`) is folded in Python, exactly (the same
 # 32-bit arithmetic on ints), and only the position word is folded by tensor ops, its inner mix made once
 # (`mixed_positions`). The engine draws this way: a few dozen tensor ops per draw instead of a few hundred (each a
-# kernel launch on CUDA); on CPU one C call (kernels/sampler_native.py), and a step folds only its own word on the host
+# kernel launch on CUDA), and a step folds only its own word on the host
 # (`_state`). Bits equal `uniform` / `token_ids` of the same counters (tests/sampling/test_draws.py).
 
 
@@ -115,15 +114,13 @@ def mixed_positions(position: torch.Tensor) -> torch.Tensor:
 
 def uniform_at(states: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
     """`uniform(seed, purpose, block, step, position)` from `rows` states [n, 1] and `mixed_positions` [C]."""
-    out = sampler_native.fold_mixed(states, mixed)  # CPU: one C call, the same bits
-    return out if out is not None else _halves(_fold_mixed(states, mixed), states.device)
+    return _halves(_fold_mixed(states, mixed), states.device)
 
 
 def token_ids_at(states: torch.Tensor, mixed: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """`token_ids(seed, purpose, block, step, position, vocab_size)` from `rows` states and `mixed_positions`."""
     _check_vocab(vocab_size)
-    out = sampler_native.fold_mixed(states, mixed, vocab_size)  # CPU: one C call, the same bits
-    return out if out is not None else (_fold_mixed(states, mixed) * vocab_size) >> 32
+    return (_fold_mixed(states, mixed) * vocab_size) >> 32
 
 
 def _fold_mixed(h: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:

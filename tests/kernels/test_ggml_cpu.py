@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dgcli.kernels import ggml_cpu, ggml_native
+from dgcli.kernels import ggml_cpu
 from dgcli.kernels.reference_ops import experts_reference
 from dgcli.model import ggml
 
@@ -17,9 +17,9 @@ BF16_REL = 1e-2
 
 @pytest.fixture(autouse=True)
 def _bf16_paths(monkeypatch):
-    """These tests cover the bf16 paths (their bits and bounds): the int8 one (kernels/ggml_q8.py, tested in
-    test_ggml_q8.py) off, as DGEMMA_GGML_Q8=0 has it."""
-    monkeypatch.setenv("DGEMMA_GGML_Q8", "0")
+    """These tests cover the torch paths (their bits and bounds): the C int8 one (kernels/ggml_q8.py, tested in
+    test_ggml_q8.py) off, as DGEMMA_KERNELS=torch has it."""
+    monkeypatch.setenv("DGEMMA_KERNELS", "torch")
 
 
 def _weights(n, k, qtype, seed=0):
@@ -162,15 +162,13 @@ def test_linear_takes_the_gemm_path_from_its_threshold(qtype, monkeypatch):
     m = ggml.QuantLinear(raw, qtype, k, n)
     wb = m.dequantized().bfloat16()
     rows = ggml_cpu.gemm_rows(ggml._held(m, "weight"))
-    native = ggml_native._native() is not None and ggml_cpu.packing_available()
-    planes = 64 if ggml_native._native() is not None else 32
-    assert rows == (planes if qtype in ggml_cpu.PLANES else 16 if native else 64)
+    assert rows == (32 if qtype in ggml_cpu.PLANES else 64)
     called = []
-    for name in ("_gemm_int4", "_few_int4"):
+    for name in ("_gemm_int4", "_kernel_int4"):
         real = getattr(ggml_cpu, name)
         monkeypatch.setattr(ggml_cpu, name, lambda *a, real=real, name=name: called.append(name) or real(*a))
     g = torch.Generator().manual_seed(6)
-    for m_rows, path in ((rows - 1, "_few_int4"), (rows, "_gemm_int4")):
+    for m_rows, path in ((rows - 1, "_kernel_int4"), (rows, "_gemm_int4")):
         x = torch.randn(m_rows, k, generator=g).bfloat16()
         y = m(x)
         assert called.pop() == path and y.shape == (m_rows, n) and y.dtype == torch.bfloat16
@@ -246,171 +244,6 @@ def test_gemm_scratch_made_in_inference_mode_serves_calls_outside_it(monkeypatch
     with torch.inference_mode():
         first = lin(x)
     assert torch.equal(lin(x), first)
-
-
-# ---- the native unpacker (a C function built at first use, writing oneDNN-packed tiles) -------------------------
-
-def _native_or_skip():
-    if ggml_native._native() is None:
-        pytest.skip("the native unpacker did not build here (no C compiler?): the torch unpacker runs (tested above)")
-    if ggml_native._packed_tile(64, 256) is None:
-        pytest.skip("oneDNN packs bf16 in another layout on this CPU (AMX) or not at all: the torch unpacker runs "
-                    "(tested above)")
-
-
-@pytest.mark.parametrize("qtype", [ggml.Q4_K, ggml.Q4_0])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_native_tiles_give_the_torch_unpackers_bits(qtype, threads, monkeypatch):
-    """The native unpacker writes the weights `_int4_tile_t` makes, into a oneDNN-packed tile: the GEMM path's
-    output is bit-equal with native code on or off, and with F.linear on the dequantized bf16 weights; the torch
-    unpacker is not called. 200 rows: 4 tiles of 64 (the last padded) and one tile of 256."""
-    _native_or_skip()
-    k = 512
-    p = ggml_cpu.prepare(_weights(200, k, qtype, seed=10)[0], qtype, k)
-    x = torch.randn(70, k, generator=torch.Generator().manual_seed(11)).bfloat16()
-    wb = ggml_cpu.dequantize_prepared(p).bfloat16()
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        monkeypatch.setattr(ggml_native, "NATIVE", False)
-        ref = ggml_cpu._gemm_int4(x, p)
-        monkeypatch.setattr(ggml_native, "NATIVE", True)
-        monkeypatch.setattr(ggml_cpu, "_int4_tile_t", lambda *a: pytest.fail("torch unpacker called"))
-        for tile in (64 * k, 1 << 22):
-            monkeypatch.setattr(ggml_cpu, "GEMM_TILE_VALUES", tile)
-            got = ggml_cpu._gemm_int4(x, p)
-            assert got.shape == (70, 200) and torch.equal(got, ref)
-            assert torch.equal(got, F.linear(x, wb))
-    finally:
-        torch.set_num_threads(old)
-
-
-def test_native_source_without_avx512_gives_the_same_tiles(tmp_path):
-    """The scalar C (what a compiler not targeting AVX-512 builds) writes the same bits as the vector C."""
-    import ctypes
-    import shutil
-    import subprocess
-
-    _native_or_skip()
-    (tmp_path / "t.c").write_text(ggml_native._NATIVE_SOURCE)
-    cc = shutil.which("cc") or shutil.which("gcc")
-    subprocess.run([cc, "-O2", "-march=native", "-mno-avx512f", "-shared", "-fPIC", "t.c", "-o", "t.so"],
-                   cwd=tmp_path, check=True, capture_output=True)
-    scalar = ctypes.CDLL(str(tmp_path / "t.so")).int4_tile
-    scalar.argtypes = ggml_native._native().int4_tile.argtypes
-    k, n = 256, 128
-    p = ggml_cpu.prepare(_weights(n, k, ggml.Q4_K, seed=12)[0], ggml.Q4_K, k)
-    other = ggml_cpu.prepare(_weights(n, k, ggml.Q4_K, seed=15)[0], ggml.Q4_K, k)
-    pk, ptr = ggml_native._packed_tile(n, k)
-    vector = ggml_native._native().int4_tile
-    for fn in (vector, scalar):
-        vector(other.packed.data_ptr(), other.sz.data_ptr(), ptr, k, n, 0, n // 64, 1)  # other weights there first
-        fn(p.packed.data_ptr(), p.sz.data_ptr(), ptr, k, n, 0, n // 64, 1)
-        assert torch.equal(pk.to_dense(), ggml_cpu.dequantize_prepared(p).bfloat16())
-    lib = ctypes.CDLL(str(tmp_path / "t.so"))  # the scalar Q6_K tiles: the same bits
-    lib.q6k_tile.argtypes = ggml_native._native().q6k_tile.argtypes
-    raw, w = _weights(100, k, ggml.Q6_K, seed=22)
-    lib.q6k_tile(raw.data_ptr(), ptr, k, 100, 0, n, 2)  # rows 100..127: zeros
-    assert torch.equal(pk.to_dense()[:100], w.bfloat16()) and not pk.to_dense()[100:].any()
-    lib.int4_gemv.argtypes = ggml_native._native().int4_gemv.argtypes  # the scalar GEMV: within its bound
-    x = torch.randn(7, k, generator=torch.Generator().manual_seed(23)).bfloat16()
-    y = torch.empty(7, n, dtype=torch.bfloat16)
-    lib.int4_gemv(x.data_ptr(), p.packed.data_ptr(), p.sz.data_ptr(), y.data_ptr(), 7, k, n, 1)
-    assert _gemv_bound_ok(y, x, ggml_cpu.dequantize_prepared(p))
-
-
-def test_gemm_path_without_native_code_or_packing(monkeypatch):
-    """No compiler (or no oneDNN packing here): the torch unpacker runs, same bits."""
-    k = 256
-    p = ggml_cpu.prepare(_weights(128, k, ggml.Q4_K, seed=13)[0], ggml.Q4_K, k)
-    x = torch.randn(64, k, generator=torch.Generator().manual_seed(14)).bfloat16()
-    want = F.linear(x, ggml_cpu.dequantize_prepared(p).bfloat16())
-    monkeypatch.setattr(ggml_native, "_native_lib", [None])
-    assert ggml_cpu._native_tile(x, p, 0, 2) is None and torch.equal(ggml_cpu._gemm_int4(x, p), want)
-    monkeypatch.undo()
-    monkeypatch.setattr(ggml_native, "pack", lambda w: None)
-    monkeypatch.setattr(ggml_native._scratch, "packed", {}, raising=False)
-    assert ggml_cpu._native_tile(x, p, 0, 2) is None and torch.equal(ggml_cpu._gemm_int4(x, p), want)
-    monkeypatch.setenv("DGEMMA_GGML_NATIVE", "0")
-    assert ggml_native._native() is None
-
-
-def test_native_build_is_cached_per_machine(tmp_path, monkeypatch):
-    """Built once into the cache (XDG_CACHE_HOME/dgemma), loaded from there afterwards without compiling."""
-    _native_or_skip()
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert ggml_native._build_native() is not None
-    built = list((tmp_path / "dgemma").glob("ggml_native-*.so"))
-    assert len(built) == 1 and not [d for d in (tmp_path / "dgemma").iterdir() if d.is_dir()]
-    monkeypatch.setattr("subprocess.run", lambda *a, **k: pytest.fail("compiled again"))
-    assert ggml_native._build_native() is not None
-
-
-# ---- the native GEMV (few rows) and the native Q6_K tiles --------------------------------------------------------
-
-def _gemv_bound_ok(y, x, w):
-    """The GEMV's stated bound against the exact product of the form's weights w (fp64): one bf16 rounding of
-    the output (2^-8 relative, twice RNE's) plus 1e-6 of sum |x|·|w| (fp32 sums, the factored zero term)."""
-    ref = x.double() @ w.double().t()
-    bound = 2 ** -8 * ref.abs() + 1e-6 * (x.double().abs() @ w.double().abs().t())
-    return bool(((y.double() - ref).abs() <= bound).all())
-
-
-@pytest.mark.parametrize("qtype", INT4_TYPES)
-def test_native_gemv_within_its_bound(qtype, monkeypatch):
-    """Few rows of bf16 x take the native GEMV: the form's exact weights, fp32 sums, one bf16 rounding; the same
-    bits at 1 and 2 threads (a block's rows are one thread's); 13 rows: uneven chunks of the row loop."""
-    _native_or_skip()
-    k, n = 512, 80
-    p = ggml_cpu.prepare(_weights(n, k, qtype, seed=16)[0], qtype, k)
-    w = ggml_cpu.dequantize_prepared(p)
-    called = []
-    real = ggml_native.gemv
-    monkeypatch.setattr(ggml_native, "gemv", lambda *a, **kw: called.append(1) or real(*a, **kw))
-    g = torch.Generator().manual_seed(17)
-    old = torch.get_num_threads()
-    try:
-        for m_rows in (ggml_cpu.GEMV_ROWS, 5, 13):
-            x = (torch.randn(m_rows, k, generator=g) + 0.5).bfloat16()
-            torch.set_num_threads(1)
-            y = ggml_cpu.linear(x, p)
-            assert called and y.shape == (m_rows, n) and y.dtype == torch.bfloat16 and _gemv_bound_ok(y, x, w)
-            assert not _gemv_bound_ok(y * 1.01, x, w)  # the bound is tight enough to see a 1 % error
-            torch.set_num_threads(2)
-            assert torch.equal(ggml_cpu.linear(x, p), y)
-    finally:
-        torch.set_num_threads(old)
-    x = torch.randn(ggml_cpu.GEMV_ROWS - 1, k, generator=g).bfloat16()  # below: torch's int4 kernel
-    called.clear()
-    assert torch.equal(ggml_cpu.linear(x, p), ggml_cpu._kernel_int4(x, p)) and not called
-
-
-def test_few_rows_without_native_code_take_the_int4_kernel(monkeypatch):
-    k = 256
-    p = ggml_cpu.prepare(_weights(128, k, ggml.Q4_K, seed=18)[0], ggml.Q4_K, k)
-    x = torch.randn(8, k, generator=torch.Generator().manual_seed(19)).bfloat16()
-    monkeypatch.setattr(ggml_native, "_native_lib", [None])
-    assert ggml_native.gemv(x, p.packed, p.sz, k) is None
-    assert torch.equal(ggml_cpu.linear(x, p), ggml_cpu._kernel_int4(x, p))
-
-
-@pytest.mark.parametrize("rows", [1, 37])
-def test_q6k_native_tiles_give_the_torch_tiles_bits(rows, monkeypatch):
-    """Q6_K rows unpacked natively into packed tiles: F.linear's bits on the dequantized bf16 weights, as the
-    torch tile path gives; 200 rows: 4 tiles (the last padded) and one."""
-    _native_or_skip()
-    k, n = 512, 200
-    raw, w = _weights(n, k, ggml.Q6_K, seed=20)
-    p = ggml_cpu.prepare(raw, ggml.Q6_K, k)
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(21)).bfloat16()
-    want = F.linear(x, w.bfloat16())
-    monkeypatch.setenv("DGEMMA_GGML_NATIVE", "0")
-    assert torch.equal(ggml_cpu.linear(x, p), want)  # the torch tile path
-    monkeypatch.delenv("DGEMMA_GGML_NATIVE")
-    monkeypatch.setattr(ggml_cpu, "_dequant_rows", lambda *a: pytest.fail("torch tile path called"))
-    for tile in (64 * k, 1 << 22):
-        monkeypatch.setattr(ggml_cpu, "Q6K_TILE_VALUES", tile)
-        assert torch.equal(ggml_cpu.linear(x, p), want)
 
 
 @pytest.mark.parametrize("n", [1, 5, 40])

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from dgcli.kernels import dispatch, reference, reference_ops
-from dgcli.kernels.moe_cpu import experts_grouped
 from dgcli.kernels.vocab_pass_cpu import vocab_pass_tiled
 
 
@@ -28,6 +27,17 @@ def test_reference_forced(monkeypatch):
     for op in ("vocab_pass", "experts", "rms_norm"):
         assert dispatch.implementation(op, "cpu") == "reference"
         assert dispatch.implementation(op, "cuda") == "reference"
+
+
+def test_torch_mode_keeps_the_fast_paths_but_names_no_c_kernel(monkeypatch):
+    monkeypatch.setenv("DGEMMA_KERNELS", "torch")
+    assert dispatch.implementation("experts", "cpu") == "cpu"
+    prov = dispatch.provenance("cpu", "float32")
+    assert prov == {"vocab_pass": "tiled, torch-ops", "experts": "torch.grouped_mm", "rms_norm": "torch.rms_norm",
+                    "gelu_mul": "torch-ops", "linear": "torch.linear"}
+    assert dispatch.provenance("cpu", "bfloat16", packed=True)["experts"] == "onednn-packed"
+    monkeypatch.setenv("DGEMMA_KERNELS", "reference")
+    assert set(dispatch.provenance("cpu", "float32").values()) == {"reference", "torch.linear"}
 
 
 def test_unknown_mode_is_an_error(monkeypatch):
@@ -53,8 +63,9 @@ def test_calls_route_to_the_chosen_implementation(monkeypatch, forced):
     x = torch.randn(6, 8, generator=g)
     w, idx = torch.rand(6, 2, generator=g), torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(6)])
     gu, dn = torch.randn(4, 10, 8, generator=g), torch.randn(4, 8, 5, generator=g)
-    fn = reference_ops.experts_reference if forced else experts_grouped
-    assert torch.equal(dispatch.experts(x, w, idx, gu, dn), fn(x, w, idx, gu, dn))
+    want = reference_ops.experts_reference(x, w, idx, gu, dn)
+    got = dispatch.experts(x, w, idx, gu, dn)
+    assert torch.equal(got, want) if forced else torch.allclose(got, want, rtol=1e-5, atol=1e-6)
     assert torch.equal(dispatch.rms_norm(x, None, 1e-6), reference_ops.rms_norm_reference(x, None, 1e-6))
 
 
@@ -67,13 +78,13 @@ def test_kernels_package_is_this_repository():
     assert (pathlib.Path(dispatch.__file__).parent / "reference.py").exists()
 
 
-@pytest.mark.parametrize("native", ["1", "0"])
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_cpu_rms_norm_is_the_reference_bit_for_bit(dtype, native, monkeypatch):
-    """The 'cpu' implementation (the C kernel of kernels/norm_native.py, or under DGEMMA_NATIVE=0 torch's CPU
+def test_the_cpu_rms_norm_is_the_reference_bit_for_bit(dtype, kernels, monkeypatch):
+    """The 'cpu' implementation (the C kernel of kernels/norm_native.py, or under DGEMMA_KERNELS=torch torch's CPU
     rms_norm) against the reference's formula: widths of the real and tiny configs, odd ones, 1 to 300 rows, 3-D
     and strided inputs, large and tiny magnitudes, with and without a weight, several eps."""
-    monkeypatch.setenv("DGEMMA_NATIVE", native)
+    monkeypatch.setenv("DGEMMA_KERNELS", kernels)
     g = torch.Generator().manual_seed(0)
     for width in (80, 160, 256, 512, 2816, 7, 33):
         for rows in (1, 16, 300):

@@ -1,5 +1,5 @@
 """Routed experts: kernels/reference_ops.py::experts_reference equals the model's Experts.forward; the CPU
-grouped path (kernels/moe_cpu.py) and the Triton kernels (kernels/moe.py: compiled on a GPU, interpreted on
+segments path (torch's grouped GEMM, kernels/moe_cpu.py) and the Triton kernels (kernels/moe.py: compiled on a GPU, interpreted on
 CPU without one, as tests/conftest.py decides) equal the reference."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from importlib.util import find_spec
 import pytest
 import torch
 
-from dgcli.kernels.moe_cpu import experts_grouped, experts_segments
+from dgcli.kernels.moe_cpu import experts_segments
 from dgcli.kernels.reference_ops import experts_reference
 
 needs_triton = pytest.mark.skipif(find_spec("triton") is None, reason="triton is not installed (Linux x86-64 only)")
@@ -51,18 +51,6 @@ SHAPES = [(1, 16, 8, 4, 2), (5, 24, 20, 12, 2), (33, 32, 16, 8, 3), (17, 20, 12,
 
 @pytest.mark.parametrize("dtype,atol,rtol", TOLS)
 @pytest.mark.parametrize("n,h,inter,e,k", SHAPES)
-@pytest.mark.parametrize("batched_always", [False, True])
-def test_grouped_cpu_matches_reference(dtype, atol, rtol, n, h, inter, e, k, batched_always, monkeypatch):
-    if batched_always:  # never fall back to the per-expert loop: the padded bmm sees empty experts too
-        monkeypatch.setattr("dgcli.kernels.moe_cpu.MAX_PADDING", float("inf"))
-    x, w, idx, gate_up, down = make(n, h, inter, e, k, dtype)
-    got = experts_grouped(x, w, idx, gate_up, down)
-    assert got.dtype == dtype and got.shape == x.shape
-    torch.testing.assert_close(got, experts_reference(x, w, idx, gate_up, down), atol=atol, rtol=rtol)
-
-
-@pytest.mark.parametrize("dtype,atol,rtol", TOLS)
-@pytest.mark.parametrize("n,h,inter,e,k", SHAPES)
 @pytest.mark.parametrize("skew", [False, True])
 def test_segments_cpu_matches_reference(dtype, atol, rtol, n, h, inter, e, k, skew):
     x, w, idx, gate_up, down = make(n, h, inter, e, k, dtype, skew=skew)
@@ -85,22 +73,6 @@ def test_segments_cpu_compiles_without_a_graph_break():
     x, w, idx, gate_up, down = make(64, 32, 16, 8, 2, torch.bfloat16)
     got = torch.compile(experts_segments, fullgraph=True, dynamic=False)(x, w, idx, gate_up, down)
     torch.testing.assert_close(got, experts_reference(x, w, idx, gate_up, down), atol=2e-2, rtol=2**-7)
-
-
-def test_grouped_cpu_uneven_groups_and_empty_input():
-    x, w, idx, gate_up, down = make(40, 16, 8, 10, 2, torch.float32, skew=True)  # falls back to the loop
-    torch.testing.assert_close(experts_grouped(x, w, idx, gate_up, down),
-                               experts_reference(x, w, idx, gate_up, down), atol=1e-5, rtol=1e-5)
-    empty = experts_grouped(x[:0], w[:0], idx[:0], gate_up, down)
-    assert empty.shape == (0, 16)
-
-
-def test_grouped_cpu_adds_contributions_in_ascending_expert_order():
-    """bf16 sums depend on order; with the slots of each row shuffled the result must not change."""
-    x, w, idx, gate_up, down = make(64, 16, 8, 6, 4, torch.bfloat16, seed=2)
-    perm = torch.randperm(4, generator=torch.Generator().manual_seed(0))
-    want = experts_reference(x, w, idx, gate_up, down)
-    assert torch.equal(experts_grouped(x, w[:, perm], idx[:, perm], gate_up, down), want)
 
 
 @needs_triton

@@ -1,94 +1,108 @@
-"""kernels/native.py: a library built `direct` (a CPython extension) takes the same arguments and gives the same
-results as its ctypes build (pointers as ints or None, longs, ints and bools, floats rounded to C float, the C int
-back), and refuses a wrong argument count or type instead of reading garbage; `switch` reads the environment at
-each call."""
+"""The C kernels (kernels/csrc, built by kernels/native.py): every source compiles here with warnings as errors, a
+compiler that fails is an error (never a silent torch fallback), the cache is a private folder, and the switch
+that turns C off is DGEMMA_KERNELS."""
 
 from __future__ import annotations
 
-import ctypes
-import sysconfig
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from dgcli.kernels import gemm_native, native, norm_native, sampler_native, vocab_native
+from dgcli.kernels import native
 
-_SOURCE = r"""
-#include <stdint.h>
-/* y[i] = a * x[i] + b (x NULL: y[i] = b), then the float s added to y[0]; returns how many were written, or -1 */
-int axpb(const int64_t *x, int64_t *y, long n, int a, long b, float s, int flag) {
-    if (!y)
-        return -1;
-    for (long i = 0; i < n; i++)
-        y[i] = (x ? a * x[i] : 0) + b;
-    if (n)
-        y[0] += (int64_t)(s * 4.0f);
-    return flag ? (int)n : 0;
-}
-void nothing(void) {}
+ROOT = Path(__file__).resolve().parents[2]
+needs_cc = pytest.mark.skipif(native.compiler() is None, reason="no C compiler on this machine")
+
+
+def test_c_lives_in_real_files_only():
+    sources = sorted(p.name for p in native.CSRC.glob("*.c"))
+    assert sources == sorted(f"{name}.c" for name in native.LIBRARIES)
+    for py in (ROOT / "kernels").glob("*.py"):
+        text = py.read_text()
+        assert "#include <" not in text, f"{py.name} holds C source: it belongs in kernels/csrc"
+
+
+@needs_cc
+@pytest.mark.parametrize("name", sorted(native.LIBRARIES))
+def test_every_source_compiles_with_warnings_as_errors(name, tmp_path):
+    cmd = native.compile_command(native.compiler(), name, str(tmp_path / "k.so"), ("-Wall", "-Wextra", "-Werror"))
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+
+
+@needs_cc
+def test_every_library_builds_and_loads_here():
+    """Where a compiler exists, no kernel may quietly fall back to torch: each library builds (or says its CPU lacks
+    the instructions, which only its own check function may say)."""
+    status = native.status()
+    assert set(status) == set(native.LIBRARIES)
+    assert all(v in ("built", "CPU lacks its instructions") for v in status.values()), status
+    assert status["norm_native"] == "built" and status["vocab_native"] == "built"  # plain C: any x86-64 / arm64
+
+
+_BROKEN = r"""
+import sys
+from pathlib import Path
+import dgcli.kernels.native as native
+native.CSRC = Path(sys.argv[1])
+try:
+    native.library("norm_native", {})
+except native.NativeBuildError as e:
+    print("ERROR:", e)
+    sys.exit(3)
+print("no error")
 """
-_P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
-_SIGNATURE = {"axpb": [_P, _P, _L, _I, _L, _F, _I], "nothing": []}
-_HEADERS = Path(sysconfig.get_paths()["include"], "Python.h").is_file()
 
 
-def _libs():
-    direct = native.build("native_test", _SOURCE, _SIGNATURE, direct=True)
-    plain = native.build("native_test", _SOURCE, _SIGNATURE)
-    if direct is None or plain is None:
-        pytest.skip("no C compiler here")
-    return direct, plain
+@needs_cc
+def test_a_broken_source_is_an_error_with_the_compilers_message(tmp_path):
+    csrc = tmp_path / "csrc"
+    csrc.mkdir()
+    for p in native.CSRC.iterdir():
+        (csrc / p.name).write_bytes(p.read_bytes())
+    with open(csrc / "norm_native.c", "a") as f:
+        f.write("\nint this_is_not_c(void) { return undeclared_name; }\n")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "DGEMMA_KERNELS": "auto"}
+    run = subprocess.run([sys.executable, "-c", _BROKEN, str(csrc)], capture_output=True, text=True, env=env)
+    assert run.returncode == 3, (run.stdout, run.stderr)
+    assert "norm_native.c failed" in run.stdout and "undeclared_name" in run.stdout
+    assert "DGEMMA_KERNELS=torch" in run.stdout  # the fix, in the same message
 
 
-def test_direct_and_ctypes_calls_agree():
-    direct, plain = _libs()
-    assert isinstance(plain, ctypes.CDLL) and (not _HEADERS or not isinstance(direct, ctypes.CDLL))
-    x = torch.arange(5, dtype=torch.long) - 2
-    for lib in (direct, plain):
-        y = torch.zeros(5, dtype=torch.long)
-        # a float rounded to C float (0.75 - 2^-40 -> 0.75: 3 added, not 2), a bool as an int, a long above 2^32
-        assert lib.axpb(x.data_ptr(), y.data_ptr(), 5, -3, 1 << 40, 0.75 - 2**-40, True) == 5
-        assert y.tolist() == [6 + (1 << 40) + 3, 3 + (1 << 40), (1 << 40), -3 + (1 << 40), -6 + (1 << 40)]
-        assert lib.axpb(None, y.data_ptr(), 2, 7, 9, 0.0, False) == 0 and y[:2].tolist() == [9, 9]
-        assert lib.axpb(x.data_ptr(), None, 5, 1, 0, 0.0, 1) == -1  # None is NULL
-        assert lib.axpb(x.data_ptr(), 0, 5, 1, 0, 0.0, 1) == -1  # so is 0
-        lib.nothing()
+def test_the_cache_is_never_a_shared_or_foreign_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    d = native.cache_dir()
+    assert d == tmp_path / "dgemma" / "native" and not str(d).startswith("/tmp/dgemma-")
+    native._private_dir(d)
+    assert d.stat().st_mode & 0o777 == 0o700
+    d.chmod(0o777)  # anyone could plant a library here
+    with pytest.raises(native.NativeBuildError, match="not a private folder"):
+        native._private_dir(d)
 
 
-def test_direct_calls_refuse_what_ctypes_refuses():
-    direct, plain = _libs()
-    y = torch.zeros(2, dtype=torch.long)
-    for lib in (direct, plain):
-        with pytest.raises(TypeError):
-            lib.axpb(None, y.data_ptr(), 2, 1, 0, 0.0)  # one argument short
-        with pytest.raises((TypeError, ctypes.ArgumentError)):
-            lib.axpb(None, y.data_ptr(), 2.5, 1, 0, 0.0, 1)  # a float for a long
-    assert y.tolist() == [0, 0]
+def test_dgemma_kernels_torch_turns_every_c_kernel_off(monkeypatch):
+    monkeypatch.setenv("DGEMMA_KERNELS", "torch")
+    assert all(native.library(name, {}) is None for name in native.LIBRARIES)
+    assert all(v == "off (DGEMMA_KERNELS=torch)" for v in native.status().values())
 
 
-@pytest.mark.skipif(not _HEADERS, reason="no Python headers here: the kernels load with ctypes")
-def test_the_step_kernels_load_direct():
-    for mod in (gemm_native, norm_native, sampler_native, vocab_native):
-        lib = mod._native()
-        if lib is not None:
-            assert not isinstance(lib, ctypes.CDLL), mod.__name__
+def test_without_a_compiler_the_torch_paths_run(monkeypatch, tmp_path):
+    code = ("import dgcli.kernels.native as n, dgcli.kernels.dispatch as d, dgcli.kernels.gemm_native as g; "
+            "print(n.status()); print(d.provenance('cpu', 'float32')); assert not g.available()")
+    env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "PATH": str(tmp_path), "DGEMMA_KERNELS": "auto"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr
+    assert "'no compiler'" in run.stdout and "c-panels" not in run.stdout and "'rms_norm': 'torch.rms_norm'" in run.stdout
 
 
-def test_switch_reads_the_environment_at_each_call(monkeypatch):
-    on = native.switch("DGEMMA_TEST_NATIVE")
-    for env, want in (({}, True), ({"DGEMMA_NATIVE": "0"}, False), ({"DGEMMA_TEST_NATIVE": "0"}, False),
-                      ({"DGEMMA_NATIVE": "1", "DGEMMA_TEST_NATIVE": "00"}, True)):
-        for k in ("DGEMMA_NATIVE", "DGEMMA_TEST_NATIVE"):
-            monkeypatch.delenv(k, raising=False)
-        for k, v in env.items():
-            monkeypatch.setenv(k, v)
-        assert on() is want and native.enabled("DGEMMA_TEST_NATIVE") is want, env
-
-
-def test_without_python_headers_direct_is_the_ctypes_library(monkeypatch, tmp_path):
-    monkeypatch.setattr(native.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})  # no Python.h there
-    lib = native.build("native_test", _SOURCE, _SIGNATURE, direct=True)
-    if lib is None:
-        pytest.skip("no C compiler here")
-    assert isinstance(lib, ctypes.CDLL) and lib.axpb(None, None, 0, 0, 0, 0.0, 0) == -1
+def test_a_retired_or_misspelt_switch_is_named_not_ignored():
+    dgemma = Path(sys.executable).with_name("dgemma")
+    env = {**os.environ, "DGEMMA_NATIVE": "0", "DGEMMA_KERNEL": "torch"}
+    run = subprocess.run([str(dgemma), "--version"], capture_output=True, text=True, env=env)
+    assert run.returncode == 0
+    warned = [ln for ln in run.stderr.splitlines() if ln.startswith("dgemma: warning:")]
+    assert len(warned) == 2 and "DGEMMA_KERNEL is not a dgemma setting" in run.stderr
+    assert "DGEMMA_NATIVE is not a dgemma setting" in run.stderr and "DGEMMA_KERNELS" in warned[0]

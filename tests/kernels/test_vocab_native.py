@@ -51,11 +51,11 @@ def test_the_store_is_written_in_place_and_a_strided_tile_declines():
     assert vocab_native.tile_stats(raw.half(), 30.0, torch.tensor(1.0), None, 64) is None  # fp16: torch's
 
 
-def test_switches_keep_the_torch_tile(monkeypatch):
+def test_the_switch_keeps_the_torch_tile(monkeypatch):
     raw = torch.randn(4, 64)
-    for var in ("DGEMMA_NATIVE", "DGEMMA_VOCAB_NATIVE"):
+    for mode in ("torch", "reference"):
         with monkeypatch.context() as m:
-            m.setenv(var, "0")
+            m.setenv("DGEMMA_KERNELS", mode)
             assert vocab_native.tile_stats(raw.clone(), 30.0, torch.tensor(1.0), None, 64) is None
             a = native_or_torch_tile_stats(raw.clone(), 30.0, torch.tensor(1.0), None, 64)
             b = tile_stats(raw.clone(), 30.0, torch.tensor(1.0), None, 64)
@@ -72,7 +72,7 @@ def test_the_vocabulary_pass_with_and_without_the_c_tile(dtype, monkeypatch):
     u = torch.rand(2, 16, generator=g, dtype=torch.float64)
     kw = dict(softcap=30.0, temperature=torch.tensor([0.8, 1.3]), embed_scale=48**0.5, uniform=u, tile=256)
     fast = vocab_pass_tiled(hidden, embed, **kw)
-    monkeypatch.setenv("DGEMMA_VOCAB_NATIVE", "0")
+    monkeypatch.setenv("DGEMMA_KERNELS", "torch")
     slow = vocab_pass_tiled(hidden, embed, **kw)
     assert torch.equal(fast.argmax, slow.argmax)
     torch.testing.assert_close(fast.entropy, slow.entropy, rtol=0, atol=1e-5 if dtype == torch.float32 else 1e-4)
@@ -87,7 +87,7 @@ def test_loading_the_native_kernels_leaves_denormals_alone():
     import subprocess
     import sys
 
-    code = ("import torch; from dgcli.kernels import vocab_native, ggml_native; "
-            "assert vocab_native._native() is not None; ggml_native._native(); "
+    code = ("import torch; from dgcli.kernels import native; "
+            "assert all(v in ('built', 'CPU lacks its instructions') for v in native.status().values()); "
             "assert 5e-324 * 1.0 > 0 and (torch.tensor([1e-40]) * 1.0).item() > 0, 'denormals flushed'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

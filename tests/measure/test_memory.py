@@ -151,8 +151,7 @@ def test_pass_step_and_prefill_temporaries_are_the_cpu_allocators_peak(text, mon
     scheduler plans it (prompts of 100 ids and their first canvases; `prefill_bytes`, its ids included).
     The vocabulary tiles and the norms in torch: the formula counts their buffers (the C tile's, fewer: the next
     test; the C norms hold only their outputs: the peaks stay under the formula, checked here)."""
-    monkeypatch.setenv("DGEMMA_VOCAB_NATIVE", "0")
-    monkeypatch.setenv("DGEMMA_NORM_NATIVE", "0")
+    monkeypatch.setenv("DGEMMA_KERNELS", "torch")
     from dgcli.sampling.engine import Engine, Request
     from dgcli.sampling.params import DiffusionEbParams
     from dgcli.sampling.rules import sample_step
@@ -187,9 +186,9 @@ def test_pass_step_and_prefill_temporaries_are_the_cpu_allocators_peak(text, mon
         for measured, want in ((pre, want_pre), (one, want_one), (step, want_step)):
             assert measured == pytest.approx(want, rel=0.01, abs=64 * 2**10)
         got[b] = (step, pre, want_step, want_pre)
-        monkeypatch.setenv("DGEMMA_NORM_NATIVE", "1")
+        monkeypatch.setenv("DGEMMA_KERNELS", "auto")  # the C norms
         assert _peak_allocated(lambda: model.forward_pass(ids, segs, eng.cache, soft)) <= want_one + 64 * 2**10
-        monkeypatch.setenv("DGEMMA_NORM_NATIVE", "0")
+        monkeypatch.setenv("DGEMMA_KERNELS", "torch")
     per_row = [(got[3][i] - got[1][i]) / 2 for i in range(4)]
     # The slope within 0.5 %, or within half the uncounted attention scratch (one end of it may carry it).
     assert per_row[0] == pytest.approx(per_row[2], rel=0.005, abs=24 * 2**10)
@@ -295,7 +294,7 @@ def test_the_c_tiles_vocabulary_pass_peaks_under_the_formula(monkeypatch):
         u = torch.rand(2, 32, generator=g, dtype=torch.float64)
         run = lambda: vocab_pass_tiled(hidden, embed, softcap=30.0, temperature=0.8, embed_scale=2.0, uniform=u)  # noqa: E731,B023
         for native in ("1", "0"):
-            monkeypatch.setenv("DGEMMA_VOCAB_NATIVE", native)
+            monkeypatch.setenv("DGEMMA_KERNELS", "auto" if native == "1" else "torch")
             peaks[dtype, native] = _peak_allocated(run)
     want = memory_vocab.vocab_bytes(cfg, 2, 2, cpu=True)
     assert peaks[torch.bfloat16, "0"] == pytest.approx(want, rel=0.01, abs=64 * 2**10)
@@ -311,7 +310,7 @@ def test_a_whole_batched_run_peaks_where_the_formula_says(blocks, slots, monkeyp
     from dgcli.sampling.loop import generate_batch_events
     from dgcli.sampling.params import DiffusionEbParams
 
-    monkeypatch.setenv("DGEMMA_VOCAB_NATIVE", "0")  # the formula counts the torch tile (the test above)
+    monkeypatch.setenv("DGEMMA_KERNELS", "torch")  # the formula counts the torch tile (the test above)
     model = random_model(make_config(VOCAB_HEAVY, canvas_length=32), dtype=torch.bfloat16)
     prompts = [torch.randint(0, 4096, (32,)) for _ in blocks]
     params = DiffusionEbParams(max_denoising_steps=2, confidence_threshold=0.0)

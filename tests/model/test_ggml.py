@@ -235,11 +235,11 @@ def _inputs(seed=0):
 
 @pytest.fixture(params=["bf16", "int8"])
 def x_path(request, monkeypatch):
-    """The int4 forms' activations: "bf16" (DGEMMA_GGML_Q8=0) or "int8" (kernels/ggml_q8.py; skipped where the CPU
-    has no VNNI: it would not run there)."""
+    """The int4 forms' activations: "bf16" (DGEMMA_KERNELS=torch) or "int8" (kernels/ggml_q8.py; skipped where the
+    CPU has no VNNI: it would not run there)."""
     from dgcli.kernels import ggml_q8
 
-    monkeypatch.setenv("DGEMMA_GGML_Q8", "0" if request.param == "bf16" else "1")
+    monkeypatch.setenv("DGEMMA_KERNELS", "torch" if request.param == "bf16" else "auto")
     if request.param == "int8" and not ggml_q8.available():
         pytest.skip("no AVX-512 VNNI + VBMI here: the int8 path does not run")
     return request.param
@@ -340,7 +340,7 @@ def test_gemm_path_model_runs_the_dequantized_bf16_weights(plain, qtype, monkeyp
     model = ggml.quantize_model_(copy.deepcopy(plain), qtype)
     deq = ggml.dequantize_model(model)
     prompt, canvas, sc = _inputs()
-    monkeypatch.setenv("DGEMMA_GGML_Q8", "0")  # the bf16 paths
+    monkeypatch.setenv("DGEMMA_KERNELS", "torch")  # the bf16 paths
     monkeypatch.setattr(ggml_cpu, "GEMM_ROWS", 1 << 30)  # the int4 kernel at every row count
     monkeypatch.setattr(ggml_cpu, "GEMM_ROWS_PLANES", 1 << 30)
     kernel = model.forward_canvas(prompt, canvas, sc)

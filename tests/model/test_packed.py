@@ -8,9 +8,9 @@ import pytest
 import torch
 from hf_oracle import CONFIGS, text_config
 
-from dgcli.kernels import gemm_bf16, linear_cpu
+from dgcli.kernels import linear_cpu
 from dgcli.model.gemma import Experts
-from dgcli.model.packed import NativeExperts, PackedExperts, PackedLinear, pack_for_cpu
+from dgcli.model.packed import PackedExperts, PackedLinear, pack_for_cpu
 from dgcli.model.random_weights import make_config, random_model
 from dgcli.sampling.engine import Engine, Request
 from dgcli.sampling.events import Commit, Done, Step
@@ -33,34 +33,29 @@ def record(ev):
     return (ev.block, ev.prefix_len, ev.canvas.tolist())
 
 
-def twins(name: str, experts: str = "onednn"):
-    """The same random bf16 model twice, the second packed: its experts for oneDNN ("onednn": DGEMMA_GEMM_NATIVE=0)
-    or as a session packs them ("default": the C bf16 GEMM where it gives F.linear's bits here, kernels/gemm_bf16.py,
-    else oneDNN)."""
+def twins(name: str, kernels: str = "auto"):
+    """The same random bf16 model twice, the second packed for oneDNN as a session packs it (under
+    DGEMMA_KERNELS=`kernels`: bf16 packs the same way with C kernels or without)."""
     tc, canvas = text_config(name)
     cfg = make_config(tc, canvas_length=canvas)
     plain, packed = (random_model(cfg, seed=3, dtype=torch.bfloat16) for _ in range(2))
     with pytest.MonkeyPatch.context() as mp:
-        if experts == "onednn":
-            mp.setenv("DGEMMA_GEMM_NATIVE", "0")
+        mp.setenv("DGEMMA_KERNELS", kernels)
         n = pack_for_cpu(packed)
     linears = sum(type(m) is PackedLinear for m in packed.modules())
     kinds = [type(layer.experts) for layer in packed.layers]
-    assert linears and set(kinds) <= {PackedExperts, NativeExperts} and len(set(kinds)) == 1
-    if experts == "onednn":
-        assert kinds[0] is PackedExperts
+    assert linears and set(kinds) == {PackedExperts}
     assert n == linears + 2 * plain.config.num_experts * plain.config.num_hidden_layers
     assert not any(type(m) is Experts or type(m) is torch.nn.Linear for m in packed.modules())
     return plain, packed
 
 
-@pytest.mark.parametrize("experts", ["onednn", "default"])
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_packed_model_has_the_models_bits(name, experts):
+def test_packed_model_has_the_models_bits(name, kernels):
     """Prefix pass (the cache it leaves), a committed block, a canvas pass with self-conditioning, logits:
-    the packed model's bits are the model's, on every random config (prompts over two windows, batch 2), with
-    its experts packed for oneDNN or as a session packs them."""
-    plain, packed = twins(name, experts)
+    the packed model's bits are the model's, on every random config (prompts over two windows, batch 2)."""
+    plain, packed = twins(name, kernels)
     cfg = plain.config
     g = torch.Generator().manual_seed(11)
     prompt = torch.randint(0, cfg.vocab_size, (2, cfg.sliding_window * 2 + 3), generator=g)
@@ -85,7 +80,7 @@ def test_packed_model_has_the_models_bits(name, experts):
 def test_packed_model_gives_every_request_the_same_events():
     """Through the engine (ragged prompts, 2 slots, 2 blocks, self-conditioning between steps): every event
     of every request equal, entropies included, on a random bf16 model."""
-    plain, packed = twins("gqa4_moe8", "default")
+    plain, packed = twins("gqa4_moe8")
     cfg = plain.config
     params = DiffusionEbParams(max_denoising_steps=6)
     got = []
@@ -103,16 +98,15 @@ def test_packed_model_gives_every_request_the_same_events():
 
 
 def test_nothing_is_packed_where_it_does_not_apply(monkeypatch):
-    """fp32 weights with the C GEMM switched off (MKL's GEMM), a machine where the packed GEMM's bits differ,
+    """fp32 weights with the C kernels off (MKL's GEMM), a machine where the packed GEMM's bits differ,
     DGEMMA_KERNELS=reference (torch's own ops): the model is left as loaded."""
     tc, canvas = text_config("gqa2_window6")
     cfg = make_config(tc, canvas_length=canvas)
     with monkeypatch.context() as m:
-        m.setenv("DGEMMA_GEMM_NATIVE", "0")
+        m.setenv("DGEMMA_KERNELS", "torch")
         assert pack_for_cpu(random_model(cfg, dtype=torch.float32)) == 0
     with monkeypatch.context() as m:
         m.setattr(linear_cpu, "_agrees", lambda n, k, threads: False)
-        m.setattr(gemm_bf16, "agrees", lambda n, k, threads: False)
         model = random_model(cfg, dtype=torch.bfloat16)
         embed = model.embed_weight
         assert pack_for_cpu(model) == 0 and model.embed_weight is embed

@@ -9,7 +9,6 @@ import math
 import pytest
 import torch
 
-from dgcli.kernels import sampler_native
 from dgcli.sampling import draws
 
 M32 = 0xFFFFFFFF
@@ -113,23 +112,6 @@ def test_the_row_forms_give_the_same_bits():
         assert torch.equal(draws.token_ids_at(states[k:k + 1], mixed, 262144), want_t)
     with pytest.raises(ValueError, match="vocab_size"):
         draws.token_ids_at(states, mixed, 0)
-
-
-@pytest.mark.skipif(sampler_native._native() is None, reason="no C compiler here")
-def test_the_c_fold_gives_the_torch_ops_bits(monkeypatch):
-    """On CPU `uniform_at` / `token_ids_at` are one C call (kernels/sampler_native.py): the torch ops' bits, also for
-    states past 32 bits or negative (both keep the low 32 bits); DGEMMA_SAMPLER_NATIVE=0 runs the torch ops."""
-    g = torch.Generator().manual_seed(0)
-    states = torch.cat([torch.randint(0, 2**32, (5, 1), generator=g),
-                        torch.randint(-2**62, 2**62, (3, 1), generator=g), torch.tensor([[0], [M32]])])
-    mixed = draws.mixed_positions(torch.cat([torch.arange(300), torch.tensor([2**32 + 7])]))
-    fast = [draws.uniform_at(states, mixed), *(draws.token_ids_at(states, mixed, v) for v in (1, 7, 262144, 2**31 - 1))]
-    monkeypatch.setenv("DGEMMA_SAMPLER_NATIVE", "0")
-    assert sampler_native.fold_mixed(states, mixed) is None
-    slow = [draws.uniform_at(states, mixed), *(draws.token_ids_at(states, mixed, v) for v in (1, 7, 262144, 2**31 - 1))]
-    for a, b in zip(fast, slow):
-        assert a.dtype == b.dtype and torch.equal(a, b)
-    assert fast[0].unique().numel() == 3000  # 10 rows x 300 positions (2^32 + 7 is 7 again): the check has power
 
 
 def test_row_states_are_memoised_without_changing_them():

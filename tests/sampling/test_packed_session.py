@@ -1,6 +1,6 @@
 """A CPU session in bf16 prepacks its weights for oneDNN (dgcli/model/packed.py) and gives every request exactly
 the events of the same session unpacked, on the bundled model's held-out prompts; in fp32 it packs for the C
-GEMM (kernels/gemm_native.py; not with DGEMMA_GEMM_NATIVE=0); nothing packs under --compile or with
+GEMM (kernels/gemm_native.py; not with DGEMMA_KERNELS=torch); nothing packs under --compile or with
 DGEMMA_KERNELS=reference; bench's provenance says which linear ran."""
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def test_fp32_packs_for_the_c_gemm_and_nothing_packs_under_compile_or_on_the_ref
     else:
         assert fp32.packed_weights == 0 and not native
     with monkeypatch.context() as m:
-        m.setenv("DGEMMA_GEMM_NATIVE", "0")
+        m.setenv("DGEMMA_KERNELS", "torch")
         assert open_session(None, None, sampler_flags(blocks=1, device="cpu", dtype="float32")).packed_weights == 0
     assert bf16_session(compile=True).packed_weights == 0  # inductor traces the weights as loaded
     monkeypatch.setenv("DGEMMA_KERNELS", "reference")
@@ -79,10 +79,10 @@ def test_bench_provenance_names_the_linear_that_ran(cli_ckpt, monkeypatch):
 
     from dgcli.cli import app
 
-    kinds, fp32 = {}, "cpu" if gemm_native.available() else "reference"  # fp32: the C GEMM where it builds
+    kinds, fp32 = {}, "c-panels" if gemm_native.available() else "torch.linear"  # fp32: the C GEMM where it builds
     for dtype in ("bfloat16", "float32", "float32-torch"):
         if dtype == "float32-torch":
-            monkeypatch.setenv("DGEMMA_GEMM_NATIVE", "0")
+            monkeypatch.setenv("DGEMMA_KERNELS", "torch")
         r = CliRunner().invoke(app, ["bench", "--model", str(cli_ckpt), "--dtype", dtype.removesuffix("-torch"),
                                      "--diffusion-steps", "2",
                                      "--confidence-threshold", "0", "--blocks", "1", "--random-prompts",
@@ -90,4 +90,4 @@ def test_bench_provenance_names_the_linear_that_ran(cli_ckpt, monkeypatch):
                                      "--runs", "1", "--warmup", "0", "--format", "jsonl"])
         assert r.exit_code == 0, (r.output, r.exception)
         kinds[dtype] = json.loads(r.stdout)["provenance"]["kernels"]["linear"]
-    assert kinds == {"bfloat16": "cpu", "float32": fp32, "float32-torch": "reference"}
+    assert kinds == {"bfloat16": "onednn-packed", "float32": fp32, "float32-torch": "torch.linear"}
