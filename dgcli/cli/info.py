@@ -57,8 +57,9 @@ def info(
     from dgcli.measure import card as inf
     from dgcli.measure import printers as report
     from dgcli.measure.bench import device_peaks, matmul_dtype, peaks_for_card
-    from dgcli.model.random_weights import dummy_config
-    from dgcli.model.config import load_config, parse_config
+    from dgcli.checkpoint.config import parse_config
+    from dgcli.checkpoint.load import GGUF, format_of, load_config
+    from dgcli.checkpoint.random_weights import dummy_config
     from dgcli.runtime.session import default_model_path
 
     inventory = None
@@ -74,7 +75,7 @@ def info(
         path = Path(model) if model else default_model_path()
         cfg = load_config(path)
         folder = path if path.is_dir() else path.parent
-        if path.is_file() and path.suffix != ".json":  # a GGUF file (load_config refuses other files)
+        if format_of(path) == GGUF:
             from dgcli.measure import gguf_info
 
             inventory = gguf_info.gguf_inventory(path)

@@ -1,12 +1,11 @@
 """GGML quantized weights in the model: the block formats GGUF files store (Q8_0, Q4_K, Q6_K; Q4_0, Q5_0) and
 the modules that compute with them kept quantized.
 
-Owns: the block layouts (byte-exact with ggml's; `dequantize` equals the `gguf` package's), `quantize` (what
-`dgemma quantize --type` and the random `--dummy --weights q4_k` weights use), `random_blocks` (valid random
-blocks drawn as bytes), `QuantLinear` and `QuantExperts` (swapped into the model tree as `fp8.py`'s modules
-are: the model's math calls them as it calls nn.Linear and `gemma.Experts`). Must not: read or write files
-(model/gguf.py does), know tensor names, or hold the kernels (kernels/ggml_cpu.py does; the reference quantizers
-are model/ggml_quants.py). Also here, for tests and dummy weights: `quantize_model_`, `dequantize_model`.
+Owns: the block layouts (byte-exact with ggml's; `dequantize` equals the `gguf` package's), `QuantLinear` and
+`QuantExperts` (swapped into the model tree as `fp8.py`'s modules are: the model's math calls them as it calls
+nn.Linear and `gemma.Experts`). Must not: read or write files (dgcli/checkpoint/gguf.py does), know tensor
+names, or hold the kernels (kernels/ggml_cpu.py does). The encoders (llama.cpp's reference quantizers, random
+blocks, whole-model quantize / dequantize for tests and dummy weights) are dgcli/checkpoint/ggml_quants.py.
 
 What the GGUF reader and writer rely on:
 - type ids are ggml's `GGMLType` values: F32 0, F16 1, Q4_0 2, Q5_0 6, Q8_0 8, Q4_K 12, Q6_K 14, BF16 30
@@ -28,20 +27,16 @@ Block layouts (ggml-common.h), little-endian:
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
-from dgcli.model.gguf import GGML_TYPES
-
 F32, F16, Q4_0, Q5_0, Q8_0, Q4_K, Q6_K, BF16 = 0, 1, 2, 6, 8, 12, 14, 30
-NAMES = {t: GGML_TYPES[t][0] for t in (F32, F16, Q4_0, Q5_0, Q8_0, Q4_K, Q6_K, BF16)}  # the types dgemma runs
-BLOCKS = {t: GGML_TYPES[t][1:] for t in NAMES}  # type -> (elements per block, bytes per block)
+NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q5_0: "Q5_0", Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q6_K",
+         BF16: "BF16"}  # the types dgemma runs (ggml.h's names)
+# type -> (elements per block, bytes per block), as ggml.h / gguf-py's GGML_QUANT_SIZES give them
+BLOCKS = {F32: (1, 4), F16: (1, 2), Q4_0: (32, 18), Q5_0: (32, 22), Q8_0: (32, 34), Q4_K: (256, 144),
+          Q6_K: (256, 210), BF16: (1, 2)}
 QUANTIZED = (Q4_0, Q5_0, Q8_0, Q4_K, Q6_K)
-# Rows quantized per chunk: the K-quant searches hold ~20 candidates per value, so a whole embedding at once
-# would need tens of GB.
-CHUNK_VALUES = 1 << 20
 
 
 def row_bytes(qtype: int, k: int) -> int:
@@ -134,39 +129,6 @@ def dequantize(raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     else:
         raise ValueError(f"ggml type {qtype}: not one of {sorted(NAMES)}")
     return out.reshape(*lead, k)
-
-
-def quantize(w: torch.Tensor, qtype: int) -> torch.Tensor:
-    """w float [..., K] (K a multiple of the block size) -> uint8 [..., row_bytes(qtype, K)] in ggml's layout,
-    rounded as llama.cpp's reference quantizer rounds (no importance matrix; see model/ggml_quants.py)."""
-    from dgcli.model import ggml_quants
-
-    lead, k = w.shape[:-1], w.shape[-1]
-    if qtype in (F32, F16, BF16):
-        dt = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}[qtype]
-        return w.to(dt).contiguous().view(torch.uint8).reshape(*lead, row_bytes(qtype, k))
-    if qtype not in QUANTIZED:
-        raise ValueError(f"ggml type {qtype}: not one of {sorted(NAMES)}")
-    elems, nbytes = BLOCKS[qtype]
-    if k % elems:
-        raise ValueError(f"{NAMES[qtype]} needs rows of a multiple of {elems} values, not {k}")
-    blocks = w.detach().reshape(-1, elems).float()
-    fn = {Q4_0: ggml_quants.q4_0, Q5_0: ggml_quants.q5_0, Q8_0: ggml_quants.q8_0, Q4_K: ggml_quants.q4_k,
-          Q6_K: ggml_quants.q6_k}[qtype]
-    step = max(1, CHUNK_VALUES // elems)
-    out = torch.cat([fn(blocks[i:i + step]) for i in range(0, blocks.shape[0], step)]) if blocks.numel() else \
-        torch.empty(0, nbytes, dtype=torch.uint8)
-    return out.reshape(*lead, row_bytes(qtype, k))
-
-
-def random_blocks(shape: tuple[int, ...], qtype: int, k: int, generator: torch.Generator | None = None,
-                  std: float | None = None) -> torch.Tensor:
-    """Random valid blocks uint8 [*shape, row_bytes(qtype, k)] drawn directly as bytes (no floats quantized:
-    fast enough for a 26B dummy): uniform nibbles / int8 values, 6-bit scales, and finite positive fp16 d
-    (and dmin) set so each value's spread is about std (default 1/sqrt(k), the dummy init's)."""
-    from dgcli.model import ggml_quants
-
-    return ggml_quants.random_blocks(shape, qtype, k, generator, std if std is not None else k ** -0.5)
 
 
 def _hold(module: nn.Module, prefix: str, p) -> None:
@@ -291,11 +253,6 @@ class QuantExperts(_Quantized):
                 f"{NAMES[self.types[0]]}/{NAMES[self.types[1]]}")
 
 
-# ---- whole models (tests, dummy weights) -----------------------------------------------------------------------
-
-# The linears a GGUF stores quantized (llama.cpp quantizes every 2-D weight but the router, ffn_gate_inp)
-TARGETS = re.compile(r"^(layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)|"
-                     r"self_conditioning\.(gate|up|down)_proj)$")
 # llama.cpp's fallback where a row is not a multiple of 256 (llama_tensor_get_type's incompatible-shape switch)
 FALLBACK = {Q4_K: Q5_0, Q6_K: Q8_0}
 
@@ -308,33 +265,6 @@ def type_for(qtype: int, k: int) -> int | None:
     return None
 
 
-def targets(model: nn.Module) -> tuple[list[str], list[int]]:
-    """(names of the bias-free linears stored quantized, layers whose experts are)."""
-    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and TARGETS.match(n)]
-    return linears, list(range(len(model.layers)))
-
-
-@torch.no_grad()
-def quantize_model_(model: nn.Module, qtype: int, dtype: torch.dtype | None = None) -> nn.Module:
-    """Quantize a materialised plain model's target linears and experts to `qtype` in place (rows that do not
-    fit take llama.cpp's fallback type, or stay as they are); scales in `dtype` (default: the embedding's)."""
-    dtype = dtype or model.embed_tokens.weight.dtype
-    linears, layers = targets(model)
-    for name in linears:
-        old = model.get_submodule(name)
-        t = type_for(qtype, old.in_features)
-        if t is not None:
-            model.set_submodule(name, QuantLinear(quantize(old.weight, t), t, old.in_features, old.out_features, dtype))
-    for i in layers:
-        old = model.layers[i].experts
-        e, two_i, h = old.gate_up_proj.shape
-        tg, td = type_for(qtype, h), type_for(qtype, two_i // 2)
-        if tg is not None and td is not None:
-            model.layers[i].experts = QuantExperts(quantize(old.gate_up_proj, tg), tg, quantize(old.down_proj, td),
-                                                   td, h, two_i // 2, dtype)
-    return model
-
-
 def quantized_names(model: nn.Module) -> set[str]:
     """State-dict names of the GGML modules' buffers (not plain weights: randomize and cast must skip them)."""
     return {f"{n}.{b}" for n, m in model.named_modules() if isinstance(m, (QuantLinear, QuantExperts))
@@ -344,23 +274,3 @@ def quantized_names(model: nn.Module) -> set[str]:
 def weight_bytes(model: nn.Module) -> int:
     """Bytes the model's parameters and buffers hold (quantized forms included)."""
     return sum(t.nbytes for t in list(model.parameters()) + list(model.buffers()))
-
-
-@torch.no_grad()
-def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
-    """A plain model holding the weights the GGML modules compute with (as the kernels see them: scales rounded
-    to the modules' scale dtype), in `dtype` (default: the embedding's)."""
-    from dgcli.model.loader import meta_model
-
-    dtype = dtype or model.embed_tokens.weight.dtype
-    skip = quantized_names(model)
-    state = {k: v.to(dtype) for k, v in model.state_dict().items() if k not in skip}
-    for name, m in model.named_modules():
-        if isinstance(m, QuantLinear):
-            state[f"{name}.weight"] = m.dequantized().to(dtype)
-        elif isinstance(m, QuantExperts):
-            gu, dn = m.dequantized()
-            state[f"{name}.gate_up_proj"], state[f"{name}.down_proj"] = gu.to(dtype), dn.to(dtype)
-    plain = meta_model(model.config)
-    plain.load_state_dict(state, strict=True, assign=True)
-    return plain.eval()

@@ -156,7 +156,7 @@ def test_a_bf16_pass_sends_its_canvases_here_within_a_bf16_step_of_sdpa(monkeypa
     SDPA on the same inputs; by default (no DGEMMA_BF16_FAST) none runs here."""
     from hf_oracle import CONFIGS
 
-    from dgcli.model.random_weights import make_config, random_model
+    from dgcli.checkpoint.random_weights import make_config, random_model
 
     text = {k: v for k, v in CONFIGS["gqa4_moe8"].items() if k != "canvas"}
     m = random_model(make_config(text, canvas_length=16), seed=0).to(bf16)

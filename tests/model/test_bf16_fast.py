@@ -12,7 +12,7 @@ import torch
 
 from dgcli.kernels import attention_native, gemm_bf16
 from dgcli.model.packed import NativeExperts, PackedExperts, pack_for_cpu
-from dgcli.model.random_weights import make_config, random_model
+from dgcli.checkpoint.random_weights import make_config, random_model
 
 pytestmark = pytest.mark.skipif(not (attention_native.available() and gemm_bf16.available()),
                                 reason="no C compiler or no AVX512-BF16 here: the fast mode does not run")
