@@ -19,7 +19,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dgcli.cli import options as o
+import dgcli.cli.options as o
 from dgcli.errors import UserError
 
 
