@@ -85,7 +85,6 @@ def _module_graph() -> dict[str, set[str]]:
     for path, rel in _modules():
         parts = ("dgcli",) + rel.with_suffix("").parts
         files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    files["dgcli"] = PKG / "__init__.py"
 
     def owner(name: str) -> str | None:  # the module a dotted name lives in (a function or class: its module)
         while name and name not in files:

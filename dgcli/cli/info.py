@@ -58,7 +58,7 @@ def info(
     from dgcli.measure import printers as report
     from dgcli.measure.bench import device_peaks, matmul_dtype, peaks_for_card
     from dgcli.checkpoint.config import parse_config
-    from dgcli.checkpoint.load import GGUF, format_of, load_config
+    from dgcli.checkpoint.load import DIRECTORY, GGUF, format_of, load_config
     from dgcli.checkpoint.random_weights import dummy_config
     from dgcli.runtime.session import default_model_path
 
@@ -74,8 +74,9 @@ def info(
             raise UserError("--layers shrinks a --dummy config; it does not apply to a checkpoint")
         path = Path(model) if model else default_model_path()
         cfg = load_config(path)
-        folder = path if path.is_dir() else path.parent
-        if format_of(path) == GGUF:
+        kind = format_of(path)
+        folder = path if kind == DIRECTORY else path.parent
+        if kind == GGUF:
             from dgcli.measure import gguf_info
 
             inventory = gguf_info.gguf_inventory(path)
