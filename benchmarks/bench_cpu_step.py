@@ -91,7 +91,7 @@ def bench_model(path: Path, pack: bool = False):
     `pack`: its weights prepacked for oneDNN, as an eager CPU session runs them (dgcli/model/packed.py)."""
     import dgcli
     from dgcli.model.packed import pack_for_cpu
-    from dgcli.model.random_weights import write_random_checkpoint
+    from dgcli.checkpoint.random_weights import write_random_checkpoint
 
     if not (path / "config.json").exists():
         write_random_checkpoint(path, TEXT, canvas_length=CANVAS, dtype=torch.bfloat16, tokenizer=False)

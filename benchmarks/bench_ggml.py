@@ -10,7 +10,7 @@ at 1 and 2 threads; then the error of both int4-form paths against the file's ex
     python benchmarks/bench_ggml.py --write-200m-config /tmp/200m.json   # for `dgemma bench --dummy ... --weights`
     python benchmarks/bench_ggml.py --quantize [--threads 1,2]   # M values/s of ggml.quantize (`dgemma quantize`)
 
-Weights are random valid blocks (`ggml.random_blocks`), built once; GB/s counts the bytes the kernel's form holds
+Weights are random valid blocks (`ggml_quants.random_blocks`), built once; GB/s counts the bytes the kernel's form holds
 for the matrices a call reads (for experts: only the routed ones). `--step` runs `dgemma bench --dummy` on the
 ~200 M config (bench_cpu_step.py's) in fresh processes, bf16 / q4_k / q4_k with the int4 kernel forced at every
 row count (the path before the GEMM path existed), alternating, and prints ms per step and peak memory side by
@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from dgcli.kernels import ggml_cpu, ggml_native, ggml_q8, linear_cpu, moe_cpu
+from dgcli.checkpoint import ggml_quants
 from dgcli.model import ggml
 
 H, I, DENSE, E, TOP_K = 2816, 704, 2112, 128, 8
@@ -66,7 +67,7 @@ def bench_linears(threads: int, reps: int, rows_out: list) -> None:
         if packed is not None:
             forms["bf16 packed"] = (lambda x: linear_cpu.linear(x, packed), n * k * 2)
         for t in types_for(k):
-            m = ggml.QuantLinear(ggml.random_blocks((n,), t, k, g), t, k, n)
+            m = ggml.QuantLinear(ggml_quants.random_blocks((n,), t, k, g), t, k, n)
             forms[ggml.NAMES[t]] = (m, ggml_cpu.prepared_bytes(t, n, k))
             if t != ggml.Q6_K:
                 p = ggml._held(m, "weight")
@@ -120,8 +121,8 @@ def bench_experts(threads: int, reps: int, experts: int, rows_out: list, rows: t
         forms["bf16 packed"] = (lambda x, w, i: moe_cpu.experts_packed(x, w, i, pgu, pdn, I), 3 * H * I * 2)
     for label, tg, td in (("Q4_K + Q4_0 (dummy q4_k)", ggml.Q4_K, ggml.Q4_0),
                           ("Q4_K + Q5_0 (llama.cpp Q4_K_M)", ggml.Q4_K, ggml.Q5_0), ("Q8_0", ggml.Q8_0, ggml.Q8_0)):
-        m = ggml.QuantExperts(ggml.random_blocks((experts, 2 * I), tg, H, g), tg,
-                              ggml.random_blocks((experts, H), td, I, g), td, H, I)
+        m = ggml.QuantExperts(ggml_quants.random_blocks((experts, 2 * I), tg, H, g), tg,
+                              ggml_quants.random_blocks((experts, H), td, I, g), td, H, I)
         forms[label] = (m, ggml_cpu.prepared_bytes(tg, 2 * I, H) + ggml_cpu.prepared_bytes(td, H, I))
         if ggml_q8.available():  # as dispatched: int8 x (kernels/ggml_q8.py); beside it the bf16 paths
             forms[f"{label}, bf16 x"] = (lambda x, w, i, m=m: _bf16_x(m, x, w, i), forms[label][1])
@@ -180,7 +181,7 @@ def crossover(threads: list[int], reps: int, mats: int = 16) -> list[dict]:
     for t in threads:
         torch.set_num_threads(t)
         for name, qtype, n, k in CROSS_SHAPES:
-            ps = ggml_cpu.prepare(ggml.random_blocks((mats, n), qtype, k, g), qtype, k)
+            ps = ggml_cpu.prepare(ggml_quants.random_blocks((mats, n), qtype, k, g), qtype, k)
             wb = [linear_cpu.pack(torch.randn(n, k, generator=g).bfloat16()) for _ in range(mats)]
             r = {"op": name, "type": ggml.NAMES[qtype], "shape": [n, k], "threads": t, "ms": {}}
             for m in CROSS_ROWS:
@@ -219,7 +220,7 @@ def bench_step(threads: int, rounds: int, canvas: int) -> list[dict]:
     import tempfile
     from pathlib import Path
 
-    from dgcli.model.random_weights import make_config
+    from dgcli.checkpoint.random_weights import make_config
 
     sys.path.insert(0, str(Path(__file__).parent))
     from bench_cpu_step import TEXT
@@ -253,7 +254,7 @@ def int4_error() -> dict:
     g = torch.Generator().manual_seed(2)
     n, k = 1408, H
     w0 = torch.randn(n, k, generator=g) * k ** -0.5
-    raw = ggml.quantize(w0, ggml.Q4_K)
+    raw = ggml_quants.quantize(w0, ggml.Q4_K)
     w = ggml.dequantize(raw, ggml.Q4_K, k)
     m = ggml.QuantLinear(raw, ggml.Q4_K, k, n)
     wk = m.dequantized()
@@ -293,7 +294,7 @@ def bench_quantize(threads: list[int], reps: int) -> list[dict]:
         for t in threads:
             torch.set_num_threads(t)
             for qtype in (ggml.Q4_K, ggml.Q6_K, ggml.Q8_0):
-                ms = timed(lambda: ggml.quantize(w, qtype), reps)
+                ms = timed(lambda: ggml_quants.quantize(w, qtype), reps)
                 rows.append({"op": "quantize", "shape": list(shape), "threads": t, "form": ggml.NAMES[qtype],
                              "ms": round(ms, 1), "Mvalues_per_s": round(w.numel() / ms / 1e3, 2)})
     return rows
@@ -322,7 +323,7 @@ def main() -> None:
         import sys
         from pathlib import Path
 
-        from dgcli.model.random_weights import make_config
+        from dgcli.checkpoint.random_weights import make_config
 
         sys.path.insert(0, str(Path(__file__).parent))
         from bench_cpu_step import CANVAS, TEXT

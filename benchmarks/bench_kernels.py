@@ -149,8 +149,8 @@ def shapes_for(small: bool) -> dict:
     4096 keys), or SMALL."""
     if small:
         return dict(SMALL)
-    from dgcli.model.config import parse_config
-    from dgcli.model.random_weights import dummy_config
+    from dgcli.checkpoint.config import parse_config
+    from dgcli.checkpoint.random_weights import dummy_config
 
     cfg = parse_config(dummy_config("26B-A4B")[0])
     full = next(g for g in cfg.layers if g.window is None)
@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
         _fail("no CUDA device here; run with --device cpu (small shapes, CPU figures)")
     if args.step:  # checked before minutes of kernel timing
         from dgcli.errors import UserError
-        from dgcli.model.random_weights import dummy_config
+        from dgcli.checkpoint.random_weights import dummy_config
 
         try:
             batches = [int(b) for b in args.batch.split(",")]

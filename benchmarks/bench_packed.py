@@ -77,7 +77,7 @@ def real_layers(n_layers: int, rounds: int) -> dict:
     one batch-1 decoder pass (canvas 256 after a 32-token prompt) as loaded and packed, alternating, bits
     checked equal. Needs ~3.5 GB per layer-pair of RAM."""
     from dgcli.model.packed import pack_for_cpu
-    from dgcli.model.random_weights import dummy_config, random_model
+    from dgcli.checkpoint.random_weights import dummy_config, random_model
 
     raw, _, name = dummy_config("26B-A4B", n_layers)
     plain, packed = (random_model(raw, seed=0, dtype=torch.bfloat16) for _ in range(2))

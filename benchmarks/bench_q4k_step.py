@@ -109,7 +109,7 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from bench_cpu_step import TEXT
 
-    from dgcli.model.random_weights import make_config
+    from dgcli.checkpoint.random_weights import make_config
 
     cfg = Path(tempfile.mkdtemp()) / "config.json"
     cfg.write_text(json.dumps(make_config(TEXT, canvas_length=args.canvas)))

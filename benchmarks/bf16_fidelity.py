@@ -61,7 +61,7 @@ def randomise(model, seed: int) -> None:
 def restore_fp32_scalars(model, path: Path) -> None:
     from safetensors.torch import load_file
 
-    from dgcli.model.loader import to_checkpoint_name
+    from dgcli.checkpoint.directory import to_checkpoint_name
 
     state = load_file(str(path / "model.safetensors"))
     for name, buf in model.named_buffers():
@@ -86,7 +86,7 @@ def measure(seed: int, fp32_scalars: bool) -> tuple[str, dict[str, float]]:
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, DynamicCache
 
     import dgcli
-    from dgcli.model.random_weights import TINY_VISION, make_config
+    from dgcli.checkpoint.random_weights import TINY_VISION, make_config
 
     text, canvas = random_text_config(seed)
     full = make_config(text, canvas_length=canvas)

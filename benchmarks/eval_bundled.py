@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dgcli.train import tasks
-from dgcli.model.config import load_generation_config  # noqa: E402
+from dgcli.checkpoint.load import load_generation_config  # noqa: E402
 from dgcli.runtime.settings import from_generation_config, stop_ids_from_generation_config  # noqa: E402
 from dgcli.sampling.params import DiffusionEbParams  # noqa: E402
 from dgcli.text.tokenizer import load_tokenizer  # noqa: E402
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = Path(a.model)
     if model_dir.suffix == ".gguf":  # a GGUF file (e.g. `dgemma quantize dgcli/data/tiny F.gguf --type q8_0`)
-        from dgcli.model.gguf_model import load_gguf_tokenizer
+        from dgcli.checkpoint.gguf_model import load_gguf_tokenizer
 
         tok = load_gguf_tokenizer(model_dir)
     else:

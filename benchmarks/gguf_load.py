@@ -56,7 +56,7 @@ def source(name: str) -> Path:
     import torch
 
     from bench_cpu_step import CANVAS, TEXT
-    from dgcli.model.random_weights import write_random_checkpoint
+    from dgcli.checkpoint.random_weights import write_random_checkpoint
 
     path = Path("/tmp/dgemma-bench-200m")
     if not (path / "config.json").exists():
@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--types", default="bf16,q8_0,q4_k_m")
     ap.add_argument("--threads", default="1")
     args = ap.parse_args()
-    from dgcli.model.quantize import checkpoint_to_gguf
+    from dgcli.checkpoint.quantize import checkpoint_to_gguf
 
     src = source(args.model)
     runs = [("safetensors", src, sum(f.stat().st_size for f in src.glob("*.safetensors")))]

@@ -29,7 +29,7 @@ DIRS = {"bf16": "/tmp/dgemma-2gb", "fp8": "/tmp/dgemma-fp8-1gb"}
 CHILD = r"""
 import json, resource, sys, time, torch
 import dgcli
-from dgcli.model.random_weights import write_random_checkpoint
+from dgcli.checkpoint.random_weights import write_random_checkpoint
 mode, path = sys.argv[1], sys.argv[2]
 if mode == "write":
     write_random_checkpoint(path, json.loads(sys.argv[3]), dtype=torch.bfloat16, shards=int(sys.argv[4]),

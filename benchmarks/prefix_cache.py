@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from dgcli.model.random_weights import random_model
+from dgcli.checkpoint.random_weights import random_model
 from dgcli.sampling.engine import Engine, Request
 from dgcli.sampling.events import Done
 from dgcli.sampling.params import DiffusionEbParams

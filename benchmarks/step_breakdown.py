@@ -85,8 +85,8 @@ def step_breakdown(dev, spec: str, layers: int, batches: list[int], reps: int, p
     from bench_cpu_step import decoder_pass, prompt_cache
     from step_components import component_flops
 
-    from dgcli.model.config import parse_config
-    from dgcli.model.random_weights import dummy_config, random_model
+    from dgcli.checkpoint.config import parse_config
+    from dgcli.checkpoint.random_weights import dummy_config, random_model
     from dgcli.sampling.params import DiffusionEbParams
     from dgcli.sampling.rules import sample_step
 

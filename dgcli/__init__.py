@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 
 
 def load_model(path, device="cpu", dtype=None):
-    """Load a DiffusionGemma checkpoint directory or GGUF file (see `dgcli.model.loader.load_model`). `device`:
+    """Load a DiffusionGemma checkpoint directory or GGUF file (see `dgcli.checkpoint.load.load_model`). `device`:
     "cpu", "cuda", "cuda:N", "auto" (CUDA if present) or a torch.device, checked before any file is read (as the
     CLI's --device: `dgcli.runtime.session.pick_device`); `dtype`: "bfloat16", "float32", a torch.dtype, or None
     for the checkpoint's."""
@@ -18,7 +18,7 @@ def load_model(path, device="cpu", dtype=None):
     import torch
 
     from dgcli.errors import UserError
-    from dgcli.model.loader import load_model as _load
+    from dgcli.checkpoint.load import load_model as _load
     from dgcli.runtime.session import pick_device
 
     name = str(device) if isinstance(device, torch.device) else device

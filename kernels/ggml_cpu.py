@@ -2,7 +2,7 @@
 
 Owns: `prepare` (a GGUF block tensor -> the form kept in memory, built once at load), `linear`, `experts`
 (the `experts_reference` semantics over routed experts only) and `dequantize_prepared` (tests).
-Must not: know GGUF files or tensor names (dgcli/model/gguf.py), or route (the model's router does).
+Must not: know GGUF files or tensor names (dgcli/checkpoint/gguf.py), or route (the model's router does).
 
 The forms (built at load; the file's bytes are not kept). Q4_K -> torch's int4 CPU kernel
 (`torch._weight_int4pack_mm_for_cpu`: w = (q − 8)·scale + zero per group of 32 along K, fp32 accumulation): a
@@ -79,7 +79,7 @@ def _pad_rows(n: int) -> int:
 def _int4_parts(raw: torch.Tensor, qtype: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One matrix's bytes [n, row_bytes] -> (q uint8 [n, Kp] in 0..15, scale fp32 [n, Kp/32], zero fp32 [n, Kp/32])
     with w = (q − 8)·scale + zero (Q8_0: the two planes summed)."""
-    from dgcli.model.ggml import _blocks, _f16, q40_values, q4k_nibbles, q4k_scale_min, q50_high
+    from .ggml_blocks import _blocks, _f16, q40_values, q4k_nibbles, q4k_scale_min, q50_high
 
     n = raw.shape[0]
     b = _blocks(raw, qtype)  # [n, nb, bytes]
@@ -147,7 +147,7 @@ def _dequant_rows(p: Prepared, r0: int, r1: int, dtype: torch.dtype = torch.floa
     """Rows r0..r1 of one matrix [r1 - r0, k] in dtype (for int4 forms r0 a multiple of 64). bf16: the
     arithmetic runs in bf16 with one fp32-internal rounding per addcmul (the weights a bf16 GEMM would get)."""
     if p.kind == "raw":
-        from dgcli.model.ggml import dequantize
+        from .ggml_blocks import dequantize
 
         return dequantize(p.packed[r0:r1], p.qtype, p.k).to(dtype)
     kp = p.packed.shape[-1] * 2

@@ -71,7 +71,7 @@ def cli_ckpt(tmp_path_factory):
     """One random checkpoint (with tokenizer) shared by the CLI-level tests that only read it."""
     from hf_oracle import CLI_CANVAS, CLI_TEXT
 
-    from dgcli.model.random_weights import write_random_checkpoint
+    from dgcli.checkpoint.random_weights import write_random_checkpoint
 
     return write_random_checkpoint(tmp_path_factory.mktemp("cli") / "ckpt", CLI_TEXT, canvas_length=CLI_CANVAS)
 

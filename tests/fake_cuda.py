@@ -21,10 +21,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dgcli.model import fp8
-from dgcli.model.config import parse_config
+from dgcli.checkpoint.config import parse_config
 from dgcli.model.gemma import DiffusionGemma
-from dgcli.model.loader import meta_model
-from dgcli.model.random_weights import make_config, with_fp8
+from dgcli.checkpoint.meta import meta_model
+from dgcli.checkpoint.random_weights import make_config, with_fp8
 
 try:  # torch 2.13 (the pinned CPU build)
     from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError

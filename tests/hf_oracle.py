@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from dgcli.model.random_weights import TINY_VISION, make_config
+from dgcli.checkpoint.random_weights import TINY_VISION, make_config
 
 S, F = "sliding_attention", "full_attention"
 

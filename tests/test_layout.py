@@ -1,6 +1,6 @@
-"""The layout is the architecture: which layer may import which, training code kept out of run time, no
-file over 400 lines, `dgcli.kernels` resolving to this repository's top-level kernels/, and plain `kernels` never
-(the PyPI package of that name)."""
+"""The layout is the architecture: which layer may import which, no import cycle between modules, checkpoint
+formats decided in checkpoint/ alone, training code kept out of run time, no file over 400 lines, `dgcli.kernels`
+resolving to this repository's top-level kernels/, and plain `kernels` never (the PyPI package of that name)."""
 
 from __future__ import annotations
 
@@ -12,19 +12,25 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "dgcli"
 
 # Layer -> the dgcli layers its modules may import (any import, also inside functions). Data flows one
-# way: cli -> runtime (settings, session, request) -> model + sampling; measure and render consume events.
+# way: cli -> runtime (settings, session, request) -> checkpoint (formats: which one, and opening it) -> model (the
+# math) + sampling; measure and render consume events. The model never imports checkpoint/: the network is built
+# and filled from there, not the other way round.
 ALLOWED = {
     "text": {"text"},
     "sampling": {"sampling", "kernels"},
-    "model": {"model", "kernels", "text"},  # random checkpoints write a tokenizer (text.build)
-    "runtime": {"runtime", "model", "sampling", "text", "measure"},  # measure.card: the dummy-model preflight
-    "measure": {"measure", "runtime", "model", "sampling", "text", "kernels"},
+    "model": {"model", "kernels"},
+    "checkpoint": {"checkpoint", "model", "kernels", "text"},  # a checkpoint's tokenizer (GGUF vocab, text.build)
+    "runtime": {"runtime", "checkpoint", "model", "sampling", "text", "measure"},  # measure.card: dummy preflight
+    "measure": {"measure", "runtime", "checkpoint", "model", "sampling", "text", "kernels"},
     "render": {"render", "sampling"},
     "serve": {"serve", "runtime", "sampling", "text"},  # the HTTP server: requests in, the engine thread
-    "cli": {"cli", "runtime", "model", "sampling", "text", "measure", "render", "kernels", "serve", "cluster"},
-    "cluster": {"cluster", "runtime", "model", "sampling", "text", "measure", "kernels"},  # --ray: driver and actors
-    "train": {"train", "runtime", "model", "sampling", "text", "measure", "kernels"},
+    "cli": {"cli", "runtime", "checkpoint", "model", "sampling", "text", "measure", "render", "kernels", "serve",
+            "cluster"},
+    "cluster": {"cluster", "runtime", "checkpoint", "model", "sampling", "text", "measure", "kernels"},  # --ray
+    "train": {"train", "runtime", "checkpoint", "model", "sampling", "text", "measure", "kernels"},
 }
+# Import cycles still being taken apart elsewhere (each a set of modules that may form one cycle among themselves).
+CYCLES_BEING_REMOVED = [{"dgcli.measure.card", "dgcli.measure.memory"}]
 ALWAYS = {"", "errors"}  # dgcli itself (__version__, load_model) and dgcli.errors
 
 
@@ -68,6 +74,117 @@ def test_every_layer_imports_only_what_it_may():
             for target in _layer_of_import(node, parts if rel.name != "__init__.py" else parts[:-1] + ("x",)):
                 if target not in ALWAYS and target not in ALLOWED[layer]:
                     bad.append(f"{rel}:{node.lineno} imports dgcli.{target}")
+    assert not bad, "\n".join(bad)
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """dgcli module -> the dgcli modules it imports (any import, also inside functions; kernels/ aside, checked
+    on its own). `from pkg import name` names the submodule pkg.name where there is one, else pkg itself:
+    importing a package's submodule runs the package's __init__ first, but that is no edge back to it."""
+    files = {}
+    for path, rel in _modules():
+        parts = ("dgcli",) + rel.with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def owner(name: str) -> str | None:  # the module a dotted name lives in (a function or class: its module)
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for mod, path in files.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        out = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            else:
+                continue
+            for name in names:
+                target = owner(name) if name.split(".")[0] == "dgcli" and not name.startswith("dgcli.kernels") else None
+                if target and target != mod:
+                    out.add(target)
+        graph[mod] = out
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                scc = set()
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    scc.add(w)
+                    if w == v:
+                        break
+                if len(scc) > 1:
+                    found.append(scc)
+    return found
+
+
+def test_no_import_cycle_between_modules():
+    graph = _module_graph()
+    assert {"dgcli.checkpoint.load", "dgcli.model.gemma", "dgcli.cli"} <= set(graph)  # the walk saw the package
+    left = [sorted(c) for c in _cycles(graph) if not any(c <= known for known in CYCLES_BEING_REMOVED)]
+    assert not left, f"import cycles: {left}"
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_only_checkpoint_reads_checkpoint_formats():
+    """"Directory or GGUF file?" is decided once (checkpoint/load.py's `format_of`) and the file-format libraries
+    are imported in checkpoint/ alone; measure/ may read a GGUF header through checkpoint/gguf.py (`dgemma info`),
+    and `dgemma quantize` checks that the file it is to write is named .gguf."""
+    bad = []
+    for path, rel in _modules():
+        if rel.parts[0] in ("checkpoint", "train"):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            bad += [f"{rel}:{node.lineno} imports {m}" for m in mods if m.split(".")[0] in ("safetensors", "gguf")]
+            if isinstance(node, ast.Name) and node.id in ("safe_open", "GGUFFile", "is_gguf_path"):
+                bad.append(f"{rel}:{node.lineno} uses {node.id}")
+            if isinstance(node, ast.Constant) and node.value == ".gguf" and rel != Path("cli/quantize.py"):
+                bad.append(f"{rel}:{node.lineno} tests a path for '.gguf'")
     assert not bad, "\n".join(bad)
 
 

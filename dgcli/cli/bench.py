@@ -16,7 +16,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dgcli.cli import options as o
+import dgcli.cli.options as o
 from dgcli.cli.console import HEADLINE, answer_notes, document, emit, loading, status, warn
 from dgcli.errors import UserError
 

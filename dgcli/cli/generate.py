@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dgcli.cli import options as o
+import dgcli.cli.options as o
 from dgcli.cli.console import (THINKING_NOTE, Progress, init_canvas_note, loading, note_answers, print_answer,
                                read_prompt, run_one, show_config as print_config, warn)
 from dgcli.errors import UserError
@@ -110,7 +110,7 @@ def generate(
         given, how = read_init_canvas(session, init_canvas)
         warn(init_canvas_note(init_canvas, how, len(given)))
     if rows is not None:
-        from dgcli.cli import batch
+        import dgcli.cli.batch as batch
 
         requests = batch.parse_rows(session, rows, input_jsonl, raw=raw, thinking=thinking, init_flag=given)
         _run_file(session, rows, requests, batch_size=batch_size, fmt=fmt, raw=raw, show_thinking=show_thinking,
@@ -155,7 +155,7 @@ def _check(session, requests, reference, batch_size) -> None:
 
 def _run_file(session, rows, requests, *, batch_size, fmt, raw, show_thinking, pool=None, check=False) -> None:
     """--input-jsonl: the checked rows through the batched loop, results in input order; the notes once."""
-    from dgcli.cli import batch
+    import dgcli.cli.batch as batch
     from dgcli.sampling.events import Done
 
     settings = session.resolved.as_dict()

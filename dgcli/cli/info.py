@@ -19,7 +19,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dgcli.cli import options as o
+import dgcli.cli.options as o
 from dgcli.errors import UserError
 
 
@@ -57,8 +57,9 @@ def info(
     from dgcli.measure import card as inf
     from dgcli.measure import printers as report
     from dgcli.measure.bench import device_peaks, matmul_dtype, peaks_for_card
-    from dgcli.model.random_weights import dummy_config
-    from dgcli.model.config import load_config, parse_config
+    from dgcli.checkpoint.config import parse_config
+    from dgcli.checkpoint.load import DIRECTORY, GGUF, format_of, load_config
+    from dgcli.checkpoint.random_weights import dummy_config
     from dgcli.runtime.session import default_model_path
 
     inventory = None
@@ -73,8 +74,9 @@ def info(
             raise UserError("--layers shrinks a --dummy config; it does not apply to a checkpoint")
         path = Path(model) if model else default_model_path()
         cfg = load_config(path)
-        folder = path if path.is_dir() else path.parent
-        if path.is_file() and path.suffix != ".json":  # a GGUF file (load_config refuses other files)
+        kind = format_of(path)
+        folder = path if kind == DIRECTORY else path.parent
+        if kind == GGUF:
             from dgcli.measure import gguf_info
 
             inventory = gguf_info.gguf_inventory(path)

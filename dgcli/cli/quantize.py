@@ -3,7 +3,7 @@ one, which `dgemma` (and vLLM) then load at one byte per weight; `dgemma quantiz
 one GGUF file in llama.cpp's DiffusionGemma layout (F32, BF16, Q8_0 or llama.cpp's Q4_K_M mix).
 
 Owns: the command's flags and its summary line (stdout: the new checkpoint's path and sizes; progress on
-stderr). Must not: quantize (dgcli.model.quantize does) or load the model.
+stderr). Must not: quantize (dgcli.checkpoint.quantize does) or load the model.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def quantize(
             raise UserError(f"--type {gguf_type}: use one of {', '.join(GGUF_TYPES)}")
         if not dst.lower().endswith(".gguf"):
             raise UserError(f"{dst}: a GGUF file name ends in .gguf; name the new file DST.gguf")
-        from dgcli.model.quantize import checkpoint_to_gguf
+        from dgcli.checkpoint.quantize import checkpoint_to_gguf
 
         s = checkpoint_to_gguf(src, dst, kind, progress=progress)
         types = ", ".join(f"{n} {t}" for t, n in sorted(s["by_type"].items()))
@@ -61,7 +61,7 @@ def quantize(
     if dst.lower().endswith(".gguf"):
         raise UserError(f"{dst}: --fp8 writes a checkpoint directory, not a GGUF file; name a directory, or use "
                         "--type q8_0|q4_k_m for a .gguf")
-    from dgcli.model.quantize import quantize_checkpoint
+    from dgcli.checkpoint.quantize import quantize_checkpoint
 
     s = quantize_checkpoint(src, dst, progress=progress)
     print(f"{dst}: FP8-dynamic checkpoint, {s['quantized_tensors']} tensors in float8_e4m3fn, "

@@ -16,7 +16,7 @@ from typing import Annotated, Callable, Optional
 
 import typer
 
-from dgcli.cli import options as o
+import dgcli.cli.options as o
 from dgcli.cli.console import loading, warn
 from dgcli.errors import UserError
 

@@ -19,7 +19,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dgcli.cli import options as o
+import dgcli.cli.options as o
 from dgcli.cli.options import (Dummy, IgnoreEos, InputLen, Label, Layers, MeasurePeaks, Metadata, NumPrompts, Prompts,
                                RandomPrompts, Warmup)
 from dgcli.cli.console import emit, loading, status, warn

@@ -18,7 +18,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dgcli.cli import options as o
+import dgcli.cli.options as o
 from dgcli.errors import UserError
 
 EXAMPLES = ['dgemma watch "Count from 7 to 31." --blocks 3',

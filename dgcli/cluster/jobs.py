@@ -57,10 +57,10 @@ def open_pool(address: str, workers: int | None, gpus: float | None, worker_spec
 def driver_session(pool: Pool, *, measure_peaks: bool = False, need_tokenizer: bool = True) -> tuple[Any, Any, dict]:
     """(session, the workers' device peaks, `weights_fields` of their model) in the driver: the first worker's session
     without weights, with the tokenizer loaded here (prompts are encoded and answers written here)."""
-    from dgcli.runtime.session import tokenizer_for
+    from dgcli.checkpoint.load import load_tokenizer
 
     shadow, peaks, fp8 = pool.call("describe", measure_peaks)
-    tokenizer = None if shadow.dummy else tokenizer_for(Path(shadow.path), need_tokenizer)  # a GGUF file's own
+    tokenizer = None if shadow.dummy else load_tokenizer(Path(shadow.path), need_tokenizer)  # a GGUF file's own
     return dataclasses.replace(shadow, tokenizer=tokenizer), peaks, fp8
 
 

@@ -19,7 +19,7 @@ def gguf_inventory(path: Path) -> dict:
     """Bytes and parameters by ggml type of a GGUF file, from its header only (the `safetensors_inventory`
     keys, plus per tensor what a load keeps: quantized matrices as stored, the rest in the run dtype)."""
     from dgcli.model import ggml
-    from dgcli.model.gguf import open_gguf
+    from dgcli.checkpoint.gguf import open_gguf
 
     f = open_gguf(path)
     by_type: dict[str, int] = {}

@@ -1,8 +1,9 @@
-"""The model layer: checkpoint config, loader (+ the checkpoint's quirks), the DiffusionGemma network, its KV
-cache, and random weights in the released layout (for --dummy, tests and benchmarks).
+"""The model layer, the math: the DiffusionGemma network (its config dataclass, attention, paged KV cache, graphs)
+and its weight formats behind one Linear / Experts interface (FP8 and GGML block modules). Checkpoints are
+read and written by dgcli/checkpoint/, which builds this network and fills it.
 
-Owns: everything between a checkpoint directory and hidden states / logits. Must not: tokenize, sample,
-print, or import from sampling/, runtime/, cli/, measure/, render/ or train/.
+Owns: everything between token ids and hidden states / logits. Must not: read or write files, tokenize, sample,
+print, or import from checkpoint/, sampling/, runtime/, cli/, measure/, render/ or train/.
 
 The model alone (`dgcli.load_model(path, device="cuda", dtype="bfloat16")`):
 `forward_canvas(prompt_ids, canvas_ids, self_conditioning_logits=None)` -> float32 logits [B, C, V], meaning

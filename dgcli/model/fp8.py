@@ -1,34 +1,27 @@
 """FP8 weights in the model: compressed-tensors' FP8-dynamic layout (float8_e4m3fn `weight`, one
 `weight_scale` [out, 1] per output channel, in the source weights' dtype) held at 1 byte per parameter.
 
-A quantized checkpoint unfuses the experts into per-expert linears (`experts.{i}.gate_proj/up_proj/down_proj`,
-llm-compressor's DiffusionGemma expert linearisation); in memory they are fused back into our layout
-(gate_up_proj [E, 2I, H] with gate rows first, down_proj [E, H, I], scales [E, 2I, 1] and [E, H, 1]) so the
-grouped expert kernels read them. Quantized linears and experts are modules swapped into the model tree
-(`convert_`): the model's math calls them exactly as it calls nn.Linear and Experts.
-Owns: `FP8Linear`, `FP8Experts`, `quantize_rows` (compressed-tensors' per-channel absmax quantization), the
-per-expert <-> fused name map, the `quantization_config` dgemma writes, `quantize_model_`,
-`dequantize_model` and `randomize_fp8_`. Must not: read or write files, or run the math (kernels/ does).
+In memory the experts are fused in our layout (gate_up_proj [E, 2I, H] with gate rows first, down_proj [E, H, I],
+scales [E, 2I, 1] and [E, H, 1]) so the grouped expert kernels read them (a checkpoint stores them per expert:
+dgcli/checkpoint/compressed_tensors.py maps the names). Quantized linears and experts are modules swapped into
+the model tree (`convert_`): the model's math calls them exactly as it calls nn.Linear and Experts.
+Owns: `FP8Linear`, `FP8Experts`, `quantize_rows` (compressed-tensors' per-channel absmax quantization),
+`convert_`, `quantize_model_`. Must not: read or write files, know checkpoint names, or run the math (kernels/ does).
 """
 
 from __future__ import annotations
 
-import math
 import re
 
 import torch
 from torch import nn
 
 from dgcli.kernels import dispatch
-from dgcli.kernels.fp8 import FP8, FP8_MAX, dequantize
+from dgcli.kernels.fp8 import FP8, FP8_MAX
 
 # The linears a quantized DiffusionGemma stores in FP8 (what llm-compressor's FP8_DYNAMIC recipe quantizes:
 # every Linear but the router, the self-conditioning MLP, lm_head and the vision tower).
 QUANTIZED = re.compile(r"^layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)$")
-EXPERT_KEY = re.compile(r"^layers\.(\d+)\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale)$")
-# Written as compressed-tensors writes it (0.20.0: module names of the unquantized Linears expanded);
-# the vision tower's Linears by pattern, since dgemma never enumerates them.
-CT_VERSION = "0.20.0"
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,73 +99,6 @@ def is_fp8(model: nn.Module) -> bool:
     return any(isinstance(m, (FP8Linear, FP8Experts)) for m in model.modules())
 
 
-# ---- per-expert checkpoint tensors <-> the fused layout ------------------------------------------------------
-
-
-def expert_slot(name: str, inter: int) -> tuple[str, int, slice] | None:
-    """A per-expert module key (`layers.L.experts.i.gate_proj.weight`, or `.weight_scale`) -> (the fused
-    tensor's name, expert i, its rows there); None for any other name."""
-    m = EXPERT_KEY.match(name)
-    if m is None:
-        return None
-    layer, e, part, kind = m.group(1), int(m.group(2)), m.group(3), m.group(4)
-    fused = "gate_up_proj" if part in ("gate", "up") else "down_proj"
-    rows = slice(inter, 2 * inter) if part == "up" else slice(0, inter) if part == "gate" else slice(None)
-    return f"layers.{layer}.experts.{fused}" + ("_scale" if kind == "weight_scale" else ""), e, rows
-
-
-def expert_keys(layer: int, e: int, quantized: bool) -> list[str]:
-    """The per-expert module keys of expert e of a layer (what one fused expert holds)."""
-    kinds = ("weight", "weight_scale") if quantized else ("weight",)
-    return [f"layers.{layer}.experts.{e}.{p}_proj.{k}" for p in ("gate", "up", "down") for k in kinds]
-
-
-def unfused_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state under module names with FP8 experts unfused into per-expert linears."""
-    state = {}
-    for name, t in model.state_dict().items():
-        head, _, leaf = name.rpartition(".experts.")
-        if not head or leaf not in ("gate_up_proj", "gate_up_proj_scale", "down_proj", "down_proj_scale"):
-            state[name] = t
-            continue
-        if not isinstance(model.get_submodule(f"{head}.experts"), FP8Experts):
-            state[name] = t
-            continue
-        suffix = "weight_scale" if leaf.endswith("_scale") else "weight"
-        inter = t.shape[1] // 2
-        for e in range(t.shape[0]):
-            parts = {"gate": t[e, :inter], "up": t[e, inter:]} if leaf.startswith("gate_up") else {"down": t[e]}
-            for part, v in parts.items():
-                state[f"{head}.experts.{e}.{part}_proj.{suffix}"] = v
-    return state
-
-
-def quantization_config(num_layers: int, *, vision: bool = True) -> dict:
-    """config.json's `quantization_config` for an FP8-dynamic DiffusionGemma, key for key as compressed-tensors
-    writes FP8_DYNAMIC (ModelCompressor.update_config): per-channel e4m3 weights, per-token dynamic e4m3
-    activations, and the unquantized Linears in `ignore` (checkpoint module names)."""
-    # transformers' module tree has the encoder's tied copies of the layers (model.encoder.language_model):
-    # compressed-tensors lists their routers too, or a compressed load expects scales for them.
-    ignore = ["lm_head"] + [f"model.{part}.layers.{i}.router.proj" for part in ("decoder", "encoder.language_model")
-                            for i in range(num_layers)]
-    ignore += [f"model.decoder.self_conditioning.{p}_proj" for p in ("gate", "up", "down")]
-    if vision:
-        ignore += ["model.encoder.embed_vision.embedding_projection", "re:.*vision_tower.*"]
-    fp8 = {"dynamic": False, "group_size": None, "num_bits": 8, "strategy": "channel", "symmetric": True,
-           "type": "float"}
-    act = {"dynamic": True, "group_size": None, "num_bits": 8, "strategy": "token", "symmetric": True,
-           "type": "float"}
-    return {"config_groups": {"group_0": {"format": "float-quantized", "input_activations": act,
-                                          "output_activations": None, "targets": ["Linear"], "weights": fp8}},
-            "format": "float-quantized", "global_compression_ratio": None, "ignore": ignore,
-            "kv_cache_scheme": None, "moe_sparsity_config": None, "quant_method": "compressed-tensors",
-            "quantization_status": "compressed", "sparsity_config": {}, "transform_config": {},
-            "version": CT_VERSION}
-
-
-# ---- whole models ----------------------------------------------------------------------------------------------
-
-
 def targets(model: nn.Module) -> tuple[set[str], set[int]]:
     """The linears and expert layers a quantized DiffusionGemma stores in FP8."""
     linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear) and QUANTIZED.match(n)}
@@ -197,39 +123,3 @@ def quantize_model_(model: nn.Module) -> nn.Module:
         new.down_proj, new.down_proj_scale = quantize_rows(old.down_proj)
         model.layers[i].experts = new
     return model
-
-
-@torch.no_grad()
-def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
-    """An unquantized model holding the dequantized weights (e4m3 x scale, compressed-tensors' dequantize)
-    in `dtype` (default: the embedding's): what weight-only FP8 semantics must equal."""
-    from dgcli.model.loader import meta_model
-
-    dtype = dtype or model.embed_tokens.weight.dtype
-    plain = meta_model(model.config)
-    state, full = {}, model.state_dict()
-    for name, t in full.items():
-        if t.dtype == FP8:  # its scale is `name + "_scale"` (weight_scale, gate_up_proj_scale, down_proj_scale)
-            t = dequantize(t, full[name + "_scale"], dtype)
-        elif name.endswith("_scale") and full.get(name.removesuffix("_scale"), t).dtype == FP8:
-            continue
-        state[name] = t.to(dtype)
-    plain.load_state_dict(state, strict=True, assign=True)
-    return plain.eval()
-
-
-@torch.no_grad()
-def randomize_fp8_(model: nn.Module, generator, std: float | None = None) -> None:
-    """Random FP8 weights for dummy models: each matrix (one expert's at a time) drawn ~ N(0, 1/fan_in) in
-    fp32 on its device, then quantized (the scales in their buffers' dtype)."""
-    for m in model.modules():
-        pairs = ([(m.weight, m.weight_scale)] if isinstance(m, FP8Linear) else
-                 [(m.gate_up_proj, m.gate_up_proj_scale), (m.down_proj, m.down_proj_scale)]
-                 if isinstance(m, FP8Experts) else [])
-        for q, s in pairs:
-            for qe, se in zip(q.view(-1, *q.shape[-2:]), s.view(-1, *s.shape[-2:])):
-                w = torch.empty(qe.shape, device=qe.device).normal_(0.0, std or 1 / math.sqrt(qe.shape[-1]),
-                                                                    generator=generator(qe.device))
-                qq, ss = quantize_rows(w)
-                qe.copy_(qq)
-                se.copy_(ss)

@@ -1,172 +1,21 @@
 """GGML quantized weights in the model: the block formats GGUF files store (Q8_0, Q4_K, Q6_K; Q4_0, Q5_0) and
 the modules that compute with them kept quantized.
 
-Owns: the block layouts (byte-exact with ggml's; `dequantize` equals the `gguf` package's), `quantize` (what
-`dgemma quantize --type` and the random `--dummy --weights q4_k` weights use), `random_blocks` (valid random
-blocks drawn as bytes), `QuantLinear` and `QuantExperts` (swapped into the model tree as `fp8.py`'s modules
-are: the model's math calls them as it calls nn.Linear and `gemma.Experts`). Must not: read or write files
-(model/gguf.py does), know tensor names, or hold the kernels (kernels/ggml_cpu.py does; the reference quantizers
-are model/ggml_quants.py). Also here, for tests and dummy weights: `quantize_model_`, `dequantize_model`.
-
-What the GGUF reader and writer rely on:
-- type ids are ggml's `GGMLType` values: F32 0, F16 1, Q4_0 2, Q5_0 6, Q8_0 8, Q4_K 12, Q6_K 14, BF16 30
-  (llama.cpp writes Q5_0 where a Q4_K_M tensor's rows are not a multiple of 256, as this model's down
-  projections' 704 and 2112 values; the `--weights q4_k` dummy uses Q4_0 there: Q5_0's planes would not fit 24 GB).
-- a quantized matrix of logical shape [..., rows, K] is held as a uint8 tensor [..., rows, K // BLOCK * BYTES]:
-  each row is its blocks in order, exactly the bytes of the GGUF file (ggml's row-major layout; GGUF lists the
-  dimensions reversed, [K, rows]).
-
-Block layouts (ggml-common.h), little-endian:
-- Q4_0 (32 values, 18 bytes): fp16 d, 16 bytes of nibbles (value j low, j + 16 high); w = d·(q − 8).
-- Q5_0 (32 values, 22 bytes): fp16 d, uint32 of 5th bits (bit j: value j), Q4_0's nibbles; w = d·(q − 16).
-- Q8_0 (32 values, 34 bytes): fp16 d, int8 q[32]; w = d·q.
-- Q4_K (256 values, 144 bytes): fp16 d, fp16 dmin, 12 bytes of eight 6-bit (scale, min) pairs, 128 bytes of
-  nibbles (bytes 32c..32c+31: sub-block 2c in the low nibbles, 2c+1 in the high ones); w = d·sc·q − dmin·m.
-- Q6_K (256 values, 210 bytes): 128 bytes low nibbles, 64 bytes high 2-bit pairs, int8 scales[16] (one per 16
-  values), fp16 d; w = d·scale·(q − 32).
+Owns: `QuantLinear` and `QuantExperts` (swapped into the model tree as `fp8.py`'s modules are: the model's math calls them as it calls
+nn.Linear and `gemma.Experts`). Must not: read or write files (dgcli/checkpoint/gguf.py does), know tensor
+names, or hold the kernels (kernels/ggml_cpu.py does). The encoders (llama.cpp's reference quantizers, random
+blocks, whole-model quantize / dequantize for tests and dummy weights) are dgcli/checkpoint/ggml_quants.py.
+The block layouts and their decoders: kernels/ggml_blocks.py (re-exported here).
 """
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
-from dgcli.model.gguf import GGML_TYPES
-
-F32, F16, Q4_0, Q5_0, Q8_0, Q4_K, Q6_K, BF16 = 0, 1, 2, 6, 8, 12, 14, 30
-NAMES = {t: GGML_TYPES[t][0] for t in (F32, F16, Q4_0, Q5_0, Q8_0, Q4_K, Q6_K, BF16)}  # the types dgemma runs
-BLOCKS = {t: GGML_TYPES[t][1:] for t in NAMES}  # type -> (elements per block, bytes per block)
-QUANTIZED = (Q4_0, Q5_0, Q8_0, Q4_K, Q6_K)
-# Rows quantized per chunk: the K-quant searches hold ~20 candidates per value, so a whole embedding at once
-# would need tens of GB.
-CHUNK_VALUES = 1 << 20
-
-
-def row_bytes(qtype: int, k: int) -> int:
-    """Bytes of one row of k elements."""
-    elems, nbytes = BLOCKS[qtype]
-    return k // elems * nbytes
-
-
-def fits(qtype: int, k: int) -> bool:
-    """Can a row of k values be stored in qtype (k a multiple of its block)?"""
-    return k % BLOCKS[qtype][0] == 0
-
-
-def _blocks(raw: torch.Tensor, qtype: int) -> torch.Tensor:
-    """uint8 [..., n * BYTES] -> [R, n, BYTES] (a view where possible)."""
-    nbytes = BLOCKS[qtype][1]
-    return raw.reshape(-1, raw.shape[-1] // nbytes, nbytes)
-
-
-def _f16(b: torch.Tensor) -> torch.Tensor:
-    """[..., 2] uint8 little-endian -> [..., 1] float32 (fp16 values)."""
-    return b.contiguous().view(torch.float16).float()
-
-
-def q4k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K's 12 scale bytes [..., 12] -> 6-bit scales and mins, uint8 [..., 8] each (get_scale_min_k4)."""
-    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
-    sc = torch.cat((d & 63, (md & 15) | ((d >> 2) & 48)), dim=-1)
-    mn = torch.cat((m & 63, (md >> 4) | ((m >> 2) & 48)), dim=-1)
-    return sc, mn
-
-
-def q4k_pack_scales(sc: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
-    """The inverse of `q4k_scale_min`: 6-bit sc, mn uint8 [..., 8] -> [..., 12]."""
-    lo = torch.cat((sc[..., :4] | ((sc[..., 4:] >> 4) << 6), mn[..., :4] | ((mn[..., 4:] >> 4) << 6)), dim=-1)
-    return torch.cat((lo, (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)), dim=-1)
-
-
-def q4k_nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """Q4_K's 128 nibble bytes [..., 128] -> q uint8 [..., 8, 32] (sub-block, value)."""
-    q = qs.reshape(*qs.shape[:-1], 4, 1, 32)
-    return torch.cat((q & 15, q >> 4), dim=-2).reshape(*qs.shape[:-1], 8, 32)
-
-
-def q40_values(qs: torch.Tensor) -> torch.Tensor:
-    """Q4_0 / Q5_0 nibble bytes [..., 16] -> low 4 bits uint8 [..., 32] (value order)."""
-    return torch.cat((qs & 15, qs >> 4), dim=-1)
-
-
-def q50_high(qh: torch.Tensor) -> torch.Tensor:
-    """Q5_0's 4 bytes of 5th bits [..., 4] -> uint8 [..., 32] in {0, 1} (bit j of the little-endian word)."""
-    bits = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=qh.device)
-    return ((qh.unsqueeze(-1) & bits) != 0).to(torch.uint8).reshape(*qh.shape[:-1], 32)
-
-
-def q6k_values(ql: torch.Tensor, qh: torch.Tensor) -> torch.Tensor:
-    """Q6_K's ql [..., 128] and qh [..., 64] -> q uint8 [..., 256] in 0..63 (value order)."""
-    lead = ql.shape[:-1]
-    lo = ql.reshape(*lead, 2, 1, 64)
-    lo = torch.cat((lo & 15, lo >> 4), dim=-2).reshape(*lead, 2, 4, 32)  # [.., half, quarter, 32]
-    hi = qh.reshape(*lead, 2, 1, 32)
-    hi = torch.cat([(hi >> s) & 3 for s in (0, 2, 4, 6)], dim=-2)  # [.., half, quarter, 32]
-    return (lo | (hi << 4)).reshape(*lead, 256)
-
-
-def dequantize(raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
-    """uint8 [..., row_bytes(qtype, k)] -> float32 [..., k]; equal to `gguf.quants.dequantize` (same fp32
-    products in the same order)."""
-    lead = raw.shape[:-1]
-    if qtype in (F32, F16, BF16):
-        dt = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}[qtype]
-        return raw.contiguous().view(dt).float().reshape(*lead, k)
-    b = _blocks(raw, qtype)
-    if qtype in (Q4_0, Q5_0):
-        q = q40_values(b[..., -16:])
-        if qtype == Q5_0:
-            q = q | (q50_high(b[..., 2:6]) << 4)
-        out = _f16(b[..., 0:2]) * (q.view(torch.int8) - (8 if qtype == Q4_0 else 16)).float()
-    elif qtype == Q8_0:
-        out = b[..., 2:].contiguous().view(torch.int8).float() * _f16(b[..., 0:2])
-    elif qtype == Q4_K:
-        sc, mn = q4k_scale_min(b[..., 4:16])
-        d = (_f16(b[..., 0:2]) * sc.float()).unsqueeze(-1)  # [R, n, 8, 1]
-        dm = (_f16(b[..., 2:4]) * mn.float()).unsqueeze(-1)
-        out = d * q4k_nibbles(b[..., 16:]).float() - dm
-    elif qtype == Q6_K:
-        d = (_f16(b[..., 208:210]) * b[..., 192:208].contiguous().view(torch.int8).float()).unsqueeze(-1)
-        q = q6k_values(b[..., :128], b[..., 128:192]).view(torch.int8) - 32  # [R, n, 256]
-        out = d * q.reshape(*q.shape[:-1], 16, 16).float()
-    else:
-        raise ValueError(f"ggml type {qtype}: not one of {sorted(NAMES)}")
-    return out.reshape(*lead, k)
-
-
-def quantize(w: torch.Tensor, qtype: int) -> torch.Tensor:
-    """w float [..., K] (K a multiple of the block size) -> uint8 [..., row_bytes(qtype, K)] in ggml's layout,
-    rounded as llama.cpp's reference quantizer rounds (no importance matrix; see model/ggml_quants.py)."""
-    from dgcli.model import ggml_quants
-
-    lead, k = w.shape[:-1], w.shape[-1]
-    if qtype in (F32, F16, BF16):
-        dt = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}[qtype]
-        return w.to(dt).contiguous().view(torch.uint8).reshape(*lead, row_bytes(qtype, k))
-    if qtype not in QUANTIZED:
-        raise ValueError(f"ggml type {qtype}: not one of {sorted(NAMES)}")
-    elems, nbytes = BLOCKS[qtype]
-    if k % elems:
-        raise ValueError(f"{NAMES[qtype]} needs rows of a multiple of {elems} values, not {k}")
-    blocks = w.detach().reshape(-1, elems).float()
-    fn = {Q4_0: ggml_quants.q4_0, Q5_0: ggml_quants.q5_0, Q8_0: ggml_quants.q8_0, Q4_K: ggml_quants.q4_k,
-          Q6_K: ggml_quants.q6_k}[qtype]
-    step = max(1, CHUNK_VALUES // elems)
-    out = torch.cat([fn(blocks[i:i + step]) for i in range(0, blocks.shape[0], step)]) if blocks.numel() else \
-        torch.empty(0, nbytes, dtype=torch.uint8)
-    return out.reshape(*lead, row_bytes(qtype, k))
-
-
-def random_blocks(shape: tuple[int, ...], qtype: int, k: int, generator: torch.Generator | None = None,
-                  std: float | None = None) -> torch.Tensor:
-    """Random valid blocks uint8 [*shape, row_bytes(qtype, k)] drawn directly as bytes (no floats quantized:
-    fast enough for a 26B dummy): uniform nibbles / int8 values, 6-bit scales, and finite positive fp16 d
-    (and dmin) set so each value's spread is about std (default 1/sqrt(k), the dummy init's)."""
-    from dgcli.model import ggml_quants
-
-    return ggml_quants.random_blocks(shape, qtype, k, generator, std if std is not None else k ** -0.5)
+from dgcli.kernels.ggml_blocks import (  # noqa: F401 (the block formats: re-exported)
+    F32, F16, Q4_0, Q5_0, Q8_0, Q4_K, Q6_K, BF16, NAMES, BLOCKS, QUANTIZED, row_bytes, fits, _blocks, _f16,
+    q4k_scale_min, q4k_pack_scales, q4k_nibbles, q40_values, q50_high, q6k_values, dequantize)
 
 
 def _hold(module: nn.Module, prefix: str, p) -> None:
@@ -291,11 +140,6 @@ class QuantExperts(_Quantized):
                 f"{NAMES[self.types[0]]}/{NAMES[self.types[1]]}")
 
 
-# ---- whole models (tests, dummy weights) -----------------------------------------------------------------------
-
-# The linears a GGUF stores quantized (llama.cpp quantizes every 2-D weight but the router, ffn_gate_inp)
-TARGETS = re.compile(r"^(layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)|"
-                     r"self_conditioning\.(gate|up|down)_proj)$")
 # llama.cpp's fallback where a row is not a multiple of 256 (llama_tensor_get_type's incompatible-shape switch)
 FALLBACK = {Q4_K: Q5_0, Q6_K: Q8_0}
 
@@ -308,33 +152,6 @@ def type_for(qtype: int, k: int) -> int | None:
     return None
 
 
-def targets(model: nn.Module) -> tuple[list[str], list[int]]:
-    """(names of the bias-free linears stored quantized, layers whose experts are)."""
-    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and TARGETS.match(n)]
-    return linears, list(range(len(model.layers)))
-
-
-@torch.no_grad()
-def quantize_model_(model: nn.Module, qtype: int, dtype: torch.dtype | None = None) -> nn.Module:
-    """Quantize a materialised plain model's target linears and experts to `qtype` in place (rows that do not
-    fit take llama.cpp's fallback type, or stay as they are); scales in `dtype` (default: the embedding's)."""
-    dtype = dtype or model.embed_tokens.weight.dtype
-    linears, layers = targets(model)
-    for name in linears:
-        old = model.get_submodule(name)
-        t = type_for(qtype, old.in_features)
-        if t is not None:
-            model.set_submodule(name, QuantLinear(quantize(old.weight, t), t, old.in_features, old.out_features, dtype))
-    for i in layers:
-        old = model.layers[i].experts
-        e, two_i, h = old.gate_up_proj.shape
-        tg, td = type_for(qtype, h), type_for(qtype, two_i // 2)
-        if tg is not None and td is not None:
-            model.layers[i].experts = QuantExperts(quantize(old.gate_up_proj, tg), tg, quantize(old.down_proj, td),
-                                                   td, h, two_i // 2, dtype)
-    return model
-
-
 def quantized_names(model: nn.Module) -> set[str]:
     """State-dict names of the GGML modules' buffers (not plain weights: randomize and cast must skip them)."""
     return {f"{n}.{b}" for n, m in model.named_modules() if isinstance(m, (QuantLinear, QuantExperts))
@@ -344,23 +161,3 @@ def quantized_names(model: nn.Module) -> set[str]:
 def weight_bytes(model: nn.Module) -> int:
     """Bytes the model's parameters and buffers hold (quantized forms included)."""
     return sum(t.nbytes for t in list(model.parameters()) + list(model.buffers()))
-
-
-@torch.no_grad()
-def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
-    """A plain model holding the weights the GGML modules compute with (as the kernels see them: scales rounded
-    to the modules' scale dtype), in `dtype` (default: the embedding's)."""
-    from dgcli.model.loader import meta_model
-
-    dtype = dtype or model.embed_tokens.weight.dtype
-    skip = quantized_names(model)
-    state = {k: v.to(dtype) for k, v in model.state_dict().items() if k not in skip}
-    for name, m in model.named_modules():
-        if isinstance(m, QuantLinear):
-            state[f"{name}.weight"] = m.dequantized().to(dtype)
-        elif isinstance(m, QuantExperts):
-            gu, dn = m.dequantized()
-            state[f"{name}.gate_up_proj"], state[f"{name}.down_proj"] = gu.to(dtype), dn.to(dtype)
-    plain = meta_model(model.config)
-    plain.load_state_dict(state, strict=True, assign=True)
-    return plain.eval()

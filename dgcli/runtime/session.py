@@ -17,8 +17,10 @@ from typing import Any, Callable
 
 import torch
 
+from dgcli.checkpoint.config import parse_config
+from dgcli.checkpoint.load import load_config, load_generation_config
 from dgcli.errors import UserError
-from dgcli.model.config import ModelConfig, load_config, load_generation_config, parse_config
+from dgcli.model.config import ModelConfig
 from dgcli.runtime.settings import Resolved, blocks_for, resolve, stop_ids_from_generation_config
 
 BUNDLED = Path(__file__).resolve().parents[1] / "data" / "tiny"
@@ -150,7 +152,7 @@ def settings_source(model: str | None, dummy: str | None = None,
     """Without loading weights: the checkpoint's path (or a `--dummy` config's name), its config, its generation
     config and the flags a run of it forces (dummy weights: fixed work, as `open_dummy_session` runs them)."""
     if dummy is not None:
-        from dgcli.model.random_weights import dummy_config
+        from dgcli.checkpoint.random_weights import dummy_config
 
         raw, gen, name = dummy_config(dummy, layers)
         return (name if name.lower().startswith("dummy") else f"dummy {name}"), parse_config(raw), gen, \
@@ -200,36 +202,20 @@ def ran_with(resolved: Resolved, model: Any) -> Resolved:
     return dataclasses.replace(resolved, run=run)
 
 
-def tokenizer_for(path: Path, required: bool = True) -> Any:
-    """A checkpoint's tokenizer: a GGUF file's own, else the directory's tokenizer.json; None where there is none
-    and none is `required` (bench and sweep run on ids)."""
-    if path.is_file():
-        from dgcli.model.gguf_model import load_gguf_tokenizer
-
-        return load_gguf_tokenizer(path, required=required)
-    from dgcli.text.tokenizer import load_tokenizer
-
-    return load_tokenizer(path) if required or (path / "tokenizer.json").exists() else None
-
-
 def open_session(model: str | None, preset: str | None, flags: dict, *, need_tokenizer: bool = True,
                  compile: bool = False, threads: int | None = None, cuda_graphs: bool | None = None) -> Session:
     """A checkpoint (directory or GGUF file) with its tokenizer and resolved settings; `threads` is `--threads`
     (None: the rule); `cuda_graphs` as `check_cuda_graphs` takes it (None, as the CLI: where they run)."""
-    from dgcli.model.loader import load_model, resolve_dtype
+    from dgcli.checkpoint.directory import resolve_dtype
+    from dgcli.checkpoint.load import load_model, load_tokenizer
 
     path, cfg, gen, resolved = resolve_for(model, preset, flags)
     device = pick_device(resolved.run.device)
     check_cuda_graphs(cuda_graphs, device, compile)  # before anything heavy is loaded
     dtype = resolve_dtype(resolved.run.dtype)  # auto: the checkpoint's own dtype
     n_threads = set_threads(cfg, device, threads)
-    tokenizer = tokenizer_for(path, need_tokenizer)
-    if path.is_file():  # a GGUF file (config_path let it through): weights from the file too
-        from dgcli.model.gguf_model import load_gguf_model
-
-        m = load_gguf_model(path, device=device, dtype=dtype)
-    else:
-        m = load_model(path, device=device, dtype=dtype)
+    tokenizer = load_tokenizer(path, need_tokenizer)
+    m = load_model(path, device=device, dtype=dtype)
     return _session(path, m, tokenizer, resolved, gen, device, compile=compile, name=path.name, threads=n_threads,
                     cuda_graphs=cuda_graphs)
 
@@ -241,9 +227,9 @@ def open_dummy_session(spec: str, layers: int | None, preset: str | None, flags:
     Random weights never converge, so fixed-work mode is forced (confidence_threshold 0), and said.
     `weights="fp8"`: the config as an FP8-dynamic checkpoint would have it, its matrices drawn in e4m3;
     `"q4_k"` / `"q8_0"`: GGML blocks kept quantized as a GGUF load keeps them (random_weights.random_ggml_model)."""
-    from dgcli.model.config import real_config_path
-    from dgcli.model.loader import resolve_dtype
-    from dgcli.model.random_weights import GGML_WEIGHTS, dummy_config, ggml_dummy_bytes, random_ggml_model, random_model, with_fp8
+    from dgcli.checkpoint.config import real_config_path
+    from dgcli.checkpoint.directory import resolve_dtype
+    from dgcli.checkpoint.random_weights import GGML_WEIGHTS, dummy_config, ggml_dummy_bytes, random_ggml_model, random_model, with_fp8
 
     raw, gen, name = dummy_config(spec, layers)
     if weights == "fp8":

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from dgcli.train import tasks
-from dgcli.model.random_weights import REFERENCE_GENERATION_CONFIG, make_config, random_model, write_checkpoint
+from dgcli.checkpoint.random_weights import REFERENCE_GENERATION_CONFIG, make_config, random_model, write_checkpoint
 from dgcli.model.gemma import DiffusionGemma
 from dgcli.text.tokenizer import ChatTokenizer, load_tokenizer
 from dgcli.text.build import build_tokenizer, write_tokenizer_files

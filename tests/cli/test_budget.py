@@ -11,7 +11,7 @@ import re
 import pytest
 from typer.testing import CliRunner
 
-from dgcli.model.random_weights import REFERENCE_GENERATION_CONFIG, dummy_config
+from dgcli.checkpoint.random_weights import REFERENCE_GENERATION_CONFIG, dummy_config
 from dgcli.runtime.settings import resolve
 
 
@@ -98,7 +98,7 @@ def test_bench_reports_quality_as_exact_match_on_the_answers(tmp_path):
 def test_random_checkpoints_keep_the_released_budget_ratio(tmp_path):
     """One canvas of budget, as released (256 tokens on the 256 canvas), so tests of 8- and 16-token
     canvases still generate one block by default; the shipped 26B-A4B config keeps 256 on 256."""
-    from dgcli.model.random_weights import write_random_checkpoint
+    from dgcli.checkpoint.random_weights import write_random_checkpoint
     from hf_oracle import CLI_TEXT
 
     ck = write_random_checkpoint(tmp_path / "c", CLI_TEXT, canvas_length=8, tokenizer=False)

@@ -12,7 +12,7 @@ from cli_run import run
 from hf_oracle import text_config
 from safetensors.torch import load_file, save_file
 
-from dgcli.model.random_weights import write_random_checkpoint
+from dgcli.checkpoint.random_weights import write_random_checkpoint
 from dgcli.render.trace import read_trace
 
 

@@ -29,7 +29,7 @@ def no_cuda(monkeypatch):
 @pytest.fixture
 def nothing_loaded(monkeypatch):
     """Loading weights (a checkpoint or random ones) or binding a port fails the test."""
-    from dgcli.model import loader, random_weights
+    from dgcli.checkpoint import load as loader, random_weights
     from dgcli.serve import run as serve_run
 
     forbid(monkeypatch, ((loader, "load_model"), (random_weights, "random_model"), (serve_run, "serve")),

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dgcli.errors import UserError
-from dgcli.model.random_weights import write_random_checkpoint
+from dgcli.checkpoint.random_weights import write_random_checkpoint
 
 from cli_run import forbid
 from hf_oracle import CLI_CANVAS, CLI_TEXT

@@ -11,9 +11,10 @@ import pytest
 
 from cli_run import run
 from dgcli.errors import UserError
-from dgcli.model import ggml, gguf_model
-from dgcli.model.gguf import GGUFFile
-from dgcli.model.quantize import checkpoint_to_gguf
+from dgcli.checkpoint import gguf_model
+from dgcli.model import ggml
+from dgcli.checkpoint.gguf import GGUFFile
+from dgcli.checkpoint.quantize import checkpoint_to_gguf
 from dgcli.runtime.session import BUNDLED
 
 
@@ -65,7 +66,7 @@ def test_broken_files_are_one_line(bundled_gguf, tmp_path, capsys, case):
         w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
         needle = "architecture is 'llama'"
     else:  # the bundled F32 file, rewritten with one tensor changed (our writer: the case is the reader's)
-        from dgcli.model.gguf import TensorOut, write_gguf
+        from dgcli.checkpoint.gguf import TensorOut, write_gguf
 
         src = GGUFFile(bundled_gguf["f32"])
         tensors = []
@@ -114,7 +115,7 @@ def test_bench_card_counts_the_bytes_a_gguf_model_holds(bundled_gguf, capsys):
     assert code == 0, err
     card = json.loads(out)["card"]
     from dgcli.measure.card import weights_bytes_total
-    from dgcli.model.config import load_config
+    from dgcli.checkpoint.load import load_config
 
     bf16 = weights_bytes_total(load_config(bundled_gguf["q8_0"]), 2)
     assert card["source"].startswith("GGUF file") and "uint8" in card["bytes_by_dtype"]

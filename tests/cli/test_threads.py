@@ -82,7 +82,7 @@ def test_cpu_peaks_are_a_median_with_their_spread():
     assert info.measure_cpu_peaks() is p  # cached for this thread count
     from dgcli.measure.bench import peaks_for_card
     from dgcli.measure.printers import card_markdown
-    from dgcli.model.config import load_config
+    from dgcli.checkpoint.load import load_config
     from dgcli.runtime.session import BUNDLED
 
     c = info.card(load_config(BUNDLED), name="t", source="s", dtype="float32", peaks=peaks_for_card(p))

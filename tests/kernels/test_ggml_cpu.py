@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from dgcli.kernels import ggml_cpu
 from dgcli.kernels.reference_ops import experts_reference
+from dgcli.checkpoint import ggml_quants
 from dgcli.model import ggml
 
 TYPES = [ggml.Q4_K, ggml.Q8_0, ggml.Q6_K, ggml.Q4_0, ggml.Q5_0]
@@ -24,7 +25,7 @@ def _bf16_paths(monkeypatch):
 
 def _weights(n, k, qtype, seed=0):
     g = torch.Generator().manual_seed(seed)
-    raw = ggml.quantize(torch.randn(n, k, generator=g) * k ** -0.5, qtype)
+    raw = ggml_quants.quantize(torch.randn(n, k, generator=g) * k ** -0.5, qtype)
     return raw, ggml.dequantize(raw, qtype, k)
 
 
@@ -81,8 +82,8 @@ def test_tile_path_covers_every_row(monkeypatch):
 
 def _experts(gt, dt, e=6, h=256, inter=256, seed=3):
     g = torch.Generator().manual_seed(seed)
-    gu = ggml.quantize(torch.randn(e, 2 * inter, h, generator=g) * h ** -0.5, gt)
-    dn = ggml.quantize(torch.randn(e, h, inter, generator=g) * inter ** -0.5, dt)
+    gu = ggml_quants.quantize(torch.randn(e, 2 * inter, h, generator=g) * h ** -0.5, gt)
+    dn = ggml_quants.quantize(torch.randn(e, h, inter, generator=g) * inter ** -0.5, dt)
     return gu, dn, ggml.dequantize(gu, gt, h), ggml.dequantize(dn, dt, inter)
 
 
@@ -239,7 +240,7 @@ def test_gemm_scratch_made_in_inference_mode_serves_calls_outside_it(monkeypatch
     monkeypatch.setattr(ggml_cpu._scratch, "bufs", {}, raising=False)
     _low_thresholds(monkeypatch)
     w = torch.randn(128, 256)
-    lin = ggml.QuantLinear(ggml.quantize(w, ggml.Q4_K), ggml.Q4_K, 256, 128)
+    lin = ggml.QuantLinear(ggml_quants.quantize(w, ggml.Q4_K), ggml.Q4_K, 256, 128)
     x = torch.randn(4, 256).bfloat16()
     with torch.inference_mode():
         first = lin(x)
@@ -252,8 +253,8 @@ def test_experts_give_the_per_expert_loops_bits(n):
     GEMM pair per expert, the weighted result rounded to x's dtype and added in ascending expert order."""
     h, inter, e, k = 256, 96, 8, 3
     g = torch.Generator().manual_seed(n)
-    gu = ggml_cpu.prepare(ggml.random_blocks((e, 2 * inter), ggml.Q4_K, h, g), ggml.Q4_K, h)
-    dn = ggml_cpu.prepare(ggml.random_blocks((e, h), ggml.Q4_0, inter, g), ggml.Q4_0, inter)
+    gu = ggml_cpu.prepare(ggml_quants.random_blocks((e, 2 * inter), ggml.Q4_K, h, g), ggml.Q4_K, h)
+    dn = ggml_cpu.prepare(ggml_quants.random_blocks((e, h), ggml.Q4_0, inter, g), ggml.Q4_0, inter)
     x = torch.randn(n, h, generator=g).bfloat16()
     idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
     w = torch.rand(n, k, generator=g)

@@ -6,6 +6,7 @@ import torch
 
 from dgcli.kernels import ggml_cpu, ggml_q8, native
 from dgcli.kernels.reference_ops import experts_reference
+from dgcli.checkpoint import ggml_quants
 from dgcli.model import ggml
 
 pytestmark = pytest.mark.skipif(not ggml_q8.available(), reason="no AVX-512 VNNI + VBMI (or no compiler) here")
@@ -13,7 +14,7 @@ TYPES = [ggml.Q4_K, ggml.Q4_0, ggml.Q8_0, ggml.Q5_0]
 
 
 def _form(qtype, n, k, seed=0):
-    raw = ggml.quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * k ** -0.5, qtype)
+    raw = ggml_quants.quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * k ** -0.5, qtype)
     p = ggml_cpu.prepare(raw, qtype, k)
     return p, ggml_cpu.dequantize_prepared(p).double()  # the form's exact weights [n, k]
 
@@ -106,8 +107,8 @@ def test_linear_runs_q6k_through_it_at_every_row_count(monkeypatch):
 def test_experts_through_it_match_the_reference():
     h, inter, e, n_tok = 256, 96, 8, 40  # 96: Q4_0 rows (not a multiple of 256), the down projection
     g = torch.Generator().manual_seed(5)
-    gate_up = ggml.quantize(torch.randn(e * 2 * inter, h, generator=g) * h ** -0.5, ggml.Q4_K)
-    down = ggml.quantize(torch.randn(e * h, inter, generator=g) * inter ** -0.5, ggml.Q4_0)
+    gate_up = ggml_quants.quantize(torch.randn(e * 2 * inter, h, generator=g) * h ** -0.5, ggml.Q4_K)
+    down = ggml_quants.quantize(torch.randn(e * h, inter, generator=g) * inter ** -0.5, ggml.Q4_0)
     pg = ggml_cpu.prepare(gate_up.view(e, 2 * inter, -1), ggml.Q4_K, h)
     pd = ggml_cpu.prepare(down.view(e, h, -1), ggml.Q4_0, inter)
     x = torch.randn(n_tok, h, generator=g).bfloat16()

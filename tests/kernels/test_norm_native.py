@@ -149,7 +149,7 @@ def test_the_switch_keeps_the_torch_ops_and_the_bits(monkeypatch):
 
 
 def test_a_model_pass_is_the_same_with_and_without_the_kernels(monkeypatch):
-    from dgcli.model.random_weights import make_config, random_model
+    from dgcli.checkpoint.random_weights import make_config, random_model
 
     monkeypatch.setattr(norm_native, "GELU_MIN_ELEMENTS", 0)  # this pass's GELUs are small
     monkeypatch.setattr(norm_native, "GELU_DTYPES", tuple(DTYPES))

@@ -15,12 +15,12 @@ from typer.testing import CliRunner
 
 from dgcli.measure import bench as b
 from dgcli.measure import metrics
-from dgcli.model.random_weights import dummy_config
+from dgcli.checkpoint.random_weights import dummy_config
 from dgcli.runtime import request, session
 from dgcli.runtime.request import Response
 from dgcli.measure import card as info
 from dgcli.measure import printers as report
-from dgcli.model.config import load_config
+from dgcli.checkpoint.load import load_config
 from dgcli.errors import UserError
 from dgcli.sampling.events import Done
 
@@ -222,8 +222,8 @@ def test_bad_input_is_one_line(ckpt, tmp_path):
 
 
 def test_dummy_preflight_refuses_what_cannot_fit():
-    from dgcli.model.random_weights import make_config
-    from dgcli.model.config import parse_config
+    from dgcli.checkpoint.random_weights import make_config
+    from dgcli.checkpoint.config import parse_config
 
     raw, _, _ = dummy_config("26B-A4B")
     huge = parse_config({**raw, "text_config": {**raw["text_config"], "num_experts": 128 * 64}})  # ~1.5 T params
@@ -263,8 +263,8 @@ def sequential(responses: list[Response]) -> metrics.Pass:
 
 
 def test_summary_of_a_bimodal_step_distribution():
-    from dgcli.model.random_weights import make_config
-    from dgcli.model.config import parse_config
+    from dgcli.checkpoint.random_weights import make_config
+    from dgcli.checkpoint.config import parse_config
 
     cfg = parse_config(make_config(TEXT, canvas_length=C))
     runs = [sequential([_req([48, 12]), _req([9])]),

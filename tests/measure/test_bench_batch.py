@@ -144,8 +144,8 @@ def _resp(steps: int, c: int, prefix: int = 8) -> Response:
 def test_weights_count_once_per_batched_decoder_pass():
     from hf_oracle import CLI_TEXT as TEXT
 
-    from dgcli.model.config import parse_config
-    from dgcli.model.random_weights import make_config
+    from dgcli.checkpoint.config import parse_config
+    from dgcli.checkpoint.random_weights import make_config
 
     cfg = parse_config(make_config(TEXT, canvas_length=8))
     reqs = [_resp(3, 8), _resp(3, 8)]

@@ -19,7 +19,7 @@ from dgcli.measure.workload import build_prompts
 from dgcli.runtime.session import Session, ran_with
 from dgcli.runtime.settings import resolve
 from dgcli.sampling import host_reads
-from dgcli.model.random_weights import reference_generation_config
+from dgcli.checkpoint.random_weights import reference_generation_config
 from fake_cuda import (CANVAS, CUDA, AttentionLog, CudaBindings, OpLog, PageableCopies, check_dtypes,  # noqa: F401
                        fake_cuda, fake_model, substitute_reads)
 

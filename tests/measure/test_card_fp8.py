@@ -5,8 +5,8 @@ import pytest
 from hf_oracle import text_config
 
 from dgcli.measure import card as info
-from dgcli.model.config import parse_config, real_config_path, read_json
-from dgcli.model.random_weights import make_config, random_model, with_fp8
+from dgcli.checkpoint.config import parse_config, real_config_path, read_json
+from dgcli.checkpoint.random_weights import make_config, random_model, with_fp8
 
 
 def test_fp8_bytes_are_the_models_own_bytes():
@@ -47,7 +47,7 @@ def test_info_on_an_fp8_checkpoint(cli_ckpt, tmp_path, capsys):
     from cli_run import run
 
     import dgcli
-    from dgcli.model.quantize import quantize_checkpoint
+    from dgcli.checkpoint.quantize import quantize_checkpoint
 
     quantize_checkpoint(cli_ckpt, tmp_path / "fp8")
     code, out, err = run(["info", str(tmp_path / "fp8"), "--format", "json", "--no-measure-peaks"], capsys)

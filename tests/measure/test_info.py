@@ -11,8 +11,9 @@ import torch
 from typer.testing import CliRunner
 
 from dgcli.measure import card as info
-from dgcli.model.random_weights import make_config, random_model, write_random_checkpoint
-from dgcli.model.config import load_config, parse_config, real_config_path
+from dgcli.checkpoint.random_weights import make_config, random_model, write_random_checkpoint
+from dgcli.checkpoint.config import parse_config, real_config_path
+from dgcli.checkpoint.load import load_config
 from dgcli.model.gemma import DiffusionGemma
 
 S, F = "sliding_attention", "full_attention"

@@ -15,9 +15,10 @@ from typer.testing import CliRunner
 from dgcli.measure import card as info
 from dgcli.measure import memory, memory_vocab
 from dgcli.model.attention import Segment
-from dgcli.model.config import load_config, parse_config, real_config_path
+from dgcli.checkpoint.config import parse_config, real_config_path
+from dgcli.checkpoint.load import load_config
 from dgcli.model.gemma import DiffusionGemma
-from dgcli.model.random_weights import make_config, random_model
+from dgcli.checkpoint.random_weights import make_config, random_model
 
 S, F = "sliding_attention", "full_attention"
 SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=40, moe_intermediate_size=12, num_hidden_layers=3,
@@ -370,8 +371,8 @@ def test_weight_formats():
     quantized = n["attention"] - sum(2 * g.head_dim for g in cfg.layers) + n["dense_mlp"] + n["experts"]
     rows = info.quantized_counts(cfg)[1]  # one bf16 scale per output channel
     assert fp8["fp8_parameters"] == quantized and fp8["bytes"] == bf16["bytes"] - quantized + 2 * rows
-    from dgcli.model.random_weights import with_fp8
-    from dgcli.model.config import parse_config, read_json
+    from dgcli.checkpoint.random_weights import with_fp8
+    from dgcli.checkpoint.config import parse_config, read_json
 
     assert fp8["bytes"] == info.weights_bytes_total(parse_config(with_fp8(read_json(real_config_path()))), 2)
     assert 50.4e9 < bf16["bytes"] < 50.6e9 and 25.9e9 < fp8["bytes"] < 26.1e9

@@ -13,9 +13,10 @@ from safetensors.torch import load_file, save_file
 
 import dgcli
 from dgcli.errors import UserError
+from dgcli.checkpoint import compressed_tensors as fp8_ckpt
 from dgcli.model import fp8
-from dgcli.model.quantize import quantize_checkpoint
-from dgcli.model.random_weights import make_config, random_model, with_fp8, write_checkpoint
+from dgcli.checkpoint.quantize import quantize_checkpoint
+from dgcli.checkpoint.random_weights import make_config, random_model, with_fp8, write_checkpoint
 from passes import Seqs, decode, encode
 
 FP8 = torch.float8_e4m3fn
@@ -111,7 +112,7 @@ def test_quantization_is_compressed_tensors(ckpts):
     got, scheme = parsed.config_groups["group_0"], want.config_groups["group_0"]
     assert (got.weights, got.input_activations, got.targets) == (scheme.weights, scheme.input_activations, scheme.targets)
     assert got.format == parsed.format == "float-quantized"
-    assert qc["version"] == fp8.CT_VERSION and ct.__version__ >= "0.15"
+    assert qc["version"] == fp8_ckpt.CT_VERSION and ct.__version__ >= "0.15"
 
 
 def test_loader_keeps_one_byte_per_weight(ckpts):
@@ -145,7 +146,7 @@ def test_weight_only_logits_equal_the_dequantized_bf16_checkpoint(ckpts, tmp_pat
     monkeypatch.setenv("DGEMMA_KERNELS", kernels)
     monkeypatch.setattr("dgcli.kernels.fp8.TILE_BYTES", 512)  # several tiles / expert chunks even here
     ours = dgcli.load_model(dst)
-    deq = write_checkpoint(fp8.dequantize_model(ours), tmp_path / "deq", json.loads((dst / "config.json").read_text()))
+    deq = write_checkpoint(fp8_ckpt.dequantize_model(ours), tmp_path / "deq", json.loads((dst / "config.json").read_text()))
     assert "quantization_config" not in json.loads((deq / "config.json").read_text())
     plain = dgcli.load_model(deq)
     assert not fp8.is_fp8(plain) and plain.embed_weight.dtype == torch.bfloat16
@@ -201,7 +202,7 @@ def test_transformers_with_compressed_tensors_reads_the_same_checkpoint(ckpts):
     pytest.importorskip("compressed_tensors")
     from transformers import CompressedTensorsConfig, DiffusionGemmaForBlockDiffusion
 
-    from dgcli.model.loader import to_checkpoint_name
+    from dgcli.checkpoint.directory import to_checkpoint_name
 
     _, dst = ckpts
     with fused_experts_mapping():
@@ -210,7 +211,7 @@ def test_transformers_with_compressed_tensors_reads_the_same_checkpoint(ckpts):
             experts_implementation="eager").eval()
     ours = dgcli.load_model(dst)
     theirs = ref.state_dict()
-    for name, t in fp8.dequantize_model(ours).state_dict().items():
+    for name, t in fp8_ckpt.dequantize_model(ours).state_dict().items():
         assert torch.equal(theirs[to_checkpoint_name(name)], t), name
     prompt, canvas, sc = inputs(ours.config, batch=1)
     with torch.no_grad():
@@ -278,7 +279,7 @@ def test_kv_cache_scheme_and_uncompressed_status_are_refused(ckpts, tmp_path):
     for change, needle in (({"kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "kv_cache_scheme"),
                            ({"quantization_status": "frozen"}, "frozen")):
         with pytest.raises(UserError, match=needle):
-            from dgcli.model.config import parse_config
+            from dgcli.checkpoint.config import parse_config
 
             parse_config(dict(cfg, quantization_config={**qc, **change}))
 

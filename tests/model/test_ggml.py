@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from dgcli.checkpoint import ggml_quants
 from dgcli.model import ggml
-from dgcli.model.random_weights import ggml_dummy_bytes, make_config, random_ggml_model, random_model
+from dgcli.checkpoint.random_weights import ggml_dummy_bytes, make_config, random_ggml_model, random_model
 
 gguf = pytest.importorskip("gguf")  # the test extra installs it: the oracle
 from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize  # noqa: E402
@@ -27,6 +28,21 @@ def _random_bytes(rows, qtype, k, seed=0):
                          generator=torch.Generator().manual_seed(seed))
 
 
+def test_block_tables_are_ggmls():
+    """The model's block table (model/ggml.py) and the GGUF reader's (checkpoint/gguf.py) are written out twice,
+    so the model needs no file code: both say what gguf-py's GGML_QUANT_SIZES and type names say."""
+    from dgcli.checkpoint.gguf import GGML_TYPES
+
+    for t in ggml.NAMES:
+        assert ggml.BLOCKS[t] == gguf.GGML_QUANT_SIZES[_np(t)] == GGML_TYPES[t][1:]
+        assert ggml.NAMES[t] == _np(t).name == GGML_TYPES[t][0]
+    for t, (name, elems, nbytes) in GGML_TYPES.items():
+        # Q8_1 (an activation format, in no file): ggml's block is fp16 d, fp16 s, 32 int8 (36 bytes,
+        # ggml-common.h asserts it); gguf-py 0.19 lists 4 + 4 + 32
+        want = (32, 36) if name == "Q8_1" else gguf.GGML_QUANT_SIZES[_np(t)]
+        assert (name, (elems, nbytes)) == (_np(t).name, want), t
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 def test_dequantize_equals_gguf(qtype):
     """Every byte random: negative scales and d, NaN / inf from fp16 patterns included (they agree too)."""
@@ -44,7 +60,7 @@ def test_dequantize_equals_gguf(qtype):
 @pytest.mark.parametrize("qtype", [ggml.F32, ggml.F16, ggml.BF16])
 def test_float_types_round_trip(qtype):
     w = torch.randn(3, 8)
-    got = ggml.dequantize(ggml.quantize(w, qtype), qtype, 8)
+    got = ggml.dequantize(ggml_quants.quantize(w, qtype), qtype, 8)
     dtype = {ggml.F32: torch.float32, ggml.F16: torch.float16, ggml.BF16: torch.bfloat16}[qtype]
     assert torch.equal(got, w.to(dtype).float())
 
@@ -54,14 +70,14 @@ def test_quantize_is_bit_exact_with_gguf(qtype):
     w = torch.randn(16, 256, generator=torch.Generator().manual_seed(1)) * 0.02
     w[0] = 0
     w[1, :32] = -0.5  # a constant block: the largest-magnitude value negative
-    np.testing.assert_array_equal(ggml.quantize(w, qtype).numpy(), gguf_quantize(w.numpy(), _np(qtype)))
+    np.testing.assert_array_equal(ggml_quants.quantize(w, qtype).numpy(), gguf_quantize(w.numpy(), _np(qtype)))
 
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_quantize_round_trip(qtype):
     g = torch.Generator().manual_seed(2)
     w = torch.randn(4, 3, 512, generator=g)
-    raw = ggml.quantize(w, qtype)
+    raw = ggml_quants.quantize(w, qtype)
     assert raw.shape == (4, 3, ggml.row_bytes(qtype, 512)) and raw.dtype == torch.uint8
     back = ggml.dequantize(raw, qtype, 512)
     rel = ((back - w).norm() / w.norm()).item()
@@ -69,7 +85,7 @@ def test_quantize_round_trip(qtype):
     # no value off by more than about one step of its block (the absmax over the block's levels)
     assert ((back - w).abs().max() / w.abs().max()).item() <= 0.2
     # scaled inputs: the same relative error (no absolute thresholds inside)
-    rel_small = ((ggml.dequantize(ggml.quantize(w * 1e-3, qtype), qtype, 512) - w * 1e-3).norm() / (w * 1e-3).norm())
+    rel_small = ((ggml.dequantize(ggml_quants.quantize(w * 1e-3, qtype), qtype, 512) - w * 1e-3).norm() / (w * 1e-3).norm())
     assert rel_small.item() <= RT_BOUND[qtype]
 
 
@@ -79,7 +95,7 @@ def test_k_quants_edge_blocks(qtype):
     w[1] = 0.25  # constant positive: Q4_K stores it through the min, Q6_K through one scale
     w[2] = -torch.linspace(0, 1, 256)  # all negative
     w[3, 7] = 3.0  # one spike in a zero block
-    back = ggml.dequantize(ggml.quantize(w, qtype), qtype, 256)
+    back = ggml.dequantize(ggml_quants.quantize(w, qtype), qtype, 256)
     assert torch.isfinite(back).all() and not back[0].any()
     assert (back[1:] - w[1:]).abs().max().item() <= 0.05 * w[1:].abs().amax().item() + 1e-6
     assert back[3, 7].item() == pytest.approx(3.0, rel=0.02)
@@ -87,14 +103,14 @@ def test_k_quants_edge_blocks(qtype):
 
 def test_quantize_rejects_ragged_rows():
     with pytest.raises(ValueError, match="multiple of 256"):
-        ggml.quantize(torch.randn(2, 96), ggml.Q4_K)
+        ggml_quants.quantize(torch.randn(2, 96), ggml.Q4_K)
     assert ggml.type_for(ggml.Q4_K, 96) == ggml.Q5_0 and ggml.type_for(ggml.Q6_K, 96) == ggml.Q8_0
     assert ggml.type_for(ggml.Q4_K, 40) is None
 
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_random_blocks_are_valid(qtype):
-    raw = ggml.random_blocks((5, 7), qtype, 512, torch.Generator().manual_seed(3))
+    raw = ggml_quants.random_blocks((5, 7), qtype, 512, torch.Generator().manual_seed(3))
     w = ggml.dequantize(raw, qtype, 512)
     assert raw.shape == (5, 7, ggml.row_bytes(qtype, 512)) and torch.isfinite(w).all()
     assert 0.7 < w.std().item() * 512 ** 0.5 < 1.4  # the dummy init's spread, 1/sqrt(fan_in)
@@ -177,7 +193,7 @@ def _search_inputs(nb):
 def test_k_quant_search_bytes_equal_the_first_version(monkeypatch, chunk):
     """The chunked, in-place searches give byte-identical Q4_K / Q6_K blocks to the unchunked originals
     (any change in a float op's order could flip a near-tied candidate; these inputs are full of ties)."""
-    from dgcli.model import ggml_quants as gq
+    from dgcli.checkpoint import ggml_quants as gq
 
     fast = {ggml.Q4_K: gq._make_qkx2, ggml.Q6_K: gq._make_qx}
     if chunk:
@@ -187,9 +203,9 @@ def test_k_quant_search_bytes_equal_the_first_version(monkeypatch, chunk):
             with monkeypatch.context() as m:
                 m.setattr(gq, "_make_qkx2", _ref_qkx2)
                 m.setattr(gq, "_make_qx", _ref_qx)
-                want = ggml.quantize(w, qtype)
+                want = ggml_quants.quantize(w, qtype)
             assert gq._make_qkx2 is fast[ggml.Q4_K] and gq._make_qx is fast[ggml.Q6_K]
-            got = ggml.quantize(w, qtype)
+            got = ggml_quants.quantize(w, qtype)
             assert torch.equal(got, want), (name, ggml.NAMES[qtype], (got != want).any(-1).sum().item())
 
 # ---- a random model with GGML linears and experts ------------------------------------------------------------
@@ -251,13 +267,13 @@ def test_model_logits_equal_the_dequantized_bf16_model(plain, qtype, x_path):
 
     int8 = x_path == "int8"
     bound_max, bound_rms, ratio = (Q8_LOGIT_MAX, Q8_LOGIT_RMS, Q8_FP32_RATIO) if int8 else (LOGIT_MAX, LOGIT_RMS, 1.5)
-    model = ggml.quantize_model_(copy.deepcopy(plain), qtype)
-    linears, _ = ggml.targets(plain)
+    model = ggml_quants.quantize_model_(copy.deepcopy(plain), qtype)
+    linears, _ = ggml_quants.targets(plain)
     assert all(isinstance(model.get_submodule(n), ggml.QuantLinear) for n in linears)
     assert all(isinstance(layer.experts, ggml.QuantExperts) for layer in model.layers)
     assert {model.get_submodule(n).qtype for n in linears} == {qtype}
-    deq = ggml.dequantize_model(model)
-    exact = ggml.dequantize_model(model, torch.float32)
+    deq = ggml_quants.dequantize_model(model)
+    exact = ggml_quants.dequantize_model(model, torch.float32)
     prompt, canvas, sc = _inputs()
     for soft in (None, sc):
         a, b = model.forward_canvas(prompt, canvas, soft), deq.forward_canvas(prompt, canvas, soft)
@@ -273,8 +289,8 @@ def test_model_logits_equal_the_dequantized_bf16_model(plain, qtype, x_path):
 def test_fp32_model_runs_the_exact_dequantized_weights(plain):
     import copy
 
-    model = ggml.quantize_model_(copy.deepcopy(plain).float(), ggml.Q4_K)
-    deq = ggml.dequantize_model(model)
+    model = ggml_quants.quantize_model_(copy.deepcopy(plain).float(), ggml.Q4_K)
+    deq = ggml_quants.dequantize_model(model)
     prompt, canvas, _ = _inputs(1)
     torch.testing.assert_close(model.forward_canvas(prompt, canvas), deq.forward_canvas(prompt, canvas),
                                rtol=1e-4, atol=1e-4)
@@ -285,7 +301,7 @@ def test_activation_path_names_what_the_linears_multiply_by(plain, x_path, monke
 
     assert ggml.activation_path(plain) is None  # no GGML weight
     assert ggml.activation_path(object()) is None  # a Ray driver's stand-in for the model
-    model = ggml.quantize_model_(copy.deepcopy(plain), ggml.Q4_K)
+    model = ggml_quants.quantize_model_(copy.deepcopy(plain), ggml.Q4_K)
     assert ggml.activation_path(model) == ("int8" if x_path == "int8" else "bfloat16")
     assert ggml.activation_path(model.float()) == "float32"  # fp32 sessions never take the int8 path
 
@@ -299,7 +315,7 @@ def test_dummy_ggml_model(weights, x_path):
     assert types == ((ggml.Q4_K, ggml.Q4_0) if weights == "q4_k" else (ggml.Q8_0, ggml.Q8_0))
     logits = model.forward_canvas(*_inputs()[:2])
     assert torch.isfinite(logits).all() and logits.std() > 0
-    deq = ggml.dequantize_model(model)
+    deq = ggml_quants.dequantize_model(model)
     assert _rms(logits, deq.forward_canvas(*_inputs()[:2])) <= (Q8_LOGIT_RMS if x_path == "int8" else LOGIT_RMS)
 
 
@@ -337,8 +353,8 @@ def test_gemm_path_model_runs_the_dequantized_bf16_weights(plain, qtype, monkeyp
 
     from dgcli.kernels import ggml_cpu
 
-    model = ggml.quantize_model_(copy.deepcopy(plain), qtype)
-    deq = ggml.dequantize_model(model)
+    model = ggml_quants.quantize_model_(copy.deepcopy(plain), qtype)
+    deq = ggml_quants.dequantize_model(model)
     prompt, canvas, sc = _inputs()
     monkeypatch.setenv("DGEMMA_KERNELS", "torch")  # the bf16 paths
     monkeypatch.setattr(ggml_cpu, "GEMM_ROWS", 1 << 30)  # the int4 kernel at every row count

@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from dgcli.model import ggml, gguf_model
+from dgcli.checkpoint import gguf_model
+from dgcli.model import ggml
 from dgcli.model.gemma import Experts
-from dgcli.model.gguf import GGUFFile
-from dgcli.model.config import load_config
-from dgcli.model.loader import load_model
-from dgcli.model.quantize import checkpoint_to_gguf, gguf_types
-from dgcli.model.random_weights import write_random_checkpoint
+from dgcli.checkpoint.gguf import GGUFFile
+from dgcli.checkpoint.load import load_config
+from dgcli.checkpoint.load import load_model
+from dgcli.checkpoint.quantize import checkpoint_to_gguf, gguf_types
+from dgcli.checkpoint.random_weights import write_random_checkpoint
 from dgcli.runtime.session import BUNDLED
 from dgcli.text.tokenizer import load_tokenizer
 

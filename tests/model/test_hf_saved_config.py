@@ -11,8 +11,8 @@ from hf_oracle import TINY_VISION, randomise_, text_config
 
 import dgcli
 from dgcli.errors import UserError
-from dgcli.model.config import parse_config
-from dgcli.model.random_weights import make_config
+from dgcli.checkpoint.config import parse_config
+from dgcli.checkpoint.random_weights import make_config
 
 FP32_TOL = 1e-4
 

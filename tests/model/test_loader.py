@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import dgcli
-from dgcli.model.random_weights import make_config, random_model, write_checkpoint
+from dgcli.checkpoint.random_weights import make_config, random_model, write_checkpoint
 from dgcli.errors import UserError
 from hf_oracle import text_config
 
@@ -163,7 +163,8 @@ def test_config_missing_key(ckpt):
 
 
 def test_released_config_parses_with_real_geometry():
-    from dgcli.model.config import load_config, real_config_path
+    from dgcli.checkpoint.config import real_config_path
+    from dgcli.checkpoint.load import load_config
 
     cfg = load_config(real_config_path())
     full = [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"]

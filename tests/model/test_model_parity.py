@@ -7,7 +7,7 @@ import torch
 from hf_oracle import CONFIGS, build_reference
 
 import dgcli
-from dgcli.model.random_weights import make_config, random_model, write_checkpoint
+from dgcli.checkpoint.random_weights import make_config, random_model, write_checkpoint
 from passes import Seqs, decode, encode, read
 
 FP32_TOL = 1e-4
@@ -162,7 +162,7 @@ def test_bf16_parameters_and_buffers_are_the_references(pair, ref16):
     """Every tensor as transformers holds it in bf16, the layer scalars rounded (0.30010 -> 0.30078), the
     RoPE inverse frequencies in fp32, the embedding scale sqrt(H) in bf16."""
     from dgcli.model.gemma import inv_freq_for
-    from dgcli.model.loader import to_checkpoint_name
+    from dgcli.checkpoint.directory import to_checkpoint_name
 
     ref, _, path = pair
     # The oracle's scalars are not bf16-representable, so rounding them or not shows in the logits.

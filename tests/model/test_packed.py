@@ -11,7 +11,7 @@ from hf_oracle import CONFIGS, text_config
 from dgcli.kernels import linear_cpu
 from dgcli.model.gemma import Experts
 from dgcli.model.packed import PackedExperts, PackedLinear, pack_for_cpu
-from dgcli.model.random_weights import make_config, random_model
+from dgcli.checkpoint.random_weights import make_config, random_model
 from dgcli.sampling.engine import Engine, Request
 from dgcli.sampling.events import Commit, Done, Step
 from dgcli.sampling.params import DiffusionEbParams
@@ -140,7 +140,7 @@ def test_a_packed_checkpoint_lets_go_of_the_file(tmp_path):
     """Loaded tensors are views of the memory-mapped file, so one left alive keeps the whole mapping resident
     beside the packed copies. After packing, no tensor of the model is a loaded one: the mapping can go."""
     import dgcli
-    from dgcli.model.random_weights import write_checkpoint
+    from dgcli.checkpoint.random_weights import write_checkpoint
 
     tc, canvas = text_config("gqa2_window6")
     cfg = make_config(tc, canvas_length=canvas)

@@ -9,7 +9,7 @@ import torch
 
 from dgcli.model.attention import Segment
 from dgcli.model.paged import PagedKVCache, pool_blocks
-from dgcli.model.random_weights import make_config, random_model
+from dgcli.checkpoint.random_weights import make_config, random_model
 from hf_oracle import CONFIGS
 
 B = 4

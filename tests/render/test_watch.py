@@ -215,7 +215,7 @@ RUN = ["--diffusion-steps", "5", "--blocks", "2", "--seed", "3", "hello there"]
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
-    from dgcli.model.random_weights import write_random_checkpoint
+    from dgcli.checkpoint.random_weights import write_random_checkpoint
 
     return write_random_checkpoint(tmp_path_factory.mktemp("watch") / "ckpt", TEXT_CONFIG, canvas_length=16)
 

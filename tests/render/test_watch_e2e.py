@@ -36,7 +36,7 @@ needs_chromium = pytest.mark.skipif(CHROMIUM is None,
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
-    from dgcli.model.random_weights import write_random_checkpoint
+    from dgcli.checkpoint.random_weights import write_random_checkpoint
 
     return write_random_checkpoint(tmp_path_factory.mktemp("e2e") / "ckpt", TEXT_CONFIG, canvas_length=16)
 

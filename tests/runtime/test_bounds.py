@@ -12,7 +12,7 @@ from cli_run import forbid, run
 
 from dgcli.cli.options import sampler_flags
 from dgcli.errors import UserError
-from dgcli.model import loader
+from dgcli.checkpoint import load as loader
 from dgcli.runtime.session import open_session
 from dgcli.runtime.settings import RunSettings, resolve
 from dgcli.sampling import rules

@@ -155,7 +155,7 @@ def test_random_model_rows_are_bit_identical_at_every_batch_size(tmp_path, dtype
     equal from M = 5 on), and a batch gives that expert more rows."""
     from hf_oracle import CLI_CANVAS, CLI_TEXT
 
-    from dgcli.model.random_weights import write_random_checkpoint
+    from dgcli.checkpoint.random_weights import write_random_checkpoint
 
     path = write_random_checkpoint(tmp_path / "ck", CLI_TEXT, canvas_length=CLI_CANVAS, dtype=dtype, tokenizer=False)
     model = dgcli.load_model(path)

@@ -76,7 +76,7 @@ def test_not_unicode_says_what_and_where():
 def tiny_ckpt(tmp_path_factory):
     from hf_oracle import text_config
 
-    from dgcli.model.random_weights import write_random_checkpoint
+    from dgcli.checkpoint.random_weights import write_random_checkpoint
 
     tc, _ = text_config("gqa4_moe8")
     tc["vocab_size"] = 512

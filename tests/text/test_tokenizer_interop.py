@@ -109,7 +109,7 @@ def test_tokenizer_config_lists_control_tokens_as_special():
 
 
 def test_config_has_released_rope_parameters():
-    from dgcli.model.config import load_config
+    from dgcli.checkpoint.load import load_config
 
     text = json.loads((BUNDLED / "config.json").read_text())["text_config"]
     assert text["rope_parameters"] == {  # spec §1.2, the values the bundled model was trained with

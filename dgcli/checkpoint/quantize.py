@@ -23,10 +23,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from dgcli.checkpoint import compressed_tensors as ct
+from dgcli.checkpoint.config import read_json
+from dgcli.checkpoint.directory import _open, checkpoint_files, to_module_name
+from dgcli.checkpoint.load import GGUF, format_of, load_config
 from dgcli.errors import UserError
 from dgcli.model import fp8
-from dgcli.model.config import load_config, read_json
-from dgcli.model.loader import _open, checkpoint_files, to_module_name
 
 FUSED = re.compile(r"^(layers\.\d+\.experts)\.(gate_up_proj|down_proj)$")
 WEIGHT_FILES = ("model.safetensors.index.json",)
@@ -55,9 +57,7 @@ def _quantized(key: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def _refuse_file(src: Path) -> None:
     """SRC must be a checkpoint directory: a GGUF file (which load_config reads for the run commands) is not one."""
-    from dgcli.model.config import is_gguf_path
-
-    if is_gguf_path(src):
+    if format_of(src, file_ok=False) == GGUF:
         raise UserError(f"{src} is a GGUF file; dgemma quantize converts a checkpoint directory (config.json, "
                         "model*.safetensors and tokenizer.json)")
 
@@ -114,7 +114,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, *,
         (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
     raw = read_json(src / "config.json")
     vision = any(k.startswith(("model.encoder.vision_tower.", "model.encoder.embed_vision.")) for k in files)
-    raw["quantization_config"] = fp8.quantization_config(cfg.num_hidden_layers, vision=vision or "vision_config" in raw)
+    raw["quantization_config"] = ct.quantization_config(cfg.num_hidden_layers, vision=vision or "vision_config" in raw)
     (dst / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True))
     for p in sorted(src.rglob("*")):  # tokenizer, templates, generation/processor configs, diffusers files
         rel = p.relative_to(src)
@@ -172,8 +172,8 @@ def checkpoint_to_gguf(src: str | Path, dst: str | Path, kind: str, *,
                        progress: Callable[[str], None] | None = None) -> dict:
     """Write checkpoint `src` (unquantized) as one GGUF file `dst` in llama.cpp's DiffusionGemma layout, tensor
     by tensor (one tensor in memory at a time). Returns a summary: tensors by type, bytes read and written."""
-    from dgcli.model import ggml, gguf, gguf_model
-    from dgcli.model.config import load_generation_config
+    from dgcli.checkpoint import ggml_quants, gguf, gguf_model
+    from dgcli.checkpoint.load import load_generation_config
     from dgcli.text.gguf_vocab import vocab_metadata
     from dgcli.text.tokenizer import load_tokenizer
 
@@ -215,7 +215,7 @@ def checkpoint_to_gguf(src: str | Path, dst: str | Path, kind: str, *,
         with _open(f) as st:
             t = st.get_tensor(key)
         summary["bytes_in"] += t.numel() * t.element_size()
-        return ggml.quantize(t.float().reshape(shapes[gname]), types[gname])
+        return ggml_quants.quantize(t.float().reshape(shapes[gname]), types[gname])
 
     order = sorted(shapes, key=lambda n: (n.startswith("blk."), int(n.split(".")[1]) if n.startswith("blk.") else 0, n))
     tensors = [gguf.TensorOut(n, shapes[n], types[n], lambda n=n: data(n)) for n in order]

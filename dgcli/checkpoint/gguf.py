@@ -3,7 +3,7 @@ its tensors memory-mapped (copy-on-write); write a file from metadata and tensor
 
 Owns: the byte layout (header, typed key/values, tensor infos, aligned data), every error a broken file causes
 (one line naming the file: cut short, not GGUF, a big-endian or unknown version), and ggml's type table (ids,
-names, block sizes) for every type a file may hold. Must not: know DiffusionGemma (model/gguf_model.py maps
+names, block sizes) for every type a file may hold. Must not: know DiffusionGemma (checkpoint/gguf_model.py maps
 names and metadata) or compute with quantized blocks (model/ggml.py does).
 Dimensions are kept as the file lists them (ggml order: innermost first); `TensorInfo.shape` is the logical,
 reversed one ([rows, K] for a matrix).

@@ -1,9 +1,11 @@
-"""llama.cpp's reference quantizers (ggml-quants.c, no importance matrix) for Q4_0, Q5_0, Q8_0, Q4_K and Q6_K,
-vectorized over blocks in torch, and random valid blocks drawn as bytes for dummy weights.
+"""The GGML block encoders: llama.cpp's reference quantizers (ggml-quants.c, no importance matrix) for Q4_0, Q5_0,
+Q8_0, Q4_K and Q6_K, vectorized over blocks in torch (what `dgemma quantize --type` writes; the `gguf` package
+has no K-quant encoder), random valid blocks drawn as bytes for dummy weights, and whole models quantized to /
+dequantized from GGML modules (tests, dummy weights). The layouts they write are model/ggml.py's.
 
-Owns: `q4_0`, `q5_0`, `q8_0`, `q4_k`, `q6_k` (fp32 blocks [B, 32 or 256] -> uint8 [B, bytes]) and
-`random_blocks`, reached through `dgcli.model.ggml.quantize` / `random_blocks`. Must not: know tensors' names
-or files.
+Owns: `quantize` (float rows -> blocks), `q4_0`, `q5_0`, `q8_0`, `q4_k`, `q6_k` (fp32 blocks [B, 32 or 256] ->
+uint8 [B, bytes]), `random_blocks`, `targets`, `quantize_model_`, `dequantize_model`. Must not: know tensors'
+names or files.
 
 How close to llama.cpp: the same searches, candidates and rounding (`nearest_int` is round-half-to-even, which
 `torch.round` is; Q8_0 uses `roundf`, half away from zero). Sums run in torch's order, not C's sequential
@@ -15,10 +17,20 @@ so they stay in cache; their bytes are pinned to the first (unchunked) version b
 
 from __future__ import annotations
 
+import re
+
 import torch
+from torch import nn
+
+from dgcli.checkpoint.meta import meta_model
+from dgcli.model.ggml import (BF16, BLOCKS, F16, F32, NAMES, QUANTIZED, Q4_0, Q4_K, Q5_0, Q6_K, Q8_0, QuantExperts,
+                              QuantLinear, q4k_pack_scales, quantized_names, row_bytes, type_for)
 
 GROUP_MAX_EPS = 1e-15
 CHUNK_SUBBLOCKS = 512  # sub-blocks per candidate search: [512, ~20, 32] fp32 temporaries fit in L2
+# Rows quantized per chunk: the K-quant searches hold ~20 candidates per value, so a whole embedding at once
+# would need tens of GB.
+CHUNK_VALUES = 1 << 20
 
 
 def _roundf(x: torch.Tensor) -> torch.Tensor:
@@ -154,8 +166,6 @@ def q4_k(x: torch.Tensor) -> torch.Tensor:
     L = torch.where((d == 0)[..., None], L, requant.to(torch.uint8))  # d == 0: make_qkx2's L kept
     L = L.view(nb, 4, 2, 32)
     qs = (L[:, :, 0] | (L[:, :, 1] << 4)).reshape(nb, 128)
-    from dgcli.model.ggml import q4k_pack_scales
-
     head = torch.cat((d16.view(torch.uint8).view(nb, 2), dmin16.view(torch.uint8).view(nb, 2)), dim=1)
     return torch.cat((head, q4k_pack_scales(ls, lm), qs), dim=1)
 
@@ -215,12 +225,13 @@ def q6_k(x: torch.Tensor) -> torch.Tensor:
     return torch.where(zero, torch.zeros_like(out), out)
 
 
-def random_blocks(shape: tuple[int, ...], qtype: int, k: int, generator: torch.Generator | None,
-                  std: float) -> torch.Tensor:
-    """Random valid blocks uint8 [*shape, row_bytes]: value bytes uniform, 6-bit scales in 32..63, and fp16
-    d (dmin) fixed per tensor so that values spread about ±std·sqrt(3) (d, dmin finite and > 0)."""
-    from dgcli.model.ggml import BLOCKS, Q4_0, Q4_K, Q5_0, Q6_K, Q8_0, q4k_pack_scales, row_bytes
-
+def random_blocks(shape: tuple[int, ...], qtype: int, k: int, generator: torch.Generator | None = None,
+                  std: float | None = None) -> torch.Tensor:
+    """Random valid blocks uint8 [*shape, row_bytes(qtype, k)] drawn directly as bytes (no floats quantized:
+    fast enough for a 26B dummy): value bytes uniform, 6-bit scales in 32..63, and fp16 d (dmin) fixed per
+    tensor so that values spread about ±std·sqrt(3) (d, dmin finite and > 0; std default 1/sqrt(k), the
+    dummy init's)."""
+    std = std if std is not None else k ** -0.5
     elems, nbytes = BLOCKS[qtype]
     nblk = k // elems
     out = torch.randint(0, 256, (*shape, nblk, nbytes), dtype=torch.uint8, generator=generator)
@@ -246,3 +257,75 @@ def random_blocks(shape: tuple[int, ...], qtype: int, k: int, generator: torch.G
     else:
         raise ValueError(f"no random blocks for ggml type {qtype}")
     return out.reshape(*shape, row_bytes(qtype, k))
+
+
+def quantize(w: torch.Tensor, qtype: int) -> torch.Tensor:
+    """w float [..., K] (K a multiple of the block size) -> uint8 [..., row_bytes(qtype, K)] in ggml's layout,
+    rounded as llama.cpp's reference quantizer rounds (no importance matrix)."""
+    lead, k = w.shape[:-1], w.shape[-1]
+    if qtype in (F32, F16, BF16):
+        dt = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}[qtype]
+        return w.to(dt).contiguous().view(torch.uint8).reshape(*lead, row_bytes(qtype, k))
+    if qtype not in QUANTIZED:
+        raise ValueError(f"ggml type {qtype}: not one of {sorted(NAMES)}")
+    elems, nbytes = BLOCKS[qtype]
+    if k % elems:
+        raise ValueError(f"{NAMES[qtype]} needs rows of a multiple of {elems} values, not {k}")
+    blocks = w.detach().reshape(-1, elems).float()
+    fn = {Q4_0: q4_0, Q5_0: q5_0, Q8_0: q8_0, Q4_K: q4_k, Q6_K: q6_k}[qtype]
+    step = max(1, CHUNK_VALUES // elems)
+    out = torch.cat([fn(blocks[i:i + step]) for i in range(0, blocks.shape[0], step)]) if blocks.numel() else \
+        torch.empty(0, nbytes, dtype=torch.uint8)
+    return out.reshape(*lead, row_bytes(qtype, k))
+
+
+# ---- whole models (tests, dummy weights) -----------------------------------------------------------------------
+
+# The linears a GGUF stores quantized (llama.cpp quantizes every 2-D weight but the router, ffn_gate_inp)
+TARGETS = re.compile(r"^(layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)|"
+                     r"self_conditioning\.(gate|up|down)_proj)$")
+
+
+def targets(model: nn.Module) -> tuple[list[str], list[int]]:
+    """(names of the bias-free linears stored quantized, layers whose experts are)."""
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and TARGETS.match(n)]
+    return linears, list(range(len(model.layers)))
+
+
+@torch.no_grad()
+def quantize_model_(model: nn.Module, qtype: int, dtype: torch.dtype | None = None) -> nn.Module:
+    """Quantize a materialised plain model's target linears and experts to `qtype` in place (rows that do not
+    fit take llama.cpp's fallback type, or stay as they are); scales in `dtype` (default: the embedding's)."""
+    dtype = dtype or model.embed_tokens.weight.dtype
+    linears, layers = targets(model)
+    for name in linears:
+        old = model.get_submodule(name)
+        t = type_for(qtype, old.in_features)
+        if t is not None:
+            model.set_submodule(name, QuantLinear(quantize(old.weight, t), t, old.in_features, old.out_features, dtype))
+    for i in layers:
+        old = model.layers[i].experts
+        e, two_i, h = old.gate_up_proj.shape
+        tg, td = type_for(qtype, h), type_for(qtype, two_i // 2)
+        if tg is not None and td is not None:
+            model.layers[i].experts = QuantExperts(quantize(old.gate_up_proj, tg), tg, quantize(old.down_proj, td),
+                                                   td, h, two_i // 2, dtype)
+    return model
+
+
+@torch.no_grad()
+def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """A plain model holding the weights the GGML modules compute with (as the kernels see them: scales rounded
+    to the modules' scale dtype), in `dtype` (default: the embedding's)."""
+    dtype = dtype or model.embed_tokens.weight.dtype
+    skip = quantized_names(model)
+    state = {k: v.to(dtype) for k, v in model.state_dict().items() if k not in skip}
+    for name, m in model.named_modules():
+        if isinstance(m, QuantLinear):
+            state[f"{name}.weight"] = m.dequantized().to(dtype)
+        elif isinstance(m, QuantExperts):
+            gu, dn = m.dequantized()
+            state[f"{name}.gate_up_proj"], state[f"{name}.down_proj"] = gu.to(dtype), dn.to(dtype)
+    plain = meta_model(model.config)
+    plain.load_state_dict(state, strict=True, assign=True)
+    return plain.eval()

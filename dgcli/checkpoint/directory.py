@@ -3,26 +3,28 @@
 Single-file or sharded safetensors; the model is built on the `meta` device and every tensor is
 assigned straight from the file, so no second full copy is made. Vision tensors are never read.
 Compressed-tensors FP8 checkpoints (config.py's `Quantization`) load as FP8 modules (model/fp8.py) at one
-byte per parameter, their per-expert tensors read into the fused expert layout.
-Owns: the checkpoint <-> module name map and every loading error message. Must not: do math.
+byte per parameter, their per-expert tensors read into the fused expert layout (checkpoint/compressed_tensors.py).
+Owns: the checkpoint <-> module name map and every loading error message of a directory. Must not: do math,
+or decide a path's format (checkpoint/load.py does; `load_directory` is reached through its `load_model`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
 from safetensors import SafetensorError, safe_open
 
-from dgcli.model import fp8
-from dgcli.model.config import ModelConfig, load_config, read_json
+from dgcli.checkpoint import compressed_tensors as ct
+from dgcli.checkpoint.config import parse_config, read_json
+from dgcli.checkpoint.meta import meta_model
 from dgcli.errors import UserError
+from dgcli.model import fp8
+from dgcli.model.config import ModelConfig
 from dgcli.model.gemma import DiffusionGemma
 
 DECODER = "model.decoder."
@@ -93,7 +95,7 @@ def load_state(path: Path, cfg: ModelConfig, device: str = "cpu", dtype: torch.d
         name = to_module_name(key)
         if name is None:
             continue
-        slot = fp8.expert_slot(name, cfg.moe_intermediate_size)
+        slot = ct.expert_slot(name, cfg.moe_intermediate_size)
         target = slot[0] if slot else name
         if expected is not None and target not in expected:
             if key == "lm_head.weight":
@@ -108,8 +110,8 @@ def load_state(path: Path, cfg: ModelConfig, device: str = "cpu", dtype: torch.d
         missing = [n for n in expected if n not in wanted and n not in pieces]
         for target in pieces:  # every expert's gate, up and down (and scales), or a shard is missing
             layer = int(target.split(".")[1])
-            need = [n for e in range(cfg.num_experts) for n in fp8.expert_keys(layer, e, target in keep)]
-            missing += [n for n in need if n not in wanted and fp8.expert_slot(n, 1)[0] == target]
+            need = [n for e in range(cfg.num_experts) for n in ct.expert_keys(layer, e, target in keep)]
+            missing += [n for n in need if n not in wanted and ct.expert_slot(n, 1)[0] == target]
         if missing:
             raise UserError(f"{path}: checkpoint lacks tensor {to_checkpoint_name(missing[0])!r}"
                             f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; is a shard missing?")
@@ -121,7 +123,7 @@ def load_state(path: Path, cfg: ModelConfig, device: str = "cpu", dtype: torch.d
         with _open(f, device) as st:
             for name in names:
                 key = wanted[name]
-                if fp8.expert_slot(name, 1) is not None:
+                if ct.expert_slot(name, 1) is not None:
                     continue  # read below, straight into its fused tensor
                 try:
                     t = st.get_tensor(key)
@@ -131,8 +133,8 @@ def load_state(path: Path, cfg: ModelConfig, device: str = "cpu", dtype: torch.d
                 if dtype is not None and t.dtype != dtype and name not in keep:
                     t = t.to(dtype)
                 state[name] = t
-        if any(fp8.expert_slot(n, 1) is not None for n in names):
-            _read_experts(f, [n for n in names if fp8.expert_slot(n, 1) is not None], wanted, cfg, state,
+        if any(ct.expert_slot(n, 1) is not None for n in names):
+            _read_experts(f, [n for n in names if ct.expert_slot(n, 1) is not None], wanted, cfg, state,
                           expected, keep, device)
     for target, tensor in list(state.items()):
         if target in pieces and dtype is not None and tensor.dtype != dtype and target not in keep:
@@ -165,7 +167,7 @@ def _read_experts(f: Path, names: list[str], wanted: dict[str, str], cfg: ModelC
             for name in names:
                 key = wanted[name]
                 meta = header[key]
-                target, e, rows = fp8.expert_slot(name, cfg.moe_intermediate_size)
+                target, e, rows = ct.expert_slot(name, cfg.moe_intermediate_size)
                 dt = ST_DTYPES.get(meta["dtype"])
                 if dt is None:
                     raise UserError(f"{f.name}: tensor {key!r} has dtype {meta['dtype']}; expected a floating-point tensor")
@@ -187,30 +189,6 @@ def _read_experts(f: Path, names: list[str], wanted: dict[str, str], cfg: ModelC
         raise UserError(f"{f}: not a readable safetensors file ({e}); it may be truncated or corrupt") from None
 
 
-# torch.nn.init functions the modules' constructors call; skipped on the meta device (see `meta_model`).
-_INIT_FNS = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "xavier_uniform_", "ones_", "zeros_",
-             "constant_")
-
-
-@contextlib.contextmanager
-def _no_init() -> Iterator[None]:
-    saved = {n: getattr(nn.init, n) for n in _INIT_FNS}
-    try:
-        for n in _INIT_FNS:
-            setattr(nn.init, n, lambda t, *a, **k: t)
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(nn.init, n, f)
-
-
-def meta_model(cfg: ModelConfig) -> DiffusionGemma:
-    """The module tree on the meta device, parameter init skipped: init ops on meta tensors go through
-    torch._refs, which imports torch._dynamo (~1 s of start-up), and every value is assigned later anyway."""
-    with torch.device("meta"), _no_init():
-        return DiffusionGemma(cfg)
-
-
 def _convert_quantized(model: DiffusionGemma, cfg: ModelConfig, files: dict[str, Path], path: Path) -> None:
     """FP8 modules wherever the checkpoint stores a `weight_scale`: its linears, and experts stored per expert."""
     linears, experts = set(), set()
@@ -218,7 +196,7 @@ def _convert_quantized(model: DiffusionGemma, cfg: ModelConfig, files: dict[str,
         name = to_module_name(key)
         if name is None or not name.endswith(".weight_scale"):
             continue
-        m = fp8.EXPERT_KEY.match(name)
+        m = ct.EXPERT_KEY.match(name)
         if m:
             experts.add(int(m.group(1)))
             continue
@@ -247,16 +225,11 @@ def resolve_dtype(name: str | None, default: torch.dtype | None = None) -> torch
     return table[name]
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu",
-               dtype: torch.dtype | str | None = None) -> DiffusionGemma:
-    """Load a checkpoint directory (or a GGUF file). dtype None = the checkpoint's (its embedding's dtype)."""
+def load_directory(path: Path, device: str | torch.device = "cpu",
+                   dtype: torch.dtype | str | None = None) -> DiffusionGemma:
+    """Load a checkpoint directory. dtype None = the checkpoint's (its embedding's dtype)."""
     path = Path(path)
-    if path.is_file():  # a GGUF file (model/gguf_model.py); load_config refuses any other file
-        load_config(path, file_ok=False)
-        from dgcli.model.gguf_model import load_gguf_model
-
-        return load_gguf_model(path, device=device, dtype=dtype)
-    cfg = load_config(path, file_ok=False)
+    cfg = parse_config(read_json(path / "config.json"), source=str(path / "config.json"))
     if isinstance(dtype, str):
         dtype = resolve_dtype(dtype)
     model = meta_model(cfg)

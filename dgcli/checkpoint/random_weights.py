@@ -4,7 +4,8 @@ Tests, benchmarks and the dummy-weights mode use these: `config.json` with a nes
 `model.safetensors` (or shards + `model.safetensors.index.json`) under the checkpoint's names (fused
 `experts.gate_up_proj`/`down_proj`, no `.weight` on experts/router scales, encoder layer scalars, no
 lm_head), `generation_config.json`, and optionally a tokenizer; or FP8 weights in compressed-tensors'
-FP8-dynamic layout (per-expert linears, `weight_scale`s, a quantization_config). Owns: random init and writing, and the
+FP8-dynamic layout (per-expert linears, `weight_scale`s, a quantization_config); or GGML blocks kept quantized
+(`--weights q4_k / q8_0`). Owns: random init and writing, and the
 `--dummy` config (a config.json, or the shipped 26B-A4B one, optionally cut to its first N layers).
 Must not: run the model.
 """
@@ -19,10 +20,13 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from dgcli.checkpoint import compressed_tensors as ct
+from dgcli.checkpoint import ggml_quants
+from dgcli.checkpoint.config import RELEASED_ROPE_PARAMETERS, parse_config, read_json, real_config_path
+from dgcli.checkpoint.directory import to_checkpoint_name
+from dgcli.checkpoint.meta import meta_model
 from dgcli.errors import UserError
-from dgcli.model.config import RELEASED_ROPE_PARAMETERS, parse_config, read_json, real_config_path
 from dgcli.model import fp8, ggml
-from dgcli.model.loader import meta_model, to_checkpoint_name
 from dgcli.model.gemma import DiffusionGemma
 
 REFERENCE_GENERATION_CONFIG = {
@@ -65,7 +69,7 @@ def randomize_(model: DiffusionGemma, seed: int = 0, std: float | None = None) -
     """Give every parameter and buffer a random value (no tensor left at its init value), drawn on the
     tensor's own device in its own dtype (a 26B dummy model never exists in fp32 on the host).
     Matrices ~ N(0, std) with std = 1/sqrt(fan_in) unless given; gains and scales ~ U(0.5, 1.5).
-    FP8 weights (a quantized config): each matrix drawn so, then quantized (`fp8.randomize_fp8_`)."""
+    FP8 weights (a quantized config): each matrix drawn so, then quantized (`randomize_fp8_`)."""
     gens: dict[torch.device, torch.Generator] = {}
     quantized = fp8.quantized_names(model) | ggml.quantized_names(model)  # drawn as blocks / e4m3 elsewhere
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
@@ -78,8 +82,26 @@ def randomize_(model: DiffusionGemma, seed: int = 0, std: float | None = None) -
         else:
             t.uniform_(0.5, 1.5, generator=g)
     if quantized:
-        fp8.randomize_fp8_(model, lambda d: gens.setdefault(d, torch.Generator(device=d).manual_seed(seed)), std)
+        randomize_fp8_(model, lambda d: gens.setdefault(d, torch.Generator(device=d).manual_seed(seed)), std)
     return model
+
+
+@torch.no_grad()
+def randomize_fp8_(model: nn.Module, generator, std: float | None = None) -> None:
+    """Random FP8 weights for dummy models: each matrix (one expert's at a time) drawn ~ N(0, 1/fan_in) in
+    fp32 on its device, then quantized (the scales in their buffers' dtype)."""
+    for m in model.modules():
+        pairs = ([(m.weight, m.weight_scale)] if isinstance(m, fp8.FP8Linear) else
+                 [(m.gate_up_proj, m.gate_up_proj_scale), (m.down_proj, m.down_proj_scale)]
+                 if isinstance(m, fp8.FP8Experts) else [])
+        for q, s in pairs:
+            for qe, se in zip(q.view(-1, *q.shape[-2:]), s.view(-1, *s.shape[-2:])):
+                w = torch.empty(qe.shape, device=qe.device).normal_(0.0, std or 1 / math.sqrt(qe.shape[-1]),
+                                                                    generator=generator(qe.device))
+                qq, ss = fp8.quantize_rows(w)
+                qe.copy_(qq)
+                se.copy_(ss)
+
 
 
 def random_model(cfg_dict: dict, *, seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -100,7 +122,7 @@ def random_model(cfg_dict: dict, *, seed: int = 0, dtype: torch.dtype = torch.fl
 def with_fp8(cfg_dict: dict) -> dict:
     """The config with the quantization_config of an FP8-dynamic checkpoint (compressed-tensors' layout)."""
     n = int(cfg_dict["text_config"]["num_hidden_layers"])
-    return dict(cfg_dict, quantization_config=fp8.quantization_config(n))
+    return dict(cfg_dict, quantization_config=ct.quantization_config(n))
 
 
 def checkpoint_state(model: DiffusionGemma) -> dict[str, torch.Tensor]:
@@ -108,7 +130,7 @@ def checkpoint_state(model: DiffusionGemma) -> dict[str, torch.Tensor]:
     released checkpoint stores them (exact: fp32 holds every bf16/fp16 value); FP8 experts unfused into
     per-expert linears, as compressed-tensors checkpoints store them."""
     return {to_checkpoint_name(k): (v.float() if k.endswith("layer_scalar") else v).detach().contiguous().cpu()
-            for k, v in fp8.unfused_state(model).items()}
+            for k, v in ct.unfused_state(model).items()}
 
 
 def write_checkpoint(model: DiffusionGemma, out_dir: str | Path, cfg_dict: dict, *, shards: int = 1,
@@ -186,7 +208,7 @@ def ggml_dummy_type(weights: str, k: int) -> int | None:
 
 def _ggml_plan(model: DiffusionGemma, weights: str):
     """(linears [(name, type, in, out)], experts [(layer, gate_up type, down type)]) a dummy quantizes."""
-    linears, layers = ggml.targets(model)
+    linears, layers = ggml_quants.targets(model)
     lin = []
     for name in linears:
         m = model.get_submodule(name)
@@ -220,7 +242,7 @@ def ggml_dummy_bytes(cfg_dict: dict, weights: str, dtype: torch.dtype) -> int:
 def random_ggml_model(cfg_dict: dict, weights: str, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
                       device: str | torch.device = "cpu") -> DiffusionGemma:
     """A random model whose linears and experts are GGML modules built from random valid blocks
-    (`ggml.random_blocks`: drawn as bytes, nothing quantized, so the 26B-A4B builds in about a minute), as a
+    (`ggml_quants.random_blocks`: drawn as bytes, nothing quantized, so the 26B-A4B builds in about a minute), as a
     Q4_K_M / Q8_0 file would hold them (types: `ggml_dummy_type`); the embedding (dequantized in a real
     Q4_K_M load too), router, norms and scalars are plain tensors in dtype. CPU only (the int4 kernel is)."""
     if torch.device(device).type != "cpu":
@@ -230,12 +252,12 @@ def random_ggml_model(cfg_dict: dict, weights: str, *, seed: int = 0, dtype: tor
     g = torch.Generator().manual_seed(seed)
     lin, experts = _ggml_plan(model, weights)
     for name, t, k, n in lin:
-        model.set_submodule(name, ggml.QuantLinear(ggml.random_blocks((n,), t, k, g), t, k, n, dtype))
+        model.set_submodule(name, ggml.QuantLinear(ggml_quants.random_blocks((n,), t, k, g), t, k, n, dtype))
     c = model.config
     e, h, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
     for layer, tg, td in experts:
-        model.layers[layer].experts = ggml.QuantExperts(
-            ggml.random_blocks((e, 2 * i), tg, h, g), tg, ggml.random_blocks((e, h), td, i, g), td, h, i, dtype)
+        model.layers[layer].experts = ggml.QuantExperts(ggml_quants.random_blocks((e, 2 * i), tg, h, g), tg,
+                                                        ggml_quants.random_blocks((e, h), td, i, g), td, h, i, dtype)
     for m in model.modules():  # the plain tensors left on meta
         for store in (m._parameters, m._buffers):
             for key, t in store.items():

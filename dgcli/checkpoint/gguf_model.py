@@ -7,7 +7,7 @@ tensors are assigned memory-mapped where their dtype is the run dtype (cast othe
 linears and experts become `ggml.QuantLinear` / `ggml.QuantExperts` over the file's bytes (nothing dequantized); a
 quantized embedding (it is the tied head too) or router is dequantized at load to the run dtype. Every loading
 error of a GGUF model (wrong architecture, a missing tensor, a wrong shape, an unsupported type) is one line.
-Must not: parse bytes (model/gguf.py does) or compute with quantized blocks (model/ggml.py does).
+Must not: parse bytes (checkpoint/gguf.py does) or compute with quantized blocks (model/ggml.py does).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from typing import Any
 import numpy as np
 
 from dgcli.errors import UserError
-from dgcli.model.config import FULL, SLIDING, ModelConfig, parse_config
-from dgcli.model.gguf import F32V, I32, GGUFFile, Typed, open_gguf
+from dgcli.checkpoint.config import parse_config
+from dgcli.checkpoint.gguf import F32V, I32, GGUFFile, Typed, open_gguf
+from dgcli.model.config import FULL, SLIDING, ModelConfig
 
 ARCH = "diffusion-gemma"
 A = ARCH + "."
@@ -274,8 +275,9 @@ def load_gguf_model(path: str | Path, device: Any = "cpu", dtype: Any = None):
     import torch
     from torch import nn
 
+    from dgcli.checkpoint.directory import resolve_dtype
+    from dgcli.checkpoint.meta import meta_model
     from dgcli.model import ggml
-    from dgcli.model.loader import meta_model, resolve_dtype
 
     f = open_gguf(path)
     cfg = parse_config(config_dict(f), source=str(path))
