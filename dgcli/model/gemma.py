@@ -283,24 +283,34 @@ class DiffusionGemma(nn.Module):
             parts.append(x.flatten(0, 1))
         x = (torch.cat(parts) if len(parts) > 1 else parts[0])[None]  # [1, N, H]
         tables = self._tables(layout.positions, x.dtype)  # [N, d] per layer kind
+        x = self._layers(x, nc, tables, lambda i, g, q, k, v: attend(q, k, v, i, layout), cache_pass=True)
+        return None if x is None else x.view(b, c, -1)
+
+    def _layers(self, x: torch.Tensor, nc: int, tables: dict, attend_fn, cache_pass: bool) -> torch.Tensor | None:
+        """The one layer loop, final norm included: x [B, T, H], its first `nc` rows (per batch row) causal
+        (encoder mode: prompt, committed blocks), the rest canvases (decoder mode); `attend_fn(i, g, q, k, v)` is
+        layer i's attention over its keys. `cache_pass` (a pass over a KV cache, no autograd): the last layer's
+        feed-forward runs on canvas rows only (causal outputs are only ever K/V), None without canvas rows."""
         last = len(self.layers) - 1
         for i, (layer, g) in enumerate(zip(self.layers, self.geometry)):
             attn = layer.self_attn
             q, k, v = attn.project(layer.input_layernorm(x), *tables[g.kind])
-            x = layer.post_attention_layernorm.add(x, attn.out(attend(q, k, v, i, layout)))
-            if i == last:
-                if not canvases:
+            x = layer.post_attention_layernorm.add(x, attn.out(attend_fn(i, g, q, k, v)))
+            if i == last and cache_pass:
+                if nc == x.shape[1]:
                     return None
-                x = x[:, nc:]
-                nc = 0
+                x, nc = x[:, nc:], 0
             x = layer.feed_forward(x)
             if not nc:  # canvas rows only
-                x *= layer.layer_scalar
+                x = x.mul_(layer.layer_scalar) if cache_pass else (x * layer.layer_scalar).to(x.dtype)
                 continue
-            x[:, :nc] *= layer.encoder_layer_scalar
-            if nc < x.shape[1]:
-                x[:, nc:] *= layer.layer_scalar
-        return self.norm(x).view(b, c, -1)
+            if cache_pass:  # in place: no graph to keep
+                x[:, :nc] *= layer.encoder_layer_scalar
+                if nc < x.shape[1]:
+                    x[:, nc:] *= layer.layer_scalar
+            else:
+                x = torch.cat((x[:, :nc] * layer.encoder_layer_scalar, x[:, nc:] * layer.layer_scalar), 1).to(x.dtype)
+        return self.norm(x)
 
     @torch.no_grad()
     def forward_canvas(self, prompt_ids: torch.Tensor, canvas_ids: torch.Tensor,
@@ -337,11 +347,11 @@ class DiffusionGemma(nn.Module):
         tables = self._tables(pos, x.dtype)
         qp, kp = pos[:, None], pos[None, :]
         q_prefix, k_prefix = qp < p, kp < p
-        is_prefix_row = (pos < p)[None, :, None]
         valid = None
         if prefix_valid is not None:  # [B, 1, 1, P + C]: padding keys invisible to every row
             valid = torch.cat((prefix_valid, prefix_valid.new_ones(prefix_valid.shape[0], c)), dim=1)[:, None, None, :]
-        for layer, g in zip(self.layers, self.geometry):
+
+        def masked(i, g, q, k, v):
             w = g.window
             causal = k_prefix & (kp <= qp) & ((kp > qp - w) if w else True)
             canvas_rows = ~q_prefix & (~k_prefix | ((kp >= p - (w - 1)) if w else True))
@@ -349,10 +359,7 @@ class DiffusionGemma(nn.Module):
             if valid is not None:
                 # Keep each row's own key visible so fully padded rows still have a finite softmax.
                 mask = (mask & valid) | torch.eye(p + c, dtype=torch.bool, device=pos.device)
-            attn = layer.self_attn
-            q, k, v = attn.project(layer.input_layernorm(x), *tables[g.kind])
-            x = layer.post_attention_layernorm.add(x, attn.attend(q, k, v, mask))
-            x = layer.feed_forward(x)
-            x = torch.where(is_prefix_row, x * layer.encoder_layer_scalar, x * layer.layer_scalar).to(x.dtype)
-        x = self.norm(x)
+            return Attention.sdpa(q, k, v, mask)
+
+        x = self._layers(x, p, tables, masked, cache_pass=False)
         return x[:, :p], x[:, p:]
