@@ -17,7 +17,7 @@ ALLOWED = {
     "text": {"text"},
     "sampling": {"sampling", "kernels"},
     "model": {"model", "kernels", "text"},  # random checkpoints write a tokenizer (text.build)
-    "runtime": {"runtime", "model", "sampling", "text", "measure"},  # measure.card: the dummy-model preflight
+    "runtime": {"runtime", "model", "sampling", "text", "measure"},  # measure.cost: the dummy-model preflight
     "measure": {"measure", "runtime", "model", "sampling", "text", "kernels"},
     "render": {"render", "sampling"},
     "serve": {"serve", "runtime", "sampling", "text"},  # the HTTP server: requests in, the engine thread
