@@ -96,8 +96,10 @@ def kernels_mode(mode: str | None):
     try:
         yield
     finally:
-        if mode is not None:
-            os.environ.pop("DGEMMA_KERNELS") if old is None else os.environ.__setitem__("DGEMMA_KERNELS", old)
+        if mode is not None and old is None:
+            del os.environ["DGEMMA_KERNELS"]
+        elif mode is not None:
+            os.environ["DGEMMA_KERNELS"] = old
 
 
 def _in_mode(fn, mode: str):

@@ -205,7 +205,7 @@ def num(x: float) -> str:
 
 
 def dgemma_exe() -> str:
-    """The console script beside this interpreter (the venv under test), else `python -m`-free import of the CLI."""
+    """The console script beside this interpreter (the venv under test), else whichever `dgemma` PATH finds."""
     exe = Path(sys.executable).with_name("dgemma")
     return str(exe) if exe.exists() else "dgemma"
 

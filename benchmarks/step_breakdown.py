@@ -286,15 +286,21 @@ def main(argv: list[str] | None = None) -> None:
     args.batch = args.batch or ("1,8" if args.profile else "1,4,8")
     if args.dry_run:
         args.dummy, args.layers, args.batch, args.prompt, args.reps, args.steps = str(TINY), 2, "1", 16, 1, 1
+    from dgcli.errors import UserError
+    from dgcli.model.random_weights import dummy_config
+
+    try:
+        batches = [int(b) for b in args.batch.split(",")]
+        dummy_config(args.dummy, args.layers)
+    except ValueError:
+        fail("step_breakdown", f"--batch {args.batch!r}: give batch sizes like 1,4,8")
+    except UserError as e:  # a bad --dummy config or --layers
+        fail("step_breakdown", str(e))
     if args.profile or args.dry_run:
         profile_main(args, dev)
         if args.profile:
             return
     spec, args.layers = args.dummy, args.layers or 2
-    try:
-        batches = [int(b) for b in args.batch.split(",")]
-    except ValueError:
-        fail("step_breakdown", f"--batch {args.batch!r}: give batch sizes like 1,4,8")
     pf = None if args.dry_run else device_peaks(dev)[1]
     rows = step_breakdown(dev, spec, args.layers, batches, args.reps, args.prompt, pf)
     print("\n".join(step_table(rows)))
