@@ -11,7 +11,7 @@ in the same process (dgcli.measure.peaks: the card's own CPU measurement, bf16 G
 GGML weights), and the implementations the row's provenance names. Prints the card, a table, then one JSON line.
 
     python benchmarks/bench_step.py [--forms bf16,q4_k] [--kernels auto] [--threads 1,2] [--rounds 3] [--steps 8]
-        [--config benchmarks/200m.json | --config 26B-A4B --layers 2]
+        [--config benchmarks/200m.json | --config 26B-A4B --layers 2] [--bench-args '--compile']
     python benchmarks/bench_step.py --forms bf16,q4_k,gguf:q4_k_m   # the 200 M model's Q4_K_M GGUF beside bf16
 
 Owns: the forms' interleaving and their summary. Must not: time in-process (every figure is `dgemma bench`'s own).
@@ -19,6 +19,7 @@ Owns: the forms' interleaving and their summary. Must not: time in-process (ever
 
 from __future__ import annotations
 
+import shlex
 import tempfile
 from pathlib import Path
 
@@ -27,13 +28,13 @@ from harness import (CONFIG_200M, GGUF_TYPES, TINY, card_line, dgemma, emit, fai
 
 
 def bench_args(form: str, config: str, layers: int | None, steps: int, threads: int, runs: int, warmup: int,
-               peaks: bool) -> list[str]:
+               peaks: bool, extra: list[str]) -> list[str]:
     """`dgemma bench` for one form: --dummy CONFIG --weights FORM, or --model FILE for `gguf:FILE`."""
     model = (["--model", form.removeprefix("gguf:"), "--ignore-eos", "--random-prompts"] if form.startswith("gguf:")
              else ["--dummy", config, "--weights", form] + (["--layers", str(layers)] if layers else []))
     return ["bench", *model, "--diffusion-steps", str(steps), "--blocks", "1", "--runs", str(runs), "--warmup",
             str(warmup), "--num-prompts", "1", "--random-input-len", "32", "--threads", str(threads),
-            "--measure-peaks" if peaks else "--no-measure-peaks", "--format", "jsonl"]
+            "--measure-peaks" if peaks else "--no-measure-peaks", *extra, "--format", "jsonl"]
 
 
 def run(forms: list[str], kernels: list[str], threads: list[int], rounds: int, files: dict, **kw) -> list[dict]:
@@ -92,6 +93,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--runs", type=int, default=2, help="timed passes per process (after one warm-up request)")
+    ap.add_argument("--bench-args", default="", help="more `dgemma bench` flags for every form, e.g. '--compile'")
     ap.add_argument("--dir", default="/tmp", help="where gguf:TYPE forms' checkpoints and files are kept")
     args = ap.parse_args()
     try:
@@ -114,10 +116,11 @@ def main() -> None:
     print(f"config {args.config}{f' (first {args.layers} layers)' if args.layers else ''}, {args.steps} steps x 1 "
           f"block, fixed work; forms {forms} x DGEMMA_KERNELS {kernels}; threads {threads}; {args.rounds} rounds")
     rows = run(forms, kernels, threads, args.rounds, files=files, config=args.config, layers=args.layers,
-               steps=args.steps, runs=runs, warmup=warmup, peaks=peaks)
+               steps=args.steps, runs=runs, warmup=warmup, peaks=peaks, extra=shlex.split(args.bench_args))
     summary = summarize(rows)
     print("\n".join(["", *table(summary)]))
-    emit({"card": card, "config": args.config, "layers": args.layers, "steps": args.steps, "runs": rows,
+    emit({"card": card, "config": args.config, "layers": args.layers, "steps": args.steps,
+          "bench_args": args.bench_args, "runs": rows,
           "summary": summary})
 
 
