@@ -1,37 +1,33 @@
-"""Per-kernel benchmark and a whole-step breakdown: each fused op's time and achieved TFLOP/s and GB/s against
-the device's peaks (dgcli.measure.peaks: the H100/H200 table on CUDA, a brief measurement on a CPU), for the
-implementation `kernels.dispatch` picks and for the torch reference; with --step, a denoising step's time per
-component at several batches (benchmarks/step_breakdown.py: eager passes, timed between components; graphs on
-and off: benchmarks/step_profile.py).
+"""The per-op kernel table, and a whole-step breakdown: each op's time and achieved TFLOP/s and GB/s against the
+device's peaks (dgcli.measure.peaks: the H100/H200 table on CUDA, a brief measurement on a CPU), for the
+implementation `kernels.dispatch` picks and for its reference (the same call under DGEMMA_KERNELS=reference);
+`--modes auto,torch,reference` adds one row set per DGEMMA_KERNELS mode, so every implementation of an op is
+timed in one run. With --step, a denoising step's time per component at several batches
+(benchmarks/step_breakdown.py: eager passes, timed between components; graphs on and off: its --profile).
 
-Owns: the kernel cases and their work formulas (`*_work`, pure arithmetic), the timers (CUDA events after
-warm-up; host clocks on CPU, whose ops are synchronous), the report (tables, one JSON line last). Must not: change a kernel or the model; time while another benchmark runs (use `flock`).
+Owns: the kernel cases and their work formulas (`*_work`, pure arithmetic) and the table. Timers, peaks and the
+JSON line are benchmarks/harness.py's. Must not: import an implementation (dispatch picks it), change a kernel or
+the model, or time while another benchmark runs (use `flock`).
 
-Kernels at the real 26B-A4B shapes on CUDA (small ones on CPU or with --small): vocab_pass (head GEMM +
+Ops at the real 26B-A4B shapes on CUDA (small ones on CPU or with --small): vocab_pass (head GEMM +
 soft-embedding GEMM), experts (grouped MoE), rms_norm, fp8_linear (W8A16 on CUDA; its reference dequantizes
 the whole weight per call), paged_attention (the full layer's heads at 4096 keys; on CPU the torch reference
 only: the interpreter is too slow to time). Work: useful FLOPs (2 per multiply-add) and compulsory bytes
 (inputs read once, outputs written once, FP8 weights 1 byte): achieved/peak is a lower bound on busyness.
 
-Step breakdown (--step SPEC): one step of `--dummy SPEC` cut to --layers, per --batch, per component
-(benchmarks/step_breakdown.py, with this module's timers).
-
-    python benchmarks/bench_kernels.py [--small] [--reps 20] [--peak-tflops X --peak-gbs Y]
+    python benchmarks/bench_kernels.py [--small] [--reps 20] [--modes auto,reference] [--peak-tflops X --peak-gbs Y]
         [--step 26B-A4B --layers 2 --batch 1,4,8] [--no-kernels]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-import time
-from collections import defaultdict
-from pathlib import Path
+import os
+from contextlib import contextmanager
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from harness import device_peaks, emit, fail, num, parser, pct, timed
+
 SMALL = dict(n=128, h=512, v=8192, inter=256, e=8, k=2, dense=512, heads=4, kv=2, d=64, context=256)
 
 
@@ -65,80 +61,12 @@ def paged_attention_work(rows: int, heads: int, keys: int, d: int, kv_heads: int
     return 4 * rows * keys * d * heads, 2 * seqs * kv_heads * keys * d * elt + 2 * rows * heads * d * elt
 
 
-# ---- device, peaks, timers --------------------------------------------------------------------------------
-
-
-def device_peaks(dev: torch.device, tflops: float | None = None, gbs: float | None = None):
-    """(name, FLOP/s, bytes/s, source): given, tabled (H100/H200) or measured here (CPU); None when unknown."""
-    from dgcli.measure.peaks import gpu_peaks, measure_cpu_peaks
-
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
-    if tflops and gbs:
-        return name, tflops * 1e12, gbs * 1e9, "given on the command line"
-    p = gpu_peaks(name) if dev.type == "cuda" else measure_cpu_peaks()
-    if p is None:
-        return name, None, None, f"no table entry for {name!r}: pass --peak-tflops and --peak-gbs"
-    return (p.name if dev.type == "cpu" else name), p.flops_per_s, p.bytes_per_s, p.source
-
-
-class Spans:
-    """Times of named spans; only the outermost span of nested hooked calls counts (a router's norm is the
-    router's). CUDA: events, read once at `totals`; CPU: host clocks."""
-
-    def __init__(self, dev: torch.device):
-        self.cuda, self.depth, self.open, self.done = dev.type == "cuda", 0, None, []
-
-    def _now(self):
-        if not self.cuda:
-            return time.perf_counter()
-        (e := torch.cuda.Event(enable_timing=True)).record()
-        return e
-
-    def enter(self, name: str) -> None:
-        if self.depth == 0:
-            self.open = (name, self._now())
-        self.depth += 1
-
-    def exit(self) -> None:
-        self.depth -= 1
-        if self.depth == 0:
-            name, t0 = self.open
-            self.done.append((name, t0, self._now()))
-
-    def totals(self) -> dict[str, float]:
-        if self.cuda:
-            torch.cuda.synchronize()
-        out = defaultdict(float)
-        for name, a, b in self.done:
-            out[name] += a.elapsed_time(b) / 1e3 if self.cuda else b - a
-        self.done = []
-        return dict(out)
-
-
-def timed(fn, dev: torch.device, reps: int, warmup: int = 2) -> float:
-    """Median seconds of `reps` calls after `warmup` (compiles, autotuning): CUDA events, else host clocks."""
-    for _ in range(warmup):
-        fn()
-    spans, times = Spans(dev), []
-    for _ in range(reps):
-        spans.enter("call")
-        fn()
-        spans.exit()
-        times.append(spans.totals()["call"])
-    return sorted(times)[len(times) // 2]
+# ---- rates -------------------------------------------------------------------------------------------------
 
 
 def rates(flops: float, nbytes: float, sec: float, pf: float | None, pb: float | None) -> dict:
     return dict(ms=sec * 1e3, tflops=flops / sec / 1e12, gbs=nbytes / sec / 1e9,
                 flop_share=flops / sec / pf if pf else None, bw_share=nbytes / sec / pb if pb else None)
-
-
-def _num(x: float) -> str:
-    return f"{x:.0f}" if x >= 100 else f"{x:.3g}"
-
-
-def _pct(x) -> str:
-    return f"{100 * x:.1f}" if isinstance(x, (int, float)) else "n/a"
 
 
 # ---- kernel cases -----------------------------------------------------------------------------------------
@@ -159,51 +87,70 @@ def shapes_for(small: bool) -> dict:
                 kv=full.num_kv_heads, d=full.head_dim, context=4096)
 
 
+@contextmanager
+def kernels_mode(mode: str | None):
+    """DGEMMA_KERNELS=mode while the block runs (dispatch reads it at each call); None: as the caller set it."""
+    old = os.environ.get("DGEMMA_KERNELS")
+    if mode is not None:
+        os.environ["DGEMMA_KERNELS"] = mode
+    try:
+        yield
+    finally:
+        if mode is not None and old is None:
+            del os.environ["DGEMMA_KERNELS"]
+        elif mode is not None:
+            os.environ["DGEMMA_KERNELS"] = old
+
+
+def _in_mode(fn, mode: str):
+    def run():
+        with kernels_mode(mode):
+            return fn()
+    return run
+
+
 def cases(dev: torch.device, s: dict):
-    """[(name, impl, make() -> (kernel fn or None, reference fn), (flops, bytes))] at shapes `s`."""
-    from dgcli.kernels import dispatch, reference, reference_ops
+    """[(name, impl, make() -> (kernel fn or None, reference fn), (flops, bytes))] at shapes `s`. Every op goes
+    through `kernels.dispatch` (the implementation it picks here); its reference is the same call under
+    DGEMMA_KERNELS=reference."""
+    from dgcli.kernels import dispatch
 
     bf = torch.bfloat16
     n, h, v, inter, e, k, dense = (s[x] for x in ("n", "h", "v", "inter", "e", "k", "dense"))
     g = torch.Generator(device=dev).manual_seed(0)
+
+    def both(fn):
+        return fn, _in_mode(fn, "reference")
 
     def vocab():
         hidden = torch.randn(1, n, h, device=dev, generator=g).to(bf)
         embed = (torch.randn(v, h, device=dev, generator=g) * 0.02).to(bf)
         kw = dict(softcap=30.0, temperature=torch.tensor(0.6, device=dev), embed_scale=torch.tensor(53.0, device=dev).to(bf),
                   uniform=torch.rand(1, n, device=dev, generator=g, dtype=torch.float64))
-        return (lambda: dispatch.vocab_pass(hidden, embed, **kw), lambda: reference.vocab_pass(hidden, embed, **kw))
+        return both(lambda: dispatch.vocab_pass(hidden, embed, **kw))
 
-    def experts(rows=n, block_m=None):
-        """block_m: the tuned path with this BLOCK_M instead of kernels/moe.py::block_rows' (CUDA only)."""
+    def experts(rows=n):
         x = torch.randn(rows, h, device=dev, generator=g).to(bf)
         w, idx = torch.softmax(torch.randn(rows, e, device=dev, generator=g), -1).topk(k, -1)
         gu = (torch.randn(e, 2 * inter, h, device=dev, generator=g) * h**-0.5).to(bf)
         dn = (torch.randn(e, h, inter, device=dev, generator=g) * inter**-0.5).to(bf)
-        if block_m:
-            from dgcli.kernels.moe import experts_triton
-
-            return (lambda: experts_triton(x, w, idx, gu, dn, block_m=block_m),
-                    lambda: reference_ops.experts_reference(x, w, idx, gu, dn))
-        return (lambda: dispatch.experts(x, w, idx, gu, dn),
-                lambda: reference_ops.experts_reference(x, w, idx, gu, dn))
+        return both(lambda: dispatch.experts(x, w, idx, gu, dn))
 
     def fp8_linear():
-        from dgcli.kernels import fp8
-
+        fp8 = torch.float8_e4m3fn
         x = torch.randn(n, h, device=dev, generator=g).to(bf)
         w = torch.randn(dense * 2, h, device=dev, generator=g) * h**-0.5  # [N, K]: the dense MLP's gate|up
-        sc = (w.abs().amax(-1, keepdim=True) / fp8.FP8_MAX).to(bf)
-        q = (w / sc.float()).to(fp8.FP8)
-        return (lambda: dispatch.fp8_linear(x, q, sc), lambda: fp8.linear_weight_only(x, q, sc, tile_bytes=None))
+        sc = (w.abs().amax(-1, keepdim=True) / torch.finfo(fp8).max).to(bf)
+        q = (w / sc.float()).to(fp8)
+        return both(lambda: dispatch.fp8_linear(x, q, sc))
 
     def norm():
         x = torch.randn(n, h, device=dev, generator=g).to(bf)
         wt = torch.rand(h, device=dev, generator=g).to(bf)
-        return (lambda: dispatch.rms_norm(x, wt, 1e-6), lambda: reference_ops.rms_norm_reference(x, wt, 1e-6))
+        return both(lambda: dispatch.rms_norm(x, wt, 1e-6))
 
     def paged():
-        from dgcli.kernels import paged_attention as pa
+        from dgcli.kernels import paged_attention as pa  # the model's attention entry point on CUDA
 
         heads, kv, d, ctx, block = s["heads"], s["kv"], s["d"], s["context"], 64
         nb = -(-ctx // block)
@@ -221,15 +168,11 @@ def cases(dev: torch.device, s: dict):
         return fast, lambda: pa.paged_attention_reference(*a)
 
     cuda = dev.type == "cuda"
-    # On CUDA the experts at 8x the rows also run with the BLOCK_M that block_rows does not pick there (64 rows:
-    # more row blocks, less padding), to check its rule on the device
-    other_bm = [("experts x8 rows, BLOCK_M 64", "triton (tuned)", lambda: experts(8 * n, 64),
-                 experts_work(8 * n, h, inter, e, k))] if cuda else []
     return [
         ("vocab_pass", dispatch.implementation("vocab_pass", dev), vocab, vocab_work(n, v, h)),
         ("experts", dispatch.implementation("experts", dev), experts, experts_work(n, h, inter, e, k)),
         ("experts x8 rows", dispatch.implementation("experts", dev), lambda: experts(8 * n),
-         experts_work(8 * n, h, inter, e, k)), *other_bm,
+         experts_work(8 * n, h, inter, e, k)),
         ("rms_norm", dispatch.implementation("rms_norm", dev), norm, rms_norm_work(n, h)),
         ("fp8_linear", dispatch.implementation("fp8_linear", dev), fp8_linear, fp8_linear_work(n, h, 2 * dense)),
         ("paged_attention", "triton" if cuda else "reference (the interpreter is too slow to time)", paged,
@@ -262,19 +205,13 @@ def kernel_table(rows: list[dict]) -> list[str]:
             out.append(f"| {r['op']} | {r['impl']} | failed: {r.get('error', '?')} | | | | | |")
             continue
         ref = f"{r['reference_ms']:.3f}" if r.get("reference_ms") is not None else "-"
-        out.append(f"| {r['op']} | {r['impl']} | {r['ms']:.3f} | {_num(r['tflops'])} | {_pct(r['flop_share'])} | "
-                   f"{_num(r['gbs'])} | {_pct(r['bw_share'])} | {ref} |")
+        out.append(f"| {r['op']} | {r['impl']} | {r['ms']:.3f} | {num(r['tflops'])} | {pct(r['flop_share'])} | "
+                   f"{num(r['gbs'])} | {pct(r['bw_share'])} | {ref} |")
     return out
 
 
-def _fail(msg: str) -> None:
-    """A mistake in the command line: one line, exit 2."""
-    print(f"bench_kernels: {msg}", file=sys.stderr)
-    sys.exit(2)
-
-
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--small", action="store_true", help="small kernel shapes (always on CPU)")
     ap.add_argument("--reps", type=int, default=20)
@@ -282,15 +219,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--peak-gbs", type=float, default=None)
     ap.add_argument("--no-reference", action="store_true")
     ap.add_argument("--no-kernels", action="store_true", help="only the step breakdown")
+    ap.add_argument("--modes", default=None, metavar="M[,M...]", help="also time the ops under each "
+                    "DGEMMA_KERNELS mode (e.g. auto,torch,reference): one row set per mode")
     ap.add_argument("--step", default=None, metavar="SPEC",
                     help="also break down a step of --dummy SPEC (26B-A4B on CUDA; CPU: a small config)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--batch", default="1,4,8")
     ap.add_argument("--prompt", type=int, default=128)
     args = ap.parse_args(argv)
+    if args.dry_run:  # tiny shapes, one rep, a 2-layer step of dummy-medium at batch 1
+        from harness import TINY
+
+        args.small, args.reps, args.batch, args.prompt, args.layers = True, 1, "1", 16, 2
+        args.step = args.step or str(TINY)
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        _fail("no CUDA device here; run with --device cpu (small shapes, CPU figures)")
+        fail("bench_kernels", "no CUDA device here; run with --device cpu (small shapes, CPU figures)")
     if args.step:  # checked before minutes of kernel timing
         from dgcli.errors import UserError
         from dgcli.checkpoint.random_weights import dummy_config
@@ -299,30 +243,30 @@ def main(argv: list[str] | None = None) -> None:
             batches = [int(b) for b in args.batch.split(",")]
             dummy_config(args.step, args.layers)
         except ValueError:
-            _fail(f"--batch {args.batch!r}: give batch sizes like 1,4,8")
+            fail("bench_kernels", f"--batch {args.batch!r}: give batch sizes like 1,4,8")
         except UserError as e:  # a bad --step config or --layers
-            _fail(str(e))
-    name, pf, pb, source = device_peaks(dev, args.peak_tflops, args.peak_gbs)
+            fail("bench_kernels", str(e))
+    name, pf, pb, source = ((dev.type, None, None, "--dry-run: not measured") if args.dry_run
+                            else device_peaks(dev, args.peak_tflops, args.peak_gbs))
     s = shapes_for(args.small or dev.type == "cpu")
     print(f"device: {name}; peaks: " + (f"{pf / 1e12:.3g} TFLOP/s bf16, {pb / 1e9:.0f} GB/s" if pf else "unknown")
           + f" ({source})")
     rows = []
     if not args.no_kernels:
         print(f"shapes: {s}; reps {args.reps} (median{', CUDA events' if dev.type == 'cuda' else ''})")
-        rows = bench_kernel_rows(dev, s, args.reps, not args.no_reference, pf, pb)
+        for mode in (args.modes.split(",") if args.modes else [None]):
+            with kernels_mode(mode):
+                got = bench_kernel_rows(dev, s, args.reps, not args.no_reference, pf, pb)
+            rows += [dict(r, mode=mode) if mode else r for r in got]
         print("\n".join(kernel_table(rows)))
-        if dev.type == "cuda":  # which tiles the experts' autotuner chose (kernels/moe.py::TUNE)
-            from dgcli.kernels.moe import tuned_picks
-
-            print("\n".join(["experts tiles:", *tuned_picks()]))
     steps = []
     if args.step:
-        from step_breakdown import step_breakdown, step_table  # it builds on this module's timers
+        from step_breakdown import step_breakdown, step_table
 
         steps = step_breakdown(dev, args.step, args.layers, batches, max(1, args.reps // 4), args.prompt, pf)
         print("\n".join(["", *step_table(steps)]))
-    print(json.dumps({"device": name, "peak_flops": pf, "peak_bytes_per_s": pb, "peak_source": source,
-                      "shapes": s, "rows": rows, "step": steps}))
+    emit({"device": name, "peak_flops": pf, "peak_bytes_per_s": pb, "peak_source": source,
+          "shapes": s, "rows": rows, "step": steps})
 
 
 if __name__ == "__main__":

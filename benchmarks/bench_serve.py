@@ -15,18 +15,14 @@ latency is timed from when a request takes its slot; with N in flight and N slot
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import signal
 import socket
-import statistics
 import subprocess
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from harness import ROOT, dgemma, dgemma_exe, emit, median, parser
+
 FIELDS = ("output_throughput", "mean_ttft_ms", "mean_e2el_ms", "p99_e2el_ms", "quality", "diffusion_denoising_steps")
 
 
@@ -37,23 +33,25 @@ def free_port() -> int:
 
 
 def bench(args: list[str]) -> list[dict]:
-    out = subprocess.run([sys.executable, "-m", "dgcli.cli", "bench", "--format", "json", *args], cwd=ROOT,
-                         capture_output=True, text=True, check=True).stdout
-    return json.loads(out)["rows"]
+    return dgemma("bench", *args, "--format", "jsonl")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--levels", default="1,4,8")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--num-prompts", type=int, default=None, help="the first N prompts of the set (default: all)")
     args = ap.parse_args()
+    warmup = 2
+    if args.dry_run:
+        args.levels, args.runs, args.rounds, args.num_prompts, warmup = "1", 1, 1, 2, 0
     levels = [int(x) for x in args.levels.split(",")]
     model = ["--model", args.model] if args.model else []
     port = free_port()
     log = open(f"/tmp/bench_serve_{port}.log", "w")
-    server = subprocess.Popen([sys.executable, "-m", "dgcli.cli", "serve", "--port", str(port),
+    server = subprocess.Popen([dgemma_exe(), "serve", "--port", str(port),
                                "--max-batch-size", str(max(levels)), *model], cwd=ROOT, stdout=log,
                               stderr=subprocess.STDOUT, env=os.environ.copy())
     import httpx
@@ -64,7 +62,8 @@ def main() -> None:
                 break
         except httpx.HTTPError:
             time.sleep(0.2)
-    common = ["--runs", str(args.runs), "--warmup", "2"]
+    common = ["--runs", str(args.runs), "--warmup", str(warmup)]
+    common += ["--num-prompts", str(args.num_prompts)] if args.num_prompts else []
     got: dict[tuple[str, int], list[dict]] = {}
     try:
         for r in range(args.rounds):
@@ -80,7 +79,7 @@ def main() -> None:
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(60)
-    med = {k: {f: statistics.median(x[f] for x in v) if all(isinstance(x.get(f), (int, float)) for x in v) else None
+    med = {k: {f: median([x[f] for x in v]) if all(isinstance(x.get(f), (int, float)) for x in v) else None
                for f in FIELDS} for k, v in got.items()}
     print("| level | where | output tok/s | mean TTFT ms | mean e2el ms | p99 e2el ms | quality | denoising steps |")
     print("|---|---|---|---|---|---|---|---|")
@@ -97,7 +96,7 @@ def main() -> None:
     for s in summary:
         print(f"level {s['level']}: HTTP adds {s['http_overhead_ms']:.1f} ms per request (mean e2el); "
               f"throughput over HTTP = {s['throughput_ratio']:.2f}x in-process")
-    print(json.dumps({"levels": levels, "runs": args.runs, "rounds": args.rounds, "summary": summary}))
+    emit({"levels": levels, "runs": args.runs, "rounds": args.rounds, "summary": summary})
 
 
 if __name__ == "__main__":

@@ -15,15 +15,15 @@ loader did before it rounded them (the "before" of issue 15); transformers alway
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import random
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
+
+from harness import emit, parser
 
 S, F = "sliding_attention", "full_attention"
 
@@ -82,7 +82,7 @@ def block_two(model, prompt: torch.Tensor, block: torch.Tensor, ids: torch.Tenso
     return model.forward_pass(ids[0], [Segment(0, p + c, c, True)], kv, soft)
 
 
-def measure(seed: int, fp32_scalars: bool) -> tuple[str, dict[str, float]]:
+def measure(seed: int, fp32_scalars: bool, modes=("reference", "auto")) -> tuple[str, dict[str, float]]:
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, DynamicCache
 
     import dgcli
@@ -115,7 +115,7 @@ def measure(seed: int, fp32_scalars: bool) -> tuple[str, dict[str, float]]:
     out = {}
     saved = os.environ.get("DGEMMA_KERNELS")
     try:
-        for mode in ("reference", "auto"):
+        for mode in modes:
             os.environ["DGEMMA_KERNELS"] = mode
             ours = dgcli.load_model(path, dtype=torch.bfloat16)
             if fp32_scalars:
@@ -139,18 +139,21 @@ def measure(seed: int, fp32_scalars: bool) -> tuple[str, dict[str, float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--seeds", type=int, nargs="+", default=[101, 202, 303])
     ap.add_argument("--fp32-scalars", action="store_true", help="the loader's old behaviour (before)")
+    ap.add_argument("--modes", default="reference,auto", help="DGEMMA_KERNELS modes to compare, comma-separated")
     a = ap.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    worst = 0.0
+    if a.dry_run:
+        a.seeds = a.seeds[:1]
+    worst, per_seed = 0.0, {}
     for seed in a.seeds:
-        desc, out = measure(seed, a.fp32_scalars)
-        worst = max(worst, *out.values())
+        desc, out = measure(seed, a.fp32_scalars, a.modes.split(","))
+        worst, per_seed[seed] = max(worst, *out.values()), out
         print(desc)
         print("    " + "  ".join(f"{k} {x:.4f}" for k, x in out.items()) + f"  | max {max(out.values()):.4f}")
     print(f"max |Δlogit| over all: {worst:.4f} ({'fp32' if a.fp32_scalars else 'model-dtype'} layer scalars)")
+    emit({"bench": "bf16_fidelity", "max_abs_dlogit": worst, "fp32_scalars": a.fp32_scalars, "per_seed": per_seed})
     return 0
 
 

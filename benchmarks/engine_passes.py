@@ -20,25 +20,21 @@ Model (1, 2): benchmarks/dummy-medium.json cut to --layers (default 2: sliding +
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from dgcli.model.packed import pack_for_cpu
 from dgcli.checkpoint.random_weights import random_model
 from dgcli.sampling.engine import Engine, Request
 from dgcli.sampling.events import Step
 from dgcli.sampling.params import DiffusionEbParams
-
-HERE = Path(__file__).parent
+from harness import DUMMY_MEDIUM, emit, parser, timed, times
 
 
 def model_of(layers: int = 2):
-    cfg = json.loads((HERE / "dummy-medium.json").read_text())
+    cfg = json.loads(DUMMY_MEDIUM.read_text())
     t = cfg["text_config"]
     t["layer_types"] = t["layer_types"][:layers - 1] + ["full_attention"]
     t["num_hidden_layers"] = layers
@@ -68,17 +64,14 @@ def prefix(model, p_len: int, steps: int = 6) -> dict:
     seen = 0
     while seen < 3:  # prefill done and the block's first steps taken: the steady state
         seen += sum(isinstance(e, Step) for e in engine.step())
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        list(engine.step())
-    ms = (time.perf_counter() - t0) / steps * 1e3
+    ms = timed(lambda: [list(engine.step()) for _ in range(steps)], reps=1, warmup=0) / steps * 1e3
     total, peak = allocated(lambda: list(engine.step()))
     return {"bench": "prefix", "prompt": p_len, "ms_per_step": round(ms, 2), "alloc_mib_per_step": round(total / 2**20, 2),
             "peak_mib_per_step": round(peak / 2**20, 2)}
 
 
-def arrival(model, whole: bool, prompt: int = 2000) -> dict:
-    params = DiffusionEbParams(max_denoising_steps=24, confidence_threshold=0.0)
+def arrival(model, whole: bool, prompt: int = 2000, steps: int = 24) -> dict:
+    params = DiffusionEbParams(max_denoising_steps=steps, confidence_threshold=0.0)
     # --whole: a budget no prompt reaches, so the prompt goes in one pass (an engine without a budget, like the
     # one before the paged cache, encodes a prompt whole anyway)
     kw = {"budget": 1 << 16} if whole and "budget" in Engine.__init__.__code__.co_varnames else {}
@@ -110,7 +103,6 @@ def bundled(batch: int, rounds: int = 5) -> dict:
     from torch.overrides import TorchFunctionMode
 
     import dgcli
-    from dgcli.runtime.session import BUNDLED
 
     class Count(TorchFunctionMode):
         n = 0
@@ -119,8 +111,7 @@ def bundled(batch: int, rounds: int = 5) -> dict:
             self.n += 1
             return func(*args, **(kwargs or {}))
 
-    model = dgcli.load_model(BUNDLED)
-    pack_for_cpu(model)  # as a session runs it (fp32: the C GEMM's panels, kernels/gemm_native.py)
+    model = dgcli.open_session().model  # the bundled model as a session runs it (its weights packed or not)
     # every timed step inside the first block (a finished request would leave steps with nothing to do: 0 ms)
     params = DiffusionEbParams(max_denoising_steps=20 * rounds + 8, confidence_threshold=0.0)
     engine = Engine(model, slots=batch, max_len=40 + 2 * model.config.canvas_length, pad_id=0)
@@ -133,18 +124,13 @@ def bundled(batch: int, rounds: int = 5) -> dict:
         seen += sum(isinstance(e, Step) for e in engine.step())
     with Count() as count:
         list(engine.step())
-    best = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(20):
-            list(engine.step())
-        best.append((time.perf_counter() - t0) / 20 * 1e3)
+    best = [t / 20 * 1e3 for t in times(lambda: [list(engine.step()) for _ in range(20)], reps=rounds, warmup=0)]
     return {"bench": "bundled", "batch": batch, "ms_per_step": round(min(best), 2),
             "rounds_ms": [round(x, 2) for x in best], "torch_calls_per_step": count.n}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--prefix", action="store_true")
     ap.add_argument("--arrival", action="store_true")
     ap.add_argument("--whole", action="store_true", help="--arrival with the prompt encoded in one chunk")
@@ -154,6 +140,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2, help="layers of dummy-medium kept (the last one full)")
     ap.add_argument("--prompt", type=int, default=2000, help="--arrival: the arriving prompt's length")
     a = ap.parse_args()
+    sizes, steps = (100, 4000), 24
+    if a.dry_run:  # every part, small: 2 layers, short prompts, few steps
+        a.prefix = a.arrival = a.bundled = True
+        a.layers, a.prompt, a.rounds, sizes, steps = 2, 64, 1, (40,), 6
     torch.set_num_threads(a.threads)
     model = model_of(a.layers) if a.prefix or a.arrival else None
     rows = []
@@ -161,11 +151,11 @@ def main() -> None:
         if a.bundled:
             rows += [bundled(b, a.rounds) for b in (1, 8)]
         if a.prefix:
-            rows += [prefix(model, n) for n in (100, 4000)]
+            rows += [prefix(model, n) for n in sizes]
         if a.arrival:
-            rows.append(arrival(model, a.whole, a.prompt))
+            rows.append(arrival(model, a.whole, a.prompt, steps))
     for r in rows:
-        print(json.dumps(r))
+        emit(r)
 
 
 if __name__ == "__main__":

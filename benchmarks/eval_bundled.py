@@ -10,25 +10,20 @@ Owns: this comparison only. Must not: train or change the model.
 
 from __future__ import annotations
 
-import argparse
 import json
-import platform
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
+from dgcli.checkpoint.load import load_generation_config
+from dgcli.runtime.settings import from_generation_config, stop_ids_from_generation_config
+from dgcli.sampling.params import DiffusionEbParams
+from dgcli.text.tokenizer import load_tokenizer
 from dgcli.train import tasks
-from dgcli.checkpoint.load import load_generation_config  # noqa: E402
-from dgcli.runtime.settings import from_generation_config, stop_ids_from_generation_config  # noqa: E402
-from dgcli.sampling.params import DiffusionEbParams  # noqa: E402
-from dgcli.text.tokenizer import load_tokenizer  # noqa: E402
-from dgcli.train.trainer import evaluate, summarize  # noqa: E402
+from dgcli.train.trainer import evaluate, summarize
+from harness import ROOT, cpu_name, emit, parser
 
 BUNDLED = ROOT / "dgcli" / "data" / "tiny"
 PROMPTS = ROOT / "dgcli" / "data" / "prompts" / "heldout.jsonl"
@@ -96,7 +91,7 @@ def git_commit() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--model", default=str(BUNDLED))
     ap.add_argument("--prompts", default=str(PROMPTS))
     ap.add_argument("--impl", default="dgemma,transformers")
@@ -107,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="dgemma's dtype (bf16: a GGUF's int8 path)")
     ap.add_argument("--out", default="", help="also write the full result (with outputs) as JSON here")
     a = ap.parse_args(argv)
+    if a.dry_run:
+        a.limit, a.blocks = 1, 1
     torch.set_num_threads(a.threads)
 
     model_dir = Path(a.model)
@@ -119,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     raw_gen = load_generation_config(model_dir) or {}
     params = DiffusionEbParams.from_dict({k: v for k, v in from_generation_config(raw_gen).items()
                                           if k != "max_tokens"}).replace(seed=a.seed)
+    if a.dry_run:
+        params = params.replace(max_denoising_steps=4)
     stop_ids = stop_ids_from_generation_config(raw_gen) or [tok.eos_id, tok.turn_end_id]
     examples = tasks.read_prompt_file(a.prompts)
     if a.limit:
@@ -131,13 +130,13 @@ def main(argv: list[str] | None = None) -> int:
 
     results = {}
     for impl in a.impl.split(","):
-        t0 = time.time()
+        t0 = time.perf_counter()  # the implementation's whole evaluation, load included
         if impl == "dgemma":
             import dgcli
-            from dgcli.model.packed import pack_for_cpu
 
-            model = dgcli.load_model(model_dir, dtype=torch.float32 if a.dtype == "fp32" else torch.bfloat16)
-            pack_for_cpu(model)  # as a session runs it (the C GEMM's panels: kernels/gemm_native.py)
+            dtype = "float32" if a.dtype == "fp32" else "bfloat16"  # the model as a session runs it
+            model = dgcli.open_session(model_dir, settings={"device": "cpu", "dtype": dtype}).model
+            torch.set_num_threads(a.threads)  # --threads, not the session's thread rule
             with torch.no_grad():
                 res = evaluate(model, tok, examples, num_blocks=a.blocks, params=params, stop_ids=stop_ids,
                                keep_outputs=True)
@@ -146,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                                     json.loads((model_dir / "config.json").read_text())["canvas_length"])
         else:
             raise SystemExit(f"--impl {impl}: expected dgemma or transformers")
-        res["seconds"] = time.time() - t0
+        res["seconds"] = time.perf_counter() - t0
         results[impl] = res
 
     print(f"{'impl':13} {'family':8} {'n':>4} {'exact':>6} {'steps/blk':>9} {'cap-hit':>7} {'stop':>5}")
@@ -164,14 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "model": str(model_dir), "prompts": str(a.prompts), "n_prompts": len(examples), "seed": a.seed, "block_cap": a.blocks,
         "settings": vars(params) if hasattr(params, "__dict__") else str(params),
-        "machine": platform.processor() or platform.machine(), "threads": a.threads, "dtype": a.dtype,
+        "machine": cpu_name(), "threads": a.threads, "dtype": a.dtype,
         "torch": torch.__version__,
         "commit": git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "results": {impl: {k: v for k, v in r.items() if k != "outputs"} for impl, r in results.items()},
     }
     if a.out:
         Path(a.out).write_text(json.dumps(summary | {"outputs": {i: r["outputs"] for i, r in results.items()}}, indent=2))
-    print(json.dumps(summary))
+    emit(summary)
     return 0
 
 

@@ -13,7 +13,7 @@ On a CUDA machine (`python benchmarks/gpu_suite.py`):
                   when a long prompt arrives (benchmarks/engine_passes.py, dummy-medium cut to 6 layers;
                   it runs on the CPU on either plan: the engine's CPU path);
   6. profile      a whole step's wall time against the GPU's busy time and launches per step (torch.profiler;
-                  benchmarks/step_profile.py: 26B-A4B at batch 1 and 8, graphs off and on; how far the host
+                  benchmarks/step_breakdown.py --profile: 26B-A4B at batch 1 and 8, graphs off and on; how far the host
                   bounds the step);
   7. bench_kernels  per-kernel time, achieved TFLOP/s and GB/s against the device's peaks, and a step's time
                   per component on 2 layers of the 26B-A4B dummy at batch 1/4/8 (benchmarks/bench_kernels.py;
@@ -54,7 +54,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # harness, bench_kernels, step_breakdown
+from harness import ROOT, emit, wall  # noqa: E402
+
 # The bars a batch-1 step is held to on an H100 (issue 25's text): our floor estimate for the bf16 step, and
 # vLLM's published FP8 figure (a 256-token canvas every ~146 ms for 16 steps, ~9 ms per pass).
 STEP_FLOOR_MS, VLLM_PASS_MS = 14.0, 9.0
@@ -89,7 +91,7 @@ def plan(device: str, workers: int = 1, k: str | None = None) -> dict[str, tuple
         "kernels": (pytest + ["tests/kernels"] + aot, 1800, interp),
         "sync_check": ([py, "benchmarks/sync_check.py"] + (["--graphs"] if cuda else []), 600, {}),
         "engine_passes": ([py, "benchmarks/engine_passes.py", "--prefix", "--arrival", "--layers", "6"], 1800, {}),
-        "profile": ([py, "benchmarks/step_profile.py", "--device", device] + (
+        "profile": ([py, "benchmarks/step_breakdown.py", "--profile", "--device", device] + (
                     ["--batch", "1,8", "--graphs", "off,on"] if cuda else ["--dummy", str(ROOT / "benchmarks/dummy-medium.json"), "--layers", "2", "--batch", "1",
                      "--steps", "2"]), 900, {}),
         # per-kernel TFLOP/s and GB/s against the peaks, then the step's components: 26B-A4B (2 layers) at
@@ -115,21 +117,22 @@ def print_env() -> None:
         tv = triton.__version__
     except ImportError:
         tv = None
-    print(json.dumps({"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-                      "triton": tv, "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU only",
-                      "host": platform.node()}))
+    emit({"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+          "triton": tv, "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU only",
+          "host": platform.node()})
 
 
 def run_step(name: str, argv: list[str], limit: int, env: dict) -> dict:
-    t0 = time.perf_counter()
-    try:
-        p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=limit,
-                           env={**os.environ, **env})
-        code, stdout, out = p.returncode, p.stdout, p.stdout + p.stderr
-    except subprocess.TimeoutExpired as e:
-        stdout = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        code, out = "timeout", stdout
-    return {"step": name, "command": shlex.join(argv), "exit": code, "seconds": round(time.perf_counter() - t0, 1),
+    def run():
+        try:
+            p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=limit,
+                               env={**os.environ, **env})
+            return p.returncode, p.stdout, p.stdout + p.stderr
+        except subprocess.TimeoutExpired as e:
+            stdout = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+            return "timeout", stdout, stdout
+    seconds, (code, stdout, out) = wall(run)
+    return {"step": name, "command": shlex.join(argv), "exit": code, "seconds": round(seconds, 1),
             "stdout": stdout, "output": out}
 
 
@@ -179,7 +182,6 @@ def _kernel_report(stdout: str) -> list[str]:
         doc = None
     if not isinstance(doc, dict) or "rows" not in doc:
         return []
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_kernels  # torch comes with it: only once a section is being written
     import step_breakdown
 

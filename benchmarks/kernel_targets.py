@@ -25,7 +25,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import ROOT, emit, parser, wall  # noqa: E402
+
 # target -> (compute capability, shared memory per block in bytes (opt-in maximum), tensor-core PTX mnemonic)
 TARGETS = {"sm_90": (90, 232_448, "wgmma"), "sm_80": (80, 166_912, "mma.sync")}
 TC_ANY = re.compile(r"\b(wgmma|mma)\.")  # any tensor-core instruction in PTX
@@ -293,11 +295,16 @@ def main(argv: list[str]) -> int:
         sys.path.insert(0, str(ROOT))
         json.dump([compile_one(c) for c in json.load(sys.stdin)], sys.stdout)
         return 0
-    done = compile_configs(configs())
+    args = parser(__doc__).parse_args(argv)
+    cfgs = configs()
+    if args.dry_run:  # one configuration per kernel and target
+        cfgs = list({(c["kernel"], c["target"]): c for c in reversed(cfgs)}.values())[::-1]
+    seconds, done = wall(lambda: compile_configs(cfgs))
     print(table(done))
     bad = [(c, p) for c in done for p in problems(c)]
     for c, p in bad:
         print(f"FAIL {c['kernel']} {c['target']} [{c['label']}]: {p}")
+    emit({"bench": "kernel_targets", "configs": len(done), "failing": len(bad), "compile_s": round(seconds, 1)})
     return 1 if bad else 0
 
 

@@ -16,12 +16,8 @@ Prints one JSON line per mode, then a summary line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
-import statistics
-import time
-from pathlib import Path
 
 import torch
 
@@ -29,12 +25,11 @@ from dgcli.checkpoint.random_weights import random_model
 from dgcli.sampling.engine import Engine, Request
 from dgcli.sampling.events import Done
 from dgcli.sampling.params import DiffusionEbParams
-
-HERE = Path(__file__).parent
+from harness import DUMMY_MEDIUM, emit, median, parser, wall
 
 
 def model_of(layers: int):
-    cfg = json.loads((HERE / "dummy-medium.json").read_text())
+    cfg = json.loads(DUMMY_MEDIUM.read_text())
     t = cfg["text_config"]
     t["layer_types"] = t["layer_types"][:layers - 1] + ["full_attention"]
     t["num_hidden_layers"] = layers
@@ -46,22 +41,25 @@ def run(model, prompts: list[list[int]], params, blocks: int, prefix_caching: bo
     stats: dict = {}
     engine = Engine(model, slots=2, max_len=max(map(len, prompts)) + blocks * c, stats=stats,
                     prefix_caching=prefix_caching, **kw)
-    rows, t0 = [], time.perf_counter()
-    for i, ids in enumerate(prompts):
-        engine.submit(Request(id=i, prompt=torch.tensor(ids), params=params, num_blocks=blocks, seed=i))
-        done = [ev for ev in engine.events() if isinstance(ev, Done)][0]
-        rows.append({"ttfb_s": done.timings["first_block_s"], "prefill_s": done.timings["prefill_s"],
-                     "answer": done.token_ids})
+    rows = []
+
+    def serve():  # one request after another, as chat turns arrive
+        for i, ids in enumerate(prompts):
+            engine.submit(Request(id=i, prompt=torch.tensor(ids), params=params, num_blocks=blocks, seed=i))
+            done = [ev for ev in engine.events() if isinstance(ev, Done)][0]
+            rows.append({"ttfb_s": done.timings["first_block_s"], "prefill_s": done.timings["prefill_s"],
+                         "answer": done.token_ids})
+    seconds, _ = wall(serve)
     first, later = rows[0]["ttfb_s"], [r["ttfb_s"] for r in rows[1:]]
-    return {"prefix_caching": prefix_caching, "wall_s": time.perf_counter() - t0,
+    return {"prefix_caching": prefix_caching, "wall_s": seconds,
             "ttfb_s": [round(r["ttfb_s"], 3) for r in rows], "prefill_s": [round(r["prefill_s"], 3) for r in rows],
-            "later_over_first": statistics.median(later) / first if later else None,
+            "later_over_first": median(later) / first if later else None,
             "hit_rate": stats["prefix_cache_hits"] / stats["prefix_cache_queries"] if prefix_caching else None,
             "prefill_tokens": stats["prefill_tokens"], "answers": [r["answer"] for r in rows]}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--system-len", type=int, default=1500)
     ap.add_argument("--requests", type=int, default=6)
@@ -69,6 +67,8 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
+    if a.dry_run:
+        a.layers, a.system_len, a.requests, a.steps = 2, 40, 2, 1
     torch.set_num_threads(a.threads)
     model = model_of(a.layers)
     g = random.Random(0)
@@ -84,15 +84,15 @@ def main() -> None:
         hit = a.system_len // 16 * 16
         split = run(model, prompts, params, a.blocks, False, budget=hit)
     for r in got:
-        print(json.dumps({k: v for k, v in r.items() if k != "answers"}))
+        emit({k: v for k, v in r.items() if k != "answers"})
     on, off = got
-    print(json.dumps({"layers": a.layers, "system_len": a.system_len, "requests": a.requests, "steps": a.steps,
+    emit({"layers": a.layers, "system_len": a.system_len, "requests": a.requests, "steps": a.steps,
                       "threads": a.threads, "answers_equal": on["answers"] == off["answers"],
                       "first_answer_equal": on["answers"][0] == off["answers"][0],  # no hit: encoded whole in both
                       "later_answers_equal_to_off_chunked_at_the_hit": on["answers"][1:] == split["answers"][1:],
                       "later_ttfb_over_first_on": round(on["later_over_first"], 3),
                       "later_ttfb_over_first_off": round(off["later_over_first"], 3),
-                      "hit_rate": round(on["hit_rate"], 3)}))
+                      "hit_rate": round(on["hit_rate"], 3)})
 
 
 if __name__ == "__main__":

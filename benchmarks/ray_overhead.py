@@ -17,19 +17,17 @@ can not show is scaling past the cores, GPUs, or several machines (the network r
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from harness import ROOT, emit, median, parser, skip, times, wall
+
 HELDOUT = ROOT / "dgcli" / "data" / "prompts" / "heldout.jsonl"
 
 
@@ -59,29 +57,33 @@ def stop_head(temp: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--trips", type=int, default=200, help="bare round trips timed")
+    ap.add_argument("--limit", type=int, default=0, help="the first N prompts of the set (0: all)")
     args = ap.parse_args()
+    if args.dry_run:
+        args.rounds, args.trips, args.limit = 1, 5, 2
+    if not (Path(sys.executable).parent / "ray").exists():
+        skip("no Ray here (pip install 'dgemma[ray]')")
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     from dgcli.cli import batch
     from dgcli.cluster import jobs
     from dgcli.runtime.session import open_session
 
-    rows = [json.loads(line) for line in HELDOUT.read_text().splitlines()]
-    t0 = time.perf_counter()
-    session = open_session(None, None, {})
-    local_open = time.perf_counter() - t0
+    rows = [json.loads(line) for line in HELDOUT.read_text().splitlines()][: args.limit or None]
+    local_open, session = wall(lambda: open_session(None, None, {}))
     requests = batch.parse_rows(session, rows, str(HELDOUT), raw=False, thinking=False, init_flag=None)
     temp = f"/tmp/rdgb{os.getpid()}"
     head = start_head(temp)
     try:
-        t0 = time.perf_counter()
-        pool = jobs.open_pool(head, 2, 0, jobs.spec("generate", model=None, preset=None, flags={}, compile=False,
-                                                    threads=None, cuda_graphs=False), lambda m: None)
-        jobs.driver_session(pool)
-        ray_open = time.perf_counter() - t0
+        def open_pool():
+            pool = jobs.open_pool(head, 2, 0, jobs.spec("generate", model=None, preset=None, flags={}, compile=False,
+                                                        threads=None, cuda_graphs=False), lambda m: None)
+            jobs.driver_session(pool)
+            return pool
+        ray_open, pool = wall(open_pool)
         both = list(pool.actors)
         one = [both[0]]
 
@@ -101,29 +103,24 @@ def main() -> None:
         answers: dict[str, list] = {}
         for r in range(args.rounds):
             for name, fn in paths.items():
-                t0 = time.perf_counter()
-                got = fn()
-                walls[name].append(time.perf_counter() - t0)
+                secs, got = wall(fn)
+                walls[name].append(secs)
                 answers[name] = [x.token_ids for x in got]
                 print(f"round {r + 1}: {name:15s} {walls[name][-1]:6.2f} s", file=sys.stderr)
         pool.actors = one
-        trips = []
-        for _ in range(args.trips):
-            t0 = time.perf_counter()
-            pool.call("pid")
-            trips.append(time.perf_counter() - t0)
+        trips = times(lambda: pool.call("pid"), reps=args.trips, warmup=0)
         texts = local()
         pool.actors = both
         pool.close()
     finally:
         stop_head(temp)
     n = len(requests)
-    med = {k: statistics.median(v) for k, v in walls.items()}
+    med = {k: median(v) for k, v in walls.items()}
     same = all(a == answers["local"] for a in answers.values())
     exact = sum(r.text.strip() == row["answer"].strip() for r, row in zip(texts, rows) if row.get("answer"))
     answered = sum(1 for row in rows if row.get("answer"))
     load = os.getloadavg()[0]
-    print(f"\nheldout.jsonl: {n} prompts, --batch-size {args.batch_size}, {jobs.GENERATE_CHUNK * args.batch_size} rows "
+    print(f"\n{HELDOUT.name}: {n} prompts, --batch-size {args.batch_size}, {jobs.GENERATE_CHUNK * args.batch_size} rows "
           f"per chunk, {os.cpu_count()} CPUs, load average {load:.2f} at the end, median of {args.rounds} round(s)\n")
     print("| path | wall (s) | ms / request | vs local |")
     print("|---|---|---|---|")
@@ -131,10 +128,10 @@ def main() -> None:
         print(f"| {name} | {med[name]:.2f} | {med[name] / n * 1e3:.1f} | {med['local'] / med[name]:.2f}x |")
     print(f"\nanswers equal on every path: {same}; exact match {exact}/{answered}")
     print(f"per-request overhead, 1 worker vs local: {(med['ray, 1 worker'] - med['local']) / n * 1e3:+.1f} ms; "
-          f"bare round trip {statistics.median(trips) * 1e3:.2f} ms (median of {len(trips)})")
+          f"bare round trip {median(trips) * 1e3:.2f} ms (median of {len(trips)})")
     print(f"fixed cost: open the pool (2 workers) {ray_open:.2f} s vs open a local session {local_open:.2f} s")
-    print(json.dumps({"walls": walls, "same": same, "load": load, "ray_open_s": ray_open, "local_open_s": local_open,
-                      "trip_ms": statistics.median(trips) * 1e3}))
+    emit({"walls": walls, "same": same, "load": load, "ray_open_s": ray_open, "local_open_s": local_open,
+          "trip_ms": median(trips) * 1e3})
 
 
 if __name__ == "__main__":

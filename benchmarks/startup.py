@@ -10,14 +10,13 @@ use a `dgemma` other than the console script beside sys.executable (the venv und
 
 from __future__ import annotations
 
-import argparse
-import json
 import platform
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from harness import cpu_name, emit, fail, median, parser, spread
+from harness import wall as timer
 
 BUDGET_S = 0.5  # the issue's allowance over a bare `import torch`
 
@@ -26,31 +25,25 @@ def console_script() -> str:
     """The `dgemma` installed with this interpreter (venv/bin/dgemma), not whatever PATH finds first."""
     exe = Path(sys.executable).with_name("dgemma")
     if not exe.exists():
-        sys.exit(f"startup.py: no console script at {exe}; install the package into this environment")
+        fail("startup.py", f"no console script at {exe}; install the package into this environment")
     return str(exe)
-
-
-def cpu_model() -> str:
-    from dgcli.measure.card import cpu_name  # one /proc/cpuinfo reader
-
-    return cpu_name() or platform.processor() or "unknown"
 
 
 def wall(cmd: list[str]) -> float:
     """Seconds from spawn to exit; a failing command aborts the run (a fast failure is no start-up)."""
-    t = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    dt = time.perf_counter() - t
+    dt, r = timer(lambda: subprocess.run(cmd, capture_output=True, text=True, check=False))
     if r.returncode != 0:
         sys.exit(f"startup.py: {' '.join(cmd)} exited {r.returncode}:\n{r.stderr[-2000:]}")
     return dt
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("-n", "--repeats", type=int, default=5, help="runs of each command (default 5)")
     ap.add_argument("--prompt", default="Reverse: c a t")
     args = ap.parse_args()
+    if args.dry_run:
+        args.repeats = 1
 
     dgemma = console_script()
     cmds = {
@@ -58,8 +51,9 @@ def main() -> None:
         "version": [dgemma, "--version"],
         "generate": [dgemma, "generate", args.prompt],
     }
-    for cmd in cmds.values():  # one untimed warm-up each: page cache and .pyc files, not start-up work
-        wall(cmd)
+    if not args.dry_run:
+        for cmd in cmds.values():  # one untimed warm-up each: page cache and .pyc files, not start-up work
+            wall(cmd)
     times: dict[str, list[float]] = {k: [] for k in cmds}
     for i in range(args.repeats):
         for name, cmd in cmds.items():
@@ -67,18 +61,17 @@ def main() -> None:
         print(f"run {i + 1}/{args.repeats}: " + "  ".join(f"{k} {v[-1]:.3f}s" for k, v in times.items()),
               file=sys.stderr)
 
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = {k: median(v) for k, v in times.items()}
     limit = med["import_torch"] + BUDGET_S
     ok = med["generate"] <= limit
     print(f"median of {args.repeats} (s):")
     for k, v in med.items():
-        print(f"  {k:<13} {v:.3f}")
+        print(f"  {k:<13} {v:.3f}  (range {min(times[k]):.3f}-{max(times[k]):.3f})")
     print(f"generate - import torch = {med['generate'] - med['import_torch']:+.3f} s "
           f"(budget +{BUDGET_S:.1f} s): {'PASS' if ok else 'FAIL'}")
-    print(json.dumps({"bench": "startup", "repeats": args.repeats, "cpu": cpu_model(),
-                      "python": platform.python_version(), "median_s": {k: round(v, 4) for k, v in med.items()},
-                      "runs_s": {k: [round(x, 4) for x in v] for k, v in times.items()},
-                      "budget_s": BUDGET_S, "pass": ok}))
+    emit({"bench": "startup", "repeats": args.repeats, "cpu": cpu_name(), "python": platform.python_version(),
+          "median_s": {k: round(v, 4) for k, v in med.items()}, "spread": {k: spread(v) for k, v in times.items()},
+          "runs_s": {k: [round(x, 4) for x in v] for k, v in times.items()}, "budget_s": BUDGET_S, "pass": ok})
 
 
 if __name__ == "__main__":

@@ -17,17 +17,14 @@ Must not: change the engine (it only wraps the instance's `_launch`).
 
 from __future__ import annotations
 
-import argparse
 import collections
-import json
 import sys
 import traceback
 import warnings
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from harness import ROOT, emit, parser, skip
 
 
 def sync_site(exc: BaseException) -> dict:
@@ -43,14 +40,15 @@ def sync_site(exc: BaseException) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--graphs", action="store_true", help="the engine with CUDA graphs (decode-only passes replayed)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        print(json.dumps({"skipped": "no CUDA device: torch reports host syncs only on CUDA"}))
-        return
+        skip("no CUDA device: torch reports host syncs only on CUDA")
+    if args.dry_run:
+        args.requests, args.slots = 2, 2
     import dgcli
     from dgcli.runtime import request
     from dgcli.runtime.session import open_session
@@ -113,7 +111,7 @@ def main() -> None:
     out = {"lag": 1, "graphs": args.graphs, "graph_passes": engine.stats["graph_passes"], "steps": steps, "launches": launches, "requests_done": done, "requests": len(prompts),
            "sync_in_launch": failure, "settle_sync_warnings": sum(sites.values()),
            "settle_by_site": dict(sites.most_common())}
-    print(json.dumps(out))
+    emit(out)
     if failure is not None:
         where = f" (from {failure['repo_line']})" if "repo_line" in failure else ""
         print(f"sync_check: FAILED: a host sync inside a pass at {failure['line']}{where}: {failure['code']}",

@@ -16,9 +16,7 @@ Without --checkpoint a random checkpoint of the named config is written to a tem
 
 from __future__ import annotations
 
-import argparse
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -27,18 +25,21 @@ from pathlib import Path
 
 import torch
 
+from harness import CONFIG_200M, DUMMY_MEDIUM, cpu_name, emit, median, parser, spread, wall
+
 S, F = "sliding_attention", "full_attention"
 CONFIGS = {
     "small": (dict(vocab_size=4096, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, num_global_key_value_heads=1,
                    head_dim=32, global_head_dim=64, num_experts=8, top_k_experts=2, sliding_window=128,
                    layer_types=[S, S, S, F], max_position_embeddings=4096), 64),
-    "medium": (json.loads((Path(__file__).parent / "dummy-medium.json").read_text())["text_config"], 256),
+    "medium": (json.loads(DUMMY_MEDIUM.read_text())["text_config"], 256),
+    "200m": (json.loads(CONFIG_200M.read_text())["text_config"], 256),  # bf16's end-to-end figure (--dtype bfloat16)
 }
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--checkpoint", help="checkpoint directory (default: write a random one of --config)")
     ap.add_argument("--config", choices=sorted(CONFIGS), default="small")
     ap.add_argument("--rounds", type=int, default=7)
@@ -49,15 +50,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     a = ap.parse_args(argv)
+    if a.dry_run:
+        a.checkpoint, a.config, a.rounds, a.prompts, a.prompt_len, a.steps, a.blocks = None, "small", 1, 1, 8, 2, 1
     torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype)
 
     import dgcli
-    from dgcli.model.packed import pack_for_cpu
     from dgcli.checkpoint.random_weights import write_random_checkpoint
     from dgcli.sampling.loop import generate
     from dgcli.sampling.params import DiffusionEbParams
-    from dgcli.measure.card import cpu_name
     from dgcli.measure.printers import git_commit, kernel_choices
     from transformers import DiffusionGemmaForBlockDiffusion
     from transformers.utils import logging as hf_logging
@@ -72,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         path = str(write_random_checkpoint(Path(tmp.name) / "ckpt", text, canvas_length=canvas, dtype=dtype,
                                            tokenizer=False))
     hf_logging.set_verbosity_error()  # the random checkpoint has no vision tower: transformers lists it as missing
-    ours = dgcli.load_model(path, dtype=dtype)
-    packed = pack_for_cpu(ours)  # as a session runs it (prepacked / C GEMM weights: dgcli/model/packed.py)
+    session = dgcli.open_session(path, settings={"device": "cpu", "dtype": a.dtype}, need_tokenizer=False)
+    ours, packed = session.model, session.packed_weights  # as a session runs it (weights packed or not)
+    torch.set_num_threads(a.threads)  # --threads, not the session's thread rule
     hf = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=dtype).eval()
     hf.generation_config.eos_token_id = None  # fixed work: no stop ids (see the docstring)
     cfg = ours.config
@@ -97,17 +99,13 @@ def main(argv: list[str] | None = None) -> int:
 
     def run_hf(ids) -> float:
         before = passes["hf"]
-        t = time.perf_counter()
         with torch.no_grad():
-            hf.generate(ids, generation_config=gen_cfg)
-        dt = time.perf_counter() - t
+            dt, _ = wall(lambda: hf.generate(ids, generation_config=gen_cfg))
         assert passes["hf"] - before == a.blocks * a.steps, "transformers did not run fixed work"
         return dt
 
     def run_ours(ids) -> float:
-        t = time.perf_counter()
-        done = generate(ours, ids, params=params, num_blocks=a.blocks)
-        dt = time.perf_counter() - t
+        dt, done = wall(lambda: generate(ours, ids, params=params, num_blocks=a.blocks))
         assert done.decoder_passes == a.blocks * a.steps and done.blocks == a.blocks, "dgemma did not run fixed work"
         return dt
 
@@ -126,22 +124,23 @@ def main(argv: list[str] | None = None) -> int:
               f"ratio {ratios[-1]:.3f}", file=sys.stderr)
 
     q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    sp = spread(ratios)
     result = {
         "what": "time(transformers generate) / time(dgemma generate), same checkpoint/prompts/fixed work",
-        "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+        "ratio_median": statistics.median(ratios), "ratio_min": sp["min"], "ratio_max": sp["max"],
         "ratio_q1": q[0], "ratio_q3": q[2], "rounds": a.rounds,
-        "transformers_s_per_round_median": statistics.median(t_hf), "dgemma_s_per_round_median": statistics.median(t_ours),
+        "transformers_s_per_round_median": median(t_hf), "dgemma_s_per_round_median": median(t_ours),
         "decoder_passes_per_request": a.blocks * a.steps, "prompts": a.prompts, "prompt_len": a.prompt_len,
         "canvas": c, "blocks": a.blocks, "steps": a.steps, "config": a.checkpoint or a.config, "dtype": a.dtype,
         "threads": a.threads, "parameters": sum(p.numel() for p in ours.parameters()),
         "torch": torch.__version__, "transformers": __import__("transformers").__version__,
         "dgemma_kernels": kernel_choices(torch.device("cpu"), packed), "git_commit": git_commit(),
-        "machine": f"{cpu_name() or platform.machine()}, {torch.get_num_threads()} thread(s)",
+        "machine": f"{cpu_name()}, {torch.get_num_threads()} thread(s)",
         "date": time.strftime("%Y-%m-%d"),
     }
     print(f"transformers / dgemma time ratio: median {result['ratio_median']:.3f} "
           f"(IQR {q[0]:.3f}-{q[2]:.3f}, range {min(ratios):.3f}-{max(ratios):.3f}) over {a.rounds} rounds")
-    print(json.dumps(result))
+    emit(result)
     if tmp is not None:
         tmp.cleanup()
     return 0

@@ -4,11 +4,11 @@ Config summary, parameter counts (total, active per token), bytes by dtype (from
 of a checkpoint, or config x dtype for --dummy), memory to run (weights, KV cache for --context tokens,
 the sampler's per-step working set), FLOPs and bytes per denoising step and per commit, and the
 theoretical floor per step on this device (measured peaks on CPU) and on H100/H200 (datasheet table);
-then the batch memory (dgcli.measure.memory): bytes per slot (the KV cache as allocated: full layers'
+then the batch memory (dgcli.measure.cost): bytes per slot (the KV cache as allocated: full layers'
 bytes per token, the sliding layers' rings of W-1 positions per slot, and what every-position buffers
 took before the rings), and the largest batch that fits the H100, the H200, this device and --memory,
 with bf16 and FP8 weights.
-Owns: the command's flags and output choice. Must not: load weights (dgcli.measure.card does the arithmetic).
+Owns: the command's flags and output choice. Must not: load weights (dgcli.measure.cost does the arithmetic).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def info(
     if model_arg is not None and model_opt is not None and model_arg != model_opt:
         raise UserError(f"two models given (MODEL {model_arg} and --model {model_opt}): give one of them")
     model = model_opt if model_opt is not None else model_arg
-    from dgcli.measure import card as inf
+    from dgcli.measure import cost as inf
     from dgcli.measure import printers as report
     from dgcli.measure.bench import device_peaks, matmul_dtype, peaks_for_card
     from dgcli.checkpoint.config import parse_config
@@ -77,9 +77,7 @@ def info(
         kind = format_of(path)
         folder = path if kind == DIRECTORY else path.parent
         if kind == GGUF:
-            from dgcli.measure import gguf_info
-
-            inventory = gguf_info.gguf_inventory(path)
+            inventory = inf.gguf_inventory(path)
             name, source = path.name, f"GGUF file {path}"
         else:
             if any(folder.glob("*.safetensors")):
@@ -107,19 +105,18 @@ def info(
     if gguf:  # weights as loaded (quantized matrices as stored), and whether this machine holds the run
         import torch
 
-        from dgcli.measure import gguf_info
         from dgcli.runtime.session import free_bytes
 
-        fit = gguf_info.gguf_fit(inventory, cfg, run_dtype, context, _ram(), free_bytes(torch.device("cpu")))
+        fit = inf.gguf_fit(inventory, cfg, run_dtype, context, _ram(), free_bytes(torch.device("cpu")))
         mem = card["memory"]
         mem["total"] = {path: t - mem["weights"] + fit["weights_loaded"] for path, t in mem["total"].items()}
         mem["weights"] = fit["weights_loaded"]
         card["gguf"], card["bytes_source"] = fit, "GGUF header (by ggml type)"
-        extra = gguf_info.gguf_markdown(inventory, fit)
+        extra = inf.gguf_markdown(inventory, fit)
     if fmt == "json":
         sys.stdout.write(report.to_json(card))
     else:
-        from dgcli.measure.memory import markdown
+        from dgcli.measure.cost import markdown
 
         sys.stdout.write(report.card_markdown(card) + extra + "\n" + markdown(card["batch_memory"]))
 
@@ -133,7 +130,7 @@ def _ram() -> int:
 def _budgets(dev, memory_gib: float | None) -> list[dict]:
     """The memories the largest batch is sized for: the H100 and H200 (CUDA path), this device (its own
     memory: the GPU's, or the machine's RAM for a CPU run) and --memory (on this device's path)."""
-    from dgcli.measure.memory import GIB, GPUS
+    from dgcli.measure.cost import GIB, GPUS
 
     out = [{"name": n, "bytes": b, "cpu": False} for n, b in GPUS]
     cpu = dev.type != "cuda"

@@ -23,7 +23,7 @@ import time
 from typing import Any, Callable
 
 from dgcli.errors import UserError
-from dgcli.measure import card as info
+from dgcli.measure import cost as info
 from dgcli.measure.metrics import Pass
 from dgcli.measure.peaks import table_peaks
 from dgcli.measure.workload import RANDOM_PROMPT_WARNING, Prompt, prompt_set_hash

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dgcli.measure import card as info
+from dgcli.measure import cost as info
 from dgcli.model.config import ModelConfig
 
 if TYPE_CHECKING:  # not at run time: it imports torch, and `bench --base-url` (remote_row.py) uses this module
@@ -69,8 +69,8 @@ DEFINITIONS: dict[str, str] = {
     "prefix_cache_hit_rate": "prompt tokens found in the prefix cache / prompt tokens looked up (vLLM's definition; null with --no-prefix-caching)",
     "finish_length_rate": "share of requests that ran out of blocks without a stop id (truncated)",
     "peak_memory_bytes": "[B] peak memory while measuring (method in peak_memory_method)",
-    "denoise_flops": "[FLOP] matmul FLOPs of all denoising steps (dgcli.measure.card conventions)",
-    "denoise_bytes": "[B] bytes the denoising steps must move at least: each request's KV, the weights once per batched decoder pass (for the experts its mean rows x canvas tokens touch; dgcli.measure.card conventions)",
+    "denoise_flops": "[FLOP] matmul FLOPs of all denoising steps (dgcli.measure.cost conventions)",
+    "denoise_bytes": "[B] bytes the denoising steps must move at least: each request's KV, the weights once per batched decoder pass (for the experts its mean rows x canvas tokens touch; dgcli.measure.cost conventions)",
     "achieved_flops_per_s": "[FLOP/s] denoise_flops / denoising time",
     "achieved_bytes_per_s": "[B/s] denoise_bytes / denoising time",
     "peak_flops_per_s": "[FLOP/s] the device's matmul peak in peak_compute (source in peaks_source)",

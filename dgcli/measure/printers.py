@@ -57,7 +57,7 @@ def device_name(device: Any) -> str:
         import torch
 
         return torch.cuda.get_device_name(device)
-    from dgcli.measure.card import cpu_name
+    from dgcli.measure.peaks import cpu_name
 
     return cpu_name() or platform.processor() or "CPU"
 

@@ -41,7 +41,7 @@ def blocks_for(positions: int, block_size: int) -> int:
 
 def pool_blocks(windows: list[int | None], *, seqs: int, max_len: int, block_size: int, prefix_caching: bool,
                 pass_rows: int | None = None) -> tuple[int, int]:
-    """(full, sliding) blocks of a cache's two pools (measure/memory.py restates it without torch). Without
+    """(full, sliding) blocks of a cache's two pools (measure/cost/memory.py restates it without torch). Without
     prefix caching a sliding sequence's ring is the last W-1 positions; with it (`pass_rows`: the most causal
     rows one pass writes, None: unbounded) every sequence's window after a trim, the blocks either end of it
     straddles and one more, and one pass's rows (a bound on what the sequences hold at once: `hold`, `trim`)."""

@@ -108,7 +108,7 @@ def thread_rule(parameters: int, device_type: str, flag: int | None = None) -> t
 
 def set_threads(cfg: ModelConfig, device: torch.device, flag: int | None) -> tuple[int, str]:
     """Apply `thread_rule` for a model of `cfg` on `device` (before loading: loading uses threads too)."""
-    from dgcli.measure.card import param_counts
+    from dgcli.measure.cost import param_counts
 
     n, source = thread_rule(param_counts(cfg)["total"], device.type, flag)
     torch.set_num_threads(n)
@@ -275,15 +275,15 @@ def open_any(model: str | None, dummy: str | None, layers: int | None, preset: s
 def preflight(cfg: ModelConfig, weight_bytes: int, device: Any, *, spec: str, total_bytes: int | None = None) -> None:
     """Refuse a dummy model that cannot fit, before allocating it (an OOM half-way is worse), and say
     how many layers would. `total_bytes`: the weights' bytes when not params x weight_bytes (GGML blocks)."""
-    from dgcli.measure import card, memory
+    from dgcli.measure import cost
 
     free = free_bytes(device)
     if free is None:
         return  # no way to know here: try
-    counts = card.param_counts(cfg)
+    counts = cost.param_counts(cfg)
     weights = counts["total"] * weight_bytes if total_bytes is None else total_bytes
     path = "cuda" if torch.device(device).type == "cuda" else "cpu"  # + one request of 4,096 tokens' passes
-    need = weights + memory.one_request(cfg, 4096, ab=4 if weight_bytes == 4 else 2)[path]
+    need = weights + cost.one_request(cfg, 4096, ab=4 if weight_bytes == 4 else 2)[path]
     if need <= 0.9 * free:
         return
     per_layer = (weights - counts["embedding"] * weight_bytes) / cfg.num_hidden_layers

@@ -114,7 +114,7 @@ def test_bench_card_counts_the_bytes_a_gguf_model_holds(bundled_gguf, capsys):
                           "--no-measure-peaks", "--format", "json"], capsys)
     assert code == 0, err
     card = json.loads(out)["card"]
-    from dgcli.measure.card import weights_bytes_total
+    from dgcli.measure.cost import weights_bytes_total
     from dgcli.checkpoint.load import load_config
 
     bf16 = weights_bytes_total(load_config(bundled_gguf["q8_0"]), 2)

@@ -11,7 +11,8 @@ import torch
 from typer.testing import CliRunner
 
 from dgcli.errors import UserError
-from dgcli.measure import card as info
+from dgcli.measure import cost as info
+from dgcli.measure import peaks
 from dgcli.runtime import session as sess
 
 RULE_SMALL = "rule: a CPU model under 50 M parameters runs on 1 thread"
@@ -73,7 +74,7 @@ def test_every_model_command_takes_threads_and_info_follows_the_same_rule(monkey
 
 
 def test_cpu_peaks_are_a_median_with_their_spread():
-    info._measured.clear()
+    peaks._measured.clear()
     torch.set_num_threads(1)
     p = info.measure_cpu_peaks(seconds=0.2, repeats=3)
     assert p.repeats == 3 and "(1 thread)" in p.name and "median of 3 rounds" in p.source

@@ -18,7 +18,7 @@ from dgcli.measure import metrics
 from dgcli.checkpoint.random_weights import dummy_config
 from dgcli.runtime import request, session
 from dgcli.runtime.request import Response
-from dgcli.measure import card as info
+from dgcli.measure import cost as info
 from dgcli.measure import printers as report
 from dgcli.checkpoint.load import load_config
 from dgcli.errors import UserError

@@ -12,7 +12,7 @@ import pytest
 from cli_run import run
 from dgcli.errors import UserError
 from dgcli.measure import bench as b
-from dgcli.measure import card as info
+from dgcli.measure import cost as info
 from dgcli.measure import metrics
 from dgcli.measure.grid import parse_batch_sizes
 from dgcli.measure.metrics import Pass

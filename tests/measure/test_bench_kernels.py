@@ -1,6 +1,6 @@
 """benchmarks/bench_kernels.py: its FLOP/byte formulas against hand counts on tiny shapes, the report's
-formatting (and gpu_suite's section built from it), the span timer's nesting rule, and the CPU path of the
-script (kernels at small shapes, the step breakdown of a tiny config) end to end."""
+formatting (and gpu_suite's section built from it), the harness's span timer's nesting rule, and the CPU path of
+the script (kernels at small shapes, the step breakdown of a tiny config) end to end."""
 
 from __future__ import annotations
 
@@ -24,9 +24,10 @@ def _load(name: str):
     return mod
 
 
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the scripts import benchmarks/harness.py
 bk = _load("bench_kernels")
-sys.path.insert(0, str(ROOT / "benchmarks"))  # step_breakdown imports bench_kernels' timers by name
 sb = _load("step_breakdown")
+harness = _load("harness")
 
 
 def test_work_formulas_match_hand_counts():
@@ -69,7 +70,7 @@ def test_rates_and_tables_format():
     step = dict(model="m", batch=4, prompt_len=8, step_ms=8.0, instrumented_ms=8.0, step_tflops=0.3,
                 step_flop_share=0.1, components=comps)
     text = "\n".join(sb.step_table([step]))
-    assert "eager (graphs on and off: benchmarks/step_profile.py)" in text and "| 4 | 8.00 | 8.00 | 0.3 (10.0 %) | 1.00 ms · 12 % |" in text
+    assert "eager (graphs on and off: step_breakdown.py --profile)" in text and "| 4 | 8.00 | 8.00 | 0.3 (10.0 %) | 1.00 ms · 12 % |" in text
     assert "2.00 ms · 25 % · 0.5 TF/s (25.0 %)" in text
 
 
@@ -86,12 +87,12 @@ def test_gpu_suite_section_shows_the_kernel_and_step_tables():
                            "output": stdout}], "cuda")
     assert "peaks 989 TFLOP/s bf16, 3350 GB/s (datasheet)" in text
     assert "| rms_norm | triton | 1.000 | 4 | 0.4 | 2000 | 59.7 | - |" in text
-    assert "| 1 | 7.00 | 7.00 | 1 (0.1 %) |" in text and "eager (graphs on and off: benchmarks/step_profile.py)" in text
+    assert "| 1 | 7.00 | 7.00 | 1 (0.1 %) |" in text and "eager (graphs on and off: step_breakdown.py --profile)" in text
     assert suite._kernel_report("Traceback: boom") == []
 
 
 def test_spans_count_the_outermost_call_only():
-    spans = bk.Spans(torch.device("cpu"))
+    spans = harness.Spans(torch.device("cpu"))
     spans.enter("experts")
     spans.enter("norms")  # the router's own norm: the router's time
     spans.exit()
@@ -102,17 +103,8 @@ def test_spans_count_the_outermost_call_only():
     assert set(got) == {"experts", "norms"} and spans.totals() == {}
 
 
-def _tiny_config(path: Path) -> Path:
-    raw = json.loads((ROOT / "benchmarks" / "dummy-medium.json").read_text())
-    raw["text_config"].update(hidden_size=128, vocab_size=2048, intermediate_size=256, moe_intermediate_size=64,
-                              num_experts=8, top_k_experts=2, num_attention_heads=4, head_dim=32, global_head_dim=64,
-                              num_key_value_heads=2, num_global_key_value_heads=1)
-    path.write_text(json.dumps(raw))
-    return path
-
-
-def test_cpu_run_reports_kernels_and_the_step_breakdown(tmp_path):
-    cfg = _tiny_config(tmp_path / "config.json")
+def test_cpu_run_reports_kernels_and_the_step_breakdown():
+    cfg = ROOT / "benchmarks" / "tiny.json"  # dummy-medium at H 128, V 2048, 2 layers
     p = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--reps", "1", "--step", str(cfg),
                         "--layers", "2", "--batch", "1,2", "--prompt", "16"],
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
@@ -128,8 +120,9 @@ def test_cpu_run_reports_kernels_and_the_step_breakdown(tmp_path):
         # every component timed (a renamed module would silently fall to "rest"), shares of one step
         assert all(comps[k]["ms"] > 0 for k in sb.COMPONENTS if k != "rest")
         assert sum(c["share"] for c in comps.values()) == pytest.approx(1.0, abs=0.02)
-        assert comps["vocab_pass"]["gflop"] == pytest.approx(s["batch"] * 4 * 256 * 2048 * 128 / 1e9)
-    assert "| op | impl | ms | TFLOP/s |" in p.stdout and "eager (graphs on and off: benchmarks/step_profile.py)" in p.stdout
+        canvas = json.loads(cfg.read_text())["canvas_length"]
+        assert comps["vocab_pass"]["gflop"] == pytest.approx(s["batch"] * 4 * canvas * 2048 * 128 / 1e9)
+    assert "| op | impl | ms | TFLOP/s |" in p.stdout and "eager (graphs on and off: step_breakdown.py --profile)" in p.stdout
 
 
 def test_cuda_without_a_gpu_is_one_clear_line():

@@ -4,7 +4,7 @@ matrices at 1 byte plus one scale per output channel; FLOPs do not change."""
 import pytest
 from hf_oracle import text_config
 
-from dgcli.measure import card as info
+from dgcli.measure import cost as info
 from dgcli.checkpoint.config import parse_config, real_config_path, read_json
 from dgcli.checkpoint.random_weights import make_config, random_model, with_fp8
 

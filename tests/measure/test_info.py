@@ -1,4 +1,4 @@
-"""The card's arithmetic (dgcli.measure.card): parameter counts against the model's own tensors and the spec's
+"""The card's arithmetic (dgcli.measure.cost): parameter counts against the model's own tensors and the spec's
 §5.9 numbers for the real 26B-A4B config; FLOPs and bytes against a count done by hand on a tiny config
 and against torch's FlopCounterMode on a real decoder step; `dgemma info` on dummy and random checkpoints."""
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from dgcli.measure import card as info
+from dgcli.measure import cost as info
+from dgcli.measure import peaks
 from dgcli.checkpoint.random_weights import make_config, random_model, write_random_checkpoint
 from dgcli.checkpoint.config import parse_config, real_config_path
 from dgcli.checkpoint.load import load_config
@@ -63,7 +64,7 @@ def test_real_config_counts_match_the_spec():
 
 
 def _layer(cfg, i) -> int:
-    """Parameters of layer i, from the model's tensors (independent of dgcli.measure.card)."""
+    """Parameters of layer i, from the model's tensors (independent of dgcli.measure.cost)."""
     with torch.device("meta"):
         m = DiffusionGemma(cfg)
     return sum(t.numel() for t in m.layers[i].state_dict().values())
@@ -152,7 +153,7 @@ def test_floor_picks_the_binding_peak():
 
 
 def test_measured_cpu_peaks_are_positive():
-    info._measured.clear()
+    peaks._measured.clear()
     p = info.measure_cpu_peaks(seconds=0.3)
     assert p.flops_per_s > 1e8 and p.bytes_per_s > 1e8 and "measured" in p.source and p.compute == "bfloat16"
 
@@ -162,7 +163,7 @@ def test_cpu_peaks_are_measured_in_the_runs_matmul_dtype():
     faster than the bf16 one on a CPU with VNNI or AMX, and fp32 slower than bf16 where the CPU has bf16 dots."""
     from dgcli.kernels import ggml_q8
 
-    info._measured.clear()
+    peaks._measured.clear()
     got = {c: info.measure_cpu_peaks(seconds=0.3, repeats=3, compute=c) for c in ("bfloat16", "float32", "int8")}
     for c, p in got.items():
         assert p.compute == c and f"best of {c} 1024x1024 matmuls" in p.source and p.flops_per_s > 1e8

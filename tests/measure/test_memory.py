@@ -1,4 +1,4 @@
-"""The batch-memory model (dgcli.measure.memory) against the code it models: the KV cache against the engine's
+"""The batch-memory model (dgcli.measure.cost: memory.py) against the code it models: the KV cache against the engine's
 paged cache, the loop state against the engine's own tensors at a step, a pass's and a step's temporaries and a
 whole batched run against the CPU allocator's peak, the Triton vocabulary pass against its allocator, and the
 batch table `dgemma info` prints."""
@@ -12,8 +12,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from dgcli.measure import card as info
-from dgcli.measure import memory, memory_vocab
+from dgcli.measure import cost as info
+from dgcli.measure.cost import memory
+from dgcli.measure.cost import vocab as memory_vocab
 from dgcli.model.attention import Segment
 from dgcli.checkpoint.config import parse_config, real_config_path
 from dgcli.checkpoint.load import load_config

@@ -174,7 +174,7 @@ def test_kv_with_and_without_prefix_caching_is_what_the_cache_allocates(session,
     """`memory.cache_bytes` (what `dgemma info` counts) is the engine's cache: with prefix caching the sliding
     layers' windows and one pass (at 3,000 positions, beyond the bundled model's window of 512, less than every
     position; at 300 and 37 every position), without it the rings."""
-    from dgcli.measure import memory
+    from dgcli.measure import cost as memory
 
     cfg = session.config
     for prefix in (True, False):

@@ -1,7 +1,7 @@
 """`dgemma info FILE.gguf`: a GGUF file's bytes by ggml type (from its header alone), the weights a load keeps
 (quantized matrices as stored, the rest in the run dtype), and whether a run fits this machine's memory.
 
-Owns: that arithmetic and its markdown lines. Must not: read tensor data or load the model (card.py does the
+Owns: that arithmetic and its markdown lines. Must not: read tensor data or load the model (counts.py does the
 config-based arithmetic this builds on).
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from dgcli.measure.card import DTYPE_BYTES, kv_cache_bytes
-from dgcli.measure.memory import one_request
+from dgcli.measure.cost.counts import DTYPE_BYTES, kv_cache_bytes
+from dgcli.measure.cost.memory import one_request
 from dgcli.model.config import ModelConfig
 
 

@@ -2,7 +2,7 @@
 
 Owns: `kv_bytes`, `weights_bytes` (bf16, or FP8 as an FP8 checkpoint stores it), `loop_state_bytes` (what the
 engine holds per request at a step), `pass_bytes` (one forward pass's temporaries), `step_bytes` and
-`prefill_bytes` (the passes a run peaks at; the vocabulary pass's share: `memory_vocab.py`), `peak_bytes`, `one_request`
+`prefill_bytes` (the passes a run peaks at; the vocabulary pass's share: `vocab.py`), `peak_bytes`, `one_request`
 (the card's memory to run), `largest_batch`, and `batch_memory` / `markdown` (the
 section `dgemma info` prints). Must not: run the model, allocate tensors, or import torch (the engine's constants
 are restated; tests/measure/test_memory.py keeps them equal and measures every term: the engine's cache, its
@@ -20,8 +20,8 @@ prompts' ids (8 bytes a token) and the Triton autotuner's buffers (a warm-up's).
 
 from __future__ import annotations
 
-from dgcli.measure.card import DTYPE_BYTES, KV_BLOCK, cache_positions, param_counts, quantized_counts
-from dgcli.measure.memory_vocab import vocab_bytes
+from dgcli.measure.cost.counts import DTYPE_BYTES, KV_BLOCK, cache_positions, param_counts, quantized_counts
+from dgcli.measure.cost.vocab import vocab_bytes
 from dgcli.model.config import ModelConfig
 
 GIB = 2**30
