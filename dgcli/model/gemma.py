@@ -281,16 +281,19 @@ class DiffusionGemma(nn.Module):
             b, c = len(canvases), canvases[0].length
             x = self.self_conditioning.condition(self.embed(ids[nc:].view(b, c)), soft)  # [B, C, H]
             parts.append(x.flatten(0, 1))
-        x = (torch.cat(parts) if len(parts) > 1 else parts[0])[None]  # [1, N, H]
-        tables = self._tables(layout.positions, x.dtype)  # [N, d] per layer kind
-        x = self._layers(x, nc, tables, lambda i, g, q, k, v: attend(q, k, v, i, layout), cache_pass=True)
+        box = [(torch.cat(parts) if len(parts) > 1 else parts[0])[None]]  # [1, N, H] (`parts` stays: the cost model
+        # in measure/cost/memory.py counts the pieces alive through the pass)
+        tables = self._tables(layout.positions, box[0].dtype)  # [N, d] per layer kind
+        x = self._layers(box, nc, tables, lambda i, g, q, k, v: attend(q, k, v, i, layout), cache_pass=True)
         return None if x is None else x.view(b, c, -1)
 
-    def _layers(self, x: torch.Tensor, nc: int, tables: dict, attend_fn, cache_pass: bool) -> torch.Tensor | None:
-        """The one layer loop, final norm included: x [B, T, H], its first `nc` rows (per batch row) causal
-        (encoder mode: prompt, committed blocks), the rest canvases (decoder mode); `attend_fn(i, g, q, k, v)` is
-        layer i's attention over its keys. `cache_pass` (a pass over a KV cache, no autograd): the last layer's
-        feed-forward runs on canvas rows only (causal outputs are only ever K/V), None without canvas rows."""
+    def _layers(self, box: list, nc: int, tables: dict, attend_fn, cache_pass: bool) -> torch.Tensor | None:
+        """The one layer loop, final norm included, over box's one tensor x [B, T, H] (taken out of the list, so
+        nothing holds the input after the first layer): its first `nc` rows (per batch row) causal (encoder mode:
+        prompt, committed blocks), the rest canvases (decoder mode); `attend_fn(i, g, q, k, v)` is layer i's
+        attention over its keys. `cache_pass` (a pass over a KV cache, no autograd): the last layer's feed-forward
+        runs on canvas rows only (causal outputs are only ever K/V), None without canvas rows."""
+        x = box.pop()
         last = len(self.layers) - 1
         for i, (layer, g) in enumerate(zip(self.layers, self.geometry)):
             attn = layer.self_attn
@@ -342,9 +345,9 @@ class DiffusionGemma(nn.Module):
         exactly encoder mode (causal, sliding window), canvas rows exactly decoder mode. `prefix_valid`
         [B, P] (True = real token) hides padding keys, for training batches of unequal prompts."""
         p, c = prompt_ids.shape[1], canvas_ids.shape[1]
-        x = torch.cat((self.embed(prompt_ids), self.self_conditioning.condition(self.embed(canvas_ids), soft)), dim=1)
+        box = [torch.cat((self.embed(prompt_ids), self.self_conditioning.condition(self.embed(canvas_ids), soft)), 1)]
         pos = torch.arange(p + c, device=prompt_ids.device)
-        tables = self._tables(pos, x.dtype)
+        tables = self._tables(pos, box[0].dtype)
         qp, kp = pos[:, None], pos[None, :]
         q_prefix, k_prefix = qp < p, kp < p
         valid = None
@@ -361,5 +364,5 @@ class DiffusionGemma(nn.Module):
                 mask = (mask & valid) | torch.eye(p + c, dtype=torch.bool, device=pos.device)
             return Attention.sdpa(q, k, v, mask)
 
-        x = self._layers(x, p, tables, masked, cache_pass=False)
+        x = self._layers(box, p, tables, masked, cache_pass=False)
         return x[:, :p], x[:, p:]
