@@ -34,7 +34,7 @@ from bench_cpu_step import bench_model, cpu_name, load_avg, matmul_rate, median,
 
 def run_size(model, prompts, seeds, params, max_batch: int) -> dict:
     from dgcli.sampling.events import Done
-    from dgcli.sampling.loop import generate_batch_events
+    from dgcli.engine import generate_batch_events
 
     stats: dict = {}
     t0 = time.perf_counter()

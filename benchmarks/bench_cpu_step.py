@@ -191,7 +191,7 @@ def components(model, prompt: torch.Tensor, compiled: bool) -> dict:
 
 
 def run_dgemma(model, prompt: torch.Tensor, steps: int, blocks: int) -> dict:
-    from dgcli.sampling.loop import generate_events
+    from dgcli.engine import generate_events
     from dgcli.sampling.params import DiffusionEbParams
     from dgcli.sampling.events import Done, Step
 

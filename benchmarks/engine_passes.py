@@ -30,7 +30,7 @@ import torch
 
 from dgcli.model.packed import pack_for_cpu
 from dgcli.model.random_weights import random_model
-from dgcli.sampling.engine import Engine, Request
+from dgcli.engine import LLMEngine as Engine, Request
 from dgcli.sampling.events import Step
 from dgcli.sampling.params import DiffusionEbParams
 

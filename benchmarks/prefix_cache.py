@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from dgcli.model.random_weights import random_model
-from dgcli.sampling.engine import Engine, Request
+from dgcli.engine import LLMEngine as Engine, Request
 from dgcli.sampling.events import Done
 from dgcli.sampling.params import DiffusionEbParams
 

@@ -21,7 +21,7 @@ import time
 import torch
 
 from dgcli.model.random_weights import dummy_config, random_model
-from dgcli.sampling.engine import Engine, Request
+from dgcli.engine import LLMEngine as Engine, Request
 from dgcli.sampling.events import Step
 from dgcli.sampling.params import DiffusionEbParams
 

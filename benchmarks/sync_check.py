@@ -54,7 +54,7 @@ def main() -> None:
     import dgcli
     from dgcli.runtime import request
     from dgcli.runtime.session import open_session
-    from dgcli.sampling.engine import Engine, Request
+    from dgcli.engine import LLMEngine as Engine, Request
     from dgcli.sampling.events import Done
     from dgcli.text.prompts import read_prompt_file
 

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     import dgcli
     from dgcli.model.packed import pack_for_cpu
     from dgcli.model.random_weights import write_random_checkpoint
-    from dgcli.sampling.loop import generate
+    from dgcli.engine import generate
     from dgcli.sampling.params import DiffusionEbParams
     from dgcli.measure.card import cpu_name
     from dgcli.measure.printers import git_commit, kernel_choices

@@ -12,18 +12,20 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "dgcli"
 
 # Layer -> the dgcli layers its modules may import (any import, also inside functions). Data flows one
-# way: cli -> runtime (settings, session, request) -> model + sampling; measure and render consume events.
+# way: cli -> runtime (settings, session, request) -> engine -> model + sampling; measure and render consume events.
 ALLOWED = {
     "text": {"text"},
-    "sampling": {"sampling", "kernels"},
-    "model": {"model", "kernels", "text"},  # random checkpoints write a tokenizer (text.build)
-    "runtime": {"runtime", "model", "sampling", "text", "measure"},  # measure.card: the dummy-model preflight
+    "sampling": {"sampling", "kernels"},  # the sampler's rules: no engine, no model
+    "engine": {"engine", "sampling", "kernels"},  # drives the model it is given: imports none of it
+    "model": {"model", "kernels", "text", "engine"},  # random checkpoints write a tokenizer (text.build); the
+    # engine's KV cache (engine/kv_cache.py) is what the passes read and write
+    "runtime": {"runtime", "model", "engine", "sampling", "text", "measure"},  # measure.card: the dummy-model preflight
     "measure": {"measure", "runtime", "model", "sampling", "text", "kernels"},
     "render": {"render", "sampling"},
-    "serve": {"serve", "runtime", "sampling", "text"},  # the HTTP server: requests in, the engine thread
+    "serve": {"serve", "runtime", "engine", "sampling", "text"},  # the HTTP server: requests in, the engine thread
     "cli": {"cli", "runtime", "model", "sampling", "text", "measure", "render", "kernels", "serve", "cluster"},
     "cluster": {"cluster", "runtime", "model", "sampling", "text", "measure", "kernels"},  # --ray: driver and actors
-    "train": {"train", "runtime", "model", "sampling", "text", "measure", "kernels"},
+    "train": {"train", "runtime", "model", "engine", "sampling", "text", "measure", "kernels"},
 }
 ALWAYS = {"", "errors"}  # dgcli itself (__version__, load_model) and dgcli.errors
 

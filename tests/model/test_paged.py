@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dgcli.model.attention import PassLayout, Segment
-from dgcli.model.paged import BlockPool, PagedKVCache
+from dgcli.engine.kv_cache import BlockPool, PagedKVCache
 from dgcli.model.random_weights import make_config, random_model
 from hf_oracle import CONFIGS
 
