@@ -52,7 +52,7 @@ from functools import cached_property
 from typing import Any
 
 from dgcli.errors import UserError
-from dgcli.engine.request import out_of_vocab, over_context
+from dgcli.engine import out_of_vocab, over_context
 from dgcli.runtime.settings import PARAM_KEYS, blocks_for
 from dgcli.sampling.params import LIMITS, SettingsError, coerce, over_limit, suggest
 from dgcli.serve.errors import ApiError
