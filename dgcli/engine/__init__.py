@@ -3,7 +3,7 @@
 `LLMEngine` (llm_engine.py: add_request / submit, cancel, step -> events; one per session or server), its parts
 `request.py`, `scheduler.py`, `block_manager.py` (host) + `kv_cache.py` (device), `runner.py`, the one output
 processor `output.py` (stop strings, max_tokens cut, incremental decode, finish reason) and the loop's entry
-points (generate.py: `generate_batch_events`, `generate_events`, `generate`). Front-ends (runtime/, serve/,
+points (loop.py: `generate_batch_events`, `generate_events`, `generate`). Front-ends (runtime/, serve/,
 cluster/) import only what this file names.
 Must not: import the model (the model imports `kv_cache.py`, the cache it reads and writes), tokenize or print.
 """
@@ -13,7 +13,7 @@ import importlib
 # name -> the module that owns it; loaded at first use, so `dgcli.engine.request`'s checks (the server's parser)
 # load without torch
 _OWNER = {
-    "generate": "generate", "generate_batch_events": "generate", "generate_events": "generate",
+    "generate": "loop", "generate_batch_events": "loop", "generate_events": "loop",
     "DEFAULT_BUDGET": "llm_engine", "KeptEngine": "llm_engine", "LLMEngine": "llm_engine", "new_engine": "llm_engine",
     "Output": "output", "cut": "output",
     "PROMPT_FIX": "request", "Request": "request", "check_ids": "request", "kind": "request",

@@ -3,7 +3,7 @@
 Owns: `Request` (what to run: prompt ids, checked params, seed, block cap, stop ids, first canvas; and, while it
 runs, its state), `check_ids` (token ids in [0, vocab): one line naming the argument and the first bad item) and
 `over_context` (the positions a prompt and its blocks need, when the model's context cannot hold them). The CLI
-and library (runtime/request.py), the server (serve/protocol.py) and the loop's entry (engine/generate.py) word
+and library (runtime/request.py), the server (serve/protocol.py) and the loop's entry (engine/loop.py) word
 their refusals for their callers, from these two rules.
 Must not: tokenize, touch the device, or know about the scheduler's or the runner's work.
 """

@@ -100,8 +100,8 @@ class Done:
     blocks: int  # blocks generated
     steps_per_block: list[int]  # decoder passes each block took
     decoder_passes: int  # sum of steps_per_block
-    tokens_per_forward: float  # reference (HF) definition, see dgcli.engine.generate
-    timings: dict[str, float] = field(default_factory=dict)  # seconds; keys documented in dgcli.engine.generate
+    tokens_per_forward: float  # reference (HF) definition, see dgcli.engine.loop
+    timings: dict[str, float] = field(default_factory=dict)  # seconds; keys documented in dgcli.engine.loop
     row: int = 0
 
     def to_record(self) -> dict:
