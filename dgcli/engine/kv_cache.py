@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from dgcli.engine.block_manager import BlockManager, BlockPool, blocks_for, pool_blocks  # noqa: F401 (re-exported)
+from dgcli.engine.block_manager import BlockManager
 from dgcli.kernels.transfer import to_device
 
 

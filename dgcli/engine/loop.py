@@ -3,10 +3,9 @@
 Owns: `generate_batch_events` (many prompts: checks every input and setting once, builds the requests
 and runs them through an `LLMEngine`, the loop itself: a session's own, kept between calls, or a new one),
 `generate_events` (one prompt: a batch of one) and `generate` (its `Done`). The rules and one step are
-`sampling/rules.py`; every random draw comes from the
-counter-based stream of `draws.py`, addressed by seed, block, step and position: same seed, settings,
-device and dtype give identical events whichever kernel path runs (up to rounding at a CDF boundary)
-and whatever the batch. `generate`, `watch`, `bench`, `sweep` and the trace writer all consume these;
+`sampling/rules.py`; every random draw comes from the counter-based stream of `sampling/draws.py`, addressed
+by seed, block, step and position: same seed, settings, device and dtype give identical events whichever
+kernel path runs (up to rounding at a CDF boundary) and whatever the batch. `generate`, `watch`, `bench`, `sweep` and the trace writer all consume these;
 there is no second copy of the loop anywhere.
 Must not: tokenize, print, write files, import transformers, or sync with the device inside a block: on
 CUDA the engine reads a pass's stop flags one pass later (its lag), elsewhere once per pass (and

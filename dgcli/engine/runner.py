@@ -83,6 +83,7 @@ class ModelRunner:
             r.soft, r.step, r.waiting = None, 0, False
 
     # ---- launch -------------------------------------------------------------------------------------------
+
     @torch.inference_mode()
     def _launch(self, plan: Plan) -> Pass:
         dev, rows = self.device, plan.canvases

@@ -8,9 +8,9 @@ session's own engine (`Session.engines`, kept between calls), and the ids and co
 `--max-tokens` cut are the engine's (`engine/request.py`, `engine/output.py`), which the server uses too.
 
 Owns: prompt encoding within the context limit, the library's input checks (each a one-line UserError naming
-the argument, once per call: never per step), reading `--init-canvas` (text, or `ids:` token ids) into the
-first canvas, the max_tokens cut, what counts as an empty answer, the response record. Must not: print, write
-files (a trace writer is just an `on_event` consumer), or contain a denoising loop.
+the argument, once per call: never per step; the rules are the engine's), reading `--init-canvas` (text, or
+`ids:` token ids) into the first canvas, what counts as an empty answer, the response record. Must not: print,
+write files (a trace writer is just an `on_event` consumer), or contain a denoising loop.
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ from dgcli.engine import cut as cut_answer
 from dgcli.engine import kind as _kind
 from dgcli.errors import UserError
 from dgcli.runtime.settings import blocks_for
-
-token_ids = check_ids  # (this module's name for it: `run(session, ids)` and `run_batch` check their ids with it)
 from dgcli.sampling.events import BlockStart, Done, Event
 
 
@@ -130,13 +128,13 @@ def _id_list(spec: str, name: str) -> list[int]:
 
 
 def canvas_ids(session: Any, ids: Any, what: str = "init_canvas") -> list[int] | None:
-    """A whole first canvas (`canvas_length` token ids) or None, checked as `token_ids`."""
+    """A whole first canvas (`canvas_length` token ids) or None, checked as `check_ids`."""
     if ids is None:
         return None
     c = session.config.canvas_length
     fix = (f"give {c} token ids: request.fill_canvas(session, request.read_init_canvas(session, text)[0], seed) "
            "builds them, and dgcli.generate takes text")
-    out = token_ids(ids, session.config.vocab_size, what, fix)
+    out = check_ids(ids, session.config.vocab_size, what, fix)
     if len(out) != c:
         raise UserError(f"{what} has {len(out)} ids; the canvas holds {c}: {fix}")
     return out
@@ -177,7 +175,7 @@ def stream(session: Any, prompt_ids: Sequence[int], *, params: Any = None, ignor
     """The loop's events for one request. `prompt_ids`: token ids (`encode` makes them from text); `params`
     (default: the session's) may change per request, its `max_blocks` setting the block count under the session's
     token budget; `init_canvas`: a whole first canvas of token ids (see `fill_canvas`)."""
-    prompt_ids = token_ids(prompt_ids, session.config.vocab_size, "prompt_ids")
+    prompt_ids = check_ids(prompt_ids, session.config.vocab_size, "prompt_ids")
     return _stream(session, prompt_ids, params, ignore_eos, canvas_ids(session, init_canvas))
 
 
@@ -199,7 +197,7 @@ def run(session: Any, prompt_ids: Sequence[int], *, params: Any = None, ignore_e
         show_thinking: bool = False) -> Response:
     """One request to its `Response` (arguments as `stream`'s); `on_event` sees every event as it happens
     (progress, watch, trace)."""
-    prompt_ids = token_ids(prompt_ids, session.config.vocab_size, "prompt_ids")
+    prompt_ids = check_ids(prompt_ids, session.config.vocab_size, "prompt_ids")
     starts: list[int] = []
     done = None
     for event in _stream(session, prompt_ids, params, ignore_eos, canvas_ids(session, init_canvas)):
@@ -228,7 +226,7 @@ def run_batch(session: Any, prompts: Iterable[Sequence[int]], *, batch_size: int
     if isinstance(prompts, (str, bytes, bytearray)) or not isinstance(prompts, Iterable):
         raise UserError(f"prompts is {_kind(prompts)}; {fix}")
     vocab = session.config.vocab_size
-    prompts = [token_ids(ids, vocab, f"prompts[{i}]") for i, ids in enumerate(prompts)]
+    prompts = [check_ids(ids, vocab, f"prompts[{i}]") for i, ids in enumerate(prompts)]
     seeds = _per_prompt(seeds, "seeds", len(prompts))
     for i, x in enumerate(seeds or ()):
         if isinstance(x, bool) or not isinstance(x, numbers.Integral):
