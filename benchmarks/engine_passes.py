@@ -27,7 +27,7 @@ import time
 import torch
 
 from dgcli.checkpoint.random_weights import random_model
-from dgcli.sampling.engine import Engine, Request
+from dgcli.engine import LLMEngine as Engine, Request
 from dgcli.sampling.events import Step
 from dgcli.sampling.params import DiffusionEbParams
 from harness import DUMMY_MEDIUM, emit, parser, timed, times

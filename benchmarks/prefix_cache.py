@@ -22,7 +22,7 @@ import random
 import torch
 
 from dgcli.checkpoint.random_weights import random_model
-from dgcli.sampling.engine import Engine, Request
+from dgcli.engine import LLMEngine as Engine, Request
 from dgcli.sampling.events import Done
 from dgcli.sampling.params import DiffusionEbParams
 from harness import DUMMY_MEDIUM, emit, median, parser, wall

@@ -208,7 +208,7 @@ def _sync(device: torch.device) -> None:
 def profile_batch(model, batch: int, prompt: int, steps: int, graphs: bool = False) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    from dgcli.sampling.engine import Engine, Request
+    from dgcli.engine import LLMEngine as Engine, Request
     from dgcli.sampling.events import Step
     from dgcli.sampling.params import DiffusionEbParams
 

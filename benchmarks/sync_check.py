@@ -52,7 +52,7 @@ def main() -> None:
     import dgcli
     from dgcli.runtime import request
     from dgcli.runtime.session import open_session
-    from dgcli.sampling.engine import Engine, Request
+    from dgcli.engine import LLMEngine as Engine, Request
     from dgcli.sampling.events import Done
     from dgcli.text.prompts import read_prompt_file
 
@@ -77,7 +77,7 @@ def main() -> None:
     for _ in engine.events():
         pass
     submit(len(prompts))
-    launch = engine._launch
+    launch = engine.runner._launch  # (the runner launches a plan: dgcli/engine/runner.py)
     launches = 0
 
     def guarded(plan):  # only the pass: a sync here is an error, not a warning
@@ -89,7 +89,7 @@ def main() -> None:
         finally:
             torch.cuda.set_sync_debug_mode("warn")
 
-    engine._launch = guarded
+    engine.runner._launch = guarded
     sites: collections.Counter[str] = collections.Counter()
     steps, done, failure = 0, 0, None
     torch.cuda.set_sync_debug_mode("warn")

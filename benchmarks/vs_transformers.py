@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import dgcli
     from dgcli.checkpoint.random_weights import write_random_checkpoint
-    from dgcli.sampling.loop import generate
+    from dgcli.engine import generate
     from dgcli.sampling.params import DiffusionEbParams
     from dgcli.measure.printers import git_commit, kernel_choices
     from transformers import DiffusionGemmaForBlockDiffusion

@@ -1,7 +1,8 @@
 """dgemma: run, watch, sweep and benchmark DiffusionGemma block text-diffusion checkpoints.
 
-Owns: `__version__` and the public shortcuts (`load_model`, `open_session`, `generate`). Must not: import
-torch or any subpackage at import time (every `dgemma` run, `--help` included, imports this first).
+Owns: `__version__` and the public shortcuts (`load_model`, `open_session`, `generate`; `stream`, `run_batch` and
+`LLMEngine` by name, loaded at first use). Must not: import torch or any subpackage at import time (every `dgemma`
+run, `--help` included, imports this first).
 """
 
 __version__ = "0.1.0"
@@ -58,3 +59,16 @@ def generate(session, prompt, **kw):
     from dgcli.runtime.request import generate as _generate
 
     return _generate(session, prompt, **kw)
+
+
+_LAZY = {"stream": "dgcli.runtime.request", "run_batch": "dgcli.runtime.request", "LLMEngine": "dgcli.engine"}
+
+
+def __getattr__(name):
+    """`dgcli.stream` / `dgcli.run_batch` (one request's events, many requests: `dgcli.runtime.request`) and
+    `dgcli.LLMEngine` (the engine every front-end drives: `dgcli.engine`), imported at first use."""
+    if name not in _LAZY:
+        raise AttributeError(f"module 'dgcli' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_LAZY[name]), name)

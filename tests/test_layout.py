@@ -12,22 +12,23 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "dgcli"
 
 # Layer -> the dgcli layers its modules may import (any import, also inside functions). Data flows one
-# way: cli -> runtime (settings, session, request) -> checkpoint (formats: which one, and opening it) -> model (the
-# math) + sampling; measure and render consume events. The model never imports checkpoint/: the network is built
-# and filled from there, not the other way round.
+# way: cli -> runtime (settings, session, request) -> checkpoint (formats: which one, and opening it), engine -> model
+# (the math) + sampling; measure and render consume events. The model never imports checkpoint/: the network is
+# built and filled from there, not the other way round.
 ALLOWED = {
     "text": {"text"},
-    "sampling": {"sampling", "kernels"},
-    "model": {"model", "kernels"},
+    "sampling": {"sampling", "kernels"},  # the sampler's rules: no engine, no model
+    "engine": {"engine", "sampling", "kernels"},  # drives the model it is given: imports none of it
+    "model": {"model", "kernels", "engine"},  # the engine's KV cache (engine/kv_cache.py): what the passes read/write
     "checkpoint": {"checkpoint", "model", "kernels", "text"},  # a checkpoint's tokenizer (GGUF vocab, text.build)
-    "runtime": {"runtime", "checkpoint", "model", "sampling", "text", "measure"},  # measure.cost: dummy preflight
+    "runtime": {"runtime", "checkpoint", "model", "engine", "sampling", "text", "measure"},  # measure.cost: preflight
     "measure": {"measure", "runtime", "checkpoint", "model", "sampling", "text", "kernels"},
     "render": {"render", "sampling"},
-    "serve": {"serve", "runtime", "sampling", "text"},  # the HTTP server: requests in, the engine thread
+    "serve": {"serve", "runtime", "engine", "sampling", "text"},  # the HTTP server: requests in, the engine thread
     "cli": {"cli", "runtime", "checkpoint", "model", "sampling", "text", "measure", "render", "kernels", "serve",
             "cluster"},
     "cluster": {"cluster", "runtime", "checkpoint", "model", "sampling", "text", "measure", "kernels"},  # --ray
-    "train": {"train", "runtime", "checkpoint", "model", "sampling", "text", "measure", "kernels"},
+    "train": {"train", "runtime", "checkpoint", "model", "engine", "sampling", "text", "measure", "kernels"},
 }
 # Import cycles still being taken apart elsewhere (each a set of modules that may form one cycle among themselves).
 CYCLES_BEING_REMOVED: list[set[str]] = []  # none left
@@ -252,3 +253,47 @@ def test_the_test_process_never_takes_our_kernels_for_the_pypi_package():
                       "with the venv's pytest entry point (.venv/bin/pytest), not `python -m pytest`")
     from transformers.integrations import hub_kernels  # noqa: F401  (imports `kernels` where it is installed)
     from transformers import PreTrainedModel  # noqa: F401  (modeling_utils imports hub_kernels)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """dgcli module -> the dgcli modules it imports ('engine.request'; a package by its own name). A package that
+    resolves its names at first use (a module `__getattr__`, as dgcli.engine's) imports each of its modules."""
+    mods = {}
+    for path, rel in _modules():
+        if rel.parts[0] == "train":
+            continue
+        parts = rel.with_suffix("").parts
+        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in mods.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        out = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "dgcli":
+                base = node.module.removeprefix("dgcli").lstrip(".")
+                subs = [f"{base}.{a.name}".lstrip(".") for a in node.names]
+                out |= {s for s in subs if s in mods}
+                if base in mods and not all(s in mods for s in subs):
+                    out.add(base)
+            elif isinstance(node, ast.Import):
+                out |= {a.name.removeprefix("dgcli.") for a in node.names if a.name.removeprefix("dgcli.") in mods}
+        if path.name == "__init__.py" and any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__"
+                                              for n in tree.body):
+            out |= {m for m in mods if m.rsplit(".", 1)[0] == name and m != name}
+        graph[name] = out - {name}
+    return graph
+
+
+def test_no_import_cycle_counting_a_lazy_packages_modules():
+    graph = _import_graph()
+    assert {"engine", "engine.llm_engine", "sampling.rules"} <= set(graph)  # the walk saw the package
+    assert "engine.request" in graph["engine"]  # a lazy package's names are its modules'
+    assert not _cycles(graph), _cycles(graph)
+
+
+def test_no_front_end_imports_the_engines_parts():
+    """serve/, cluster/, cli/ and runtime/ drive the engine through `dgcli.engine`'s public names only."""
+    bad = [f"{name} imports {dep}" for name, deps in _import_graph().items()
+           if name.split(".")[0] in ("serve", "cluster", "cli", "runtime")
+           for dep in deps if dep.startswith("engine.")]
+    assert not bad, bad

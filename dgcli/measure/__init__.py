@@ -2,6 +2,6 @@
 counts, memory, the card, GGUF inventories; peaks.py: device peaks), the printers (md, csv, json, jsonl) and
 sweeps (grid, resumable store, Pareto frontier).
 
-Must not: contain a denoising loop (it consumes `sampling.loop.generate_events` through runtime/), or
+Must not: contain a denoising loop (it consumes `engine.generate_events` through runtime/), or
 parse command lines.
 """

@@ -125,7 +125,7 @@ SPREAD_KEYS = ("output_throughput", "request_throughput", "diffusion_committed_t
 @dataclass
 class Pass:
     """One timed pass: every prompt submitted at once to an engine of `batch_size` slots (the responses in
-    prompt order), its wall time, the engine's counts (`dgcli.sampling.loop.generate_batch_events`' stats:
+    prompt order), its wall time, the engine's counts (`dgcli.engine.generate_batch_events`' stats:
     batched decoder passes, request rows computed over them, the passes' own time), and per request, on
     one wall clock, the wait for a slot and the latencies from taking it (as `vllm bench serve
     --max-concurrency N` times a request from when it is sent)."""

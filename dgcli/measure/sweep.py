@@ -8,7 +8,7 @@ dropped on resume), exact-match and agreement quality, the speed-quality Pareto
 frontier and its SVG (or PNG, with matplotlib) plot, and running one cell (every seed x run x prompt
 through `dgcli.measure.bench.measure`, the request API) or the reference outputs agreement needs.
 Must not: print (dgcli.cli.sweep does), time requests itself (dgcli.measure.bench does), or contain a
-denoising loop (dgcli.sampling.loop's is the one).
+denoising loop (dgcli.engine.loop's is the one).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from torch import nn
 from dgcli.kernels import dispatch, transfer
 from dgcli.model.attention import PassLayout, Segment, attend
 from dgcli.model.config import LayerGeometry, ModelConfig
-from dgcli.model.paged import PagedKVCache
+from dgcli.engine.kv_cache import PagedKVCache
 
 
 class RMSNorm(nn.Module):
@@ -233,7 +233,7 @@ class DiffusionGemma(nn.Module):
                   pass_rows: int | None = None) -> PagedKVCache:
         """A paged cache for `seqs` sequences of up to `max_len` positions (a canvas's own included: full layers
         hold it where its block will commit); `prefix_caching`: blocks shareable across sequences, `pass_rows`:
-        the most causal rows a pass writes (paged.py)."""
+        the most causal rows a pass writes (engine/block_manager.py)."""
         w = self.embed_tokens.weight
         return PagedKVCache([(g.num_kv_heads, g.head_dim, g.window) for g in self.geometry], seqs=seqs,
                             max_len=max_len, device=w.device, dtype=w.dtype, block_size=block_size,

@@ -1,15 +1,16 @@
 """One request through the one denoising loop: the library's generate API, layered as mlx-lm's is
-(`sampling.loop.generate_events` -> `stream` -> `run` -> `generate`).
+(`engine.generate_events` -> `stream` -> `run` -> `generate`).
 
 `stream` yields one request's events; `run` drains them into a `Response` (the answer ids cut at the
 first stop id and at `max_tokens`, the finish reason, the loop's `Done`, the decoded text); `generate`
-is text in, `Response` out. generate, watch, bench, sweep (and the server to come) all call these, so
-the `--max-tokens` cut and the decoding happen in exactly one place.
+is text in, `Response` out. generate, watch, bench, sweep and the --ray workers all call these; they run on the
+session's own engine (`Session.engines`, kept between calls), and the ids and context checks and the
+`--max-tokens` cut are the engine's (`engine/request.py`, `engine/output.py`), which the server uses too.
 
 Owns: prompt encoding within the context limit, the library's input checks (each a one-line UserError naming
-the argument, once per call: never per step), reading `--init-canvas` (text, or `ids:` token ids) into the
-first canvas, the max_tokens cut, what counts as an empty answer, the response record. Must not: print, write
-files (a trace writer is just an `on_event` consumer), or contain a denoising loop.
+the argument, once per call: never per step; the rules are the engine's), reading `--init-canvas` (text, or
+`ids:` token ids) into the first canvas, what counts as an empty answer, the response record. Must not: print,
+write files (a trace writer is just an `on_event` consumer), or contain a denoising loop.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dgcli.engine import check_ids, out_of_vocab, over_context
+from dgcli.engine import cut as cut_answer
+from dgcli.engine import kind as _kind
 from dgcli.errors import UserError
 from dgcli.runtime.settings import blocks_for
 from dgcli.sampling.events import BlockStart, Done, Event
@@ -46,8 +50,7 @@ class Response:
 def check_context(session: Any, prompt_len: int, num_blocks: int | None = None) -> None:
     cfg = session.config
     blocks = session.num_blocks if num_blocks is None else num_blocks
-    need = prompt_len + blocks * cfg.canvas_length
-    if need > cfg.max_position_embeddings:
+    if over_context(prompt_len, blocks, cfg.canvas_length, cfg.max_position_embeddings) is not None:
         raise UserError(f"the prompt ({prompt_len} tokens) plus {blocks} block(s) of {cfg.canvas_length} "
                         f"exceed the model's context of {cfg.max_position_embeddings}; shorten the prompt or lower --blocks "
                         "(or --max-tokens, which sets the block count when --blocks is not given)")
@@ -103,9 +106,9 @@ def read_init_canvas(session: Any, spec: str | list, *, name: str = "--init-canv
         ids, how = [], "text"
     if not ids:
         raise UserError(f"{name} is empty; give text or token ids ({IDS_PREFIX}5,6,7), or leave it out")
-    bad = [i for i in ids if not 0 <= i < v]
-    if bad:
-        raise UserError(f"{name}: id {bad[0]} is outside the vocabulary [0, {v}); use ids from 0 to {v - 1}")
+    bad = out_of_vocab(ids, v)
+    if bad is not None:
+        raise UserError(f"{name}: id {ids[bad]} is outside the vocabulary [0, {v}); use ids from 0 to {v - 1}")
     if len(ids) > c:
         raise UserError(f"{name} has {len(ids)} tokens; the canvas holds {c}: shorten it")
     return ids, how
@@ -124,46 +127,14 @@ def _id_list(spec: str, name: str) -> list[int]:
     return [int(p) for p in parts]
 
 
-PROMPT_FIX = "pass token ids (request.encode(session, text)) or use dgcli.generate for text"
-
-
-def token_ids(ids: Any, vocab: int, what: str, fix: str = PROMPT_FIX) -> list[int]:
-    """`ids` (a sequence of ints, or a 1-D integer tensor or array) as a list of ints in [0, vocab), at least
-    one; else one line naming `what` (the argument, with its index in a batch). `fix`: what to do with text."""
-    if isinstance(ids, (str, bytes, bytearray)):
-        raise UserError(f"{what} is text, not token ids; {fix}")
-    if hasattr(ids, "tolist") and getattr(ids, "ndim", 1) == 1:  # a tensor or array: its dtype shows in the items
-        ids = ids.tolist()
-    try:
-        out = list(ids)
-    except TypeError:
-        raise UserError(f"{what} is {_kind(ids)}, not a list of token ids; {fix}") from None
-    if not all(type(i) is int for i in out):  # the common case in one pass; otherwise name the first bad item
-        for n, i in enumerate(out):
-            if isinstance(i, bool) or not isinstance(i, numbers.Integral):
-                raise UserError(f"{what}[{n}] is {i!r}; token ids are ints, as a tokenizer gives them")
-        out = [int(i) for i in out]
-    if not out:
-        raise UserError(f"{what} is empty; give at least one token id")
-    if min(out) < 0 or max(out) >= vocab:
-        n = next(n for n, i in enumerate(out) if not 0 <= i < vocab)
-        raise UserError(f"{what}[{n}] = {out[n]} is outside the vocabulary [0, {vocab}); "
-                        "was it tokenized for this model?")
-    return out
-
-
-def _kind(x: Any) -> str:
-    return "None" if x is None else type(x).__name__
-
-
 def canvas_ids(session: Any, ids: Any, what: str = "init_canvas") -> list[int] | None:
-    """A whole first canvas (`canvas_length` token ids) or None, checked as `token_ids`."""
+    """A whole first canvas (`canvas_length` token ids) or None, checked as `check_ids`."""
     if ids is None:
         return None
     c = session.config.canvas_length
     fix = (f"give {c} token ids: request.fill_canvas(session, request.read_init_canvas(session, text)[0], seed) "
            "builds them, and dgcli.generate takes text")
-    out = token_ids(ids, session.config.vocab_size, what, fix)
+    out = check_ids(ids, session.config.vocab_size, what, fix)
     if len(out) != c:
         raise UserError(f"{what} has {len(out)} ids; the canvas holds {c}: {fix}")
     return out
@@ -196,9 +167,7 @@ def is_empty(token_ids: Sequence[int], text: str | None, pad_id: int) -> bool:
 def cut(done: Done, max_tokens: int | None) -> tuple[list[int], str]:
     """The answer ids and finish reason after the token budget: the loop works in whole blocks, so an
     answer longer than `max_tokens` is cut here and finishes by length."""
-    if max_tokens is not None and len(done.token_ids) > max_tokens:
-        return done.token_ids[:max_tokens], "length"
-    return done.token_ids, done.finish_reason
+    return cut_answer(done.token_ids, done.finish_reason, max_tokens)
 
 
 def stream(session: Any, prompt_ids: Sequence[int], *, params: Any = None, ignore_eos: bool = False,
@@ -206,13 +175,13 @@ def stream(session: Any, prompt_ids: Sequence[int], *, params: Any = None, ignor
     """The loop's events for one request. `prompt_ids`: token ids (`encode` makes them from text); `params`
     (default: the session's) may change per request, its `max_blocks` setting the block count under the session's
     token budget; `init_canvas`: a whole first canvas of token ids (see `fill_canvas`)."""
-    prompt_ids = token_ids(prompt_ids, session.config.vocab_size, "prompt_ids")
+    prompt_ids = check_ids(prompt_ids, session.config.vocab_size, "prompt_ids")
     return _stream(session, prompt_ids, params, ignore_eos, canvas_ids(session, init_canvas))
 
 
 def _stream(session: Any, prompt_ids: list[int], params: Any, ignore_eos: bool,
             init_canvas: list[int] | None) -> Iterator[Event]:
-    from dgcli.sampling.loop import generate_events
+    from dgcli.engine import generate_events
 
     params = session.params if params is None else params
     num_blocks = blocks_for(params, session.resolved.run.max_tokens, session.config.canvas_length)
@@ -220,7 +189,7 @@ def _stream(session: Any, prompt_ids: list[int], params: Any, ignore_eos: bool,
     return generate_events(session.model, prompt_ids, params=params, num_blocks=num_blocks,
                            stop_ids=() if ignore_eos else session.stop_ids, pad_id=session.pad_id,
                            init_canvas=init_canvas, compile_tiles=session.compiled,
-                           step_mode=session.step_mode)
+                           step_mode=session.step_mode, engines=getattr(session, "engines", None))
 
 
 def run(session: Any, prompt_ids: Sequence[int], *, params: Any = None, ignore_eos: bool = False,
@@ -228,7 +197,7 @@ def run(session: Any, prompt_ids: Sequence[int], *, params: Any = None, ignore_e
         show_thinking: bool = False) -> Response:
     """One request to its `Response` (arguments as `stream`'s); `on_event` sees every event as it happens
     (progress, watch, trace)."""
-    prompt_ids = token_ids(prompt_ids, session.config.vocab_size, "prompt_ids")
+    prompt_ids = check_ids(prompt_ids, session.config.vocab_size, "prompt_ids")
     starts: list[int] = []
     done = None
     for event in _stream(session, prompt_ids, params, ignore_eos, canvas_ids(session, init_canvas)):
@@ -257,7 +226,7 @@ def run_batch(session: Any, prompts: Iterable[Sequence[int]], *, batch_size: int
     if isinstance(prompts, (str, bytes, bytearray)) or not isinstance(prompts, Iterable):
         raise UserError(f"prompts is {_kind(prompts)}; {fix}")
     vocab = session.config.vocab_size
-    prompts = [token_ids(ids, vocab, f"prompts[{i}]") for i, ids in enumerate(prompts)]
+    prompts = [check_ids(ids, vocab, f"prompts[{i}]") for i, ids in enumerate(prompts)]
     seeds = _per_prompt(seeds, "seeds", len(prompts))
     for i, x in enumerate(seeds or ()):
         if isinstance(x, bool) or not isinstance(x, numbers.Integral):
@@ -291,14 +260,14 @@ def _per_prompt(values: Iterable | None, name: str, n: int) -> list | None:
 def _run_batch(session: Any, prompts: list[list[int]], batch_size: int, seeds: list | None, init_canvases: list | None,
                params: Any, num_blocks: int, ignore_eos: bool, show_thinking: bool,
                on_event: Callable[[Event], None] | None, stats: dict | None) -> Iterator[tuple[int, Response]]:
-    from dgcli.sampling.loop import generate_batch_events
+    from dgcli.engine import generate_batch_events
 
     starts: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     events = generate_batch_events(
         session.model, prompts, params=params, num_blocks=num_blocks, seeds=seeds,
         stop_ids=() if ignore_eos else session.stop_ids, pad_id=session.pad_id, init_canvases=init_canvases,
         compile_tiles=session.compiled, max_batch=batch_size, stats=stats, step_mode=session.step_mode,
-        prefix_caching=getattr(session, "prefix_caching", True))
+        prefix_caching=getattr(session, "prefix_caching", True), engines=getattr(session, "engines", None))
     for event in events:
         if on_event is not None:
             on_event(event)

@@ -3,7 +3,7 @@ model and its tokenizer — from a checkpoint, or as random weights from a confi
 
 Owns: `Session` and `open_session` / `open_dummy_session`, device/dtype choice (and the settings saying
 which ran), the bundled-model default, the one thread rule every command uses (`thread_rule`), `--compile`,
-`--cuda-graphs` (the step mode), prepacking an eager CPU session's bf16 weights, and the memory preflight of
+`--cuda-graphs` (the step mode), the session's engine (kept between calls), prepacking an eager CPU session's bf16 weights, and the memory preflight of
 dummy models. Must not: run the sampler, tokenise prompts (runtime/request.py does) or print.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -60,11 +60,14 @@ class Session:
     name: str = ""  # what rows and cards call the model
     dummy: bool = False  # random weights (fixed work forced)
     compiled: bool = False  # --compile: decoder and vocabulary tiles through torch.compile
-    step_mode: str = "dynamic"  # the engine's step: "graphs" with --cuda-graphs (dgcli.sampling.engine.new_engine)
+    step_mode: str = "dynamic"  # the engine's step: "graphs" with --cuda-graphs (dgcli.engine.new_engine)
     prefix_caching: bool = True  # batched engines share cached prompt blocks (--no-prefix-caching: off)
     packed_weights: int = 0  # weight matrices prepacked (eager CPU: bf16 for oneDNN, fp32 for the C GEMM; model.packed)
     threads: int = 0  # torch intra-op threads the run uses (`thread_rule`)
     threads_source: str = ""  # why: the --threads flag, OMP_NUM_THREADS, or the rule
+    # The session's engine (dgcli.engine.KeptEngine): every generate, watch, bench and sweep call of this session
+    # runs on it, kept (its KV cache and CUDA graphs) for the next call of the same shape.
+    engines: Any = field(default_factory=lambda: _kept_engine(), repr=False, compare=False)
 
     @property
     def params(self):
@@ -77,6 +80,12 @@ class Session:
     @property
     def dtype_name(self) -> str:
         return str(self.model.embed_weight.dtype).removeprefix("torch.")
+
+
+def _kept_engine() -> Any:
+    from dgcli.engine import KeptEngine
+
+    return KeptEngine()
 
 
 # Below this size a CPU model runs on one thread (see `thread_rule`).

@@ -1,7 +1,8 @@
-"""The sampling layer: the one entropy-bound denoising loop (`engine.Engine`, entered through
-`loop.generate_batch_events` / `loop.generate_events`), its rules and random stream, its typed events, and
-`DiffusionEbParams` with its one validator.
+"""The sampling layer: the entropy-bound sampler's rules as pure functions (`rules.py`: the schedule, one step on
+the canvas rows), its counter-addressed random stream (`draws.py`), its typed events (`events.py`),
+`DiffusionEbParams` with its one validator (`params.py`) and the one way the host reads the device (`host_reads.py`).
+The loop that runs them over a model is the engine's (`dgcli.engine`).
 
-Owns: turning a model + prompt ids into events and a `Done`. Must not: tokenize, read files, print, or know
-about presets, commands or checkpoints' generation_config.json (runtime/ resolves those).
+Must not: import the engine or the model, tokenize, read files, print, or know about presets, commands or
+checkpoints' generation_config.json (runtime/ resolves those).
 """

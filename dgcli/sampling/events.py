@@ -1,4 +1,4 @@
-"""Typed events of the one denoising loop (`dgcli.sampling.loop.generate_events`) and their JSON records.
+"""Typed events of the one denoising loop (`dgcli.engine.generate_events`) and their JSON records.
 
 Owns: the event dataclasses and `to_record()`, the JSON-ready dict each becomes in a trace (one
 line per record; `BlockStart` and `Step` records are per block/step, `Commit` per block, `Done`
@@ -92,7 +92,7 @@ class Commit:
 
 @dataclass
 class Done:
-    """The generation's result; also what `dgcli.sampling.loop.generate` returns."""
+    """The generation's result; also what `dgcli.engine.generate` returns."""
 
     token_ids: list[int]  # the answer: generated ids up to, not including, the first stop id
     finish_reason: FinishReason  # "stop": a stop id appeared; "length": all blocks ran out
@@ -100,8 +100,8 @@ class Done:
     blocks: int  # blocks generated
     steps_per_block: list[int]  # decoder passes each block took
     decoder_passes: int  # sum of steps_per_block
-    tokens_per_forward: float  # reference (HF) definition, see dgcli.sampling.loop
-    timings: dict[str, float] = field(default_factory=dict)  # seconds; keys documented in dgcli.sampling.loop
+    tokens_per_forward: float  # reference (HF) definition, see dgcli.engine.loop
+    timings: dict[str, float] = field(default_factory=dict)  # seconds; keys documented in dgcli.engine.loop
     row: int = 0
 
     def to_record(self) -> dict:

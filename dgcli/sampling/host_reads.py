@@ -1,6 +1,6 @@
 """The engines' reads of device values on the host, declared in one place.
 
-Owns: `read(t, why)`, the only way `engine.Engine` (and the server's worker) bring device values to
+Owns: `read(t, why)`, the only way the engine (`dgcli.engine`) and the server's worker bring device values to
 the host while they run, for one of `READS`: "stop" (a pass's stop flags: once per pass when some running
 request can stop early; the CUDA engine reads them a pass late, from a pinned copy), "commit" (the
 token ids of the blocks that ended, once per pass that ends a block) and "draft" (`dgemma serve`'s worker:

@@ -1,5 +1,5 @@
 """The entropy-bound sampler's rules (spec §7.2) as small pure functions on device tensors; the engine
-(`engine.py`) runs a step from them (vocabulary pass, accept, renoise, stop flags).
+(`dgcli/engine/runner.py`) runs a step from them (vocabulary pass, accept, renoise, stop flags).
 
 Owns: temperature, accept_mask, is_stable / push_history, is_confident, RowRules, sample_step. Must not: loop over steps or
 blocks, draw random numbers (the step is handed its uniforms and renoise ids), sync with the host, or know

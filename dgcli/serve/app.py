@@ -31,9 +31,9 @@ from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, R
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from dgcli.engine import Output
 from dgcli.serve import protocol
 from dgcli.serve.metrics import Metrics
-from dgcli.serve.output import Output
 from dgcli.serve.errors import ApiError
 from dgcli.serve.protocol import Context, Spec
 from dgcli.serve.worker import SHUTTING_DOWN, Job, Worker

@@ -28,7 +28,7 @@ also sets the block count), `seed`, `stream`, `stream_options.include_usage`, `s
 content), `n` (1).
 The thought channel comes back as `reasoning_content` (in `message`, or in `delta` when streaming).
 A stream (SSE, OpenAI's chunk shape): a first chunk with the role, one chunk per committed block with its new
-text in `delta.content` (append-only; serve/output.py says what waits for the next block), a last chunk with
+text in `delta.content` (append-only; engine/output.py says what waits for the next block), a last chunk with
 `finish_reason` (`stop`: a stop id or string; `length`: blocks or `max_tokens` ran out), the usage chunk when
 asked (`choices: []`, `usage` with `blocks`, `denoising_steps`, `steps_per_block`), then `data: [DONE]`.
 A draft chunk's `dgemma_draft` is {block, step, max_steps, token_ids, text, accepted, mean_entropy, final,
@@ -52,6 +52,7 @@ from functools import cached_property
 from typing import Any
 
 from dgcli.errors import UserError
+from dgcli.engine import out_of_vocab, over_context
 from dgcli.runtime.settings import PARAM_KEYS, blocks_for
 from dgcli.sampling.params import LIMITS, SettingsError, coerce, over_limit, suggest
 from dgcli.serve.errors import ApiError
@@ -199,8 +200,8 @@ def _unicode(text: str, where: str, param: str) -> str:
 
 def _context_error(prompt_len: int, blocks: int, ctx: Context, chat: bool) -> ApiError | None:
     """The refusal of a prompt of `prompt_len` ids with `blocks` canvases after it beyond the context, else None."""
-    need = prompt_len + blocks * ctx.canvas_length
-    if need <= ctx.context:
+    need = over_context(prompt_len, blocks, ctx.canvas_length, ctx.context)  # the engine's rule, the CLI's too
+    if need is None:
         return None
     return ApiError(400, f"the prompt ({prompt_len} tokens) plus {blocks} block(s) of {ctx.canvas_length} need "
                     f"{need} positions; this server's context is {ctx.context}: shorten the prompt or lower "
@@ -274,9 +275,9 @@ def _prompt_ids(body: dict, ctx: Context, thinking: bool, chat: bool, blocks: in
             too_long = _context_error(len(prompt), blocks, ctx, chat)
             if too_long:  # before the ids are checked one by one
                 raise too_long
-            bad = [t for t in prompt if not 0 <= t < tok.vocab_size]
-            if bad:
-                raise ApiError(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {tok.vocab_size})", param="prompt")
+            bad = out_of_vocab(prompt, tok.vocab_size)
+            if bad is not None:
+                raise ApiError(400, f"prompt token id {prompt[bad]} is outside the vocabulary [0, {tok.vocab_size})", param="prompt")
             ids = list(prompt)
         elif prompt is None:
             raise ApiError(400, "prompt is missing: send a string", param="prompt")

@@ -1,4 +1,4 @@
-"""The engine thread: one `Engine` (continuous batching over fixed KV-cache slots) owned by one thread, fed
+"""The engine thread: one `LLMEngine` (continuous batching over fixed KV-cache slots) owned by one thread, fed
 through an inbox, its events turned into each request's messages on the HTTP side's event loop.
 
 Owns: `Job` (one HTTP request as the engine thread sees it: its `Spec`, its `Output`, the asyncio queue
@@ -6,11 +6,12 @@ its handler reads) and `Worker`: submit / cancel / close from any thread; the th
 whenever the engine has work and otherwise sleeps on the inbox. Messages to a handler: ("text", reasoning,
 content) per committed block, ("draft", dict) per step when asked, then ("end", finish_reason, usage) or
 ("error", ApiError). A request whose answer ends early (stop string, max_tokens) or whose client went
-away is withdrawn from the engine (`Engine.cancel`): its slot is free before the next pass.
+away is withdrawn from the engine (`LLMEngine.cancel`): its slot is free before the next pass.
 `abort` answers every request still waiting from the calling thread (503), whatever the engine thread is
 doing: a shutdown never waits on a decoder pass. The thread records its progress in `Metrics` (each pass,
 each message) so that /health can tell a stalled engine from a busy one.
-Must not: parse HTTP or touch sockets; only this thread touches the engine (it has no lock).
+Must not: parse HTTP or touch sockets, or reach into the engine's parts (only `dgcli.engine`'s public names);
+only this thread touches the engine (it has no lock).
 """
 
 from __future__ import annotations
@@ -26,12 +27,11 @@ from typing import Any, Callable
 
 import torch
 
+from dgcli.engine import LLMEngine, Output, new_engine
 from dgcli.errors import UserError
 from dgcli.sampling import host_reads
-from dgcli.sampling.engine import Engine, Request, new_engine
 from dgcli.sampling.events import BlockStart, Commit, Done, Step
 from dgcli.serve.metrics import Metrics
-from dgcli.serve.output import Output
 from dgcli.serve.errors import ApiError
 from dgcli.serve.protocol import Spec, usage
 
@@ -71,7 +71,7 @@ class Worker:
         self.drafts: list[_Draft] = []  # drafts on their way to the host (CUDA: sent a pass later)
         self.thread = threading.Thread(target=self._run, name="dgemma-engine", daemon=True)
 
-    def _engine(self) -> Engine:
+    def _engine(self) -> LLMEngine:
         s = self.session
         return new_engine(s.model, slots=self.slots, max_len=self.max_len, pad_id=s.pad_id, compile_tiles=s.compiled,
                           step_mode=s.step_mode, prefix_caching=getattr(s, "prefix_caching", True))
@@ -140,10 +140,9 @@ class Worker:
             spec = job.spec
             self.jobs[job.id] = job
             try:  # anything that fails here fails this request alone: the thread must outlive it
-                request = Request(id=job.id, prompt=torch.tensor(spec.prompt_ids),  # the engine sends it to the device
-                                  params=spec.params, num_blocks=spec.num_blocks, seed=spec.params.seed,
-                                  stops=set() if spec.ignore_eos else set(self.session.stop_ids))
-                self.engine.submit(request, ids=list(spec.prompt_ids))
+                self.engine.add_request(spec.prompt_ids, request_id=job.id, params=spec.params,
+                                        num_blocks=spec.num_blocks, seed=spec.params.seed,
+                                        stop_ids=() if spec.ignore_eos else self.session.stop_ids)
             except Exception as e:  # the engine refused it (the app's checks should have caught this)
                 log.exception("the engine refused request %s", job.id)
                 status = 400 if isinstance(e, UserError) else 500

@@ -133,8 +133,8 @@ def loss_fn(model: DiffusionGemma, prefix: torch.Tensor, valid: torch.Tensor, ta
 # ---- evaluation with the real sampler -----------------------------------------------------------
 def evaluate(model: DiffusionGemma, tok: ChatTokenizer, examples: list[tasks.Example], *, num_blocks: int = 4,
              params=None, stop_ids=None, keep_outputs: bool = False) -> dict:
-    """Exact match and steps per block per family, generating with `dgcli.sampling.loop.generate`."""
-    from dgcli.sampling.loop import generate
+    """Exact match and steps per block per family, generating with `dgcli.engine.generate`."""
+    from dgcli.engine import generate
     from dgcli.sampling.params import DiffusionEbParams
 
     params = params or DiffusionEbParams()

@@ -186,7 +186,7 @@ def test_real_subprocess_pipeline(ckpt):
     assert bad.returncode == 2 and bad.stdout == "" and len(bad.stderr.strip().splitlines()) == 1
     assert "Traceback" not in bad.stderr
     assert "transformers" not in subprocess.run(
-        [sys.executable, "-c", "import sys, dgcli.cli, dgcli.runtime.session, dgcli.sampling.loop, dgcli.model.gemma; print(sorted(sys.modules))"],
+        [sys.executable, "-c", "import sys, dgcli.cli, dgcli.runtime.session, dgcli.engine.loop, dgcli.model.gemma; print(sorted(sys.modules))"],
         capture_output=True, text=True).stdout  # transformers is the test oracle only
 
 

@@ -66,7 +66,7 @@ def _storage_bytes(tensors) -> int:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("context", [300, 37, 4])  # sliding rings shorter than the full layers' blocks, and not
 def test_kv_per_slot_is_what_the_engines_cache_allocates(dtype, context):
-    from dgcli.sampling.engine import Engine
+    from dgcli.engine import LLMEngine as Engine
 
     model = random_model(make_config(SMALL, canvas_length=8), dtype=dtype)
     cfg, ab = model.config, dtype.itemsize
@@ -106,15 +106,16 @@ def test_loop_state_per_row_is_what_the_engine_holds_at_a_step(lag, monkeypatch)
     where a step peaks) of a pass of 3 requests minus one of 2 are `loop_state_bytes` per request: the
     requests' state, the pass's stacked inputs, the sampler's draws and rules (settings differ: RowRules) and,
     with lag 1, the unsettled previous pass. A step past a block's first, so the soft embedding is held."""
-    from dgcli.sampling import engine as eng_mod
+    from dgcli import engine as eng_mod
+    from dgcli.engine import runner
     from dgcli.sampling.params import DiffusionEbParams
 
     model = random_model(make_config(SMALL, canvas_length=8), dtype=torch.bfloat16)
-    cfg, held, real = model.config, {}, eng_mod.sample_step
+    cfg, held, real = model.config, {}, runner.sample_step
     a, b_ = (DiffusionEbParams(max_denoising_steps=4, stability_threshold=2, entropy_bound=e) for e in (0.1, 0.2))
 
     def spy(model, hidden, *args, **kw):
-        sample, launch = sys._getframe(1), sys._getframe(2)  # Engine._sample, Engine._launch
+        sample, launch = sys._getframe(1), sys._getframe(2)  # ModelRunner._sample, ModelRunner._launch
         eng, p = sample.f_locals["self"], sample.f_locals["p"]
         rows = p.plan.canvases
         if len(rows) not in held and all(r.soft is not None for r in rows) and not p.plan.commits:
@@ -131,9 +132,9 @@ def test_loop_state_per_row_is_what_the_engine_holds_at_a_step(lag, monkeypatch)
             held[len(rows)] = _storage_bytes(tensors)
         return real(model, hidden, *args, **kw)
 
-    monkeypatch.setattr(eng_mod, "sample_step", spy)
+    monkeypatch.setattr(runner, "sample_step", spy)
     for b in (2, 3):
-        eng = eng_mod.Engine(model, slots=b, max_len=5 + 8, lag=lag)
+        eng = eng_mod.LLMEngine(model, slots=b, max_len=5 + 8, lag=lag)
         for i in range(b):
             eng.submit(eng_mod.Request(id=i, prompt=torch.tensor([3, 4, 5, 6, 7]), params=[a, b_, a][i], num_blocks=2,
                                        seed=i))
@@ -154,7 +155,7 @@ def test_pass_step_and_prefill_temporaries_are_the_cpu_allocators_peak(text, mon
     The vocabulary tiles and the norms in torch: the formula counts their buffers (the C tile's, fewer: the next
     test; the C norms hold only their outputs: the peaks stay under the formula, checked here)."""
     monkeypatch.setenv("DGEMMA_KERNELS", "torch")
-    from dgcli.sampling.engine import Engine, Request
+    from dgcli.engine import LLMEngine as Engine, Request
     from dgcli.sampling.params import DiffusionEbParams
     from dgcli.sampling.rules import sample_step
 
@@ -309,7 +310,7 @@ def test_a_whole_batched_run_peaks_where_the_formula_says(blocks, slots, monkeyp
     """generate_batch_events over one batch of equal requests, and over 4 requests through 2 slots (each
     finished request's slot is taken by the next): the run's peak is its cache, the loop state and the
     larger of prefill and step, as peak_bytes counts them (within the CPU attention kernel's scratch)."""
-    from dgcli.sampling.loop import generate_batch_events
+    from dgcli.engine import generate_batch_events
     from dgcli.sampling.params import DiffusionEbParams
 
     monkeypatch.setenv("DGEMMA_KERNELS", "torch")  # the formula counts the torch tile (the test above)
@@ -393,15 +394,15 @@ def test_memory_constants_follow_the_kernels():
     # the engine's: its pass budget and the paged cache's block size (card.cache_positions)
     import inspect
 
-    from dgcli.model import paged
-    from dgcli.sampling import engine
+    from dgcli.engine import kv_cache as paged
+    from dgcli.engine import llm_engine as engine
 
     assert memory.BUDGET == engine.DEFAULT_BUDGET
     from dgcli.cli import serve
 
     assert memory.SERVE_SLOTS == inspect.signature(serve.serve).parameters["max_batch_size"].default
     blocks = {inspect.signature(f).parameters["block_size"].default
-              for f in (paged.PagedKVCache.__init__, engine.Engine.__init__, DiffusionGemma.new_cache)}
+              for f in (paged.PagedKVCache.__init__, engine.LLMEngine.__init__, DiffusionGemma.new_cache)}
     assert blocks == {info.KV_BLOCK}
     assert (memory_vocab.CPU_TILE_BYTES, memory_vocab.CPU_TILE_ROWS, memory_vocab.GROUP, memory_vocab.CPU_SOFTMAX_BYTES) == (
         vocab_pass_cpu.TILE_BYTES, vocab_pass_cpu.TILE_ROWS, vocab_pass_cpu.GROUP, vocab_pass_cpu.SOFTMAX_BYTES)

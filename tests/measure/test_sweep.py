@@ -139,7 +139,7 @@ def test_exact_match_quality_from_answers(ckpt, tmp_path):
     """Answers in the prompt file make quality an exact match: one prompt's answer is what the model
     says at the cell's settings (run here through the same sampler), the other's is not."""
     import dgcli
-    from dgcli.sampling.loop import generate
+    from dgcli.engine import generate
     from dgcli.text.tokenizer import load_tokenizer
 
     tok, model = load_tokenizer(ckpt), dgcli.load_model(ckpt)

@@ -12,7 +12,7 @@ from dgcli.kernels import linear_cpu
 from dgcli.model.gemma import Experts
 from dgcli.model.packed import PackedExperts, PackedLinear, pack_for_cpu
 from dgcli.checkpoint.random_weights import make_config, random_model
-from dgcli.sampling.engine import Engine, Request
+from dgcli.engine import LLMEngine as Engine, Request
 from dgcli.sampling.events import Commit, Done, Step
 from dgcli.sampling.params import DiffusionEbParams
 from passes import Seqs, decode, encode

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from dgcli.model.attention import PassLayout, Segment
-from dgcli.model.paged import BlockPool, PagedKVCache
+from dgcli.engine.block_manager import BlockPool
+from dgcli.engine.kv_cache import PagedKVCache
 from dgcli.checkpoint.random_weights import make_config, random_model
 from hf_oracle import CONFIGS
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dgcli.model.attention import Segment
-from dgcli.model.paged import PagedKVCache, pool_blocks
+from dgcli.engine.block_manager import pool_blocks
+from dgcli.engine.kv_cache import PagedKVCache
 from dgcli.checkpoint.random_weights import make_config, random_model
 from hf_oracle import CONFIGS
 

@@ -16,7 +16,7 @@ from dgcli.checkpoint import load as loader
 from dgcli.runtime.session import open_session
 from dgcli.runtime.settings import RunSettings, resolve
 from dgcli.sampling import rules
-from dgcli.sampling.engine import Engine, Request
+from dgcli.engine import LLMEngine as Engine, Request
 from dgcli.sampling.events import Step
 from dgcli.sampling.params import LIMITS, DiffusionEbParams
 

@@ -13,7 +13,7 @@ from dgcli.errors import UserError
 from dgcli.runtime import request
 from dgcli.runtime.session import BUNDLED
 from dgcli.sampling.events import Step
-from dgcli.sampling.loop import generate_batch_events, generate_events
+from dgcli.engine import generate_batch_events, generate_events
 
 COUNT = "Count from 7 to 31."
 

@@ -15,7 +15,7 @@ from dgcli.cli.options import sampler_flags
 from dgcli.runtime import request
 from dgcli.runtime.session import open_session
 from dgcli.sampling.events import BlockStart, Commit, Done, Step
-from dgcli.sampling.loop import generate, generate_batch_events, generate_events
+from dgcli.engine import generate, generate_batch_events, generate_events
 from dgcli.sampling.params import DiffusionEbParams
 from dgcli.text.prompts import read_prompt_file
 
@@ -225,7 +225,7 @@ def test_rows_with_their_own_stop_ids(bundled):
 def test_a_request_submitted_while_the_engine_runs_joins_at_the_next_pass(bundled):
     """The server's case: requests arrive while others denoise. One submitted between two events of a
     running engine takes the free slot at the next pass and equals its solo run."""
-    from dgcli.sampling.engine import Engine, Request
+    from dgcli.engine import LLMEngine as Engine, Request
 
     session, prompts = bundled
     p = session.params
@@ -259,7 +259,7 @@ def test_cancelled_requests_leave_and_the_others_keep_their_solo_answers(bundled
     """The server's disconnects: a queued request withdrawn never runs; a running one withdrawn mid-block
     frees its slot before the next pass (no more events, no Done) and the next queued request takes it;
     the rest equal their solo runs."""
-    from dgcli.sampling.engine import Engine, Request
+    from dgcli.engine import LLMEngine as Engine, Request
 
     session, prompts = bundled
     p = session.params

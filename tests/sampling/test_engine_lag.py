@@ -14,7 +14,7 @@ import dgcli
 from dgcli.cli.options import sampler_flags
 from dgcli.runtime import request
 from dgcli.runtime.session import open_session
-from dgcli.sampling.engine import Engine, Request, new_engine
+from dgcli.engine import LLMEngine as Engine, Request, new_engine
 from dgcli.sampling.events import BlockStart, Commit, Done, Step
 from dgcli.text.prompts import read_prompt_file
 

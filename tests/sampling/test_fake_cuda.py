@@ -19,7 +19,7 @@ from dgcli.kernels import dispatch
 from dgcli.model import attention
 from dgcli.model.gemma import DiffusionGemma
 from dgcli.sampling import host_reads
-from dgcli.sampling.engine import Engine, Request, new_engine
+from dgcli.engine import LLMEngine as Engine, Request, new_engine
 from dgcli.sampling.events import Commit, Done, Step
 from dgcli.sampling.params import DiffusionEbParams
 from fake_cuda import (CUDA, PROMPT_LENS, TEXT, AttentionLog, CudaBindings, FakeCudaMode, FakeTensorDeviceMismatchError,  # noqa: F401

@@ -13,7 +13,7 @@ import torch
 from hf_oracle import TINY_VISION, make_config
 
 import dgcli
-from dgcli.sampling.loop import generate_batch_events, generate_events
+from dgcli.engine import generate_batch_events, generate_events
 from dgcli.sampling.events import Done, Step
 from dgcli.sampling.params import DiffusionEbParams
 

@@ -17,7 +17,7 @@ from dgcli.model import attention
 from dgcli.model.attention import PassLayout, Segment
 from dgcli.model.graphs import buckets
 from dgcli.runtime.session import open_session
-from dgcli.sampling.engine import Engine, new_engine
+from dgcli.engine import LLMEngine as Engine, new_engine
 
 
 @pytest.fixture(scope="module")
@@ -94,23 +94,23 @@ def test_new_engine_builds_graphs_for_the_graphs_step_mode(graph_session, paged_
 
 
 def test_a_graphs_engine_is_kept_for_the_next_run_of_the_same_shape(graph_session, paged_kernel):
-    """bench's runs and sweep's points reuse the last graphs engine of the same shape (its captures too); each
-    run's stats are its own."""
-    from dgcli.sampling import loop
+    """bench's runs and sweep's points reuse their session's engine of the same shape (`Session.engines`: its graph
+    captures too); each run's stats are its own."""
+    from dgcli.engine import KeptEngine, generate_batch_events
 
+    kept = KeptEngine()  # what a session holds
     session, prompts = graph_session
     p = dataclasses.replace(session.params, max_denoising_steps=3, confidence_threshold=0.0)
     runs = []
     for _ in range(2):
         stats: dict = {}
-        done = [ev for ev in loop.generate_batch_events(session.model, [prompts[5], prompts[5]], params=p, num_blocks=2,
-                                                        pad_id=session.pad_id, stats=stats, step_mode="graphs",
-                                                        prefix_caching=True, max_batch=1)
+        done = [ev for ev in generate_batch_events(session.model, [prompts[5], prompts[5]], params=p, num_blocks=2,
+                                                   pad_id=session.pad_id, stats=stats, step_mode="graphs",
+                                                   prefix_caching=True, max_batch=1, engines=kept)
                 if type(ev).__name__ == "Done"]
-        runs.append(([d.token_ids for d in done], stats, next(iter(loop._KEPT.values()))))
+        runs.append(([d.token_ids for d in done], stats, kept.engine))
     (tokens_a, stats_a, engine_a), (tokens_b, stats_b, engine_b) = runs
     assert engine_a is engine_b and tokens_a == tokens_b
     assert stats_a["decoder_passes"] == stats_b["decoder_passes"] > 0 and stats_b["graph_passes"] > 0
     # each run starts cold: the second hits only what its own first request cached, as the first run did
     assert stats_a["prefix_cache_hits"] == stats_b["prefix_cache_hits"] > 0
-    loop._KEPT.clear()

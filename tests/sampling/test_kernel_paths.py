@@ -17,7 +17,7 @@ from dgcli.kernels import dispatch, ops
 from dgcli.runtime import request
 from dgcli.runtime.session import open_session
 from dgcli.sampling.events import Step
-from dgcli.sampling.loop import generate_events
+from dgcli.engine import generate_events
 from dgcli.sampling.params import DiffusionEbParams
 from dgcli.text.prompts import read_prompt_file
 

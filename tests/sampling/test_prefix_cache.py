@@ -11,7 +11,7 @@ import torch
 
 from dgcli.cli.options import sampler_flags
 from dgcli.runtime.session import open_session
-from dgcli.sampling.engine import Engine, Request
+from dgcli.engine import LLMEngine as Engine, Request
 from test_engine_lag import record, same
 
 

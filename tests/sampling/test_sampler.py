@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from dgcli.errors import UserError
 from dgcli.sampling.events import BlockStart, Commit, Done, Step
 from dgcli.sampling import draws
-from dgcli.sampling.loop import generate, generate_events
+from dgcli.engine import generate, generate_events
 from dgcli.sampling.rules import (accept_mask, is_confident, is_stable, push_history,
                            temperature)
 

@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from dgcli.runtime.session import open_session
-from dgcli.serve.output import Output
+from dgcli.engine import Output
 from dgcli.serve.protocol import Spec
 from dgcli.serve.worker import Job
 from server_proc import Server, free_port, in_process

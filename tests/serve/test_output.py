@@ -1,4 +1,4 @@
-"""`serve.output.Output`: one answer's text as its blocks commit, with the bundled tokenizer: append-only
+"""`engine.output.Output`: one answer's text as its blocks commit, with the bundled tokenizer: append-only
 deltas whose sum is the final answer, the thought channel kept out of the content (also when it spans
 blocks), split UTF-8 sequences and stop-string prefixes held back, stop strings and max_tokens cuts."""
 
@@ -9,7 +9,7 @@ import random
 import pytest
 
 from dgcli.runtime.session import BUNDLED
-from dgcli.serve.output import Output
+from dgcli.engine import Output
 from dgcli.text.tokenizer import load_tokenizer
 
 

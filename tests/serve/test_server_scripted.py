@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dgcli.runtime.session import open_session
-from dgcli.sampling.loop import generate
+from dgcli.engine import generate
 from server_proc import in_process
 
 PROMPT = "Reverse: c a t"

@@ -19,7 +19,7 @@ from dgcli.runtime.session import Session, default_model_path
 from dgcli.sampling import host_reads
 from dgcli.sampling.params import DiffusionEbParams
 from dgcli.serve.metrics import Metrics
-from dgcli.serve.output import Output
+from dgcli.engine import Output
 from dgcli.serve.protocol import Spec
 from dgcli.serve.worker import Job, Worker
 from dgcli.text.tokenizer import load_tokenizer
@@ -101,9 +101,9 @@ def test_serve_worker_runs_on_fake_cuda(fake_cuda, tokenizer, caplog, drafts):
 def test_a_pageable_copy_when_a_request_joins_is_caught(fake_cuda, tokenizer, monkeypatch):
     """A planted `torch.tensor(host values, device=cuda)` when the engine takes a request in (a copy from
     pageable memory, which waits for the pass in flight) is found."""
-    from dgcli.sampling import engine
+    from dgcli.engine import llm_engine as engine
 
     monkeypatch.setattr(engine, "to_device", lambda values, dtype, device: torch.as_tensor(values, dtype=dtype).to(device))
     session = fake_session(fake_model(fake_cuda, "bf16"), tokenizer)
     _, _, _, copies = drive(fake_cuda, session, drafts=False)
-    assert any(f.startswith("Tensor.to(cuda)") and "sampling/engine.py" in f for f in copies.found), copies.found
+    assert any(f.startswith("Tensor.to(cuda)") and "engine/llm_engine.py" in f for f in copies.found), copies.found

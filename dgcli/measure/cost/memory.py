@@ -97,7 +97,7 @@ def weights_bytes(cfg: ModelConfig, fmt: str = "bf16") -> dict:
 
 
 def loop_state_bytes(cfg: ModelConfig, ab: int = 2, stability: int = 1, lag: int = 1) -> dict:
-    """Per row, what the engine (`dgcli.sampling.engine.Engine`) holds at a step's vocabulary pass (`_launch`,
+    """Per row, what the engine (`dgcli.engine.LLMEngine`) holds at a step's vocabulary pass (`_launch`,
     `_sample`), outside the pass's own temporaries; `lag` 1 (CUDA) also holds the previous, unsettled pass:"""
     c, h = cfg.canvas_length, cfg.hidden_size
     parts = {

@@ -1,7 +1,8 @@
 """One request's answer as its blocks commit: reasoning and content kept apart, append-only deltas,
-stop strings, the max_tokens cut.
+stop strings, the max_tokens cut: the one output processor of the engine's front-ends.
 
-Owns: `Output`, fed each committed block's ids (`commit`) and told when the request ends (`finish`); both
+Owns: `cut` (the max_tokens cut and its finish reason: the CLI's and library's `runtime/request.py` cuts a
+finished answer with it, `Output` each block's), `Output`, fed each committed block's ids (`commit`) and told when the request ends (`finish`); both
 return the new (reasoning, content) text since the last call. The non-streamed reply is the sum of the same
 deltas, so streamed and non-streamed text are equal by construction; the final text is the same
 `ChatTokenizer.split_thinking` the CLI uses, so a server reply equals `dgemma generate`'s answer.
@@ -15,18 +16,26 @@ Rules, decided here:
   do not end it) or a content tail that is the start of a stop string.
 * Stop strings (OpenAI `stop`) apply to the content: the first match ends the answer, the match and
   what follows are dropped, finish reason "stop".
-* `max_tokens` cuts the answer ids (as `request.cut` does for the CLI); reaching it ends the request,
+* `max_tokens` cuts the answer ids (`cut`, as the CLI's answer is cut); reaching it ends the request,
   finish reason "length", also when a stop id follows in the same block past the cut (the cut came first).
 * `completion_tokens` counts the ids of the text returned: after a stop string, the ids up to the last one
   any of whose text is returned (a token the match starts inside counts whole; the match and what
   follows do not count).
-Must not: touch the engine, torch or the network.
+Must not: touch the engine's state, torch or the network.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+
+def cut(token_ids: list[int], finish_reason: str, max_tokens: int | None) -> tuple[list[int], str]:
+    """The answer ids and finish reason after the token budget: the loop works in whole blocks, so an answer
+    longer than `max_tokens` is cut here and finishes by length."""
+    if max_tokens is not None and len(token_ids) > max_tokens:
+        return token_ids[:max_tokens], "length"
+    return token_ids, finish_reason
 
 
 class Output:
@@ -49,7 +58,7 @@ class Output:
         return len(self._cut()) if self.returned is None else self.returned
 
     def _cut(self) -> list[int]:
-        return self.ids if self.max_tokens is None else self.ids[: self.max_tokens]
+        return cut(self.ids, "", self.max_tokens)[0]
 
     def commit(self, tokens: Sequence[int], stop_index: int | None) -> tuple[str, str]:
         """A block committed (`stop_index`: where a stop id sits in it). Returns the new text; sets
@@ -58,8 +67,8 @@ class Output:
             return "", ""
         self.ids += list(tokens if stop_index is None else tokens[:stop_index])
         full = self.max_tokens is not None and len(self.ids) >= self.max_tokens
-        if stop_index is not None:  # a stop id past the cut was never reached (the CLI's `request.cut` agrees)
-            self.finish_reason = "length" if full and len(self.ids) > self.max_tokens else "stop"
+        if stop_index is not None:  # a stop id past the cut was never reached
+            self.finish_reason = cut(self.ids, "stop", self.max_tokens)[1]
         elif full:
             self.finish_reason = "length"
         return self._advance(final=self.finish_reason is not None)

@@ -1,11 +1,11 @@
 """The entropy-bound block-diffusion sampler (spec §7): the entry points of the one denoising loop.
 
 Owns: `generate_batch_events` (many prompts: checks every input and setting once, builds the requests
-and runs them through `engine.Engine`, the loop itself), `generate_events` (one prompt: a batch of one)
-and `generate` (its `Done`). The rules and one step are `rules.py`; every random draw comes from the
-counter-based stream of `draws.py`, addressed by seed, block, step and position: same seed, settings,
-device and dtype give identical events whichever kernel path runs (up to rounding at a CDF boundary)
-and whatever the batch. `generate`, `watch`, `bench`, `sweep` and the trace writer all consume these;
+and runs them through an `LLMEngine`, the loop itself: a session's own, kept between calls, or a new one),
+`generate_events` (one prompt: a batch of one) and `generate` (its `Done`). The rules and one step are
+`sampling/rules.py`; every random draw comes from the counter-based stream of `sampling/draws.py`, addressed
+by seed, block, step and position: same seed, settings, device and dtype give identical events whichever
+kernel path runs (up to rounding at a CDF boundary) and whatever the batch. `generate`, `watch`, `bench`, `sweep` and the trace writer all consume these;
 there is no second copy of the loop anywhere.
 Must not: tokenize, print, write files, import transformers, or sync with the device inside a block: on
 CUDA the engine reads a pass's stop flags one pass later (its lag), elsewhere once per pass (and
@@ -38,7 +38,8 @@ import torch
 
 from dgcli.errors import UserError
 from dgcli.kernels.transfer import to_device
-from dgcli.sampling.engine import Request, new_engine
+from dgcli.engine.llm_engine import KeptEngine
+from dgcli.engine.request import Request, out_of_vocab
 from dgcli.sampling.events import Done, Event
 from dgcli.sampling.params import DiffusionEbParams
 
@@ -49,7 +50,7 @@ from dgcli.sampling.params import DiffusionEbParams
 def _ids_tensor(ids: Sequence[int] | torch.Tensor, what: str, vocab: int, device: torch.device) -> torch.Tensor:
     """A [1, T] int64 tensor on `device` from a list of ids, a [T] or a [1, T] tensor."""
     if isinstance(ids, (list, tuple)) and ids and all(type(i) is int for i in ids):  # checked on the host
-        if min(ids) < 0 or max(ids) >= vocab:
+        if out_of_vocab(ids, vocab) is not None:
             raise UserError(f"{what} holds ids outside the vocabulary [0, {vocab}); was it tokenized for this model?")
         return to_device(ids, torch.long, device)[None]  # no copy that waits for the device
     try:  # no dtype given: float ids stay floats and are refused below, not truncated
@@ -89,6 +90,7 @@ def generate_batch_events(
     stats: dict | None = None,
     step_mode: str = "dynamic",
     prefix_caching: bool = False,
+    engines: KeptEngine | None = None,
 ) -> Iterator[Event]:
     """Run the entropy-bound sampler on several prompts at once, yielding each row's BlockStart, Step...,
     Commit per block and its Done, every event carrying `row` (the prompt's index). Rows may differ in
@@ -109,9 +111,10 @@ def generate_batch_events(
     `stats` (a dict, if given) receives the run's decoder_passes, encoder_passes, row_steps (rows
     computed over all passes; slot occupancy = row_steps / (decoder_passes · max_batch)), denoise_s (the
     decoder passes' own time, each pass once) and encode_s (prefills and commits). `step_mode` picks how a
-    step runs: "dynamic" (its exact shapes) or "graphs" (CUDA graphs of denoise-only passes: model/graphs.py;
-    the engine is kept for the next call of the same shape). `prefix_caching`: prompts share the cached
-    whole blocks of earlier prompts and answers of this call (stats gain prefix_cache_queries and _hits)."""
+    step runs: "dynamic" (its exact shapes) or "graphs" (CUDA graphs of denoise-only passes: model/graphs.py).
+    `prefix_caching`: prompts share the cached whole blocks of earlier prompts and answers of this call (stats
+    gain prefix_cache_queries and _hits). `engines`: the caller's kept engine (a session's `engines`: reused by
+    the next call of the same shape, its graphs too); None: a new engine for this call."""
     n_rows = len(prompts)
     if n_rows < 1:
         raise UserError("no prompts: give at least one")
@@ -159,37 +162,12 @@ def generate_batch_events(
         slots = min(slots, n_rows)
     # A request's last block is never encoded: a slot holds at most its prompt and blocks - 1 canvases.
     max_len = max(len(q.prompt) + (q.num_blocks - 1) * c for q in requests)
-    key = (id(model), slots, max_len, pad_id, compile_tiles, prefix_caching)
-    engine = _graphs_engine(key) if step_mode == "graphs" else None
-    if engine is None:
-        engine = new_engine(model, slots=slots, max_len=max_len, pad_id=pad_id, compile_tiles=compile_tiles,
-                            stats=None if step_mode == "graphs" else stats, step_mode=step_mode,
-                            prefix_caching=prefix_caching)
-        if step_mode == "graphs":
-            _KEPT.clear()
-            _KEPT[key] = engine
+    engine = (KeptEngine() if engines is None else engines).get(
+        model, slots=slots, max_len=max_len, pad_id=pad_id, compile_tiles=compile_tiles, stats=stats,
+        step_mode=step_mode, prefix_caching=prefix_caching)
     for q, ids in zip(requests, prompts):  # host ids where given (prefix caching keys blocks by them)
         engine.submit(q, ids=list(ids) if isinstance(ids, (list, tuple)) else None)
     yield from engine.events()
-    if stats is not None and stats is not engine.stats:
-        stats.update(engine.stats)
-
-
-# The last engine with CUDA graphs, kept for the next call of the same shape (bench's runs, sweep's points): its
-# graphs, captured once, are replayed by every later run instead of being captured again in each. Each call
-# starts as a new engine would: counters at zero, no cached prompt blocks from an earlier call.
-_KEPT: dict[tuple, Any] = {}
-
-
-def _graphs_engine(key: tuple) -> Any:
-    engine = _KEPT.get(key)
-    if engine is None or not engine.idle:
-        return None
-    for name, value in engine.stats.items():
-        engine.stats[name] = type(value)()
-    if engine.cache.prefix_caching:
-        engine.cache.drop_cached()
-    return engine
 
 
 def generate_events(
@@ -203,19 +181,20 @@ def generate_events(
     init_canvas: Sequence[int] | torch.Tensor | None = None,
     compile_tiles: bool = False,
     step_mode: str = "dynamic",
+    engines: KeptEngine | None = None,
 ) -> Iterator[Event]:
     """Run the entropy-bound sampler on one prompt (a batch of one in `generate_batch_events`), yielding
     BlockStart, Step..., Commit per block, then Done. `params` needs max_denoising_steps, t_min, t_max,
     entropy_bound, stability_threshold, confidence_threshold, seed (e.g.
     `dgcli.sampling.params.DiffusionEbParams`); `params.seed` keys every random draw (see `draws.py`);
     `init_canvas` [C] replaces the first block's random canvas; `compile_tiles` runs the vocabulary
-    pass's tile math through torch.compile (the session's `--compile`)."""
+    pass's tile math through torch.compile (the session's `--compile`); `engines` as `generate_batch_events`'."""
     params = DiffusionEbParams.check(params)
     vocab = model.config.vocab_size
     prompt = _ids_tensor(prompt_ids, "prompt", vocab, model.embed_weight.device)  # [1, P]: one row only
     yield from generate_batch_events(model, [prompt[0]], params=params, num_blocks=num_blocks, stop_ids=stop_ids,
                                      pad_id=pad_id, init_canvases=[init_canvas], compile_tiles=compile_tiles,
-                                     step_mode=step_mode)
+                                     step_mode=step_mode, engines=engines)
 
 
 def generate(model: Any, prompt_ids: Sequence[int] | torch.Tensor, **kw: Any) -> Done:

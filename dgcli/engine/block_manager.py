@@ -1,16 +1,15 @@
-"""The paged KV cache: fixed-size blocks of positions in one pool per layer, a block table per sequence.
+"""The block manager of the paged KV cache (host side): which blocks of the pools each sequence holds.
 
-Owns: the pools, the allocation of blocks to sequences and where a position of a sequence lives. Two groups of
+Owns: the allocation of fixed-size blocks to sequences and where a position of a sequence lives. Two groups of
 layers share allocation: the full layers (a sequence holds every position it reserved: position p in its
 table's block p // B) and the sliding layers (a sequence holds a ring of `ring_blocks` blocks, the last W-1
 positions rounded up to blocks: position p in block (p // B) mod ring_blocks), so a sliding layer keeps only
-what a later query reads from the cache (a pass's own keys come from the pass: model/attention.py). A layer's pool is [n_kv, blocks · B, d]: the slots of
-consecutive blocks are consecutive, so a run of a sequence's blocks that are also consecutive in the pool is
+what a later query reads from the cache (a pass's own keys come from the pass: model/attention.py). The slots
+of consecutive blocks are consecutive in a pool, so a run of a sequence's blocks that are also consecutive is
 one strided view (what CPU attention reads without a copy; the allocator hands out runs when it can).
 Sizes are fixed when the engine makes the cache (slots × the longest request it admits): nothing is
-allocated per pass. Only the passes write it, in place (`write`); attention reads it (`model/attention.py`).
-A reserved sequence owns its blocks until `release`; a released block's stale contents are never read (a
-reader asks only for positions its sequence wrote in this request).
+allocated per pass. A reserved sequence owns its blocks until `release`; a released block's stale contents are
+never read (a reader asks only for positions its sequence wrote in this request).
 Prefix caching (`prefix_caching=True`): a whole block whose keys were written causally (prompt, committed
 block) gets a key chained over its parent's and its B token ids (`register`); a later sequence whose ids start
 the same holds those blocks too (`lookup`, `reserve(shared=)`), counted per block; a keyed block no sequence
@@ -22,7 +21,7 @@ still reads: `hold` takes them as the passes write positions, `trim` gives back 
 (`pool_blocks`: every sequence's window and one pass's causal rows). A hit needs both groups: the full layers'
 blocks of its whole prefix and the sliding layers' blocks of its last W-1 positions (`lookup` shortens a hit
 to where both are cached), as vLLM's sliding-window prefix caching does.
-Must not: know about attention masks, phases or the model; read device values.
+Must not: hold device tensors (the pools are `kv_cache.py`'s), know about attention masks, phases or the model.
 """
 
 from __future__ import annotations
@@ -31,8 +30,6 @@ import itertools
 from collections import OrderedDict
 
 import torch
-
-from dgcli.kernels.transfer import to_device
 
 
 def blocks_for(positions: int, block_size: int) -> int:
@@ -59,7 +56,7 @@ def pool_blocks(windows: list[int | None], *, seqs: int, max_len: int, block_siz
 
 class BlockPool:
     """Free block ids of one group; `take(n)` prefers one run of consecutive ids (first fit). With prefix caching
-    (`PagedKVCache(prefix_caching=True)`) a block also counts the sequences that hold it (`refs`) and may carry a
+    (`BlockManager(prefix_caching=True)`) a block also counts the sequences that hold it (`refs`) and may carry a
     key (`register`): a keyed block no sequence holds stays cached, contents intact, until `take` runs out of
     plain free blocks and evicts the least recently released one."""
 
@@ -126,19 +123,17 @@ class BlockPool:
             self.serial.pop(b, None)  # (the sliding pool's keys have no serials: they are the full pool's)
 
 
-class PagedKVCache:
-    def __init__(self, layers: list[tuple[int, int, int | None]], *, seqs: int, max_len: int,
-                 device: torch.device | str, dtype: torch.dtype, block_size: int = 16, prefix_caching: bool = False,
-                 pass_rows: int | None = None):
-        """layers: per layer (num_kv_heads, head_dim, sliding window W or None). Room for `seqs` sequences of up
-        to `max_len` positions each; a sliding layer's ring holds the last W-1 positions in whole blocks (a pass
-        reads its own new keys from its k, v and writes them after: attention.py). `prefix_caching`: blocks
-        shareable by key (`lookup`, `register`), the sliding layers' blocks at p // B (`ring_blocks` as long as
-        a sequence: a ring never wraps) held only within the window (`hold`, `trim`); `pass_rows`: the most
-        causal rows a pass writes (sizes the sliding pool: `pool_blocks`)."""
+class BlockManager:
+    def __init__(self, windows: list[int | None], *, seqs: int, max_len: int, block_size: int = 16,
+                 prefix_caching: bool = False, pass_rows: int | None = None):
+        """windows: per layer its sliding window W or None (a full layer). Room for `seqs` sequences of up to
+        `max_len` positions each; a sliding layer's ring holds the last W-1 positions in whole blocks.
+        `prefix_caching`: blocks shareable by key (`lookup`, `register`), the sliding layers' blocks at p // B
+        (`ring_blocks` as long as a sequence: a ring never wraps) held only within the window (`hold`, `trim`);
+        `pass_rows`: the most causal rows a pass writes (sizes the sliding pool: `pool_blocks`)."""
         self.block_size, self.max_len, self.seqs = block_size, max_len, seqs
         self.prefix_caching = prefix_caching
-        self.windows = [w for _, _, w in layers]
+        self.windows = list(windows)
         self.window = max((w for w in self.windows if w is not None), default=None)
         self.full_blocks = blocks_for(max_len, block_size)  # per sequence
         self.ring_blocks = blocks_for(min(self.window - 1, max_len), block_size) if self.window else 0
@@ -149,13 +144,9 @@ class PagedKVCache:
                                      prefix_caching=prefix_caching, pass_rows=pass_rows)
         self.groups = {"full": BlockPool(n_full), "ring": BlockPool(n_ring)}
         self.kind = ["full" if w is None else "ring" for w in self.windows]
-        self.k = [torch.zeros(n, self.groups[g].n * block_size, d, device=device, dtype=dtype)
-                  for (n, d, _), g in zip(layers, self.kind)]
-        self.v = [torch.zeros_like(k) for k in self.k]
         self.tables: dict[int, dict[str, list[int]]] = {}  # sequence id -> group -> block ids (-1: not held)
         self.chains: dict[int, tuple[int, int]] = {}  # prefix caching: sequence -> (blocks keyed, last serial)
         self.low: dict[int, int] = {}  # windowed: sequence -> its first sliding block that may still be held
-        self.device = torch.device(device)
 
     # ---- allocation ---------------------------------------------------------------------------------------
 
@@ -325,20 +316,3 @@ class PagedKVCache:
                 out.append((a, a + n))
             p += n
         return out
-
-    def table_tensor(self, group: str, seqs: list[int], fixed: bool = False) -> torch.Tensor:
-        """[len(seqs), max blocks] int32 block tables on the device (for kernels that walk them); `fixed`: as wide
-        as a sequence's table can be (one shape whatever the sequences hold), a sequence without blocks zeros."""
-        rows = [[max(0, blk) for blk in self.tables.get(s, {}).get(group, [])] for s in seqs]
-        width = max(1, max(len(r) for r in rows))
-        if fixed:
-            width = max(width, self.full_blocks if group == "full" else self.ring_blocks)
-        return to_device([r + [0] * (width - len(r)) for r in rows], torch.int32, self.device)
-
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [n_kv, N, d] into layer's pool at device slots [N] (int64), in place."""
-        self.k[layer].index_copy_(1, slots, k)
-        self.v[layer].index_copy_(1, slots, v)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))

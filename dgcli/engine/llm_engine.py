@@ -1,0 +1,284 @@
+"""The engine: requests in (at any time), events out; one per session (or server), living as long as its owner.
+
+Owns: `LLMEngine` and `new_engine`. nano-vllm's parts, one file each: `request.py` (a request's state),
+`scheduler.py` (which rows the next pass runs: a plan), `block_manager.py` and `kv_cache.py` (the paged cache,
+host and device sides), `runner.py` (runs a plan: one forward pass and the canvases' sampler step) and
+`output.py` (a request's answer for a client). Each `step()` drops cancelled requests, asks the scheduler for a
+plan, has the runner run it, and settles the pass handed back: its events (BlockStart / Step / Commit / Done,
+each with `row` = the request's id). A block that ends is committed in the request's next pass, beside the first
+step of its next block; the request's last block is never committed. `prefix_caching`: requests share cached
+whole prompt blocks (scheduler.py). With the runner's lag 1 (CUDA) a row whose request stopped at pass n is
+discarded when pass n+1 settles (no event, no state from it), so both lags give every request the same steps,
+draws and tokens (tests/sampling/test_engine_lag.py); lag 1 costs one discarded row-step per early stop.
+Requests added or cancelled between two steps (from the thread that calls `step`: the engine holds no lock) take
+effect at the next pass. A request's clock (first_block_s, total_s) runs from its submit on the engine's busy
+clock, which pauses while a consumer holds an event. `reset` makes an idle engine start as a new one would
+(counters at zero, no cached prompt blocks), so a session keeps its engine, and its CUDA graphs, across calls.
+Numerics: a request's events do not depend on its batch-mates (bit for bit in bf16 on CPU;
+tests/sampling/test_batch.py names the fp32 caveat) or on how its prompt was chunked beyond rounding.
+Must not: tokenize, print, validate settings (callers pass checked DiffusionEbParams), or read device values
+other than through the runner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from dgcli.engine.request import Request
+from dgcli.engine.runner import ModelRunner, Pass
+from dgcli.engine.scheduler import Scheduler
+from dgcli.errors import UserError
+from dgcli.kernels.transfer import to_device
+from dgcli.sampling import host_reads
+from dgcli.sampling.events import BlockStart, Commit, Done, Event, Step
+
+DEFAULT_BUDGET = 2048  # rows (tokens) per pass: running canvases first, then prompt chunks
+_COUNTERS = dict(decoder_passes=0, encoder_passes=0, row_steps=0, denoise_s=0.0, encode_s=0.0, discarded_row_steps=0,
+                 prefill_tokens=0, graph_passes=0)
+
+
+def new_engine(model: Any, *, step_mode: str = "dynamic", **kw: Any) -> LLMEngine:
+    """step_mode "graphs" (--cuda-graphs): decode-only passes replay CUDA graphs (model/graphs.py)."""
+    if step_mode not in ("dynamic", "graphs"):
+        raise UserError(f"step mode {step_mode!r}: choose dynamic or graphs")
+    return LLMEngine(model, graphs=step_mode == "graphs", **kw)
+
+
+class LLMEngine:
+    """`slots` requests at once over one paged KV cache of `max_len` positions per request (prompt + (blocks - 1)
+    canvases: a request's last block is never committed)."""
+
+    def __init__(self, model: Any, *, slots: int, max_len: int, pad_id: int = 0, compile_tiles: bool = False,
+                 stats: dict | None = None, lag: int | None = None, budget: int = DEFAULT_BUDGET,
+                 block_size: int = 16, graphs: bool = False, prefix_caching: bool = False):
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise UserError(f"max_batch={slots!r}: must be a whole number >= 1")
+        self.model, self.slots, self.max_len, self.pad_id = model, slots, max_len, pad_id
+        self.c = model.config.canvas_length
+        self.device = model.embed_weight.device
+        lag = (1 if self.device.type == "cuda" else 0) if lag is None else lag
+        # Room for the prompt, the committed blocks and a canvas (full layers hold its keys where it will commit).
+        # prefix_caching: whole blocks of prompts and committed blocks are kept and shared (block_manager.py)
+        self.prefix_caching = prefix_caching
+        # (a pass's causal rows: the commits and the prompt chunks under the budget, or one canvas's worth: scheduler.py)
+        self.cache = model.new_cache(slots + graphs, max_len + self.c, block_size=block_size,
+                                     **({"prefix_caching": True, "pass_rows": max(budget, (slots + 1) * self.c)}
+                                        if prefix_caching else {}))
+        self.stats = {} if stats is None else stats
+        self.sched = Scheduler(self.cache, seqs=slots, canvas=self.c, budget=budget, prefix_caching=prefix_caching,
+                               stats=self.stats)
+        self.runner = ModelRunner(model, self.cache, slots=slots, graphs=graphs, compile_tiles=compile_tiles, lag=lag,
+                                  stats=self.stats)
+        self.cancelled: set[int] = set()
+        self.stats.update(_COUNTERS)
+        self.busy, self.mark = 0.0, time.perf_counter()  # the busy clock; it pauses while a consumer holds an event
+
+    @property
+    def lag(self) -> int:
+        return self.runner.lag
+
+    @property
+    def graphs(self) -> Any:
+        return self.runner.graphs
+
+    def reset(self, stats: dict | None = None) -> None:
+        """An idle engine starts over as a new one would: its counters at zero (in `stats`, if given: the caller
+        reads them as they grow), no cached prompt blocks, its clock at zero. Its cache and graphs stay."""
+        if not self.idle:
+            raise RuntimeError("reset: the engine still holds requests")
+        self.stats = {} if stats is None else stats
+        self.sched.stats = self.runner.stats = self.stats
+        self.stats.update(_COUNTERS, prefix_cache_queries=0, prefix_cache_hits=0)
+        if self.prefix_caching:
+            self.cache.drop_cached()
+        self.busy, self.mark = 0.0, time.perf_counter()
+
+    # ---- requests in and out ------------------------------------------------------------------------------
+
+    def add_request(self, prompt_ids: Sequence[int], *, request_id: int, params: Any, num_blocks: int,
+                    seed: int | None = None, stop_ids: Sequence[int] = (), first_canvas: Any = None) -> None:
+        """Queue a request: host token ids (checked by the caller: `request.check_ids`), checked DiffusionEbParams,
+        its block cap; `seed` (default: the params'); `request_id` is the `row` of its events."""
+        request = Request(id=request_id, prompt=torch.tensor(list(prompt_ids)),  # sent to the device in `submit`
+                          params=params, num_blocks=num_blocks, seed=params.seed if seed is None else seed,
+                          stops=set(stop_ids), first_canvas=first_canvas)
+        self.submit(request, ids=list(prompt_ids))
+
+    def submit(self, request: Request, ids: list[int] | None = None) -> None:
+        """Queue a built `Request`. `ids`: the prompt's ids on the host when the caller has them (prefix caching
+        keys blocks by them; without them they are read from the prompt once, here, outside any pass)."""
+        if self.prefix_caching and ids is None:
+            p = request.prompt
+            ids = p.tolist() if p.device.type == "cpu" else host_reads.read(p, "prompt")
+        if request.prompt.device != self.device:  # a host prompt: sent without waiting for the device
+            request.prompt = to_device(request.prompt, torch.long, self.device)
+        need = len(request.prompt) + (request.num_blocks - 1) * self.c
+        if need > self.max_len:
+            raise UserError(f"request {request.id} needs {need} cache positions; this engine holds {self.max_len}")
+        request.settings = dataclasses.replace(request.params, seed=0)
+        request.submitted = self._now()
+        self.sched.submit(request, ids)
+
+    @property
+    def idle(self) -> bool:
+        return self.sched.idle and self.runner.pending is None
+
+    def cancel(self, request_id: int) -> bool:
+        """Withdraw a request: a queued one leaves the queue now, an admitted one before the next pass (no more
+        events, no Done). False when the engine does not hold it."""
+        s = self.sched
+        for r in s.queue:
+            if r.id == request_id:
+                s.withdraw(r)
+                return True
+        if any(r.id == request_id for r in (*s.prefilling, *s.running)):
+            self.cancelled.add(request_id)
+            return True
+        return False
+
+    def events(self) -> Iterator[Event]:
+        """Passes while there is work; every request's events, in order."""
+        while not self.idle:
+            yield from self.step()
+
+    def step(self) -> Iterator[Event]:
+        """One pass (after dropping cancelled requests and admitting queued ones) and the events it settles."""
+        if self.cancelled:
+            for r in [r for r in (*self.sched.prefilling, *self.sched.running) if r.id in self.cancelled]:
+                self.sched.release(r)
+            self.cancelled.clear()
+        plan = None
+        if not self.sched.idle:
+            plan = self.sched.plan(lambda r: not r.waiting)
+            if plan.started:
+                self.runner.start_block(plan.started)
+                self._clock()
+                for r in plan.started:
+                    yield BlockStart(block=0, num_blocks=r.num_blocks, prefix_len=r.prefix, canvas=r.canvas, row=r.id)
+                self.mark = time.perf_counter()
+        done = self.runner.run(plan)
+        if done is not None:
+            yield from self._settle(done)
+
+    # ---- the busy clock -----------------------------------------------------------------------------------
+
+    def _clock(self) -> None:
+        now = time.perf_counter()
+        self.busy += now - self.mark
+        self.mark = now
+
+    def _now(self) -> float:
+        return self.busy + time.perf_counter() - self.mark
+
+    # ---- settle -------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _settle(self, p: Pass) -> Iterator[Event]:
+        elapsed = self.runner.elapsed(p)
+        plan, rows = p.plan, p.plan.canvases
+        st = self.stats
+        st["encoder_passes"] += bool(plan.commits or plan.prefills)
+        st["prefill_tokens"] += sum(s.length for s in plan.segments if not s.canvas) - len(plan.commits) * self.c
+        if not rows:
+            st["encode_s"] += elapsed
+        for r in plan.prefills:
+            r.prefill_s += elapsed
+        for r in plan.commits:
+            r.commit_s += elapsed
+        if not rows:
+            return
+        st["decoder_passes"] += 1
+        st["row_steps"] += len(rows)
+        st["denoise_s"] += elapsed
+        stopped = self.runner.stopped(p)
+        self._clock()
+        ended = []
+        for k, r in enumerate(rows):
+            i = p.steps[k]
+            if r.slot < 0 or r.block != p.blocks[k]:  # left, or its block ended at an earlier pass
+                st["discarded_row_steps"] += 1
+                continue
+            reason = "stable_confident" if stopped[k] else ("step_cap" if i == r.max_steps - 1 else None)
+            r.denoise_s += elapsed
+            out = p.out
+            yield Step(block=r.block, step=i + 1, max_steps=r.max_steps, temperature=r.temperature(i),
+                       canvas_in=p.canvas_in[k], argmax=out.argmax[k], sample=out.sample[k],
+                       accepted_mask=p.accepted[k], accepted_count=p.accepted[k].sum(), entropy=out.entropy[k],
+                       mean_entropy=out.entropy[k].mean(), next_canvas=p.next_canvas[k], stop_reason=reason,
+                       elapsed_s=elapsed, row=r.id)
+            if reason is not None:
+                r.steps_per_block.append(i + 1)
+                ended.append(k)
+        self.mark = time.perf_counter()
+        if ended:
+            yield from self._end_blocks(p, ended)
+
+    def _end_blocks(self, p: Pass, ended: list[int]) -> Iterator[Event]:
+        """Requests whose block ended at pass p: finish (stop id or block cap) or queue the commit and start the
+        next block."""
+        t0 = time.perf_counter()
+        argmax = p.out.argmax
+        tokens_all = self.runner.tokens(p, ended)  # the blocks' read-back
+        read_s = time.perf_counter() - t0
+        going_on = []
+        for k, tokens in zip(ended, tokens_all):
+            r = p.plan.canvases[k]
+            r.denoise_s += read_s
+            stop_index = next((j for j, t in enumerate(tokens) if t in r.stops), None)
+            kept = tokens if stop_index is None else tokens[:stop_index]
+            r.answer += kept
+            r.counted += sum(t != self.pad_id for t in tokens[: len(kept) + (stop_index is not None)])
+            if r.block == 0:
+                r.first_block_s = self._now() - r.submitted
+            self._clock()
+            yield Commit(block=r.block, tokens=tokens, stop_index=stop_index, row=r.id)
+            self.mark = time.perf_counter()
+            r.block += 1
+            if stop_index is None and r.block < r.num_blocks:
+                r.commit, r.prefix = argmax[k], r.prefix + self.c
+                self.sched.committed(r, tokens)  # its commit pass writes their keys (prefix caching keys them)
+                going_on.append(r)
+                continue
+            self.sched.release(r)
+            finish, stop_id = ("stop", tokens[stop_index]) if stop_index is not None else ("length", None)
+            passes = sum(r.steps_per_block)
+            timings = {"prefill_s": r.prefill_s, "denoise_s": r.denoise_s, "commit_s": r.commit_s,
+                       "first_block_s": r.first_block_s, "total_s": self._now() - r.submitted}
+            self._clock()
+            yield Done(token_ids=r.answer, finish_reason=finish, stop_id=stop_id, blocks=len(r.steps_per_block),
+                       steps_per_block=r.steps_per_block, decoder_passes=passes,
+                       tokens_per_forward=r.counted / passes, timings=timings, row=r.id)
+            self.mark = time.perf_counter()
+        if going_on:
+            self.runner.start_block(going_on)
+            self._clock()
+            for r in going_on:
+                yield BlockStart(block=r.block, num_blocks=r.num_blocks, prefix_len=r.prefix, canvas=r.canvas,
+                                 row=r.id)
+            self.mark = time.perf_counter()
+
+
+class KeptEngine:
+    """The engine a session owns (`Session.engines`): built at its first call, kept for the next call of the same
+    shape (its cache, and its CUDA graphs, captured once and replayed by every later call: bench's runs, sweep's
+    points), rebuilt for another shape (the old cache freed first). Each call starts as a new engine would
+    (`LLMEngine.reset`), so keeping it changes no event."""
+
+    def __init__(self) -> None:
+        self.engine: LLMEngine | None = None
+        self.key: tuple | None = None
+
+    def get(self, model: Any, *, stats: dict | None = None, step_mode: str = "dynamic", **kw: Any) -> LLMEngine:
+        key = (id(model), step_mode, tuple(sorted(kw.items())))
+        if self.engine is not None and self.key == key and self.engine.idle:
+            self.engine.reset(stats)
+            return self.engine
+        self.engine = self.key = None  # free the old cache before the new one is allocated
+        self.engine = new_engine(model, step_mode=step_mode, stats=stats, **kw)
+        self.key = key
+        return self.engine

@@ -1,0 +1,175 @@
+"""The model runner: runs one plan of the scheduler as ONE forward pass and the sampler step of its canvases.
+
+Owns: `ModelRunner` and `Pass` (a launched pass: its plan, its device results, its clock). `run(plan)` launches
+the pass (prompt chunks, the commits of blocks that ended and every running request's canvas together: mixed
+phases; `model/attention.py` gives every row its keys; `graphs`: denoise-only passes replay CUDA graphs,
+model/graphs.py), runs the canvas rows' sampler step on the device (vocabulary pass, accept, renoise, stop
+flags: `sampling.rules.sample_step`) and hands back the pass to settle now. `lag` (1 on CUDA, 0 elsewhere): with
+lag 1 pass n+1 is launched before pass n is handed back, so the host never waits for the device inside a block:
+every running request speculatively goes on to its next step (the engine discards the rows of a request that
+stopped). Settling reads what the host needs and nothing more: the pass's clock, its stop flags (`stopped`) and
+the tokens of the blocks that ended (`tokens`), each through `host_reads.read`.
+Numerics: a request's draws are addressed by its own seed, block, step and position (`draws.py`), so its rows do
+not depend on their batch-mates.
+Must not: plan (scheduler.py), emit events or decide what a request's tokens mean (llm_engine.py), or read
+device values other than through `host_reads.read`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dgcli.engine.request import Request
+from dgcli.engine.scheduler import Plan
+from dgcli.kernels.transfer import to_device
+from dgcli.sampling import draws, host_reads
+from dgcli.sampling.rules import RowRules, sample_step
+
+
+@dataclass
+class Pass:
+    """A launched pass: its plan, the block and step each canvas row ran, its device results, its clock."""
+
+    plan: Plan
+    blocks: list[int]
+    steps: list[int]
+    canvas_in: Any = None
+    out: Any = None
+    accepted: Any = None
+    next_canvas: Any = None
+    stop: Any = None  # [b] bool (device, or its pinned copy), None when no row can stop early
+    timing: Any = None  # CUDA (start, end) events, or the host seconds of the launch
+
+
+class ModelRunner:
+    """Runs plans over `cache` for `slots` sequences; `graphs`: sequence `slots` (never scheduled) holds the canvas
+    that pads a CUDA graph's bucket. `stats` gains graph_passes."""
+
+    def __init__(self, model: Any, cache: Any, *, slots: int, graphs: bool, compile_tiles: bool, lag: int,
+                 stats: dict):
+        self.model, self.cache, self.compile_tiles, self.lag, self.stats = model, cache, compile_tiles, lag, stats
+        self.c, self.vocab = model.config.canvas_length, model.config.vocab_size
+        self.device = model.embed_weight.device
+        # the draws' position words 0..C-1, mixed once (draws.uniform_at / token_ids_at fold them per row)
+        self.mixed_positions = draws.mixed_positions(torch.arange(self.c, device=self.device))
+        self.graphs = None
+        if graphs:
+            self.cache.reserve(slots, self.c)
+            self.graphs = model.pass_graphs(self.cache, slots, slots, capture=self.device.type == "cuda")
+        self.pending: Pass | None = None  # lag 1: the pass launched last, not handed back yet
+
+    def run(self, plan: Plan | None) -> Pass | None:
+        """Launch `plan` (None or no segments: nothing to launch) and return the pass to settle now (with lag 1
+        the one launched before it)."""
+        launched = self._launch(plan) if plan is not None and plan.segments else None
+        if not self.lag:
+            return launched
+        done, self.pending = self.pending, launched
+        return done
+
+    @torch.inference_mode()
+    def start_block(self, rs: list[Request]) -> None:
+        """Requests `rs` begin their current block: its first canvas, an empty history, no self-conditioning."""
+        dev = self.device
+        states = draws.rows([(r.seed, draws.INIT, r.block, 0) for r in rs], dev)  # [k, 1]
+        canvas = draws.token_ids_at(states, self.mixed_positions, self.vocab)  # [k, C]
+        for k, r in enumerate(rs):
+            r.canvas = r.first_canvas if r.block == 0 and r.first_canvas is not None else canvas[k]
+            r.history = torch.full((r.params.stability_threshold, self.c), -1, dtype=torch.long, device=dev)
+            r.soft, r.step, r.waiting = None, 0, False
+
+    # ---- launch -------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _launch(self, plan: Plan) -> Pass:
+        dev, rows = self.device, plan.canvases
+        t0, timing = time.perf_counter(), None
+        if dev.type == "cuda":
+            timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            timing[0].record()
+        p = Pass(plan, [r.block for r in rows], [r.step for r in rows])
+        soft = None
+        if rows:
+            p.canvas_in = torch.stack([r.canvas for r in rows])  # [b, C]
+            if any(r.soft is not None for r in rows):  # the zero soft embedding is exactly "none"
+                zero = next(r.soft for r in rows if r.soft is not None).new_zeros(self.c, self.model.config.hidden_size)
+                soft = torch.stack([zero if r.soft is None else r.soft for r in rows])
+        ids = torch.cat([*plan.causal_ids, *([p.canvas_in.flatten()] if rows else [])])
+        hidden = None if self.graphs is None else self.graphs.forward(ids, plan.segments, soft)
+        if hidden is None:
+            hidden = self.model.forward_pass(ids, plan.segments, self.cache, soft)
+        else:
+            self.stats["graph_passes"] += 1
+        for r in plan.commits:
+            r.commit = None
+        if rows:
+            self._sample(p, hidden)
+        if timing is not None:
+            timing[1].record()
+        p.timing = timing if timing is not None else time.perf_counter() - t0
+        return p
+
+    def _sample(self, p: Pass, hidden: torch.Tensor) -> None:
+        """The canvas rows' sampler step on the device; each request's state goes on speculatively to its next
+        step (confirmed, or discarded, when the pass is settled)."""
+        dev, rows = self.device, p.plan.canvases
+        depth = max(r.params.stability_threshold for r in rows)
+        hist = torch.stack([self._history(r, depth) for r in rows], dim=1)  # [S, b, C]
+        counters = [(r.seed, b, s + 1) for r, b, s in zip(rows, p.blocks, p.steps)]
+        uniform = draws.uniform_at(draws.rows([(x, draws.DRAW, b, s) for x, b, s in counters], dev),
+                                   self.mixed_positions)  # [b, C]
+        noise = draws.token_ids_at(draws.rows([(x, draws.RENOISE, b, s) for x, b, s in counters], dev),
+                                   self.mixed_positions, self.vocab)
+        temp = to_device([r.temperature(s) for r, s in zip(rows, p.steps)], torch.float32, dev)  # [b]
+        first = rows[0]
+        same = first.params.stability_threshold == depth and all(r.settings == first.settings for r in rows)
+        rules = first.params if same else RowRules.of([r.params for r in rows], dev)
+        want_soft = any(s < r.max_steps - 1 for r, s in zip(rows, p.steps))
+        out, accepted, next_canvas, new_hist, stop = sample_step(self.model, hidden, temp, hist, rules, uniform, noise,
+                                                                 want_soft, self.compile_tiles)
+        p.out, p.accepted, p.next_canvas = out, accepted, next_canvas
+        if any(r.params.confidence_threshold > 0 for r in rows):  # else no row can stop early: nothing to read
+            p.stop = stop
+            if dev.type == "cuda":  # read a pass late: a pinned copy, done by then
+                p.stop = torch.empty(stop.shape, dtype=torch.bool, pin_memory=True).copy_(stop, non_blocking=True)
+        s_all, canvases, hists = new_hist.shape[0], next_canvas.unbind(), new_hist.unbind(1)  # views: one call each
+        softs = [None] * len(rows) if out.soft is None else out.soft.unbind()
+        for k, r in enumerate(rows):
+            if r.step + 1 < r.max_steps:
+                r.step += 1
+                r.canvas, r.soft, s = canvases[k], softs[k], r.params.stability_threshold
+                r.history = hists[k] if s == s_all else hists[k][s_all - s:]
+            else:
+                r.waiting = True  # its block ends at this pass whatever the flags say
+
+    @staticmethod
+    def _history(r: Request, depth: int) -> torch.Tensor:
+        """r's history [S_r, C] as [depth, C]: older entries it does not have are -1 (never equal)."""
+        h = r.history
+        if h.shape[0] < depth:
+            h = torch.cat((h.new_full((depth - h.shape[0], h.shape[1]), -1), h))
+        return h
+
+    # ---- settle: what the host reads ----------------------------------------------------------------------------
+
+    @staticmethod
+    def elapsed(p: Pass) -> float:
+        """The pass's own seconds (on CUDA its events': reading them waits for the pass, which is done by then)."""
+        if isinstance(p.timing, tuple):
+            p.timing[1].synchronize()  # the pass is done: reading its flags and clock waits for nothing
+            return p.timing[0].elapsed_time(p.timing[1]) / 1e3
+        return p.timing
+
+    @staticmethod
+    def stopped(p: Pass) -> list[bool]:
+        """Per canvas row, whether its stop rule held at this pass (all False when no row can stop early)."""
+        return host_reads.read(p.stop, "stop") if p.stop is not None else [False] * len(p.plan.canvases)
+
+    @staticmethod
+    def tokens(p: Pass, rows: list[int]) -> list[list[int]]:
+        """The argmax tokens of canvas rows `rows` of pass p: the blocks' read-back."""
+        return host_reads.read(p.out.argmax[rows], "commit")
