@@ -263,7 +263,7 @@ def block_cost(cfg: ModelConfig, prefix_len: int, steps: int, max_steps: int, **
 # ---- memory --------------------------------------------------------------------------------------------
 
 
-KV_BLOCK = 16  # model/paged.py's block_size default (it imports torch)
+KV_BLOCK = 16  # engine/block_manager.py's block_size default (it imports torch)
 
 
 def cache_positions(cfg: ModelConfig, context: int, block_size: int = KV_BLOCK) -> tuple[int, int]:

@@ -31,7 +31,7 @@ GPUS = (("H100 80 GB", 80 * GIB), ("H200 141 GB", 141 * GIB))
 FORMATS = ("bf16", "fp8")
 ACT_BYTES = {"bf16": 2, "fp8": 2, "fp32": 4}  # activations and KV of a run with these weights
 MOE_BLOCK = 64  # kernels/moe.py::BLOCK: experts_triton's fixed block_m (each expert's rows padded to it)
-BUDGET = 2048  # sampling/engine.py: DEFAULT_BUDGET, rows per pass (running canvases first, then prompt chunks)
+BUDGET = 2048  # engine/llm_engine.py: DEFAULT_BUDGET, rows per pass (running canvases first, then prompt chunks)
 SERVE_SLOTS = 8  # cli/serve.py: --max-batch-size's default
 
 
@@ -47,7 +47,7 @@ def cache_length(prompt_len: int, blocks: int, canvas: int) -> int:
 
 
 def kv_bytes(cfg: ModelConfig, context: int, ab: int = 2) -> dict:
-    """One slot's KV cache for requests of `context` positions (card.cache_positions: model/paged.py's layout):
+    """One slot's KV cache for requests of `context` positions (card.cache_positions: engine/block_manager.py's layout):
     `full_per_token` bytes a position on full layers, which hold `full_positions`; `rings` (fixed per slot) on
     sliding layers; `was_per_token` and `was`: every position on every layer, what the rings replace;
     `windows`: what a slot holds on sliding layers with prefix caching, its window and 3 blocks (`cache_blocks`)."""
@@ -63,7 +63,7 @@ def kv_bytes(cfg: ModelConfig, context: int, ab: int = 2) -> dict:
 
 def cache_blocks(cfg: ModelConfig, b: int, context: int, prefix_caching: bool = False) -> tuple[int, int]:
     """Blocks of KV_BLOCK positions in the engine's cache for b slots, (full layers' pool, sliding layers' pool):
-    model/paged.py's `pool_blocks`, restated. Without prefix caching every slot's context and canvas, and its ring;
+    engine/block_manager.py's `pool_blocks`, restated. Without prefix caching every slot's context and canvas, and its ring;
     with it the sliding pool holds every slot's window and 3 blocks and one pass's causal rows (max(BUDGET,
     (b + 1) C): the commits and the prompt chunks), at most every position."""
     full, ring = (n // KV_BLOCK for n in cache_positions(cfg, context))
