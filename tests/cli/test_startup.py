@@ -91,7 +91,8 @@ x, w = torch.randn(8, 16, generator=g), torch.rand(8, 2, generator=g)
 idx = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(8)])
 gu, dn = torch.randn(4, 16, 16, generator=g), torch.randn(4, 16, 8, generator=g)
 dispatch.experts(x, w, idx, gu, dn)
-moe_cpu.experts_grouped(x, w, idx, gu, dn)
+moe_cpu.experts_segments(x, w, idx, gu, dn)
+dispatch.rms_norm(x, None, 1e-6)
 print(sorted(m for m in ("torch._dynamo", "triton") if m in sys.modules))
 """
 
@@ -105,23 +106,24 @@ def test_cpu_kernels_import_and_run_without_dynamo_or_triton():
 
 COMPILE_PROBE = r"""
 import sys, torch
-from dgcli.kernels import moe_cpu  # before dynamo: the lazy path of _outside_compiled_graphs
+from dgcli.kernels import fp8  # before dynamo: the lazy path of _outside_compiled_graphs
 assert "torch._dynamo" not in sys.modules
 from torch._dynamo.utils import counters
 g = torch.Generator().manual_seed(0)
-x, w = torch.randn(8, 16, generator=g), torch.rand(8, 2, generator=g)
+x, w = torch.randn(8, 16, generator=g).bfloat16(), torch.rand(8, 2, generator=g)
 idx = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(8)])
-gu, dn = torch.randn(4, 16, 16, generator=g), torch.randn(4, 16, 8, generator=g)
-f = torch.compile(lambda *a: moe_cpu.experts_segments(*a) + 0.0, backend="eager")  # fp32: the grouped path
+gu, dn = torch.randn(4, 16, 16, generator=g).to(fp8.FP8), torch.randn(4, 16, 8, generator=g).to(fp8.FP8)
+gus, dns = torch.rand(4, 16, 1, generator=g).bfloat16(), torch.rand(4, 16, 1, generator=g).bfloat16()
+f = torch.compile(lambda *a: fp8.experts_fp8_segments(*a) + 0.0, backend="eager")
 for _ in range(2):
-    assert torch.equal(f(x, w, idx, gu, dn), moe_cpu.experts_grouped(x, w, idx, gu, dn))
+    assert torch.equal(f(x, w, idx, gu, gus, dn, dns), fp8.experts_fp8_segments(x, w, idx, gu, gus, dn, dns))
 print(sum(v for k, v in counters["graph_break"].items() if "torch.compiler.disable()" in k))
 """
 
 
 @pytest.mark.slow  # dynamo in a fresh interpreter (~5 s); the plain-import probes above stay in the fast run
-def test_compiled_experts_grouped_stays_outside_the_graph():
-    """The lazy disable keeps the host read of `experts_grouped` out of compiled graphs, as the eager
+def test_compiled_fp8_experts_stay_outside_the_graph():
+    """The lazy disable keeps the host read of the CPU FP8 experts out of compiled graphs, as the eager
     decorator did (backend="eager": dynamo's decision without inductor's compile time)."""
     r = subprocess.run([sys.executable, "-c", COMPILE_PROBE], capture_output=True, text=True, timeout=300,
                        env=_env())
