@@ -8,9 +8,9 @@ residual add and the add before the norm), `gelu_mul` / `gelu_mul_fused` (the ga
 activations; see kernels/fp8.py), and `implementation`, which names the choice (benchmarks and traces record
 it), decided once per op, device and DGEMMA_KERNELS value, and `provenance`, which names per op what a session
 ran (bench rows record it). The variable is read at each call, so a test or a benchmark can flip it.
-The two switches: DGEMMA_KERNELS (auto: the default; torch: torch's kernels only, no C; reference: the references)
-and DGEMMA_FP8 (how FP8 weights run). The Triton kernels are reached through their torch custom ops (kernels/ops.py), so eager,
-compiled and fake-tensor runs take the same door. Must not: hold math of its own, or import Triton unless a
+The two switches (kernels/switches.py): DGEMMA_KERNELS (auto: the default; torch: torch's kernels only, no C;
+reference: the references) and DGEMMA_FP8 (how FP8 weights run). The Triton kernels are reached through their
+torch custom ops (kernels/ops.py), so eager, compiled and fake-tensor runs take the same door. Must not: hold math of its own, or import Triton unless a
 CUDA tensor asks for a kernel (so CPU-only installs without Triton work).
 """
 
@@ -19,8 +19,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import norm_native, ops, reference, reference_ops
+from . import ops, reference, reference_ops
 from .switches import FP8_SEMANTICS, MODES, SWITCHES, fp8_semantics, getenv, mode  # noqa: F401 (public names)
+
 
 def _triton_ok() -> bool:
     try:
@@ -94,13 +95,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     impl = implementation("rms_norm", x.device)
     if impl == "triton":
         return ops.rms_norm(x, weight, eps)
-    if impl == "cpu":  # one C pass over x (kernels/norm_native.py), torch's bits
-        y = norm_native.rms_norm(x, weight, eps)
-        if y is not None:
-            return y
     if impl == "cpu" and (weight is None or weight.dtype == x.dtype):
-        # torch's own CPU op (DGEMMA_KERNELS=torch, no compiler, strided rows, autograd): the reference's formula in
-        # fp32 (its pow(-0.5) is the same rsqrt), one call where the reference makes nine (45 norms a step:
+        # torch's own CPU op: the reference's formula in fp32 (its pow(-0.5) is the same rsqrt), one call where the reference makes nine (45 norms a step:
         # ~1/3 of the bundled model's torch calls); bit for bit the reference's (tests/kernels/test_kernel_dispatch.py)
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return reference_ops.rms_norm_reference(x, weight, eps)
@@ -108,25 +104,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 def rms_norm_add(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, residual: torch.Tensor | None = None,
                  pre_add: torch.Tensor | None = None) -> torch.Tensor:
-    """residual + rms_norm(x + pre_add) (either may be None), each add rounded to x.dtype as torch's add rounds:
-    one C pass on CPU (kernels/norm_native.py; the composition's bits), else that composition of torch ops."""
-    if implementation("rms_norm", x.device) == "cpu":
-        y = norm_native.rms_norm(x, weight, eps, residual=residual, pre_add=pre_add)
-        if y is not None:
-            return y
+    """residual + rms_norm(x + pre_add) (either may be None), each add rounded to x.dtype as torch's add rounds."""
     y = rms_norm(x if pre_add is None else x + pre_add, weight, eps)
     return y if residual is None else residual + y
 
 
 def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """F.gelu(gate, approximate="tanh") * up, the gated MLPs' activation: one C pass on CPU where it pays
-    (kernels/norm_native.py; torch's bits), else those torch ops."""
-    return norm_native.gelu_mul_any(gate, up)
+    """F.gelu(gate, approximate="tanh") * up, the gated MLPs' activation (torch's ops)."""
+    return reference_ops.gelu_mul(gate, up)
 
 
 def gelu_mul_fused(gu: torch.Tensor, inter: int) -> torch.Tensor:
     """gelu_mul of a [..., 2·inter] gate_up tensor's halves (gate first)."""
-    return norm_native.gelu_mul_any(gu[..., :inter], gu[..., inter:])
+    return reference_ops.gelu_mul(gu[..., :inter], gu[..., inter:])
 
 
 def fp8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -167,23 +157,14 @@ def provenance(device: torch.device | str, dtype: str | None = None, packed: boo
     """Per op, the implementation a session on `device` with weights of `dtype` ('float32', 'bfloat16', ...) runs;
     `packed`: dgcli/model/packed.py prepacked its linears and experts at load. Names: 'triton', 'reference',
     torch's own kernels ('torch.linear', 'torch.grouped_mm', 'torch.rms_norm', 'torch-ops', 'onednn-packed':
-    torch's oneDNN GEMM on weights prepacked once) and our C kernels ('c-panels', 'c'). Two bench rows whose
-    numbers differ can say why."""
-    from . import vocab_native
-
+    torch's oneDNN GEMM on weights prepacked once) and our C GEMM ('c-panels'). Two bench rows whose numbers
+    differ can say why."""
     dev = torch.device(device)
     ops_ = {op: implementation(op, dev) for op in ("vocab_pass", "experts", "rms_norm", "gelu_mul")}
     if dev.type != "cpu":
         return {**ops_, "linear": "torch.linear"}
     fp32 = dtype in (None, "float32")  # only the C GEMM packs fp32 weights (dgcli/model/packed.py)
     linear = ("c-panels" if fp32 else "onednn-packed") if packed else "torch.linear"
-    out = {"linear": linear}
-    if ops_["experts"] == "cpu":
-        out["experts"] = linear if packed else "torch.grouped_mm"
-    if ops_["vocab_pass"] == "cpu":
-        out["vocab_pass"] = "tiled, c" if vocab_native.available() else "tiled, torch-ops"
-    if ops_["rms_norm"] == "cpu":
-        out["rms_norm"] = "c" if norm_native.available() else "torch.rms_norm"
-    if ops_["gelu_mul"] == "cpu":
-        out["gelu_mul"] = "c" if norm_native.available() else "torch-ops"
-    return {**ops_, **out}
+    cpu = {"linear": linear, "experts": linear if packed else "torch.grouped_mm", "vocab_pass": "tiled, torch-ops",
+           "rms_norm": "torch.rms_norm", "gelu_mul": "torch-ops"}
+    return {**ops_, **{op: name for op, name in cpu.items() if op == "linear" or ops_[op] == "cpu"}}

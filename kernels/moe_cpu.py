@@ -9,8 +9,7 @@ gets few rows) and `experts_native` (fp32: the same segments through the C GEMM,
 All equal `kernels/reference_ops.py::experts_reference` (and so the model's `Experts.forward`): same
 GEMM inputs and dtypes, same activation, the fp32 routing-weight product rounded to x.dtype, and a
 token's k contributions added in ascending expert order with one rounding per addition. Only the GEMM
-kernel may differ (and in fp32 the GELU's tanh: kernels/norm_native.py), so fp32 agrees to accumulation order
-and tanh's last places, bf16 to one rounding of a GEMM output.
+kernel may differ, so fp32 agrees to accumulation order, bf16 to one rounding of a GEMM output.
 Must not: route (the router is the model's), run on CUDA (kernels/moe.py does), import
 torch._dynamo (about 1 s) in a process that never compiles (`_outside_compiled_graphs` touches the compiler only
 once something compiles), or
@@ -46,9 +45,8 @@ import torch
 import torch.nn.functional as F
 
 from . import gemm_native
-from .norm_native import gelu_mul_any
 from .linear_cpu import PROBE_ROWS, linear, pack
-from .reference_ops import experts_reference
+from .reference_ops import experts_reference, gelu_mul
 
 # experts_packed shares the experts out across one-thread workers up to this many rows per expert that got tokens.
 SPLIT_MAX_ROWS = 64
@@ -152,7 +150,7 @@ def experts_segments(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_u
     offs = counts.cumsum(0, dtype=torch.int32)  # [E] end of each expert's segment
     # [N*k, H] rows copied whole (x[order // k] copies element by element), freed after the GEMM
     gu = F.grouped_mm(x.index_select(0, order // k), gate_up_proj.transpose(1, 2), offs=offs)  # [N*k, 2I]
-    act = gelu_mul_any(gu[:, :inter], gu[:, inter:])  # [N*k, I]: gelu_tanh(gate) * up
+    act = gelu_mul(gu[:, :inter], gu[:, inter:])  # [N*k, I]: gelu_tanh(gate) * up
     y = F.grouped_mm(act, down_proj.transpose(1, 2), offs=offs)  # [N*k, H]
     # fp32 product rounded to x.dtype in place: a mixed-dtype in-place mul computes in fp32 and rounds once
     return _sum_slots(y.mul_(_sorted_weights(w_sorted, order)), order, k)
@@ -171,7 +169,7 @@ def experts_native(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up:
     gu = gemm_native.grouped(x, order // k, gate_up, ends, 2 * inter)  # [N*k, 2I]
     if gu is None:
         return None
-    ws, act = _sorted_weights(w_sorted, order), gelu_mul_any(gu[:, :inter], gu[:, inter:])  # [N*k, 1] fp32, [N*k, I]
+    ws, act = _sorted_weights(w_sorted, order), gelu_mul(gu[:, :inter], gu[:, inter:])  # [N*k, 1] fp32, [N*k, I]
     y = gemm_native.grouped(act, None, down, ends, x.shape[1])
     return None if y is None else _sum_slots(y.mul_(ws), order, k)
 
@@ -217,7 +215,7 @@ def _in_turn(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: Seque
         if c:
             rows = tok[lo:lo + c]
             gu = linear(x.index_select(0, rows), gate_up[e])  # [c, 2I]
-            act = gelu_mul_any(gu[:, :inter], gu[:, inter:])  # [c, I]
+            act = gelu_mul(gu[:, :inter], gu[:, inter:])  # [c, I]
             # fp32 product rounded once to x.dtype (explicit upcast: faster than a mixed-dtype mul)
             y = linear(act, down[e]).float().mul_(ws[lo:lo + c]).to(x.dtype)  # [c, H]
             out.index_add_(0, rows, y)
@@ -252,7 +250,7 @@ def _split(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: Sequenc
     def expert_rows() -> None:
         for e, rows, we, ye in experts:
             gu = linear(x.index_select(0, rows), gate_up[e])  # [c, 2I]
-            act = gelu_mul_any(gu[:, :inter], gu[:, inter:])  # [c, I]
+            act = gelu_mul(gu[:, :inter], gu[:, inter:])  # [c, I]
             # the fp32 product written into a bf16 buffer rounds once, as the reference's .to(x.dtype)
             torch.mul(linear(act, down[e]), we, out=ye)
 

@@ -6,10 +6,9 @@ this install runs without C: no C compiler here, DGEMMA_KERNELS is not 'auto', o
 the kernel needs, which its own `*_ok()` function reports), `LIBRARIES` (each library's compiler flags and its
 check function), `NativeBuildError` (a compiler that is here but fails: raised, with the compiler's own message,
 never turned into a silent fallback), `compile_command` (what `library` runs; the tests compile every source
-with warnings as errors through it), `cache_dir` and `vector_tanh` (the 16-lane tanh functions a kernel may call).
-Must not: know what the kernels compute (kernels/gemm_native.py, norm_native.py, vocab_native.py, ggml_q8.py
-do), load a library from a folder another user can write (the cache is ~/.cache/dgemma/native, or
-$XDG_CACHE_HOME/dgemma/native, created 0700 and checked to be ours; no shared temp folder), or be needed: every
+with warnings as errors through it) and `cache_dir`.
+Must not: know what the kernels compute (kernels/gemm_native.py, ggml_q8.py do), load a library from a folder
+another user can write (the cache is ~/.cache/dgemma/native, or $XDG_CACHE_HOME/dgemma/native, created 0700 and checked to be ours; no shared temp folder), or be needed: every
 caller has a torch path for the machines without a compiler, and bench provenance names which one ran.
 
 Build: `cc -O3 -march=native -fPIC -shared -fopenmp FLAGS NAME.c -lm LIBS` into NAME-KEY.so, KEY a hash of the
@@ -23,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
-import functools
 import hashlib
 import os
 import platform
@@ -48,9 +46,6 @@ class Library:
 
 LIBRARIES = {
     "gemm_native": Library(ok="gemm_ok"),
-    # no FMA contraction: y is rounded before the residual add, as torch rounds it
-    "norm_native": Library(flags=("-fno-math-errno", "-fopenmp-simd", "-ffp-contract=off")),
-    "vocab_native": Library(flags=("-fno-math-errno", "-fopenmp-simd"), libs=("-lmvec",)),
     "ggml_q8": Library(ok="q8_ok"),
 }
 
@@ -162,22 +157,3 @@ def status() -> dict[str, str]:
         else:
             out[name] = "built" if _load(name, {}) is not None else "CPU lacks its instructions"  # own CDLL object
     return out
-
-
-@functools.cache
-def vector_tanh(which: str) -> int | None:
-    """The address of a 16-lane fp32 tanh (AVX-512) in this process, or None: "sleef", torch's own
-    Sleef_tanhf16_u10 (0.5 ulp; where torch runs its AVX512 kernels), or "libmvec", glibc's _ZGVeN16v_tanhf
-    (<= 1.3 ulp; ~3.5x faster on a 2-core EPYC: 0.47 against 1.65 ns an element)."""
-    import torch
-
-    try:
-        if which == "sleef":
-            if torch.backends.cpu.get_cpu_capability() != "AVX512":
-                return None
-            fn = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so")).Sleef_tanhf16_u10
-        else:
-            fn = ctypes.CDLL("libmvec.so.1")._ZGVeN16v_tanhf
-    except (OSError, AttributeError):
-        return None
-    return ctypes.cast(fn, ctypes.c_void_p).value

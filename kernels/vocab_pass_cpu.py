@@ -36,7 +36,6 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from . import vocab_native
 from .categorical import draw_from_groups
 from .reference import VocabPassOut, processed_logits, row_temperature
 
@@ -104,12 +103,6 @@ def tile_stats(raw: torch.Tensor, softcap: float | None, temperature: torch.Tens
     if stored is None:  # fp32 embedding: softmax(round(L)) is softmax(L); reuse e
         return tmax, targ, zt, st, gz, e
     return tmax, targ, zt, st, gz, stored
-
-
-def native_or_torch_tile_stats(*args, **kwargs) -> tuple[torch.Tensor, ...]:
-    """`tile_stats` by the C function where it applies (kernels/vocab_native.py: two passes over the tile, not
-    ~12; the same outputs within fp32 rounding), else by torch."""
-    return vocab_native.tile_stats(*args, **kwargs) or tile_stats(*args, **kwargs)
 
 
 @functools.cache
@@ -182,7 +175,7 @@ def vocab_pass_tiled(
     scale = torch.as_tensor(embed_scale, device=embed.device).to(embed.dtype)  # 0-dim, like the reference
     # a tensor (0-dim, or [N, 1] per row), so that a compiled tile function does not recompile per temperature
     temp = row_temperature(temperature, b, c, dev)
-    stats = compiled_tile_stats() if compile_tiles else native_or_torch_tile_stats
+    stats = compiled_tile_stats() if compile_tiles else tile_stats
     soft_dtype = embed.dtype if want_soft else None
     # Low-precision soft embedding: the rounded logits of every tile, for the reference's own softmax and GEMM.
     stored = torch.empty(n, v, dtype=embed.dtype, device=dev) if want_soft and embed.dtype != torch.float32 else None

@@ -81,8 +81,7 @@ def test_kernels_package_is_this_repository():
 @pytest.mark.parametrize("kernels", ["auto", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_cpu_rms_norm_is_the_reference_bit_for_bit(dtype, kernels, monkeypatch):
-    """The 'cpu' implementation (the C kernel of kernels/norm_native.py, or under DGEMMA_KERNELS=torch torch's CPU
-    rms_norm) against the reference's formula: widths of the real and tiny configs, odd ones, 1 to 300 rows, 3-D
+    """The 'cpu' implementation (torch's CPU rms_norm) against the reference's formula: widths of the real and tiny configs, odd ones, 1 to 300 rows, 3-D
     and strided inputs, large and tiny magnitudes, with and without a weight, several eps."""
     monkeypatch.setenv("DGEMMA_KERNELS", kernels)
     g = torch.Generator().manual_seed(0)

@@ -40,7 +40,6 @@ def test_every_library_builds_and_loads_here():
     status = native.status()
     assert set(status) == set(native.LIBRARIES)
     assert all(v in ("built", "CPU lacks its instructions") for v in status.values()), status
-    assert status["norm_native"] == "built" and status["vocab_native"] == "built"  # plain C: any x86-64 / arm64
 
 
 _BROKEN = r"""
@@ -49,7 +48,7 @@ from pathlib import Path
 import dgcli.kernels.native as native
 native.CSRC = Path(sys.argv[1])
 try:
-    native.library("norm_native", {})
+    native.library("gemm_native", {})
 except native.NativeBuildError as e:
     print("ERROR:", e)
     sys.exit(3)
@@ -63,12 +62,12 @@ def test_a_broken_source_is_an_error_with_the_compilers_message(tmp_path):
     csrc.mkdir()
     for p in native.CSRC.iterdir():
         (csrc / p.name).write_bytes(p.read_bytes())
-    with open(csrc / "norm_native.c", "a") as f:
+    with open(csrc / "gemm_native.c", "a") as f:
         f.write("\nint this_is_not_c(void) { return undeclared_name; }\n")
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "DGEMMA_KERNELS": "auto"}
     run = subprocess.run([sys.executable, "-c", _BROKEN, str(csrc)], capture_output=True, text=True, env=env)
     assert run.returncode == 3, (run.stdout, run.stderr)
-    assert "norm_native.c failed" in run.stdout and "undeclared_name" in run.stdout
+    assert "gemm_native.c failed" in run.stdout and "undeclared_name" in run.stdout
     assert "DGEMMA_KERNELS=torch" in run.stdout  # the fix, in the same message
 
 
@@ -95,7 +94,7 @@ def test_without_a_compiler_the_torch_paths_run(monkeypatch, tmp_path):
     env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "PATH": str(tmp_path), "DGEMMA_KERNELS": "auto"}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert run.returncode == 0, run.stderr
-    assert "'no compiler'" in run.stdout and "c-panels" not in run.stdout and "'rms_norm': 'torch.rms_norm'" in run.stdout
+    assert "'no compiler'" in run.stdout and "c-panels" not in run.stdout and "'linear': 'torch.linear'" in run.stdout
 
 
 def test_a_retired_or_misspelt_switch_is_named_not_ignored():

@@ -152,9 +152,7 @@ def test_pass_step_and_prefill_temporaries_are_the_cpu_allocators_peak(text, mon
     commit; `pass_bytes`), the step (that pass, then the sampler's vocabulary pass; the commits' ids are
     made before it here: `step_bytes` counts them in `decode`), and the engine's first prefill pass as its
     scheduler plans it (prompts of 100 ids and their first canvases; `prefill_bytes`, its ids included).
-    The vocabulary tiles and the norms in torch: the formula counts their buffers (the C tile's, fewer: the next
-    test; the C norms hold only their outputs: the peaks stay under the formula, checked here)."""
-    monkeypatch.setenv("DGEMMA_KERNELS", "torch")
+    The vocabulary tiles and the norms in torch: the formula counts their buffers."""
     from dgcli.engine import LLMEngine as Engine, Request
     from dgcli.sampling.params import DiffusionEbParams
     from dgcli.sampling.rules import sample_step
@@ -189,9 +187,6 @@ def test_pass_step_and_prefill_temporaries_are_the_cpu_allocators_peak(text, mon
         for measured, want in ((pre, want_pre), (one, want_one), (step, want_step)):
             assert measured == pytest.approx(want, rel=0.01, abs=64 * 2**10)
         got[b] = (step, pre, want_step, want_pre)
-        monkeypatch.setenv("DGEMMA_KERNELS", "auto")  # the C norms
-        assert _peak_allocated(lambda: model.forward_pass(ids, segs, eng.cache, soft)) <= want_one + 64 * 2**10
-        monkeypatch.setenv("DGEMMA_KERNELS", "torch")
     per_row = [(got[3][i] - got[1][i]) / 2 for i in range(4)]
     # The slope within 0.5 %, or within half the uncounted attention scratch (one end of it may carry it).
     assert per_row[0] == pytest.approx(per_row[2], rel=0.005, abs=24 * 2**10)
@@ -279,32 +274,6 @@ def test_cuda_vocab_pass_peak_is_the_formula(dtype, v, chunk, want_soft, triton_
     assert memory_vocab.vocab_bytes(cfg, 1, ab) == max(memory_vocab._cuda_vocab(n, h, v, ab, s) for s in (True, False))
 
 
-def test_the_c_tiles_vocabulary_pass_peaks_under_the_formula(monkeypatch):
-    """bf16 (the dtype the peak tests run): `vocab_bytes` counts the torch tile's buffers (raw [N, T], L and exp in
-    fp32); the C tile (kernels/vocab_native.py) keeps only raw, so its pass peaks under the formula, by up to
-    those buffers. (fp32: the C tile's peak is under the torch tile's, checked here; the fp32 formula is not.)"""
-    from dgcli.kernels import vocab_native
-    from dgcli.kernels.vocab_pass_cpu import vocab_pass_tiled
-
-    if vocab_native._native() is None:
-        pytest.skip("no C compiler here: the torch tile runs (the test above)")
-    cfg = parse_config(make_config(VOCAB_HEAVY, canvas_length=32))
-    n, h, v = 64, cfg.hidden_size, cfg.vocab_size
-    peaks = {}
-    for dtype in (torch.bfloat16, torch.float32):
-        g = torch.Generator().manual_seed(0)
-        hidden, embed = torch.randn(2, 32, h, generator=g).to(dtype), torch.randn(v, h, generator=g).to(dtype)
-        u = torch.rand(2, 32, generator=g, dtype=torch.float64)
-        run = lambda: vocab_pass_tiled(hidden, embed, softcap=30.0, temperature=0.8, embed_scale=2.0, uniform=u)  # noqa: E731,B023
-        for native in ("1", "0"):
-            monkeypatch.setenv("DGEMMA_KERNELS", "auto" if native == "1" else "torch")
-            peaks[dtype, native] = _peak_allocated(run)
-    want = memory_vocab.vocab_bytes(cfg, 2, 2, cpu=True)
-    assert peaks[torch.bfloat16, "0"] == pytest.approx(want, rel=0.01, abs=64 * 2**10)
-    assert want - n * min(4096, v) * 8 - 64 * 2**10 <= peaks[torch.bfloat16, "1"] <= want  # tile: auto_tile(256, V)
-    assert peaks[torch.float32, "1"] <= peaks[torch.float32, "0"]
-
-
 @pytest.mark.parametrize("blocks, slots", [([12, 12], 2), ([2, 5, 3, 4], 2)])
 def test_a_whole_batched_run_peaks_where_the_formula_says(blocks, slots, monkeypatch):
     """generate_batch_events over one batch of equal requests, and over 4 requests through 2 slots (each
@@ -313,7 +282,6 @@ def test_a_whole_batched_run_peaks_where_the_formula_says(blocks, slots, monkeyp
     from dgcli.engine import generate_batch_events
     from dgcli.sampling.params import DiffusionEbParams
 
-    monkeypatch.setenv("DGEMMA_KERNELS", "torch")  # the formula counts the torch tile (the test above)
     model = random_model(make_config(VOCAB_HEAVY, canvas_length=32), dtype=torch.bfloat16)
     prompts = [torch.randint(0, 4096, (32,)) for _ in blocks]
     params = DiffusionEbParams(max_denoising_steps=2, confidence_threshold=0.0)

@@ -116,7 +116,7 @@ def loop_state_bytes(cfg: ModelConfig, ab: int = 2, stability: int = 1, lag: int
 def _norm(t: int, width: int, ab: int, cpu: bool) -> int:
     """An RMSNorm's peak over [t, width], its output included: torch's CPU rms_norm holds two fp32 copies (fp32
     input: y·r and its product with the weight) or three (bf16: the input's fp32 copy too); the Triton kernel
-    (CUDA) only its output, as does the C norm (kernels/norm_native.py): on CPU this is an upper bound."""
+    (CUDA) only its output."""
     return (8 if ab == 4 else 12) * t * width if cpu else ab * t * width
 
 
