@@ -107,7 +107,16 @@ _WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}
 KNOWN_VARIABLES = ("DGEMMA_KERNELS", "DGEMMA_FP8", "DGEMMA_API_KEY", "DGEMMA_DEBUG")
 
 
-def _warn_unknown_variables() -> None:
+def _check_variables() -> None:
+    """A DGEMMA_* variable dgemma does not know: one warning line; a kernel switch with a bad value: one error line
+    and exit 2, before anything loads (the kernels would raise it at their first call)."""
+    from dgcli.kernels import switches
+
+    try:
+        switches.mode(), switches.fp8_semantics()
+    except ValueError as e:
+        print(f"dgemma: error: {e}", file=sys.stderr)
+        sys.exit(2)
     for name in sorted(os.environ):
         if name.startswith("DGEMMA_") and name not in KNOWN_VARIABLES:
             print(f"dgemma: warning: {name} is not a dgemma setting and changes nothing (known: "
@@ -117,7 +126,7 @@ def _warn_unknown_variables() -> None:
 def main() -> None:
     from dgcli.kernels.native import NativeBuildError
 
-    _warn_unknown_variables()
+    _check_variables()
     try:
         rc = app(standalone_mode=False)
         sys.stdout.flush()  # a write that is still buffered must fail here, not at interpreter exit

@@ -105,3 +105,11 @@ def test_a_retired_or_misspelt_switch_is_named_not_ignored():
     warned = [ln for ln in run.stderr.splitlines() if ln.startswith("dgemma: warning:")]
     assert len(warned) == 2 and "DGEMMA_KERNEL is not a dgemma setting" in run.stderr
     assert "DGEMMA_NATIVE is not a dgemma setting" in run.stderr and "DGEMMA_KERNELS" in warned[0]
+
+
+def test_a_bad_switch_value_is_one_line_and_exit_2():
+    dgemma = Path(sys.executable).with_name("dgemma")
+    run = subprocess.run([str(dgemma), "--version"], capture_output=True, text=True,
+                         env={**os.environ, "DGEMMA_KERNELS": "bogus"})
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.strip().splitlines() == ["dgemma: error: DGEMMA_KERNELS='bogus': use one of auto, torch, reference"]
