@@ -29,6 +29,8 @@ def format_of(path: str | Path, *, flag: str | None = None, file_ok: bool = True
     path = Path(path)
     label = f"{flag} {path}" if flag else str(path)
     if not path.exists():
+        if path.suffix.lower() == ".gguf":  # a file was meant: say so, not "directory"
+            raise UserError(f"{label}: no such file; check the path of the GGUF file (or pass a checkpoint directory)")
         raise UserError(f"{label}: no such checkpoint directory; pass the directory that holds {CHECKPOINT_HOLDS}")
     if path.is_dir():
         if not (path / "config.json").is_file():

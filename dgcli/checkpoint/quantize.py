@@ -136,13 +136,14 @@ def _more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-def gguf_types(kind: str, shapes: dict[str, tuple[int, ...]], n_layers: int) -> dict[str, int]:
+def gguf_types(kind: str, shapes: dict[str, tuple[int, ...]], n_layers: int,
+               fallbacks: dict | None = None) -> dict[str, int]:
     """The ggml type of each GGUF tensor (name -> logical shape) for `--type kind`, as llama.cpp picks them:
     1-D tensors (norms, scales, layer scalars) and the router (`ffn_gate_inp`, never quantized by llama.cpp)
     stay F32; q8_0 makes every other matrix Q8_0; q4_k_m is Q4_K with Q6_K for the embedding (the tied head)
     and for `attn_v` and `ffn_down(_exps)` in the "more bits" layers. A row length that is no multiple of the
     block falls back as llama.cpp does (`ggml.type_for`: Q6_K -> Q8_0, Q4_K -> Q5_0; not a multiple of 32 ->
-    F16)."""
+    F16). `fallbacks`, if given, collects them: (asked, given type names) -> the row lengths that fell back."""
     from dgcli.model import ggml
 
     v_names = sorted((n for n in shapes if n.endswith(".attn_v.weight")), key=lambda n: int(n.split(".")[1]))
@@ -165,6 +166,8 @@ def gguf_types(kind: str, shapes: dict[str, tuple[int, ...]], n_layers: int) -> 
             elif (".ffn_down." in name or ".ffn_down_exps." in name) and _more_bits(layer, n_layers):
                 t = ggml.Q6_K
         out[name] = ggml.type_for(t, shape[-1]) or ggml.F16
+        if out[name] != t and fallbacks is not None:
+            fallbacks.setdefault((ggml.NAMES[t], ggml.NAMES[out[name]]), []).append(shape[-1])
     return out
 
 
@@ -205,8 +208,9 @@ def checkpoint_to_gguf(src: str | Path, dst: str | Path, kind: str, *,
             shapes[gname] = tuple(st.get_slice(key).get_shape())
         where[gname] = (key, f)
     shapes[gguf_model.ROPE_FREQS] = (cfg.global_head_dim // 2,)
-    types = gguf_types(kind, shapes, cfg.num_hidden_layers)
-    summary: dict = {"bytes_in": 0, "by_type": {}}
+    fallbacks: dict = {}
+    types = gguf_types(kind, shapes, cfg.num_hidden_layers, fallbacks)
+    summary: dict = {"bytes_in": 0, "by_type": {}, "fallbacks": fallbacks}
 
     def data(gname: str):
         if gname == gguf_model.ROPE_FREQS:

@@ -109,7 +109,8 @@ KNOWN_VARIABLES = ("DGEMMA_KERNELS", "DGEMMA_FP8", "DGEMMA_API_KEY", "DGEMMA_DEB
 
 def _check_variables() -> None:
     """A DGEMMA_* variable dgemma does not know: one warning line; a kernel switch with a bad value: one error line
-    and exit 2, before anything loads (the kernels would raise it at their first call)."""
+    and exit 2, before anything loads (the kernels would raise it at their first call); OMP_NUM_THREADS beyond the
+    thread bound: capped, with a warning."""
     from dgcli.kernels import switches
 
     try:
@@ -117,6 +118,15 @@ def _check_variables() -> None:
     except ValueError as e:
         print(f"dgemma: error: {e}", file=sys.stderr)
         sys.exit(2)
+    threads = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if threads.isdigit():
+        from dgcli.runtime.preflight import THREADS_PER_CORE, thread_limit
+
+        if int(threads) > thread_limit():  # capped, not refused: a shell's (or a scheduler's) setting, not this command's
+            print(f"dgemma: warning: OMP_NUM_THREADS={threads} is more than {thread_limit()} ({THREADS_PER_CORE} per "
+                  f"core here), which only slows a run and can crash torch's thread pool; using {thread_limit()}",
+                  file=sys.stderr)
+            os.environ["OMP_NUM_THREADS"] = str(thread_limit())
     for name in sorted(os.environ):
         if name.startswith("DGEMMA_") and name not in KNOWN_VARIABLES:
             print(f"dgemma: warning: {name} is not a dgemma setting and changes nothing (known: "

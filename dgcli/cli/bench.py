@@ -106,16 +106,22 @@ def bench(
 
     sizes = parse_batch_sizes(batch_size)  # before the model, the card and the peak measurement
     check_counts(num_prompts=num_prompts, runs=runs, warmup=warmup, input_len=random_input_len)
+    flags = o.sampler_flags(steps=steps, t_min=t_min, t_max=t_max, entropy_bound=entropy_bound,
+                            stability=stability_threshold, confidence=confidence_threshold, seed=seed,
+                            blocks=blocks, device=device, dtype=dtype, max_tokens=max_tokens)
+    from dgcli.runtime import preflight
+
+    if not show_config and dummy is None:  # the settings from the config files, before torch (--dtype int8, ...)
+        preflight.resolve_for(model, preset, flags)
+    if threads is not None:
+        preflight.check_threads(threads)
     from dgcli.measure import bench as b
     from dgcli.measure import brief, metrics
     from dgcli.measure import printers as report
     from dgcli.measure.quality import bench_quality
     from dgcli.measure.workload import build_prompts
-    from dgcli.runtime.session import open_any
+    from dgcli.runtime.session import fits, open_any
     meta = report.parse_metadata(metadata)
-    flags = o.sampler_flags(steps=steps, t_min=t_min, t_max=t_max, entropy_bound=entropy_bound,
-                            stability=stability_threshold, confidence=confidence_threshold, seed=seed,
-                            blocks=blocks, device=device, dtype=dtype, max_tokens=max_tokens)
     if show_config:
         from dgcli.cli.console import show_config as print_config
 
@@ -137,8 +143,10 @@ def bench(
         s, ray_peaks, fp8_row = jobs.driver_session(pool, measure_peaks=measure_peaks, need_tokenizer=False)
     else:
         with loading("loading the model…"):
+            slots = lambda r: min(max(sizes), preflight.prompt_count(  # noqa: E731
+                r, prompts_file=prompts, random_ids=random_prompts or dummy is not None, num_prompts=num_prompts))
             s = open_any(model, dummy, layers, preset, flags, warn=warn, compile=compile, threads=threads, weights=weights,
-                         cuda_graphs=cuda_graphs)
+                         cuda_graphs=cuda_graphs, check=fits(slots, "--batch-size"))
         fp8_row = _fp8_fields(s.model)
     s.prefix_caching = not no_prefix_caching
     if fp8_activations and fp8_row["weights"] != "fp8":

@@ -38,8 +38,13 @@ def loading(what: str, *, stream: Any = None) -> Iterator[None]:
         yield
         return
     from rich.console import Console
+    from rich.live import Live
+    from rich.spinner import Spinner
 
-    with Console(file=stream).status(what):
+    # Live drawn at once on entry (Console.status waits for its refresh thread): the line must be up before a slow
+    # import or load starts, not after it.
+    with Live(Spinner("dots", text=what, style="status.spinner"), console=Console(file=stream), transient=True,
+              refresh_per_second=12.5):
         yield
 
 
@@ -71,6 +76,9 @@ def read_prompt(prompt: str | None) -> str:
         text = raw.read().decode("utf-8", "surrogateescape") if raw is not None else sys.stdin.read()
         if not text.strip():
             raise UserError("stdin is empty; pipe a prompt in or pass it as an argument")
+        if "\x00" in text:  # binary data (a file piped by mistake); the tokenizer would take it as a prompt
+            raise UserError(f"stdin holds a NUL byte (at character {text.index(chr(0)):,}): it is binary data, not "
+                            "a prompt; pipe text")
         text = text.strip("\n")  # `echo` and files end with a line break: it is not a second line
         lines = len(text.splitlines())
         if lines > 1:  # several prompts piped in would otherwise run silently as one
@@ -78,6 +86,30 @@ def read_prompt(prompt: str | None) -> str:
                  "for one prompt per line use --input-jsonl")
         return text
     return prompt
+
+
+def check_writable(flag: str, path: str) -> None:
+    """Before any model work: an output file that cannot be written must not cost the run. Its folder must exist
+    and take files; the file is opened for appending (created, then removed, when new), since permission bits
+    alone do not tell (root passes them; /proc and read-only mounts still refuse)."""
+    import os
+    from pathlib import Path
+
+    p = Path(path).resolve()
+    if p.is_dir():
+        raise UserError(f"{flag} {path} is a folder; name a file in it")
+    if not p.parent.is_dir():
+        raise UserError(f"{flag} {path}: its folder does not exist; create it or pick another path")
+    if not os.access(p.parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise UserError(f"{flag} {path}: not writable here; pick another path")
+    existed = p.exists()
+    try:
+        with open(p, "ab"):
+            pass
+    except OSError as e:
+        raise UserError(f"{flag} {path}: cannot write there ({e.strerror}); pick another path") from None
+    if not existed:
+        p.unlink(missing_ok=True)
 
 
 _ID_CHARS = frozenset("0123456789,- \t")
@@ -222,7 +254,7 @@ def show_config(model: str | None, preset: str | None, flags: dict, fmt: str, du
     """`--show-config`: the resolved settings, where each came from, and the block count a run will use."""
     import json
 
-    from dgcli.runtime.session import resolve_for
+    from dgcli.runtime.preflight import resolve_for
 
     path, cfg, _, resolved = resolve_for(model, preset, flags, dummy, layers)
     if fmt == "text":

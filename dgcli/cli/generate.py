@@ -14,8 +14,8 @@ from typing import Annotated, Optional
 import typer
 
 import dgcli.cli.options as o
-from dgcli.cli.console import (THINKING_NOTE, Progress, init_canvas_note, loading, note_answers, print_answer,
-                               read_prompt, run_one, show_config as print_config, warn)
+from dgcli.cli.console import (THINKING_NOTE, Progress, check_writable, init_canvas_note, loading, note_answers,
+                               print_answer, read_prompt, run_one, show_config as print_config, warn)
 from dgcli.errors import UserError
 from dgcli.runtime.determinism import Recorder
 
@@ -57,10 +57,6 @@ def generate(
     """
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt}: use one of {', '.join(FORMATS)}")
-    from dgcli.runtime.request import fill_canvas, read_init_canvas
-    from dgcli.runtime.session import open_session
-    from dgcli.sampling.events import Done
-
     flags = o.sampler_flags(steps=steps, t_min=t_min, t_max=t_max, entropy_bound=entropy_bound,
                             stability=stability_threshold, confidence=confidence_threshold, seed=seed,
                             blocks=blocks, device=device, dtype=dtype, max_tokens=max_tokens)
@@ -88,8 +84,26 @@ def generate(
 
         rows = read_prompt_file(input_jsonl, flag="--input-jsonl")
     text = None if rows is not None else read_prompt(prompt)
+    if trace:
+        check_writable("--trace", trace)
+    # Everything that needs no weights, before torch is imported: settings, blocks, the prompt's length.
+    from dgcli.runtime import preflight
+
+    _, cfg, _, resolved = preflight.resolve_for(model, preset, flags)
+    if threads is not None:
+        preflight.check_threads(threads)
+    blocks = preflight.check_blocks(cfg, resolved)
+    if text is not None and len(text) > preflight.prompt_room(cfg, blocks):  # then it may not fit: ask the tokenizer
+        from dgcli.checkpoint.load import load_tokenizer
+
+        preflight.check_prompt_chars(text, load_tokenizer(model or preflight.default_model_path()),
+                                     preflight.prompt_room(cfg, blocks), cfg.max_position_embeddings)
     if show_thinking and not thinking:
         warn(THINKING_NOTE)
+    from dgcli.runtime.request import fill_canvas, read_init_canvas
+    from dgcli.runtime.session import fits, open_session
+    from dgcli.sampling.events import Done
+
     pool = None
     if ray is not None:  # the model loads in each worker; here only the tokenizer (rows are encoded here)
         from dgcli.cluster import jobs
@@ -101,7 +115,8 @@ def generate(
         session = jobs.driver_session(pool)[0]
     else:
         with loading("loading the model…"):
-            session = open_session(model, preset, flags, compile=compile, threads=threads, cuda_graphs=cuda_graphs)
+            session = open_session(model, preset, flags, compile=compile, threads=threads, cuda_graphs=cuda_graphs,
+                                   chat=not raw, check=fits(min(batch_size, len(rows or [1])), "--batch-size"))
     session.prefix_caching = not no_prefix_caching
     if session.tokenizer is None:
         raise UserError(f"{session.path}: no tokenizer.json; dgemma generate needs the checkpoint's tokenizer")

@@ -49,9 +49,18 @@ def quantize(
             raise UserError(f"--type {gguf_type}: use one of {', '.join(GGUF_TYPES)}")
         if not dst.lower().endswith(".gguf"):
             raise UserError(f"{dst}: a GGUF file name ends in .gguf; name the new file DST.gguf")
+        from dgcli.cli.console import check_writable
         from dgcli.checkpoint.quantize import checkpoint_to_gguf
 
+        check_writable("DST", dst)  # before quantizing: an unwritable place must not cost the work
         s = checkpoint_to_gguf(src, dst, kind, progress=progress)
+        if s.get("fallbacks"):  # the bundled model's rows of 160 hold no Q4_K block of 256: say what it got instead
+            fell = sorted(s["fallbacks"].items())
+            rows = sorted({k for _, ks in fell for k in ks})
+            progress(f"note: {sum(len(ks) for _, ks in fell)} tensor(s) fell back from the asked type ("
+                     + ", ".join(f"{len(ks)} {a} -> {b}" for (a, b), ks in fell)
+                     + f"): their rows of {', '.join(map(str, rows))} values are not multiples of its block (256 "
+                     "for K-quants); llama.cpp falls back the same way")
         types = ", ".join(f"{n} {t}" for t, n in sorted(s["by_type"].items()))
         print(f"{dst}: GGUF {kind.upper()}, {s['bytes_out'] / gb:.3g} GB (from {s['bytes_in'] / gb:.3g} GB); "
               f"tensors: {types}")
@@ -63,6 +72,23 @@ def quantize(
                         "--type q8_0|q4_k_m for a .gguf")
     from dgcli.checkpoint.quantize import quantize_checkpoint
 
+    _check_folder(dst)
     s = quantize_checkpoint(src, dst, progress=progress)
     print(f"{dst}: FP8-dynamic checkpoint, {s['quantized_tensors']} tensors in float8_e4m3fn, "
           f"{s['bytes_out'] / gb:.3g} GB of weights (from {s['bytes_in'] / gb:.3g} GB) in {s['files']} file(s)")
+
+
+def _check_folder(dst: str) -> None:
+    """Before quantizing: the new checkpoint's folder (or the nearest folder above it that exists) takes files."""
+    import tempfile
+    from pathlib import Path
+
+    place = Path(dst).resolve()
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    if not place.is_dir():
+        raise UserError(f"DST {dst}: {place} is a file, not a folder; name a new folder")
+    try:
+        tempfile.TemporaryFile(dir=place).close()
+    except OSError as e:
+        raise UserError(f"DST {dst}: cannot write in {place} ({e.strerror}); pick another place") from None

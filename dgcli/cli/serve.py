@@ -53,15 +53,25 @@ def serve(
     """
     if not 0 <= port <= 65535:  # before the model loads (uvicorn would fail after, with a traceback)
         raise UserError(f"--port {port}: a TCP port is 0..65535 (0: any free port)")
-    from dgcli.runtime.session import open_session
+    if max_batch_size < 1:
+        raise UserError(f"--max-batch-size {max_batch_size}: must be >= 1")
+    if api_key is not None and not api_key.strip():  # `--api-key "$UNSET"` would otherwise start an open server
+        raise UserError("--api-key is empty: give the key clients must send, or leave --api-key out for a server "
+                        "without one")
+    from dgcli.runtime.session import fits, open_session
     from dgcli.serve.run import context_for, serve as run_server
+
+    def check(cfg, resolved, device) -> None:  # every slot's KV cache is allocated at start: refuse what cannot fit
+        fits(max_batch_size, "--max-batch-size", context=context_for(cfg, max_model_len),
+             context_flag="--max-model-len")(cfg, resolved, device)
 
     flags = o.sampler_flags(steps=steps, t_min=t_min, t_max=t_max, entropy_bound=entropy_bound,
                             stability=stability_threshold, confidence=confidence_threshold, seed=seed,
                             blocks=blocks, device=device, dtype=dtype, max_tokens=max_tokens)
     key = api_key if api_key is not None else (os.environ.get("DGEMMA_API_KEY") or None)
     with loading("loading the model…"):
-        session = open_session(model, preset, flags, compile=compile, threads=threads, cuda_graphs=cuda_graphs)
+        session = open_session(model, preset, flags, compile=compile, threads=threads, cuda_graphs=cuda_graphs,
+                               check=check)
     session.prefix_caching = not no_prefix_caching
     if thinking:
         import dataclasses
@@ -69,7 +79,7 @@ def serve(
         run = dataclasses.replace(session.resolved.run, thinking=True)
         session.resolved = dataclasses.replace(session.resolved, run=run)
     clean = run_server(session, host=host, port=port, slots=max_batch_size, max_queue=max_queue, api_key=key,
-                       model_name=served_model_name or session.name, context=context_for(session, max_model_len),
+                       model_name=served_model_name or session.name, context=context_for(session.config, max_model_len),
                        shutdown_timeout=shutdown_timeout, stall_timeout=stall_timeout,
                        say=_opening(warn) if open_page else warn)
     if not clean:

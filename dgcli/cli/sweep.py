@@ -76,17 +76,17 @@ def sweep(
     from dgcli.cluster import check_flags  # torch-free
 
     check_flags(ray, ray_workers, ray_gpus)  # --dry-run too
-    from dgcli.measure import bench as b
     from dgcli.measure import printers as report
-    from dgcli.measure import sweep as sw
+    from dgcli.measure import sweep as sw  # (torch-free: the grid is checked before torch loads)
     from dgcli.measure.metrics import DEFINITIONS
-    from dgcli.measure.workload import build_prompts, prompt_set_hash
-    from dgcli.runtime.session import open_any
+    from dgcli.runtime import preflight
 
     if fmt not in ("md", "csv", "json", "jsonl"):
         raise UserError(f"--format {fmt}: use one of md, csv, json, jsonl")
     if speed not in DEFINITIONS or speed.startswith(("quality", "exact", "agree")):
         raise UserError(f"--speed-metric {speed}: use a figure such as output_throughput or diffusion_committed_throughput")
+    if threads is not None:
+        preflight.check_threads(threads)
     axes = sw.parse_axes({"max_denoising_steps": steps, "t_min": t_min, "t_max": t_max, "entropy_bound": entropy_bound,
                           "stability_threshold": stability_threshold, "confidence_threshold": confidence_threshold,
                           "max_blocks": blocks})
@@ -122,6 +122,10 @@ def sweep(
     if any(len(axes.get(k, [])) > 1 for k in ("t_min", "t_max")):  # before loading: see _base_flags
         flags = _base_flags(_resolver(model, dummy, layers, preset)[0], flags, axes)
 
+    from dgcli.measure import bench as b
+    from dgcli.measure.workload import build_prompts, prompt_set_hash
+    from dgcli.runtime.session import fits, open_any
+
     baseline = b.PeakMemory.maxrss()  # before the model exists, for the CPU peak-memory figure
     pool = None
     if ray is not None:  # each worker loads the model and runs whole cells; the rows come back here, in order
@@ -134,8 +138,10 @@ def sweep(
         s, ray_peaks, _ = jobs.driver_session(pool, measure_peaks=measure_peaks, need_tokenizer=False)
     else:
         with loading("loading the model…"):
+            slots = lambda r: min(max(sizes), preflight.prompt_count(  # noqa: E731
+                r, prompts_file=prompts, random_ids=random_prompts or dummy is not None, num_prompts=num_prompts))
             s = open_any(model, dummy, layers, preset, flags, warn=warn, compile=compile, threads=threads,
-                         cuda_graphs=cuda_graphs)
+                         cuda_graphs=cuda_graphs, check=fits(slots, "--batch-size"))
     s.prefix_caching = not no_prefix_caching
     plist, source = build_prompts(s, prompts_file=prompts, random_ids=random_prompts or s.dummy,
                                   num_prompts=num_prompts, input_len=random_input_len, seed=seed_list[0], warn=warn)
@@ -161,6 +167,11 @@ def sweep(
                         "fixed settings differ); rerun with those settings or choose another --output")
     done_keys = {r["cell_key"] for r in rows if r.get("kind") == "cell"}
     todo = [c for c in cells if c.key not in done_keys]
+    if resume and not todo:  # no peaks, card or table again: the file already holds every cell
+        warn(f"dgemma: nothing left to run: all {len(cells)} cell(s) are already in {output}")
+        if pool is not None:
+            pool.close()
+        return
 
     peaks = b.device_peaks(s.device, measure_cpu=measure_peaks, compute=b.compute_dtype(s)) if pool is None \
         else ray_peaks
@@ -247,11 +258,17 @@ def _check_writable(flag: str, path: str, example: str, *, appends: bool = False
         raise UserError(f"{flag} {path}: no folder {p.parent}; create it (mkdir -p {p.parent}) or choose another {flag}")
     if not os.access(p.parent, os.W_OK | os.X_OK) or (appends and p.exists() and not os.access(p, os.W_OK)):
         raise UserError(f"{flag} {path}: cannot write there (permission denied); choose a writable {flag}")
+    try:  # permission bits do not tell for root, /proc or a read-only mount: a file must really appear there
+        import tempfile
+
+        tempfile.TemporaryFile(dir=p.parent).close()
+    except OSError as e:
+        raise UserError(f"{flag} {path}: cannot write there ({e.strerror}); choose a writable {flag}") from None
 
 
 def _resolver(model, dummy, layers, preset):
     """(flags -> the resolved settings, the model's name, its canvas length), from the config files alone."""
-    from dgcli.runtime.session import settings_source
+    from dgcli.runtime.preflight import settings_source
     from dgcli.runtime.settings import resolve
 
     path, cfg, gen, forced = settings_source(model, dummy, layers)

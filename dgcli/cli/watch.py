@@ -49,17 +49,12 @@ def _check_pacing(fps: float | None, step_delay: float | None, speed: float | No
 
 
 def _check_outputs(**paths: str | None) -> None:
-    """Before any model work: a picture that cannot be written must not cost a whole run."""
+    """Before any model work: a picture (or trace) that cannot be written must not cost a whole run."""
+    from dgcli.cli.console import check_writable
+
     for flag, path in paths.items():
-        if path is None:
-            continue
-        p, flag = Path(path).resolve(), f"--{flag.replace('_', '-')}"
-        if p.is_dir():
-            raise UserError(f"{flag} {path} is a folder; name a file in it")
-        if not p.parent.is_dir():
-            raise UserError(f"{flag} {path}: its folder does not exist; create it or pick another path")
-        if not os.access(p.parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
-            raise UserError(f"{flag} {path}: not writable here; pick another path")
+        if path is not None:
+            check_writable(f"--{flag.replace('_', '-')}", path)
 
 
 def _screen():
@@ -126,7 +121,7 @@ def watch(
     from dgcli.render.watch import Pieces
 
     _check_pacing(fps, step_delay, speed, replay)
-    _check_outputs(save_svg=save_svg, save_html=save_html)
+    _check_outputs(save_svg=save_svg, save_html=save_html, trace=trace if replay is None else None)
     flags = o.sampler_flags(steps=steps, t_min=t_min, t_max=t_max, entropy_bound=entropy_bound,
                             stability=stability_threshold, confidence=confidence_threshold, seed=seed,
                             blocks=blocks, device=device, dtype=dtype, max_tokens=max_tokens)
@@ -140,8 +135,6 @@ def watch(
 
     from dgcli.cli.console import THINKING_NOTE, init_canvas_note, loading, note_answers, print_answer, read_prompt, run_one
     from dgcli.cli.console import show_config as print_config
-    from dgcli.runtime.request import fill_canvas, read_init_canvas
-    from dgcli.runtime.session import open_session
 
     if show_config:
         print_config(model, preset, flags, "text")
@@ -149,8 +142,11 @@ def watch(
     text = read_prompt(prompt)
     if show_thinking and not thinking:
         print(THINKING_NOTE, file=sys.stderr)
-    with loading("loading the model…"):
-        session = open_session(model, preset, flags, threads=threads)
+    with loading("loading the model…"):  # up before torch is imported: that alone takes seconds
+        from dgcli.runtime.request import fill_canvas, read_init_canvas
+        from dgcli.runtime.session import open_session
+
+        session = open_session(model, preset, flags, threads=threads, chat=not raw)
     if session.tokenizer is None:
         raise UserError(f"{session.path}: no tokenizer.json; dgemma watch needs the checkpoint's tokenizer")
     canvas = None

@@ -346,6 +346,12 @@ def check_result_place(result_dir: str | None, filename: str | None) -> None:
     if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
         flag = "--result-filename" if path is not None and folder != d else "--result-dir"
         raise UserError(f"{flag}: cannot write in {folder} (no such folder, or not writable); pick a writable folder")
+    try:  # permission bits do not tell for root, /proc or a read-only mount: a file must really appear there
+        import tempfile
+
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise UserError(f"--result-dir: cannot write in {folder} ({e.strerror}); pick a writable folder") from None
 
 
 def save_result(doc: dict, result_dir: str | None, filename: str | None, label: str | None) -> Path:

@@ -25,8 +25,9 @@ from dgcli.engine import check_ids, out_of_vocab, over_context
 from dgcli.engine import cut as cut_answer
 from dgcli.engine import kind as _kind
 from dgcli.errors import UserError
+from dgcli.runtime.preflight import check_prompt_chars, prompt_room
 from dgcli.runtime.settings import blocks_for
-from dgcli.sampling.events import BlockStart, Done, Event
+from dgcli.sampling.events import BlockStart, Done, Event, Step
 
 
 @dataclass
@@ -69,6 +70,8 @@ def encode(session: Any, text: str, *, raw: bool = False, thinking: bool | None 
     if not text.strip():
         raise UserError("the prompt is empty; pass text as an argument or on stdin")
     think = session.resolved.run.thinking if thinking is None else thinking
+    cfg = session.config  # a prompt far too long is refused from its length, before it is tokenized
+    check_prompt_chars(text, session.tokenizer, prompt_room(cfg, session.num_blocks), cfg.max_position_embeddings)
     ids = session.tokenizer.encode_prompt(text, raw=raw, thinking=think)
     check_context(session, len(ids))
     return ids
@@ -200,7 +203,10 @@ def run(session: Any, prompt_ids: Sequence[int], *, params: Any = None, ignore_e
     prompt_ids = check_ids(prompt_ids, session.config.vocab_size, "prompt_ids")
     starts: list[int] = []
     done = None
+    checked = False
     for event in _stream(session, prompt_ids, params, ignore_eos, canvas_ids(session, init_canvas)):
+        if not checked and isinstance(event, Step):
+            checked = _check_finite(session, event)
         if on_event is not None:
             on_event(event)
         if isinstance(event, BlockStart):
@@ -268,13 +274,27 @@ def _run_batch(session: Any, prompts: list[list[int]], batch_size: int, seeds: l
         stop_ids=() if ignore_eos else session.stop_ids, pad_id=session.pad_id, init_canvases=init_canvases,
         compile_tiles=session.compiled, max_batch=batch_size, stats=stats, step_mode=session.step_mode,
         prefix_caching=getattr(session, "prefix_caching", True), engines=getattr(session, "engines", None))
+    checked = False
     for event in events:
+        if not checked and isinstance(event, Step):
+            checked = _check_finite(session, event)
         if on_event is not None:
             on_event(event)
         if isinstance(event, BlockStart):
             starts[event.row].append(event.prefix_len)
         elif isinstance(event, Done):
             yield event.row, _response(session, prompts[event.row], event, starts.pop(event.row), show_thinking)
+
+
+def _check_finite(session: Any, step: Step) -> bool:
+    """The first step's entropy (one host sync a run): NaN where the logits hold NaN or Inf, which only corrupt
+    weights give; the answer would be noise, so the run stops with one line."""
+    import math
+
+    if not math.isfinite(float(step.mean_entropy)):
+        raise UserError(f"{session.path}: the first denoising step gave NaN/Inf logits: the weights are corrupt "
+                        "(NaN or Inf values, e.g. a damaged file's scales); re-download or re-convert the checkpoint")
+    return True
 
 
 def _response(session: Any, prompt_ids: Sequence[int], done: Done, starts: list[int], show_thinking: bool) -> Response:

@@ -18,19 +18,11 @@ from typing import Any, Callable
 import torch
 
 from dgcli.checkpoint.config import parse_config
-from dgcli.checkpoint.load import load_config, load_generation_config
 from dgcli.errors import UserError
 from dgcli.model.config import ModelConfig
+from dgcli.runtime.preflight import (BUNDLED, check_threads, default_model_path, resolve_for,  # noqa: F401 (re-exports)
+                                     settings_source, thread_limit)
 from dgcli.runtime.settings import Resolved, blocks_for, resolve, stop_ids_from_generation_config
-
-BUNDLED = Path(__file__).resolve().parents[1] / "data" / "tiny"
-
-
-def default_model_path() -> Path:
-    if not (BUNDLED / "config.json").exists():
-        raise UserError(f"the bundled model is missing from {BUNDLED}; pass --model DIR")
-    return BUNDLED
-
 
 def pick_device(name: str, flag: str = "--device ") -> torch.device:
     """`name` (auto | cpu | cuda[:N]) as a device here; `flag`: how errors name the setting ("device=" for the
@@ -106,10 +98,12 @@ def thread_rule(parameters: int, device_type: str, flag: int | None = None) -> t
     if flag is not None:
         if flag < 1:
             raise UserError(f"--threads {flag}: must be >= 1 (leave it out for the rule: 1 thread for a small CPU model, else one per core)")
+        check_threads(flag)
         return flag, f"flag: --threads {flag}"
     env = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if env.isdigit() and int(env) >= 1:
-        return int(env), f"env: OMP_NUM_THREADS={env}"
+    if env.isdigit() and int(env) >= 1:  # capped (the CLI says so at start): a shell's setting, not this command's
+        n = min(int(env), thread_limit())
+        return n, f"env: OMP_NUM_THREADS={env}" + (f", capped at {n}" if n < int(env) else "")
     if device_type == "cpu" and parameters < SMALL_MODEL_PARAMS:
         return 1, f"rule: a CPU model under {SMALL_MODEL_PARAMS // 1_000_000} M parameters runs on 1 thread"
     return TORCH_DEFAULT_THREADS, f"rule: torch's default, one per core ({TORCH_DEFAULT_THREADS})"
@@ -156,27 +150,6 @@ def check_cuda_graphs(cuda_graphs: bool | None, device: torch.device, compile: b
     return "graphs"
 
 
-def settings_source(model: str | None, dummy: str | None = None,
-                    layers: int | None = None) -> tuple[Path | str, ModelConfig, dict | None, dict]:
-    """Without loading weights: the checkpoint's path (or a `--dummy` config's name), its config, its generation
-    config and the flags a run of it forces (dummy weights: fixed work, as `open_dummy_session` runs them)."""
-    if dummy is not None:
-        from dgcli.checkpoint.random_weights import dummy_config
-
-        raw, gen, name = dummy_config(dummy, layers)
-        return (name if name.lower().startswith("dummy") else f"dummy {name}"), parse_config(raw), gen, \
-            {"confidence_threshold": 0.0}
-    path = Path(model) if model else default_model_path()
-    return path, load_config(path, flag="--model" if model else None, file_ok=False), load_generation_config(path), {}
-
-
-def resolve_for(model: str | None, preset: str | None, flags: dict, dummy: str | None = None,
-                layers: int | None = None) -> tuple[Path | str, ModelConfig, dict | None, Resolved]:
-    """Settings without loading weights (for --show-config and plans): `settings_source`'s, resolved."""
-    path, cfg, gen, forced = settings_source(model, dummy, layers)
-    return path, cfg, gen, resolve(gen, preset, {**flags, **forced})
-
-
 def _session(path: Path, m: Any, tokenizer: Any, resolved: Resolved, gen: dict | None, device: torch.device, *,
              compile: bool, name: str, threads: tuple[int, str], dummy: bool = False,
              cuda_graphs: bool | None = False) -> Session:
@@ -211,19 +184,28 @@ def ran_with(resolved: Resolved, model: Any) -> Resolved:
     return dataclasses.replace(resolved, run=run)
 
 
+Check = Callable[[ModelConfig, Resolved, torch.device], None]  # a check of the run before anything heavy loads
+
+
 def open_session(model: str | None, preset: str | None, flags: dict, *, need_tokenizer: bool = True,
-                 compile: bool = False, threads: int | None = None, cuda_graphs: bool | None = None) -> Session:
+                 compile: bool = False, threads: int | None = None, cuda_graphs: bool | None = None,
+                 chat: bool = False, check: Check | None = None) -> Session:
     """A checkpoint (directory or GGUF file) with its tokenizer and resolved settings; `threads` is `--threads`
-    (None: the rule); `cuda_graphs` as `check_cuda_graphs` takes it (None, as the CLI: where they run)."""
+    (None: the rule); `cuda_graphs` as `check_cuda_graphs` takes it (None, as the CLI: where they run). Before the
+    weights: `chat` refuses a checkpoint without a usable chat template, `check` (e.g. `fits`) sees the config."""
     from dgcli.checkpoint.directory import resolve_dtype
     from dgcli.checkpoint.load import load_model, load_tokenizer
 
     path, cfg, gen, resolved = resolve_for(model, preset, flags)
     device = pick_device(resolved.run.device)
     check_cuda_graphs(cuda_graphs, device, compile)  # before anything heavy is loaded
+    if check is not None:
+        check(cfg, resolved, device)
     dtype = resolve_dtype(resolved.run.dtype)  # auto: the checkpoint's own dtype
     n_threads = set_threads(cfg, device, threads)
     tokenizer = load_tokenizer(path, need_tokenizer)
+    if chat and tokenizer is not None:
+        tokenizer.check_template()  # from the files' text alone (a GGUF's metadata), not after the weights
     m = load_model(path, device=device, dtype=dtype)
     return _session(path, m, tokenizer, resolved, gen, device, compile=compile, name=path.name, threads=n_threads,
                     cuda_graphs=cuda_graphs)
@@ -231,7 +213,7 @@ def open_session(model: str | None, preset: str | None, flags: dict, *, need_tok
 
 def open_dummy_session(spec: str, layers: int | None, preset: str | None, flags: dict, *,
                        warn: Callable[[str], None], compile: bool = False, threads: int | None = None,
-                       weights: str = "bf16", cuda_graphs: bool | None = False) -> Session:
+                       weights: str = "bf16", cuda_graphs: bool | None = False, check: Check | None = None) -> Session:
     """Random weights for a config (`--dummy`), built directly on the device (nothing read but the config).
     Random weights never converge, so fixed-work mode is forced (confidence_threshold 0), and said.
     `weights="fp8"`: the config as an FP8-dynamic checkpoint would have it, its matrices drawn in e4m3;
@@ -248,6 +230,8 @@ def open_dummy_session(spec: str, layers: int | None, preset: str | None, flags:
     resolved = resolve(gen, preset, dict(flags, confidence_threshold=0.0))
     device = pick_device(resolved.run.device)
     check_cuda_graphs(cuda_graphs, device, compile)  # before the weights are drawn
+    if check is not None:
+        check(parse_config(raw), resolved, device)
     dt = resolved.run.dtype if resolved.run.dtype != "auto" else str(raw.get("dtype") or "bfloat16")
     dtype = resolve_dtype(dt if dt in ("bfloat16", "float32", "float16") else "bfloat16")
     cfg = parse_config(raw)
@@ -268,17 +252,35 @@ def open_dummy_session(spec: str, layers: int | None, preset: str | None, flags:
 
 def open_any(model: str | None, dummy: str | None, layers: int | None, preset: str | None, flags: dict, *,
              warn: Callable[[str], None], compile: bool = False, threads: int | None = None,
-             weights: str = "bf16", cuda_graphs: bool | None = False) -> Session:
+             weights: str = "bf16", cuda_graphs: bool | None = False, check: Check | None = None) -> Session:
     """bench and sweep: a checkpoint (tokenizer optional) or `--dummy` weights, never both."""
     if dummy is None:
         if layers is not None:
             raise UserError("--layers shrinks a --dummy config; it does not apply to a checkpoint")
         return open_session(model, preset, flags, need_tokenizer=False, compile=compile, threads=threads,
-                            cuda_graphs=cuda_graphs)
+                            cuda_graphs=cuda_graphs, check=check)
     if model is not None:
         raise UserError("give either --model (a checkpoint) or --dummy CONFIG (random weights), not both")
     return open_dummy_session(dummy, layers, preset, flags, warn=warn, compile=compile, threads=threads, weights=weights,
-                              cuda_graphs=cuda_graphs)
+                              cuda_graphs=cuda_graphs, check=check)
+
+
+def fits(slots: int | Callable[[Resolved], int], flag: str, *, context: int | None = None,
+         context_flag: str | None = None) -> Check:
+    """A `check` refusing `slots` slots (or those the settings give) that cannot fit the device
+    (preflight.check_memory): of `context` cached positions, else the least a request of the run's blocks caches
+    (a one-token prompt and every block but the last)."""
+    from dgcli.runtime.preflight import available_ram, check_memory
+
+    def check(cfg: ModelConfig, resolved: Resolved, device: torch.device) -> None:
+        n = slots(resolved) if callable(slots) else slots
+        blocks = blocks_for(resolved.params, resolved.run.max_tokens, cfg.canvas_length)
+        ctx = context if context is not None else 1 + (blocks - 1) * cfg.canvas_length
+        cpu = device.type != "cuda"
+        free = available_ram() if cpu else torch.cuda.mem_get_info(device)[0]
+        check_memory(cfg, resolved, slots=n, context=ctx, free=free, cpu=cpu, flag=flag, context_flag=context_flag)
+
+    return check
 
 
 def preflight(cfg: ModelConfig, weight_bytes: int, device: Any, *, spec: str, total_bytes: int | None = None) -> None:

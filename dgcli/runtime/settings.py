@@ -139,7 +139,11 @@ def _preset_path(name_or_path: str) -> Path:
     looks_like_path = text.endswith((".yaml", ".yml")) or "/" in text or "\\" in text
     if looks_like_path:
         path = Path(text).expanduser()
-        if not path.is_file():
+        if path.exists() and not (path.is_file() or path.is_fifo()):  # /dev/null, a folder: there, but no preset
+            what = "a folder" if path.is_dir() else "not a regular file"
+            raise UserError(f"preset file {text!r} is {what}; pass a YAML file of 'key: value' lines or a preset name "
+                            f"({', '.join(list_presets()) or 'none shipped'})")
+        if not path.exists():
             raise UserError(f"preset file {text!r} not found; pass an existing YAML file or a preset name ({', '.join(list_presets()) or 'none shipped'})")
         return path
     for d in preset_dirs():

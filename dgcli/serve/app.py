@@ -176,7 +176,7 @@ async def _whole(request: Request, job: Job, state: State) -> Response:
         elif kind == "end":
             state.metrics.count(200)
             return JSONResponse(protocol.reply(job.spec, name, "".join(reasoning), "".join(content),
-                                               message[1], message[2]))
+                                               message[1], message[2], note=message[3] if len(message) > 3 else None))
         elif kind == "error":
             return _error(message[1], state)
 
@@ -203,7 +203,7 @@ async def _stream(job: Job, state: State) -> AsyncIterator[bytes]:
                 yield _sse(protocol.side_chunk(spec, name, dgemma_draft=message[1]))
             elif kind == "end":
                 finished = True
-                yield _sse(protocol.chunk(spec, name, finish=message[1]))
+                yield _sse(protocol.chunk(spec, name, finish=message[1], note=message[3] if len(message) > 3 else None))
                 if spec.include_usage:
                     yield _sse(protocol.side_chunk(spec, name, usage=message[2]))
                 break

@@ -360,7 +360,8 @@ def usage(prompt_tokens: int, completion_tokens: int, steps_per_block: list[int]
             "denoising_steps": sum(steps_per_block), "steps_per_block": list(steps_per_block)}
 
 
-def reply(spec: Spec, model: str, reasoning: str, content: str, finish: str, use: dict) -> dict:
+def reply(spec: Spec, model: str, reasoning: str, content: str, finish: str, use: dict, note: str | None = None) -> dict:
+    """The whole answer; `note` (why it is empty) as `dgemma_note`, a field OpenAI's clients keep and ignore."""
     if spec.chat:
         message = {"role": "assistant", "content": content}
         if reasoning:
@@ -372,12 +373,13 @@ def reply(spec: Spec, model: str, reasoning: str, content: str, finish: str, use
         if reasoning:
             choice["reasoning_content"] = reasoning
         kind = "text_completion"
-    return {"id": spec.id, "object": kind, "created": spec.created, "model": model, "choices": [choice], "usage": use}
+    body = {"id": spec.id, "object": kind, "created": spec.created, "model": model, "choices": [choice], "usage": use}
+    return body | ({"dgemma_note": note} if note else {})
 
 
 def chunk(spec: Spec, model: str, *, reasoning: str = "", content: str | None = None, role: bool = False,
-          finish: str | None = None) -> dict:
-    """A stream chunk carrying text (or the first chunk's role, or the last chunk's finish reason)."""
+          finish: str | None = None, note: str | None = None) -> dict:
+    """A stream chunk carrying text (or the first chunk's role, or the last chunk's finish reason and `note`)."""
     if spec.chat:
         delta: dict = {"role": "assistant"} if role else {}
         if content is not None:
@@ -391,7 +393,8 @@ def chunk(spec: Spec, model: str, *, reasoning: str = "", content: str | None = 
         if reasoning:
             choice["reasoning_content"] = reasoning
         kind = "text_completion"
-    return {"id": spec.id, "object": kind, "created": spec.created, "model": model, "choices": [choice]}
+    body = {"id": spec.id, "object": kind, "created": spec.created, "model": model, "choices": [choice]}
+    return body | ({"dgemma_note": note} if note else {})
 
 
 def side_chunk(spec: Spec, model: str, **extra: Any) -> dict:

@@ -71,11 +71,10 @@ DEFAULT_CONTEXT = 8192
 ENGINE_GRACE = 1.0  # s the engine thread gets to end its pass after the requests are withdrawn
 
 
-def context_for(session: Any, max_model_len: int | None) -> int:
+def context_for(cfg: Any, max_model_len: int | None) -> int:
     """The positions a request may use (prompt + its canvases): --max-model-len, at most the model's;
     by default the model's context up to 8192 (the cache is allocated up front for every slot: the real
     model's 262144 positions would take tens of GB per slot)."""
-    cfg = session.config
     limit = cfg.max_position_embeddings
     if max_model_len is None:
         return min(limit, DEFAULT_CONTEXT)

@@ -4,7 +4,7 @@ through an inbox, its events turned into each request's messages on the HTTP sid
 Owns: `Job` (one HTTP request as the engine thread sees it: its `Spec`, its `Output`, the asyncio queue
 its handler reads) and `Worker`: submit / cancel / close from any thread; the thread runs a decoder pass
 whenever the engine has work and otherwise sleeps on the inbox. Messages to a handler: ("text", reasoning,
-content) per committed block, ("draft", dict) per step when asked, then ("end", finish_reason, usage) or
+content) per committed block, ("draft", dict) per step when asked, then ("end", finish_reason, usage, note: why an answer is empty, else None) or
 ("error", ApiError). A request whose answer ends early (stop string, max_tokens) or whose client went
 away is withdrawn from the engine (`LLMEngine.cancel`): its slot is free before the next pass.
 `abort` answers every request still waiting from the calling thread (503), whatever the engine thread is
@@ -199,13 +199,15 @@ class Worker:
 
     def _end(self, job: Job) -> None:
         out, spec = job.output, job.spec
-        if not (out.sent_content.strip() or out.sent_reasoning.strip()):  # the client got "": say why, here
+        note = None
+        if not (out.sent_content.strip() or out.sent_reasoning.strip()):  # the client got "": say why, to it too
             why = ("/v1/completions sends the prompt without the chat template, and a chat-trained checkpoint "
                    "answers such prompts with padding; use /v1/chat/completions" if not spec.chat else
                    "the model gave no text for these messages")
             log.warning("dgemma serve: request %s: the answer is empty (%s)", job.id, why)
+            note = f"the answer is empty: {why}"
         use = usage(len(spec.prompt_ids), out.completion_tokens, job.steps_per_block)
-        self._forget(job, cancelled=False, last=("end", out.finish_reason, use))
+        self._forget(job, cancelled=False, last=("end", out.finish_reason, use, note))
 
     def _dispatch(self, event: Any) -> None:
         job = self.jobs.get(event.row)

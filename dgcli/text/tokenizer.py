@@ -96,6 +96,10 @@ class ChatTokenizer:
                 f"chat template of {self.source} does not parse: {exc}; fix the template"
             ) from None
 
+    def check_template(self) -> None:
+        """Raise the `UserError` a prompt would meet when the chat template is missing or does not parse."""
+        self._template  # noqa: B018 (the property raises)
+
     def render_chat(
         self, messages: list[dict], *, thinking: bool = False, add_generation_prompt: bool = True
     ) -> str:

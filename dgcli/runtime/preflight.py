@@ -1,0 +1,169 @@
+"""Checks before the load: what a run can be refused for from its flags, its config and its files' headers,
+answered before torch is imported and before a weight is read (a refusal after a 15 GB load costs minutes).
+
+Owns: the settings a run will use from the config files alone (`settings_source`, `resolve_for`), the thread bound
+(`thread_limit`), the memory preflight of slots and context (`check_memory`: the cost model's peak, weights
+aside), and the character bound of a prompt (`check_prompt_chars`). Must not: import torch, read tensors or print.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from dgcli.checkpoint.config import parse_config
+from dgcli.checkpoint.load import load_config, load_generation_config
+from dgcli.errors import UserError
+from dgcli.model.config import ModelConfig
+from dgcli.runtime.settings import Resolved, resolve
+
+BUNDLED = Path(__file__).resolve().parents[1] / "data" / "tiny"
+# More torch threads than this many per core only slow a run (they wait on each other at every op); far more (1e5)
+# crash torch's OpenMP pool. The flag is refused beyond it; OMP_NUM_THREADS, often set for a whole shell, is capped.
+THREADS_PER_CORE = 4
+
+
+def default_model_path() -> Path:
+    if not (BUNDLED / "config.json").exists():
+        raise UserError(f"the bundled model is missing from {BUNDLED}; pass --model DIR")
+    return BUNDLED
+
+
+def settings_source(model: str | None, dummy: str | None = None,
+                    layers: int | None = None) -> tuple[Path | str, ModelConfig, dict | None, dict]:
+    """Without loading weights: the checkpoint's path (or a `--dummy` config's name), its config, its generation
+    config and the flags a run of it forces (dummy weights: fixed work, as `open_dummy_session` runs them)."""
+    if dummy is not None:
+        from dgcli.checkpoint.random_weights import dummy_config
+
+        raw, gen, name = dummy_config(dummy, layers)
+        return (name if name.lower().startswith("dummy") else f"dummy {name}"), parse_config(raw), gen, \
+            {"confidence_threshold": 0.0}
+    path = Path(model) if model else default_model_path()
+    return path, load_config(path, flag="--model" if model else None, file_ok=False), load_generation_config(path), {}
+
+
+def resolve_for(model: str | None, preset: str | None, flags: dict, dummy: str | None = None,
+                layers: int | None = None) -> tuple[Path | str, ModelConfig, dict | None, Resolved]:
+    """Settings without loading weights (for --show-config and plans): `settings_source`'s, resolved."""
+    path, cfg, gen, forced = settings_source(model, dummy, layers)
+    return path, cfg, gen, resolve(gen, preset, {**flags, **forced})
+
+
+def cores() -> int:
+    """The cores this process may run on (its affinity: a container's share, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def thread_limit() -> int:
+    return THREADS_PER_CORE * cores()
+
+
+def check_threads(flag: int) -> None:
+    """`--threads N` beyond `thread_limit`: one line naming the limit."""
+    if flag > thread_limit():
+        raise UserError(f"--threads {flag}: more than {thread_limit()} ({THREADS_PER_CORE} per core, {cores()} "
+                        f"core(s) here) only slows a run and can crash torch's thread pool; use at most "
+                        f"{thread_limit()}, or leave it out (1 thread for a small CPU model, else one per core)")
+
+
+def available_ram() -> int | None:
+    """What a CPU run can still take: MemAvailable and free swap (/proc/meminfo); None where unknown. Both count:
+    the kernel ends a process only when they are spent, and a refusal must be sure."""
+    try:
+        info = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines()
+                if ln.startswith(("MemAvailable:", "SwapFree:"))}
+    except (OSError, ValueError, IndexError):
+        return None
+    return info["MemAvailable"] + info.get("SwapFree", 0) if "MemAvailable" in info else None
+
+
+def _beyond_weights(cfg: ModelConfig, b: int, context: int, ab: int, cpu: bool, stability: int) -> int:
+    """The cost model's peak of b slots at `context` positions, less the weights: KV cache, sampler state, a step's
+    or a prompt pass's temporaries (prompts of one token, the least a request has; no prefix cache)."""
+    from dgcli.measure import cost
+
+    fmt = "fp32" if ab == 4 else "bf16"
+    peak = cost.peak_bytes(cfg, b, context=context, prompt_len=1, fmt=fmt, ab=ab, cpu=cpu, stability=stability)
+    return peak["total"] - peak["weights"]
+
+
+def _largest(fits, hi: int) -> int:
+    """The largest n in [0, hi] with fits(n) (fits grows false with n)."""
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def check_memory(cfg: ModelConfig, resolved: Resolved, *, slots: int, context: int, free: int | None, cpu: bool,
+                 flag: str, context_flag: str | None = None) -> None:
+    """Refuse `slots` slots of `context` cached positions that cannot fit the `free` bytes of the device, before the
+    model loads. Sure refusals only: the weights are left out (a GGUF or an mmap'd checkpoint may stream them from
+    disk), prompts counted at one token; the figure suggested keeps 10 % headroom. `flag` names the slot count,
+    `context_flag` (if any) the context, so the line says which to lower and to what."""
+    if free is None or slots < 1:
+        return
+    dtype = resolved.run.dtype if resolved.run.dtype != "auto" else cfg.dtype
+    ab, stability = 4 if dtype == "float32" else 2, resolved.params.stability_threshold
+    need = _beyond_weights(cfg, slots, context, ab, cpu, stability)
+    if need <= free:
+        return
+    usable, gib, where = 0.9 * free, 2**30, "in RAM and swap" if cpu else "on the GPU"
+    most = _largest(lambda b: _beyond_weights(cfg, b, context, ab, cpu, stability) <= usable, slots - 1)
+    what = f"{slots:,} slot(s) of {context:,} positions need ~{need / gib:.1f} GiB (KV cache and working memory, " \
+           f"weights aside), more than the {free / gib:.1f} GiB free {where}"
+    fix = f"at most {most:,} fit: {flag} {most}" if most else f"not one slot fits at {context:,} positions"
+    if context_flag:
+        longest = _largest(lambda c: _beyond_weights(cfg, slots, c, ab, cpu, stability) <= usable, context - 1)
+        fix += f" (or {context_flag} {longest} for {slots:,} slots)" if longest >= 2 * cfg.canvas_length else ""
+    raise UserError(f"{flag} {slots}: {what}; {fix}")
+
+
+def prompt_count(resolved: Resolved, *, prompts_file: str | None, random_ids: bool, num_prompts: int | None) -> int:
+    """At most how many prompts bench and sweep will run (their engine has no more slots than prompts), from the
+    prompt file's rows; 4 random ones by default, and at most 4 from the bundled set (a checkpoint without a
+    tokenizer runs random ids instead): never more than the run has, so a refusal stays sure."""
+    if random_ids:
+        return num_prompts or 4
+    path = prompts_file or resolved.run.prompt_set
+    if path is None or path == "-":  # (stdin is read once, by the run)
+        return min(num_prompts or 4, 4 if path is None else 1)
+    from dgcli.text.prompts import read_prompt_file
+
+    n = len(read_prompt_file(path))
+    return min(n, num_prompts) if num_prompts else n
+
+
+def check_blocks(cfg: ModelConfig, resolved: Resolved) -> int:
+    """The block count, refused before the load when even a one-token prompt and its canvases exceed the context
+    (the same rule, and the same line, as a prompt's check after encoding)."""
+    from dgcli.runtime.settings import blocks_for
+
+    blocks = blocks_for(resolved.params, resolved.run.max_tokens, cfg.canvas_length)
+    if 1 + blocks * cfg.canvas_length > cfg.max_position_embeddings:
+        raise UserError(f"{blocks} block(s) of {cfg.canvas_length} exceed the model's context of "
+                        f"{cfg.max_position_embeddings} with any prompt; lower --blocks (or --max-tokens, which sets "
+                        "the block count when --blocks is not given)")
+    return blocks
+
+
+def prompt_room(cfg: ModelConfig, blocks: int) -> int:
+    """Positions left for a prompt beside `blocks` canvases."""
+    return cfg.max_position_embeddings - blocks * cfg.canvas_length
+
+
+def check_prompt_chars(text: str, tokenizer: Any, room: int, context: int) -> None:
+    """Refuse a prompt that cannot fit before it is tokenized: no token covers more than the tokenizer's
+    `max_token_chars` (L) characters, so n characters need at least n / L tokens, templated or not (the template
+    only adds text). A prompt that fits is never refused; one of more characters than `room` may still fit."""
+    most = getattr(tokenizer, "max_token_chars", None)
+    if most is None or len(text) <= room * most:
+        return
+    raise UserError(f"the prompt has {len(text):,} characters, more than the {room:,} positions the model's context "
+                    f"of {context:,} leaves beside its blocks can hold (at most {room * most:,}); shorten the prompt")
