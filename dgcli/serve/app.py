@@ -175,10 +175,16 @@ async def _whole(request: Request, job: Job, state: State) -> Response:
             content.append(message[2])
         elif kind == "end":
             state.metrics.count(200)
-            return JSONResponse(protocol.reply(job.spec, name, "".join(reasoning), "".join(content),
-                                               message[1], message[2], note=message[3] if len(message) > 3 else None))
+            return JSONResponse(_noted(protocol.reply(job.spec, name, "".join(reasoning), "".join(content),
+                                                      message[1], message[2]), message))
         elif kind == "error":
             return _error(message[1], state)
+
+
+def _noted(body: dict, end: tuple) -> dict:
+    """The answer's last body, with the worker's note on why it is empty as `dgemma_note` (OpenAI's clients keep an
+    unknown field and ignore it): the client learns it, not only the server log."""
+    return {**body, "dgemma_note": end[3]} if len(end) > 3 and end[3] else body
 
 
 async def _stream(job: Job, state: State) -> AsyncIterator[bytes]:
@@ -203,7 +209,7 @@ async def _stream(job: Job, state: State) -> AsyncIterator[bytes]:
                 yield _sse(protocol.side_chunk(spec, name, dgemma_draft=message[1]))
             elif kind == "end":
                 finished = True
-                yield _sse(protocol.chunk(spec, name, finish=message[1], note=message[3] if len(message) > 3 else None))
+                yield _sse(_noted(protocol.chunk(spec, name, finish=message[1]), message))
                 if spec.include_usage:
                     yield _sse(protocol.side_chunk(spec, name, usage=message[2]))
                 break

@@ -360,8 +360,7 @@ def usage(prompt_tokens: int, completion_tokens: int, steps_per_block: list[int]
             "denoising_steps": sum(steps_per_block), "steps_per_block": list(steps_per_block)}
 
 
-def reply(spec: Spec, model: str, reasoning: str, content: str, finish: str, use: dict, note: str | None = None) -> dict:
-    """The whole answer; `note` (why it is empty) as `dgemma_note`, a field OpenAI's clients keep and ignore."""
+def reply(spec: Spec, model: str, reasoning: str, content: str, finish: str, use: dict) -> dict:
     if spec.chat:
         message = {"role": "assistant", "content": content}
         if reasoning:
@@ -373,13 +372,12 @@ def reply(spec: Spec, model: str, reasoning: str, content: str, finish: str, use
         if reasoning:
             choice["reasoning_content"] = reasoning
         kind = "text_completion"
-    body = {"id": spec.id, "object": kind, "created": spec.created, "model": model, "choices": [choice], "usage": use}
-    return body | ({"dgemma_note": note} if note else {})
+    return {"id": spec.id, "object": kind, "created": spec.created, "model": model, "choices": [choice], "usage": use}
 
 
 def chunk(spec: Spec, model: str, *, reasoning: str = "", content: str | None = None, role: bool = False,
-          finish: str | None = None, note: str | None = None) -> dict:
-    """A stream chunk carrying text (or the first chunk's role, or the last chunk's finish reason and `note`)."""
+          finish: str | None = None) -> dict:
+    """A stream chunk carrying text (or the first chunk's role, or the last chunk's finish reason)."""
     if spec.chat:
         delta: dict = {"role": "assistant"} if role else {}
         if content is not None:
@@ -393,8 +391,7 @@ def chunk(spec: Spec, model: str, *, reasoning: str = "", content: str | None = 
         if reasoning:
             choice["reasoning_content"] = reasoning
         kind = "text_completion"
-    body = {"id": spec.id, "object": kind, "created": spec.created, "model": model, "choices": [choice]}
-    return body | ({"dgemma_note": note} if note else {})
+    return {"id": spec.id, "object": kind, "created": spec.created, "model": model, "choices": [choice]}
 
 
 def side_chunk(spec: Spec, model: str, **extra: Any) -> dict:
