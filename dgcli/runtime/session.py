@@ -2,9 +2,11 @@
 model and its tokenizer — from a checkpoint, or as random weights from a config (`--dummy`).
 
 Owns: `Session` and `open_session` / `open_dummy_session`, device/dtype choice (and the settings saying
-which ran), the bundled-model default, the one thread rule every command uses (`thread_rule`), `--compile`,
-`--cuda-graphs` (the step mode), the session's engine (kept between calls), prepacking an eager CPU session's bf16 weights, and the memory preflight of
-dummy models. Must not: run the sampler, tokenise prompts (runtime/request.py does) or print.
+which ran), the one thread rule every command uses (`thread_rule`), `--compile`,
+`--cuda-graphs` (the step mode), the session's engine (kept between calls), prepacking an eager CPU session's bf16 weights, the memory preflight of
+dummy models, and the checks a session runs before the weights (`fits`: slots against the device's memory; the chat
+template). The settings from config files alone, the bundled-model default and the thread bound are
+runtime/preflight.py's (torch-free). Must not: run the sampler, tokenise prompts (runtime/request.py does) or print.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dgcli.model.config import ModelConfig
 from dgcli.runtime.preflight import (BUNDLED, check_threads, default_model_path, resolve_for,  # noqa: F401 (re-exports)
                                      settings_source, thread_limit)
 from dgcli.runtime.settings import Resolved, blocks_for, resolve, stop_ids_from_generation_config
+
 
 def pick_device(name: str, flag: str = "--device ") -> torch.device:
     """`name` (auto | cpu | cuda[:N]) as a device here; `flag`: how errors name the setting ("device=" for the
