@@ -122,7 +122,7 @@ def _check_variables() -> None:
     if threads.isdigit():
         from dgcli.runtime.preflight import THREADS_PER_CORE, thread_limit
 
-        if int(threads) > thread_limit():  # capped, not refused: a shell's (or a scheduler's) setting, not this command's
+        if int(threads) > thread_limit():  # capped, not refused: a shell's or scheduler's setting, not this command's
             print(f"dgemma: warning: OMP_NUM_THREADS={threads} is more than {thread_limit()} ({THREADS_PER_CORE} per "
                   f"core here), which only slows a run and can crash torch's thread pool; using {thread_limit()}",
                   file=sys.stderr)

@@ -63,7 +63,7 @@ def serve(
 
     def check(cfg, resolved, device) -> None:  # every slot's KV cache is allocated at start: refuse what cannot fit
         fits(max_batch_size, "--max-batch-size", context=context_for(cfg, max_model_len),
-             context_flag="--max-model-len")(cfg, resolved, device)
+             context_flag="--max-model-len", idle_slots=True)(cfg, resolved, device)
 
     flags = o.sampler_flags(steps=steps, t_min=t_min, t_max=t_max, entropy_bound=entropy_bound,
                             stability=stability_threshold, confidence=confidence_threshold, seed=seed,

@@ -102,23 +102,31 @@ def _largest(fits, hi: int) -> int:
 
 
 def check_memory(cfg: ModelConfig, resolved: Resolved, *, slots: int, context: int, free: int | None, cpu: bool,
-                 flag: str, context_flag: str | None = None) -> None:
+                 flag: str, context_flag: str | None = None, idle_slots: bool = False) -> None:
     """Refuse `slots` slots of `context` cached positions that cannot fit the `free` bytes of the device, before the
     model loads. Sure refusals only: the weights are left out (a GGUF or an mmap'd checkpoint may stream them from
-    disk), prompts counted at one token; the figure suggested keeps 10 % headroom. `flag` names the slot count,
-    `context_flag` (if any) the context, so the line says which to lower and to what."""
+    disk), prompts counted at one token, and with `idle_slots` (a server: its slots fill only under load) only the
+    KV cache allocated at start counts; the figure suggested is the full load's, with 10 % headroom. `flag` names
+    the slot count, `context_flag` (if any) the context, so the line says which to lower and to what."""
     if free is None or slots < 1:
         return
     dtype = resolved.run.dtype if resolved.run.dtype != "auto" else cfg.dtype
     ab, stability = 4 if dtype == "float32" else 2, resolved.params.stability_threshold
-    need = _beyond_weights(cfg, slots, context, ab, cpu, stability)
+    if idle_slots:
+        from dgcli.measure import cost
+
+        need = min(cost.cache_bytes(cfg, slots, context, ab, pc) for pc in (False, True))  # prefix caching or not
+    else:
+        need = _beyond_weights(cfg, slots, context, ab, cpu, stability)
     if need <= free:
         return
     usable, gib, where = 0.9 * free, 2**30, "in RAM and swap" if cpu else "on the GPU"
     most = _largest(lambda b: _beyond_weights(cfg, b, context, ab, cpu, stability) <= usable, slots - 1)
-    what = f"{slots:,} slot(s) of {context:,} positions need ~{need / gib:.1f} GiB (KV cache and working memory, " \
-           f"weights aside), more than the {free / gib:.1f} GiB free {where}"
-    fix = f"at most {most:,} fit: {flag} {most}" if most else f"not one slot fits at {context:,} positions"
+    held = "their KV cache alone" if idle_slots else "KV cache and working memory, weights aside"
+    what = f"{slots:,} slot(s) of {context:,} positions need ~{need / gib:.1f} GiB ({held}), more than the " \
+           f"{free / gib:.1f} GiB free {where}"
+    fix = (f"at most {most:,} fit with every slot busy: {flag} {most}" if most
+           else f"not one slot fits at {context:,} positions")
     if context_flag:
         longest = _largest(lambda c: _beyond_weights(cfg, slots, c, ab, cpu, stability) <= usable, context - 1)
         fix += f" (or {context_flag} {longest} for {slots:,} slots)" if longest >= 2 * cfg.canvas_length else ""

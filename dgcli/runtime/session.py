@@ -269,10 +269,10 @@ def open_any(model: str | None, dummy: str | None, layers: int | None, preset: s
 
 
 def fits(slots: int | Callable[[Resolved], int], flag: str, *, context: int | None = None,
-         context_flag: str | None = None) -> Check:
+         context_flag: str | None = None, idle_slots: bool = False) -> Check:
     """A `check` refusing `slots` slots (or those the settings give) that cannot fit the device
     (preflight.check_memory): of `context` cached positions, else the least a request of the run's blocks caches
-    (a one-token prompt and every block but the last)."""
+    (a one-token prompt and every block but the last); `idle_slots` as check_memory takes it."""
     from dgcli.runtime.preflight import available_ram, check_memory
 
     def check(cfg: ModelConfig, resolved: Resolved, device: torch.device) -> None:
@@ -281,7 +281,8 @@ def fits(slots: int | Callable[[Resolved], int], flag: str, *, context: int | No
         ctx = context if context is not None else 1 + (blocks - 1) * cfg.canvas_length
         cpu = device.type != "cuda"
         free = available_ram() if cpu else torch.cuda.mem_get_info(device)[0]
-        check_memory(cfg, resolved, slots=n, context=ctx, free=free, cpu=cpu, flag=flag, context_flag=context_flag)
+        check_memory(cfg, resolved, slots=n, context=ctx, free=free, cpu=cpu, flag=flag, context_flag=context_flag,
+                     idle_slots=idle_slots)
 
     return check
 

@@ -68,7 +68,7 @@ def test_slots_that_cannot_fit_are_refused_before_the_weights_load(corrupt, caps
     refuses them from the config, so the garbage weights are never read, and names the largest that fits."""
     line = one_error(*run(["serve", "-m", str(corrupt), "--max-batch-size", "100000000"], capsys),
                      "--max-batch-size 100000000:", "GiB")
-    most = int(re.search(r"at most ([\d,]+) fit: --max-batch-size (\d+)", line).group(2))
+    most = int(re.search(r"at most ([\d,]+) fit with every slot busy: --max-batch-size (\d+)", line).group(2))
     assert 0 < most < 100000000
     one_error(*run(["bench", "-m", str(corrupt), "--random-prompts", "--num-prompts", "100000000", "--batch-size",
                     "1,100000000", "--no-measure-peaks"], capsys), "--batch-size 100000000:", "at most")

@@ -75,7 +75,7 @@ def test_interrupted_sweep_resumes_with_each_cell_once(ckpt, tmp_path):
     assert len(refs) == 1 and len(refs[0]["outputs"]) == 2  # the reference ran once, before the kill
     assert len(r.stdout.splitlines()) == 11  # --format jsonl: the final rows
     again = cli(*args, "--resume")  # nothing left to run
-    assert "0 to run" in again.stderr and len(cells_in(out)) == 11
+    assert "nothing left to run" in again.stderr and len(cells_in(out)) == 11
 
 
 # ---- pieces -----------------------------------------------------------------------------------------------
