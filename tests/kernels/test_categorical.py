@@ -1,5 +1,5 @@
-"""The CPU pass's draw (kernels/categorical.py): the chosen groups' logits by one GEMM per distinct group (the block
-read in place) against the gather of every row's block, bit for bit; in bf16, the logits against the fp32 block
+"""The CPU pass's draw (kernels/categorical.py): in fp32, a row's logits are its own whatever its batch-mates (one
+GEMM per distinct group or the gather of every row's block: the same bits); in bf16, the logits against the fp32 block
 product (one bf16 step), each row's own."""
 
 from __future__ import annotations
@@ -11,39 +11,21 @@ from dgcli.kernels import categorical
 
 
 @pytest.mark.parametrize("groups", [[3] * 16, [5, 1] * 8, list(range(16)), [2] * 15 + [7]])
-@pytest.mark.parametrize("h", [24, 160])
-def test_one_gemm_per_group_gives_the_gathers_bits(groups, h, monkeypatch):
+@pytest.mark.parametrize("h", [160, 512])
+def test_a_rows_logits_do_not_depend_on_its_batch_mates(groups, h):
+    """fp32: however many rows share a group (one block read in place by all of them, or each row's block
+    gathered), each row's logits are the ones it gets alone, bit for bit, and its group's 64 columns of the head."""
     g = torch.Generator().manual_seed(h)
     embed = torch.randn(1024, h, generator=g)
     rows = torch.randn(len(groups), h, generator=g)
     group = torch.tensor(groups)
     temp = torch.rand(len(groups), 1, generator=g) + 0.5
-    taken = []
-    by_group = categorical._by_group
-    monkeypatch.setattr(categorical, "_by_group", lambda *a: taken.append(by_group(*a)) or taken[-1])
-    monkeypatch.setattr(categorical, "RUN_BYTES", 0)  # always one GEMM per group
-    fast = categorical.group_logits(rows, embed, group, 64, 30.0, temp)
-    monkeypatch.setattr(categorical, "RUN_BYTES", 2**60)  # always the gather
-    slow = categorical.group_logits(rows, embed, group, 64, 30.0, temp)
-    assert taken == [True, False]
-    assert torch.equal(fast, slow)
-    # and both are the rows' own logits (a group's 64 columns of the head)
+    together = categorical.group_logits(rows, embed, group, 64, 30.0, temp)
+    alone = torch.cat([categorical.group_logits(rows[i:i + 1], embed, group[i:i + 1], 64, 30.0, temp[i:i + 1])
+                       for i in range(len(groups))])
+    assert torch.equal(together, alone)
     want = torch.stack([rows[i] @ embed[k * 64:(k + 1) * 64].T for i, k in enumerate(groups)])
-    torch.testing.assert_close(slow, (30.0 * torch.tanh(want / 30.0)) / temp, rtol=1e-5, atol=1e-5)
-
-
-def test_the_gather_stays_where_it_costs_less(monkeypatch):
-    """Many distinct groups for few rows, and bf16 blocks (torch's bf16 bmm on a broadcast block is slower than the
-    gather), keep the gather."""
-    rows, embed = torch.randn(16, 160), torch.randn(1024, 160)
-    out = torch.empty(16, 64)
-    blocks = embed.view(16, 64, 160)
-    assert not categorical._by_group(rows, blocks, torch.arange(16), out)  # 16 groups: the gather
-    assert categorical._by_group(rows, blocks, torch.zeros(16, dtype=torch.long), out)  # 1 group: in place
-    calls = []
-    monkeypatch.setattr(categorical, "_by_group", lambda *a: calls.append(a))
-    categorical.group_logits(rows, embed.bfloat16(), torch.zeros(16, dtype=torch.long), 64, None, 1.0)
-    assert not calls
+    torch.testing.assert_close(together, (30.0 * torch.tanh(want / 30.0)) / temp, rtol=1e-5, atol=1e-5)
 
 
 # ---- bf16: the chosen groups' logits (the gather's bmm), within a bf16 step of the block product -------------

@@ -1,6 +1,8 @@
 """GGML compute on CPU (kernels/ggml_cpu.py): torch's int4 kernel as the Q4_K / Q4_0 / Q5_0 / Q8_0 path, the tile
 path, and routed experts, against F.linear / experts_reference on the same dequantized weights."""
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -72,11 +74,12 @@ def test_linear_matches_dequantized_weights(qtype, n):
     assert err.max().item() <= 2 ** -7
 
 
-def test_tile_path_covers_every_row(monkeypatch):
-    monkeypatch.setattr(ggml_cpu, "TILE_VALUES", 64 * 256)  # several tiles here
-    raw, w = _weights(200, 256, ggml.Q6_K)
+def test_a_matrix_of_several_tiles_is_covered_to_its_last_row():
+    """The tile path (fp32 x) dequantizes ~1 MB of rows at a time: a matrix of 1,100 x 256 Q6_K values spans two
+    tiles, the second ragged; every output column is the dequantized weights' product."""
+    raw, w = _weights(1100, 256, ggml.Q6_K)
     x = torch.randn(7, 256)
-    torch.testing.assert_close(ggml.QuantLinear(raw, ggml.Q6_K, 256, 200, dtype=torch.float32)(x), F.linear(x, w),
+    torch.testing.assert_close(ggml.QuantLinear(raw, ggml.Q6_K, 256, 1100, dtype=torch.float32)(x), F.linear(x, w),
                                rtol=1e-5, atol=1e-5)
 
 
@@ -108,15 +111,13 @@ def test_experts_match_reference(types):
     assert _rel(y, experts_reference(xb, w, idx, wgu.bfloat16(), wdn.bfloat16())) <= 2 * BF16_REL
 
 
-@pytest.mark.parametrize("path", ["int4 kernel", "gemm"])
-def test_only_routed_experts_are_read(monkeypatch, path):
-    """Poison every expert no token routes to: the output stays finite and unchanged, on both paths."""
-    if path == "gemm":
-        _low_thresholds(monkeypatch)
+@pytest.mark.parametrize("tokens", [9, 150])  # few rows an expert, and more than the GEMM path's threshold
+def test_only_routed_experts_are_read(tokens):
+    """Poison every expert no token routes to: the output stays finite and unchanged, at any row count."""
     gu, dn, _, _ = _experts(ggml.Q4_K, ggml.Q4_K)
     m = ggml.QuantExperts(gu, ggml.Q4_K, dn, ggml.Q4_K, 256, 256)
-    x = torch.randn(9, 256).bfloat16()
-    w, idx = _routing(9, 2, 3)  # experts 0..2 only
+    x = torch.randn(tokens, 256).bfloat16()
+    w, idx = _routing(tokens, 2, 3)  # experts 0..2 only
     before = m(x, w, idx)
     m.gate_up_sz[3:] = float("nan")
     m.down_sz[3:] = float("nan")
@@ -131,16 +132,9 @@ def test_prepared_bytes_is_what_prepare_holds():
         assert p.nbytes() == ggml_cpu.prepared_bytes(qtype, 80, 512)
 
 
-# ---- the GEMM path (bf16 tiles of W.T + oneDNN) taken from GEMM_ROWS rows on -------------------------------------
+# ---- many rows: the GEMM path (bf16 tiles of W.T + oneDNN) --------------------------------------------------------
 
 INT4_TYPES = [ggml.Q4_K, ggml.Q4_0, ggml.Q5_0, ggml.Q8_0]
-
-
-def _low_thresholds(monkeypatch, rows=1, tile=None):
-    monkeypatch.setattr(ggml_cpu, "GEMM_ROWS", rows)
-    monkeypatch.setattr(ggml_cpu, "GEMM_ROWS_PLANES", rows)
-    if tile is not None:
-        monkeypatch.setattr(ggml_cpu, "GEMM_TILE_VALUES", tile)
 
 
 @pytest.mark.parametrize("qtype", INT4_TYPES)
@@ -157,39 +151,33 @@ def test_gemm_tiles_are_the_kernels_weights_rounded_once(qtype, n):
 
 
 @pytest.mark.parametrize("qtype", INT4_TYPES)
-def test_linear_takes_the_gemm_path_from_its_threshold(qtype, monkeypatch):
+def test_linear_is_right_at_every_row_count(qtype):
+    """One row to a few hundred (the paths change with the row count): bf16 output within the bound, every time."""
     k, n = 256, 80
     raw, w = _weights(n, k, qtype)
     m = ggml.QuantLinear(raw, qtype, k, n)
-    wb = m.dequantized().bfloat16()
-    rows = ggml_cpu.gemm_rows(ggml._held(m, "weight"))
-    assert rows == (32 if qtype in ggml_cpu.PLANES else 64)
-    called = []
-    for name in ("_gemm_int4", "_kernel_int4"):
-        real = getattr(ggml_cpu, name)
-        monkeypatch.setattr(ggml_cpu, name, lambda *a, real=real, name=name: called.append(name) or real(*a))
     g = torch.Generator().manual_seed(6)
-    for m_rows, path in ((rows - 1, "_kernel_int4"), (rows, "_gemm_int4")):
-        x = torch.randn(m_rows, k, generator=g).bfloat16()
+    for rows in (1, 7, 31, 32, 63, 64, 65, 200):
+        x = torch.randn(rows, k, generator=g).bfloat16()
         y = m(x)
-        assert called.pop() == path and y.shape == (m_rows, n) and y.dtype == torch.bfloat16
-        if path == "_gemm_int4":  # oneDNN's GEMM on the weights the tiles hold
-            torch.testing.assert_close(y, F.linear(x, wb), rtol=0, atol=0)
-        assert _rel(y, F.linear(x.float(), w)) <= BF16_REL
+        assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+        assert _rel(y, F.linear(x.float(), w)) <= BF16_REL, rows
 
 
-def test_gemm_path_tiles_cover_every_row(monkeypatch):
-    raw, _ = _weights(200, 512, ggml.Q4_K)
-    m = ggml.QuantLinear(raw, ggml.Q4_K, 512, 200)
-    x = torch.randn(70, 512, generator=torch.Generator().manual_seed(7)).bfloat16()
-    _low_thresholds(monkeypatch)
-    whole = m(x)
-    monkeypatch.setattr(ggml_cpu, "GEMM_TILE_VALUES", 64 * 512)  # one row block per tile: 4 tiles, the last padded
-    assert torch.equal(m(x), whole)
+def test_a_matrix_of_several_gemm_tiles_is_covered_to_its_last_row():
+    """Many rows of x go through bf16 tiles of ~4 M weight values: 8,200 x 512 values are three tiles, the last
+    ragged and padded; every output column, the last ones included, is the weights' product."""
+    n, k = 8200, 512
+    m = ggml.QuantLinear(ggml_quants.random_blocks((n,), ggml.Q4_K, k, torch.Generator().manual_seed(7)),
+                         ggml.Q4_K, k, n)
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(7)).bfloat16()
+    y, want = m(x), F.linear(x, m.dequantized().bfloat16())
+    assert y.shape == (70, n)
+    assert _rel(y, want) <= BF16_REL and _rel(y[:, -100:], want[:, -100:]) <= BF16_REL
 
 
 @pytest.mark.parametrize("qtype", INT4_TYPES)
-def test_gemm_path_error_against_the_files_weights(qtype, monkeypatch):
+def test_gemm_path_error_against_the_files_weights(qtype):
     """Output error against the file's exact weights (ggml.dequantize, fp32 matmul): the GEMM path adds one bf16
     rounding per weight to the kernel's scale/zero rounding; bounded by both errors together (relative RMS)."""
     k, n = 1024, 128
@@ -210,13 +198,13 @@ def test_gemm_path_error_against_the_files_weights(qtype, monkeypatch):
 
 
 @pytest.mark.parametrize("types", [(ggml.Q4_K, ggml.Q4_0), (ggml.Q8_0, ggml.Q5_0)])
-@pytest.mark.parametrize("rows", [1, 12])  # 1: every expert on the GEMM path; 12: some each way
-def test_experts_on_the_gemm_path_match_reference(types, rows, monkeypatch):
-    _low_thresholds(monkeypatch, rows)
+def test_experts_with_many_and_few_rows_match_reference(types):
+    """Experts 0 and 1 get 200 rows each (the GEMM path's row counts), the others 20 and 10: each within the bound."""
     gt, dt = types
     gu, dn, wgu, wdn = _experts(gt, dt)
-    w, idx = _routing(37, 2, 6)
-    x = torch.randn(37, 256, generator=torch.Generator().manual_seed(5)).bfloat16()
+    idx = torch.tensor([[0, 1]] * 200 + [[2, 3]] * 20 + [[4, 5]] * 10)
+    w = torch.rand(len(idx), 2, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(len(idx), 256, generator=torch.Generator().manual_seed(5)).bfloat16()
     m = ggml.QuantExperts(gu, gt, dn, dt, 256, 256)
     gq, dq = m.dequantized()
     y = m(x, w, idx)
@@ -234,17 +222,24 @@ def test_held_form_follows_the_buffers():
     assert ggml._held(m, "weight").packed is m.weight_packed and ggml._held(m, "weight").sz.dtype == torch.bfloat16
 
 
-def test_gemm_scratch_made_in_inference_mode_serves_calls_outside_it(monkeypatch):
-    """The per-thread scratch is made by whichever call comes first: one inside a model's inference-mode pass must
-    not leave an inference tensor that a later call outside inference mode cannot write."""
-    monkeypatch.setattr(ggml_cpu._scratch, "bufs", {}, raising=False)
-    _low_thresholds(monkeypatch)
+def test_a_first_call_in_inference_mode_does_not_break_later_calls_outside_it():
+    """Scratch buffers are made by whichever call of a thread comes first: one inside a model's inference-mode pass
+    must not leave an inference tensor that a later call outside inference mode cannot write (a fresh thread, so
+    that this test's first call is the thread's first)."""
     w = torch.randn(128, 256)
     lin = ggml.QuantLinear(ggml_quants.quantize(w, ggml.Q4_K), ggml.Q4_K, 256, 128)
-    x = torch.randn(4, 256).bfloat16()
-    with torch.inference_mode():
-        first = lin(x)
-    assert torch.equal(lin(x), first)
+    x = torch.randn(70, 256).bfloat16()  # many rows: the path with scratch tiles
+    out = {}
+
+    def run():
+        with torch.inference_mode():
+            out["first"] = lin(x)
+        out["second"] = lin(x)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert torch.equal(out["second"], out["first"])
 
 
 @pytest.mark.parametrize("n", [1, 5, 40])

@@ -141,10 +141,10 @@ def test_loader_keeps_one_byte_per_weight(ckpts):
 def test_weight_only_logits_equal_the_dequantized_bf16_checkpoint(ckpts, tmp_path, monkeypatch, kernels):
     """The FP8 checkpoint run weight-only against the bf16 checkpoint holding e4m3 x scale, both in bf16, on
     the reference path (whole matrices dequantized) and the CPU paths (row tiles, expert chunks and
-    grouped_mm segments), with and without self-conditioning, and after a committed block."""
+    grouped_mm segments: several tiles are tests/kernels/test_fp8_kernels.py's), with and without
+    self-conditioning, and after a committed block."""
     _, dst = ckpts
     monkeypatch.setenv("DGEMMA_KERNELS", kernels)
-    monkeypatch.setattr("dgcli.kernels.fp8.TILE_BYTES", 512)  # several tiles / expert chunks even here
     ours = dgcli.load_model(dst)
     deq = write_checkpoint(fp8_ckpt.dequantize_model(ours), tmp_path / "deq", json.loads((dst / "config.json").read_text()))
     assert "quantization_config" not in json.loads((deq / "config.json").read_text())
