@@ -5,7 +5,9 @@ back: the same objects the local run produces (Responses in input order, sweep r
 Owns: the session spec the workers open (paths made absolute: a worker's working folder is not ours), the
 driver's copy of a session (the first worker's description plus the tokenizer the output needs; the model is
 loaded only in the workers), how work is cut into chunks (generate: 2 x --batch-size rows; sweep: one cell;
-bench: one contiguous shard of the prompts per worker) and how a bench pass is put back together.
+bench: one contiguous shard of the prompts per worker), how a bench pass is put back together (from shards
+that ran side by side: a death re-runs the batch size whole), and what the line says when every worker is gone
+(what was written stays, and how to finish).
 Must not: run the model in the driver, contain a denoising loop, or print anything but the progress line
 and notes on stderr.
 """
