@@ -216,7 +216,10 @@ def test_sweep_on_the_cluster_and_resume_after_an_interrupted_driver(head, tmp_p
     ray_file = tmp_path / "ray.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "dgcli.cli", "sweep", *grid, "-o", str(ray_file), "--format", "json",
                              "--ray", head, "--ray-workers", "2"], env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            # Ctrl-C must reach it even where this test runs in a shell's background job, which
+                            # ignores SIGINT (and a child inherits that)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     for line in proc.stderr:
         if line.startswith("dgemma: cell 1/4"):
             proc.send_signal(signal.SIGINT)  # Ctrl-C in the driver, with cells still running
