@@ -395,13 +395,16 @@ def test_a_worker_killed_between_tasks_loses_nothing(head, thirty, local_b2, tmp
                             env=paused("describe", tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     err = []
     with Referee(tmp_path, decide):
-        for line in proc.stderr:  # the workers' line comes before the driver asks for `describe`
-            err.append(line)
-            if "worker(s) on" in line:
-                pids += [int(p) for p in re.findall(r"pid (\d+)", line)]
-                break
-        listed.set()
-        out, rest = proc.communicate(timeout=240)
+        try:
+            for line in proc.stderr:  # the workers' line comes before the driver asks for `describe`
+                err.append(line)
+                if "worker(s) on" in line:
+                    pids += [int(p) for p in re.findall(r"pid (\d+)", line)]
+                    break
+            listed.set()
+            out, rest = proc.communicate(timeout=240)
+        finally:
+            proc.kill()  # only if it still runs: a failed check must not leave the driver behind
     err = "".join(err) + rest
     assert proc.returncode == 0, err
     assert len(pids) == 2, err
