@@ -111,6 +111,7 @@ class RecordFile:
         with open(self.path, encoding="utf-8") as f:
             text = f.read()
         lines, have = text.split("\n"), set()
+        settings = json.loads(json.dumps(settings))  # as a record holds them (tuples are lists there)
         for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
