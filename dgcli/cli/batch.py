@@ -87,3 +87,52 @@ def json_result(index: int, row: dict, response: Any, settings: dict) -> dict:
 def write_event(event: Any) -> None:
     """`--format ndjson` with --input-jsonl: the loop's events, each with the request's index."""
     sys.stdout.write(json.dumps({**event.to_record(), "index": event.row}, separators=(",", ":")) + "\n")
+
+
+class RecordFile:
+    """`--output FILE`: the `--format json` records appended one whole line at a time (O_APPEND), in input
+    order, so a run cut short (a kill, Ctrl-C, every Ray worker gone) keeps what it wrote and `--resume`
+    runs only the rows the file lacks."""
+
+    def __init__(self, path: str, *, resume: bool):
+        import os
+
+        self.path, self.resume = path, resume
+        if not resume and os.path.exists(path) and os.path.getsize(path):
+            raise UserError(f"--output {path} exists: add --resume to continue it, or choose another --output")
+        try:  # now, not after the first answer
+            self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise UserError(f"--output {path}: cannot write ({e.strerror}); pick a writable path") from None
+
+    def done(self, rows: list[dict], settings: dict) -> set[int]:
+        """The indexes FILE already holds, each checked against this run's row and settings. A torn last line
+        (the run was killed mid-write) is dropped; any other damage is one line."""
+        with open(self.path, encoding="utf-8") as f:
+            text = f.read()
+        lines, have = text.split("\n"), set()
+        settings = json.loads(json.dumps(settings))  # as a record holds them (tuples are lists there)
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                index = record["index"]
+                same = record["prompt"] == rows[index]["prompt"] and record.get("settings") == settings
+            except (ValueError, KeyError, TypeError, IndexError):
+                if n == len(lines):  # cut short by a kill: that row runs again
+                    with open(self.path, "w", encoding="utf-8") as f:
+                        f.write("\n".join(lines[:-1]) + "\n" if n > 1 else "")
+                    continue
+                raise UserError(f"--resume {self.path}: line {n} is not a record of this --input-jsonl; "
+                                "choose another --output") from None
+            if not same:
+                raise UserError(f"--resume {self.path}: line {n} was written for another prompt or other settings; "
+                                "rerun with those, or choose another --output")
+            have.add(index)
+        return have
+
+    def write(self, result: dict) -> None:
+        import os
+
+        os.write(self.fd, (json.dumps(result, ensure_ascii=False) + "\n").encode("utf-8"))

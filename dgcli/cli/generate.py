@@ -38,6 +38,11 @@ def generate(
         "Run every {\"prompt\": ...} line of FILE (rows may carry \"seed\" and \"init_canvas\": text, "
         "\"ids:5,6,7\" or [5, 6, 7]); every row is checked first; results in input order."))] = None,
     batch_size: o.BatchSize = 1,
+    output: Annotated[Optional[str], typer.Option("--output", "-o", metavar="FILE", help=(
+        "With --input-jsonl and --format json: append the records to FILE as each finishes, in input order, "
+        "instead of stdout; an existing FILE needs --resume."))] = None,
+    resume: Annotated[bool, typer.Option("--resume", help=(
+        "With --output: run only the rows FILE lacks (the same prompts and settings) and append them."))] = False,
     trace: o.Trace = None,
     init_canvas: o.InitCanvas = None,
     thinking: o.Thinking = False,
@@ -73,6 +78,15 @@ def generate(
         raise UserError("--check-determinism runs here, not on a cluster: drop --ray")
     if ray is not None and input_jsonl is None:
         raise UserError("--ray spreads the rows of --input-jsonl over a cluster; give --input-jsonl FILE, or drop --ray")
+    if output is not None and (input_jsonl is None or fmt != "json"):
+        raise UserError("--output FILE keeps the --format json records of --input-jsonl: give --input-jsonl FILE "
+                        "and --format json, or drop --output")
+    if resume and output is None:
+        raise UserError("--resume continues an --output FILE: add -o FILE (e.g. a file of this run's --format json "
+                        "records)")
+    from dgcli.cli.batch import RecordFile
+
+    sink = RecordFile(output, resume=resume) if output is not None else None  # before the model loads
     from dgcli.cluster import check_flags  # torch-free
 
     check_flags(ray, ray_workers, ray_gpus)
@@ -129,7 +143,7 @@ def generate(
 
         requests = batch.parse_rows(session, rows, input_jsonl, raw=raw, thinking=thinking, init_flag=given)
         _run_file(session, rows, requests, batch_size=batch_size, fmt=fmt, raw=raw, show_thinking=show_thinking,
-                  pool=pool, check=check_determinism)
+                  pool=pool, check=check_determinism, sink=sink)
         return
     canvas = fill_canvas(session, given, session.params.seed) if given is not None else None
     progress = Progress(sys.stderr.isatty() and fmt != "ndjson", compiling=session.compiled)
@@ -168,12 +182,20 @@ def _check(session, requests, reference, batch_size) -> None:
          f"entropies {bits}")
 
 
-def _run_file(session, rows, requests, *, batch_size, fmt, raw, show_thinking, pool=None, check=False) -> None:
-    """--input-jsonl: the checked rows through the batched loop, results in input order; the notes once."""
+def _run_file(session, rows, requests, *, batch_size, fmt, raw, show_thinking, pool=None, check=False,
+              sink=None) -> None:
+    """--input-jsonl: the checked rows through the batched loop, results in input order (to stdout, or appended
+    to --output: with --resume only the rows it lacks); the notes once."""
     import dgcli.cli.batch as batch
     from dgcli.sampling.events import Done
 
     settings = session.resolved.as_dict()
+    todo = list(range(len(rows)))
+    if sink is not None and sink.resume:
+        have = sink.done(rows, settings)
+        todo = [i for i in todo if i not in have]
+        warn(f"dgemma: {len(have)} of {len(rows)} record(s) already in {sink.path}, {len(todo)} to run")
+    requests = [requests[i] for i in todo]
     progress = Progress(sys.stderr.isatty() and fmt != "ndjson" and pool is None, compiling=session.compiled)
 
     def on_event(event) -> None:
@@ -181,17 +203,22 @@ def _run_file(session, rows, requests, *, batch_size, fmt, raw, show_thinking, p
         if fmt == "ndjson" and not isinstance(event, Done):  # the result line replaces `done`
             batch.write_event(event)
 
-    def write(index, response) -> None:
-        _write(response, batch.json_result(index, rows[index], response, settings), fmt)
+    def write(n, response) -> None:
+        result = batch.json_result(todo[n], rows[todo[n]], response, settings)
+        sink.write(result) if sink is not None else _write(response, result, fmt)
 
     recorder = Recorder(on_event) if check else None
 
     try:
-        if pool is not None:  # --ray: the workers' events come back only for ndjson (the progress is the pool's)
+        if not requests:
+            responses = []
+        elif pool is not None:  # --ray: the workers' events come back only for ndjson (the progress is the pool's)
             from dgcli.cluster import jobs
 
+            how = "rerun the same command with --resume to finish" if sink is not None else \
+                "to finish, rerun with -o FILE --resume, FILE holding this run's --format json records"
             responses = jobs.run_rows(pool, requests, batch_size=batch_size, show_thinking=show_thinking,
-                                      on_event=on_event if fmt == "ndjson" else None, write=write)
+                                      on_event=on_event if fmt == "ndjson" else None, write=write, resume=how)
         else:
             responses = batch.run_rows(session, requests, batch_size=batch_size, show_thinking=show_thinking,
                                        on_event=recorder or on_event, write=write)

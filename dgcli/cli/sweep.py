@@ -191,7 +191,8 @@ def sweep(
                                              lambda: pool.call("reference", plist, ignore, fp))
             cell_rows = jobs.sweep_cells(pool, todo, plist, source, seed_list, runs, ignore, quality_metric, reference,
                                          label, meta, fp, warmup=warmup, warm_batch=max(sizes),
-                                         measure_peaks=measure_peaks, keep=store.append)
+                                         measure_peaks=measure_peaks, keep=store.append,
+                                         resume=f"rerun the same command with -o {output} --resume to finish")
         else:
             reference = sw.reference_outputs(rows, store, quality_metric,
                                              lambda: sw.reference_row(s, plist, ignore, fp, progress))

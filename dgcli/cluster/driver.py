@@ -3,8 +3,10 @@ actors, and running chunks of work over it with dead workers replaced and their 
 
 Owns: what `--ray local|auto|HOST:PORT` means, the quick reachability check (Ray's own connect retries for
 minutes), the actors' resources (`--ray-workers`, `--ray-gpus-per-worker`, CPUs split so workers do not
-oversubscribe the cores), the work queue, fault handling (a chunk whose worker died goes back on the queue;
-a finished chunk is never run again), the progress line on stderr, and results in input order (`Ordered`).
+oversubscribe the cores), the work queue, fault handling (a worker that dies at any point, loading, idle or
+mid-chunk, is replaced after a backoff, a bounded number of times; a chunk whose worker died goes back on the
+queue; a finished chunk is never run again; with no worker left, `WorkersGone` says so with the last worker's
+error), the progress line on stderr, and results in input order (`Ordered`).
 Must not: know what a chunk computes (dgcli.cluster.jobs does), print to stdout, or load a model here.
 """
 
@@ -129,9 +131,28 @@ class ProgressLine:
             self.stream.flush()
 
 
+class WorkersGone(UserError):
+    """Every worker died and the restarts are spent (or none could load the model): the run cannot go on
+    here. `str()` is the line; the caller adds what is kept and how `--resume` finishes the run."""
+
+    def __init__(self, message: str, last: str):
+        super().__init__(message)
+        self.last = last
+
+
+def _deaths() -> tuple[type, ...]:
+    """Ray's ways of saying a worker's process or node is gone (the work itself did not fail)."""
+    import ray.exceptions as x
+
+    names = ("RayActorError", "WorkerCrashedError", "NodeDiedError", "OutOfMemoryError", "ObjectLostError")
+    return tuple(getattr(x, n) for n in names if hasattr(x, n))
+
+
 class Pool:
     """`workers` actors of dgcli.cluster.worker.Worker, each opening one session from `spec` (kwargs of the
-    session opener), on `gpus` GPUs and an even share of the CPUs each."""
+    session opener), on `gpus` GPUs and an even share of the CPUs each. A worker that dies at any point (while
+    loading, idle, mid-chunk) is replaced after a backoff, at most `max_replacements` times in all; past that
+    the others go on alone, and with none left `WorkersGone` says so with the last worker's error."""
 
     def __init__(self, address: str, spec: dict, *, workers: int | None, gpus: float | None,
                  warn: Callable[[str], None]):
@@ -140,9 +161,13 @@ class Pool:
         self.ray, self.where, self.started = connect(address)
         atexit.register(self.close)  # an error line before the command's own close still stops the workers
         self.spec, self.warn = spec, warn
-        self.actors: list[Any] = []
-        self.infos: dict[Any, dict] = {}  # actor -> what its load() said (pid, node, device)
-        self.replaced = 0
+        self.actors: list[Any] = []  # alive: loaded or loading
+        self.infos: dict[Any, dict] = {}  # loaded actor -> what its load() said (pid, node, device)
+        self.ready: list[Any] = []  # loaded and not running a chunk
+        self.loading: dict[Any, Any] = {}  # load() ref -> its actor
+        self.due: list[float] = []  # when each scheduled replacement starts (time.monotonic)
+        self.replaced = self.deaths = self.loaded = 0
+        self.last_error = ""
         self.remote_class: Any = None
         try:
             self._resources(workers, gpus)
@@ -168,7 +193,8 @@ class Pool:
         self.cpus = 1 if self.gpus else max(1, cpus // self.workers)
         self.max_replacements = max(3, 2 * self.workers)  # a chunk that kills every worker must not loop forever
 
-    def _actor(self) -> Any:
+    def _spawn(self) -> None:
+        """A new actor, its load() in flight: it joins `ready` when the load returns."""
         from dgcli.cluster.worker import Worker
 
         if self.remote_class is None:  # restarts are ours (a replacement, its chunk re-queued), not Ray's
@@ -176,80 +202,139 @@ class Pool:
                                                 max_task_retries=0)(Worker)
         actor = self.remote_class.remote(self.spec, self.cpus)
         self.actors.append(actor)
-        return actor
+        self.loading[actor.load.remote()] = actor
 
     def start(self) -> list[dict]:
-        """Start the workers and load a session in each (in parallel); a worker that cannot load the model is
-        one line. Returns what each said: pid, node, device."""
-        from ray.exceptions import RayError
+        """Start the workers and load a session in each (in parallel). Returns once every first worker has loaded
+        or died (at least one loaded; replacements of the dead load on and join when ready): pid, node, device of
+        each loaded one. A worker that cannot load the model (its own error, not a death) is one line."""
+        for _ in range(self.workers):
+            self._spawn()
+        first = set(self.actors)
+        while first & (set(self.actors) - set(self.infos)) or not self.infos:
+            self._step({})
+        return list(self.infos.values())
 
-        actors = [self._actor() for _ in range(self.workers)]
-        try:
-            infos = self.ray.get([a.load.remote() for a in actors])
-        except RayError as e:
-            raise _user_error(e) from None
-        self.infos = dict(zip(actors, infos))
-        return infos
+    def settle(self) -> None:
+        """Wait until every live worker has loaded and no replacement is pending (bench's shards run at once)."""
+        while self.loading or self.due:
+            self._step({})
+        if not self.infos:
+            raise self._gone()
 
     def call(self, method: str, *args: Any) -> Any:
-        """One call on the first worker (describe, reference outputs), re-tried on a replacement if it dies."""
+        """One call on the first free worker (describe, reference outputs), re-tried elsewhere if it dies."""
         for _, value in self.run(method, [args]):
             return value
 
     def run(self, method: str, chunks: list[tuple], *, sizes: list[int] | None = None,
-            progress: ProgressLine | None = None) -> Iterator[tuple[int, Any]]:
-        """Every chunk's `method(*chunk)` on some worker; yields (chunk index, result) as each finishes. A worker
-        that dies has its chunk put back at the front of the queue and a replacement started."""
-        from ray.exceptions import RayActorError, RayError
-
-        ray = self.ray
+            progress: ProgressLine | None = None, whole: bool = False) -> Iterator[tuple[int, Any]]:
+        """Every chunk's `method(*chunk)` on some worker; yields (chunk index, result) as each finishes. A chunk
+        whose worker died goes back to the front of the queue; a finished chunk is never run again. `whole`: the
+        chunks belong together (bench's shards); after a death none starts, the running ones finish, and the
+        caller (who sees `deaths` grow) runs them all again."""
         queue = deque(range(len(chunks)))
         inflight: dict[Any, tuple[int, Any]] = {}
-        idle = list(self.actors)
-        done, sizes = 0, sizes or [1] * len(chunks)
-        while queue or inflight:
-            while queue and idle:
-                actor, i = idle.pop(0), queue.popleft()
-                inflight[getattr(actor, method).remote(*chunks[i])] = (i, actor)
-            ready, _ = ray.wait(list(inflight), num_returns=1, timeout=1.0)
-            for ref in ready:
-                i, actor = inflight.pop(ref)
+        done, sizes, deaths = 0, sizes or [1] * len(chunks), self.deaths
+        try:
+            while queue or inflight:
+                if whole and self.deaths > deaths:
+                    queue.clear()
+                    if not inflight:
+                        break
+                while queue and self.ready:
+                    actor, i = self.ready.pop(0), queue.popleft()
+                    inflight[getattr(actor, method).remote(*chunks[i])] = (i, actor)
+                for i, value in self._step(inflight, queue, progress):
+                    done += sizes[i]
+                    if progress is not None:
+                        progress(done, len(self.infos))
+                    yield i, value
+        finally:
+            self.ready.extend(actor for _, actor in inflight.values() if actor in self.infos)
+
+    def _step(self, inflight: dict, queue: deque | None = None,
+              progress: ProgressLine | None = None) -> list[tuple[int, Any]]:
+        """Wait (at most a second) for a chunk or a load to finish, start the replacements that are due; returns
+        the finished chunks. A death re-queues the chunk and schedules a replacement."""
+        from ray.exceptions import RayError
+
+        now = time.monotonic()
+        while self.due and self.due[0] <= now:
+            self.due.pop(0)
+            self._spawn()
+        refs = list(inflight) + list(self.loading)
+        if not refs:
+            if not self.due:
+                raise self._gone()
+            time.sleep(max(0.0, self.due[0] - now))
+            return []
+        wait = min(1.0, self.due[0] - now) if self.due else 1.0
+        ready, _ = self.ray.wait(refs, num_returns=1, timeout=max(0.0, wait))
+        out = []
+        for ref in ready:
+            if ref in self.loading:
+                actor = self.loading.pop(ref)
                 try:
-                    value = ray.get(ref)
-                except RayActorError as e:
-                    queue.appendleft(i)
-                    idle.append(self._replace(actor, e, progress))
+                    self.infos[actor] = self.ray.get(ref)
+                except _deaths() as e:
+                    self._died(actor, e, "while loading the model", progress)
                     continue
                 except RayError as e:
-                    raise _user_error(e, bug_ok=False) from None
-                idle.append(actor)
-                done += sizes[i]
-                if progress is not None:
-                    progress(done, len(self.actors))
-                yield i, value
+                    raise _user_error(e) from None
+                self.loaded += 1
+                self.ready.append(actor)
+                continue
+            i, actor = inflight.pop(ref)
+            try:
+                value = self.ray.get(ref)
+            except _deaths() as e:
+                queue.appendleft(i)
+                self._died(actor, e, "with a chunk in flight, which goes back on the queue", progress)
+                continue
+            except RayError as e:
+                raise _user_error(e, bug_ok=False) from None
+            self.ready.append(actor)
+            out.append((i, value))
+        return out
 
-    def _replace(self, dead: Any, error: Exception, progress: ProgressLine | None) -> Any:
+    def _died(self, dead: Any, error: Exception, when: str, progress: ProgressLine | None) -> None:
+        """Forget a dead worker; a replacement after a backoff (0.5 s, doubling, at most 8 s) while restarts last."""
         info = self.infos.pop(dead, {})
         self.actors.remove(dead)
+        if dead in self.ready:
+            self.ready.remove(dead)
         try:
             self.ray.kill(dead)  # merely unreachable (ActorUnavailableError) must not come back holding its CPUs
         except Exception:
             pass
-        self.replaced += 1
-        if self.replaced > self.max_replacements:
-            raise UserError(f"--ray: {self.replaced} workers died (the last: {_first_line(error)}); giving up. "
-                            "The finished results are kept; check the workers' memory and logs")
-        actor = self._actor()
-        self.infos[actor] = {}
-        msg = (f"dgemma: ray: worker pid {info.get('pid', '?')} died ({_first_line(error)}); its unfinished chunk "
-               f"goes to a replacement ({self.replaced} so far)")
+        self.deaths += 1
+        self.last_error = _first_line(error)
+        who = f"worker pid {info['pid']}" if "pid" in info else "a worker"
+        if self.replaced < self.max_replacements:
+            self.replaced += 1
+            backoff = min(8.0, 0.5 * 2 ** (self.replaced - 1))
+            self.due.append(time.monotonic() + backoff)
+            then = (f"a replacement starts in {backoff:g} s (restart {self.replaced} of {self.max_replacements}); "
+                    f"{len(self.infos)} worker(s) go on meanwhile")
+        else:
+            then = f"no restarts left; {len(self.actors)} worker(s) go on"
+        msg = f"dgemma: ray: {who} died {when} ({self.last_error}); {then}"
         (progress.note if progress is not None else self.warn)(msg)
-        return actor
+
+    def _gone(self) -> WorkersGone:
+        if not self.loaded:
+            return WorkersGone(f"--ray: no worker could load the model: {self.deaths} died while loading (the last: "
+                               f"{self.last_error}); check the workers' memory and logs", self.last_error)
+        return WorkersGone(f"--ray: every worker is gone ({self.deaths} died, no restarts left; the last: "
+                           f"{self.last_error})", self.last_error)
 
     def describe_workers(self) -> str:
         """`2 worker(s) on a local Ray cluster (2 CPUs): pid 123 cpu@127.0.0.1, ...` for stderr and rows."""
-        parts = [f"pid {i['pid']} {i['device']}@{i['node']}" for i in self.infos.values() if i]
-        return f"{len(self.actors)} worker(s) on {self.where}: " + ", ".join(parts)
+        parts = [f"pid {i['pid']} {i['device']}@{i['node']}" for i in self.infos.values()]
+        loading = len(self.actors) - len(self.infos)
+        return f"{len(self.infos)} worker(s) on {self.where}: " + ", ".join(parts) + \
+            (f" ({loading} more loading)" if loading else "")
 
     def close(self) -> None:
         """Stop the workers (Ctrl-C stops the cluster work); a cluster started for this run is shut down."""
@@ -261,7 +346,7 @@ class Pool:
                 ray.kill(actor)
             except Exception:  # already gone
                 pass
-        self.actors = []
+        self.actors, self.ready, self.loading, self.due = [], [], {}, []
         ray.shutdown()
 
 

@@ -5,7 +5,9 @@ back: the same objects the local run produces (Responses in input order, sweep r
 Owns: the session spec the workers open (paths made absolute: a worker's working folder is not ours), the
 driver's copy of a session (the first worker's description plus the tokenizer the output needs; the model is
 loaded only in the workers), how work is cut into chunks (generate: 2 x --batch-size rows; sweep: one cell;
-bench: one contiguous shard of the prompts per worker) and how a bench pass is put back together.
+bench: one contiguous shard of the prompts per worker), how a bench pass is put back together (from shards
+that ran side by side: a death re-runs the batch size whole), and what the line says when every worker is gone
+(what was written stays, and how to finish).
 Must not: run the model in the driver, contain a denoising loop, or print anything but the progress line
 and notes on stderr.
 """
@@ -17,7 +19,8 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from dgcli.cluster.driver import Ordered, Pool, ProgressLine
+from dgcli.cluster.driver import Ordered, Pool, ProgressLine, WorkersGone
+from dgcli.errors import UserError
 
 GENERATE_CHUNK = 2  # --input-jsonl rows per chunk, in --batch-size units: small enough to spread and to re-run
 
@@ -68,14 +71,16 @@ def driver_session(pool: Pool, *, measure_peaks: bool = False, need_tokenizer: b
 
 
 def run_rows(pool: Pool, requests: list, *, batch_size: int, show_thinking: bool, on_event: Callable | None,
-             write: Callable[[int, Any], None]) -> list[Any]:
+             write: Callable[[int, Any], None], resume: str = "") -> list[Any]:
     """`dgcli.cli.batch.run_rows` over the workers: chunks of rows to whichever worker is free, `write(index,
-    response)` in input order (a finished chunk waits for the ones before it). Returns the responses."""
+    response)` in input order (a finished chunk waits for the ones before it). Returns the responses. With no
+    worker left: one line, with `resume` (how to finish the run)."""
     size = GENERATE_CHUNK * batch_size
     chunks = [([(i, r.prompt_ids, r.seed, r.init_canvas) for i, r in enumerate(requests[at:at + size], at)],
                batch_size, show_thinking, on_event is not None) for at in range(0, len(requests), size)]
     out: list[Any] = [None] * len(requests)
     order, progress = Ordered(), ProgressLine(len(requests), "requests")
+    written = 0
     try:
         for n, got in pool.run("generate", chunks, sizes=[len(c[0]) for c in chunks], progress=progress):
             for _, chunk in order.add(n, got):
@@ -84,6 +89,10 @@ def run_rows(pool: Pool, requests: list, *, batch_size: int, show_thinking: bool
                         on_event(event)
                     out[index] = response
                     write(index, response)
+                    written += 1
+    except WorkersGone as e:
+        raise UserError(f"{e}; {written} of the {len(requests)} record(s) to do were written (in input order) and "
+                        f"stay; {resume or 'rerun to finish'}") from None
     finally:
         progress.close()
     return out
@@ -94,9 +103,10 @@ def run_rows(pool: Pool, requests: list, *, batch_size: int, show_thinking: bool
 
 def sweep_cells(pool: Pool, todo: list, plist: list, source: str, seeds: list[int], runs: int, ignore: bool,
                 metric: str, reference: Any, label: str | None, meta: dict, fp: str, *, warmup: int,
-                warm_batch: int, measure_peaks: bool, keep: Callable[[dict], None]) -> Iterator[dict]:
-    """One cell per chunk; rows yielded in cell order, as the local sweep yields them. On Ctrl-C the cells
-    that finished out of order are handed to `keep` (the row file) before the interrupt goes on."""
+                warm_batch: int, measure_peaks: bool, keep: Callable[[dict], None], resume: str = "") -> Iterator[dict]:
+    """One cell per chunk; rows yielded in cell order, as the local sweep yields them. On Ctrl-C, or with no
+    worker left, the cells that finished out of order are handed to `keep` (the row file) first; then the
+    interrupt goes on, or one line says the workers are gone and how to finish (`resume`)."""
     chunks = [(cell, plist, source, seeds, runs, ignore, metric, reference, label, meta, fp, warmup, warm_batch,
                measure_peaks) for cell in todo]
     order, progress = Ordered(), ProgressLine(len(todo), "cells")
@@ -104,9 +114,11 @@ def sweep_cells(pool: Pool, todo: list, plist: list, source: str, seeds: list[in
         for n, row in pool.run("cell", chunks, progress=progress):
             for _, ready in order.add(n, row):
                 yield ready
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, WorkersGone) as e:
         for n in sorted(order.waiting):
             keep(order.waiting.pop(n))
+        if isinstance(e, WorkersGone):
+            raise UserError(f"{e}; the finished cells are saved; {resume or 'rerun with --resume to finish'}") from None
         raise
     finally:
         progress.close()
@@ -119,17 +131,27 @@ def bench_passes(pool: Pool, plist: list, params: Any, *, runs: int, warmup: int
                  out: list) -> tuple[int, str]:
     """`measure.bench.measure` with the prompts split into one contiguous shard per worker, all running at
     once; pass r of every shard put together into one `Pass` (appended to `out`). Returns the largest
-    worker's peak memory."""
-    n = min(len(pool.actors), len(plist))
-    bounds = [len(plist) * k // n for k in range(n + 1)]
-    chunks = [(plist[a:b], params, runs, warmup, ignore, batch_size) for a, b in zip(bounds, bounds[1:])]
-    progress = ProgressLine(len(chunks), "shards")
-    shards: list[Any] = [None] * len(chunks)
-    try:
-        for k, got in pool.run("bench", chunks, progress=progress):
-            shards[k] = got
-    finally:
-        progress.close()
+    worker's peak memory. A worker that dies during it makes the whole batch size run again (its shards timed
+    together on the workers left), never a row from passes that did not run side by side."""
+    while True:
+        pool.settle()  # replacements loaded first: every shard starts at once
+        n = min(len(pool.actors), len(plist))
+        bounds = [len(plist) * k // n for k in range(n + 1)]
+        chunks = [(plist[a:b], params, runs, warmup, ignore, batch_size) for a, b in zip(bounds, bounds[1:])]
+        progress = ProgressLine(len(chunks), "shards")
+        shards: list[Any] = [None] * len(chunks)
+        deaths = pool.deaths
+        try:
+            for k, got in pool.run("bench", chunks, progress=progress, whole=True):
+                shards[k] = got
+            if pool.deaths == deaths:
+                break
+            progress.note(f"dgemma: ray: a worker died during batch size {batch_size}: all its shards run again, "
+                          "side by side")
+        except WorkersGone as e:
+            raise UserError(f"{e}; batch size {batch_size} was not measured: rerun the bench") from None
+        finally:
+            progress.close()
     out.extend(merge_pass([s["passes"][r] for s in shards]) for r in range(runs))
     peak = max(shards, key=lambda s: s["peak_memory"][0])["peak_memory"]
     return peak[0], f"the largest of {len(shards)} Ray workers: {peak[1]}"

@@ -5,8 +5,12 @@ Each method is the library call a local run makes (`request.run_batch`, `measure
 objects (`Response`, rows, `Pass`) the local run hands its writers.
 Owns: opening the session from the driver's spec, the torch thread cap (a worker uses at most the CPUs Ray
 gave it, so workers on one machine do not oversubscribe its cores), and the session's description the driver
-formats output with (everything but the weights). Must not: import ray (it runs inside Ray; the driver wraps
-the class), print, or write files.
+formats output with (everything but the weights), and the tests' pause points. Must not: import ray (it runs
+inside Ray; the driver wraps the class), print, or write files (but a pause point's marker).
+
+Pause points, for tests that kill a worker at a known moment: with DGEMMA_RAY_PAUSE=POINT:DIR in the driver's
+environment, a worker reaching POINT (`load`: before opening its session; `describe`; `chunk`: at the start of
+every chunk) creates DIR/POINT-PID-N (N counts from 0 per process) and waits there until DIR/POINT-PID-N.go exists.
 """
 
 from __future__ import annotations
@@ -14,7 +18,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import time
+from pathlib import Path
 from typing import Any
+
+PAUSE = "DGEMMA_RAY_PAUSE"
 
 
 class _Weights:
@@ -35,6 +43,18 @@ class Worker:
         self.baseline = 0  # ru_maxrss before the model: the CPU peak-memory figure's baseline
         self.warmed: set = set()
         self.peaks: dict = {}  # measured once per worker (about a second on CPU)
+        self.paused: dict[str, int] = {}  # pause point -> times reached
+
+    def _pause(self, point: str) -> None:
+        """A test's pause point (see the module's docstring); nothing unless DGEMMA_RAY_PAUSE names `point`."""
+        name, _, folder = self.spec.get("env", {}).get(PAUSE, "").partition(":")
+        if name != point:
+            return
+        n = self.paused[point] = self.paused.get(point, -1) + 1
+        mark = Path(folder) / f"{point}-{os.getpid()}-{n}"
+        mark.touch()
+        while not Path(f"{mark}.go").exists():
+            time.sleep(0.02)
 
     def _open(self) -> Any:
         if self.session is not None:
@@ -67,6 +87,7 @@ class Worker:
         return s
 
     def load(self) -> dict:
+        self._pause("load")
         s = self._open()
         return {"pid": os.getpid(), "node": socket.gethostname(), "device": str(s.device)}
 
@@ -76,6 +97,7 @@ class Worker:
     def describe(self, measure_peaks: bool) -> tuple[Any, Any, dict]:
         """(the session without weights or tokenizer, this device's roofline peaks, what the command's
         `weights_fields` function says of the weights) for the driver's card, fingerprint and records."""
+        self._pause("describe")
         s = self._open()
         fields = self.spec["weights_fields"](s.model) if self.spec.get("weights_fields") else {}
         return dataclasses.replace(s, model=_Weights(s.model), tokenizer=None), self._peaks(measure_peaks), fields
@@ -93,6 +115,7 @@ class Worker:
         [(index, Response, its events or None)] in the chunk's order."""
         from dgcli.runtime.request import run_batch
 
+        self._pause("chunk")
         s = self._open()
         seen: dict[int, list] = {n: [] for n in range(len(items))}
         on_event = (lambda e: seen[e.row].append(e)) if events else None
@@ -114,6 +137,7 @@ class Worker:
         from dgcli.measure import bench as b
         from dgcli.measure import sweep as sw
 
+        self._pause("chunk")
         s = self._open()
         if "sweep" not in self.warmed:
             b.warm_up(s, plist, s.params, warmup, batch_size=warm_batch, ignore_eos=ignore)
@@ -126,6 +150,7 @@ class Worker:
         peak memory over them."""
         from dgcli.measure import bench as b
 
+        self._pause("chunk")
         s = self._open()
         memory = b.PeakMemory(s.device, self.baseline)
         passes = b.measure(s, plist, params, runs=runs, warmup=warmup, ignore_eos=ignore, batch_size=batch_size,

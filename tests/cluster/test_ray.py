@@ -1,7 +1,9 @@
 """`--ray` on a real Ray cluster on this machine (a head started by `ray start`, real actors, no mocks of
-Ray): generate --input-jsonl and sweep write what the local run writes; a worker killed mid-run by PID loses
-nothing; a sweep interrupted in the driver resumes without recomputing its finished cells. Plus the cheap
-checks: Ray is never imported without --ray, a missing Ray or an unreachable head is one line, exit 2."""
+Ray): generate --input-jsonl and sweep write what the local run writes; a worker killed by PID while loading,
+between tasks or mid-chunk loses nothing; when every worker dies the written records stay and --resume
+finishes (generate and sweep); a bench batch size whose worker died is measured again whole; a sweep
+interrupted in the driver resumes without recomputing its finished cells. Plus the cheap checks: Ray is
+never imported without --ray, a missing Ray or an unreachable head is one line, exit 2."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -36,22 +39,30 @@ def _free_port() -> int:
 
 
 def _procs_under(marker: str) -> list[int]:
-    """PIDs of the processes whose command line names `marker` (the head's own temp folder)."""
-    out = []
+    """PIDs of the processes whose command line names `marker` (the head's own temp folder), and of their
+    descendants (Ray's workers rename themselves `ray::...`)."""
+    found, parent = set(), {}
     for p in Path("/proc").iterdir():
         if p.name.isdigit():
             try:
                 if marker in (p / "cmdline").read_bytes().decode(errors="replace"):
-                    out.append(int(p.name))
-            except OSError:
+                    found.add(int(p.name))
+                parent[int(p.name)] = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
                 pass
-    return out
+    grew = True
+    while grew:
+        more = {pid for pid, up in parent.items() if up in found} - found
+        found |= more
+        grew = bool(more)
+    return sorted(found)
 
 
 @pytest.fixture(scope="session")
 def head():
     """One Ray head for every cluster test: 2 CPUs, a small object store, in its own temp folder; stopped
-    at the end by `ray stop` and by the PIDs of the processes in that folder."""
+    at the end by the PIDs of the processes in that folder (never `ray stop`: it stops every Ray cluster of
+    this user on the machine, other test runs' too)."""
     port, temp = _free_port(), f"/tmp/rdg{os.getpid()}"
     ray_cli = str(Path(sys.executable).parent / "ray")
     subprocess.run([ray_cli, "start", "--head", "--num-cpus", "2", "--port", str(port), "--include-dashboard=false",
@@ -60,9 +71,7 @@ def head():
     try:
         yield f"127.0.0.1:{port}"
     finally:
-        pids = _procs_under(temp)
-        subprocess.run([ray_cli, "stop"], env=ENV, capture_output=True, timeout=60)
-        for pid in pids:
+        for pid in _procs_under(temp):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -207,7 +216,10 @@ def test_sweep_on_the_cluster_and_resume_after_an_interrupted_driver(head, tmp_p
     ray_file = tmp_path / "ray.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "dgcli.cli", "sweep", *grid, "-o", str(ray_file), "--format", "json",
                              "--ray", head, "--ray-workers", "2"], env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            # Ctrl-C must reach it even where this test runs in a shell's background job, which
+                            # ignores SIGINT (and a child inherits that)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     for line in proc.stderr:
         if line.startswith("dgemma: cell 1/4"):
             proc.send_signal(signal.SIGINT)  # Ctrl-C in the driver, with cells still running
@@ -294,3 +306,179 @@ def test_a_workers_reference_row_is_the_local_one():
     assert saved == rows == [theirs]  # saved once; the next call reads it back without making it again
     assert sw.reference_outputs(rows, Store(), "agreement", lambda: 1 / 0) == theirs["outputs"]
     assert sw.reference_outputs(rows, Store(), "exact_match", lambda: 1 / 0) is None
+
+
+# ---- a worker dying at a known moment --------------------------------------------------------------------
+# The workers' pause points (DGEMMA_RAY_PAUSE=POINT:DIR, dgcli/cluster/worker.py) make each kill land where
+# the test says: a worker reaching POINT waits, as the file DIR/POINT-PID-N, until the test kills that PID or
+# lets it on (DIR/POINT-PID-N.go).
+
+
+class Referee(threading.Thread):
+    """Answers every pause in `folder` in the order they appear: `decide(n, pid)` for the n-th (from 0) says
+    whether to SIGKILL that worker there ("kill") or let it on ("go")."""
+
+    def __init__(self, folder: Path, decide):
+        super().__init__(daemon=True)
+        self.folder, self.decide = folder, decide
+        self.seen: list[str] = []
+        self.killed: list[int] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            for mark in sorted(self.folder.iterdir(), key=lambda p: p.stat().st_mtime_ns):
+                if mark.suffix == ".go" or mark.name in self.seen:
+                    continue
+                self.seen.append(mark.name)
+                pid = int(mark.name.split("-")[1])
+                if self.decide(len(self.seen) - 1, pid) == "kill":
+                    os.kill(pid, signal.SIGKILL)
+                    self.killed.append(pid)
+                else:
+                    (self.folder / f"{mark.name}.go").touch()
+            time.sleep(0.02)
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.join()
+
+
+def paused(point: str, folder: Path) -> dict:
+    return {**ENV, "DGEMMA_RAY_PAUSE": f"{point}:{folder}"}
+
+
+@pytest.fixture(scope="module")
+def local_b2(thirty, tmp_path_factory) -> list[dict]:
+    """The local run every fault test must reproduce: --batch-size 2, JSON records."""
+    out = dgemma("generate", "--input-jsonl", str(thirty), "--format", "json", "--batch-size", "2")
+    assert out.returncode == 0, out.stderr
+    return records(out.stdout)
+
+
+def ray_generate(thirty: Path, head: str, *extra: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dgcli.cli", "generate", "--input-jsonl", str(thirty), "--format",
+                           "json", "--batch-size", "2", "--ray", head, "--ray-workers", "2", *extra], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_a_worker_killed_while_loading_loses_nothing(head, thirty, local_b2, tmp_path):
+    with Referee(tmp_path, lambda n, pid: "kill" if n == 0 else "go") as ref:  # the first worker to load dies
+        out = ray_generate(thirty, head, env=paused("load", tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert len(ref.killed) == 1 and "died while loading the model" in out.stderr
+    assert len(ref.seen) == 3  # the two workers and the dead one's replacement each reached the load
+    got = records(out.stdout)
+    assert [r["index"] for r in got] == list(range(30)) and got == local_b2
+
+
+@pytest.mark.slow
+def test_a_worker_killed_between_tasks_loses_nothing(head, thirty, local_b2, tmp_path):
+    """One worker answers the driver's `describe` (before any chunk) and waits there; the other, loaded and
+    idle, is killed meanwhile: the driver finds it dead when it hands it its first chunk."""
+    pids: list[int] = []
+    listed = threading.Event()
+
+    def decide(n: int, pid: int) -> str:
+        assert listed.wait(120)
+        other = [p for p in pids if p != pid]
+        os.kill(other[0], signal.SIGKILL)
+        return "go"
+
+    proc = subprocess.Popen([sys.executable, "-m", "dgcli.cli", "generate", "--input-jsonl", str(thirty), "--format",
+                             "json", "--batch-size", "2", "--ray", head, "--ray-workers", "2"],
+                            env=paused("describe", tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err = []
+    with Referee(tmp_path, decide):
+        try:
+            for line in proc.stderr:  # the workers' line comes before the driver asks for `describe`
+                err.append(line)
+                if "worker(s) on" in line:
+                    pids += [int(p) for p in re.findall(r"pid (\d+)", line)]
+                    break
+            listed.set()
+            out, rest = proc.communicate(timeout=240)
+        finally:
+            proc.kill()  # only if it still runs: a failed check must not leave the driver behind
+    err = "".join(err) + rest
+    assert proc.returncode == 0, err
+    assert len(pids) == 2, err
+    idle = [p for p in pids if f"worker pid {p} died with a chunk in flight" in err]
+    assert len(idle) == 1 and "replacement" in err
+    got = records(out)
+    assert [r["index"] for r in got] == list(range(30)) and got == local_b2
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_chunk_loses_nothing(head, thirty, local_b2, tmp_path):
+    with Referee(tmp_path, lambda n, pid: "kill" if n == 2 else "go") as ref:  # at the start of the third chunk
+        out = ray_generate(thirty, head, env=paused("chunk", tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert len(ref.killed) == 1 and f"worker pid {ref.killed[0]} died with a chunk in flight" in out.stderr
+    assert len(ref.seen) == 9  # 8 chunks, the killed one twice
+    got = records(out.stdout)
+    assert [r["index"] for r in got] == list(range(30)) and got == local_b2
+
+
+@pytest.mark.slow
+def test_when_every_worker_dies_the_records_stay_and_resume_finishes(head, thirty, local_b2, tmp_path):
+    marks, kept = tmp_path / "marks", tmp_path / "out.jsonl"
+    marks.mkdir()
+    # The first two chunks (rows 0-7) finish; every later chunk kills its worker, replacements included.
+    with Referee(marks, lambda n, pid: "go" if n < 2 else "kill") as ref:
+        out = ray_generate(thirty, head, "-o", str(kept), env=paused("chunk", marks))
+    assert out.returncode == 2 and out.stdout == ""
+    errors = [line for line in out.stderr.splitlines() if line.startswith("dgemma: error:")]
+    assert len(errors) == 1 and out.stderr.strip().splitlines()[-1] == errors[0]
+    assert "every worker is gone" in errors[0] and "The actor died" in errors[0] and "--resume" in errors[0]
+    assert "8 of the 30 record(s)" in errors[0] and len(ref.killed) >= 3
+    assert records(kept.read_text()) == local_b2[:8]  # written in order, each whole
+    again = ray_generate(thirty, head, "-o", str(kept), "--resume", env=ENV)
+    assert again.returncode == 0, again.stderr
+    assert "8 of 30 record(s) already in" in again.stderr and "22 to run" in again.stderr
+    assert records(kept.read_text()) == local_b2  # every record once, in order
+
+
+@pytest.mark.slow
+def test_sweep_whose_workers_all_die_keeps_its_cells_and_resumes(head, tmp_path):
+    grid = ["--diffusion-steps", "4,8", "--entropy-bound", "0.1,0.2", "--num-prompts", "4", "--runs", "1",
+            "--no-measure-peaks", "--confidence-threshold", "0", "--format", "json"]
+    local = dgemma("sweep", *grid, "-o", str(tmp_path / "local.jsonl"))
+    assert local.returncode == 0, local.stderr
+    marks, rows = tmp_path / "marks", tmp_path / "ray.jsonl"
+    marks.mkdir()
+    argv = [sys.executable, "-m", "dgcli.cli", "sweep", *grid, "-o", str(rows), "--ray", head, "--ray-workers", "2"]
+    with Referee(marks, lambda n, pid: "go" if n == 0 else "kill"):  # one cell finishes, then every worker dies
+        out = subprocess.run(argv, env=paused("chunk", marks), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("dgemma: error: --ray: every worker is gone") and f"-o {rows} --resume" in last
+    assert len(rows.read_text().splitlines()) == 1  # the finished cell, whichever of the first two it was
+    again = subprocess.run(argv + ["--resume"], env=ENV, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    mine = {r["cell_key"]: r for r in records(rows.read_text())}
+    theirs = {r["cell_key"]: r for r in records((tmp_path / "local.jsonl").read_text())}
+    assert len(rows.read_text().splitlines()) == 4 and mine == theirs
+
+
+@pytest.mark.slow
+def test_bench_reruns_a_batch_size_whole_when_a_worker_dies(head, tmp_path, capsys):
+    argv = ["bench", "--num-prompts", "4", "--runs", "1", "--warmup", "0", "--no-measure-peaks", "--format", "json"]
+    code, local, _ = run(argv, capsys)
+    assert code == 0
+    with Referee(tmp_path, lambda n, pid: "kill" if n == 0 else "go") as ref:  # one of the two shards dies
+        out = subprocess.run([sys.executable, "-m", "dgcli.cli", *argv, "--ray", head, "--ray-workers", "2"],
+                             env=paused("chunk", tmp_path), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert len(ref.killed) == 1 and "all its shards run again" in out.stderr
+    # the shard beside the dead one finished; then both shards ran again, on the survivor and the replacement
+    assert len(ref.seen) == 4 and len({s.split("-")[1] for s in ref.seen[2:]} - {str(ref.killed[0])}) == 2
+    row, mine = json.loads(local)["rows"][0], json.loads(out.stdout)["rows"][0]
+    same = ("quality", "num_prompts", "total_output_tokens", "diffusion_denoising_steps", "batched_decoder_passes",
+            "steps_histogram")
+    assert mine["ray_workers"] == 2 and {k: mine.get(k) for k in same} == {k: row.get(k) for k in same}
