@@ -156,8 +156,7 @@ def bench(
     if s.dummy and not ignore_eos:
         warn("dgemma: note: --ignore-eos is on: random weights would hit stop ids at random")
     ignore = ignore_eos or s.dummy
-    peaks = b.device_peaks(s.device, measure_cpu=measure_peaks, compute=b.compute_dtype(s), pinned=peaks_file) \
-        if pool is None else ray_peaks
+    peaks = b.session_peaks(s, measure_cpu=measure_peaks, pinned=peaks_file) if pool is None else ray_peaks
     for note in (b.keep_peaks(save_peaks, peaks), None if pool is not None else b.load_note(s)):
         if note:
             warn(note)

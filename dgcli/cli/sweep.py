@@ -168,8 +168,7 @@ def sweep(
     done_keys = {r["cell_key"] for r in rows if r.get("kind") == "cell"}
     todo = [c for c in cells if c.key not in done_keys]
 
-    peaks = b.device_peaks(s.device, measure_cpu=measure_peaks, compute=b.compute_dtype(s), pinned=peaks_file) \
-        if pool is None else ray_peaks
+    peaks = b.session_peaks(s, measure_cpu=measure_peaks, pinned=peaks_file) if pool is None else ray_peaks
     for note in (b.keep_peaks(save_peaks, peaks), None if pool is not None else b.load_note(s)):
         if note:
             warn(note)
@@ -353,7 +352,7 @@ def _finish(rows, cells, axes, speed, plot, fmt, card, output) -> None:
            if passes < 2 else "")
     out = [f"## Sweep: {len(done)} cell(s) from {output}", "", report.md_table(header, body), "",
            f"### Pareto frontier ({speed} vs quality; * above, tie where the measurements name no winner)", "",
-           f"[min, max] over each cell's {passes} timed pass(es) (seeds x runs). A cell leaves the frontier only for "
+           f"[min, max] over each cell's {passes} timed pass{'es' if passes != 1 else ''} (seeds x runs). A cell leaves the frontier only for "
            "one whose interval lies wholly above its own on a figure; cells that no interval separates are a tie "
            f"(more --runs or --seeds narrow the intervals){one}.", ""]
     for r in front:

@@ -134,22 +134,33 @@ def measure(session: Any, prompts: list[Prompt], params: Any, *, runs: int, warm
     return out
 
 
-def device_peaks(device: Any, *, measure_cpu: bool = True, compute: str = "bfloat16", pinned: str | None = None,
-                 threads: int | None = None) -> info.Peaks | None:
+def device_peaks(device: Any, *, measure_cpu: bool = True, compute: str = "bfloat16") -> info.Peaks | None:
     """The roofline peaks of the run's device for `compute` matmuls (`compute_dtype`): measured on CPU (bf16
-    there for float8, which a CPU runs in bf16) or read from `pinned` (`--peaks FILE`, checked against this CPU
-    at `threads`, default torch's), the table on H100/H200, else None."""
+    there for float8, which a CPU runs in bf16), the table on H100/H200, else None."""
+    if device.type == "cuda":
+        import torch
+
+        return info.gpu_peaks(torch.cuda.get_device_name(device), compute)
+    return info.measure_cpu_peaks(compute="bfloat16" if compute == "float8" else compute) if measure_cpu else None
+
+
+def pinned_peaks(path: str, device: Any, compute: str, threads: int | None = None) -> info.Peaks:
+    """`--peaks FILE`: the CPU peaks saved there, checked against this CPU at `threads` (default torch's) and the
+    run's matmul dtype (`compute`; bf16 for float8, as `device_peaks`). A CUDA device keeps its datasheet's."""
     import torch
 
     if device.type == "cuda":
-        if pinned is not None:
-            raise UserError(f"--peaks {pinned}: pins a CPU's measured peaks; {torch.cuda.get_device_name(device)} "
-                            "uses its datasheet's: drop --peaks")
-        return info.gpu_peaks(torch.cuda.get_device_name(device), compute)
-    compute = "bfloat16" if compute == "float8" else compute
+        raise UserError(f"--peaks {path}: pins a CPU's measured peaks; {torch.cuda.get_device_name(device)} uses its "
+                        "datasheet's: drop --peaks")
+    return pk.load_peaks(path, name=pk.cpu_label(threads or torch.get_num_threads()),
+                         compute="bfloat16" if compute == "float8" else compute)
+
+
+def session_peaks(s: Any, *, measure_cpu: bool, pinned: str | None) -> info.Peaks | None:
+    """The peaks of a local session's run: pinned from `--peaks FILE`, else `device_peaks`."""
     if pinned is not None:
-        return pk.load_peaks(pinned, name=pk.cpu_label(threads or torch.get_num_threads()), compute=compute)
-    return info.measure_cpu_peaks(compute=compute) if measure_cpu else None
+        return pinned_peaks(pinned, s.device, compute_dtype(s), getattr(s, "threads", 0) or None)
+    return device_peaks(s.device, measure_cpu=measure_cpu, compute=compute_dtype(s))
 
 
 def check_peak_flags(pinned: str | None, save: str | None, measure: bool, ray: str | None = None) -> None:

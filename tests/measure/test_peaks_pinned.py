@@ -73,6 +73,8 @@ def test_peaks_files_that_do_not_fit_are_one_error_line(tmp_path, capsys):
     one_error(*run([*BENCH, "--peaks", str(saved), "--save-peaks", str(saved)], capsys)[::2], "give one of them")
     one_error(*run([*BENCH, "--no-measure-peaks", "--save-peaks", str(saved)], capsys)[::2], "--no-measure-peaks")
     one_error(*run([*BENCH, "--ray", "local", "--peaks", str(saved)], capsys)[::2], "--ray")
+    one_error(*run(["bench", "--base-url", "http://127.0.0.1:9", "--peaks", str(saved)], capsys)[::2],
+              "--peaks does not apply with --base-url")
 
 
 def test_a_machine_busier_than_its_cores_gets_one_warning(capsys, monkeypatch):
