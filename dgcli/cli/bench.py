@@ -17,7 +17,7 @@ from typing import Annotated, Optional
 import typer
 
 import dgcli.cli.options as o
-from dgcli.cli.console import HEADLINE, answer_notes, document, emit, loading, status, warn
+from dgcli.cli.console import HEADLINE, answer_notes, counting, document, emit, loading, status, warn
 from dgcli.errors import UserError
 
 FORMATS = ("md", "csv", "json", "jsonl")
@@ -56,6 +56,7 @@ def bench(
     result_filename: Annotated[Optional[str], typer.Option("--result-filename", metavar="NAME", help=o.dflt("Implies --save-result; the file name to use.", "a dated name"))] = None,
     batch_size: o.BatchSizes = "1",
     label: o.Label = None, metadata: o.Metadata = None, measure_peaks: o.MeasurePeaks = True,
+    peaks_file: o.PeaksFile = None, save_peaks: o.SavePeaks = None,
     compile: o.Compile = False, cuda_graphs: o.CudaGraphs = None, threads: o.Threads = None,
     no_prefix_caching: o.NoPrefixCaching = False,
     base_url: Annotated[Optional[str], typer.Option("--base-url", metavar="URL", help="Measure a running OpenAI-compatible server (dgemma serve, vLLM...) from the client over HTTP instead of a local model: http://HOST:PORT or http://HOST:PORT/v1.")] = None,
@@ -86,6 +87,9 @@ def bench(
         return _remote(ctx, base_url, api_key, concurrency, request_rate, fields, prompts=prompts, num_prompts=num_prompts,
                        runs=runs, warmup=warmup, fmt=fmt, label=label, metadata=metadata,
                        save=(save_result or result_dir is not None or result_filename is not None, result_dir, result_filename))
+    from dgcli.measure.bench import check_peak_flags
+
+    check_peak_flags(peaks_file, save_peaks, measure_peaks, ray)
     stray = _given(ctx, REMOTE_ONLY)
     if stray:
         raise UserError(f"{stray[0][0]} applies only with --base-url (a server); in-process bench measures --batch-size")
@@ -141,6 +145,9 @@ def bench(
             threads=threads, cuda_graphs=cuda_graphs, weights=weights, weights_fields=_fp8_fields,
             prefix_caching=not no_prefix_caching), warn)
         s, ray_peaks, fp8_row = jobs.driver_session(pool, measure_peaks=measure_peaks, need_tokenizer=False)
+        note = jobs.shared_node_note(pool)
+        if note:
+            warn(note)
     else:
         with loading("loading the model…"):
             slots = lambda r: min(max(sizes), preflight.prompt_count(  # noqa: E731
@@ -157,8 +164,10 @@ def bench(
     if s.dummy and not ignore_eos:
         warn("dgemma: note: --ignore-eos is on: random weights would hit stop ids at random")
     ignore = ignore_eos or s.dummy
-    peaks = b.device_peaks(s.device, measure_cpu=measure_peaks, compute=b.compute_dtype(s)) if pool is None \
-        else ray_peaks
+    peaks = b.session_peaks(s, measure_cpu=measure_peaks, pinned=peaks_file) if pool is None else ray_peaks
+    for note in (b.keep_peaks(save_peaks, peaks), None if pool is not None else b.load_note(s)):
+        if note:
+            warn(note)
     longest = max(len(p.ids) for p in plist)
     card = b.target_card(s, prompt_len=round(sum(len(p.ids) for p in plist) / len(plist)),
                          context=longest + s.num_blocks * s.config.canvas_length, peaks=b.card_peaks(s, peaks))
@@ -166,7 +175,8 @@ def bench(
     (sys.stdout if fmt == "md" else sys.stderr).write(card_text + "\n")
     sys.stdout.flush()
 
-    live, progress = status(sys.stderr.isatty() and pool is None, compiling=s.compiled)
+    live, progress, advance = counting(sys.stderr.isatty() and pool is None, len(sizes) * runs * len(plist),
+                                       compiling=s.compiled)
     rows, last, interrupted = [], None, False
     try:
         for size in sizes:  # one row per batch size, each with its own warm-up and timed passes
@@ -178,7 +188,7 @@ def bench(
                                                    batch_size=size, out=done)
                 else:
                     b.measure(s, plist, params, runs=runs, warmup=warmup, ignore_eos=ignore, batch_size=size,
-                              memory=memory, progress=progress, out=done)
+                              memory=memory, progress=progress, out=done, advance=advance)
             except KeyboardInterrupt:
                 interrupted = True
                 if done:

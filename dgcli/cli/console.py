@@ -67,6 +67,30 @@ def status(enabled: bool, *, compiling: bool = False, start: str = "…"):
     return live, update
 
 
+def counting(enabled: bool, total: int, *, compiling: bool = False):
+    """`status` with a bar: what runs, requests done of `total`, elapsed and time left, on stderr when it is a
+    terminal (bench's timed runs); no-ops otherwise. Returns (live or None, update(text), advance())."""
+    if not enabled:
+        return None, lambda text: None, lambda: None
+    from rich.console import Console
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
+
+    bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(),
+                   TextColumn("requests"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                   console=Console(stderr=True), transient=True)
+    task = bar.add_task(COMPILING if compiling else "…", total=total)
+    bar.start()
+    first = [compiling]
+
+    def update(text: str) -> None:
+        text = text.split(":")[0]  # "batch size 1  run 2/3: 1/4 requests done": the bar counts the requests
+        bar.update(task, description=f"{text} · {COMPILING}" if first[0] else text)
+        first[0] = False
+
+    return bar, update, lambda: bar.advance(task)
+
+
 def read_prompt(prompt: str | None) -> str:
     """The prompt text: the argument, or stdin for `-` or no argument (--input-jsonl is cli/batch.py's)."""
     if prompt is None or prompt == "-":

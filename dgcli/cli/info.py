@@ -37,6 +37,7 @@ def info(
     headroom: Annotated[float, typer.Option("--headroom", metavar="PCT", help="Percent of each budget left free (CUDA context, allocator fragmentation).")] = 10.0,
     fmt: Annotated[str, typer.Option("--format", "-f", metavar="FORMAT", help="md | json")] = "md",
     measure_peaks: o.MeasurePeaks = True, threads: o.Threads = None,
+    peaks_file: o.PeaksFile = None, save_peaks: o.SavePeaks = None,
 ) -> None:
     """Show a checkpoint's card: sizes, memory, per-step costs.
 
@@ -56,7 +57,11 @@ def info(
     model = model_opt if model_opt is not None else model_arg
     from dgcli.measure import cost as inf
     from dgcli.measure import printers as report
-    from dgcli.measure.bench import device_peaks, matmul_dtype, peaks_for_card
+    from dgcli.measure.bench import (check_peak_flags, device_peaks, keep_peaks, matmul_dtype, peaks_for_card,
+                                     pinned_peaks)
+    from dgcli.measure.peaks import load_note
+
+    check_peak_flags(peaks_file, save_peaks, measure_peaks)
     from dgcli.checkpoint.config import parse_config
     from dgcli.checkpoint.load import DIRECTORY, GGUF, format_of, load_config
     from dgcli.checkpoint.random_weights import dummy_config
@@ -97,7 +102,14 @@ def info(
 
         ggml = activations_on(getattr(torch, run_dtype), dev)
     compute = matmul_dtype(run_dtype, ggml)
-    peaks = peaks_for_card(device_peaks(dev, measure_cpu=measure_peaks, compute=compute), compute)
+    count = n_threads[0] if n_threads else None
+    local = pinned_peaks(peaks_file, dev, compute, count) if peaks_file is not None else \
+        device_peaks(dev, measure_cpu=measure_peaks, compute=compute)
+    for note in (keep_peaks(save_peaks, local), load_note(count or 1) if local is not None and local.flops_range
+                 and peaks_file is None else None):
+        if note:
+            print(note, file=sys.stderr)
+    peaks = peaks_for_card(local, compute)
     card = inf.card(cfg, name=name, source=source, dtype=run_dtype, context=context, prompt_len=prompt_len,
                     peaks=peaks, inventory=inventory,
                     threads=n_threads, budgets=_budgets(dev, memory), headroom=headroom / 100)

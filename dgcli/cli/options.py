@@ -82,6 +82,8 @@ Warmup = Annotated[int, typer.Option("--warmup", "--num-warmups", metavar="N", h
 Label = Annotated[Optional[str], typer.Option("--label", metavar="NAME", help="A name for the row(s).")]
 Metadata = Annotated[Optional[list[str]], typer.Option("--metadata", metavar="KEY=VALUE", help="Recorded in every row's provenance (repeatable).")]
 MeasurePeaks = Annotated[bool, typer.Option("--measure-peaks/--no-measure-peaks", help="Measure this CPU's matmul and bandwidth peaks (~1 s) for the roofline.")]
+PeaksFile = Annotated[Optional[str], typer.Option("--peaks", metavar="FILE", help="Use the CPU peaks pinned in FILE (written by --save-peaks, or a saved bench JSON) instead of measuring them: runs compared on a busy machine then share one floor.")]
+SavePeaks = Annotated[Optional[str], typer.Option("--save-peaks", metavar="FILE", help="Write this CPU's measured peaks to FILE, for --peaks FILE in later runs.")]
 
 
 # --ray (generate --input-jsonl, bench, sweep): Ray is an optional extra, imported only when --ray is given.

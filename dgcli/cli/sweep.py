@@ -51,7 +51,7 @@ def sweep(
     seeds: Annotated[str, typer.Option("--seeds", metavar="GRID", help="Seeds run in every cell (grid syntax), e.g. 0,1,2.")] = "0",
     prompts: Prompts = None, random_prompts: RandomPrompts = False, num_prompts: NumPrompts = None,
     random_input_len: InputLen = 128, ignore_eos: IgnoreEos = False, warmup: Warmup = 1,
-    runs: Annotated[int, typer.Option("--runs", "-r", metavar="N", help="Timed passes over the prompts per seed: each cell's figures get a min-max spread over seeds x runs, and frontier points whose spreads overlap are marked.")] = 3,
+    runs: Annotated[int, typer.Option("--runs", "-r", metavar="N", help="Timed passes over the prompts per seed: each cell's figures get a min-max spread over seeds x runs; cells whose spreads overlap (or measured once) are a tie, never a winner.")] = 3,
     output: Annotated[Optional[str], typer.Option("--output", "-o", metavar="FILE", help="JSONL file the rows are appended to; an existing FILE needs --resume. Default: a new sweep-YYYYmmdd-HHMMSS.jsonl here per run, named on stderr.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue -o FILE: skip the cells it already holds.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and exit (nothing is loaded or run).")] = False,
@@ -60,6 +60,7 @@ def sweep(
     fmt: Annotated[str, typer.Option("--format", "-f", metavar="FORMAT", help="md | csv | json | jsonl (the final rows)")] = "md",
     batch_size: o.BatchSizes = "1",
     label: Label = None, metadata: Metadata = None, measure_peaks: MeasurePeaks = True,
+    peaks_file: o.PeaksFile = None, save_peaks: o.SavePeaks = None,
     compile: o.Compile = False, cuda_graphs: o.CudaGraphs = None, threads: o.Threads = None,
     no_prefix_caching: o.NoPrefixCaching = False,
     ray: o.Ray = None, ray_workers: o.RayWorkers = None, ray_gpus: o.RayGpus = None,
@@ -76,6 +77,9 @@ def sweep(
     from dgcli.cluster import check_flags  # torch-free
 
     check_flags(ray, ray_workers, ray_gpus)  # --dry-run too
+    from dgcli.measure import bench as b
+
+    b.check_peak_flags(peaks_file, save_peaks, measure_peaks, ray)  # --dry-run too
     from dgcli.measure import printers as report
     from dgcli.measure import sweep as sw  # (torch-free: the grid is checked before torch loads)
     from dgcli.measure.metrics import DEFINITIONS
@@ -136,6 +140,9 @@ def sweep(
             threads=threads, cuda_graphs=cuda_graphs,
             prefix_caching=not no_prefix_caching), warn)
         s, ray_peaks, _ = jobs.driver_session(pool, measure_peaks=measure_peaks, need_tokenizer=False)
+        note = jobs.shared_node_note(pool)
+        if note:
+            warn(note)
     else:
         with loading("loading the model…"):
             slots = lambda r: min(max(sizes), preflight.prompt_count(  # noqa: E731
@@ -173,8 +180,10 @@ def sweep(
             pool.close()
         return
 
-    peaks = b.device_peaks(s.device, measure_cpu=measure_peaks, compute=b.compute_dtype(s)) if pool is None \
-        else ray_peaks
+    peaks = b.session_peaks(s, measure_cpu=measure_peaks, pinned=peaks_file) if pool is None else ray_peaks
+    for note in (b.keep_peaks(save_peaks, peaks), None if pool is not None else b.load_note(s)):
+        if note:
+            warn(note)
     card = b.target_card(s, prompt_len=round(sum(len(p.ids) for p in plist) / len(plist)),
                          context=max(len(p.ids) for p in plist) + s.num_blocks * s.config.canvas_length,
                          peaks=b.card_peaks(s, peaks))
@@ -332,11 +341,13 @@ def _finish(rows, cells, axes, speed, plot, fmt, card, output) -> None:
     wanted = {c.key for c in cells}
     done = [r for r in rows if r.get("kind") == "cell" and r.get("cell_key") in wanted]
     keys = sw.swept_keys(axes)
-    front = sw.pareto_frontier(done, speed, "quality")
+    front = sw.separated_frontier(done, speed, "quality")  # a difference inside the spread crowns nobody
     overlaps = sw.frontier_overlaps(front, speed, "quality")
+    ties = sw.frontier_ties(front, speed, "quality")
     for r in done:
         r["pareto"] = r["cell_key"] in overlaps
         r["pareto_overlaps"] = overlaps.get(r["cell_key"], [])
+        r["pareto_ties"] = ties.get(r["cell_key"], [])
     if plot:
         path = sw.write_plot(plot, done, front, speed, "quality", title=f"speed vs quality ({len(done)} cells)",
                              label=lambda r: sw.cell_label(r, keys))
@@ -354,22 +365,25 @@ def _finish(rows, cells, axes, speed, plot, fmt, card, output) -> None:
     header = ["cell"] + cols + [f"{speed} [min, max]", "quality [min, max]"] + figures + ["pareto"]
     body = [[sw.cell_label(r, keys)] + [report.fmt(r["cell"].get(k)) for k in cols] + [span(r, speed), span(r, "quality")]
             + [report.fmt(r.get(f)) for f in figures]
-            + [("*~" if r["pareto_overlaps"] else "*") if r["pareto"] else ""] for r in done]
+            + [("tie" if r["pareto_ties"] else "*") if r["pareto"] else ""] for r in done]
     passes = max((r.get("spread_passes") or 1 for r in done), default=1)
+    one = ("; one timed pass per cell measures no spread, so no speed difference separates two cells: add --runs 3"
+           if passes < 2 else "")
     out = [f"## Sweep: {len(done)} cell(s) from {output}", "", report.md_table(header, body), "",
-           f"### Pareto frontier ({speed} vs quality; * above)", "",
-           f"[min, max] over each cell's {passes} timed passes (seeds x runs); ~ = its interval overlaps another "
-           "frontier point's on speed or quality, so the measurements do not separate the two (more --runs or "
-           "--seeds narrow the intervals).", ""]
+           f"### Pareto frontier ({speed} vs quality; * above, tie where the measurements name no winner)", "",
+           f"[min, max] over each cell's {passes} timed pass{'es' if passes != 1 else ''} (seeds x runs). A cell leaves the frontier only for "
+           "one whose interval lies wholly above its own on a figure; cells that no interval separates are a tie "
+           f"(more --runs or --seeds narrow the intervals){one}.", ""]
     for r in front:
-        near = "; ".join(sw.cell_label({"cell": c}, keys) for c in r["pareto_overlaps"])
+        near = "; ".join(sw.cell_label({"cell": c}, keys) for c in r["pareto_ties"])
         out.append(f"- {sw.cell_label(r, keys)}: {speed} {span(r, speed)}, quality {span(r, 'quality')}"
-                   + (f" ~ overlaps {near}" if near else ""))
+                   + (f" tie with {near}" if near else ""))
     if not front:
         out.append("(no cell has both figures)")
     out += ["", "Definitions: " + "; ".join(f"`{k}`: {DEFINITIONS.get(k, '')}" for k in [speed, "quality"] + figures + ["spread"])]
     sys.stdout.write("\n".join(out) + "\n")
     sys.stdout.write(report.headline_json([{"cells": len(done), "frontier": [
         {**r["cell"], speed: r.get(speed), "quality": r.get("quality"), f"{speed}_interval": sw.interval(r, speed),
-         "quality_interval": sw.interval(r, "quality"), "overlaps": r["pareto_overlaps"]} for r in front]}],
+         "quality_interval": sw.interval(r, "quality"), "overlaps": r["pareto_overlaps"], "ties": r["pareto_ties"]}
+        for r in front]}],
         ["cells", "frontier"]) + "\n")

@@ -164,6 +164,7 @@ def watch(
         _interrupted(w)
     print_answer(response)  # first: a picture that fails to write must not cost the answer
     note_answers(session, [response], raw=raw)
+    _summary(response.done.to_record())
     title, meta = _describe(str(session.path), session.resolved.as_dict(), text)
     _pictures(w, title, meta, save_svg, save_html)
 
@@ -197,9 +198,24 @@ def _replay(path: str, *, speed: float | None, fps: float | None, step_delay: fl
     sys.stdout.write(answer)  # first: a picture that fails to write must not cost the answer
     sys.stdout.flush()
     try:
+        _summary(next((r for r in reversed(records) if r.get("type") == "done"), None))
         _pictures(w, title, meta, save_svg, save_html)
     except (KeyError, TypeError, IndexError, AttributeError, ValueError):
         raise bad from None
+
+
+def _summary(done: dict | None) -> None:
+    """One line on stderr at the end: the run's blocks and steps, ms per step (denoising time / steps, the
+    display's pace not counted) and tokens per step (tokens_per_forward). A replay prints the recorded run's line,
+    as it reproduces the rest of its output. Nothing for a trace without its end."""
+    if not done or not done.get("decoder_passes"):
+        return
+    steps, blocks = done["decoder_passes"], done.get("blocks", 0)
+    denoise = (done.get("timings") or {}).get("denoise_s")
+    per_step = f"{denoise / steps * 1e3:.3g} ms per step, " if isinstance(denoise, (int, float)) else ""
+    print(f"dgemma: {blocks} block{'s' if blocks != 1 else ''}, {steps} "
+          f"denoising step{'s' if steps != 1 else ''}: {per_step}{done.get('tokens_per_forward', 0):.3g} tokens per "
+          "step (answer ids up to the stop id, padding excluded)", file=sys.stderr)
 
 
 def _interrupted(w) -> None:

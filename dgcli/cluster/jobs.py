@@ -67,6 +67,22 @@ def driver_session(pool: Pool, *, measure_peaks: bool = False, need_tokenizer: b
     return dataclasses.replace(shadow, tokenizer=tokenizer), peaks, fp8
 
 
+def shared_node_note(pool: Pool) -> str | None:
+    """bench and sweep: one line when two CPU workers sit on one node. Their timed work runs at the same time
+    and competes for the node's cores and memory bandwidth, so a cell's speed (a shard's) depends on what runs
+    beside it; None when each node holds one CPU worker (GPU workers have a device each)."""
+    from collections import Counter
+
+    nodes = Counter(i["node"] for i in pool.infos.values() if i and str(i.get("device", "")).startswith("cpu"))
+    crowded = [(node, n) for node, n in nodes.items() if n > 1]
+    if not crowded:
+        return None
+    where = ", ".join(f"{n} on {node}" for node, n in crowded)
+    return (f"dgemma: warning: Ray CPU workers share a node ({where}): their timed runs overlap and compete for its "
+            "cores, so speeds depend on what runs beside them; for timings to compare, run one worker per node "
+            "(--ray-workers N for N nodes)")
+
+
 # ---- generate --input-jsonl ------------------------------------------------------------------------------
 
 

@@ -25,6 +25,7 @@ from typing import Any, Callable
 from dgcli.errors import UserError
 from dgcli.measure import cost as info
 from dgcli.measure.metrics import Pass
+from dgcli.measure import peaks as pk
 from dgcli.measure.peaks import table_peaks
 from dgcli.measure.workload import RANDOM_PROMPT_WARNING, Prompt, prompt_set_hash
 from dgcli.runtime import request
@@ -78,7 +79,7 @@ def warm_up(session: Any, prompts: list[Prompt], params: Any, n: int, *, batch_s
 
 
 def timed_pass(session: Any, prompts: list[Prompt], params: Any, *, batch_size: int, ignore_eos: bool,
-               progress: Callable[[str], None] | None = None) -> Pass:
+               progress: Callable[[str], None] | None = None, advance: Callable[[], None] | None = None) -> Pass:
     """Every prompt submitted at once to the batched engine (`request.run_batch`, `batch_size` slots);
     returns the responses in prompt order, the pass's wall time, the engine's counts and, per request on
     the wall clock, its wait for a slot and its latencies from then (its first block's start, less its
@@ -102,6 +103,8 @@ def timed_pass(session: Any, prompts: list[Prompt], params: Any, *, batch_size: 
         out[i] = resp
         if progress:
             progress(f"{n}/{len(prompts)} requests done")
+        if advance:
+            advance()
     wall = time.perf_counter() - t0
     slot = [began[i] - r.done.timings["prefill_s"] for i, r in enumerate(out)]  # when each took its slot
     return Pass(out, wall, batch_size, stats["decoder_passes"], stats["row_steps"], stats["denoise_s"],
@@ -113,11 +116,11 @@ def timed_pass(session: Any, prompts: list[Prompt], params: Any, *, batch_size: 
 
 def measure(session: Any, prompts: list[Prompt], params: Any, *, runs: int, warmup: int, ignore_eos: bool,
             batch_size: int = 1, memory: PeakMemory | None = None, progress: Callable[[str], None] | None = None,
-            out: list | None = None) -> list[Pass]:
+            out: list | None = None, advance: Callable[[], None] | None = None) -> list[Pass]:
     """`warmup` untimed requests, then `runs` timed passes, each submitting every prompt at once to the
     batched engine with `batch_size` slots (batch size 1 runs them one after another, through the same
     path). Finished passes are appended to `out` as they complete, so a caller interrupted by Ctrl-C
-    still has them."""
+    still has them. `progress` hears what runs, `advance` once per timed request done."""
     if runs < 1 or warmup < 0:
         raise UserError("--runs must be >= 1 and --warmup >= 0")
     out = [] if out is None else out
@@ -126,7 +129,8 @@ def measure(session: Any, prompts: list[Prompt], params: Any, *, runs: int, warm
         memory.start()
     for r in range(runs):
         tell = (lambda t, r=r: progress(f"batch size {batch_size}  run {r + 1}/{runs}: {t}")) if progress else None
-        out.append(timed_pass(session, prompts, params, batch_size=batch_size, ignore_eos=ignore_eos, progress=tell))
+        out.append(timed_pass(session, prompts, params, batch_size=batch_size, ignore_eos=ignore_eos, progress=tell,
+                              advance=advance))
     return out
 
 
@@ -138,6 +142,64 @@ def device_peaks(device: Any, *, measure_cpu: bool = True, compute: str = "bfloa
 
         return info.gpu_peaks(torch.cuda.get_device_name(device), compute)
     return info.measure_cpu_peaks(compute="bfloat16" if compute == "float8" else compute) if measure_cpu else None
+
+
+def pinned_peaks(path: str, device: Any, compute: str, threads: int | None = None) -> info.Peaks:
+    """`--peaks FILE`: the CPU peaks saved there, checked against this CPU at `threads` (default torch's) and the
+    run's matmul dtype (`compute`; bf16 for float8, as `device_peaks`). A CUDA device keeps its datasheet's."""
+    import torch
+
+    if device.type == "cuda":
+        raise UserError(f"--peaks {path}: pins a CPU's measured peaks; {torch.cuda.get_device_name(device)} uses its "
+                        "datasheet's: drop --peaks")
+    return pk.load_peaks(path, name=pk.cpu_label(threads or torch.get_num_threads()),
+                         compute="bfloat16" if compute == "float8" else compute)
+
+
+def session_peaks(s: Any, *, measure_cpu: bool, pinned: str | None) -> info.Peaks | None:
+    """The peaks of a local session's run: pinned from `--peaks FILE`, else `device_peaks`."""
+    if pinned is not None:
+        return pinned_peaks(pinned, s.device, compute_dtype(s), getattr(s, "threads", 0) or None)
+    return device_peaks(s.device, measure_cpu=measure_cpu, compute=compute_dtype(s))
+
+
+def check_peak_flags(pinned: str | None, save: str | None, measure: bool, ray: str | None = None) -> None:
+    """Before the model: `--peaks`, `--save-peaks` and `--no-measure-peaks` agree and the files can be used."""
+    import os
+    from pathlib import Path
+
+    if ray is not None and (pinned is not None or save is not None):
+        flag = "--peaks" if pinned is not None else "--save-peaks"
+        raise UserError(f"{flag} pins this machine's CPU peaks; --ray workers measure their own: drop one of them")
+    if pinned is not None and save is not None:
+        raise UserError("--peaks reads pinned peaks, --save-peaks writes measured ones: give one of them")
+    if save is not None and not measure:
+        raise UserError("--save-peaks saves the measured peaks; --no-measure-peaks measures none: drop one")
+    if pinned is not None and not Path(pinned).is_file():
+        raise UserError(f"--peaks {pinned}: no such file; write one with --save-peaks {pinned}")
+    if save is not None:
+        folder = Path(save).resolve().parent
+        if Path(save).is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise UserError(f"--save-peaks {save}: cannot write a file there; pick a writable file path")
+
+
+def load_note(s: Any) -> str | None:
+    """`peaks.load_note` for a CPU session (its thread count); None on CUDA, whose timings other CPU work moves less."""
+    if s.device.type == "cuda":
+        return None
+    import torch
+
+    return pk.load_note(getattr(s, "threads", 0) or torch.get_num_threads())
+
+
+def keep_peaks(save: str | None, peaks: info.Peaks | None) -> str | None:
+    """`--save-peaks FILE`: write the measured peaks; returns the note to print (None without the flag)."""
+    if save is None:
+        return None
+    if peaks is None or not peaks.flops_range:
+        raise UserError(f"--save-peaks {save}: this device's peaks are a datasheet's, not measured: nothing to pin")
+    pk.save_peaks(save, peaks)
+    return f"dgemma: peaks saved to {save}; pin them in later runs with --peaks {save}"
 
 
 def compute_dtype(s: Any) -> str:

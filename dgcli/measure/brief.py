@@ -13,7 +13,7 @@ import re
 from typing import Any
 
 from dgcli.measure.peaks import COMPUTE
-from dgcli.measure.printers import cell, count, fmt, human, md_table, row_names
+from dgcli.measure.printers import cell, count, fmt, human, md_table, peak_text, row_names
 
 MORE = "Every figure with its definition, the step histogram and provenance: add --verbose (or --format json)."
 
@@ -23,9 +23,9 @@ def _ms(ms: float) -> str:
     return f"{ms * 1e3:.4g} µs" if ms < 0.1 else f"{ms:.4g} ms"
 
 
-def _measured(name: str) -> str:
+def _measured(name: str, how: str = "measured") -> str:
     """A device name marked as measured here: "AMD EPYC (1 thread)" -> "AMD EPYC (1 thread, measured)"."""
-    return name[:-1] + ", measured)" if name.endswith(")") else name + " (measured)"
+    return name[:-1] + f", {how})" if name.endswith(")") else name + f" ({how})"
 
 
 def card_text(card: dict) -> str:
@@ -51,9 +51,10 @@ def card_text(card: dict) -> str:
     if card.get("threads"):
         lines.append(f"- **threads**: {card['threads']['count']} ({card['threads']['source']})")
     if card["devices"]:
-        body = [[_measured(d["name"]) if d.get("flops_range") else d["name"],
-                 f"{human(d['flops_per_s'], 'FLOP/s')} {COMPUTE[d.get('compute', 'bfloat16')]}",
-                 human(d["bytes_per_s"], "B/s"), f"{_ms(d['floor_step_ms'])} ({d['floor_step_bound']})",
+        body = [[_measured(d["name"], "pinned" if str(d.get("source")).startswith("pinned") else "measured")
+                 if d.get("flops_range") else d["name"],
+                 f"{peak_text(d, 'flops', 'FLOP/s')} {COMPUTE[d.get('compute', 'bfloat16')]}",
+                 peak_text(d, "bytes", "B/s"), f"{_ms(d['floor_step_ms'])} ({d['floor_step_bound']})",
                  human(d["ceiling_canvas_tokens_per_s"], "tok/s")] for d in card["devices"]]
         lines += ["", "Roofline floor per denoising step, max(FLOPs / peak, bytes / bandwidth):", "",
                   md_table(["device", "peak matmul", "bandwidth", "floor / step", "canvas ceiling (1 step/block)"],

@@ -101,7 +101,13 @@ SUMMARY: dict[str, str] = {
     "diffusion_canvas_positions_per_s": "canvas positions evaluated / denoising time",
     "request_throughput": "requests / wall time",
     "mean_ttft_ms": "time to first block, from taking a slot",
+    "median_ttft_ms": "its median (p50) over the requests",
+    "p90_ttft_ms": "its 90th percentile",
+    "p99_ttft_ms": "its 99th percentile",
     "mean_e2el_ms": "request latency, from taking a slot to its last block",
+    "median_e2el_ms": "its median (p50) over the requests",
+    "p90_e2el_ms": "its 90th percentile",
+    "p99_e2el_ms": "its 99th percentile",
     "mean_queue_ms": ("queue wait: all {num_prompts} prompts of a run are submitted at once, so with fewer slots "
                       "than prompts each waits behind the earlier ones (a backlog, not a fault)"),
     "mean_step_ms": "per decoder pass (one denoising step of every occupied slot)",

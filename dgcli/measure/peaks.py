@@ -2,7 +2,9 @@
 several times, so the card shows the median and how far the repeats spread (a busy machine moves them 2x).
 
 Owns: `Peaks`, `DEVICE_TABLE`, `measure_cpu_peaks` (cached per process, thread count and matmul dtype), `cpu_name`,
-`gpu_peaks`. Must not: run the model or print; torch is imported only inside `measure_cpu_peaks`.
+`gpu_peaks`, pinned peaks (`save_peaks` / `load_peaks`: `--save-peaks FILE` and `--peaks FILE`, so runs compared
+on a busy machine share one measurement) and `load_note` (a busy machine moves every timing). Must not: run the
+model or print; torch is imported only inside `measure_cpu_peaks`.
 
 A peak is a matmul rate in one dtype (`Peaks.compute`): a run is held to the fastest matmul its kernels use
 (measure/bench.py::compute_dtype: int8 for GGML weights on the int8 path, float32 for an fp32 model, bf16 else),
@@ -12,10 +14,14 @@ so its floor stays a lower bound (this 2-core EPYC, 1 thread: int8 ~430 GOP/s, b
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from dgcli.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -60,8 +66,6 @@ def measure_cpu_peaks(seconds: float = 1.0, repeats: int = 5, compute: str = "bf
     see dgcli.runtime.session.thread_rule). `repeats` rounds, each the best of matmuls then of copies over
     seconds / (2 x repeats); the peaks are the rounds' medians and the ranges their min and max. Cached per
     process, thread count and dtype. Measured, so it moves with other load."""
-    import platform
-
     import torch
 
     if compute not in ("bfloat16", "float32", "int8"):
@@ -85,8 +89,7 @@ def measure_cpu_peaks(seconds: float = 1.0, repeats: int = 5, compute: str = "bf
     for _ in range(repeats):
         flops.append(_best(matmul, 2 * n**3, window))
         band.append(_best(lambda: y.copy_(x), 2 * x.numel() * 4, window))
-    name = cpu_name() or platform.processor() or "CPU"
-    peaks = Peaks(f"{name} ({threads} thread{'s' if threads != 1 else ''})", statistics.median(flops),
+    peaks = Peaks(cpu_label(threads), statistics.median(flops),
                   statistics.median(band),
                   f"measured here: median of {repeats} rounds, each the best of {compute} {n}x{n} matmuls and of "
                   f"128 MiB copies over {window:.2g} s; {threads} thread(s)",
@@ -94,6 +97,13 @@ def measure_cpu_peaks(seconds: float = 1.0, repeats: int = 5, compute: str = "bf
                   compute=compute)
     _measured[key] = peaks
     return peaks
+
+
+def cpu_label(threads: int) -> str:
+    """This CPU as its measured peaks name it: the model and the thread count they were measured with."""
+    import platform
+
+    return f"{cpu_name() or platform.processor() or 'CPU'} ({threads} thread{'s' if threads != 1 else ''})"
 
 
 def cpu_name() -> str | None:
@@ -122,3 +132,75 @@ def table_peaks(peaks: Peaks, compute: str) -> Peaks:
     flops, what = GPU_COMPUTE[compute]
     return dataclasses.replace(peaks, flops_per_s=flops, compute=compute,
                                source=peaks.source.replace(GPU_COMPUTE["bfloat16"][1], what))
+
+
+# ---- pinned peaks: one measurement shared by the runs to compare --------------------------------------------
+
+PEAKS_FILE_KIND = "dgemma-peaks"
+
+
+def save_peaks(path: str | Path, peaks: Peaks) -> None:
+    """`--save-peaks FILE`: the measured peaks as JSON (what `load_peaks` reads back), written atomically."""
+    doc = {"kind": PEAKS_FILE_KIND, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "peaks": dataclasses.asdict(peaks)}
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        raise UserError(f"--save-peaks {path}: cannot write ({e.strerror}); pick a writable path") from None
+
+
+def load_peaks(path: str | Path, *, name: str, compute: str) -> Peaks:
+    """`--peaks FILE`: the peaks a `--save-peaks` file, or a saved bench/sweep JSON document (its card's measured
+    device), holds for this machine (`name`: the CPU and thread count a measurement here would carry) and matmul
+    dtype. Anything else is one error line naming what differs."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"--peaks {path}: no such file; write one with --save-peaks {path}") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UserError(f"--peaks {path}: not a JSON file ({type(e).__name__}); give a file written by --save-peaks "
+                        "or a saved bench JSON") from None
+    found = []
+    if isinstance(doc, dict) and doc.get("kind") == PEAKS_FILE_KIND and isinstance(doc.get("peaks"), dict):
+        found = [(doc["peaks"], doc.get("measured_at"))]
+    elif isinstance(doc, dict) and isinstance(doc.get("card"), dict):  # bench/sweep --format json or --save-result
+        found = [(d, None) for d in doc["card"].get("devices") or [] if isinstance(d, dict) and d.get("flops_range")]
+    fields = {f.name for f in dataclasses.fields(Peaks)}
+    got = []
+    for d, when in found:
+        try:
+            p = Peaks(**{k: (tuple(v) if k.endswith("_range") and v else v) for k, v in d.items() if k in fields})
+            float(p.flops_per_s), float(p.bytes_per_s)
+        except (TypeError, ValueError):
+            continue
+        got.append((p, when))
+    if not got:
+        raise UserError(f"--peaks {path}: holds no measured CPU peaks; give a file written by --save-peaks or a "
+                        "saved bench JSON of a CPU run")
+    p, when = got[0]
+    if p.name != name:
+        raise UserError(f"--peaks {path}: measured on {p.name}, this run is {name}; pin peaks measured with the "
+                        "same CPU and --threads")
+    if p.compute != compute:
+        raise UserError(f"--peaks {path}: holds a {p.compute} matmul peak, this run's matmuls are {compute}; save "
+                        "peaks from a run of the same weights and --dtype")
+    at = f" (measured {when})" if when else ""
+    return dataclasses.replace(p, source=f"pinned from {path}{at}: {p.source}")
+
+
+def load_note(threads: int) -> str | None:
+    """One line when the machine is busier than its cores: the 1-minute load average above the cores this process
+    may use. Timings and measured peaks then measure the other work as much as this run."""
+    try:
+        load = os.getloadavg()[0]
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    except OSError:
+        return None
+    if load <= cores:
+        return None
+    return (f"dgemma: warning: the 1-minute load average is {load:.2f} on {cores} core{'s' if cores != 1 else ''} "
+            f"(this run uses {threads} thread{'s' if threads != 1 else ''}): other work competes for them, so timings "
+            "and measured peaks move with it; measure on a quiet machine, or pin peaks with --peaks FILE")

@@ -320,6 +320,20 @@ def _peak(d: dict, what: str, unit: str) -> str:
     return text
 
 
+def peak_text(d: dict, what: str, unit: str) -> str:
+    """A peak (`what`: flops or bytes of a card's device or a Peaks as a dict) with, when it was measured, the
+    min-max of its probes in the median's unit: "95.2 GFLOP/s (88.1-97.3 over 5 probes)"."""
+    value = d[f"{what}_per_s"]
+    text = human(value, unit)
+    rng = d.get(f"{what}_range")
+    if rng:
+        scale = 1.0
+        while abs(value) >= 1000 * scale and scale < 1e15:
+            scale *= 1000
+        text += f" ({rng[0] / scale:.3g}-{rng[1] / scale:.3g} over {d.get('repeats')} probes)"
+    return text
+
+
 # ---- files ---------------------------------------------------------------------------------------------------
 
 

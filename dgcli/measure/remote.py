@@ -50,7 +50,8 @@ NOT_WITH_BASE_URL = {
     "no_prefix_caching": "the server decides (dgemma serve --no-prefix-caching)",
     "batch_size": "use --concurrency (requests in flight)", "random_prompts": "text prompts only: use --prompts FILE",
     "random_input_len": "text prompts only: use --prompts FILE", "ignore_eos": "the server decides where answers stop",
-    "measure_peaks": "a remote target has no roofline", "weights": "the server has loaded its own model",
+    "measure_peaks": "a remote target has no roofline", "peaks_file": "a remote target has no roofline",
+    "save_peaks": "a remote target has no roofline", "weights": "the server has loaded its own model",
     "fp8_activations": "the server decides how it runs (DGEMMA_FP8 in the server's environment)"}
 
 

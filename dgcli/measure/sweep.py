@@ -5,7 +5,7 @@ Owns: turning axis specs (`8,16,32`, `a-b+step`) into cells (the Cartesian produ
 each cell's key, the sweep's fingerprint (what must match for --resume to continue a file), the JSONL
 store (one row per finished cell, appended with a single write + fsync; a torn last line from a kill is
 dropped on resume), exact-match and agreement quality, the speed-quality Pareto
-frontier and its SVG (or PNG, with matplotlib) plot, and running one cell (every seed x run x prompt
+frontier (its plot: dgcli.measure.plot), and running one cell (every seed x run x prompt
 through `dgcli.measure.bench.measure`, the request API) or the reference outputs agreement needs.
 Must not: print (dgcli.cli.sweep does), time requests itself (dgcli.measure.bench does), or contain a
 denoising loop (dgcli.engine.loop's is the one).
@@ -14,7 +14,6 @@ denoising loop (dgcli.engine.loop's is the one).
 from __future__ import annotations
 
 import hashlib
-import html
 import itertools
 import json
 import os
@@ -24,6 +23,8 @@ from typing import Any, Callable
 
 from dgcli.errors import UserError
 from dgcli.measure.grid import parse_grid_values
+# The frontier's plot lives in dgcli.measure.plot; re-exported for callers here.
+from dgcli.measure.plot import axis_label, check_plot_path, svg_plot, write_plot  # noqa: F401
 # Quality has one definition, in dgcli.measure.quality (bench uses the same); re-exported for callers here.
 from dgcli.measure.quality import agreement, exact_match, pass_exact_match, quality_of  # noqa: F401
 from dgcli.sampling.params import CLI_FLAG, DiffusionEbParams, SettingsError
@@ -224,101 +225,41 @@ def frontier_overlaps(front: list[dict], x: str, y: str) -> dict[str, list[dict]
     return out
 
 
-# ---- the plot --------------------------------------------------------------------------------------------------
+def _passes(row: dict) -> int:
+    return row.get("spread_passes") or 1
 
 
-def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
-    if hi <= lo:
-        return [lo]
-    return [lo + (hi - lo) * i / (n - 1) for i in range(n)]
+def _beats(a: dict, b: dict, key: str, timed: bool) -> bool:
+    """a is better than b on `key` beyond what the measurements spread: a's whole [min, max] above b's. A timed
+    figure of a cell measured in one pass separates nothing (its interval is one point of noise)."""
+    ia, ib = interval(a, key), interval(b, key)
+    if ia is None or ib is None or (timed and min(_passes(a), _passes(b)) < 2):
+        return False
+    return ia[0] > ib[1]
 
 
-def svg_plot(rows: list[dict], front: list[dict], x: str, y: str, *, title: str,
-             label: Callable[[dict], str]) -> str:
-    """A self-contained SVG scatter: every cell grey, the frontier red and joined, frontier points labelled."""
-    w, h, ml, mr, mt, mb = 720, 480, 80, 200, 40, 60
-    xs = [r[x] for r in rows if isinstance(r.get(x), (int, float)) and isinstance(r.get(y), (int, float))]
-    ys = [r[y] for r in rows if isinstance(r.get(x), (int, float)) and isinstance(r.get(y), (int, float))]
-    if not xs:
-        raise UserError("nothing to plot: no finished cell has both a speed and a quality figure")
-    x0, x1 = min(xs), max(xs)
-    y0, y1 = min(min(ys), 0.0), max(max(ys), 1.0) if max(ys) <= 1 else max(ys)
-    pad = (x1 - x0) * 0.05 or max(abs(x0) * 0.05, 1e-9)
-    x0, x1 = x0 - pad, x1 + pad
-
-    def px(v: float) -> float:
-        return ml + (v - x0) / (x1 - x0) * (w - ml - mr)
-
-    def py(v: float) -> float:
-        return mt + (1 - (v - y0) / ((y1 - y0) or 1.0)) * (h - mt - mb)
-
-    e = html.escape
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" '
-           'font-family="sans-serif" font-size="12">',
-           f'<rect width="{w}" height="{h}" fill="white"/>',
-           f'<text x="{w / 2}" y="22" text-anchor="middle" font-size="15">{e(title)}</text>',
-           f'<line x1="{ml}" y1="{h - mb}" x2="{w - mr}" y2="{h - mb}" stroke="black"/>',
-           f'<line x1="{ml}" y1="{mt}" x2="{ml}" y2="{h - mb}" stroke="black"/>']
-    for t in _ticks(x0, x1):
-        out.append(f'<line x1="{px(t):.1f}" y1="{h - mb}" x2="{px(t):.1f}" y2="{h - mb + 5}" stroke="black"/>'
-                   f'<text x="{px(t):.1f}" y="{h - mb + 18}" text-anchor="middle">{t:.4g}</text>')
-    for t in _ticks(y0, y1):
-        out.append(f'<line x1="{ml - 5}" y1="{py(t):.1f}" x2="{ml}" y2="{py(t):.1f}" stroke="black"/>'
-                   f'<text x="{ml - 8}" y="{py(t) + 4:.1f}" text-anchor="end">{t:.3g}</text>')
-    out.append(f'<text x="{(ml + w - mr) / 2}" y="{h - 15}" text-anchor="middle">{e(x)}</text>')
-    out.append(f'<text x="18" y="{(mt + h - mb) / 2}" text-anchor="middle" '
-               f'transform="rotate(-90 18 {(mt + h - mb) / 2})">{e(y)}</text>')
-    for r in rows:
-        if isinstance(r.get(x), (int, float)) and isinstance(r.get(y), (int, float)):
-            out.append(f'<circle cx="{px(r[x]):.1f}" cy="{py(r[y]):.1f}" r="4" fill="#999"><title>{e(label(r))}</title></circle>')
-    if front:
-        pts = " ".join(f"{px(r[x]):.1f},{py(r[y]):.1f}" for r in front)
-        out.append(f'<polyline points="{pts}" fill="none" stroke="#d62728" stroke-width="2"/>')
-        for r in front:
-            out.append(f'<circle cx="{px(r[x]):.1f}" cy="{py(r[y]):.1f}" r="5" fill="#d62728"/>'
-                       f'<text x="{px(r[x]) + 8:.1f}" y="{py(r[y]) - 6:.1f}" font-size="10">{e(label(r))}</text>')
-    out.append(f'<text x="{w - mr + 10}" y="{mt + 10}" fill="#d62728">— Pareto frontier</text>'
-               f'<text x="{w - mr + 10}" y="{mt + 28}" fill="#999">● every cell</text>')
-    return "\n".join(out + ["</svg>"]) + "\n"
-
-
-def check_plot_path(path: str | Path) -> None:
-    """Before any work: the plot's format must be one we can write (its folder: dgcli.cli.sweep checks)."""
-    suffix = Path(path).suffix.lower()
-    if suffix not in (".svg", ".png"):
-        raise UserError(f"--plot {path}: use a .svg or .png file name")
-    if suffix == ".png":
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise UserError(f"--plot {path}: PNG needs matplotlib (pip install matplotlib); or use a .svg name") from None
-
-
-def write_plot(path: str | Path, rows: list[dict], front: list[dict], x: str, y: str, *, title: str,
-               label: Callable[[dict], str]) -> Path:
-    check_plot_path(path)
-    p = Path(path)
-    if p.suffix.lower() == ".svg":
-        from dgcli.measure.printers import write_atomic
-
-        write_atomic(p, svg_plot(rows, front, x, y, title=title, label=label))
-        return p
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def separated_frontier(rows: list[dict], x: str, y: str) -> list[dict]:
+    """`pareto_frontier` where noise decides nothing: a row leaves the frontier only for one that beats it on a
+    figure beyond both intervals (`_beats`; x is timed: one pass separates nothing) and is not beaten back on the
+    other. Rows the measurements cannot tell apart all stay: `frontier_ties` names them."""
     pts = [r for r in rows if isinstance(r.get(x), (int, float)) and isinstance(r.get(y), (int, float))]
-    fig, ax = plt.subplots(figsize=(7.2, 4.8))
-    ax.scatter([r[x] for r in pts], [r[y] for r in pts], c="#999", label="every cell")
-    ax.plot([r[x] for r in front], [r[y] for r in front], "o-", c="#d62728", label="Pareto frontier")
+
+    def dominates(o: dict, r: dict) -> bool:
+        bx, by = _beats(o, r, x, True), _beats(o, r, y, False)
+        return (bx or by) and not _beats(r, o, x, True) and not _beats(r, o, y, False)
+
+    front = [r for r in pts if not any(o is not r and dominates(o, r) for o in pts)]
+    return sorted(front, key=lambda r: (r[x], r[y]))
+
+
+def frontier_ties(front: list[dict], x: str, y: str) -> dict[str, list[dict]]:
+    """For each frontier row (by cell_key), the other frontier rows it cannot be told from: neither beats the
+    other on either figure (`_beats`), so the measurements name no winner between them (a tie)."""
+    out: dict[str, list[dict]] = {}
     for r in front:
-        ax.annotate(label(r), (r[x], r[y]), fontsize=7, xytext=(4, 4), textcoords="offset points")
-    ax.set_xlabel(x), ax.set_ylabel(y), ax.set_title(title), ax.legend()
-    fig.tight_layout()
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    return p
+        out[r["cell_key"]] = [o["cell"] for o in front if o is not r and not any(
+            _beats(a, b, k, k == x) for a, b in ((r, o), (o, r)) for k in (x, y))]
+    return out
 
 
 def cell_label(row: dict, keys: list[str]) -> str:

@@ -13,6 +13,10 @@ from collections import Counter
 
 STEP_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# A request's latencies (vLLM's buckets for time_to_first_token_seconds, which also cover e2e_request_latency's):
+# milliseconds for the bundled model on a CPU, minutes for long answers of a large one.
+REQUEST_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 
 
 class Histogram:
@@ -52,6 +56,8 @@ class Metrics:
         self.prefix_cache_hits = 0  # of them, tokens found (their blocks held, not encoded again)
         self.steps_per_block = Histogram(STEP_BUCKETS)
         self.pass_latency = Histogram(LATENCY_BUCKETS)
+        self.ttft = Histogram(REQUEST_BUCKETS)  # accepted -> its first block's tokens out
+        self.e2e = Histogram(REQUEST_BUCKETS)  # accepted -> its answer's end (finished requests)
         self.progress_at = time.monotonic()  # when the engine thread last made progress
         self.engine_waiting = True  # blocked on an empty inbox: no progress is due
 
@@ -78,6 +84,14 @@ class Metrics:
         """The engine's running totals (its stats), copied after a pass."""
         with self.lock:
             self.prefix_cache_queries, self.prefix_cache_hits = queries, hits
+
+    def first_token(self, seconds: float) -> None:
+        with self.lock:
+            self.ttft.observe(seconds)
+
+    def finished(self, seconds: float) -> None:
+        with self.lock:
+            self.e2e.observe(seconds)
 
     def decoder_pass(self, seconds: float) -> None:
         with self.lock:
@@ -112,4 +126,14 @@ class Metrics:
             lines += ["# HELP dgemma_step_latency_seconds One decoder pass (a denoising step of every running request).",
                       "# TYPE dgemma_step_latency_seconds histogram"]
             lines += self.pass_latency.lines("dgemma_step_latency_seconds")
+            for name, hist, what in (
+                ("time_to_first_token_seconds", self.ttft,
+                 "From accepting a request to its first block's tokens (vLLM's time_to_first_token_seconds; a "
+                 "block commits whole, so its first token comes with the block)."),
+                ("e2e_request_latency_seconds", self.e2e,
+                 "From accepting a request to the end of its answer, for requests that finished (vLLM's "
+                 "e2e_request_latency_seconds)."),
+            ):
+                lines += [f"# HELP dgemma_{name} {what}", f"# TYPE dgemma_{name} histogram"]
+                lines += hist.lines(f"dgemma_{name}")
         return "\n".join(lines) + "\n"

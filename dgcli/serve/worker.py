@@ -48,6 +48,8 @@ class Job:
     id: int = -1
     started: bool = False  # holds a slot
     steps_per_block: list[int] = field(default_factory=list)
+    submitted: float = 0.0  # time.monotonic() when the worker accepted it (the latency histograms' start)
+    first_block: bool = False  # its first block's tokens are out (time to first token observed)
 
     def send(self, *message: Any) -> None:
         try:
@@ -83,6 +85,7 @@ class Worker:
 
     def submit(self, job: Job) -> None:
         job.id = next(self.ids)
+        job.submitted = time.monotonic()
         with self.lock:
             if self.closed:  # admitted just before the shutdown: nobody will run it
                 job.send("error", ApiError(503, SHUTTING_DOWN))
@@ -207,6 +210,7 @@ class Worker:
             log.warning("dgemma serve: request %s: the answer is empty (%s)", job.id, why)
             note = f"the answer is empty: {why}"
         use = usage(len(spec.prompt_ids), out.completion_tokens, job.steps_per_block)
+        self.metrics.finished(time.monotonic() - job.submitted)
         self._forget(job, cancelled=False, last=("end", out.finish_reason, use, note))
 
     def _dispatch(self, event: Any) -> None:
@@ -227,6 +231,9 @@ class Worker:
                 self.drafts.append(d) if d.done is not None else self._send_draft(d)
         elif isinstance(event, Commit):
             self._flush_drafts(lambda d: d.job is job)  # a block's drafts before its text
+            if not job.first_block:
+                job.first_block = True
+                self.metrics.first_token(time.monotonic() - job.submitted)
             self.metrics.block(job.steps_per_block[-1], len(event.tokens) if event.stop_index is None else event.stop_index)
             reasoning, content = job.output.commit(event.tokens, event.stop_index)
             if reasoning or content:

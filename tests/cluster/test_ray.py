@@ -263,6 +263,7 @@ def test_bench_on_the_cluster_says_who_ran_it(head, capsys):
     assert out.returncode == 0, out.stderr
     row, mine = json.loads(local)["rows"][0], json.loads(out.stdout)["rows"][0]
     assert mine["ray_workers"] == 2 and mine["ray_devices"] == [f"cpu@{socket.gethostname()}"]
+    assert out.stderr.count("Ray CPU workers share a node (2 on ") == 1  # their timed shards overlap: said once
     same = ("quality", "num_prompts", "total_output_tokens", "diffusion_denoising_steps", "batched_decoder_passes",
             "steps_histogram", "finish_length_rate")
     assert {k: mine.get(k) for k in same} == {k: row.get(k) for k in same}

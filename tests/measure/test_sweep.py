@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -208,7 +209,9 @@ def test_frontier_points_whose_intervals_overlap_are_marked():
     assert sw.interval({"v": 3.0}, "v") == (3.0, 3.0) and sw.interval({}, "v") is None
 
 
-def test_sweep_text_marks_overlaps(capsys):
+def test_sweep_text_names_no_winner_inside_the_spread(capsys):
+    """8's speed lead over 16 lies inside their overlapping intervals: it crowns nothing, so 16 (better quality,
+    speed not told apart) holds the frontier and 8 is off it; 32 is slower beyond doubt and better: a trade-off."""
     from dgcli.cli.sweep import _finish
 
     rows = [dict(_row(8, 300, 290, 310, 0.80), kind="cell"), dict(_row(16, 250, 240, 295, 0.90), kind="cell"),
@@ -219,12 +222,47 @@ def test_sweep_text_marks_overlaps(capsys):
     _finish(rows, cells, {"max_denoising_steps": [8, 16, 32]}, "v", None, "md", {}, "f.jsonl")
     out = capsys.readouterr().out
     assert "| v [min, max] | quality [min, max] |" in out
-    assert "| steps=8 | 8 | 300 [290, 310] | 0.8 [0.8, 0.8] |" in out and out.count("| *~ |") == 2
-    assert "- steps=16: v 250 [240, 295], quality 0.9 [0.9, 0.9] ~ overlaps steps=8" in out
+    assert "| steps=8 | 8 | 300 [290, 310] | 0.8 [0.8, 0.8] |" in out and out.count("| * |") == 2
+    assert "| steps=8 | 8 | 300 [290, 310] | 0.8 [0.8, 0.8] | - | - | - | - | - | - |  |" in out  # off the frontier
+    assert "- steps=16: v 250 [240, 295], quality 0.9 [0.9, 0.9]\n" in out
     assert "- steps=32: v 150 [140, 160], quality 0.95 [0.95, 0.95]\n" in out
     head = json.loads(out.strip().splitlines()[-1])
-    assert [f["overlaps"] for f in head["frontier"]] == [[], [{"max_denoising_steps": 8}], [{"max_denoising_steps": 16}]]
-    assert head["frontier"][0]["v_interval"] == [140, 160]
+    assert [f["max_denoising_steps"] for f in head["frontier"]] == [32, 16]
+    assert [f["ties"] for f in head["frontier"]] == [[], []] and head["frontier"][0]["v_interval"] == [140, 160]
+
+
+def test_cells_measured_once_or_inside_each_others_spread_are_a_tie():
+    once = [{"cell": {"s": 8}, "cell_key": "8", "v": 196.4, "quality": 0.9, "spread_passes": 1},
+            {"cell": {"s": 16}, "cell_key": "16", "v": 194.5, "quality": 0.9, "spread_passes": 1}]
+    front = sw.separated_frontier(once, "v", "quality")
+    assert len(front) == 2 and sw.frontier_ties(front, "v", "quality") == {"8": [{"s": 16}], "16": [{"s": 8}]}
+    apart = [dict(_row(8, 300, 290, 310, 0.9), spread_passes=3), dict(_row(16, 200, 190, 210, 0.9), spread_passes=3)]
+    assert [r["cell_key"] for r in sw.separated_frontier(apart, "v", "quality")] == ["8"]  # beyond the spread
+    inside = [dict(_row(8, 300, 250, 310, 0.9), spread_passes=3), dict(_row(16, 280, 270, 290, 0.9), spread_passes=3)]
+    front = sw.separated_frontier(inside, "v", "quality")
+    assert len(front) == 2 and all(sw.frontier_ties(front, "v", "quality").values())
+    # quality is not timed: one pass tells 0.9 from 0.8, so the faster-measured 0.8 cell is off the frontier
+    mixed = [dict(once[0], quality=0.8), once[1]]
+    assert [r["cell_key"] for r in sw.separated_frontier(mixed, "v", "quality")] == ["16"]
+
+
+def test_a_sweep_of_identical_work_run_once_is_a_tie_on_axes_from_zero(ckpt, tmp_path):
+    """Batch sizes 1 and 2 over one prompt do the same work with the same answers: one run each can only
+    measure noise between them, so neither is starred; the plot's axes start at 0 and carry units."""
+    out, svg = tmp_path / "t.jsonl", tmp_path / "t.svg"
+    r = cli("--model", str(ckpt), "--random-prompts", "--num-prompts", "1", "--random-input-len", "4",
+            "--diffusion-steps", "2", "--blocks", "1", "--batch-size", "1,2", "--warmup", "0", "--runs", "1",
+            "--no-measure-peaks", "-o", str(out), "--plot", str(svg))
+    table = [ln for ln in r.stdout.splitlines() if ln.startswith("| batch=")]
+    assert len(table) == 2 and all(ln.endswith("| tie |") for ln in table), r.stdout
+    assert "one timed pass per cell measures no spread" in r.stdout
+    head = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(head["frontier"]) == 2 and all(f["ties"] for f in head["frontier"])
+    texts = {(e.get("text-anchor"), e.text) for e in ET.parse(svg).getroot().iter() if e.tag.endswith("text")}
+    ticks_x = [t for a, t in texts if a == "middle" and t and re.fullmatch(r"[\d.e+-]+", t)]
+    ticks_y = [t for a, t in texts if a == "end"]
+    assert "0" in ticks_x and "0" in ticks_y, texts
+    assert ("middle", "output_throughput [tok/s]") in texts and ("middle", "quality [share, 0-1]") in texts
 
 
 def test_each_cell_has_a_spread_over_seeds_and_runs(ckpt, tmp_path):
