@@ -87,7 +87,7 @@ def bench(
         return _remote(ctx, base_url, api_key, concurrency, request_rate, fields, prompts=prompts, num_prompts=num_prompts,
                        runs=runs, warmup=warmup, fmt=fmt, label=label, metadata=metadata,
                        save=(save_result or result_dir is not None or result_filename is not None, result_dir, result_filename))
-    from dgcli.measure.bench import check_peak_flags
+    from dgcli.measure.peaks import check_peak_flags  # torch-free
 
     check_peak_flags(peaks_file, save_peaks, measure_peaks, ray)
     stray = _given(ctx, REMOTE_ONLY)

@@ -57,9 +57,8 @@ def info(
     model = model_opt if model_opt is not None else model_arg
     from dgcli.measure import cost as inf
     from dgcli.measure import printers as report
-    from dgcli.measure.bench import (check_peak_flags, device_peaks, keep_peaks, matmul_dtype, peaks_for_card,
-                                     pinned_peaks)
-    from dgcli.measure.peaks import load_note
+    from dgcli.measure.bench import device_peaks, keep_peaks, matmul_dtype, peaks_for_card, pinned_peaks
+    from dgcli.measure.peaks import check_peak_flags, load_note
 
     check_peak_flags(peaks_file, save_peaks, measure_peaks)
     from dgcli.checkpoint.config import parse_config

@@ -77,9 +77,9 @@ def sweep(
     from dgcli.cluster import check_flags  # torch-free
 
     check_flags(ray, ray_workers, ray_gpus)  # --dry-run too
-    from dgcli.measure import bench as b
+    from dgcli.measure.peaks import check_peak_flags  # torch-free
 
-    b.check_peak_flags(peaks_file, save_peaks, measure_peaks, ray)  # --dry-run too
+    check_peak_flags(peaks_file, save_peaks, measure_peaks, ray)  # --dry-run too
     from dgcli.measure import printers as report
     from dgcli.measure import sweep as sw  # (torch-free: the grid is checked before torch loads)
     from dgcli.measure.metrics import DEFINITIONS

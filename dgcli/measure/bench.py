@@ -163,26 +163,6 @@ def session_peaks(s: Any, *, measure_cpu: bool, pinned: str | None) -> info.Peak
     return device_peaks(s.device, measure_cpu=measure_cpu, compute=compute_dtype(s))
 
 
-def check_peak_flags(pinned: str | None, save: str | None, measure: bool, ray: str | None = None) -> None:
-    """Before the model: `--peaks`, `--save-peaks` and `--no-measure-peaks` agree and the files can be used."""
-    import os
-    from pathlib import Path
-
-    if ray is not None and (pinned is not None or save is not None):
-        flag = "--peaks" if pinned is not None else "--save-peaks"
-        raise UserError(f"{flag} pins this machine's CPU peaks; --ray workers measure their own: drop one of them")
-    if pinned is not None and save is not None:
-        raise UserError("--peaks reads pinned peaks, --save-peaks writes measured ones: give one of them")
-    if save is not None and not measure:
-        raise UserError("--save-peaks saves the measured peaks; --no-measure-peaks measures none: drop one")
-    if pinned is not None and not Path(pinned).is_file():
-        raise UserError(f"--peaks {pinned}: no such file; write one with --save-peaks {pinned}")
-    if save is not None:
-        folder = Path(save).resolve().parent
-        if Path(save).is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
-            raise UserError(f"--save-peaks {save}: cannot write a file there; pick a writable file path")
-
-
 def load_note(s: Any) -> str | None:
     """`peaks.load_note` for a CPU session (its thread count); None on CUDA, whose timings other CPU work moves less."""
     if s.device.type == "cuda":

@@ -204,3 +204,20 @@ def load_note(threads: int) -> str | None:
     return (f"dgemma: warning: the 1-minute load average is {load:.2f} on {cores} core{'s' if cores != 1 else ''} "
             f"(this run uses {threads} thread{'s' if threads != 1 else ''}): other work competes for them, so timings "
             "and measured peaks move with it; measure on a quiet machine, or pin peaks with --peaks FILE")
+
+
+def check_peak_flags(pinned: str | None, save: str | None, measure: bool, ray: str | None = None) -> None:
+    """Before the model: `--peaks`, `--save-peaks` and `--no-measure-peaks` agree and the files can be used."""
+    if ray is not None and (pinned is not None or save is not None):
+        flag = "--peaks" if pinned is not None else "--save-peaks"
+        raise UserError(f"{flag} pins this machine's CPU peaks; --ray workers measure their own: drop one of them")
+    if pinned is not None and save is not None:
+        raise UserError("--peaks reads pinned peaks, --save-peaks writes measured ones: give one of them")
+    if save is not None and not measure:
+        raise UserError("--save-peaks saves the measured peaks; --no-measure-peaks measures none: drop one")
+    if pinned is not None and not Path(pinned).is_file():
+        raise UserError(f"--peaks {pinned}: no such file; write one with --save-peaks {pinned}")
+    if save is not None:
+        folder = Path(save).resolve().parent
+        if Path(save).is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise UserError(f"--save-peaks {save}: cannot write a file there; pick a writable file path")
