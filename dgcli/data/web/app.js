@@ -234,10 +234,16 @@ class Turn {
   }
 
   flush() {
-    // Everything that came, at once (the end of a turn: stopped, failed, or Stop pressed during the replay).
+    // Everything that came, at once (the end of a turn: stopped, failed, or Stop pressed during the replay); a
+    // step that a later step of its block follows is only recorded (for the replay), not drawn.
     clearTimeout(this.timer);
     this.timer = null;
-    while (this.queue.length) this.apply(...this.queue.shift());
+    while (this.queue.length) {
+      const [chunk, arrived] = this.queue.shift();
+      const next = this.queue.length && this.queue[0][0].dgemma_draft;
+      if (chunk.dgemma_draft && next && next.block === chunk.dgemma_draft.block) this.record(chunk.dgemma_draft);
+      else this.apply(chunk, arrived);
+    }
   }
 
   played(signal) {
@@ -265,9 +271,13 @@ class Turn {
     if (follow) toEnd();
   }
 
-  draft(d, arrived) {
+  record(d) {
     if (d.step === 1 || (this.frames.length && this.frames[0].block !== d.block)) this.frames = [];
     this.frames.push(d);
+  }
+
+  draft(d, arrived) {
+    this.record(d);
     draw(this.canvas, d, this.frames.at(-2));
     this.shown = performance.now();
     this.label.textContent = `block ${d.block + 1} · step ${d.step}/${d.max_steps} · mean entropy ${d.mean_entropy.toFixed(4)}`;
