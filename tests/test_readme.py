@@ -4,8 +4,9 @@ bundled model, exits 0.
 What runs: the lines of its ```sh blocks and its ```python blocks (plain ``` blocks are install steps and are
 not run here). A line ending in `# needs: gpu` or `# needs: real model` is skipped; the README says so to its
 readers. `dgemma serve` lines start the server in the background on a free port (each later line's
-`127.0.0.1:8000` is pointed there) and it stops after the last line. Besides that slow run, fast checks keep
-the README a user's page: short, every command shown, no development log.
+`127.0.0.1:8000` is pointed there) and it stops after the last line; every file the examples write is one
+`.gitignore` names (a user runs them in a checkout). Besides that slow run, fast checks keep the README a user's
+page: short, every command shown, no development log.
 """
 
 from __future__ import annotations
@@ -120,3 +121,9 @@ def test_readme_examples_run_in_order(tmp_path):
                 _run(["bash", "-eo", "pipefail", "-c", code], tmp_path, code)
             ran.append(code)
     assert len(ran) >= 15, ran  # the README's examples, not a parse that found nothing
+    # Run in a checkout's root, they would leave these there: git must ignore every one.
+    written = sorted(p.name for p in tmp_path.iterdir() if p.name != "dgcli" and not p.name.startswith("serve-"))
+    assert written, "the examples wrote no file: this check would pass on anything"
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", *written], cwd=README.parent, capture_output=True,
+                             text=True).stdout.split()
+    assert sorted(ignored) == written, f"README examples leave files git does not ignore: {set(written) - set(ignored)}"

@@ -33,9 +33,9 @@ text in `delta.content` (append-only; engine/output.py says what waits for the n
 asked (`choices: []`, `usage` with `blocks`, `denoising_steps`, `steps_per_block`), then `data: [DONE]`.
 A draft chunk's `dgemma_draft` is {block, step, max_steps, token_ids, text, accepted, mean_entropy, final,
 time, tokens, entropy}: the current block's argmax canvas, the positions this step accepted, and `final: true`
-on a block's last step, whose `token_ids` are the block the server commits (cut at the first stop id);
-`tokens` is each position's display string and `entropy` each position's entropy in nats (the web page at `/`
-draws the canvas from them).
+on a block's last step (its `token_ids` are the block as committed; `committed` counts them as tokens_per_forward
+does: to a stop id included, no padding); `tokens` and `entropy` give each position's display string and entropy
+in nats (the web page at `/` draws the canvas from them).
 Errors (OpenAI's object {"error": {message, type, param, code}}): 400 bad request (a prompt beyond the
 context: code `context_length_exceeded`), 401 wrong or missing key, 404 unknown model or route, 429
 (`queue_full`) when --max-queue requests already wait, 503 while shutting down.

@@ -265,12 +265,17 @@ class Worker:
         flat = host_reads.read(d.values, "draft")
         c, event, tok = d.event.argmax.numel(), d.event, self.session.tokenizer
         ids = [int(i) for i in flat[:c]]
-        d.job.send("draft", {
+        draft = {
             "block": event.block, "step": event.step, "max_steps": event.max_steps, "token_ids": ids,
             "text": tok.decode(ids), "accepted": [a != 0 for a in flat[c:2 * c]],
             "mean_entropy": round(flat[-1], 6), "final": event.stop_reason is not None, "time": time.time(),
             # Per position, for a client that draws the canvas (the web page): no tokenizer needed there.
-            "tokens": tok.token_strings(ids), "entropy": [round(e, 6) for e in flat[2 * c:3 * c]]})
+            "tokens": tok.token_strings(ids), "entropy": [round(e, 6) for e in flat[2 * c:3 * c]]}
+        if event.stop_reason is not None:  # the block's ids as tokens_per_forward counts them: padding is no output
+            stops = () if d.job.spec.ignore_eos else self.session.stop_ids
+            end = next((i + 1 for i, t in enumerate(ids) if t in stops), c)  # up to and including a stop id
+            draft["committed"] = sum(t != self.session.pad_id for t in ids[:end])
+        d.job.send("draft", draft)
 
 
 @dataclass

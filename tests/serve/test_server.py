@@ -132,6 +132,8 @@ def test_drafts_parse_and_the_last_draft_of_each_block_is_its_commit(client):
     committed = tok.cut_at_stop([t for d in finals for t in d["token_ids"]])
     assert tok.decode(committed) == text
     assert all(len(d["accepted"]) == len(d["token_ids"]) == 16 for d in drafts)
+    # A final draft counts its block as tokens_per_forward does: to the stop id, the padding after it left out.
+    assert sum(d["committed"] for d in finals) == use.completion_tokens + 1 < 16 * len(finals)
 
 
 def test_stop_strings_and_max_tokens(client):

@@ -3,7 +3,10 @@ browser download): `dgemma serve --api-key` on the bundled model, a wrong key sh
 canvas is drawn live from draft events (at least two distinct frames before the answer), the final text is the
 API's answer for the same messages, settings and seed (two turns), a failed request (400, 401) gives its
 prompt back, New chat (keyboard, 360 px, mid-request) empties the history and the transcript, and Stop cancels
-a long request and frees its slot (Stop button and Escape). With DGEMMA_WEB_SHOTS=1 it also writes benchmarks/web-360.png and
+a long request and frees its slot (Stop button and Escape); each step stays on screen at watch's pace unless Pace
+is off, each block's last canvas stays folded with a replay and tokens/step without padding, the empty page offers
+the bundled model's four prompt shapes, errors name the form's labels, and drawing never scrolls away from a
+reader who scrolled up. With DGEMMA_WEB_SHOTS=1 it also writes benchmarks/web-360.png and
 benchmarks/web-1440.png. Fast checks: `serve --open` with and without a display, and the page's files ship in
 the package and load nothing from another site."""
 
@@ -124,7 +127,7 @@ def test_canvas_frames_then_the_apis_answer_over_two_turns(server, page):
     assert all("nats" in f for f in frames)  # each cell's entropy, from the draft's per-position fields
     first = turn(page, 0).locator(".answer").text_content()
     assert first == api_answer(server, [{"role": "user", "content": "Count from 7 to 31."}])
-    stats = turn(page, 0).locator(".blocks li").all_text_contents()
+    stats = turn(page, 0).locator(".blocks summary").all_text_contents()
     assert stats and all(re.fullmatch(r"block \d+: \d+ steps · [\d.]+ s · [\d.]+ tokens/step", s) for s in stats)
 
     ask(page, "Sort: 7 2 9 2")  # the second turn carries the first as context
@@ -154,8 +157,8 @@ def test_a_failed_request_gives_the_prompt_back(server, page, status):
     wait_state(page, n, "error")
     assert page.input_value("#prompt") == "Sort: 3 1 2"
     assert turn(page, n).get_by_role("alert").text_content()
-    if status == 400:
-        assert "seed" in turn(page, n).get_by_role("alert").text_content()
+    if status == 400:  # the form's label, not the API's field name
+        assert "Seed" in turn(page, n).get_by_role("alert").text_content()
         page.fill("#seed", SETTINGS["seed"])
     else:
         page.wait_for_selector("#key-form:not([hidden])")
@@ -239,9 +242,184 @@ def test_stop_cancels_a_long_request_and_frees_its_slot(server, page, how):
     assert page.is_enabled("#send") and not page.is_enabled("#stop")
 
 
+# Records each canvas the page draws for the running turn with the time it was drawn (seconds), and when the
+# turn ended; `window.on_screen(frames, ended)` is then the time each frame stayed on screen.
+TIMED = """() => {
+  window.drawn = []; window.ended = null;
+  new MutationObserver(() => {
+    const turn = document.querySelector('#log li.assistant:last-child');
+    if (!turn) return;
+    const canvas = turn.querySelector('.canvas');
+    if (turn.dataset.state !== 'running') { if (window.ended === null) window.ended = performance.now() / 1000; return; }
+    if (canvas && canvas.dataset.frame && canvas.dataset.frame !== (window.drawn.at(-1) || [])[0])
+      window.drawn.push([canvas.dataset.frame, performance.now() / 1000]);
+  }).observe(document.getElementById('log'), {subtree: true, childList: true, characterData: true, attributes: true});
+}"""
+
+
+def recorded_stream(server, prompt: str) -> tuple[str, list[dict], dict]:
+    """The SSE body the page gets for `prompt` at SETTINGS (drafts and usage), its drafts and its usage."""
+    import json
+
+    body = {"messages": [{"role": "user", "content": prompt}], "stream": True,
+            "stream_options": {"include_drafts": True, "include_usage": True}, **BODY}
+    reply = httpx.post(server.v1 + "/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, json=body,
+                       timeout=60)
+    chunks = [json.loads(line[5:]) for line in reply.text.splitlines()
+              if line.startswith("data:") and line != "data: [DONE]"]
+    return (reply.text, [c["dgemma_draft"] for c in chunks if "dgemma_draft" in c],
+            next(c["usage"] for c in chunks if c.get("usage")))
+
+
+def fresh(page) -> None:
+    """An empty chat at the tests' settings, at desktop width."""
+    from playwright.sync_api import expect
+
+    page.set_viewport_size({"width": 1440, "height": 900})
+    page.get_by_role("button", name="New chat").click()
+    expect(page.locator("#log > li")).to_have_count(0)
+    fill(page, {**SETTINGS, "entropy_bound": ""})
+
+
+@pytest.mark.slow
+def test_each_step_stays_on_screen_at_the_default_pace_and_the_pace_turns_off(server, page):
+    # The whole stream at once (as a fast server on a slow link sends it): only the page's pace spaces the frames.
+    stream, drafts, _ = recorded_stream(server, "Count from 7 to 31.")
+    assert len(drafts) >= 4
+    fresh(page)
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=200, headers={"Content-Type": "text/event-stream"}, body=stream))
+    try:
+        assert page.is_checked("#pace")  # on by default
+        page.evaluate(TIMED)
+        ask(page, "Count from 7 to 31.")
+        wait_state(page, 0, "done")
+        drawn, ended = page.evaluate("[window.drawn, window.ended]")
+        assert [f for f, _ in drawn] == [f"{d['block']}:{d['step']}" for d in drafts]  # every step, in order
+        shown = [b - a for (_, a), (_, b) in zip(drawn, drawn[1:] + [(None, ended)])]
+        assert min(shown) >= 0.14, shown  # `dgemma watch`'s 0.15 s a step (a timer may fire a ms early)
+        assert turn(page, 0).locator(".answer").text_content() == api_answer(
+            server, [{"role": "user", "content": "Count from 7 to 31."}])
+
+        page.uncheck("#pace")
+        page.evaluate(TIMED)
+        ask(page, "Count from 7 to 31.")
+        wait_state(page, 1, "done")
+        drawn, ended = page.evaluate("[window.drawn, window.ended]")
+        assert len(drawn) < len(drafts)  # nothing held back: the stream came at once, so the answer did too
+        assert turn(page, 1).locator(".answer").text_content() == turn(page, 0).locator(".answer").text_content()
+    finally:
+        page.unroute("**/v1/chat/completions")
+        page.check("#pace")
+
+
+@pytest.mark.slow
+def test_each_blocks_last_canvas_stays_folded_with_a_replay_and_tokens_per_step(server, page):
+    from playwright.sync_api import expect
+
+    _, drafts, usage = recorded_stream(server, "Count from 7 to 31.")
+    finals = [d for d in drafts if d["final"]]
+    fresh(page)
+    ask(page, "Count from 7 to 31.")
+    wait_state(page, 0, "done")
+    kept = turn(page, 0).locator(".blocks > li")
+    expect(kept).to_have_count(len(finals))
+    assert len(finals) >= 2 and finals[-1]["step"] >= 2
+    for i, d in enumerate(finals):
+        canvas = kept.nth(i).locator(".canvas")
+        expect(canvas).to_be_hidden()  # folded
+        assert canvas.get_attribute("data-frame") == f"{d['block']}:{d['step']}"  # the block's last step
+        assert canvas.locator(".tok").count() == len(d["token_ids"])
+    # Tokens per step count what the block adds to the answer (to its stop token), not the padding after it.
+    per_step = [float(re.search(r"([\d.]+) tokens/step", t).group(1))
+                for t in turn(page, 0).locator(".blocks summary").all_text_contents()]
+    counted = sum(round(x * d["step"]) for x, d in zip(per_step, finals))
+    assert counted == usage["completion_tokens"] + 1, (per_step, usage)  # + the stop token, as tokens_per_forward
+
+    last = kept.nth(len(finals) - 1)
+    last.locator("summary").click()
+    canvas = last.locator(".canvas")
+    expect(canvas).to_be_visible()
+    canvas.evaluate("""c => { window.replayed = [];
+      new MutationObserver(() => window.replayed.push(c.dataset.frame)).observe(c, {attributes: true}); }""")
+    last.get_by_role("button", name=re.compile("Replay")).click()
+    block = finals[-1]["block"]
+    wanted = [f"{block}:{s}" for s in range(1, finals[-1]["step"] + 1)]
+    page.wait_for_function("n => window.replayed.length >= n", arg=len(wanted))
+    assert page.evaluate("window.replayed") == wanted
+
+
+@pytest.mark.slow
+def test_the_empty_page_offers_example_prompts(server, page):
+    from playwright.sync_api import expect
+
+    fresh(page)
+    examples = page.get_by_role("group", name=re.compile("Try one")).get_by_role("button")
+    expect(examples).to_have_count(4)
+    shapes = examples.all_text_contents()
+    assert [s.split()[0] for s in shapes] == ["Reverse:", "Sort:", "Count", "Continue:"]  # the bundled model's
+    examples.nth(1).click()
+    wait_state(page, 0, "done")
+    assert page.locator("#log li.user").text_content() == shapes[1]
+    assert turn(page, 0).locator(".answer").text_content() == api_answer(server, [{"role": "user", "content": shapes[1]}])
+    expect(examples.first).to_be_hidden()  # only on the empty page
+    page.get_by_role("button", name="New chat").click()
+    expect(examples.first).to_be_visible()
+
+
+@pytest.mark.slow
+def test_errors_name_the_forms_labels(server, page):
+    fresh(page)
+    page.fill("#steps", "0")
+    try:
+        ask(page, "Sort: 3 1 2")
+        wait_state(page, 0, "error")
+        alert = turn(page, 0).get_by_role("alert").text_content()
+        assert "Steps per block" in alert and "max_denoising_steps" not in alert, alert
+        assert page.get_attribute("#steps", "aria-invalid") == "true"
+    finally:
+        page.fill("#steps", SETTINGS["steps"])
+    assert page.get_attribute("#steps", "aria-invalid") is None  # editing the field clears its mark
+
+
+@pytest.mark.slow
+def test_output_never_scrolls_away_from_a_reader_who_scrolled_up(server, page):
+    """At phone width, mid-request: a reader who scrolls up stays there while steps are drawn (before, every step
+    pulled the page back to its end, so a press on New chat could land on something else)."""
+    from playwright.sync_api import expect
+
+    fresh(page)
+    page.set_viewport_size({"width": 360, "height": 780})
+    page.evaluate("document.getElementById('settings').open = true")  # a page taller than the screen
+    try:
+        fill(page, {"steps": "4096", "entropy_bound": "0", "blocks": "4"})
+        ask(page, "Continue: And God said")
+        canvas = turn(page, 0).locator(".canvas")
+        canvas.locator(".tok").first.wait_for()
+        assert page.evaluate("scrollY") > 0  # the page followed the new turn to its end
+        page.mouse.wheel(0, -10_000)
+        page.wait_for_function("() => scrollY === 0")
+        for _ in range(3):  # three more steps drawn
+            seen = canvas.get_attribute("data-frame")
+            page.wait_for_function("f => document.querySelector('#log .canvas').dataset.frame !== f", arg=seen)
+            assert page.evaluate("scrollY") == 0
+        # A slow press (down, a pause, up) on New chat is still a press on New chat.
+        box = page.get_by_role("button", name="New chat").bounding_box()
+        page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+        page.mouse.down()
+        page.wait_for_timeout(300)
+        page.mouse.up()
+        expect(page.locator("#log > li")).to_have_count(0)
+    finally:
+        page.set_viewport_size({"width": 1440, "height": 900})
+        fill(page, {**SETTINGS, "entropy_bound": ""})
+
+
 def screenshots(page, n: int) -> None:
     """benchmarks/web-1440.png and web-360.png, mid-block: the canvas part noise, part text."""
-    page.wait_for_function("() => +document.querySelector('.canvas').dataset.frame.split(':')[1] >= 150")
+    page.uncheck("#pace")  # step 150 as soon as the model gets there
+    page.wait_for_function("() => +document.querySelector('#log > li:last-child .canvas').dataset.frame.split(':')[1] >= 150")
+    page.check("#pace")
     for width in (360, 1440):  # 1440 last: the settings end open, as the other tests need
         page.set_viewport_size({"width": width, "height": 900 if width > 360 else 780})
         # As the page loads on a phone: the settings folded away (they open from 800 px).

@@ -1,12 +1,16 @@
 // The page's client: a multi-turn chat over POST /v1/chat/completions (stream: true, fetch + ReadableStream
 // SSE parsing), drawing each `dgemma_draft` event as the current block's canvas. It uses only the public API,
-// so it is also a reference client. "New chat" empties the history and the transcript. Must not: know server
-// internals or hold state beyond this tab (the API key lives in sessionStorage).
+// so it is also a reference client. What the stream brings is played in order at a readable pace (each step's
+// canvas on screen at least PACE_MS, as `dgemma watch` does on a terminal; the Pace box turns it off), each
+// block's last canvas stays (folded) with a replay, the view follows new output only while it is scrolled to
+// the end. "New chat" empties the history and the transcript. Must not: know server internals or hold state
+// beyond this tab (the API key lives in sessionStorage).
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const KEY = "dgemma-api-key";
 const ENTROPY_EDGES = [1e-1, 1e-2, 1e-3]; // nats, as `dgemma watch`: below edge i is at least level i + 1
+const PACE_MS = 150; // `dgemma watch`'s DEFAULT_PACE_S: the bundled model's steps take ms, too fast to see
 const history = []; // {role, content}: the turns that completed (a stopped or failed one is left out)
 let running = null; // the AbortController of the request in flight
 let conversation = 0; // counts "New chat"s: a request started before one must not add to the new history
@@ -20,8 +24,29 @@ function headers() {
 
 async function errorOf(response) {
   // OpenAI's error object; any other body is shown as its status.
-  try { return (await response.json()).error.message; } catch (e) { return `HTTP ${response.status}`; }
+  try { return (await response.json()).error; } catch (e) { return {message: `HTTP ${response.status}`}; }
 }
+
+function inForm(error) {
+  // The server names its API fields (max_denoising_steps); the form's labels are what the user sees.
+  let message = error.message || String(error);
+  for (const input of document.querySelectorAll(".fields [name]")) {
+    const label = input.closest("label").firstChild.textContent.trim();
+    message = message.replace(new RegExp(`\\b${input.name}\\b`, "g"), `“${label}”`);
+    if (error.param === input.name) input.setAttribute("aria-invalid", "true");
+  }
+  return message;
+}
+
+// The view follows new output while it is at the end of the page; a user who scrolls up (to read, or to reach
+// New chat) stops that until they scroll back down. Output never moves what the user is about to click.
+let follow = true;
+function atEnd() {
+  const page = document.scrollingElement;
+  return page.scrollHeight - page.scrollTop - page.clientHeight <= 2;
+}
+function toEnd() { window.scrollTo(0, document.scrollingElement.scrollHeight); }
+window.addEventListener("scroll", () => { follow = atEnd(); }, {passive: true});
 
 function el(tag, cls, text) {
   const e = document.createElement(tag);
@@ -39,7 +64,7 @@ async function checkKey() {
   if (response.status === 401) {
     const had = sessionStorage.getItem(KEY) !== null;
     sessionStorage.removeItem(KEY);
-    askKey(had ? await errorOf(response) : "");
+    askKey(had ? (await errorOf(response)).message : "");
     return false;
   }
   if (response.ok) {
@@ -103,10 +128,11 @@ async function send() {
                             ...settings()}),
     });
     if (!response.ok) {
-      turn.fail(await errorOf(response));
+      turn.fail(inForm(await errorOf(response)));
       if (response.status === 401) { sessionStorage.removeItem(KEY); askKey(""); }
     } else {
       outcome = await readStream(response, turn);
+      if (outcome === "done") { await turn.played(controller.signal); turn.finish(); } // Stop: all of it at once
     }
   } catch (e) {
     if (e.name === "AbortError") { turn.stop(); outcome = "stopped"; } else turn.fail(String(e.message || e));
@@ -146,9 +172,9 @@ async function readStream(response, turn) {
       for (const line of event.split("\n")) {
         if (!line.startsWith("data:")) continue;
         const data = line.slice(5).trim();
-        if (data === "[DONE]") { turn.finish(); return "done"; }
+        if (data === "[DONE]") return "done"; // the turn ends once all of it is on screen (send)
         const chunk = JSON.parse(data);
-        if (chunk.error) { turn.fail(chunk.error.message); return "error"; }
+        if (chunk.error) { turn.fail(inForm(chunk.error)); return "error"; }
         turn.chunk(chunk);
       }
     }
@@ -180,16 +206,59 @@ class Turn {
     this.li.append(this.reasoning, this.answer, this.label, this.canvas, this.blocks);
     log.append(this.li);
     this.content = "";
-    this.block = -1;
-    this.previous = []; // the positions accepted by the block's previous step
-    this.clock = performance.now(); // the current block's start, as this page saw it
-    this.scroll();
+    this.frames = []; // the current block's drafts as drawn (its replay)
+    this.clock = performance.now(); // the current block's start, as this page received it
+    this.queue = []; // [chunk, when it arrived], not yet on screen
+    this.shown = -Infinity; // when the canvas on screen was drawn
+    this.timer = null;
+    follow = true; // the user just sent it: always in view
+    toEnd();
   }
 
-  scroll() { this.li.scrollIntoView({block: "end"}); }
-
   chunk(chunk) {
-    if (chunk.dgemma_draft) return this.draft(chunk.dgemma_draft);
+    this.queue.push([chunk, performance.now()]);
+    if (this.timer === null) this.play();
+  }
+
+  play() {
+    // Draws what came in order; a draft (and the end) waits until the canvas on screen has had its PACE_MS
+    // (when Pace is on).
+    this.timer = null;
+    while (this.queue.length) {
+      const [chunk] = this.queue[0];
+      const paced = (chunk.dgemma_draft || chunk.end) && $("pace").checked;
+      const wait = paced ? this.shown + PACE_MS - performance.now() : 0;
+      if (wait > 0) { this.timer = setTimeout(() => this.play(), wait); return; }
+      this.apply(...this.queue.shift());
+    }
+  }
+
+  flush() {
+    // Everything that came, at once (the end of a turn: stopped, failed, or Stop pressed during the replay); a
+    // step that a later step of its block follows is only recorded (for the replay), not drawn.
+    clearTimeout(this.timer);
+    this.timer = null;
+    while (this.queue.length) {
+      const [chunk, arrived] = this.queue.shift();
+      const next = this.queue.length && this.queue[0][0].dgemma_draft;
+      if (chunk.dgemma_draft && next && next.block === chunk.dgemma_draft.block) this.record(chunk.dgemma_draft);
+      else this.apply(chunk, arrived);
+    }
+  }
+
+  played(signal) {
+    // Resolves when all that came has been on screen (the last canvas for its PACE_MS too); Stop (the signal)
+    // draws the rest at once.
+    return new Promise((resolve) => {
+      if (signal.aborted) { this.flush(); resolve(); return; }
+      signal.addEventListener("abort", () => { this.flush(); resolve(); }, {once: true});
+      this.chunk({end: resolve});
+    });
+  }
+
+  apply(chunk, arrived) {
+    if (chunk.end) return chunk.end();
+    if (chunk.dgemma_draft) this.draft(chunk.dgemma_draft, arrived);
     const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
     if (delta && delta.reasoning_content) {
       this.reasoning.hidden = false;
@@ -199,37 +268,33 @@ class Turn {
       this.content += delta.content;
       this.answer.textContent = this.content;
     }
+    if (follow) toEnd();
   }
 
-  draft(d) {
-    if (d.block !== this.block) { this.block = d.block; this.previous = []; }
-    const tokens = d.tokens || d.token_ids.map(String);
-    const cells = tokens.map((piece, i) => {
-      const span = el("span", "tok " + kind(d, i, this.previous), display(piece));
-      if (d.entropy) span.title = `${d.token_ids[i]} · entropy ${d.entropy[i].toFixed(4)} nats`;
-      return span;
-    });
-    this.canvas.replaceChildren(...cells);
-    this.canvas.dataset.frame = `${d.block}:${d.step}`;
+  record(d) {
+    if (d.step === 1 || (this.frames.length && this.frames[0].block !== d.block)) this.frames = [];
+    this.frames.push(d);
+  }
+
+  draft(d, arrived) {
+    this.record(d);
+    draw(this.canvas, d, this.frames.at(-2));
+    this.shown = performance.now();
     this.label.textContent = `block ${d.block + 1} · step ${d.step}/${d.max_steps} · mean entropy ${d.mean_entropy.toFixed(4)}`;
-    this.previous = d.accepted;
     if (d.final) {
-      const now = performance.now();
-      const seconds = (now - this.clock) / 1000;
-      this.clock = now;
-      const n = d.token_ids.length;
-      this.blocks.append(el("li", "", `block ${d.block + 1}: ${d.step} steps · ${seconds.toFixed(2)} s · ` +
-                                      `${(n / d.step).toFixed(2)} tokens/step`));
+      const seconds = (arrived - this.clock) / 1000;
+      this.clock = arrived;
+      this.blocks.append(keptBlock(d, seconds, this.frames));
     }
-    this.scroll();
   }
 
   end(state, note) {
+    this.flush();
     this.li.dataset.state = state;
     this.canvas.remove();
     this.label.textContent = note || "";
     if (!note) this.label.remove();
-    this.scroll();
+    if (follow) toEnd();
   }
 
   finish() { this.end("done"); }
@@ -242,6 +307,45 @@ class Turn {
     p.setAttribute("role", "alert");
     this.li.append(p);
   }
+}
+
+function draw(canvas, d, previous) {
+  // One draft as canvas cells (`previous`: the draft before it in the block, for what it had accepted).
+  canvas.replaceChildren(...(d.tokens || d.token_ids.map(String)).map((piece, i) => {
+    const span = el("span", "tok " + kind(d, i, previous ? previous.accepted : []), display(piece));
+    if (d.entropy) span.title = `${d.token_ids[i]} · entropy ${d.entropy[i].toFixed(4)} nats`;
+    return span;
+  }));
+  canvas.dataset.frame = `${d.block}:${d.step}`;
+}
+
+function keptBlock(d, seconds, frames) {
+  // A committed block: its figures, and (folded) its last canvas with a replay of its steps.
+  const n = d.committed !== undefined ? d.committed : d.token_ids.length; // without padding, when the server says
+  const li = el("li");
+  const details = el("details", "kept");
+  details.append(el("summary", "", `block ${d.block + 1}: ${d.step} steps · ${seconds.toFixed(2)} s · ` +
+                                    `${(n / d.step).toFixed(2)} tokens/step`));
+  const canvas = el("div", "canvas");
+  canvas.setAttribute("role", "img");
+  canvas.setAttribute("aria-label", `Block ${d.block + 1}, last step`);
+  draw(canvas, d, frames.at(-2));
+  const replay = el("button", "replay", "Replay");
+  replay.type = "button";
+  replay.setAttribute("aria-label", `Replay block ${d.block + 1}`);
+  const steps = [...frames];
+  replay.addEventListener("click", () => {
+    // Each step again at PACE_MS, ending on the last one.
+    clearTimeout(replay.timer);
+    const next = (i) => {
+      draw(canvas, steps[i], steps[i - 1]);
+      if (i + 1 < steps.length) replay.timer = setTimeout(() => next(i + 1), PACE_MS);
+    };
+    next(0);
+  });
+  details.append(canvas, replay);
+  li.append(details);
+  return li;
 }
 
 function kind(d, i, previous) {
@@ -266,6 +370,12 @@ function stop() { if (running) running.abort(); }
 $("composer").addEventListener("submit", (event) => { event.preventDefault(); send(); });
 $("stop").addEventListener("click", stop);
 $("new-chat").addEventListener("click", newChat);
+for (const example of document.querySelectorAll(".example")) {
+  example.addEventListener("click", () => { $("prompt").value = example.textContent; send(); });
+}
+for (const input of document.querySelectorAll(".fields [name]")) {
+  input.addEventListener("input", () => input.removeAttribute("aria-invalid"));
+}
 $("prompt").addEventListener("keydown", (event) => {
   if (event.key === "Enter" && !event.shiftKey && !event.isComposing) { event.preventDefault(); send(); }
 });
