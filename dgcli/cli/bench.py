@@ -177,7 +177,7 @@ def bench(
 
     live, progress, advance = counting(sys.stderr.isatty() and pool is None, len(sizes) * runs * len(plist),
                                        compiling=s.compiled)
-    rows, last, interrupted = [], None, False
+    rows, last, interrupted, gone = [], None, False, None
     try:
         for size in sizes:  # one row per batch size, each with its own warm-up and timed passes
             memory = b.PeakMemory(s.device, baseline)
@@ -193,6 +193,10 @@ def bench(
                 interrupted = True
                 if done:
                     warn(f"dgemma: interrupted: reporting the {len(done)} finished run(s) of {runs} at batch size {size}")
+            except UserError as e:  # every --ray worker gone: the batch sizes measured before it are still reported
+                if pool is None or not isinstance(e, jobs.WorkersGone) or not rows:
+                    raise
+                gone, done = e, []
             if done:
                 summary = metrics.summarize(done, s.config, params.max_denoising_steps, weight_bytes=b.weight_bytes(s),
                                             peaks=peaks, peak_memory=memory.read() if pool is None else ray_memory)
@@ -202,14 +206,14 @@ def bench(
                                           label=label, metadata=meta), **fp8_row,
                              **(jobs.ray_fields(pool, min(len(pool.actors), len(plist))) if pool is not None else {})})
                 last = done[-1].responses
-            if interrupted:
+            if interrupted or gone is not None:
                 break
     finally:
         if live is not None:
             live.stop()
         if pool is not None:
             pool.close()
-    _unmeasured(rows, interrupted, sizes, "batch size(s)")
+    _unmeasured(rows, interrupted or gone is not None, sizes, "batch size(s)")
     headline = HEADLINE
     if len(sizes) > 1:  # the rows differ by batch size: say so next to the settings
         at = HEADLINE.index("blocks") + 1
@@ -229,6 +233,8 @@ def bench(
     if save_result or result_dir is not None or result_filename is not None:  # naming a place means "save it"
         path = report.save_result(document(card, rows), result_dir, result_filename, label)
         warn(f"dgemma: saved {path}")
+    if gone is not None:
+        raise gone
     if interrupted:
         raise SystemExit(130)
 
@@ -305,7 +311,7 @@ def _remote(ctx: typer.Context, base_url: str, api_key: str | None, concurrency:
                 if row["failed"]:
                     warn(f"dgemma: warning: {row['failed']} of {row['failed'] + row['completed']} requests failed at "
                          f"concurrency {level}: {row['first_error']}")
-            if interrupted:
+            if interrupted or gone is not None:
                 break
     finally:
         if live is not None:

@@ -150,7 +150,10 @@ def bench_passes(pool: Pool, plist: list, params: Any, *, runs: int, warmup: int
     worker's peak memory. A worker that dies during it makes the whole batch size run again (its shards timed
     together on the workers left), never a row from passes that did not run side by side."""
     while True:
-        pool.settle()  # replacements loaded first: every shard starts at once
+        try:
+            pool.settle()  # replacements loaded first: every shard starts at once
+        except WorkersGone as e:
+            raise WorkersGone(f"{e}; batch size {batch_size} was not measured: rerun the bench", e.last) from None
         n = min(len(pool.actors), len(plist))
         bounds = [len(plist) * k // n for k in range(n + 1)]
         chunks = [(plist[a:b], params, runs, warmup, ignore, batch_size) for a, b in zip(bounds, bounds[1:])]
@@ -165,7 +168,7 @@ def bench_passes(pool: Pool, plist: list, params: Any, *, runs: int, warmup: int
             progress.note(f"dgemma: ray: a worker died during batch size {batch_size}: all its shards run again, "
                           "side by side")
         except WorkersGone as e:
-            raise UserError(f"{e}; batch size {batch_size} was not measured: rerun the bench") from None
+            raise WorkersGone(f"{e}; batch size {batch_size} was not measured: rerun the bench", e.last) from None
         finally:
             progress.close()
     out.extend(merge_pass([s["passes"][r] for s in shards]) for r in range(runs))

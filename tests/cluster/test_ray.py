@@ -483,3 +483,18 @@ def test_bench_reruns_a_batch_size_whole_when_a_worker_dies(head, tmp_path, caps
     same = ("quality", "num_prompts", "total_output_tokens", "diffusion_denoising_steps", "batched_decoder_passes",
             "steps_histogram")
     assert mine["ray_workers"] == 2 and {k: mine.get(k) for k in same} == {k: row.get(k) for k in same}
+
+
+@pytest.mark.slow
+def test_bench_whose_workers_all_die_reports_the_batch_sizes_it_measured(head, tmp_path):
+    """Batch size 1 is measured (both shards let on), then every shard of batch size 2 kills its worker, replacements
+    included: the row of batch size 1 is still printed, and one line says what was not measured and why."""
+    argv = [sys.executable, "-m", "dgcli.cli", "bench", "--num-prompts", "4", "--runs", "1", "--warmup", "0",
+            "--no-measure-peaks", "--format", "json", "--batch-size", "1,2", "--ray", head, "--ray-workers", "2"]
+    with Referee(tmp_path, lambda n, pid: "go" if n < 2 else "kill") as ref:
+        out = subprocess.run(argv, env=paused("chunk", tmp_path), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and len(ref.killed) >= 3, out.stderr
+    assert [r["batch_size"] for r in json.loads(out.stdout)["rows"]] == [1]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("dgemma: error:")]
+    assert len(errors) == 1 and out.stderr.strip().splitlines()[-1] == errors[0]
+    assert "every worker is gone" in errors[0] and "batch size 2 was not measured" in errors[0]
