@@ -287,11 +287,12 @@ def _run_batch(session: Any, prompts: list[list[int]], batch_size: int, seeds: l
 
 
 def _check_finite(session: Any, step: Step) -> bool:
-    """The first step's entropy (one host sync a run): NaN where the logits hold NaN or Inf, which only corrupt
-    weights give; the answer would be noise, so the run stops with one line."""
+    """The first step's entropy on a CPU run: NaN where the logits hold NaN or Inf, which only corrupt weights give;
+    the answer would be noise, so the run stops with one line. Not on a GPU: there the value lives on the device and
+    reading it here would be a sync outside the runner (the engine reads device values only through it)."""
     import math
 
-    if not math.isfinite(float(step.mean_entropy)):
+    if step.mean_entropy.device.type == "cpu" and not math.isfinite(float(step.mean_entropy)):
         raise UserError(f"{session.path}: the first denoising step gave NaN/Inf logits: the weights are corrupt "
                         "(NaN or Inf values, e.g. a damaged file's scales); re-download or re-convert the checkpoint")
     return True
