@@ -72,14 +72,69 @@ def check_threads(flag: int) -> None:
 
 
 def available_ram() -> int | None:
-    """What a CPU run can still take: MemAvailable and free swap (/proc/meminfo); None where unknown. Both count:
-    the kernel ends a process only when they are spent, and a refusal must be sure."""
+    """What a CPU run can still take: MemAvailable and free swap (/proc/meminfo), or less where a memory cap (a
+    cgroup's limit, `memory_cap`) leaves less; None where unknown. Swap counts: the kernel ends a process only when
+    it is spent too, and a refusal must be sure."""
     try:
         info = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines()
                 if ln.startswith(("MemAvailable:", "SwapFree:"))}
     except (OSError, ValueError, IndexError):
         return None
-    return info["MemAvailable"] + info.get("SwapFree", 0) if "MemAvailable" in info else None
+    free = info["MemAvailable"] + info.get("SwapFree", 0) if "MemAvailable" in info else None
+    cap = memory_cap()
+    return cap[0] if cap is not None and (free is None or cap[0] < free) else free
+
+
+def memory_cap() -> tuple[int, int] | None:
+    """(bytes left, limit) under the tightest memory limit of this process's cgroups (v2 `memory.max`, v1
+    `memory.limit_in_bytes`, each ancestor's too: a container's or a `systemd-run -p MemoryMax=` cap), where one
+    is set; None where none is. Left = limit - usage + the file cache in it (the kernel reclaims that first)."""
+    best = None
+    for folder in _cgroup_folders():
+        v2 = (folder / "memory.max").exists()
+        try:
+            raw = (folder / ("memory.max" if v2 else "memory.limit_in_bytes")).read_text().strip()
+            if raw == "max" or int(raw) >= 1 << 60:  # no limit (v1 writes a huge number)
+                continue
+            limit = int(raw)
+            used = int((folder / ("memory.current" if v2 else "memory.usage_in_bytes")).read_text())
+            stat = dict(ln.split() for ln in (folder / "memory.stat").read_text().splitlines() if ln.count(" ") == 1)
+            cache = int(stat.get("file" if v2 else "total_cache", stat.get("cache", 0)))
+        except (OSError, ValueError):
+            continue
+        left = max(0, limit - used + cache)
+        if best is None or left < best[0]:
+            best = (left, limit)
+    return best
+
+
+def _cgroup_folders() -> list[Path]:
+    """This process's memory cgroup and its ancestors, as folders under /sys/fs/cgroup (v2, or v1's memory
+    controller), leaf first; [] where they cannot be found."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return []
+    root = Path("/sys/fs/cgroup")
+    for line in lines:
+        hid, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            base = root / "memory"
+            break
+    else:  # v2 only: the unified hierarchy (mounted at the root, or at unified/ beside v1's)
+        path = next((ln.split(":", 2)[2] for ln in lines if ln.startswith("0::")), None)
+        if path is None:
+            return []
+        base = root if (root / "cgroup.controllers").exists() else root / "unified"
+    folder = base / path.lstrip("/")
+    if not folder.is_dir():  # a container sees its own cgroup as the root of the mount
+        folder = base
+    out = []
+    while True:
+        out.append(folder)
+        if folder == base:
+            return out
+        folder = folder.parent
 
 
 def _beyond_weights(cfg: ModelConfig, b: int, context: int, ab: int, cpu: bool, stability: int) -> int:
@@ -120,7 +175,10 @@ def check_memory(cfg: ModelConfig, resolved: Resolved, *, slots: int, context: i
         need = _beyond_weights(cfg, slots, context, ab, cpu, stability)
     if need <= free:
         return
-    usable, gib, where = 0.9 * free, 2**30, "in RAM and swap" if cpu else "on the GPU"
+    capped = cpu and (cap := memory_cap()) is not None and cap[0] <= free
+    where = (f"under this process's memory cap of {cap[1] / 2**30:.1f} GiB (a cgroup's limit)" if capped
+             else "in RAM and swap" if cpu else "on the GPU")
+    usable, gib = 0.9 * free, 2**30
     most = _largest(lambda b: _beyond_weights(cfg, b, context, ab, cpu, stability) <= usable, slots - 1)
     held = "their KV cache alone" if idle_slots else "KV cache and working memory, weights aside"
     what = f"{slots:,} slot(s) of {context:,} positions need ~{need / gib:.1f} GiB ({held}), more than the " \

@@ -228,3 +228,42 @@ def test_watch_shows_its_loading_line_before_importing_torch():
     torch_at = TORCH_IMPORT.search(screen.replace("\r", ""))
     assert torch_at is not None, screen[-2000:]
     assert "loading the model" in screen.replace("\r", "")[:torch_at.start()], "the loading line came after torch"
+
+
+def _child_memory_cgroup(limit: int) -> Path | None:
+    """A child of this process's memory cgroup (v1's memory controller or v2) limited to `limit` bytes; None where
+    this machine does not let us make one (not root, no writable memory controller)."""
+    lines = Path("/proc/self/cgroup").read_text().splitlines()
+    v1 = next((ln.split(":", 2)[2] for ln in lines if "memory" in ln.split(":", 2)[1].split(",")), None)
+    base, knob = (Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes") if v1 is not None else \
+        (Path("/sys/fs/cgroup"), "memory.max")
+    parent = base / (v1 if v1 is not None else next(ln[3:] for ln in lines if ln.startswith("0::"))).lstrip("/")
+    try:
+        child = parent / f"dgemma-test-{os.getpid()}"
+        child.mkdir()
+        (child / knob).write_text(str(limit))
+    except OSError:
+        return None
+    return child
+
+
+def test_slots_beyond_a_memory_cap_are_refused_under_it(corrupt):
+    """Under a cgroup's memory limit (a container's, `systemd-run -p MemoryMax=`), MemAvailable still counts the
+    whole machine: 1,000 idle slots (~3.4 GiB of KV cache) pass that check here and then the load fails on the
+    garbage weights; under a 1 GiB cap the same command is refused first, naming the cap."""
+    free = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines()}
+    if free["MemAvailable"] < 6 * 2**30:
+        pytest.skip("needs 6 GiB available to tell a cap's refusal from the machine's")
+    uncapped = dgemma("serve", "-m", str(corrupt), "--max-batch-size", "1000", "--port", "1")
+    assert uncapped.returncode != 0 and "--max-batch-size" not in uncapped.stderr, uncapped.stderr
+    group = _child_memory_cgroup(2**30)
+    if group is None:
+        pytest.skip("cannot make a memory cgroup here (needs root and a writable memory controller)")
+    try:
+        capped = subprocess.run(
+            [DGEMMA, "serve", "-m", str(corrupt), "--max-batch-size", "1000", "--port", "1"], capture_output=True,
+            text=True, timeout=120, preexec_fn=lambda: (group / "cgroup.procs").write_text(str(os.getpid())))
+    finally:
+        group.rmdir()
+    line = one_error(capped.returncode, capped.stdout, capped.stderr, "--max-batch-size 1000:", "memory cap of 1.0 GiB")
+    assert 0 < int(re.search(r"at most ([\d,]+) fit", line).group(1).replace(",", "")) < 1000
