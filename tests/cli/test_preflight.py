@@ -7,7 +7,6 @@ first line). All on the bundled model, copies of it, or files made from it."""
 
 from __future__ import annotations
 
-import json
 import os
 import pty
 import re
