@@ -311,7 +311,7 @@ def _remote(ctx: typer.Context, base_url: str, api_key: str | None, concurrency:
                 if row["failed"]:
                     warn(f"dgemma: warning: {row['failed']} of {row['failed'] + row['completed']} requests failed at "
                          f"concurrency {level}: {row['first_error']}")
-            if interrupted or gone is not None:
+            if interrupted:
                 break
     finally:
         if live is not None:

@@ -14,7 +14,8 @@ Requests added or cancelled between two steps (from the thread that calls `step`
 effect at the next pass. A request's clock (first_block_s, total_s) runs from its submit on the engine's busy
 clock, which pauses while a consumer holds an event. `reset` makes an idle engine start as a new one would
 (counters at zero, no cached prompt blocks), so a session keeps its engine, and its CUDA graphs, across calls.
-Numerics: a request's events do not depend on its batch-mates (bit for bit in bf16 on CPU;
+Numerics: a request's events do not depend on its batch-mates (bit for bit in bf16 on CPU without AMX: with AMX,
+oneDNN's bf16 GEMM picks its kernel by the row count, benchmarks/RESULTS.md "Eighteenth session";
 tests/sampling/test_batch.py names the fp32 caveat) or on how its prompt was chunked beyond rounding.
 Must not: tokenize, print, validate settings (callers pass checked DiffusionEbParams), or read device values
 other than through the runner.

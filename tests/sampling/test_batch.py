@@ -147,7 +147,9 @@ def test_random_model_rows_are_bit_identical_at_every_batch_size(tmp_path, dtype
     each row's step events are the same alone and in batches of 2, 3 and 5. bf16: bit for bit (samples,
     argmaxes, entropies). What makes this hold: ragged rows attend one by one over exactly their own keys
     (a masked, longer key range rounds differently), the CPU vocabulary tiles have a width that does not
-    depend on the row count, and oneDNN's bf16 GEMM rows do not depend on their batch-mates.
+    depend on the row count, and oneDNN's bf16 GEMM rows do not depend on their batch-mates at these widths (on a
+    CPU with AMX they do at real widths: oneDNN picks its AMX kernel by the row count; benchmarks/RESULTS.md,
+    "Eighteenth session").
     fp32: samples and argmaxes bit for bit, entropies within 1e-3 (not bit for bit: ~1e-6 at a block's
     first step, grown to ~1e-4 by self-conditioning four steps later, measured). The cause: MKL's fp32
     GEMM takes a small-matrix kernel for 1-2 rows (an expert that gets one or two of a request's tokens),
