@@ -279,13 +279,13 @@ class Turn {
   draft(d, arrived) {
     this.record(d);
     draw(this.canvas, d, this.frames.at(-2));
-    this.shown = performance.now();
     this.label.textContent = `block ${d.block + 1} · step ${d.step}/${d.max_steps} · mean entropy ${d.mean_entropy.toFixed(4)}`;
     if (d.final) {
       const seconds = (arrived - this.clock) / 1000;
       this.clock = arrived;
       this.blocks.append(keptBlock(d, seconds, this.frames));
     }
+    this.shown = performance.now(); // after this draft's own DOM work: its PACE_MS counts from when it is done
   }
 
   end(state, note) {
