@@ -289,7 +289,9 @@ def resolve(generation_config: dict[str, Any] | None, preset: str | None, flags:
         apply(from_generation_config(generation_config), "checkpoint", "the checkpoint's generation_config.json")
     preset_path = None
     if preset is not None:
-        preset_path = str(_preset_path(preset).resolve())  # absolute: "./fast" stays the file, not the name
+        # absolute ("./fast" stays the file, not the name) but not resolved: `--preset <(...)` is /dev/fd/N, whose
+        # target (/proc/PID/fd/pipe:[...]) cannot be opened by name
+        preset_path = str(_preset_path(preset).absolute())
         apply(load_preset(preset_path), "preset", f"preset {preset_path}")
     reject_unknown(flags, ALL_KEYS, "flags")
     apply(flags, "flag", "a command-line flag")

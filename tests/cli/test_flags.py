@@ -169,3 +169,17 @@ def test_bench_refuses_a_result_place_it_cannot_write_before_measuring(cli_ckpt,
              (["--result-dir", str(tmp_path.parent), "--result-filename", tmp_path.name], "is a folder; name a file")]
     for extra, says in cases:
         one_line_error(invoke("bench", "--model", str(cli_ckpt), *FAST, "--runs", "1", *extra), says)
+
+
+def test_preset_from_a_pipe(cli_ckpt):
+    """`--preset <(...)` (bash's process substitution: a /dev/fd/N path naming a pipe) is read like a file."""
+    import os
+
+    read, write = os.pipe()
+    os.write(write, b"max_denoising_steps: 8\n")
+    os.close(write)
+    try:
+        r = invoke("bench", "-m", str(cli_ckpt), "--preset", f"/dev/fd/{read}", "--show-config")
+    finally:
+        os.close(read)
+    assert r.exit_code == 0 and "max_denoising_steps   8       preset" in r.stdout, r.output
