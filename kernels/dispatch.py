@@ -104,7 +104,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 def rms_norm_add(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, residual: torch.Tensor | None = None,
                  pre_add: torch.Tensor | None = None) -> torch.Tensor:
-    """residual + rms_norm(x + pre_add) (either may be None), each add rounded to x.dtype as torch's add rounds."""
+    """residual + rms_norm(x + pre_add) (either may be None), each add rounded to x.dtype as torch's add rounds;
+    one Triton launch on CUDA."""
+    if implementation("rms_norm", x.device) == "triton" and all(
+            t is None or (t.shape, t.dtype) == (x.shape, x.dtype) for t in (residual, pre_add)):
+        return ops.rms_norm(x, weight, eps, residual, pre_add)
     y = rms_norm(x if pre_add is None else x + pre_add, weight, eps)
     return y if residual is None else residual + y
 

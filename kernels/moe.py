@@ -285,8 +285,20 @@ def experts_triton(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_
     grid = lambda meta: (block_expert.numel(), triton.cdiv(h, meta["BLOCK_N"]))  # noqa: E731
     down[grid](act, down_proj, pair_of_slot, block_expert, rw, y, a_s, dns, h, inter,
                act.stride(0), down_proj.stride(0), down_proj.stride(1), y.stride(0), dns.stride(0), **flags)
-    y = y.view(n, k, h)
-    out = y[:, 0].clone()
-    for j in range(1, k):
-        out += y[:, j]  # one rounding per addition, ascending experts (the reference's index_add_ order)
+    out = torch.empty(n, h, dtype=x.dtype, device=x.device)
+    _combine_kernel[(n, triton.cdiv(h, 1024))](y, out, h, TOPK=k, IS_BF16=is_bf16, BLOCK=1024)
     return out
+
+
+@triton.jit
+def _combine_kernel(y_ptr, out_ptr, H, TOPK: tl.constexpr, IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """out[n] = y[n, 0] + y[n, 1] + ... (y [N, k, H] contiguous): one rounding per addition, ascending experts
+    (the reference's index_add_ order), in one launch where torch makes k."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < H
+    acc = tl.load(y_ptr + row * TOPK * H + cols, mask=mask, other=0.0).to(tl.float32)
+    for j in tl.static_range(1, TOPK):
+        acc = round_to(acc + tl.load(y_ptr + (row * TOPK + j) * H + cols, mask=mask, other=0.0).to(tl.float32),
+                       IS_BF16)
+    tl.store(out_ptr + row * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)

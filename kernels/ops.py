@@ -26,14 +26,15 @@ def _float_only(name: str, dtype: torch.dtype) -> None:
 
 
 @torch.library.custom_op("dgemma::rms_norm", mutates_args=())
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None,
+              pre_add: torch.Tensor | None = None) -> torch.Tensor:
     from .rmsnorm import rms_norm
 
-    return rms_norm(x, weight, eps)
+    return rms_norm(x, weight, eps, residual, pre_add)
 
 
 @_rms_norm.register_fake
-def _(x, weight, eps):
+def _(x, weight, eps, residual=None, pre_add=None):
     _float_only("rms_norm", x.dtype)
     return x.new_empty(x.shape)  # [..., H] contiguous, x.dtype
 
@@ -127,9 +128,10 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                                      int(ring_blocks), tile_row0, tile_rows, k_new, v_new, fresh_pos, fresh_row, out)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """`rmsnorm.rms_norm` through its op."""
-    return torch.ops.dgemma.rms_norm(x, weight, float(eps))
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None,
+             pre_add: torch.Tensor | None = None) -> torch.Tensor:
+    """`rmsnorm.rms_norm` (with the residual and the pre-add fused in) through its op."""
+    return torch.ops.dgemma.rms_norm(x, weight, float(eps), residual, pre_add)
 
 
 def experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_proj: torch.Tensor,

@@ -176,10 +176,10 @@ def fake_cuda(monkeypatch):
     return mode
 
 
-def fake_model(mode: FakeTensorMode, weights: str) -> DiffusionGemma:
+def fake_model(mode: FakeTensorMode, weights: str, text: dict = TEXT, canvas: int = CANVAS) -> DiffusionGemma:
     """The model with every parameter and buffer a fake bf16 (FP8: e4m3 + bf16 scales) CUDA tensor, built
     as `random_weights.random_model` builds one (on meta, then allocated), values never drawn."""
-    cfg_dict = make_config(TEXT, CANVAS)
+    cfg_dict = make_config(text, canvas)
     cfg = parse_config(with_fp8(cfg_dict) if weights == "fp8" else cfg_dict)
     model = meta_model(cfg)
     model.to(torch.bfloat16)
@@ -272,3 +272,55 @@ class PageableCopies(TorchFunctionMode):
                     kwargs.get("non_blocking", False) or (len(args) > 2 and args[2])):
                 self._found(f"Tensor.copy_ of a {tuple(src.shape)} CPU tensor into CUDA without non_blocking")
         return func(*args, **kwargs)
+
+
+_FREE = ("aten.empty", "aten.new_empty", "aten.empty_like", "aten.empty_strided", "aten.lift_fresh",
+         "aten._local_scalar_dense", "aten._unsafe_view")  # allocation and bookkeeping: no kernel
+
+
+class Launches(TorchDispatchMode):
+    """Counts what a CUDA stream would run: every aten op on a CUDA tensor that is not a view or an allocation
+    (one kernel or copy each, as eager CUDA launches them; a composite op counts once, as its CUDA kernel), and
+    every Triton launch inside our custom ops, whose real wrappers run (`real_wrappers`) with the launch itself
+    stubbed (recorded, nothing computed: the tensors are fake). `names` lists them in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+        self.on = False
+
+    def __enter__(self):
+        self.on = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.on = False
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = str(func)
+        view = any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+        cuda = any(t.device.type == "cuda" for t in torch.utils._pytree.tree_leaves((args, kwargs, out))
+                   if isinstance(t, torch.Tensor))
+        if cuda and not view and name.startswith(("aten.", "dgemma.")) and not name.startswith(_FREE):
+            self.names.append(name)
+        return out
+
+
+def real_wrappers(monkeypatch, counter: Launches) -> None:
+    """Our custom ops (`torch.ops.dgemma.*`) run their real Python wrappers instead of their fakes, with every
+    Triton launch (plain or autotuned) recorded in `counter` and not run."""
+    from triton.runtime import jit
+
+    from dgcli.kernels import ops
+
+    def launcher(self, grid):  # kernel[grid](...) of a jitted, interpreted or autotuned kernel
+        fn = getattr(self, "fn", self)
+        name = "triton." + getattr(fn, "__name__", str(fn))
+        return lambda *args, **kwargs: counter.names.append(name) if counter.on else None
+
+    monkeypatch.setattr(jit.KernelInterface, "__getitem__", launcher)
+    for name in ("rms_norm", "experts", "fp8_linear", "vocab_pass", "paged_attention"):
+        op = getattr(ops, "_" + name)
+        monkeypatch.setattr(torch.ops.dgemma, name, op._init_fn)
