@@ -119,8 +119,19 @@ def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def gelu_mul_fused(gu: torch.Tensor, inter: int) -> torch.Tensor:
-    """gelu_mul of a [..., 2·inter] gate_up tensor's halves (gate first)."""
+    """gelu_mul of a [..., 2·inter] gate_up tensor's halves (gate first); one Triton launch on CUDA."""
+    if implementation("gelu_mul", gu.device) == "triton" and not torch.is_grad_enabled():
+        return ops.gelu_mul(gu, inter)
     return reference_ops.gelu_mul(gu[..., :inter], gu[..., inter:])
+
+
+def qkv_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, heads: int, kv_heads: int, has_v: bool, eps: float):
+    """q, k, v [B, T, n, d] of a fused projection (see `reference_ops.qkv_norm_rope_reference`); one Triton
+    launch on CUDA."""
+    if implementation("rms_norm", qkv.device) == "triton" and q_weight.dtype == k_weight.dtype == qkv.dtype:
+        return ops.qkv_norm_rope(qkv, q_weight, k_weight, cos, sin, heads, kv_heads, has_v, eps)
+    return reference_ops.qkv_norm_rope_reference(qkv, q_weight, k_weight, cos, sin, heads, kv_heads, has_v, eps)
 
 
 def fp8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The Triton kernels as torch custom ops (`torch.ops.dgemma.*`), each with a fake implementation.
 
-Owns: `rms_norm`, `experts` (bf16/fp32 and FP8 weights), `fp8_linear`, `vocab_pass` and `paged_attention`, the
+Owns: `rms_norm`, `qkv_norm_rope`, `gelu_mul`, `experts` (bf16/fp32 and FP8 weights), `fp8_linear`, `vocab_pass` and `paged_attention`, the
 doors through which kernels/dispatch.py and model/attention.py reach the Triton entry points
 (`rmsnorm.rms_norm`, `moe.experts_triton`, `fp8_linear.linear_w8a16`, `vocab_pass.vocab_pass_triton`,
 `paged_attention.paged_attention`). A real call runs the entry point unchanged
@@ -71,6 +71,35 @@ def _(x, q, s):
     return x.new_empty(*x.shape[:-1], q.shape[0])  # [..., N] in x.dtype
 
 
+@torch.library.custom_op("dgemma::qkv_norm_rope", mutates_args=())
+def _qkv_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, heads: int, kv_heads: int, has_v: bool,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .fused import qkv_norm_rope
+
+    return qkv_norm_rope(qkv, q_weight, k_weight, cos, sin, heads, kv_heads, has_v, eps)
+
+
+@_qkv_norm_rope.register_fake
+def _(qkv, q_weight, k_weight, cos, sin, heads, kv_heads, has_v, eps):
+    _float_only("qkv_norm_rope", qkv.dtype)
+    (b, t, _), d = qkv.shape, q_weight.shape[0]
+    return qkv.new_empty(b, t, heads, d), qkv.new_empty(b, t, kv_heads, d), qkv.new_empty(b, t, kv_heads, d)
+
+
+@torch.library.custom_op("dgemma::gelu_mul", mutates_args=())
+def _gelu_mul(gu: torch.Tensor, inner: int) -> torch.Tensor:
+    from .fused import gelu_mul_fused
+
+    return gelu_mul_fused(gu, inner)
+
+
+@_gelu_mul.register_fake
+def _(gu, inner):
+    _float_only("gelu_mul", gu.dtype)
+    return gu.new_empty(*gu.shape[:-1], inner)
+
+
 @torch.library.custom_op("dgemma::vocab_pass", mutates_args=())
 def _vocab_pass(hidden: torch.Tensor, embed: torch.Tensor, softcap: float | None, temperature: torch.Tensor,
                 embed_scale: torch.Tensor, uniform: torch.Tensor, want_soft: bool, splits: int | None,
@@ -139,6 +168,16 @@ def experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_proj: t
             down_scale: torch.Tensor | None = None, dynamic: bool = False) -> torch.Tensor:
     """`moe.experts_triton` (default block sizes) through its op."""
     return torch.ops.dgemma.experts(x, w, idx, gate_up_proj, down_proj, gate_up_scale, down_scale, dynamic)
+
+
+def qkv_norm_rope(qkv, q_weight, k_weight, cos, sin, heads: int, kv_heads: int, has_v: bool, eps: float):
+    """`fused.qkv_norm_rope` through its op."""
+    return torch.ops.dgemma.qkv_norm_rope(qkv, q_weight, k_weight, cos, sin, heads, kv_heads, has_v, float(eps))
+
+
+def gelu_mul(gu: torch.Tensor, inner: int) -> torch.Tensor:
+    """`fused.gelu_mul_fused` through its op."""
+    return torch.ops.dgemma.gelu_mul(gu, int(inner))
 
 
 def fp8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:

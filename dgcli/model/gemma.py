@@ -79,8 +79,13 @@ class Attention(nn.Module):
         self.v_norm = RMSNorm(d, cfg.rms_norm_eps, with_scale=False)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """q [B, n, T, d], k and v [B, n_kv, T, d] for the tokens of this pass."""
+        """q [B, n, T, d], k and v [B, n_kv, T, d] for the tokens of this pass (fused: one GEMM, one kernel)."""
         (b, t, _), d = x.shape, self.g.head_dim
+        if _fused(self, x):
+            heads = (self.q_proj.out_features // d, self.k_proj.out_features // d, self.v_proj is not None)
+            q, k, v = dispatch.qkv_norm_rope(F.linear(x, self.fused), self.q_norm.weight, self.k_norm.weight, cos,
+                                             sin, *heads, self.q_norm.eps)
+            return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q = apply_rope(self.q_norm(self.q_proj(x).view(b, t, -1, d)), cos, sin)
         k_raw = self.k_proj(x).view(b, t, -1, d)
         v_raw = self.v_proj(x).view(b, t, -1, d) if self.v_proj is not None else k_raw
@@ -111,7 +116,34 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inner, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fused(self, x):
+            return self.down_proj(dispatch.gelu_mul_fused(F.linear(x, self.fused), self.gate_proj.out_features))
         return self.down_proj(dispatch.gelu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+def _fused(m: nn.Module, x: torch.Tensor) -> bool:
+    """Whether m runs its fused projection (`fuse_projections`): made, on x's device, and no autograd."""
+    w = m.__dict__.get("fused")
+    return w is not None and w.device == x.device and not torch.is_grad_enabled()
+
+
+@torch.no_grad()
+def fuse_projections(model: nn.Module) -> int:
+    """On CUDA, at load: each attention's q/k/v and each dense MLP's gate/up weights (plain bias-free `nn.Linear`s
+    of one dtype) become row views of one matrix `fused`, run as one GEMM (no second copy; autograd keeps the
+    separate GEMMs). Returns the groups fused (0 on CPU: its path, bits and prepacked weights stay)."""
+    done = 0
+    for m in model.modules():
+        lins = [getattr(m, n, None) for n in (("q_proj", "k_proj", "v_proj") if isinstance(m, Attention) else
+                                              ("gate_proj", "up_proj") if isinstance(m, MLP) else ())]
+        lins = [lin for lin in lins if lin is not None]
+        if lins and all(type(lin) is nn.Linear and lin.weight.is_cuda and lin.bias is None
+                        and lin.weight.dtype == lins[0].weight.dtype for lin in lins):
+            w, row, done = torch.cat([lin.weight for lin in lins]), 0, done + 1  # [sum of outputs, H]
+            for lin in lins:
+                lin.weight, row = nn.Parameter(w.narrow(0, row, lin.out_features), False), row + lin.out_features
+            m.__dict__["fused"] = w
+    return done
 
 
 class Router(nn.Module):
