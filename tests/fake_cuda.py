@@ -98,6 +98,9 @@ class CudaBindings(TorchFunctionMode):
         if host:
             raise FakeTensorDeviceMismatchError(f"indexing a {self_.device} tensor with {host[0].device} tensors")
         twin = _meta_twin(self_)
+        for counter in _COUNTING:  # an index_put_ / copy_, or an advanced index: one launch each on a GPU
+            if func is torch.Tensor.__setitem__ or any(isinstance(t, (torch.Tensor, list)) for t in parts):
+                counter.names.append("aten.index_put_" if func is torch.Tensor.__setitem__ else "aten.index")
         if func is torch.Tensor.__setitem__:
             twin[_meta_twin(idx)] = _meta_twin(value)
             return None
@@ -278,6 +281,9 @@ _FREE = ("aten.empty", "aten.new_empty", "aten.empty_like", "aten.empty_strided"
          "aten._local_scalar_dense", "aten._unsafe_view")  # allocation and bookkeeping: no kernel
 
 
+_COUNTING: list = []  # the active Launches
+
+
 class Launches(TorchDispatchMode):
     """Counts what a CUDA stream would run: every aten op on a CUDA tensor that is not a view or an allocation
     (one kernel or copy each, as eager CUDA launches them; a composite op counts once, as its CUDA kernel), and
@@ -291,10 +297,12 @@ class Launches(TorchDispatchMode):
 
     def __enter__(self):
         self.on = True
+        _COUNTING.append(self)  # CudaBindings' indexing counts too
         return super().__enter__()
 
     def __exit__(self, *exc):
         self.on = False
+        _COUNTING.remove(self)
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
