@@ -2,7 +2,8 @@
 
 Owns: `qkv_norm_rope` (an attention's q/k/v split out of its fused projection, q and k RMS-normed and rotated,
 v normed: the twin of `kernels/reference_ops.py::qkv_norm_rope_reference`, same roundings) and `gelu_mul_fused`
-(the gated GELU(tanh) of a [.., 2I] gate|up tensor: `reference_ops.gelu_mul` of its halves). Must not: pick
+(the gated GELU(tanh) of a [.., 2I] gate|up tensor: `reference_ops.gelu_mul` of its halves), the router's two
+(`router_input`, `route`: their `reference_ops` twins, softmax and top-k in fp32). Must not: pick
 devices (kernels/dispatch.py does), or sync with the host.
 """
 
@@ -90,3 +91,56 @@ def gelu_mul_fused(gu: torch.Tensor, inner: int) -> torch.Tensor:
         _gelu_mul_kernel[(x.shape[0], triton.cdiv(inner, 1024))](x, out, inner, x.stride(0),
                                                                    IS_BF16=gu.dtype == torch.bfloat16, BLOCK=1024)
     return out
+
+
+@triton.jit
+def _router_input_kernel(x_ptr, s_ptr, out_ptr, H, root, eps, IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < H
+    x = tl.load(x_ptr + row * H + cols, mask=m, other=0.0).to(tl.float32)
+    y = round_to(x / tl.sqrt(tl.sum(x * x, axis=0) / H + eps), IS_BF16)
+    y = round_to(y * tl.load(s_ptr + cols, mask=m, other=0.0).to(tl.float32), IS_BF16)
+    tl.store(out_ptr + row * H + cols, round_to(y * root, IS_BF16).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def router_input(r: torch.Tensor, scale: torch.Tensor, root: float, eps: float) -> torch.Tensor:
+    """Norm_0(r [N, H]) · scale · root, each product rounded to r.dtype."""
+    x = r.contiguous()
+    out = torch.empty_like(x)
+    if x.shape[0]:
+        _router_input_kernel[(x.shape[0],)](x, scale, out, x.shape[1], root, eps, IS_BF16=x.dtype == torch.bfloat16,
+                                            BLOCK=triton.next_power_of_2(x.shape[1]))
+    return out
+
+
+@triton.jit
+def _route_kernel(l_ptr, s_ptr, w_ptr, i_ptr, E, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    es = tl.arange(0, BLOCK_E)
+    ks = tl.arange(0, BLOCK_K)
+    x = tl.load(l_ptr + row * E + es, mask=es < E, other=float("-inf")).to(tl.float32)
+    ex = tl.exp(x - tl.max(x, axis=0))
+    p = ex / tl.sum(ex, axis=0)
+    top = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    ids = tl.zeros((BLOCK_K,), dtype=tl.int32)
+    for j in tl.static_range(K):  # the largest left, the lowest id among equals
+        best = tl.max(p, axis=0)
+        e = tl.min(tl.where(p == best, es, BLOCK_E), axis=0)
+        top, ids = tl.where(ks == j, best, top), tl.where(ks == j, e, ids)
+        p = tl.where(es == e, -1.0, p)
+    w = top / tl.sum(top, axis=0) * tl.load(s_ptr + ids, mask=ks < K, other=0.0).to(tl.float32)
+    tl.store(w_ptr + row * K + ks, w, mask=ks < K)
+    tl.store(i_ptr + row * K + ks, ids.to(tl.int64), mask=ks < K)
+
+
+def route(logits: torch.Tensor, per_expert_scale: torch.Tensor, k: int):
+    """Router logits [N, E] -> fp32 weights [N, k], int64 expert ids [N, k] (descending)."""
+    x = logits.contiguous()
+    n, e = x.shape
+    w = x.new_empty(n, k, dtype=torch.float32)
+    idx = x.new_empty(n, k, dtype=torch.int64)
+    if n:
+        _route_kernel[(n,)](x, per_expert_scale, w, idx, e, K=k, BLOCK_E=triton.next_power_of_2(e),
+                            BLOCK_K=triton.next_power_of_2(k))
+    return w, idx

@@ -1,6 +1,6 @@
 """The Triton kernels as torch custom ops (`torch.ops.dgemma.*`), each with a fake implementation.
 
-Owns: `rms_norm`, `qkv_norm_rope`, `gelu_mul`, `experts` (bf16/fp32 and FP8 weights), `fp8_linear`, `vocab_pass` and `paged_attention`, the
+Owns: `rms_norm`, `qkv_norm_rope`, `gelu_mul`, `router_input`, `route`, `experts` (bf16/fp32 and FP8 weights), `fp8_linear`, `vocab_pass` and `paged_attention`, the
 doors through which kernels/dispatch.py and model/attention.py reach the Triton entry points
 (`rmsnorm.rms_norm`, `moe.experts_triton`, `fp8_linear.linear_w8a16`, `vocab_pass.vocab_pass_triton`,
 `paged_attention.paged_attention`). A real call runs the entry point unchanged
@@ -27,14 +27,14 @@ def _float_only(name: str, dtype: torch.dtype) -> None:
 
 @torch.library.custom_op("dgemma::rms_norm", mutates_args=())
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None,
-              pre_add: torch.Tensor | None = None) -> torch.Tensor:
+              pre_add: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     from .rmsnorm import rms_norm
 
-    return rms_norm(x, weight, eps, residual, pre_add)
+    return rms_norm(x, weight, eps, residual, pre_add, scale)
 
 
 @_rms_norm.register_fake
-def _(x, weight, eps, residual=None, pre_add=None):
+def _(x, weight, eps, residual=None, pre_add=None, scale=None):
     _float_only("rms_norm", x.dtype)
     return x.new_empty(x.shape)  # [..., H] contiguous, x.dtype
 
@@ -100,6 +100,33 @@ def _(gu, inner):
     return gu.new_empty(*gu.shape[:-1], inner)
 
 
+@torch.library.custom_op("dgemma::router_input", mutates_args=())
+def _router_input(r: torch.Tensor, scale: torch.Tensor, root: float, eps: float) -> torch.Tensor:
+    from .fused import router_input
+
+    return router_input(r, scale, root, eps)
+
+
+@_router_input.register_fake
+def _(r, scale, root, eps):
+    _float_only("router_input", r.dtype)
+    return r.new_empty(r.shape)
+
+
+@torch.library.custom_op("dgemma::route", mutates_args=())
+def _route(logits: torch.Tensor, per_expert_scale: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from .fused import route
+
+    return route(logits, per_expert_scale, k)
+
+
+@_route.register_fake
+def _(logits, per_expert_scale, k):
+    _float_only("route", logits.dtype)
+    n = logits.shape[0]
+    return logits.new_empty(n, k, dtype=torch.float32), logits.new_empty(n, k, dtype=torch.int64)
+
+
 @torch.library.custom_op("dgemma::vocab_pass", mutates_args=())
 def _vocab_pass(hidden: torch.Tensor, embed: torch.Tensor, softcap: float | None, temperature: torch.Tensor,
                 embed_scale: torch.Tensor, uniform: torch.Tensor, want_soft: bool, splits: int | None,
@@ -158,9 +185,9 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None,
-             pre_add: torch.Tensor | None = None) -> torch.Tensor:
-    """`rmsnorm.rms_norm` (with the residual and the pre-add fused in) through its op."""
-    return torch.ops.dgemma.rms_norm(x, weight, float(eps), residual, pre_add)
+             pre_add: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """`rmsnorm.rms_norm` (with the residual, the pre-add and the scale fused in) through its op."""
+    return torch.ops.dgemma.rms_norm(x, weight, float(eps), residual, pre_add, scale)
 
 
 def experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_proj: torch.Tensor,
@@ -173,6 +200,16 @@ def experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_proj: t
 def qkv_norm_rope(qkv, q_weight, k_weight, cos, sin, heads: int, kv_heads: int, has_v: bool, eps: float):
     """`fused.qkv_norm_rope` through its op."""
     return torch.ops.dgemma.qkv_norm_rope(qkv, q_weight, k_weight, cos, sin, heads, kv_heads, has_v, float(eps))
+
+
+def router_input(r: torch.Tensor, scale: torch.Tensor, root: float, eps: float) -> torch.Tensor:
+    """`fused.router_input` through its op."""
+    return torch.ops.dgemma.router_input(r, scale, float(root), float(eps))
+
+
+def route(logits: torch.Tensor, per_expert_scale: torch.Tensor, k: int):
+    """`fused.route` through its op."""
+    return torch.ops.dgemma.route(logits, per_expert_scale, int(k))
 
 
 def gelu_mul(gu: torch.Tensor, inner: int) -> torch.Tensor:

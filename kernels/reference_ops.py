@@ -2,7 +2,8 @@
 tested against). They restate `dgcli/model/gemma.py`'s `Experts.forward` and `RMSNorm.forward` op for op so
 kernels and tests need no nn.Module; `tests/test_kernel_moe.py` checks that they still equal the model's.
 
-Owns: `experts_reference` (and its routing order, `expert_groups`), `rms_norm_reference`. Must not: import the model, pick devices, or be fast.
+Owns: `experts_reference` (and its routing order, `expert_groups`), `rms_norm_reference`, the fused kernels'
+references (`qkv_norm_rope_reference`, `route_reference`, `router_input_reference`). Must not: import the model, pick devices, or be fast.
 """
 
 from __future__ import annotations
@@ -73,3 +74,15 @@ def qkv_norm_rope_reference(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight:
     rope = lambda y: y * cos + y.roll(d // 2, -1) * sin  # noqa: E731
     return (rope(rms_norm_reference(q, q_weight, eps)), rope(rms_norm_reference(k, k_weight, eps)),
             rms_norm_reference(v, None, eps))
+
+
+def route_reference(logits: torch.Tensor, per_expert_scale: torch.Tensor, k: int):
+    """Router logits [N, E] -> fp32 weights [N, k] and expert ids [N, k]: softmax over every expert in fp32, the k
+    largest (descending), renormalised, then times their experts' scales (the model's `Router`)."""
+    w, idx = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), k, dim=-1)
+    return w / w.sum(dim=-1, keepdim=True) * per_expert_scale[idx], idx
+
+
+def router_input_reference(r: torch.Tensor, scale: torch.Tensor, root: float, eps: float) -> torch.Tensor:
+    """The router's input Norm_0(r) · scale · root, each product rounded to r.dtype (the model's `Router`)."""
+    return rms_norm_reference(r, None, eps) * scale * root

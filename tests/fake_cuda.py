@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dgcli.model import fp8
 from dgcli.checkpoint.config import parse_config
-from dgcli.model.gemma import DiffusionGemma
+from dgcli.model.gemma import DiffusionGemma, fuse_projections
 from dgcli.checkpoint.meta import meta_model
 from dgcli.checkpoint.random_weights import make_config, with_fp8
 
@@ -195,6 +195,7 @@ def fake_model(mode: FakeTensorMode, weights: str, text: dict = TEXT, canvas: in
                     if v is not None:
                         t = torch.empty(v.shape, dtype=v.dtype, device=CUDA)
                         reg[k] = torch.nn.Parameter(t, requires_grad=False) if isinstance(v, torch.nn.Parameter) else t
+        fuse_projections(model)  # as a CUDA session does at load
     return model.eval()
 
 
@@ -213,7 +214,7 @@ def substitute_reads(log: list):
 
 def check_dtypes(log: OpLog, weights: str) -> None:
     """Every GEMM, attention and kernel op on CUDA, its floats bf16 or fp32 (FP8 weights: e4m3 too), its
-    outputs bf16 (the vocabulary pass: its fp32 entropies too); every op's outputs in a dtype the CUDA path
+    outputs bf16 (the vocabulary pass: its fp32 entropies too; the router: its fp32 weights); every op's outputs in a dtype the CUDA path
     uses (float16: `kernels/fp8.py::fp8_over_256` views e4m3 bits as float16; float64: the draws' uniforms)."""
     allowed = {torch.bfloat16, torch.float32, torch.int64, torch.int32, torch.int16, torch.uint8, torch.bool,
                torch.float64} | ({torch.float16, torch.float8_e4m3fn} if weights == "fp8" else set())
@@ -225,7 +226,8 @@ def check_dtypes(log: OpLog, weights: str) -> None:
         assert all(d == CUDA for _, d in ins + outs), (name, ins, outs)
         floats = {torch.bfloat16, torch.float32, torch.float8_e4m3fn} | ({torch.float64} if vocab else set())
         assert {dt for dt, _ in ins + outs if dt.is_floating_point} <= floats, (name, ins)
-        assert {dt for dt, _ in outs} <= {torch.bfloat16, torch.int64} | ({torch.float32} if vocab else set()), \
+        fp32_out = vocab or name.startswith("dgemma.route.")  # fp32 entropies, fp32 routing weights (as the reference)
+        assert {dt for dt, _ in outs} <= {torch.bfloat16, torch.int64} | ({torch.float32} if fp32_out else set()), \
             (name, outs)
         if name.startswith("dgemma.paged_attention"):  # queries, pools, new keys and the output bf16; metadata int32
             assert {dt for dt, _ in ins} == {torch.bfloat16, torch.int32}, ins

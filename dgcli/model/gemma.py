@@ -35,9 +35,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dispatch.rms_norm(x, self.weight, self.eps)
 
-    def add(self, residual: torch.Tensor, x: torch.Tensor, pre_add: torch.Tensor | None = None) -> torch.Tensor:
-        """residual + self(x [+ pre_add]), each add rounded to x.dtype: one pass on CPU (dispatch.rms_norm_add)."""
-        return dispatch.rms_norm_add(x, self.weight, self.eps, residual=residual, pre_add=pre_add)
+    def add(self, residual: torch.Tensor, x: torch.Tensor, pre_add: torch.Tensor | None = None,
+            scale: torch.Tensor | None = None) -> torch.Tensor:
+        """(residual + self(x [+ pre_add])) [· scale], each op rounded to x.dtype (dispatch.rms_norm_add)."""
+        return dispatch.rms_norm_add(x, self.weight, self.eps, residual=residual, pre_add=pre_add, scale=scale)
 
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
@@ -157,11 +158,9 @@ class Router(nn.Module):
 
     def forward(self, r: torch.Tensor):
         """r [N, H] (the un-normed residual) -> weights [N, k] fp32, expert ids [N, k]."""
-        z = self.norm(r) * self.scale * self.root
-        probs = torch.softmax(self.proj(z), dim=-1, dtype=torch.float32)  # over all experts
-        w, idx = torch.topk(probs, self.top_k, dim=-1)
-        w = w / w.sum(dim=-1, keepdim=True)
-        return w * self.per_expert_scale[idx], idx  # scale after renormalising
+        z = dispatch.router_input(r, self.scale, self.root, self.norm.eps)  # Norm_0(r)·scale·root
+        # softmax over all experts in fp32, top-k renormalised, then scaled per expert
+        return dispatch.route(self.proj(z), self.per_expert_scale, self.top_k)
 
 
 class Experts(nn.Module):
@@ -201,13 +200,13 @@ class DecoderLayer(nn.Module):
         self.register_buffer("layer_scalar", torch.ones(1))
         self.register_buffer("encoder_layer_scalar", torch.ones(1))
 
-    def feed_forward(self, r: torch.Tensor) -> torch.Tensor:
+    def feed_forward(self, r: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(r)))
         flat = r.reshape(-1, r.shape[-1])
         w, idx = self.router(flat)  # routes on the un-normed residual
         moe = self.experts(self.pre_feedforward_layernorm_2(flat), w, idx).reshape(r.shape)
         moe = self.post_feedforward_layernorm_2(moe)
-        return self.post_feedforward_layernorm.add(r, dense, moe)  # r + norm(dense + moe)
+        return self.post_feedforward_layernorm.add(r, dense, moe, scale)  # (r + norm(dense + moe))·scale
 
 
 class SelfConditioning(MLP):
@@ -335,9 +334,9 @@ class DiffusionGemma(nn.Module):
                 if nc == x.shape[1]:
                     return None
                 x, nc = x[:, nc:], 0
-            x = layer.feed_forward(x)
+            x = layer.feed_forward(x, layer.layer_scalar if cache_pass and not nc else None)  # in place: no graph
             if not nc:  # canvas rows only
-                x = x.mul_(layer.layer_scalar) if cache_pass else (x * layer.layer_scalar).to(x.dtype)
+                x = x if cache_pass else (x * layer.layer_scalar).to(x.dtype)
                 continue
             if cache_pass:  # in place: no graph to keep
                 x[:, :nc] *= layer.encoder_layer_scalar

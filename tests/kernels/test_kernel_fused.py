@@ -72,3 +72,51 @@ def test_gelu_mul_fused_matches_reference(dtype, atol, rtol, shape, inner, trito
     gu = (torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 2).to(dtype).to(triton_device)
     want = gelu_mul(gu[..., :inner].clone(), gu[..., inner:])
     torch.testing.assert_close(gelu_mul_fused(gu, inner), want, atol=atol, rtol=rtol)
+
+
+def test_router_references_equal_the_model_router():
+    from dgcli.checkpoint.config import parse_config
+    from dgcli.checkpoint.meta import meta_model
+    from dgcli.checkpoint.random_weights import make_config, randomize_
+    from dgcli.kernels.reference_ops import route_reference, router_input_reference
+    from fake_cuda import TEXT
+
+    router = randomize_(meta_model(parse_config(make_config(TEXT, 16))).to_empty(device="cpu")).to(
+        torch.bfloat16).layers[0].router
+    r = torch.randn(7, TEXT["hidden_size"]).to(torch.bfloat16)
+    w, idx = router(r)
+    z = router_input_reference(r, router.scale, router.root, router.norm.eps)
+    want_w, want_idx = route_reference(router.proj(z), router.per_expert_scale, router.top_k)
+    assert torch.equal(w, want_w) and torch.equal(idx, want_idx)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", TOLS)
+@pytest.mark.parametrize("n,h", [(5, 37), (3, 2816)])
+def test_router_input_matches_reference(dtype, atol, rtol, n, h, triton_device):
+    from dgcli.kernels.fused import router_input
+    from dgcli.kernels.reference_ops import router_input_reference
+
+    g = torch.Generator().manual_seed(2)
+    r = (torch.randn(n, h, generator=g) * 3).to(dtype).to(triton_device)
+    scale = (torch.rand(h, generator=g) + 0.5).to(dtype).to(triton_device)
+    torch.testing.assert_close(router_input(r, scale, h ** -0.5, 1e-6),
+                               router_input_reference(r, scale, h ** -0.5, 1e-6), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,e,k", [(6, 4, 2), (9, 128, 8), (3, 6, 3)])
+def test_route_matches_reference(dtype, n, e, k, triton_device):
+    """The same probabilities chosen, in the same order (bf16 logits tie often: among equals the kernel takes
+    the lowest id, torch.topk an unspecified one), each weight renormalised and scaled by its own expert's
+    scale within fp32 rounding (sums in another order)."""
+    from dgcli.kernels.fused import route
+    from dgcli.kernels.reference_ops import route_reference
+
+    g = torch.Generator().manual_seed(n * e)
+    logits = (torch.randn(n, e, generator=g) * 2).to(dtype).to(triton_device)
+    scale = (torch.rand(e, generator=g) + 0.5).to(dtype).to(triton_device)
+    (w, idx), (_, want_idx) = route(logits, scale, k), route_reference(logits, scale, k)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    assert idx.dtype == torch.int64 and torch.equal(probs.gather(1, idx), probs.gather(1, want_idx))
+    top = probs.gather(1, idx)
+    torch.testing.assert_close(w, top / top.sum(-1, keepdim=True) * scale[idx], atol=1e-6, rtol=1e-5)
