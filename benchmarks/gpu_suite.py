@@ -25,7 +25,14 @@ Each step runs as a subprocess with a time limit; a failing step is recorded (ex
 output) and the suite goes on. The section goes to stdout and, with `--out FILE`, to FILE (append it to
 benchmarks/RESULTS.md by hand after reading it).
 
-A short lease (a GPU lent for minutes): `--budget S` shares S seconds among the steps in order (a step's limit is
+A 15-minute lease: `--lease` runs the lease plan instead, its limits summing to at most LEASE_S (8 minutes, so a
+rerun still fits): the env line; the Triton kernel tests, compiled (the bf16 tensor-core branches run first here);
+`dgemma bench --dummy 26B-A4B` at batch 1 and 8 in bf16 and FP8 (weight-only), prompts of 128 and 1,000 tokens,
+eager and with CUDA graphs; graphs against eager, bit for bit (benchmarks/graphs_equal.py); the sync check with
+graphs. Its dry run prints the total. A step that cannot run here (CUDA only, no budget left, or a script that
+printed {"skipped": ...}) is "not run" in the section and never a pass: the suite exits 1 unless every step passed.
+
+Also for a short lease: `--budget S` shares S seconds among the steps in order (a step's limit is
 its own or what is left; steps past the budget are listed as not run; `--cap kernels=120,...` caps single steps),
 `--workers N` runs the pytest steps on N
 processes (pytest-xdist, where installed), `-k EXPR` narrows the tests step (`-k cuda`: the tests that run on the
@@ -36,7 +43,7 @@ On this CPU-only machine: `--device cpu` runs the same steps at CPU sizes (kerne
 interpreter, `--small` kernel shapes, a 2-layer slice of the medium dummy config instead of 26B-A4B), and
 `--dry-run` prints the plan (every command) without running anything. `--only a,b` picks steps.
 
-    python benchmarks/gpu_suite.py [--device cuda|cpu] [--dry-run] [--only env,tests,...] [--out FILE]
+    python benchmarks/gpu_suite.py [--device cuda|cpu] [--lease] [--dry-run] [--only env,tests,...] [--out FILE]
         [--budget S] [--cap STEP=S,...] [--workers N] [-k EXPR] [--log-dir DIR]
 """
 
@@ -64,6 +71,39 @@ STEPS = ("env", "tests", "kernels", "sync_check", "engine_passes", "profile", "b
          "bench_graphs", "bench_bundled")
 
 
+LEASE_S = 480  # the lease plan's limits in all: 8 of a lease's 15 minutes
+LEASE_KERNEL_TESTS = ("test_kernel_fused.py", "test_kernel_rmsnorm.py", "test_kernel_moe.py", "test_paged_attention.py",
+                      "test_kernel_vocab_pass.py", "test_fp8_kernels.py", "test_custom_ops.py")
+
+
+def lease_plan(device: str, workers: int = 1) -> dict[str, tuple[list[str], int, dict]]:
+    """The lease plan (module docstring), as `plan`'s steps; CUDA-only steps are absent on CPU."""
+    py, cuda = sys.executable, device.startswith("cuda")
+    dummy = ["--dummy", "26B-A4B"] if cuda else ["--dummy", str(ROOT / "benchmarks/dummy-medium.json"), "--layers", "2"]
+    bench = [py, "-m", "dgcli.cli", "bench", "--device", device, "--format", "json", "--no-measure-peaks", *dummy,
+             "--dtype", "bfloat16", "--batch-size", "1,8", "--diffusion-steps", "8", "--runs", "1", "--warmup", "1",
+             "--num-prompts", "8"]
+    steps = {"env": ([py, "benchmarks/gpu_suite.py", "--print-env"], 15, {}),
+             "kernels": (_pytest(workers) + [f"tests/kernels/{f}" for f in LEASE_KERNEL_TESTS], 135,
+                         {} if cuda else {"TRITON_INTERPRET": "1"})}
+    for weights in ("bf16", "fp8"):
+        for n in (128, 1000):
+            for graphs in (False, True) if cuda else (False,):
+                steps[f"bench_{weights}_p{n}_{'graphs' if graphs else 'eager'}"] = (
+                    bench + ["--weights", weights, "--random-input-len", str(n)] + ["--cuda-graphs"] * graphs, 30, {})
+    steps["graphs_equal"] = ([py, "benchmarks/graphs_equal.py"], 40, {})
+    steps["sync_check"] = ([py, "benchmarks/sync_check.py"] + ["--graphs"] * cuda, 45, {})
+    return steps
+
+
+def _pytest(workers: int) -> list[str]:
+    # pytest with the checkout off sys.path, as the README's test command (the entry point beside the interpreter,
+    # else -P): `python -m pytest` would put it there, where kernels/ hides the PyPI `kernels` transformers imports
+    entry = Path(sys.executable).with_name("pytest")
+    pytest = ([str(entry)] if entry.exists() else [sys.executable, "-P", "-m", "pytest"]) + ["-q", "-p", "no:cacheprovider"]
+    return pytest + (["-n", str(workers)] if workers > 1 and importlib.util.find_spec("xdist") is not None else [])
+
+
 def plan(device: str, workers: int = 1, k: str | None = None) -> dict[str, tuple[list[str], int, dict]]:
     """step -> (argv, time limit in seconds, extra environment). `workers` > 1 runs the pytest steps on that many
     processes (pytest-xdist, where installed); `k` narrows the tests step (pytest -k)."""
@@ -76,13 +116,7 @@ def plan(device: str, workers: int = 1, k: str | None = None) -> dict[str, tuple
     dummy_run = bench + dummy + ["--dtype", "bfloat16", "--batch-size", "1,4,8", "--diffusion-steps", "16",
                                  "--runs", "3" if cuda else "1", "--warmup", "1", "--num-prompts",
                                  "8" if cuda else "4", "--random-input-len", "128" if cuda else "32"]
-    # pytest with the checkout off sys.path, as the README's test command (the entry point beside the interpreter,
-    # else -P): `python -m pytest` would put it there, where kernels/ hides the PyPI `kernels` transformers imports
-    entry = Path(py).with_name("pytest")
-    pytest = [str(entry)] if entry.exists() else [py, "-P", "-m", "pytest"]
-    pytest += ["-q", "-p", "no:cacheprovider"]
-    if workers > 1 and importlib.util.find_spec("xdist") is not None:
-        pytest += ["-n", str(workers)]
+    pytest = _pytest(workers)
     # The ahead-of-time compile check is the same on any machine (CI runs it): not worth a lease's minutes.
     aot = ["--ignore", "tests/kernels/test_kernel_targets.py"] if cuda else []
     steps = {
@@ -136,6 +170,14 @@ def run_step(name: str, argv: list[str], limit: int, env: dict) -> dict:
             "stdout": stdout, "output": out}
 
 
+def status(r: dict) -> str:
+    """'passed', 'failed' or 'not run': a step never started, or one that printed {"skipped": ...} (no CUDA), did
+    not run, and is never counted as passed."""
+    if r["exit"] == 0:
+        return "not run" if '"skipped"' in r.get("stdout", "") else "passed"
+    return "not run" if str(r["exit"]).startswith("not run") else "failed"
+
+
 def _bench_rows(stdout: str) -> list[dict]:
     """The rows of `dgemma bench --format json` (its JSON document is the whole stdout)."""
     try:
@@ -148,9 +190,12 @@ def section(results: list[dict], device: str) -> str:
     when = datetime.date.today().isoformat()
     lines = [f"## GPU suite ({device}, {when}, {platform.node()})", "",
              f"Command: `python benchmarks/gpu_suite.py --device {device}`.", "",
-             "| step | exit | seconds | command |", "|---|---|---|---|"]
+             "| step | exit | seconds | command | status |", "|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r['step']} | {r['exit']} | {r['seconds']} | `{r['command']}` |")
+        lines.append(f"| {r['step']} | {r['exit']} | {r['seconds']} | `{r['command']}` | {status(r)} |")
+    counts = {k: [r["step"] for r in results if status(r) == k] for k in ("passed", "failed", "not run")}
+    lines += ["", "; ".join(f"{k}: {len(v)}" + (f" ({', '.join(v)})" if v and k != "passed" else "")
+                            for k, v in counts.items()) + "."]
     for r in results:
         lines += ["", f"### {r['step']}", ""]
         report = _kernel_report(r.get("stdout", "")) if r["step"] == "bench_kernels" else []
@@ -214,7 +259,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default=None, help="cuda (default when visible) or cpu")
     ap.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
-    ap.add_argument("--only", default=",".join(STEPS), help=f"steps to run, of {','.join(STEPS)}")
+    ap.add_argument("--lease", action="store_true", help=f"the lease plan: limits within {LEASE_S} s")
+    ap.add_argument("--only", default=None, help=f"steps to run, of {','.join(STEPS)} (--lease: its own)")
     ap.add_argument("--out", default=None, help="also write the section to this file")
     ap.add_argument("--budget", type=float, default=None, help="seconds for all steps together (a short lease)")
     ap.add_argument("--cap", default="", help="STEP=SECONDS,... caps single steps' time limits")
@@ -231,25 +277,31 @@ def main() -> None:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    only = [s.strip() for s in args.only.split(",") if s.strip()]
-    bad = [s for s in only if s not in STEPS]
+    names = list(lease_plan("cuda")) if args.lease else list(STEPS)
+    only = [s.strip() for s in (args.only or ",".join(names)).split(",") if s.strip()]
+    bad = [s for s in only if s not in names]
     if bad:
-        sys.exit(f"gpu_suite: unknown step(s) {', '.join(bad)}; choose from {', '.join(STEPS)}")
-    steps = plan(device, args.workers, args.k)
+        sys.exit(f"gpu_suite: unknown step(s) {', '.join(bad)}; choose from {', '.join(names)}")
+    steps = lease_plan(device, args.workers) if args.lease else plan(device, args.workers, args.k)
     try:
         caps = {name: float(sec) for name, sec in (c.split("=") for c in args.cap.split(",") if c.strip())}
     except ValueError:
         sys.exit(f"gpu_suite: --cap {args.cap!r}: give STEP=SECONDS,... (e.g. kernels=120)")
+    results, t0 = [], time.perf_counter()
     for name in [n for n in only if n not in steps]:
-        print(f"gpu_suite: {name}: CUDA only, skipped on {device}", file=sys.stderr)
+        print(f"gpu_suite: {name}: CUDA only, not run on {device}", file=sys.stderr)
+        results.append({"step": name, "command": "", "exit": f"not run (CUDA only)", "seconds": 0, "stdout": "",
+                        "output": f"not run: CUDA only, the device is {device}"})
     only = [n for n in only if n in steps]
     if args.dry_run:
         for name in only:
             argv, limit, env = steps[name]
             pre = " ".join(f"{k}={v}" for k, v in env.items())
             print(f"{name}: {(pre + ' ') if pre else ''}{shlex.join(argv)}  (limit {limit} s)")
+        if args.lease:
+            total = sum(steps[n][1] for n in only)
+            print(f"total {total} s of limits ({'within' if total <= LEASE_S else 'OVER'} the lease's {LEASE_S} s)")
         return
-    results, t0 = [], time.perf_counter()
     logs = Path(args.log_dir) if args.log_dir else None
     if logs:
         logs.mkdir(parents=True, exist_ok=True)
@@ -273,7 +325,7 @@ def main() -> None:
     sys.stdout.write(text)
     if args.out:
         Path(args.out).write_text(text, encoding="utf-8")
-    sys.exit(0 if all(r["exit"] == 0 for r in results) else 1)
+    sys.exit(0 if results and all(status(r) == "passed" for r in results) else 1)
 
 
 if __name__ == "__main__":

@@ -60,13 +60,33 @@ def spec(kernel: str, label: str, target: str, args: dict, constexprs: dict, ten
 def _rmsnorm(target: str) -> list[dict]:
     out = []
     for dt in DT:
+        e = "*" + dt
         for h in (H, *HEAD_DIMS):
-            for weight in (True, False):
-                args = dict(x_ptr="*" + dt, w_ptr="*" + dt, out_ptr="*" + dt, n_cols=h, stride_x=h, stride_o=h,
-                            eps=1e-6)
+            for weight, adds in ((True, False), (False, False), (True, True)):  # adds: residual, pre-add, scale
+                args = dict(x_ptr=e, w_ptr=e, out_ptr=e, pre_ptr=e, res_ptr=e, s_ptr="*fp32", n_cols=h, stride_x=h,
+                            stride_o=h, eps=1e-6)
                 block = 1 << (h - 1).bit_length()
-                out.append(spec("rmsnorm._rms_norm_kernel", f"{dt} H={h}{' w' if weight else ''}", target, args,
-                                dict(HAS_WEIGHT=weight, IS_BF16=dt == "bf16", BLOCK=block), False))
+                out.append(spec("rmsnorm._rms_norm_kernel", f"{dt} H={h}{' w' if weight else ''}{' +' if adds else ''}",
+                                target, args, dict(HAS_WEIGHT=weight, HAS_PRE=adds, HAS_RES=adds, HAS_SCALE=adds,
+                                                   IS_BF16=dt == "bf16", BLOCK=block), False))
+        for d, nq, nkv, has_v in ((HEAD_DIMS[0], 16, 8, 1), (HEAD_DIMS[-1], 16, 2, 0)):  # sliding, full layers
+            args = dict(x_ptr=e, qw_ptr=e, kw_ptr=e, cos_ptr=e, sin_ptr=e, q_ptr=e, k_ptr=e, v_ptr=e, cos_rows=CANVAS,
+                        stride_x=(nq + nkv * (1 + has_v)) * d, stride_c=d, eps=1e-6, D=d)
+            out.append(spec("fused._qkv_norm_rope_kernel", f"{dt} d={d}", target, args,
+                            dict(NQ=nq, NKV=nkv, HAS_V=has_v, IS_BF16=dt == "bf16", BLOCK_D=d), False))
+        out.append(spec("fused._gelu_mul_kernel", dt, target, dict(x_ptr=e, out_ptr=e, inner=2112, stride_x=4224),
+                        dict(IS_BF16=dt == "bf16", BLOCK=1024), False))
+        out.append(spec("fused._router_input_kernel", dt, target, dict(x_ptr=e, s_ptr=e, out_ptr=e, H=H, root=0.02,
+                                                                      eps=1e-6),
+                        dict(IS_BF16=dt == "bf16", BLOCK=1 << (H - 1).bit_length()), False))
+        out.append(spec("fused._route_kernel", dt, target, dict(l_ptr=e, s_ptr=e, w_ptr="*fp32", i_ptr="*i64", E=128),
+                        dict(K=8, BLOCK_E=128, BLOCK_K=8), False))
+        out.append(spec("moe._combine_kernel", dt, target, dict(y_ptr=e, out_ptr=e, H=H),
+                        dict(TOPK=8, IS_BF16=dt == "bf16", BLOCK=1024), False))
+    for bm in (64, 128):
+        out.append(spec("moe._align_kernel", f"BLOCK_M={bm}", target, dict(
+            flat_ptr="*i64", pair_ptr="*i32", block_expert_ptr="*i32", NK=CANVAS * 8, E=128, n_slots=CANVAS * 8 * 2,
+            n_blocks=64), dict(BM=bm, BLOCK_E=128, BLOCK_P=64), False))
     return out
 
 
@@ -156,11 +176,14 @@ def _vocab(target: str) -> list[dict]:
                                 dict(base, WANT_SOFT=soft), tc, spill_ok=SPILL_EXCEPTIONS["vocab_pass._stats_kernel"]))
         # The soft kernel: every autotuned configuration (kernels/vocab_pass.py::SOFT_TUNE) and the fixed one.
         for bm, bn_soft, warps, stages in sorted({(64, 64, 4, 3), *SOFT_TUNE[dt]}):
-            args = dict(l_ptr=e, e_ptr=e, mb_ptr="*fp32", zb_ptr="*fp32", part_ptr="*fp32", N=CANVAS, V=V, H=H,
-                        cols_per_split=per_soft, stride_l=V, stride_e=H, stride_ps=CANVAS * H, stride_pn=H)
-            flags = dict(IS_BF16=dt == "bf16", DOT_BF16=dt == "bf16", BLOCK_M=bm, BLOCK_N=bn_soft, BLOCK_K=bk)
+            args = dict(p_ptr=e, e_ptr=e, part_ptr="*fp32", N=CANVAS, V=V, H=H, cols_per_split=per_soft, stride_p=V,
+                        stride_e=H, stride_ps=CANVAS * H, stride_pn=H)
+            flags = dict(DOT_BF16=dt == "bf16", BLOCK_M=bm, BLOCK_N=bn_soft, BLOCK_K=bk)
             out.append(spec("vocab_pass._soft_kernel", f"{dt} {bm}x{bn_soft} w{warps} s{stages}", target, args, flags,
                             tc, dict(num_warps=warps, num_stages=stages)))
+        out.append(spec("vocab_pass._probs_kernel", dt, target, dict(l_ptr=e, mb_ptr="*fp32", zb_ptr="*fp32", N=CANVAS,
+                                                                     V=V, stride_l=V), dict(IS_BF16=dt == "bf16",
+                                                                                            BLOCK=1024), False))
         args = dict(m_ptr="*fp32", z_ptr="*fp32", s_ptr="*fp32", amax_ptr="*i32", zb_ptr="*fp32", mb_ptr="*fp32",
                     ent_ptr="*fp32", arg_ptr="*i64", zbt_ptr="*fp32", N=CANVAS, S=splits)
         out.append(spec("vocab_pass._combine_kernel", dt, target, args, dict(IS_BF16=dt == "bf16", BLOCK=128), False))

@@ -59,7 +59,11 @@ def instrument(model, spans: Spans):
             handles.append(mod.register_forward_pre_hook(lambda m, a, c=comp: spans.enter(c)))
             handles.append(mod.register_forward_hook(lambda m, a, o: spans.exit()))
     patched = []
-    for owner, attr, comp in ((gemma, "attend", "attention"), (rules, "vocab_pass", "vocab_pass")):
+    # Projections fused at load (CUDA: model/gemma.py::fuse_projections) run no Linear module: their callers are timed
+    fused = [(m, "project" if isinstance(m, gemma.Attention) else "condition",
+              "attention" if isinstance(m, gemma.Attention) else "selfcond_mlp") for m in model.modules()
+             if m.__dict__.get("fused") is not None and isinstance(m, (gemma.Attention, gemma.SelfConditioning))]
+    for owner, attr, comp in ((gemma, "attend", "attention"), (rules, "vocab_pass", "vocab_pass"), *fused):
         fn = getattr(owner, attr, None)
         if fn is None:
             continue  # renamed by the model's owners: its time falls to the remainder
@@ -77,7 +81,10 @@ def instrument(model, spans: Spans):
         for h in handles:
             h.remove()
         for owner, attr, fn in patched:
-            setattr(owner, attr, fn)
+            if isinstance(owner, torch.nn.Module):  # an instance's wrapper: the class's method shows again
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, fn)
     return undo
 
 

@@ -103,10 +103,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 
 def rms_norm_add(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, residual: torch.Tensor | None = None,
-                 pre_add: torch.Tensor | None = None) -> torch.Tensor:
-    """residual + rms_norm(x + pre_add) (either may be None), each add rounded to x.dtype as torch's add rounds."""
+                 pre_add: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """(residual + rms_norm(x + pre_add)) · scale (any may be None; scale: one value, the product in place), each
+    op rounded to x.dtype as torch's ops round; one Triton launch on CUDA."""
+    if implementation("rms_norm", x.device) == "triton" and (scale is None or scale.numel() == 1) and all(
+            t is None or (t.shape, t.dtype) == (x.shape, x.dtype) for t in (residual, pre_add)):
+        return ops.rms_norm(x, weight, eps, residual, pre_add, scale)
     y = rms_norm(x if pre_add is None else x + pre_add, weight, eps)
-    return y if residual is None else residual + y
+    y = y if residual is None else residual + y
+    return y if scale is None else y.mul_(scale)
 
 
 def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -115,8 +120,38 @@ def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def gelu_mul_fused(gu: torch.Tensor, inter: int) -> torch.Tensor:
-    """gelu_mul of a [..., 2·inter] gate_up tensor's halves (gate first)."""
+    """gelu_mul of a [..., 2·inter] gate_up tensor's halves (gate first); one Triton launch on CUDA."""
+    if _fusing(gu):
+        return ops.gelu_mul(gu, inter)
     return reference_ops.gelu_mul(gu[..., :inter], gu[..., inter:])
+
+
+def qkv_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, heads: int, kv_heads: int, has_v: bool, eps: float):
+    """q, k, v [B, T, n, d] of a fused projection (see `reference_ops.qkv_norm_rope_reference`); one Triton
+    launch on CUDA."""
+    if implementation("rms_norm", qkv.device) == "triton" and q_weight.dtype == k_weight.dtype == qkv.dtype:
+        return ops.qkv_norm_rope(qkv, q_weight, k_weight, cos, sin, heads, kv_heads, has_v, eps)
+    return reference_ops.qkv_norm_rope_reference(qkv, q_weight, k_weight, cos, sin, heads, kv_heads, has_v, eps)
+
+
+def _fusing(x: torch.Tensor) -> bool:
+    """The CUDA path's fused Triton kernels (kernels/fused.py) run: on CUDA with Triton, without autograd."""
+    return implementation("rms_norm", x.device) == "triton" and not torch.is_grad_enabled()
+
+
+def router_input(r: torch.Tensor, scale: torch.Tensor, root: float, eps: float) -> torch.Tensor:
+    """The router's input Norm_0(r)·scale·root (`reference_ops.router_input_reference`); one launch on CUDA."""
+    if _fusing(r) and scale.dtype == r.dtype and r.dim() == 2:
+        return ops.router_input(r, scale, root, eps)
+    return rms_norm(r, None, eps) * scale * root  # the reference's ops, the norm by this device's kernel
+
+
+def route(logits: torch.Tensor, per_expert_scale: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing weights and expert ids of router logits (`reference_ops.route_reference`); one launch on CUDA."""
+    if _fusing(logits) and logits.dim() == 2:
+        return ops.route(logits, per_expert_scale, k)
+    return reference_ops.route_reference(logits, per_expert_scale, k)
 
 
 def fp8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:

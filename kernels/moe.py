@@ -163,11 +163,53 @@ def _down_kernel(act_ptr, w_ptr, pair_ptr, block_expert_ptr, rw_ptr, y_ptr, as_p
              mask=valid[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _align_kernel(flat_ptr, pair_ptr, block_expert_ptr, NK, E, n_slots, n_blocks, BM: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
+    """`group_by_expert` in one program: per-expert counts, padded starts, each pair's slot (its expert's start +
+    the pairs of that expert before it: the stable sort's order) and each block's expert."""
+    es = tl.arange(0, BLOCK_E)
+    ps = tl.arange(0, BLOCK_P)
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for p0 in range(0, NK, BLOCK_P):
+        ids = tl.load(flat_ptr + p0 + ps, mask=p0 + ps < NK, other=-1)
+        counts += tl.sum((ids[:, None] == es[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BM - 1) // BM * BM
+    pad_end = tl.cumsum(padded, axis=0)  # [E]
+    start = pad_end - padded
+    for s0 in range(0, n_slots, BLOCK_P):  # every slot padding first
+        tl.store(pair_ptr + s0 + ps, tl.full((BLOCK_P,), -1, tl.int32), mask=s0 + ps < n_slots)
+    tl.debug_barrier()
+    seen = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for p0 in range(0, NK, BLOCK_P):
+        ok = p0 + ps < NK
+        hit = ((tl.load(flat_ptr + p0 + ps, mask=ok, other=-1)[:, None] == es[None, :])).to(tl.int32)  # [P, E]
+        before = seen[None, :] + tl.cumsum(hit, axis=0) - hit
+        dest = tl.sum((start[None, :] + before) * hit, axis=1)
+        tl.store(pair_ptr + dest, (p0 + ps).to(tl.int32), mask=ok)
+        seen += tl.sum(hit, axis=0)
+    ends = tl.where(es < E, pad_end, 1 << 30)
+    for b0 in range(0, n_blocks, BLOCK_P):
+        blk = b0 + ps
+        e = tl.sum((ends[None, :] <= (blk * BM)[:, None]).to(tl.int32), axis=1)  # first expert ending later
+        tl.store(block_expert_ptr + blk, tl.where(e < E, e, -1), mask=blk < n_blocks)
+
+
 def group_by_expert(flat: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Pair ids [N·k] -> (pair_of_slot [S] int32, -1 = padding; block_expert [S/BLOCK_M] int32, -1 = unused),
-    with device ops only. S = an upper bound on the padded total, so no count is read back."""
-    nk = flat.numel()
-    dev = flat.device
+    in one launch, no host read. S = an upper bound on the padded total, so no count is read back."""
+    n_blocks = triton.cdiv(flat.numel() + num_experts * (block_m - 1), block_m)
+    pair_of_slot = flat.new_empty(n_blocks * block_m, dtype=torch.int32)
+    block_expert = flat.new_empty(n_blocks, dtype=torch.int32)
+    _align_kernel[(1,)](flat.contiguous(), pair_of_slot, block_expert, flat.numel(), num_experts,
+                        pair_of_slot.numel(), n_blocks, BM=block_m, BLOCK_E=triton.next_power_of_2(num_experts),
+                        BLOCK_P=64)
+    return pair_of_slot, block_expert
+
+
+def group_by_expert_reference(flat: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`group_by_expert` in torch ops (the spec: a stable sort of the pairs by expert)."""
+    nk, dev = flat.numel(), flat.device
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m  # [E]
     pad_end = torch.cumsum(padded, 0)  # [E]
@@ -178,10 +220,8 @@ def group_by_expert(flat: torch.Tensor, num_experts: int, block_m: int) -> tuple
     n_blocks = triton.cdiv(nk + num_experts * (block_m - 1), block_m)
     pair_of_slot = torch.full((n_blocks * block_m,), -1, dtype=torch.int32, device=dev)
     pair_of_slot[dest] = order.to(torch.int32)
-    starts = torch.arange(n_blocks, device=dev) * block_m
-    block_expert = torch.searchsorted(pad_end, starts, right=True)  # first expert whose padded run ends later
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
-    return pair_of_slot, block_expert
+    block_expert = torch.searchsorted(pad_end, torch.arange(n_blocks, device=dev) * block_m, right=True)
+    return pair_of_slot, torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
 
 
 def block_rows(pairs: int, num_experts: int) -> int:
@@ -285,8 +325,20 @@ def experts_triton(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_
     grid = lambda meta: (block_expert.numel(), triton.cdiv(h, meta["BLOCK_N"]))  # noqa: E731
     down[grid](act, down_proj, pair_of_slot, block_expert, rw, y, a_s, dns, h, inter,
                act.stride(0), down_proj.stride(0), down_proj.stride(1), y.stride(0), dns.stride(0), **flags)
-    y = y.view(n, k, h)
-    out = y[:, 0].clone()
-    for j in range(1, k):
-        out += y[:, j]  # one rounding per addition, ascending experts (the reference's index_add_ order)
+    out = torch.empty(n, h, dtype=x.dtype, device=x.device)
+    _combine_kernel[(n, triton.cdiv(h, 1024))](y, out, h, TOPK=k, IS_BF16=is_bf16, BLOCK=1024)
     return out
+
+
+@triton.jit
+def _combine_kernel(y_ptr, out_ptr, H, TOPK: tl.constexpr, IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """out[n] = y[n, 0] + y[n, 1] + ... (y [N, k, H] contiguous): one rounding per addition, ascending experts
+    (the reference's index_add_ order), in one launch where torch makes k."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < H
+    acc = tl.load(y_ptr + row * TOPK * H + cols, mask=mask, other=0.0).to(tl.float32)
+    for j in tl.static_range(1, TOPK):
+        acc = round_to(acc + tl.load(y_ptr + (row * TOPK + j) * H + cols, mask=mask, other=0.0).to(tl.float32),
+                       IS_BF16)
+    tl.store(out_ptr + row * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)

@@ -1,6 +1,6 @@
 """The Triton kernels as torch custom ops (`torch.ops.dgemma.*`), each with a fake implementation.
 
-Owns: `rms_norm`, `experts` (bf16/fp32 and FP8 weights), `fp8_linear`, `vocab_pass` and `paged_attention`, the
+Owns: `rms_norm`, `qkv_norm_rope`, `gelu_mul`, `router_input`, `route`, `experts` (bf16/fp32 and FP8 weights), `fp8_linear`, `vocab_pass` and `paged_attention`, the
 doors through which kernels/dispatch.py and model/attention.py reach the Triton entry points
 (`rmsnorm.rms_norm`, `moe.experts_triton`, `fp8_linear.linear_w8a16`, `vocab_pass.vocab_pass_triton`,
 `paged_attention.paged_attention`). A real call runs the entry point unchanged
@@ -26,14 +26,15 @@ def _float_only(name: str, dtype: torch.dtype) -> None:
 
 
 @torch.library.custom_op("dgemma::rms_norm", mutates_args=())
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None,
+              pre_add: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     from .rmsnorm import rms_norm
 
-    return rms_norm(x, weight, eps)
+    return rms_norm(x, weight, eps, residual, pre_add, scale)
 
 
 @_rms_norm.register_fake
-def _(x, weight, eps):
+def _(x, weight, eps, residual=None, pre_add=None, scale=None):
     _float_only("rms_norm", x.dtype)
     return x.new_empty(x.shape)  # [..., H] contiguous, x.dtype
 
@@ -68,6 +69,62 @@ def _(x, q, s):
     _float_only("linear_w8a16", x.dtype)
     _float_only("linear_w8a16 scales", s.dtype)
     return x.new_empty(*x.shape[:-1], q.shape[0])  # [..., N] in x.dtype
+
+
+@torch.library.custom_op("dgemma::qkv_norm_rope", mutates_args=())
+def _qkv_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, heads: int, kv_heads: int, has_v: bool,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .fused import qkv_norm_rope
+
+    return qkv_norm_rope(qkv, q_weight, k_weight, cos, sin, heads, kv_heads, has_v, eps)
+
+
+@_qkv_norm_rope.register_fake
+def _(qkv, q_weight, k_weight, cos, sin, heads, kv_heads, has_v, eps):
+    _float_only("qkv_norm_rope", qkv.dtype)
+    (b, t, _), d = qkv.shape, q_weight.shape[0]
+    return qkv.new_empty(b, t, heads, d), qkv.new_empty(b, t, kv_heads, d), qkv.new_empty(b, t, kv_heads, d)
+
+
+@torch.library.custom_op("dgemma::gelu_mul", mutates_args=())
+def _gelu_mul(gu: torch.Tensor, inner: int) -> torch.Tensor:
+    from .fused import gelu_mul_fused
+
+    return gelu_mul_fused(gu, inner)
+
+
+@_gelu_mul.register_fake
+def _(gu, inner):
+    _float_only("gelu_mul", gu.dtype)
+    return gu.new_empty(*gu.shape[:-1], inner)
+
+
+@torch.library.custom_op("dgemma::router_input", mutates_args=())
+def _router_input(r: torch.Tensor, scale: torch.Tensor, root: float, eps: float) -> torch.Tensor:
+    from .fused import router_input
+
+    return router_input(r, scale, root, eps)
+
+
+@_router_input.register_fake
+def _(r, scale, root, eps):
+    _float_only("router_input", r.dtype)
+    return r.new_empty(r.shape)
+
+
+@torch.library.custom_op("dgemma::route", mutates_args=())
+def _route(logits: torch.Tensor, per_expert_scale: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from .fused import route
+
+    return route(logits, per_expert_scale, k)
+
+
+@_route.register_fake
+def _(logits, per_expert_scale, k):
+    _float_only("route", logits.dtype)
+    n = logits.shape[0]
+    return logits.new_empty(n, k, dtype=torch.float32), logits.new_empty(n, k, dtype=torch.int64)
 
 
 @torch.library.custom_op("dgemma::vocab_pass", mutates_args=())
@@ -127,9 +184,10 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                                      int(ring_blocks), tile_row0, tile_rows, k_new, v_new, fresh_pos, fresh_row, out)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """`rmsnorm.rms_norm` through its op."""
-    return torch.ops.dgemma.rms_norm(x, weight, float(eps))
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None,
+             pre_add: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """`rmsnorm.rms_norm` (with the residual, the pre-add and the scale fused in) through its op."""
+    return torch.ops.dgemma.rms_norm(x, weight, float(eps), residual, pre_add, scale)
 
 
 def experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_proj: torch.Tensor,
@@ -137,6 +195,26 @@ def experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_proj: t
             down_scale: torch.Tensor | None = None, dynamic: bool = False) -> torch.Tensor:
     """`moe.experts_triton` (default block sizes) through its op."""
     return torch.ops.dgemma.experts(x, w, idx, gate_up_proj, down_proj, gate_up_scale, down_scale, dynamic)
+
+
+def qkv_norm_rope(qkv, q_weight, k_weight, cos, sin, heads: int, kv_heads: int, has_v: bool, eps: float):
+    """`fused.qkv_norm_rope` through its op."""
+    return torch.ops.dgemma.qkv_norm_rope(qkv, q_weight, k_weight, cos, sin, heads, kv_heads, has_v, float(eps))
+
+
+def router_input(r: torch.Tensor, scale: torch.Tensor, root: float, eps: float) -> torch.Tensor:
+    """`fused.router_input` through its op."""
+    return torch.ops.dgemma.router_input(r, scale, float(root), float(eps))
+
+
+def route(logits: torch.Tensor, per_expert_scale: torch.Tensor, k: int):
+    """`fused.route` through its op."""
+    return torch.ops.dgemma.route(logits, per_expert_scale, int(k))
+
+
+def gelu_mul(gu: torch.Tensor, inner: int) -> torch.Tensor:
+    """`fused.gelu_mul_fused` through its op."""
+    return torch.ops.dgemma.gelu_mul(gu, int(inner))
 
 
 def fp8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,8 @@
 tested against). They restate `dgcli/model/gemma.py`'s `Experts.forward` and `RMSNorm.forward` op for op so
 kernels and tests need no nn.Module; `tests/test_kernel_moe.py` checks that they still equal the model's.
 
-Owns: `experts_reference` (and its routing order, `expert_groups`), `rms_norm_reference`. Must not: import the model, pick devices, or be fast.
+Owns: `experts_reference` (and its routing order, `expert_groups`), `rms_norm_reference`, the fused kernels'
+references (`qkv_norm_rope_reference`, `route_reference`, `router_input_reference`). Must not: import the model, pick devices, or be fast.
 """
 
 from __future__ import annotations
@@ -57,3 +58,31 @@ def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """F.gelu(gate, approximate="tanh") * up, the gated MLPs' activation (torch's ops on every device)."""
     y = F.gelu(gate, approximate="tanh")
     return y * up if torch.is_grad_enabled() else y.mul_(up)  # in place where no graph is kept: one buffer fewer
+
+
+def qkv_norm_rope_reference(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor, heads: int, kv_heads: int, has_v: bool, eps: float):
+    """One attention's q/k/v from its fused projection qkv [B, T, (heads + kv_heads·(1 + has_v))·d]: q =
+    rope(Norm_wq(q)), k = rope(Norm_wk(k)), v = Norm_0(v, else the raw k) as [B, T, n, d] each, in qkv.dtype,
+    with rotate-half RoPE by cos and signed sin tables broadcastable to [B, T, 1, d] (the model's `apply_rope`:
+    x·cos + roll(x, d/2)·sin, each op rounded to the dtype)."""
+    b, t, _ = qkv.shape
+    d = q_weight.shape[0]
+    x = qkv.view(b, t, -1, d)
+    q, k = x[:, :, :heads], x[:, :, heads:heads + kv_heads]
+    v = x[:, :, heads + kv_heads:] if has_v else k
+    rope = lambda y: y * cos + y.roll(d // 2, -1) * sin  # noqa: E731
+    return (rope(rms_norm_reference(q, q_weight, eps)), rope(rms_norm_reference(k, k_weight, eps)),
+            rms_norm_reference(v, None, eps))
+
+
+def route_reference(logits: torch.Tensor, per_expert_scale: torch.Tensor, k: int):
+    """Router logits [N, E] -> fp32 weights [N, k] and expert ids [N, k]: softmax over every expert in fp32, the k
+    largest (descending), renormalised, then times their experts' scales (the model's `Router`)."""
+    w, idx = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), k, dim=-1)
+    return w / w.sum(dim=-1, keepdim=True) * per_expert_scale[idx], idx
+
+
+def router_input_reference(r: torch.Tensor, scale: torch.Tensor, root: float, eps: float) -> torch.Tensor:
+    """The router's input Norm_0(r) · scale · root, each product rounded to r.dtype (the model's `Router`)."""
+    return rms_norm_reference(r, None, eps) * scale * root

@@ -16,9 +16,10 @@ The head GEMM runs once per tile:
    of E again (V·H·2 ≈ 1.5 GB) and does 2·H flops per logit (~0.38 TFLOP): estimated ~0.1 ms against
    ~0.5 ms on an H100 (data-sheet peaks; not measured here, no GPU). Rows are processed in chunks that keep
    the scratch under SCRATCH_BYTES (rows are independent: the same bits in any chunking).
-2. `_soft_kernel`, grid (row blocks, H blocks, SOFT_SPLITS): p = bf16(exp(bf16(L) - Mb)/Zb) computed on the
-   fly from the scratch (Mb = bf16(max L), the max the reference's softmax subtracts: the reference's
-   normalised, rounded probabilities), times E, split-K over the vocabulary into fp32 partials added
+2. `_probs_kernel` turns the scratch into p = bf16(exp(bf16(L) - Mb)/Zb) in place, once per logit (Mb =
+   bf16(max L), the max the reference's softmax subtracts: the reference's normalised, rounded probabilities;
+   computing p inside the GEMM redid it once per H block, 44x at the released H), then `soft_gemm`, grid (row
+   blocks, H blocks, SOFT_SPLITS): p times E, a plain split-K GEMM over the vocabulary into fp32 partials added
    elementwise in split order. soft = bf16(Σ partials)·scale. Not bit for bit with the reference: its softmax
    sums exp in its own order (torch's CPU fp32 softmax is off the exact sum by ~1e-5 relative at
    V = 262,144, which moves ~0.2 % of the bf16 probabilities by one step) and with its own exp.
@@ -148,34 +149,59 @@ def _stats_kernel(h_ptr, e_ptr, temp_ptr, m_ptr, z_ptr, s_ptr, amax_ptr, zb_ptr,
 
 
 @triton.jit
-def _soft_kernel(l_ptr, e_ptr, mb_ptr, zb_ptr, part_ptr, N, V, H, cols_per_split, stride_l, stride_e, stride_ps,
-                 stride_pn, IS_BF16: tl.constexpr, DOT_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """part[split, rows, cols] = Σ over this split's vocabulary of p·E, p = bf16(exp(bf16(L) - Mb)/Zb)."""
+def _probs_kernel(l_ptr, mb_ptr, zb_ptr, N, V, stride_l, IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """The scratch's bf16(L) -> p = bf16(exp(bf16(L) - Mb)/Zb), in place: once per logit."""
+    row = tl.program_id(0).to(tl.int64)
+    ks = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = ks < V
+    lb = tl.load(l_ptr + row * stride_l + ks, mask=ok, other=0.0).to(tl.float32)
+    p = round_to(tl.exp(lb - tl.load(mb_ptr + row)) / tl.load(zb_ptr + row), IS_BF16)  # softmax_fp32(bf16 L)
+    tl.store(l_ptr + row * stride_l + ks, p.to(l_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _soft_kernel(p_ptr, e_ptr, part_ptr, N, V, H, cols_per_split, stride_p, stride_e, stride_ps, stride_pn,
+                 DOT_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """part[split, rows, cols] = Σ over this split's vocabulary of p·E: a plain split-K GEMM."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < N
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # hidden channels
     col_ok = cols < H
     split = tl.program_id(2)
-    mb = tl.load(mb_ptr + rows, mask=row_ok, other=0.0)[:, None]  # [BM, 1]
-    zb = tl.load(zb_ptr + rows, mask=row_ok, other=1.0)[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = split * cols_per_split
     k_hi = tl.minimum(V, k_lo + cols_per_split)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k_hi
-        lb = tl.load(l_ptr + rows[:, None].to(tl.int64) * stride_l + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                     other=float("-inf")).to(tl.float32)  # [BM, BK] bf16(L)
-        p = round_to(tl.exp(lb - mb) / zb, IS_BF16)  # softmax_fp32(bf16 L) -> bf16; 0 where masked
+        p = tl.load(p_ptr + rows[:, None].to(tl.int64) * stride_p + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)  # [BM, BK]
         b = tl.load(e_ptr + ks[:, None].to(tl.int64) * stride_e + cols[None, :], mask=k_ok[:, None] & col_ok[None, :],
                     other=0.0)  # [BK, BN]
         if DOT_BF16:  # p holds bf16 values: exact as bf16
             acc = tl.dot(p.to(tl.bfloat16), b, acc)
         else:
-            acc = tl.dot(p, b.to(tl.float32), acc, input_precision="ieee")
+            acc = tl.dot(p.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     ptrs = part_ptr + split.to(tl.int64) * stride_ps + rows[:, None].to(tl.int64) * stride_pn + cols[None, :]
     tl.store(ptrs, acc, mask=row_ok[:, None] & col_ok[None, :])
+
+
+def soft_gemm(p: torch.Tensor, embed: torch.Tensor, block_k: int = 64, soft_tile: tuple | None = None) -> torch.Tensor:
+    """Σ_v p[n, v]·E[v] -> fp32 [n, H] (p [n, V] in E's dtype): SOFT_SPLITS split-K partials over the
+    vocabulary, each one tl.dot chain in BLOCK_K steps, added elementwise in split order: a row's bits do not
+    depend on the other rows (batch-invariant)."""
+    (n, v), h = p.shape, embed.shape[1]
+    kernel, tile = soft_tile or _soft_launcher(interpreting(), None, None, embed.dtype)
+    per_soft = triton.cdiv(triton.cdiv(v, SOFT_SPLITS), block_k) * block_k
+    soft_splits = triton.cdiv(v, per_soft)
+    part = torch.empty(soft_splits, n, h, dtype=torch.float32, device=p.device)  # [S, n, H] split-K partials
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), triton.cdiv(h, meta["BLOCK_N"]), soft_splits)  # noqa: E731
+    kernel[grid](p, embed, part, n, v, h, per_soft, p.stride(0), embed.stride(0), part.stride(0), part.stride(1),
+                 DOT_BF16=embed.dtype == torch.bfloat16 and not interpreting(), BLOCK_K=block_k, **tile)
+    acc = part[0].clone()
+    for k in range(1, soft_splits):  # elementwise, splits in order (a torch .sum(0) picks its order by shape)
+        acc += part[k]
+    return acc
 
 
 @triton.jit
@@ -302,16 +328,8 @@ def _pass_rows(rows, embed, temp, u, softcap, want_soft, splits, bm, bn, bk, sof
     sample = draw_from_groups(tile_m, tile_z, u, bn, rows, embed, softcap, temp[:, None], logits_fn=_group_logits)
     if not want_soft:
         return sample, argmax, entropy, None
-    per_soft = triton.cdiv(triton.cdiv(v, SOFT_SPLITS), bk) * bk
-    soft_splits = triton.cdiv(v, per_soft)
-    part = torch.empty(soft_splits, n, h, dtype=torch.float32, device=dev)  # [S, n, H] split-K partials
-    kernel, tile = soft_tile
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), triton.cdiv(h, meta["BLOCK_N"]), soft_splits)  # noqa: E731
-    kernel[grid](scratch, embed, mb, zbt, part, n, v, h, per_soft, scratch.stride(0), embed.stride(0),
-                 part.stride(0), part.stride(1), IS_BF16=is_bf16, DOT_BF16=dot_bf16, BLOCK_K=bk, **tile)
-    acc = part[0].clone()
-    for k in range(1, soft_splits):  # elementwise, splits in order (a torch .sum(0) picks its order by shape)
-        acc += part[k]
+    _probs_kernel[(n, triton.cdiv(v, 1024))](scratch, mb, zbt, n, v, scratch.stride(0), IS_BF16=is_bf16, BLOCK=1024)
+    acc = soft_gemm(scratch, embed, bk, soft_tile)
     return sample, argmax, entropy, acc
 
 

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dgcli.model import fp8
 from dgcli.checkpoint.config import parse_config
-from dgcli.model.gemma import DiffusionGemma
+from dgcli.model.gemma import DiffusionGemma, fuse_projections
 from dgcli.checkpoint.meta import meta_model
 from dgcli.checkpoint.random_weights import make_config, with_fp8
 
@@ -98,6 +98,9 @@ class CudaBindings(TorchFunctionMode):
         if host:
             raise FakeTensorDeviceMismatchError(f"indexing a {self_.device} tensor with {host[0].device} tensors")
         twin = _meta_twin(self_)
+        for counter in _COUNTING:  # an index_put_ / copy_, or an advanced index: one launch each on a GPU
+            if func is torch.Tensor.__setitem__ or any(isinstance(t, (torch.Tensor, list)) for t in parts):
+                counter.names.append("aten.index_put_" if func is torch.Tensor.__setitem__ else "aten.index")
         if func is torch.Tensor.__setitem__:
             twin[_meta_twin(idx)] = _meta_twin(value)
             return None
@@ -176,10 +179,10 @@ def fake_cuda(monkeypatch):
     return mode
 
 
-def fake_model(mode: FakeTensorMode, weights: str) -> DiffusionGemma:
+def fake_model(mode: FakeTensorMode, weights: str, text: dict = TEXT, canvas: int = CANVAS) -> DiffusionGemma:
     """The model with every parameter and buffer a fake bf16 (FP8: e4m3 + bf16 scales) CUDA tensor, built
     as `random_weights.random_model` builds one (on meta, then allocated), values never drawn."""
-    cfg_dict = make_config(TEXT, CANVAS)
+    cfg_dict = make_config(text, canvas)
     cfg = parse_config(with_fp8(cfg_dict) if weights == "fp8" else cfg_dict)
     model = meta_model(cfg)
     model.to(torch.bfloat16)
@@ -192,6 +195,7 @@ def fake_model(mode: FakeTensorMode, weights: str) -> DiffusionGemma:
                     if v is not None:
                         t = torch.empty(v.shape, dtype=v.dtype, device=CUDA)
                         reg[k] = torch.nn.Parameter(t, requires_grad=False) if isinstance(v, torch.nn.Parameter) else t
+        fuse_projections(model)  # as a CUDA session does at load
     return model.eval()
 
 
@@ -210,7 +214,7 @@ def substitute_reads(log: list):
 
 def check_dtypes(log: OpLog, weights: str) -> None:
     """Every GEMM, attention and kernel op on CUDA, its floats bf16 or fp32 (FP8 weights: e4m3 too), its
-    outputs bf16 (the vocabulary pass: its fp32 entropies too); every op's outputs in a dtype the CUDA path
+    outputs bf16 (the vocabulary pass: its fp32 entropies too; the router: its fp32 weights); every op's outputs in a dtype the CUDA path
     uses (float16: `kernels/fp8.py::fp8_over_256` views e4m3 bits as float16; float64: the draws' uniforms)."""
     allowed = {torch.bfloat16, torch.float32, torch.int64, torch.int32, torch.int16, torch.uint8, torch.bool,
                torch.float64} | ({torch.float16, torch.float8_e4m3fn} if weights == "fp8" else set())
@@ -222,7 +226,8 @@ def check_dtypes(log: OpLog, weights: str) -> None:
         assert all(d == CUDA for _, d in ins + outs), (name, ins, outs)
         floats = {torch.bfloat16, torch.float32, torch.float8_e4m3fn} | ({torch.float64} if vocab else set())
         assert {dt for dt, _ in ins + outs if dt.is_floating_point} <= floats, (name, ins)
-        assert {dt for dt, _ in outs} <= {torch.bfloat16, torch.int64} | ({torch.float32} if vocab else set()), \
+        fp32_out = vocab or name.startswith("dgemma.route.")  # fp32 entropies, fp32 routing weights (as the reference)
+        assert {dt for dt, _ in outs} <= {torch.bfloat16, torch.int64} | ({torch.float32} if fp32_out else set()), \
             (name, outs)
         if name.startswith("dgemma.paged_attention"):  # queries, pools, new keys and the output bf16; metadata int32
             assert {dt for dt, _ in ins} == {torch.bfloat16, torch.int32}, ins
@@ -272,3 +277,60 @@ class PageableCopies(TorchFunctionMode):
                     kwargs.get("non_blocking", False) or (len(args) > 2 and args[2])):
                 self._found(f"Tensor.copy_ of a {tuple(src.shape)} CPU tensor into CUDA without non_blocking")
         return func(*args, **kwargs)
+
+
+_FREE = ("aten.empty", "aten.new_empty", "aten.empty_like", "aten.empty_strided", "aten.lift_fresh",
+         "aten._local_scalar_dense", "aten._unsafe_view")  # allocation and bookkeeping: no kernel
+
+
+_COUNTING: list = []  # the active Launches
+
+
+class Launches(TorchDispatchMode):
+    """Counts what a CUDA stream would run: every aten op on a CUDA tensor that is not a view or an allocation
+    (one kernel or copy each, as eager CUDA launches them; a composite op counts once, as its CUDA kernel), and
+    every Triton launch inside our custom ops, whose real wrappers run (`real_wrappers`) with the launch itself
+    stubbed (recorded, nothing computed: the tensors are fake). `names` lists them in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+        self.on = False
+
+    def __enter__(self):
+        self.on = True
+        _COUNTING.append(self)  # CudaBindings' indexing counts too
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.on = False
+        _COUNTING.remove(self)
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = str(func)
+        view = any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+        cuda = any(t.device.type == "cuda" for t in torch.utils._pytree.tree_leaves((args, kwargs, out))
+                   if isinstance(t, torch.Tensor))
+        if cuda and not view and name.startswith(("aten.", "dgemma.")) and not name.startswith(_FREE):
+            self.names.append(name)
+        return out
+
+
+def real_wrappers(monkeypatch, counter: Launches) -> None:
+    """Our custom ops (`torch.ops.dgemma.*`) run their real Python wrappers instead of their fakes, with every
+    Triton launch (plain or autotuned) recorded in `counter` and not run."""
+    from triton.runtime import jit
+
+    from dgcli.kernels import ops
+
+    def launcher(self, grid):  # kernel[grid](...) of a jitted, interpreted or autotuned kernel
+        fn = getattr(self, "fn", self)
+        name = "triton." + getattr(fn, "__name__", str(fn))
+        return lambda *args, **kwargs: counter.names.append(name) if counter.on else None
+
+    monkeypatch.setattr(jit.KernelInterface, "__getitem__", launcher)
+    for name in ("rms_norm", "experts", "fp8_linear", "vocab_pass", "paged_attention", "qkv_norm_rope", "gelu_mul"):
+        op = getattr(ops, "_" + name)
+        monkeypatch.setattr(torch.ops.dgemma, name, op._init_fn)

@@ -35,9 +35,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dispatch.rms_norm(x, self.weight, self.eps)
 
-    def add(self, residual: torch.Tensor, x: torch.Tensor, pre_add: torch.Tensor | None = None) -> torch.Tensor:
-        """residual + self(x [+ pre_add]), each add rounded to x.dtype: one pass on CPU (dispatch.rms_norm_add)."""
-        return dispatch.rms_norm_add(x, self.weight, self.eps, residual=residual, pre_add=pre_add)
+    def add(self, residual: torch.Tensor, x: torch.Tensor, pre_add: torch.Tensor | None = None,
+            scale: torch.Tensor | None = None) -> torch.Tensor:
+        """(residual + self(x [+ pre_add])) [· scale], each op rounded to x.dtype (dispatch.rms_norm_add)."""
+        return dispatch.rms_norm_add(x, self.weight, self.eps, residual=residual, pre_add=pre_add, scale=scale)
 
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
@@ -79,8 +80,13 @@ class Attention(nn.Module):
         self.v_norm = RMSNorm(d, cfg.rms_norm_eps, with_scale=False)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """q [B, n, T, d], k and v [B, n_kv, T, d] for the tokens of this pass."""
+        """q [B, n, T, d], k and v [B, n_kv, T, d] for the tokens of this pass (fused: one GEMM, one kernel)."""
         (b, t, _), d = x.shape, self.g.head_dim
+        if _fused(self, x):
+            heads = (self.q_proj.out_features // d, self.k_proj.out_features // d, self.v_proj is not None)
+            q, k, v = dispatch.qkv_norm_rope(F.linear(x, self.fused), self.q_norm.weight, self.k_norm.weight, cos,
+                                             sin, *heads, self.q_norm.eps)
+            return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q = apply_rope(self.q_norm(self.q_proj(x).view(b, t, -1, d)), cos, sin)
         k_raw = self.k_proj(x).view(b, t, -1, d)
         v_raw = self.v_proj(x).view(b, t, -1, d) if self.v_proj is not None else k_raw
@@ -111,7 +117,34 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inner, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fused(self, x):
+            return self.down_proj(dispatch.gelu_mul_fused(F.linear(x, self.fused), self.gate_proj.out_features))
         return self.down_proj(dispatch.gelu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+def _fused(m: nn.Module, x: torch.Tensor) -> bool:
+    """Whether m runs its fused projection (`fuse_projections`): made, on x's device, and no autograd."""
+    w = m.__dict__.get("fused")
+    return w is not None and w.device == x.device and not torch.is_grad_enabled()
+
+
+@torch.no_grad()
+def fuse_projections(model: nn.Module) -> int:
+    """On CUDA, at load: each attention's q/k/v and each dense MLP's gate/up weights (plain bias-free `nn.Linear`s
+    of one dtype) become row views of one matrix `fused`, run as one GEMM (no second copy; autograd keeps the
+    separate GEMMs). Returns the groups fused (0 on CPU: its path, bits and prepacked weights stay)."""
+    done = 0
+    for m in model.modules():
+        lins = [getattr(m, n, None) for n in (("q_proj", "k_proj", "v_proj") if isinstance(m, Attention) else
+                                              ("gate_proj", "up_proj") if isinstance(m, MLP) else ())]
+        lins = [lin for lin in lins if lin is not None]
+        if lins and all(type(lin) is nn.Linear and lin.weight.is_cuda and lin.bias is None
+                        and lin.weight.dtype == lins[0].weight.dtype for lin in lins):
+            w, row, done = torch.cat([lin.weight for lin in lins]), 0, done + 1  # [sum of outputs, H]
+            for lin in lins:
+                lin.weight, row = nn.Parameter(w.narrow(0, row, lin.out_features), False), row + lin.out_features
+            m.__dict__["fused"] = w
+    return done
 
 
 class Router(nn.Module):
@@ -125,11 +158,9 @@ class Router(nn.Module):
 
     def forward(self, r: torch.Tensor):
         """r [N, H] (the un-normed residual) -> weights [N, k] fp32, expert ids [N, k]."""
-        z = self.norm(r) * self.scale * self.root
-        probs = torch.softmax(self.proj(z), dim=-1, dtype=torch.float32)  # over all experts
-        w, idx = torch.topk(probs, self.top_k, dim=-1)
-        w = w / w.sum(dim=-1, keepdim=True)
-        return w * self.per_expert_scale[idx], idx  # scale after renormalising
+        z = dispatch.router_input(r, self.scale, self.root, self.norm.eps)  # Norm_0(r)·scale·root
+        # softmax over all experts in fp32, top-k renormalised, then scaled per expert
+        return dispatch.route(self.proj(z), self.per_expert_scale, self.top_k)
 
 
 class Experts(nn.Module):
@@ -169,13 +200,13 @@ class DecoderLayer(nn.Module):
         self.register_buffer("layer_scalar", torch.ones(1))
         self.register_buffer("encoder_layer_scalar", torch.ones(1))
 
-    def feed_forward(self, r: torch.Tensor) -> torch.Tensor:
+    def feed_forward(self, r: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(r)))
         flat = r.reshape(-1, r.shape[-1])
         w, idx = self.router(flat)  # routes on the un-normed residual
         moe = self.experts(self.pre_feedforward_layernorm_2(flat), w, idx).reshape(r.shape)
         moe = self.post_feedforward_layernorm_2(moe)
-        return self.post_feedforward_layernorm.add(r, dense, moe)  # r + norm(dense + moe)
+        return self.post_feedforward_layernorm.add(r, dense, moe, scale)  # (r + norm(dense + moe))·scale
 
 
 class SelfConditioning(MLP):
@@ -303,9 +334,9 @@ class DiffusionGemma(nn.Module):
                 if nc == x.shape[1]:
                     return None
                 x, nc = x[:, nc:], 0
-            x = layer.feed_forward(x)
+            x = layer.feed_forward(x, layer.layer_scalar if cache_pass and not nc else None)  # in place: no graph
             if not nc:  # canvas rows only
-                x = x.mul_(layer.layer_scalar) if cache_pass else (x * layer.layer_scalar).to(x.dtype)
+                x = x if cache_pass else (x * layer.layer_scalar).to(x.dtype)
                 continue
             if cache_pass:  # in place: no graph to keep
                 x[:, :nc] *= layer.encoder_layer_scalar

@@ -162,13 +162,25 @@ def test_block_rows():
     assert [block_rows(p, 128) for p in (8, 2048, 8192, 8193, 16384)] == [64, 64, 64, 128, 128]
 
 
-def test_group_by_expert_layout():
+@pytest.mark.parametrize("fn", ["group_by_expert", "group_by_expert_reference"])
+def test_group_by_expert_layout(fn, triton_device):
     pytest.importorskip("triton")
-    from dgcli.kernels.moe import group_by_expert
+    from dgcli.kernels import moe
 
-    flat = torch.tensor([2, 0, 2, 2, 0, 3])  # expert 1 has no pairs
-    pair_of_slot, block_expert = group_by_expert(flat, 4, 2)
+    flat = torch.tensor([2, 0, 2, 2, 0, 3], device=triton_device)  # expert 1 has no pairs
+    pair_of_slot, block_expert = getattr(moe, fn)(flat, 4, 2)
     # expert 0: pairs 1, 4 | expert 2: pairs 0, 2, 3 (+1 pad) | expert 3: pair 5 (+1 pad) | unused tail
     assert pair_of_slot[:8].tolist() == [1, 4, 0, 2, 3, -1, 5, -1]
     assert block_expert.tolist()[:4] == [0, 2, 2, 3] and all(b == -1 for b in block_expert.tolist()[4:])
     assert (pair_of_slot[8:] == -1).all()
+
+
+@pytest.mark.parametrize("nk,e,bm", [(16 * 8, 128, 64), (300 * 8, 128, 64), (1000 * 8, 128, 128), (77, 6, 16)])
+def test_group_by_expert_kernel_equals_reference(nk, e, bm, triton_device):
+    """The one-launch align kernel lays the pairs out exactly as the torch ops (a stable sort by expert)."""
+    pytest.importorskip("triton")
+    from dgcli.kernels.moe import group_by_expert, group_by_expert_reference
+
+    flat = torch.randint(0, e, (nk,), generator=torch.Generator().manual_seed(nk)).to(triton_device)
+    for got, want in zip(group_by_expert(flat, e, bm), group_by_expert_reference(flat, e, bm)):
+        assert torch.equal(got, want)

@@ -48,3 +48,30 @@ def test_rms_norm_matches_reference(dtype, atol, rtol, shape, gain, triton_devic
     got = rms_norm(x, weight, 1e-6)
     assert got.shape == x.shape and got.dtype == dtype and got.device == x.device
     torch.testing.assert_close(got, rms_norm_reference(x, weight, 1e-6), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", TOLS)
+@pytest.mark.parametrize("shape", [(3, 37), (2, 3, 24), (3, 2816)])
+@pytest.mark.parametrize("pre", [True, False])
+def test_rms_norm_with_its_adds_matches_reference(dtype, atol, rtol, shape, pre, triton_device):
+    """residual + Norm(x + pre_add) in one launch: the reference's three ops, each add rounded to the dtype (a
+    one-ulp difference of the norm can move the sum by one ulp of the sum: within the bf16 tolerance)."""
+    from dgcli.kernels.rmsnorm import rms_norm
+
+    x, w, r = _inputs(shape, dtype, triton_device)
+    p = _inputs(shape, dtype, triton_device, seed=1)[2] if pre else None
+    want = r + rms_norm_reference(x + p if pre else x, w, 1e-6)
+    torch.testing.assert_close(rms_norm(x, w, 1e-6, r, p), want, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", TOLS)
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_with_its_adds_and_scale_matches_reference(dtype, atol, rtol, scale_dtype, triton_device):
+    """(residual + Norm(x + pre_add)) · layer scalar in one launch: the in-place product rounds once more."""
+    from dgcli.kernels.rmsnorm import rms_norm
+
+    x, w, r = _inputs((3, 2816), dtype, triton_device)
+    p = _inputs((3, 2816), dtype, triton_device, seed=1)[2]
+    s = torch.tensor([0.37], dtype=scale_dtype, device=triton_device)
+    want = (r + rms_norm_reference(x + p, w, 1e-6)).mul_(s)
+    torch.testing.assert_close(rms_norm(x, w, 1e-6, r, p, s), want, atol=atol, rtol=rtol)

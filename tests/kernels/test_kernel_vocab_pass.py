@@ -508,3 +508,19 @@ def test_a_canvas_gets_the_same_bits_in_a_large_batch_as_alone(dtype):
         alone = vocab_pass_tiled(hidden[i:i + 1], embed, temperature=temp[i:i + 1], uniform=uniform[i:i + 1], **kw)
         for f in ("sample", "argmax", "entropy", "soft"):
             assert torch.equal(getattr(whole, f)[i:i + 1], getattr(alone, f)), (i, f)
+
+
+@pytest.mark.skipif(find_spec("triton") is None, reason="triton is not installed (Linux x86-64 only)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_soft_gemm_is_a_plain_batch_invariant_gemm(dtype, triton_device):
+    """The soft embedding's GEMM takes the probabilities as they are (computed once per logit, not once per output
+    block): p·E in fp32 within fp32 rounding, and a row's bits the same alone as in a batch."""
+    from dgcli.kernels.vocab_pass import soft_gemm
+
+    g = torch.Generator().manual_seed(3)
+    p = torch.softmax(torch.randn(5, 300, generator=g), -1).to(dtype).to(triton_device)
+    embed = torch.randn(300, 40, generator=g).to(dtype).to(triton_device)
+    got = soft_gemm(p, embed)
+    assert got.dtype == torch.float32 and got.shape == (5, 40)
+    torch.testing.assert_close(got, p.float() @ embed.float(), atol=1e-5, rtol=1e-5)
+    assert torch.equal(soft_gemm(p[2:3], embed), got[2:3])

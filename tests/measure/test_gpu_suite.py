@@ -112,3 +112,38 @@ def test_a_short_lease_budget_caps_and_logs(tmp_path):
     bad = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--only", "env", "--cap", "env"],
                          capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode != 0 and "--cap 'env': give STEP=SECONDS" in bad.stderr
+
+
+def test_the_lease_plan_fits_eight_minutes():
+    """--lease: the compiled kernel tests first, then bf16 and FP8 at batch 1 and 8 with prompts of 128 and 1,000
+    tokens, eager and graphed, the graphs-vs-eager check and the sync check; its limits within 480 s."""
+    out = subprocess.run([sys.executable, str(SCRIPT), "--device", "cuda", "--lease", "--dry-run"],
+                         capture_output=True, text=True, check=True, cwd=ROOT).stdout.splitlines()
+    plans = dict(line.split(": ", 1) for line in out[:-1])
+    benches = [f"bench_{w}_p{n}_{g}" for w in ("bf16", "fp8") for n in (128, 1000) for g in ("eager", "graphs")]
+    assert list(plans) == ["env", "kernels", *benches, "graphs_equal", "sync_check"]
+    assert "TRITON_INTERPRET" not in plans["kernels"] and "tests/kernels/test_kernel_fused.py" in plans["kernels"]
+    for name in benches:
+        cmd = plans[name]
+        assert "--dummy 26B-A4B" in cmd and "--batch-size 1,8" in cmd and f"--weights {name.split('_')[1]}" in cmd
+        assert f"--random-input-len {name.split('_p')[1].split('_')[0]} " in cmd + " "
+        assert ("--cuda-graphs" in cmd) == name.endswith("graphs")
+    total = sum(int(cmd.rsplit("(limit ", 1)[1].split(" s)")[0]) for cmd in plans.values())
+    assert total <= 480 and out[-1] == f"total {total} s of limits (within the lease's 480 s)"
+
+
+def test_a_check_that_cannot_run_is_not_run_never_passed(tmp_path):
+    """Without CUDA the sync check prints {"skipped": ...} and exits 0, and a graphed bench cannot start: both are
+    "not run" in the section, and the suite exits 1."""
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is visible: these checks run")
+    for args, name in ((["--only", "sync_check"], "sync_check"),
+                       (["--lease", "--only", "bench_bf16_p128_graphs"], "bench_bf16_p128_graphs")):
+        p = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", *args], capture_output=True, text=True,
+                           cwd=ROOT)
+        assert p.returncode == 1, p.stderr
+        row = next(line for line in p.stdout.splitlines() if line.startswith(f"| {name} |"))
+        assert row.endswith("| not run |") and f"not run: 1 ({name})" in p.stdout and "passed: 0" in p.stdout
