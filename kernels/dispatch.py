@@ -153,6 +153,22 @@ def fp8_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_pro
     return fp8.experts_fp8_reference(x, w, idx, gate_up_proj, gate_up_scale, down_proj, down_scale, dynamic=dynamic)
 
 
+def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glob: torch.Tensor,
+                 divide: bool) -> torch.Tensor:
+    """x [..., K] by NVFP4 weights (kernels/nvfp4.py's held form) -> [..., N] in x.dtype, weight-only (W4A16)."""
+    from . import nvfp4
+
+    return nvfp4.linear(x, packed, scale, glob, divide)
+
+
+def nvfp4_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: tuple, down: tuple,
+                  divide: bool) -> torch.Tensor:
+    """Routed NVFP4 experts x [N, H] -> [N, H] (gate_up, down: (packed, scale, global) stacks), weight-only."""
+    from . import nvfp4
+
+    return nvfp4.experts(x, w, idx, gate_up, down, divide)
+
+
 def provenance(device: torch.device | str, dtype: str | None = None, packed: bool = False) -> dict[str, str]:
     """Per op, the implementation a session on `device` with weights of `dtype` ('float32', 'bfloat16', ...) runs;
     `packed`: dgcli/model/packed.py prepacked its linears and experts at load. Names: 'triton', 'reference',
@@ -168,3 +184,6 @@ def provenance(device: torch.device | str, dtype: str | None = None, packed: boo
     cpu = {"linear": linear, "experts": linear if packed else "torch.grouped_mm", "vocab_pass": "tiled, torch-ops",
            "rms_norm": "torch.rms_norm", "gelu_mul": "torch-ops"}
     return {**ops_, **{op: name for op, name in cpu.items() if op == "linear" or ops_[op] == "cpu"}}
+
+
+NVFP4_PROVENANCE = "nvfp4: W4A16, e2m1 tiles decoded to the activation dtype, torch.linear"  # activations never FP4
