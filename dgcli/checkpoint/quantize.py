@@ -29,29 +29,37 @@ from dgcli.checkpoint.directory import _open, checkpoint_files, to_module_name
 from dgcli.checkpoint.load import GGUF, format_of, load_config
 from dgcli.errors import UserError
 from dgcli.model import fp8
+from dgcli.model import nvfp4 as model_nvfp4
 
 FUSED = re.compile(r"^(layers\.\d+\.experts)\.(gate_up_proj|down_proj)$")
 WEIGHT_FILES = ("model.safetensors.index.json",)
 
 
-def _quantized(key: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+def _linear(prefix: str, w: torch.Tensor, nvfp4: bool) -> dict[str, torch.Tensor]:
+    """One quantized linear's tensors (checkpoint names under `prefix`): FP8 `weight` + `weight_scale`, or
+    compressed-tensors NVFP4 `weight_packed` + `weight_scale` + `weight_global_scale` (its own global)."""
+    if nvfp4:
+        packed, s, g = model_nvfp4.quantize_rows(w)
+        return {f"{prefix}.weight_packed": packed, f"{prefix}.weight_scale": s, f"{prefix}.weight_global_scale": g[:1]}
+    q, s = fp8.quantize_rows(w)
+    return {f"{prefix}.weight": q, f"{prefix}.weight_scale": s}
+
+
+def _quantized(key: str, t: torch.Tensor, nvfp4: bool = False) -> dict[str, torch.Tensor]:
     """One source tensor -> its output tensors (checkpoint names)."""
     name = to_module_name(key)
     if name is not None and name.endswith(".weight") and fp8.QUANTIZED.match(name.removesuffix(".weight")):
-        q, s = fp8.quantize_rows(t)
-        return {key: q, key + "_scale": s}
+        return _linear(key.removesuffix(".weight"), t, nvfp4)
     m = FUSED.match(name or "")
     if m is None:
         return {key: t}
     prefix = key[: -len(m.group(2))]  # "model.decoder.layers.L.experts."
-    q, s = fp8.quantize_rows(t)  # [E, rows, in] and [E, rows, 1]
     inter = t.shape[1] // 2
     out = {}
     for e in range(t.shape[0]):
         parts = {"gate": slice(0, inter), "up": slice(inter, None)} if m.group(2) == "gate_up_proj" else {"down": slice(None)}
         for part, rows in parts.items():  # clones: safetensors refuses tensors sharing storage
-            out[f"{prefix}{e}.{part}_proj.weight"] = q[e, rows].clone()
-            out[f"{prefix}{e}.{part}_proj.weight_scale"] = s[e, rows].clone()
+            out.update({k: v.clone() for k, v in _linear(f"{prefix}{e}.{part}_proj", t[e, rows], nvfp4).items()})
     return out
 
 
@@ -71,9 +79,10 @@ def _as_new_file(path: Path) -> None:
     path.chmod(0o666 & ~umask)
 
 
-def quantize_checkpoint(src: str | Path, dst: str | Path, *,
-                        progress: Callable[[str], None] | None = None) -> dict:
-    """Write the FP8-dynamic twin of checkpoint `src` into `dst` (absent or empty). Returns a summary:
+def quantize_checkpoint(src: str | Path, dst: str | Path, *, progress: Callable[[str], None] | None = None,
+                        nvfp4: bool = False) -> dict:
+    """Write the FP8-dynamic (or `nvfp4`: compressed-tensors NVFP4A16, nvfp4-pack-quantized) twin of checkpoint
+    `src` into `dst` (absent or empty). Returns a summary:
     tensors quantized, bytes read and written."""
     src, dst = Path(src), Path(dst)
     _refuse_file(src)
@@ -101,8 +110,9 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, *,
                 if t.dtype == fp8.FP8:
                     raise UserError(f"{f.name}: tensor {key!r} is already float8; quantize an unquantized checkpoint")
                 summary["bytes_in"] += t.numel() * t.element_size()
-                parts = _quantized(key, t)
-                summary["quantized_tensors"] += sum(v.dtype == fp8.FP8 for v in parts.values())
+                parts = _quantized(key, t, nvfp4)
+                summary["quantized_tensors"] += sum(k.endswith((".weight", ".weight_packed")) and v.dtype in (
+                    fp8.FP8, torch.uint8) for k, v in parts.items())
                 out.update(parts)
         save_file(out, str(dst / f.name), metadata={"format": "pt"})
         _as_new_file(dst / f.name)
@@ -114,7 +124,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, *,
         (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
     raw = read_json(src / "config.json")
     vision = any(k.startswith(("model.encoder.vision_tower.", "model.encoder.embed_vision.")) for k in files)
-    raw["quantization_config"] = ct.quantization_config(cfg.num_hidden_layers, vision=vision or "vision_config" in raw)
+    raw["quantization_config"] = ct.quantization_config(cfg.num_hidden_layers, vision=vision or "vision_config" in raw,
+                                                        nvfp4=nvfp4)
     (dst / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True))
     for p in sorted(src.rglob("*")):  # tokenizer, templates, generation/processor configs, diffusers files
         rel = p.relative_to(src)

@@ -182,3 +182,25 @@ def test_bad_nvfp4_files_are_one_line_naming_the_tensor(bundled_nvfp4, tmp_path)
            q + ".weight_global_scale", "finite")
     expect(_bad(path, tmp_path / "c", lambda s: s.__setitem__(q + ".weight_packed", s[q + ".weight_packed"][:, :-8].clone())),
            q + ".weight_packed", "NVFP4")
+
+
+def test_quantize_nvfp4_writes_what_compressed_tensors_reads(tmp_path, capsys):
+    from cli_run import run
+    from compressed_tensors.quantization import QuantizationScheme
+
+    dst = tmp_path / "q"
+    code, out, err = run(["quantize", BUNDLED, str(dst), "--nvfp4"], capsys)
+    assert code == 0, err
+    assert "NVFP4A16" in out
+    qc = json.loads((dst / "config.json").read_text())["quantization_config"]
+    scheme = QuantizationScheme.model_validate(qc["config_groups"]["group_0"])
+    comp = _ct()[0]
+    state, model = load_file(dst / "model.safetensors"), dgcli.load_model(dst)
+    prefixes = {key.rsplit(".", 1)[0] for key in state if key.endswith(".weight_packed")}
+    assert len(prefixes) > 50
+    for prefix in prefixes:
+        local = {leaf: state[f"{prefix}.{leaf}"] for leaf in ("weight_packed", "weight_scale", "weight_global_scale")}
+        assert torch.equal(held_weight(model, to_module_name(prefix + ".weight")[:-7]),
+                           comp.decompress(local, scheme)["weight"]), prefix
+    code, out, err = run(["generate", "--model", str(dst), "--format", "json", "Sort: 7 2 9 2"], capsys)
+    assert code == 0, err
