@@ -204,3 +204,15 @@ def test_quantize_nvfp4_writes_what_compressed_tensors_reads(tmp_path, capsys):
                            comp.decompress(local, scheme)["weight"]), prefix
     code, out, err = run(["generate", "--model", str(dst), "--format", "json", "Sort: 7 2 9 2"], capsys)
     assert code == 0, err
+
+
+def test_bench_dummy_nvfp4_rows_say_w4a16(cli_ckpt, capsys):
+    from cli_run import run
+
+    fast = ["--runs", "1", "--warmup", "0", "--num-prompts", "1", "--random-input-len", "8", "--diffusion-steps", "2",
+            "--format", "jsonl", "--no-measure-peaks"]
+    code, out, err = run(["bench", "--dummy", str(cli_ckpt), "--weights", "nvfp4", *fast], capsys)
+    assert code == 0, err
+    row = json.loads(out.strip().splitlines()[-1])
+    assert row["weights"] == "nvfp4 (W4A16)"
+    assert "nvfp4" in row["provenance"]["kernels"]["linear"] and "nvfp4" in row["provenance"]["kernels"]["experts"]
