@@ -13,8 +13,9 @@ The weight (`decode`): w = bf16(e2m1 x fp32(e4m3 / glob)) (or x glob), op for op
 upcasts that), so an NVFP4 run equals the model holding the decompressed bf16 weights. A GGUF block's own value e2m1 x ue4m3 is exact in fp32 (<= 6 significant
 bits): gguf-py's `quants.NVFP4` gives the same numbers.
 Activations stay in the model's dtype (W4A16): a W4A4 checkpoint's input scales are not used.
-CPU matmul: tiles of rows decoded to x's dtype by integer ops in reused scratch (~4 M weights each), then torch's
-GEMM; nothing decoded outlives a call. The same bits as `decode` (tests check them).
+CPU matmul (`linear`, `experts`): tiles of rows (~4 M weights) decoded by `decode`, then torch's GEMM; nothing decoded
+outlives a call. Not yet as fast as the Q4_K path (kernels/ggml_cpu.py: int8 or int4 kernels, no decoded tile): the
+decode (a byte-table lookup, an fp32 multiply rounded to bf16) costs about a bf16 GEMM of 256 rows again.
 Owns: `decode`, `from_gguf_blocks` / `to_gguf_blocks`, `linear`, `experts`. Must not: read files, know tensor names.
 """
 
@@ -29,11 +30,14 @@ GGUF_NVFP4, GGUF_BLOCK, GGUF_BYTES = 40, 64, 36  # ggml type id, values and byte
 TILE_VALUES = 1 << 22  # weights decoded per tile on the CPU path
 
 
-def e2m1_half(codes: torch.Tensor) -> torch.Tensor:
-    """4-bit codes (uint8, 0..15) -> their E2M1 values x 2^-14 as float16, exactly: s.ee.m placed at float16's
-    s.000ee.m000000000 (its subnormals continue E2M1's 0.5 step)."""
-    c = codes.to(torch.int16)
-    return ((c & 7) << 9 | (c & 8) << 12).view(torch.float16)
+def _half_bits(c: int) -> int:
+    """A code's E2M1 value x 2^-14 as float16 bits, exactly: s.ee.m placed at float16's s.000ee.m000000000 (its
+    subnormals continue E2M1's 0.5 step)."""
+    return (c & 7) << 9 | (c & 8) << 12
+
+
+# byte -> its two codes' float16 bits (low nibble in the low half: little-endian, so the pair reads as two values)
+_PAIRS = torch.tensor([_half_bits(b & 15) | _half_bits(b >> 4) << 16 for b in range(256)]).to(torch.int32)  # wraps
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:
@@ -43,15 +47,22 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
 
 def factors(scale: torch.Tensor, glob: torch.Tensor, divide: bool) -> torch.Tensor:
     """Each group's fp32 factor e4m3 / glob (or x glob): scale [..., n, k/16], glob [..., n] -> [..., n, k/16]."""
-    s, g = scale.float(), glob.float().unsqueeze(-1)
+    from .fp8 import fp8_over_256  # e4m3 -> float by int16 ops: torch's float8 conversion is ~2.5x slower
+
+    s, g = fp8_over_256(scale).float() * 256, glob.float().unsqueeze(-1)
     return s / g if divide else s * g
 
 
 def decode(packed: torch.Tensor, scale: torch.Tensor, glob: torch.Tensor, divide: bool,
            dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The weights [..., n, k] in dtype (see the module docstring; the reference the CPU path equals)."""
-    v = e2m1_half(unpack(packed)).float().unflatten(-1, (-1, GROUP))  # [..., n, k/16, 16] e2m1 x 2^-14
-    w = (v * (factors(scale, glob, divide) * 16384).unsqueeze(-1)).flatten(-2).to(torch.bfloat16)
+    """The weights [..., n, k] in dtype (see the module docstring). Each byte becomes its two values x 2^-14 as
+    float16 by one table lookup; the multiply by factor x 2^14 runs in fp32 (float16 x fp32 promotes) and is
+    rounded once into bf16: the same bits as e2m1 x factor in fp32 (a power of two apart)."""
+    pairs = _PAIRS.to(packed.device).index_select(0, packed.reshape(-1).to(torch.int32))
+    half = pairs.view(torch.float16).view(*packed.shape[:-1], -1, GROUP)  # [..., n, k/16, 16]
+    w = torch.empty(half.shape, dtype=torch.bfloat16, device=packed.device)
+    torch.mul(half, (factors(scale, glob, divide) * 16384).unsqueeze(-1), out=w)
+    w = w.flatten(-2)
     return w if dtype == torch.bfloat16 else w.to(dtype)
 
 
