@@ -117,3 +117,65 @@ def read(modules: dict[str, str], files: dict[str, Path], layout: str, model, op
     for h in handles.values():
         h.__exit__(None, None, None)
     return state
+
+
+# ---- GGUF type 40 ----------------------------------------------------------------------------------------------
+
+GGUF_TYPE = 40
+
+
+def _gguf_scale(f, gname: str, names: dict[str, str]) -> str | None:
+    """The name of a type-40 tensor's global-scale tensor (`<base>.scale`, llama.cpp's scale naming), unless the
+    model already names a tensor so (`ffn_down_exps.scale` is Gemma 4's per-expert router scale)."""
+    s = gname.removesuffix(".weight") + ".scale"
+    return s if s in f.tensors and s not in names.values() else None
+
+
+def gguf_scale_names(f, names: dict[str, str]) -> set[str]:
+    """The extra tensors type-40 weights bring (global and input scales)."""
+    out = set()
+    for g in names.values():
+        if g in f.tensors and f.tensors[g].type == GGUF_TYPE:
+            s = _gguf_scale(f, g, names)
+            out |= {s} if s else set()
+            out |= {g.removesuffix(".weight") + ".input_scale"} & f.tensors.keys()
+    return out
+
+
+def gguf_modules_(f, model, names: dict[str, str], path: str) -> None:
+    """Swap NVFP4 modules in for the type-40 tensors of GGUF file `f` (model: on meta; names: our state-dict name ->
+    GGUF name), their blocks converted to the held layout; the global scale (a multiplier) from `<base>.scale`,
+    1 where the file has none (ggml's own quantizer writes none)."""
+    import numpy as np
+
+    from dgcli.kernels import nvfp4 as k
+    from dgcli.model.nvfp4 import NVFP4Experts, NVFP4Linear, _set
+
+    for name, gname in names.items():
+        info = f.tensors[gname]
+        if info.type != GGUF_TYPE:
+            continue
+        s = _gguf_scale(f, gname, names)
+        glob = torch.from_numpy(np.array(f.array(s), dtype=np.float32)).reshape(-1) if s else torch.ones(1)
+        packed, scale = k.from_gguf_blocks(torch.from_numpy(np.array(f.array(gname))).reshape(*info.shape[:-1], -1),
+                                           info.shape[-1])
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            layer, part = int(name.split(".")[1]), name.rsplit(".", 1)[1]
+            mod = model.layers[layer].experts
+            if not isinstance(mod, NVFP4Experts):
+                e, two_i, h = mod.gate_up_proj.shape
+                mod = model.layers[layer].experts = NVFP4Experts(e, h, two_i // 2, divide=False)
+            want = getattr(mod, part).shape[:2]
+        else:
+            module = name.removesuffix(".weight")
+            old = model.get_submodule(module)
+            if not isinstance(old, torch.nn.Linear):
+                raise UserError(f"{path}: tensor {gname!r} is NVFP4; dgemma runs NVFP4 linears and experts only")
+            mod, part, want = NVFP4Linear(old.in_features, old.out_features, divide=False), "weight", info.shape[:1]
+            _set(model, module, mod)
+        if glob.numel() not in (1, want[0]) or not bool(torch.isfinite(glob).all() and (glob > 0).all()):
+            raise UserError(f"{path}: tensor {s!r} must hold one finite positive global scale (or one per expert)")
+        held = "weight_packed" if part == "weight" else part
+        setattr(mod, held, packed)
+        setattr(mod, f"{part}_scale", scale)
+        setattr(mod, f"{part}_global", glob.reshape(-1, *[1] * (len(want) - 1)).expand(*want).contiguous())

@@ -139,7 +139,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, *, progress: Callable[
 
 # ---- GGUF (`dgemma quantize SRC DST.gguf --type ...`) ------------------------------------------------------
 
-GGUF_KINDS = {"f32": 0, "bf16": 32, "q8_0": 7, "q4_k_m": 15}  # --type -> llama.cpp's general.file_type
+GGUF_KINDS = {"f32": 0, "bf16": 32, "q8_0": 7, "q4_k_m": 15, "nvfp4": 39}  # --type -> llama.cpp's general.file_type
 
 
 def _more_bits(i: int, n: int) -> bool:
@@ -147,12 +147,16 @@ def _more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
+NVFP4 = 40  # GGML_TYPE_NVFP4 (kernels/nvfp4.py)
+
+
 def gguf_types(kind: str, shapes: dict[str, tuple[int, ...]], n_layers: int,
                fallbacks: dict | None = None) -> dict[str, int]:
     """The ggml type of each GGUF tensor (name -> logical shape) for `--type kind`, as llama.cpp picks them:
     1-D tensors (norms, scales, layer scalars) and the router (`ffn_gate_inp`, never quantized by llama.cpp)
     stay F32; q8_0 makes every other matrix Q8_0; q4_k_m is Q4_K with Q6_K for the embedding (the tied head)
-    and for `attn_v` and `ffn_down(_exps)` in the "more bits" layers. A row length that is no multiple of the
+    and for `attn_v` and `ffn_down(_exps)` in the "more bits" layers; nvfp4 makes the matrices but the embedding
+    NVFP4 where their rows are multiples of 64 (else Q8_0). A row length that is no multiple of the
     block falls back as llama.cpp does (`ggml.type_for`: Q6_K -> Q8_0, Q4_K -> Q5_0; not a multiple of 32 ->
     F16). `fallbacks`, if given, collects them: (asked, given type names) -> the row lengths that fell back."""
     from dgcli.model import ggml
@@ -167,6 +171,9 @@ def gguf_types(kind: str, shapes: dict[str, tuple[int, ...]], n_layers: int,
             out[name] = ggml.BF16
             continue
         t = ggml.Q8_0
+        if kind == "nvfp4" and name != "token_embd.weight":  # type 40 (blocks of 64; else Q8_0); the tied head Q8_0
+            other = shape[-2] // (2 if "gate_up" in name else 1) if "_exps." in name else 0  # both expert halves
+            t = NVFP4 if shape[-1] % 64 == 0 and other % 64 == 0 else ggml.Q8_0
         if kind == "q4_k_m":
             t = ggml.Q4_K
             layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
@@ -176,7 +183,7 @@ def gguf_types(kind: str, shapes: dict[str, tuple[int, ...]], n_layers: int,
                 t = ggml.Q6_K
             elif (".ffn_down." in name or ".ffn_down_exps." in name) and _more_bits(layer, n_layers):
                 t = ggml.Q6_K
-        out[name] = ggml.type_for(t, shape[-1]) or ggml.F16
+        out[name] = t if t == NVFP4 else ggml.type_for(t, shape[-1]) or ggml.F16
         if out[name] != t and fallbacks is not None:
             fallbacks.setdefault((ggml.NAMES[t], ggml.NAMES[out[name]]), []).append(shape[-1])
     return out

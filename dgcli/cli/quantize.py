@@ -19,7 +19,7 @@ EXAMPLES = ["dgemma quantize ~/diffusiongemma-26B-A4B-it ~/diffusiongemma-26B-A4
             "dgemma quantize dgcli/data/tiny /tmp/tiny-fp8 --fp8 && dgemma generate -m /tmp/tiny-fp8 \"Sort: 7 2 9 2\"",
             "dgemma quantize ~/diffusiongemma-26B-A4B-it ~/diffusiongemma-Q4_K_M.gguf --type q4_k_m",
             "dgemma quantize dgcli/data/tiny /tmp/tiny-q8_0.gguf --type q8_0 && dgemma generate -m /tmp/tiny-q8_0.gguf \"Sort: 7 2 9 2\""]
-GGUF_TYPES = ("f32", "bf16", "q8_0", "q4_k_m")
+GGUF_TYPES = ("f32", "bf16", "q8_0", "q4_k_m", "nvfp4")
 
 
 def quantize(
@@ -27,7 +27,7 @@ def quantize(
     dst: Annotated[str, typer.Argument(metavar="DST", help="New directory for the FP8 checkpoint (absent or empty), or new .gguf file for --type.")],
     fp8: Annotated[bool, typer.Option("--fp8", help="FP8-dynamic: e4m3 attention, MLP and expert weights with one scale per output channel, experts stored per expert.")] = False,
     nvfp4: Annotated[bool, typer.Option("--nvfp4", help="NVFP4 (compressed-tensors nvfp4-pack-quantized, NVFP4A16): the same matrices as --fp8 in e2m1 groups of 16 with e4m3 scales and one global scale each; 4 bits a weight.")] = False,
-    gguf_type: Annotated[Optional[str], typer.Option("--type", metavar="TYPE", help="GGUF file: f32 | bf16 | q8_0 | q4_k_m (llama.cpp's mix: Q4_K, Q6_K for the embedding and some attn_v / ffn_down; norms and the router F32).")] = None,
+    gguf_type: Annotated[Optional[str], typer.Option("--type", metavar="TYPE", help="GGUF file: f32 | bf16 | q8_0 | q4_k_m (llama.cpp's mix: Q4_K, Q6_K for the embedding and some attn_v / ffn_down; norms and the router F32) | nvfp4 (type 40; the embedding Q8_0).")] = None,
 ) -> None:
     """Write an FP8-dynamic checkpoint, or a GGUF file, from a bf16 or fp32 one.
 

@@ -216,3 +216,43 @@ def test_bench_dummy_nvfp4_rows_say_w4a16(cli_ckpt, capsys):
     row = json.loads(out.strip().splitlines()[-1])
     assert row["weights"] == "nvfp4 (W4A16)"
     assert "nvfp4" in row["provenance"]["kernels"]["linear"] and "nvfp4" in row["provenance"]["kernels"]["experts"]
+
+
+def test_gguf_nvfp4_file_loads_as_gguf_py_reads_it(tmp_path, capsys):
+    from cli_run import run
+    from gguf import GGMLQuantizationType, GGUFReader, quants
+
+    from dgcli.checkpoint.gguf_model import to_gguf_name
+    from dgcli.checkpoint.random_weights import write_random_checkpoint
+
+    tc = dict(vocab_size=300, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=2, num_key_value_heads=1, num_global_key_value_heads=1, head_dim=32,
+              global_head_dim=32, num_experts=4, top_k_experts=2, sliding_window=24,
+              layer_types=["sliding_attention", "full_attention"], max_position_embeddings=4096)
+    src = write_random_checkpoint(tmp_path / "src", tc, canvas_length=16, dtype=torch.bfloat16)
+    dst = tmp_path / "m.gguf"
+    code, out, err = run(["quantize", str(src), str(dst), "--type", "nvfp4"], capsys)
+    assert code == 0, err
+    assert "NVFP4" in out
+    model, reader = dgcli.load_model(dst), GGUFReader(dst)
+    held = {n: m for n, m in model.named_modules() if isinstance(m, (nvfp4.NVFP4Linear, nvfp4.NVFP4Experts))}
+    # experts, q/k/v/o and the dense MLP of the sliding layer; the full layer's without v; the self-conditioning MLP
+    assert len(held) == (1 + 4 + 3) + (1 + 3 + 3) + 3
+    by_name = {t.name: t for t in reader.tensors}
+    n = 0
+    for name, m in held.items():
+        for part in (("gate_up_proj", "down_proj") if isinstance(m, nvfp4.NVFP4Experts) else ("weight",)):
+            t = by_name[to_gguf_name(f"{name}.{part}" if part != "weight" else name + ".weight")]
+            assert t.tensor_type == GGMLQuantizationType.NVFP4
+            theirs = quants.dequantize(t.data, GGMLQuantizationType.NVFP4)
+            held_part = "weight_packed" if part == "weight" else part
+            ours = k.decode(getattr(m, held_part), getattr(m, f"{part}_scale"), getattr(m, f"{part}_global"), False,
+                            torch.float32)
+            assert np.array_equal(ours.numpy(), theirs.reshape(ours.shape)), name
+            n += 1
+    assert n == len(held) + 2  # experts: two matrices each
+    code, out, err = run(["bench", "--model", str(dst), "--runs", "1", "--warmup", "0", "--num-prompts", "1",
+                          "--random-input-len", "8", "--diffusion-steps", "2", "--format", "jsonl",
+                          "--no-measure-peaks"], capsys)
+    assert code == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["weights"] == "nvfp4 (W4A16)"
