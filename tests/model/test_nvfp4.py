@@ -182,6 +182,11 @@ def test_bad_nvfp4_files_are_one_line_naming_the_tensor(bundled_nvfp4, tmp_path)
            q + ".weight_global_scale", "finite")
     expect(_bad(path, tmp_path / "c", lambda s: s.__setitem__(q + ".weight_packed", s[q + ".weight_packed"][:, :-8].clone())),
            q + ".weight_packed", "NVFP4")
+    odd = _bad(path, tmp_path / "d", lambda s: None)  # the dense MLP 40 wide: down_proj's 40 inputs are no groups of 16
+    cfg = json.loads((odd / "config.json").read_text())
+    cfg["text_config"]["intermediate_size"], cfg["self_conditioning_size"] = 40, 320
+    (odd / "config.json").write_text(json.dumps(cfg))
+    expect(odd, "model.decoder.layers.0.mlp.down_proj.weight_packed", "multiple of")
 
 
 def test_quantize_nvfp4_writes_what_compressed_tensors_reads(tmp_path, capsys):
