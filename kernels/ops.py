@@ -1,6 +1,6 @@
 """The Triton kernels as torch custom ops (`torch.ops.dgemma.*`), each with a fake implementation.
 
-Owns: `rms_norm`, `experts` (bf16/fp32 and FP8 weights), `fp8_linear`, `vocab_pass` and `paged_attention`, the
+Owns: `rms_norm`, `experts` (bf16/fp32 and FP8 weights), `fp8_linear`, `nvfp4_linear`, `vocab_pass` and `paged_attention`, the
 doors through which kernels/dispatch.py and model/attention.py reach the Triton entry points
 (`rmsnorm.rms_norm`, `moe.experts_triton`, `fp8_linear.linear_w8a16`, `vocab_pass.vocab_pass_triton`,
 `paged_attention.paged_attention`). A real call runs the entry point unchanged
@@ -68,6 +68,20 @@ def _(x, q, s):
     _float_only("linear_w8a16", x.dtype)
     _float_only("linear_w8a16 scales", s.dtype)
     return x.new_empty(*x.shape[:-1], q.shape[0])  # [..., N] in x.dtype
+
+
+@torch.library.custom_op("dgemma::nvfp4_linear", mutates_args=())
+def _nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glob: torch.Tensor,
+                  divide: bool) -> torch.Tensor:
+    from .nvfp4_triton import linear_w4a16
+
+    return linear_w4a16(x, packed, scale, glob, divide)
+
+
+@_nvfp4_linear.register_fake
+def _(x, packed, scale, glob, divide):
+    _float_only("linear_w4a16", x.dtype)
+    return x.new_empty(*x.shape[:-1], packed.shape[0])  # [..., N] in x.dtype
 
 
 @torch.library.custom_op("dgemma::vocab_pass", mutates_args=())
@@ -142,6 +156,12 @@ def experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_proj: t
 def fp8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """`fp8_linear.linear_w8a16` (weight-only FP8, default tiles) through its op."""
     return torch.ops.dgemma.fp8_linear(x, q, s)
+
+
+def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glob: torch.Tensor,
+                 divide: bool) -> torch.Tensor:
+    """`nvfp4_triton.linear_w4a16` (weight-only NVFP4, default tiles) through its op."""
+    return torch.ops.dgemma.nvfp4_linear(x, packed, scale, glob, divide)
 
 
 def vocab_pass(hidden: torch.Tensor, embed: torch.Tensor, *, softcap: float | None,
