@@ -172,8 +172,7 @@ def gguf_types(kind: str, shapes: dict[str, tuple[int, ...]], n_layers: int,
             continue
         t = ggml.Q8_0
         if kind == "nvfp4" and name != "token_embd.weight":  # type 40 (blocks of 64; else Q8_0); the tied head Q8_0
-            other = shape[-2] // (2 if "gate_up" in name else 1) if "_exps." in name else 0  # both expert halves
-            t = NVFP4 if shape[-1] % 64 == 0 and other % 64 == 0 else ggml.Q8_0
+            t = NVFP4
         if kind == "q4_k_m":
             t = ggml.Q4_K
             layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
@@ -183,9 +182,13 @@ def gguf_types(kind: str, shapes: dict[str, tuple[int, ...]], n_layers: int,
                 t = ggml.Q6_K
             elif (".ffn_down." in name or ".ffn_down_exps." in name) and _more_bits(layer, n_layers):
                 t = ggml.Q6_K
-        out[name] = t if t == NVFP4 else ggml.type_for(t, shape[-1]) or ggml.F16
+        if t == NVFP4:  # blocks of 64 (both halves of a layer's experts, or neither), else Q8_0
+            other = shape[-2] // (2 if "gate_up" in name else 1) if "_exps." in name else 0
+            out[name] = NVFP4 if shape[-1] % 64 == 0 and other % 64 == 0 else ggml.type_for(ggml.Q8_0, shape[-1]) or ggml.F16
+        else:
+            out[name] = ggml.type_for(t, shape[-1]) or ggml.F16
         if out[name] != t and fallbacks is not None:
-            fallbacks.setdefault((ggml.NAMES[t], ggml.NAMES[out[name]]), []).append(shape[-1])
+            fallbacks.setdefault((ggml.NAMES.get(t, "NVFP4"), ggml.NAMES[out[name]]), []).append(shape[-1])
     return out
 
 

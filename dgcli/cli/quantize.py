@@ -61,7 +61,7 @@ def quantize(
             progress(f"note: {sum(len(ks) for _, ks in fell)} tensor(s) fell back from the asked type ("
                      + ", ".join(f"{len(ks)} {a} -> {b}" for (a, b), ks in fell)
                      + f"): their rows of {', '.join(map(str, rows))} values are not multiples of its block (256 "
-                     "for K-quants); llama.cpp falls back the same way")
+                     "for K-quants, 64 for NVFP4); llama.cpp falls back the same way")
         types = ", ".join(f"{n} {t}" for t, n in sorted(s["by_type"].items()))
         print(f"{dst}: GGUF {kind.upper()}, {s['bytes_out'] / gb:.3g} GB (from {s['bytes_in'] / gb:.3g} GB); "
               f"tensors: {types}")
