@@ -13,6 +13,7 @@ Must not: do math beyond checks, or decide the format (config.py / load.py do).
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -67,55 +68,53 @@ def read(modules: dict[str, str], files: dict[str, Path], layout: str, model, op
 
     leaves = LEAVES[layout]
     handles: dict[Path, object] = {}
+    with contextlib.ExitStack() as opened:
+        def st(f: Path):
+            if f not in handles:
+                handles[f] = opened.enter_context(open_file(f))
+            return handles[f]
 
-    def st(f: Path):
-        if f not in handles:
-            handles[f] = open_file(f).__enter__()
-        return handles[f]
-
-    state: dict[str, torch.Tensor] = {}
-    for name, prefix in sorted(modules.items()):
-        m = ct.EXPERT_KEY.match(name + ".weight")
-        if m:  # one expert's gate, up or down into the fused stacks
-            layer, e, part = int(m.group(1)), int(m.group(2)), m.group(3)
-            mod = model.layers[layer].experts if layer < len(model.layers) else None
-            if not isinstance(mod, NVFP4Experts) or e >= mod.gate_up_proj.shape[0]:
-                raise UserError(f"checkpoint tensor {prefix + '.' + leaves[0]!r}: no such expert in config.json")
-            fused = "down_proj" if part == "down" else "gate_up_proj"
-            inter, cols = mod.inter, mod.inter if part == "down" else mod.hidden
-            rows = slice(inter, 2 * inter) if part == "up" else slice(0, inter) if part == "gate" else slice(None)
-            target = f"layers.{layer}.experts.{fused}"
-            dst = [state.setdefault(target + sfx, torch.empty_like(getattr(mod, fused + sfx), device="cpu"))[e, rows]
-                   for sfx in ("", "_scale", "_global")]
-        else:
-            try:
-                mod = model.get_submodule(name)
-            except AttributeError:
-                raise UserError(f"checkpoint tensor {prefix + '.' + leaves[0]!r}: no such module in config.json") from None
-            cols = mod.in_features
-            dst = [state.setdefault(f"{name}.{b}", torch.empty_like(getattr(mod, b), device="cpu"))
-                   for b in ("weight_packed", "weight_scale", "weight_global")]
-        f = files.get(prefix + "." + leaves[0], files[prefix + "." + leaves[2]])
-        if cols % k.GROUP:
-            raise UserError(f"{f.name}: tensor {prefix + '.' + leaves[0]!r}: {cols} input columns are not a multiple "
-                            f"of NVFP4's group of {k.GROUP}; this checkpoint cannot be NVFP4")
-        packed, scale, glob = (_get(st, f, f"{prefix}.{leaf}", files) for leaf in leaves[:3])
-        rows_ = dst[0].shape[0]
-        for t, want, leaf in ((packed, dst[0], leaves[0]), (scale, dst[1], leaves[1])):
-            if t.dtype != want.dtype or t.shape != want.shape:
-                raise UserError(f"{f.name}: tensor {prefix + '.' + leaf!r} is {t.dtype} {list(t.shape)}; an NVFP4 "
-                                f"[{rows_}, {cols}] matrix holds {want.dtype} {list(want.shape)}")
-        if glob.numel() != 1 or not glob.is_floating_point():
-            raise UserError(f"{f.name}: tensor {prefix + '.' + leaves[2]!r} has shape {list(glob.shape)}; "
-                            "the global scale is one fp32 number")
-        problem = k.check(packed, scale, glob.float().reshape(1))
-        if problem:
-            raise UserError(f"{f.name}: tensor {prefix + '.' + leaves[2]!r}: {problem}; the checkpoint is damaged")
-        dst[0].copy_(packed)
-        dst[1].copy_(scale)
-        dst[2].fill_(glob.float().item())
-    for h in handles.values():
-        h.__exit__(None, None, None)
+        state: dict[str, torch.Tensor] = {}
+        for name, prefix in sorted(modules.items()):
+            m = ct.EXPERT_KEY.match(name + ".weight")
+            if m:  # one expert's gate, up or down into the fused stacks
+                layer, e, part = int(m.group(1)), int(m.group(2)), m.group(3)
+                mod = model.layers[layer].experts if layer < len(model.layers) else None
+                if not isinstance(mod, NVFP4Experts) or e >= mod.gate_up_proj.shape[0]:
+                    raise UserError(f"checkpoint tensor {prefix + '.' + leaves[0]!r}: no such expert in config.json")
+                fused = "down_proj" if part == "down" else "gate_up_proj"
+                inter, cols = mod.inter, mod.inter if part == "down" else mod.hidden
+                rows = slice(inter, 2 * inter) if part == "up" else slice(0, inter) if part == "gate" else slice(None)
+                target = f"layers.{layer}.experts.{fused}"
+                dst = [state.setdefault(target + sfx, torch.empty_like(getattr(mod, fused + sfx), device="cpu"))[e, rows]
+                       for sfx in ("", "_scale", "_global")]
+            else:
+                try:
+                    mod = model.get_submodule(name)
+                except AttributeError:
+                    raise UserError(f"checkpoint tensor {prefix + '.' + leaves[0]!r}: no such module in config.json") from None
+                cols = mod.in_features
+                dst = [state.setdefault(f"{name}.{b}", torch.empty_like(getattr(mod, b), device="cpu"))
+                       for b in ("weight_packed", "weight_scale", "weight_global")]
+            f = files.get(prefix + "." + leaves[0], files[prefix + "." + leaves[2]])
+            if cols % k.GROUP:
+                raise UserError(f"{f.name}: tensor {prefix + '.' + leaves[0]!r}: {cols} input columns are not a multiple "
+                                f"of NVFP4's group of {k.GROUP}; this checkpoint cannot be NVFP4")
+            packed, scale, glob = (_get(st, f, f"{prefix}.{leaf}", files) for leaf in leaves[:3])
+            rows_ = dst[0].shape[0]
+            for t, want, leaf in ((packed, dst[0], leaves[0]), (scale, dst[1], leaves[1])):
+                if t.dtype != want.dtype or t.shape != want.shape:
+                    raise UserError(f"{f.name}: tensor {prefix + '.' + leaf!r} is {t.dtype} {list(t.shape)}; an NVFP4 "
+                                    f"[{rows_}, {cols}] matrix holds {want.dtype} {list(want.shape)}")
+            if glob.numel() != 1 or not glob.is_floating_point():
+                raise UserError(f"{f.name}: tensor {prefix + '.' + leaves[2]!r} has shape {list(glob.shape)}; "
+                                "the global scale is one fp32 number")
+            problem = k.check(packed, scale, glob.float().reshape(1))
+            if problem:
+                raise UserError(f"{f.name}: tensor {prefix + '.' + leaves[2]!r}: {problem}; the checkpoint is damaged")
+            dst[0].copy_(packed)
+            dst[1].copy_(scale)
+            dst[2].fill_(glob.float().item())
     return state
 
 
@@ -151,6 +150,7 @@ def gguf_modules_(f, model, names: dict[str, str], path: str) -> None:
     from dgcli.kernels import nvfp4 as k
     from dgcli.model.nvfp4 import NVFP4Experts, NVFP4Linear, _set
 
+    halves: dict[int, list[str]] = {}  # layer -> its experts' type-40 tensors (both halves, or neither)
     for name, gname in names.items():
         info = f.tensors[gname]
         if info.type != GGUF_TYPE:
@@ -166,6 +166,7 @@ def gguf_modules_(f, model, names: dict[str, str], path: str) -> None:
                 e, two_i, h = mod.gate_up_proj.shape
                 mod = model.layers[layer].experts = NVFP4Experts(e, h, two_i // 2, divide=False)
             want = getattr(mod, part).shape[:2]
+            halves.setdefault(layer, []).append(gname)
         else:
             module = name.removesuffix(".weight")
             old = model.get_submodule(module)
@@ -179,3 +180,7 @@ def gguf_modules_(f, model, names: dict[str, str], path: str) -> None:
         setattr(mod, held, packed)
         setattr(mod, f"{part}_scale", scale)
         setattr(mod, f"{part}_global", glob.reshape(-1, *[1] * (len(want) - 1)).expand(*want).contiguous())
+    for layer, got in halves.items():
+        if len(got) != 2:
+            raise UserError(f"{path}: tensor {got[0]!r} is NVFP4 but the other half of layer {layer}'s experts is not; "
+                            "dgemma runs a layer's experts in one format")
