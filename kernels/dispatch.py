@@ -169,7 +169,7 @@ def nvfp4_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: 
     """Routed NVFP4 experts x [N, H] -> [N, H] (gate_up, down: (packed, scale, global) stacks), weight-only."""
     from . import nvfp4
 
-    return nvfp4.experts(x, w, idx, gate_up, down, divide)
+    return nvfp4.experts(x, w, idx, gate_up, down, divide, linear=nvfp4_linear)
 
 
 def provenance(device: torch.device | str, dtype: str | None = None, packed: bool = False) -> dict[str, str]:

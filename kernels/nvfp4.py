@@ -125,9 +125,10 @@ def linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glob: tor
 
 
 def experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: tuple, down: tuple,
-            divide: bool) -> torch.Tensor:
+            divide: bool, linear=linear) -> torch.Tensor:
     """Routed experts x [N, H], w [N, k] fp32, idx [N, k] -> [N, H] (`reference_ops.experts_reference`'s math on
-    the decoded weights); gate_up / down = (packed, scale, glob) stacks [E, ...]; only routed experts are decoded."""
+    the decoded weights); gate_up / down = (packed, scale, glob) stacks [E, ...]; only routed experts are decoded,
+    each by `linear` (this module's, or the dispatch's: the Triton GEMM on CUDA)."""
     from .reference_ops import expert_groups
 
     out = torch.zeros_like(x)
