@@ -13,13 +13,16 @@ The weight (`decode`): w = bf16(e2m1 x fp32(e4m3 / glob)) (or x glob), op for op
 upcasts that), so an NVFP4 run equals the model holding the decompressed bf16 weights. A GGUF block's own value e2m1 x ue4m3 is exact in fp32 (<= 6 significant
 bits): gguf-py's `quants.NVFP4` gives the same numbers.
 Activations stay in the model's dtype (W4A16): a W4A4 checkpoint's input scales are not used.
-CPU matmul (`linear`, `experts`): tiles of rows (~4 M weights) decoded by `decode`, then torch's GEMM; nothing decoded
-outlives a call. Not yet as fast as the Q4_K path (kernels/ggml_cpu.py: int8 or int4 kernels, no decoded tile): the
-decode (a byte-table lookup, an fp32 multiply rounded to bf16) costs about a bf16 GEMM of 256 rows again.
-Owns: `decode`, `from_gguf_blocks` / `to_gguf_blocks`, `linear`, `experts`. Must not: read files, know tensor names.
+CPU matmul (`linear`, `experts`): tiles of rows (~4 M weights) decoded by `decode` (kernels/csrc/nvfp4.c where there
+is a C compiler, else torch ops), then torch's GEMM; nothing decoded outlives a call. Against the Q4_K path
+(kernels/ggml_cpu.py, which multiplies its nibbles without a decoded tile): about even at a 256-row canvas, slower
+at a few rows, where the whole matrix is decoded for a GEMM that reads it once.
+Owns: `decode`, `from_gguf_blocks` / `to_gguf_blocks`, `linear`, `experts`, `check`. Must not: read files, know tensor names.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 import torch.nn.functional as F
@@ -53,11 +56,29 @@ def factors(scale: torch.Tensor, glob: torch.Tensor, divide: bool) -> torch.Tens
     return s / g if divide else s * g
 
 
+def _c_decode(packed: torch.Tensor, scale: torch.Tensor, glob: torch.Tensor, divide: bool) -> torch.Tensor | None:
+    """kernels/csrc/nvfp4.c's decode of a CPU matrix [n, k/2] (the same bits); None where there is no C here."""
+    from . import native
+
+    lib = native.library("nvfp4", {"nvfp4_decode": [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_long,
+                                                                            ctypes.c_long, ctypes.c_void_p]})
+    if lib is None or not packed.is_cpu or packed.dim() != 2:
+        return None
+    p, s, g = packed.contiguous(), scale.contiguous(), glob.float().contiguous()
+    out = torch.empty(p.shape[0], p.shape[1] * 2, dtype=torch.bfloat16)
+    lib.nvfp4_decode(p.data_ptr(), s.data_ptr(), g.data_ptr(), int(divide), p.shape[0], out.shape[1], out.data_ptr())
+    return out
+
+
 def decode(packed: torch.Tensor, scale: torch.Tensor, glob: torch.Tensor, divide: bool,
            dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The weights [..., n, k] in dtype (see the module docstring). Each byte becomes its two values x 2^-14 as
-    float16 by one table lookup; the multiply by factor x 2^14 runs in fp32 (float16 x fp32 promotes) and is
-    rounded once into bf16: the same bits as e2m1 x factor in fp32 (a power of two apart)."""
+    """The weights [..., n, k] in dtype (see the module docstring). On CPU the C decoder where there is one;
+    else each byte becomes its two values x 2^-14 as float16 by one table lookup, and the multiply by factor x
+    2^14 runs in fp32 (float16 x fp32 promotes), rounded once into bf16: the same bits as e2m1 x factor in fp32
+    (a power of two apart)."""
+    w = _c_decode(packed, scale, glob, divide)
+    if w is not None:
+        return w if dtype == torch.bfloat16 else w.to(dtype)
     pairs = _PAIRS.to(packed.device).index_select(0, packed.reshape(-1).to(torch.int32))
     half = pairs.view(torch.float16).view(*packed.shape[:-1], -1, GROUP)  # [..., n, k/16, 16]
     w = torch.empty(half.shape, dtype=torch.bfloat16, device=packed.device)

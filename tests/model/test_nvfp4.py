@@ -104,8 +104,10 @@ def bundled_nvfp4(tmp_path_factory):
             for layout in ("compressed-tensors", "modelopt")}
 
 
-@pytest.mark.parametrize("layout", ["compressed-tensors", "modelopt"])
-def test_loaded_weights_equal_compressed_tensors_decompress(bundled_nvfp4, layout):
+@pytest.mark.parametrize("layout, kernels", [("compressed-tensors", "auto"), ("modelopt", "auto"),
+                                             ("compressed-tensors", "torch")])  # torch: the decode without C
+def test_loaded_weights_equal_compressed_tensors_decompress(bundled_nvfp4, layout, kernels, monkeypatch):
+    monkeypatch.setenv("DGEMMA_KERNELS", kernels)
     path, ref = bundled_nvfp4[layout]
     model = dgcli.load_model(path)
     assert nvfp4.is_nvfp4(model)
