@@ -2,7 +2,7 @@
 (as model/fp8.py's are), computing through kernels/dispatch.py. The held form is kernels/nvfp4.py's (codes packed
 two a byte, one e4m3 scale per 16 values, a per-row fp32 global scale, `divide` saying how it applies).
 
-Owns: `NVFP4Linear`, `NVFP4Experts`, `convert_`, `quantize_rows` / `quantize_model_` (compressed-tensors' NVFP4
+Owns: `NVFP4Linear`, `NVFP4Experts`, `convert_`, `quantize_rows` (compressed-tensors' NVFP4
 quantization: the global scale 448·6 / absmax of the tensor, group scales absmax / 6 · global rounded to e4m3,
 values rounded to the nearest E2M1, ties to even), `quantized_names`, `is_nvfp4`.
 Must not: read or write files, know checkpoint names, or run the math (kernels/ does).
