@@ -35,7 +35,7 @@ _CHOSEN: dict[tuple, str] = {}  # (op, device, DGEMMA_KERNELS as set) -> impleme
 
 
 def implementation(op: str, device: torch.device | str) -> str:
-    """'triton', 'cuda', 'cpu' or 'reference': what `op` ('vocab_pass', 'experts', 'rms_norm', 'gelu_mul',
+    """'triton', 'cuda', 'cpu' or 'reference': what `op` ('vocab_pass', 'experts', 'rms_norm', 'gelu_mul', 'nvfp4_linear',
     'fp8_experts', 'fp8_linear', 'linear') runs on `device`. 'linear' is decided when a session starts: 'cpu'
     there prepacks bf16 weights for oneDNN (dgcli/model/packed.py). FP8 linears on CUDA: 'triton' (weight-only:
     the W8A16 kernel, kernels/fp8_linear.py; dynamic: torch._scaled_mm) or, without Triton, 'cuda' (torch's CUDA ops:
@@ -188,6 +188,25 @@ def fp8_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_pro
     return fp8.experts_fp8_reference(x, w, idx, gate_up_proj, gate_up_scale, down_proj, down_scale, dynamic=dynamic)
 
 
+def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glob: torch.Tensor,
+                 divide: bool) -> torch.Tensor:
+    """x [..., K] by NVFP4 weights (kernels/nvfp4.py's held form) -> [..., N] in x.dtype, weight-only (W4A16):
+    on CUDA the W4A16 Triton GEMM (kernels/nvfp4_triton.py), elsewhere decoded bf16 tiles and torch's GEMM."""
+    from . import nvfp4
+
+    if implementation("nvfp4_linear", x.device) == "triton" and x.dtype in ops.FLOATS:
+        return ops.nvfp4_linear(x, packed, scale, glob, divide)
+    return nvfp4.linear(x, packed, scale, glob, divide)
+
+
+def nvfp4_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: tuple, down: tuple,
+                  divide: bool) -> torch.Tensor:
+    """Routed NVFP4 experts x [N, H] -> [N, H] (gate_up, down: (packed, scale, global) stacks), weight-only."""
+    from . import nvfp4
+
+    return nvfp4.experts(x, w, idx, gate_up, down, divide, linear=nvfp4_linear)
+
+
 def provenance(device: torch.device | str, dtype: str | None = None, packed: bool = False) -> dict[str, str]:
     """Per op, the implementation a session on `device` with weights of `dtype` ('float32', 'bfloat16', ...) runs;
     `packed`: dgcli/model/packed.py prepacked its linears and experts at load. Names: 'triton', 'reference',
@@ -203,3 +222,10 @@ def provenance(device: torch.device | str, dtype: str | None = None, packed: boo
     cpu = {"linear": linear, "experts": linear if packed else "torch.grouped_mm", "vocab_pass": "tiled, torch-ops",
            "rms_norm": "torch.rms_norm", "gelu_mul": "torch-ops"}
     return {**ops_, **{op: name for op, name in cpu.items() if op == "linear" or ops_[op] == "cpu"}}
+
+
+def nvfp4_provenance(device: torch.device | str) -> str:
+    """What NVFP4 linears and experts run on `device` (activations are never FP4: W4A16)."""
+    if implementation("nvfp4_linear", torch.device(device)) == "triton":
+        return "nvfp4: W4A16 triton (codes decoded in registers, bf16 tensor cores)"
+    return "nvfp4: W4A16, e2m1 tiles decoded to bf16, torch.linear"

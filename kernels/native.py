@@ -47,6 +47,7 @@ class Library:
 LIBRARIES = {
     "gemm_native": Library(ok="gemm_ok"),
     "ggml_q8": Library(ok="q8_ok"),
+    "nvfp4": Library(),
 }
 
 

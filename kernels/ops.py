@@ -1,6 +1,7 @@
 """The Triton kernels as torch custom ops (`torch.ops.dgemma.*`), each with a fake implementation.
 
-Owns: `rms_norm`, `qkv_norm_rope`, `gelu_mul`, `router_input`, `route`, `experts` (bf16/fp32 and FP8 weights), `fp8_linear`, `vocab_pass` and `paged_attention`, the
+Owns: `rms_norm`, `qkv_norm_rope`, `gelu_mul`, `router_input`, `route`, `experts` (bf16/fp32 and FP8 weights),
+`fp8_linear`, `nvfp4_linear`, `vocab_pass` and `paged_attention`, the
 doors through which kernels/dispatch.py and model/attention.py reach the Triton entry points
 (`rmsnorm.rms_norm`, `moe.experts_triton`, `fp8_linear.linear_w8a16`, `vocab_pass.vocab_pass_triton`,
 `paged_attention.paged_attention`). A real call runs the entry point unchanged
@@ -125,6 +126,18 @@ def _(logits, per_expert_scale, k):
     _float_only("route", logits.dtype)
     n = logits.shape[0]
     return logits.new_empty(n, k, dtype=torch.float32), logits.new_empty(n, k, dtype=torch.int64)
+@torch.library.custom_op("dgemma::nvfp4_linear", mutates_args=())
+def _nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glob: torch.Tensor,
+                  divide: bool) -> torch.Tensor:
+    from .nvfp4_triton import linear_w4a16
+
+    return linear_w4a16(x, packed, scale, glob, divide)
+
+
+@_nvfp4_linear.register_fake
+def _(x, packed, scale, glob, divide):
+    _float_only("linear_w4a16", x.dtype)
+    return x.new_empty(*x.shape[:-1], packed.shape[0])  # [..., N] in x.dtype
 
 
 @torch.library.custom_op("dgemma::vocab_pass", mutates_args=())
@@ -220,6 +233,12 @@ def gelu_mul(gu: torch.Tensor, inner: int) -> torch.Tensor:
 def fp8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """`fp8_linear.linear_w8a16` (weight-only FP8, default tiles) through its op."""
     return torch.ops.dgemma.fp8_linear(x, q, s)
+
+
+def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glob: torch.Tensor,
+                 divide: bool) -> torch.Tensor:
+    """`nvfp4_triton.linear_w4a16` (weight-only NVFP4, default tiles) through its op."""
+    return torch.ops.dgemma.nvfp4_linear(x, packed, scale, glob, divide)
 
 
 def vocab_pass(hidden: torch.Tensor, embed: torch.Tensor, *, softcap: float | None,

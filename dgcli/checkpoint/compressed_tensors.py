@@ -62,9 +62,9 @@ def unfused_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def quantization_config(num_layers: int, *, vision: bool = True) -> dict:
-    """config.json's `quantization_config` for an FP8-dynamic DiffusionGemma, key for key as compressed-tensors
-    writes FP8_DYNAMIC (ModelCompressor.update_config): per-channel e4m3 weights, per-token dynamic e4m3
+def quantization_config(num_layers: int, *, vision: bool = True, nvfp4: bool = False) -> dict:
+    """config.json's `quantization_config` for an FP8-dynamic (or `nvfp4`: NVFP4A16) DiffusionGemma, key for key as
+    compressed-tensors writes FP8_DYNAMIC (ModelCompressor.update_config): per-channel e4m3 weights, per-token dynamic e4m3
     activations, and the unquantized Linears in `ignore` (checkpoint module names)."""
     # transformers' module tree has the encoder's tied copies of the layers (model.encoder.language_model):
     # compressed-tensors lists their routers too, or a compressed load expects scales for them.
@@ -77,9 +77,12 @@ def quantization_config(num_layers: int, *, vision: bool = True) -> dict:
            "type": "float"}
     act = {"dynamic": True, "group_size": None, "num_bits": 8, "strategy": "token", "symmetric": True,
            "type": "float"}
-    return {"config_groups": {"group_0": {"format": "float-quantized", "input_activations": act,
+    fmt = "float-quantized"
+    if nvfp4:  # NVFP4A16 (compressed_tensors.quantization.quant_scheme): e2m1 groups of 16, e4m3 scales, a global
+        fp8, act, fmt = dict(fp8, num_bits=4, strategy="tensor_group", group_size=16), None, "nvfp4-pack-quantized"
+    return {"config_groups": {"group_0": {"format": fmt, "input_activations": act,
                                           "output_activations": None, "targets": ["Linear"], "weights": fp8}},
-            "format": "float-quantized", "global_compression_ratio": None, "ignore": ignore,
+            "format": fmt, "global_compression_ratio": None, "ignore": ignore,
             "kv_cache_scheme": None, "moe_sparsity_config": None, "quant_method": "compressed-tensors",
             "quantization_status": "compressed", "sparsity_config": {}, "transform_config": {},
             "version": CT_VERSION}

@@ -129,8 +129,9 @@ def parse_config(raw: dict[str, Any], *, source: str = "config.json") -> ModelCo
 # ---- quantization_config ------------------------------------------------------------------------------
 
 SUPPORTED = ("dgemma runs compressed-tensors FP8 checkpoints (FP8_DYNAMIC or FP8 weight-only: float-quantized "
-             "e4m3 weights, one scale per output channel) and unquantized ones; use the bf16 checkpoint, or make "
-             "an FP8 one with `dgemma quantize SRC DST --fp8`")
+             "e4m3 weights, one scale per output channel), NVFP4 ones (compressed-tensors nvfp4-pack-quantized, "
+             "ModelOpt NVFP4) and unquantized ones; use the bf16 checkpoint, or make a quantized one with "
+             "`dgemma quantize SRC DST --fp8` (or --nvfp4)")
 
 
 def _ct_scheme(group: dict) -> str:
@@ -175,6 +176,12 @@ def parse_quantization(raw: dict[str, Any], source: str = "config.json") -> Quan
     if not isinstance(q, dict):
         raise UserError(f"{source}: quantization_config is not an object")
     method = q.get("quant_method")
+    if method == "modelopt":  # transformers' spelling of hf_quant_config.json (its "quantization" object, or flat)
+        algo = (q.get("quantization") or q).get("quant_algo")
+        if algo != "NVFP4":
+            raise UserError(f"{source}: quantization scheme {_other_scheme(q)} is not supported; {SUPPORTED}")
+        return Quantization(scheme="NVFP4", dynamic_activations=False, layout="modelopt",
+                            ignore=tuple(map(str, (q.get("quantization") or q).get("exclude_modules") or ())))
     if method != "compressed-tensors":
         raise UserError(f"{source}: quantization scheme {_other_scheme(q)} is not supported; {SUPPORTED}")
     groups = q.get("config_groups") or {}
@@ -183,8 +190,9 @@ def parse_quantization(raw: dict[str, Any], source: str = "config.json") -> Quan
     names = {_ct_scheme(g if isinstance(g, dict) else {}) for g in groups.values()}
     fmt = q.get("format")
     formats = {g.get("format") or fmt for g in groups.values() if isinstance(g, dict)}
-    bad = names - {"FP8_DYNAMIC", "FP8 weight-only"}
-    if bad or formats - {"float-quantized", "naive-quantized"}:
+    nvfp4 = names <= {"NVFP4", "NVFP4A16"} and formats == {"nvfp4-pack-quantized"}
+    bad = set() if nvfp4 else names - {"FP8_DYNAMIC", "FP8 weight-only"}
+    if bad or not nvfp4 and formats - {"float-quantized", "naive-quantized"}:
         name = sorted(bad)[0] if bad else sorted(names)[0]
         raise UserError(f"{source}: quantization scheme {name} (compressed-tensors, format "
                         f"{'/'.join(sorted(map(str, formats)))}) is not supported; {SUPPORTED}")
@@ -202,8 +210,21 @@ def parse_quantization(raw: dict[str, Any], source: str = "config.json") -> Quan
         raise UserError(f"{source}: quantization_status {status!r}: dgemma reads compressed checkpoints "
                         "(e4m3 weights stored as such), not weights saved before compression")
     ignore = q.get("ignore") or []
+    if nvfp4:  # W4A4 (input_global_scale) runs as W4A16: activations stay in the model dtype, as vLLM on Hopper
+        return Quantization(scheme="NVFP4" if "NVFP4" in names else "NVFP4A16", dynamic_activations=False,
+                            ignore=tuple(map(str, ignore)))
     return Quantization(scheme="FP8_DYNAMIC" if "FP8_DYNAMIC" in names else "FP8 weight-only",
                         dynamic_activations="FP8_DYNAMIC" in names, ignore=tuple(map(str, ignore)))
+
+
+def directory_config(path: Path) -> dict:
+    """A checkpoint directory's config.json, with ModelOpt's hf_quant_config.json folded in as its
+    `quantization_config` where config.json has none (older ModelOpt exports keep it only there)."""
+    raw = read_json(path / "config.json")
+    hq = path / "hf_quant_config.json"
+    if not raw.get("quantization_config") and hq.is_file():
+        raw["quantization_config"] = {"quant_method": "modelopt", **read_json(hq)}
+    return raw
 
 
 def read_json(path: Path) -> dict:

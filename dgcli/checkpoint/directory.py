@@ -20,10 +20,12 @@ from torch import nn
 from safetensors import SafetensorError, safe_open
 
 from dgcli.checkpoint import compressed_tensors as ct
-from dgcli.checkpoint.config import parse_config, read_json
+from dgcli.checkpoint import nvfp4
+from dgcli.checkpoint.config import directory_config, parse_config, read_json
 from dgcli.checkpoint.meta import meta_model
 from dgcli.errors import UserError
 from dgcli.model import fp8
+from dgcli.model import nvfp4 as model_nvfp4
 from dgcli.model.config import ModelConfig
 from dgcli.model.gemma import DiffusionGemma
 
@@ -229,17 +231,30 @@ def load_directory(path: Path, device: str | torch.device = "cpu",
                    dtype: torch.dtype | str | None = None) -> DiffusionGemma:
     """Load a checkpoint directory. dtype None = the checkpoint's (its embedding's dtype)."""
     path = Path(path)
-    cfg = parse_config(read_json(path / "config.json"), source=str(path / "config.json"))
+    cfg = parse_config(directory_config(path), source=str(path / "config.json"))
     if isinstance(dtype, str):
         dtype = resolve_dtype(dtype)
     model = meta_model(cfg)
     files = checkpoint_files(path)
-    if cfg.quantization is not None:
+    q4 = cfg.quantization is not None and cfg.quantization.nvfp4
+    if q4:  # NVFP4 modules where the checkpoint holds a global scale; their tensors read apart (checkpoint/nvfp4.py)
+        q4_modules, q4_keys = nvfp4.plan(files, cfg.quantization.layout, to_module_name)
+        if not q4_modules:
+            raise UserError(f"{path}: config.json's quantization_config says {cfg.quantization.scheme} "
+                            "but no tensor has a global scale; is this checkpoint quantized?")
+        model_nvfp4.convert_(model, *nvfp4.targets(q4_modules, cfg.num_hidden_layers),
+                             divide=cfg.quantization.layout == "compressed-tensors")
+        files = {k: f for k, f in files.items() if k not in q4_keys}
+    elif cfg.quantization is not None:
         _convert_quantized(model, cfg, files, path)
-    keep = frozenset(fp8.quantized_names(model))
-    expected = {k: v.shape for k, v in model.state_dict().items()}
+    keep = frozenset(fp8.quantized_names(model) | model_nvfp4.quantized_names(model))
+    expected = {k: v.shape for k, v in model.state_dict().items() if not (q4 and k in keep)}
     dev = str(device)
     state = load_state(path, cfg, device=dev, dtype=dtype, expected=expected, keep=keep, files=files)
+    if q4:
+        all_files = checkpoint_files(path)
+        state.update({k: t.to(dev) for k, t in nvfp4.read(q4_modules, all_files, cfg.quantization.layout, model,
+                                                          _open).items()})
     # Every tensor in one dtype, the layer scalars included: transformers loaded in a dtype rounds every
     # parameter and buffer to it (the released checkpoint stores the scalars in fp32; in bf16 the reference
     # multiplies by the bf16-rounded scalar). Its only fp32 buffers are the RoPE inverse frequencies,

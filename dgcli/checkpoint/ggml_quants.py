@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from dgcli.checkpoint.meta import meta_model
+from dgcli.kernels import nvfp4 as nvfp4_blocks
 from dgcli.model.ggml import (BF16, BLOCKS, F16, F32, NAMES, QUANTIZED, Q4_0, Q4_K, Q5_0, Q6_K, Q8_0, QuantExperts,
                               QuantLinear, q4k_pack_scales, quantized_names, row_bytes, type_for)
 
@@ -259,6 +260,9 @@ def random_blocks(shape: tuple[int, ...], qtype: int, k: int, generator: torch.G
     return out.reshape(*shape, row_bytes(qtype, k))
 
 
+NVFP4 = nvfp4_blocks.GGUF_NVFP4
+
+
 def quantize(w: torch.Tensor, qtype: int) -> torch.Tensor:
     """w float [..., K] (K a multiple of the block size) -> uint8 [..., row_bytes(qtype, K)] in ggml's layout,
     rounded as llama.cpp's reference quantizer rounds (no importance matrix)."""
@@ -266,6 +270,11 @@ def quantize(w: torch.Tensor, qtype: int) -> torch.Tensor:
     if qtype in (F32, F16, BF16):
         dt = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}[qtype]
         return w.to(dt).contiguous().view(torch.uint8).reshape(*lead, row_bytes(qtype, k))
+    if qtype == NVFP4:  # one unsigned e4m3 scale per 16 (absmax / 6, no global scale: ggml's own quantizer's way)
+        from dgcli.model.nvfp4 import quantize_rows
+
+        packed, scale, _ = quantize_rows(w.detach().float().reshape(-1, 1, k), torch.ones(w[..., 0].numel(), 1))
+        return nvfp4_blocks.to_gguf_blocks(packed[:, 0], scale[:, 0]).reshape(*lead, k // 64 * 36)
     if qtype not in QUANTIZED:
         raise ValueError(f"ggml type {qtype}: not one of {sorted(NAMES)}")
     elems, nbytes = BLOCKS[qtype]

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from dgcli.errors import UserError
+from dgcli.checkpoint import nvfp4
 from dgcli.checkpoint.config import parse_config
 from dgcli.checkpoint.gguf import F32V, I32, GGUFFile, Typed, open_gguf
 from dgcli.model.config import FULL, SLIDING, ModelConfig
@@ -286,7 +287,7 @@ def load_gguf_model(path: str | Path, device: Any = "cpu", dtype: Any = None):
     model = meta_model(cfg)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     names = {k: to_gguf_name(k) for k in expected}
-    known = set(names.values()) | {ROPE_FREQS}
+    known = set(names.values()) | {ROPE_FREQS} | nvfp4.gguf_scale_names(f, names)
     for gname, info in f.tensors.items():
         if gname not in known:
             what = ("an untied output head; dgemma runs DiffusionGemma's tied head" if gname == "output.weight"
@@ -298,7 +299,7 @@ def load_gguf_model(path: str | Path, device: Any = "cpu", dtype: Any = None):
                         f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; is the conversion complete?")
     for name, gname in names.items():
         info = f.tensors[gname]
-        if info.type not in ggml.NAMES:  # F32, F16, BF16 and the quantized types model/ggml.py computes with
+        if info.type not in ggml.NAMES and info.type != nvfp4.GGUF_TYPE:  # those model/ggml.py, model/nvfp4.py run
             raise UserError(f"{path}: tensor {gname!r} is {info.type_name}; dgemma reads {', '.join(ggml.NAMES.values())} tensors: "
                             "use a file of those types (or make one with `dgemma quantize`)")
         if info.shape != expected[name]:
@@ -306,6 +307,7 @@ def load_gguf_model(path: str | Path, device: Any = "cpu", dtype: Any = None):
                             f"{list(reversed(info.shape))}); the file's metadata implies {list(expected[name])}")
     embd = f.tensors[names["embed_tokens.weight"]]
     run = dtype or {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}.get(embd.type, torch.bfloat16)
+    nvfp4.gguf_modules_(f, model, names, str(path))  # type 40: NVFP4 modules, kept at 4 bits
     quant = {n for n, g in names.items() if f.tensors[g].type in ggml.QUANTIZED}
     state: dict[str, torch.Tensor] = {}
     for i in range(cfg.num_hidden_layers):
@@ -327,7 +329,7 @@ def load_gguf_model(path: str | Path, device: Any = "cpu", dtype: Any = None):
             state[name] = _dequantized(f, gname, run)
         f.drop_pages(gname)
     for name, gname in names.items():
-        if f.tensors[gname].type not in ggml.QUANTIZED:
+        if f.tensors[gname].type not in ggml.QUANTIZED + (nvfp4.GGUF_TYPE,):
             state[name] = _dense(f, gname, run)
             if state[name].data_ptr() != f.array(gname).ctypes.data:  # cast to the run dtype: a copy
                 f.drop_pages(gname)

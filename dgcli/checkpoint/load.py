@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dgcli.checkpoint.config import parse_config, read_json
+from dgcli.checkpoint.config import directory_config, parse_config, read_json
 from dgcli.errors import UserError
 from dgcli.model.config import ModelConfig
 
@@ -66,7 +66,7 @@ def load_config(path: str | Path, *, flag: str | None = None, file_ok: bool = Tr
                 raise UserError(f"{flag} {e}") from None
             raise
     cfg_path = path / "config.json" if kind == DIRECTORY else path
-    return parse_config(read_json(cfg_path), source=str(cfg_path))
+    return parse_config(directory_config(path) if kind == DIRECTORY else read_json(cfg_path), source=str(cfg_path))
 
 
 def load_generation_config(path: str | Path) -> dict | None:

@@ -29,29 +29,37 @@ from dgcli.checkpoint.directory import _open, checkpoint_files, to_module_name
 from dgcli.checkpoint.load import GGUF, format_of, load_config
 from dgcli.errors import UserError
 from dgcli.model import fp8
+from dgcli.model import nvfp4 as model_nvfp4
 
 FUSED = re.compile(r"^(layers\.\d+\.experts)\.(gate_up_proj|down_proj)$")
 WEIGHT_FILES = ("model.safetensors.index.json",)
 
 
-def _quantized(key: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+def _linear(prefix: str, w: torch.Tensor, nvfp4: bool) -> dict[str, torch.Tensor]:
+    """One quantized linear's tensors (checkpoint names under `prefix`): FP8 `weight` + `weight_scale`, or
+    compressed-tensors NVFP4 `weight_packed` + `weight_scale` + `weight_global_scale` (its own global)."""
+    if nvfp4:
+        packed, s, g = model_nvfp4.quantize_rows(w)
+        return {f"{prefix}.weight_packed": packed, f"{prefix}.weight_scale": s, f"{prefix}.weight_global_scale": g[:1]}
+    q, s = fp8.quantize_rows(w)
+    return {f"{prefix}.weight": q, f"{prefix}.weight_scale": s}
+
+
+def _quantized(key: str, t: torch.Tensor, nvfp4: bool = False) -> dict[str, torch.Tensor]:
     """One source tensor -> its output tensors (checkpoint names)."""
     name = to_module_name(key)
     if name is not None and name.endswith(".weight") and fp8.QUANTIZED.match(name.removesuffix(".weight")):
-        q, s = fp8.quantize_rows(t)
-        return {key: q, key + "_scale": s}
+        return _linear(key.removesuffix(".weight"), t, nvfp4)
     m = FUSED.match(name or "")
     if m is None:
         return {key: t}
     prefix = key[: -len(m.group(2))]  # "model.decoder.layers.L.experts."
-    q, s = fp8.quantize_rows(t)  # [E, rows, in] and [E, rows, 1]
     inter = t.shape[1] // 2
     out = {}
     for e in range(t.shape[0]):
         parts = {"gate": slice(0, inter), "up": slice(inter, None)} if m.group(2) == "gate_up_proj" else {"down": slice(None)}
         for part, rows in parts.items():  # clones: safetensors refuses tensors sharing storage
-            out[f"{prefix}{e}.{part}_proj.weight"] = q[e, rows].clone()
-            out[f"{prefix}{e}.{part}_proj.weight_scale"] = s[e, rows].clone()
+            out.update({k: v.clone() for k, v in _linear(f"{prefix}{e}.{part}_proj", t[e, rows], nvfp4).items()})
     return out
 
 
@@ -71,9 +79,10 @@ def _as_new_file(path: Path) -> None:
     path.chmod(0o666 & ~umask)
 
 
-def quantize_checkpoint(src: str | Path, dst: str | Path, *,
-                        progress: Callable[[str], None] | None = None) -> dict:
-    """Write the FP8-dynamic twin of checkpoint `src` into `dst` (absent or empty). Returns a summary:
+def quantize_checkpoint(src: str | Path, dst: str | Path, *, progress: Callable[[str], None] | None = None,
+                        nvfp4: bool = False) -> dict:
+    """Write the FP8-dynamic (or `nvfp4`: compressed-tensors NVFP4A16, nvfp4-pack-quantized) twin of checkpoint
+    `src` into `dst` (absent or empty). Returns a summary:
     tensors quantized, bytes read and written."""
     src, dst = Path(src), Path(dst)
     _refuse_file(src)
@@ -101,8 +110,9 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, *,
                 if t.dtype == fp8.FP8:
                     raise UserError(f"{f.name}: tensor {key!r} is already float8; quantize an unquantized checkpoint")
                 summary["bytes_in"] += t.numel() * t.element_size()
-                parts = _quantized(key, t)
-                summary["quantized_tensors"] += sum(v.dtype == fp8.FP8 for v in parts.values())
+                parts = _quantized(key, t, nvfp4)
+                summary["quantized_tensors"] += sum(k.endswith((".weight", ".weight_packed")) and v.dtype in (
+                    fp8.FP8, torch.uint8) for k, v in parts.items())
                 out.update(parts)
         save_file(out, str(dst / f.name), metadata={"format": "pt"})
         _as_new_file(dst / f.name)
@@ -114,7 +124,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, *,
         (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
     raw = read_json(src / "config.json")
     vision = any(k.startswith(("model.encoder.vision_tower.", "model.encoder.embed_vision.")) for k in files)
-    raw["quantization_config"] = ct.quantization_config(cfg.num_hidden_layers, vision=vision or "vision_config" in raw)
+    raw["quantization_config"] = ct.quantization_config(cfg.num_hidden_layers, vision=vision or "vision_config" in raw,
+                                                        nvfp4=nvfp4)
     (dst / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True))
     for p in sorted(src.rglob("*")):  # tokenizer, templates, generation/processor configs, diffusers files
         rel = p.relative_to(src)
@@ -128,7 +139,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, *,
 
 # ---- GGUF (`dgemma quantize SRC DST.gguf --type ...`) ------------------------------------------------------
 
-GGUF_KINDS = {"f32": 0, "bf16": 32, "q8_0": 7, "q4_k_m": 15}  # --type -> llama.cpp's general.file_type
+GGUF_KINDS = {"f32": 0, "bf16": 32, "q8_0": 7, "q4_k_m": 15, "nvfp4": 39}  # --type -> llama.cpp's general.file_type
 
 
 def _more_bits(i: int, n: int) -> bool:
@@ -136,12 +147,16 @@ def _more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
+NVFP4 = 40  # GGML_TYPE_NVFP4 (kernels/nvfp4.py)
+
+
 def gguf_types(kind: str, shapes: dict[str, tuple[int, ...]], n_layers: int,
                fallbacks: dict | None = None) -> dict[str, int]:
     """The ggml type of each GGUF tensor (name -> logical shape) for `--type kind`, as llama.cpp picks them:
     1-D tensors (norms, scales, layer scalars) and the router (`ffn_gate_inp`, never quantized by llama.cpp)
     stay F32; q8_0 makes every other matrix Q8_0; q4_k_m is Q4_K with Q6_K for the embedding (the tied head)
-    and for `attn_v` and `ffn_down(_exps)` in the "more bits" layers. A row length that is no multiple of the
+    and for `attn_v` and `ffn_down(_exps)` in the "more bits" layers; nvfp4 makes the matrices but the embedding
+    NVFP4 where their rows are multiples of 64 (else Q8_0). A row length that is no multiple of the
     block falls back as llama.cpp does (`ggml.type_for`: Q6_K -> Q8_0, Q4_K -> Q5_0; not a multiple of 32 ->
     F16). `fallbacks`, if given, collects them: (asked, given type names) -> the row lengths that fell back."""
     from dgcli.model import ggml
@@ -156,6 +171,8 @@ def gguf_types(kind: str, shapes: dict[str, tuple[int, ...]], n_layers: int,
             out[name] = ggml.BF16
             continue
         t = ggml.Q8_0
+        if kind == "nvfp4" and name != "token_embd.weight":  # type 40 (blocks of 64; else Q8_0); the tied head Q8_0
+            t = NVFP4
         if kind == "q4_k_m":
             t = ggml.Q4_K
             layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
@@ -165,9 +182,13 @@ def gguf_types(kind: str, shapes: dict[str, tuple[int, ...]], n_layers: int,
                 t = ggml.Q6_K
             elif (".ffn_down." in name or ".ffn_down_exps." in name) and _more_bits(layer, n_layers):
                 t = ggml.Q6_K
-        out[name] = ggml.type_for(t, shape[-1]) or ggml.F16
+        if t == NVFP4:  # blocks of 64 (both halves of a layer's experts, or neither), else Q8_0
+            other = shape[-2] // (2 if "gate_up" in name else 1) if "_exps." in name else 0
+            out[name] = NVFP4 if shape[-1] % 64 == 0 and other % 64 == 0 else ggml.type_for(ggml.Q8_0, shape[-1]) or ggml.F16
+        else:
+            out[name] = ggml.type_for(t, shape[-1]) or ggml.F16
         if out[name] != t and fallbacks is not None:
-            fallbacks.setdefault((ggml.NAMES[t], ggml.NAMES[out[name]]), []).append(shape[-1])
+            fallbacks.setdefault((ggml.NAMES.get(t, "NVFP4"), ggml.NAMES[out[name]]), []).append(shape[-1])
     return out
 
 

@@ -26,7 +26,7 @@ from dgcli.checkpoint.config import RELEASED_ROPE_PARAMETERS, parse_config, read
 from dgcli.checkpoint.directory import to_checkpoint_name
 from dgcli.checkpoint.meta import meta_model
 from dgcli.errors import UserError
-from dgcli.model import fp8, ggml
+from dgcli.model import fp8, ggml, nvfp4
 from dgcli.model.gemma import DiffusionGemma
 
 REFERENCE_GENERATION_CONFIG = {
@@ -71,7 +71,7 @@ def randomize_(model: DiffusionGemma, seed: int = 0, std: float | None = None) -
     Matrices ~ N(0, std) with std = 1/sqrt(fan_in) unless given; gains and scales ~ U(0.5, 1.5).
     FP8 weights (a quantized config): each matrix drawn so, then quantized (`randomize_fp8_`)."""
     gens: dict[torch.device, torch.Generator] = {}
-    quantized = fp8.quantized_names(model) | ggml.quantized_names(model)  # drawn as blocks / e4m3 elsewhere
+    quantized = fp8.quantized_names(model) | ggml.quantized_names(model) | nvfp4.quantized_names(model)  # drawn below
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if name in quantized:
             continue
@@ -83,6 +83,15 @@ def randomize_(model: DiffusionGemma, seed: int = 0, std: float | None = None) -
             t.uniform_(0.5, 1.5, generator=g)
     if quantized:
         randomize_fp8_(model, lambda d: gens.setdefault(d, torch.Generator(device=d).manual_seed(seed)), std)
+    for m in model.modules():  # NVFP4: random codes (RMS 2.93 over the 16), one e4m3 scale giving std 1/sqrt(fan_in)
+        for b in [n for n, t in m.named_buffers(recurse=False) if t.dtype == torch.uint8] if isinstance(
+                m, (nvfp4.NVFP4Linear, nvfp4.NVFP4Experts)) else ():
+            q = m.get_buffer(b)
+            g = gens.setdefault(q.device, torch.Generator(device=q.device).manual_seed(seed))
+            q.random_(0, 256, generator=g)
+            leaf = "weight" if b == "weight_packed" else b
+            m.get_buffer(leaf + "_scale").fill_((std or 1 / math.sqrt(2 * q.shape[-1])) / 2.93)
+            m.get_buffer(leaf + "_global").fill_(1.0)
     return model
 
 
@@ -113,16 +122,18 @@ def random_model(cfg_dict: dict, *, seed: int = 0, dtype: torch.dtype = torch.fl
     cfg = parse_config(cfg_dict)
     model = meta_model(cfg)
     model.to(dtype)
-    if cfg.quantization is not None:
+    if cfg.quantization is not None and cfg.quantization.nvfp4:
+        nvfp4.convert_(model, *fp8.targets(model), divide=True)
+    elif cfg.quantization is not None:
         fp8.convert_(model, *fp8.targets(model), dtype)
     model.to_empty(device=device)
     return randomize_(model, seed).eval()
 
 
-def with_fp8(cfg_dict: dict) -> dict:
-    """The config with the quantization_config of an FP8-dynamic checkpoint (compressed-tensors' layout)."""
+def with_fp8(cfg_dict: dict, nvfp4: bool = False) -> dict:
+    """The config with the quantization_config of an FP8-dynamic (or NVFP4A16) checkpoint (compressed-tensors')."""
     n = int(cfg_dict["text_config"]["num_hidden_layers"])
-    return dict(cfg_dict, quantization_config=ct.quantization_config(n))
+    return dict(cfg_dict, quantization_config=ct.quantization_config(n, nvfp4=nvfp4))
 
 
 def checkpoint_state(model: DiffusionGemma) -> dict[str, torch.Tensor]:

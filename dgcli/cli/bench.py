@@ -63,7 +63,7 @@ def bench(
     api_key: Annotated[Optional[str], typer.Option("--api-key", metavar="KEY", help="With --base-url: sent as 'Authorization: Bearer KEY'.")] = None,
     concurrency: Annotated[Optional[str], typer.Option("--concurrency", "--max-concurrency", metavar="N[,N...]", help=o.dflt("With --base-url: most requests in flight, e.g. 1,4,16; one row per value.", "1"))] = None,
     request_rate: Annotated[Optional[float], typer.Option("--request-rate", metavar="R", help=o.dflt("With --base-url: requests/s as Poisson arrivals (seeded by --seed); inf sends every prompt at once, up to --concurrency.", "inf"))] = None,
-    weights: Annotated[str, typer.Option("--weights", metavar="FORMAT", help="With --dummy: bf16 | fp8 (e4m3 attention, MLP and expert matrices with per-channel scales, as an FP8-dynamic checkpoint) | q4_k | q8_0 (GGML blocks as a Q4_K_M / Q8_0 GGUF holds them, kept quantized; CPU). A checkpoint runs in its own format.")] = "bf16",
+    weights: Annotated[str, typer.Option("--weights", metavar="FORMAT", help="With --dummy: bf16 | fp8 (e4m3 attention, MLP and expert matrices with per-channel scales, as an FP8-dynamic checkpoint) | nvfp4 (the same matrices in e2m1 groups of 16, kept at 4 bits; run W4A16) | q4_k | q8_0 (GGML blocks as a Q4_K_M / Q8_0 GGUF holds them, kept quantized; CPU). A checkpoint runs in its own format.")] = "bf16",
     fp8_activations: Annotated[bool, typer.Option("--fp8-activations", help="FP8 weights: quantize activations per token to e4m3 (vLLM's FP8-dynamic semantics) instead of dequantizing the weights (weight-only, the default); the row's fp8_semantics says which ran.")] = False,
     ray: o.Ray = None, ray_workers: o.RayWorkers = None, ray_gpus: o.RayGpus = None,
     show_config: o.ShowConfig = False,
@@ -93,14 +93,14 @@ def bench(
     stray = _given(ctx, REMOTE_ONLY)
     if stray:
         raise UserError(f"{stray[0][0]} applies only with --base-url (a server); in-process bench measures --batch-size")
-    if weights not in ("bf16", "fp8", "q4_k", "q8_0"):
-        raise UserError(f"--weights {weights}: use bf16, fp8, q4_k or q8_0")
+    if weights not in ("bf16", "fp8", "nvfp4", "q4_k", "q8_0"):
+        raise UserError(f"--weights {weights}: use bf16, fp8, nvfp4, q4_k or q8_0")
     if weights in ("q4_k", "q8_0") and dummy is None:
         raise UserError(f"--weights {weights} builds --dummy weights; a GGUF file runs in its own types "
                         "(make one with `dgemma quantize SRC DST.gguf --type`)")
-    if weights == "fp8" and dummy is None:
-        raise UserError("--weights fp8 builds --dummy weights in FP8; a checkpoint runs in its own format "
-                        "(make an FP8 one with `dgemma quantize SRC DST --fp8`)")
+    if weights in ("fp8", "nvfp4") and dummy is None:
+        raise UserError(f"--weights {weights} builds --dummy weights; a checkpoint runs in its own format "
+                        f"(make one with `dgemma quantize SRC DST --{weights}`)")
     if fp8_activations:
         import os
 
@@ -250,6 +250,10 @@ def _fp8_fields(model) -> dict:
                    for t in getattr(m, "types", (getattr(m, "qtype", None),))})
     if ggml:  # GGML blocks: their types (the rest of the model in the embedding's dtype)
         return {"weights": "+".join(ggml), "fp8_semantics": None}
+    from dgcli.model.nvfp4 import is_nvfp4
+
+    if is_nvfp4(model):
+        return {"weights": "nvfp4 (W4A16)", "fp8_semantics": None}
     if not is_fp8(model):
         return {"weights": str(model.embed_weight.dtype).removeprefix("torch."), "fp8_semantics": None}
     return {"weights": "fp8", "fp8_semantics": dispatch.fp8_semantics()}

@@ -161,7 +161,8 @@ def _budgets(dev, memory_gib: float | None) -> list[dict]:
 def _stored_dtype(inventory: dict | None, fallback: str) -> str:
     """The dtype holding most of a checkpoint's bytes (the run dtype dgemma's loader picks); FP8 weights are not
     a run dtype (an FP8 checkpoint runs in the dtype of its unquantized tensors)."""
-    stored = {k: v for k, v in (inventory or {}).get("text_bytes_by_dtype", {}).items() if not k.startswith("float8")}
+    stored = {k: v for k, v in (inventory or {}).get("text_bytes_by_dtype", {}).items()
+              if not k.startswith(("float8", "uint8"))}  # uint8: NVFP4's packed codes
     if stored:
         return max(stored.items(), key=lambda kv: kv[1])[0]
     return fallback

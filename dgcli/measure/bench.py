@@ -248,14 +248,17 @@ def make_row(s: Any, *, prompts: list[Prompt], prompt_source: str, params: Any, 
 
 
 def ggml_activations(s: Any) -> str | None:
-    """The GGML weights' activation path of a local session (dgcli/model/ggml.py); None without GGML weights or
-    a local model (a --ray or --base-url row)."""
+    """The GGML weights' activation path of a local session (dgcli/model/ggml.py), "nvfp4" for NVFP4 weights; None
+    without either or a local model (a --ray or --base-url row)."""
     model = getattr(s, "model", None)
     if model is None:
         return None
-    from dgcli.model.ggml import activation_path
+    import torch
 
-    return activation_path(model)
+    from dgcli.model.ggml import activation_path
+    from dgcli.model.nvfp4 import is_nvfp4
+
+    return "nvfp4" if isinstance(model, torch.nn.Module) and is_nvfp4(model) else activation_path(model)
 
 
 def weight_bytes(s: Any) -> int:

@@ -40,9 +40,14 @@ class Quantization:
     per output channel, symmetric). `dynamic_activations`: the checkpoint was made for per-token dynamic
     FP8 activations (FP8_DYNAMIC); dgemma runs weight-only unless asked (DGEMMA_FP8, --fp8-activations)."""
 
-    scheme: str  # "FP8_DYNAMIC" or "FP8 weight-only"
+    scheme: str  # "FP8_DYNAMIC", "FP8 weight-only", "NVFP4" (W4A4, run as W4A16), "NVFP4A16"
     dynamic_activations: bool
     ignore: tuple[str, ...] = ()
+    layout: str = "compressed-tensors"  # NVFP4: or "modelopt" (`weight`, `weight_scale_2`; experts only)
+
+    @property
+    def nvfp4(self) -> bool:
+        return self.scheme.startswith("NVFP4")
 
 
 @dataclass(frozen=True)

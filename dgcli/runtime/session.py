@@ -228,8 +228,8 @@ def open_dummy_session(spec: str, layers: int | None, preset: str | None, flags:
     from dgcli.checkpoint.random_weights import GGML_WEIGHTS, dummy_config, ggml_dummy_bytes, random_ggml_model, random_model, with_fp8
 
     raw, gen, name = dummy_config(spec, layers)
-    if weights == "fp8":
-        raw, name = with_fp8(raw), f"{name} FP8"
+    if weights in ("fp8", "nvfp4"):
+        raw, name = with_fp8(raw, nvfp4=weights == "nvfp4"), f"{name} {weights.upper()}"
     if flags.get("confidence_threshold") not in (None, 0, 0.0):
         warn(f"dgemma: note: --confidence-threshold {flags['confidence_threshold']} ignored: dummy weights run fixed-work (0)")
     resolved = resolve(gen, preset, dict(flags, confidence_threshold=0.0))

@@ -246,9 +246,8 @@ def ct_group(weights, acts=None, fmt="float-quantized"):
 
 
 @pytest.mark.parametrize("qc, name", [
-    (ct_group({"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True},
-              {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "dynamic": "local"},
-              "nvfp4-pack-quantized"), "NVFP4"),
+    (ct_group({"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32, "symmetric": True},
+              fmt="mxfp4-pack-quantized"), "MXFP4A16"),  # NVFP4 runs (tests/model/test_nvfp4.py)
     (ct_group({"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True},
               fmt="pack-quantized"), "W4A16"),
     (ct_group({"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True},

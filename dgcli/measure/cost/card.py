@@ -52,8 +52,7 @@ def card(cfg: ModelConfig, *, name: str, source: str, dtype: str, context: int =
         "model": name,
         "source": source,
         "dtype": dtype,
-        "weights": (f"fp8 ({cfg.quantization.scheme}: e4m3 attention, MLP and expert matrices + per-channel scales; "
-                    f"the rest {dtype})" if cfg.quantization is not None else dtype),
+        "weights": weights_line(cfg, dtype),
         "config": {
             "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "layers": layer_pattern(cfg),
             "attention_heads": cfg.num_attention_heads,
@@ -89,3 +88,15 @@ def card(cfg: ModelConfig, *, name: str, source: str, dtype: str, context: int =
                         "experts under uniform routing. Per step = a middle step (self-conditioning and soft "
                         f"embedding on) with {prompt_len} cached tokens."),
     }
+
+
+def weights_line(cfg: ModelConfig, dtype: str) -> str:
+    """What the card says the weights are: the dtype, or the quantized format and what runs."""
+    q = cfg.quantization
+    if q is None:
+        return dtype
+    if q.nvfp4:
+        what = "expert" if q.layout == "modelopt" else "attention, MLP and expert"
+        return (f"nvfp4 ({q.scheme}, {q.layout}: e2m1 {what} matrices + e4m3 scales per 16, kept at 4 bits; runs as "
+                f"W4A16, activations in {dtype}; the rest {dtype})")
+    return f"fp8 ({q.scheme}: e4m3 attention, MLP and expert matrices + per-channel scales; the rest {dtype})"

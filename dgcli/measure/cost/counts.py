@@ -85,6 +85,10 @@ def quantized_counts(cfg: ModelConfig) -> tuple[int, int]:
                for g in layers)
     params += len(layers) * (3 * h * cfg.intermediate_size + cfg.num_experts * _expert_params(cfg))
     rows += len(layers) * (2 * cfg.intermediate_size + h + cfg.num_experts * (2 * cfg.moe_intermediate_size + h))
+    q = cfg.quantization
+    if q is not None and q.layout == "modelopt":  # NVIDIA's NVFP4 export quantizes the experts only
+        return (len(layers) * cfg.num_experts * _expert_params(cfg),
+                len(layers) * cfg.num_experts * (2 * cfg.moe_intermediate_size + h))
     return params, rows
 
 
@@ -94,6 +98,8 @@ def _quant_bytes(cfg: ModelConfig, weight_bytes: float) -> tuple[float, float]:
     weight costs weight_bytes and there are no scales. weight_bytes 0 (weights not counted) counts none."""
     if cfg.quantization is None or not weight_bytes:
         return weight_bytes, 0
+    if cfg.quantization.nvfp4:  # 4 bits + an e4m3 scale per 16; an fp32 global per row (as held: model/nvfp4.py)
+        return 0.5 + 1 / 16, 4
     return 1, DTYPE_BYTES.get(cfg.dtype, 2)
 
 
@@ -111,8 +117,11 @@ def bytes_by_dtype_for(cfg: ModelConfig, dtype: str) -> dict[str, int]:
     n = param_counts(cfg)
     scalars = n["layer_scalars"]
     q, rows = quantized_counts(cfg) if cfg.quantization is not None else (0, 0)
-    out = {dtype: (n["total"] - scalars - q + rows) * DTYPE_BYTES[dtype]}
-    if q:
+    nv = q and cfg.quantization.nvfp4
+    out = {dtype: (n["total"] - scalars - q + (0 if nv else rows)) * DTYPE_BYTES[dtype]}
+    if nv:
+        out.update({"nvfp4": q // 2, "float8_e4m3": q // 16, "float32": rows * 4})
+    elif q:
         out["float8_e4m3"] = q
     out["float32"] = out.get("float32", 0) + scalars * 4
     return out

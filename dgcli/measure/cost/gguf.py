@@ -31,6 +31,8 @@ def gguf_inventory(path: Path) -> dict:
         # The embedding (the tied head) and a router are dequantized at load; other quantized matrices stay.
         if t.type in ggml.QUANTIZED and t.name != "token_embd.weight" and ".ffn_gate_inp." not in t.name:
             kept_quantized += t.nbytes
+        elif t.type == 40:  # NVFP4: held at 4 bits + an e4m3 scale per 16 (as stored) + an fp32 global per row
+            kept_quantized += t.nbytes + 4 * math.prod(t.shape[:-1])
         elif t.name != "rope_freqs.weight":
             dense_elements += n
     return {"files": 1, "text_bytes_by_dtype": by_type, "vision_bytes_by_dtype": {}, "text_parameters": params,

@@ -1,0 +1,161 @@
+"""NVFP4 weights (E2M1 codes in groups of 16 with one E4M3 scale each, and a per-tensor fp32 global scale): the
+decode, the conversion of GGUF's block layout, and the CPU linear and routed experts, kept at 4 bits.
+
+The held form (what dgcli/model/nvfp4.py registers), one layout for the three file formats:
+- `packed` uint8 [..., n, k/2]: column 2j in the low nibble, 2j + 1 in the high (compressed-tensors'
+  `nvfp4-pack-quantized` and ModelOpt's layout); a code is sign (bit 3) + index into E2M1 {0, .5, 1, 1.5, 2, 3, 4, 6};
+- `scale` float8_e4m3fn [..., n, k/16];
+- `glob` fp32 [..., n]: each row's global scale (a fused gate_up holds the gate's and the up's);
+- `divide`: the global is a divisor (compressed-tensors' `weight_global_scale`) or a multiplier (ModelOpt's
+  `weight_scale_2`, GGUF's `<name>.scale`).
+The weight (`decode`): w = bf16(e2m1 x fp32(e4m3 / glob)) (or x glob), op for op compressed-tensors' `decompress`
+(unpack to e2m1 values, `scale / global_scale` in fp32, the product in fp32, one rounding to bf16; an fp32 run
+upcasts that), so an NVFP4 run equals the model holding the decompressed bf16 weights. A GGUF block's own value e2m1 x ue4m3 is exact in fp32 (<= 6 significant
+bits): gguf-py's `quants.NVFP4` gives the same numbers.
+Activations stay in the model's dtype (W4A16): a W4A4 checkpoint's input scales are not used.
+CPU matmul (`linear`, `experts`): tiles of rows (~4 M weights) decoded by `decode` (kernels/csrc/nvfp4.c where there
+is a C compiler, else torch ops), then torch's GEMM; nothing decoded outlives a call. Against the Q4_K path
+(kernels/ggml_cpu.py, which multiplies its nibbles without a decoded tile): about even at a 256-row canvas, slower
+at a few rows, where the whole matrix is decoded for a GEMM that reads it once.
+Owns: `decode`, `from_gguf_blocks` / `to_gguf_blocks`, `linear`, `experts`, `check`. Must not: read files, know tensor names.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+GROUP = 16
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+GGUF_NVFP4, GGUF_BLOCK, GGUF_BYTES = 40, 64, 36  # ggml type id, values and bytes per block
+TILE_VALUES = 1 << 22  # weights decoded per tile on the CPU path
+
+
+def _half_bits(c: int) -> int:
+    """A code's E2M1 value x 2^-14 as float16 bits, exactly: s.ee.m placed at float16's s.000ee.m000000000 (its
+    subnormals continue E2M1's 0.5 step)."""
+    return (c & 7) << 9 | (c & 8) << 12
+
+
+# byte -> its two codes' float16 bits (low nibble in the low half: little-endian, so the pair reads as two values)
+_PAIRS = torch.tensor([_half_bits(b & 15) | _half_bits(b >> 4) << 16 for b in range(256)]).to(torch.int32)  # wraps
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., k/2] -> codes uint8 [..., k] (low nibble first)."""
+    return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)
+
+
+def factors(scale: torch.Tensor, glob: torch.Tensor, divide: bool) -> torch.Tensor:
+    """Each group's fp32 factor e4m3 / glob (or x glob): scale [..., n, k/16], glob [..., n] -> [..., n, k/16]."""
+    from .fp8 import fp8_over_256  # e4m3 -> float by int16 ops: torch's float8 conversion is ~2.5x slower
+
+    s, g = fp8_over_256(scale).float() * 256, glob.float().unsqueeze(-1)
+    return s / g if divide else s * g
+
+
+def _c_decode(packed: torch.Tensor, scale: torch.Tensor, glob: torch.Tensor, divide: bool) -> torch.Tensor | None:
+    """kernels/csrc/nvfp4.c's decode of a CPU matrix [n, k/2] (the same bits); None where there is no C here."""
+    from . import native
+
+    lib = native.library("nvfp4", {"nvfp4_decode": [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_long,
+                                                                            ctypes.c_long, ctypes.c_void_p]})
+    if lib is None or not packed.is_cpu or packed.dim() != 2:
+        return None
+    p, s, g = packed.contiguous(), scale.contiguous(), glob.float().contiguous()
+    out = torch.empty(p.shape[0], p.shape[1] * 2, dtype=torch.bfloat16)
+    lib.nvfp4_decode(p.data_ptr(), s.data_ptr(), g.data_ptr(), int(divide), p.shape[0], out.shape[1], out.data_ptr())
+    return out
+
+
+def decode(packed: torch.Tensor, scale: torch.Tensor, glob: torch.Tensor, divide: bool,
+           dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The weights [..., n, k] in dtype (see the module docstring). On CPU the C decoder where there is one;
+    else each byte becomes its two values x 2^-14 as float16 by one table lookup, and the multiply by factor x
+    2^14 runs in fp32 (float16 x fp32 promotes), rounded once into bf16: the same bits as e2m1 x factor in fp32
+    (a power of two apart)."""
+    w = _c_decode(packed, scale, glob, divide)
+    if w is not None:
+        return w if dtype == torch.bfloat16 else w.to(dtype)
+    pairs = _PAIRS.to(packed.device).index_select(0, packed.reshape(-1).to(torch.int32))
+    half = pairs.view(torch.float16).view(*packed.shape[:-1], -1, GROUP)  # [..., n, k/16, 16]
+    w = torch.empty(half.shape, dtype=torch.bfloat16, device=packed.device)
+    torch.mul(half, (factors(scale, glob, divide) * 16384).unsqueeze(-1), out=w)
+    w = w.flatten(-2)
+    return w if dtype == torch.bfloat16 else w.to(dtype)
+
+
+def check(packed: torch.Tensor, scale: torch.Tensor, glob: torch.Tensor) -> str | None:
+    """What is wrong with a held triple (shapes, dtypes, a non-finite or non-positive global), or None."""
+    *lead, n, half = packed.shape
+    if packed.dtype != torch.uint8 or scale.dtype != torch.float8_e4m3fn:
+        return f"dtypes {packed.dtype}/{scale.dtype}; NVFP4 holds uint8 codes and float8_e4m3fn scales"
+    if (2 * half) % GROUP or tuple(scale.shape) != (*lead, n, 2 * half // GROUP):
+        return f"scale shape {list(scale.shape)} for {2 * half} columns; expected one scale per {GROUP} columns"
+    if not bool(torch.isfinite(glob).all() and (glob > 0).all()):
+        return "global scale is not a finite positive number"
+    return None
+
+
+# ---- GGUF type 40 (llama.cpp ggml-common.h block_nvfp4) --------------------------------------------------------
+
+def _gguf_perm(device=None) -> torch.Tensor:
+    """Within a 16-value sub-block, GGUF byte j holds values j (low) and j + 8 (high): value order of its codes."""
+    return torch.arange(16, device=device).reshape(2, 8).t().reshape(-1)  # codes (lo0, hi0, lo1, ...) -> 0, 8, 1, ...
+
+
+def from_gguf_blocks(raw: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF NVFP4 bytes [..., n, k/64·36] -> (packed [..., n, k/2], scale e4m3 [..., n, k/16]). The code index k of
+    GGUF (kvalues {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, ...} · ue4m3 / 2) is E2M1's code; the unsigned E4M3 scale is
+    e4m3fn with the sign bit clear (0x7F, which gguf-py reads as 0, becomes 0)."""
+    lead = raw.shape[:-1]
+    b = raw.reshape(*lead, k // GGUF_BLOCK, GGUF_BYTES)
+    d = b[..., :4] & 0x7F
+    d = torch.where(d == 0x7F, torch.zeros_like(d), d)
+    qs = b[..., 4:].reshape(*lead, k // GROUP, 8)
+    codes = torch.stack((qs & 15, qs >> 4), dim=-2).flatten(-2)  # [..., k/16, 16]: values 0..7 then 8..15
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed.reshape(*lead, k // 2), d.reshape(*lead, k // GROUP).view(torch.float8_e4m3fn)
+
+
+def to_gguf_blocks(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The inverse of `from_gguf_blocks`: -> uint8 [..., n, k/64·36]."""
+    lead, k = packed.shape[:-1], packed.shape[-1] * 2
+    codes = unpack(packed).reshape(*lead, k // GROUP, 2, 8)  # values 0..7, 8..15 of each sub-block
+    qs = (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(*lead, k // GGUF_BLOCK, 32)
+    d = scale.view(torch.uint8).reshape(*lead, k // GGUF_BLOCK, 4)
+    return torch.cat((d, qs), dim=-1).reshape(*lead, k // GGUF_BLOCK * GGUF_BYTES)
+
+
+# ---- CPU linear and experts -----------------------------------------------------------------------------------
+
+def linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glob: torch.Tensor,
+           divide: bool) -> torch.Tensor:
+    """x [..., k] @ decode(...).T -> [..., n] in x.dtype, over tiles of rows decoded one at a time."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    x2 = x.reshape(-1, k)
+    step = max(1, TILE_VALUES // k)
+    if step >= n:
+        y = F.linear(x2, decode(packed, scale, glob, divide, x.dtype))
+    else:
+        y = torch.cat([F.linear(x2, decode(packed[r:r + step], scale[r:r + step], glob[r:r + step], divide, x.dtype))
+                       for r in range(0, n, step)], dim=1)
+    return y.reshape(*x.shape[:-1], n)
+
+
+def experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: tuple, down: tuple,
+            divide: bool, linear=linear) -> torch.Tensor:
+    """Routed experts x [N, H], w [N, k] fp32, idx [N, k] -> [N, H] (`reference_ops.experts_reference`'s math on
+    the decoded weights); gate_up / down = (packed, scale, glob) stacks [E, ...]; only routed experts are decoded,
+    each by `linear` (this module's, or the dispatch's: the Triton GEMM on CUDA)."""
+    from .reference_ops import expert_groups
+
+    out = torch.zeros_like(x)
+    inter = down[0].shape[-1] * 2
+    for e, sel, tok in expert_groups(idx, gate_up[0].shape[0]):
+        gu = linear(x[tok], *(t[e] for t in gate_up), divide)
+        y = linear(F.gelu(gu[:, :inter], approximate="tanh") * gu[:, inter:], *(t[e] for t in down), divide)
+        out.index_add_(0, tok, (y * w.reshape(-1)[sel, None]).to(out.dtype))
+    return out
