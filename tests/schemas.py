@@ -1,0 +1,38 @@
+"""Generated JSON schemas for the structured-output tests: strings with lengths, bounded integers, booleans,
+enums, arrays with maxItems, nested objects and required fields, small enough that a document fits in a few
+16-token canvases of the bundled model."""
+
+import random
+
+WORDS = ["a", "b", "cat", "dog", "x1", "red", "go"]
+
+
+def value(rng: random.Random, depth: int) -> dict:
+    kind = rng.choice(["string", "integer", "boolean", "enum", "array"] + (["object"] if depth < 1 else []))
+    if kind == "string":
+        lo = rng.randint(0, 2)
+        return {"type": "string", "minLength": lo, "maxLength": lo + rng.randint(0, 3)}
+    if kind == "integer":
+        lo = rng.randint(-20, 50)
+        return {"type": "integer", "minimum": lo, "maximum": lo + rng.randint(0, 120)}
+    if kind == "boolean":
+        return {"type": "boolean"}
+    if kind == "enum":
+        return {"enum": rng.sample(WORDS, rng.randint(1, 3))}
+    if kind == "array":
+        return {"type": "array", "items": rng.choice([{"type": "boolean"}, {"type": "integer", "minimum": 0,
+                                                                             "maximum": 9}]),
+                "maxItems": rng.randint(1, 3)}
+    return obj(rng, depth + 1, 2)
+
+
+def obj(rng: random.Random, depth: int = 0, most: int = 3) -> dict:
+    names = rng.sample(["id", "name", "ok", "n", "tags", "kind"], rng.randint(1, most))
+    props = {k: value(rng, depth) for k in names}
+    return {"type": "object", "properties": props, "required": rng.sample(names, rng.randint(0, len(names))),
+            "additionalProperties": False}
+
+
+def schemas(n: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    return [obj(rng) for _ in range(n)]
