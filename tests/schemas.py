@@ -2,6 +2,7 @@
 enums, arrays with maxItems, nested objects and required fields, small enough that a document fits in a few
 16-token canvases of the bundled model."""
 
+import json
 import random
 
 WORDS = ["a", "b", "cat", "dog", "x1", "red", "go"]
@@ -36,3 +37,23 @@ def obj(rng: random.Random, depth: int = 0, most: int = 3) -> dict:
 def schemas(n: int, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     return [obj(rng) for _ in range(n)]
+
+
+def _nested(depth):
+    s = {"type": "string"}
+    for _ in range(depth):
+        s = {"type": "object", "properties": {"a": s}}
+    return s
+
+
+# Refused at once: one line (the CLI), a 400 (the server), before anything compiles or runs.
+HOSTILE = {
+    "not JSON": "[1",
+    "not an object": "[1, 2]",
+    "recursive $ref": json.dumps({"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}}},
+                                  "$ref": "#/$defs/n"}),
+    "deeply nested": json.dumps(_nested(200)),
+    "huge": json.dumps({"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(5000)}}),
+    "invalid": json.dumps({"type": "objectt"}),
+    "remote $ref": json.dumps({"$ref": "https://example.com/s.json"}),
+}

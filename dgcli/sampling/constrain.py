@@ -215,7 +215,7 @@ def _compile(tokenizer: Any, text: str, stops: tuple[int, ...]) -> Automaton:
     except ImportError:
         raise UserError("structured output needs outlines-core: pip install 'dgcli[json]'") from None
     holes: dict[str, str] = {}
-    schema = _bounded_ints(json.loads(text), holes)
+    schema = _bounded_ints(json.loads(text), holes) or ANY_OBJECT["additionalProperties"]  # {}: any (narrowed)
     try:
         regex = build_regex_from_schema(json.dumps(schema))
         for name, rx in holes.items():
@@ -303,7 +303,14 @@ def _bounded_ints(x: Any, holes: dict[str, str]) -> Any:
         name = f"dgcliint{len(holes)}"
         holes[name] = _int_regex(lo, hi)
         return {"const": name}
-    return {k: _bounded_ints(v, holes) for k, v in x.items()}
+    x = {k: _bounded_ints(v, holes) for k, v in x.items()}
+    # Free-form objects and arrays compile to outlines-core's any-JSON pattern (~11 s): narrowed to ANY_OBJECT's
+    # shapes, whose documents are valid under the original.
+    if x.get("type") == "object" and "properties" not in x and "additionalProperties" not in x:
+        x["additionalProperties"] = ANY_OBJECT["additionalProperties"]
+    if x.get("type") == "array" and "items" not in x and "prefixItems" not in x:
+        x["items"] = _SCALAR
+    return x
 
 
 def _num(v: Any) -> bool:

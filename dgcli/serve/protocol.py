@@ -75,7 +75,6 @@ NOT_APPLICABLE = {
     "functions": "function calls are not supported by dgemma serve: leave it out",
     "function_call": "function calls are not supported by dgemma serve: leave it out",
     "parallel_tool_calls": "tool calls are not supported by dgemma serve: leave it out",
-    "response_format": "structured output is not supported by dgemma serve: leave it out",
     "best_of": "best_of is not supported: send one request per answer",
     "echo": "echo is not supported: leave it out",
     "suffix": "suffix (insertion) is not supported: leave it out",
@@ -84,7 +83,7 @@ NOT_APPLICABLE = {
     "prediction": "predicted outputs are not supported: leave it out",
 }
 COMMON = ("model", "max_tokens", "max_completion_tokens", "seed", "stream", "stream_options", "stop", "n", "user",
-          "metadata", "store", "service_tier", "chat_template_kwargs", "ignore_eos")
+          "metadata", "store", "service_tier", "chat_template_kwargs", "ignore_eos", "response_format")
 KNOWN = {True: ("messages",) + COMMON, False: ("prompt",) + COMMON}
 
 
@@ -99,6 +98,7 @@ class Context:
     canvas_length: int
     context: int  # the most positions a request may use: prompt + its blocks' canvases
     thinking: bool = False
+    stop_ids: Any = ()  # the ids that close a structured answer (response_format)
 
     @cached_property
     def max_chars(self) -> int | None:
@@ -126,6 +126,7 @@ class Spec:
     ignore_eos: bool = False
     id: str = ""
     created: int = 0
+    automaton: Any = None  # response_format's (sampling.constrain.Automaton), None without one
 
 
 def _flagless(message: str) -> str:
@@ -346,8 +347,12 @@ def parse(body: Any, *, chat: bool, ctx: Context) -> Spec:
     too_long = _context_error(len(ids), blocks, ctx, chat)
     if too_long:
         raise too_long
+    from dgcli.serve.structured import response_automaton
+
+    automaton = response_automaton(body, ctx.tokenizer, () if ignore_eos else ctx.stop_ids)
     return Spec(chat, ids, params, blocks, budget, stop, stream, include_usage, include_drafts, ignore_eos,
-                id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], created=int(time.time()))
+                id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], created=int(time.time()),
+                automaton=automaton)
 
 
 # ---- replies -------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 
 from cli_run import run
-from schemas import schemas
+from schemas import HOSTILE, schemas
 
 PROMPTS = ["Reverse: c a t", "Sort: 7 2 9 2", "Count from 7 to 31."]
 
@@ -65,25 +65,6 @@ def test_generate_json_schema_and_json_flags(tmp_path, capsys):
     assert isinstance(json.loads(out), dict)
     code, out, err = run(["generate", "Reverse: c a t"], capsys)
     assert (code, out.strip()) == (0, "t a c")
-
-
-def _nested(depth):
-    s = {"type": "string"}
-    for _ in range(depth):
-        s = {"type": "object", "properties": {"a": s}}
-    return s
-
-
-HOSTILE = {
-    "not JSON": "[1",
-    "not an object": "[1, 2]",
-    "recursive $ref": json.dumps({"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}}},
-                                  "$ref": "#/$defs/n"}),
-    "deeply nested": json.dumps(_nested(200)),
-    "huge": json.dumps({"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(5000)}}),
-    "invalid": json.dumps({"type": "objectt"}),
-    "remote $ref": json.dumps({"$ref": "https://example.com/s.json"}),
-}
 
 
 @pytest.mark.parametrize("name", HOSTILE)
