@@ -57,3 +57,5 @@ HOSTILE = {
     "invalid": json.dumps({"type": "objectt"}),
     "remote $ref": json.dumps({"$ref": "https://example.com/s.json"}),
 }
+WORDS_OF = {"not JSON": "not JSON", "not an object": "JSON object", "recursive $ref": "recursive",
+            "deeply nested": "levels", "huge": "characters", "invalid": "cannot be compiled", "remote $ref": "not local"}

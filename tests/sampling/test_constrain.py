@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 
 from cli_run import run
-from schemas import HOSTILE, schemas
+from schemas import HOSTILE, WORDS_OF, schemas
 
 PROMPTS = ["Reverse: c a t", "Sort: 7 2 9 2", "Count from 7 to 31."]
 
@@ -75,6 +75,7 @@ def test_hostile_schemas_are_one_line_in_under_a_second(name, tmp_path, capsys):
     code, out, err = run(["generate", "Reverse: c a t", "--json-schema", str(f)], capsys)
     assert code == 2 and out == ""
     assert err.startswith("dgemma: error:") and len(err.strip().splitlines()) == 1, err
+    assert WORDS_OF[name] in err, err
     assert time.perf_counter() - t0 < 5.0  # the model loads first (compile_schema's own bound: below)
 
 

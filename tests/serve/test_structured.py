@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from schemas import HOSTILE, schemas
+from schemas import HOSTILE, WORDS_OF, schemas
 from server_proc import serve
 
 PROMPTS = ["Reverse: c a t", "Sort: 7 2 9 2", "Count from 7 to 31."]
@@ -58,5 +58,5 @@ def test_hostile_schemas_are_a_400_in_under_a_second(client, name):
     with pytest.raises(openai.BadRequestError) as e:
         ask(client, "Reverse: c a t", response_format=fmt)
     assert time.perf_counter() - t0 < 1.0
-    assert "response_format" in str(e.value) or "json_schema" in str(e.value)
+    assert WORDS_OF.get(name, "text") in str(e.value) and "not supported" not in str(e.value)
     assert ask(client, "Reverse: c a t").choices[0].message.content == "t a c"  # still serving
