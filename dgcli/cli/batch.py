@@ -52,7 +52,7 @@ def parse_row(session: Any, row: dict, *, raw: bool, thinking: bool, init_flag: 
         from dgcli.runtime.request import constraint
 
         schema = row_schema(row["json_schema"])
-        constraint(session, schema, 1)
+        constraint(session, schema, session.num_blocks)
     return Request(ids, seed, fill_canvas(session, init, seed) if init is not None else None, schema)
 
 

@@ -193,7 +193,8 @@ def constraint(session: Any, json_schema: dict | None, num_blocks: int, ignore_e
     from dgcli.sampling.constrain import Constraint, compile_schema
 
     stops = () if ignore_eos else session.stop_ids
-    return Constraint(compile_schema(session.tokenizer, json_schema, stops), num_blocks)
+    room, budget = num_blocks * session.config.canvas_length, session.resolved.run.max_tokens
+    return Constraint(compile_schema(session.tokenizer, json_schema, stops), room if budget is None else min(room, budget))
 
 
 def _stream(session: Any, prompt_ids: list[int], params: Any, ignore_eos: bool,

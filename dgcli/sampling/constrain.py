@@ -61,14 +61,19 @@ class Automaton:
 
 @dataclass(eq=False)
 class Constraint:
-    """One request's place in its automaton: the state its committed blocks reached (host int)."""
+    """One request's place in its automaton: the state its committed blocks reached (host int). The document closes
+    within `room` tokens (UserError when even its shortest cannot)."""
 
     automaton: Automaton
-    num_blocks: int
+    room: int  # the answer's positions: its blocks' canvases, or its max_tokens cut when that is fewer
     state: int = -1
 
     def __post_init__(self) -> None:
         self.state = self.automaton.start if self.state < 0 else self.state
+        shortest = int(self.automaton.dist[self.automaton.start])
+        if shortest > self.room:
+            raise UserError(f"json_schema's shortest document (with its end) takes {shortest} tokens; this answer has "
+                            f"room for {self.room}: raise max_tokens (or max_blocks) or simplify the schema")
 
     def advance(self, tokens: list[int]) -> None:
         """A block committed: walk its tokens (a path the draw chose, so every move exists)."""
@@ -90,22 +95,31 @@ def constrain(out: Any, logits: Any, rows: list[tuple[int, Constraint, int]], un
     for k, con, block in rows:
         logp = torch.log_softmax(logits(k), dim=-1)  # [C, V]
         c = logp.shape[0]
+        room = con.room - block * c  # positions of this canvas and the ones after it that the answer keeps
         src, tok, dst, dist = con.automaton.on(logp.device)
-        ends = dist <= (con.num_blocks - 1 - block) * c  # [n+1]: can still close in the blocks left
-        out.sample[k] = _path(con.automaton.n, src, tok, dst, logp, con.state, ends, uniform[k], end_uniform[k])
-        out.argmax[k] = _path(con.automaton.n, src, tok, dst, logp, con.state, ends, None, None)
+        ends = dist <= max(room - c, 0)  # [n+1]: can still close in the canvases left
+        for dst_out, u, u_end in ((out.sample, uniform[k], end_uniform[k]), (out.argmax, None, None)):
+            dst_out[k] = _path(con.automaton.n, src, tok, dst, logp, con.state, ends, room, u, u_end)
+
+
+def _must_close(a: torch.Tensor, n: int) -> torch.Tensor:
+    """`a` [n+1] kept only at `done` (n), unless that leaves nothing (then the answer is cut by length)."""
+    closed = torch.where(torch.arange(n + 1, device=a.device) == n, a, -math.inf)
+    return torch.where(torch.isfinite(closed).any(), closed, a)
 
 
 def _path(n: int, src: torch.Tensor, tok: torch.Tensor, dst: torch.Tensor, logp: torch.Tensor, start: int,
-          ends: torch.Tensor, u: torch.Tensor | None, u_end: torch.Tensor | None) -> torch.Tensor:
-    """One canvas [C] on the automaton: drawn at uniforms `u` [C] / `u_end`, or (u None) the max path."""
+          ends: torch.Tensor, room: int, u: torch.Tensor | None, u_end: torch.Tensor | None) -> torch.Tensor:
+    """One canvas [C] on the automaton, closed by position `room` when that is inside it: drawn at uniforms `u` [C]
+    and `u_end`, or (u None) the max path."""
     c, v = logp.shape
     alpha = [logp.new_full((n + 1,), -math.inf)]
     alpha[0][start] = 0.0
     for i in range(c):  # forward: alpha[i+1][s'] = reduce over edges s -t-> s' of alpha[i][s] + logp[i][t]
         w = alpha[i][src] + logp[i][tok]  # [E]
         stay = alpha[i][n] + (torch.logsumexp(logp[i], 0) if u is not None else logp[i].max())  # done takes any
-        alpha.append(_reduce(torch.cat((w, stay[None])), torch.cat((dst, dst.new_full((1,), n))), n + 1, u is None))
+        a = _reduce(torch.cat((w, stay[None])), torch.cat((dst, dst.new_full((1,), n))), n + 1, u is None)
+        alpha.append(_must_close(a, n) if i + 1 == room else a)
     last = alpha[c]
     fin = torch.where(ends, last, -math.inf)
     fin = torch.where(torch.isfinite(fin).any(), fin, last)  # cannot close in time: any live state (cut by length)
@@ -263,6 +277,8 @@ def _automaton(index: Any, eos: int, stops: tuple[int, ...]) -> Automaton:
         frontier = nxt
     edges = [e for e in edges if dist[e[2]] < math.inf]  # moves into states that can never close: never taken
     src, tok, dst = (torch.tensor([e[i] for e in edges], dtype=torch.long) for i in range(3))
+    if dist[names[index.get_initial_state()]] == math.inf:
+        raise UserError("json_schema admits no document (e.g. minLength above maxLength, or no allowed value); fix it")
     big = 1 << 40
     return Automaton(n, names[index.get_initial_state()], src, tok, dst,
                      torch.tensor([d if d < math.inf else big for d in dist], dtype=torch.long), moves)

@@ -127,6 +127,7 @@ class Spec:
     id: str = ""
     created: int = 0
     automaton: Any = None  # response_format's (sampling.constrain.Automaton), None without one
+    room: int = 0  # the answer's positions (its canvases, or its max_tokens cut when fewer): where it must close
 
 
 def _flagless(message: str) -> str:
@@ -349,10 +350,11 @@ def parse(body: Any, *, chat: bool, ctx: Context) -> Spec:
         raise too_long
     from dgcli.serve.structured import response_automaton
 
-    automaton = response_automaton(body, ctx.tokenizer, () if ignore_eos else ctx.stop_ids)
+    room = blocks * ctx.canvas_length if budget is None else min(budget, blocks * ctx.canvas_length)
+    automaton = response_automaton(body, ctx.tokenizer, () if ignore_eos else ctx.stop_ids, room)
     return Spec(chat, ids, params, blocks, budget, stop, stream, include_usage, include_drafts, ignore_eos,
                 id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], created=int(time.time()),
-                automaton=automaton)
+                automaton=automaton, room=room)
 
 
 # ---- replies -------------------------------------------------------------------------------------------

@@ -13,8 +13,9 @@ from dgcli.serve.errors import ApiError
 _SCHEMA_KEYS = ("name", "schema", "strict", "description")
 
 
-def response_automaton(body: dict, tokenizer: Any, stop_ids: Any) -> Any:
-    """The Automaton `response_format` asks for, None for none; ApiError(400) naming the problem."""
+def response_automaton(body: dict, tokenizer: Any, stop_ids: Any, room: int) -> Any:
+    """The Automaton `response_format` asks for, None for none; ApiError(400) naming the problem (one whose shortest
+    document does not fit in the answer's `room` tokens too)."""
     rf = body.get("response_format")
     if rf is None:
         return None
@@ -24,7 +25,7 @@ def response_automaton(body: dict, tokenizer: Any, stop_ids: Any) -> Any:
     if kind not in ("json_object", "json_schema"):
         raise ApiError(400, "response_format must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}",
                        param="response_format")
-    from dgcli.sampling.constrain import ANY_OBJECT, compile_schema
+    from dgcli.sampling.constrain import ANY_OBJECT, Constraint, compile_schema
 
     schema = ANY_OBJECT
     if kind == "json_schema":
@@ -34,6 +35,8 @@ def response_automaton(body: dict, tokenizer: Any, stop_ids: Any) -> Any:
                            "\"description\"} with schema a JSON object", param="response_format")
         schema = spec["schema"]
     try:
-        return compile_schema(tokenizer, schema, stop_ids)
+        automaton = compile_schema(tokenizer, schema, stop_ids)
+        Constraint(automaton, room)  # fits, or the one line
+        return automaton
     except UserError as e:
         raise ApiError(400, str(e), param="response_format") from None

@@ -310,4 +310,4 @@ def _constraint(spec: Any) -> Any:
         return None
     from dgcli.sampling.constrain import Constraint
 
-    return Constraint(spec.automaton, spec.num_blocks)
+    return Constraint(spec.automaton, spec.room)

@@ -90,3 +90,19 @@ def test_hostile_schemas_compile_refused_fast(session):
         with pytest.raises(UserError):
             compile_schema(session.tokenizer, json.loads(text), session.stop_ids)
         assert time.perf_counter() - t0 < 1.0, name
+
+
+def test_the_document_closes_within_max_tokens_or_is_refused(tmp_path, capsys):
+    """The answer is cut at max_tokens (not a whole number of canvases here): the document closes before the cut;
+    a budget too small for even the shortest document is one line before anything runs."""
+    f = tmp_path / "s.json"
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                               "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
+              "required": ["name", "tags"]}
+    f.write_text(json.dumps(schema))
+    for budget in ("20", "24", "40"):
+        code, out, err = run(["generate", "Reverse: c a t", "--json-schema", str(f), "--max-tokens", budget], capsys)
+        assert code == 0, err
+        jsonschema.validate(json.loads(out), schema)
+    code, out, err = run(["generate", "Reverse: c a t", "--json-schema", str(f), "--max-tokens", "12"], capsys)
+    assert code == 2 and out == "" and "shortest document" in err and len(err.strip().splitlines()) == 1, err
