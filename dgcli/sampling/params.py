@@ -260,6 +260,8 @@ LIMITS: dict[str, Limit] = {
     "schema_depth": Limit(32, "levels"),
     "schema_regex_chars": Limit(200_000, "characters"),
     "automaton_edges": Limit(2_000_000, "moves"),
+    # dgemma serve only: OpenAI's own cap on a request's tools.
+    "tools": Limit(128, "tools"),
 }
 
 

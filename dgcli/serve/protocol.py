@@ -70,11 +70,9 @@ NOT_APPLICABLE = {
     "logit_bias": "logit bias is not supported: leave it out",
     "logprobs": "log-probabilities are not returned by this server: leave it out",
     "top_logprobs": "log-probabilities are not returned by this server: leave it out",
-    "tools": "tool calls are not supported by dgemma serve: leave it out",
-    "tool_choice": "tool calls are not supported by dgemma serve: leave it out",
     "functions": "function calls are not supported by dgemma serve: leave it out",
     "function_call": "function calls are not supported by dgemma serve: leave it out",
-    "parallel_tool_calls": "tool calls are not supported by dgemma serve: leave it out",
+    "parallel_tool_calls": "one tool call per answer here: leave it out",
     "best_of": "best_of is not supported: send one request per answer",
     "echo": "echo is not supported: leave it out",
     "suffix": "suffix (insertion) is not supported: leave it out",
@@ -84,7 +82,7 @@ NOT_APPLICABLE = {
 }
 COMMON = ("model", "max_tokens", "max_completion_tokens", "seed", "stream", "stream_options", "stop", "n", "user",
           "metadata", "store", "service_tier", "chat_template_kwargs", "ignore_eos", "response_format")
-KNOWN = {True: ("messages",) + COMMON, False: ("prompt",) + COMMON}
+KNOWN = {True: ("messages", "tools", "tool_choice") + COMMON, False: ("prompt",) + COMMON}
 
 
 @dataclass
@@ -128,6 +126,8 @@ class Spec:
     created: int = 0
     automaton: Any = None  # response_format's (sampling.constrain.Automaton), None without one
     room: int = 0  # the answer's positions (its canvases, or its max_tokens cut when fewer): where it must close
+    tool_mode: str | None = None  # tool_choice with tools: "none", "auto", "required", "named"; None without tools
+    tool_names: list = field(default_factory=list)
 
 
 def _flagless(message: str) -> str:
@@ -341,6 +341,11 @@ def parse(body: Any, *, chat: bool, ctx: Context) -> Spec:
         raise ApiError(400, _flagless(str(e)), param=e.key) from None
     budget = max_tokens if max_tokens is not None else ctx.max_tokens
     blocks = blocks_for(params, budget, ctx.canvas_length)
+    from dgcli.serve.structured import response_automaton, tool_plan, tools_message
+
+    forced, functions, tool_mode = tool_plan(body) if chat else (None, [], None)
+    if functions and tool_mode != "none" and isinstance(body.get("messages"), list):
+        body = {**body, "messages": [tools_message(functions), *body["messages"]]}
     try:
         ids = _prompt_ids(body, ctx, thinking, chat, blocks)
     except UserError as e:
@@ -348,13 +353,11 @@ def parse(body: Any, *, chat: bool, ctx: Context) -> Spec:
     too_long = _context_error(len(ids), blocks, ctx, chat)
     if too_long:
         raise too_long
-    from dgcli.serve.structured import response_automaton
-
     room = blocks * ctx.canvas_length if budget is None else min(budget, blocks * ctx.canvas_length)
-    automaton = response_automaton(body, ctx.tokenizer, () if ignore_eos else ctx.stop_ids, room)
+    automaton = response_automaton(body, ctx.tokenizer, () if ignore_eos else ctx.stop_ids, room, forced)
     return Spec(chat, ids, params, blocks, budget, stop, stream, include_usage, include_drafts, ignore_eos,
                 id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], created=int(time.time()),
-                automaton=automaton, room=room)
+                automaton=automaton, room=room, tool_mode=tool_mode, tool_names=[f["name"] for f in functions])
 
 
 # ---- replies -------------------------------------------------------------------------------------------
@@ -370,6 +373,9 @@ def usage(prompt_tokens: int, completion_tokens: int, steps_per_block: list[int]
 def reply(spec: Spec, model: str, reasoning: str, content: str, finish: str, use: dict) -> dict:
     if spec.chat:
         message = {"role": "assistant", "content": content}
+        calls = _tool_calls(spec, content, finish)
+        if calls:
+            message, finish = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
         if reasoning:
             message["reasoning_content"] = reasoning
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
@@ -380,6 +386,24 @@ def reply(spec: Spec, model: str, reasoning: str, content: str, finish: str, use
             choice["reasoning_content"] = reasoning
         kind = "text_completion"
     return {"id": spec.id, "object": kind, "created": spec.created, "model": model, "choices": [choice], "usage": use}
+
+
+def _tool_calls(spec: Spec, content: str, finish: str) -> list | None:
+    if spec.tool_mode is None or finish != "stop":
+        return None
+    from dgcli.serve.structured import tool_calls
+
+    return tool_calls(content, spec.tool_mode, spec.tool_names)
+
+
+def tool_chunks(spec: Spec, model: str, content: str, finish: str) -> list[dict] | None:
+    """A forced tool call's stream end (its text was held back): the call's chunk, then the finish chunk."""
+    calls = _tool_calls(spec, content, finish) if spec.tool_mode in ("required", "named") else None
+    if not calls:
+        return None
+    delta = {"tool_calls": [{"index": 0, **calls[0]}]}
+    return [{**chunk(spec, model), "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]},
+            chunk(spec, model, finish="tool_calls")]
 
 
 def chunk(spec: Spec, model: str, *, reasoning: str = "", content: str | None = None, role: bool = False,

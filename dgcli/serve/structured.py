@@ -1,22 +1,34 @@
-"""`response_format` of a request: `text` (none), `json_object` (any JSON object) or `json_schema` ({"name", "schema",
-"strict", "description"}), checked and compiled to the sampler's automaton (`sampling.constrain`) while the request is
-parsed, off the engine's thread. Must not: run anything, or know how the draw uses the automaton.
+"""Structured answers of a request: `response_format` (`text`: none, `json_object`: any JSON object, `json_schema`:
+{"name", "schema", "strict", "description"}) and `tools` + `tool_choice` (a forced call, `required` or one named
+function, is drawn under the schema {"name": const, "arguments": its parameters}; `auto` leaves the answer free and
+reads a whole-answer call back), checked and compiled to the sampler's automaton (`sampling.constrain`) while the
+request is parsed, off the engine's thread; and the OpenAI `tool_calls` of an answer.
+Must not: run anything, or know how the draw uses the automaton.
 """
 
 from __future__ import annotations
 
+import json
+import re
+import uuid
 from typing import Any
 
 from dgcli.errors import UserError
+from dgcli.sampling.params import LIMITS
 from dgcli.serve.errors import ApiError
 
 _SCHEMA_KEYS = ("name", "schema", "strict", "description")
 
 
-def response_automaton(body: dict, tokenizer: Any, stop_ids: Any, room: int) -> Any:
-    """The Automaton `response_format` asks for, None for none; ApiError(400) naming the problem (one whose shortest
-    document does not fit in the answer's `room` tokens too)."""
+def response_automaton(body: dict, tokenizer: Any, stop_ids: Any, room: int, forced: dict | None = None) -> Any:
+    """The Automaton `response_format` (or `forced`: a forced tool call's schema) asks for, None for none;
+    ApiError(400) naming the problem (one whose shortest document does not fit in the answer's `room` tokens too)."""
     rf = body.get("response_format")
+    if forced is not None:
+        if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+            raise ApiError(400, "a forced tool call (tool_choice required or a function) is its own format: "
+                           "leave response_format out", param="response_format")
+        rf = {"type": "json_schema", "json_schema": {"name": "tool_call", "schema": forced}}
     if rf is None:
         return None
     kind = rf.get("type") if isinstance(rf, dict) else None
@@ -40,3 +52,66 @@ def response_automaton(body: dict, tokenizer: Any, stop_ids: Any, room: int) -> 
         return automaton
     except UserError as e:
         raise ApiError(400, str(e), param="response_format") from None
+
+
+# ---- tools ---------------------------------------------------------------------------------------------------
+
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_FIX = 'tools is a list of {"type": "function", "function": {"name", "description", "parameters"}}'
+
+
+def tool_plan(body: dict) -> tuple[dict | None, list[dict], str | None]:
+    """(the schema a forced call follows or None, the tools' functions, the mode: None without tools, "none",
+    "auto", "required" or "named"); ApiError(400) naming the problem."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is None:
+        if choice is not None:
+            raise ApiError(400, "tool_choice needs tools: give tools, or leave tool_choice out", param="tool_choice")
+        return None, [], None
+    most = LIMITS["tools"].bound
+    if not isinstance(tools, list) or not tools or len(tools) > most:
+        raise ApiError(400, f"{_FIX}, 1 to {most} of them", param="tools")
+    functions = []
+    for n, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not _NAME.fullmatch(f["name"]) or \
+                not isinstance(f.get("parameters", {}), dict) or set(f) - {"name", "description", "parameters", "strict"}:
+            raise ApiError(400, f"tools[{n}]: {_FIX}; a name of 1-64 letters, digits, _ or -; parameters a JSON "
+                           "Schema object", param="tools")
+        functions.append(f)
+    names = [f["name"] for f in functions]
+    if choice is None or choice in ("none", "auto", "required"):
+        mode = choice or "auto"
+    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict) \
+            and choice["function"].get("name") in names:
+        mode, functions = "named", [functions[names.index(choice["function"]["name"])]]
+    else:
+        raise ApiError(400, f'tool_choice must be "none", "auto", "required" or {{"type": "function", "function": '
+                       f'{{"name": NAME}}}} with NAME one of {", ".join(names)}', param="tool_choice")
+    if mode not in ("required", "named"):
+        return None, functions, mode
+    calls = [{"type": "object", "properties": {"name": {"const": f["name"]},
+                                               "arguments": f.get("parameters") or {"type": "object"}},
+              "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
+    return (calls[0] if len(calls) == 1 else {"anyOf": calls}), functions, mode
+
+
+def tools_message(functions: list[dict]) -> dict:
+    """The tools, told to the model in a system message (the bundled templates render no tools of their own)."""
+    return {"role": "system", "content": "You can call these functions; to call one, answer with JSON "
+            '{"name": NAME, "arguments": {...}} only.\n' + json.dumps(functions, ensure_ascii=False)}
+
+
+def tool_calls(content: str, mode: str | None, names: list[str]) -> list[dict] | None:
+    """The OpenAI tool_calls of an answer: a forced call always (it was drawn under the call's schema); under
+    "auto", an answer that is such a call as a whole. None: the answer is text."""
+    if mode not in ("auto", "required", "named"):
+        return None
+    try:
+        call = json.loads(content)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or call.get("name") not in names or not isinstance(call.get("arguments"), dict):
+        return None
+    return [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+             "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}]

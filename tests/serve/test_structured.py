@@ -60,3 +60,41 @@ def test_hostile_schemas_are_a_400_in_under_a_second(client, name):
     assert time.perf_counter() - t0 < 1.0
     assert WORDS_OF.get(name, "text") in str(e.value) and "not supported" not in str(e.value)
     assert ask(client, "Reverse: c a t").choices[0].message.content == "t a c"  # still serving
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The forecast", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "flip", "parameters": {
+             "type": "object", "properties": {"heads": {"type": "boolean"}}, "required": ["heads"]}}}]
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "flip"}}, "required",
+                                    {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_tool_call_has_valid_arguments_whole_and_streamed(client, choice):
+    fast = {"extra_body": {"max_denoising_steps": 8}}  # any step count draws a valid call: fewer keep it quick
+    reply = ask(client, "Reverse: c a t", tools=TOOLS, tool_choice=choice, **fast)
+    c = reply.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None and len(c.message.tool_calls) == 1
+    call = c.message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_")
+    if isinstance(choice, dict):
+        assert call.function.name == choice["function"]["name"]
+    jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+    chunks = list(ask(client, "Sort: 7 2 9 2", tools=TOOLS, tool_choice=choice, stream=True, **fast))
+    deltas = [d for ch in chunks for d in (ch.choices[0].delta.tool_calls or []) if ch.choices]
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["tool_calls"]
+    assert len(deltas) == 1 and not any(ch.choices[0].delta.content for ch in chunks if ch.choices)
+    jsonschema.validate(json.loads(deltas[0].function.arguments), PARAMS[deltas[0].function.name])
+
+
+def test_tool_choice_none_answers_in_text_and_bad_choices_are_a_400(client):
+    assert ask(client, "Reverse: c a t", tools=TOOLS, tool_choice="none").choices[0].message.content == "t a c"
+    for body in ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                 {"tool_choice": "required"}, {"tools": [{"type": "function", "function": {"name": "a b"}}]},
+                 {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}):
+        with pytest.raises(openai.BadRequestError) as e:
+            ask(client, "Reverse: c a t", **body)
+        assert "tool" in str(e.value) and "not supported" not in str(e.value)
