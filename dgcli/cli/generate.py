@@ -16,6 +16,7 @@ import typer
 import dgcli.cli.options as o
 from dgcli.cli.console import (THINKING_NOTE, Progress, check_writable, init_canvas_note, loading, note_answers,
                                print_answer, read_prompt, run_one, show_config as print_config, warn)
+from dgcli.cli.schema import JsonObject, JsonSchema
 from dgcli.errors import UserError
 from dgcli.runtime.determinism import Recorder
 
@@ -52,10 +53,8 @@ def generate(
     cuda_graphs: o.CudaGraphs = None,
     no_prefix_caching: o.NoPrefixCaching = False,
     ray: o.Ray = None, ray_workers: o.RayWorkers = None, ray_gpus: o.RayGpus = None,
-    json_schema: Annotated[Optional[str], typer.Option("--json-schema", metavar="FILE", help=(
-        "The answer is JSON valid under the JSON Schema in FILE, drawn under it on the canvas (needs "
-        "pip install 'dgcli[json]'); a --input-jsonl row may carry its own \"json_schema\"."))] = None,
-    json_object: Annotated[bool, typer.Option("--json", help="The answer is a JSON object (as --json-schema).")] = False,
+    json_schema: JsonSchema = None,
+    json_object: JsonObject = False,
     check_determinism: Annotated[bool, typer.Option("--check-determinism", help=(
         "Then run the prompts twice more (as before, and batched the other way: alone, or beside a batch-mate) "
         "and check that every step decides the same; exit 1 at the first difference."))] = False,

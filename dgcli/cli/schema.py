@@ -7,9 +7,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Optional
+
+import typer
 
 from dgcli.errors import UserError
+
+JsonSchema = Annotated[Optional[str], typer.Option("--json-schema", metavar="FILE", help=(
+    "The answer is JSON valid under the JSON Schema in FILE, drawn under it on the canvas (needs "
+    "pip install 'dgcli[json]'); a generate --input-jsonl row may carry its own \"json_schema\"."))]
+JsonObject = Annotated[bool, typer.Option("--json", help="The answer is a JSON object (as --json-schema).")]
 
 # The any-object schema (`--json`): kept in sampling/constrain.py (ANY_OBJECT); this marker asks for it.
 ANY = "object"

@@ -31,7 +31,7 @@ from dgcli.errors import UserError
 from dgcli.sampling.params import LIMITS, over_limit
 
 # --json / response_format json_object: any JSON object, as an object of scalars, arrays of scalars and flat objects
-# (JSON Schema's bare {"type": "object"} compiles to ~1,600 states, 11 s on the bundled vocabulary; this to 0.2 s).
+# (JSON Schema's bare {"type": "object"} compiles to outlines-core's any-JSON pattern: ~1,600 states, seconds to build).
 _SCALAR = {"anyOf": [{"type": "string"}, {"type": "integer"}, {"type": "boolean"}, {"type": "null"}]}
 ANY_OBJECT = {"type": "object", "additionalProperties": {"anyOf": [
     *_SCALAR["anyOf"], {"type": "array", "items": _SCALAR}, {"type": "object", "additionalProperties": _SCALAR}]}}
@@ -320,7 +320,7 @@ def _bounded_ints(x: Any, holes: dict[str, str]) -> Any:
         holes[name] = _int_regex(lo, hi)
         return {"const": name}
     x = {k: _bounded_ints(v, holes) for k, v in x.items()}
-    # Free-form objects and arrays compile to outlines-core's any-JSON pattern (~11 s): narrowed to ANY_OBJECT's
+    # Free-form objects and arrays compile to outlines-core's any-JSON pattern (seconds): narrowed to ANY_OBJECT's
     # shapes, whose documents are valid under the original.
     if x.get("type") == "object" and "properties" not in x and "additionalProperties" not in x:
         x["additionalProperties"] = ANY_OBJECT["additionalProperties"]

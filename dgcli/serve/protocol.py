@@ -2,9 +2,8 @@
 objects and stream chunks out (OpenAI's error object: serve/errors.py).
 
 Decisions:
-* Fields that do not apply to the entropy-bound sampler (`temperature`, `top_p`, penalties, logprobs,
-  tools...) are rejected with 400 naming the field and what to use instead, unless null or false (0 is
-  a value: `temperature: 0` is refused).
+* Fields that do not apply to the entropy-bound sampler (`temperature`, `top_p`, penalties, logprobs...) are
+  a 400 naming the field and what to use instead, unless null or false (`temperature: 0` is refused).
 * The sampler's settings are extra body fields with the preset key names, checked by the one validator
   (`DiffusionEbParams`): the server's settings (checkpoint < preset < `serve` flags) are the base a request
   changes. OpenAI's `seed` is the sampler's seed.
@@ -25,7 +24,7 @@ OpenAI fields read: `model` (optional; another name is 404), `messages` (text co
 developer, user, assistant) or `prompt` (completions: a string or token ids, no chat template),
 `max_tokens` / `max_completion_tokens` (the answer's cut, either or both if equal; with `max_blocks` unset it
 also sets the block count), `seed`, `stream`, `stream_options.include_usage`, `stop` (strings, matched in the
-content), `n` (1).
+content), `n` (1); `response_format`, `tools` and `tool_choice` (serve/structured.py).
 The thought channel comes back as `reasoning_content` (in `message`, or in `delta` when streaming).
 A stream (SSE, OpenAI's chunk shape): a first chunk with the role, one chunk per committed block with its new
 text in `delta.content` (append-only; engine/output.py says what waits for the next block), a last chunk with
@@ -55,6 +54,7 @@ from dgcli.errors import UserError
 from dgcli.engine import out_of_vocab, over_context
 from dgcli.runtime.settings import PARAM_KEYS, blocks_for
 from dgcli.sampling.params import LIMITS, SettingsError, coerce, over_limit, suggest
+from dgcli.serve import structured
 from dgcli.serve.errors import ApiError
 
 SAMPLER_KEYS = tuple(k for k in PARAM_KEYS if k != "seed")  # seed is OpenAI's own field
@@ -124,10 +124,7 @@ class Spec:
     ignore_eos: bool = False
     id: str = ""
     created: int = 0
-    automaton: Any = None  # response_format's (sampling.constrain.Automaton), None without one
-    room: int = 0  # the answer's positions (its canvases, or its max_tokens cut when fewer): where it must close
-    tool_mode: str | None = None  # tool_choice with tools: "none", "auto", "required", "named"; None without tools
-    tool_names: list = field(default_factory=list)
+    fmt: Any = None  # response_format and tools (serve/structured.py's Format), None without either
 
 
 def _flagless(message: str) -> str:
@@ -341,11 +338,7 @@ def parse(body: Any, *, chat: bool, ctx: Context) -> Spec:
         raise ApiError(400, _flagless(str(e)), param=e.key) from None
     budget = max_tokens if max_tokens is not None else ctx.max_tokens
     blocks = blocks_for(params, budget, ctx.canvas_length)
-    from dgcli.serve.structured import response_automaton, tool_plan, tools_message
-
-    forced, functions, tool_mode = tool_plan(body) if chat else (None, [], None)
-    if functions and tool_mode != "none" and isinstance(body.get("messages"), list):
-        body = {**body, "messages": [tools_message(functions), *body["messages"]]}
+    body, fmt = structured.answer_format(body, chat, ctx, blocks * ctx.canvas_length, budget, ignore_eos)
     try:
         ids = _prompt_ids(body, ctx, thinking, chat, blocks)
     except UserError as e:
@@ -353,11 +346,8 @@ def parse(body: Any, *, chat: bool, ctx: Context) -> Spec:
     too_long = _context_error(len(ids), blocks, ctx, chat)
     if too_long:
         raise too_long
-    room = blocks * ctx.canvas_length if budget is None else min(budget, blocks * ctx.canvas_length)
-    automaton = response_automaton(body, ctx.tokenizer, () if ignore_eos else ctx.stop_ids, room, forced)
     return Spec(chat, ids, params, blocks, budget, stop, stream, include_usage, include_drafts, ignore_eos,
-                id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], created=int(time.time()),
-                automaton=automaton, room=room, tool_mode=tool_mode, tool_names=[f["name"] for f in functions])
+                id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], created=int(time.time()), fmt=fmt)
 
 
 # ---- replies -------------------------------------------------------------------------------------------
@@ -373,9 +363,6 @@ def usage(prompt_tokens: int, completion_tokens: int, steps_per_block: list[int]
 def reply(spec: Spec, model: str, reasoning: str, content: str, finish: str, use: dict) -> dict:
     if spec.chat:
         message = {"role": "assistant", "content": content}
-        calls = _tool_calls(spec, content, finish)
-        if calls:
-            message, finish = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
         if reasoning:
             message["reasoning_content"] = reasoning
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
@@ -386,24 +373,6 @@ def reply(spec: Spec, model: str, reasoning: str, content: str, finish: str, use
             choice["reasoning_content"] = reasoning
         kind = "text_completion"
     return {"id": spec.id, "object": kind, "created": spec.created, "model": model, "choices": [choice], "usage": use}
-
-
-def _tool_calls(spec: Spec, content: str, finish: str) -> list | None:
-    if spec.tool_mode is None or finish != "stop":
-        return None
-    from dgcli.serve.structured import tool_calls
-
-    return tool_calls(content, spec.tool_mode, spec.tool_names)
-
-
-def tool_chunks(spec: Spec, model: str, content: str, finish: str) -> list[dict] | None:
-    """A forced tool call's stream end (its text was held back): the call's chunk, then the finish chunk."""
-    calls = _tool_calls(spec, content, finish) if spec.tool_mode in ("required", "named") else None
-    if not calls:
-        return None
-    delta = {"tool_calls": [{"index": 0, **calls[0]}]}
-    return [{**chunk(spec, model), "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]},
-            chunk(spec, model, finish="tool_calls")]
 
 
 def chunk(spec: Spec, model: str, *, reasoning: str = "", content: str | None = None, role: bool = False,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
 from dgcli.errors import UserError
@@ -18,6 +19,56 @@ from dgcli.sampling.params import LIMITS
 from dgcli.serve.errors import ApiError
 
 _SCHEMA_KEYS = ("name", "schema", "strict", "description")
+
+
+@dataclass
+class Format:
+    """A request's structured answer: the automaton it is drawn under (None: free text) and where it must close
+    (`room`: its canvases, or its max_tokens cut when fewer); with tools, the tool_choice mode and the names."""
+
+    automaton: Any
+    room: int
+    tool_mode: str | None = None  # "none", "auto", "required", "named"; None without tools
+    tool_names: list[str] = field(default_factory=list)
+
+    @property
+    def forced(self) -> bool:
+        return self.tool_mode in ("required", "named")
+
+    def calls(self, content: str, finish: str) -> list[dict] | None:
+        return tool_calls(content, self.tool_mode, self.tool_names) if finish == "stop" else None
+
+    def reply(self, body: dict) -> dict:
+        """A chat reply `body` (protocol.reply's) as a tool call's, when its answer is one."""
+        choice = body["choices"][0]
+        calls = self.calls(choice["message"]["content"], choice["finish_reason"])
+        if calls:
+            choice["message"] = {**choice["message"], "content": None, "tool_calls": calls}
+            choice["finish_reason"] = "tool_calls"
+        return body
+
+    def end_chunks(self, spec: Any, model: str, content: str, finish: str) -> list[dict] | None:
+        """A forced call's stream end (its text was held back): the tool_calls chunk, then the finish chunk."""
+        calls = self.calls(content, finish) if self.forced else None
+        if not calls:
+            return None
+        head = {"id": spec.id, "object": "chat.completion.chunk", "created": spec.created, "model": model}
+        return [{**head, "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, **calls[0]}]},
+                                      "logprobs": None, "finish_reason": None}]},
+                {**head, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "tool_calls"}]}]
+
+
+def answer_format(body: dict, chat: bool, ctx: Any, canvases: int, budget: int | None,
+                  ignore_eos: bool) -> tuple[dict, Format | None]:
+    """(the body, its messages led by the tools when the model may call them; its Format, None for free text)."""
+    forced, functions, mode = tool_plan(body) if chat else (None, [], None)
+    if functions and mode != "none" and isinstance(body.get("messages"), list):
+        body = {**body, "messages": [tools_message(functions), *body["messages"]]}
+    room = canvases if budget is None else min(budget, canvases)
+    automaton = response_automaton(body, ctx.tokenizer, () if ignore_eos else ctx.stop_ids, room, forced)
+    if automaton is None and mode is None:
+        return body, None
+    return body, Format(automaton, room, mode, [f["name"] for f in functions])
 
 
 def response_automaton(body: dict, tokenizer: Any, stop_ids: Any, room: int, forced: dict | None = None) -> Any:

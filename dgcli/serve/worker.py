@@ -306,8 +306,8 @@ class _Draft:
 
 def _constraint(spec: Any) -> Any:
     """The request's place in its response_format automaton (a fresh one per request), or None."""
-    if spec.automaton is None:
+    if spec.fmt is None or spec.fmt.automaton is None:
         return None
     from dgcli.sampling.constrain import Constraint
 
-    return Constraint(spec.automaton, spec.room)
+    return Constraint(spec.fmt.automaton, spec.fmt.room)

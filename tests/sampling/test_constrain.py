@@ -60,6 +60,10 @@ def test_generate_json_schema_and_json_flags(tmp_path, capsys):
     code, out, err = run(["generate", "Reverse: c a t", "--json-schema", str(f), "--max-tokens", "64"], capsys)
     assert code == 0, err
     jsonschema.validate(json.loads(out), schema)
+    code, out, err = run(["watch", "Sort: 3 1 2", "--json-schema", str(f), "--max-tokens", "64", "--step-delay", "0"],
+                         capsys)  # watch draws the same constrained run; its answer ends stdout
+    assert code == 0, err
+    jsonschema.validate(json.loads(out.strip().splitlines()[-1]), schema)
     code, out, err = run(["generate", "Sort: 3 1 2", "--json"], capsys)
     assert code == 0, err
     assert isinstance(json.loads(out), dict)
