@@ -56,6 +56,9 @@ HOSTILE = {
     "huge": json.dumps({"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(5000)}}),
     "invalid": json.dumps({"type": "objectt"}),
     "remote $ref": json.dumps({"$ref": "https://example.com/s.json"}),
+    "long string": json.dumps({"type": "object", "properties": {"a": {"type": "string", "maxLength": 100000}}}),
+    "long pattern": json.dumps({"type": "string", "pattern": "[a-z]{2,5000}"}),
 }
 WORDS_OF = {"not JSON": "not JSON", "not an object": "JSON object", "recursive $ref": "recursive",
-            "deeply nested": "levels", "huge": "characters", "invalid": "cannot be compiled", "remote $ref": "not local"}
+            "deeply nested": "levels", "huge": "characters", "invalid": "cannot be compiled", "remote $ref": "not local",
+            "long string": "repeats", "long pattern": "repeats"}

@@ -175,7 +175,24 @@ def schema_error(schema: Any, what: str = "json_schema") -> str | None:
     msg = over_limit("schema_depth", depth, "flatten the schema", shown=f"{what} nested {depth} levels deep")
     if msg:
         return msg
-    return _ref_error(schema, what)
+    cost = _repeats(schema)
+    msg = over_limit("schema_repeats", cost, "lower maxLength / maxItems", shown=f"{what} spanning {cost} repeats")
+    return msg or _ref_error(schema, what)
+
+
+def _repeats(x: Any) -> int:
+    """How many counted repeats a schema spans (a string's maxLength, an array's maxItems times its items', summed
+    over the rest): the size of its automaton grows with it, and with it the compile."""
+    if isinstance(x, list):
+        return sum(map(_repeats, x))
+    if not isinstance(x, dict):
+        return 0
+    counts = [v for k in ("maxLength", "minLength", "maxItems", "minItems") if isinstance(v := x.get(k), int)]
+    if isinstance(x.get("pattern"), str):  # a pattern's own counted repeats, {m,n}
+        counts += [int(n) for n in re.findall(r"\{\s*(\d{1,9})\s*(?:,\s*(\d{0,9}))?", x["pattern"]) for n in n if n]
+    inner = sum(_repeats(v) for k, v in x.items() if k != "items")
+    items = max(1, _repeats(x.get("items")))
+    return inner + (max(counts) * items if counts else items - 1 if "items" in x else 0)
 
 
 def _depth(x: Any) -> int:
@@ -238,19 +255,23 @@ def _compile(tokenizer: Any, text: str, stops: tuple[int, ...]) -> Automaton:
                          shown=f"json_schema's pattern of {len(regex)} characters")
         if msg:
             raise UserError(msg)
-        vocab, eos = _vocabulary(tokenizer, stops)
-        index = Index(regex, vocab)
+        vocab, eos, lead = _vocabulary(tokenizer, stops)
+        # outlines-core builds an index whose pattern opens on a counted repetition (a top-level string with a
+        # maxLength) in time exponential in the count; behind one literal token it is fast, so the pattern is
+        # built behind the \x01 byte token and the automaton starts after it.
+        index = Index(regex if lead is None else "\\x01" + regex, vocab)
     except UserError:
         raise
     except Exception as e:  # outlines-core's own words for what it does not support
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"json_schema cannot be compiled ({first[:200]}); use the supported JSON Schema subset") from None
-    return _automaton(index, eos, stops)
+    start = index.get_initial_state()
+    return _automaton(index, eos, stops, start if lead is None else index.get_next_state(start, lead))
 
 
-def _automaton(index: Any, eos: int, stops: tuple[int, ...]) -> Automaton:
+def _automaton(index: Any, eos: int, stops: tuple[int, ...], start: int) -> Automaton:
     trans = index.get_transitions()
-    names = {s: i for i, s in enumerate(sorted(trans.keys() | {index.get_initial_state()}))}
+    names = {s: i for i, s in enumerate(sorted(trans.keys() | {start}))}
     n = len(names)
     moves: dict[int, dict[int, int]] = {i: {} for i in range(n)}
     for s, row in trans.items():
@@ -277,16 +298,16 @@ def _automaton(index: Any, eos: int, stops: tuple[int, ...]) -> Automaton:
         frontier = nxt
     edges = [e for e in edges if dist[e[2]] < math.inf]  # moves into states that can never close: never taken
     src, tok, dst = (torch.tensor([e[i] for e in edges], dtype=torch.long) for i in range(3))
-    if dist[names[index.get_initial_state()]] == math.inf:
+    if dist[names[start]] == math.inf:
         raise UserError("json_schema admits no document (e.g. minLength above maxLength, or no allowed value); fix it")
     big = 1 << 40
-    return Automaton(n, names[index.get_initial_state()], src, tok, dst,
+    return Automaton(n, names[start], src, tok, dst,
                      torch.tensor([d if d < math.inf else big for d in dist], dtype=torch.long), moves)
 
 
-def _vocabulary(tokenizer: Any, stops: tuple[int, ...]) -> tuple[Any, int]:
+def _vocabulary(tokenizer: Any, stops: tuple[int, ...]) -> tuple[Any, int, int | None]:
     """outlines-core's Vocabulary of the tokenizer's ordinary tokens as the bytes each stands for (specials and stop
-    ids left out: they never occur inside the document), and the eos id it is given."""
+    ids left out: they never occur inside the document), the eos id it is given, and the \x01 token (or None)."""
     from outlines_core import Vocabulary
 
     skip = set(tokenizer.special_ids) | set(stops)
@@ -297,7 +318,8 @@ def _vocabulary(tokenizer: Any, stops: tuple[int, ...]) -> tuple[Any, int]:
         m = _BYTE.fullmatch(t)
         pieces.setdefault(bytes([int(m.group(1), 16)]) if m else t.replace("\u2581", " ").encode(), []).append(i)
     eos = min(skip) if skip else tokenizer.tokenizer.get_vocab_size()
-    return Vocabulary(eos, pieces), eos
+    lead = pieces.get(b"\x01", [None])[0]
+    return Vocabulary(eos, pieces), eos, lead
 
 
 # ---- integer bounds: outlines-core's regex ignores minimum / maximum, so bounded integers get our own regex -------
@@ -369,8 +391,10 @@ def _digits(a: str, b: str) -> str:
     """Digit strings of one length between a and b."""
     if not a:
         return ""
+    n = len(a) - 1
+    if a[1:] == "0" * n and b[1:] == "9" * n:  # every tail: no recursion (else the pattern grows as 2^digits)
+        return (a[0] if a[0] == b[0] else f"[{a[0]}-{b[0]}]") + (f"[0-9]{{{n}}}" if n else "")
     if a[0] == b[0]:
         return a[0] + _digits(a[1:], b[1:])
-    n = len(a) - 1
     mid = f"[{int(a[0]) + 1}-{int(b[0]) - 1}]" + "[0-9]" * n if int(b[0]) - int(a[0]) > 1 else None
     return "(" + "|".join(p for p in (a[0] + _digits(a[1:], "9" * n), mid, b[0] + _digits("0" * n, b[1:])) if p) + ")"

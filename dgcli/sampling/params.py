@@ -258,6 +258,7 @@ LIMITS: dict[str, Limit] = {
     # compiled; its regex and automaton bound the compile (well under a second) and the draw's work per position.
     "schema_chars": Limit(16384, "characters"),
     "schema_depth": Limit(32, "levels"),
+    "schema_repeats": Limit(96, "repeats (maxLength, maxItems x items, summed)"),
     "schema_regex_chars": Limit(200_000, "characters"),
     "automaton_edges": Limit(2_000_000, "moves"),
     # dgemma serve only: OpenAI's own cap on a request's tools.
