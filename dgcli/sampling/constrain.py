@@ -238,7 +238,7 @@ def compile_schema(tokenizer: Any, schema: dict, stop_ids: tuple[int, ...] | lis
     return _compile(tokenizer, json.dumps(schema), tuple(sorted(stop_ids)))
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=8)  # a server's few schemas in use; each holds its edge tensors
 def _compile(tokenizer: Any, text: str, stops: tuple[int, ...]) -> Automaton:
     try:
         from outlines_core import Index
@@ -342,6 +342,11 @@ def _bounded_ints(x: Any, holes: dict[str, str]) -> Any:
         holes[name] = _int_regex(lo, hi)
         return {"const": name}
     x = {k: _bounded_ints(v, holes) for k, v in x.items()}
+    if isinstance(x.get("properties"), dict):  # {} (any value) compiles to the any-JSON pattern too: narrowed
+        x["properties"] = {k: v or ANY_OBJECT["additionalProperties"] for k, v in x["properties"].items()}
+    for k in ("items", "additionalProperties"):
+        if x.get(k) == {}:
+            x[k] = ANY_OBJECT["additionalProperties"]
     # Free-form objects and arrays compile to outlines-core's any-JSON pattern (seconds): narrowed to ANY_OBJECT's
     # shapes, whose documents are valid under the original.
     if x.get("type") == "object" and "properties" not in x and "additionalProperties" not in x:

@@ -260,7 +260,7 @@ LIMITS: dict[str, Limit] = {
     "schema_depth": Limit(32, "levels"),
     "schema_repeats": Limit(96, "repeats (maxLength, maxItems x items, summed)"),
     "schema_regex_chars": Limit(200_000, "characters"),
-    "automaton_edges": Limit(2_000_000, "moves"),
+    "automaton_edges": Limit(500_000, "moves"),
     # dgemma serve only: OpenAI's own cap on a request's tools.
     "tools": Limit(128, "tools"),
 }
