@@ -334,7 +334,8 @@ def _bounded_ints(x: Any, holes: dict[str, str]) -> Any:
     if x.get("type") == "integer" and any(isinstance(x.get(k), (int, float)) for k in keys):
         his = ([math.floor(x["maximum"])] if _num(x.get("maximum")) else []) + \
             ([math.ceil(x["exclusiveMaximum"]) - 1] if _num(x.get("exclusiveMaximum")) else [])
-        lo = _lower(x)
+        lo = max(([math.ceil(x["minimum"])] if _num(x.get("minimum")) else []) +
+                 ([math.floor(x["exclusiveMinimum"]) + 1] if _num(x.get("exclusiveMinimum")) else []), default=None)
         hi = min(his, default=None)
         if lo is not None and hi is not None and lo > hi:
             raise UserError(f"json_schema: an integer in [{lo}, {hi}] cannot exist; fix its minimum / maximum")
@@ -358,12 +359,6 @@ def _bounded_ints(x: Any, holes: dict[str, str]) -> Any:
 
 def _num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _lower(x: dict) -> int | None:
-    los = ([math.ceil(x["minimum"])] if _num(x.get("minimum")) else []) + \
-        ([math.floor(x["exclusiveMinimum"]) + 1] if _num(x.get("exclusiveMinimum")) else [])
-    return max(los, default=None)
 
 
 def _int_regex(lo: int | None, hi: int | None) -> str:
