@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from dgcli.errors import UserError
 
-REQUEST_KEYS = ("prompt", "seed", "init_canvas")
+REQUEST_KEYS = ("prompt", "seed", "init_canvas", "json_schema")
 # Copied into the JSON result as they are (labels for the caller's own bookkeeping).
 PASS_THROUGH = ("id", "name", "label", "answer", "family", "metadata")
 
@@ -27,9 +27,11 @@ class Request:
     prompt_ids: list[int]
     seed: int
     init_canvas: list[int] | None  # the whole first canvas, or None
+    json_schema: dict | None = None  # the schema its answer follows, or None
 
 
-def parse_row(session: Any, row: dict, *, raw: bool, thinking: bool, init_flag: list[int] | None = None) -> Request:
+def parse_row(session: Any, row: dict, *, raw: bool, thinking: bool, init_flag: list[int] | None = None,
+              schema: dict | None = None) -> Request:
     """One JSONL row as a request (`init_flag`: the ids --init-canvas gave, for rows without their own
     `init_canvas`); UserError on a bad value."""
     from dgcli.runtime.request import encode, fill_canvas, read_init_canvas
@@ -45,16 +47,22 @@ def parse_row(session: Any, row: dict, *, raw: bool, thinking: bool, init_flag: 
     DiffusionEbParams.check(dataclasses.replace(session.params, seed=seed))  # the one range rule
     ids = encode(session, row["prompt"], raw=raw, thinking=True if thinking else None)
     init = read_init_canvas(session, row["init_canvas"], name="init_canvas")[0] if "init_canvas" in row else init_flag
-    return Request(ids, seed, fill_canvas(session, init, seed) if init is not None else None)
+    if "json_schema" in row:  # compiled (and so checked) now, with the other rows, before any runs
+        from dgcli.cli.schema import row_schema
+        from dgcli.runtime.request import constraint
+
+        schema = row_schema(row["json_schema"])
+        constraint(session, schema, session.num_blocks)
+    return Request(ids, seed, fill_canvas(session, init, seed) if init is not None else None, schema)
 
 
 def parse_rows(session: Any, rows: list[dict], path: str, *, raw: bool, thinking: bool,
-               init_flag: list[int] | None) -> list[Request]:
+               init_flag: list[int] | None, schema: dict | None = None) -> list[Request]:
     """Every row checked before any runs; the first bad one is one line naming the file and the row."""
     requests = []
     for n, row in enumerate(rows):
         try:
-            requests.append(parse_row(session, row, raw=raw, thinking=thinking, init_flag=init_flag))
+            requests.append(parse_row(session, row, raw=raw, thinking=thinking, init_flag=init_flag, schema=schema))
         except UserError as e:
             raise UserError(f"--input-jsonl {path}: row {n + 1} (index {n}): {e}") from None
     return requests
@@ -70,7 +78,8 @@ def run_rows(session: Any, requests: list[Request], *, batch_size: int, show_thi
     done: list[Any] = []
     for index, response in run_batch(session, [r.prompt_ids for r in requests], batch_size=batch_size,
                                      seeds=[r.seed for r in requests], init_canvases=[r.init_canvas for r in requests],
-                                     show_thinking=show_thinking, on_event=on_event):
+                                     show_thinking=show_thinking, on_event=on_event,
+                                     json_schemas=[r.json_schema for r in requests]):
         ready[index] = response
         while len(done) in ready:  # input order
             done.append(ready.pop(len(done)))

@@ -195,7 +195,7 @@ def emit(rows: list[dict], *, card: dict, fmt: str, title: str, headline: list[s
 
 
 def run_one(session: Any, text: str, *, raw: bool, thinking: bool, show_thinking: bool, trace: str | None,
-            init_canvas: list[int] | None, on_event: Callable | None = None) -> Any:
+            init_canvas: list[int] | None, on_event: Callable | None = None, json_schema: dict | None = None) -> Any:
     """One prompt through the request API, with the `--trace` file as one more event consumer."""
     from dgcli.render.trace import TraceWriter, make_header
     from dgcli.runtime import request
@@ -215,7 +215,8 @@ def run_one(session: Any, text: str, *, raw: bool, thinking: bool, show_thinking
             on_event(event)
 
     try:
-        return request.run(session, ids, init_canvas=init_canvas, on_event=both, show_thinking=show_thinking)
+        return request.run(session, ids, init_canvas=init_canvas, on_event=both, show_thinking=show_thinking,
+                           json_schema=json_schema)
     finally:
         if writer is not None:
             writer.close()

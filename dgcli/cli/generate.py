@@ -16,6 +16,7 @@ import typer
 import dgcli.cli.options as o
 from dgcli.cli.console import (THINKING_NOTE, Progress, check_writable, init_canvas_note, loading, note_answers,
                                print_answer, read_prompt, run_one, show_config as print_config, warn)
+from dgcli.cli.schema import JsonObject, JsonSchema
 from dgcli.errors import UserError
 from dgcli.runtime.determinism import Recorder
 
@@ -52,6 +53,8 @@ def generate(
     cuda_graphs: o.CudaGraphs = None,
     no_prefix_caching: o.NoPrefixCaching = False,
     ray: o.Ray = None, ray_workers: o.RayWorkers = None, ray_gpus: o.RayGpus = None,
+    json_schema: JsonSchema = None,
+    json_object: JsonObject = False,
     check_determinism: Annotated[bool, typer.Option("--check-determinism", help=(
         "Then run the prompts twice more (as before, and batched the other way: alone, or beside a batch-mate) "
         "and check that every step decides the same; exit 1 at the first difference."))] = False,
@@ -97,6 +100,11 @@ def generate(
         from dgcli.text.prompts import read_prompt_file
 
         rows = read_prompt_file(input_jsonl, flag="--input-jsonl")
+    from dgcli.cli.schema import read_schema, resolve
+
+    schema = read_schema(json_schema, json_object)
+    if (schema is not None or any("json_schema" in r for r in rows or [])) and (ray or check_determinism):
+        raise UserError("a JSON schema runs on this machine's engine: drop --ray and --check-determinism, or the schema")
     text = None if rows is not None else read_prompt(prompt)
     if trace:
         check_writable("--trace", trace)
@@ -141,7 +149,8 @@ def generate(
     if rows is not None:
         import dgcli.cli.batch as batch
 
-        requests = batch.parse_rows(session, rows, input_jsonl, raw=raw, thinking=thinking, init_flag=given)
+        requests = batch.parse_rows(session, rows, input_jsonl, raw=raw, thinking=thinking, init_flag=given,
+                                    schema=resolve(schema))
         _run_file(session, rows, requests, batch_size=batch_size, fmt=fmt, raw=raw, show_thinking=show_thinking,
                   pool=pool, check=check_determinism, sink=sink)
         return
@@ -155,7 +164,7 @@ def generate(
 
         recorder = Recorder(on_event) if check_determinism else None  # keeps every step's decisions on the host
         response = run_one(session, text, raw=raw, thinking=thinking, show_thinking=show_thinking, trace=trace,
-                           init_canvas=canvas, on_event=recorder or on_event)
+                           init_canvas=canvas, on_event=recorder or on_event, json_schema=resolve(schema))
         _write(response, response.as_dict(session.resolved.as_dict()), fmt)
     finally:
         progress.stop()

@@ -19,6 +19,7 @@ from typing import Annotated, Optional
 import typer
 
 import dgcli.cli.options as o
+from dgcli.cli.schema import JsonObject, JsonSchema, read_schema, resolve
 from dgcli.errors import UserError
 
 EXAMPLES = ['dgemma watch "Count from 7 to 31." --blocks 3',
@@ -113,6 +114,8 @@ def watch(
     thinking: o.Thinking = False,
     show_thinking: o.ShowThinking = False,
     raw: o.Raw = False,
+    json_schema: JsonSchema = None,
+    json_object: JsonObject = False,
 ) -> None:
     """Watch the canvas denoise live, or replay a trace.
 
@@ -127,11 +130,13 @@ def watch(
                             blocks=blocks, device=device, dtype=dtype, max_tokens=max_tokens)
     if replay is not None:
         given = [name for name, v in (("PROMPT", prompt), ("--model", model), ("--preset", preset), ("--trace", trace),
-                                      ("--init-canvas", init_canvas), ("--threads", threads)) if v is not None]
+                                      ("--init-canvas", init_canvas), ("--threads", threads),
+                                      ("--json-schema", json_schema), ("--json", json_object or None)) if v is not None]
         if given or any(v is not None for v in flags.values()) or show_config:
             what = ", ".join(given) or "sampler options"
             raise UserError(f"--replay animates a saved trace as recorded; drop {what} (or drop --replay to run the model)")
         return _replay(replay, speed=speed, fps=fps, step_delay=step_delay, save_svg=save_svg, save_html=save_html)
+    schema = resolve(read_schema(json_schema, json_object))
 
     from dgcli.cli.console import THINKING_NOTE, init_canvas_note, loading, note_answers, print_answer, read_prompt, run_one
     from dgcli.cli.console import show_config as print_config
@@ -159,7 +164,7 @@ def watch(
     try:
         with w.display:
             response = run_one(session, text, raw=raw, thinking=thinking, show_thinking=show_thinking, trace=trace,
-                               init_canvas=canvas, on_event=lambda event: w.feed(event.to_record()))
+                               init_canvas=canvas, on_event=lambda event: w.feed(event.to_record()), json_schema=schema)
     except KeyboardInterrupt:
         _interrupted(w)
     print_answer(response)  # first: a picture that fails to write must not cost the answer

@@ -102,12 +102,13 @@ class LLMEngine:
     # ---- requests in and out ------------------------------------------------------------------------------
 
     def add_request(self, prompt_ids: Sequence[int], *, request_id: int, params: Any, num_blocks: int,
-                    seed: int | None = None, stop_ids: Sequence[int] = (), first_canvas: Any = None) -> None:
+                    seed: int | None = None, stop_ids: Sequence[int] = (), first_canvas: Any = None,
+                    constraint: Any = None) -> None:
         """Queue a request: host token ids (checked by the caller: `request.check_ids`), checked DiffusionEbParams,
         its block cap; `seed` (default: the params'); `request_id` is the `row` of its events."""
         request = Request(id=request_id, prompt=torch.tensor(list(prompt_ids)),  # sent to the device in `submit`
                           params=params, num_blocks=num_blocks, seed=params.seed if seed is None else seed,
-                          stops=set(stop_ids), first_canvas=first_canvas)
+                          stops=set(stop_ids), first_canvas=first_canvas, constraint=constraint)
         self.submit(request, ids=list(prompt_ids))
 
     def submit(self, request: Request, ids: list[int] | None = None) -> None:
@@ -232,6 +233,8 @@ class LLMEngine:
             r.denoise_s += read_s
             stop_index = next((j for j, t in enumerate(tokens) if t in r.stops), None)
             kept = tokens if stop_index is None else tokens[:stop_index]
+            if r.constraint is not None:
+                r.constraint.advance(tokens)
             r.answer += kept
             r.counted += sum(t != self.pad_id for t in tokens[: len(kept) + (stop_index is not None)])
             if r.block == 0:

@@ -91,6 +91,7 @@ def generate_batch_events(
     step_mode: str = "dynamic",
     prefix_caching: bool = False,
     engines: KeptEngine | None = None,
+    constraints: Sequence[Any] | None = None,
 ) -> Iterator[Event]:
     """Run the entropy-bound sampler on several prompts at once, yielding each row's BlockStart, Step...,
     Commit per block and its Done, every event carrying `row` (the prompt's index). Rows may differ in
@@ -114,7 +115,8 @@ def generate_batch_events(
     step runs: "dynamic" (its exact shapes) or "graphs" (CUDA graphs of denoise-only passes: model/graphs.py).
     `prefix_caching`: prompts share the cached whole blocks of earlier prompts and answers of this call (stats
     gain prefix_cache_queries and _hits). `engines`: the caller's kept engine (a session's `engines`: reused by
-    the next call of the same shape, its graphs too); None: a new engine for this call."""
+    the next call of the same shape, its graphs too); None: a new engine for this call. `constraints`: one
+    `sampling.constrain.Constraint` or None per prompt (structured output)."""
     n_rows = len(prompts)
     if n_rows < 1:
         raise UserError("no prompts: give at least one")
@@ -126,7 +128,8 @@ def generate_batch_events(
     blocks = [num_blocks] * n_rows if isinstance(num_blocks, int) else list(num_blocks)
     seeds = [p.seed for p in row_params] if seeds is None else list(seeds)
     inits = [None] * n_rows if init_canvases is None else list(init_canvases)
-    for name, values in (("num_blocks", blocks), ("seeds", seeds), ("init_canvases", inits)):
+    cons = [None] * n_rows if constraints is None else list(constraints)
+    for name, values in (("num_blocks", blocks), ("seeds", seeds), ("init_canvases", inits), ("constraints", cons)):
         if len(values) != n_rows:
             raise UserError(f"{name} has {len(values)} items for {n_rows} prompts; give one per prompt")
     for i, x in enumerate(seeds):
@@ -156,7 +159,8 @@ def generate_batch_events(
             if first.shape[0] != c:
                 raise UserError(f"initial canvas has {first.shape[0]} ids{at}; the model's canvas holds {c}")
         requests.append(Request(id=r, prompt=prompt, params=row_params[r],
-                                num_blocks=blocks[r], seed=seeds[r], stops=row_stops[r], first_canvas=first))
+                                num_blocks=blocks[r], seed=seeds[r], stops=row_stops[r], first_canvas=first,
+                                constraint=cons[r]))
     slots = n_rows if max_batch is None else max_batch
     if isinstance(slots, int) and not isinstance(slots, bool):
         slots = min(slots, n_rows)
@@ -182,6 +186,7 @@ def generate_events(
     compile_tiles: bool = False,
     step_mode: str = "dynamic",
     engines: KeptEngine | None = None,
+    constraint: Any = None,
 ) -> Iterator[Event]:
     """Run the entropy-bound sampler on one prompt (a batch of one in `generate_batch_events`), yielding
     BlockStart, Step..., Commit per block, then Done. `params` needs max_denoising_steps, t_min, t_max,
@@ -194,7 +199,7 @@ def generate_events(
     prompt = _ids_tensor(prompt_ids, "prompt", vocab, model.embed_weight.device)  # [1, P]: one row only
     yield from generate_batch_events(model, [prompt[0]], params=params, num_blocks=num_blocks, stop_ids=stop_ids,
                                      pad_id=pad_id, init_canvases=[init_canvas], compile_tiles=compile_tiles,
-                                     step_mode=step_mode, engines=engines)
+                                     step_mode=step_mode, engines=engines, constraints=[constraint])
 
 
 def generate(model: Any, prompt_ids: Sequence[int] | torch.Tensor, **kw: Any) -> Done:

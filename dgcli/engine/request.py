@@ -33,6 +33,7 @@ class Request:
     seed: int
     stops: set[int] = field(default_factory=set)
     first_canvas: torch.Tensor | None = None  # [C]: the first block's canvas instead of random ids
+    constraint: Any = None  # sampling.constrain.Constraint: its canvases drawn under a schema's automaton
     settings: Any = None  # its params with the seed left out: equal settings batch as one (filled on submit)
     slot: int = -1  # its cache sequence while admitted
     prefilled: int = 0  # prompt ids in the cache

@@ -130,7 +130,8 @@ class ModelRunner:
         rules = first.params if same else RowRules.of([r.params for r in rows], dev)
         want_soft = any(s < r.max_steps - 1 for r, s in zip(rows, p.steps))
         out, accepted, next_canvas, new_hist, stop = sample_step(self.model, hidden, temp, hist, rules, uniform, noise,
-                                                                 want_soft, self.compile_tiles)
+                                                                 want_soft, self.compile_tiles,
+                                                                 self._constrained(p, hidden, temp, uniform))
         p.out, p.accepted, p.next_canvas = out, accepted, next_canvas
         if any(r.params.confidence_threshold > 0 for r in rows):  # else no row can stop early: nothing to read
             p.stop = stop
@@ -145,6 +146,18 @@ class ModelRunner:
                 r.history = hists[k] if s == s_all else hists[k][s_all - s:]
             else:
                 r.waiting = True  # its block ends at this pass whatever the flags say
+
+    def _constrained(self, p: Pass, hidden: torch.Tensor, temp: torch.Tensor, uniform: torch.Tensor) -> Any:
+        """The joint draw of the rows under a schema (None when no row has one): each reads its own logits only."""
+        rows = [(k, r.constraint, p.blocks[k]) for k, r in enumerate(p.plan.canvases) if r.constraint is not None]
+        if not rows:
+            return None
+        from dgcli.sampling.constrain import constrain, processed_logits
+
+        ends = draws.uniform_at(draws.rows([(r.seed, draws.END, b, i + 1) for r, b, i in zip(p.plan.canvases, p.blocks,
+                                                                                         p.steps)], self.device),
+                                self.mixed_positions[:1])[:, 0]  # [b]: the state each canvas ends in
+        return lambda out: constrain(out, lambda k: processed_logits(self.model, hidden[k], temp[k]), rows, uniform, ends)
 
     @staticmethod
     def _history(r: Request, depth: int) -> torch.Tensor:

@@ -174,16 +174,31 @@ def cut(done: Done, max_tokens: int | None) -> tuple[list[int], str]:
 
 
 def stream(session: Any, prompt_ids: Sequence[int], *, params: Any = None, ignore_eos: bool = False,
-           init_canvas: Sequence[int] | None = None) -> Iterator[Event]:
+           init_canvas: Sequence[int] | None = None, json_schema: dict | None = None) -> Iterator[Event]:
     """The loop's events for one request. `prompt_ids`: token ids (`encode` makes them from text); `params`
     (default: the session's) may change per request, its `max_blocks` setting the block count under the session's
-    token budget; `init_canvas`: a whole first canvas of token ids (see `fill_canvas`)."""
+    token budget; `init_canvas`: a whole first canvas of token ids (see `fill_canvas`); `json_schema`: the answer
+    is JSON valid under this schema (`constraint`)."""
     prompt_ids = check_ids(prompt_ids, session.config.vocab_size, "prompt_ids")
-    return _stream(session, prompt_ids, params, ignore_eos, canvas_ids(session, init_canvas))
+    return _stream(session, prompt_ids, params, ignore_eos, canvas_ids(session, init_canvas), json_schema)
+
+
+def constraint(session: Any, json_schema: dict | None, num_blocks: int, ignore_eos: bool = False) -> Any:
+    """The Constraint of an answer under `json_schema` (None: none) on the session's tokenizer; `{}`-like any-object
+    requests pass `sampling.constrain.ANY_OBJECT`. One UserError line for a schema refused."""
+    if json_schema is None:
+        return None
+    if session.tokenizer is None:
+        raise UserError(f"{session.path}: no tokenizer.json; a JSON schema needs the checkpoint's tokenizer")
+    from dgcli.sampling.constrain import Constraint, compile_schema
+
+    stops = () if ignore_eos else session.stop_ids
+    room, budget = num_blocks * session.config.canvas_length, session.resolved.run.max_tokens
+    return Constraint(compile_schema(session.tokenizer, json_schema, stops), room if budget is None else min(room, budget))
 
 
 def _stream(session: Any, prompt_ids: list[int], params: Any, ignore_eos: bool,
-            init_canvas: list[int] | None) -> Iterator[Event]:
+            init_canvas: list[int] | None, json_schema: dict | None = None) -> Iterator[Event]:
     from dgcli.engine import generate_events
 
     params = session.params if params is None else params
@@ -192,19 +207,20 @@ def _stream(session: Any, prompt_ids: list[int], params: Any, ignore_eos: bool,
     return generate_events(session.model, prompt_ids, params=params, num_blocks=num_blocks,
                            stop_ids=() if ignore_eos else session.stop_ids, pad_id=session.pad_id,
                            init_canvas=init_canvas, compile_tiles=session.compiled,
-                           step_mode=session.step_mode, engines=getattr(session, "engines", None))
+                           step_mode=session.step_mode, engines=getattr(session, "engines", None),
+                           constraint=constraint(session, json_schema, num_blocks, ignore_eos))
 
 
 def run(session: Any, prompt_ids: Sequence[int], *, params: Any = None, ignore_eos: bool = False,
         init_canvas: Sequence[int] | None = None, on_event: Callable[[Event], None] | None = None,
-        show_thinking: bool = False) -> Response:
+        show_thinking: bool = False, json_schema: dict | None = None) -> Response:
     """One request to its `Response` (arguments as `stream`'s); `on_event` sees every event as it happens
     (progress, watch, trace)."""
     prompt_ids = check_ids(prompt_ids, session.config.vocab_size, "prompt_ids")
     starts: list[int] = []
     done = None
     checked = False
-    for event in _stream(session, prompt_ids, params, ignore_eos, canvas_ids(session, init_canvas)):
+    for event in _stream(session, prompt_ids, params, ignore_eos, canvas_ids(session, init_canvas), json_schema):
         if not checked and isinstance(event, Step):
             checked = _check_finite(session, event)
         if on_event is not None:
@@ -219,13 +235,15 @@ def run(session: Any, prompt_ids: Sequence[int], *, params: Any = None, ignore_e
 def run_batch(session: Any, prompts: Iterable[Sequence[int]], *, batch_size: int, seeds: Iterable[int] | None = None,
               init_canvases: Iterable[Sequence[int] | None] | None = None, params: Any = None,
               ignore_eos: bool = False, show_thinking: bool = False,
-              on_event: Callable[[Event], None] | None = None, stats: dict | None = None) -> Iterator[tuple[int, Response]]:
+              on_event: Callable[[Event], None] | None = None, stats: dict | None = None,
+              json_schemas: Iterable[dict | None] | None = None) -> Iterator[tuple[int, Response]]:
     """Many requests through the batched loop with continuous batching (`batch_size` slots; the rest queue
     in input order); yields (index, Response) as each request finishes (events carry `row` = the index).
     `prompts`: token-id lists (`encode` makes them), any iterable (read whole at the call); `seeds` (default:
     the params' seed) and `init_canvases` (whole first canvases or None, see `fill_canvas`): one per prompt.
     Every input is checked at the call, before anything runs. A request's answer does not depend on its
-    batch-mates (see `generate_batch_events`). `stats` receives the loop's pass counts."""
+    batch-mates (see `generate_batch_events`). `stats` receives the loop's pass counts. `json_schemas`: one JSON
+    schema or None per prompt (`stream`'s `json_schema`)."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise UserError(f"--batch-size {batch_size}: must be a whole number >= 1")
     fix = "pass a list of token-id lists ([request.encode(session, text), ...])"
@@ -246,10 +264,17 @@ def run_batch(session: Any, prompts: Iterable[Sequence[int]], *, batch_size: int
             check_context(session, len(ids), num_blocks)
         except UserError as e:
             raise UserError(f"prompts[{i}]: {e}") from None
+    schemas = _per_prompt(json_schemas, "json_schemas", len(prompts)) or [None] * len(prompts)
+    cons = []
+    for i, x in enumerate(schemas):
+        try:
+            cons.append(constraint(session, x, num_blocks, ignore_eos))
+        except UserError as e:
+            raise UserError(f"prompts[{i}]: {e}") from None
     if not prompts:
         return iter(())
     return _run_batch(session, prompts, batch_size, seeds, inits, params, num_blocks, ignore_eos, show_thinking,
-                      on_event, stats)
+                      on_event, stats, cons)
 
 
 def _per_prompt(values: Iterable | None, name: str, n: int) -> list | None:
@@ -265,7 +290,8 @@ def _per_prompt(values: Iterable | None, name: str, n: int) -> list | None:
 
 def _run_batch(session: Any, prompts: list[list[int]], batch_size: int, seeds: list | None, init_canvases: list | None,
                params: Any, num_blocks: int, ignore_eos: bool, show_thinking: bool,
-               on_event: Callable[[Event], None] | None, stats: dict | None) -> Iterator[tuple[int, Response]]:
+               on_event: Callable[[Event], None] | None, stats: dict | None,
+               constraints: list | None = None) -> Iterator[tuple[int, Response]]:
     from dgcli.engine import generate_batch_events
 
     starts: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
@@ -273,7 +299,8 @@ def _run_batch(session: Any, prompts: list[list[int]], batch_size: int, seeds: l
         session.model, prompts, params=params, num_blocks=num_blocks, seeds=seeds,
         stop_ids=() if ignore_eos else session.stop_ids, pad_id=session.pad_id, init_canvases=init_canvases,
         compile_tiles=session.compiled, max_batch=batch_size, stats=stats, step_mode=session.step_mode,
-        prefix_caching=getattr(session, "prefix_caching", True), engines=getattr(session, "engines", None))
+        prefix_caching=getattr(session, "prefix_caching", True), engines=getattr(session, "engines", None),
+        constraints=constraints)
     checked = False
     for event in events:
         if not checked and isinstance(event, Step):

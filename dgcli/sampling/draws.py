@@ -28,8 +28,9 @@ import torch
 
 from dgcli.kernels.transfer import to_device
 
-# Purposes: a block's first canvas, the categorical draw, renoise ids, --init-canvas padding.
-INIT, DRAW, RENOISE, PAD = 1, 2, 3, 4
+# Purposes: a block's first canvas, the categorical draw, renoise ids, --init-canvas padding, the state a
+# structured canvas ends in (sampling/constrain.py).
+INIT, DRAW, RENOISE, PAD, END = 1, 2, 3, 4, 5
 
 _M32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9

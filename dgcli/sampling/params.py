@@ -254,6 +254,15 @@ LIMITS: dict[str, Limit] = {
     # compared with every prefix of each, so their length bounds that work.
     "stop": Limit(16, "stop strings"),
     "stop_chars": Limit(1024, "characters per stop string"),
+    # Structured output (sampling/constrain.py): a schema's JSON text and nesting are refused before it is
+    # compiled; its regex and automaton bound the compile (well under a second) and the draw's work per position.
+    "schema_chars": Limit(16384, "characters"),
+    "schema_depth": Limit(32, "levels"),
+    "schema_repeats": Limit(96, "repeats (maxLength, maxItems x items, summed)"),
+    "schema_regex_chars": Limit(200_000, "characters"),
+    "automaton_edges": Limit(500_000, "moves"),
+    # dgemma serve only: OpenAI's own cap on a request's tools.
+    "tools": Limit(128, "tools"),
 }
 
 

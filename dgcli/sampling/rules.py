@@ -82,12 +82,17 @@ class RowRules:
 
 
 def sample_step(model: Any, hidden: torch.Tensor, temp: torch.Tensor, history: torch.Tensor, params: Any,
-                uniform: torch.Tensor, noise: torch.Tensor, want_soft: bool, compile_tiles: bool = False):
+                uniform: torch.Tensor, noise: torch.Tensor, want_soft: bool, compile_tiles: bool = False,
+                constrained: Any = None):
     """The sampler's half of a denoising step on hidden states [B, C, H]: vocabulary pass (categorical draws at
     `uniform` [B, C]), accept, renoise (with `noise` [B, C] token ids, used only where not accepted), stop flags;
-    all on the device. -> (VocabPassOut, accepted, next canvas, history pushed, stop [B])."""
+    all on the device. `constrained(out)`, if given, redraws the sample and argmax of the rows under a schema
+    (sampling/constrain.py); entropies, and so which positions are accepted, stay the model's.
+    -> (VocabPassOut, accepted, next canvas, history pushed, stop [B])."""
     out = vocab_pass(hidden, model.embed_weight, softcap=model.config.final_logit_softcapping, temperature=temp,
                      embed_scale=model.embed_scale, uniform=uniform, want_soft=want_soft, compile_tiles=compile_tiles)
+    if constrained is not None:
+        constrained(out)
     accepted = accept_mask(out.entropy, params.entropy_bound)  # [B, C]
     next_canvas = torch.where(accepted, out.sample, noise)  # [B, C]
     stop = is_stable(history, out.argmax, getattr(params, "stability", None)) & \

@@ -175,8 +175,8 @@ async def _whole(request: Request, job: Job, state: State) -> Response:
             content.append(message[2])
         elif kind == "end":
             state.metrics.count(200)
-            return JSONResponse(_noted(protocol.reply(job.spec, name, "".join(reasoning), "".join(content),
-                                                      message[1], message[2]), message))
+            body = protocol.reply(job.spec, name, "".join(reasoning), "".join(content), message[1], message[2])
+            return JSONResponse(_noted(job.spec.fmt.reply(body) if job.spec.fmt and job.spec.chat else body, message))
         elif kind == "error":
             return _error(message[1], state)
 
@@ -193,7 +193,7 @@ async def _stream(job: Job, state: State) -> AsyncIterator[bytes]:
     to send (SSE clients skip comment lines). A client that goes away cancels the generator here (Starlette),
     and the `finally` withdraws the request."""
     spec, name = job.spec, state.ctx.model_name
-    finished = False
+    finished, held = False, []  # held: a forced tool call's text, sent as tool_calls at the end
     try:
         yield _sse(protocol.chunk(spec, name, content="", role=True))
         while True:
@@ -203,13 +203,20 @@ async def _stream(job: Job, state: State) -> AsyncIterator[bytes]:
                 yield b": keep-alive\n\n"
                 continue
             kind = message[0]
-            if kind == "text":
+            if kind == "text" and spec.fmt is not None and spec.fmt.forced:
+                held.append(message[2])
+            elif kind == "text":
                 yield _sse(protocol.chunk(spec, name, reasoning=message[1], content=message[2]))
             elif kind == "draft":
                 yield _sse(protocol.side_chunk(spec, name, dgemma_draft=message[1]))
             elif kind == "end":
                 finished = True
-                yield _sse(_noted(protocol.chunk(spec, name, finish=message[1]), message))
+                tail = spec.fmt.end_chunks(spec, name, "".join(held), message[1]) if spec.fmt else None
+                if tail is None and held:  # cut short (length): the text as it is
+                    yield _sse(protocol.chunk(spec, name, content="".join(held)))
+                for c in tail[:-1] if tail else ():
+                    yield _sse(c)
+                yield _sse(_noted(tail[-1] if tail else protocol.chunk(spec, name, finish=message[1]), message))
                 if spec.include_usage:
                     yield _sse(protocol.side_chunk(spec, name, usage=message[2]))
                 break

@@ -2,9 +2,8 @@
 objects and stream chunks out (OpenAI's error object: serve/errors.py).
 
 Decisions:
-* Fields that do not apply to the entropy-bound sampler (`temperature`, `top_p`, penalties, logprobs,
-  tools...) are rejected with 400 naming the field and what to use instead, unless null or false (0 is
-  a value: `temperature: 0` is refused).
+* Fields that do not apply to the entropy-bound sampler (`temperature`, `top_p`, penalties, logprobs...) are
+  a 400 naming the field and what to use instead, unless null or false (`temperature: 0` is refused).
 * The sampler's settings are extra body fields with the preset key names, checked by the one validator
   (`DiffusionEbParams`): the server's settings (checkpoint < preset < `serve` flags) are the base a request
   changes. OpenAI's `seed` is the sampler's seed.
@@ -25,7 +24,7 @@ OpenAI fields read: `model` (optional; another name is 404), `messages` (text co
 developer, user, assistant) or `prompt` (completions: a string or token ids, no chat template),
 `max_tokens` / `max_completion_tokens` (the answer's cut, either or both if equal; with `max_blocks` unset it
 also sets the block count), `seed`, `stream`, `stream_options.include_usage`, `stop` (strings, matched in the
-content), `n` (1).
+content), `n` (1); `response_format`, `tools` and `tool_choice` (serve/structured.py).
 The thought channel comes back as `reasoning_content` (in `message`, or in `delta` when streaming).
 A stream (SSE, OpenAI's chunk shape): a first chunk with the role, one chunk per committed block with its new
 text in `delta.content` (append-only; engine/output.py says what waits for the next block), a last chunk with
@@ -55,6 +54,7 @@ from dgcli.errors import UserError
 from dgcli.engine import out_of_vocab, over_context
 from dgcli.runtime.settings import PARAM_KEYS, blocks_for
 from dgcli.sampling.params import LIMITS, SettingsError, coerce, over_limit, suggest
+from dgcli.serve import structured
 from dgcli.serve.errors import ApiError
 
 SAMPLER_KEYS = tuple(k for k in PARAM_KEYS if k != "seed")  # seed is OpenAI's own field
@@ -70,12 +70,9 @@ NOT_APPLICABLE = {
     "logit_bias": "logit bias is not supported: leave it out",
     "logprobs": "log-probabilities are not returned by this server: leave it out",
     "top_logprobs": "log-probabilities are not returned by this server: leave it out",
-    "tools": "tool calls are not supported by dgemma serve: leave it out",
-    "tool_choice": "tool calls are not supported by dgemma serve: leave it out",
     "functions": "function calls are not supported by dgemma serve: leave it out",
     "function_call": "function calls are not supported by dgemma serve: leave it out",
-    "parallel_tool_calls": "tool calls are not supported by dgemma serve: leave it out",
-    "response_format": "structured output is not supported by dgemma serve: leave it out",
+    "parallel_tool_calls": "one tool call per answer here: leave it out",
     "best_of": "best_of is not supported: send one request per answer",
     "echo": "echo is not supported: leave it out",
     "suffix": "suffix (insertion) is not supported: leave it out",
@@ -84,8 +81,8 @@ NOT_APPLICABLE = {
     "prediction": "predicted outputs are not supported: leave it out",
 }
 COMMON = ("model", "max_tokens", "max_completion_tokens", "seed", "stream", "stream_options", "stop", "n", "user",
-          "metadata", "store", "service_tier", "chat_template_kwargs", "ignore_eos")
-KNOWN = {True: ("messages",) + COMMON, False: ("prompt",) + COMMON}
+          "metadata", "store", "service_tier", "chat_template_kwargs", "ignore_eos", "response_format")
+KNOWN = {True: ("messages", "tools", "tool_choice") + COMMON, False: ("prompt",) + COMMON}
 
 
 @dataclass
@@ -99,6 +96,7 @@ class Context:
     canvas_length: int
     context: int  # the most positions a request may use: prompt + its blocks' canvases
     thinking: bool = False
+    stop_ids: Any = ()  # the ids that close a structured answer (response_format)
 
     @cached_property
     def max_chars(self) -> int | None:
@@ -126,6 +124,7 @@ class Spec:
     ignore_eos: bool = False
     id: str = ""
     created: int = 0
+    fmt: Any = None  # response_format and tools (serve/structured.py's Format), None without either
 
 
 def _flagless(message: str) -> str:
@@ -339,6 +338,7 @@ def parse(body: Any, *, chat: bool, ctx: Context) -> Spec:
         raise ApiError(400, _flagless(str(e)), param=e.key) from None
     budget = max_tokens if max_tokens is not None else ctx.max_tokens
     blocks = blocks_for(params, budget, ctx.canvas_length)
+    body, fmt = structured.answer_format(body, chat, ctx, blocks * ctx.canvas_length, budget, ignore_eos)
     try:
         ids = _prompt_ids(body, ctx, thinking, chat, blocks)
     except UserError as e:
@@ -347,7 +347,7 @@ def parse(body: Any, *, chat: bool, ctx: Context) -> Spec:
     if too_long:
         raise too_long
     return Spec(chat, ids, params, blocks, budget, stop, stream, include_usage, include_drafts, ignore_eos,
-                id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], created=int(time.time()))
+                id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], created=int(time.time()), fmt=fmt)
 
 
 # ---- replies -------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, event, given, seed, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
+from schemas import HOSTILE
 from server_proc import serve
 
 ANSWER_S = 8.0  # a valid request here takes < 0.5 s and a refusal < 0.1 s; 8 s leaves room for a loaded CI box
@@ -283,6 +284,24 @@ def valid_bodies(draw, chat: bool):
     return body
 
 
+# response_format: schemas of random shape (bad keywords and values, bounds that cross), deep, huge and recursive
+# ones, and formats that are no format at all.
+schema_leaf = st.fixed_dictionaries({}, optional={
+    "type": st.sampled_from(["string", "integer", "boolean", "null", "number", "objectt"]) | hostile_value,
+    "maxLength": st.integers(-2, 6), "minimum": st.integers(-9, 9), "maximum": st.integers(-9, 9),
+    "enum": st.lists(scalars, max_size=3), "maxItems": st.integers(-1, 3)})
+schema_values = st.recursive(schema_leaf, lambda inner: st.fixed_dictionaries({"type": st.sampled_from(
+    ["object", "array"])}, optional={"properties": st.dictionaries(st.sampled_from(["a", "b", "$ref"]), inner,
+                                                                   max_size=2),
+                                     "items": inner, "required": st.lists(st.sampled_from(["a", "b", "c"]), max_size=2),
+                                     "$ref": st.sampled_from(["#", "#/properties/a", "#/nothing", "http://x/y"])}),
+                             max_leaves=6)
+hostile_formats = ((schema_values | deep | hostile_value | st.sampled_from(
+    [json.loads(v) for k, v in HOSTILE.items() if k != "not JSON"])).map(
+    lambda s: {"type": "json_schema", "json_schema": {"name": "f", "schema": s}})
+    | st.sampled_from([{"type": "json_object"}, {"type": "text"}, {"type": "json_schema"}]) | hostile_value)
+
+
 # ---- the campaign ------------------------------------------------------------------------------------------
 
 
@@ -306,6 +325,15 @@ def test_hostile_chat_bodies_get_an_error_object_or_an_answer(http, baseline_rss
 @given(body=hostile_bodies(chat=False))
 def test_hostile_completion_bodies_get_an_error_object_or_an_answer(http, baseline_rss, body):
     post(http, False, body)
+
+
+@campaign(40)
+@given(fmt=hostile_formats)
+def test_response_formats_get_a_400_at_once_or_an_answer(http, baseline_rss, fmt):
+    t0 = time.perf_counter()
+    r = post(http, True, {"messages": [{"role": "user", "content": "Reverse: c a t"}], "max_tokens": 32,
+                          "response_format": fmt})
+    assert r.status_code == 200 or time.perf_counter() - t0 < 1.0, r.text[:300]
 
 
 @campaign(60)

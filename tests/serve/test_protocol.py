@@ -50,7 +50,7 @@ def test_sampler_fields_of_the_right_type_are_taken(ctx):
 
 @pytest.mark.parametrize("key,value", [("temperature", 0), ("top_p", 0), ("top_p", 1.0), ("logprobs", 0),
                                        ("frequency_penalty", 0), ("presence_penalty", 0.0), ("top_k", 0),
-                                       ("echo", 0), ("logprobs", True), ("tools", [])])
+                                       ("echo", 0), ("logprobs", True), ("functions", [])])
 def test_a_field_that_does_not_apply_is_refused_even_when_0(ctx, key, value):
     e = refused(ctx, {key: value})  # 0 == False in Python: compared by value, temperature 0 slipped through
     assert e.param == key and e.code == "unsupported_parameter" and NOT_APPLICABLE[key] in e.message
