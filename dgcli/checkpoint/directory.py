@@ -1,7 +1,7 @@
 """Load a DiffusionGemma checkpoint directory into `model.DiffusionGemma` (spec §3).
 
 Single-file or sharded safetensors; the model is built on the `meta` device and every tensor is
-assigned straight from the file, so no second full copy is made. Vision tensors are never read.
+assigned straight from the file, so no second full copy is made. Vision tensors are read by checkpoint/vision.py.
 Compressed-tensors FP8 checkpoints (config.py's `Quantization`) load as FP8 modules (model/fp8.py) at one
 byte per parameter, their per-expert tensors read into the fused expert layout (checkpoint/compressed_tensors.py).
 Owns: the checkpoint <-> module name map and every loading error message of a directory. Must not: do math,
@@ -46,6 +46,8 @@ def to_module_name(key: str) -> str | None:
 
 def to_checkpoint_name(name: str) -> str:
     """Our module key -> the checkpoint key (the inverse of `to_module_name`)."""
+    if name.startswith("vision."):  # the tower and projector (checkpoint/vision.py)
+        return "model.encoder." + name[len("vision."):]
     if name.endswith(".encoder_layer_scalar"):
         return "model.encoder.language_model." + name.replace("encoder_layer_scalar", "layer_scalar")
     return DECODER + name
@@ -250,4 +252,7 @@ def load_directory(path: Path, device: str | torch.device = "cpu",
         if t.dtype != model_dtype and name not in keep:
             state[name] = t.to(model_dtype)
     model.load_state_dict(state, strict=True, assign=True)
+    from dgcli.checkpoint.vision import load_vision
+
+    model.vision = load_vision(path, cfg, files, dev, model_dtype)
     return model.eval()
