@@ -37,7 +37,7 @@ def vision_config(cfg: ModelConfig, source: str = "config.json") -> VisionConfig
             rms_norm_eps=float(v.get("rms_norm_eps", 1e-6)), rope_theta=float(rope.get("rope_theta", 100.0)),
             standardize=bool(v.get("standardize", False)),
             soft_tokens=int(raw.get("vision_soft_tokens_per_image", v.get("default_output_length", 280))),
-            text_hidden_size=cfg.hidden_size,
+            text_hidden_size=cfg.hidden_size, image_token_id=int(raw.get("image_token_id", 258880)),
             bidirectional=(raw.get("text_config") or {}).get("use_bidirectional_attention") == "vision")
     except (KeyError, TypeError, ValueError) as e:
         raise UserError(f"{source}: vision_config is malformed ({e}); is the config complete?") from None

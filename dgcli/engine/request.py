@@ -33,6 +33,10 @@ class Request:
     seed: int
     stops: set[int] = field(default_factory=set)
     first_canvas: torch.Tensor | None = None  # [C]: the first block's canvas instead of random ids
+    images: list = field(default_factory=list)  # (patches [n, 3·p²], positions [n, 2], content key) per image
+    image_pos: list[int] = field(default_factory=list)  # prompt positions of the images' soft tokens, in order
+    spans: tuple = ()  # (a, b) runs of one image's tokens that see each other (bidirectional configs)
+    features: Any = None  # [len(image_pos), H]: the tower's output, made by the first pass that needs it
     settings: Any = None  # its params with the seed left out: equal settings batch as one (filled on submit)
     slot: int = -1  # its cache sequence while admitted
     prefilled: int = 0  # prompt ids in the cache

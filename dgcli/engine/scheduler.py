@@ -34,6 +34,7 @@ class Seg:
     start: int
     length: int
     canvas: bool
+    spans: tuple = ()  # its image runs that see each other (positions)
 
 
 @dataclass
@@ -48,6 +49,16 @@ class Plan:
     @property
     def tokens(self) -> int:
         return sum(s.length for s in self.segments)
+
+
+def _whole_spans(spans: tuple, start: int, n: int) -> int:
+    """A chunk of n rows from `start`, cut before (or, when it starts inside one, stretched to the end of) an image
+    span it would split: an image's tokens see each other, so they are encoded in one pass."""
+    end = start + n
+    for a, b in spans:
+        if a < end < b:
+            end = a if a > start else b
+    return end - start
 
 
 class Scheduler:
@@ -136,11 +147,13 @@ class Scheduler:
         if self.prefilling and left < 1:
             left = c  # progress for the prompts whatever the running set
         for r in list(self.prefilling):
-            n = min(len(r.prompt) - r.prefilled, left)
+            n = _whole_spans(r.spans, r.prefilled, min(len(r.prompt) - r.prefilled, left))
             if n < 1 and r.prefilled < len(r.prompt):
                 break
             if n > 0:  # (none when its whole prompt was a prefix hit)
-                p.segments.append(Seg(r.slot, r.prefilled, n, False))
+                end = r.prefilled + n
+                p.segments.append(Seg(r.slot, r.prefilled, n, False,
+                                      tuple((max(a, r.prefilled), b) for a, b in r.spans if a < end and b > r.prefilled)))
                 p.causal_ids.append(r.prompt[r.prefilled:r.prefilled + n])
                 p.prefills.append(r)
                 r.prefilled += n

@@ -36,6 +36,7 @@ class VisionConfig:
     standardize: bool = False
     soft_tokens: int = 280  # the most soft tokens per image (the processor's max_soft_tokens)
     text_hidden_size: int = 0
+    image_token_id: int = -1  # the soft tokens' placeholder id in the prompt
     bidirectional: bool = False  # the text encoder's use_bidirectional_attention == "vision": image spans see each other
 
 

@@ -118,3 +118,84 @@ def test_logits_with_images_match_reference_bf16(pair):
     ours = dgcli.load_model(pair[1], dtype="bfloat16")
     got, want, _ = run_both(ref16, ours, [(2, 3), (2, 3)], torch.bfloat16)
     assert (got - want).abs().max() <= 0.02
+
+
+# ---- the engine: generate with images, token- and step-identical to transformers' generate ---------------------
+
+def confident(ref):
+    """Large logit gaps (the tied embedding scaled), so every step's argmax is far from a tie: fp32 noise cannot
+    change a token, and the whole generate is comparable token for token."""
+    with torch.no_grad():
+        ref.model.decoder.embed_tokens.weight.mul_(4)
+    return ref
+
+
+@pytest.fixture(scope="module")
+def sure(tmp_path_factory):
+    ref = confident(reference("gqa2_window6", "mha_k2_std", "vision"))
+    path = tmp_path_factory.mktemp("sure")
+    ref.save_pretrained(path)
+    return ref, dgcli.load_model(path)
+
+
+def hf_generate(ref, ids, init, images, params, blocks):
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import DiffusionGemmaGenerationConfig
+
+    gc = DiffusionGemmaGenerationConfig(
+        max_new_tokens=blocks * init.shape[1], max_denoising_steps=params.max_denoising_steps,
+        sampler_config={"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": params.entropy_bound},
+        t_min=params.t_min, t_max=params.t_max, stability_threshold=params.stability_threshold,
+        confidence_threshold=params.confidence_threshold, eos_token_id=[1], pad_token_id=0)
+    kw = dict(mm_token_type_ids=(ids == ref.config.image_token_id).long(), **hf_inputs(images)) if images else {}
+    out = ref.generate(input_ids=ids, decoder_input_ids=init, generation_config=gc, **kw)
+    return out.sequences[0, ids.shape[1]:].tolist(), float(out.tokens_per_forward)
+
+
+@pytest.mark.parametrize("budget", [2048, 5], ids=["one_pass", "chunked"])
+def test_generate_with_images_matches_reference_generate(sure, budget):
+    """The engine's prompt pass (one pass, or chunks of 5 rows that must not split an image's 6 tokens), then a
+    block at temperatures near 0 (one-hot draws: the two samplers' different random streams cannot matter): the
+    same tokens and tokens-per-forward as transformers' generate with pixel_values; and the images change the
+    answer, or this proves nothing of them. One block: a later block starts from each sampler's own noise."""
+    from dgcli.engine.llm_engine import LLMEngine
+    from dgcli.sampling.events import Done
+    from dgcli.sampling.params import DiffusionEbParams
+
+    ref, ours = sure
+    vc, v, c = ours.vision.config, ours.config.vocab_size, ours.config.canvas_length
+    k = vc.pooling_kernel_size * vc.patch_size
+    images = [image(i, h * k, w * k, vc) for i, (h, w) in enumerate([(2, 3), (3, 2)])]
+    ids = torch.tensor([prompt_with(images, vc, v, vc.pooling_kernel_size ** 2)])
+    init = torch.randint(0, v - 3, (1, c), generator=torch.Generator().manual_seed(0))
+    params = DiffusionEbParams(max_denoising_steps=6, seed=0, t_min=0.001, t_max=0.002)
+    want = hf_generate(ref, ids, init, images, params, 1)
+    assert want != hf_generate(ref, ids, init, [], params, 1)
+    engine = LLMEngine(ours, slots=1, max_len=ids.shape[1] + c, budget=budget)
+    engine.add_request(ids[0].tolist(), request_id=0, params=params, num_blocks=1, first_canvas=init[0],
+                       stop_ids=[1], images=[(p, xy, i) for i, (p, xy) in enumerate(images)])
+    done = [e for e in engine.events() if isinstance(e, Done)][0]
+    assert done.token_ids == want[0][:len(done.token_ids)] and done.tokens_per_forward == pytest.approx(want[1])
+
+
+def test_a_repeated_image_is_encoded_once_and_answers_alike(sure):
+    """Prefix caching keys an image's tokens by its content: the same image again is not re-encoded and gives
+    the same answer; another image of the same size is a miss."""
+    from dgcli.engine.llm_engine import LLMEngine
+    from dgcli.sampling.events import Done
+    from dgcli.sampling.params import DiffusionEbParams
+
+    _, ours = sure
+    vc, v = ours.vision.config, ours.config.vocab_size
+    k = vc.pooling_kernel_size * vc.patch_size
+    one, other = image(0, 2 * k, 3 * k, vc), image(5, 2 * k, 3 * k, vc)
+    ids = prompt_with([one], vc, v, vc.pooling_kernel_size ** 2) + [9] * 20
+    stats: dict = {}
+    engine = LLMEngine(ours, slots=1, max_len=len(ids) + 2 * ours.config.canvas_length, prefix_caching=True,
+                       stats=stats, block_size=4)
+    params = DiffusionEbParams(max_denoising_steps=4, seed=0)
+    answers = []
+    for n, (img, key) in enumerate([(one, "a"), (one, "a"), (other, "b")]):
+        engine.add_request(ids, request_id=n, params=params, num_blocks=1, images=[(*img, key)])
+        answers.append([e for e in engine.events() if isinstance(e, Done)][0].token_ids)
+    assert stats["images_encoded"] == 2 and stats["prefix_cache_hits"] > 0
+    assert answers[0] == answers[1] != answers[2]
