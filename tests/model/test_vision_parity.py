@@ -199,3 +199,25 @@ def test_a_repeated_image_is_encoded_once_and_answers_alike(sure):
         answers.append([e for e in engine.events() if isinstance(e, Done)][0].token_ids)
     assert stats["images_encoded"] == 2 and stats["prefix_cache_hits"] > 0
     assert answers[0] == answers[1] != answers[2]
+
+
+def test_the_triton_kernel_keeps_image_spans_bidirectional(pair, triton_device, monkeypatch):
+    """The paged Triton kernel (the interpreter on CPU, compiled on a GPU) reads each image row's whole span, as
+    the SDPA path's mask does: the same logits as transformers."""
+    from dgcli.model import attention
+
+    ref, path, _ = pair
+    ours = dgcli.load_model(path)
+    with torch.inference_mode():
+        _, want, _ = run_both(ref, ours, [(2, 3), (2, 2)], torch.float32)
+        monkeypatch.setattr(attention, "backend", lambda device: "triton-paged")
+        ours.to(triton_device)
+        vc, v = ours.vision.config, ours.config.vocab_size
+        k = vc.pooling_kernel_size * vc.patch_size
+        images = [image(i, h * k, w * k, vc) for i, (h, w) in enumerate([(2, 3), (2, 2)])]
+        ids = torch.tensor([prompt_with(images, vc, v, vc.pooling_kernel_size ** 2)], device=triton_device)
+        canvas = torch.randint(0, v - 3, (1, ours.config.canvas_length), generator=torch.Generator().manual_seed(4))
+        feats = torch.cat([ours.vision.features(torch.from_numpy(p).to(triton_device), torch.from_numpy(xy).to(
+            triton_device)) for p, xy in images])
+        got = ours.forward_canvas(ids, canvas.to(triton_device), image_features=feats, image_id=v - 2)
+    assert (got.cpu() - want).abs().max() <= 1e-4
