@@ -62,9 +62,14 @@ def decode(data: bytes, what: str = "image"):
         if img.width * img.height > LIMITS["pixels"]:
             raise UserError(f"{what} is {img.width}x{img.height} pixels; the limit is {LIMITS['pixels']} pixels")
         img.load()
+        if "A" in img.getbands() or img.info.get("transparency") is not None:  # onto white, as the reference
+            img = img.convert("RGBA")
+            return PILImage.alpha_composite(PILImage.new("RGBA", img.size, (255, 255, 255, 255)), img).convert("RGB")
         return img.convert("RGB")
     except UserError:
         raise
+    except PILImage.DecompressionBombError:
+        raise UserError(f"{what} has more than {LIMITS['pixels']} pixels; send a smaller image") from None
     except Exception as e:  # noqa: BLE001 - Pillow raises many kinds for a bad file
         raise UserError(f"{what} is not a readable image ({type(e).__name__}: {e}); send a PNG, JPEG, GIF or WebP") from None
 
