@@ -22,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 from dgcli.checkpoint import compressed_tensors as ct
 from dgcli.checkpoint.config import parse_config, read_json
 from dgcli.checkpoint.meta import meta_model
+from dgcli.checkpoint.vision import new_vision
 from dgcli.errors import UserError
 from dgcli.model import fp8
 from dgcli.model.config import ModelConfig
@@ -252,7 +253,32 @@ def load_directory(path: Path, device: str | torch.device = "cpu",
         if t.dtype != model_dtype and name not in keep:
             state[name] = t.to(model_dtype)
     model.load_state_dict(state, strict=True, assign=True)
-    from dgcli.checkpoint.vision import load_vision
-
-    model.vision = load_vision(path, cfg, files, dev, model_dtype)
+    model.vision = _load_vision(path, cfg, files, dev, model_dtype)
     return model.eval()
+
+
+def _load_vision(path: Path, cfg: ModelConfig, files: dict[str, Path], device: str, dtype: torch.dtype):
+    """The vision tower and projector in the model's dtype (never quantized), None when the checkpoint has none."""
+    names = {k: f for k, f in files.items() if k.startswith(VISION)}
+    enc = new_vision(cfg, str(path / "config.json")) if names else None
+    if enc is None:
+        return None
+    expected = {k: v.shape for k, v in enc.state_dict().items()}
+    missing = [k for k in expected if "model.encoder." + k not in names]
+    if missing:
+        raise UserError(f"{path}: checkpoint lacks tensor {'model.encoder.' + missing[0]!r}; is a shard missing?")
+    state, by_file = {}, {}
+    for key, f in names.items():
+        by_file.setdefault(f, []).append(key)
+    for f, keys in by_file.items():
+        with _open(f, device) as st:
+            for key in keys:
+                name = key[len("model.encoder."):]
+                if name not in expected:
+                    raise UserError(f"{f.name}: unexpected tensor {key!r}; config.json's vision_config does not "
+                                    "describe it")
+                t = st.get_tensor(key)
+                _check(f, key, t.dtype, t.shape, expected[name], False)
+                state[name] = t.to(dtype)
+    enc.load_state_dict(state, strict=True, assign=True)
+    return enc.eval()

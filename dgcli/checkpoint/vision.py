@@ -1,12 +1,10 @@
 """The checkpoint's vision tower and projector (`model.encoder.vision_tower.*`, `model.encoder.embed_vision.*`), read
 in their own layout into `model/vision.py`'s `VisionEncoder`: in the model's dtype, never quantized (compressed-
 tensors checkpoints list the tower in their `ignore`). Owns: `vision_config` (config.json -> VisionConfig and the
-image token ids) and `load_vision`. Must not: do math, or read the text weights (directory.py does).
+image token ids) and `new_vision`. Must not: do math, or read files (directory.py reads the tensors).
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 
@@ -49,34 +47,12 @@ def image_token_ids(cfg: ModelConfig) -> tuple[int, int, int]:
     return int(r.get("boi_token_id", 255999)), int(r.get("image_token_id", 258880)), int(r.get("eoi_token_id", 258882))
 
 
-def load_vision(path: Path, cfg: ModelConfig, files: dict[str, Path], device: str,
-                dtype: torch.dtype) -> VisionEncoder | None:
-    """The tower and projector of a checkpoint directory (None when it has none), on `device` in `dtype`."""
-    from dgcli.checkpoint.directory import _check, _open
+def new_vision(cfg: ModelConfig, source: str = "config.json") -> VisionEncoder | None:
+    """The tower and projector config.json describes, on the meta device (None without a vision_config)."""
     from dgcli.checkpoint.meta import _no_init
 
-    names = {k: f for k, f in files.items() if k.startswith(KEYS)}
-    vc = vision_config(cfg, str(path / "config.json"))
-    if not names or vc is None:
+    vc = vision_config(cfg, source)
+    if vc is None:
         return None
     with torch.device("meta"), _no_init():
-        enc = VisionEncoder(vc)
-    expected = {k: v.shape for k, v in enc.state_dict().items()}
-    missing = [k for k in expected if PREFIX + k not in names]
-    if missing:
-        raise UserError(f"{path}: checkpoint lacks tensor {PREFIX + missing[0]!r}; is a shard missing?")
-    state, by_file = {}, {}
-    for key, f in names.items():
-        by_file.setdefault(f, []).append(key)
-    for f, keys in by_file.items():
-        with _open(f, device) as st:
-            for key in keys:
-                name = key[len(PREFIX):]
-                if name not in expected:
-                    raise UserError(f"{f.name}: unexpected tensor {key!r}; config.json's vision_config does not "
-                                    "describe it")
-                t = st.get_tensor(key)
-                _check(f, key, t.dtype, t.shape, expected[name], False)
-                state[name] = t.to(dtype)
-    enc.load_state_dict(state, strict=True, assign=True)
-    return enc.eval()
+        return VisionEncoder(vc)

@@ -45,6 +45,9 @@ def generate(
         "With --output: run only the rows FILE lacks (the same prompts and settings) and append them."))] = False,
     trace: o.Trace = None,
     init_canvas: o.InitCanvas = None,
+    image: Annotated[Optional[list[str]], typer.Option("--image", metavar="FILE", help=(
+        "An image in the prompt, before the text (repeatable); needs a checkpoint with a vision tower and "
+        "pip install 'dgemma[vision]'."))] = None,
     thinking: o.Thinking = False,
     show_thinking: o.ShowThinking = False,
     raw: o.Raw = False,
@@ -97,6 +100,11 @@ def generate(
         from dgcli.text.prompts import read_prompt_file
 
         rows = read_prompt_file(input_jsonl, flag="--input-jsonl")
+    if image and rows is not None:
+        raise UserError("--image goes with one PROMPT; rows of --input-jsonl carry their own \"images\": [FILE, ...]")
+    from dgcli.text.images import read_files
+
+    image_bytes = read_files(image or [], "--image")  # before the model loads
     text = None if rows is not None else read_prompt(prompt)
     if trace:
         check_writable("--trace", trace)
@@ -146,6 +154,9 @@ def generate(
                   pool=pool, check=check_determinism, sink=sink)
         return
     canvas = fill_canvas(session, given, session.params.seed) if given is not None else None
+    from dgcli.runtime.vision import read_images
+
+    images = read_images(session, image_bytes, [f"--image {f}" for f in image]) if image else None
     progress = Progress(sys.stderr.isatty() and fmt != "ndjson", compiling=session.compiled)
     try:
         def on_event(event) -> None:
@@ -155,7 +166,7 @@ def generate(
 
         recorder = Recorder(on_event) if check_determinism else None  # keeps every step's decisions on the host
         response = run_one(session, text, raw=raw, thinking=thinking, show_thinking=show_thinking, trace=trace,
-                           init_canvas=canvas, on_event=recorder or on_event)
+                           init_canvas=canvas, on_event=recorder or on_event, images=images)
         _write(response, response.as_dict(session.resolved.as_dict()), fmt)
     finally:
         progress.stop()

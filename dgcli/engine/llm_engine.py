@@ -30,11 +30,10 @@ from typing import Any
 
 import torch
 
-from dgcli.engine.request import Request
+from dgcli.engine.request import Request, image_spans
 from dgcli.engine.runner import ModelRunner, Pass
 from dgcli.engine.scheduler import Scheduler
 from dgcli.errors import UserError
-from dgcli.model.attention import image_spans
 from dgcli.kernels.transfer import to_device
 from dgcli.sampling import host_reads
 from dgcli.sampling.events import BlockStart, Commit, Done, Event, Step

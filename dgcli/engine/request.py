@@ -120,5 +120,18 @@ def check_ids(ids: Any, vocab: int, what: str, fix: str = PROMPT_FIX) -> list[in
     return out
 
 
+def image_spans(ids: list[int], image_id: int | None) -> tuple:
+    """The (a, b) runs of `image_id` in `ids`: each image's soft tokens, which see each other (the reference's
+    `use_bidirectional_attention="vision"`: bidirectional inside each run of image tokens, on every layer)."""
+    out, a = [], None
+    for i, t in enumerate([*ids, None]):
+        if t == image_id and a is None:
+            a = i
+        elif t != image_id and a is not None:
+            out.append((a, i))
+            a = None
+    return tuple(out)
+
+
 def kind(x: Any) -> str:
     return "None" if x is None else type(x).__name__

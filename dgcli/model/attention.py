@@ -77,19 +77,6 @@ GATHER_BYTES = 64 * 1024
 _MASKS: dict[tuple, torch.Tensor] = {}  # small CPU masks, made once per process
 
 
-def image_spans(ids: list[int], image_id: int | None) -> tuple:
-    """The (a, b) runs of `image_id` in `ids`: each image's soft tokens, which see each other (the reference's
-    `use_bidirectional_attention="vision"`: bidirectional inside each run of image tokens, on every layer)."""
-    out, a = [], None
-    for i, t in enumerate([*ids, None]):
-        if t == image_id and a is None:
-            a = i
-        elif t != image_id and a is not None:
-            out.append((a, i))
-            a = None
-    return tuple(out)
-
-
 def causal_mask(n: int, off: int, window: int | None, device: torch.device, spans: tuple = ()) -> torch.Tensor:
     """[n - off, n] bool: causal rows at key offsets off..n-1 of n keys read keys <= their own, within `window`,
     and every key of their span (`spans`: (a, b) key offsets). Small CPU masks are kept (read-only: SDPA does not

@@ -19,9 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from dgcli.kernels import dispatch, transfer
-from dgcli.model.attention import PassLayout, Segment, attend, image_spans
+from dgcli.model.attention import PassLayout, Segment, attend
 from dgcli.model.config import LayerGeometry, ModelConfig
 from dgcli.engine.kv_cache import PagedKVCache
+from dgcli.engine.request import image_spans
 
 
 class RMSNorm(nn.Module):

@@ -106,9 +106,8 @@ class VisionTower(nn.Module):
     def forward(self, patches: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """patches [n, 3·p²] in [0, 1] (row-major patch grid), pos [n, 2] (x, y) -> soft tokens [n / k², H_v]."""
         c, pe = self.c, self.patch_embedder
-        w = pe.input_proj.weight
-        x = pe.input_proj((2 * (patches - 0.5)).to(w.dtype))
-        table = pe.position_embedding_table
+        table = pe.position_embedding_table  # (its dtype is the tower's: the linears may be packed for the CPU)
+        x = pe.input_proj((2 * (patches - 0.5)).to(table.dtype))
         x = x + (F.embedding(pos[:, 0], table[0]) + F.embedding(pos[:, 1], table[1]))
         half = c.head_dim // 2
         inv = 1.0 / (c.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float, device=x.device) / half))

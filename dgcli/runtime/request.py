@@ -183,7 +183,7 @@ def stream(session: Any, prompt_ids: Sequence[int], *, params: Any = None, ignor
 
 
 def _stream(session: Any, prompt_ids: list[int], params: Any, ignore_eos: bool,
-            init_canvas: list[int] | None) -> Iterator[Event]:
+            init_canvas: list[int] | None, images: list = ()) -> Iterator[Event]:
     from dgcli.engine import generate_events
 
     params = session.params if params is None else params
@@ -192,19 +192,20 @@ def _stream(session: Any, prompt_ids: list[int], params: Any, ignore_eos: bool,
     return generate_events(session.model, prompt_ids, params=params, num_blocks=num_blocks,
                            stop_ids=() if ignore_eos else session.stop_ids, pad_id=session.pad_id,
                            init_canvas=init_canvas, compile_tiles=session.compiled,
-                           step_mode=session.step_mode, engines=getattr(session, "engines", None))
+                           step_mode=session.step_mode, engines=getattr(session, "engines", None),
+                           images=images)
 
 
 def run(session: Any, prompt_ids: Sequence[int], *, params: Any = None, ignore_eos: bool = False,
         init_canvas: Sequence[int] | None = None, on_event: Callable[[Event], None] | None = None,
-        show_thinking: bool = False) -> Response:
+        show_thinking: bool = False, images: list = ()) -> Response:
     """One request to its `Response` (arguments as `stream`'s); `on_event` sees every event as it happens
-    (progress, watch, trace)."""
+    (progress, watch, trace); `images`: `runtime.vision.engine_images` of the prompt's images, in order."""
     prompt_ids = check_ids(prompt_ids, session.config.vocab_size, "prompt_ids")
     starts: list[int] = []
     done = None
     checked = False
-    for event in _stream(session, prompt_ids, params, ignore_eos, canvas_ids(session, init_canvas)):
+    for event in _stream(session, prompt_ids, params, ignore_eos, canvas_ids(session, init_canvas), images):
         if not checked and isinstance(event, Step):
             checked = _check_finite(session, event)
         if on_event is not None:

@@ -49,6 +49,20 @@ def patchify(pixels: np.ndarray, patch: int) -> tuple[np.ndarray, np.ndarray]:
     return out.astype(np.float32), np.stack([gx, gy], -1).reshape(-1, 2).astype(np.int64)
 
 
+def read_files(paths: list[str], flag: str) -> list[bytes]:
+    """Image files' bytes (not decoded yet), or one line naming the first that cannot be read."""
+    if len(paths) > LIMITS["images"]:
+        raise UserError(f"{len(paths)} images; at most {LIMITS['images']} per prompt")
+    out = []
+    for p in paths:
+        try:
+            with open(p, "rb") as f:
+                out.append(f.read(LIMITS["bytes"] + 1))
+        except OSError as e:
+            raise UserError(f"{flag} {p}: cannot read it ({e.strerror or e}); give an image file") from None
+    return out
+
+
 def decode(data: bytes, what: str = "image"):
     """Bytes -> an RGB Pillow image, or one line naming why not (limits before decoding the pixels)."""
     try:

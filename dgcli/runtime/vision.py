@@ -1,0 +1,66 @@
+"""Prompts with images, for every front end: image bytes -> the tower's inputs (text/images.py), and the prompt's ids
+with each image's placeholder run, as the reference's processor builds them: the checkpoint's own chat template
+places an image marker (`<|image|>`) per image part, and each marker becomes <|image> + one <|image|> per soft token
++ <image|>. Owns: the refusals of images a session cannot take (no vision tower, too many, a template that places
+none). Must not: run the model (the engine runs the tower in the prompt pass).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dgcli.errors import UserError
+from dgcli.text import images as img
+
+
+def check_vision(session: Any) -> Any:
+    """The session's vision tower, or one line naming why it takes no images."""
+    vision = getattr(session.model, "vision", None)
+    if vision is None:
+        raise UserError(f"{session.name or session.path} has no vision tower, so it cannot take images; use a "
+                        "multimodal DiffusionGemma checkpoint (config.json's vision_config and its "
+                        "model.encoder.vision_tower.* tensors), or drop the image")
+    return vision
+
+
+def read_images(session: Any, datas: list[bytes], names: list[str] | None = None) -> list[img.Image]:
+    """Each image's bytes preprocessed for this session's tower (one line naming the first bad one)."""
+    vc = check_vision(session).config
+    if len(datas) > img.LIMITS["images"]:
+        raise UserError(f"{len(datas)} images; at most {img.LIMITS['images']} per request")
+    names = names or [f"image {i + 1}" for i in range(len(datas))]
+    return [img.preprocess(d, vc.patch_size, vc.pooling_kernel_size, vc.soft_tokens, n) for d, n in zip(datas, names)]
+
+
+def prompt_ids(session: Any, content: str | list[dict], images: list[img.Image], *, raw: bool = False,
+               thinking: bool = False, messages: list[dict] | None = None) -> list[int]:
+    """Prompt ids with one placeholder run per image. `content`: the user's text (images placed before it, as one
+    user turn's content parts), or `raw` text holding one image marker per image; `messages`: a whole chat whose
+    content parts already name the images ({"type": "image"})."""
+    from dgcli.checkpoint.vision import image_token_ids
+
+    tok, cfg = session.tokenizer, session.config
+    boi, image, eoi = image_token_ids(cfg)
+    marker = tok.tokenizer.id_to_token(image)
+    if marker is None:
+        raise UserError(f"{session.path}: the tokenizer has no image token (id {image}); is this a vision checkpoint?")
+    if raw:
+        text = content
+    else:
+        parts = [{"type": "image"}] * len(images) + [{"type": "text", "text": content}]
+        text = tok.render_chat(messages or [{"role": "user", "content": parts}], thinking=thinking)
+    ids = tok.encode_prompt(text, raw=True)
+    found = ids.count(image)
+    if found != len(images):
+        where = "the prompt" if raw else f"the chat template of {session.path}"
+        raise UserError(f"{where} places {found} image marker(s) {marker} for {len(images)} image(s); "
+                        + ("write one marker per image" if raw else "use the checkpoint's own chat template"))
+    out, it = [], iter(images)
+    for t in ids:
+        out += [boi, *[image] * next(it).soft_tokens, eoi] if t == image else [t]
+    return out
+
+
+def engine_images(images: list[img.Image]) -> list[tuple]:
+    """What the engine takes per image: patches, positions and the content key prefix caching uses."""
+    return [(x.patches, x.positions, x.digest) for x in images]

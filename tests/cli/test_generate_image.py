@@ -1,0 +1,53 @@
+"""`dgemma generate --image`: a checkpoint with a vision tower sees the image; one without says so in one line."""
+
+import io
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from cli_run import run
+
+
+@pytest.fixture(scope="module")
+def vision_ckpt(tmp_path_factory):
+    from hf_oracle import write_vision_checkpoint
+
+    return write_vision_checkpoint(tmp_path_factory.mktemp("vision") / "ckpt")
+
+
+def picture(path, seed, size=(40, 24)):
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)).save(path)
+    return str(path)
+
+
+def answer(capsys, ckpt, *images):
+    args = ["generate", "--model", str(ckpt), "--format", "json", "--diffusion-steps", "4", "--blocks", "1", "--seed", "3"]
+    code, out, err = run([*args, *[x for i in images for x in ("--image", i)], "describe"], capsys)
+    assert code == 0, err
+    return json.loads(out)["token_ids"]
+
+
+def test_the_image_changes_the_answer_and_the_same_image_gives_the_same(vision_ckpt, tmp_path, capsys):
+    a, b = picture(tmp_path / "a.png", 0), picture(tmp_path / "b.png", 1)
+    first = answer(capsys, vision_ckpt, a)
+    assert answer(capsys, vision_ckpt, a) == first
+    assert answer(capsys, vision_ckpt, b) != first
+    assert answer(capsys, vision_ckpt, a, b) not in (first, answer(capsys, vision_ckpt, b))
+
+
+@pytest.mark.parametrize("make,needle", [
+    (lambda p: p.write_bytes(b"GIF89a nonsense"), "not a readable image"),
+    (lambda p: None, "cannot read it"),
+], ids=["not_an_image", "missing"])
+def test_bad_image_files_are_one_line_exit_2(vision_ckpt, tmp_path, capsys, make, needle):
+    f = tmp_path / "x.png"
+    make(f)
+    code, out, err = run(["generate", "--model", str(vision_ckpt), "--image", str(f), "hi"], capsys)
+    assert code == 2 and out == "" and needle in err and err.count("\n") == 1
+
+
+def test_the_bundled_model_has_no_vision_tower(tmp_path, capsys):
+    code, out, err = run(["generate", "--image", picture(tmp_path / "a.png", 0), "hi"], capsys)
+    assert code == 2 and out == "" and "no vision tower" in err and err.count("\n") == 1
