@@ -221,3 +221,21 @@ def test_the_triton_kernel_keeps_image_spans_bidirectional(pair, triton_device, 
             triton_device)) for p, xy in images])
         got = ours.forward_canvas(ids, canvas.to(triton_device), image_features=feats, image_id=v - 2)
     assert (got.cpu() - want).abs().max() <= 1e-4
+
+
+def test_an_fp8_checkpoint_keeps_the_tower_unquantized(pair, tmp_path):
+    """`dgemma quantize --fp8` lists the tower in its `ignore`: it loads from the FP8 checkpoint as stored, and
+    gives the source's image features."""
+    import json
+
+    from dgcli.checkpoint.quantize import quantize_checkpoint
+
+    _, path, _ = pair
+    quantize_checkpoint(path, tmp_path / "fp8")
+    ignore = json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"]["ignore"]
+    assert "re:.*vision_tower.*" in ignore
+    src, fp8 = dgcli.load_model(path), dgcli.load_model(tmp_path / "fp8")
+    vc = fp8.vision.config
+    p, xy = image(0, 2 * vc.pooling_kernel_size * vc.patch_size, 2 * vc.pooling_kernel_size * vc.patch_size, vc)
+    want = src.vision.features(torch.from_numpy(p), torch.from_numpy(xy))
+    assert torch.equal(fp8.vision.features(torch.from_numpy(p), torch.from_numpy(xy)), want)
