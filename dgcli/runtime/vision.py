@@ -32,29 +32,32 @@ def read_images(session: Any, datas: list[bytes], names: list[str] | None = None
     return [img.preprocess(d, vc.patch_size, vc.pooling_kernel_size, vc.soft_tokens, n) for d, n in zip(datas, names)]
 
 
-def prompt_ids(session: Any, content: str | list[dict], images: list[img.Image], *, raw: bool = False,
-               thinking: bool = False, messages: list[dict] | None = None) -> list[int]:
-    """Prompt ids with one placeholder run per image. `content`: the user's text (images placed before it, as one
-    user turn's content parts), or `raw` text holding one image marker per image; `messages`: a whole chat whose
-    content parts already name the images ({"type": "image"})."""
+def prompt_ids(session: Any, content: str, images: list[img.Image], *, raw: bool = False,
+               thinking: bool = False) -> list[int]:
+    """Prompt ids with one placeholder run per image: the user's text after the images (one user turn's content
+    parts, through the chat template), or `raw` text holding one image marker per image."""
     from dgcli.checkpoint.vision import image_token_ids
 
-    tok, cfg = session.tokenizer, session.config
-    boi, image, eoi = image_token_ids(cfg)
+    chat = None if raw else [{"role": "user", "content": [{"type": "image"}] * len(images)
+                                                            + [{"type": "text", "text": content}]}]
+    return expand(session.tokenizer, image_token_ids(session.config), chat, images, text=content,
+                  thinking=thinking, where=str(session.path))
+
+
+def expand(tok: Any, ids3: tuple[int, int, int], messages: list[dict] | None, images: list[img.Image], *,
+           text: str = "", thinking: bool = False, where: str = "the checkpoint") -> list[int]:
+    """`messages` (content parts naming images as {"type": "image"}) through the chat template, or raw `text`,
+    tokenized; each image marker the template (or text) placed becomes <|image> + its soft tokens + <image|>."""
+    boi, image, eoi = ids3
     marker = tok.tokenizer.id_to_token(image)
     if marker is None:
-        raise UserError(f"{session.path}: the tokenizer has no image token (id {image}); is this a vision checkpoint?")
-    if raw:
-        text = content
-    else:
-        parts = [{"type": "image"}] * len(images) + [{"type": "text", "text": content}]
-        text = tok.render_chat(messages or [{"role": "user", "content": parts}], thinking=thinking)
-    ids = tok.encode_prompt(text, raw=True)
+        raise UserError(f"{where}: the tokenizer has no image token (id {image}); is this a vision checkpoint?")
+    ids = tok.encode_prompt(text if messages is None else tok.render_chat(messages, thinking=thinking), raw=True)
     found = ids.count(image)
     if found != len(images):
-        where = "the prompt" if raw else f"the chat template of {session.path}"
-        raise UserError(f"{where} places {found} image marker(s) {marker} for {len(images)} image(s); "
-                        + ("write one marker per image" if raw else "use the checkpoint's own chat template"))
+        who = "the prompt" if messages is None else f"the chat template of {where}"
+        raise UserError(f"{who} places {found} image marker(s) {marker} for {len(images)} image(s); "
+                        + ("write one marker per image" if messages is None else "use the checkpoint's own template"))
     out, it = [], iter(images)
     for t in ids:
         out += [boi, *[image] * next(it).soft_tokens, eoi] if t == image else [t]
