@@ -32,15 +32,20 @@ def read_images(session: Any, datas: list[bytes], names: list[str] | None = None
     return [img.preprocess(d, vc.patch_size, vc.pooling_kernel_size, vc.soft_tokens, n) for d, n in zip(datas, names)]
 
 
+def image_ids(session: Any) -> tuple[int, int, int]:
+    """(begin-of-image, image placeholder, end-of-image) token ids of the session's checkpoint."""
+    from dgcli.checkpoint.vision import image_token_ids
+
+    return image_token_ids(session.config)
+
+
 def prompt_ids(session: Any, content: str, images: list[img.Image], *, raw: bool = False,
                thinking: bool = False) -> list[int]:
     """Prompt ids with one placeholder run per image: the user's text after the images (one user turn's content
     parts, through the chat template), or `raw` text holding one image marker per image."""
-    from dgcli.checkpoint.vision import image_token_ids
-
     chat = None if raw else [{"role": "user", "content": [{"type": "image"}] * len(images)
                                                             + [{"type": "text", "text": content}]}]
-    return expand(session.tokenizer, image_token_ids(session.config), chat, images, text=content,
+    return expand(session.tokenizer, image_ids(session), chat, images, text=content,
                   thinking=thinking, where=str(session.path))
 
 

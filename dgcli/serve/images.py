@@ -18,10 +18,10 @@ SHAPE = 'send {"type": "image_url", "image_url": {"url": "data:image/png;base64,
 
 def vision_context(session: Any) -> dict:
     """The server's `Context` field for images: (the tower's config, the image token ids); none without a tower."""
-    from dgcli.checkpoint.vision import image_token_ids
+    from dgcli.runtime.vision import image_ids
 
     vision = getattr(session.model, "vision", None)
-    return {"vision": (vision.config, image_token_ids(session.config))} if vision is not None else {}
+    return {"vision": (vision.config, image_ids(session))} if vision is not None else {}
 
 
 def text_of(content: Any, where: str) -> str:
