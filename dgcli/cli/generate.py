@@ -150,6 +150,8 @@ def generate(
         import dgcli.cli.batch as batch
 
         requests = batch.parse_rows(session, rows, input_jsonl, raw=raw, thinking=thinking, init_flag=given)
+        if pool is not None and any(r.images for r in requests):
+            raise UserError("--ray does not carry images to its workers; run rows with \"images\" without --ray")
         _run_file(session, rows, requests, batch_size=batch_size, fmt=fmt, raw=raw, show_thinking=show_thinking,
                   pool=pool, check=check_determinism, sink=sink)
         return

@@ -220,13 +220,15 @@ def run(session: Any, prompt_ids: Sequence[int], *, params: Any = None, ignore_e
 def run_batch(session: Any, prompts: Iterable[Sequence[int]], *, batch_size: int, seeds: Iterable[int] | None = None,
               init_canvases: Iterable[Sequence[int] | None] | None = None, params: Any = None,
               ignore_eos: bool = False, show_thinking: bool = False,
-              on_event: Callable[[Event], None] | None = None, stats: dict | None = None) -> Iterator[tuple[int, Response]]:
+              on_event: Callable[[Event], None] | None = None, stats: dict | None = None,
+              images: list | None = None) -> Iterator[tuple[int, Response]]:
     """Many requests through the batched loop with continuous batching (`batch_size` slots; the rest queue
     in input order); yields (index, Response) as each request finishes (events carry `row` = the index).
     `prompts`: token-id lists (`encode` makes them), any iterable (read whole at the call); `seeds` (default:
     the params' seed) and `init_canvases` (whole first canvases or None, see `fill_canvas`): one per prompt.
     Every input is checked at the call, before anything runs. A request's answer does not depend on its
-    batch-mates (see `generate_batch_events`). `stats` receives the loop's pass counts."""
+    batch-mates (see `generate_batch_events`). `stats` receives the loop's pass counts; `images`: per prompt, its
+    images (`runtime.vision.engine_images`)."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise UserError(f"--batch-size {batch_size}: must be a whole number >= 1")
     fix = "pass a list of token-id lists ([request.encode(session, text), ...])"
@@ -250,7 +252,7 @@ def run_batch(session: Any, prompts: Iterable[Sequence[int]], *, batch_size: int
     if not prompts:
         return iter(())
     return _run_batch(session, prompts, batch_size, seeds, inits, params, num_blocks, ignore_eos, show_thinking,
-                      on_event, stats)
+                      on_event, stats, _per_prompt(images, "images", len(prompts)))
 
 
 def _per_prompt(values: Iterable | None, name: str, n: int) -> list | None:
@@ -266,7 +268,8 @@ def _per_prompt(values: Iterable | None, name: str, n: int) -> list | None:
 
 def _run_batch(session: Any, prompts: list[list[int]], batch_size: int, seeds: list | None, init_canvases: list | None,
                params: Any, num_blocks: int, ignore_eos: bool, show_thinking: bool,
-               on_event: Callable[[Event], None] | None, stats: dict | None) -> Iterator[tuple[int, Response]]:
+               on_event: Callable[[Event], None] | None, stats: dict | None,
+               images: list | None = None) -> Iterator[tuple[int, Response]]:
     from dgcli.engine import generate_batch_events
 
     starts: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
@@ -274,7 +277,8 @@ def _run_batch(session: Any, prompts: list[list[int]], batch_size: int, seeds: l
         session.model, prompts, params=params, num_blocks=num_blocks, seeds=seeds,
         stop_ids=() if ignore_eos else session.stop_ids, pad_id=session.pad_id, init_canvases=init_canvases,
         compile_tiles=session.compiled, max_batch=batch_size, stats=stats, step_mode=session.step_mode,
-        prefix_caching=getattr(session, "prefix_caching", True), engines=getattr(session, "engines", None))
+        prefix_caching=getattr(session, "prefix_caching", True), engines=getattr(session, "engines", None),
+        images=images)
     checked = False
     for event in events:
         if not checked and isinstance(event, Step):

@@ -51,3 +51,19 @@ def test_bad_image_files_are_one_line_exit_2(vision_ckpt, tmp_path, capsys, make
 def test_the_bundled_model_has_no_vision_tower(tmp_path, capsys):
     code, out, err = run(["generate", "--image", picture(tmp_path / "a.png", 0), "hi"], capsys)
     assert code == 2 and out == "" and "no vision tower" in err and err.count("\n") == 1
+
+
+def test_jsonl_rows_carry_their_images(vision_ckpt, tmp_path, capsys):
+    """A row's `images` (files next to the JSONL) give the answer `--image` gives; rows without images run as text."""
+    a = picture(tmp_path / "a.png", 0)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": "describe", "images": ["a.png"]}) + "\n"
+                    + json.dumps({"prompt": "describe"}) + "\n")
+    args = ["--model", str(vision_ckpt), "--format", "json", "--diffusion-steps", "4", "--blocks", "1", "--seed", "3"]
+    code, out, err = run(["generate", *args, "--input-jsonl", str(rows), "--batch-size", "2"], capsys)
+    assert code == 0, err
+    got = [json.loads(line)["token_ids"] for line in out.splitlines()]
+    assert got[0] == answer(capsys, vision_ckpt, a) and got[1] == answer(capsys, vision_ckpt)
+    rows.write_text(json.dumps({"prompt": "describe", "images": ["missing.png"]}) + "\n")
+    code, out, err = run(["generate", *args, "--input-jsonl", str(rows)], capsys)
+    assert code == 2 and "row 1" in err and "missing.png" in err and err.count("\n") == 1
