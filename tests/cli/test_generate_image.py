@@ -67,3 +67,13 @@ def test_jsonl_rows_carry_their_images(vision_ckpt, tmp_path, capsys):
     rows.write_text(json.dumps({"prompt": "describe", "images": ["missing.png"]}) + "\n")
     code, out, err = run(["generate", *args, "--input-jsonl", str(rows)], capsys)
     assert code == 2 and "row 1" in err and "missing.png" in err and err.count("\n") == 1
+
+
+def test_info_counts_the_tower_in_the_weights_and_an_images_tokens(vision_ckpt, capsys):
+    code, out, err = run(["info", "--model", str(vision_ckpt), "-f", "json"], capsys)
+    assert code == 0, err
+    card = json.loads(out)
+    v = card["vision"]
+    assert v["parameters"] > 0 and v["tokens_per_image"] > 0 and "loaded with the model" in v["note"]
+    text_bytes = sum(card["bytes_by_dtype"].values())  # the text tensors as stored (fp32 here, as the model runs)
+    assert card["memory"]["weights"] >= text_bytes + 4 * v["parameters"]
