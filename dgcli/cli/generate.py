@@ -45,9 +45,7 @@ def generate(
         "With --output: run only the rows FILE lacks (the same prompts and settings) and append them."))] = False,
     trace: o.Trace = None,
     init_canvas: o.InitCanvas = None,
-    image: Annotated[Optional[list[str]], typer.Option("--image", metavar="FILE", help=(
-        "An image in the prompt, before the text (repeatable); needs a checkpoint with a vision tower and "
-        "pip install 'dgemma[vision]'."))] = None,
+    image: o.Image = None,
     thinking: o.Thinking = False,
     show_thinking: o.ShowThinking = False,
     raw: o.Raw = False,

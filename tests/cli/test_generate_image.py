@@ -77,3 +77,14 @@ def test_info_counts_the_tower_in_the_weights_and_an_images_tokens(vision_ckpt, 
     assert v["parameters"] > 0 and v["tokens_per_image"] > 0 and "loaded with the model" in v["note"]
     text_bytes = sum(card["bytes_by_dtype"].values())  # the text tensors as stored (fp32 here, as the model runs)
     assert card["memory"]["weights"] >= text_bytes + 4 * v["parameters"]
+
+
+def test_watch_takes_images_as_generate_does(vision_ckpt, tmp_path, capsys):
+    a = picture(tmp_path / "a.png", 0)
+    args = ["--model", str(vision_ckpt), "--diffusion-steps", "4", "--blocks", "1", "--seed", "3", "--image", a,
+            "describe"]
+    code, watched, err = run(["watch", *args], capsys)
+    assert code == 0, err
+    code, generated, err = run(["generate", *args], capsys)
+    assert code == 0, err
+    assert watched.splitlines()[-1] == generated.splitlines()[-1]
