@@ -98,6 +98,8 @@ def generate(
         from dgcli.text.prompts import read_prompt_file
 
         rows = read_prompt_file(input_jsonl, flag="--input-jsonl")
+    if image and check_determinism:
+        raise UserError("--check-determinism reruns text prompts; drop --image, or drop --check-determinism")
     if image and rows is not None:
         raise UserError("--image goes with one PROMPT; rows of --input-jsonl carry their own \"images\": [FILE, ...]")
     from dgcli.text.images import read_files
@@ -148,8 +150,8 @@ def generate(
         import dgcli.cli.batch as batch
 
         requests = batch.parse_rows(session, rows, input_jsonl, raw=raw, thinking=thinking, init_flag=given)
-        if pool is not None and any(r.images for r in requests):
-            raise UserError("--ray does not carry images to its workers; run rows with \"images\" without --ray")
+        if (pool is not None or check_determinism) and any(r.images for r in requests):
+            raise UserError("rows with \"images\" run here and once: drop --ray and --check-determinism")
         _run_file(session, rows, requests, batch_size=batch_size, fmt=fmt, raw=raw, show_thinking=show_thinking,
                   pool=pool, check=check_determinism, sink=sink)
         return
