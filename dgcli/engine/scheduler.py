@@ -104,7 +104,9 @@ class Scheduler:
                 if not self.cache.reserve(self.free[0], need):
                     break
             else:  # its prompt's longest cached run of whole blocks is held, not encoded again
-                hit = self.cache.lookup(self.ids[r][:len(r.prompt)])
+                hit, b = self.cache.lookup(self.ids[r][:len(r.prompt)]), self.cache.block_size
+                while hit and any(a < len(hit) * b < e for a, e in r.spans):  # an image's tokens: all or none
+                    hit = hit[:-1]
                 if not self.cache.reserve(self.free[0], need, shared=hit):
                     break
                 r.prefilled = len(hit) * self.cache.block_size

@@ -239,3 +239,31 @@ def test_an_fp8_checkpoint_keeps_the_tower_unquantized(pair, tmp_path):
     p, xy = image(0, 2 * vc.pooling_kernel_size * vc.patch_size, 2 * vc.pooling_kernel_size * vc.patch_size, vc)
     want = src.vision.features(torch.from_numpy(p), torch.from_numpy(xy))
     assert torch.equal(fp8.vision.features(torch.from_numpy(p), torch.from_numpy(xy)), want)
+
+
+def test_a_prefix_hit_never_ends_inside_an_image(sure):
+    """Two prompts with the same image and different text after it share only the blocks before the image when a
+    block boundary falls inside it: the second answer is the one a fresh engine gives."""
+    from dgcli.engine.llm_engine import LLMEngine
+    from dgcli.sampling.events import Done
+    from dgcli.sampling.params import DiffusionEbParams
+
+    _, ours = sure
+    vc, v = ours.vision.config, ours.config.vocab_size
+    k = vc.pooling_kernel_size * vc.patch_size
+    img = image(0, 2 * k, 3 * k, vc)  # 6 soft tokens at positions 5..10: the block boundary 8 inside
+    first = prompt_with([img], vc, v, vc.pooling_kernel_size ** 2) + [9] * 10
+    second = first[:12] + [10] * 10
+    params = DiffusionEbParams(max_denoising_steps=4, seed=0)
+
+    def answers(prompts, engine):
+        out = []
+        for n, ids in enumerate(prompts):
+            engine.add_request(ids, request_id=n, params=params, num_blocks=1, images=[(*img, "a")])
+            out.append([e for e in engine.events() if isinstance(e, Done)][0].token_ids)
+        return out
+
+    stats: dict = {}
+    new = lambda **kw: LLMEngine(ours, slots=1, max_len=40, block_size=8, **kw)  # noqa: E731
+    shared = answers([first, second], new(prefix_caching=True, stats=stats))
+    assert stats["prefix_cache_hits"] == 0 and shared[1] == answers([second], new())[0]
