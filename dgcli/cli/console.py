@@ -202,7 +202,8 @@ def run_one(session: Any, text: str, *, raw: bool, thinking: bool, show_thinking
     from dgcli.runtime import request, vision
 
     if images:
-        ids = vision.prompt_ids(session, text, images, raw=raw, thinking=bool(thinking) or session.resolved.run.thinking)
+        think = bool(thinking) or session.resolved.run.thinking
+        ids = vision.prompt_ids(session, text, images, raw=raw, thinking=think)
         request.check_context(session, len(ids))
     else:
         ids = request.encode(session, text, raw=raw, thinking=True if thinking else None)

@@ -107,7 +107,8 @@ class ModelRunner:
         images = self._images(plan)
         hidden = None if self.graphs is None or images else self.graphs.forward(ids, plan.segments, soft)
         if hidden is None:
-            hidden = self.model.forward_pass(ids, plan.segments, self.cache, soft, images)
+            extra = {"images": images} if images else {}  # (a pass without images: the text model's own call)
+            hidden = self.model.forward_pass(ids, plan.segments, self.cache, soft, **extra)
         else:
             self.stats["graph_passes"] += 1
         for r in plan.commits:

@@ -153,9 +153,8 @@ class Scheduler:
             if n < 1 and r.prefilled < len(r.prompt):
                 break
             if n > 0:  # (none when its whole prompt was a prefix hit)
-                end = r.prefilled + n
-                p.segments.append(Seg(r.slot, r.prefilled, n, False,
-                                      tuple((max(a, r.prefilled), b) for a, b in r.spans if a < end and b > r.prefilled)))
+                spans = tuple((a, b) for a, b in r.spans if r.prefilled <= a < r.prefilled + n)  # (whole: see above)
+                p.segments.append(Seg(r.slot, r.prefilled, n, False, spans))
                 p.causal_ids.append(r.prompt[r.prefilled:r.prefilled + n])
                 p.prefills.append(r)
                 r.prefilled += n

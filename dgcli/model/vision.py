@@ -37,7 +37,7 @@ class VisionConfig:
     soft_tokens: int = 280  # the most soft tokens per image (the processor's max_soft_tokens)
     text_hidden_size: int = 0
     image_token_id: int = -1  # the soft tokens' placeholder id in the prompt
-    bidirectional: bool = False  # the text encoder's use_bidirectional_attention == "vision": image spans see each other
+    bidirectional: bool = False  # use_bidirectional_attention == "vision": an image's tokens see each other
 
 
 class Linear(nn.Module):

@@ -58,11 +58,11 @@ def chat(body: dict, ctx: Any, thinking: bool, messages: Any, out: list) -> list
         raise ApiError(400, f"model {ctx.model_name!r} has no vision tower, so it takes no images; send text only",
                        param="messages", code="images_not_supported")
     vc, ids3 = ctx.vision
-    urls = [p for m, h in zip(msgs, has) if h for p in m["content"] if isinstance(p, dict) and p.get("type") == "image_url"]
+    image = lambda p: isinstance(p, dict) and p.get("type") == "image_url"  # noqa: E731
+    urls = [p for m, h in zip(msgs, has) if h for p in m["content"] if image(p)]
     if len(urls) > LIMITS["images"]:
         raise ApiError(400, f"{len(urls)} images; at most {LIMITS['images']} per request", param="messages")
-    text_only = [{**m, "content": [p for p in m["content"] if not (isinstance(p, dict) and p.get("type") == "image_url")]} if h else m
-                 for m, h in zip(msgs, has)]
+    text_only = [{**m, "content": [p for p in m["content"] if not image(p)]} if h else m for m, h in zip(msgs, has)]
     checked = messages({**body, "messages": text_only})  # roles, text and limits as for any chat
     for m, h, orig in zip(checked, has, msgs):
         if h:  # the parts in order, images as the chat template's {"type": "image"}

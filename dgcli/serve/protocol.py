@@ -21,8 +21,8 @@ Decisions:
   context before its ids are: no one request can wedge the server.
 Must not: touch the engine, the network or torch.
 
-OpenAI fields read: `model` (optional; another name is 404), `messages` (text, and `image_url` parts: serve/images.py; roles system,
-developer, user, assistant) or `prompt` (completions: a string or token ids, no chat template),
+OpenAI fields read: `model` (optional; another name is 404), `messages` (text and image_url parts: serve/images.py;
+roles system, developer, user, assistant) or `prompt` (completions: a string or token ids, no chat template),
 `max_tokens` / `max_completion_tokens` (the answer's cut, either or both if equal; with `max_blocks` unset it
 also sets the block count), `seed`, `stream`, `stream_options.include_usage`, `stop` (strings, matched in the
 content), `n` (1).

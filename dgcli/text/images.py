@@ -27,7 +27,7 @@ class Image:
 
 
 def target_size(h: int, w: int, patch: int, max_patches: int, k: int) -> tuple[int, int]:
-    """The reference's `get_aspect_ratio_preserving_size`: the largest sides, multiples of k·patch, within the budget."""
+    """The reference's `get_aspect_ratio_preserving_size`: the largest sides, multiples of k·patch, in budget."""
     factor, side = math.sqrt(max_patches * patch ** 2 / (h * w)), k * patch
     th, tw = int(math.floor(factor * h / side)) * side, int(math.floor(factor * w / side)) * side
     longest = (max_patches // k ** 2) * side
@@ -85,7 +85,8 @@ def decode(data: bytes, what: str = "image"):
     except PILImage.DecompressionBombError:
         raise UserError(f"{what} has more than {LIMITS['pixels']} pixels; send a smaller image") from None
     except Exception as e:  # noqa: BLE001 - Pillow raises many kinds for a bad file
-        raise UserError(f"{what} is not a readable image ({type(e).__name__}: {e}); send a PNG, JPEG, GIF or WebP") from None
+        raise UserError(f"{what} is not a readable image ({type(e).__name__}: {e}); send a PNG, JPEG, GIF or "
+                        "WebP") from None
 
 
 def preprocess(data: bytes, patch: int, k: int, soft_tokens: int, what: str = "image") -> Image:
@@ -98,4 +99,5 @@ def preprocess(data: bytes, patch: int, k: int, soft_tokens: int, what: str = "i
     arr = np.asarray(img, dtype=np.uint8)
     pixels = (arr.transpose(2, 0, 1).astype(np.float64) * (1 / 255)).astype(np.float32)
     patches, pos = patchify(pixels, patch)
-    return Image(patches, pos, len(patches) // (k * k), hashlib.sha256(arr.tobytes() + bytes(str(arr.shape), "ascii")).hexdigest())
+    digest = hashlib.sha256(arr.tobytes() + str(arr.shape).encode()).hexdigest()
+    return Image(patches, pos, len(patches) // (k * k), digest)

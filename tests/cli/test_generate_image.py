@@ -23,7 +23,8 @@ def picture(path, seed, size=(40, 24)):
 
 
 def answer(capsys, ckpt, *images):
-    args = ["generate", "--model", str(ckpt), "--format", "json", "--diffusion-steps", "4", "--blocks", "1", "--seed", "3"]
+    args = ["generate", "--model", str(ckpt), "--format", "json", "--diffusion-steps", "4", "--blocks", "1",
+            "--seed", "3"]
     code, out, err = run([*args, *[x for i in images for x in ("--image", i)], "describe"], capsys)
     assert code == 0, err
     return json.loads(out)["token_ids"]

@@ -177,7 +177,8 @@ def test_an_attached_image_is_sent_as_an_image_url_part(server, page, tmp_path):
     import base64
 
     png = tmp_path / "dot.png"  # a 1x1 PNG
-    png.write_bytes(base64.b64decode("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGNgYGD4DwABBAEAwS2OUAAAAABJRU5ErkJggg=="))
+    png.write_bytes(base64.b64decode("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGNgYGD4DwABBAEAwS2O"
+                                     "UAAAAABJRU5ErkJggg=="))
     n = page.locator("#log li.assistant").count()
     page.set_input_files("#image", str(png))
     ask(page, "What is in the picture?")

@@ -82,8 +82,8 @@ def card(cfg: ModelConfig, *, name: str, source: str, dtype: str, context: int =
                          "safetensors headers (text tensors)" if inventory else f"config x {dtype} (layer scalars fp32)"),
         "vision": vision and {**vision, "bytes_by_dtype": inventory["vision_bytes_by_dtype"],
                               "note": f"loaded with the model (in its weights): an image is at most "
-                                      f"{vision['tokens_per_image']} prompt tokens and ~{vision['flops_per_image']:.3g} "
-                                      "FLOPs of the tower"},
+                                      f"{vision['tokens_per_image']} prompt tokens and "
+                                      f"~{vision['flops_per_image']:.3g} FLOPs of the tower"},
         "memory": {
             "weights": weights, "kv_context": context, "kv_cache": kv,
             "kv_per_token": kv_cache_bytes(cfg, 1, wb),  # every layer's K/V of one position
