@@ -55,7 +55,8 @@ def chat(body: dict, ctx: Any, thinking: bool, messages: Any, out: list) -> list
     if not any(has):
         return None
     if ctx.vision is None:
-        raise ApiError(400, f"model {ctx.model_name!r} has no vision tower, so it takes no images; send text only",
+        raise ApiError(400, f"model {ctx.model_name!r} has no vision tower, so it takes no image_url parts: send "
+                       "text only",
                        param="messages", code="images_not_supported")
     vc, ids3 = ctx.vision
     image = lambda p: isinstance(p, dict) and p.get("type") == "image_url"  # noqa: E731
