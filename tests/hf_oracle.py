@@ -75,3 +75,47 @@ def reference_from_text(tc: dict, canvas: int, seed: int = 0, dtype=torch.float3
 
 def build_reference(name: str, seed: int = 0, dtype=torch.float32):
     return reference_from_text(*text_config(name), seed=seed, dtype=dtype)
+
+
+# A tiny vision tower (patch 4, 2 x 2 pooling) for CLI and server tests: 16 x 16 pixels per soft token.
+CLI_VISION = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=2, head_dim=8, patch_size=4, pooling_kernel_size=2,
+                  position_embedding_size=64, standardize=True)
+IMAGE_IDS = {"boi_token_id": 60, "image_token_id": 61, "eoi_token_id": 62}  # free <unused_N> slots of the tokenizer
+
+
+def write_vision_checkpoint(out, seed: int = 0):
+    """transformers' model of CLI_TEXT with CLI_VISION, every tensor random, saved with a tokenizer whose image
+    tokens sit at IMAGE_IDS and a chat template that places an image part as <|image|> (as Gemma-4's does)."""
+    import json
+
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+
+    from dgcli.checkpoint.random_weights import SAMPLE_TEXT
+    from dgcli.text.build import build_tokenizer, write_tokenizer_files
+
+    text = dict(make_config(CLI_TEXT, CLI_CANVAS)["text_config"], use_bidirectional_attention="vision")
+    cfg = DiffusionGemmaConfig(text_config=text, vision_config=dict(CLI_VISION), canvas_length=CLI_CANVAS,
+                               **IMAGE_IDS)
+    model = DiffusionGemmaForBlockDiffusion(cfg).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if "inv_freq" not in name and "embed_scale" not in name:
+                t.copy_(torch.randn(t.shape, generator=g) / math.sqrt(t.shape[-1]) if t.ndim >= 2
+                        else torch.rand(t.shape, generator=g) + 0.5)
+    model.save_pretrained(out)
+    write_tokenizer_files(build_tokenizer([SAMPLE_TEXT] * 4, CLI_TEXT["vocab_size"]), out)
+    names = {60: "<|image>", 61: "<|image|>", 62: "<image|>"}
+    tok = json.loads((out / "tokenizer.json").read_text())
+    for t in tok["added_tokens"]:
+        if t["id"] in names:
+            old, t["content"] = t["content"], names[t["id"]]
+            tok["model"]["vocab"][t["content"]] = tok["model"]["vocab"].pop(old)
+    (out / "tokenizer.json").write_text(json.dumps(tok))
+    tpl = out / "chat_template.jinja"
+    tpl.write_text(tpl.read_text().replace(
+        "{%- if part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}",
+        "{%- if part['type'] == 'text' -%}{{- part['text'] -}}"
+        "{%- elif part['type'] == 'image' -%}{{- '<|image|>' -}}{%- endif -%}"))
+    return out

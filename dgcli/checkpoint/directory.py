@@ -1,7 +1,7 @@
 """Load a DiffusionGemma checkpoint directory into `model.DiffusionGemma` (spec §3).
 
 Single-file or sharded safetensors; the model is built on the `meta` device and every tensor is
-assigned straight from the file, so no second full copy is made. Vision tensors are never read.
+assigned straight from the file, so no second full copy is made. Vision tensors are read by checkpoint/vision.py.
 Compressed-tensors FP8 checkpoints (config.py's `Quantization`) load as FP8 modules (model/fp8.py) at one
 byte per parameter, their per-expert tensors read into the fused expert layout (checkpoint/compressed_tensors.py).
 Owns: the checkpoint <-> module name map and every loading error message of a directory. Must not: do math,
@@ -23,6 +23,7 @@ from dgcli.checkpoint import compressed_tensors as ct
 from dgcli.checkpoint import nvfp4
 from dgcli.checkpoint.config import directory_config, parse_config, read_json
 from dgcli.checkpoint.meta import meta_model
+from dgcli.checkpoint.vision import new_vision
 from dgcli.errors import UserError
 from dgcli.model import fp8
 from dgcli.model import nvfp4 as model_nvfp4
@@ -48,6 +49,8 @@ def to_module_name(key: str) -> str | None:
 
 def to_checkpoint_name(name: str) -> str:
     """Our module key -> the checkpoint key (the inverse of `to_module_name`)."""
+    if name.startswith("vision."):  # the tower and projector (checkpoint/vision.py)
+        return "model.encoder." + name[len("vision."):]
     if name.endswith(".encoder_layer_scalar"):
         return "model.encoder.language_model." + name.replace("encoder_layer_scalar", "layer_scalar")
     return DECODER + name
@@ -265,4 +268,32 @@ def load_directory(path: Path, device: str | torch.device = "cpu",
         if t.dtype != model_dtype and name not in keep:
             state[name] = t.to(model_dtype)
     model.load_state_dict(state, strict=True, assign=True)
+    model.vision = _load_vision(path, cfg, files, dev, model_dtype)
     return model.eval()
+
+
+def _load_vision(path: Path, cfg: ModelConfig, files: dict[str, Path], device: str, dtype: torch.dtype):
+    """The vision tower and projector in the model's dtype (never quantized), None when the checkpoint has none."""
+    names = {k: f for k, f in files.items() if k.startswith(VISION)}
+    enc = new_vision(cfg, str(path / "config.json")) if names else None
+    if enc is None:
+        return None
+    expected = {k: v.shape for k, v in enc.state_dict().items()}
+    missing = [k for k in expected if "model.encoder." + k not in names]
+    if missing:
+        raise UserError(f"{path}: checkpoint lacks tensor {'model.encoder.' + missing[0]!r}; is a shard missing?")
+    state, by_file = {}, {}
+    for key, f in names.items():
+        by_file.setdefault(f, []).append(key)
+    for f, keys in by_file.items():
+        with _open(f, device) as st:
+            for key in keys:
+                name = key[len("model.encoder."):]
+                if name not in expected:
+                    raise UserError(f"{f.name}: unexpected tensor {key!r}; config.json's vision_config does not "
+                                    "describe it")
+                t = st.get_tensor(key)
+                _check(f, key, t.dtype, t.shape, expected[name], False)
+                state[name] = t.to(dtype)
+    enc.load_state_dict(state, strict=True, assign=True)
+    return enc.eval()

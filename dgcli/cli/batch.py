@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from typing import Any, Callable
 
 from dgcli.errors import UserError
 
-REQUEST_KEYS = ("prompt", "seed", "init_canvas", "json_schema")
+REQUEST_KEYS = ("prompt", "seed", "init_canvas", "json_schema", "images")  # images: image files, relative to FILE's folder
 # Copied into the JSON result as they are (labels for the caller's own bookkeeping).
 PASS_THROUGH = ("id", "name", "label", "answer", "family", "metadata")
 
@@ -28,13 +29,14 @@ class Request:
     seed: int
     init_canvas: list[int] | None  # the whole first canvas, or None
     json_schema: dict | None = None  # the schema its answer follows, or None
+    images: list = dataclasses.field(default_factory=list)  # the engine's images (runtime.vision.engine_images)
 
 
 def parse_row(session: Any, row: dict, *, raw: bool, thinking: bool, init_flag: list[int] | None = None,
-              schema: dict | None = None) -> Request:
+              schema: dict | None = None, folder: str = ".") -> Request:
     """One JSONL row as a request (`init_flag`: the ids --init-canvas gave, for rows without their own
     `init_canvas`); UserError on a bad value."""
-    from dgcli.runtime.request import encode, fill_canvas, read_init_canvas
+    from dgcli.runtime.request import check_context, encode, fill_canvas, read_init_canvas
     from dgcli.sampling.params import DiffusionEbParams
 
     unknown = [k for k in row if k not in REQUEST_KEYS + PASS_THROUGH]
@@ -45,7 +47,20 @@ def parse_row(session: Any, row: dict, *, raw: bool, thinking: bool, init_flag: 
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise UserError(f"seed {seed!r} is not a whole number; give e.g. \"seed\": 7")
     DiffusionEbParams.check(dataclasses.replace(session.params, seed=seed))  # the one range rule
-    ids = encode(session, row["prompt"], raw=raw, thinking=True if thinking else None)
+    images = row.get("images", [])
+    if not isinstance(images, list) or not all(isinstance(f, str) for f in images):
+        raise UserError(f"images {images!r} is not a list of image files; give e.g. \"images\": [\"cat.png\"]")
+    if images:
+        from dgcli.runtime import vision
+        from dgcli.text.images import read_files
+
+        paths = [os.path.join(folder, f) for f in images]
+        pictures = vision.read_images(session, read_files(paths, "image"), [f"image {p}" for p in paths])
+        ids = vision.prompt_ids(session, row["prompt"], pictures, raw=raw, thinking=bool(thinking))
+        check_context(session, len(ids))
+        images = vision.engine_images(pictures)
+    else:
+        ids = encode(session, row["prompt"], raw=raw, thinking=True if thinking else None)
     init = read_init_canvas(session, row["init_canvas"], name="init_canvas")[0] if "init_canvas" in row else init_flag
     if "json_schema" in row:  # compiled (and so checked) now, with the other rows, before any runs
         from dgcli.cli.schema import row_schema
@@ -53,7 +68,7 @@ def parse_row(session: Any, row: dict, *, raw: bool, thinking: bool, init_flag: 
 
         schema = row_schema(row["json_schema"])
         constraint(session, schema, session.num_blocks)
-    return Request(ids, seed, fill_canvas(session, init, seed) if init is not None else None, schema)
+    return Request(ids, seed, fill_canvas(session, init, seed) if init is not None else None, schema, images)
 
 
 def parse_rows(session: Any, rows: list[dict], path: str, *, raw: bool, thinking: bool,
@@ -62,7 +77,8 @@ def parse_rows(session: Any, rows: list[dict], path: str, *, raw: bool, thinking
     requests = []
     for n, row in enumerate(rows):
         try:
-            requests.append(parse_row(session, row, raw=raw, thinking=thinking, init_flag=init_flag, schema=schema))
+            requests.append(parse_row(session, row, raw=raw, thinking=thinking, init_flag=init_flag, schema=schema,
+                                      folder=os.path.dirname(path)))
         except UserError as e:
             raise UserError(f"--input-jsonl {path}: row {n + 1} (index {n}): {e}") from None
     return requests
@@ -79,7 +95,8 @@ def run_rows(session: Any, requests: list[Request], *, batch_size: int, show_thi
     for index, response in run_batch(session, [r.prompt_ids for r in requests], batch_size=batch_size,
                                      seeds=[r.seed for r in requests], init_canvases=[r.init_canvas for r in requests],
                                      show_thinking=show_thinking, on_event=on_event,
-                                     json_schemas=[r.json_schema for r in requests]):
+                                     json_schemas=[r.json_schema for r in requests],
+                                     images=[r.images for r in requests] if any(r.images for r in requests) else None):
         ready[index] = response
         while len(done) in ready:  # input order
             done.append(ready.pop(len(done)))

@@ -195,12 +195,19 @@ def emit(rows: list[dict], *, card: dict, fmt: str, title: str, headline: list[s
 
 
 def run_one(session: Any, text: str, *, raw: bool, thinking: bool, show_thinking: bool, trace: str | None,
-            init_canvas: list[int] | None, on_event: Callable | None = None, json_schema: dict | None = None) -> Any:
-    """One prompt through the request API, with the `--trace` file as one more event consumer."""
+            init_canvas: list[int] | None, on_event: Callable | None = None, json_schema: dict | None = None,
+            images: list | None = None) -> Any:
+    """One prompt through the request API, with the `--trace` file as one more event consumer; `images`:
+    `runtime.vision.read_images` of the prompt's images."""
     from dgcli.render.trace import TraceWriter, make_header
-    from dgcli.runtime import request
+    from dgcli.runtime import request, vision
 
-    ids = request.encode(session, text, raw=raw, thinking=True if thinking else None)
+    if images:
+        think = bool(thinking) or session.resolved.run.thinking
+        ids = vision.prompt_ids(session, text, images, raw=raw, thinking=think)
+        request.check_context(session, len(ids))
+    else:
+        ids = request.encode(session, text, raw=raw, thinking=True if thinking else None)
     writer = None
     if trace:
         header = make_header(model=str(session.path), settings=session.resolved.as_dict(), prompt_ids=ids,
@@ -216,7 +223,7 @@ def run_one(session: Any, text: str, *, raw: bool, thinking: bool, show_thinking
 
     try:
         return request.run(session, ids, init_canvas=init_canvas, on_event=both, show_thinking=show_thinking,
-                           json_schema=json_schema)
+                           json_schema=json_schema, images=vision.engine_images(images or []))
     finally:
         if writer is not None:
             writer.close()

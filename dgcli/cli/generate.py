@@ -46,6 +46,7 @@ def generate(
         "With --output: run only the rows FILE lacks (the same prompts and settings) and append them."))] = False,
     trace: o.Trace = None,
     init_canvas: o.InitCanvas = None,
+    image: o.Image = None,
     thinking: o.Thinking = False,
     show_thinking: o.ShowThinking = False,
     raw: o.Raw = False,
@@ -105,6 +106,13 @@ def generate(
     schema = read_schema(json_schema, json_object)
     if (schema is not None or any("json_schema" in r for r in rows or [])) and (ray or check_determinism):
         raise UserError("a JSON schema runs on this machine's engine: drop --ray and --check-determinism, or the schema")
+    if image and check_determinism:
+        raise UserError("--check-determinism reruns text prompts; drop --image, or drop --check-determinism")
+    if image and rows is not None:
+        raise UserError("--image goes with one PROMPT; rows of --input-jsonl carry their own \"images\": [FILE, ...]")
+    from dgcli.text.images import read_files
+
+    image_bytes = read_files(image or [], "--image")  # before the model loads
     text = None if rows is not None else read_prompt(prompt)
     if trace:
         check_writable("--trace", trace)
@@ -151,10 +159,15 @@ def generate(
 
         requests = batch.parse_rows(session, rows, input_jsonl, raw=raw, thinking=thinking, init_flag=given,
                                     schema=resolve(schema))
+        if (pool is not None or check_determinism) and any(r.images for r in requests):
+            raise UserError("rows with \"images\" run here and once: drop --ray and --check-determinism")
         _run_file(session, rows, requests, batch_size=batch_size, fmt=fmt, raw=raw, show_thinking=show_thinking,
                   pool=pool, check=check_determinism, sink=sink)
         return
     canvas = fill_canvas(session, given, session.params.seed) if given is not None else None
+    from dgcli.runtime.vision import read_images
+
+    images = read_images(session, image_bytes, [f"--image {f}" for f in image]) if image else None
     progress = Progress(sys.stderr.isatty() and fmt != "ndjson", compiling=session.compiled)
     try:
         def on_event(event) -> None:
@@ -164,7 +177,8 @@ def generate(
 
         recorder = Recorder(on_event) if check_determinism else None  # keeps every step's decisions on the host
         response = run_one(session, text, raw=raw, thinking=thinking, show_thinking=show_thinking, trace=trace,
-                           init_canvas=canvas, on_event=recorder or on_event, json_schema=resolve(schema))
+                           init_canvas=canvas, on_event=recorder or on_event, json_schema=resolve(schema),
+                           images=images)
         _write(response, response.as_dict(session.resolved.as_dict()), fmt)
     finally:
         progress.stop()

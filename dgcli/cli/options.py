@@ -59,6 +59,9 @@ NoPrefixCaching = Annotated[bool, typer.Option("--no-prefix-caching", help=(
     "Encode every prompt whole: no sharing of cached whole blocks (16 tokens) of earlier prompts and answers "
     "between the requests of one engine (on by default; sliding layers then keep their window and one pass's rows)."))]
 Trace = Annotated[Optional[str], typer.Option("--trace", metavar="FILE", help="Write the per-step JSONL trace to FILE.")]
+Image = Annotated[Optional[list[str]], typer.Option("--image", metavar="FILE", help=(
+    "An image in the prompt, before the text (repeatable); needs a checkpoint with a vision tower and "
+    "pip install 'dgemma[vision]'."))]
 InitCanvas = Annotated[Optional[str], typer.Option("--init-canvas", metavar="TEXT|ids:IDS", help=(
     "Warm-start the first block: text (\"1 2 3\" is text too), or token ids with the prefix ids: "
     "(ids:5,6,7, each a valid id). stderr says which was read."))]

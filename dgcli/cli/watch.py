@@ -111,6 +111,7 @@ def watch(
     save_html: Annotated[Optional[str], typer.Option("--save-html", metavar="FILE", help="Write a self-contained HTML replay (play, pause, scrub) to FILE.")] = None,
     trace: o.Trace = None,
     init_canvas: o.InitCanvas = None,
+    image: o.Image = None,
     thinking: o.Thinking = False,
     show_thinking: o.ShowThinking = False,
     raw: o.Raw = False,
@@ -131,7 +132,8 @@ def watch(
     if replay is not None:
         given = [name for name, v in (("PROMPT", prompt), ("--model", model), ("--preset", preset), ("--trace", trace),
                                       ("--init-canvas", init_canvas), ("--threads", threads),
-                                      ("--json-schema", json_schema), ("--json", json_object or None)) if v is not None]
+                                      ("--json-schema", json_schema), ("--json", json_object or None),
+                                      ("--image", image)) if v is not None]
         if given or any(v is not None for v in flags.values()) or show_config:
             what = ", ".join(given) or "sampler options"
             raise UserError(f"--replay animates a saved trace as recorded; drop {what} (or drop --replay to run the model)")
@@ -144,6 +146,9 @@ def watch(
     if show_config:
         print_config(model, preset, flags, "text")
         return
+    from dgcli.text.images import read_files
+
+    image_bytes = read_files(image or [], "--image")  # before the model loads
     text = read_prompt(prompt)
     if show_thinking and not thinking:
         print(THINKING_NOTE, file=sys.stderr)
@@ -159,12 +164,16 @@ def watch(
         given, how = read_init_canvas(session, init_canvas)
         print(init_canvas_note(init_canvas, how, len(given)), file=sys.stderr)
         canvas = fill_canvas(session, given, session.params.seed)
+    from dgcli.runtime.vision import read_images
+
+    images = read_images(session, image_bytes, [f"--image {f}" for f in image]) if image else None
     pieces = Pieces(fetch=session.tokenizer.token_strings)
     w = _watch(pieces, session.params.max_denoising_steps, fps=fps, step_delay=step_delay, speed=None, replay=False)
     try:
         with w.display:
             response = run_one(session, text, raw=raw, thinking=thinking, show_thinking=show_thinking, trace=trace,
-                               init_canvas=canvas, on_event=lambda event: w.feed(event.to_record()), json_schema=schema)
+                               init_canvas=canvas, on_event=lambda event: w.feed(event.to_record()), json_schema=schema,
+                               images=images)
     except KeyboardInterrupt:
         _interrupted(w)
     print_answer(response)  # first: a picture that fails to write must not cost the answer

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from dgcli.engine.request import Request
+from dgcli.engine.request import Request, image_spans
 from dgcli.engine.runner import ModelRunner, Pass
 from dgcli.engine.scheduler import Scheduler
 from dgcli.errors import UserError
@@ -67,8 +67,11 @@ class LLMEngine:
         # prefix_caching: whole blocks of prompts and committed blocks are kept and shared (block_manager.py)
         self.prefix_caching = prefix_caching
         # (a pass's causal rows: the commits and the prompt chunks under the budget, or one canvas's worth: scheduler.py)
+        vision = getattr(model, "vision", None)  # a prompt chunk stretches to the end of an image it starts in
+        stretch = vision.config.soft_tokens if vision is not None else 0
         self.cache = model.new_cache(slots + graphs, max_len + self.c, block_size=block_size,
-                                     **({"prefix_caching": True, "pass_rows": max(budget, (slots + 1) * self.c)}
+                                     **({"prefix_caching": True,
+                                         "pass_rows": max(budget + stretch, (slots + 1) * self.c)}
                                         if prefix_caching else {}))
         self.stats = {} if stats is None else stats
         self.sched = Scheduler(self.cache, seqs=slots, canvas=self.c, budget=budget, prefix_caching=prefix_caching,
@@ -97,26 +100,30 @@ class LLMEngine:
         self.stats.update(_COUNTERS, prefix_cache_queries=0, prefix_cache_hits=0)
         if self.prefix_caching:
             self.cache.drop_cached()
+        self.runner.images.clear()
         self.busy, self.mark = 0.0, time.perf_counter()
 
     # ---- requests in and out ------------------------------------------------------------------------------
 
     def add_request(self, prompt_ids: Sequence[int], *, request_id: int, params: Any, num_blocks: int,
                     seed: int | None = None, stop_ids: Sequence[int] = (), first_canvas: Any = None,
-                    constraint: Any = None) -> None:
+                    constraint: Any = None, images: Sequence = ()) -> None:
         """Queue a request: host token ids (checked by the caller: `request.check_ids`), checked DiffusionEbParams,
         its block cap; `seed` (default: the params'); `request_id` is the `row` of its events."""
         request = Request(id=request_id, prompt=torch.tensor(list(prompt_ids)),  # sent to the device in `submit`
                           params=params, num_blocks=num_blocks, seed=params.seed if seed is None else seed,
-                          stops=set(stop_ids), first_canvas=first_canvas, constraint=constraint)
+                          stops=set(stop_ids), first_canvas=first_canvas, constraint=constraint,
+                          images=list(images))
         self.submit(request, ids=list(prompt_ids))
 
     def submit(self, request: Request, ids: list[int] | None = None) -> None:
         """Queue a built `Request`. `ids`: the prompt's ids on the host when the caller has them (prefix caching
         keys blocks by them; without them they are read from the prompt once, here, outside any pass)."""
-        if self.prefix_caching and ids is None:
+        if (self.prefix_caching or request.images) and ids is None:
             p = request.prompt
             ids = p.tolist() if p.device.type == "cpu" else host_reads.read(p, "prompt")
+        if request.images:
+            ids = self._place_images(request, ids)
         if request.prompt.device != self.device:  # a host prompt: sent without waiting for the device
             request.prompt = to_device(request.prompt, torch.long, self.device)
         need = len(request.prompt) + (request.num_blocks - 1) * self.c
@@ -125,6 +132,27 @@ class LLMEngine:
         request.settings = dataclasses.replace(request.params, seed=0)
         request.submitted = self._now()
         self.sched.submit(request, ids)
+
+    def _place_images(self, r: Request, ids: list[int]) -> list[int]:
+        """r's image placeholders: each image's run of soft tokens (one per image, in order, as long as its soft
+        tokens), bidirectional where the config says so. Returns the ids prefix caching keys blocks by: an image's
+        tokens keyed by the image's content, so only the same image hits."""
+        vision = getattr(self.model, "vision", None)
+        if vision is None:
+            raise UserError("this checkpoint has no vision tower, so it cannot take images; "
+                            "use a multimodal DiffusionGemma checkpoint, or send text only")
+        vc = vision.config
+        runs = image_spans(ids, vc.image_token_id)
+        need = [len(x) // vc.pooling_kernel_size ** 2 for x, _, _ in r.images]
+        if [b - a for a, b in runs] != need:
+            raise UserError(f"the prompt's image placeholders ({[b - a for a, b in runs]} tokens) do not match its "
+                            f"{len(need)} images ({need} soft tokens); build prompts with the chat template")
+        r.image_pos = [q for a, b in runs for q in range(a, b)]
+        r.spans = runs if vc.bidirectional else ()
+        keyed = list(ids)
+        for (a, b), (_, _, key) in zip(runs, r.images):
+            keyed[a:b] = [("image", key)] * (b - a)
+        return keyed
 
     @property
     def idle(self) -> bool:

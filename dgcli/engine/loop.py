@@ -92,6 +92,7 @@ def generate_batch_events(
     prefix_caching: bool = False,
     engines: KeptEngine | None = None,
     constraints: Sequence[Any] | None = None,
+    images: Sequence[Sequence] | None = None,
 ) -> Iterator[Event]:
     """Run the entropy-bound sampler on several prompts at once, yielding each row's BlockStart, Step...,
     Commit per block and its Done, every event carrying `row` (the prompt's index). Rows may differ in
@@ -158,9 +159,9 @@ def generate_batch_events(
             first = _ids_tensor(inits[r], f"initial canvas{at}", vocab, device)[0]  # [C]
             if first.shape[0] != c:
                 raise UserError(f"initial canvas has {first.shape[0]} ids{at}; the model's canvas holds {c}")
-        requests.append(Request(id=r, prompt=prompt, params=row_params[r],
-                                num_blocks=blocks[r], seed=seeds[r], stops=row_stops[r], first_canvas=first,
-                                constraint=cons[r]))
+        requests.append(Request(id=r, prompt=prompt, params=row_params[r], num_blocks=blocks[r], seed=seeds[r],
+                                stops=row_stops[r], first_canvas=first, constraint=cons[r],
+                                images=list(images[r] if images else ())))
     slots = n_rows if max_batch is None else max_batch
     if isinstance(slots, int) and not isinstance(slots, bool):
         slots = min(slots, n_rows)
@@ -187,6 +188,7 @@ def generate_events(
     step_mode: str = "dynamic",
     engines: KeptEngine | None = None,
     constraint: Any = None,
+    images: Sequence = (),
 ) -> Iterator[Event]:
     """Run the entropy-bound sampler on one prompt (a batch of one in `generate_batch_events`), yielding
     BlockStart, Step..., Commit per block, then Done. `params` needs max_denoising_steps, t_min, t_max,
@@ -199,7 +201,8 @@ def generate_events(
     prompt = _ids_tensor(prompt_ids, "prompt", vocab, model.embed_weight.device)  # [1, P]: one row only
     yield from generate_batch_events(model, [prompt[0]], params=params, num_blocks=num_blocks, stop_ids=stop_ids,
                                      pad_id=pad_id, init_canvases=[init_canvas], compile_tiles=compile_tiles,
-                                     step_mode=step_mode, engines=engines, constraints=[constraint])
+                                     step_mode=step_mode, engines=engines, constraints=[constraint],
+                                     images=[list(images)])
 
 
 def generate(model: Any, prompt_ids: Sequence[int] | torch.Tensor, **kw: Any) -> Done:

@@ -34,6 +34,10 @@ class Request:
     stops: set[int] = field(default_factory=set)
     first_canvas: torch.Tensor | None = None  # [C]: the first block's canvas instead of random ids
     constraint: Any = None  # sampling.constrain.Constraint: its canvases drawn under a schema's automaton
+    images: list = field(default_factory=list)  # (patches [n, 3·p²], positions [n, 2], content key) per image
+    image_pos: list[int] = field(default_factory=list)  # prompt positions of the images' soft tokens, in order
+    spans: tuple = ()  # (a, b) runs of one image's tokens that see each other (bidirectional configs)
+    features: Any = None  # [len(image_pos), H]: the tower's output, made by the first pass that needs it
     settings: Any = None  # its params with the seed left out: equal settings batch as one (filled on submit)
     slot: int = -1  # its cache sequence while admitted
     prefilled: int = 0  # prompt ids in the cache
@@ -115,6 +119,19 @@ def check_ids(ids: Any, vocab: int, what: str, fix: str = PROMPT_FIX) -> list[in
         raise UserError(f"{what}[{n}] = {out[n]} is outside the vocabulary [0, {vocab}); "
                         "was it tokenized for this model?")
     return out
+
+
+def image_spans(ids: list[int], image_id: int | None) -> tuple:
+    """The (a, b) runs of `image_id` in `ids`: each image's soft tokens, which see each other (the reference's
+    `use_bidirectional_attention="vision"`: bidirectional inside each run of image tokens, on every layer)."""
+    out, a = [], None
+    for i, t in enumerate([*ids, None]):
+        if t == image_id and a is None:
+            a = i
+        elif t != image_id and a is not None:
+            out.append((a, i))
+            a = None
+    return tuple(out)
 
 
 def kind(x: Any) -> str:

@@ -17,6 +17,7 @@ device values other than through `host_reads.read`.
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,9 @@ from dgcli.engine.scheduler import Plan
 from dgcli.kernels.transfer import to_device
 from dgcli.sampling import draws, host_reads
 from dgcli.sampling.rules import RowRules, sample_step
+
+
+IMAGES_KEPT = 8  # images whose soft tokens the runner keeps for later requests (a few MB each at 26B-A4B)
 
 
 @dataclass
@@ -61,6 +65,7 @@ class ModelRunner:
             self.cache.reserve(slots, self.c)
             self.graphs = model.pass_graphs(self.cache, slots, slots, capture=self.device.type == "cuda")
         self.pending: Pass | None = None  # lag 1: the pass launched last, not handed back yet
+        self.images: dict = {}  # image content key -> its soft tokens (insertion order: the oldest goes first)
 
     def run(self, plan: Plan | None) -> Pass | None:
         """Launch `plan` (None or no segments: nothing to launch) and return the pass to settle now (with lag 1
@@ -99,9 +104,11 @@ class ModelRunner:
                 zero = next(r.soft for r in rows if r.soft is not None).new_zeros(self.c, self.model.config.hidden_size)
                 soft = torch.stack([zero if r.soft is None else r.soft for r in rows])
         ids = torch.cat([*plan.causal_ids, *([p.canvas_in.flatten()] if rows else [])])
-        hidden = None if self.graphs is None else self.graphs.forward(ids, plan.segments, soft)
+        images = self._images(plan)
+        hidden = None if self.graphs is None or images else self.graphs.forward(ids, plan.segments, soft)
         if hidden is None:
-            hidden = self.model.forward_pass(ids, plan.segments, self.cache, soft)
+            extra = {"images": images} if images else {}  # (a pass without images: the text model's own call)
+            hidden = self.model.forward_pass(ids, plan.segments, self.cache, soft, **extra)
         else:
             self.stats["graph_passes"] += 1
         for r in plan.commits:
@@ -112,6 +119,36 @@ class ModelRunner:
             timing[1].record()
         p.timing = timing if timing is not None else time.perf_counter() - t0
         return p
+
+    def _images(self, plan: Plan) -> tuple | None:
+        """The pass rows of the prompt chunks' image tokens and their features (rows [M], [M, H]), or None. A
+        request's images run through the vision tower once, at the first pass that holds one of their tokens (none
+        when a prefix hit covered them)."""
+        rows, feats, row0 = [], [], sum(s.length for s in plan.segments[:len(plan.commits)])
+        for seg, r in zip(plan.segments[len(plan.commits):], plan.prefills):
+            lo, hi = bisect.bisect_left(r.image_pos, seg.start), bisect.bisect_left(r.image_pos, seg.start + seg.length)
+            if hi > lo:
+                if r.features is None:
+                    r.features = torch.cat([self._image(*image) for image in r.images])
+                rows += [row0 + q - seg.start for q in r.image_pos[lo:hi]]
+                feats.append(r.features[lo:hi])
+            row0 += seg.length
+        return (to_device(rows, torch.long, self.device), torch.cat(feats)) if rows else None
+
+    def _image(self, patches: Any, positions: Any, key: Any) -> torch.Tensor:
+        """One image's soft tokens [n, H] through the vision tower, kept by content key for the next requests
+        that send it (the last IMAGES_KEPT images)."""
+        got = self.images.pop(key, None)
+        if got is None:
+            t0 = time.perf_counter()
+            got = self.model.vision.features(to_device(patches, torch.float32, self.device),
+                                             to_device(positions, torch.long, self.device))
+            self.stats["vision_s"] = self.stats.get("vision_s", 0.0) + time.perf_counter() - t0
+            self.stats["images_encoded"] = self.stats.get("images_encoded", 0) + 1
+        self.images[key] = got
+        while len(self.images) > IMAGES_KEPT:
+            self.images.pop(next(iter(self.images)))
+        return got
 
     def _sample(self, p: Pass, hidden: torch.Tensor) -> None:
         """The canvas rows' sampler step on the device; each request's state goes on speculatively to its next

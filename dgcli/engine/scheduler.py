@@ -34,6 +34,7 @@ class Seg:
     start: int
     length: int
     canvas: bool
+    spans: tuple = ()  # its image runs that see each other (positions)
 
 
 @dataclass
@@ -48,6 +49,16 @@ class Plan:
     @property
     def tokens(self) -> int:
         return sum(s.length for s in self.segments)
+
+
+def _whole_spans(spans: tuple, start: int, n: int) -> int:
+    """A chunk of n rows from `start`, cut before (or, when it starts inside one, stretched to the end of) an image
+    span it would split: an image's tokens see each other, so they are encoded in one pass."""
+    end = start + n
+    for a, b in spans:
+        if a < end < b:
+            end = a if a > start else b
+    return end - start
 
 
 class Scheduler:
@@ -93,7 +104,9 @@ class Scheduler:
                 if not self.cache.reserve(self.free[0], need):
                     break
             else:  # its prompt's longest cached run of whole blocks is held, not encoded again
-                hit = self.cache.lookup(self.ids[r][:len(r.prompt)])
+                hit, b = self.cache.lookup(self.ids[r][:len(r.prompt)]), self.cache.block_size
+                while hit and any(a < len(hit) * b < e for a, e in r.spans):  # an image's tokens: all or none
+                    hit = hit[:-1]
                 if not self.cache.reserve(self.free[0], need, shared=hit):
                     break
                 r.prefilled = len(hit) * self.cache.block_size
@@ -136,11 +149,12 @@ class Scheduler:
         if self.prefilling and left < 1:
             left = c  # progress for the prompts whatever the running set
         for r in list(self.prefilling):
-            n = min(len(r.prompt) - r.prefilled, left)
+            n = _whole_spans(r.spans, r.prefilled, min(len(r.prompt) - r.prefilled, left))
             if n < 1 and r.prefilled < len(r.prompt):
                 break
             if n > 0:  # (none when its whole prompt was a prefix hit)
-                p.segments.append(Seg(r.slot, r.prefilled, n, False))
+                spans = tuple((a, b) for a, b in r.spans if r.prefilled <= a < r.prefilled + n)  # (whole: see above)
+                p.segments.append(Seg(r.slot, r.prefilled, n, False, spans))
                 p.causal_ids.append(r.prompt[r.prefilled:r.prefilled + n])
                 p.prefills.append(r)
                 r.prefilled += n

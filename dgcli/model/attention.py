@@ -44,6 +44,7 @@ class Segment:
     start: int  # position of its first row
     length: int  # rows (consecutive positions)
     canvas: bool  # bidirectional canvas rows; else causal rows (prompt chunk or committed block)
+    spans: tuple = ()  # causal rows only: (a, b) position runs inside it that see each other (an image's tokens)
 
     def keys(self, window: int | None) -> tuple[int, int]:
         """The union lo..hi-1 of the key positions its rows read."""
@@ -76,16 +77,18 @@ GATHER_BYTES = 64 * 1024
 _MASKS: dict[tuple, torch.Tensor] = {}  # small CPU masks, made once per process
 
 
-def causal_mask(n: int, off: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """[n - off, n] bool: causal rows at key offsets off..n-1 of n keys read keys <= their own, within `window`.
-    Small CPU masks are kept (read-only: SDPA does not write its mask); not one made under a tensor subclass's
-    mode (fake tensors, tracing), which must not outlive it."""
-    key = (n, off, window, device)
+def causal_mask(n: int, off: int, window: int | None, device: torch.device, spans: tuple = ()) -> torch.Tensor:
+    """[n - off, n] bool: causal rows at key offsets off..n-1 of n keys read keys <= their own, within `window`,
+    and every key of their span (`spans`: (a, b) key offsets). Small CPU masks are kept (read-only: SDPA does not
+    write its mask); not one made under a tensor subclass's mode (fake tensors, tracing), which must not outlive it."""
+    key = (n, off, window, device, spans)
     mask = _MASKS.get(key)
     if mask is None:
         kpos = torch.arange(n, device=device)
         qpos = torch.arange(off, n, device=device)[:, None]
         mask = kpos <= qpos if window is None else (kpos <= qpos) & (kpos > qpos - window)
+        for a, b in spans:
+            mask = mask | ((qpos >= a) & (qpos < b) & (kpos >= a) & (kpos < b))
         if device.type == "cpu" and type(mask) is torch.Tensor and (n - off) * n <= 1 << 16 and len(_MASKS) < 256:
             _MASKS[key] = mask
     return mask
@@ -93,7 +96,7 @@ def causal_mask(n: int, off: int, window: int | None, device: torch.device) -> t
 
 def _batch_key(s: Segment, lo: int, hi: int) -> tuple:
     """Segments with equal keys may share one SDPA call: the same rows, keys lo..hi-1 and mask."""
-    return s.length, hi - lo, s.start - lo, s.canvas
+    return s.length, hi - lo, s.start - lo, s.canvas, tuple((a - s.start, b - s.start) for a, b in s.spans)
 
 
 @dataclass(frozen=True)
@@ -178,7 +181,8 @@ class PassLayout:
         if key not in self._reads:
             s = self.segments[j]
             lo, hi = s.keys(window)
-            mask = None if s.canvas else causal_mask(hi - lo, s.start - lo, window, self.device)
+            spans = tuple((a - lo, b - lo) for a, b in s.spans)
+            mask = None if s.canvas else causal_mask(hi - lo, s.start - lo, window, self.device, spans)
             self._reads[key] = (self.cache.runs(group, s.seq, lo, hi if group == "full" else s.start), mask)
         return self._reads[key]
 
@@ -272,8 +276,9 @@ class PassLayout:
                 row_seq.append(index[s.seq])
                 if s.canvas:
                     row_lo.append(lo), row_hi.append(hi)
-                else:
-                    row_lo.append(0 if window is None else max(0, p - window + 1)), row_hi.append(p + 1)
+                else:  # an image's rows also read their whole span (within this segment)
+                    a, b = next(((a, b) for a, b in s.spans if a <= p < b), (p, p + 1))
+                    row_lo.append(min(a, 0 if window is None else max(0, p - window + 1))), row_hi.append(b)
                 f_pos.append(1 << 30 if group == "full" else s.start), f_row.append(r0)
         as_dev = functools.partial(to_device, dtype=torch.int32, device=self.device)
         tables = self.cache.table_tensor(group, seqs, fixed=self.every_seq)

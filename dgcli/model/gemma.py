@@ -22,6 +22,7 @@ from dgcli.kernels import dispatch, transfer
 from dgcli.model.attention import PassLayout, Segment, attend
 from dgcli.model.config import LayerGeometry, ModelConfig
 from dgcli.engine.kv_cache import PagedKVCache
+from dgcli.engine.request import image_spans
 
 
 class RMSNorm(nn.Module):
@@ -234,6 +235,7 @@ class DiffusionGemma(nn.Module):
         self.self_conditioning = SelfConditioning(cfg)
         self.geometry, self.layer_kinds = cfg.layers, sorted(set(cfg.layer_types))
         self._inv_freq: dict[str, torch.Tensor] = {}
+        self.vision = None  # the checkpoint's vision tower + projector (model/vision.py), when it has one
 
     # ---- small helpers -------------------------------------------------------------------------
     @property
@@ -294,20 +296,26 @@ class DiffusionGemma(nn.Module):
     # ---- the pass -------------------------------------------------------------------------------------
     @torch.no_grad()
     def forward_pass(self, ids: torch.Tensor, segments: list, cache: PagedKVCache,
-                     soft: torch.Tensor | None = None) -> torch.Tensor | None:
+                     soft: torch.Tensor | None = None, images: tuple | None = None) -> torch.Tensor | None:
         """One pass over every row of a plan: `segments` (seq, start, length, canvas) in row order, causal ones
         (prompt chunks, committed blocks: encoder mode, spec §5) before canvas ones (decoder mode, all of the
         canvas length C); ids [N] their token ids; soft [B, C, H] the canvases' self-conditioning input (None:
         none). Writes every row's K/V into `cache`; returns the canvas rows' final-normed hidden states
         [B, C, H] (None without canvas rows). The last layer's feed-forward runs on canvas rows only: encoder
-        outputs are only ever K/V."""
-        layout = PassLayout([Segment(s.seq, s.start, s.length, s.canvas) for s in segments], cache, ids.device)
-        return self.forward_layout(ids, layout, soft)
+        outputs are only ever K/V. `images` (rows [M], features [M, H]): image soft tokens that replace the
+        embeddings of those causal rows (the reference's placeholder scatter); segments' `spans` are their image
+        spans, bidirectional (model/attention.py)."""
+        layout = PassLayout([Segment(s.seq, s.start, s.length, s.canvas, getattr(s, "spans", ()))
+                             for s in segments], cache, ids.device)
+        return self.forward_layout(ids, layout, soft, images)
 
-    def forward_layout(self, ids: torch.Tensor, layout: PassLayout, soft: torch.Tensor | None) -> torch.Tensor | None:
+    def forward_layout(self, ids: torch.Tensor, layout: PassLayout, soft: torch.Tensor | None,
+                       images: tuple | None = None) -> torch.Tensor | None:
         """`forward_pass` over a built layout (a CUDA graph captures this with static inputs: model/graphs.py)."""
         nc, canvases = layout.n_causal, [s for s in layout.segments if s.canvas]
         parts = [self.embed(ids[:nc])] if nc else []
+        if images is not None:
+            parts[0].index_copy_(0, images[0], images[1].to(parts[0].dtype))
         if canvases:
             b, c = len(canvases), canvases[0].length
             x = self.self_conditioning.condition(self.embed(ids[nc:].view(b, c)), soft)  # [B, C, H]
@@ -348,18 +356,26 @@ class DiffusionGemma(nn.Module):
 
     @torch.no_grad()
     def forward_canvas(self, prompt_ids: torch.Tensor, canvas_ids: torch.Tensor,
-                       self_conditioning_logits: torch.Tensor | None = None) -> torch.Tensor:
+                       self_conditioning_logits: torch.Tensor | None = None, image_features: torch.Tensor | None = None,
+                       image_id: int | None = None) -> torch.Tensor:
         """float32 logits [B, C, V], meaning exactly DiffusionGemmaForBlockDiffusion(input_ids=prompt_ids,
-        decoder_input_ids=canvas_ids, self_conditioning_logits=...).logits: one pass of the prompts' rows and
-        the canvases' rows together."""
+        decoder_input_ids=canvas_ids, self_conditioning_logits=..., pixel_values=...).logits: one pass of the
+        prompts' rows and the canvases' rows together. `image_features` [M, H]: the soft tokens of the prompts'
+        `image_id` placeholders, in order (`vision.features` of each image, concatenated)."""
         (b, p), c = prompt_ids.shape, canvas_ids.shape[1]
         cache = self.new_cache(b, p + c)
         for seq in range(b):
             cache.reserve(seq, p + c)
-        segments = [Segment(seq, 0, p, False) for seq in range(b)] + [Segment(seq, p, c, True) for seq in range(b)]
+        two_way = image_features is not None and self.vision is not None and self.vision.config.bidirectional
+        spans = [image_spans(row.tolist(), image_id) if two_way else () for row in prompt_ids]
+        segments = [Segment(seq, 0, p, False, spans[seq]) for seq in range(b)]
+        segments += [Segment(seq, p, c, True) for seq in range(b)]
         soft = None if self_conditioning_logits is None else self.soft_embedding(self_conditioning_logits)
         ids = torch.cat((prompt_ids.flatten(), canvas_ids.flatten()))
-        return self.logits(self.forward_pass(ids, segments, cache, soft))
+        images = None
+        if image_features is not None:
+            images = ((prompt_ids.flatten() == image_id).nonzero()[:, 0], image_features)
+        return self.logits(self.forward_pass(ids, segments, cache, soft, images))
 
     @torch.no_grad()
     def forward_unified(self, prompt_ids: torch.Tensor, canvas_ids: torch.Tensor,

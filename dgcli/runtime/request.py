@@ -198,7 +198,7 @@ def constraint(session: Any, json_schema: dict | None, num_blocks: int, ignore_e
 
 
 def _stream(session: Any, prompt_ids: list[int], params: Any, ignore_eos: bool,
-            init_canvas: list[int] | None, json_schema: dict | None = None) -> Iterator[Event]:
+            init_canvas: list[int] | None, json_schema: dict | None = None, images: list = ()) -> Iterator[Event]:
     from dgcli.engine import generate_events
 
     params = session.params if params is None else params
@@ -208,19 +208,20 @@ def _stream(session: Any, prompt_ids: list[int], params: Any, ignore_eos: bool,
                            stop_ids=() if ignore_eos else session.stop_ids, pad_id=session.pad_id,
                            init_canvas=init_canvas, compile_tiles=session.compiled,
                            step_mode=session.step_mode, engines=getattr(session, "engines", None),
-                           constraint=constraint(session, json_schema, num_blocks, ignore_eos))
+                           constraint=constraint(session, json_schema, num_blocks, ignore_eos), images=images)
 
 
 def run(session: Any, prompt_ids: Sequence[int], *, params: Any = None, ignore_eos: bool = False,
         init_canvas: Sequence[int] | None = None, on_event: Callable[[Event], None] | None = None,
-        show_thinking: bool = False, json_schema: dict | None = None) -> Response:
+        show_thinking: bool = False, json_schema: dict | None = None, images: list = ()) -> Response:
     """One request to its `Response` (arguments as `stream`'s); `on_event` sees every event as it happens
-    (progress, watch, trace)."""
+    (progress, watch, trace); `images`: `runtime.vision.engine_images` of the prompt's images, in order."""
     prompt_ids = check_ids(prompt_ids, session.config.vocab_size, "prompt_ids")
     starts: list[int] = []
     done = None
     checked = False
-    for event in _stream(session, prompt_ids, params, ignore_eos, canvas_ids(session, init_canvas), json_schema):
+    for event in _stream(session, prompt_ids, params, ignore_eos, canvas_ids(session, init_canvas), json_schema,
+                         images):
         if not checked and isinstance(event, Step):
             checked = _check_finite(session, event)
         if on_event is not None:
@@ -236,14 +237,16 @@ def run_batch(session: Any, prompts: Iterable[Sequence[int]], *, batch_size: int
               init_canvases: Iterable[Sequence[int] | None] | None = None, params: Any = None,
               ignore_eos: bool = False, show_thinking: bool = False,
               on_event: Callable[[Event], None] | None = None, stats: dict | None = None,
-              json_schemas: Iterable[dict | None] | None = None) -> Iterator[tuple[int, Response]]:
+              json_schemas: Iterable[dict | None] | None = None,
+              images: list | None = None) -> Iterator[tuple[int, Response]]:
     """Many requests through the batched loop with continuous batching (`batch_size` slots; the rest queue
     in input order); yields (index, Response) as each request finishes (events carry `row` = the index).
     `prompts`: token-id lists (`encode` makes them), any iterable (read whole at the call); `seeds` (default:
     the params' seed) and `init_canvases` (whole first canvases or None, see `fill_canvas`): one per prompt.
     Every input is checked at the call, before anything runs. A request's answer does not depend on its
     batch-mates (see `generate_batch_events`). `stats` receives the loop's pass counts. `json_schemas`: one JSON
-    schema or None per prompt (`stream`'s `json_schema`)."""
+    schema or None per prompt (`stream`'s `json_schema`); `images`: per prompt, its images
+    (`runtime.vision.engine_images`)."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise UserError(f"--batch-size {batch_size}: must be a whole number >= 1")
     fix = "pass a list of token-id lists ([request.encode(session, text), ...])"
@@ -274,7 +277,7 @@ def run_batch(session: Any, prompts: Iterable[Sequence[int]], *, batch_size: int
     if not prompts:
         return iter(())
     return _run_batch(session, prompts, batch_size, seeds, inits, params, num_blocks, ignore_eos, show_thinking,
-                      on_event, stats, cons)
+                      on_event, stats, cons, _per_prompt(images, "images", len(prompts)))
 
 
 def _per_prompt(values: Iterable | None, name: str, n: int) -> list | None:
@@ -291,7 +294,7 @@ def _per_prompt(values: Iterable | None, name: str, n: int) -> list | None:
 def _run_batch(session: Any, prompts: list[list[int]], batch_size: int, seeds: list | None, init_canvases: list | None,
                params: Any, num_blocks: int, ignore_eos: bool, show_thinking: bool,
                on_event: Callable[[Event], None] | None, stats: dict | None,
-               constraints: list | None = None) -> Iterator[tuple[int, Response]]:
+               constraints: list | None = None, images: list | None = None) -> Iterator[tuple[int, Response]]:
     from dgcli.engine import generate_batch_events
 
     starts: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
@@ -300,7 +303,7 @@ def _run_batch(session: Any, prompts: list[list[int]], batch_size: int, seeds: l
         stop_ids=() if ignore_eos else session.stop_ids, pad_id=session.pad_id, init_canvases=init_canvases,
         compile_tiles=session.compiled, max_batch=batch_size, stats=stats, step_mode=session.step_mode,
         prefix_caching=getattr(session, "prefix_caching", True), engines=getattr(session, "engines", None),
-        constraints=constraints)
+        constraints=constraints, images=images)
     checked = False
     for event in events:
         if not checked and isinstance(event, Step):

@@ -20,8 +20,8 @@ Decisions:
   context before its ids are: no one request can wedge the server.
 Must not: touch the engine, the network or torch.
 
-OpenAI fields read: `model` (optional; another name is 404), `messages` (text content; roles system,
-developer, user, assistant) or `prompt` (completions: a string or token ids, no chat template),
+OpenAI fields read: `model` (optional; another name is 404), `messages` (text and image_url parts: serve/images.py;
+roles system, developer, user, assistant) or `prompt` (completions: a string or token ids, no chat template),
 `max_tokens` / `max_completion_tokens` (the answer's cut, either or both if equal; with `max_blocks` unset it
 also sets the block count), `seed`, `stream`, `stream_options.include_usage`, `stop` (strings, matched in the
 content), `n` (1); `response_format`, `tools` and `tool_choice` (serve/structured.py).
@@ -54,7 +54,7 @@ from dgcli.errors import UserError
 from dgcli.engine import out_of_vocab, over_context
 from dgcli.runtime.settings import PARAM_KEYS, blocks_for
 from dgcli.sampling.params import LIMITS, SettingsError, coerce, over_limit, suggest
-from dgcli.serve import structured
+from dgcli.serve import images, structured
 from dgcli.serve.errors import ApiError
 
 SAMPLER_KEYS = tuple(k for k in PARAM_KEYS if k != "seed")  # seed is OpenAI's own field
@@ -97,6 +97,7 @@ class Context:
     context: int  # the most positions a request may use: prompt + its blocks' canvases
     thinking: bool = False
     stop_ids: Any = ()  # the ids that close a structured answer (response_format)
+    vision: Any = None  # images: (the tower's VisionConfig, (boi, image, eoi) ids): serve/images.py; None: none
 
     @cached_property
     def max_chars(self) -> int | None:
@@ -122,6 +123,7 @@ class Spec:
     include_usage: bool = False
     include_drafts: bool = False
     ignore_eos: bool = False
+    images: list = field(default_factory=list)  # the engine's images (runtime/vision.py: engine_images)
     id: str = ""
     created: int = 0
     fmt: Any = None  # response_format and tools (serve/structured.py's Format), None without either
@@ -216,21 +218,6 @@ def _check_chars(chars: int, ctx: Context, chat: bool) -> None:
                        param="messages" if chat else "prompt", code="context_length_exceeded")
 
 
-def _text_of(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # content parts: text only
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ApiError(400, f"{where}: content part of type {kind!r} is not supported; send text parts only",
-                               param="messages")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise ApiError(400, f"{where}: content must be a string or a list of text parts", param="messages")
-
-
 def _messages(body: dict) -> list[dict]:
     msgs = body.get("messages")
     if msgs is None:
@@ -250,13 +237,15 @@ def _messages(body: dict) -> list[dict]:
         if role not in ("system", "user", "assistant"):
             raise ApiError(400, f"messages[{i}].role={role!r} is not supported; use system, user or assistant",
                            param="messages")
-        content = _unicode(_text_of(m.get("content"), f"messages[{i}]"), f"messages[{i}].content", "messages")
+        content = _unicode(images.text_of(m.get("content"), f"messages[{i}]"), f"messages[{i}].content", "messages")
         out.append({"role": role, "content": content})
     return out
 
 
-def _prompt_ids(body: dict, ctx: Context, thinking: bool, chat: bool, blocks: int) -> list[int]:
+def _prompt_ids(body: dict, ctx: Context, thinking: bool, chat: bool, blocks: int, out: list) -> list[int]:
     tok = ctx.tokenizer
+    if chat and (ids := images.chat(body, ctx, thinking, _messages, out)) is not None:  # image_url parts
+        return ids
     if chat:
         text = tok.chat_text(_messages(body), thinking=thinking)  # the template may trim, or drop old thoughts
         _check_chars(len(text), ctx, chat)
@@ -340,13 +329,13 @@ def parse(body: Any, *, chat: bool, ctx: Context) -> Spec:
     blocks = blocks_for(params, budget, ctx.canvas_length)
     body, fmt = structured.answer_format(body, chat, ctx, blocks * ctx.canvas_length, budget, ignore_eos)
     try:
-        ids = _prompt_ids(body, ctx, thinking, chat, blocks)
+        ids = _prompt_ids(body, ctx, thinking, chat, blocks, pictures := [])
     except UserError as e:
         raise ApiError(400, str(e), param="messages" if chat else "prompt") from None
     too_long = _context_error(len(ids), blocks, ctx, chat)
     if too_long:
         raise too_long
-    return Spec(chat, ids, params, blocks, budget, stop, stream, include_usage, include_drafts, ignore_eos,
+    return Spec(chat, ids, params, blocks, budget, stop, stream, include_usage, include_drafts, ignore_eos, pictures,
                 id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], created=int(time.time()), fmt=fmt)
 
 

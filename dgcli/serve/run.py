@@ -30,6 +30,7 @@ import uvicorn
 
 from dgcli.errors import UserError
 from dgcli.serve.app import State, build_app
+from dgcli.serve.images import vision_context
 from dgcli.serve.metrics import Metrics
 from dgcli.serve.protocol import Context
 from dgcli.serve.worker import Worker
@@ -110,7 +111,7 @@ def build(session: Any, *, host: str, port: int, slots: int, max_queue: int, api
                         f"{session.device}; lower --max-model-len or --max-batch-size") from None
     ctx = Context(session.tokenizer, model_name, session.params, session.resolved.run.max_tokens,
                   session.config.canvas_length, context, thinking=session.resolved.run.thinking,
-                  stop_ids=tuple(session.stop_ids))
+                  stop_ids=tuple(session.stop_ids), **vision_context(session))
     state = State(worker, ctx, max_queue=max_queue, api_key=api_key, stall_timeout=stall_timeout)
     # A backstop: at the timeout every handler is answered, so only a client that stops reading is cut here.
     config = uvicorn.Config(build_app(state), host=host, port=port, log_level="warning", lifespan="off",

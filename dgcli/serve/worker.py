@@ -146,7 +146,7 @@ class Worker:
                 self.engine.add_request(spec.prompt_ids, request_id=job.id, params=spec.params,
                                         num_blocks=spec.num_blocks, seed=spec.params.seed,
                                         stop_ids=() if spec.ignore_eos else self.session.stop_ids,
-                                        constraint=_constraint(spec))
+                                        constraint=_constraint(spec), images=spec.images)
             except Exception as e:  # the engine refused it (the app's checks should have caught this)
                 log.exception("the engine refused request %s", job.id)
                 status = 400 if isinstance(e, UserError) else 500

@@ -64,15 +64,15 @@ def test_bf16_checkpoint_stores_fp32_layer_scalars_and_loads_all_in_one_dtype(tm
     assert dgcli.load_model(path, dtype="float32").layers[0].layer_scalar.item() == torch.tensor(0.3001).item()
 
 
-def test_vision_tensors_are_never_read(tmp_path, ckpt):
-    # A shard that holds only vision tensors and is garbage: loading must not touch it.
+def test_a_partial_vision_tower_is_one_line(tmp_path, ckpt):
+    # The vision tower loads with the model (images in the prompt): a partial one is a partial checkpoint.
     (ckpt / "model-vision.safetensors").write_bytes(b"\x00" * 10)
     names = list(load_file(ckpt / "model.safetensors"))
     weight_map = {n: "model.safetensors" for n in names}
     weight_map["model.encoder.vision_tower.encoder.layers.0.mlp.weight"] = "model-vision.safetensors"
     weight_map["model.encoder.embed_vision.embedding_projection.weight"] = "model-vision.safetensors"
     (ckpt / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    dgcli.load_model(ckpt)
+    expect(ckpt, "vision_tower", "is a shard missing?")
 
 
 def rewrite(ckpt, change):

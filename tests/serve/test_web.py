@@ -171,6 +171,26 @@ def test_a_failed_request_gives_the_prompt_back(server, page, status):
 
 
 @pytest.mark.slow
+def test_an_attached_image_is_sent_as_an_image_url_part(server, page, tmp_path):
+    """The file picker's image goes to the server as an OpenAI image_url data URL: the bundled model (no vision
+    tower) answers with its one-line 400, shown in the turn; the prompt and the image stay for a resend."""
+    import base64
+
+    png = tmp_path / "dot.png"  # a 1x1 PNG
+    png.write_bytes(base64.b64decode("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGNgYGD4DwABBAEAwS2O"
+                                     "UAAAAABJRU5ErkJggg=="))
+    n = page.locator("#log li.assistant").count()
+    page.set_input_files("#image", str(png))
+    ask(page, "What is in the picture?")
+    wait_state(page, n, "error")
+    assert "no vision tower" in turn(page, n).get_by_role("alert").text_content()
+    assert page.input_value("#prompt") == "What is in the picture?"
+    assert page.eval_on_selector("#image", "e => e.files.length") == 1
+    page.set_input_files("#image", [])
+    page.fill("#prompt", "")
+
+
+@pytest.mark.slow
 def test_new_chat_empties_the_history_and_the_transcript(server, page):
     from playwright.sync_api import expect
 

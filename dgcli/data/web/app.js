@@ -110,12 +110,26 @@ function setRunning(controller) {
   $("stop").disabled = controller === null;
 }
 
+// The attached images as OpenAI image_url parts (data URLs), then the text: one user turn's content.
+async function contentOf(prompt) {
+  const files = [...$("image").files];
+  if (!files.length) return prompt;
+  const urls = await Promise.all(files.map((f) => new Promise((done, fail) => {
+    const reader = new FileReader();
+    reader.onload = () => done(reader.result);
+    reader.onerror = () => fail(reader.error);
+    reader.readAsDataURL(f);
+  })));
+  return [...urls.map((url) => ({type: "image_url", image_url: {url}})), {type: "text", text: prompt}];
+}
+
 async function send() {
   const prompt = $("prompt").value;
   if (running || !prompt.trim()) return;
   $("prompt").value = ""; // the prompt moves to the transcript; it comes back unless the turn completes
   const started = conversation;
-  const messages = [...history, {role: "user", content: prompt}];
+  const content = await contentOf(prompt);
+  const messages = [...history, {role: "user", content}];
   const turn = new Turn(prompt);
   const controller = new AbortController();
   setRunning(controller);
@@ -138,7 +152,10 @@ async function send() {
     if (e.name === "AbortError") { turn.stop(); outcome = "stopped"; } else turn.fail(String(e.message || e));
   }
   if (started !== conversation) return; // "New chat" stopped it and cleared the page
-  if (outcome === "done") history.push({role: "user", content: prompt}, {role: "assistant", content: turn.content});
+  if (outcome === "done") {
+    history.push({role: "user", content}, {role: "assistant", content: turn.content});
+    $("image").value = ""; // sent with its turn (and kept in the history)
+  }
   // A failed or stopped turn is not context: give its prompt back to edit or resend, unless a new one is typed.
   else if ($("prompt").value === "") $("prompt").value = prompt;
   setRunning(null);

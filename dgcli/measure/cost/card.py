@@ -19,6 +19,16 @@ def layer_pattern(cfg: ModelConfig) -> str:
     return f"{cfg.num_hidden_layers} layers: {len(full)} full-attention at {full}, the rest sliding ({cfg.sliding_window})"
 
 
+def image_cost(cfg: ModelConfig, parameters: int) -> dict:
+    """The vision tower's parameters and one largest image: its soft tokens (prompt positions) and the tower's FLOPs
+    (2 x MACs of its matmuls over soft_tokens x k² patches, attention included)."""
+    v = cfg.raw.get("vision_config") or {}
+    soft, k = int(cfg.raw.get("vision_soft_tokens_per_image", 280)), int(v.get("pooling_kernel_size", 3))
+    n, h, layers = soft * k * k, int(v.get("hidden_size", 0)), int(v.get("num_hidden_layers", 0))
+    attn = 4 * n * n * int(v.get("num_attention_heads", 0)) * int(v.get("head_dim", 0)) * layers
+    return {"parameters": parameters, "tokens_per_image": soft, "flops_per_image": 2 * n * parameters + attn}
+
+
 def card(cfg: ModelConfig, *, name: str, source: str, dtype: str, context: int = 4096, prompt_len: int = 256,
          peaks: list[Peaks] = (), inventory: dict | None = None, threads: tuple[int, str] | None = None,
          budgets: list[dict] | None = None, headroom: float = 0.10, held: dict | None = None) -> dict:
@@ -33,6 +43,9 @@ def card(cfg: ModelConfig, *, name: str, source: str, dtype: str, context: int =
     wb = DTYPE_BYTES[dtype]
     counts = param_counts(cfg)
     weights = sum(held.values()) if held else weights_bytes_total(cfg, wb)
+    vision = image_cost(cfg, inventory["vision_parameters"]) if inventory and inventory["vision_parameters"] else None
+    if vision is not None:  # the tower loads with the model, in its dtype
+        weights += vision["parameters"] * wb
     step = step_cost(cfg, prompt_len, weight_bytes=wb)
     first, last = (step_cost(cfg, prompt_len, self_cond=False, weight_bytes=wb),
                    step_cost(cfg, prompt_len, soft=False, weight_bytes=wb))
@@ -66,8 +79,10 @@ def card(cfg: ModelConfig, *, name: str, source: str, dtype: str, context: int =
         "bytes_by_dtype": stored,
         "bytes_source": ("the loaded model's tensors (quantized blocks as held)" if held else
                          "safetensors headers (text tensors)" if inventory else f"config x {dtype} (layer scalars fp32)"),
-        "vision": ({"parameters": inventory["vision_parameters"], "bytes_by_dtype": inventory["vision_bytes_by_dtype"],
-                    "note": "not loaded for text generation"} if inventory and inventory["vision_parameters"] else None),
+        "vision": vision and {**vision, "bytes_by_dtype": inventory["vision_bytes_by_dtype"],
+                              "note": f"loaded with the model (in its weights): an image is at most "
+                                      f"{vision['tokens_per_image']} prompt tokens and "
+                                      f"~{vision['flops_per_image']:.3g} FLOPs of the tower"},
         "memory": {
             "weights": weights, "kv_context": context, "kv_cache": kv,
             "kv_per_token": kv_cache_bytes(cfg, 1, wb),  # every layer's K/V of one position
