@@ -18,6 +18,7 @@ import json
 import mmap
 import os
 import struct
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -80,7 +81,9 @@ def build_cache(gguf: Path, tag: str, items: Iterable[tuple[str, Callable[[], It
                 index[name] = [f.tell(), str(dtype).removeprefix("torch."), list(shape)]
                 for t in parts():
                     f.write(memoryview(t.detach().contiguous().view(-1).view(torch.uint8).numpy()))
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED) if hasattr(os, "posix_fadvise") else None
+                f.flush()  # written back and out of the page cache: a build under a memory cap holds one tensor
+                os.fdatasync(f.fileno())
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
             at = f.tell()
             f.write(json.dumps({"key": _key(gguf, tag), "tensors": index}).encode())
             f.write(struct.pack("<Q8s", at, MAGIC))
@@ -90,6 +93,27 @@ def build_cache(gguf: Path, tag: str, items: Iterable[tuple[str, Callable[[], It
     out = open_cache(gguf, tag)
     assert out is not None, path
     return out
+
+
+def read_rate(path: Path, most: int = 256 << 20) -> float | None:
+    """The disk's read rate (bytes/s) for `path`: its last `most` bytes (tensor data) read in 8 MiB chunks after
+    asking the kernel to drop them from the page cache (pages another process maps stay: the rate is then the
+    cache's, an overestimate); None where it cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        start = max(0, size - most)
+        os.posix_fadvise(fd, start, size - start, os.POSIX_FADV_DONTNEED)
+        t0, n = time.perf_counter(), 0
+        while chunk := os.pread(fd, 8 << 20, start + n):
+            n += len(chunk)
+        dt = time.perf_counter() - t0
+        return n / dt if n and dt > 0 else None
+    finally:
+        os.close(fd)
 
 
 # ---- the low-memory mode ----------------------------------------------------------------------------------------

@@ -206,6 +206,8 @@ def open_session(model: str | None, preset: str | None, flags: dict, *, need_tok
     if check is not None:
         check(cfg, resolved, device)
     dtype = resolve_dtype(resolved.run.dtype)  # auto: the checkpoint's own dtype
+    if device.type == "cpu" and low_memory is not False:
+        check_low_memory(path, cfg, resolved)
     n_threads = set_threads(cfg, device, threads)
     tokenizer = load_tokenizer(path, need_tokenizer)
     if chat and tokenizer is not None:
@@ -216,6 +218,29 @@ def open_session(model: str | None, preset: str | None, flags: dict, *, need_tok
     if device.type == "cpu" and not compile:
         low_memory_mode(m, resolved, low_memory)
     return s
+
+
+def check_low_memory(path: Path, cfg: ModelConfig, resolved: Resolved) -> None:
+    """Refuse a GGUF model that cannot run even in low-memory mode in the memory this process may take (a cgroup's
+    cap, else MemAvailable), before the load: its KV cache and working set, the weights that stay (embedding,
+    norms) and two layers (the one computing, the next read ahead) must fit; the other layers are read from disk
+    each step. Without this a cap too small thrashes or ends in the OOM killer, without a word."""
+    from dgcli.checkpoint.load import GGUF, format_of
+    from dgcli.measure.cost.gguf import gguf_fit, gguf_inventory
+    from dgcli.runtime.preflight import available_ram, memory_cap
+
+    free = available_ram()
+    if free is None or format_of(path, file_ok=False) != GGUF:
+        return
+    dtype = resolved.run.dtype if resolved.run.dtype != "auto" else cfg.dtype
+    ctx = cfg.canvas_length * blocks_for(resolved.params, resolved.run.max_tokens, cfg.canvas_length)
+    need = gguf_fit(gguf_inventory(path), cfg, dtype, ctx, 0, None)["need_low_memory"]
+    if need > free:
+        cap, gib = memory_cap(), 2**30
+        where = f"under this process's memory cap of {cap[1] / gib:.2f} GiB" if cap and cap[0] <= free else "in RAM"
+        raise UserError(f"{path}: needs at least {need / gib:.2f} GiB even in low-memory mode (KV cache, working "
+                        f"memory, the embedding and two layers' weights; the rest is read from disk each step), more "
+                        f"than the {free / gib:.2f} GiB free {where}; raise the memory cap (or free memory)")
 
 
 def low_memory_mode(m: Any, resolved: Resolved, force: bool | None) -> tuple[int, int] | None:
@@ -233,6 +258,7 @@ def low_memory_mode(m: Any, resolved: Resolved, force: bool | None) -> tuple[int
         return None
     layers = list(m.layers)
     weights = sum(n for spans in mapped_spans(layers) for _, n, _, _ in spans)
+    others = sum(n for _, n, _, _ in mapped_spans([m])[0]) - weights  # the embedding: read every step, stays
     free = available_ram()
     if not weights or (force is None and (free is None or free >= 2 * weights)):  # the common case: cheap
         return None
@@ -241,7 +267,7 @@ def low_memory_mode(m: Any, resolved: Resolved, force: bool | None) -> tuple[int
     work = _beyond_weights(cfg, 1, cfg.canvas_length * blocks_for(resolved.params, resolved.run.max_tokens,
                                                                    cfg.canvas_length),
                            ab, True, resolved.params.stability_threshold)
-    room = max(0, int(0.9 * (free or 0)) - work - (1 << 29)) if force is None or memory_cap() else 0
+    room = max(0, int(0.9 * (free or 0)) - work - others - (1 << 29)) if force is None or memory_cap() else 0
     if force is None and weights <= room:
         return None
     keep = stream_layers(layers, lambda layer: layer.input_layernorm, room)
