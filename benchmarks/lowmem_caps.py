@@ -115,7 +115,8 @@ def main() -> None:
     size = path.stat().st_size
     cache = cache_path(path, "bfloat16")
     rate = read_rate(path)
-    print(f"disk read rate: {rate / 1e6:.0f} MB/s (256 MiB of the file past the page cache)" if rate else "disk read rate: unknown")
+    print(f"disk read rate: {rate / 1e6:.0f} MB/s (256 MiB of the file past the page cache)" if rate
+          else "disk read rate: unknown")
     argv = [dgemma_exe(), "bench", "--model", str(path), "--random-prompts", "--num-prompts", "1", "--runs", "1",
             "--blocks", "1", "--diffusion-steps", str(args.steps), "--no-measure-peaks", "--format", "json"]
     rows = []

@@ -72,6 +72,9 @@ def build_cache(gguf: Path, tag: str, items: Iterable[tuple[str, Callable[[], It
     only one matrix is in memory) are the tensor's bytes in order; page-aligned, an index and trailer last; the
     file renamed into place when complete (a cut build leaves no cache that looks valid). Returns `open_cache`'s."""
     path = cache_path(gguf, tag)
+    for part in path.parent.glob(path.name + ".*.part"):  # a build that was killed (the OOM killer, Ctrl-C twice)
+        if not Path(f"/proc/{part.name[len(path.name) + 1:-5]}").exists():
+            part.unlink(missing_ok=True)
     tmp = path.with_name(path.name + f".{os.getpid()}.part")
     index: dict[str, list] = {}
     try:
@@ -151,9 +154,12 @@ def mapped_spans(modules: list[torch.nn.Module]) -> list[list[tuple[int, int, st
 
 def _advise(spans: list[tuple[int, int, str, int]], drop: bool) -> None:
     for a, n, path, off in spans:
-        lo, hi = (a // PAGE * PAGE, -(-(a + n) // PAGE) * PAGE) if not drop else (-(-a // PAGE) * PAGE, (a + n) // PAGE * PAGE)
-        if hi > lo:  # dropping: whole pages inside the tensor only (a neighbour's page may be anonymous)
-            _libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_DONTNEED if drop else mmap.MADV_WILLNEED)
+        # dropping: whole pages inside the tensor only (a neighbour's page may be anonymous); reading: all it touches
+        inner = (-(-a // PAGE) * PAGE, (a + n) // PAGE * PAGE)
+        lo, hi = inner if drop else (a // PAGE * PAGE, -(-(a + n) // PAGE) * PAGE)
+        if hi > lo:
+            advice = mmap.MADV_DONTNEED if drop else mmap.MADV_WILLNEED
+            _libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), advice)
         if drop:  # and out of the page cache: the layer read longest ago is the one needed last
             fd = os.open(path, os.O_RDONLY)
             try:

@@ -89,7 +89,8 @@ class QuantLinear(_Quantized):
         super().__init__()
         from dgcli.kernels import ggml_cpu
 
-        if not isinstance(raw, ggml_cpu.Prepared) and tuple(raw.shape) != (out_features, row_bytes(qtype, in_features)):
+        if not isinstance(raw, ggml_cpu.Prepared) and tuple(raw.shape) != (out_features,
+                                                                           row_bytes(qtype, in_features)):
             raise ValueError(f"{NAMES.get(qtype, qtype)} weight bytes {tuple(raw.shape)} for [{out_features}, "
                              f"{in_features}]")
         self.in_features, self.out_features, self.qtype = in_features, out_features, qtype
@@ -120,9 +121,10 @@ class QuantExperts(_Quantized):
         super().__init__()
         from dgcli.kernels import ggml_cpu
 
-        e = gate_up.packed.shape[0] if isinstance(gate_up, ggml_cpu.Prepared) else gate_up.shape[0]
-        if not isinstance(gate_up, ggml_cpu.Prepared) and tuple(gate_up.shape) != (e, 2 * inter, row_bytes(gate_up_type, hidden)) or \
-                not isinstance(down, ggml_cpu.Prepared) and tuple(down.shape) != (e, hidden, row_bytes(down_type, inter)):
+        built = isinstance(gate_up, ggml_cpu.Prepared)  # forms from a mapped cache (checkpoint/mapped.py)
+        e = gate_up.packed.shape[0] if built else gate_up.shape[0]
+        if not built and (tuple(gate_up.shape) != (e, 2 * inter, row_bytes(gate_up_type, hidden)) or
+                          tuple(down.shape) != (e, hidden, row_bytes(down_type, inter))):
             raise ValueError(f"expert weight bytes {tuple(gate_up.shape)}, {tuple(down.shape)} for E={e}, "
                              f"H={hidden}, I={inter}")
         self.num_experts, self.hidden, self.inter = e, hidden, inter

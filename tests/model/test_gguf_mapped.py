@@ -64,7 +64,7 @@ def quantized_bytes(path) -> int:
 
 def test_quantized_weights_stay_in_files_not_anonymous_memory(q4_file):
     q = quantized_bytes(q4_file)
-    assert q > 80 * 2**20  # the pass's temporaries and kernel scratch are ~25 MB at any size: the bound below means something
+    assert q > 80 * 2**20  # temporaries and kernel scratch are ~25 MB at any size: the bound means something
     first, again = child(q4_file), child(q4_file)  # the first writes the cache file, the second maps it
     for run in (first, again):
         # Before: the Q4_K matrices repacked into anonymous memory (~1.1x their bytes; the embedding, its bf16 form)
