@@ -143,6 +143,12 @@ def prepared_bytes(qtype: int, n: int, k: int, dtype: torch.dtype = torch.bfloat
     return _pad_rows(n) * (kp // 2 + kp // GROUP * 2 * dtype.itemsize)
 
 
+def prepared_shapes(qtype: int, n: int, k: int, lead: tuple = ()) -> tuple[tuple, tuple]:
+    """The shapes of an int4 form's `packed` and `sz` for a stack `lead` of [n, k] matrices (as `prepare` makes)."""
+    np_, kp = _pad_rows(n), k * (2 if qtype in PLANES else 1)
+    return (*lead, np_, kp // 2), (*lead, kp // GROUP, np_, 2)
+
+
 def _dequant_rows(p: Prepared, r0: int, r1: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rows r0..r1 of one matrix [r1 - r0, k] in dtype (for int4 forms r0 a multiple of 64). bf16: the
     arithmetic runs in bf16 with one fp32-internal rounding per addcmul (the weights a bf16 GEMM would get)."""

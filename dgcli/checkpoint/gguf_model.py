@@ -257,17 +257,65 @@ def _raw(f: GGUFFile, gname: str):
 def _dequantized(f: GGUFFile, gname: str, dtype):
     """A quantized tensor dequantized to `dtype`, a few MB of rows at a time (the real embedding in fp32 at
     once would be a 3 GB temporary beside its 1.5 GB bf16 result)."""
-    import torch
-
     from dgcli.model import ggml
 
     info = f.tensors[gname]
     raw = _raw(f, gname).reshape(-1, f.array(gname).shape[-1])
-    out = torch.empty(raw.shape[0], info.shape[-1], dtype=dtype)
     step = max(1, (8 << 20) // (4 * info.shape[-1]))
     for i in range(0, raw.shape[0], step):
-        out[i:i + step] = ggml.dequantize(raw[i:i + step], info.type, info.shape[-1])
-    return out.reshape(info.shape)
+        yield ggml.dequantize(raw[i:i + step], info.type, info.shape[-1]).to(dtype)
+
+
+def _mapped_forms(f: GGUFFile, dense: list[str], kept: list[str], dtype) -> dict:
+    """The tensors quantized GGUF weights are used as, none in anonymous memory: `dense` ones dequantized to
+    `dtype`, `kept` ones as `ggml_cpu.Prepared` forms: Q6_K over the file's own map, the int4 forms over the
+    mapped cache file (checkpoint/mapped.py; built at the first load: one matrix in memory at a time)."""
+    import torch
+
+    from dgcli.checkpoint import mapped
+    from dgcli.kernels import ggml_cpu
+
+    out: dict = {}
+    cached = [g for g in kept if f.tensors[g].type != ggml_cpu.Q6_K]
+    for g in kept:
+        if g not in cached:
+            out[g] = ggml_cpu.prepare(_raw(f, g), f.tensors[g].type, f.tensors[g].shape[-1], dtype)
+    if not dense and not cached:
+        return out
+    tag = str(dtype).removeprefix("torch.")
+    store = mapped.open_cache(f.path, tag)
+    if store is None:
+        def items():
+            for g in dense:
+                yield g, lambda g=g: _dequantized(f, g, dtype), dtype, f.tensors[g].shape
+                f.drop_pages(g)
+            for g in cached:
+                info, szs = f.tensors[g], []
+                raw = _raw(f, g)
+                mats = raw.reshape(-1, *raw.shape[-2:])
+
+                def packed(info=info, mats=mats, szs=szs):
+                    for m in mats:  # one matrix at a time, as `prepare` builds a stack
+                        p = ggml_cpu.prepare(m, info.type, info.shape[-1], dtype)
+                        szs.append(p.sz)
+                        yield p.packed
+                shape = ggml_cpu.prepared_shapes(info.type, *info.shape[-2:], info.shape[:-2])
+                yield g + ".packed", packed, torch.uint8, shape[0]
+                yield g + ".sz", lambda szs=szs: szs, dtype, shape[1]
+                f.drop_pages(g)
+        try:
+            store = mapped.build_cache(f.path, tag, items())
+        except OSError as e:
+            raise UserError(f"{f.path}: cannot write the kernels' form of its weights to "
+                            f"{mapped.cache_path(f.path, tag)} ({e.strerror}); free disk space there (about the "
+                            "file's size) or make the GGUF file's folder writable") from None
+    for g in dense:
+        out[g] = store[g]
+    for g in cached:
+        info = f.tensors[g]
+        out[g] = ggml_cpu.Prepared("int4", info.type, info.shape[-2], info.shape[-1], store[g + ".packed"],
+                                   store[g + ".sz"])
+    return out
 
 
 def load_gguf_model(path: str | Path, device: Any = "cpu", dtype: Any = None):
@@ -309,25 +357,27 @@ def load_gguf_model(path: str | Path, device: Any = "cpu", dtype: Any = None):
     run = dtype or {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}.get(embd.type, torch.bfloat16)
     nvfp4.gguf_modules_(f, model, names, str(path))  # type 40: NVFP4 modules, kept at 4 bits
     quant = {n for n, g in names.items() if f.tensors[g].type in ggml.QUANTIZED}
+    experts = [i for i in range(cfg.num_hidden_layers)
+               if {f"layers.{i}.experts.gate_up_proj", f"layers.{i}.experts.down_proj"} <= quant]
+    for i in experts:
+        quant -= {f"layers.{i}.experts.gate_up_proj", f"layers.{i}.experts.down_proj"}
+    linear = {n for n in quant if n.endswith(".weight") and isinstance(model.get_submodule(n[:-7]), nn.Linear)}
+    forms = _mapped_forms(f, [names[n] for n in sorted(quant - linear)],
+                          [names[n] for n in sorted(linear)] + [names[f"layers.{i}.experts.{w}"] for i in experts
+                                                                for w in ("gate_up_proj", "down_proj")], run)
     state: dict[str, torch.Tensor] = {}
-    for i in range(cfg.num_hidden_layers):
-        gu, dn = f"layers.{i}.experts.gate_up_proj", f"layers.{i}.experts.down_proj"
-        if gu in quant and dn in quant:
-            model.set_submodule(f"layers.{i}.experts", ggml.QuantExperts(
-                _raw(f, names[gu]), f.tensors[names[gu]].type, _raw(f, names[dn]), f.tensors[names[dn]].type,
-                cfg.hidden_size, cfg.moe_intermediate_size, dtype=run))
-            quant -= {gu, dn}
-            f.drop_pages(names[gu]), f.drop_pages(names[dn])  # held as the kernels' form now
+    for i in experts:
+        gu, dn = (names[f"layers.{i}.experts.{w}"] for w in ("gate_up_proj", "down_proj"))
+        model.set_submodule(f"layers.{i}.experts", ggml.QuantExperts(
+            forms[gu], f.tensors[gu].type, forms[dn], f.tensors[dn].type, cfg.hidden_size, cfg.moe_intermediate_size,
+            dtype=run))
     for name in sorted(quant):
-        module = name.removesuffix(".weight")
-        sub = model.get_submodule(module) if name.endswith(".weight") else None
-        gname = names[name]
-        if isinstance(sub, nn.Linear):
-            model.set_submodule(module, ggml.QuantLinear(_raw(f, gname), f.tensors[gname].type, sub.in_features,
-                                                 sub.out_features, dtype=run))
+        if name in linear:
+            sub = model.get_submodule(name[:-7])
+            model.set_submodule(name[:-7], ggml.QuantLinear(forms[names[name]], f.tensors[names[name]].type,
+                                                            sub.in_features, sub.out_features, dtype=run))
         else:  # the embedding (also the tied head), a router, one half of a layer's experts: run dtype
-            state[name] = _dequantized(f, gname, run)
-        f.drop_pages(gname)
+            state[name] = forms[names[name]]
     for name, gname in names.items():
         if f.tensors[gname].type not in ggml.QUANTIZED + (nvfp4.GGUF_TYPE,):
             state[name] = _dense(f, gname, run)

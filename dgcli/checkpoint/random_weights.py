@@ -314,3 +314,31 @@ def shrink_layers(raw: dict, n: int) -> dict:
     if types:
         types[-1] = "full_attention"
     return {**raw, "text_config": {**text, "num_hidden_layers": n, "layer_types": types}}
+
+
+def write_random_gguf(cfg_dict: dict, gen: dict | None, dst: str | Path, kind: str = "q4_k_m", *, seed: int = 0,
+                      name: str = "random") -> int:
+    """A GGUF file of `cfg_dict` with random weights (`ggml_quants.random_blocks`: drawn as bytes, ~1 minute per
+    10 GB) in `kind`'s types (quantize.gguf_types: llama.cpp's Q4_K_M mix, or q8_0), one tensor in memory at a
+    time: a real-size file for benchmarks without a real checkpoint. Returns its bytes."""
+    from dgcli.checkpoint import gguf, gguf_model
+    from dgcli.checkpoint.quantize import GGUF_KINDS, gguf_types
+
+    cfg = parse_config(cfg_dict)
+    shapes = {gguf_model.to_gguf_name(k): tuple(v.shape) for k, v in meta_model(cfg).state_dict().items()}
+    shapes[gguf_model.ROPE_FREQS] = (cfg.global_head_dim // 2,)
+    types, g = gguf_types(kind, shapes, cfg.num_hidden_layers), torch.Generator().manual_seed(seed)
+
+    def data(n: str):
+        if n == gguf_model.ROPE_FREQS:
+            return gguf_model.rope_freqs(cfg)
+        if types[n] in ggml.QUANTIZED:
+            return ggml_quants.random_blocks(shapes[n][:-1], types[n], shapes[n][-1], g)
+        if len(shapes[n]) == 1:  # norms and scalars: ones (a random norm weight could be ~0)
+            return torch.ones(shapes[n])
+        w = torch.randn(shapes[n], generator=g) * shapes[n][-1] ** -0.5
+        return w.half() if types[n] == ggml.F16 else w
+
+    tensors = [gguf.TensorOut(n, s, types[n], lambda n=n: data(n)) for n, s in shapes.items()]
+    md = gguf_model.model_metadata(cfg, gen, name=name, file_type=GGUF_KINDS[kind])
+    return gguf.write_gguf(dst, md, tensors)

@@ -58,6 +58,7 @@ def bench(
     label: o.Label = None, metadata: o.Metadata = None, measure_peaks: o.MeasurePeaks = True,
     peaks_file: o.PeaksFile = None, save_peaks: o.SavePeaks = None,
     compile: o.Compile = False, cuda_graphs: o.CudaGraphs = None, threads: o.Threads = None,
+    low_memory: o.LowMemory = None,
     no_prefix_caching: o.NoPrefixCaching = False,
     base_url: Annotated[Optional[str], typer.Option("--base-url", metavar="URL", help="Measure a running OpenAI-compatible server (dgemma serve, vLLM...) from the client over HTTP instead of a local model: http://HOST:PORT or http://HOST:PORT/v1.")] = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", metavar="KEY", help="With --base-url: sent as 'Authorization: Bearer KEY'.")] = None,
@@ -153,7 +154,7 @@ def bench(
             slots = lambda r: min(max(sizes), preflight.prompt_count(  # noqa: E731
                 r, prompts_file=prompts, random_ids=random_prompts or dummy is not None, num_prompts=num_prompts))
             s = open_any(model, dummy, layers, preset, flags, warn=warn, compile=compile, threads=threads, weights=weights,
-                         cuda_graphs=cuda_graphs, check=fits(slots, "--batch-size"))
+                         cuda_graphs=cuda_graphs, check=fits(slots, "--batch-size"), low_memory=low_memory)
         fp8_row = _fp8_fields(s.model)
     s.prefix_caching = not no_prefix_caching
     if fp8_activations and fp8_row["weights"] != "fp8":

@@ -33,7 +33,7 @@ def generate(
     seed: o.Seed = None, steps: o.Steps = None, t_min: o.TMin = None, t_max: o.TMax = None,
     entropy_bound: o.EntropyBound = None, stability_threshold: o.Stability = None,
     confidence_threshold: o.Confidence = None, blocks: o.Blocks = None, max_tokens: o.MaxTokens = None,
-    threads: o.Threads = None, show_config: o.ShowConfig = False,
+    threads: o.Threads = None, low_memory: o.LowMemory = None, show_config: o.ShowConfig = False,
     fmt: Annotated[str, typer.Option("--format", "-f", metavar="FORMAT", help="text | json | ndjson")] = "text",
     input_jsonl: Annotated[Optional[str], typer.Option("--input-jsonl", metavar="FILE", help=(
         "Run every {\"prompt\": ...} line of FILE (rows may carry \"seed\" and \"init_canvas\": text, "
@@ -146,7 +146,8 @@ def generate(
     else:
         with loading("loading the model…"):
             session = open_session(model, preset, flags, compile=compile, threads=threads, cuda_graphs=cuda_graphs,
-                                   chat=not raw, check=fits(min(batch_size, len(rows or [1])), "--batch-size"))
+                                   chat=not raw, check=fits(min(batch_size, len(rows or [1])), "--batch-size"),
+                                   low_memory=low_memory)
     session.prefix_caching = not no_prefix_caching
     if session.tokenizer is None:
         raise UserError(f"{session.path}: no tokenizer.json; dgemma generate needs the checkpoint's tokenizer")

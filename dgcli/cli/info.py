@@ -34,6 +34,7 @@ def info(
     context: Annotated[int, typer.Option("--context", metavar="N", help="Cached tokens the KV-cache figure is sized for.")] = 4096,
     prompt_len: Annotated[int, typer.Option("--prompt-len", metavar="N", help="Cached tokens a denoising step attends to, for per-step costs.")] = 256,
     memory: Annotated[Optional[float], typer.Option("--memory", metavar="GB", help=o.dflt("Another memory budget (GiB) to size the largest batch for, on this device's path.", "the H100, the H200 and this machine"))] = None,
+    read_rate: Annotated[Optional[float], typer.Option("--read-rate", metavar="MB/S", help=o.dflt("A GGUF file: the disk's read rate for the step time under a memory cap (--memory, or this process's cgroup cap).", "measured: 256 MiB of the file read past the page cache"))] = None,
     headroom: Annotated[float, typer.Option("--headroom", metavar="PCT", help="Percent of each budget left free (CUDA context, allocator fragmentation).")] = 10.0,
     fmt: Annotated[str, typer.Option("--format", "-f", metavar="FORMAT", help="md | json")] = "md",
     measure_peaks: o.MeasurePeaks = True, threads: o.Threads = None,
@@ -118,7 +119,15 @@ def info(
 
         from dgcli.runtime.session import free_bytes
 
-        fit = inf.gguf_fit(inventory, cfg, run_dtype, context, _ram(), free_bytes(torch.device("cpu")))
+        from dgcli.checkpoint.mapped import read_rate as measured_rate
+        from dgcli.runtime.preflight import memory_cap
+
+        if read_rate is not None and read_rate <= 0:
+            raise UserError(f"--read-rate {read_rate:g}: give the disk's read rate in MB/s, more than 0")
+        cap = memory_cap()
+        caps = [int(memory * 2**30)] if memory else [cap[1]] if cap else [16 << 30, 8 << 30]
+        rate = read_rate * 1e6 if read_rate is not None else measured_rate(path)
+        fit = inf.gguf_fit(inventory, cfg, run_dtype, context, _ram(), free_bytes(torch.device("cpu")), caps, rate)
         mem = card["memory"]
         mem["total"] = {path: t - mem["weights"] + fit["weights_loaded"] for path, t in mem["total"].items()}
         mem["weights"] = fit["weights_loaded"]

@@ -45,6 +45,10 @@ MaxTokens = Annotated[Optional[int], typer.Option("--max-tokens", metavar="N", h
 Threads = Annotated[Optional[int], typer.Option("--threads", metavar="N", help=dflt(
     "CPU threads for torch (shown in the card and provenance).",
     "OMP_NUM_THREADS if set, else 1 for a CPU model under 50 M parameters, else one per core"))]
+LowMemory = Annotated[Optional[bool], typer.Option("--low-memory/--no-low-memory", help=dflt(
+    "Stream a GGUF model's weights from its file layer by layer (read ahead, dropped once used): for a machine "
+    "whose memory cannot hold them.", "on by itself where they do not fit the memory free (a cgroup cap or "
+    "MemAvailable)"))]
 
 BatchSize = Annotated[int, typer.Option("--batch-size", metavar="N", help=(
     "Requests denoised together (continuous batching: a finished request's slot takes the next)."))]

@@ -33,6 +33,7 @@ def serve(
     entropy_bound: o.EntropyBound = None, stability_threshold: o.Stability = None,
     confidence_threshold: o.Confidence = None, blocks: o.Blocks = None, max_tokens: o.MaxTokens = None,
     threads: o.Threads = None, compile: o.Compile = False, cuda_graphs: o.CudaGraphs = None,
+    low_memory: o.LowMemory = None,
     no_prefix_caching: o.NoPrefixCaching = False, thinking: o.Thinking = False,
     host: Annotated[str, typer.Option("--host", metavar="ADDR", help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", metavar="N", help="TCP port, 0..65535 (0: any free port, printed at start).")] = 8000,
@@ -71,7 +72,7 @@ def serve(
     key = api_key if api_key is not None else (os.environ.get("DGEMMA_API_KEY") or None)
     with loading("loading the model…"):
         session = open_session(model, preset, flags, compile=compile, threads=threads, cuda_graphs=cuda_graphs,
-                               check=check)
+                               check=check, low_memory=low_memory)
     session.prefix_caching = not no_prefix_caching
     if thinking:
         import dataclasses

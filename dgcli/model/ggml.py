@@ -26,6 +26,13 @@ def _hold(module: nn.Module, prefix: str, p) -> None:
     module._meta[prefix] = (p.kind, p.qtype, p.n, p.k)
 
 
+def _prepare(raw, qtype: int, k: int, dtype: torch.dtype):
+    """GGUF bytes -> the kernels' form; a form given already built (a mapped cache's: checkpoint/mapped.py) as is."""
+    from dgcli.kernels import ggml_cpu
+
+    return raw if isinstance(raw, ggml_cpu.Prepared) else ggml_cpu.prepare(raw, qtype, k, dtype)
+
+
 def _held(module: nn.Module, prefix: str):
     """The prepared matrix over the module's current buffers, kept between calls (built again only where .to()
     or a state-dict load replaced a buffer): ~4 µs a call otherwise, ~200 calls a decoder pass."""
@@ -82,11 +89,12 @@ class QuantLinear(_Quantized):
         super().__init__()
         from dgcli.kernels import ggml_cpu
 
-        if tuple(raw.shape) != (out_features, row_bytes(qtype, in_features)):
+        if not isinstance(raw, ggml_cpu.Prepared) and tuple(raw.shape) != (out_features,
+                                                                           row_bytes(qtype, in_features)):
             raise ValueError(f"{NAMES.get(qtype, qtype)} weight bytes {tuple(raw.shape)} for [{out_features}, "
                              f"{in_features}]")
         self.in_features, self.out_features, self.qtype = in_features, out_features, qtype
-        _hold(self, "weight", ggml_cpu.prepare(raw, qtype, in_features, dtype))
+        _hold(self, "weight", _prepare(raw, qtype, in_features, dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from dgcli.kernels import ggml_cpu
@@ -113,15 +121,16 @@ class QuantExperts(_Quantized):
         super().__init__()
         from dgcli.kernels import ggml_cpu
 
-        e = gate_up.shape[0]
-        if tuple(gate_up.shape) != (e, 2 * inter, row_bytes(gate_up_type, hidden)) or \
-                tuple(down.shape) != (e, hidden, row_bytes(down_type, inter)):
+        built = isinstance(gate_up, ggml_cpu.Prepared)  # forms from a mapped cache (checkpoint/mapped.py)
+        e = gate_up.packed.shape[0] if built else gate_up.shape[0]
+        if not built and (tuple(gate_up.shape) != (e, 2 * inter, row_bytes(gate_up_type, hidden)) or
+                          tuple(down.shape) != (e, hidden, row_bytes(down_type, inter))):
             raise ValueError(f"expert weight bytes {tuple(gate_up.shape)}, {tuple(down.shape)} for E={e}, "
                              f"H={hidden}, I={inter}")
         self.num_experts, self.hidden, self.inter = e, hidden, inter
         self.types = (gate_up_type, down_type)
-        _hold(self, "gate_up", ggml_cpu.prepare(gate_up, gate_up_type, hidden, dtype))
-        _hold(self, "down", ggml_cpu.prepare(down, down_type, inter, dtype))
+        _hold(self, "gate_up", _prepare(gate_up, gate_up_type, hidden, dtype))
+        _hold(self, "down", _prepare(down, down_type, inter, dtype))
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         from dgcli.kernels import ggml_cpu

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from dgcli.kernels import dispatch, gemm_native, linear_cpu, moe_cpu
 from dgcli.model.gemma import Experts
+from dgcli.model.ggml import _Quantized
 
 
 class PackedLinear(nn.Module):
@@ -150,8 +151,8 @@ def pack_for_cpu(model: nn.Module) -> int:
             if new is not None:
                 setattr(parent, name, new)  # the stored weight goes with the old module
                 packed += count
-    if packed:
-        _own_the_rest(model)
+    if packed and not any(isinstance(m, _Quantized) for m in model.modules()):  # a GGUF model's weights stay
+        _own_the_rest(model)  # mapped by design: paged from their files (checkpoint/mapped.py), never copied
     return packed
 
 

@@ -194,10 +194,11 @@ Check = Callable[[ModelConfig, Resolved, torch.device], None]  # a check of the 
 
 def open_session(model: str | None, preset: str | None, flags: dict, *, need_tokenizer: bool = True,
                  compile: bool = False, threads: int | None = None, cuda_graphs: bool | None = None,
-                 chat: bool = False, check: Check | None = None) -> Session:
+                 chat: bool = False, check: Check | None = None, low_memory: bool | None = None) -> Session:
     """A checkpoint (directory or GGUF file) with its tokenizer and resolved settings; `threads` is `--threads`
     (None: the rule); `cuda_graphs` as `check_cuda_graphs` takes it (None, as the CLI: where they run). Before the
-    weights: `chat` refuses a checkpoint without a usable chat template, `check` (e.g. `fits`) sees the config."""
+    weights: `chat` refuses a checkpoint without a usable chat template, `check` (e.g. `fits`) sees the config.
+    `low_memory`: `--low-memory` (None: `low_memory_mode`'s rule)."""
     from dgcli.checkpoint.directory import resolve_dtype
     from dgcli.checkpoint.load import load_model, load_tokenizer
 
@@ -207,13 +208,76 @@ def open_session(model: str | None, preset: str | None, flags: dict, *, need_tok
     if check is not None:
         check(cfg, resolved, device)
     dtype = resolve_dtype(resolved.run.dtype)  # auto: the checkpoint's own dtype
+    if device.type == "cpu" and low_memory is not False:
+        check_low_memory(path, cfg, resolved)
     n_threads = set_threads(cfg, device, threads)
     tokenizer = load_tokenizer(path, need_tokenizer)
     if chat and tokenizer is not None:
         tokenizer.check_template()  # from the files' text alone (a GGUF's metadata), not after the weights
     m = load_model(path, device=device, dtype=dtype)
-    return _session(path, m, tokenizer, resolved, gen, device, compile=compile, name=path.name, threads=n_threads,
-                    cuda_graphs=cuda_graphs)
+    s = _session(path, m, tokenizer, resolved, gen, device, compile=compile, name=path.name, threads=n_threads,
+                 cuda_graphs=cuda_graphs)
+    if device.type == "cpu" and not compile:
+        low_memory_mode(m, resolved, low_memory)
+    return s
+
+
+def check_low_memory(path: Path, cfg: ModelConfig, resolved: Resolved) -> None:
+    """Refuse a GGUF model that cannot run even in low-memory mode in the memory this process may take (a cgroup's
+    cap, else MemAvailable), before the load: its KV cache and working set, the weights that stay (embedding,
+    norms) and two layers (the one computing, the next read ahead) must fit; the other layers are read from disk
+    each step. Without this a cap too small thrashes or ends in the OOM killer, without a word."""
+    from dgcli.checkpoint.load import GGUF, format_of
+    from dgcli.measure.cost.gguf import gguf_fit, gguf_inventory
+    from dgcli.runtime.preflight import available_ram, memory_cap
+
+    free = available_ram()
+    if free is None or format_of(path, file_ok=False) != GGUF:
+        return
+    dtype = resolved.run.dtype if resolved.run.dtype != "auto" else cfg.dtype
+    ctx = cfg.canvas_length * blocks_for(resolved.params, resolved.run.max_tokens, cfg.canvas_length)
+    need = gguf_fit(gguf_inventory(path), cfg, dtype, ctx, 0, None)["need_low_memory"]
+    if need > free:
+        cap, gib = memory_cap(), 2**30
+        where = f"under this process's memory cap of {cap[1] / gib:.2f} GiB" if cap and cap[0] <= free else "in RAM"
+        raise UserError(f"{path}: needs at least {need / gib:.2f} GiB even in low-memory mode (KV cache, working "
+                        f"memory, the embedding and two layers' weights; the rest is read from disk each step), more "
+                        f"than the {free / gib:.2f} GiB free {where}; raise the memory cap (or free memory)")
+
+
+def low_memory_mode(m: Any, resolved: Resolved, force: bool | None) -> tuple[int, int] | None:
+    """The low-memory mode (checkpoint/mapped.py's `stream_layers`) over a model whose weights are used from files'
+    maps (a GGUF file's): forced or refused by `force` (--low-memory / --no-low-memory), else on by itself where
+    those weights do not fit beside one request's working set in the memory this process may take (a cgroup's
+    cap, else MemAvailable). The layers that fit stay resident, the rest are read from disk each step; a note
+    on stderr says how many. Returns (layers streamed, layers) where on."""
+    import sys
+
+    from dgcli.checkpoint.mapped import mapped_spans, stream_layers
+    from dgcli.runtime.preflight import _beyond_weights, available_ram, memory_cap
+
+    if force is False:
+        return None
+    layers = list(m.layers)
+    weights = sum(n for spans in mapped_spans(layers) for _, n, _, _ in spans)
+    others = sum(n for _, n, _, _ in mapped_spans([m])[0]) - weights  # the embedding: read every step, stays
+    free = available_ram()
+    if not weights or (force is None and (free is None or free >= 2 * weights)):  # the common case: cheap
+        return None
+    cfg = m.config
+    ab = m.embed_weight.element_size()
+    work = _beyond_weights(cfg, 1, cfg.canvas_length * blocks_for(resolved.params, resolved.run.max_tokens,
+                                                                   cfg.canvas_length),
+                           ab, True, resolved.params.stability_threshold)
+    room = max(0, int(0.9 * (free or 0)) - work - others - (1 << 29)) if force is None or memory_cap() else 0
+    if force is None and weights <= room:
+        return None
+    keep = stream_layers(layers, lambda layer: layer.input_layernorm, room)
+    gib = 2**30
+    print(f"dgemma: note: low-memory mode: {len(layers) - keep} of {len(layers)} layers read from disk each step "
+          f"({weights / gib:.1f} GiB of weights used from the file, {room / gib:.1f} GiB left for them)",
+          file=sys.stderr)
+    return len(layers) - keep, len(layers)
 
 
 def open_dummy_session(spec: str, layers: int | None, preset: str | None, flags: dict, *,
@@ -257,13 +321,14 @@ def open_dummy_session(spec: str, layers: int | None, preset: str | None, flags:
 
 def open_any(model: str | None, dummy: str | None, layers: int | None, preset: str | None, flags: dict, *,
              warn: Callable[[str], None], compile: bool = False, threads: int | None = None,
-             weights: str = "bf16", cuda_graphs: bool | None = False, check: Check | None = None) -> Session:
+             weights: str = "bf16", cuda_graphs: bool | None = False, check: Check | None = None,
+             low_memory: bool | None = None) -> Session:
     """bench and sweep: a checkpoint (tokenizer optional) or `--dummy` weights, never both."""
     if dummy is None:
         if layers is not None:
             raise UserError("--layers shrinks a --dummy config; it does not apply to a checkpoint")
         return open_session(model, preset, flags, need_tokenizer=False, compile=compile, threads=threads,
-                            cuda_graphs=cuda_graphs, check=check)
+                            cuda_graphs=cuda_graphs, check=check, low_memory=low_memory)
     if model is not None:
         raise UserError("give either --model (a checkpoint) or --dummy CONFIG (random weights), not both")
     return open_dummy_session(dummy, layers, preset, flags, warn=warn, compile=compile, threads=threads, weights=weights,

@@ -1,5 +1,7 @@
 """`dgemma info FILE.gguf`: a GGUF file's bytes by ggml type (from its header alone), the weights a load keeps
-(quantized matrices as stored, the rest in the run dtype), and whether a run fits this machine's memory.
+(quantized matrices in their kernels' form, the rest in the run dtype), whether a run fits this machine's memory,
+what the low-memory mode needs (the weights are used from mapped files: only two layers and the embedding must
+stay), and the step time a memory cap implies where the weights that do not fit are read from disk every step.
 
 Owns: that arithmetic and its markdown lines. Must not: read tensor data or load the model (counts.py does the
 config-based arithmetic this builds on).
@@ -21,36 +23,63 @@ def gguf_inventory(path: Path) -> dict:
     from dgcli.model import ggml
     from dgcli.checkpoint.gguf import open_gguf
 
+    from dgcli.kernels.ggml_cpu import prepared_bytes
+
     f = open_gguf(path)
     by_type: dict[str, int] = {}
     params, kept_quantized, dense_elements = 0, 0, 0
+    layers = [0] * int(f.metadata.get("diffusion-gemma.block_count", 0))
     for t in f.tensors.values():
         n = math.prod(t.shape)
         by_type[t.type_name] = by_type.get(t.type_name, 0) + t.nbytes
         params += n
         # The embedding (the tied head) and a router are dequantized at load; other quantized matrices stay.
         if t.type in ggml.QUANTIZED and t.name != "token_embd.weight" and ".ffn_gate_inp." not in t.name:
-            kept_quantized += t.nbytes
+            kept = math.prod(t.shape[:-2]) * prepared_bytes(t.type, *t.shape[-2:]) if len(t.shape) > 1 else t.nbytes
+            kept_quantized += kept
+            if t.name.startswith("blk.") and int(t.name.split(".")[1]) < len(layers):
+                layers[int(t.name.split(".")[1])] += kept
         elif t.type == 40:  # NVFP4: held at 4 bits + an e4m3 scale per 16 (as stored) + an fp32 global per row
-            kept_quantized += t.nbytes + 4 * math.prod(t.shape[:-1])
+            kept = t.nbytes + 4 * math.prod(t.shape[:-1])
+            kept_quantized += kept
+            if t.name.startswith("blk.") and int(t.name.split(".")[1]) < len(layers):
+                layers[int(t.name.split(".")[1])] += kept
         elif t.name != "rope_freqs.weight":
             dense_elements += n
     return {"files": 1, "text_bytes_by_dtype": by_type, "vision_bytes_by_dtype": {}, "text_parameters": params,
             "vision_parameters": 0, "file_bytes": path.stat().st_size, "quantized_bytes_kept": kept_quantized,
-            "dense_elements": dense_elements}
+            "dense_elements": dense_elements, "layer_bytes": layers}
 
 
 def gguf_fit(inventory: dict, cfg: ModelConfig, dtype: str, context: int, ram_bytes: int,
-             available_bytes: int | None) -> dict:
-    """Whether a GGUF model runs in this machine's memory: weights as loaded (quantized matrices as stored,
-    the rest in `dtype`) + the KV cache for `context` tokens + one request's passes (`memory.one_request`), against the memory
-    available now (MemAvailable) and the machine's RAM."""
+             available_bytes: int | None, caps: list[int] = (), read_rate: float | None = None) -> dict:
+    """Whether a GGUF model runs in this machine's memory: weights as loaded (quantized matrices in their kernels'
+    form, the rest in `dtype`) + the KV cache for `context` tokens + one request's passes (`memory.one_request`),
+    against the memory available now (MemAvailable) and the machine's RAM; what the low-memory mode needs (the
+    rest + the embedding + two layers: the one computing, the next read ahead); and per memory cap in `caps` the
+    weights read from disk each step (the layers beyond those that stay, as session.low_memory_mode keeps them)
+    and, at `read_rate` bytes/s, the least step time that reading takes."""
     wb = DTYPE_BYTES[dtype]
     weights = inventory["quantized_bytes_kept"] + inventory["dense_elements"] * wb
-    need = weights + kv_cache_bytes(cfg, context, wb, trimmed=True) + one_request(cfg, context, ab=wb)["cpu"]
-    return {"weights_loaded": weights, "need": need, "ram": ram_bytes, "available": available_bytes,
-            "fits_ram": need <= ram_bytes,
-            "fits_available": None if available_bytes is None else need <= available_bytes}
+    work = kv_cache_bytes(cfg, context, wb, trimmed=True) + one_request(cfg, context, ab=wb)["cpu"]
+    need = weights + work
+    layers = inventory.get("layer_bytes") or [0]
+    resident = weights - sum(layers)  # the embedding (the head reads it every step), norms, routers
+    low = work + resident + 2 * max(layers)
+    out = {"weights_loaded": weights, "need": need, "need_low_memory": low, "ram": ram_bytes,
+           "available": available_bytes, "fits_ram": need <= ram_bytes,
+           "fits_available": None if available_bytes is None else need <= available_bytes, "read_rate": read_rate,
+           "caps": []}
+    for cap in caps:
+        room, kept = 0.9 * cap - work - resident - (1 << 29), 0
+        for b in layers:
+            if kept + b > room:
+                break
+            kept += b
+        read = sum(layers) - kept
+        out["caps"].append({"cap": cap, "fits": low <= cap, "read_per_step": read,
+                            "step_s": None if read_rate is None else read / read_rate})
+    return out
 
 
 def _size(b: float) -> str:
@@ -70,4 +99,11 @@ def gguf_markdown(inventory: dict, fit: dict) -> str:
             "norms and router in the run dtype)\n"
             f"- to run (weights + KV cache + step working set): {_size(fit['need'])}; this machine has "
             f"{_size(fit['ram'])} of memory" + (f", {_size(avail)} available now" if avail is not None else "")
-            + f": it {'fits' if fits else 'does NOT fit'}\n")
+            + f": it {'fits' if fits else 'does NOT fit'}\n"
+            f"- in low-memory mode (--low-memory: the weights paged from the file, the layers that do not fit read "
+            f"from disk each step): {_size(fit['need_low_memory'])}\n" + "".join(
+                f"- under a {_size(c['cap'])} memory cap: "
+                + ("too little even in low-memory mode" if not c["fits"] else
+                   f"{_size(c['read_per_step'])} of weights read from disk a step"
+                   + (f", at least {c['step_s']:.1f} s a step at {fit['read_rate'] / 1e6:.0f} MB/s"
+                      if c["step_s"] is not None else "")) + "\n" for c in fit["caps"]))
