@@ -22,7 +22,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dgcli.model import fp8
 from dgcli.checkpoint.config import parse_config
-from dgcli.model.gemma import DiffusionGemma, fuse_projections
+from dgcli.model.fuse import fuse_projections
+from dgcli.model.gemma import DiffusionGemma
 from dgcli.checkpoint.meta import meta_model
 from dgcli.checkpoint.random_weights import make_config, with_fp8
 

@@ -129,25 +129,6 @@ def _fused(m: nn.Module, x: torch.Tensor) -> bool:
     return w is not None and w.device == x.device and not torch.is_grad_enabled()
 
 
-@torch.no_grad()
-def fuse_projections(model: nn.Module) -> int:
-    """On CUDA, at load: each attention's q/k/v and each dense MLP's gate/up weights (plain bias-free `nn.Linear`s
-    of one dtype) become row views of one matrix `fused`, run as one GEMM (no second copy; autograd keeps the
-    separate GEMMs). Returns the groups fused (0 on CPU: its path, bits and prepacked weights stay)."""
-    done = 0
-    for m in model.modules():
-        lins = [getattr(m, n, None) for n in (("q_proj", "k_proj", "v_proj") if isinstance(m, Attention) else
-                                              ("gate_proj", "up_proj") if isinstance(m, MLP) else ())]
-        lins = [lin for lin in lins if lin is not None]
-        if lins and all(type(lin) is nn.Linear and lin.weight.is_cuda and lin.bias is None
-                        and lin.weight.dtype == lins[0].weight.dtype for lin in lins):
-            w, row, done = torch.cat([lin.weight for lin in lins]), 0, done + 1  # [sum of outputs, H]
-            for lin in lins:
-                lin.weight, row = nn.Parameter(w.narrow(0, row, lin.out_features), False), row + lin.out_features
-            m.__dict__["fused"] = w
-    return done
-
-
 class Router(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()

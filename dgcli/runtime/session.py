@@ -159,7 +159,7 @@ def _session(path: Path, m: Any, tokenizer: Any, resolved: Resolved, gen: dict |
     """The part both kinds of session share: --compile, --cuda-graphs, packed CPU weights, stop ids
     (generation_config.json, else the config's, else the tokenizer's), the block count, and the settings as
     they ran."""
-    from dgcli.model.gemma import fuse_projections
+    from dgcli.model.fuse import fuse_projections
     from dgcli.model.packed import pack_for_cpu
 
     step_mode = check_cuda_graphs(cuda_graphs, m.embed_weight.device, compile)
@@ -169,7 +169,7 @@ def _session(path: Path, m: Any, tokenizer: Any, resolved: Resolved, gen: dict |
     # run up to 1.5x faster), fp32 for the C GEMM (dgcli/model/packed.py). Not under --compile: inductor traces
     # plain weights.
     packed = 0 if compile else pack_for_cpu(m)
-    fuse_projections(m)  # CUDA: q/k/v and gate/up as one GEMM each (model/gemma.py)
+    fuse_projections(m)  # CUDA: q/k/v and gate/up as one GEMM each (model/fuse.py)
     cfg = m.config
     stop_ids = stop_ids_from_generation_config(gen) if gen else list(cfg.eos_token_ids)
     if tokenizer is not None and not stop_ids:
