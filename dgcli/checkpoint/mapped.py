@@ -40,8 +40,9 @@ def cache_path(gguf: Path, tag: str) -> Path:
 
 
 def _key(gguf: Path, tag: str) -> dict:
-    st = gguf.stat()  # a rewritten file (another size or time) is another key: its cache is rebuilt
-    return {"version": VERSION, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "tag": tag}
+    st = gguf.stat()  # a rewritten file (another size or time) is another key: its cache is rebuilt; so is another
+    # torch (the int4 layout is its private `_convert_weight_to_int4pack_for_cpu`'s, free to change between releases)
+    return {"version": VERSION, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "tag": tag, "torch": torch.__version__}
 
 
 def open_cache(gguf: Path, tag: str) -> dict[str, torch.Tensor] | None:
