@@ -81,7 +81,8 @@ def warm_up(session: Any, prompts: list[Prompt], params: Any, n: int, *, batch_s
 
 def _images(prompts: list[Prompt]) -> list | None:
     """run_batch's `images` for `prompts` (None for text-only prompts: the engine's text path)."""
-    return [p.images for p in prompts] if any(p.images for p in prompts) else None
+    got = [getattr(p, "images", None) or [] for p in prompts]
+    return got if any(got) else None
 
 
 def timed_pass(session: Any, prompts: list[Prompt], params: Any, *, batch_size: int, ignore_eos: bool,

@@ -127,6 +127,7 @@ SUMMARY: dict[str, str] = {
 }
 
 NOT_IN_CSV = ("runs_detail",)
+IMAGE_FIGURES = ("mean_vision_ms", "images_encoded", "images_per_prompt", "image_tokens_per_prompt")  # --image rows only
 
 # The timing figures whose spread over the timed passes every row carries (`spread`).
 SPREAD_KEYS = ("output_throughput", "request_throughput", "diffusion_committed_throughput",
