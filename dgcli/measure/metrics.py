@@ -45,7 +45,7 @@ DEFINITIONS: dict[str, str] = {
     "mean_queue_ms": "[ms] wait for a free slot: from submission to the start of the request's prefill. Every timed pass submits all its prompts at once, so with fewer slots than prompts (batch size 1 included) it is the wait behind the pass's earlier prompts: it grows with --num-prompts and is the workload's backlog, not a fault; 0 when every request fits in the batch",
     "mean_prefill_ms": "[ms] per request, the whole time of the passes that carry its prompt (chunks under the pass budget); such a pass also steps the running canvases and, in its last chunk, the request's own first canvas, so it overlaps the denoising time (a step's share is mean_step_ms)",
     "mean_vision_ms": "[ms] per request, the vision tower's time on the request's --image(s) (each request's images encoded once, none shared between requests); mean_prefill_ms includes it",
-    "images_encoded": "images run through the vision tower over the timed passes (requests x images per prompt)",
+    "images_encoded": "images run through the vision tower over the timed passes: each request's distinct images (one given twice runs once, as the engine keeps it)",
     "images_per_prompt": "images in every timed prompt (--image), before its text",
     "image_tokens_per_prompt": "prompt tokens of those images: their soft tokens (the vision tower's output), one prompt position each",
     "diffusion_committed_tokens": "canvas tokens committed: blocks x canvas length (incl. positions after a stop id)",
