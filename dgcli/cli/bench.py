@@ -68,6 +68,7 @@ def bench(
     fp8_activations: Annotated[bool, typer.Option("--fp8-activations", help="FP8 weights: quantize activations per token to e4m3 (vLLM's FP8-dynamic semantics) instead of dequantizing the weights (weight-only, the default); the row's fp8_semantics says which ran.")] = False,
     ray: o.Ray = None, ray_workers: o.RayWorkers = None, ray_gpus: o.RayGpus = None,
     show_config: o.ShowConfig = False,
+    image: Annotated[Optional[list[str]], typer.Option("--image", metavar="FILE", help="Every timed prompt carries this image before its text (repeatable; a checkpoint with a vision tower): the row's mean_vision_ms is the tower's time per request, image_tokens_per_prompt its prompt tokens.")] = None,
 ) -> None:
     """Benchmark one sampler setting: labelled figures, roofline.
 
@@ -79,6 +80,11 @@ def bench(
         raise UserError(f"--format {fmt}: use one of {', '.join(FORMATS)}")
     if base_url is not None and ray is not None:
         raise UserError("--base-url measures a running server; --ray runs the model on a Ray cluster: give one of them")
+    for given, why in ((base_url, "--base-url measures a server"), (ray, "--ray runs the model on Ray workers"),
+                       (dummy, "--dummy builds random text weights without a vision tower")):
+        if image and given is not None:
+            raise UserError(f"--image times this machine's vision tower on a checkpoint; {why}: drop --image, "
+                            "or give --model CHECKPOINT with a vision tower")
     if base_url is not None and show_config:
         raise UserError("--show-config prints a local run's settings; with --base-url the server's apply: drop one")
     if base_url is not None:
@@ -91,6 +97,9 @@ def bench(
     from dgcli.measure.peaks import check_peak_flags  # torch-free
 
     check_peak_flags(peaks_file, save_peaks, measure_peaks, ray)
+    from dgcli.text.images import read_files
+
+    image_bytes = read_files(image or [], "--image")  # before the model loads
     stray = _given(ctx, REMOTE_ONLY)
     if stray:
         raise UserError(f"{stray[0][0]} applies only with --base-url (a server); in-process bench measures --batch-size")
@@ -160,8 +169,17 @@ def bench(
     if fp8_activations and fp8_row["weights"] != "fp8":
         warn("dgemma: note: --fp8-activations has no effect: these weights are not FP8")
     params = s.params
+    images = None
+    if image:  # preprocessed for the tower (one line for a checkpoint without one), before the prompts
+        from dgcli.runtime.vision import read_images
+
+        images = list(zip(read_images(s, image_bytes, [f"--image {f}" for f in image]), image))
     plist, source = build_prompts(s, prompts_file=prompts, random_ids=random_prompts or s.dummy,
                                   num_prompts=num_prompts, input_len=random_input_len, seed=params.seed, warn=warn)
+    if images:
+        from dgcli.measure.workload import with_images
+
+        plist = with_images(s, plist, [x for x, _ in images])
     if s.dummy and not ignore_eos:
         warn("dgemma: note: --ignore-eos is on: random weights would hit stop ids at random")
     ignore = ignore_eos or s.dummy
@@ -204,7 +222,7 @@ def bench(
                 summary.update(bench_quality(plist, [p.responses for p in done]))
                 rows.append({**b.make_row(s, prompts=plist, prompt_source=source, params=params, runs_done=len(done),
                                           runs_asked=runs, warmup=warmup, ignore_eos=ignore, summary=summary,
-                                          label=label, metadata=meta), **fp8_row,
+                                          label=label, metadata=meta, images=images), **fp8_row,
                              **(jobs.ray_fields(pool, min(len(pool.actors), len(plist))) if pool is not None else {})})
                 last = done[-1].responses
             if interrupted or gone is not None:

@@ -82,12 +82,12 @@ def sweep(
     check_peak_flags(peaks_file, save_peaks, measure_peaks, ray)  # --dry-run too
     from dgcli.measure import printers as report
     from dgcli.measure import sweep as sw  # (torch-free: the grid is checked before torch loads)
-    from dgcli.measure.metrics import DEFINITIONS
+    from dgcli.measure.metrics import DEFINITIONS, IMAGE_FIGURES
     from dgcli.runtime import preflight
 
     if fmt not in ("md", "csv", "json", "jsonl"):
         raise UserError(f"--format {fmt}: use one of md, csv, json, jsonl")
-    if speed not in DEFINITIONS or speed.startswith(("quality", "exact", "agree")):
+    if speed not in DEFINITIONS or speed in IMAGE_FIGURES or speed.startswith(("quality", "exact", "agree")):
         raise UserError(f"--speed-metric {speed}: use a figure such as output_throughput or diffusion_committed_throughput")
     if threads is not None:
         preflight.check_threads(threads)

@@ -73,9 +73,16 @@ def warm_up(session: Any, prompts: list[Prompt], params: Any, n: int, *, batch_s
         n = max(n, len(prompts))
     if progress:
         progress(f"warm-up: {n} request(s), batch size {batch_size} (untimed; the first run is cold)")
-    ids = [prompts[i % len(prompts)].ids for i in range(n)]
-    for _ in request.run_batch(session, ids, batch_size=batch_size, params=params, ignore_eos=ignore_eos):
+    chosen = [prompts[i % len(prompts)] for i in range(n)]
+    for _ in request.run_batch(session, [p.ids for p in chosen], batch_size=batch_size, params=params,
+                               ignore_eos=ignore_eos, images=_images(chosen)):
         pass
+
+
+def _images(prompts: list[Prompt]) -> list | None:
+    """run_batch's `images` for `prompts` (None for text-only prompts: the engine's text path)."""
+    got = [getattr(p, "images", None) or [] for p in prompts]
+    return got if any(got) else None
 
 
 def timed_pass(session: Any, prompts: list[Prompt], params: Any, *, batch_size: int, ignore_eos: bool,
@@ -99,7 +106,7 @@ def timed_pass(session: Any, prompts: list[Prompt], params: Any, *, batch_size: 
 
     for n, (i, resp) in enumerate(request.run_batch(session, [p.ids for p in prompts], batch_size=batch_size,
                                                     params=params, ignore_eos=ignore_eos, stats=stats,
-                                                    on_event=seen), 1):
+                                                    on_event=seen, images=_images(prompts)), 1):
         out[i] = resp
         if progress:
             progress(f"{n}/{len(prompts)} requests done")
@@ -111,7 +118,8 @@ def timed_pass(session: Any, prompts: list[Prompt], params: Any, *, batch_size: 
                 queue_s=[max(0.0, t - t0) for t in slot], ttft_s=[first[i] - t for i, t in enumerate(slot)],
                 e2el_s=[ended[i] - t for i, t in enumerate(slot)],
                 prefix_cache_queries=stats.get("prefix_cache_queries", 0),
-                prefix_cache_hits=stats.get("prefix_cache_hits", 0))
+                prefix_cache_hits=stats.get("prefix_cache_hits", 0), vision_s=stats.get("vision_s", 0.0),
+                images_encoded=stats.get("images_encoded", 0))
 
 
 def measure(session: Any, prompts: list[Prompt], params: Any, *, runs: int, warmup: int, ignore_eos: bool,
@@ -220,8 +228,9 @@ def settings_columns(params: Any, num_blocks: int) -> dict:
 
 def make_row(s: Any, *, prompts: list[Prompt], prompt_source: str, params: Any, runs_done: int,
              runs_asked: int, warmup: int, ignore_eos: bool, summary: dict, label: str | None,
-             metadata: dict, kind: str = "bench") -> dict:
-    """The record: label, settings, workload, figures, provenance (in that order)."""
+             metadata: dict, kind: str = "bench", images: list | None = None) -> dict:
+    """The record: label, settings, workload, figures, provenance (in that order). `images`: `bench --image`'s
+    (text/images.py's Image, with the names given), in every prompt."""
     from dgcli.measure.printers import provenance
 
     counts = info.param_counts(s.config)
@@ -231,6 +240,8 @@ def make_row(s: Any, *, prompts: list[Prompt], prompt_source: str, params: Any, 
            "dummy_weights": s.dummy, "prompt_source": prompt_source, "num_prompts": len(prompts),
            "mean_input_len": statistics.fmean(len(p.ids) for p in prompts), "runs": runs_done,
            "warmups": warmup, "ignore_eos": ignore_eos}
+    if images:
+        row.update(images_per_prompt=len(images), image_tokens_per_prompt=sum(x.soft_tokens for x, _ in images))
     if prompt_source == "random-token-ids":
         row["workload_warning"] = RANDOM_PROMPT_WARNING
     if runs_done < runs_asked:
@@ -244,6 +255,9 @@ def make_row(s: Any, *, prompts: list[Prompt], prompt_source: str, params: Any, 
         threads=getattr(s, "threads", 0) or None, threads_source=getattr(s, "threads_source", None),
         packed_weights=getattr(s, "packed_weights", 0),
         prefix_caching=getattr(s, "prefix_caching", True), ggml=ggml_activations(s))
+    if images:  # what the tower saw: each image's file, soft tokens and pixels' hash
+        row["provenance"]["images"] = [{"file": name, "soft_tokens": x.soft_tokens, "sha256": x.digest}
+                                       for x, name in images]
     return row
 
 

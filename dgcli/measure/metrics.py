@@ -44,6 +44,10 @@ DEFINITIONS: dict[str, str] = {
     "std_e2el_ms": "[ms] standard deviation of end-to-end latency",
     "mean_queue_ms": "[ms] wait for a free slot: from submission to the start of the request's prefill. Every timed pass submits all its prompts at once, so with fewer slots than prompts (batch size 1 included) it is the wait behind the pass's earlier prompts: it grows with --num-prompts and is the workload's backlog, not a fault; 0 when every request fits in the batch",
     "mean_prefill_ms": "[ms] per request, the whole time of the passes that carry its prompt (chunks under the pass budget); such a pass also steps the running canvases and, in its last chunk, the request's own first canvas, so it overlaps the denoising time (a step's share is mean_step_ms)",
+    "mean_vision_ms": "[ms] per request, the vision tower's time on the request's --image(s) (each request's images encoded once, none shared between requests); mean_prefill_ms includes it",
+    "images_encoded": "images run through the vision tower over the timed passes: each request's distinct images (one given twice runs once, as the engine keeps it)",
+    "images_per_prompt": "images in every timed prompt (--image), before its text",
+    "image_tokens_per_prompt": "prompt tokens of those images: their soft tokens (the vision tower's output), one prompt position each",
     "diffusion_committed_tokens": "canvas tokens committed: blocks x canvas length (incl. positions after a stop id)",
     "diffusion_committed_throughput": "[tok/s] canvas tokens/s while denoising: committed canvas tokens / denoising time (the batched decoder passes' own time)",
     "diffusion_canvas_positions": "canvas positions evaluated: denoising steps (request rows of the decoder passes) x canvas length",
@@ -110,6 +114,8 @@ SUMMARY: dict[str, str] = {
     "p99_e2el_ms": "its 99th percentile",
     "mean_queue_ms": ("queue wait: all {num_prompts} prompts of a run are submitted at once, so with fewer slots "
                       "than prompts each waits behind the earlier ones (a backlog, not a fault)"),
+    "mean_vision_ms": "vision tower per request, timed apart (its prompt pass, mean_prefill_ms, includes it)",
+    "image_tokens_per_prompt": "prompt tokens of the --image(s): their soft tokens",
     "mean_step_ms": "per decoder pass (one denoising step of every occupied slot)",
     "diffusion_committed_per_step": "canvas tokens committed per denoising step",
     "diffusion_steps_per_canvas": "mean denoising steps per block",
@@ -121,6 +127,7 @@ SUMMARY: dict[str, str] = {
 }
 
 NOT_IN_CSV = ("runs_detail",)
+IMAGE_FIGURES = ("mean_vision_ms", "images_encoded", "images_per_prompt", "image_tokens_per_prompt")  # --image rows only
 
 # The timing figures whose spread over the timed passes every row carries (`spread`).
 SPREAD_KEYS = ("output_throughput", "request_throughput", "diffusion_committed_throughput",
@@ -147,6 +154,8 @@ class Pass:
     e2el_s: list[float]  # start of its prefill to its Done
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (0: caching off)
     prefix_cache_hits: int = 0  # of them, tokens found
+    vision_s: float = 0.0  # the vision tower's time on the pass's images
+    images_encoded: int = 0  # images the tower ran on in the pass
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -221,6 +230,8 @@ def summarize(passes: list[Pass], cfg: ModelConfig, max_steps: int, *, weight_by
         "std_e2el_ms": (statistics.stdev(e2e) if len(e2e) > 1 else 0.0) * 1e3,
         "mean_queue_ms": statistics.fmean(q for p in passes for q in p.queue_s) * 1e3,
         "mean_prefill_ms": statistics.fmean(x.timings["prefill_s"] for x in d) * 1e3,
+        **({"mean_vision_ms": sum(p.vision_s for p in passes) / len(reqs) * 1e3,
+            "images_encoded": sum(p.images_encoded for p in passes)} if any(p.images_encoded for p in passes) else {}),
         "diffusion_committed_tokens": blocks * c,
         "diffusion_committed_throughput": _ratio(blocks * c, denoise_s),
         "diffusion_canvas_positions": row_steps * c,

@@ -1,6 +1,6 @@
 """The bench and sweep workload: a prompt file (the bundled held-out set by default) or random token ids.
 
-Owns: `Prompt`, reading and encoding a prompt set through the request API's encoder, random-id prompts
+Owns: `Prompt`, the prompts with `bench --image`'s images (`with_images`), reading and encoding a prompt set through the request API's encoder, random-id prompts
 (with the loud warning they need), the prompt-set hash every row's provenance carries, and the check of
 the workload's counts (prompts, runs, warm-ups). Must not: run the model or measure.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,6 +29,7 @@ class Prompt:
     text: str | None = None  # None for random token ids
     answer: str | None = None
     family: str | None = None
+    images: list = field(default_factory=list)  # the engine's (patches, positions, key) per image, in prompt order
 
 
 def default_prompt_file() -> Path | None:
@@ -89,3 +90,20 @@ def build_prompts(session: Any, *, prompts_file: str | None, random_ids: bool, n
     out = random_prompts(cfg.vocab_size, num_prompts or 4, input_len, seed, set(session.stop_ids))
     check_context(session, input_len)
     return out, "random-token-ids"
+
+
+def with_images(session: Any, prompts: list[Prompt], images: list) -> list[Prompt]:
+    """Every prompt with `images` (text/images.py's, preprocessed for the session's tower) before its text: a text
+    prompt through the chat template as `generate --image` builds it, random ids after the images' placeholder runs.
+    Each prompt's images are keyed apart, so every request runs them through the tower (none shared by caching)."""
+    from dgcli.runtime.vision import engine_images, image_ids, prompt_ids
+
+    marks = image_ids(session)
+    spare = next(t for t in range(session.config.vocab_size) if t not in marks and t not in set(session.stop_ids))
+    runs = [t for x in images for t in (marks[0], *[marks[1]] * x.soft_tokens, marks[2])]
+    out = []
+    for i, p in enumerate(prompts):
+        ids = prompt_ids(session, p.text, images) if p.text is not None else runs + [
+            spare if t in marks else t for t in p.ids]  # a random id that is an image mark would be a stray span
+        out.append(replace(p, ids=ids, images=[(a, b, (key, i)) for a, b, key in engine_images(images)]))
+    return out

@@ -60,7 +60,7 @@ def test_json_has_every_figure_with_sane_fixed_work_values(doc, ckpt):
                and k not in ("peak_flops_per_s", "peak_compute", "peak_bytes_per_s", "flops_utilization",
                              "bandwidth_utilization",
                              "floor_step_ms", "floor_bound", "step_vs_floor", "peak_flops_range",
-                             "peak_bytes_range")]  # need peaks: checked below
+                             "peak_bytes_range") and k not in metrics.IMAGE_FIGURES]  # need peaks: checked below
     assert not missing
     assert set(doc["definitions"]) == set(metrics.DEFINITIONS)
     # Fixed work: every block runs the cap; --ignore-eos: every request runs both blocks.
@@ -144,7 +144,8 @@ def test_default_md_is_short_with_units_and_the_rest_behind_verbose(ckpt):
     assert "### Figures" not in md and "### Provenance" not in md and "add --verbose" in md
     figures = {ln.split("|")[1].strip(" `"): ln.split("|")[2].strip() for ln in md.splitlines() if ln.startswith("| `")}
     # Batch size 1: no slot occupancy; --no-measure-peaks: no roofline ratio.
-    assert list(figures) == [k for k in metrics.SUMMARY if k not in ("slot_occupancy", "step_vs_floor")]
+    assert list(figures) == [k for k in metrics.SUMMARY if k not in ("slot_occupancy", "step_vs_floor",
+                                                                    *metrics.IMAGE_FIGURES)]
     assert figures["output_throughput"].endswith(" tok/s") and figures["mean_step_ms"].endswith(" ms")
     assert re.fullmatch(r"[\d.]+ ([KMG]i)?B", figures["peak_memory_bytes"]) and figures["quality"] == "n/a"
     assert figures["cap_hit_rate"] == "100 %"  # fixed work: every block runs the cap
