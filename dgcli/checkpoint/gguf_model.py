@@ -389,3 +389,10 @@ def load_gguf_model(path: str | Path, device: Any = "cpu", dtype: Any = None):
         raise UserError(f"{path}: no weights for {left[0]!r}; the file does not describe this model")
     return model.to(device).eval()
 
+
+
+def held_bytes(qtype: int, n: int, k: int) -> int:
+    """Bytes a load holds for an [n, k] matrix of GGML type `qtype`: the kernels' prepared form (for the cost model)."""
+    from dgcli.kernels import ggml_cpu
+
+    return ggml_cpu.prepared_bytes(qtype, n, k)

@@ -389,7 +389,8 @@ def test_memory_constants_follow_the_kernels():
     for line in ("min(n, row_chunk or SCRATCH_BYTES // (v * embed.element_size()))",
                  "splits = splits or max(1, min(triton.cdiv(v, bn), VOCAB_SPLITS))",
                  "cols_per_split = triton.cdiv(triton.cdiv(v, splits), bn) * bn",
-                 "per_soft = triton.cdiv(triton.cdiv(v, SOFT_SPLITS), bk) * bk"):
+                 "per_soft = triton.cdiv(triton.cdiv(v, SOFT_SPLITS), block_k) * block_k",
+                 "acc = soft_gemm(scratch, embed, bk, soft_tile)"):
         assert line in triton_src, line
     assert re.search(rf"^BLOCK = {memory.MOE_BLOCK}  #", (kernels / "moe.py").read_text(), re.M)
     moe = pytest.importorskip("dgcli.kernels.moe")  # the tuned path's BLOCK_M, mirrored for bf16

@@ -19,11 +19,11 @@ from dgcli.model.config import ModelConfig
 
 def gguf_inventory(path: Path) -> dict:
     """Bytes and parameters by ggml type of a GGUF file, from its header only (the `safetensors_inventory`
-    keys, plus per tensor what a load keeps: quantized matrices as stored, the rest in the run dtype)."""
+    keys, plus per tensor what a load keeps: quantized matrices in the kernels' held form, the rest in the run dtype)."""
     from dgcli.model import ggml
     from dgcli.checkpoint.gguf import open_gguf
 
-    from dgcli.kernels.ggml_cpu import prepared_bytes
+    from dgcli.checkpoint.gguf_model import held_bytes
 
     f = open_gguf(path)
     by_type: dict[str, int] = {}
@@ -35,7 +35,7 @@ def gguf_inventory(path: Path) -> dict:
         params += n
         # The embedding (the tied head) and a router are dequantized at load; other quantized matrices stay.
         if t.type in ggml.QUANTIZED and t.name != "token_embd.weight" and ".ffn_gate_inp." not in t.name:
-            kept = math.prod(t.shape[:-2]) * prepared_bytes(t.type, *t.shape[-2:]) if len(t.shape) > 1 else t.nbytes
+            kept = math.prod(t.shape[:-2]) * held_bytes(t.type, *t.shape[-2:]) if len(t.shape) > 1 else t.nbytes
             kept_quantized += kept
             if t.name.startswith("blk.") and int(t.name.split(".")[1]) < len(layers):
                 layers[int(t.name.split(".")[1])] += kept
