@@ -100,3 +100,11 @@ def bundled_heldout():
     finally:
         torch.set_num_threads(threads)
     return session, prompts, responses
+
+
+@pytest.fixture(scope="session")
+def vision_ckpt(tmp_path_factory):
+    """A tiny checkpoint with a vision tower (hf_oracle.write_vision_checkpoint), shared by the image tests."""
+    from hf_oracle import write_vision_checkpoint
+
+    return write_vision_checkpoint(tmp_path_factory.mktemp("vision") / "ckpt")

@@ -119,3 +119,12 @@ def write_vision_checkpoint(out, seed: int = 0):
         "{%- if part['type'] == 'text' -%}{{- part['text'] -}}"
         "{%- elif part['type'] == 'image' -%}{{- '<|image|>' -}}{%- endif -%}"))
     return out
+
+
+def write_picture(path, seed, size=(40, 24)) -> str:
+    """A random RGB PNG (Pillow: the `[vision]` extra) at `path`, for the image tests; returns the path as text."""
+    import numpy as np
+    from PIL import Image
+
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)).save(path)
+    return str(path)

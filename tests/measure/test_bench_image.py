@@ -3,23 +3,10 @@ apart and the image's prompt tokens; what bench cannot honour is one line, exit 
 
 import json
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from cli_run import run
-
-
-@pytest.fixture(scope="module")
-def vision_ckpt(tmp_path_factory):
-    from hf_oracle import write_vision_checkpoint
-
-    return write_vision_checkpoint(tmp_path_factory.mktemp("vision") / "ckpt")
-
-
-def picture(path, seed, size=(40, 24)):
-    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)).save(path)
-    return str(path)
+from hf_oracle import write_picture as picture
 
 
 def prompt_file(tmp_path):
