@@ -116,7 +116,6 @@ def parse_config(raw: dict[str, Any], *, source: str = "config.json") -> ModelCo
             self_conditioning_size=int(raw.get("self_conditioning_size", text["intermediate_size"])),
             max_position_embeddings=int(text.get("max_position_embeddings", 262144)),
             pad_token_id=int(text.get("pad_token_id", 0) or 0),
-            bos_token_id=int(text.get("bos_token_id", 2)),
             eos_token_ids=eos_ids,
             dtype=str(raw.get("dtype") or text.get("dtype") or raw.get("torch_dtype") or "bfloat16"),
             quantization=parse_quantization(raw, source),
@@ -180,7 +179,7 @@ def parse_quantization(raw: dict[str, Any], source: str = "config.json") -> Quan
         algo = (q.get("quantization") or q).get("quant_algo")
         if algo != "NVFP4":
             raise UserError(f"{source}: quantization scheme {_other_scheme(q)} is not supported; {SUPPORTED}")
-        return Quantization(scheme="NVFP4", dynamic_activations=False, layout="modelopt",
+        return Quantization(scheme="NVFP4", layout="modelopt",
                             ignore=tuple(map(str, (q.get("quantization") or q).get("exclude_modules") or ())))
     if method != "compressed-tensors":
         raise UserError(f"{source}: quantization scheme {_other_scheme(q)} is not supported; {SUPPORTED}")
@@ -211,10 +210,9 @@ def parse_quantization(raw: dict[str, Any], source: str = "config.json") -> Quan
                         "(e4m3 weights stored as such), not weights saved before compression")
     ignore = q.get("ignore") or []
     if nvfp4:  # W4A4 (input_global_scale) runs as W4A16: activations stay in the model dtype, as vLLM on Hopper
-        return Quantization(scheme="NVFP4" if "NVFP4" in names else "NVFP4A16", dynamic_activations=False,
-                            ignore=tuple(map(str, ignore)))
+        return Quantization(scheme="NVFP4" if "NVFP4" in names else "NVFP4A16", ignore=tuple(map(str, ignore)))
     return Quantization(scheme="FP8_DYNAMIC" if "FP8_DYNAMIC" in names else "FP8 weight-only",
-                        dynamic_activations="FP8_DYNAMIC" in names, ignore=tuple(map(str, ignore)))
+                        ignore=tuple(map(str, ignore)))
 
 
 def directory_config(path: Path) -> dict:

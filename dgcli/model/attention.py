@@ -1,29 +1,17 @@
 """The one attention entry point: every row of a pass, every phase, over the paged KV cache, read in place.
 
-Owns: `Segment` (a run of one sequence's rows in a pass), `PassLayout` (where each row's key and value go and
-which keys it reads, built once per pass for every layer) and `attend`. One rule covers every phase: a row at
-position p of a sequence reads that sequence's key positions lo..hi-1, where
+One rule covers every phase: a row at position p of a sequence reads that sequence's key positions lo..hi-1, where
 - causal rows (prompt chunks, committed blocks): hi = p + 1; lo = p - W + 1 on sliding layers of window W, else 0;
-- canvas rows (bidirectional, one canvas at positions P..P+C-1): hi = P + C for every row; lo = P - (W - 1) on
-  sliding layers (the same last W-1 prefix positions for every canvas row: the reference's rectangle, not a
-  per-row window; spec §6), else 0.
-Full layers: every row's key and value are written to the cache before any row reads (a canvas writes its own
-at the positions its block will commit to; the commit overwrites them), so every key is read from the cache.
-Sliding layers keep a ring of only the last W-1 positions: a segment reads the ring's keys before its own start
-and its own from this pass's k, v; causal segments write theirs after reading, then the canvases read (so a
+- canvas rows (one canvas at positions P..P+C-1): hi = P + C for every row; lo = P - (W - 1) on sliding layers (the
+  reference's rectangle, not a per-row window; spec §6), else 0.
+Full layers write every row's key and value to the cache before any row reads (a canvas at the positions its block
+will commit to). Sliding layers keep a ring of the last W-1 positions: a segment reads the ring's keys before its
+start and its own from this pass's k, v; causal segments write theirs after reading, then the canvases read (so a
 commit and the next block's canvas can share a pass). No step copies a prefix.
-Backends (`backend`): CUDA runs the Triton kernel (`kernels/paged_attention.py`), which walks block tables and
-takes the pass's own keys for sliding layers; elsewhere torch's SDPA, one call per shape (`PassLayout.sdpa_plan`,
-built once per pass): segments with the same rows, keys and mask (prompt chunks of one length at one start,
-canvases after equal prefixes) share a batched call. Full layers: a lone segment reads strided views of the pool
-(one run when its blocks are consecutive, else the pieces concatenated: a copy bounded by its own keys); a batch
-reads its keys gathered from the pool, only while each segment's take at most GATHER_BYTES (longer ones go
-alone: no prefix copied). Sliding layers: every segment's ring keys gathered in one call and its own keys from
-this pass (fewer than W + rows keys each). A causal mask only for causal segments ([rows, keys]).
-On CPU the keys, their order and the mask are those of the reference's own attention call: the bits are SDPA's
-on those keys (its CPU result does not depend on strides, or on the batch it is computed in:
-tests/model/test_paged.py).
-Must not: know about requests, the sampler or blocks of the diffusion schedule.
+Backends (`backend`): CUDA runs the Triton kernel (kernels/paged_attention.py) over block tables; elsewhere torch's
+SDPA, segments of one shape (rows, keys, mask) batched into one call (`PassLayout.sdpa_plan`). On CPU the keys, their
+order and the mask are the reference's own attention call's: the bits are SDPA's on those keys, whatever the batch
+(tests/model/test_paged.py). Must not: know about requests, the sampler or blocks of the diffusion schedule.
 """
 
 from __future__ import annotations
@@ -121,10 +109,9 @@ class _Plan:
 
 
 class PassLayout:
-    """One pass's rows: segments in row order (every causal segment before every canvas segment), positions,
-    write slots per cache group, per (segment, window) the key runs and mask and, on CPU, per kind of layer the
-    SDPA calls (`sdpa_plan`). Host work once per pass.
-    A captured pass (model/graphs.py) keeps one layout's device tensors and `load`s each later pass into them."""
+    """One pass's rows: segments in row order (causal before canvas), positions, write slots per cache group, the
+    key runs and masks and the SDPA calls (CPU) or kernel row arrays (CUDA): host work once per pass. A captured
+    pass (model/graphs.py) keeps one layout's device tensors and `load`s each later pass into them."""
 
     def __init__(self, segments: list[Segment], cache, device: torch.device, every_seq: bool = False):
         """`every_seq`: the kernel's block tables hold every sequence of the cache, indexed by sequence id, at a
@@ -174,9 +161,8 @@ class PassLayout:
         return out
 
     def reads(self, j: int, group: str, window: int | None) -> tuple[list[tuple[int, int]], torch.Tensor | None]:
-        """Segment j's key runs in the cache and its mask [rows, keys] (None for canvas rows: they read every key).
-        Full layers: every key from the cache (written first). Sliding layers: the cache's keys before the
-        segment, then the segment's own (this pass's k, v), as the reference orders them."""
+        """Segment j's key runs in the cache (sliding layers: those before the segment; its own come from this pass)
+        and its mask [rows, keys] (None for canvas rows: they read every key)."""
         key = (j, window)
         if key not in self._reads:
             s = self.segments[j]
@@ -188,13 +174,11 @@ class PassLayout:
 
     def sdpa_plan(self, layer: int, canvas: bool | None) -> _Plan:
         """The segments of one kind (`canvas`; None: all) as SDPA calls, built once per pass and kind of layer.
-        Segments of the same shape (rows, keys, mask) share one call, batched in the order they come, unless
-        that would copy more than GATHER_BYTES of a full layer's keys and values per segment: then each reads
-        its views of the pool alone. The calls' rows are the kind's in call order (`qperm`: that order as kind
-        rows, None when it is the pass's). Their keys: full layers, the batched calls' gathered from the pool
-        (`gather`, in call order), a lone segment's as runs of the pool; sliding layers, [the ring's keys of
-        every segment (`gather`) | the kind's own rows] picked by `order` into each segment's ring keys then its
-        own, in call order (None: already so). `gather` is a slice where its slots are one run (a view)."""
+        Segments of one shape (rows, keys, mask) share a call, unless that would copy more than GATHER_BYTES of a
+        full layer's keys per segment: then each reads its views of the pool alone. `qperm`: the calls' rows as
+        kind rows (None: in order). Keys: full layers, the batched calls' gathered from the pool (`gather`, a
+        slice where one run), a lone segment's as runs of the pool; sliding layers, [every segment's ring keys
+        (`gather`) | the kind's own rows] picked by `order` into each segment's ring keys then its own."""
         cache = self.cache
         group, window = cache.kind[layer], cache.windows[layer]
         key = (group, window, canvas)  # a group's layers share one key shape (the geometry is the kind's: config.py)
@@ -213,17 +197,17 @@ class PassLayout:
         for j, s, r0 in kind:
             lo, hi = s.keys(window)
             shapes.setdefault(_batch_key(s, lo, hi), []).append((j, s, r0, lo))
-        batches = []  # (rows, keys, the first row's offset in its keys, canvas, segments)
+        batches = []  # (rows, keys, segments)
         for members in shapes.values():
             s, lo = members[0][1], members[0][3]
-            shape = (s.length, s.keys(window)[1] - lo, s.start - lo, s.canvas)
+            shape = (s.length, s.keys(window)[1] - lo)
             if len(members) > 1 and not fresh and shape[1] * key_bytes > GATHER_BYTES:
                 batches += [(*shape, [m]) for m in members]
             else:
                 batches.append((*shape, members))
         qrows, gather, order, calls = [], [], [], []
         ring = sum(s.start - lo for *_, members in batches for _, s, _, lo in members) if fresh else 0
-        for rows, n, off, cv, members in batches:
+        for rows, n, members in batches:
             mask = self.reads(members[0][0], group, window)[1]  # the batch's one mask
             if fresh or len(members) > 1:
                 keys = len(order) if fresh else len(gather)
@@ -251,9 +235,7 @@ class PassLayout:
     def kernel_meta(self, group: str, window: int | None, tile: int, canvas: bool | None = None) -> tuple:
         """Per-row (sequence index, lo, hi, fresh position, fresh row) int32 on the device, the group's block
         tables, and row tiles of at most `tile` consecutive rows of one segment (of one kind, if `canvas` is
-        given). Sliding layers read a segment's own positions from this pass's k, v (fresh), full layers none.
-        The rows are built once per (group, window), the tiles once per (tile, kind): both kinds' launches and
-        every layer of a kind share them."""
+        given); sliding layers read a segment's own positions from this pass's k, v (fresh). Built once per pass."""
         if (group, window) not in self._rows:
             self._rows[group, window] = self._row_arrays(group, window)
         if (tile, canvas) not in self._tiles:
@@ -302,11 +284,8 @@ class PassLayout:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, layout: PassLayout) -> torch.Tensor:
-    """q [1, n, N, d], this pass's k, v [1, n_kv, N, d] of layer `layer` -> attention output [1, n, N, d].
-    Full layers: every row's k, v written first, then every segment reads the cache. Sliding layers (a ring of
-    about W-1 positions): the causal segments read the ring and their own k, v, then write theirs, then the
-    canvases read the ring (a same-pass commit included) and their own k, v. Scale 1.0 (QK-norm absorbs
-    1/sqrt(d)); no softcap; GQA by head groups."""
+    """q [1, n, N, d], this pass's k, v [1, n_kv, N, d] of layer `layer` -> attention output [1, n, N, d], in the
+    module docstring's order. Scale 1.0 (QK-norm absorbs 1/sqrt(d)); no softcap; GQA by head groups."""
     cache = layout.cache
     group, window = cache.kind[layer], cache.windows[layer]
     out = torch.empty_like(q)

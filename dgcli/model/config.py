@@ -1,6 +1,5 @@
 """The model's configuration: one flat dataclass with the derived per-layer geometry (spec §1), and the
-quantization a checkpoint's weights carry. Reading a checkpoint's `config.json` into it is
-dgcli/checkpoint/config.py's job.
+quantization a checkpoint's weights carry (dgcli/checkpoint/config.py reads config.json into them).
 
 Owns: `ModelConfig`, `LayerGeometry`, `RopeSpec`, `Quantization`, the layer kinds. Must not: read files, touch torch.
 """
@@ -36,12 +35,9 @@ class LayerGeometry:
 
 @dataclass(frozen=True)
 class Quantization:
-    """A `quantization_config` dgemma runs: compressed-tensors float-quantized FP8 weights (e4m3, one scale
-    per output channel, symmetric). `dynamic_activations`: the checkpoint was made for per-token dynamic
-    FP8 activations (FP8_DYNAMIC); dgemma runs weight-only unless asked (DGEMMA_FP8, --fp8-activations)."""
+    """A `quantization_config` dgemma runs (FP8 runs weight-only unless asked: DGEMMA_FP8, --fp8-activations)."""
 
     scheme: str  # "FP8_DYNAMIC", "FP8 weight-only", "NVFP4" (W4A4, run as W4A16), "NVFP4A16"
-    dynamic_activations: bool
     ignore: tuple[str, ...] = ()
     layout: str = "compressed-tensors"  # NVFP4: or "modelopt" (`weight`, `weight_scale_2`; experts only)
 
@@ -74,7 +70,6 @@ class ModelConfig:
     self_conditioning_size: int
     max_position_embeddings: int
     pad_token_id: int = 0
-    bos_token_id: int = 2
     eos_token_ids: tuple[int, ...] = (1,)
     dtype: str = "bfloat16"
     name: str = "diffusion_gemma"

@@ -1,12 +1,8 @@
-"""FP8 weights in the model: compressed-tensors' FP8-dynamic layout (float8_e4m3fn `weight`, one
-`weight_scale` [out, 1] per output channel, in the source weights' dtype) held at 1 byte per parameter.
-
-In memory the experts are fused in our layout (gate_up_proj [E, 2I, H] with gate rows first, down_proj [E, H, I],
-scales [E, 2I, 1] and [E, H, 1]) so the grouped expert kernels read them (a checkpoint stores them per expert:
-dgcli/checkpoint/compressed_tensors.py maps the names). Quantized linears and experts are modules swapped into
-the model tree (`convert_`): the model's math calls them exactly as it calls nn.Linear and Experts.
-Owns: `FP8Linear`, `FP8Experts`, `quantize_rows` (compressed-tensors' per-channel absmax quantization),
-`convert_`, `quantize_model_`. Must not: read or write files, know checkpoint names, or run the math (kernels/ does).
+"""FP8 weights in the model: compressed-tensors' FP8-dynamic layout (float8_e4m3fn `weight`, one `weight_scale`
+[out, 1] per output channel, in the source weights' dtype) held at 1 byte per parameter. Experts are fused in our
+layout (gate_up_proj [E, 2I, H], gate rows first; down_proj [E, H, I]; scales [E, 2I, 1], [E, H, 1]).
+Quantized modules are swapped into the model tree (`convert_`, also NVFP4's): the model calls them as it calls
+nn.Linear and Experts. Must not: read or write files, know checkpoint names, or run the math (kernels/ does).
 """
 
 from __future__ import annotations
@@ -25,9 +21,8 @@ QUANTIZED = re.compile(r"^layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|dow
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [..., out, in] -> (q float8_e4m3fn, scale [..., out, 1] in w.dtype), as compressed-tensors computes
-    FP8 channel quantization (calculate_qparams + quantize): scale = absmax / 448 in w's dtype (0 -> the
-    dtype's eps), q = clamp(w / scale, +-448) in w's dtype, rounded to e4m3."""
+    """w [..., out, in] -> (q float8_e4m3fn, scale [..., out, 1] in w.dtype), as compressed-tensors quantizes FP8
+    channels: scale = absmax / 448 in w's dtype (0 -> the dtype's eps), q = clamp(w / scale, +-448) rounded to e4m3."""
     absmax = w.abs().amax(dim=-1, keepdim=True)
     scale = absmax / torch.tensor(FP8_MAX, dtype=w.dtype, device=w.device)
     scale = torch.where(scale == 0, torch.tensor(torch.finfo(w.dtype).eps, dtype=w.dtype, device=w.device), scale)
@@ -70,37 +65,35 @@ def _set(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
 
-def convert_(model: nn.Module, linears: set[str], experts: set[int], scale_dtype: torch.dtype) -> None:
-    """Swap the named nn.Linear modules and the experts of the given layers for their FP8 twins (on the
-    module's device: the loader does it on meta, before any tensor exists)."""
+def convert_(model: nn.Module, linears: set[str], experts: set[int], arg, kinds: tuple = (FP8Linear, FP8Experts)
+             ) -> None:
+    """Swap the named bias-free nn.Linear modules and the experts of the given layers for their quantized twins
+    `kinds` = (linear class, experts class), built with `arg` (FP8: the scale dtype; NVFP4: `divide`) on the old
+    module's device (the loader does it on meta, before any tensor exists)."""
     for name in sorted(linears):
         old = model.get_submodule(name)
         if not isinstance(old, nn.Linear) or old.bias is not None:
             raise ValueError(f"{name} is not a bias-free linear")
         with torch.device(old.weight.device):
-            _set(model, name, FP8Linear(old.in_features, old.out_features, scale_dtype))
+            _set(model, name, kinds[0](old.in_features, old.out_features, arg))
     for i in sorted(experts):
         old = model.layers[i].experts
         e, two_i, h = old.gate_up_proj.shape
         with torch.device(old.gate_up_proj.device):
-            model.layers[i].experts = FP8Experts(e, h, two_i // 2, scale_dtype)
+            model.layers[i].experts = kinds[1](e, h, two_i // 2, arg)
 
 
-def quantized_names(model: nn.Module) -> set[str]:
-    """State-dict names of the FP8 tensors and their scales (kept as stored, never cast to the run dtype)."""
-    out = set()
-    for name, m in model.named_modules():
-        if isinstance(m, (FP8Linear, FP8Experts)):
-            out |= {f"{name}.{b}" for b, _ in m.named_buffers(recurse=False)}
-    return out
+def quantized_names(model: nn.Module, kinds: tuple = (FP8Linear, FP8Experts)) -> set[str]:
+    """State-dict names of the `kinds` modules' buffers (kept as stored: never cast or drawn as plain weights)."""
+    return {f"{n}.{b}" for n, m in model.named_modules() if isinstance(m, kinds) for b, _ in m.named_buffers(recurse=False)}
 
 
-def is_fp8(model: nn.Module) -> bool:
-    return any(isinstance(m, (FP8Linear, FP8Experts)) for m in model.modules())
+def is_fp8(model: nn.Module, kinds: tuple = (FP8Linear, FP8Experts)) -> bool:
+    return any(isinstance(m, kinds) for m in model.modules())
 
 
 def targets(model: nn.Module) -> tuple[set[str], set[int]]:
-    """The linears and expert layers a quantized DiffusionGemma stores in FP8."""
+    """The linears and expert layers a quantized DiffusionGemma stores in FP8 (or NVFP4)."""
     linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear) and QUANTIZED.match(n)}
     return linears, set(range(len(model.layers)))
 

@@ -1,7 +1,5 @@
-"""CUDA's load-time fusion of projections: each attention's q/k/v and each dense MLP's gate/up as one GEMM.
-
-Owns: `fuse_projections` (the model's modules run the fused matrix where `gemma._fused` says so). Must not: run on
-CPU (its path, bits and prepacked weights stay as loaded) or copy a weight.
+"""CUDA's load-time fusion of projections: each attention's q/k/v and each dense MLP's gate/up as one GEMM (run
+where `gemma._fused` says so). Must not: run on CPU (its path, bits and prepacked weights stay) or copy a weight.
 """
 
 from __future__ import annotations
@@ -14,9 +12,8 @@ from dgcli.model.gemma import MLP, Attention
 
 @torch.no_grad()
 def fuse_projections(model: nn.Module) -> int:
-    """On CUDA, at load: each attention's q/k/v and each dense MLP's gate/up weights (plain bias-free `nn.Linear`s
-    of one dtype) become row views of one matrix `fused`, run as one GEMM (no second copy; autograd keeps the
-    separate GEMMs). Returns the groups fused (0 on CPU: its path, bits and prepacked weights stay)."""
+    """Plain bias-free CUDA `nn.Linear`s of one dtype become row views of one matrix `fused` (autograd keeps the
+    separate GEMMs). Returns the groups fused (0 on CPU)."""
     done = 0
     for m in model.modules():
         lins = [getattr(m, n, None) for n in (("q_proj", "k_proj", "v_proj") if isinstance(m, Attention) else

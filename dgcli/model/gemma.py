@@ -1,15 +1,14 @@
-"""DiffusionGemma text model: one Gemma-4 MoE backbone run in two modes (spec §5, §6).
+"""DiffusionGemma text model: one Gemma-4 MoE backbone run in two modes (spec §5, §6), with one layer loop.
 
 Encoder mode (prompt chunks, block commits): scaled embeddings, causal attention (sliding window on sliding
 layers), their K/V kept in the cache, encoder layer scalars. Decoder mode (the canvas): RMS-normed embeddings
 plus self-conditioning, bidirectional over the canvas, the full prefix on full layers and the last W-1 prefix
-positions on sliding layers, decoder layer scalars. `forward_pass` runs rows of both modes in one pass (the one
-attention entry point: model/attention.py); `forward_unified` is the cache-free formulation training uses.
+positions on sliding layers, decoder layer scalars. `forward_pass` runs rows of both modes in one pass over the
+cache (model/attention.py); `unified_hidden` is the same loop cache-free, with autograd (training).
 
-Owns: the math. Must not: read files, print, tokenise, time, or sample. `forward_pass` returns hidden states; `logits`
-projects only the rows it is given (the canvas). Module names follow the checkpoint's, so the key map in
-`loader.py` is near-identity. Numerics follow the transformers reference op for op (norms in fp32, router
-softmax fp32, RoPE tables cast to the activation dtype, logits softcapped in fp32).
+Owns: the math. Must not: read files, print, tokenise, time, or sample. Module names follow the checkpoint's.
+Numerics follow the transformers reference op for op (norms in fp32, router softmax fp32, RoPE tables cast to the
+activation dtype, logits softcapped in fp32).
 """
 
 from __future__ import annotations
@@ -26,8 +25,7 @@ from dgcli.engine.request import image_spans
 
 
 class RMSNorm(nn.Module):
-    """x·(mean(x²)+eps)^-½ in fp32, times the stored gain (no +1 offset); `with_scale=False` is Norm_0 (the math:
-    kernels/reference_ops.py::rms_norm_reference; a Triton kernel on CUDA)."""
+    """x·(mean(x²)+eps)^-½ in fp32, times the stored gain (no +1 offset); `with_scale=False` is Norm_0."""
 
     def __init__(self, dim: int, eps: float, with_scale: bool = True):
         super().__init__()
@@ -43,9 +41,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-    """cos and signed sin [T, 1, d] (positions [T], shared by the batch) or [B, T, 1, d] (positions [B, T], per
-    row) for rotate-half RoPE (`apply_rope`); computed in fp32, cast to the activation dtype as the reference
-    does. The sin's first half is negated: the rotation's sign lives in the table."""
+    """cos and signed sin [..., T, 1, d] for rotate-half RoPE (`apply_rope`) at positions [..., T]; computed in
+    fp32, cast to the activation dtype as the reference does. The sin's first half is negated: the sign lives there."""
     freqs = positions.float()[..., None, None] * inv_freq  # [..., T, 1, d/2]
     emb = torch.cat((freqs, freqs), dim=-1)
     sin, half = emb.sin().to(dtype), inv_freq.shape[-1]
@@ -95,9 +92,6 @@ class Attention(nn.Module):
         v = self.v_norm(v_raw)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
-    def attend(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
-        return self.out(self.sdpa(q, k, v, mask))
-
     @staticmethod
     def sdpa(q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
         # Scale 1.0 (QK-norm absorbs 1/sqrt(d)); no attention softcap; GQA by kv-head groups.
@@ -146,8 +140,7 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Fused expert weights as stored: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
-    The math is `kernels/reference_ops.py::experts_reference`; CPU runs a grouped path, CUDA a Triton kernel."""
+    """Fused expert weights as stored: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -254,7 +247,7 @@ class DiffusionGemma(nn.Module):
                             prefix_caching=prefix_caching, pass_rows=pass_rows)
 
     def pass_graphs(self, cache: PagedKVCache, dummy_seq: int, slots: int, *, capture: bool):
-        """CUDA graphs of decode-only passes over `cache` (model/graphs.py); `dummy_seq` pads the buckets."""
+        """CUDA graphs of decode-only passes over `cache` (model/graphs.py)."""
         from dgcli.model.graphs import PassGraphs
 
         return PassGraphs(self, cache, dummy_seq, slots, capture=capture)
@@ -279,13 +272,11 @@ class DiffusionGemma(nn.Module):
     def forward_pass(self, ids: torch.Tensor, segments: list, cache: PagedKVCache,
                      soft: torch.Tensor | None = None, images: tuple | None = None) -> torch.Tensor | None:
         """One pass over every row of a plan: `segments` (seq, start, length, canvas) in row order, causal ones
-        (prompt chunks, committed blocks: encoder mode, spec §5) before canvas ones (decoder mode, all of the
-        canvas length C); ids [N] their token ids; soft [B, C, H] the canvases' self-conditioning input (None:
-        none). Writes every row's K/V into `cache`; returns the canvas rows' final-normed hidden states
-        [B, C, H] (None without canvas rows). The last layer's feed-forward runs on canvas rows only: encoder
-        outputs are only ever K/V. `images` (rows [M], features [M, H]): image soft tokens that replace the
-        embeddings of those causal rows (the reference's placeholder scatter); segments' `spans` are their image
-        spans, bidirectional (model/attention.py)."""
+        (prompt chunks, committed blocks: encoder mode) before canvas ones (decoder mode, each C rows); ids [N];
+        soft [B, C, H] the canvases' self-conditioning input (None: none). Writes every row's K/V into `cache`;
+        returns the canvas rows' final-normed hidden states [B, C, H] (None without canvas rows). `images` (rows
+        [M], features [M, H]): image soft tokens replacing those causal rows' embeddings (the reference's
+        placeholder scatter); segments' `spans` are their image spans, bidirectional."""
         layout = PassLayout([Segment(s.seq, s.start, s.length, s.canvas, getattr(s, "spans", ()))
                              for s in segments], cache, ids.device)
         return self.forward_layout(ids, layout, soft, images)
@@ -308,10 +299,9 @@ class DiffusionGemma(nn.Module):
         return None if x is None else x.view(b, c, -1)
 
     def _layers(self, box: list, nc: int, tables: dict, attend_fn, cache_pass: bool) -> torch.Tensor | None:
-        """The one layer loop, final norm included, over box's one tensor x [B, T, H] (taken out of the list, so
-        nothing holds the input after the first layer): its first `nc` rows (per batch row) causal (encoder mode:
-        prompt, committed blocks), the rest canvases (decoder mode); `attend_fn(i, g, q, k, v)` is layer i's
-        attention over its keys. `cache_pass` (a pass over a KV cache, no autograd): the last layer's feed-forward
+        """The one layer loop, final norm included, over box's one tensor x [B, T, H] (popped: nothing holds the input
+        after the first layer): its first `nc` rows causal (encoder mode), the rest canvases (decoder mode);
+        `attend_fn(i, g, q, k, v)` is layer i's attention. `cache_pass` (no autograd): the last layer's feed-forward
         runs on canvas rows only (causal outputs are only ever K/V), None without canvas rows."""
         x = box.pop()
         last = len(self.layers) - 1
@@ -358,20 +348,11 @@ class DiffusionGemma(nn.Module):
             images = ((prompt_ids.flatten() == image_id).nonzero()[:, 0], image_features)
         return self.logits(self.forward_pass(ids, segments, cache, soft, images))
 
-    @torch.no_grad()
-    def forward_unified(self, prompt_ids: torch.Tensor, canvas_ids: torch.Tensor,
-                        self_conditioning_logits: torch.Tensor | None = None) -> torch.Tensor:
-        """The same logits from one no-cache pass over [prefix | canvas] (spec §5.6 'unified'
-        formulation): a cross-check for the cached path."""
-        soft = None if self_conditioning_logits is None else self.soft_embedding(self_conditioning_logits)
-        return self.logits(self.unified_hidden(prompt_ids, canvas_ids, soft)[1])
-
     def unified_hidden(self, prompt_ids: torch.Tensor, canvas_ids: torch.Tensor, soft: torch.Tensor | None = None,
                        prefix_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Differentiable single pass over [prefix | canvas] with a per-row mask, embedding and layer
-        scalar; returns final-normed hidden states (prefix [B, P, H], canvas [B, C, H]). Prefix rows are
-        exactly encoder mode (causal, sliding window), canvas rows exactly decoder mode. `prefix_valid`
-        [B, P] (True = real token) hides padding keys, for training batches of unequal prompts."""
+        """The layer loop without a cache, differentiable, over [prefix | canvas] (spec §5.6 'unified' formulation):
+        final-normed hidden states (prefix [B, P, H], canvas [B, C, H]). `prefix_valid` [B, P] (True = real token)
+        hides padding keys, for training batches of unequal prompts."""
         p, c = prompt_ids.shape[1], canvas_ids.shape[1]
         box = [torch.cat((self.embed(prompt_ids), self.self_conditioning.condition(self.embed(canvas_ids), soft)), 1)]
         pos = torch.arange(p + c, device=prompt_ids.device)

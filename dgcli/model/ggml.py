@@ -1,26 +1,23 @@
-"""GGML quantized weights in the model: the block formats GGUF files store (Q8_0, Q4_K, Q6_K; Q4_0, Q5_0) and
-the modules that compute with them kept quantized.
-
-Owns: `QuantLinear` and `QuantExperts` (swapped into the model tree as `fp8.py`'s modules are: the model's math calls them as it calls
-nn.Linear and `gemma.Experts`). Must not: read or write files (dgcli/checkpoint/gguf.py does), know tensor
-names, or hold the kernels (kernels/ggml_cpu.py does). The encoders (llama.cpp's reference quantizers, random
-blocks, whole-model quantize / dequantize for tests and dummy weights) are dgcli/checkpoint/ggml_quants.py.
-The block layouts and their decoders: kernels/ggml_blocks.py (re-exported here).
+"""GGML quantized weights in the model: `QuantLinear` and `QuantExperts` compute with the block formats GGUF files
+store (Q8_0, Q4_K, Q6_K; Q4_0, Q5_0), kept quantized, swapped into the model tree as model/fp8.py's modules are.
+Must not: read or write files, know tensor names, or hold the kernels (kernels/ggml_cpu.py) or the block layouts
+and decoders (kernels/ggml_blocks.py, re-exported here); the encoders are dgcli/checkpoint/ggml_quants.py.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
 
 from dgcli.kernels.ggml_blocks import (  # noqa: F401 (the block formats: re-exported)
-    F32, F16, Q4_0, Q5_0, Q8_0, Q4_K, Q6_K, BF16, NAMES, BLOCKS, QUANTIZED, row_bytes, fits, _blocks, _f16,
-    q4k_scale_min, q4k_pack_scales, q4k_nibbles, q40_values, q50_high, q6k_values, dequantize)
+    F32, F16, Q4_0, Q5_0, Q8_0, Q4_K, Q6_K, BF16, NAMES, BLOCKS, QUANTIZED, row_bytes, fits, q4k_pack_scales, dequantize)
+from dgcli.model import fp8
 
 
 def _hold(module: nn.Module, prefix: str, p) -> None:
-    """Register a prepared matrix's tensors as buffers (they follow .to() and count in memory reports) and
-    remember its metadata."""
+    """A prepared matrix's tensors as buffers (they follow .to() and count in memory reports), its metadata kept."""
     module.register_buffer(f"{prefix}_packed", p.packed)
     module.register_buffer(f"{prefix}_sz", p.sz)
     module._meta[prefix] = (p.kind, p.qtype, p.n, p.k)
@@ -46,17 +43,16 @@ def _held(module: nn.Module, prefix: str):
 
 
 def activation_path(model: nn.Module) -> str | None:
-    """What a model's GGML weights are multiplied by on this machine, for bench records: "int8" (bf16 activations
-    on a CPU with the int8 kernel: rounded per group of 32, kernels/ggml_q8.py; 1-2-row single-plane products
-    stay bf16), else the activations' dtype name; None when no weight is GGML, or `model` holds no modules (a Ray
-    driver's stand-in: dgcli/cluster/worker.py)."""
+    """What a model's GGML weights are multiplied by here, for bench records: `activations_on`'s answer; None when no
+    weight is GGML, or `model` holds no modules (a Ray driver's stand-in: dgcli/cluster/worker.py)."""
     if not isinstance(model, nn.Module) or not any(isinstance(m, _Quantized) for m in model.modules()):
         return None
     return activations_on(model.embed_weight.dtype, model.embed_weight.device)
 
 
 def activations_on(dtype: torch.dtype, device: torch.device) -> str:
-    """What GGML weights are multiplied by in a model of `dtype` on `device` (activation_path's rule)."""
+    """"int8" (bf16 activations on a CPU with the int8 kernel, kernels/ggml_q8.py: rounded per group of 32), else
+    the activations' dtype name."""
     from dgcli.kernels import ggml_q8
 
     if dtype == torch.bfloat16 and device.type == "cpu" and ggml_q8.available():
@@ -78,11 +74,8 @@ class _Quantized(nn.Module):
 
 
 class QuantLinear(_Quantized):
-    """A bias-free linear whose weight [out, in] stays in a GGML block format (`raw` uint8 [out, row_bytes]).
-    forward(x [..., in]) -> [..., out] in x.dtype; the weight stays in its quantized form (a call dequantizes
-    at most a tile of it into reused scratch, on the GEMM path for many rows: kernels/ggml_cpu.py).
-    The compute form (kernels/ggml_cpu.py) is built here, at load, with scales in `dtype` (the activations'
-    dtype: bf16 runs torch's int4 kernel); the raw bytes are not kept."""
+    """A bias-free linear whose weight [out, in] is GGML blocks (`raw` uint8 [out, row_bytes]), held in the kernels'
+    compute form built at load with scales in `dtype` (the activations' dtype); the raw bytes are not kept."""
 
     def __init__(self, raw: torch.Tensor, qtype: int, in_features: int, out_features: int,
                  dtype: torch.dtype = torch.bfloat16):
@@ -113,8 +106,7 @@ class QuantLinear(_Quantized):
 
 class QuantExperts(_Quantized):
     """`gemma.Experts` with GGML weights: gate_up [E, 2I, H] (gate rows first) and down [E, H, I], each in its own
-    type (a Q4_K_M file mixes Q4_K and Q6_K). forward(x [N, H], w [N, k] fp32, idx [N, k]) -> [N, H] with
-    `Experts.forward`'s semantics; only the routed experts' weights are touched."""
+    type (a Q4_K_M file mixes Q4_K and Q6_K)."""
 
     def __init__(self, gate_up: torch.Tensor, gate_up_type: int, down: torch.Tensor, down_type: int,
                  hidden: int, inter: int, dtype: torch.dtype = torch.bfloat16):
@@ -161,12 +153,4 @@ def type_for(qtype: int, k: int) -> int | None:
     return None
 
 
-def quantized_names(model: nn.Module) -> set[str]:
-    """State-dict names of the GGML modules' buffers (not plain weights: randomize and cast must skip them)."""
-    return {f"{n}.{b}" for n, m in model.named_modules() if isinstance(m, (QuantLinear, QuantExperts))
-            for b, _ in m.named_buffers(recurse=False)}
-
-
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes the model's parameters and buffers hold (quantized forms included)."""
-    return sum(t.nbytes for t in list(model.parameters()) + list(model.buffers()))
+quantized_names = functools.partial(fp8.quantized_names, kinds=(_Quantized,))

@@ -1,19 +1,12 @@
 """CUDA graphs of the engine's decode-only passes: one graph per batch bucket, replayed with the pass's data.
 
-Owns: `PassGraphs`. A pass whose rows are all canvases (no prompt chunk, no commit: most passes of a run) runs
-as a replay of the graph captured for the smallest bucket (1, 2, 4, ... up to the engine's slots) holding its
-canvases; the rows past the pass's own are padding: canvases of a dummy sequence the engine reserves for
-that (positions 0..C-1, reading only its own keys), whose results are dropped. Each replay first copies the
-pass's data into the bucket's static inputs: canvas ids, the self-conditioning input (zeros when the pass has
-none: the zero soft embedding is exactly none, gemma.SelfConditioning.condition), positions, write slots and
-the paged kernel's row arrays and block tables (`PassLayout.load`; the tables at a fixed width over every
-sequence, so one shape serves every pass of a bucket). Graphs are captured lazily, the first time a bucket is
-needed, after two eager runs (Triton compiles and every cache the pass fills are made outside the capture);
-all buckets share one memory pool (replays never overlap: one stream). At most log2(slots) + 2 graphs.
-Other passes (mixed phases) run `forward_pass` eagerly. Without CUDA (`capture=False`, tests) the same static
-path runs eagerly: padding, static inputs and loads are checked on the CPU with the Triton kernel interpreted.
-Bits: a replay computes what the eager static path computes; against the dynamic pass, padding rows join the
-batch's GEMMs, which on CUDA may choose other algorithms (float sums in another order, within bf16 bounds).
+Owns: `PassGraphs`. A pass whose rows are all canvases replays the graph of the smallest bucket (1, 2, 4, ... up
+to the engine's slots) holding them; padding rows are canvases of a dummy sequence the engine reserves (positions
+0..C-1, reading only its own keys), their results dropped. A replay first copies the pass's data into the bucket's
+static inputs (ids, the self-conditioning input, zeros for none, and `PassLayout.load`: block tables at a fixed
+width over every sequence). Graphs are captured lazily after two eager runs (Triton compiles, caches filled), in
+one shared memory pool. Without CUDA (`capture=False`, tests) the same static path runs eagerly. Bits: a replay is
+the eager static path; padding rows join the GEMMs, which on CUDA may pick other algorithms (within bf16 bounds).
 Must not: schedule, sample or read device values.
 """
 

@@ -1,21 +1,19 @@
-"""NVFP4 weights in the model, kept at 4 bits: the modules swapped into the tree for quantized linears and experts
-(as model/fp8.py's are), computing through kernels/dispatch.py. The held form is kernels/nvfp4.py's (codes packed
-two a byte, one e4m3 scale per 16 values, a per-row fp32 global scale, `divide` saying how it applies).
-
-Owns: `NVFP4Linear`, `NVFP4Experts`, `convert_`, `quantize_rows` (compressed-tensors' NVFP4
-quantization: the global scale 448·6 / absmax of the tensor, group scales absmax / 6 · global rounded to e4m3,
-values rounded to the nearest E2M1, ties to even), `quantized_names`, `is_nvfp4`.
+"""NVFP4 weights in the model, kept at 4 bits: the modules swapped in for quantized linears and experts (as
+model/fp8.py's are: its `convert_`), held in kernels/nvfp4.py's form (codes packed two a byte, one e4m3 scale per
+16 values, a per-row fp32 global scale, `divide` saying how it applies), and compressed-tensors' NVFP4 quantizer.
 Must not: read or write files, know checkpoint names, or run the math (kernels/ does).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
 
 from dgcli.kernels import dispatch
 from dgcli.kernels.nvfp4 import E2M1, GROUP
-from dgcli.model.fp8 import QUANTIZED, _set  # noqa: F401 (QUANTIZED: the linears quantize writes in NVFP4 too)
+from dgcli.model import fp8
 
 
 class NVFP4Linear(nn.Module):
@@ -52,27 +50,9 @@ class NVFP4Experts(nn.Module):
                                       (self.down_proj, self.down_proj_scale, self.down_proj_global), self.divide)
 
 
-def convert_(model: nn.Module, linears: set[str], experts: set[int], divide: bool) -> None:
-    """Swap the named nn.Linear modules and the experts of the given layers for their NVFP4 twins (on meta, at load)."""
-    for name in sorted(linears):
-        old = model.get_submodule(name)
-        with torch.device(old.weight.device):
-            _set(model, name, NVFP4Linear(old.in_features, old.out_features, divide))
-    for i in sorted(experts):
-        old = model.layers[i].experts
-        e, two_i, h = old.gate_up_proj.shape
-        with torch.device(old.gate_up_proj.device):
-            model.layers[i].experts = NVFP4Experts(e, h, two_i // 2, divide)
-
-
-def quantized_names(model: nn.Module) -> set[str]:
-    """State-dict names of the NVFP4 buffers (kept as stored, never cast to the run dtype)."""
-    return {f"{n}.{b}" for n, m in model.named_modules() if isinstance(m, (NVFP4Linear, NVFP4Experts))
-            for b, _ in m.named_buffers(recurse=False)}
-
-
-def is_nvfp4(model: nn.Module) -> bool:
-    return any(isinstance(m, (NVFP4Linear, NVFP4Experts)) for m in model.modules())
+KINDS = (NVFP4Linear, NVFP4Experts)
+quantized_names = functools.partial(fp8.quantized_names, kinds=KINDS)
+is_nvfp4 = functools.partial(fp8.is_fp8, kinds=KINDS)
 
 
 def quantize_rows(w: torch.Tensor, per_row_global: torch.Tensor | None = None

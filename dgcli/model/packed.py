@@ -1,29 +1,14 @@
-"""A loaded model on CPU with its linear and expert weights prepacked: bf16 for oneDNN (same bits), fp32 as the C
-GEMM's panels (kernels/gemm_native.py: other bits, within fp32 rounding); faster GEMMs either way.
+"""A loaded model on CPU with its linear and expert weights prepacked: bf16 in oneDNN's blocked layout (same bits:
+kernels/linear_cpu.py checks each weight shape against `F.linear` here and keeps it as stored where they differ),
+fp32 as the C GEMM's panels (kernels/gemm_native.py: each output summed in k order, within fp32 rounding).
 
-Owns: `pack_for_cpu(model)`, which swaps each bf16 `nn.Linear` for a `PackedLinear` and each `Experts` for a
-`PackedExperts`, each fp32 one for a `NativeLinear` / `NativeExperts`, holding the packed copies (the stored weights are dropped: no
-second copy in memory), and says how many matrices it packed. The embedding (also the tied head) stays as stored:
-the embedding lookup, the vocabulary pass's soft GEMM and its draw read it in its own layout.
-Must not: pack for torch.compile (inductor traces plain weights; `--compile` sessions stay unpacked), or touch
-FP8 modules. There is no way back: a packed model has no state_dict for its packed weights.
-The GEMMs: kernels/linear_cpu.py (bf16, and its bit check), kernels/gemm_native.py (fp32); the experts:
-kernels/moe_cpu.py::experts_packed / experts_native.
-
-When: a bf16 or fp32 session on CPU, eager (not `--compile`, not `DGEMMA_KERNELS=reference`), packs at load
-(fp32 only where the C GEMM is here: not under DGEMMA_KERNELS=torch or without a C compiler).
-Why bf16: torch's own bf16 GEMM re-lays the weight out on every call, which costs most where a GEMM has few
-rows (a ragged expert's). Same bits: `pack` checks each weight shape, on the machine it runs on, against
-`F.linear` on probe rows (1, 17 and 256) and keeps a weight as stored where they differ; the tests compare the
-packed model with the model as loaded, layer by layer and request by request. Memory is unchanged (the stored
-copy is dropped, and with it the checkpoint's file mapping). Cost: ~2 s per GB of weights at 2 threads at load,
-about 1.5-2 minutes for the full checkpoint on a 2-core machine, repaid after ~40-60 denoising steps; less
-with more cores. Bench rows say `"linear": "cpu"` in `provenance.kernels` when it ran.
-Why fp32 (the bundled model): MKL's fp32 GEMM runs the bundled model's 16-128-row products at a third to two
-thirds of the core's rate; the C GEMM streams each weight panel once (kernels/gemm_native.py says what it
-changes: each output summed in k order, batch-invariant; the fp32 parity tests hold it to the reference).
-`DGEMMA_KERNELS=torch` at load keeps fp32 models as loaded, with torch's bits.
-Speed-ups measured per GEMM size and per model: benchmarks/RESULTS.md.
+Owns: `pack_for_cpu(model)`, which swaps bf16 `nn.Linear` / `Experts` for `PackedLinear` / `PackedExperts` and fp32
+ones for `NativeLinear` / `NativeExperts` (the stored weights dropped: no second copy), and says how many matrices
+it packed; the embedding (the tied head) stays as stored. When: bf16 or fp32 sessions on CPU, eager (not
+`--compile`, not DGEMMA_KERNELS=reference; fp32 only where the C GEMM is: not DGEMMA_KERNELS=torch).
+Why: torch's bf16 GEMM re-lays the weight out on every call (costly for few rows: a ragged expert's), and MKL's
+fp32 GEMM runs the bundled model's 16-128-row products at a third to two thirds of the core's rate
+(benchmarks/RESULTS.md). Must not: touch FP8 modules. There is no way back: packed weights have no state_dict.
 """
 
 from __future__ import annotations
@@ -64,9 +49,8 @@ class PackedExperts(nn.Module):
 
 
 class NativeLinear(nn.Module):
-    """fp32 `nn.Linear` without bias whose weight [N, K] lives as the C GEMM's panels (kernels/gemm_native.py); a
-    buffer, so `.to()` moves it (another dtype or device, or the kernel switched off: torch's GEMM, a copy of the
-    weight in its stored layout per call)."""
+    """fp32 `nn.Linear` without bias whose weight [N, K] lives as the C GEMM's panels; a buffer, so `.to()` moves it
+    (elsewhere, or with the kernel off: torch's GEMM on the weight unpacked per call)."""
 
     def __init__(self, packed: torch.Tensor, in_features: int, out_features: int):
         super().__init__()
@@ -83,8 +67,7 @@ class NativeLinear(nn.Module):
 
 
 class NativeExperts(nn.Module):
-    """fp32 `Experts` with gate_up_proj [E, 2I, H] and down_proj [E, H, I] as the C GEMM's panels
-    (kernels/gemm_native.py)."""
+    """fp32 `Experts` with gate_up_proj [E, 2I, H] and down_proj [E, H, I] as the C GEMM's panels."""
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, hidden: int, inter: int):
         super().__init__()
@@ -132,9 +115,7 @@ def _packed_experts(m: Experts) -> PackedExperts | NativeExperts | None:
 @torch.no_grad()
 def pack_for_cpu(model: nn.Module) -> int:
     """Swap the bf16 and fp32 CPU linears and experts of `model` for packed ones, in place; the number of weight
-    matrices packed (0: nothing applied: another dtype or device, DGEMMA_KERNELS=reference; for bf16 no oneDNN
-    bf16 here, or the packed GEMM's bits differ from F.linear's on this machine; for fp32 no C GEMM here, or
-    DGEMMA_KERNELS=torch)."""
+    matrices packed (0: none applies here)."""
     if dispatch.implementation("linear", "cpu") != "cpu":  # DGEMMA_KERNELS=reference: torch's own ops
         return 0
     packed = 0
@@ -157,10 +138,9 @@ def pack_for_cpu(model: nn.Module) -> int:
 
 
 def _own_the_rest(model: nn.Module) -> None:
-    """Copy the tensors left as loaded (embedding, norms, scalars) into memory of their own. Loaded tensors
-    are views of the memory-mapped checkpoint file, and while one of them lives the whole mapping stays
-    resident: the packed copies would come on top of the file's pages (measured: RSS +324 MB on the 200 M
-    config). After this the mapping goes, and the model holds what it held before packing."""
+    """Copy the tensors left as loaded (embedding, norms, scalars) into memory of their own: while one view of the
+    memory-mapped checkpoint lives, the whole mapping stays resident on top of the packed copies (RSS +324 MB on
+    the 200 M config)."""
     for module in model.modules():
         if isinstance(module, (NativeLinear, NativeExperts)):  # their panels are new memory already
             continue

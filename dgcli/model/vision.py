@@ -1,11 +1,9 @@
 """The Gemma-4 vision tower and its projector (spec §1.3, §9): image patches -> soft tokens in the text width.
 
-One image at a time, its real patches only (the reference pads to a fixed patch count and masks the padding out
-of attention and pooling: the same numbers). Patch embedding + 2-D position table, bidirectional layers with
-axial 2-D RoPE (x on the first half of a head, y on the second), k x k average pooling of the patch grid, sqrt(d)
-scaling and standardisation in fp32, then the projector (Norm_0, Linear to the text width). Module names follow
-the checkpoint's (`model.encoder.vision_tower.*`, `model.encoder.embed_vision.*` under `vision.`).
-Owns: the math. Must not: read files or images (checkpoint/vision.py, text/images.py).
+One image at a time, its real patches only (the reference pads and masks the padding out: the same numbers). Patch
+embedding + 2-D position table, bidirectional layers with axial 2-D RoPE (x on a head's first half, y on its
+second), k x k average pooling, sqrt(d) scaling and standardisation in fp32, then the projector (Norm_0, Linear).
+Module names follow the checkpoint's. Must not: read files or images (checkpoint/vision.py, text/images.py).
 """
 
 from __future__ import annotations

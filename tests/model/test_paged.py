@@ -106,7 +106,7 @@ def test_one_pass_equals_the_reference_formulation(model):
     prompts, canvases = inputs(model, [13, 13])
     with torch.inference_mode():
         got = model.forward_canvas(torch.stack(prompts), canvases)
-        want = model.forward_unified(torch.stack(prompts), canvases)
+        want = model.logits(model.unified_hidden(torch.stack(prompts), canvases)[1])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
