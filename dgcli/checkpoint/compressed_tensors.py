@@ -1,10 +1,6 @@
-"""Compressed-tensors FP8 checkpoints: their per-expert tensor names <-> the model's fused layout, the
-`quantization_config` dgemma writes, and a quantized model dequantized back to a plain one.
-
-A quantized checkpoint unfuses the experts into per-expert linears (`experts.{i}.gate_proj/up_proj/down_proj`,
-llm-compressor's DiffusionGemma expert linearisation); the loader reads them into the fused tensors of
-model/fp8.py's `FP8Experts`, and `unfused_state` writes them back out.
-Owns: the per-expert <-> fused name map, `quantization_config`, `dequantize_model`. Must not: run the math.
+"""Compressed-tensors checkpoints: their per-expert tensor names (`experts.{i}.gate_proj/up_proj/down_proj`,
+llm-compressor's DiffusionGemma expert linearisation) <-> the model's fused layout, and the `quantization_config`
+dgemma writes. Must not: run the math.
 """
 
 from __future__ import annotations
@@ -14,8 +10,6 @@ import re
 import torch
 from torch import nn
 
-from dgcli.checkpoint.meta import meta_model
-from dgcli.kernels.fp8 import FP8, dequantize
 from dgcli.model.fp8 import FP8Experts
 
 EXPERT_KEY = re.compile(r"^layers\.(\d+)\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale)$")
@@ -86,20 +80,3 @@ def quantization_config(num_layers: int, *, vision: bool = True, nvfp4: bool = F
             "kv_cache_scheme": None, "moe_sparsity_config": None, "quant_method": "compressed-tensors",
             "quantization_status": "compressed", "sparsity_config": {}, "transform_config": {},
             "version": CT_VERSION}
-
-
-@torch.no_grad()
-def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
-    """An unquantized model holding the dequantized weights (e4m3 x scale, compressed-tensors' dequantize)
-    in `dtype` (default: the embedding's): what weight-only FP8 semantics must equal."""
-    dtype = dtype or model.embed_tokens.weight.dtype
-    plain = meta_model(model.config)
-    state, full = {}, model.state_dict()
-    for name, t in full.items():
-        if t.dtype == FP8:  # its scale is `name + "_scale"` (weight_scale, gate_up_proj_scale, down_proj_scale)
-            t = dequantize(t, full[name + "_scale"], dtype)
-        elif name.endswith("_scale") and full.get(name.removesuffix("_scale"), t).dtype == FP8:
-            continue
-        state[name] = t.to(dtype)
-    plain.load_state_dict(state, strict=True, assign=True)
-    return plain.eval()

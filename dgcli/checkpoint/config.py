@@ -1,10 +1,6 @@
-"""A checkpoint's `config.json`: parsed into the model's `ModelConfig` (spec §1), and its `quantization_config`
-(compressed-tensors FP8 is run; any other scheme is one error naming it). Unknown keys are ignored (the
-checkpoint is not ours); structure is never derived from absent flags (K = V on full layers and MoE in every
-layer are always on).
-
-Owns: parsing config.json, reading a checkpoint's JSON files, the shipped 26B-A4B config. Must not: read
-weights, touch torch, or decide which format a path holds (checkpoint/load.py does).
+"""A checkpoint's `config.json` parsed into `ModelConfig` (spec §1) and its `quantization_config` (a scheme dgemma
+does not run is one error naming it); unknown keys ignored (the checkpoint is not ours). Also reading a checkpoint's
+JSON files and the shipped 26B-A4B config. Must not: read weights, touch torch, or decide a path's format.
 """
 
 from __future__ import annotations
@@ -56,12 +52,9 @@ def parse_config(raw: dict[str, Any], *, source: str = "config.json") -> ModelCo
         layer_types[-1] = FULL
         if len(layer_types) != n_layers or any(t not in (SLIDING, FULL) for t in layer_types):
             raise UserError(f"{source}: layer_types must list {n_layers} of {SLIDING!r}/{FULL!r}")
-        # Two spellings exist, read as transformers' DiffusionGemmaTextConfig reads them: the released
-        # checkpoint's `global_head_dim` (default 512) / `num_global_key_value_heads` (default: the sliding
-        # layers' count), and transformers' save_pretrained `per_layer_config`: overrides by layer index of
-        # only the values that differ from the base ones (`{}` when a full layer's head dim and kv heads equal
-        # the sliding layers'). When `per_layer_config` is there, transformers ignores `global_head_dim` and
-        # a full layer without an override has the base `head_dim` / `num_key_value_heads`.
+        # Two spellings, read as transformers' DiffusionGemmaTextConfig reads them: the released checkpoint's
+        # `global_head_dim` / `num_global_key_value_heads`, and save_pretrained's `per_layer_config` (overrides by
+        # layer index of the values that differ from the base ones; with it, `global_head_dim` is ignored).
         if "per_layer_config" in text:
             global_head_dim, n_global_kv = head_dim, n_kv
             full = {}
@@ -134,8 +127,7 @@ SUPPORTED = ("dgemma runs compressed-tensors FP8 checkpoints (FP8_DYNAMIC or FP8
 
 
 def _ct_scheme(group: dict) -> str:
-    """A compressed-tensors config group's preset name (compressed_tensors.quantization.quant_scheme), or
-    its weights/activations spelled out."""
+    """A compressed-tensors config group's preset name (quant_scheme's), or its weights/activations spelled out."""
     w, a = group.get("weights") or {}, group.get("input_activations")
     bits, kind, strategy = w.get("num_bits"), w.get("type"), w.get("strategy")
     gs = w.get("group_size")
@@ -216,8 +208,8 @@ def parse_quantization(raw: dict[str, Any], source: str = "config.json") -> Quan
 
 
 def directory_config(path: Path) -> dict:
-    """A checkpoint directory's config.json, with ModelOpt's hf_quant_config.json folded in as its
-    `quantization_config` where config.json has none (older ModelOpt exports keep it only there)."""
+    """A checkpoint directory's config.json, ModelOpt's hf_quant_config.json folded in as its missing
+    `quantization_config` (older ModelOpt exports keep it only there)."""
     raw = read_json(path / "config.json")
     hq = path / "hf_quant_config.json"
     if not raw.get("quantization_config") and hq.is_file():

@@ -1,11 +1,8 @@
-"""Load a DiffusionGemma checkpoint directory into `model.DiffusionGemma` (spec §3).
-
-Single-file or sharded safetensors; the model is built on the `meta` device and every tensor is
-assigned straight from the file, so no second full copy is made. Vision tensors are read by checkpoint/vision.py.
-Compressed-tensors FP8 checkpoints (config.py's `Quantization`) load as FP8 modules (model/fp8.py) at one
-byte per parameter, their per-expert tensors read into the fused expert layout (checkpoint/compressed_tensors.py).
-Owns: the checkpoint <-> module name map and every loading error message of a directory. Must not: do math,
-or decide a path's format (checkpoint/load.py does; `load_directory` is reached through its `load_model`).
+"""A checkpoint directory (spec §3): single-file or sharded safetensors, plain, compressed-tensors FP8 (model/fp8.py
+modules at one byte per parameter, per-expert tensors read into the fused layout: checkpoint/compressed_tensors.py)
+or NVFP4 (checkpoint/nvfp4.py), and the vision tower (checkpoint/vision.py). The model is built on meta and every
+tensor assigned straight from the file: no second full copy. Owns: the checkpoint <-> module name map and every
+loading error of a directory. Must not: do math, or decide a path's format (checkpoint/load.py does).
 """
 
 from __future__ import annotations
@@ -23,7 +20,7 @@ from dgcli.checkpoint import compressed_tensors as ct
 from dgcli.checkpoint import nvfp4
 from dgcli.checkpoint.config import directory_config, parse_config, read_json
 from dgcli.checkpoint.meta import meta_model
-from dgcli.checkpoint.vision import new_vision
+from dgcli.checkpoint.vision import VISION, new_vision
 from dgcli.errors import UserError
 from dgcli.model import fp8
 from dgcli.model import nvfp4 as model_nvfp4
@@ -32,24 +29,21 @@ from dgcli.model.gemma import DiffusionGemma
 
 DECODER = "model.decoder."
 ENC_SCALAR = re.compile(r"^model\.encoder\.language_model\.layers\.(\d+)\.layer_scalar$")
-VISION = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
 
 
-def to_module_name(key: str) -> str | None:
-    """Checkpoint key -> our module key; None for tensors text generation never reads (vision)."""
+def to_module_name(key: str) -> str:
+    """Checkpoint key -> our module key (the vision tower's under `vision.`; a key not ours is reported as such)."""
     if key.startswith(VISION):
-        return None
+        return "vision." + key[len("model.encoder."):]
     if key.startswith(DECODER):
         return key[len(DECODER):]
     m = ENC_SCALAR.match(key)
-    if m:
-        return f"layers.{m.group(1)}.encoder_layer_scalar"
-    return key  # not ours: reported as unexpected
+    return f"layers.{m.group(1)}.encoder_layer_scalar" if m else key
 
 
 def to_checkpoint_name(name: str) -> str:
     """Our module key -> the checkpoint key (the inverse of `to_module_name`)."""
-    if name.startswith("vision."):  # the tower and projector (checkpoint/vision.py)
+    if name.startswith("vision."):
         return "model.encoder." + name[len("vision."):]
     if name.endswith(".encoder_layer_scalar"):
         return "model.encoder.language_model." + name.replace("encoder_layer_scalar", "layer_scalar")
@@ -87,63 +81,56 @@ def _open(f: Path, device: str = "cpu"):
         raise UserError(f"{f}: not a readable safetensors file ({e}); it may be truncated or corrupt: download it again") from None
 
 
-def load_state(path: Path, cfg: ModelConfig, device: str = "cpu", dtype: torch.dtype | None = None,
-               expected: dict[str, torch.Size] | None = None, keep: frozenset[str] = frozenset(),
-               files: dict[str, Path] | None = None) -> dict[str, torch.Tensor]:
-    """Read every text tensor once, checked against the shapes the config implies. Per-expert tensors
-    (`experts.{i}.gate_proj.weight`..., the quantized layout) are read straight into the fused tensors;
-    `keep` names tensors left in their stored dtype (FP8 weights and their scales)."""
-    files = checkpoint_files(path) if files is None else files
+def load_state(path: Path, cfg: ModelConfig, files: dict[str, Path], expected: dict[str, torch.Size],
+               keep: frozenset[str], device: str, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Read every tensor once, checked against the shapes the model implies, cast to `dtype` as read but for `keep`
+    (FP8 weights and scales: as stored). Per-expert tensors (`experts.{i}.gate_proj.weight`..., the quantized
+    layout) are read straight into the fused tensors."""
     wanted: dict[str, str] = {}  # module name -> checkpoint key
     pieces: dict[str, list[str]] = {}  # fused expert tensor -> its per-expert module keys
+    unexpected = []  # reported after what is missing (a partial vision tower: a shard missing)
     for key, f in files.items():
         name = to_module_name(key)
-        if name is None:
-            continue
         slot = ct.expert_slot(name, cfg.moe_intermediate_size)
         target = slot[0] if slot else name
-        if expected is not None and target not in expected:
-            if key == "lm_head.weight":
-                continue  # a tied head saved explicitly: the embedding serves
-            raise UserError(f"{f.name}: unexpected tensor {key!r}; config.json does not describe these weights")
+        if target not in expected:
+            if key != "lm_head.weight":  # a tied head saved explicitly: the embedding serves
+                unexpected.append(f"{f.name}: unexpected tensor {key!r}; config.json does not describe these weights")
+            continue
         if slot and slot[1] >= cfg.num_experts:
             raise UserError(f"{f.name}: tensor {key!r} is expert {slot[1]}; config.json has {cfg.num_experts} experts")
         wanted[name] = key
         if slot:
             pieces.setdefault(target, []).append(name)
-    if expected is not None:
-        missing = [n for n in expected if n not in wanted and n not in pieces]
-        for target in pieces:  # every expert's gate, up and down (and scales), or a shard is missing
-            layer = int(target.split(".")[1])
-            need = [n for e in range(cfg.num_experts) for n in ct.expert_keys(layer, e, target in keep)]
-            missing += [n for n in need if n not in wanted and ct.expert_slot(n, 1)[0] == target]
-        if missing:
-            raise UserError(f"{path}: checkpoint lacks tensor {to_checkpoint_name(missing[0])!r}"
-                            f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; is a shard missing?")
+    missing = [n for n in expected if n not in wanted and n not in pieces]
+    for target in pieces:  # every expert's gate, up and down (and scales), or a shard is missing
+        layer = int(target.split(".")[1])
+        need = [n for e in range(cfg.num_experts) for n in ct.expert_keys(layer, e, target in keep)]
+        missing += [n for n in need if n not in wanted and ct.expert_slot(n, 1)[0] == target]
+    if missing:
+        raise UserError(f"{path}: checkpoint lacks tensor {to_checkpoint_name(missing[0])!r}"
+                        f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; is a shard missing?")
+    if unexpected:
+        raise UserError(unexpected[0])
     by_file: dict[Path, list[str]] = {}
     for name, key in wanted.items():
         by_file.setdefault(files[key], []).append(name)
     state: dict[str, torch.Tensor] = {}
     for f, names in by_file.items():
+        experts = [n for n in names if ct.expert_slot(n, 1) is not None]  # read below, straight into their tensors
         with _open(f, device) as st:
             for name in names:
+                if name in experts:
+                    continue
                 key = wanted[name]
-                if ct.expert_slot(name, 1) is not None:
-                    continue  # read below, straight into its fused tensor
                 try:
                     t = st.get_tensor(key)
                 except (SafetensorError, OSError, ValueError) as e:
                     raise UserError(f"{f}: tensor {key!r} cannot be read ({e}); the file may be truncated") from None
-                _check(f, key, t.dtype, t.shape, expected[name] if expected is not None else None, name in keep)
-                if dtype is not None and t.dtype != dtype and name not in keep:
-                    t = t.to(dtype)
-                state[name] = t
-        if any(ct.expert_slot(n, 1) is not None for n in names):
-            _read_experts(f, [n for n in names if ct.expert_slot(n, 1) is not None], wanted, cfg, state,
-                          expected, keep, device)
-    for target, tensor in list(state.items()):
-        if target in pieces and dtype is not None and tensor.dtype != dtype and target not in keep:
-            state[target] = tensor.to(dtype)
+                _check(f, key, t.dtype, t.shape, expected[name], name in keep)
+                state[name] = t.to(dtype) if dtype is not None and name not in keep else t
+        if experts:
+            _read_experts(f, experts, wanted, cfg, state, expected, keep, device)
     return state
 
 
@@ -161,7 +148,7 @@ ST_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "BF16": torch.bfloat16, "F16": torc
 
 
 def _read_experts(f: Path, names: list[str], wanted: dict[str, str], cfg: ModelConfig, state: dict,
-                  expected: dict | None, keep: frozenset[str], device: str) -> None:
+                  expected: dict, keep: frozenset[str], device: str) -> None:
     """Per-expert tensors of one file read with plain file reads into their fused tensors (allocated at the
     first piece, in its stored dtype): copying out of the memory map instead would leave the mapped pages
     resident next to the copy, twice the experts' bytes."""
@@ -176,9 +163,8 @@ def _read_experts(f: Path, names: list[str], wanted: dict[str, str], cfg: ModelC
                 dt = ST_DTYPES.get(meta["dtype"])
                 if dt is None:
                     raise UserError(f"{f.name}: tensor {key!r} has dtype {meta['dtype']}; expected a floating-point tensor")
-                shape = tuple(expected[target]) if expected is not None else None
                 if target not in state:
-                    state[target] = torch.empty(shape, dtype=dt, device=device)
+                    state[target] = torch.empty(tuple(expected[target]), dtype=dt, device=device)
                 dst = state[target][e, rows]
                 _check(f, key, dt, meta["shape"], dst.shape, target in keep)
                 if dt != dst.dtype:
@@ -199,7 +185,7 @@ def _convert_quantized(model: DiffusionGemma, cfg: ModelConfig, files: dict[str,
     linears, experts = set(), set()
     for key, f in files.items():
         name = to_module_name(key)
-        if name is None or not name.endswith(".weight_scale"):
+        if not name.endswith(".weight_scale"):
             continue
         m = ct.EXPERT_KEY.match(name)
         if m:
@@ -238,62 +224,36 @@ def load_directory(path: Path, device: str | torch.device = "cpu",
     if isinstance(dtype, str):
         dtype = resolve_dtype(dtype)
     model = meta_model(cfg)
-    files = checkpoint_files(path)
+    all_files = files = checkpoint_files(path)
+    if any(k.startswith(VISION) for k in files):  # the tower and projector, never quantized
+        model.vision = new_vision(cfg, str(path / "config.json"))
+    if model.vision is None:
+        files = {k: f for k, f in files.items() if not k.startswith(VISION)}
     q4 = cfg.quantization is not None and cfg.quantization.nvfp4
     if q4:  # NVFP4 modules where the checkpoint holds a global scale; their tensors read apart (checkpoint/nvfp4.py)
         q4_modules, q4_keys = nvfp4.plan(files, cfg.quantization.layout, to_module_name)
         if not q4_modules:
             raise UserError(f"{path}: config.json's quantization_config says {cfg.quantization.scheme} "
                             "but no tensor has a global scale; is this checkpoint quantized?")
-        model_nvfp4.convert_(model, *nvfp4.targets(q4_modules, cfg.num_hidden_layers),
-                             divide=cfg.quantization.layout == "compressed-tensors")
+        fp8.convert_(model, *nvfp4.targets(q4_modules, cfg.num_hidden_layers),
+                     cfg.quantization.layout == "compressed-tensors", model_nvfp4.KINDS)
         files = {k: f for k, f in files.items() if k not in q4_keys}
     elif cfg.quantization is not None:
         _convert_quantized(model, cfg, files, path)
     keep = frozenset(fp8.quantized_names(model) | model_nvfp4.quantized_names(model))
     expected = {k: v.shape for k, v in model.state_dict().items() if not (q4 and k in keep)}
     dev = str(device)
-    state = load_state(path, cfg, device=dev, dtype=dtype, expected=expected, keep=keep, files=files)
+    state = load_state(path, cfg, files, expected, keep, dev, dtype)
     if q4:
-        all_files = checkpoint_files(path)
         state.update({k: t.to(dev) for k, t in nvfp4.read(q4_modules, all_files, cfg.quantization.layout, model,
                                                           _open).items()})
     # Every tensor in one dtype, the layer scalars included: transformers loaded in a dtype rounds every
     # parameter and buffer to it (the released checkpoint stores the scalars in fp32; in bf16 the reference
     # multiplies by the bf16-rounded scalar). Its only fp32 buffers are the RoPE inverse frequencies,
     # which we compute in fp32 (`gemma.inv_freq_for`). Mixed-dtype checkpoints run in the embedding's dtype.
-    # FP8 weights and their scales stay as stored (1 byte per parameter; dequantized per tile when used).
     model_dtype = dtype or state["embed_tokens.weight"].dtype
     for name, t in state.items():
         if t.dtype != model_dtype and name not in keep:
             state[name] = t.to(model_dtype)
     model.load_state_dict(state, strict=True, assign=True)
-    model.vision = _load_vision(path, cfg, files, dev, model_dtype)
     return model.eval()
-
-
-def _load_vision(path: Path, cfg: ModelConfig, files: dict[str, Path], device: str, dtype: torch.dtype):
-    """The vision tower and projector in the model's dtype (never quantized), None when the checkpoint has none."""
-    names = {k: f for k, f in files.items() if k.startswith(VISION)}
-    enc = new_vision(cfg, str(path / "config.json")) if names else None
-    if enc is None:
-        return None
-    expected = {k: v.shape for k, v in enc.state_dict().items()}
-    missing = [k for k in expected if "model.encoder." + k not in names]
-    if missing:
-        raise UserError(f"{path}: checkpoint lacks tensor {'model.encoder.' + missing[0]!r}; is a shard missing?")
-    state, by_file = {}, {}
-    for key, f in names.items():
-        by_file.setdefault(f, []).append(key)
-    for f, keys in by_file.items():
-        with _open(f, device) as st:
-            for key in keys:
-                name = key[len("model.encoder."):]
-                if name not in expected:
-                    raise UserError(f"{f.name}: unexpected tensor {key!r}; config.json's vision_config does not "
-                                    "describe it")
-                t = st.get_tensor(key)
-                _check(f, key, t.dtype, t.shape, expected[name], False)
-                state[name] = t.to(dtype)
-    enc.load_state_dict(state, strict=True, assign=True)
-    return enc.eval()

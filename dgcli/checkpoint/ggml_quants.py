@@ -1,18 +1,13 @@
 """The GGML block encoders: llama.cpp's reference quantizers (ggml-quants.c, no importance matrix) for Q4_0, Q5_0,
-Q8_0, Q4_K and Q6_K, vectorized over blocks in torch (what `dgemma quantize --type` writes; the `gguf` package
-has no K-quant encoder), random valid blocks drawn as bytes for dummy weights, and whole models quantized to /
-dequantized from GGML modules (tests, dummy weights). The layouts they write are model/ggml.py's.
+Q8_0, Q4_K and Q6_K, vectorized over blocks in torch (what `dgemma quantize --type` writes: the `gguf` package has no
+K-quant encoder), random valid blocks drawn as bytes (dummy weights), and whole models quantized (tests, dummies).
+The layouts are kernels/ggml_blocks.py's. Must not: know tensors' names or files.
 
-Owns: `quantize` (float rows -> blocks), `q4_0`, `q5_0`, `q8_0`, `q4_k`, `q6_k` (fp32 blocks [B, 32 or 256] ->
-uint8 [B, bytes]), `random_blocks`, `targets`, `quantize_model_`, `dequantize_model`. Must not: know tensors'
-names or files.
-
-How close to llama.cpp: the same searches, candidates and rounding (`nearest_int` is round-half-to-even, which
-`torch.round` is; Q8_0 uses `roundf`, half away from zero). Sums run in torch's order, not C's sequential
-order, so a near-tie between two candidate scales can resolve the other way (rare; both are valid blocks).
-Q4_0, Q5_0 and Q8_0 are bit-exact with gguf-py's `quantize` (itself bit-exact with ggml's; tests check).
-Speed: the K-quant searches evaluate all candidates at once as [S, C, n] tensors, CHUNK_SUBBLOCKS rows at a time
-so they stay in cache; their bytes are pinned to the first (unchunked) version by a test.
+How close to llama.cpp: the same searches, candidates and rounding (`nearest_int` is round-half-to-even, as
+`torch.round`; Q8_0 uses `roundf`, half away from zero). Sums run in torch's order, not C's, so a near-tie between
+two candidate scales can resolve the other way (rare; both valid blocks). Q4_0, Q5_0 and Q8_0 are bit-exact with
+gguf-py's `quantize` (tests check). The K-quant searches run all candidates at once as [S, C, n] tensors,
+CHUNK_SUBBLOCKS rows at a time (in cache); a test pins their bytes to the first, unchunked version.
 """
 
 from __future__ import annotations
@@ -22,10 +17,9 @@ import re
 import torch
 from torch import nn
 
-from dgcli.checkpoint.meta import meta_model
 from dgcli.kernels import nvfp4 as nvfp4_blocks
 from dgcli.model.ggml import (BF16, BLOCKS, F16, F32, NAMES, QUANTIZED, Q4_0, Q4_K, Q5_0, Q6_K, Q8_0, QuantExperts,
-                              QuantLinear, q4k_pack_scales, quantized_names, row_bytes, type_for)
+                              QuantLinear, q4k_pack_scales, row_bytes, type_for)
 
 GROUP_MAX_EPS = 1e-15
 CHUNK_SUBBLOCKS = 512  # sub-blocks per candidate search: [512, ~20, 32] fp32 temporaries fit in L2
@@ -260,9 +254,6 @@ def random_blocks(shape: tuple[int, ...], qtype: int, k: int, generator: torch.G
     return out.reshape(*shape, row_bytes(qtype, k))
 
 
-NVFP4 = nvfp4_blocks.GGUF_NVFP4
-
-
 def quantize(w: torch.Tensor, qtype: int) -> torch.Tensor:
     """w float [..., K] (K a multiple of the block size) -> uint8 [..., row_bytes(qtype, K)] in ggml's layout,
     rounded as llama.cpp's reference quantizer rounds (no importance matrix)."""
@@ -270,7 +261,7 @@ def quantize(w: torch.Tensor, qtype: int) -> torch.Tensor:
     if qtype in (F32, F16, BF16):
         dt = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}[qtype]
         return w.to(dt).contiguous().view(torch.uint8).reshape(*lead, row_bytes(qtype, k))
-    if qtype == NVFP4:  # one unsigned e4m3 scale per 16 (absmax / 6, no global scale: ggml's own quantizer's way)
+    if qtype == nvfp4_blocks.GGUF_NVFP4:  # one unsigned e4m3 scale per 16 (absmax / 6, no global scale: ggml's own quantizer's way)
         from dgcli.model.nvfp4 import quantize_rows
 
         packed, scale, _ = quantize_rows(w.detach().float().reshape(-1, 1, k), torch.ones(w[..., 0].numel(), 1))
@@ -320,21 +311,3 @@ def quantize_model_(model: nn.Module, qtype: int, dtype: torch.dtype | None = No
             model.layers[i].experts = QuantExperts(quantize(old.gate_up_proj, tg), tg, quantize(old.down_proj, td),
                                                    td, h, two_i // 2, dtype)
     return model
-
-
-@torch.no_grad()
-def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
-    """A plain model holding the weights the GGML modules compute with (as the kernels see them: scales rounded
-    to the modules' scale dtype), in `dtype` (default: the embedding's)."""
-    dtype = dtype or model.embed_tokens.weight.dtype
-    skip = quantized_names(model)
-    state = {k: v.to(dtype) for k, v in model.state_dict().items() if k not in skip}
-    for name, m in model.named_modules():
-        if isinstance(m, QuantLinear):
-            state[f"{name}.weight"] = m.dequantized().to(dtype)
-        elif isinstance(m, QuantExperts):
-            gu, dn = m.dequantized()
-            state[f"{name}.gate_up_proj"], state[f"{name}.down_proj"] = gu.to(dtype), dn.to(dtype)
-    plain = meta_model(model.config)
-    plain.load_state_dict(state, strict=True, assign=True)
-    return plain.eval()

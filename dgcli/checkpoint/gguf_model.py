@@ -1,12 +1,8 @@
 """DiffusionGemma in a GGUF file (`general.architecture = diffusion-gemma`, llama.cpp's converter layout): its
-metadata <-> our config.json and generation_config.json dicts, its tensor names <-> our module names, and the
-model built from a file on the meta device with every tensor assigned from the memory map.
-
-Owns: the `diffusion-gemma.*` / `diffusion.*` keys both ways, the tensor-name map, and loading: F32/F16/BF16
-tensors are assigned memory-mapped where their dtype is the run dtype (cast otherwise); Q4_0/Q5_0/Q8_0/Q4_K/Q6_K
-linears and experts become `ggml.QuantLinear` / `ggml.QuantExperts` over the file's bytes (nothing dequantized); a
-quantized embedding (it is the tied head too) or router is dequantized at load to the run dtype. Every loading
-error of a GGUF model (wrong architecture, a missing tensor, a wrong shape, an unsupported type) is one line.
+metadata <-> our config.json and generation_config.json dicts, its tensor names <-> our module names, and loading:
+F32/F16/BF16 tensors assigned memory-mapped (cast where the run dtype differs), quantized linears and experts as
+`ggml.QuantLinear` / `ggml.QuantExperts` over the file's bytes or the mapped cache (checkpoint/mapped.py), a
+quantized embedding (the tied head too) or router dequantized to the run dtype. Every loading error is one line.
 Must not: parse bytes (checkpoint/gguf.py does) or compute with quantized blocks (model/ggml.py does).
 """
 
@@ -71,9 +67,8 @@ def _f32(v: float) -> float:
 
 
 def model_metadata(cfg: ModelConfig, gen: dict | None, *, name: str, file_type: int) -> dict[str, Any]:
-    """The architecture and sampler keys of a GGUF file for `cfg` and its generation config (as llama.cpp's
-    DiffusionGemma converter writes them, plus `diffusion.max_new_tokens` and `diffusion.eos_token_ids`,
-    dgemma's own: the sampler's token budget and stop ids, which llama.cpp's keys cannot carry)."""
+    """The architecture and sampler keys of a GGUF file for `cfg` and its generation config, as llama.cpp's
+    converter writes them, plus dgemma's own `diffusion.max_new_tokens` and `diffusion.eos_token_ids`."""
     swa = [t == SLIDING for t in cfg.layer_types]
     md: dict[str, Any] = {
         "general.architecture": ARCH, "general.type": "model", "general.name": name,
@@ -192,9 +187,8 @@ def config_dict(f: GGUFFile) -> dict:
 
 
 def generation_dict(f: GGUFFile) -> dict:
-    """The generation_config.json dict of a GGUF file: the sampler keys it has (dgemma's defaults fill the
-    rest: llama.cpp's own conversions carry none), and the stop ids: `diffusion.eos_token_ids`, else <eos>,
-    <turn|> and <|tool_response>, looked up by name (the released generation_config.json's three)."""
+    """The generation_config.json dict of a GGUF file: the sampler keys it has (llama.cpp's conversions carry none),
+    and the stop ids: `diffusion.eos_token_ids`, else <eos>, <turn|> and <|tool_response>, looked up by name."""
     md = f.metadata
     gen: dict[str, Any] = {}
     for key, ours in (("eb_max_steps", "max_denoising_steps"), ("eb_t_min", "t_min"), ("eb_t_max", "t_max"),
@@ -215,14 +209,6 @@ def generation_dict(f: GGUFFile) -> dict:
         gen["eos_token_id"] = list(dict.fromkeys(eos))
     gen["pad_token_id"] = int(md.get("tokenizer.ggml.padding_token_id", 0))
     return gen
-
-
-def load_gguf_config(path: str | Path) -> ModelConfig:
-    return parse_config(config_dict(open_gguf(path)), source=str(path))
-
-
-def load_gguf_generation_config(path: str | Path) -> dict:
-    return generation_dict(open_gguf(path))
 
 
 def load_gguf_tokenizer(path: str | Path, required: bool = True):
@@ -248,19 +234,15 @@ def _dense(f: GGUFFile, gname: str, dtype):
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _raw(f: GGUFFile, gname: str):
-    import torch
-
-    return torch.from_numpy(f.array(gname))
-
-
 def _dequantized(f: GGUFFile, gname: str, dtype):
     """A quantized tensor dequantized to `dtype`, a few MB of rows at a time (the real embedding in fp32 at
     once would be a 3 GB temporary beside its 1.5 GB bf16 result)."""
+    import torch
+
     from dgcli.model import ggml
 
     info = f.tensors[gname]
-    raw = _raw(f, gname).reshape(-1, f.array(gname).shape[-1])
+    raw = torch.from_numpy(f.array(gname)).reshape(-1, f.array(gname).shape[-1])
     step = max(1, (8 << 20) // (4 * info.shape[-1]))
     for i in range(0, raw.shape[0], step):
         yield ggml.dequantize(raw[i:i + step], info.type, info.shape[-1]).to(dtype)
@@ -279,7 +261,7 @@ def _mapped_forms(f: GGUFFile, dense: list[str], kept: list[str], dtype) -> dict
     cached = [g for g in kept if f.tensors[g].type != ggml_cpu.Q6_K]
     for g in kept:
         if g not in cached:
-            out[g] = ggml_cpu.prepare(_raw(f, g), f.tensors[g].type, f.tensors[g].shape[-1], dtype)
+            out[g] = ggml_cpu.prepare(torch.from_numpy(f.array(g)), f.tensors[g].type, f.tensors[g].shape[-1], dtype)
     if not dense and not cached:
         return out
     tag = str(dtype).removeprefix("torch.")
@@ -290,8 +272,7 @@ def _mapped_forms(f: GGUFFile, dense: list[str], kept: list[str], dtype) -> dict
                 yield g, lambda g=g: _dequantized(f, g, dtype), dtype, f.tensors[g].shape
                 f.drop_pages(g)
             for g in cached:
-                info, szs = f.tensors[g], []
-                raw = _raw(f, g)
+                info, szs, raw = f.tensors[g], [], torch.from_numpy(f.array(g))
                 mats = raw.reshape(-1, *raw.shape[-2:])
 
                 def packed(info=info, mats=mats, szs=szs):
@@ -388,7 +369,6 @@ def load_gguf_model(path: str | Path, device: Any = "cpu", dtype: Any = None):
     if left:
         raise UserError(f"{path}: no weights for {left[0]!r}; the file does not describe this model")
     return model.to(device).eval()
-
 
 
 def held_bytes(qtype: int, n: int, k: int) -> int:

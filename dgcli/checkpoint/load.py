@@ -1,11 +1,8 @@
-"""The one place that asks "which format?": a path given as a model is a checkpoint directory (config.json and
-safetensors shards, plain or compressed-tensors FP8: checkpoint/directory.py), a GGUF file
-(checkpoint/gguf_model.py), or, where a config alone will do (`dgemma info`), a config.json file. Every
-command and the library open checkpoints through here.
-
-Owns: `format_of` and its error lines, and opening each format's config, generation config, tokenizer and
-weights. Must not: parse a format itself (its module does) or import torch at module level (`dgemma info`
-reads configs without it).
+"""The one place that asks "which format?": a path given as a model is a checkpoint directory (checkpoint/
+directory.py), a GGUF file (checkpoint/gguf_model.py) or, where a config alone will do (`dgemma info`), a
+config.json file. Every command and the library open checkpoints through here: `format_of` and its error lines,
+each format's config, generation config, tokenizer and weights. Must not: parse a format itself (its module does)
+or import torch at module level (`dgemma info` reads configs without it).
 """
 
 from __future__ import annotations
@@ -22,10 +19,9 @@ CHECKPOINT_HOLDS = "config.json, model*.safetensors and tokenizer.json"
 
 
 def format_of(path: str | Path, *, flag: str | None = None, file_ok: bool = True) -> str:
-    """What `path` holds: DIRECTORY (a checkpoint directory with its config.json), GGUF (a GGUF model file: named
-    .gguf, or starting with the GGUF magic) or, with `file_ok`, CONFIG_FILE (a config.json given itself).
-    Anything else is one line naming the problem and the fix (`flag`, e.g. "--model", labels the path): a
-    weights file given for the directory, a folder that is not a checkpoint."""
+    """What `path` holds: DIRECTORY (with its config.json), GGUF (named .gguf, or starting with the GGUF magic) or,
+    with `file_ok`, CONFIG_FILE (a config.json itself); anything else is one line naming the problem and the fix
+    (`flag`, e.g. "--model", labels the path)."""
     path = Path(path)
     label = f"{flag} {path}" if flag else str(path)
     if not path.exists():
@@ -57,10 +53,10 @@ def load_config(path: str | Path, *, flag: str | None = None, file_ok: bool = Tr
     path = Path(path)
     kind = format_of(path, flag=flag, file_ok=file_ok)
     if kind == GGUF:
-        from dgcli.checkpoint.gguf_model import load_gguf_config
+        from dgcli.checkpoint.gguf_model import config_dict, open_gguf
 
         try:
-            return load_gguf_config(path)
+            return parse_config(config_dict(open_gguf(path)), source=str(path))
         except UserError as e:  # name the option the path came from, as every other --model error does
             if flag and str(e).startswith(str(path)):
                 raise UserError(f"{flag} {e}") from None
@@ -74,9 +70,9 @@ def load_generation_config(path: str | Path) -> dict | None:
     or None when it has none."""
     path = Path(path)
     if format_of(path) == GGUF:
-        from dgcli.checkpoint.gguf_model import load_gguf_generation_config
+        from dgcli.checkpoint.gguf_model import generation_dict, open_gguf
 
-        return load_gguf_generation_config(path)
+        return generation_dict(open_gguf(path))
     p = path / "generation_config.json"
     return read_json(p) if p.exists() else None
 

@@ -1,13 +1,10 @@
 """Weights used in place from mapped files, and the low-memory mode that streams them layer by layer.
 
-A GGUF file's blocks that a kernel reads as stored (Q6_K, F32) are used from the file's own map; the forms the CPU
-kernels need built (torch's int4 layout of Q4_K/Q4_0/Q5_0/Q8_0, a quantized embedding dequantized to the run dtype)
-are written once to a cache file beside the GGUF file (or under $XDG_CACHE_HOME/dgemma/gguf where that folder is
-not writable) and mapped in turn. So no weight lives in anonymous memory: the kernel pages it in from a file and,
-under a memory cap, may drop it and read it again instead of killing the process.
-
-Owns: the cache file (key, layout, atomic build) and `stream_layers` (madvise / posix_fadvise hints per layer).
-Must not: know tensor names or GGUF types (checkpoint/gguf_model.py decides what is cached) or compute.
+The forms the CPU kernels need built from a GGUF file (torch's int4 layout, a quantized embedding dequantized) are
+written once to a cache file beside it (or under $XDG_CACHE_HOME/dgemma/gguf) and mapped, like the blocks used as
+stored: no weight lives in anonymous memory, so under a memory cap the kernel may drop pages and read them again
+instead of killing the process. Owns: the cache file (key, layout, atomic build) and `stream_layers` (madvise /
+posix_fadvise per layer). Must not: know tensor names or GGUF types (checkpoint/gguf_model.py decides) or compute.
 """
 
 from __future__ import annotations
@@ -69,9 +66,9 @@ def open_cache(gguf: Path, tag: str) -> dict[str, torch.Tensor] | None:
 
 def build_cache(gguf: Path, tag: str, items: Iterable[tuple[str, Callable[[], Iterable[torch.Tensor]], torch.dtype,
                                                             tuple[int, ...]]]) -> dict[str, torch.Tensor]:
-    """Write the cache: each item (name, parts, dtype, shape) whose parts (called once, yielded one at a time so
-    only one matrix is in memory) are the tensor's bytes in order; page-aligned, an index and trailer last; the
-    file renamed into place when complete (a cut build leaves no cache that looks valid). Returns `open_cache`'s."""
+    """Write the cache from items (name, parts, dtype, shape), parts() yielding the tensor's bytes in order, one
+    matrix in memory at a time; page-aligned, an index and trailer last, renamed into place when complete (a cut
+    build leaves no cache that looks valid). Returns `open_cache`'s."""
     path = cache_path(gguf, tag)
     for part in path.parent.glob(path.name + ".*.part"):  # a build that was killed (the OOM killer, Ctrl-C twice)
         if not Path(f"/proc/{part.name[len(path.name) + 1:-5]}").exists():
@@ -171,11 +168,9 @@ def _advise(spans: list[tuple[int, int, str, int]], drop: bool) -> None:
 
 def stream_layers(layers: list[torch.nn.Module], entry: Callable[[torch.nn.Module], torch.nn.Module],
                   resident_bytes: int) -> int:
-    """The low-memory mode over a model's layers: the first layers whose mapped bytes fit `resident_bytes` stay
-    (read once); the others are streamed: as layer i starts (a pre-hook on `entry(layer)`, the first module it
-    calls), layer i + 1's bytes are asked for ahead (MADV_WILLNEED: read while i computes) and the streamed layer
-    before i is given back (MADV_DONTNEED and POSIX_FADV_DONTNEED: its pages read again next step, from disk).
-    Returns how many layers stay resident."""
+    """The low-memory mode: the first layers whose mapped bytes fit `resident_bytes` stay; as layer i starts (a
+    pre-hook on `entry(layer)`), layer i + 1's bytes are asked for ahead (MADV_WILLNEED) and the streamed layer
+    before i is given back (MADV_DONTNEED, POSIX_FADV_DONTNEED: read again next step). Returns how many stay."""
     spans = mapped_spans(layers)
     keep, total = 0, 0
     for s in spans:

@@ -1,7 +1,6 @@
 """The DiffusionGemma module tree on the meta device: what every checkpoint format builds first and then fills
-(assigned from files, drawn at random, or converted), so no second full copy of the weights is ever made.
-
-Owns: `meta_model`. Must not: read files or hold values.
+(assigned from files, drawn at random, or converted), so no second full copy of the weights is ever made; and its
+inverse, a quantized model as a plain one. Must not: read files.
 """
 
 from __future__ import annotations
@@ -37,3 +36,26 @@ def meta_model(cfg: ModelConfig) -> DiffusionGemma:
     torch._refs, which imports torch._dynamo (~1 s of start-up), and every value is assigned later anyway."""
     with torch.device("meta"), _no_init():
         return DiffusionGemma(cfg)
+
+
+@torch.no_grad()
+def dequantize_model(model: DiffusionGemma, dtype: torch.dtype | None = None) -> DiffusionGemma:
+    """A plain model holding the weights the quantized modules compute with (FP8: e4m3 x scale, compressed-tensors'
+    dequantize; GGML: as the kernels see them), in `dtype` (default: the embedding's): what they must equal."""
+    from dgcli.kernels.fp8 import FP8, dequantize
+    from dgcli.model.ggml import QuantExperts, QuantLinear, quantized_names
+
+    dtype = dtype or model.embed_tokens.weight.dtype
+    full, skip, state = model.state_dict(), quantized_names(model), {}
+    for name, t in full.items():
+        if name in skip or name.endswith("_scale") and full.get(name.removesuffix("_scale"), t).dtype == FP8:
+            continue  # a GGML module's (below) or an FP8 weight's scale: `name + "_scale"` of its weight
+        state[name] = dequantize(t, full[name + "_scale"], dtype) if t.dtype == FP8 else t.to(dtype)
+    for name, m in model.named_modules():
+        if isinstance(m, QuantLinear):
+            state[f"{name}.weight"] = m.dequantized().to(dtype)
+        elif isinstance(m, QuantExperts):
+            state[f"{name}.gate_up_proj"], state[f"{name}.down_proj"] = (w.to(dtype) for w in m.dequantized())
+    plain = meta_model(model.config)
+    plain.load_state_dict(state, strict=True, assign=True)
+    return plain.eval()

@@ -1,13 +1,12 @@
-"""NVFP4 checkpoint directories: which of their modules are NVFP4 and their tensors read into model/nvfp4.py's held
-form (kernels/nvfp4.py), for the two safetensors layouts:
+"""NVFP4 checkpoints: which of their modules are NVFP4 and their tensors read into model/nvfp4.py's held form, for
+the two safetensors layouts and GGUF's type 40:
 
 - compressed-tensors `nvfp4-pack-quantized` (llm-compressor; compressed_tensors/compressors/nvfp4): `<p>.weight_packed`
   uint8 [out, in/2], `<p>.weight_scale` e4m3 [out, in/16], `<p>.weight_global_scale` fp32 [1], a divisor; the W4A4
   scheme adds `<p>.input_global_scale`. Experts are unfused per expert (`experts.{i}.gate_proj`...), as in FP8.
 - ModelOpt (NVIDIA TensorRT Model Optimizer's HF export, hf_quant_config.json `quant_algo: NVFP4`): `<p>.weight`
   uint8, `<p>.weight_scale` e4m3, `<p>.weight_scale_2` fp32, a multiplier (1 / global), `<p>.input_scale`.
-Input scales are read past: dgemma runs both as W4A16 (activations in the model dtype).
-Owns: `plan` (the quantized modules of a file map) and `read` (their tensors, checked; every error names the tensor).
+Input scales are read past: dgemma runs both as W4A16 (activations in the model dtype). Every error names the tensor.
 Must not: do math beyond checks, or decide the format (config.py / load.py do).
 """
 
@@ -78,14 +77,13 @@ def read(modules: dict[str, str], files: dict[str, Path], layout: str, model, op
         for name, prefix in sorted(modules.items()):
             m = ct.EXPERT_KEY.match(name + ".weight")
             if m:  # one expert's gate, up or down into the fused stacks
-                layer, e, part = int(m.group(1)), int(m.group(2)), m.group(3)
+                layer, e = int(m.group(1)), int(m.group(2))
                 mod = model.layers[layer].experts if layer < len(model.layers) else None
                 if not isinstance(mod, NVFP4Experts) or e >= mod.gate_up_proj.shape[0]:
                     raise UserError(f"checkpoint tensor {prefix + '.' + leaves[0]!r}: no such expert in config.json")
-                fused = "down_proj" if part == "down" else "gate_up_proj"
-                inter, cols = mod.inter, mod.inter if part == "down" else mod.hidden
-                rows = slice(inter, 2 * inter) if part == "up" else slice(0, inter) if part == "gate" else slice(None)
-                target = f"layers.{layer}.experts.{fused}"
+                target, _, rows = ct.expert_slot(name + ".weight", mod.inter)
+                fused = target.rsplit(".", 1)[1]
+                cols = mod.inter if fused == "down_proj" else mod.hidden
                 dst = [state.setdefault(target + sfx, torch.empty_like(getattr(mod, fused + sfx), device="cpu"))[e, rows]
                        for sfx in ("", "_scale", "_global")]
             else:
@@ -120,7 +118,7 @@ def read(modules: dict[str, str], files: dict[str, Path], layout: str, model, op
 
 # ---- GGUF type 40 ----------------------------------------------------------------------------------------------
 
-GGUF_TYPE = 40
+GGUF_TYPE = 40  # GGML_TYPE_NVFP4 (kernels/nvfp4.py's blocks)
 
 
 def _gguf_scale(f, gname: str, names: dict[str, str]) -> str | None:
@@ -148,7 +146,8 @@ def gguf_modules_(f, model, names: dict[str, str], path: str) -> None:
     import numpy as np
 
     from dgcli.kernels import nvfp4 as k
-    from dgcli.model.nvfp4 import NVFP4Experts, NVFP4Linear, _set
+    from dgcli.model.fp8 import _set
+    from dgcli.model.nvfp4 import NVFP4Experts, NVFP4Linear
 
     halves: dict[int, list[str]] = {}  # layer -> its experts' type-40 tensors (both halves, or neither)
     for name, gname in names.items():

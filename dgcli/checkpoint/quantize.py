@@ -1,14 +1,9 @@
-"""`dgemma quantize SRC DST --fp8`: an FP8-dynamic (compressed-tensors) checkpoint from an unquantized one,
-tensor by tensor (the model is never built, so a 52 GB checkpoint needs about one shard of memory).
-
-What is written is what llm-compressor's FP8_DYNAMIC recipe writes for DiffusionGemma: the attention
-projections and the dense MLP as float8_e4m3fn `weight` + `weight_scale` [out, 1] (per-output-channel absmax,
-`fp8.quantize_rows`, the scale in the source dtype); the fused experts unfused into per-expert linears
-`experts.{i}.gate_proj/up_proj/down_proj`, quantized likewise; everything else (embedding = tied head, norms,
-router, self-conditioning MLP, layer scalars, vision tower) copied unchanged. Each source shard gives one
-output shard of the same name (and an index when sharded); config.json gains the `quantization_config`;
-every other file (tokenizer, chat template, generation and processor configs, ...) is copied.
-Owns: `quantize_checkpoint`. Must not: run the model.
+"""`dgemma quantize`'s writers, tensor by tensor (the model is never built: a 52 GB checkpoint needs about one shard
+of memory). `quantize_checkpoint` (--fp8 / --nvfp4) writes what llm-compressor's FP8_DYNAMIC (NVFP4A16) recipe
+writes: the attention projections and dense MLP quantized (`fp8.quantize_rows` / `nvfp4.quantize_rows`), the fused
+experts unfused into per-expert linears quantized likewise, everything else copied; one output shard per source
+shard, config.json with its `quantization_config`, every other file copied. `checkpoint_to_gguf` (--type) writes
+one GGUF file in llama.cpp's DiffusionGemma layout and type mix. Must not: run the model.
 """
 
 from __future__ import annotations
@@ -27,6 +22,8 @@ from dgcli.checkpoint import compressed_tensors as ct
 from dgcli.checkpoint.config import read_json
 from dgcli.checkpoint.directory import _open, checkpoint_files, to_module_name
 from dgcli.checkpoint.load import GGUF, format_of, load_config
+from dgcli.checkpoint.nvfp4 import GGUF_TYPE as NVFP4
+from dgcli.checkpoint.vision import VISION
 from dgcli.errors import UserError
 from dgcli.model import fp8
 from dgcli.model import nvfp4 as model_nvfp4
@@ -48,9 +45,9 @@ def _linear(prefix: str, w: torch.Tensor, nvfp4: bool) -> dict[str, torch.Tensor
 def _quantized(key: str, t: torch.Tensor, nvfp4: bool = False) -> dict[str, torch.Tensor]:
     """One source tensor -> its output tensors (checkpoint names)."""
     name = to_module_name(key)
-    if name is not None and name.endswith(".weight") and fp8.QUANTIZED.match(name.removesuffix(".weight")):
+    if name.endswith(".weight") and fp8.QUANTIZED.match(name.removesuffix(".weight")):
         return _linear(key.removesuffix(".weight"), t, nvfp4)
-    m = FUSED.match(name or "")
+    m = FUSED.match(name)
     if m is None:
         return {key: t}
     prefix = key[: -len(m.group(2))]  # "model.decoder.layers.L.experts."
@@ -64,16 +61,13 @@ def _quantized(key: str, t: torch.Tensor, nvfp4: bool = False) -> dict[str, torc
 
 
 def _refuse_file(src: Path) -> None:
-    """SRC must be a checkpoint directory: a GGUF file (which load_config reads for the run commands) is not one."""
     if format_of(src, file_ok=False) == GGUF:
         raise UserError(f"{src} is a GGUF file; dgemma quantize converts a checkpoint directory (config.json, "
                         "model*.safetensors and tokenizer.json)")
 
 
 def _as_new_file(path: Path) -> None:
-    """The mode a file written with open() gets (0666 less the umask): safetensors writes through a
-    temporary file, which is created 0600, and renames it, so the shards would be private to their owner
-    while the config and tokenizer next to them are not."""
+    """The mode open() gives (0666 less the umask): safetensors writes a 0600 temporary file and renames it."""
     umask = os.umask(0)
     os.umask(umask)
     path.chmod(0o666 & ~umask)
@@ -81,9 +75,8 @@ def _as_new_file(path: Path) -> None:
 
 def quantize_checkpoint(src: str | Path, dst: str | Path, *, progress: Callable[[str], None] | None = None,
                         nvfp4: bool = False) -> dict:
-    """Write the FP8-dynamic (or `nvfp4`: compressed-tensors NVFP4A16, nvfp4-pack-quantized) twin of checkpoint
-    `src` into `dst` (absent or empty). Returns a summary:
-    tensors quantized, bytes read and written."""
+    """Write the FP8-dynamic (or `nvfp4`: NVFP4A16) twin of checkpoint `src` into `dst` (absent or empty). Returns a
+    summary: tensors quantized, bytes read and written."""
     src, dst = Path(src), Path(dst)
     _refuse_file(src)
     cfg = load_config(src, file_ok=False)
@@ -123,7 +116,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, *, progress: Callable[
         index = {"metadata": {"total_size": summary["bytes_out"]}, "weight_map": dict(sorted(weight_map.items()))}
         (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
     raw = read_json(src / "config.json")
-    vision = any(k.startswith(("model.encoder.vision_tower.", "model.encoder.embed_vision.")) for k in files)
+    vision = any(k.startswith(VISION) for k in files)
     raw["quantization_config"] = ct.quantization_config(cfg.num_hidden_layers, vision=vision or "vision_config" in raw,
                                                         nvfp4=nvfp4)
     (dst / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True))
@@ -147,18 +140,13 @@ def _more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-NVFP4 = 40  # GGML_TYPE_NVFP4 (kernels/nvfp4.py)
-
-
 def gguf_types(kind: str, shapes: dict[str, tuple[int, ...]], n_layers: int,
                fallbacks: dict | None = None) -> dict[str, int]:
-    """The ggml type of each GGUF tensor (name -> logical shape) for `--type kind`, as llama.cpp picks them:
-    1-D tensors (norms, scales, layer scalars) and the router (`ffn_gate_inp`, never quantized by llama.cpp)
-    stay F32; q8_0 makes every other matrix Q8_0; q4_k_m is Q4_K with Q6_K for the embedding (the tied head)
-    and for `attn_v` and `ffn_down(_exps)` in the "more bits" layers; nvfp4 makes the matrices but the embedding
-    NVFP4 where their rows are multiples of 64 (else Q8_0). A row length that is no multiple of the
-    block falls back as llama.cpp does (`ggml.type_for`: Q6_K -> Q8_0, Q4_K -> Q5_0; not a multiple of 32 ->
-    F16). `fallbacks`, if given, collects them: (asked, given type names) -> the row lengths that fell back."""
+    """The ggml type of each GGUF tensor (name -> logical shape) for `--type kind`, as llama.cpp picks them: 1-D
+    tensors and the router (`ffn_gate_inp`) stay F32; q8_0 makes every other matrix Q8_0; q4_k_m is Q4_K with Q6_K
+    for the embedding (the tied head) and for `attn_v` and `ffn_down(_exps)` in the "more bits" layers; nvfp4 makes
+    the matrices but the embedding NVFP4 where rows are multiples of 64 (else Q8_0). Other row lengths fall back as
+    llama.cpp does (`ggml.type_for`; not a multiple of 32: F16), collected in `fallbacks`: (asked, given) -> rows."""
     from dgcli.model import ggml
 
     v_names = sorted((n for n in shapes if n.endswith(".attn_v.weight")), key=lambda n: int(n.split(".")[1]))
@@ -219,7 +207,7 @@ def checkpoint_to_gguf(src: str | Path, dst: str | Path, kind: str, *,
     shapes: dict[str, tuple[int, ...]] = {}
     for key, f in files.items():
         name = to_module_name(key)
-        if name is None or key == "lm_head.weight":
+        if key.startswith(VISION) or key == "lm_head.weight":
             continue
         try:
             gname = gguf_model.to_gguf_name(name)

@@ -1,12 +1,6 @@
-"""Random-weight DiffusionGemma checkpoints in the exact released layout (spec §3).
-
-Tests, benchmarks and the dummy-weights mode use these: `config.json` with a nested `text_config`,
-`model.safetensors` (or shards + `model.safetensors.index.json`) under the checkpoint's names (fused
-`experts.gate_up_proj`/`down_proj`, no `.weight` on experts/router scales, encoder layer scalars, no
-lm_head), `generation_config.json`, and optionally a tokenizer; or FP8 weights in compressed-tensors'
-FP8-dynamic layout (per-expert linears, `weight_scale`s, a quantization_config); or GGML blocks kept quantized
-(`--weights q4_k / q8_0`). Owns: random init and writing, and the
-`--dummy` config (a config.json, or the shipped 26B-A4B one, optionally cut to its first N layers).
+"""Random-weight DiffusionGemma models and checkpoints in the released layout (spec §3), for tests, benchmarks and
+`--dummy`: plain, FP8 (compressed-tensors' FP8-dynamic layout), NVFP4, GGML blocks kept quantized (`--weights q4_k /
+q8_0`) or a GGUF file; the `--dummy` config (a config.json, or the shipped 26B-A4B one, optionally cut to N layers).
 Must not: run the model.
 """
 
@@ -37,7 +31,6 @@ REFERENCE_GENERATION_CONFIG = {
 }
 
 
-
 def reference_generation_config(canvas_length: int) -> dict:
     """The released generation_config.json with its budget kept at one canvas, as released (256 new
     tokens on the 256-token canvas): so a random checkpoint of an 8- or 16-token canvas generates one
@@ -66,39 +59,22 @@ def make_config(text_config: dict, canvas_length: int = 256, dtype: str = "bfloa
 
 @torch.no_grad()
 def randomize_(model: DiffusionGemma, seed: int = 0, std: float | None = None) -> DiffusionGemma:
-    """Give every parameter and buffer a random value (no tensor left at its init value), drawn on the
-    tensor's own device in its own dtype (a 26B dummy model never exists in fp32 on the host).
-    Matrices ~ N(0, std) with std = 1/sqrt(fan_in) unless given; gains and scales ~ U(0.5, 1.5).
-    FP8 weights (a quantized config): each matrix drawn so, then quantized (`randomize_fp8_`)."""
+    """Give every parameter and buffer a random value, drawn on its own device in its own dtype (a 26B dummy never
+    exists in fp32 on the host): matrices ~ N(0, std), std = 1/sqrt(fan_in) unless given; gains and scales
+    ~ U(0.5, 1.5). FP8 matrices are drawn so in fp32 (one expert's at a time) and quantized."""
     gens: dict[torch.device, torch.Generator] = {}
+
+    def gen(device: torch.device) -> torch.Generator:
+        return gens.setdefault(device, torch.Generator(device=device).manual_seed(seed))
+
     quantized = fp8.quantized_names(model) | ggml.quantized_names(model) | nvfp4.quantized_names(model)  # drawn below
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if name in quantized:
             continue
-        g = gens.setdefault(t.device, torch.Generator(device=t.device).manual_seed(seed))
         if t.ndim >= 2:
-            s = std if std is not None else 1.0 / math.sqrt(t.shape[-1])
-            t.normal_(0.0, s, generator=g)
+            t.normal_(0.0, std if std is not None else 1.0 / math.sqrt(t.shape[-1]), generator=gen(t.device))
         else:
-            t.uniform_(0.5, 1.5, generator=g)
-    if quantized:
-        randomize_fp8_(model, lambda d: gens.setdefault(d, torch.Generator(device=d).manual_seed(seed)), std)
-    for m in model.modules():  # NVFP4: random codes (RMS 2.93 over the 16), one e4m3 scale giving std 1/sqrt(fan_in)
-        for b in [n for n, t in m.named_buffers(recurse=False) if t.dtype == torch.uint8] if isinstance(
-                m, (nvfp4.NVFP4Linear, nvfp4.NVFP4Experts)) else ():
-            q = m.get_buffer(b)
-            g = gens.setdefault(q.device, torch.Generator(device=q.device).manual_seed(seed))
-            q.random_(0, 256, generator=g)
-            leaf = "weight" if b == "weight_packed" else b
-            m.get_buffer(leaf + "_scale").fill_((std or 1 / math.sqrt(2 * q.shape[-1])) / 2.93)
-            m.get_buffer(leaf + "_global").fill_(1.0)
-    return model
-
-
-@torch.no_grad()
-def randomize_fp8_(model: nn.Module, generator, std: float | None = None) -> None:
-    """Random FP8 weights for dummy models: each matrix (one expert's at a time) drawn ~ N(0, 1/fan_in) in
-    fp32 on its device, then quantized (the scales in their buffers' dtype)."""
+            t.uniform_(0.5, 1.5, generator=gen(t.device))
     for m in model.modules():
         pairs = ([(m.weight, m.weight_scale)] if isinstance(m, fp8.FP8Linear) else
                  [(m.gate_up_proj, m.gate_up_proj_scale), (m.down_proj, m.down_proj_scale)]
@@ -106,24 +82,31 @@ def randomize_fp8_(model: nn.Module, generator, std: float | None = None) -> Non
         for q, s in pairs:
             for qe, se in zip(q.view(-1, *q.shape[-2:]), s.view(-1, *s.shape[-2:])):
                 w = torch.empty(qe.shape, device=qe.device).normal_(0.0, std or 1 / math.sqrt(qe.shape[-1]),
-                                                                    generator=generator(qe.device))
+                                                                    generator=gen(qe.device))
                 qq, ss = fp8.quantize_rows(w)
                 qe.copy_(qq)
                 se.copy_(ss)
-
+    for m in model.modules():  # NVFP4: random codes (RMS 2.93 over the 16), one e4m3 scale giving std 1/sqrt(fan_in)
+        for b in [n for n, t in m.named_buffers(recurse=False) if t.dtype == torch.uint8] if isinstance(
+                m, nvfp4.KINDS) else ():
+            q = m.get_buffer(b)
+            q.random_(0, 256, generator=gen(q.device))
+            leaf = "weight" if b == "weight_packed" else b
+            m.get_buffer(leaf + "_scale").fill_((std or 1 / math.sqrt(2 * q.shape[-1])) / 2.93)
+            m.get_buffer(leaf + "_global").fill_(1.0)
+    return model
 
 
 def random_model(cfg_dict: dict, *, seed: int = 0, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu") -> DiffusionGemma:
-    """A randomly initialised model of a config (dummy weights), allocated once, on `device`, every tensor
-    in `dtype` (the layer scalars too, as `loader.load_model` gives them: the model equals its own
-    checkpoint loaded back in that dtype). A config with a quantization_config (`with_fp8`) gets FP8
-    linears and experts (1 byte per parameter, scales in `dtype`), drawn without an unquantized copy."""
+    """A randomly initialised model of a config, allocated once on `device`, every tensor in `dtype` (the layer
+    scalars too: the model equals its own checkpoint loaded back in that dtype). A config with a quantization_config
+    (`with_fp8`) gets FP8 (or NVFP4) linears and experts, drawn without an unquantized copy."""
     cfg = parse_config(cfg_dict)
     model = meta_model(cfg)
     model.to(dtype)
     if cfg.quantization is not None and cfg.quantization.nvfp4:
-        nvfp4.convert_(model, *fp8.targets(model), divide=True)
+        fp8.convert_(model, *fp8.targets(model), True, nvfp4.KINDS)
     elif cfg.quantization is not None:
         fp8.convert_(model, *fp8.targets(model), dtype)
     model.to_empty(device=device)
@@ -137,9 +120,8 @@ def with_fp8(cfg_dict: dict, nvfp4: bool = False) -> dict:
 
 
 def checkpoint_state(model: DiffusionGemma) -> dict[str, torch.Tensor]:
-    """The state under checkpoint names; layer scalars stored in fp32 whatever the model's dtype, as the
-    released checkpoint stores them (exact: fp32 holds every bf16/fp16 value); FP8 experts unfused into
-    per-expert linears, as compressed-tensors checkpoints store them."""
+    """The state under checkpoint names; layer scalars in fp32 as the released checkpoint stores them (exact: fp32
+    holds every bf16/fp16 value); FP8 experts unfused into per-expert linears, as compressed-tensors stores them."""
     return {to_checkpoint_name(k): (v.float() if k.endswith("layer_scalar") else v).detach().contiguous().cpu()
             for k, v in ct.unfused_state(model).items()}
 
@@ -185,9 +167,8 @@ def write_random_checkpoint(out_dir: str | Path, text_config: dict, *, canvas_le
                             seed: int = 0, dtype: torch.dtype = torch.float32, shards: int = 1,
                             generation_config: dict | None = None, tokenizer: bool = True,
                             weights: str = "plain") -> Path:
-    """A random-weight checkpoint of `text_config` (a dict of text_config keys), with a small
-    Gemma-4-style tokenizer and chat template when the vocabulary is large enough to hold one.
-    `weights="fp8"`: the same random model quantized (`fp8.quantize_model_`), in the FP8-dynamic layout."""
+    """A random-weight checkpoint of `text_config` (a dict of text_config keys), with a small Gemma-4-style
+    tokenizer and chat template when the vocabulary can hold one; `weights="fp8"`: the model quantized to FP8."""
     from dgcli.text.build import MIN_VOCAB_SIZE, build_tokenizer, write_tokenizer_files
 
     if weights not in ("plain", "fp8"):
@@ -232,8 +213,8 @@ def _ggml_plan(model: DiffusionGemma, weights: str):
 
 
 def ggml_dummy_bytes(cfg_dict: dict, weights: str, dtype: torch.dtype) -> int:
-    """Bytes a GGML dummy model holds (the quantized forms as kernels/ggml_cpu.py keeps them, the rest in
-    dtype), computed from the config without allocating: the memory preflight's count."""
+    """Bytes a GGML dummy model holds (the kernels' prepared forms, the rest in dtype), from the config without
+    allocating: the memory preflight's count."""
     from dgcli.kernels.ggml_cpu import prepared_bytes
 
     model = meta_model(parse_config(cfg_dict))
@@ -252,10 +233,9 @@ def ggml_dummy_bytes(cfg_dict: dict, weights: str, dtype: torch.dtype) -> int:
 @torch.no_grad()
 def random_ggml_model(cfg_dict: dict, weights: str, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
                       device: str | torch.device = "cpu") -> DiffusionGemma:
-    """A random model whose linears and experts are GGML modules built from random valid blocks
-    (`ggml_quants.random_blocks`: drawn as bytes, nothing quantized, so the 26B-A4B builds in about a minute), as a
-    Q4_K_M / Q8_0 file would hold them (types: `ggml_dummy_type`); the embedding (dequantized in a real
-    Q4_K_M load too), router, norms and scalars are plain tensors in dtype. CPU only (the int4 kernel is)."""
+    """A random model whose linears and experts are GGML modules of random valid blocks (drawn as bytes, nothing
+    quantized: the 26B-A4B builds in about a minute) in `ggml_dummy_type`'s types; the embedding, router, norms and
+    scalars plain tensors in dtype. CPU only (the int4 kernel is)."""
     if torch.device(device).type != "cpu":
         raise UserError(f"--weights {weights} runs on CPU (torch's int4 CPU kernel); use --device cpu")
     model = meta_model(parse_config(cfg_dict))
@@ -280,11 +260,9 @@ def random_ggml_model(cfg_dict: dict, weights: str, *, seed: int = 0, dtype: tor
 
 # ---- --dummy: a config's architecture with random weights ----------------------------------------------
 
-
 def dummy_config(spec: str, layers: int | None = None) -> tuple[dict, dict | None, str]:
-    """(config.json dict, generation_config dict or None, name) for --dummy: a config.json path, a
-    directory holding one, or the word 26B-A4B (the shipped config). `layers` keeps the first N layer
-    types and forces the last to full attention, as the reference does."""
+    """(config.json dict, generation_config dict or None, name) for --dummy: a config.json path, a directory holding
+    one, or the word 26B-A4B (the shipped config); `layers` keeps the first N layers (the last one full attention)."""
     if spec.strip().upper() in ("26B-A4B", "26B", "DIFFUSIONGEMMA-26B-A4B"):
         path = real_config_path()
     else:
@@ -318,9 +296,8 @@ def shrink_layers(raw: dict, n: int) -> dict:
 
 def write_random_gguf(cfg_dict: dict, gen: dict | None, dst: str | Path, kind: str = "q4_k_m", *, seed: int = 0,
                       name: str = "random") -> int:
-    """A GGUF file of `cfg_dict` with random weights (`ggml_quants.random_blocks`: drawn as bytes, ~1 minute per
-    10 GB) in `kind`'s types (quantize.gguf_types: llama.cpp's Q4_K_M mix, or q8_0), one tensor in memory at a
-    time: a real-size file for benchmarks without a real checkpoint. Returns its bytes."""
+    """A GGUF file of `cfg_dict` with random weights (random blocks: ~1 minute per 10 GB) in `kind`'s types
+    (`quantize.gguf_types`), one tensor in memory at a time: a real-size file for benchmarks. Returns its bytes."""
     from dgcli.checkpoint import gguf, gguf_model
     from dgcli.checkpoint.quantize import GGUF_KINDS, gguf_types
 

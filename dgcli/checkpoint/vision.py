@@ -1,7 +1,6 @@
-"""The checkpoint's vision tower and projector (`model.encoder.vision_tower.*`, `model.encoder.embed_vision.*`), read
-in their own layout into `model/vision.py`'s `VisionEncoder`: in the model's dtype, never quantized (compressed-
-tensors checkpoints list the tower in their `ignore`). Owns: `vision_config` (config.json -> VisionConfig and the
-image token ids) and `new_vision`. Must not: do math, or read files (directory.py reads the tensors).
+"""The checkpoint's vision tower and projector (`VISION` keys), the model's `vision` (model/vision.py), in the model's
+dtype, never quantized. Owns: `vision_config` (config.json -> VisionConfig and the image token ids) and `new_vision`.
+Must not: do math, or read files (directory.py reads the tensors).
 """
 
 from __future__ import annotations
@@ -12,8 +11,7 @@ from dgcli.errors import UserError
 from dgcli.model.config import ModelConfig
 from dgcli.model.vision import VisionConfig, VisionEncoder
 
-PREFIX = "model.encoder."
-KEYS = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
+VISION = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
 
 
 def vision_config(cfg: ModelConfig, source: str = "config.json") -> VisionConfig | None:

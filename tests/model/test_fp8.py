@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 import dgcli
 from dgcli.errors import UserError
 from dgcli.checkpoint import compressed_tensors as fp8_ckpt
+from dgcli.checkpoint.meta import dequantize_model
 from dgcli.model import fp8
 from dgcli.checkpoint.quantize import quantize_checkpoint
 from dgcli.checkpoint.random_weights import make_config, random_model, with_fp8, write_checkpoint
@@ -146,7 +147,7 @@ def test_weight_only_logits_equal_the_dequantized_bf16_checkpoint(ckpts, tmp_pat
     _, dst = ckpts
     monkeypatch.setenv("DGEMMA_KERNELS", kernels)
     ours = dgcli.load_model(dst)
-    deq = write_checkpoint(fp8_ckpt.dequantize_model(ours), tmp_path / "deq", json.loads((dst / "config.json").read_text()))
+    deq = write_checkpoint(dequantize_model(ours), tmp_path / "deq", json.loads((dst / "config.json").read_text()))
     assert "quantization_config" not in json.loads((deq / "config.json").read_text())
     plain = dgcli.load_model(deq)
     assert not fp8.is_fp8(plain) and plain.embed_weight.dtype == torch.bfloat16
@@ -211,7 +212,7 @@ def test_transformers_with_compressed_tensors_reads_the_same_checkpoint(ckpts):
             experts_implementation="eager").eval()
     ours = dgcli.load_model(dst)
     theirs = ref.state_dict()
-    for name, t in fp8_ckpt.dequantize_model(ours).state_dict().items():
+    for name, t in dequantize_model(ours).state_dict().items():
         assert torch.equal(theirs[to_checkpoint_name(name)], t), name
     prompt, canvas, sc = inputs(ours.config, batch=1)
     with torch.no_grad():

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dgcli.checkpoint import ggml_quants
+from dgcli.checkpoint.meta import dequantize_model
 from dgcli.model import ggml
 from dgcli.checkpoint.random_weights import ggml_dummy_bytes, make_config, random_ggml_model, random_model
 
@@ -266,8 +267,8 @@ def test_model_logits_equal_the_dequantized_bf16_model(plain, qtype, x_path):
     assert all(isinstance(model.get_submodule(n), ggml.QuantLinear) for n in linears)
     assert all(isinstance(layer.experts, ggml.QuantExperts) for layer in model.layers)
     assert {model.get_submodule(n).qtype for n in linears} == {qtype}
-    deq = ggml_quants.dequantize_model(model)
-    exact = ggml_quants.dequantize_model(model, torch.float32)
+    deq = dequantize_model(model)
+    exact = dequantize_model(model, torch.float32)
     prompt, canvas, sc = _inputs()
     for soft in (None, sc):
         a, b = model.forward_canvas(prompt, canvas, soft), deq.forward_canvas(prompt, canvas, soft)
@@ -284,7 +285,7 @@ def test_fp32_model_runs_the_exact_dequantized_weights(plain):
     import copy
 
     model = ggml_quants.quantize_model_(copy.deepcopy(plain).float(), ggml.Q4_K)
-    deq = ggml_quants.dequantize_model(model)
+    deq = dequantize_model(model)
     prompt, canvas, _ = _inputs(1)
     torch.testing.assert_close(model.forward_canvas(prompt, canvas), deq.forward_canvas(prompt, canvas),
                                rtol=1e-4, atol=1e-4)
@@ -304,12 +305,12 @@ def test_activation_path_names_what_the_linears_multiply_by(plain, x_path, monke
 def test_dummy_ggml_model(weights, x_path):
     cfg = make_config(dict(TEXT, moe_intermediate_size=96), canvas_length=8)  # 96: no Q4_K rows -> Q4_0
     model = random_ggml_model(cfg, weights, seed=1)
-    assert ggml.weight_bytes(model) == ggml_dummy_bytes(cfg, weights, torch.bfloat16)
+    assert sum(t.nbytes for t in [*model.parameters(), *model.buffers()]) == ggml_dummy_bytes(cfg, weights, torch.bfloat16)
     types = model.layers[0].experts.types
     assert types == ((ggml.Q4_K, ggml.Q4_0) if weights == "q4_k" else (ggml.Q8_0, ggml.Q8_0))
     logits = model.forward_canvas(*_inputs()[:2])
     assert torch.isfinite(logits).all() and logits.std() > 0
-    deq = ggml_quants.dequantize_model(model)
+    deq = dequantize_model(model)
     assert _rms(logits, deq.forward_canvas(*_inputs()[:2])) <= (Q8_LOGIT_RMS if x_path == "int8" else LOGIT_RMS)
 
 

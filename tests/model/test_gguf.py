@@ -16,7 +16,7 @@ from dgcli.checkpoint import gguf_model
 from dgcli.model import ggml
 from dgcli.model.gemma import Experts
 from dgcli.checkpoint.gguf import GGUFFile
-from dgcli.checkpoint.load import load_config
+from dgcli.checkpoint.load import load_config, load_generation_config
 from dgcli.checkpoint.load import load_model
 from dgcli.checkpoint.quantize import checkpoint_to_gguf, gguf_types
 from dgcli.checkpoint.random_weights import write_random_checkpoint
@@ -207,16 +207,16 @@ def test_quantize_and_reference_layout_load_the_same(small_ckpt, tmp_path, quant
     for name in a.tensors:
         assert a.tensors[name].type == b.tensors[name].type, name
         assert a.data(name).tobytes() == b.data(name).tobytes(), name
-    cfg = gguf_model.load_gguf_config(ref)
+    cfg = load_config(ref)
     # The config.json's, but for the dtype: a quantized file's runs in bfloat16 (the embedding's type decides).
-    assert cfg == gguf_model.load_gguf_config(ours)
+    assert cfg == load_config(ours)
     assert cfg.dtype == ("bfloat16" if quantize else "float32")
     assert dataclasses.replace(cfg, dtype="float32") == load_config(small_ckpt)
     # The sampler defaults: all of generation_config.json in ours; llama.cpp's keys carry no token budget, and
     # its stop ids are looked up by name (<eos>, <turn|>, <|tool_response>).
     want_gen = json.loads((small_ckpt / "generation_config.json").read_text())
-    assert gguf_model.load_gguf_generation_config(ours) == want_gen
-    assert gguf_model.load_gguf_generation_config(ref) == {k: v for k, v in want_gen.items() if k != "max_new_tokens"}
+    assert load_generation_config(ours) == want_gen
+    assert load_generation_config(ref) == {k: v for k, v in want_gen.items() if k != "max_new_tokens"}
     m_ref, m_ours = gguf_model.load_gguf_model(ref, dtype=torch.float32), gguf_model.load_gguf_model(ours, dtype=torch.float32)
     assert torch.equal(logits(m_ref), logits(m_ours))
     if quantize:

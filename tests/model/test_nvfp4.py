@@ -16,7 +16,7 @@ from test_loader import expect, logits  # one error line naming the problem; log
 import dgcli
 from dgcli.checkpoint.directory import to_module_name
 from dgcli.kernels import nvfp4 as k
-from dgcli.model import nvfp4
+from dgcli.model import fp8, nvfp4
 
 BUNDLED = dgcli.__path__[0] + "/data/tiny"
 EXPERT = "experts.gate_up_proj"
@@ -57,7 +57,7 @@ def write_nvfp4(src, dst, layout="compressed-tensors", scheme="NVFP4A16"):
         if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
             parts = {"gate": t[:, :t.shape[1] // 2], "up": t[:, t.shape[1] // 2:]} if "gate_up" in name else {"down": t}
             mats = {f"{key.rsplit('.', 1)[0]}.{e}.{p}_proj": w[e] for p, w in parts.items() for e in range(len(w))}
-        elif layout == "compressed-tensors" and name.endswith(".weight") and nvfp4.QUANTIZED.match(name[:-7]):
+        elif layout == "compressed-tensors" and name.endswith(".weight") and fp8.QUANTIZED.match(name[:-7]):
             mats = {key[:-7]: t}
         else:
             out[key] = t
