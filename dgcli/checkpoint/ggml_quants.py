@@ -286,28 +286,31 @@ TARGETS = re.compile(r"^(layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down
                      r"self_conditioning\.(gate|up|down)_proj)$")
 
 
-def targets(model: nn.Module) -> tuple[list[str], list[int]]:
-    """(names of the bias-free linears stored quantized, layers whose experts are)."""
-    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and TARGETS.match(n)]
-    return linears, list(range(len(model.layers)))
+def targets(model: nn.Module) -> list[str]:
+    """The names of the linears stored quantized (and every layer's experts are)."""
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and TARGETS.match(n)]
 
 
 @torch.no_grad()
-def quantize_model_(model: nn.Module, qtype: int, dtype: torch.dtype | None = None) -> nn.Module:
-    """Quantize a materialised plain model's target linears and experts to `qtype` in place (rows that do not
-    fit take llama.cpp's fallback type, or stay as they are); scales in `dtype` (default: the embedding's)."""
-    dtype = dtype or model.embed_tokens.weight.dtype
-    linears, layers = targets(model)
-    for name in linears:
+def to_ggml_(model: nn.Module, pick, blocks, dtype: torch.dtype) -> nn.Module:
+    """Swap the target linears and experts for GGML modules in place: `pick(k)` the type of rows of k values (None:
+    left as they are), `blocks(w, type)` their bytes (quantized from `w`, or drawn for a meta `w`)."""
+    for name in targets(model):
         old = model.get_submodule(name)
-        t = type_for(qtype, old.in_features)
+        t = pick(old.in_features)
         if t is not None:
-            model.set_submodule(name, QuantLinear(quantize(old.weight, t), t, old.in_features, old.out_features, dtype))
-    for i in layers:
-        old = model.layers[i].experts
+            model.set_submodule(name, QuantLinear(blocks(old.weight, t), t, old.in_features, old.out_features, dtype))
+    for layer in model.layers:
+        old = layer.experts
         e, two_i, h = old.gate_up_proj.shape
-        tg, td = type_for(qtype, h), type_for(qtype, two_i // 2)
+        tg, td = pick(h), pick(two_i // 2)
         if tg is not None and td is not None:
-            model.layers[i].experts = QuantExperts(quantize(old.gate_up_proj, tg), tg, quantize(old.down_proj, td),
-                                                   td, h, two_i // 2, dtype)
+            layer.experts = QuantExperts(blocks(old.gate_up_proj, tg), tg, blocks(old.down_proj, td), td, h, two_i // 2,
+                                         dtype)
     return model
+
+
+def quantize_model_(model: nn.Module, qtype: int, dtype: torch.dtype | None = None) -> nn.Module:
+    """Quantize a materialised plain model's target linears and experts to `qtype` in place (rows that do not fit
+    take llama.cpp's fallback type, or stay as they are); scales in `dtype` (default: the embedding's)."""
+    return to_ggml_(model, lambda k: type_for(qtype, k), quantize, dtype or model.embed_tokens.weight.dtype)

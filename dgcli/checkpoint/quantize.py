@@ -60,10 +60,15 @@ def _quantized(key: str, t: torch.Tensor, nvfp4: bool = False) -> dict[str, torc
     return out
 
 
-def _refuse_file(src: Path) -> None:
+def _source(src: Path, verb: str):
+    """SRC's config: an unquantized checkpoint directory (not a GGUF file, which the run commands read)."""
     if format_of(src, file_ok=False) == GGUF:
         raise UserError(f"{src} is a GGUF file; dgemma quantize converts a checkpoint directory (config.json, "
                         "model*.safetensors and tokenizer.json)")
+    cfg = load_config(src, file_ok=False)
+    if cfg.quantization is not None:
+        raise UserError(f"{src}: already quantized ({cfg.quantization.scheme}); {verb} an unquantized checkpoint")
+    return cfg
 
 
 def _as_new_file(path: Path) -> None:
@@ -78,10 +83,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, *, progress: Callable[
     """Write the FP8-dynamic (or `nvfp4`: NVFP4A16) twin of checkpoint `src` into `dst` (absent or empty). Returns a
     summary: tensors quantized, bytes read and written."""
     src, dst = Path(src), Path(dst)
-    _refuse_file(src)
-    cfg = load_config(src, file_ok=False)
-    if cfg.quantization is not None:
-        raise UserError(f"{src}: already quantized ({cfg.quantization.scheme}); quantize an unquantized checkpoint")
+    cfg = _source(src, "quantize")
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise UserError(f"{dst}: exists and is not empty; pick a new directory (or remove it)")
     if dst.resolve() == src.resolve():
@@ -190,12 +192,9 @@ def checkpoint_to_gguf(src: str | Path, dst: str | Path, kind: str, *,
     from dgcli.text.tokenizer import load_tokenizer
 
     src, dst = Path(src), Path(dst)
-    _refuse_file(src)
     if kind not in GGUF_KINDS:
         raise UserError(f"--type {kind}: use one of {', '.join(GGUF_KINDS)}")
-    cfg = load_config(src, file_ok=False)
-    if cfg.quantization is not None:
-        raise UserError(f"{src}: already quantized ({cfg.quantization.scheme}); convert an unquantized checkpoint")
+    cfg = _source(src, "convert")
     if dst.exists():
         raise UserError(f"{dst}: exists; pick a new file name (or remove it)")
     if not dst.parent.is_dir():

@@ -198,20 +198,6 @@ def ggml_dummy_type(weights: str, k: int) -> int | None:
     return next((t for t in order if ggml.fits(t, k)), None)
 
 
-def _ggml_plan(model: DiffusionGemma, weights: str):
-    """(linears [(name, type, in, out)], experts [(layer, gate_up type, down type)]) a dummy quantizes."""
-    linears, layers = ggml_quants.targets(model)
-    lin = []
-    for name in linears:
-        m = model.get_submodule(name)
-        t = ggml_dummy_type(weights, m.in_features)
-        if t is not None:
-            lin.append((name, t, m.in_features, m.out_features))
-    cfg = model.config
-    tg, td = ggml_dummy_type(weights, cfg.hidden_size), ggml_dummy_type(weights, cfg.moe_intermediate_size)
-    return lin, ([] if tg is None or td is None else [(i, tg, td) for i in layers])
-
-
 def ggml_dummy_bytes(cfg_dict: dict, weights: str, dtype: torch.dtype) -> int:
     """Bytes a GGML dummy model holds (the kernels' prepared forms, the rest in dtype), from the config without
     allocating: the memory preflight's count."""
@@ -219,14 +205,16 @@ def ggml_dummy_bytes(cfg_dict: dict, weights: str, dtype: torch.dtype) -> int:
 
     model = meta_model(parse_config(cfg_dict))
     total = sum(t.numel() for t in list(model.parameters()) + list(model.buffers())) * dtype.itemsize
-    lin, experts = _ggml_plan(model, weights)
-    for name, t, k, n in lin:
-        total += prepared_bytes(t, n, k, dtype) - n * k * dtype.itemsize
+    for m in map(model.get_submodule, ggml_quants.targets(model)):
+        t = ggml_dummy_type(weights, m.in_features)
+        if t is not None:
+            total += prepared_bytes(t, m.out_features, m.in_features, dtype) - m.weight.numel() * dtype.itemsize
     c = model.config
     e, h, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
-    for _, tg, td in experts:
-        total += e * (prepared_bytes(tg, 2 * i, h, dtype) + prepared_bytes(td, h, i, dtype))
-        total -= 3 * e * h * i * dtype.itemsize
+    tg, td = ggml_dummy_type(weights, h), ggml_dummy_type(weights, i)
+    if tg is not None and td is not None:
+        per_layer = prepared_bytes(tg, 2 * i, h, dtype) + prepared_bytes(td, h, i, dtype) - 3 * h * i * dtype.itemsize
+        total += c.num_hidden_layers * e * per_layer
     return total
 
 
@@ -241,14 +229,8 @@ def random_ggml_model(cfg_dict: dict, weights: str, *, seed: int = 0, dtype: tor
     model = meta_model(parse_config(cfg_dict))
     model.to(dtype)
     g = torch.Generator().manual_seed(seed)
-    lin, experts = _ggml_plan(model, weights)
-    for name, t, k, n in lin:
-        model.set_submodule(name, ggml.QuantLinear(ggml_quants.random_blocks((n,), t, k, g), t, k, n, dtype))
-    c = model.config
-    e, h, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
-    for layer, tg, td in experts:
-        model.layers[layer].experts = ggml.QuantExperts(ggml_quants.random_blocks((e, 2 * i), tg, h, g), tg,
-                                                        ggml_quants.random_blocks((e, h), td, i, g), td, h, i, dtype)
+    ggml_quants.to_ggml_(model, lambda k: ggml_dummy_type(weights, k),
+                         lambda w, t: ggml_quants.random_blocks(w.shape[:-1], t, w.shape[-1], g), dtype)
     for m in model.modules():  # the plain tensors left on meta
         for store in (m._parameters, m._buffers):
             for key, t in store.items():

@@ -64,7 +64,9 @@ class PassGraphs:
                             self.device, every_seq=True)
         st = self.static.get(size)
         if st is None:
-            st = self.static[size] = self._make(size, layout)
+            ids = torch.zeros(size * self.c, dtype=torch.long, device=self.device)
+            soft = torch.zeros(size, self.c, self.hidden, dtype=self.model.embed_weight.dtype, device=self.device)
+            st = self.static[size] = _Static(ids, soft, layout)
         else:
             st.layout.load(layout)
         st.ids[:b * self.c].copy_(ids)
@@ -82,11 +84,6 @@ class PassGraphs:
         else:
             st.out = self.model.forward_layout(st.ids, st.layout, st.soft)
         return st.out[:b]
-
-    def _make(self, size: int, layout: PassLayout) -> _Static:
-        ids = torch.zeros(size * self.c, dtype=torch.long, device=self.device)
-        soft = torch.zeros(size, self.c, self.hidden, dtype=self.model.embed_weight.dtype, device=self.device)
-        return _Static(ids, soft, layout)
 
     def _capture(self, st: _Static) -> None:
         """Two eager runs on a side stream (compiles, autotuning and the model's caches happen there), then the

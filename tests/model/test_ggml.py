@@ -263,7 +263,7 @@ def test_model_logits_equal_the_dequantized_bf16_model(plain, qtype, x_path):
     int8 = x_path == "int8"
     bound_max, bound_rms, ratio = (Q8_LOGIT_MAX, Q8_LOGIT_RMS, Q8_FP32_RATIO) if int8 else (LOGIT_MAX, LOGIT_RMS, 1.5)
     model = ggml_quants.quantize_model_(copy.deepcopy(plain), qtype)
-    linears, _ = ggml_quants.targets(plain)
+    linears = ggml_quants.targets(plain)
     assert all(isinstance(model.get_submodule(n), ggml.QuantLinear) for n in linears)
     assert all(isinstance(layer.experts, ggml.QuantExperts) for layer in model.layers)
     assert {model.get_submodule(n).qtype for n in linears} == {qtype}
