@@ -119,20 +119,16 @@ def with_fp8(cfg_dict: dict, nvfp4: bool = False) -> dict:
     return dict(cfg_dict, quantization_config=ct.quantization_config(n, nvfp4=nvfp4))
 
 
-def checkpoint_state(model: DiffusionGemma) -> dict[str, torch.Tensor]:
-    """The state under checkpoint names; layer scalars in fp32 as the released checkpoint stores them (exact: fp32
-    holds every bf16/fp16 value); FP8 experts unfused into per-expert linears, as compressed-tensors stores them."""
-    return {to_checkpoint_name(k): (v.float() if k.endswith("layer_scalar") else v).detach().contiguous().cpu()
-            for k, v in ct.unfused_state(model).items()}
-
-
 def write_checkpoint(model: DiffusionGemma, out_dir: str | Path, cfg_dict: dict, *, shards: int = 1,
                      generation_config: dict | None = None) -> Path:
     """Write a model's weights and config in the released layout (an FP8 model: the FP8-dynamic layout,
     with its quantization_config)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = checkpoint_state(model)
+    # Layer scalars in fp32 as the released checkpoint stores them (exact: fp32 holds every bf16/fp16 value); FP8
+    # experts unfused into per-expert linears, as compressed-tensors stores them.
+    state = {to_checkpoint_name(k): (v.float() if k.endswith("layer_scalar") else v).detach().contiguous().cpu()
+             for k, v in ct.unfused_state(model).items()}
     cfg_dict = dict(cfg_dict, dtype=str(model.embed_weight.dtype).removeprefix("torch."))
     cfg_dict.pop("quantization_config", None)
     if fp8.is_fp8(model):
