@@ -6,6 +6,7 @@ dgemma writes. Must not: run the math.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -36,23 +37,26 @@ def expert_keys(layer: int, e: int, quantized: bool) -> list[str]:
     return [f"layers.{layer}.experts.{e}.{p}_proj.{k}" for p in ("gate", "up", "down") for k in kinds]
 
 
+def per_expert(t: torch.Tensor, fused: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """A fused expert tensor (`gate_up_proj` [E, 2I, ...] or `down_proj`, or its scale) as its per-expert linears'
+    (`{e}.gate_proj`, rows), (`{e}.up_proj`, rows), ... (the inverse of `expert_slot`)."""
+    inter = t.shape[1] // 2
+    for e in range(t.shape[0]):
+        parts = {"gate": t[e, :inter], "up": t[e, inter:]} if fused.startswith("gate_up") else {"down": t[e]}
+        yield from ((f"{e}.{part}_proj", v) for part, v in parts.items())
+
+
 def unfused_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's state under module names with FP8 experts unfused into per-expert linears."""
     state = {}
     for name, t in model.state_dict().items():
         head, _, leaf = name.rpartition(".experts.")
-        if not head or leaf not in ("gate_up_proj", "gate_up_proj_scale", "down_proj", "down_proj_scale"):
+        if leaf.removesuffix("_scale") in ("gate_up_proj", "down_proj") and isinstance(
+                model.get_submodule(f"{head}.experts"), FP8Experts):
+            suffix = "weight_scale" if leaf.endswith("_scale") else "weight"
+            state.update((f"{head}.experts.{sub}.{suffix}", v) for sub, v in per_expert(t, leaf))
+        else:
             state[name] = t
-            continue
-        if not isinstance(model.get_submodule(f"{head}.experts"), FP8Experts):
-            state[name] = t
-            continue
-        suffix = "weight_scale" if leaf.endswith("_scale") else "weight"
-        inter = t.shape[1] // 2
-        for e in range(t.shape[0]):
-            parts = {"gate": t[e, :inter], "up": t[e, inter:]} if leaf.startswith("gate_up") else {"down": t[e]}
-            for part, v in parts.items():
-                state[f"{head}.experts.{e}.{part}_proj.{suffix}"] = v
     return state
 
 

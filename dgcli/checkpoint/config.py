@@ -29,8 +29,11 @@ def _rope(params: dict, head_dim: int, what: str) -> RopeSpec:
     return RopeSpec(theta=float(params.get("rope_theta", 10000.0)), head_dim=head_dim, rotary_pairs=pairs)
 
 
-def _default_layer_types(n: int) -> list[str]:
-    return [SLIDING if (i + 1) % 6 else FULL for i in range(n)]
+def layer_types_for(listed: list | None, n: int) -> list[str]:
+    """The listed layer types, else the released pattern (every sixth full); the last layer full, as the reference."""
+    types = list(listed or [SLIDING if (i + 1) % 6 else FULL for i in range(n)])
+    types[-1] = FULL
+    return types
 
 
 def parse_config(raw: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
@@ -47,9 +50,7 @@ def parse_config(raw: dict[str, Any], *, source: str = "config.json") -> ModelCo
         n_layers = int(text["num_hidden_layers"])
         head_dim = int(text.get("head_dim", 256))
         n_kv = int(text["num_key_value_heads"])
-        layer_types = list(text.get("layer_types") or _default_layer_types(n_layers))
-        # The reference forces the last layer to full attention.
-        layer_types[-1] = FULL
+        layer_types = layer_types_for(text.get("layer_types"), n_layers)
         if len(layer_types) != n_layers or any(t not in (SLIDING, FULL) for t in layer_types):
             raise UserError(f"{source}: layer_types must list {n_layers} of {SLIDING!r}/{FULL!r}")
         # Two spellings, read as transformers' DiffusionGemmaTextConfig reads them: the released checkpoint's

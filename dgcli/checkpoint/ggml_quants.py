@@ -19,13 +19,25 @@ from torch import nn
 
 from dgcli.kernels import nvfp4 as nvfp4_blocks
 from dgcli.model.ggml import (BF16, BLOCKS, F16, F32, NAMES, QUANTIZED, Q4_0, Q4_K, Q5_0, Q6_K, Q8_0, QuantExperts,
-                              QuantLinear, q4k_pack_scales, row_bytes, type_for)
+                              QuantLinear, fits, q4k_pack_scales, row_bytes)
 
 GROUP_MAX_EPS = 1e-15
 CHUNK_SUBBLOCKS = 512  # sub-blocks per candidate search: [512, ~20, 32] fp32 temporaries fit in L2
 # Rows quantized per chunk: the K-quant searches hold ~20 candidates per value, so a whole embedding at once
 # would need tens of GB.
 CHUNK_VALUES = 1 << 20
+
+
+# llama.cpp's fallback where a row is not a multiple of 256 (llama_tensor_get_type's incompatible-shape switch)
+FALLBACK = {Q4_K: Q5_0, Q6_K: Q8_0}
+
+
+def type_for(qtype: int, k: int) -> int | None:
+    """The type a row of k values gets when `qtype` is asked for: qtype, llama.cpp's fallback, or None."""
+    for t in (qtype, FALLBACK.get(qtype)):
+        if t is not None and fits(t, k):
+            return t
+    return None
 
 
 def _roundf(x: torch.Tensor) -> torch.Tensor:
@@ -261,7 +273,7 @@ def quantize(w: torch.Tensor, qtype: int) -> torch.Tensor:
     if qtype in (F32, F16, BF16):
         dt = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}[qtype]
         return w.to(dt).contiguous().view(torch.uint8).reshape(*lead, row_bytes(qtype, k))
-    if qtype == nvfp4_blocks.GGUF_NVFP4:  # one unsigned e4m3 scale per 16 (absmax / 6, no global scale: ggml's own quantizer's way)
+    if qtype == nvfp4_blocks.GGUF_NVFP4:  # one e4m3 scale per 16 (absmax / 6, no global scale: ggml's quantizer's way)
         from dgcli.model.nvfp4 import quantize_rows
 
         packed, scale, _ = quantize_rows(w.detach().float().reshape(-1, 1, k), torch.ones(w[..., 0].numel(), 1))

@@ -16,7 +16,7 @@ import numpy as np
 
 from dgcli.errors import UserError
 from dgcli.checkpoint import nvfp4
-from dgcli.checkpoint.config import parse_config
+from dgcli.checkpoint.config import layer_types_for, parse_config
 from dgcli.checkpoint.gguf import F32V, I32, GGUFFile, Typed, open_gguf
 from dgcli.model.config import FULL, SLIDING, ModelConfig
 
@@ -119,24 +119,17 @@ def _need(md: dict, key: str, source: str):
     return md[key]
 
 
-def check_arch(f: GGUFFile) -> None:
-    arch = f.metadata.get("general.architecture")
-    if arch != ARCH:
-        raise UserError(f"{f.path}: GGUF architecture is {arch!r}, not {ARCH!r}; dgemma runs DiffusionGemma "
-                        "GGUF files (llama.cpp's diffusion-gemma conversion)")
-
-
 def config_dict(f: GGUFFile) -> dict:
     """The config.json dict (as `parse_config` takes it) a GGUF file's metadata and tensor shapes describe."""
-    check_arch(f)
     md, src = f.metadata, str(f.path)
+    if md.get("general.architecture") != ARCH:
+        raise UserError(f"{src}: GGUF architecture is {md.get('general.architecture')!r}, not {ARCH!r}; dgemma runs "
+                        "DiffusionGemma GGUF files (llama.cpp's diffusion-gemma conversion)")
     n = int(_need(md, A + "block_count", src))
     pattern = md.get(A + "attention.sliding_window_pattern")
-    layer_types = [SLIDING if bool(s) else FULL for s in pattern] if pattern is not None else None
+    types = layer_types_for(None if pattern is None else [SLIDING if bool(s) else FULL for s in pattern], n)
     kv = np.atleast_1d(np.asarray(_need(md, A + "attention.head_count_kv", src))).tolist()
     kv = kv * n if len(kv) == 1 else kv
-    types = layer_types or [SLIDING if (i + 1) % 6 else FULL for i in range(n)]
-    types[-1] = FULL
     kv_of = {t: {int(k) for k, tt in zip(kv, types) if tt == t} for t in (SLIDING, FULL)}
     if len(kv) != n or any(len(s) > 1 for s in kv_of.values()):
         raise UserError(f"{src}: attention.head_count_kv {kv} is not one count per layer type; dgemma runs one "

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from dgcli.checkpoint import compressed_tensors as ct
+from dgcli.checkpoint import ggml_quants
 from dgcli.checkpoint.config import read_json
 from dgcli.checkpoint.directory import _open, checkpoint_files, to_module_name
 from dgcli.checkpoint.load import GGUF, format_of, load_config
@@ -51,12 +52,9 @@ def _quantized(key: str, t: torch.Tensor, nvfp4: bool = False) -> dict[str, torc
     if m is None:
         return {key: t}
     prefix = key[: -len(m.group(2))]  # "model.decoder.layers.L.experts."
-    inter = t.shape[1] // 2
     out = {}
-    for e in range(t.shape[0]):
-        parts = {"gate": slice(0, inter), "up": slice(inter, None)} if m.group(2) == "gate_up_proj" else {"down": slice(None)}
-        for part, rows in parts.items():  # clones: safetensors refuses tensors sharing storage
-            out.update({k: v.clone() for k, v in _linear(f"{prefix}{e}.{part}_proj", t[e, rows], nvfp4).items()})
+    for sub, w in ct.per_expert(t, m.group(2)):  # clones: safetensors refuses tensors sharing storage
+        out.update({k: v.clone() for k, v in _linear(prefix + sub, w, nvfp4).items()})
     return out
 
 
@@ -148,7 +146,7 @@ def gguf_types(kind: str, shapes: dict[str, tuple[int, ...]], n_layers: int,
     tensors and the router (`ffn_gate_inp`) stay F32; q8_0 makes every other matrix Q8_0; q4_k_m is Q4_K with Q6_K
     for the embedding (the tied head) and for `attn_v` and `ffn_down(_exps)` in the "more bits" layers; nvfp4 makes
     the matrices but the embedding NVFP4 where rows are multiples of 64 (else Q8_0). Other row lengths fall back as
-    llama.cpp does (`ggml.type_for`; not a multiple of 32: F16), collected in `fallbacks`: (asked, given) -> rows."""
+    llama.cpp does (`ggml_quants.type_for`; else F16), collected in `fallbacks`: (asked, given) -> rows."""
     from dgcli.model import ggml
 
     v_names = sorted((n for n in shapes if n.endswith(".attn_v.weight")), key=lambda n: int(n.split(".")[1]))
@@ -174,9 +172,10 @@ def gguf_types(kind: str, shapes: dict[str, tuple[int, ...]], n_layers: int,
                 t = ggml.Q6_K
         if t == NVFP4:  # blocks of 64 (both halves of a layer's experts, or neither), else Q8_0
             other = shape[-2] // (2 if "gate_up" in name else 1) if "_exps." in name else 0
-            out[name] = NVFP4 if shape[-1] % 64 == 0 and other % 64 == 0 else ggml.type_for(ggml.Q8_0, shape[-1]) or ggml.F16
+            fits = shape[-1] % 64 == 0 and other % 64 == 0
+            out[name] = NVFP4 if fits else ggml_quants.type_for(ggml.Q8_0, shape[-1]) or ggml.F16
         else:
-            out[name] = ggml.type_for(t, shape[-1]) or ggml.F16
+            out[name] = ggml_quants.type_for(t, shape[-1]) or ggml.F16
         if out[name] != t and fallbacks is not None:
             fallbacks.setdefault((ggml.NAMES.get(t, "NVFP4"), ggml.NAMES[out[name]]), []).append(shape[-1])
     return out
@@ -186,7 +185,7 @@ def checkpoint_to_gguf(src: str | Path, dst: str | Path, kind: str, *,
                        progress: Callable[[str], None] | None = None) -> dict:
     """Write checkpoint `src` (unquantized) as one GGUF file `dst` in llama.cpp's DiffusionGemma layout, tensor
     by tensor (one tensor in memory at a time). Returns a summary: tensors by type, bytes read and written."""
-    from dgcli.checkpoint import ggml_quants, gguf, gguf_model
+    from dgcli.checkpoint import gguf, gguf_model
     from dgcli.checkpoint.load import load_generation_config
     from dgcli.text.gguf_vocab import vocab_metadata
     from dgcli.text.tokenizer import load_tokenizer

@@ -85,7 +85,8 @@ def convert_(model: nn.Module, linears: set[str], experts: set[int], arg, kinds:
 
 def quantized_names(model: nn.Module, kinds: tuple = (FP8Linear, FP8Experts)) -> set[str]:
     """State-dict names of the `kinds` modules' buffers (kept as stored: never cast or drawn as plain weights)."""
-    return {f"{n}.{b}" for n, m in model.named_modules() if isinstance(m, kinds) for b, _ in m.named_buffers(recurse=False)}
+    return {f"{n}.{b}" for n, m in model.named_modules() if isinstance(m, kinds)
+            for b, _ in m.named_buffers(recurse=False)}
 
 
 def is_fp8(model: nn.Module, kinds: tuple = (FP8Linear, FP8Experts)) -> bool:

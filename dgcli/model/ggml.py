@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from dgcli.kernels.ggml_blocks import (  # noqa: F401 (the block formats: re-exported)
-    F32, F16, Q4_0, Q5_0, Q8_0, Q4_K, Q6_K, BF16, NAMES, BLOCKS, QUANTIZED, row_bytes, fits, q4k_pack_scales, dequantize)
+    F32, F16, Q4_0, Q5_0, Q8_0, Q4_K, Q6_K, BF16, NAMES, BLOCKS, QUANTIZED, row_bytes, fits, q4k_pack_scales,
+    dequantize)
 from dgcli.model import fp8
 
 
@@ -139,18 +140,6 @@ class QuantExperts(_Quantized):
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden={self.hidden}, inter={self.inter}, "
                 f"{NAMES[self.types[0]]}/{NAMES[self.types[1]]}")
-
-
-# llama.cpp's fallback where a row is not a multiple of 256 (llama_tensor_get_type's incompatible-shape switch)
-FALLBACK = {Q4_K: Q5_0, Q6_K: Q8_0}
-
-
-def type_for(qtype: int, k: int) -> int | None:
-    """The type a row of k values gets when `qtype` is asked for: qtype, llama.cpp's fallback, or None."""
-    for t in (qtype, FALLBACK.get(qtype)):
-        if t is not None and fits(t, k):
-            return t
-    return None
 
 
 quantized_names = functools.partial(fp8.quantized_names, kinds=(_Quantized,))

@@ -64,9 +64,9 @@ class PassGraphs:
                             self.device, every_seq=True)
         st = self.static.get(size)
         if st is None:
-            ids = torch.zeros(size * self.c, dtype=torch.long, device=self.device)
-            soft = torch.zeros(size, self.c, self.hidden, dtype=self.model.embed_weight.dtype, device=self.device)
-            st = self.static[size] = _Static(ids, soft, layout)
+            st = self.static[size] = _Static(
+                torch.zeros(size * self.c, dtype=torch.long, device=self.device),
+                torch.zeros(size, self.c, self.hidden, dtype=self.model.embed_weight.dtype, device=self.device), layout)
         else:
             st.layout.load(layout)
         st.ids[:b * self.c].copy_(ids)

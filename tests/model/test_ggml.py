@@ -105,8 +105,8 @@ def test_k_quants_edge_blocks(qtype):
 def test_quantize_rejects_ragged_rows():
     with pytest.raises(ValueError, match="multiple of 256"):
         ggml_quants.quantize(torch.randn(2, 96), ggml.Q4_K)
-    assert ggml.type_for(ggml.Q4_K, 96) == ggml.Q5_0 and ggml.type_for(ggml.Q6_K, 96) == ggml.Q8_0
-    assert ggml.type_for(ggml.Q4_K, 40) is None
+    assert ggml_quants.type_for(ggml.Q4_K, 96) == ggml.Q5_0 and ggml_quants.type_for(ggml.Q6_K, 96) == ggml.Q8_0
+    assert ggml_quants.type_for(ggml.Q4_K, 40) is None
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -305,7 +305,8 @@ def test_activation_path_names_what_the_linears_multiply_by(plain, x_path, monke
 def test_dummy_ggml_model(weights, x_path):
     cfg = make_config(dict(TEXT, moe_intermediate_size=96), canvas_length=8)  # 96: no Q4_K rows -> Q4_0
     model = random_ggml_model(cfg, weights, seed=1)
-    assert sum(t.nbytes for t in [*model.parameters(), *model.buffers()]) == ggml_dummy_bytes(cfg, weights, torch.bfloat16)
+    held = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
+    assert held == ggml_dummy_bytes(cfg, weights, torch.bfloat16)
     types = model.layers[0].experts.types
     assert types == ((ggml.Q4_K, ggml.Q4_0) if weights == "q4_k" else (ggml.Q8_0, ggml.Q8_0))
     logits = model.forward_canvas(*_inputs()[:2])
