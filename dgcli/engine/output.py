@@ -1,26 +1,22 @@
-"""One request's answer as its blocks commit: reasoning and content kept apart, append-only deltas,
-stop strings, the max_tokens cut: the one output processor of the engine's front-ends.
+"""One request's answer as its blocks commit: the one output processor of the engine's front-ends.
 
-Owns: `cut` (the max_tokens cut and its finish reason: the CLI's and library's `runtime/request.py` cuts a
-finished answer with it, `Output` each block's), `Output`, fed each committed block's ids (`commit`) and told when the request ends (`finish`); both
-return the new (reasoning, content) text since the last call. The non-streamed reply is the sum of the same
-deltas, so streamed and non-streamed text are equal by construction; the final text is the same
-`ChatTokenizer.split_thinking` the CLI uses, so a server reply equals `dgemma generate`'s answer.
+Owns: `cut` (the max_tokens cut and its finish reason, for a finished answer) and `Output`, fed each committed
+block (`commit`) and told when the request ends (`finish`); both return the new (reasoning, content) text since
+the last call. The non-streamed reply is the sum of the same deltas, and the final text is the CLI's
+`ChatTokenizer.split_thinking`, so streamed, non-streamed and `dgemma generate` text are equal by construction.
 
 Rules, decided here:
-* The thought channel (`<|channel>thought ... <channel|>`) goes to reasoning, never to content. A channel
-  still open at a block's end is held back (it may close in a later block); if the answer ends with it
-  still open, its text is the answer (the spec's observed behaviour, as `split_thinking` reads it).
-* Text is held back while it could still change: a trailing run of byte-fallback tokens (a UTF-8
-  sequence may go on in the next block, and a run decodes as a whole; skipped special tokens inside a run
-  do not end it) or a content tail that is the start of a stop string.
-* Stop strings (OpenAI `stop`) apply to the content: the first match ends the answer, the match and
-  what follows are dropped, finish reason "stop".
-* `max_tokens` cuts the answer ids (`cut`, as the CLI's answer is cut); reaching it ends the request,
-  finish reason "length", also when a stop id follows in the same block past the cut (the cut came first).
-* `completion_tokens` counts the ids of the text returned: after a stop string, the ids up to the last one
-  any of whose text is returned (a token the match starts inside counts whole; the match and what
-  follows do not count).
+* The thought channel (`<|channel>thought ... <channel|>`) goes to reasoning; a channel still open at a block's
+  end is held back (it may close later); if the answer ends with it open, its text is the answer (as the spec).
+* Text is held back while it could still change: a trailing run of byte-fallback tokens (a UTF-8 sequence may go
+  on in the next block; skipped special tokens inside a run do not end it) or a content tail that is the start of
+  a stop string.
+* Stop strings (OpenAI `stop`) apply to the content: the first match ends the answer, the match and what follows
+  are dropped, finish reason "stop".
+* `max_tokens` cuts the answer ids; reaching it ends the request, finish reason "length", also when a stop id
+  follows in the same block past the cut (the cut came first).
+* `completion_tokens` counts the ids of the text returned: after a stop string, the ids up to the last one any of
+  whose text is returned.
 Must not: touch the engine's state, torch or the network.
 """
 
@@ -31,8 +27,7 @@ from typing import Any
 
 
 def cut(token_ids: list[int], finish_reason: str, max_tokens: int | None) -> tuple[list[int], str]:
-    """The answer ids and finish reason after the token budget: the loop works in whole blocks, so an answer
-    longer than `max_tokens` is cut here and finishes by length."""
+    """The answer ids and finish reason after `max_tokens` (the loop works in whole blocks)."""
     if max_tokens is not None and len(token_ids) > max_tokens:
         return token_ids[:max_tokens], "length"
     return token_ids, finish_reason
@@ -61,8 +56,8 @@ class Output:
         return cut(self.ids, "", self.max_tokens)[0]
 
     def commit(self, tokens: Sequence[int], stop_index: int | None) -> tuple[str, str]:
-        """A block committed (`stop_index`: where a stop id sits in it). Returns the new text; sets
-        `finish_reason` when this block ends the answer (stop id, stop string, max_tokens)."""
+        """A block committed (`stop_index`: where a stop id sits in it): the new text; sets `finish_reason` when
+        this block ends the answer."""
         if self.finish_reason is not None:
             return "", ""
         self.ids += list(tokens if stop_index is None else tokens[:stop_index])
@@ -104,8 +99,8 @@ class Output:
         return self._delta(reasoning, content)
 
     def _ids_for(self, reasoning: str, content: str) -> int:
-        """The fewest leading answer ids whose text still holds `reasoning` and `content` whole (the text of a
-        prefix grows with it, so a bisection: a few decodes, not one per id past the stop string)."""
+        """The fewest leading answer ids whose text still holds `reasoning` and `content` whole (a bisection: the
+        text of a prefix grows with it)."""
         ids = self._cut()
 
         def holds(n: int) -> bool:
@@ -129,8 +124,7 @@ class Output:
         return hold
 
     def _delta(self, reasoning: str, content: str) -> tuple[str, str]:
-        """What is new past the text already sent (sent text is never taken back: should a decoder ever
-        rewrite earlier characters, the reply goes on after what was sent)."""
+        """What is new past the text already sent (never taken back, should a decoder rewrite earlier text)."""
         new_reasoning = reasoning[len(self.sent_reasoning):]
         new_content = content[len(self.sent_content):]
         self.sent_reasoning += new_reasoning
