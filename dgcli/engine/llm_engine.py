@@ -57,16 +57,13 @@ class LLMEngine:
         self.c = model.config.canvas_length
         self.device = model.embed_weight.device
         lag = (1 if self.device.type == "cuda" else 0) if lag is None else lag
-        # Room for the prompt, the committed blocks and a canvas (full layers hold its keys where it will commit).
-        # prefix_caching: whole blocks of prompts and committed blocks are kept and shared (block_manager.py)
         self.prefix_caching = prefix_caching
-        # (a pass's causal rows: the commits and the prompt chunks under the budget, or one canvas's worth: scheduler.py)
         vision = getattr(model, "vision", None)  # a prompt chunk stretches to the end of an image it starts in
-        stretch = vision.config.soft_tokens if vision is not None else 0
+        # the most causal rows a pass writes: the commits and prompt chunks under the budget, or a canvas's worth
+        pass_rows = max(budget + (vision.config.soft_tokens if vision is not None else 0), (slots + 1) * self.c)
+        # room for the prompt, the committed blocks and a canvas (full layers hold its keys where it will commit)
         self.cache = model.new_cache(slots + graphs, max_len + self.c, block_size=block_size,
-                                     **({"prefix_caching": True,
-                                         "pass_rows": max(budget + stretch, (slots + 1) * self.c)}
-                                        if prefix_caching else {}))
+                                     **({"prefix_caching": True, "pass_rows": pass_rows} if prefix_caching else {}))
         self.stats = {} if stats is None else stats
         self.sched = Scheduler(self.cache, seqs=slots, canvas=self.c, budget=budget, prefix_caching=prefix_caching,
                                stats=self.stats)

@@ -21,34 +21,22 @@ import torch
 from dgcli.errors import UserError
 from dgcli.kernels.transfer import to_device
 from dgcli.engine.llm_engine import KeptEngine
-from dgcli.engine.request import Request, out_of_vocab
+from dgcli.engine.request import check_ids
 from dgcli.sampling.events import Done, Event
 from dgcli.sampling.params import DiffusionEbParams
 
 
-def _ids_tensor(ids: Sequence[int] | torch.Tensor, what: str, vocab: int, device: torch.device) -> torch.Tensor:
-    """A [1, T] int64 tensor on `device` from a list of ids, a [T] or a [1, T] tensor."""
-    if isinstance(ids, (list, tuple)) and ids and all(type(i) is int for i in ids):  # checked on the host
-        if out_of_vocab(ids, vocab) is not None:
-            raise UserError(f"{what} holds ids outside the vocabulary [0, {vocab}); was it tokenized for this model?")
-        return to_device(ids, torch.long, device)[None]  # no copy that waits for the device
-    try:  # no dtype given: float ids stay floats and are refused below, not truncated
-        t = ids if isinstance(ids, torch.Tensor) else torch.tensor(list(ids)) if len(ids) else torch.zeros(0).long()
-    except (TypeError, ValueError, RuntimeError):
-        raise UserError(f"{what} must be a list of token ids (ints) or an integer tensor [1, T]; "
-                        f"got {type(ids).__name__}") from None
-    if t.dim() == 1:
-        t = t[None]
-    if t.dim() != 2 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-        raise UserError(f"{what} must be a list of token ids or an integer tensor [1, T]; got shape {tuple(t.shape)}")
-    if t.shape[0] != 1:
-        raise UserError(f"{what} has {t.shape[0]} rows; pass one prompt here, or a list of prompts to "
-                        "generate_batch_events")
-    if t.shape[1] == 0:
-        raise UserError(f"{what} is empty; give at least one token")
-    if int(t.min()) < 0 or int(t.max()) >= vocab:  # once per generation, before any step
-        raise UserError(f"{what} holds ids outside the vocabulary [0, {vocab}); was it tokenized for this model?")
-    return t.to(device=device, dtype=torch.long)
+def _host_ids(ids: Any, what: str, vocab: int) -> list[int]:
+    """`check_ids` of a list of ids or a [T] or [1, T] integer tensor."""
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() == 2 and ids.shape[0] != 1:
+            raise UserError(f"{what} has {ids.shape[0]} rows; pass one prompt here, or a list of prompts to "
+                            "generate_batch_events")
+        if ids.dim() > 2 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise UserError(f"{what} must be a list of token ids or an integer tensor [1, T]; "
+                            f"got {ids.dtype} of shape {tuple(ids.shape)}")
+        ids = ids.reshape(-1)
+    return check_ids(ids, vocab, what, fix="pass a list of token ids or an integer tensor [1, T]")
 
 
 def generate_batch_events(
@@ -114,28 +102,26 @@ def generate_batch_events(
     else:
         row_stops = [{int(t) for t in stop_list}] * n_rows
     vocab, c = model.config.vocab_size, model.config.canvas_length
-    device = model.embed_weight.device
-    requests = []
-    for r in range(n_rows):
-        first, at = None, "" if n_rows == 1 else f" (prompts[{r}])"  # which row, in a batch
-        prompt = _ids_tensor(prompts[r], f"prompt{at}", vocab, device)[0]  # [P]
-        if inits[r] is not None:
-            first = _ids_tensor(inits[r], f"initial canvas{at}", vocab, device)[0]  # [C]
-            if first.shape[0] != c:
-                raise UserError(f"initial canvas has {first.shape[0]} ids{at}; the model's canvas holds {c}")
-        requests.append(Request(id=r, prompt=prompt, params=row_params[r], num_blocks=blocks[r], seed=seeds[r],
-                                stops=row_stops[r], first_canvas=first, constraint=cons[r],
-                                images=list(images[r] if images else ())))
+    ids = [_host_ids(x, "prompt" if n_rows == 1 else f"prompts[{r}]", vocab) for r, x in enumerate(prompts)]
+    firsts = [None if x is None else _host_ids(x, "initial canvas" if n_rows == 1 else f"init_canvases[{r}]", vocab)
+              for r, x in enumerate(inits)]
+    for r, x in enumerate(firsts):
+        if x is not None and len(x) != c:
+            raise UserError(f"initial canvas has {len(x)} ids{'' if n_rows == 1 else f' (prompts[{r}])'}; the "
+                            f"model's canvas holds {c}")
     slots = n_rows if max_batch is None else max_batch
     if isinstance(slots, int) and not isinstance(slots, bool):
         slots = min(slots, n_rows)
     # A request's last block is never encoded: a slot holds at most its prompt and blocks - 1 canvases.
-    max_len = max(len(q.prompt) + (q.num_blocks - 1) * c for q in requests)
+    max_len = max(len(x) + (nb - 1) * c for x, nb in zip(ids, blocks))
     engine = (KeptEngine() if engines is None else engines).get(
         model, slots=slots, max_len=max_len, pad_id=pad_id, compile_tiles=compile_tiles, stats=stats,
         step_mode=step_mode, prefix_caching=prefix_caching)
-    for q, ids in zip(requests, prompts):  # host ids where given (prefix caching keys blocks by them)
-        engine.submit(q, ids=list(ids) if isinstance(ids, (list, tuple)) else None)
+    for r, first in enumerate(firsts):
+        first = None if first is None else to_device(first, torch.long, model.embed_weight.device)  # [C]
+        engine.add_request(ids[r], request_id=r, params=row_params[r], num_blocks=blocks[r], seed=seeds[r],
+                           stop_ids=row_stops[r], first_canvas=first, constraint=cons[r],
+                           images=images[r] if images else ())
     yield from engine.events()
 
 

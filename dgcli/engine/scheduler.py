@@ -96,18 +96,17 @@ class Scheduler:
         while self.queue and self.free:
             r = self.queue[0]
             need = len(r.prompt) + r.num_blocks * self.c
-            if not self.prefix_caching:
-                if not self.cache.reserve(self.free[0], need):
-                    break
-            else:  # its prompt's longest cached run of whole blocks is held, not encoded again
+            if self.prefix_caching:  # its prompt's longest cached run of whole blocks is held, not encoded again
                 hit, b = self.cache.lookup(self.ids[r][:len(r.prompt)]), self.cache.block_size
                 while hit and any(a < len(hit) * b < e for a, e in r.spans):  # an image's tokens: all or none
                     hit = hit[:-1]
                 if not self.cache.reserve(self.free[0], need, shared=hit):
                     break
-                r.prefilled = len(hit) * self.cache.block_size
+                r.prefilled = len(hit) * b
                 self.stats["prefix_cache_queries"] += len(r.prompt)
                 self.stats["prefix_cache_hits"] += r.prefilled
+            elif not self.cache.reserve(self.free[0], need):
+                break
             self.queue.popleft()
             r.slot = self.free.pop(0)
             self.prefilling.append(r)
