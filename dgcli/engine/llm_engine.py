@@ -69,17 +69,10 @@ class LLMEngine:
                                stats=self.stats)
         self.runner = ModelRunner(model, self.cache, slots=slots, graphs=graphs, compile_tiles=compile_tiles, lag=lag,
                                   stats=self.stats)
+        self.lag, self.graphs = lag, self.runner.graphs
         self.cancelled: set[int] = set()
         self.stats.update(_COUNTERS)
         self.busy, self.mark = 0.0, time.perf_counter()  # the busy clock; it pauses while a consumer holds an event
-
-    @property
-    def lag(self) -> int:
-        return self.runner.lag
-
-    @property
-    def graphs(self) -> Any:
-        return self.runner.graphs
 
     def reset(self, stats: dict | None = None) -> None:
         """An idle engine starts over as a new one would: its counters at zero (in `stats`, if given: the caller

@@ -22,6 +22,7 @@ Must not: touch the engine's state, torch or the network.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,10 +62,9 @@ class Output:
         if self.finish_reason is not None:
             return "", ""
         self.ids += list(tokens if stop_index is None else tokens[:stop_index])
-        full = self.max_tokens is not None and len(self.ids) >= self.max_tokens
         if stop_index is not None:  # a stop id past the cut was never reached
             self.finish_reason = cut(self.ids, "stop", self.max_tokens)[1]
-        elif full:
+        elif self.max_tokens is not None and len(self.ids) >= self.max_tokens:
             self.finish_reason = "length"
         return self._advance(final=self.finish_reason is not None)
 
@@ -107,21 +107,12 @@ class Output:
             r, c = self.tok.split_thinking(ids[:n], stop_ids=())
             return r == reasoning and c.startswith(content)
 
-        lo, hi = 0, len(ids)  # holds(hi); find the least n that holds
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if holds(mid) else (mid + 1, hi)
-        return hi
+        return bisect.bisect_left(range(len(ids)), True, key=holds)  # (all of them hold)
 
     def _held(self, content: str) -> int:
         """How many trailing characters may still turn into a stop string."""
-        hold = 0
-        for s in self.stop_strings:
-            for n in range(min(len(s) - 1, len(content)), 0, -1):
-                if content.endswith(s[:n]):
-                    hold = max(hold, n)
-                    break
-        return hold
+        return max((n for s in self.stop_strings for n in range(1, min(len(s) - 1, len(content)) + 1)
+                    if content.endswith(s[:n])), default=0)
 
     def _delta(self, reasoning: str, content: str) -> tuple[str, str]:
         """What is new past the text already sent (never taken back, should a decoder rewrite earlier text)."""

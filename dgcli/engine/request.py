@@ -8,7 +8,6 @@ Must not: tokenize, touch the device, or know about the scheduler's or the runne
 
 from __future__ import annotations
 
-import functools
 import numbers
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -62,16 +61,10 @@ class Request:
     def temperature(self, step: int) -> float:
         """T_n at 0-based `step` of a block (n = N - step), computed when the step runs: a schedule as long as the
         step cap must never be built in one go."""
+        from dgcli.sampling.rules import temperature  # (memoized: requests with the same settings share it)
+
         p = self.params
-        return _schedule(p.max_denoising_steps - step, p.max_denoising_steps, p.t_min, p.t_max)
-
-
-@functools.lru_cache(maxsize=8192)
-def _schedule(n: int, steps: int, t_min: float, t_max: float) -> float:
-    """`rules.temperature` (the same float ops), memoized: requests with the same settings share one schedule."""
-    from dgcli.sampling.rules import temperature
-
-    return temperature(n, steps, t_min, t_max)
+        return temperature(p.max_denoising_steps - step, p.max_denoising_steps, p.t_min, p.t_max)
 
 
 # ---- the one check of ids and length -------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from dgcli.engine.request import Request
 from dgcli.engine.scheduler import Plan
@@ -147,7 +148,8 @@ class ModelRunner:
         """The canvas rows' sampler step on the device; each request goes on speculatively to its next step."""
         dev, rows = self.device, p.plan.canvases
         depth = max(r.params.stability_threshold for r in rows)
-        hist = torch.stack([self._history(r, depth) for r in rows], dim=1)  # [S, b, C]
+        # [S, b, C]: a row's older entries it does not have are -1 (never equal)
+        hist = torch.stack([F.pad(r.history, (0, 0, depth - len(r.history), 0), value=-1) for r in rows], dim=1)
         counters = [(r.seed, b, s + 1) for r, b, s in zip(rows, p.blocks, p.steps)]
         uniform = draws.uniform_at(draws.rows([(x, draws.DRAW, b, s) for x, b, s in counters], dev),
                                    self.mixed_positions)  # [b, C]
@@ -187,14 +189,6 @@ class ModelRunner:
                                                                                          p.steps)], self.device),
                                 self.mixed_positions[:1])[:, 0]  # [b]: the state each canvas ends in
         return lambda out: constrain(out, lambda k: processed_logits(self.model, hidden[k], temp[k]), rows, uniform, ends)
-
-    @staticmethod
-    def _history(r: Request, depth: int) -> torch.Tensor:
-        """r's history [S_r, C] as [depth, C]: older entries it does not have are -1 (never equal)."""
-        h = r.history
-        if h.shape[0] < depth:
-            h = torch.cat((h.new_full((depth - h.shape[0], h.shape[1]), -1), h))
-        return h
 
     # ---- settle: what the host reads ----------------------------------------------------------------------------
 

@@ -42,10 +42,6 @@ class Plan:
     canvases: list[Any] = field(default_factory=list)  # requests whose canvas runs a step, in row order
     started: list[Any] = field(default_factory=list)  # requests whose prompt completes here (first block)
 
-    @property
-    def tokens(self) -> int:
-        return sum(s.length for s in self.segments)
-
 
 def _whole_spans(spans: tuple, start: int, n: int) -> int:
     """A chunk of n rows from `start`, cut before (or, when it starts inside one, stretched to the end of) an image

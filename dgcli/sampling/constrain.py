@@ -16,6 +16,7 @@ argmax, so every committed block is a valid prefix and the last one closes the d
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import math
@@ -281,15 +282,13 @@ def _automaton(index: Any, eos: int, stops: tuple[int, ...], start: int) -> Auto
     back: dict[int, list[int]] = {}
     for s, _, d in edges:
         back.setdefault(d, []).append(s)
-    frontier = [n]
-    while frontier:  # breadth-first from done along reversed edges
-        nxt = []
-        for d in frontier:
-            for s in back.get(d, ()):
-                if dist[s] == math.inf:
-                    dist[s] = dist[d] + 1
-                    nxt.append(s)
-        frontier = nxt
+    queue = collections.deque([n])
+    while queue:  # breadth-first from done along reversed edges
+        d = queue.popleft()
+        for s in back.get(d, ()):
+            if dist[s] == math.inf:
+                dist[s] = dist[d] + 1
+                queue.append(s)
     edges = [e for e in edges if dist[e[2]] < math.inf]  # moves into states that can never close: never taken
     src, tok, dst = (torch.tensor([e[i] for e in edges], dtype=torch.long) for i in range(3))
     if dist[names[start]] == math.inf:

@@ -90,18 +90,14 @@ _TYPES: dict[type, tuple[TypeAdapter, str]] = {  # field type -> (validator, exp
 }
 
 
-def _unwrap_optional(kind: Any) -> tuple[Any, bool]:
-    if typing.get_origin(kind) in (typing.Union, types.UnionType):
-        return next(a for a in typing.get_args(kind) if a is not type(None)), True
-    return kind, False
-
-
 def coerce(cls: type, key: str, value: Any, origin: str, *, strict: bool = False,
            current: Mapping[str, Any] | None = None) -> Any:
     """`value` as the type of field `key` of `cls`, or a `SettingsError` naming the key, its origin and a fix."""
-    kind, optional = _unwrap_optional(field_types(cls)[key])
-    if optional and value is None:
-        return None
+    kind = field_types(cls)[key]
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):  # `int | None`
+        if value is None:
+            return None
+        kind = next(a for a in typing.get_args(kind) if a is not type(None))
     adapter, expected = _TYPES[kind]  # a new field type needs a row above
     try:
         return adapter.validate_python(value, strict=strict)
@@ -220,34 +216,28 @@ class Limit:
 
 
 LIMITS: dict[str, Limit] = {
-    # The real model's default is 48 steps per 256-position canvas: 4096 is 85x that, 16 passes per
-    # position. A block then costs at most 4096 decoder passes (the schedule is computed step by step).
+    # 85x the real model's default of 48 steps per 256-position canvas (the schedule is computed step by step)
     "max_denoising_steps": Limit(4096, "steps per block"),
-    # The stop rule keeps this many argmax canvases [slots, canvas] on the device for every running
-    # request; the reference's default is 1, and more than a few only approaches fixed work (use
-    # confidence_threshold 0 for that). 256 keeps the history within 256 canvases per request.
+    # argmax canvases kept on the device per running request; the reference's default is 1, and more than a few
+    # only approaches fixed work (confidence_threshold 0 does that)
     "stability_threshold": Limit(256, "previous canvases"),
-    # 64x the real model's context in canvases (262144 / 256 = 1024 blocks); the context check is the real
-    # limit, this one refuses before the checkpoint is even loaded.
+    # 64x the real model's context in canvases, 4x in tokens: the context check is the real limit, these refuse
+    # before the checkpoint is even loaded
     "max_blocks": Limit(65536, "blocks"),
-    # 4x the real model's 262144-position context; likewise bounded by the context in the end.
     "max_tokens": Limit(1 << 20, "tokens"),
-    # dgemma serve only (serve/protocol.py): OpenAI's own cap on a conversation's length (rendering and
-    # tokenizing a conversation is work done before the context check can reject it).
+    # dgemma serve only: OpenAI's caps on a conversation's messages (rendered and tokenized before the context
+    # check) and a request's tools; every block's text is compared with every prefix of each stop string
     "messages": Limit(2048, "messages per request"),
-    # dgemma serve only: at most 16 stop strings (OpenAI allows 4), each this long; every block's text is
-    # compared with every prefix of each, so their length bounds that work.
+    "tools": Limit(128, "tools"),
     "stop": Limit(16, "stop strings"),
     "stop_chars": Limit(1024, "characters per stop string"),
-    # Structured output (sampling/constrain.py): a schema's JSON text and nesting are refused before it is
-    # compiled; its regex and automaton bound the compile (well under a second) and the draw's work per position.
+    # Structured output: a schema is refused before it is compiled; its regex and automaton bound the compile
+    # (well under a second) and the draw's work per position.
     "schema_chars": Limit(16384, "characters"),
     "schema_depth": Limit(32, "levels"),
     "schema_repeats": Limit(96, "repeats (maxLength, maxItems x items, summed)"),
     "schema_regex_chars": Limit(200_000, "characters"),
     "automaton_edges": Limit(500_000, "moves"),
-    # dgemma serve only: OpenAI's own cap on a request's tools.
-    "tools": Limit(128, "tools"),
 }
 
 

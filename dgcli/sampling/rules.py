@@ -6,6 +6,7 @@ with the host, or know about requests.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ from dgcli.kernels.dispatch import vocab_pass
 from dgcli.kernels.transfer import to_device
 
 
+@functools.lru_cache(maxsize=8192)
 def temperature(n: int, num_steps: int, t_min: float, t_max: float) -> float:
     """T_n = t_min + (t_max - t_min)·n/N for n = N..1 (first step t_max, last t_min + (t_max-t_min)/N;
     never t_min), rounded to float32 the way the reference computes it from an int32 step tensor."""
