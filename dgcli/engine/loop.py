@@ -39,25 +39,14 @@ def _host_ids(ids: Any, what: str, vocab: int) -> list[int]:
     return check_ids(ids, vocab, what, fix="pass a list of token ids or an integer tensor [1, T]")
 
 
-def generate_batch_events(
-    model: Any,
-    prompts: Sequence[Sequence[int] | torch.Tensor],
-    *,
-    params: Any,
-    num_blocks: int | Sequence[int],
-    seeds: Sequence[int] | None = None,
-    stop_ids: Iterable[int] | Sequence[Iterable[int]] = (),
-    pad_id: int = 0,
-    init_canvases: Sequence[Sequence[int] | torch.Tensor | None] | None = None,
-    compile_tiles: bool = False,
-    max_batch: int | None = None,
-    stats: dict | None = None,
-    step_mode: str = "dynamic",
-    prefix_caching: bool = False,
-    engines: KeptEngine | None = None,
-    constraints: Sequence[Any] | None = None,
-    images: Sequence[Sequence] | None = None,
-) -> Iterator[Event]:
+def generate_batch_events(model: Any, prompts: Sequence[Sequence[int] | torch.Tensor], *, params: Any,
+                          num_blocks: int | Sequence[int], seeds: Sequence[int] | None = None,
+                          stop_ids: Iterable[int] | Sequence[Iterable[int]] = (), pad_id: int = 0,
+                          init_canvases: Sequence[Sequence[int] | torch.Tensor | None] | None = None,
+                          compile_tiles: bool = False, max_batch: int | None = None, stats: dict | None = None,
+                          step_mode: str = "dynamic", prefix_caching: bool = False, engines: KeptEngine | None = None,
+                          constraints: Sequence[Any] | None = None,
+                          images: Sequence[Sequence] | None = None) -> Iterator[Event]:
     """Run the entropy-bound sampler on several prompts at once, yielding each row's BlockStart, Step..., Commit per
     block and its Done, every event carrying `row` (the prompt's index). Per row: its own prompt length, seed
     (default: its params'), block cap, first canvas, stop ids (`stop_ids` as one list per prompt) and, when `params`
@@ -125,21 +114,11 @@ def generate_batch_events(
     yield from engine.events()
 
 
-def generate_events(
-    model: Any,
-    prompt_ids: Sequence[int] | torch.Tensor,
-    *,
-    params: Any,
-    num_blocks: int,
-    stop_ids: Iterable[int] = (),
-    pad_id: int = 0,
-    init_canvas: Sequence[int] | torch.Tensor | None = None,
-    compile_tiles: bool = False,
-    step_mode: str = "dynamic",
-    engines: KeptEngine | None = None,
-    constraint: Any = None,
-    images: Sequence = (),
-) -> Iterator[Event]:
+def generate_events(model: Any, prompt_ids: Sequence[int] | torch.Tensor, *, params: Any, num_blocks: int,
+                    stop_ids: Iterable[int] = (), pad_id: int = 0,
+                    init_canvas: Sequence[int] | torch.Tensor | None = None, compile_tiles: bool = False,
+                    step_mode: str = "dynamic", engines: KeptEngine | None = None, constraint: Any = None,
+                    images: Sequence = ()) -> Iterator[Event]:
     """`generate_batch_events` on one prompt (ids, a [T] or [1, T] tensor); `init_canvas` [C] replaces the first
     block's random canvas; `compile_tiles`: the vocabulary pass's tile math through torch.compile (`--compile`)."""
     yield from generate_batch_events(model, [prompt_ids], params=params, num_blocks=num_blocks, stop_ids=stop_ids,

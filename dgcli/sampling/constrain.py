@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from dgcli.errors import UserError
-from dgcli.sampling.params import LIMITS, over_limit
+from dgcli.sampling.params import over_limit
 
 # --json / response_format json_object: any JSON object, as an object of scalars, arrays of scalars and flat objects
 # (JSON Schema's bare {"type": "object"} compiles to outlines-core's any-JSON pattern: ~1,600 states, seconds to build).
