@@ -22,6 +22,7 @@ from dgcli.errors import UserError
 from dgcli.kernels.transfer import to_device
 from dgcli.engine.llm_engine import KeptEngine
 from dgcli.engine.request import check_ids
+from dgcli.sampling import host_reads
 from dgcli.sampling.events import Done, Event
 from dgcli.sampling.params import DiffusionEbParams
 
@@ -35,7 +36,7 @@ def _host_ids(ids: Any, what: str, vocab: int) -> list[int]:
         if ids.dim() > 2 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise UserError(f"{what} must be a list of token ids or an integer tensor [1, T]; "
                             f"got {ids.dtype} of shape {tuple(ids.shape)}")
-        ids = ids.reshape(-1)
+        ids = ids.reshape(-1) if ids.device.type == "cpu" else host_reads.read(ids.reshape(-1), "prompt")
     return check_ids(ids, vocab, what, fix="pass a list of token ids or an integer tensor [1, T]")
 
 
