@@ -187,8 +187,6 @@ def hint(cls: type, key: str, current: Mapping[str, Any] | None = None) -> str:
 def suggest(word: str, choices: tuple[str, ...] | list[str]) -> str:
     """' (did you mean X?)' for the closest choice or alias, else ''."""
     norm = str(word).strip().lower().replace("-", "_").lstrip("_")
-    if norm in _ALIASES and _ALIASES[norm] in choices:
-        return f" (did you mean {_ALIASES[norm]}?)"
     pool = list(choices) + [a for a, k in _ALIASES.items() if k in choices]
     close = difflib.get_close_matches(norm, pool, n=1, cutoff=0.6)
     if not close:
