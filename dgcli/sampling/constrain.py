@@ -102,10 +102,10 @@ def constrain(out: Any, logits: Any, rows: list[tuple[int, Constraint, int]], un
             dst_out[k] = _path(con.automaton.n, src, tok, dst, logp, con.state, ends, room, u, u_end)
 
 
-def _must_close(a: torch.Tensor, n: int) -> torch.Tensor:
-    """`a` [n+1] kept only at `done` (n), unless that leaves nothing (then the answer is cut by length)."""
-    closed = torch.where(torch.arange(n + 1, device=a.device) == n, a, -math.inf)
-    return torch.where(torch.isfinite(closed).any(), closed, a)
+def _only(a: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """`a` [n+1] kept where `keep`, unless that leaves nothing (then any live state: the answer is cut by length)."""
+    kept = torch.where(keep, a, -math.inf)
+    return torch.where(torch.isfinite(kept).any(), kept, a)
 
 
 def _path(n: int, src: torch.Tensor, tok: torch.Tensor, dst: torch.Tensor, logp: torch.Tensor, start: int,
@@ -119,11 +119,8 @@ def _path(n: int, src: torch.Tensor, tok: torch.Tensor, dst: torch.Tensor, logp:
         w = alpha[i][src] + logp[i][tok]  # [E]
         stay = alpha[i][n] + (torch.logsumexp(logp[i], 0) if u is not None else logp[i].max())  # done takes any
         a = _reduce(torch.cat((w, stay[None])), torch.cat((dst, dst.new_full((1,), n))), n + 1, u is None)
-        alpha.append(_must_close(a, n) if i + 1 == room else a)
-    last = alpha[c]
-    fin = torch.where(ends, last, -math.inf)
-    fin = torch.where(torch.isfinite(fin).any(), fin, last)  # cannot close in time: any live state (cut by length)
-    s = _pick(fin, u_end)
+        alpha.append(_only(a, torch.arange(n + 1, device=a.device) == n) if i + 1 == room else a)  # closed
+    s = _pick(_only(alpha[c], ends), u_end)
     ids, froms, every = [], torch.cat((src, src.new_full((v,), n))), torch.cat((tok, torch.arange(v, device=tok.device)))
     for i in reversed(range(c)):  # backward: the edge into s at position i
         w = torch.where(dst == s, alpha[i][src] + logp[i][tok], -math.inf)  # [E]
