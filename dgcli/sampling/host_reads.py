@@ -2,8 +2,9 @@
 
 Owns: `read(t, why)`, the only way the engine and the server's worker bring device values to the host while they
 run, for one of `READS`: "stop" (a pass's stop flags), "commit" (the tokens of the blocks that ended), "draft"
-(`dgemma serve`'s drafts for a client that asked) and "prompt" (a device prompt's ids, once, when it is given). `substituted(fn)` hands `fn`'s values out instead for the reads made inside it: a fake-tensor run has
-no values, and there every other host read is an error.
+(`dgemma serve`'s drafts for a client that asked) and "prompt" (a device prompt's ids, once, when it is given).
+`substituted(fn)` hands `fn`'s values out instead for the reads made inside it: a fake-tensor run has no values,
+and there every other host read is an error.
 Must not: read anything else, or decide anything with what it reads.
 """
 
