@@ -56,6 +56,7 @@ _ALIASES: dict[str, str] = {
     "max_new_tokens": "max_tokens",
 }
 
+
 class SettingsError(UserError):
     """A bad setting; `key` names it, and `keys` every setting its rule involves (t_min and t_max), so
     `resolve` can add where each value came from."""
