@@ -1,6 +1,6 @@
 """dgemma: run, watch, sweep and benchmark DiffusionGemma block text-diffusion checkpoints.
 
-Owns: `__version__` and the public shortcuts (`load_model`, `open_session`, `generate`; `stream`, `run_batch` and
+Owns: `__version__` and the public shortcuts (`load_model`, `open_session`; `generate`, `stream`, `run_batch` and
 `LLMEngine` by name, loaded at first use). Must not: import torch or any subpackage at import time (every `dgemma`
 run, `--help` included, imports this first).
 """
@@ -9,10 +9,9 @@ __version__ = "0.1.0"
 
 
 def load_model(path, device="cpu", dtype=None):
-    """Load a DiffusionGemma checkpoint directory or GGUF file (see `dgcli.checkpoint.load.load_model`). `device`:
-    "cpu", "cuda", "cuda:N", "auto" (CUDA if present) or a torch.device, checked before any file is read (as the
-    CLI's --device: `dgcli.runtime.session.pick_device`); `dtype`: "bfloat16", "float32", a torch.dtype, or None
-    for the checkpoint's."""
+    """Load a DiffusionGemma checkpoint directory or GGUF file. `device`: "cpu", "cuda", "cuda:N", "auto" (CUDA if
+    present) or a torch.device, checked before any file is read; `dtype`: "bfloat16", "float32", a torch.dtype, or
+    None for the checkpoint's."""
     import re
     from os import PathLike
 
@@ -54,19 +53,12 @@ def open_session(model=None, preset=None, settings=None, **kw):
                  dict(settings or {}), **kw)
 
 
-def generate(session, prompt, **kw):
-    """One prompt to a `Response` (text, token_ids, finish_reason, ...; see `dgcli.runtime.request.generate`)."""
-    from dgcli.runtime.request import generate as _generate
-
-    return _generate(session, prompt, **kw)
-
-
-_LAZY = {"stream": "dgcli.runtime.request", "run_batch": "dgcli.runtime.request", "LLMEngine": "dgcli.engine"}
+_LAZY = {"generate": "dgcli.runtime.request", "stream": "dgcli.runtime.request", "run_batch": "dgcli.runtime.request",
+         "LLMEngine": "dgcli.engine"}
 
 
 def __getattr__(name):
-    """`dgcli.stream` / `dgcli.run_batch` (one request's events, many requests: `dgcli.runtime.request`) and
-    `dgcli.LLMEngine` (the engine every front-end drives: `dgcli.engine`), imported at first use."""
+    """`generate` (one prompt to a `Response`), `stream`, `run_batch` and `LLMEngine`, imported at first use."""
     if name not in _LAZY:
         raise AttributeError(f"module 'dgcli' has no attribute {name!r}")
     import importlib

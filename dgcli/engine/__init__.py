@@ -1,10 +1,9 @@
 """The engine: nano-vllm's parts for the block-diffusion sampler, and the one loop every front-end drives.
 
-`LLMEngine` (llm_engine.py: add_request / submit, cancel, step -> events; one per session or server), its parts
-`request.py`, `scheduler.py`, `block_manager.py` (host) + `kv_cache.py` (device), `runner.py`, the one output
-processor `output.py` (stop strings, max_tokens cut, incremental decode, finish reason) and the loop's entry
-points (loop.py: `generate_batch_events`, `generate_events`, `generate`). Front-ends (runtime/, serve/,
-cluster/) import only what this file names.
+`LLMEngine` (llm_engine.py: add_request / submit, cancel, step -> events), its parts `request.py`,
+`scheduler.py`, `block_manager.py` (host) + `kv_cache.py` (device), `runner.py`, the one output processor
+`output.py` and the loop's entry points (loop.py). Front-ends (runtime/, serve/, cluster/) import only what
+this file names.
 Must not: import the model (the model imports `kv_cache.py`, the cache it reads and writes), tokenize or print.
 """
 

@@ -1,26 +1,19 @@
 """The block manager of the paged KV cache (host side): which blocks of the pools each sequence holds.
 
-Owns: the allocation of fixed-size blocks to sequences and where a position of a sequence lives. Two groups of
-layers share allocation: the full layers (a sequence holds every position it reserved: position p in its
-table's block p // B) and the sliding layers (a sequence holds a ring of `ring_blocks` blocks, the last W-1
-positions rounded up to blocks: position p in block (p // B) mod ring_blocks), so a sliding layer keeps only
-what a later query reads from the cache (a pass's own keys come from the pass: model/attention.py). The slots
-of consecutive blocks are consecutive in a pool, so a run of a sequence's blocks that are also consecutive is
-one strided view (what CPU attention reads without a copy; the allocator hands out runs when it can).
-Sizes are fixed when the engine makes the cache (slots × the longest request it admits): nothing is
-allocated per pass. A reserved sequence owns its blocks until `release`; a released block's stale contents are
-never read (a reader asks only for positions its sequence wrote in this request).
-Prefix caching (`prefix_caching=True`): a whole block whose keys were written causally (prompt, committed
-block) gets a key chained over its parent's and its B token ids (`register`); a later sequence whose ids start
-the same holds those blocks too (`lookup`, `reserve(shared=)`), counted per block; a keyed block no sequence
-holds stays cached until a reservation needs room (least recently released first). Such a block is never written
-again: a holder writes only positions after its shared blocks. The sliding layers then address blocks as the
-full layers do (block p // B, no ring) in a pool of their own, but a sequence holds only the blocks its window
-still reads: `hold` takes them as the passes write positions, `trim` gives back those below a window's start
-(cached, if keyed), so a sequence holds about W-1 positions there, as a ring would. The pool is sized for that
-(`pool_blocks`: every sequence's window and one pass's causal rows). A hit needs both groups: the full layers'
-blocks of its whole prefix and the sliding layers' blocks of its last W-1 positions (`lookup` shortens a hit
-to where both are cached), as vLLM's sliding-window prefix caching does.
+Owns: the allocation of fixed-size blocks to sequences and where a position of a sequence lives. The full layers'
+group holds every position a sequence reserved (position p in its table's block p // B); the sliding layers' group
+a ring of `ring_blocks` blocks, the last W-1 positions rounded up to blocks (block (p // B) mod ring_blocks): a
+sliding layer keeps only what a later query reads from the cache (a pass's own keys come from the pass). The
+allocator hands out runs of consecutive blocks when it can: such a run is one strided view of a pool (what CPU
+attention reads without a copy). Sizes are fixed when the cache is made: nothing is allocated per pass. A
+released block's stale contents are never read (a reader asks only for positions its sequence wrote).
+Prefix caching: a whole block written causally (prompt, committed block) gets a key chained over its parent's and
+its B ids (`register`); a later sequence whose ids start the same holds those blocks too (`lookup`,
+`reserve(shared=)`), counted per block; a keyed block no sequence holds stays cached until a reservation needs
+room (least recently released first), and is never written again. The sliding layers then address blocks as the
+full layers do (no ring) in a pool of their own, holding only the blocks a window still reads (`hold` as passes
+write, `trim` below a window's start); a hit needs both groups' blocks (`lookup` shortens it to where both are
+cached), as vLLM's sliding-window prefix caching does.
 Must not: hold device tensors (the pools are `kv_cache.py`'s), know about attention masks, phases or the model.
 """
 
@@ -38,10 +31,9 @@ def blocks_for(positions: int, block_size: int) -> int:
 
 def pool_blocks(windows: list[int | None], *, seqs: int, max_len: int, block_size: int, prefix_caching: bool,
                 pass_rows: int | None = None) -> tuple[int, int]:
-    """(full, sliding) blocks of a cache's two pools (measure/cost/memory.py restates it without torch). Without
-    prefix caching a sliding sequence's ring is the last W-1 positions; with it (`pass_rows`: the most causal
-    rows one pass writes, None: unbounded) every sequence's window after a trim, the blocks either end of it
-    straddles and one more, and one pass's rows (a bound on what the sequences hold at once: `hold`, `trim`)."""
+    """(full, sliding) blocks of a cache's two pools (measure/cost/memory.py restates it without torch). With
+    prefix caching the sliding pool holds every sequence's window after a trim, the blocks either end of it
+    straddles and one more, and one pass's causal rows (`pass_rows`; None: unbounded)."""
     full = blocks_for(max_len, block_size)
     w = max((x for x in windows if x is not None), default=None)
     if w is None:
@@ -55,10 +47,9 @@ def pool_blocks(windows: list[int | None], *, seqs: int, max_len: int, block_siz
 
 
 class BlockPool:
-    """Free block ids of one group; `take(n)` prefers one run of consecutive ids (first fit). With prefix caching
-    (`BlockManager(prefix_caching=True)`) a block also counts the sequences that hold it (`refs`) and may carry a
-    key (`register`): a keyed block no sequence holds stays cached, contents intact, until `take` runs out of
-    plain free blocks and evicts the least recently released one."""
+    """Free block ids of one group; `take(n)` prefers one run of consecutive ids (first fit). A block counts the
+    sequences that hold it (`refs`) and may carry a prefix key: a keyed block no sequence holds stays cached until
+    `take` runs out of plain free blocks and evicts the least recently released one."""
 
     def __init__(self, n: int):
         self.n, self.free = n, list(range(n))
@@ -76,23 +67,12 @@ class BlockPool:
     def take(self, n: int) -> list[int] | None:
         if n > self.available:
             return None
-        if n > len(self.free):  # evict the least recently released cached blocks, just enough
-            for _ in range(n - len(self.free)):
-                b, _ = self.lru.popitem(last=False)
-                self.forget(b)
-                self.free.append(b)
-            self.free.sort()
-        free = self.free
-        run = 0
-        got = None
-        for i in range(len(free)):  # first run of n consecutive ids, else the n lowest
-            run = run + 1 if i and free[i] == free[i - 1] + 1 else 1
-            if run == n:
-                got = free[i - n + 1:i + 1]
-                del free[i - n + 1:i + 1]
-                break
-        if got is None:
-            got, self.free = free[:n], free[n:]
+        if n > len(self.free):
+            self.evict(n - len(self.free))
+        free = self.free  # the first run of n consecutive ids, else the n lowest
+        a = next((i for i in range(len(free) - n + 1) if free[i + n - 1] - free[i] == n - 1), 0) if n else 0
+        got = free[a:a + n]
+        del free[a:a + n]
         for b in got:
             self.refs[b] = 1
         return got
@@ -116,30 +96,29 @@ class BlockPool:
             self.refs[b] += 1
             self.lru.pop(b, None)
 
-    def forget(self, b: int) -> None:
-        key = self.key_of.pop(b, None)
-        if key is not None:
-            del self.by_key[key]
+    def evict(self, n: int | None = None) -> None:
+        """The `n` (None: all) least recently released cached blocks lose their keys: plain free blocks."""
+        for _ in range(len(self.lru) if n is None else n):
+            b, _ = self.lru.popitem(last=False)
+            del self.by_key[self.key_of.pop(b)]
             self.serial.pop(b, None)  # (the sliding pool's keys have no serials: they are the full pool's)
+            self.free.append(b)
+        self.free.sort()
 
 
 class BlockManager:
     def __init__(self, windows: list[int | None], *, seqs: int, max_len: int, block_size: int = 16,
                  prefix_caching: bool = False, pass_rows: int | None = None):
-        """windows: per layer its sliding window W or None (a full layer). Room for `seqs` sequences of up to
-        `max_len` positions each; a sliding layer's ring holds the last W-1 positions in whole blocks.
-        `prefix_caching`: blocks shareable by key (`lookup`, `register`), the sliding layers' blocks at p // B
-        (`ring_blocks` as long as a sequence: a ring never wraps) held only within the window (`hold`, `trim`);
-        `pass_rows`: the most causal rows a pass writes (sizes the sliding pool: `pool_blocks`)."""
+        """windows: per layer its sliding window W or None (a full layer); room for `seqs` sequences of up to
+        `max_len` positions each; `pass_rows`: the most causal rows a pass writes (`pool_blocks`)."""
         self.block_size, self.max_len, self.seqs = block_size, max_len, seqs
         self.prefix_caching = prefix_caching
         self.windows = list(windows)
         self.window = max((w for w in self.windows if w is not None), default=None)
         self.full_blocks = blocks_for(max_len, block_size)  # per sequence
-        self.ring_blocks = blocks_for(min(self.window - 1, max_len), block_size) if self.window else 0
         self.windowed = prefix_caching and self.window is not None  # sliding blocks taken and trimmed per pass
-        if self.windowed:
-            self.ring_blocks = self.full_blocks
+        self.ring_blocks = (self.full_blocks if self.windowed  # (as long as a sequence: a ring never wraps)
+                            else blocks_for(min(self.window - 1, max_len), block_size) if self.window else 0)
         n_full, n_ring = pool_blocks(self.windows, seqs=seqs, max_len=max_len, block_size=block_size,
                                      prefix_caching=prefix_caching, pass_rows=pass_rows)
         self.groups = {"full": BlockPool(n_full), "ring": BlockPool(n_ring)}
@@ -234,11 +213,7 @@ class BlockManager:
     def drop_cached(self) -> None:
         """Forget every cached block no sequence holds: later lookups start cold, as in a new cache."""
         for pool in self.groups.values():
-            while pool.lru:
-                b, _ = pool.lru.popitem(last=False)
-                pool.forget(b)
-                pool.free.append(b)
-            pool.free.sort()
+            pool.evict()
 
     def cached_blocks(self) -> int:
         """Blocks that carry a prefix key (held or not): what a later request can hit."""

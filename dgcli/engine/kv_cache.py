@@ -1,10 +1,8 @@
 """The paged KV cache's device side: one pool of key and one of value blocks per layer, on the model's device.
 
 Owns: the pools (a layer's is [n_kv, blocks · B, d]; block b holds slots b·B .. b·B+B-1), writing a pass's keys
-and values into them in place (`write`) and the block tables as device tensors (`table_tensor`); which blocks a
-sequence holds and where its positions live is the block manager's (`block_manager.py`, the base class). Sizes
-are fixed at construction: nothing is allocated per pass. Only the passes write it; attention reads it
-(`model/attention.py`).
+and values into them in place (`write`) and the block tables as device tensors (`table_tensor`); the rest is the
+block manager's (the base class). Only the passes write it; attention reads it (`model/attention.py`).
 Must not: know about attention masks, phases or the model; read device values.
 """
 
@@ -20,8 +18,7 @@ class PagedKVCache(BlockManager):
     def __init__(self, layers: list[tuple[int, int, int | None]], *, seqs: int, max_len: int,
                  device: torch.device | str, dtype: torch.dtype, block_size: int = 16, prefix_caching: bool = False,
                  pass_rows: int | None = None):
-        """layers: per layer (num_kv_heads, head_dim, sliding window W or None); the rest as `BlockManager`'s (a
-        pass reads its own new keys from its k, v and writes them after: attention.py)."""
+        """layers: per layer (num_kv_heads, head_dim, sliding window W or None); the rest as `BlockManager`'s."""
         super().__init__([w for _, _, w in layers], seqs=seqs, max_len=max_len, block_size=block_size,
                          prefix_caching=prefix_caching, pass_rows=pass_rows)
         self.k = [torch.zeros(n, self.groups[g].n * block_size, d, device=device, dtype=dtype)

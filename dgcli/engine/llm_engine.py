@@ -1,22 +1,16 @@
 """The engine: requests in (at any time), events out; one per session (or server), living as long as its owner.
 
-Owns: `LLMEngine` and `new_engine`. nano-vllm's parts, one file each: `request.py` (a request's state),
-`scheduler.py` (which rows the next pass runs: a plan), `block_manager.py` and `kv_cache.py` (the paged cache,
-host and device sides), `runner.py` (runs a plan: one forward pass and the canvases' sampler step) and
-`output.py` (a request's answer for a client). Each `step()` drops cancelled requests, asks the scheduler for a
-plan, has the runner run it, and settles the pass handed back: its events (BlockStart / Step / Commit / Done,
-each with `row` = the request's id). A block that ends is committed in the request's next pass, beside the first
-step of its next block; the request's last block is never committed. `prefix_caching`: requests share cached
-whole prompt blocks (scheduler.py). With the runner's lag 1 (CUDA) a row whose request stopped at pass n is
-discarded when pass n+1 settles (no event, no state from it), so both lags give every request the same steps,
-draws and tokens (tests/sampling/test_engine_lag.py); lag 1 costs one discarded row-step per early stop.
-Requests added or cancelled between two steps (from the thread that calls `step`: the engine holds no lock) take
+Owns: `LLMEngine`, `new_engine` and `KeptEngine`. Each `step()` drops cancelled requests, asks the scheduler for a
+plan, has the runner run it and settles the pass handed back into events (each with `row` = the request's id). A
+block that ends is committed in the request's next pass, beside the first step of its next block; a request's
+last block is never committed. With the runner's lag 1 (CUDA) a row whose request stopped at pass n is discarded
+when pass n+1 settles, so both lags give every request the same steps, draws and tokens (one discarded row-step
+per early stop). Requests added or cancelled between two steps (from the thread that calls `step`: no lock) take
 effect at the next pass. A request's clock (first_block_s, total_s) runs from its submit on the engine's busy
-clock, which pauses while a consumer holds an event. `reset` makes an idle engine start as a new one would
-(counters at zero, no cached prompt blocks), so a session keeps its engine, and its CUDA graphs, across calls.
+clock, which pauses while a consumer holds an event.
 Numerics: a request's events do not depend on its batch-mates (bit for bit in bf16 on CPU without AMX: with AMX,
-oneDNN's bf16 GEMM picks its kernel by the row count, benchmarks/RESULTS.md "Eighteenth session";
-tests/sampling/test_batch.py names the fp32 caveat) or on how its prompt was chunked beyond rounding.
+oneDNN's bf16 GEMM picks its kernel by the row count, benchmarks/RESULTS.md "Eighteenth session") or on how its
+prompt was chunked beyond rounding.
 Must not: tokenize, print, validate settings (callers pass checked DiffusionEbParams), or read device values
 other than through the runner.
 """
@@ -63,32 +57,22 @@ class LLMEngine:
         self.c = model.config.canvas_length
         self.device = model.embed_weight.device
         lag = (1 if self.device.type == "cuda" else 0) if lag is None else lag
-        # Room for the prompt, the committed blocks and a canvas (full layers hold its keys where it will commit).
-        # prefix_caching: whole blocks of prompts and committed blocks are kept and shared (block_manager.py)
         self.prefix_caching = prefix_caching
-        # (a pass's causal rows: the commits and the prompt chunks under the budget, or one canvas's worth: scheduler.py)
         vision = getattr(model, "vision", None)  # a prompt chunk stretches to the end of an image it starts in
-        stretch = vision.config.soft_tokens if vision is not None else 0
+        # the most causal rows a pass writes: the commits and prompt chunks under the budget, or a canvas's worth
+        pass_rows = max(budget + (vision.config.soft_tokens if vision is not None else 0), (slots + 1) * self.c)
+        # room for the prompt, the committed blocks and a canvas (full layers hold its keys where it will commit)
         self.cache = model.new_cache(slots + graphs, max_len + self.c, block_size=block_size,
-                                     **({"prefix_caching": True,
-                                         "pass_rows": max(budget + stretch, (slots + 1) * self.c)}
-                                        if prefix_caching else {}))
+                                     **({"prefix_caching": True, "pass_rows": pass_rows} if prefix_caching else {}))
         self.stats = {} if stats is None else stats
         self.sched = Scheduler(self.cache, seqs=slots, canvas=self.c, budget=budget, prefix_caching=prefix_caching,
                                stats=self.stats)
         self.runner = ModelRunner(model, self.cache, slots=slots, graphs=graphs, compile_tiles=compile_tiles, lag=lag,
                                   stats=self.stats)
+        self.lag, self.graphs = lag, self.runner.graphs
         self.cancelled: set[int] = set()
         self.stats.update(_COUNTERS)
         self.busy, self.mark = 0.0, time.perf_counter()  # the busy clock; it pauses while a consumer holds an event
-
-    @property
-    def lag(self) -> int:
-        return self.runner.lag
-
-    @property
-    def graphs(self) -> Any:
-        return self.runner.graphs
 
     def reset(self, stats: dict | None = None) -> None:
         """An idle engine starts over as a new one would: its counters at zero (in `stats`, if given: the caller
@@ -186,24 +170,27 @@ class LLMEngine:
         if not self.sched.idle:
             plan = self.sched.plan(lambda r: not r.waiting)
             if plan.started:
-                self.runner.start_block(plan.started)
-                self._clock()
-                for r in plan.started:
-                    yield BlockStart(block=0, num_blocks=r.num_blocks, prefix_len=r.prefix, canvas=r.canvas, row=r.id)
-                self.mark = time.perf_counter()
+                yield from self._start(plan.started)
         done = self.runner.run(plan)
         if done is not None:
             yield from self._settle(done)
 
     # ---- the busy clock -----------------------------------------------------------------------------------
 
-    def _clock(self) -> None:
-        now = time.perf_counter()
-        self.busy += now - self.mark
-        self.mark = now
-
     def _now(self) -> float:
         return self.busy + time.perf_counter() - self.mark
+
+    def _paused(self, *events: Event) -> Iterator[Event]:
+        """Yield `events` with the busy clock stopped while the consumer holds them."""
+        now = time.perf_counter()
+        self.busy, self.mark = self.busy + now - self.mark, now
+        yield from events
+        self.mark = time.perf_counter()
+
+    def _start(self, rs: list[Request]) -> Iterator[Event]:
+        self.runner.start_block(rs)
+        yield from self._paused(*(BlockStart(block=r.block, num_blocks=r.num_blocks, prefix_len=r.prefix,
+                                             canvas=r.canvas, row=r.id) for r in rs))
 
     # ---- settle -------------------------------------------------------------------------------------------
 
@@ -226,8 +213,7 @@ class LLMEngine:
         st["row_steps"] += len(rows)
         st["denoise_s"] += elapsed
         stopped = self.runner.stopped(p)
-        self._clock()
-        ended = []
+        steps, ended = [], []
         for k, r in enumerate(rows):
             i = p.steps[k]
             if r.slot < 0 or r.block != p.blocks[k]:  # left, or its block ended at an earlier pass
@@ -236,15 +222,15 @@ class LLMEngine:
             reason = "stable_confident" if stopped[k] else ("step_cap" if i == r.max_steps - 1 else None)
             r.denoise_s += elapsed
             out = p.out
-            yield Step(block=r.block, step=i + 1, max_steps=r.max_steps, temperature=r.temperature(i),
-                       canvas_in=p.canvas_in[k], argmax=out.argmax[k], sample=out.sample[k],
-                       accepted_mask=p.accepted[k], accepted_count=p.accepted[k].sum(), entropy=out.entropy[k],
-                       mean_entropy=out.entropy[k].mean(), next_canvas=p.next_canvas[k], stop_reason=reason,
-                       elapsed_s=elapsed, row=r.id)
+            steps.append(Step(block=r.block, step=i + 1, max_steps=r.max_steps, temperature=r.temperature(i),
+                              canvas_in=p.canvas_in[k], argmax=out.argmax[k], sample=out.sample[k],
+                              accepted_mask=p.accepted[k], accepted_count=p.accepted[k].sum(),
+                              entropy=out.entropy[k], mean_entropy=out.entropy[k].mean(),
+                              next_canvas=p.next_canvas[k], stop_reason=reason, elapsed_s=elapsed, row=r.id))
             if reason is not None:
                 r.steps_per_block.append(i + 1)
                 ended.append(k)
-        self.mark = time.perf_counter()
+        yield from self._paused(*steps)
         if ended:
             yield from self._end_blocks(p, ended)
 
@@ -267,9 +253,7 @@ class LLMEngine:
             r.counted += sum(t != self.pad_id for t in tokens[: len(kept) + (stop_index is not None)])
             if r.block == 0:
                 r.first_block_s = self._now() - r.submitted
-            self._clock()
-            yield Commit(block=r.block, tokens=tokens, stop_index=stop_index, row=r.id)
-            self.mark = time.perf_counter()
+            yield from self._paused(Commit(block=r.block, tokens=tokens, stop_index=stop_index, row=r.id))
             r.block += 1
             if stop_index is None and r.block < r.num_blocks:
                 r.commit, r.prefix = argmax[k], r.prefix + self.c
@@ -281,18 +265,12 @@ class LLMEngine:
             passes = sum(r.steps_per_block)
             timings = {"prefill_s": r.prefill_s, "denoise_s": r.denoise_s, "commit_s": r.commit_s,
                        "first_block_s": r.first_block_s, "total_s": self._now() - r.submitted}
-            self._clock()
-            yield Done(token_ids=r.answer, finish_reason=finish, stop_id=stop_id, blocks=len(r.steps_per_block),
-                       steps_per_block=r.steps_per_block, decoder_passes=passes,
-                       tokens_per_forward=r.counted / passes, timings=timings, row=r.id)
-            self.mark = time.perf_counter()
+            yield from self._paused(Done(token_ids=r.answer, finish_reason=finish, stop_id=stop_id,
+                                         blocks=len(r.steps_per_block), steps_per_block=r.steps_per_block,
+                                         decoder_passes=passes, tokens_per_forward=r.counted / passes,
+                                         timings=timings, row=r.id))
         if going_on:
-            self.runner.start_block(going_on)
-            self._clock()
-            for r in going_on:
-                yield BlockStart(block=r.block, num_blocks=r.num_blocks, prefix_len=r.prefix, canvas=r.canvas,
-                                 row=r.id)
-            self.mark = time.perf_counter()
+            yield from self._start(going_on)
 
 
 class KeptEngine:

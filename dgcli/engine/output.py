@@ -1,38 +1,34 @@
-"""One request's answer as its blocks commit: reasoning and content kept apart, append-only deltas,
-stop strings, the max_tokens cut: the one output processor of the engine's front-ends.
+"""One request's answer as its blocks commit: the one output processor of the engine's front-ends.
 
-Owns: `cut` (the max_tokens cut and its finish reason: the CLI's and library's `runtime/request.py` cuts a
-finished answer with it, `Output` each block's), `Output`, fed each committed block's ids (`commit`) and told when the request ends (`finish`); both
-return the new (reasoning, content) text since the last call. The non-streamed reply is the sum of the same
-deltas, so streamed and non-streamed text are equal by construction; the final text is the same
-`ChatTokenizer.split_thinking` the CLI uses, so a server reply equals `dgemma generate`'s answer.
+Owns: `cut` (the max_tokens cut and its finish reason, for a finished answer) and `Output`, fed each committed
+block (`commit`) and told when the request ends (`finish`); both return the new (reasoning, content) text since
+the last call. The non-streamed reply is the sum of the same deltas, and the final text is the CLI's
+`ChatTokenizer.split_thinking`, so streamed, non-streamed and `dgemma generate` text are equal by construction.
 
 Rules, decided here:
-* The thought channel (`<|channel>thought ... <channel|>`) goes to reasoning, never to content. A channel
-  still open at a block's end is held back (it may close in a later block); if the answer ends with it
-  still open, its text is the answer (the spec's observed behaviour, as `split_thinking` reads it).
-* Text is held back while it could still change: a trailing run of byte-fallback tokens (a UTF-8
-  sequence may go on in the next block, and a run decodes as a whole; skipped special tokens inside a run
-  do not end it) or a content tail that is the start of a stop string.
-* Stop strings (OpenAI `stop`) apply to the content: the first match ends the answer, the match and
-  what follows are dropped, finish reason "stop".
-* `max_tokens` cuts the answer ids (`cut`, as the CLI's answer is cut); reaching it ends the request,
-  finish reason "length", also when a stop id follows in the same block past the cut (the cut came first).
-* `completion_tokens` counts the ids of the text returned: after a stop string, the ids up to the last one
-  any of whose text is returned (a token the match starts inside counts whole; the match and what
-  follows do not count).
+* The thought channel (`<|channel>thought ... <channel|>`) goes to reasoning; a channel still open at a block's
+  end is held back (it may close later); if the answer ends with it open, its text is the answer (as the spec).
+* Text is held back while it could still change: a trailing run of byte-fallback tokens (a UTF-8 sequence may go
+  on in the next block; skipped special tokens inside a run do not end it) or a content tail that is the start of
+  a stop string.
+* Stop strings (OpenAI `stop`) apply to the content: the first match ends the answer, the match and what follows
+  are dropped, finish reason "stop".
+* `max_tokens` cuts the answer ids; reaching it ends the request, finish reason "length", also when a stop id
+  follows in the same block past the cut (the cut came first).
+* `completion_tokens` counts the ids of the text returned: after a stop string, the ids up to the last one any of
+  whose text is returned.
 Must not: touch the engine's state, torch or the network.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from typing import Any
 
 
 def cut(token_ids: list[int], finish_reason: str, max_tokens: int | None) -> tuple[list[int], str]:
-    """The answer ids and finish reason after the token budget: the loop works in whole blocks, so an answer
-    longer than `max_tokens` is cut here and finishes by length."""
+    """The answer ids and finish reason after `max_tokens` (the loop works in whole blocks)."""
     if max_tokens is not None and len(token_ids) > max_tokens:
         return token_ids[:max_tokens], "length"
     return token_ids, finish_reason
@@ -61,15 +57,14 @@ class Output:
         return cut(self.ids, "", self.max_tokens)[0]
 
     def commit(self, tokens: Sequence[int], stop_index: int | None) -> tuple[str, str]:
-        """A block committed (`stop_index`: where a stop id sits in it). Returns the new text; sets
-        `finish_reason` when this block ends the answer (stop id, stop string, max_tokens)."""
+        """A block committed (`stop_index`: where a stop id sits in it): the new text; sets `finish_reason` when
+        this block ends the answer."""
         if self.finish_reason is not None:
             return "", ""
         self.ids += list(tokens if stop_index is None else tokens[:stop_index])
-        full = self.max_tokens is not None and len(self.ids) >= self.max_tokens
         if stop_index is not None:  # a stop id past the cut was never reached
             self.finish_reason = cut(self.ids, "stop", self.max_tokens)[1]
-        elif full:
+        elif self.max_tokens is not None and len(self.ids) >= self.max_tokens:
             self.finish_reason = "length"
         return self._advance(final=self.finish_reason is not None)
 
@@ -104,33 +99,23 @@ class Output:
         return self._delta(reasoning, content)
 
     def _ids_for(self, reasoning: str, content: str) -> int:
-        """The fewest leading answer ids whose text still holds `reasoning` and `content` whole (the text of a
-        prefix grows with it, so a bisection: a few decodes, not one per id past the stop string)."""
+        """The fewest leading answer ids whose text still holds `reasoning` and `content` whole (a bisection: the
+        text of a prefix grows with it)."""
         ids = self._cut()
 
         def holds(n: int) -> bool:
             r, c = self.tok.split_thinking(ids[:n], stop_ids=())
             return r == reasoning and c.startswith(content)
 
-        lo, hi = 0, len(ids)  # holds(hi); find the least n that holds
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if holds(mid) else (mid + 1, hi)
-        return hi
+        return bisect.bisect_left(range(len(ids)), True, key=holds)  # (all of them hold)
 
     def _held(self, content: str) -> int:
         """How many trailing characters may still turn into a stop string."""
-        hold = 0
-        for s in self.stop_strings:
-            for n in range(min(len(s) - 1, len(content)), 0, -1):
-                if content.endswith(s[:n]):
-                    hold = max(hold, n)
-                    break
-        return hold
+        return max((n for s in self.stop_strings for n in range(1, min(len(s) - 1, len(content)) + 1)
+                    if content.endswith(s[:n])), default=0)
 
     def _delta(self, reasoning: str, content: str) -> tuple[str, str]:
-        """What is new past the text already sent (sent text is never taken back: should a decoder ever
-        rewrite earlier characters, the reply goes on after what was sent)."""
+        """What is new past the text already sent (never taken back, should a decoder rewrite earlier text)."""
         new_reasoning = reasoning[len(self.sent_reasoning):]
         new_content = content[len(self.sent_content):]
         self.sent_reasoning += new_reasoning

@@ -1,16 +1,13 @@
 """One request as the engine holds it, and the one check of a request's ids and length that every front-end uses.
 
-Owns: `Request` (what to run: prompt ids, checked params, seed, block cap, stop ids, first canvas; and, while it
-runs, its state), `check_ids` (token ids in [0, vocab): one line naming the argument and the first bad item) and
-`over_context` (the positions a prompt and its blocks need, when the model's context cannot hold them). The CLI
-and library (runtime/request.py), the server (serve/protocol.py) and the loop's entry (engine/loop.py) word
-their refusals for their callers, from these two rules.
+Owns: `Request` (what to run and, while it runs, its state), `check_ids` (token ids in [0, vocab): one line naming
+the argument and the first bad item) and `over_context` (the positions a prompt and its blocks need, when the
+model's context cannot hold them); each front-end words its refusals from these rules.
 Must not: tokenize, touch the device, or know about the scheduler's or the runner's work.
 """
 
 from __future__ import annotations
 
-import functools
 import numbers
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -23,11 +20,10 @@ if TYPE_CHECKING:  # (this module loads without torch: the server's parser check
 
 @dataclass(eq=False)
 class Request:
-    """One request: what to run (prompt ids: on the host, or already on the model's device; checked params, seed,
-    block cap, stop ids, first canvas) and, while it runs, its state."""
+    """One request: what to run (checked params, seed, block cap, stop ids, first canvas) and its running state."""
 
     id: int  # carried by every event as `row`
-    prompt: torch.Tensor  # [P] int64
+    prompt: torch.Tensor  # [P] int64, on the host or already on the model's device
     params: Any  # DiffusionEbParams
     num_blocks: int
     seed: int
@@ -63,18 +59,12 @@ class Request:
         return self.params.max_denoising_steps
 
     def temperature(self, step: int) -> float:
-        """T_n of its schedule at 0-based `step` of a block (n = N - step: t_max first), computed when the step
-        runs, not up front: a schedule as long as the step cap must never be built in one go."""
+        """T_n at 0-based `step` of a block (n = N - step), computed when the step runs: a schedule as long as the
+        step cap must never be built in one go."""
+        from dgcli.sampling.rules import temperature  # (memoized: requests with the same settings share it)
+
         p = self.params
-        return _schedule(p.max_denoising_steps - step, p.max_denoising_steps, p.t_min, p.t_max)
-
-
-@functools.lru_cache(maxsize=8192)
-def _schedule(n: int, steps: int, t_min: float, t_max: float) -> float:
-    """`rules.temperature` (the same float ops), memoized: requests with the same settings share one schedule."""
-    from dgcli.sampling.rules import temperature
-
-    return temperature(n, steps, t_min, t_max)
+        return temperature(p.max_denoising_steps - step, p.max_denoising_steps, p.t_min, p.t_max)
 
 
 # ---- the one check of ids and length -------------------------------------------------------------------------
@@ -83,22 +73,22 @@ PROMPT_FIX = "pass token ids (request.encode(session, text)) or use dgcli.genera
 
 
 def over_context(prompt_len: int, blocks: int, canvas_length: int, context: int) -> int | None:
-    """The positions a prompt of `prompt_len` ids and `blocks` canvases after it need, when that is more than
-    `context` (positions past the context would run, as noise); None when they fit."""
+    """The positions a prompt and `blocks` canvases need when more than `context` (past it they would run as
+    noise); None when they fit."""
     need = prompt_len + blocks * canvas_length
     return need if need > context else None
 
 
 def out_of_vocab(ids: list[int], vocab: int) -> int | None:
-    """The index of the first id of `ids` (ints) outside [0, vocab), None when every one is a token id."""
+    """The index of the first id of `ids` (ints) outside [0, vocab), or None."""
     if not ids or (min(ids) >= 0 and max(ids) < vocab):
         return None
     return next(n for n, i in enumerate(ids) if not 0 <= i < vocab)
 
 
 def check_ids(ids: Any, vocab: int, what: str, fix: str = PROMPT_FIX) -> list[int]:
-    """`ids` (a sequence of ints, or a 1-D integer tensor or array) as a list of ints in [0, vocab), at least
-    one; else one line naming `what` (the argument, with its index in a batch). `fix`: what to do with text."""
+    """`ids` (ints, or a 1-D integer tensor or array) as a non-empty list of ints in [0, vocab), else one line
+    naming `what` (the argument); `fix`: what to do with text."""
     if isinstance(ids, (str, bytes, bytearray)):
         raise UserError(f"{what} is text, not token ids; {fix}")
     if hasattr(ids, "tolist") and getattr(ids, "ndim", 1) == 1:  # a tensor or array: its dtype shows in the items

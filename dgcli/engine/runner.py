@@ -1,16 +1,12 @@
 """The model runner: runs one plan of the scheduler as ONE forward pass and the sampler step of its canvases.
 
 Owns: `ModelRunner` and `Pass` (a launched pass: its plan, its device results, its clock). `run(plan)` launches
-the pass (prompt chunks, the commits of blocks that ended and every running request's canvas together: mixed
-phases; `model/attention.py` gives every row its keys; `graphs`: denoise-only passes replay CUDA graphs,
-model/graphs.py), runs the canvas rows' sampler step on the device (vocabulary pass, accept, renoise, stop
-flags: `sampling.rules.sample_step`) and hands back the pass to settle now. `lag` (1 on CUDA, 0 elsewhere): with
-lag 1 pass n+1 is launched before pass n is handed back, so the host never waits for the device inside a block:
-every running request speculatively goes on to its next step (the engine discards the rows of a request that
-stopped). Settling reads what the host needs and nothing more: the pass's clock, its stop flags (`stopped`) and
-the tokens of the blocks that ended (`tokens`), each through `host_reads.read`.
-Numerics: a request's draws are addressed by its own seed, block, step and position (`draws.py`), so its rows do
-not depend on their batch-mates.
+the pass (prompt chunks, commits and every running canvas together; `graphs`: denoise-only passes replay CUDA
+graphs), runs the canvas rows' sampler step on the device (`sampling.rules.sample_step`) and hands back the pass
+to settle now. `lag` (1 on CUDA, 0 elsewhere): with lag 1 pass n+1 is launched before pass n is handed back, so
+the host never waits for the device inside a block: every running request speculatively goes on to its next step
+(the engine discards the rows of a request that stopped). Settling reads only the pass's clock, its stop flags
+(`stopped`) and the tokens of the blocks that ended (`tokens`), each through `host_reads.read`.
 Must not: plan (scheduler.py), emit events or decide what a request's tokens mean (llm_engine.py), or read
 device values other than through `host_reads.read`.
 """
@@ -23,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from dgcli.engine.request import Request
 from dgcli.engine.scheduler import Plan
@@ -68,8 +65,7 @@ class ModelRunner:
         self.images: dict = {}  # image content key -> its soft tokens (insertion order: the oldest goes first)
 
     def run(self, plan: Plan | None) -> Pass | None:
-        """Launch `plan` (None or no segments: nothing to launch) and return the pass to settle now (with lag 1
-        the one launched before it)."""
+        """Launch `plan` (if it has segments) and return the pass to settle now (lag 1: the one before it)."""
         launched = self._launch(plan) if plan is not None and plan.segments else None
         if not self.lag:
             return launched
@@ -121,9 +117,8 @@ class ModelRunner:
         return p
 
     def _images(self, plan: Plan) -> tuple | None:
-        """The pass rows of the prompt chunks' image tokens and their features (rows [M], [M, H]), or None. A
-        request's images run through the vision tower once, at the first pass that holds one of their tokens (none
-        when a prefix hit covered them)."""
+        """The pass rows of the prompt chunks' image tokens and their features (rows [M], [M, H]), or None; a
+        request's images run through the vision tower at the first pass that holds one of their tokens."""
         rows, feats, row0 = [], [], sum(s.length for s in plan.segments[:len(plan.commits)])
         for seg, r in zip(plan.segments[len(plan.commits):], plan.prefills):
             lo, hi = bisect.bisect_left(r.image_pos, seg.start), bisect.bisect_left(r.image_pos, seg.start + seg.length)
@@ -136,8 +131,7 @@ class ModelRunner:
         return (to_device(rows, torch.long, self.device), torch.cat(feats)) if rows else None
 
     def _image(self, patches: Any, positions: Any, key: Any) -> torch.Tensor:
-        """One image's soft tokens [n, H] through the vision tower, kept by content key for the next requests
-        that send it (the last IMAGES_KEPT images)."""
+        """One image's soft tokens [n, H], kept by content key for the next requests that send it."""
         got = self.images.pop(key, None)
         if got is None:
             t0 = time.perf_counter()
@@ -151,11 +145,11 @@ class ModelRunner:
         return got
 
     def _sample(self, p: Pass, hidden: torch.Tensor) -> None:
-        """The canvas rows' sampler step on the device; each request's state goes on speculatively to its next
-        step (confirmed, or discarded, when the pass is settled)."""
+        """The canvas rows' sampler step on the device; each request goes on speculatively to its next step."""
         dev, rows = self.device, p.plan.canvases
         depth = max(r.params.stability_threshold for r in rows)
-        hist = torch.stack([self._history(r, depth) for r in rows], dim=1)  # [S, b, C]
+        # [S, b, C]: a row's older entries it does not have are -1 (never equal)
+        hist = torch.stack([F.pad(r.history, (0, 0, depth - len(r.history), 0), value=-1) for r in rows], dim=1)
         counters = [(r.seed, b, s + 1) for r, b, s in zip(rows, p.blocks, p.steps)]
         uniform = draws.uniform_at(draws.rows([(x, draws.DRAW, b, s) for x, b, s in counters], dev),
                                    self.mixed_positions)  # [b, C]
@@ -196,21 +190,13 @@ class ModelRunner:
                                 self.mixed_positions[:1])[:, 0]  # [b]: the state each canvas ends in
         return lambda out: constrain(out, lambda k: processed_logits(self.model, hidden[k], temp[k]), rows, uniform, ends)
 
-    @staticmethod
-    def _history(r: Request, depth: int) -> torch.Tensor:
-        """r's history [S_r, C] as [depth, C]: older entries it does not have are -1 (never equal)."""
-        h = r.history
-        if h.shape[0] < depth:
-            h = torch.cat((h.new_full((depth - h.shape[0], h.shape[1]), -1), h))
-        return h
-
     # ---- settle: what the host reads ----------------------------------------------------------------------------
 
     @staticmethod
     def elapsed(p: Pass) -> float:
-        """The pass's own seconds (on CUDA its events': reading them waits for the pass, which is done by then)."""
+        """The pass's own seconds (on CUDA its events')."""
         if isinstance(p.timing, tuple):
-            p.timing[1].synchronize()  # the pass is done: reading its flags and clock waits for nothing
+            p.timing[1].synchronize()  # the pass is done by then: reading its flags and clock waits for nothing
             return p.timing[0].elapsed_time(p.timing[1]) / 1e3
         return p.timing
 

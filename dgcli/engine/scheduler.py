@@ -2,20 +2,16 @@
 
 Owns: `Plan` (one pass: its segments in row order, the requests whose prompt chunk, commit or canvas it carries)
 and `Scheduler` (the waiting queue, the requests being prefilled, the running ones, their cache sequences).
-Each pass: free sequences take queued requests whose blocks the cache can reserve (positions for the prompt
-and every block's canvas); every running request's canvas runs (and, when its last block ended, that block's
-commit rides along, as causal rows before it); the prompts of admitted requests are encoded in chunks in
-arrival order under a per-pass token budget (the running canvases count against it; a prompt still gets one
-canvas's worth when they fill it), so a long prompt never stalls the requests that are denoising. A request
-whose prompt completes in a pass starts its first block in that same pass (its canvas reads the prompt's keys
-of that layer, written before canvases read: model/attention.py).
-Prefix caching (`prefix_caching`): at admission a request holds the cache's longest run of whole blocks of its
-prompt (`cache.lookup`) and encodes only the rest (none when every block hit: its first block starts at once);
-the whole blocks a planned pass completes (prompt chunks, commits) are keyed for later requests
-(`cache.register`), so blocks are keyed only once the pass that writes them is launched. Counts prompt tokens
-looked up and found (`prefix_cache_queries`, `prefix_cache_hits`, as vLLM counts them). The cache's sliding
-layers then hold only a window per sequence: each plan first trims every sequence below where its later passes
-start (`cache.trim`), then holds the positions its causal segments write (`cache.hold`).
+Each pass: free sequences take queued requests whose positions the cache can reserve; every running request's
+canvas runs (a block that ended rides along as its commit: causal rows before it); admitted prompts are encoded
+in chunks in arrival order under a per-pass token budget (running canvases count against it; a prompt still gets
+one canvas's worth when they fill it), so a long prompt never stalls the requests that are denoising. A request
+whose prompt completes in a pass starts its first block in that same pass.
+Prefix caching: at admission a request holds the cache's longest run of whole blocks of its prompt and encodes
+only the rest; the whole blocks a planned pass completes are keyed for later requests (`cache.register`) once
+the pass that writes them is planned. Counts prompt tokens looked up and found (`prefix_cache_queries`,
+`prefix_cache_hits`, as vLLM counts them). Each plan first trims every sequence's sliding blocks below where its
+later passes start (`cache.trim`), then holds the positions its causal segments write (`cache.hold`).
 Must not: touch tensors other than slicing a request's ids, read the device, or know about the sampler's math.
 """
 
@@ -45,10 +41,6 @@ class Plan:
     commits: list[Any] = field(default_factory=list)  # requests whose last block is committed in this pass
     canvases: list[Any] = field(default_factory=list)  # requests whose canvas runs a step, in row order
     started: list[Any] = field(default_factory=list)  # requests whose prompt completes here (first block)
-
-    @property
-    def tokens(self) -> int:
-        return sum(s.length for s in self.segments)
 
 
 def _whole_spans(spans: tuple, start: int, n: int) -> int:
@@ -100,18 +92,17 @@ class Scheduler:
         while self.queue and self.free:
             r = self.queue[0]
             need = len(r.prompt) + r.num_blocks * self.c
-            if not self.prefix_caching:
-                if not self.cache.reserve(self.free[0], need):
-                    break
-            else:  # its prompt's longest cached run of whole blocks is held, not encoded again
+            if self.prefix_caching:  # its prompt's longest cached run of whole blocks is held, not encoded again
                 hit, b = self.cache.lookup(self.ids[r][:len(r.prompt)]), self.cache.block_size
                 while hit and any(a < len(hit) * b < e for a, e in r.spans):  # an image's tokens: all or none
                     hit = hit[:-1]
                 if not self.cache.reserve(self.free[0], need, shared=hit):
                     break
-                r.prefilled = len(hit) * self.cache.block_size
+                r.prefilled = len(hit) * b
                 self.stats["prefix_cache_queries"] += len(r.prompt)
                 self.stats["prefix_cache_hits"] += r.prefilled
+            elif not self.cache.reserve(self.free[0], need):
+                break
             self.queue.popleft()
             r.slot = self.free.pop(0)
             self.prefilling.append(r)

@@ -4,19 +4,19 @@ tokenizer, and the joint draw of a canvas under it.
 Owns: `compile_schema` (schema -> `Automaton`: outlines-core builds the DFA, imported here only, when a request asks
 for structure; the schema's limits and one-line errors), `Constraint` (one request's automaton state across its
 blocks) and `constrain` (a step's joint draw for the constrained rows). Must not: decide which positions are accepted
-or when a block stops (the entropy-bound rules stay as they are: rules.py), or touch other rows.
+or when a block stops (rules.py), or touch other rows.
 
 The draw, per constrained row and step: a dynamic program over canvas positions x automaton states, from the state
 the committed blocks reached, ending in a state from which the document can still close in the blocks left (in the
-last block: closed, a stop id emitted). Forward by log-sum-exp (the sample) or max (the argmax); backward, each
-position's token is picked among the edges into the state chosen after it, by the row's own uniform (an exact joint
-draw from the model's per-position distributions restricted to valid canvases) or by the max (the most probable
-valid canvas). The block's output is its last argmax, so every committed block is a valid prefix and the last one
-closes the document. A row's draw reads only its own logits: batch-mates are untouched.
+last block: closed). Forward by log-sum-exp (the sample) or max (the argmax); backward, each position's token is
+picked among the edges into the state chosen after it, by the row's own uniform (an exact joint draw from the
+model's per-position distributions restricted to valid canvases) or by the max. The block's output is its last
+argmax, so every committed block is a valid prefix and the last one closes the document.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import math
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from dgcli.errors import UserError
-from dgcli.sampling.params import LIMITS, over_limit
+from dgcli.sampling.params import over_limit
 
 # --json / response_format json_object: any JSON object, as an object of scalars, arrays of scalars and flat objects
 # (JSON Schema's bare {"type": "object"} compiles to outlines-core's any-JSON pattern: ~1,600 states, seconds to build).
@@ -40,8 +40,8 @@ _BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 @dataclass(eq=False)
 class Automaton:
-    """A DFA over token ids: states 0..n-1 (start `start`), plus `done` = n, reached from a final state by a stop id,
-    which then takes any token. Edges as tensors (src, tok, dst) [E]; `dist` [n+1]: fewest tokens to `done`."""
+    """A DFA over token ids: states 0..n-1, plus `done` = n (reached from a final state by a stop id; it then takes
+    any token). Edges as tensors (src, tok, dst) [E]; `dist` [n+1]: fewest tokens to `done`."""
 
     n: int
     start: int
@@ -61,8 +61,8 @@ class Automaton:
 
 @dataclass(eq=False)
 class Constraint:
-    """One request's place in its automaton: the state its committed blocks reached (host int). The document closes
-    within `room` tokens (UserError when even its shortest cannot)."""
+    """One request's place in its automaton: the state its committed blocks reached. The document closes within
+    `room` tokens (UserError when even its shortest cannot)."""
 
     automaton: Automaton
     room: int  # the answer's positions: its blocks' canvases, or its max_tokens cut when that is fewer
@@ -89,9 +89,9 @@ class Constraint:
 
 def constrain(out: Any, logits: Any, rows: list[tuple[int, Constraint, int]], uniform: torch.Tensor,
               end_uniform: torch.Tensor) -> None:
-    """Replace `out.sample` and `out.argmax` rows k of each (k, constraint, block) in `rows` by the joint draw and
-    the most probable valid canvas. `logits(k)`: row k's processed (tempered) logits [C, V]; `uniform` [b, C] the
-    rows' draws, `end_uniform` [b] one more per row (the state the canvas ends in)."""
+    """Replace rows k of `out.sample` and `out.argmax`, for each (k, constraint, block) in `rows`, by the joint draw
+    and the most probable valid canvas. `logits(k)`: row k's processed logits [C, V]; `uniform` [b, C] the rows'
+    draws, `end_uniform` [b] one more per row (the state the canvas ends in)."""
     for k, con, block in rows:
         logp = torch.log_softmax(logits(k), dim=-1)  # [C, V]
         c = logp.shape[0]
@@ -102,10 +102,10 @@ def constrain(out: Any, logits: Any, rows: list[tuple[int, Constraint, int]], un
             dst_out[k] = _path(con.automaton.n, src, tok, dst, logp, con.state, ends, room, u, u_end)
 
 
-def _must_close(a: torch.Tensor, n: int) -> torch.Tensor:
-    """`a` [n+1] kept only at `done` (n), unless that leaves nothing (then the answer is cut by length)."""
-    closed = torch.where(torch.arange(n + 1, device=a.device) == n, a, -math.inf)
-    return torch.where(torch.isfinite(closed).any(), closed, a)
+def _only(a: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """`a` [n+1] kept where `keep`, unless that leaves nothing (then any live state: the answer is cut by length)."""
+    kept = torch.where(keep, a, -math.inf)
+    return torch.where(torch.isfinite(kept).any(), kept, a)
 
 
 def _path(n: int, src: torch.Tensor, tok: torch.Tensor, dst: torch.Tensor, logp: torch.Tensor, start: int,
@@ -119,11 +119,8 @@ def _path(n: int, src: torch.Tensor, tok: torch.Tensor, dst: torch.Tensor, logp:
         w = alpha[i][src] + logp[i][tok]  # [E]
         stay = alpha[i][n] + (torch.logsumexp(logp[i], 0) if u is not None else logp[i].max())  # done takes any
         a = _reduce(torch.cat((w, stay[None])), torch.cat((dst, dst.new_full((1,), n))), n + 1, u is None)
-        alpha.append(_must_close(a, n) if i + 1 == room else a)
-    last = alpha[c]
-    fin = torch.where(ends, last, -math.inf)
-    fin = torch.where(torch.isfinite(fin).any(), fin, last)  # cannot close in time: any live state (cut by length)
-    s = _pick(fin, u_end)
+        alpha.append(_only(a, torch.arange(n + 1, device=a.device) == n) if i + 1 == room else a)  # closed
+    s = _pick(_only(alpha[c], ends), u_end)
     ids, froms, every = [], torch.cat((src, src.new_full((v,), n))), torch.cat((tok, torch.arange(v, device=tok.device)))
     for i in reversed(range(c)):  # backward: the edge into s at position i
         w = torch.where(dst == s, alpha[i][src] + logp[i][tok], -math.inf)  # [E]
@@ -166,23 +163,18 @@ def schema_error(schema: Any, what: str = "json_schema") -> str | None:
     """The one-line refusal of a schema before any compiling (type, size, depth, recursive or remote $ref), or None."""
     if not isinstance(schema, dict):
         return f"{what} must be a JSON object (a JSON Schema), got {type(schema).__name__}"
-    text = json.dumps(schema)
-    fix = "give a smaller schema"
-    msg = over_limit("schema_chars", len(text), fix, shown=f"{what} of {len(text)} characters")
-    if msg:
-        return msg
-    depth = _depth(schema)
-    msg = over_limit("schema_depth", depth, "flatten the schema", shown=f"{what} nested {depth} levels deep")
-    if msg:
-        return msg
-    cost = _repeats(schema)
-    msg = over_limit("schema_repeats", cost, "lower maxLength / maxItems", shown=f"{what} spanning {cost} repeats")
-    return msg or _ref_error(schema, what)
+    n = len(json.dumps(schema))  # each bound before the next is computed: the walks are bounded by the first
+    return (over_limit("schema_chars", n, "give a smaller schema", shown=f"{what} of {n} characters")
+            or over_limit("schema_depth", d := _depth(schema), "flatten the schema",
+                          shown=f"{what} nested {d} levels deep")
+            or over_limit("schema_repeats", r := _repeats(schema), "lower maxLength / maxItems",
+                          shown=f"{what} spanning {r} repeats")
+            or _ref_error(schema, what))
 
 
 def _repeats(x: Any) -> int:
     """How many counted repeats a schema spans (a string's maxLength, an array's maxItems times its items', summed
-    over the rest): the size of its automaton grows with it, and with it the compile."""
+    over the rest): its automaton, and the compile, grow with it."""
     if isinstance(x, list):
         return sum(map(_repeats, x))
     if not isinstance(x, dict):
@@ -230,8 +222,8 @@ def _ref_error(schema: dict, what: str) -> str | None:
 
 
 def compile_schema(tokenizer: Any, schema: dict, stop_ids: tuple[int, ...] | list[int] | set[int]) -> Automaton:
-    """`schema` as an Automaton on `tokenizer` (a ChatTokenizer: the checkpoint's own); stop ids close the document.
-    Raises UserError (one line) for a schema refused or that cannot be compiled."""
+    """`schema` as an Automaton on `tokenizer` (the checkpoint's own); stop ids close the document. One-line
+    UserError for a schema refused or that cannot be compiled."""
     err = schema_error(schema)
     if err:
         raise UserError(err)
@@ -287,15 +279,13 @@ def _automaton(index: Any, eos: int, stops: tuple[int, ...], start: int) -> Auto
     back: dict[int, list[int]] = {}
     for s, _, d in edges:
         back.setdefault(d, []).append(s)
-    frontier = [n]
-    while frontier:  # breadth-first from done along reversed edges
-        nxt = []
-        for d in frontier:
-            for s in back.get(d, ()):
-                if dist[s] == math.inf:
-                    dist[s] = dist[d] + 1
-                    nxt.append(s)
-        frontier = nxt
+    queue = collections.deque([n])
+    while queue:  # breadth-first from done along reversed edges
+        d = queue.popleft()
+        for s in back.get(d, ()):
+            if dist[s] == math.inf:
+                dist[s] = dist[d] + 1
+                queue.append(s)
     edges = [e for e in edges if dist[e[2]] < math.inf]  # moves into states that can never close: never taken
     src, tok, dst = (torch.tensor([e[i] for e in edges], dtype=torch.long) for i in range(3))
     if dist[names[start]] == math.inf:

@@ -2,22 +2,18 @@
 position), so a draw never depends on which kernel path runs, on batch-mates, on a slot or on the order
 in which draws are made.
 
-Owns: `uniform` (float64 in [0, 1)) and `token_ids` (ints in [0, V)) over broadcastable counter
-tensors, their row forms (`rows`, `uniform_at`, `token_ids_at`: the per-row words hashed on the host, the
-position's fold by tensor ops), the purposes (`INIT`, `DRAW`, `RENOISE`, `PAD`)
-and the hash behind them. Must not: keep state (beyond a memo of the pure host hash of counter prefixes),
-read a torch.Generator, or know about models.
+Owns: `uniform` (float64 in [0, 1)) and `token_ids` (ints in [0, V)) over broadcastable counters, their row forms
+(`rows`, `uniform_at`, `token_ids_at`), the purposes and the hash behind them. Must not: keep state (beyond a memo
+of the pure host hash of counter prefixes), read a torch.Generator, or know about models.
 
-Why not torch.Generator: its draws depend on how many numbers were taken before (the reference, CPU
-tiled and Triton vocabulary passes consume different amounts), and in a batch on the row's slot.
-Here each position's draw of each step is addressed by its counters; the vocabulary passes take
-one uniform per position and turn it into a categorical draw by inverse CDF (kernels/reference.py),
-so every path makes the same draw up to float rounding at a CDF boundary.
+Why not torch.Generator: its draws depend on how many numbers were taken before (the reference, CPU tiled and
+Triton vocabulary passes consume different amounts), and in a batch on the row's slot. The vocabulary passes take
+one uniform per position and turn it into a categorical draw by inverse CDF, so every path makes the same draw up
+to float rounding at a CDF boundary.
 
-The hash: words are folded one by one into a 32-bit state with Wellons' `lowbias32` mixer (bias 0.17,
-a good avalanche for two multiplies). Arithmetic is exact 32-bit unsigned, carried in int64 tensors
-(products split in 16-bit halves so nothing leaves int64), so CPU and CUDA give the same bits. It is
-not cryptographic; it only has to look independent across neighbouring counters (tests check it).
+The hash: words folded one by one into a 32-bit state with Wellons' `lowbias32` mixer. Arithmetic is exact 32-bit
+unsigned, carried in int64 tensors (products split in 16-bit halves so nothing leaves int64), so CPU and CUDA give
+the same bits. Not cryptographic; it only has to look independent across neighbouring counters (tests check it).
 """
 
 from __future__ import annotations
@@ -52,8 +48,7 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 def _hash(seed: torch.Tensor | int, *words: torch.Tensor | int,
           device: torch.device | str | None = None) -> torch.Tensor:
-    """A 32-bit hash (int64 tensor) of the seed (< 2^63; a tensor of seeds broadcasts like the words) and
-    the words (each < 2^32, broadcast together)."""
+    """A 32-bit hash (int64 tensor) of the seed (< 2^63) and the words (each < 2^32), broadcast together."""
     # Python ints stay Python ints: the same exact arithmetic (no product leaves int64), and no host-to-device
     # copy of a constant per call (on CUDA each would wait for the stream).
     seed = _word(seed, device)
@@ -87,11 +82,10 @@ def token_ids(seed: torch.Tensor | int, purpose: int, block: torch.Tensor | int,
 
 
 # ---- the same draws with the per-row words hashed on the host ------------------------------------------------
-# A row's seed, purpose, block and step are host ints: their state (`rows`) is folded in Python, exactly (the same
-# 32-bit arithmetic on ints), and only the position word is folded by tensor ops, its inner mix made once
-# (`mixed_positions`). The engine draws this way: a few dozen tensor ops per draw instead of a few hundred (each a
-# kernel launch on CUDA), and a step folds only its own word on the host
-# (`_state`). Bits equal `uniform` / `token_ids` of the same counters (tests/sampling/test_draws.py).
+# A row's seed, purpose, block and step are host ints, folded in Python with the same 32-bit arithmetic; only the
+# position word is folded by tensor ops, its inner mix made once (`mixed_positions`). The engine draws this way: a
+# few dozen tensor ops per draw instead of a few hundred (each a kernel launch on CUDA). Same bits as `uniform` /
+# `token_ids` of the same counters.
 
 
 def rows(counters: list[tuple[int, ...]], device: torch.device | str) -> torch.Tensor:
@@ -101,8 +95,7 @@ def rows(counters: list[tuple[int, ...]], device: torch.device | str) -> torch.T
 
 @functools.lru_cache(maxsize=4096)
 def _state(seed: int, *words: int) -> int:
-    """The hash state of host ints (seed, *words), each prefix memoised (a pure function: a row's seed, purpose and
-    block repeat at every step of its block, so a step folds only its own word)."""
+    """The hash state of host ints (seed, *words), each prefix memoised (a step folds only its own word)."""
     if not words:
         return _fold(_mix((seed & _M32) ^ _GOLDEN), seed >> 32, None)
     return _fold(_state(seed, *words[:-1]), words[-1], None)

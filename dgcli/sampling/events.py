@@ -10,8 +10,10 @@ loop itself never waits for them.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import ClassVar, Literal, Union
 
 import torch
 
@@ -19,8 +21,21 @@ StopReason = Literal["stable_confident", "step_cap"]
 FinishReason = Literal["stop", "length"]
 
 
+class _Record:
+    TYPE: ClassVar[str]
+
+    def to_record(self) -> dict:
+        """Every field but `row` (a trace holds one request), tensors as lists."""
+        out = {"type": self.TYPE}
+        for f in dataclasses.fields(self):
+            if f.name != "row":
+                v = getattr(self, f.name)
+                out[f.name] = v.tolist() if isinstance(v, torch.Tensor) else copy.copy(v)
+        return out
+
+
 @dataclass
-class BlockStart:
+class BlockStart(_Record):
     """A block's denoising begins from `canvas` (uniform-random ids, or the user's initial canvas)."""
 
     block: int  # 0-based
@@ -28,15 +43,7 @@ class BlockStart:
     prefix_len: int  # tokens in the cache before this block (prompt + committed blocks)
     canvas: torch.Tensor  # [C] int64
     row: int = 0  # the request's index in a batch (not recorded: a trace holds one request)
-
-    def to_record(self) -> dict:
-        return {
-            "type": "block_start",
-            "block": self.block,
-            "num_blocks": self.num_blocks,
-            "prefix_len": self.prefix_len,
-            "canvas": self.canvas.tolist(),
-        }
+    TYPE: ClassVar[str] = "block_start"
 
 
 @dataclass
@@ -78,44 +85,35 @@ class Step:
 
 
 @dataclass
-class Commit:
+class Commit(_Record):
     """A block is final: `tokens` (its last argmax canvas) join the sequence."""
 
     block: int  # 0-based
     tokens: list[int]  # all C ids of the block, as appended to the sequence
     stop_index: int | None  # position of the first stop id in `tokens`; generation ends there
     row: int = 0
-
-    def to_record(self) -> dict:
-        return {"type": "commit", "block": self.block, "tokens": list(self.tokens), "stop_index": self.stop_index}
+    TYPE: ClassVar[str] = "commit"
 
 
 @dataclass
-class Done:
-    """The generation's result; also what `dgcli.engine.generate` returns."""
+class Done(_Record):
+    """The generation's result; also what `dgcli.engine.generate` returns. A block's output is the argmax of its
+    last step. `tokens_per_forward` is HF's: generated ids up to and including the stop id, not counting `pad_id`,
+    per decoder pass (encoder passes not counted). `timings`, seconds of the engine's own time (a consumer's between
+    events excluded; a queued request's include its wait): prefill_s (the passes carrying the prompt, whole),
+    denoise_s (the steps up to the block-end read-back), commit_s (encodes of committed blocks), first_block_s
+    (submit to the first block's tokens), total_s."""
 
-    token_ids: list[int]  # the answer: generated ids up to, not including, the first stop id
+    token_ids: list[int]  # the answer: generated ids up to, not including, the first stop id (HF keeps it)
     finish_reason: FinishReason  # "stop": a stop id appeared; "length": all blocks ran out
     stop_id: int | None  # the stop id that ended generation (not in token_ids), if any
     blocks: int  # blocks generated
     steps_per_block: list[int]  # decoder passes each block took
     decoder_passes: int  # sum of steps_per_block
-    tokens_per_forward: float  # reference (HF) definition, see dgcli.engine.loop
-    timings: dict[str, float] = field(default_factory=dict)  # seconds; keys documented in dgcli.engine.loop
+    tokens_per_forward: float
+    timings: dict[str, float] = field(default_factory=dict)
     row: int = 0
-
-    def to_record(self) -> dict:
-        return {
-            "type": "done",
-            "token_ids": list(self.token_ids),
-            "finish_reason": self.finish_reason,
-            "stop_id": self.stop_id,
-            "blocks": self.blocks,
-            "steps_per_block": list(self.steps_per_block),
-            "decoder_passes": self.decoder_passes,
-            "tokens_per_forward": self.tokens_per_forward,
-            "timings": dict(self.timings),
-        }
+    TYPE: ClassVar[str] = "done"
 
 
 Event = Union[BlockStart, Step, Commit, Done]

@@ -1,14 +1,11 @@
 """The engines' reads of device values on the host, declared in one place.
 
-Owns: `read(t, why)`, the only way the engine (`dgcli.engine`) and the server's worker bring device values to
-the host while they run, for one of `READS`: "stop" (a pass's stop flags: once per pass when some running
-request can stop early; the CUDA engine reads them a pass late, from a pinned copy), "commit" (the
-token ids of the blocks that ended, once per pass that ends a block) and "draft" (`dgemma serve`'s worker:
-a step's canvas for a client that asked for drafts, from a pinned copy a pass late on CUDA), "prompt" (with
-prefix caching, a device prompt's ids once at submit, outside any pass). And `substituted(fn)`, which hands
-`fn`'s values out instead for the reads made inside it: a fake-tensor run (tests/sampling/test_fake_cuda.py)
-has no values, and there every other host read is an error. Must not: read anything else, or decide
-anything with what it reads.
+Owns: `read(t, why)`, the only way the engine and the server's worker bring device values to the host while they
+run, for one of `READS`: "stop" (a pass's stop flags), "commit" (the tokens of the blocks that ended), "draft"
+(`dgemma serve`'s drafts for a client that asked) and "prompt" (a device prompt's ids, once, when it is given).
+`substituted(fn)` hands `fn`'s values out instead for the reads made inside it: a fake-tensor run has no values,
+and there every other host read is an error.
+Must not: read anything else, or decide anything with what it reads.
 """
 
 from __future__ import annotations

@@ -5,12 +5,10 @@ request fields).
 Owns: the field types (validated by pydantic: lax at a source, strict for direct construction) and ranges,
 `LIMITS` (the one table of upper bounds on every number that sizes work), and the one-line errors that name
 the key and the fix (`SettingsError`). The ranges follow the reference's
-`DiffusionGemmaGenerationConfig.validate`: t_min >= 0 and t_max > t_min (t_min itself is never used as a
-temperature, so 0 is fine), steps >= 1; the upper bounds are ours (see `LIMITS`). The loop calls
-`DiffusionEbParams.check` on whatever it is given, so there is no second validator. Must not: import torch,
-read files or know where a value came from (runtime/settings.py adds the source to the message). Every fix a
-message suggests is a value that passes validation given the other settings as they are (`hint`): the field's
-default where it fits.
+`DiffusionGemmaGenerationConfig.validate`; the upper bounds are ours. The loop calls `DiffusionEbParams.check`
+on whatever it is given, so there is no second validator. Every fix a message suggests is a value that passes
+validation given the other settings as they are (`hint`).
+Must not: import torch, read files or know where a value came from (runtime/settings.py adds the source).
 """
 
 from __future__ import annotations
@@ -58,6 +56,7 @@ _ALIASES: dict[str, str] = {
     "max_new_tokens": "max_tokens",
 }
 
+
 class SettingsError(UserError):
     """A bad setting; `key` names it, and `keys` every setting its rule involves (t_min and t_max), so
     `resolve` can add where each value came from."""
@@ -73,12 +72,9 @@ def fix(key: str) -> str:
     return f"{key} ({flag})" if flag else key
 
 
-# ---------------------------------------------------------------------------------------------
-# Value types, validated by pydantic (lax mode at a source, strict for direct construction). YAML, flags
-# and JSON hand us loosely typed values: PyYAML reads `5e-3` as a *string* (YAML 1.1 wants `5.0e-3`) and
-# JSON may give 16.0 for 16, so numeric strings and integral floats pass; `true` for a number, nan, inf,
-# 4.5 for a whole number or 0 for text do not. The messages stay ours: one line, key, source and fix.
-# ---------------------------------------------------------------------------------------------
+# Value types. YAML, flags and JSON hand us loosely typed values: PyYAML reads `5e-3` as a *string* (YAML 1.1
+# wants `5.0e-3`) and JSON may give 16.0 for 16, so numeric strings and integral floats pass; `true` for a
+# number, nan, inf, 4.5 for a whole number or 0 for text do not. The messages stay ours.
 
 
 def _not_bool(v: Any) -> Any:
@@ -95,20 +91,14 @@ _TYPES: dict[type, tuple[TypeAdapter, str]] = {  # field type -> (validator, exp
 }
 
 
-def _unwrap_optional(kind: Any) -> tuple[Any, bool]:
-    """(int, True) for `int | None`; (kind, False) otherwise."""
-    if typing.get_origin(kind) in (typing.Union, types.UnionType):
-        return next(a for a in typing.get_args(kind) if a is not type(None)), True
-    return kind, False
-
-
 def coerce(cls: type, key: str, value: Any, origin: str, *, strict: bool = False,
            current: Mapping[str, Any] | None = None) -> Any:
-    """`value` as the type of field `key` of `cls`, or a `SettingsError` naming the key, where it came from
-    and a fix that fits the `current` values of the other fields."""
-    kind, optional = _unwrap_optional(field_types(cls)[key])
-    if optional and value is None:
-        return None
+    """`value` as the type of field `key` of `cls`, or a `SettingsError` naming the key, its origin and a fix."""
+    kind = field_types(cls)[key]
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):  # `int | None`
+        if value is None:
+            return None
+        kind = next(a for a in typing.get_args(kind) if a is not type(None))
     adapter, expected = _TYPES[kind]  # a new field type needs a row above
     try:
         return adapter.validate_python(value, strict=strict)
@@ -124,7 +114,7 @@ def field_types(cls: type) -> dict[str, Any]:
 
 
 def check_type(obj: Any, key: str) -> None:
-    """Strict type check for `validate()`: catches values set by direct construction, e.g. t_min="abc"."""
+    """Strict type check: catches values set by direct construction, e.g. t_min="abc"."""
     coerce(type(obj), key, getattr(obj, key), "", strict=True, current=dataclasses.asdict(obj))
 
 
@@ -135,11 +125,8 @@ def build(cls: type, values: dict[str, Any], origin: str) -> Any:
     return obj
 
 
-# ---------------------------------------------------------------------------------------------
 # Hints: "set KEY (FLAG) to e.g. VALUE (the default)". A suggested value must pass validation as the other
-# settings stand (`--t-max 0.1` with t_min 0.4 must not be told "t_max to e.g. 0.1"), so it is the default
-# where that fits, else a value that does; tests/runtime/test_settings.py applies every hint and resolves.
-# ---------------------------------------------------------------------------------------------
+# settings stand (`--t-max 0.1` with t_min 0.4 must not be told "t_max to e.g. 0.1").
 
 
 def _show(value: Any) -> str:
@@ -159,8 +146,8 @@ def _short(x: float) -> float:
 
 
 def _fitting(cls: type, key: str, current: Mapping[str, Any]) -> tuple[Any, str] | None:
-    """A value for `key` that passes validation given the other fields' `current` values, and why it was
-    picked; None where no value of `key` alone can (t_min when t_max <= 0)."""
+    """A value for `key` valid given the other fields' `current` values, and why it was picked; None where no
+    value of `key` alone can (t_min when t_max <= 0)."""
     defaults = {f.name: f.default for f in dataclasses.fields(cls)}
     default = defaults[key]
     if key not in ("t_min", "t_max") or not {"t_min", "t_max"} <= defaults.keys():
@@ -184,9 +171,8 @@ def _both_temperatures(cls: type) -> str:
 
 
 def hint(cls: type, key: str, current: Mapping[str, Any] | None = None) -> str:
-    """The fix for a bad `key` of `cls`: 'set KEY (FLAG) to e.g. V (the default)', V valid given `current`.
-    An optional field (default None) says "or leave it out"; its dataclass field's metadata may give an
-    `example` value, or `what` to give in words."""
+    """The fix for a bad `key` of `cls`: 'set KEY (FLAG) to e.g. V (the default)', V valid given `current`. An
+    optional field says "or leave it out"; its metadata may give an `example` value, or `what` to give in words."""
     f = next(f for f in dataclasses.fields(cls) if f.name == key)
     if f.default is None:
         if "example" in f.metadata:
@@ -202,8 +188,6 @@ def hint(cls: type, key: str, current: Mapping[str, Any] | None = None) -> str:
 def suggest(word: str, choices: tuple[str, ...] | list[str]) -> str:
     """' (did you mean X?)' for the closest choice or alias, else ''."""
     norm = str(word).strip().lower().replace("-", "_").lstrip("_")
-    if norm in _ALIASES and _ALIASES[norm] in choices:
-        return f" (did you mean {_ALIASES[norm]}?)"
     pool = list(choices) + [a for a, k in _ALIASES.items() if k in choices]
     close = difflib.get_close_matches(norm, pool, n=1, cutoff=0.6)
     if not close:
@@ -218,14 +202,10 @@ def reject_unknown(values: dict[Any, Any], valid: tuple[str, ...], origin: str) 
             raise SettingsError(str(key), f"unknown setting {key!r}{where}{suggest(str(key), valid)}; valid keys: {', '.join(valid)}")
 
 
-# ---------------------------------------------------------------------------------------------
-# Upper bounds (README "Limits"): every number that sizes work or memory has one, checked by the validators
-# (`DiffusionEbParams.validate`, `RunSettings.validate`; `serve/protocol.py` for a request's own fields)
-# before anything is allocated or looped over, so that no one setting or request can wedge a run or the
-# server. Each bound is far above any sensible setting and small enough that the work it allows is bounded.
-# The model's context (prompt + blocks x canvas) stays the real limit of blocks and tokens; their bounds here
-# only refuse absurd values at once, before a checkpoint is loaded or a request is tokenized.
-# ---------------------------------------------------------------------------------------------
+# Upper bounds (README "Limits"): every number that sizes work or memory has one, checked before anything is
+# allocated or looped over, so that no one setting or request can wedge a run or the server: far above any
+# sensible setting, small enough that the work it allows is bounded. The model's context stays the real limit of
+# blocks and tokens; their bounds only refuse absurd values before a checkpoint is loaded.
 
 
 @dataclass(frozen=True)
@@ -235,40 +215,33 @@ class Limit:
 
 
 LIMITS: dict[str, Limit] = {
-    # The real model's default is 48 steps per 256-position canvas: 4096 is 85x that, 16 passes per
-    # position. A block then costs at most 4096 decoder passes (the schedule is computed step by step).
+    # 85x the real model's default of 48 steps per 256-position canvas (the schedule is computed step by step)
     "max_denoising_steps": Limit(4096, "steps per block"),
-    # The stop rule keeps this many argmax canvases [slots, canvas] on the device for every running
-    # request; the reference's default is 1, and more than a few only approaches fixed work (use
-    # confidence_threshold 0 for that). 256 keeps the history within 256 canvases per request.
+    # argmax canvases kept on the device per running request; the reference's default is 1, and more than a few
+    # only approaches fixed work (confidence_threshold 0 does that)
     "stability_threshold": Limit(256, "previous canvases"),
-    # 64x the real model's context in canvases (262144 / 256 = 1024 blocks); the context check is the real
-    # limit, this one refuses before the checkpoint is even loaded.
+    # 64x the real model's context in canvases, 4x in tokens: the context check is the real limit, these refuse
+    # before the checkpoint is even loaded
     "max_blocks": Limit(65536, "blocks"),
-    # 4x the real model's 262144-position context; likewise bounded by the context in the end.
     "max_tokens": Limit(1 << 20, "tokens"),
-    # dgemma serve only (serve/protocol.py): OpenAI's own cap on a conversation's length (rendering and
-    # tokenizing a conversation is work done before the context check can reject it).
+    # dgemma serve only: OpenAI's caps on a conversation's messages (rendered and tokenized before the context
+    # check) and a request's tools; every block's text is compared with every prefix of each stop string
     "messages": Limit(2048, "messages per request"),
-    # dgemma serve only: at most 16 stop strings (OpenAI allows 4), each this long; every block's text is
-    # compared with every prefix of each, so their length bounds that work.
+    "tools": Limit(128, "tools"),
     "stop": Limit(16, "stop strings"),
     "stop_chars": Limit(1024, "characters per stop string"),
-    # Structured output (sampling/constrain.py): a schema's JSON text and nesting are refused before it is
-    # compiled; its regex and automaton bound the compile (well under a second) and the draw's work per position.
+    # Structured output: a schema is refused before it is compiled; its regex and automaton bound the compile
+    # (well under a second) and the draw's work per position.
     "schema_chars": Limit(16384, "characters"),
     "schema_depth": Limit(32, "levels"),
     "schema_repeats": Limit(96, "repeats (maxLength, maxItems x items, summed)"),
     "schema_regex_chars": Limit(200_000, "characters"),
     "automaton_edges": Limit(500_000, "moves"),
-    # dgemma serve only: OpenAI's own cap on a request's tools.
-    "tools": Limit(128, "tools"),
 }
 
 
 def over_limit(key: str, value: Any, fix: str, *, shown: str | None = None) -> str | None:
-    """The one-line refusal of `value` when it is above `LIMITS[key]` ('KEY=V: at most B UNIT; FIX', with
-    `shown` in place of 'KEY=V' where given), else None."""
+    """'KEY=V: at most B UNIT; FIX' (`shown` for 'KEY=V') when `value` is above `LIMITS[key]`, else None."""
     limit = LIMITS[key]
     if value is None or value <= limit.bound:
         return None
@@ -302,7 +275,7 @@ class DiffusionEbParams:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], origin: str = "") -> DiffusionEbParams:
-        """Build from loosely typed values (coerced), rejecting unknown keys; validated."""
+        """Built from loosely typed values (coerced), unknown keys refused; validated."""
         return build(cls, values, origin)
 
     def replace(self, **changes: Any) -> DiffusionEbParams:
@@ -311,41 +284,38 @@ class DiffusionEbParams:
 
     @classmethod
     def check(cls, params: Any) -> DiffusionEbParams:
-        """`params` (this class, or any object with these fields, e.g. a test's namespace) validated;
-        fields it lacks take the defaults. The loop calls this, so every path has the one validator."""
+        """`params` (this class, or any object with these fields; those it lacks take the defaults) validated."""
         if not isinstance(params, cls):
             params = cls(**{k: getattr(params, k) for k in field_types(cls) if hasattr(params, k)})
         params.validate()
         return params
-
-    def _hint(self, key: str) -> str:
-        return hint(type(self), key, dataclasses.asdict(self))
 
     def validate(self) -> None:
         """Raise `SettingsError` (a `UserError`) naming the first impossible value and the fix."""
         for key in field_types(type(self)):
             check_type(self, key)
         check_limits(self)
-        if self.max_denoising_steps < 1:
-            raise SettingsError("max_denoising_steps", f"max_denoising_steps={self.max_denoising_steps}: a block needs at least one denoising step; {self._hint('max_denoising_steps')}")
-        if self.t_min < 0:
-            raise SettingsError("t_min", f"t_min={self.t_min}: temperatures cannot be negative; {self._hint('t_min')}")
-        if self.t_max <= self.t_min:
-            # The reference rejects t_max <= t_min too: the schedule anneals from t_max towards t_min.
-            # Either field alone may be the one to change, so offer each value that fits the other as it is.
-            alone = [self._hint(k) for k in ("t_min", "t_max") if _fitting(type(self), k, dataclasses.asdict(self)) is not None]
-            fixes = ", or ".join(alone) or _both_temperatures(type(self))
-            raise SettingsError("t_min", f"t_min={self.t_min} is not below t_max={self.t_max}: the temperature anneals from t_max down towards t_min; {fixes}", also=("t_max",))
-        if self.entropy_bound < 0:
-            raise SettingsError("entropy_bound", f"entropy_bound={self.entropy_bound}: entropies are >= 0 so a negative bound is meaningless; {self._hint('entropy_bound')}")
-        if self.stability_threshold < 0:
-            raise SettingsError("stability_threshold", f"stability_threshold={self.stability_threshold}: cannot compare with a negative number of previous steps; {self._hint('stability_threshold')}")
-        if self.confidence_threshold < 0:
-            raise SettingsError("confidence_threshold", f"confidence_threshold={self.confidence_threshold}: must be >= 0 (0 = always run every step); {self._hint('confidence_threshold')}")
-        if not 0 <= self.seed < 2**63:
-            # torch generators take a 64-bit seed; keep to the range every backend accepts.
-            raise SettingsError("seed", f"seed={self.seed}: must be between 0 and 2**63-1; {self._hint('seed')}")
-        if self.max_blocks < 0:
-            raise SettingsError("max_blocks", f"max_blocks={self.max_blocks}: must be >= 0 (0 = derive from max_tokens); {self._hint('max_blocks')}")
+        current = dataclasses.asdict(self)
+        for key, holds, why in _RANGES:
+            if key == "t_max" and not holds(self):
+                # As the reference, which anneals from t_max towards t_min; either may be the one to change.
+                alone = [hint(type(self), k, current) for k in ("t_min", "t_max")
+                         if _fitting(type(self), k, current) is not None]
+                raise SettingsError("t_min", f"t_min={self.t_min} is not below t_max={self.t_max}: the temperature "
+                                    f"anneals from t_max down towards t_min; "
+                                    f"{', or '.join(alone) or _both_temperatures(type(self))}", also=("t_max",))
+            if not holds(self):
+                raise SettingsError(key, f"{key}={current[key]}: {why}; {hint(type(self), key, current)}")
 
 
+_RANGES = (  # (key, the rule, why it fails) in the order checked
+    ("max_denoising_steps", lambda p: p.max_denoising_steps >= 1, "a block needs at least one denoising step"),
+    ("t_min", lambda p: p.t_min >= 0, "temperatures cannot be negative"),
+    ("t_max", lambda p: p.t_max > p.t_min, ""),
+    ("entropy_bound", lambda p: p.entropy_bound >= 0, "entropies are >= 0 so a negative bound is meaningless"),
+    ("stability_threshold", lambda p: p.stability_threshold >= 0,
+     "cannot compare with a negative number of previous steps"),
+    ("confidence_threshold", lambda p: p.confidence_threshold >= 0, "must be >= 0 (0 = always run every step)"),
+    ("seed", lambda p: 0 <= p.seed < 2**63, "must be between 0 and 2**63-1"),  # every backend takes 64-bit seeds
+    ("max_blocks", lambda p: p.max_blocks >= 0, "must be >= 0 (0 = derive from max_tokens)"),
+)

@@ -1,13 +1,12 @@
-"""The entropy-bound sampler's rules (spec §7.2) as small pure functions on device tensors; the engine
-(`dgcli/engine/runner.py`) runs a step from them (vocabulary pass, accept, renoise, stop flags).
-
-Owns: temperature, accept_mask, is_stable / push_history, is_confident, RowRules, sample_step. Must not: loop over steps or
-blocks, draw random numbers (the step is handed its uniforms and renoise ids), sync with the host, or know
-about requests.
+"""The entropy-bound sampler's rules (spec §7.2) as small pure functions on device tensors, and `sample_step`,
+the step the engine's runner makes of them (vocabulary pass, accept, renoise, stop flags).
+Must not: loop over steps or blocks, draw random numbers (the step is handed its uniforms and renoise ids), sync
+with the host, or know about requests.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,9 +16,7 @@ from dgcli.kernels.dispatch import vocab_pass
 from dgcli.kernels.transfer import to_device
 
 
-# ---- the rules, as pure functions (tested directly) ----------------------------------------------
-
-
+@functools.lru_cache(maxsize=8192)
 def temperature(n: int, num_steps: int, t_min: float, t_max: float) -> float:
     """T_n = t_min + (t_max - t_min)·n/N for n = N..1 (first step t_max, last t_min + (t_max-t_min)/N;
     never t_min), rounded to float32 the way the reference computes it from an int32 step tensor."""
@@ -63,9 +60,8 @@ def is_confident(entropy: torch.Tensor, threshold: float | torch.Tensor) -> torc
 
 @dataclass
 class RowRules:
-    """Accept and stop settings of rows that carry their own (a batch of requests with different
-    settings), as device tensors; the engine takes this or any object with float attributes
-    entropy_bound and confidence_threshold (one setting for the batch)."""
+    """Per-row accept and stop settings (a batch of requests with different settings) as device tensors; the step
+    also takes any object with float entropy_bound and confidence_threshold (one setting for the batch)."""
 
     entropy_bound: torch.Tensor  # [B, 1] float32
     confidence_threshold: torch.Tensor  # [B] float32
@@ -84,10 +80,9 @@ class RowRules:
 def sample_step(model: Any, hidden: torch.Tensor, temp: torch.Tensor, history: torch.Tensor, params: Any,
                 uniform: torch.Tensor, noise: torch.Tensor, want_soft: bool, compile_tiles: bool = False,
                 constrained: Any = None):
-    """The sampler's half of a denoising step on hidden states [B, C, H]: vocabulary pass (categorical draws at
-    `uniform` [B, C]), accept, renoise (with `noise` [B, C] token ids, used only where not accepted), stop flags;
-    all on the device. `constrained(out)`, if given, redraws the sample and argmax of the rows under a schema
-    (sampling/constrain.py); entropies, and so which positions are accepted, stay the model's.
+    """The sampler's half of a denoising step on hidden states [B, C, H], on the device: vocabulary pass (draws at
+    `uniform` [B, C]), accept, renoise (`noise` [B, C] ids where not accepted), stop flags. `constrained(out)`
+    redraws the sample and argmax of rows under a schema; entropies, and so acceptance, stay the model's.
     -> (VocabPassOut, accepted, next canvas, history pushed, stop [B])."""
     out = vocab_pass(hidden, model.embed_weight, softcap=model.config.final_logit_softcapping, temperature=temp,
                      embed_scale=model.embed_scale, uniform=uniform, want_soft=want_soft, compile_tiles=compile_tiles)

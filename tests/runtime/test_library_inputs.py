@@ -139,6 +139,7 @@ def test_the_batched_loop_names_each_argument(s, p):
             "num_blocks has 1 items for 2 prompts")
     refused(lambda: list(generate_batch_events(s.model, [p], seeds=["3"], **kw)), "seeds[0] is '3'")
     refused(lambda: list(generate_batch_events(s.model, [p, [s.config.vocab_size]], **kw)),
-            "prompt (prompts[1]) holds ids")
-    refused(lambda: list(generate_events(s.model, [1.5, 2.0], **kw)), "integer tensor")
+            f"prompts[1][0] = {s.config.vocab_size} is outside the vocabulary")
+    refused(lambda: list(generate_events(s.model, [1.5, 2.0], **kw)), "prompt[0] is 1.5; token ids are ints")
+    refused(lambda: list(generate_events(s.model, torch.tensor([1.5, 2.0]), **kw)), "integer tensor")
     refused(lambda: list(generate_events(s.model, "text", **kw)), "integer tensor")
