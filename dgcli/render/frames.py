@@ -1,12 +1,9 @@
 """The frames of `dgemma watch`: a run's sampler records folded into what the screen shows, as plain data.
 
-Owns: folding the record dicts of one run (`event.to_record()` live, `read_trace` records in a replay)
-into `Frame`s (one per block start and per step) and `Committed` blocks (`Tracker`, `Watch`), the colour
-classes of a position, the display string of a token (`Pieces`, `display_piece`), the separator drawn
-between positions (`SEPARATOR`) and a frame's status line (`status_line`, `block_label`). Live and replay
-feed the same records through the same `Watch`, so they produce the same frames by construction.
-Must not: import Rich, draw or write anything (dgcli.render.watch does), run the model, tokenize, or read
-or write traces (dgcli.cli.watch, the sampling loop and dgcli.render.trace do).
+Owns: folding one run's records (`event.to_record()` live, `read_trace`'s in a replay: the same frames by
+construction) into `Frame`s and `Committed` blocks, a position's colour class, a token's display string, the
+separator between positions and a frame's status line. Must not: import Rich, draw, write, run the model,
+tokenize, or read or write traces.
 
 Colour classes (terminal styles, SVG and HTML CSS share the names):
   renoised   the position was not accepted this step: its sample is replaced by noise (dim)
@@ -147,7 +144,7 @@ class Tracker:
 
 
 class Shows(Protocol):
-    """Where a Watch sends each new frame (dgcli.render.watch.Display); a protocol keeps Rich out of here."""
+    """Where a Watch sends each new frame (dgcli.render.watch.Display), Rich kept out of here."""
 
     def show(self, item: Frame | Committed) -> None: ...
 
