@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 from typing import Any, Callable
 
 from dgcli.errors import UserError
@@ -106,11 +105,6 @@ def json_result(index: int, row: dict, response: Any, settings: dict) -> dict:
     """A row's JSON result: its index, its prompt and pass-through keys, then the response record."""
     extra = {k: row[k] for k in PASS_THROUGH if k in row}
     return {"index": index, "prompt": row["prompt"], **extra, **response.as_dict(settings)}
-
-
-def write_event(event: Any) -> None:
-    """`--format ndjson` with --input-jsonl: the loop's events, each with the request's index."""
-    sys.stdout.write(json.dumps({**event.to_record(), "index": event.row}, separators=(",", ":")) + "\n")
 
 
 class RecordFile:

@@ -1,12 +1,8 @@
-"""`dgemma bench`: warm-up, repeats, one row per setting, the static card first, then the table, then one
-JSON line. Formats md|csv|json|jsonl; --save-result writes the full JSON document (card, definitions, rows).
-md is short by default (the card in a screenful, the main figures with units: dgcli.measure.brief);
---verbose prints every figure with its definition, the step histogram and provenance. csv/json/jsonl always
-carry every field.
+"""`dgemma bench`: warm-up, repeats, the static card, then one row per --batch-size (with --base-url: per
+--concurrency against a server), then one JSON line; md short unless --verbose, csv/json/jsonl every field.
 
-Owns: the bench-only flags and the order of output (one row per --batch-size; with --base-url, one row per
---concurrency against a server, measured by dgcli.measure.remote). Must not: measure or format figures itself
-(dgcli.measure does), or contain a denoising loop. Ctrl-C keeps the runs that finished: they are summarised and printed.
+Owns: the bench flags and the order of work and output; Ctrl-C keeps and prints the runs that finished. Must not:
+measure or format figures (dgcli.measure does), or contain a denoising loop.
 """
 
 from __future__ import annotations

@@ -57,13 +57,7 @@ def status(enabled: bool, *, compiling: bool = False, start: str = "…"):
 
     live = Status(COMPILING if compiling else start, console=Console(stderr=True))
     live.start()
-    first = [compiling]
-
-    def update(text: str) -> None:
-        live.update(f"{text} · {COMPILING}" if first[0] else text)
-        first[0] = False
-
-    return live, update
+    return live, _first_compiling(live.update, compiling)
 
 
 def counting(enabled: bool, total: int, *, compiling: bool = False):
@@ -80,14 +74,20 @@ def counting(enabled: bool, total: int, *, compiling: bool = False):
                    console=Console(stderr=True), transient=True)
     task = bar.add_task(COMPILING if compiling else "…", total=total)
     bar.start()
+    show = _first_compiling(lambda text: bar.update(task, description=text), compiling)
+    # "batch size 1  run 2/3: 1/4 requests done": the bar counts the requests
+    return bar, lambda text: show(text.split(":")[0]), lambda: bar.advance(task)
+
+
+def _first_compiling(show: Callable[[str], None], compiling: bool) -> Callable[[str], None]:
+    """`show`, the compile note added to its first text when `compiling`."""
     first = [compiling]
 
     def update(text: str) -> None:
-        text = text.split(":")[0]  # "batch size 1  run 2/3: 1/4 requests done": the bar counts the requests
-        bar.update(task, description=f"{text} · {COMPILING}" if first[0] else text)
+        show(f"{text} · {COMPILING}" if first[0] else text)
         first[0] = False
 
-    return bar, update, lambda: bar.advance(task)
+    return update
 
 
 def read_prompt(prompt: str | None) -> str:
@@ -124,7 +124,7 @@ def check_writable(flag: str, path: str, example: str = "FILE") -> None:
     if not p.parent.is_dir():
         raise UserError(f"{flag} {path}: no folder {p.parent}; create it (mkdir -p {p.parent}) or pick another path")
     if not os.access(p.parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
-        raise UserError(f"{flag} {path}: not writable here; pick another path")
+        raise UserError(f"{flag} {path}: cannot write there (permission denied); pick another path")
     existed = p.exists()
     try:
         with open(p, "ab"):

@@ -127,7 +127,6 @@ def generate(
     if show_thinking and not thinking:
         warn(THINKING_NOTE)
     from dgcli.runtime.session import fits, open_session
-    from dgcli.sampling.events import Done
 
     pool = None
     if ray is not None:  # the model loads in each worker; here only the tokenizer (rows are encoded here)
@@ -135,8 +134,7 @@ def generate(
 
         pool = jobs.open_pool(ray, ray_workers, ray_gpus, jobs.spec(
             "generate", model=model, preset=preset, flags=flags, compile=compile, threads=threads,
-            cuda_graphs=cuda_graphs,
-            prefix_caching=not no_prefix_caching), warn)
+            cuda_graphs=cuda_graphs, prefix_caching=not no_prefix_caching), warn)
         session = jobs.driver_session(pool)[0]
     else:
         with loading("loading the model…"):
@@ -155,11 +153,7 @@ def generate(
         return
     progress = Progress(sys.stderr.isatty() and fmt != "ndjson", compiling=session.compiled)
     try:
-        def on_event(event) -> None:
-            progress(event)
-            if fmt == "ndjson" and not isinstance(event, Done):  # the result line replaces `done`
-                sys.stdout.write(json.dumps(event.to_record(), separators=(",", ":")) + "\n")
-
+        on_event = _on_event(progress, fmt, index=False)
         recorder = Recorder(on_event) if check_determinism else None  # keeps every step's decisions on the host
         response = run_one(session, text, raw=raw, thinking=thinking, show_thinking=show_thinking, trace=trace,
                            init_canvas=canvas, on_event=recorder or on_event, json_schema=resolve(schema),
@@ -192,8 +186,6 @@ def _run_file(session, rows, requests, *, batch_size, fmt, raw, show_thinking, p
               sink=None) -> None:
     """--input-jsonl: the checked rows through the batched loop, results in input order (to stdout, or appended
     to --output: with --resume only the rows it lacks); the notes once."""
-    from dgcli.sampling.events import Done
-
     settings = session.resolved.as_dict()
     todo = list(range(len(rows)))
     if sink is not None and sink.resume:
@@ -202,11 +194,7 @@ def _run_file(session, rows, requests, *, batch_size, fmt, raw, show_thinking, p
         warn(f"dgemma: {len(have)} of {len(rows)} record(s) already in {sink.path}, {len(todo)} to run")
     requests = [requests[i] for i in todo]
     progress = Progress(sys.stderr.isatty() and fmt != "ndjson" and pool is None, compiling=session.compiled)
-
-    def on_event(event) -> None:
-        progress(event)
-        if fmt == "ndjson" and not isinstance(event, Done):  # the result line replaces `done`
-            batch.write_event(event)
+    on_event = _on_event(progress, fmt, index=True)
 
     def write(n, response) -> None:
         result = batch.json_result(todo[n], rows[todo[n]], response, settings)
@@ -234,6 +222,19 @@ def _run_file(session, rows, requests, *, batch_size, fmt, raw, show_thinking, p
     note_answers(session, responses, raw=raw)
     if check:
         _check(session, requests, recorder.records, batch_size)
+
+
+def _on_event(progress: Progress, fmt: str, *, index: bool):
+    """Each event to the progress line and, for ndjson, to stdout (with --input-jsonl: with its row's index)."""
+    from dgcli.sampling.events import Done
+
+    def on_event(event) -> None:
+        progress(event)
+        if fmt == "ndjson" and not isinstance(event, Done):  # the result line replaces `done`
+            record = {**event.to_record(), "index": event.row} if index else event.to_record()
+            sys.stdout.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+    return on_event
 
 
 def _write(response, result: dict, fmt: str) -> None:

@@ -199,7 +199,7 @@ def _replay(path: str, *, speed: float | None, fps: float | None, step_delay: fl
     sys.stdout.write(answer)  # first: a picture that fails to write must not cost the answer
     sys.stdout.flush()
     try:
-        _summary(next((r for r in reversed(records) if r.get("type") == "done"), None))
+        _summary(records[-1])  # read_trace checked it is the `done` record
         _pictures(w, title, meta, save_svg, save_html)
     except (KeyError, TypeError, IndexError, AttributeError, ValueError):
         raise bad from None

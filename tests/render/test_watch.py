@@ -339,7 +339,7 @@ def test_a_picture_place_that_is_not_writable_is_refused_before_the_run(monkeypa
 
     real = os.access  # root writes anywhere: the folder answers as it would for a user
     monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p) == str(tmp_path) else real(p, mode, **kw))
-    with pytest.raises(UserError, match="--save-svg .*x.svg: not writable here"):
+    with pytest.raises(UserError, match="--save-svg .*x.svg: cannot write there"):
         _check_outputs(save_svg=str(tmp_path / "x.svg"))
 
 
