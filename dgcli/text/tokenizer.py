@@ -177,24 +177,14 @@ class ChatTokenizer:
 
     def answer_text(self, ids: Iterable[int], *, show_thinking: bool = False,
                     stop_ids: Iterable[int] | None = None) -> str:
-        """The answer in generated `ids`; `show_thinking` keeps the thought channel, markers included."""
-        if show_thinking:
-            return self._decode_keep_channels(self.cut_at_stop(ids, stop_ids))
-        return self.split_thinking(ids, stop_ids)[1]
-
-    def _decode_keep_channels(self, ids: list[int]) -> str:
-        # Other special tokens are skipped, but the channel markers stay so thinking is delimited.
-        markers = {self.channel_start_id: "<|channel>", self.channel_end_id: "<channel|>"}
-        parts: list[str] = []
-        run: list[int] = []
-        for i in ids:
-            if i in markers:
-                parts += [self.decode(run), self.tokenizer.id_to_token(i)]
-                run = []
-            else:
-                run.append(i)
-        parts.append(self.decode(run))
-        return "".join(parts)
+        """The answer in generated `ids`; `show_thinking` keeps the thought channel, its markers included (the
+        other special tokens are skipped)."""
+        if not show_thinking:
+            return self.split_thinking(ids, stop_ids)[1]
+        markers = (self.channel_start_id, self.channel_end_id)
+        runs = itertools.groupby(self.cut_at_stop(ids, stop_ids), key=lambda i: i in markers)
+        return "".join("".join(map(self.tokenizer.id_to_token, run)) if marker else self.decode(run)
+                       for marker, run in runs)
 
     @cached_property
     def byte_ids(self) -> frozenset[int]:
