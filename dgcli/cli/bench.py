@@ -251,9 +251,10 @@ def open_target(ray: str | None, ray_workers: int | None, ray_gpus: float | None
         from dgcli.runtime.preflight import prompt_count
         from dgcli.runtime.session import fits, open_any
 
+        random_ids = random_prompts or load["dummy"] is not None
         with loading("loading the model…"):
             slots = lambda r: min(max(sizes), prompt_count(  # noqa: E731
-                r, prompts_file=prompts, random_ids=random_prompts or load["dummy"] is not None, num_prompts=num_prompts))
+                r, prompts_file=prompts, random_ids=random_ids, num_prompts=num_prompts))
             s = open_any(**load, warn=warn, weights=weights, check=fits(slots, "--batch-size"), low_memory=low_memory)
         fields = _fp8_fields(s.model)
     s.prefix_caching = prefix_caching

@@ -137,8 +137,8 @@ def watch(
         return _replay(replay, speed=speed, fps=fps, step_delay=step_delay, save_svg=save_svg, save_html=save_html)
     schema = resolve(read_schema(json_schema, json_object))
 
-    from dgcli.cli.console import THINKING_NOTE, loading, note_answers, print_answer, prompt_inputs, read_prompt, run_one
-    from dgcli.cli.console import show_config as print_config
+    from dgcli.cli.console import (THINKING_NOTE, loading, note_answers, print_answer, prompt_inputs, read_prompt,
+                                   run_one, show_config as print_config)
 
     if show_config:
         print_config(model, preset, flags, "text")
