@@ -1,13 +1,10 @@
 """The `dgemma` command line: thin Typer commands that resolve settings, load, call the library and
 hand results to a renderer.
 
-Owns: the Typer app, command registration (`-h`, summaries, example epilogs), `--version`, and `main()`'s
-error contract: known errors become one line on stderr and exit code 2 (a traceback only with
-DGEMMA_DEBUG=1), bare `dgemma` prints the help (exit 0), Ctrl-C exits 130, a closed stdout pipe exits 141
-without a word.
-Must not: import torch (or anything a command body imports) at module level, directly or through the
-command modules: `dgemma --help`, `--version` and `dgemma CMD --help` load only typer and dgcli.cli
-(tests/cli/test_startup.py checks it).
+Owns: the Typer app, command registration, `--version`, and `main()`'s error contract: known errors are one
+line on stderr and exit 2 (a traceback only with DGEMMA_DEBUG=1), bare `dgemma` prints the help, Ctrl-C exits
+130, a closed stdout pipe 141 without a word. Must not: import torch at module level, directly or through the
+command modules (`dgemma --help` and `dgemma CMD --help` stay instant).
 """
 
 from __future__ import annotations
@@ -85,19 +82,13 @@ for _name, _module in (("generate", cmd_generate), ("watch", cmd_watch), ("sweep
 
 
 def _closed_pipe() -> None:
-    """stdout's reader went away (`| head -1`): stop quietly with 141 (128 + SIGPIPE), as a shell reports
-    cat or grep killed by the signal. stdout now points at devnull, so the flush at exit cannot fail
-    again (the recipe in Python's signal docs, "Note on SIGPIPE")."""
+    """stdout's reader went away (`| head -1`): exit 141 (128 + SIGPIPE) quietly, as a shell reports cat killed by
+    the signal; stdout now points at devnull so the flush at exit cannot fail again (Python's signal docs)."""
     try:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except (OSError, ValueError):  # no real stdout (captured by a test runner): nothing to redirect
         pass
     sys.exit(141)
-
-
-def _is_closed_pipe(e: BaseException) -> bool:
-    # click turns EPIPE into SystemExit(1), raised while handling the BrokenPipeError.
-    return isinstance(e, BrokenPipeError) or isinstance(e.__context__, BrokenPipeError)
 
 
 _WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}
@@ -163,7 +154,7 @@ def main() -> None:
         print(f"dgemma: error: cannot write{where}: {e.strerror} (free space, or write elsewhere)", file=sys.stderr)
         sys.exit(2)
     except SystemExit as e:
-        if _is_closed_pipe(e):
+        if isinstance(e.__context__, BrokenPipeError):  # click turns EPIPE into SystemExit(1) while handling it
             _closed_pipe()
         raise
     except Exception as e:  # click's exceptions: from click itself or from the copy newer typer vendors

@@ -1,9 +1,7 @@
 """`dgemma generate --input-jsonl FILE [--batch-size N]`: every line of FILE through the batched loop.
 
-Owns: reading a JSONL row into a request (its prompt, its own `seed` and `init_canvas`), the keys a row
-may carry, and writing results in input order, each with its `index` and `prompt`. Every row is checked
-(keys, seed against the settings, prompt within the context, init_canvas) before any runs: a bad row is
-one line naming it (exit 2), and nothing has run or printed.
+Owns: a JSONL row as a request (the keys a row may carry), every row checked before any runs (a bad row is one
+line naming it, exit 2, nothing run or printed), and the results in input order with their `index` and `prompt`.
 Must not: contain a denoising loop (dgcli.runtime.request.run_batch), or parse flags.
 """
 
@@ -12,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 from typing import Any, Callable
 
 from dgcli.errors import UserError
@@ -110,19 +107,12 @@ def json_result(index: int, row: dict, response: Any, settings: dict) -> dict:
     return {"index": index, "prompt": row["prompt"], **extra, **response.as_dict(settings)}
 
 
-def write_event(event: Any) -> None:
-    """`--format ndjson` with --input-jsonl: the loop's events, each with the request's index."""
-    sys.stdout.write(json.dumps({**event.to_record(), "index": event.row}, separators=(",", ":")) + "\n")
-
-
 class RecordFile:
     """`--output FILE`: the `--format json` records appended one whole line at a time (O_APPEND), in input
     order, so a run cut short (a kill, Ctrl-C, every Ray worker gone) keeps what it wrote and `--resume`
     runs only the rows the file lacks."""
 
     def __init__(self, path: str, *, resume: bool):
-        import os
-
         self.path, self.resume = path, resume
         if not resume and os.path.exists(path) and os.path.getsize(path):
             raise UserError(f"--output {path} exists: add --resume to continue it, or choose another --output")
@@ -135,8 +125,7 @@ class RecordFile:
         """The indexes FILE already holds, each checked against this run's row and settings. A torn last line
         (the run was killed mid-write) is dropped; any other damage is one line."""
         with open(self.path, encoding="utf-8") as f:
-            text = f.read()
-        lines, have = text.split("\n"), set()
+            lines, have = f.read().split("\n"), set()
         settings = json.loads(json.dumps(settings))  # as a record holds them (tuples are lists there)
         for n, line in enumerate(lines, 1):
             if not line.strip():
@@ -159,6 +148,4 @@ class RecordFile:
         return have
 
     def write(self, result: dict) -> None:
-        import os
-
         os.write(self.fd, (json.dumps(result, ensure_ascii=False) + "\n").encode("utf-8"))

@@ -1,12 +1,8 @@
-"""`dgemma bench`: warm-up, repeats, one row per setting, the static card first, then the table, then one
-JSON line. Formats md|csv|json|jsonl; --save-result writes the full JSON document (card, definitions, rows).
-md is short by default (the card in a screenful, the main figures with units: dgcli.measure.brief);
---verbose prints every figure with its definition, the step histogram and provenance. csv/json/jsonl always
-carry every field.
+"""`dgemma bench`: warm-up, repeats, the static card, then one row per --batch-size (with --base-url: per
+--concurrency against a server), then one JSON line; md short unless --verbose, csv/json/jsonl every field.
 
-Owns: the bench-only flags and the order of output (one row per --batch-size; with --base-url, one row per
---concurrency against a server, measured by dgcli.measure.remote). Must not: measure or format figures itself
-(dgcli.measure does), or contain a denoising loop. Ctrl-C keeps the runs that finished: they are summarised and printed.
+Owns: the bench flags and the order of work and output; Ctrl-C keeps and prints the runs that finished. Must not:
+measure or format figures (dgcli.measure does), or contain a denoising loop.
 """
 
 from __future__ import annotations
@@ -17,7 +13,7 @@ from typing import Annotated, Optional
 import typer
 
 import dgcli.cli.options as o
-from dgcli.cli.console import HEADLINE, answer_notes, counting, document, emit, loading, status, warn
+from dgcli.cli.console import HEADLINE, counting, document, emit, loading, note_answers, status, warn
 from dgcli.errors import UserError
 
 FORMATS = ("md", "csv", "json", "jsonl")
@@ -87,13 +83,13 @@ def bench(
                             "or give --model CHECKPOINT with a vision tower")
     if base_url is not None and show_config:
         raise UserError("--show-config prints a local run's settings; with --base-url the server's apply: drop one")
+    sampler = dict(steps=steps, t_min=t_min, t_max=t_max, entropy_bound=entropy_bound, stability=stability_threshold,
+                   confidence=confidence_threshold, blocks=blocks, seed=seed, max_tokens=max_tokens)
+    save = (save_result or result_dir is not None or result_filename is not None, result_dir, result_filename)
     if base_url is not None:
-        fields = {"steps": steps, "t_min": t_min, "t_max": t_max, "entropy_bound": entropy_bound,
-                  "stability": stability_threshold, "confidence": confidence_threshold, "blocks": blocks, "seed": seed,
-                  "max_tokens": max_tokens}
-        return _remote(ctx, base_url, api_key, concurrency, request_rate, fields, prompts=prompts, num_prompts=num_prompts,
-                       runs=runs, warmup=warmup, fmt=fmt, label=label, metadata=metadata,
-                       save=(save_result or result_dir is not None or result_filename is not None, result_dir, result_filename))
+        return _remote(ctx, base_url, api_key, concurrency, request_rate, sampler, prompts=prompts,
+                       num_prompts=num_prompts, runs=runs, warmup=warmup, fmt=fmt, label=label, metadata=metadata,
+                       save=save)
     from dgcli.measure.peaks import check_peak_flags  # torch-free
 
     check_peak_flags(peaks_file, save_peaks, measure_peaks, ray)
@@ -120,9 +116,7 @@ def bench(
 
     sizes = parse_batch_sizes(batch_size)  # before the model, the card and the peak measurement
     check_counts(num_prompts=num_prompts, runs=runs, warmup=warmup, input_len=random_input_len)
-    flags = o.sampler_flags(steps=steps, t_min=t_min, t_max=t_max, entropy_bound=entropy_bound,
-                            stability=stability_threshold, confidence=confidence_threshold, seed=seed,
-                            blocks=blocks, device=device, dtype=dtype, max_tokens=max_tokens)
+    flags = o.sampler_flags(**sampler, device=device, dtype=dtype)
     from dgcli.runtime import preflight
 
     if not show_config and dummy is None:  # the settings from the config files, before torch (--dtype int8, ...)
@@ -134,38 +128,22 @@ def bench(
     from dgcli.measure import printers as report
     from dgcli.measure.quality import bench_quality
     from dgcli.measure.workload import build_prompts
-    from dgcli.runtime.session import fits, open_any
+
     meta = report.parse_metadata(metadata)
     if show_config:
         from dgcli.cli.console import show_config as print_config
 
         return print_config(model, preset, flags, "text" if fmt in ("md", "csv") else "json", dummy, layers)
-    if save_result or result_dir is not None or result_filename is not None:
+    if save[0]:
         report.check_result_place(result_dir, result_filename)
     baseline = b.PeakMemory.maxrss()  # before the model exists, for the CPU peak-memory figure
-    from dgcli.cluster import check_flags  # torch-free
-
-    check_flags(ray, ray_workers, ray_gpus)
-    pool, ray_memory = None, None
-    if ray is not None:  # each worker loads the model and runs a shard of every pass; the passes are joined here
+    s, pool, ray_peaks, fp8_row = open_target(
+        ray, ray_workers, ray_gpus, sizes, dict(model=model, dummy=dummy, layers=layers, preset=preset, flags=flags,
+                                                compile=compile, threads=threads, cuda_graphs=cuda_graphs),
+        prompts=prompts, random_prompts=random_prompts, num_prompts=num_prompts, measure_peaks=measure_peaks,
+        prefix_caching=not no_prefix_caching, weights=weights, low_memory=low_memory)
+    if pool is not None:
         from dgcli.cluster import jobs
-
-        pool = jobs.open_pool(ray, ray_workers, ray_gpus, jobs.spec(
-            "any", model=model, dummy=dummy, layers=layers, preset=preset, flags=flags, compile=compile,
-            threads=threads, cuda_graphs=cuda_graphs, weights=weights, weights_fields=_fp8_fields,
-            prefix_caching=not no_prefix_caching), warn)
-        s, ray_peaks, fp8_row = jobs.driver_session(pool, measure_peaks=measure_peaks, need_tokenizer=False)
-        note = jobs.shared_node_note(pool)
-        if note:
-            warn(note)
-    else:
-        with loading("loading the model…"):
-            slots = lambda r: min(max(sizes), preflight.prompt_count(  # noqa: E731
-                r, prompts_file=prompts, random_ids=random_prompts or dummy is not None, num_prompts=num_prompts))
-            s = open_any(model, dummy, layers, preset, flags, warn=warn, compile=compile, threads=threads, weights=weights,
-                         cuda_graphs=cuda_graphs, check=fits(slots, "--batch-size"), low_memory=low_memory)
-        fp8_row = _fp8_fields(s.model)
-    s.prefix_caching = not no_prefix_caching
     if fp8_activations and fp8_row["weights"] != "fp8":
         warn("dgemma: note: --fp8-activations has no effect: these weights are not FP8")
     params = s.params
@@ -183,13 +161,8 @@ def bench(
     if s.dummy and not ignore_eos:
         warn("dgemma: note: --ignore-eos is on: random weights would hit stop ids at random")
     ignore = ignore_eos or s.dummy
-    peaks = b.session_peaks(s, measure_cpu=measure_peaks, pinned=peaks_file) if pool is None else ray_peaks
-    for note in (b.keep_peaks(save_peaks, peaks), None if pool is not None else b.load_note(s)):
-        if note:
-            warn(note)
-    longest = max(len(p.ids) for p in plist)
-    card = b.target_card(s, prompt_len=round(sum(len(p.ids) for p in plist) / len(plist)),
-                         context=longest + s.num_blocks * s.config.canvas_length, peaks=b.card_peaks(s, peaks))
+    peaks, card = target_card(s, plist, pool, ray_peaks, measure_peaks=measure_peaks, peaks_file=peaks_file,
+                              save_peaks=save_peaks)
     card_text = "# dgemma bench\n\n" + (report.card_markdown(card) if verbose else brief.card_text(card))
     (sys.stdout if fmt == "md" else sys.stderr).write(card_text + "\n")
     sys.stdout.flush()
@@ -247,35 +220,78 @@ def bench(
         emit(rows, card=card, fmt=fmt, title="Results", headline=headline)
     if not ignore:  # fixed work runs every block on purpose; otherwise say once if answers were empty or cut short
         # every pass runs the same prompts with the same seed: the same answers, at every batch size
-        for note in answer_notes(s, last):
-            warn(note)
-    if save_result or result_dir is not None or result_filename is not None:  # naming a place means "save it"
-        path = report.save_result(document(card, rows), result_dir, result_filename, label)
-        warn(f"dgemma: saved {path}")
+        note_answers(s, last)
+    if save[0]:  # naming a place means "save it"
+        warn(f"dgemma: saved {report.save_result(document(card, rows), result_dir, result_filename, label)}")
     if gone is not None:
         raise gone
     if interrupted:
         raise SystemExit(130)
 
 
+def open_target(ray: str | None, ray_workers: int | None, ray_gpus: float | None, sizes: list[int], load: dict, *,
+                prompts: str | None, random_prompts: bool, num_prompts: int | None, measure_peaks: bool,
+                prefix_caching: bool, weights: str = "bf16", low_memory: bool | None = None):
+    """bench and sweep: (the session, the Ray pool or None, the workers' peaks, the row's weight fields). With --ray
+    each worker loads the model (`load`: open_any's arguments) and the session here is the driver's copy."""
+    from dgcli.cluster import check_flags  # torch-free
+
+    check_flags(ray, ray_workers, ray_gpus)
+    pool = peaks = None
+    if ray is not None:
+        from dgcli.cluster import jobs
+
+        pool = jobs.open_pool(ray, ray_workers, ray_gpus, jobs.spec(
+            "any", **load, weights=weights, weights_fields=_fp8_fields, prefix_caching=prefix_caching), warn)
+        s, peaks, fields = jobs.driver_session(pool, measure_peaks=measure_peaks, need_tokenizer=False)
+        note = jobs.shared_node_note(pool)
+        if note:
+            warn(note)
+    else:
+        from dgcli.runtime.preflight import prompt_count
+        from dgcli.runtime.session import fits, open_any
+
+        random_ids = random_prompts or load["dummy"] is not None
+        with loading("loading the model…"):
+            slots = lambda r: min(max(sizes), prompt_count(  # noqa: E731
+                r, prompts_file=prompts, random_ids=random_ids, num_prompts=num_prompts))
+            s = open_any(**load, warn=warn, weights=weights, check=fits(slots, "--batch-size"), low_memory=low_memory)
+        fields = _fp8_fields(s.model)
+    s.prefix_caching = prefix_caching
+    return s, pool, peaks, fields
+
+
+def target_card(s, plist: list, pool, ray_peaks, *, measure_peaks: bool, peaks_file: str | None,
+                save_peaks: str | None) -> tuple:
+    """bench and sweep: (the roofline peaks, the static card) of the measured target, the peaks' notes on stderr."""
+    from dgcli.measure import bench as b
+
+    peaks = b.session_peaks(s, measure_cpu=measure_peaks, pinned=peaks_file) if pool is None else ray_peaks
+    for note in (b.keep_peaks(save_peaks, peaks), None if pool is not None else b.load_note(s)):
+        if note:
+            warn(note)
+    card = b.target_card(s, prompt_len=round(sum(len(p.ids) for p in plist) / len(plist)),
+                         context=max(len(p.ids) for p in plist) + s.num_blocks * s.config.canvas_length,
+                         peaks=b.card_peaks(s, peaks))
+    return peaks, card
+
+
 def _fp8_fields(model) -> dict:
     """What the row says about the weights: their format and, for FP8, the semantics that ran."""
     from dgcli.kernels import dispatch
     from dgcli.model.fp8 import is_fp8
-
-    from dgcli.model.ggml import QuantExperts, QuantLinear, NAMES
+    from dgcli.model.ggml import NAMES, QuantExperts, QuantLinear
+    from dgcli.model.nvfp4 import is_nvfp4
 
     ggml = sorted({NAMES[t] for m in model.modules() if isinstance(m, (QuantLinear, QuantExperts))
                    for t in getattr(m, "types", (getattr(m, "qtype", None),))})
     if ggml:  # GGML blocks: their types (the rest of the model in the embedding's dtype)
         return {"weights": "+".join(ggml), "fp8_semantics": None}
-    from dgcli.model.nvfp4 import is_nvfp4
-
     if is_nvfp4(model):
         return {"weights": "nvfp4 (W4A16)", "fp8_semantics": None}
-    if not is_fp8(model):
-        return {"weights": str(model.embed_weight.dtype).removeprefix("torch."), "fp8_semantics": None}
-    return {"weights": "fp8", "fp8_semantics": dispatch.fp8_semantics()}
+    if is_fp8(model):
+        return {"weights": "fp8", "fp8_semantics": dispatch.fp8_semantics()}
+    return {"weights": str(model.embed_weight.dtype).removeprefix("torch."), "fp8_semantics": None}
 
 
 def _unmeasured(rows: list, interrupted: bool, levels: list, what: str) -> None:
@@ -288,7 +304,7 @@ def _unmeasured(rows: list, interrupted: bool, levels: list, what: str) -> None:
 
 
 def _remote(ctx: typer.Context, base_url: str, api_key: str | None, concurrency: str | None, request_rate: float | None,
-            flags: dict, *, prompts: str | None, num_prompts: int | None, runs: int, warmup: int, fmt: str,
+            sampler: dict, *, prompts: str | None, num_prompts: int | None, runs: int, warmup: int, fmt: str,
             label: str | None, metadata: list[str] | None, save: tuple) -> None:
     """`bench --base-url`: the card, then one row per --concurrency (dgcli.measure.remote measures)."""
     from dgcli.measure import printers as report
@@ -305,7 +321,7 @@ def _remote(ctx: typer.Context, base_url: str, api_key: str | None, concurrency:
     if save[0]:
         report.check_result_place(save[1], save[2])
     meta = report.parse_metadata(metadata)
-    fields = rm.request_fields(**flags)
+    fields = rm.request_fields(**sampler)
     plist, source = rm.load_prompts(prompts, num_prompts)
     target = rm.connect(base_url, api_key)
     card = rr.card(target, prompts=plist, prompt_source=source, fields=fields)
@@ -319,7 +335,7 @@ def _remote(ctx: typer.Context, base_url: str, api_key: str | None, concurrency:
             done: list = []
             try:
                 failed, first = rm.measure(target, plist, fields, runs=runs, warmup=warmup, concurrency=level, rate=rate,
-                                           seed=flags["seed"] or 0, progress=progress, out=done)
+                                           seed=sampler["seed"] or 0, progress=progress, out=done)
                 if failed:
                     warn(f"dgemma: warning: {failed} of {warmup} warm-up request(s) failed at concurrency {level}: {first}")
             except KeyboardInterrupt:

@@ -1,7 +1,6 @@
-"""What commands share at the console: prompts in (argument, stdin, --input-jsonl), the once-per-run notes
-about the answers (empty ones, ones that ended at the token budget), `--show-config`, a status line while
-loading and a one-line progress display on stderr, one request run with its optional --trace file, and rows
-in a format (md, csv, json, jsonl) on stdout after the card.
+"""What commands share at the console: the prompt (argument or stdin) and what goes with it, the once-per-run
+notes about the answers, `--show-config`, status lines on stderr, one request run with its --trace file, and
+rows in a format (md, csv, json, jsonl) on stdout after the card.
 
 Owns: where input comes from and output goes. Must not: measure, decide figures (dgcli.measure does),
 or contain a denoising loop (requests go through dgcli.runtime.request).
@@ -58,13 +57,7 @@ def status(enabled: bool, *, compiling: bool = False, start: str = "…"):
 
     live = Status(COMPILING if compiling else start, console=Console(stderr=True))
     live.start()
-    first = [compiling]
-
-    def update(text: str) -> None:
-        live.update(f"{text} · {COMPILING}" if first[0] else text)
-        first[0] = False
-
-    return live, update
+    return live, _first_compiling(live.update, compiling)
 
 
 def counting(enabled: bool, total: int, *, compiling: bool = False):
@@ -81,14 +74,20 @@ def counting(enabled: bool, total: int, *, compiling: bool = False):
                    console=Console(stderr=True), transient=True)
     task = bar.add_task(COMPILING if compiling else "…", total=total)
     bar.start()
+    show = _first_compiling(lambda text: bar.update(task, description=text), compiling)
+    # "batch size 1  run 2/3: 1/4 requests done": the bar counts the requests
+    return bar, lambda text: show(text.split(":")[0]), lambda: bar.advance(task)
+
+
+def _first_compiling(show: Callable[[str], None], compiling: bool) -> Callable[[str], None]:
+    """`show`, the compile note added to its first text when `compiling`."""
     first = [compiling]
 
     def update(text: str) -> None:
-        text = text.split(":")[0]  # "batch size 1  run 2/3: 1/4 requests done": the bar counts the requests
-        bar.update(task, description=f"{text} · {COMPILING}" if first[0] else text)
+        show(f"{text} · {COMPILING}" if first[0] else text)
         first[0] = False
 
-    return bar, update, lambda: bar.advance(task)
+    return update
 
 
 def read_prompt(prompt: str | None) -> str:
@@ -112,7 +111,7 @@ def read_prompt(prompt: str | None) -> str:
     return prompt
 
 
-def check_writable(flag: str, path: str) -> None:
+def check_writable(flag: str, path: str, example: str = "FILE") -> None:
     """Before any model work: an output file that cannot be written must not cost the run. Its folder must exist
     and take files; the file is opened for appending (created, then removed, when new), since permission bits
     alone do not tell (root passes them; /proc and read-only mounts still refuse)."""
@@ -121,11 +120,11 @@ def check_writable(flag: str, path: str) -> None:
 
     p = Path(path).resolve()
     if p.is_dir():
-        raise UserError(f"{flag} {path} is a folder; name a file in it")
+        raise UserError(f"{flag} {path}: is a directory; name a file in it, e.g. {flag} {Path(path) / example}")
     if not p.parent.is_dir():
-        raise UserError(f"{flag} {path}: its folder does not exist; create it or pick another path")
+        raise UserError(f"{flag} {path}: no folder {p.parent}; create it (mkdir -p {p.parent}) or pick another path")
     if not os.access(p.parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
-        raise UserError(f"{flag} {path}: not writable here; pick another path")
+        raise UserError(f"{flag} {path}: cannot write there (permission denied); pick another path")
     existed = p.exists()
     try:
         with open(p, "ab"):
@@ -148,11 +147,10 @@ def init_canvas_note(spec: str, how: str, n: int) -> str:
 
 
 class Progress:
-    """A one-line Rich status on stderr while a block denoises (only when stderr is a terminal)."""
+    """A one-line Rich status on stderr while a block denoises (only when stderr is a terminal). The first step
+    event comes after the first decoder pass, when torch.compile works: the compile note is the opening line."""
 
     def __init__(self, enabled: bool, *, compiling: bool = False):
-        # The first step event comes after the first decoder pass, which is when torch.compile works:
-        # so the compile note is the opening line, not a suffix on the first update.
         self.live, _ = status(enabled, start=COMPILING if compiling else "starting…")
 
     def __call__(self, event) -> None:
@@ -194,11 +192,29 @@ def emit(rows: list[dict], *, card: dict, fmt: str, title: str, headline: list[s
     sys.stdout.flush()
 
 
+def prompt_inputs(session: Any, command: str, init_canvas: str | None, image: list[str] | None,
+                  image_bytes: list[bytes]) -> tuple[list[int] | None, list[int] | None, list | None]:
+    """generate and watch, once the model loaded: (the --init-canvas ids, read once with a note on stderr; the first
+    canvas they fill; the --image pictures preprocessed for the tower); the tokenizer both need."""
+    from dgcli.runtime.request import fill_canvas, read_init_canvas
+    from dgcli.runtime.vision import read_images
+
+    if session.tokenizer is None:
+        raise UserError(f"{session.path}: no tokenizer.json; dgemma {command} needs the checkpoint's tokenizer")
+    given = canvas = None
+    if init_canvas is not None:
+        given, how = read_init_canvas(session, init_canvas)
+        warn(init_canvas_note(init_canvas, how, len(given)))
+        canvas = fill_canvas(session, given, session.params.seed)
+    images = read_images(session, image_bytes, [f"--image {f}" for f in image]) if image else None
+    return given, canvas, images
+
+
 def run_one(session: Any, text: str, *, raw: bool, thinking: bool, show_thinking: bool, trace: str | None,
             init_canvas: list[int] | None, on_event: Callable | None = None, json_schema: dict | None = None,
             images: list | None = None) -> Any:
-    """One prompt through the request API, with the `--trace` file as one more event consumer; `images`:
-    `runtime.vision.read_images` of the prompt's images."""
+    """One prompt through the request API, the `--trace` file one more event consumer; `images` as
+    `prompt_inputs` returns them."""
     from dgcli.render.trace import TraceWriter, make_header
     from dgcli.runtime import request, vision
 
@@ -230,34 +246,9 @@ def run_one(session: Any, text: str, *, raw: bool, thinking: bool, show_thinking
 
 
 def print_answer(response: Any) -> None:
-    """The answer on stdout (one line break at the end); `note_answers` comments on a run's answers once."""
+    """The answer on stdout, one line break at the end."""
     sys.stdout.write(response.text.rstrip("\n") + "\n")
     sys.stdout.flush()
-
-
-def budget_note(session: Any, cut: int, total: int) -> str | None:
-    """One line for the end of a run when `cut` of `total` answers ended at the token budget (finish
-    reason length) rather than at a stop id; None when none did."""
-    if not cut:
-        return None
-    from dgcli.runtime.settings import token_budget
-
-    c, n = session.config.canvas_length, session.num_blocks
-    budget = token_budget(session.resolved.run.max_tokens, n, c)
-    who = "the answer" if total == 1 else f"{cut} of {total} answers"
-    return (f"dgemma: note: {who} ended at the {budget}-token budget ({n} block{'s' if n != 1 else ''} of {c}); "
-            "raise it with --max-tokens or --blocks")
-
-
-def empty_note(empty: int, total: int, *, padding: bool, raw: bool) -> str | None:
-    """One line for the end of a run when `empty` of `total` answers have no text; None when none."""
-    if not empty:
-        return None
-    who = "the answer is" if total == 1 else f"{empty} of {total} answers were"
-    why = " (only padding)" if padding else ""
-    fix = ("this checkpoint answers chat-formatted prompts; drop --raw" if raw
-           else "the model gave no text for the prompt; rephrase it or try another --seed")
-    return f"dgemma: note: {who} empty{why}: {fix}"
 
 
 def answer_notes(session: Any, responses: list[Any], *, raw: bool = False) -> list[str]:
@@ -265,18 +256,26 @@ def answer_notes(session: Any, responses: list[Any], *, raw: bool = False) -> li
     how many were empty, then how many ended at the token budget. An empty answer counts only as empty:
     a bigger budget would not fill it, so the budget note would point the wrong way."""
     from dgcli.runtime.request import is_empty, only_padding
+    from dgcli.runtime.settings import token_budget
 
-    pad = session.pad_id
+    pad, total, notes = session.pad_id, len(responses), []
     empty = [r for r in responses if is_empty(r.token_ids, r.text, pad)]
     cut = sum(r.finish_reason == "length" and not is_empty(r.token_ids, r.text, pad) for r in responses)
-    notes = [empty_note(len(empty), len(responses), padding=all(only_padding(r.token_ids, pad) for r in empty),
-                        raw=raw),
-             budget_note(session, cut, len(responses))]
-    return [n for n in notes if n]
+    if empty:
+        who = "the answer is" if total == 1 else f"{len(empty)} of {total} answers were"
+        why = " (only padding)" if all(only_padding(r.token_ids, pad) for r in empty) else ""
+        fix = ("this checkpoint answers chat-formatted prompts; drop --raw" if raw
+               else "the model gave no text for the prompt; rephrase it or try another --seed")
+        notes.append(f"dgemma: note: {who} empty{why}: {fix}")
+    if cut:
+        c, n = session.config.canvas_length, session.num_blocks
+        who = "the answer" if total == 1 else f"{cut} of {total} answers"
+        notes.append(f"dgemma: note: {who} ended at the {token_budget(session.resolved.run.max_tokens, n, c)}-token "
+                     f"budget ({n} block{'s' if n != 1 else ''} of {c}); raise it with --max-tokens or --blocks")
+    return notes
 
 
 def note_answers(session: Any, responses: list[Any], *, raw: bool = False) -> None:
-    """`answer_notes` on stderr."""
     for msg in answer_notes(session, responses, raw=raw):
         warn(msg)
 

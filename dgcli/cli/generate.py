@@ -13,10 +13,12 @@ from typing import Annotated, Optional
 
 import typer
 
+import dgcli.cli.batch as batch
 import dgcli.cli.options as o
-from dgcli.cli.console import (THINKING_NOTE, Progress, check_writable, init_canvas_note, loading, note_answers,
-                               print_answer, read_prompt, run_one, show_config as print_config, warn)
-from dgcli.cli.schema import JsonObject, JsonSchema
+from dgcli.cli.console import (THINKING_NOTE, Progress, check_writable, loading, note_answers, print_answer,
+                               prompt_inputs, read_prompt, run_one, show_config as print_config, warn)
+from dgcli.cli.schema import JsonObject, JsonSchema, read_schema, resolve
+from dgcli.cluster import check_flags  # torch-free
 from dgcli.errors import UserError
 from dgcli.runtime.determinism import Recorder
 
@@ -88,11 +90,7 @@ def generate(
     if resume and output is None:
         raise UserError("--resume continues an --output FILE: add -o FILE (e.g. a file of this run's --format json "
                         "records)")
-    from dgcli.cli.batch import RecordFile
-
-    sink = RecordFile(output, resume=resume) if output is not None else None  # before the model loads
-    from dgcli.cluster import check_flags  # torch-free
-
+    sink = batch.RecordFile(output, resume=resume) if output is not None else None  # before the model loads
     check_flags(ray, ray_workers, ray_gpus)
     rows = None
     if input_jsonl is not None:
@@ -101,8 +99,6 @@ def generate(
         from dgcli.text.prompts import read_prompt_file
 
         rows = read_prompt_file(input_jsonl, flag="--input-jsonl")
-    from dgcli.cli.schema import read_schema, resolve
-
     schema = read_schema(json_schema, json_object)
     if (schema is not None or any("json_schema" in r for r in rows or [])) and (ray or check_determinism):
         raise UserError("a JSON schema runs on this machine's engine: drop --ray and --check-determinism, or the schema")
@@ -130,9 +126,7 @@ def generate(
                                      preflight.prompt_room(cfg, blocks), cfg.max_position_embeddings)
     if show_thinking and not thinking:
         warn(THINKING_NOTE)
-    from dgcli.runtime.request import fill_canvas, read_init_canvas
     from dgcli.runtime.session import fits, open_session
-    from dgcli.sampling.events import Done
 
     pool = None
     if ray is not None:  # the model loads in each worker; here only the tokenizer (rows are encoded here)
@@ -140,8 +134,7 @@ def generate(
 
         pool = jobs.open_pool(ray, ray_workers, ray_gpus, jobs.spec(
             "generate", model=model, preset=preset, flags=flags, compile=compile, threads=threads,
-            cuda_graphs=cuda_graphs,
-            prefix_caching=not no_prefix_caching), warn)
+            cuda_graphs=cuda_graphs, prefix_caching=not no_prefix_caching), warn)
         session = jobs.driver_session(pool)[0]
     else:
         with loading("loading the model…"):
@@ -149,15 +142,8 @@ def generate(
                                    chat=not raw, check=fits(min(batch_size, len(rows or [1])), "--batch-size"),
                                    low_memory=low_memory)
     session.prefix_caching = not no_prefix_caching
-    if session.tokenizer is None:
-        raise UserError(f"{session.path}: no tokenizer.json; dgemma generate needs the checkpoint's tokenizer")
-    given = None  # the --init-canvas ids, read once (rows with their own init_canvas read theirs)
-    if init_canvas is not None:
-        given, how = read_init_canvas(session, init_canvas)
-        warn(init_canvas_note(init_canvas, how, len(given)))
-    if rows is not None:
-        import dgcli.cli.batch as batch
-
+    given, canvas, images = prompt_inputs(session, "generate", init_canvas, image, image_bytes)
+    if rows is not None:  # rows with their own init_canvas read theirs
         requests = batch.parse_rows(session, rows, input_jsonl, raw=raw, thinking=thinking, init_flag=given,
                                     schema=resolve(schema))
         if (pool is not None or check_determinism) and any(r.images for r in requests):
@@ -165,17 +151,9 @@ def generate(
         _run_file(session, rows, requests, batch_size=batch_size, fmt=fmt, raw=raw, show_thinking=show_thinking,
                   pool=pool, check=check_determinism, sink=sink)
         return
-    canvas = fill_canvas(session, given, session.params.seed) if given is not None else None
-    from dgcli.runtime.vision import read_images
-
-    images = read_images(session, image_bytes, [f"--image {f}" for f in image]) if image else None
     progress = Progress(sys.stderr.isatty() and fmt != "ndjson", compiling=session.compiled)
     try:
-        def on_event(event) -> None:
-            progress(event)
-            if fmt == "ndjson" and not isinstance(event, Done):  # the result line replaces `done`
-                sys.stdout.write(json.dumps(event.to_record(), separators=(",", ":")) + "\n")
-
+        on_event = _on_event(progress, fmt, index=False)
         recorder = Recorder(on_event) if check_determinism else None  # keeps every step's decisions on the host
         response = run_one(session, text, raw=raw, thinking=thinking, show_thinking=show_thinking, trace=trace,
                            init_canvas=canvas, on_event=recorder or on_event, json_schema=resolve(schema),
@@ -185,9 +163,7 @@ def generate(
         progress.stop()
     note_answers(session, [response], raw=raw)
     if check_determinism:
-        from dgcli.cli.batch import Request
-
-        _check(session, [Request(response.prompt_ids, session.params.seed, canvas)], recorder.records, 1)
+        _check(session, [batch.Request(response.prompt_ids, session.params.seed, canvas)], recorder.records, 1)
 
 
 def _check(session, requests, reference, batch_size) -> None:
@@ -210,9 +186,6 @@ def _run_file(session, rows, requests, *, batch_size, fmt, raw, show_thinking, p
               sink=None) -> None:
     """--input-jsonl: the checked rows through the batched loop, results in input order (to stdout, or appended
     to --output: with --resume only the rows it lacks); the notes once."""
-    import dgcli.cli.batch as batch
-    from dgcli.sampling.events import Done
-
     settings = session.resolved.as_dict()
     todo = list(range(len(rows)))
     if sink is not None and sink.resume:
@@ -221,11 +194,7 @@ def _run_file(session, rows, requests, *, batch_size, fmt, raw, show_thinking, p
         warn(f"dgemma: {len(have)} of {len(rows)} record(s) already in {sink.path}, {len(todo)} to run")
     requests = [requests[i] for i in todo]
     progress = Progress(sys.stderr.isatty() and fmt != "ndjson" and pool is None, compiling=session.compiled)
-
-    def on_event(event) -> None:
-        progress(event)
-        if fmt == "ndjson" and not isinstance(event, Done):  # the result line replaces `done`
-            batch.write_event(event)
+    on_event = _on_event(progress, fmt, index=True)
 
     def write(n, response) -> None:
         result = batch.json_result(todo[n], rows[todo[n]], response, settings)
@@ -253,6 +222,19 @@ def _run_file(session, rows, requests, *, batch_size, fmt, raw, show_thinking, p
     note_answers(session, responses, raw=raw)
     if check:
         _check(session, requests, recorder.records, batch_size)
+
+
+def _on_event(progress: Progress, fmt: str, *, index: bool):
+    """Each event to the progress line and, for ndjson, to stdout (with --input-jsonl: with its row's index)."""
+    from dgcli.sampling.events import Done
+
+    def on_event(event) -> None:
+        progress(event)
+        if fmt == "ndjson" and not isinstance(event, Done):  # the result line replaces `done`
+            record = {**event.to_record(), "index": event.row} if index else event.to_record()
+            sys.stdout.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+    return on_event
 
 
 def _write(response, result: dict, fmt: str) -> None:

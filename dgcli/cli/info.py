@@ -1,14 +1,7 @@
-"""`dgemma info [MODEL | -m MODEL]`: the checkpoint card, without reading weights.
+"""`dgemma info [MODEL | -m MODEL]`: the checkpoint card (dgcli.measure.cost), without reading weights: sizes,
+memory to run, per-step FLOPs, bytes and roofline floor, and the largest batch that fits each memory budget.
 
-Config summary, parameter counts (total, active per token), bytes by dtype (from the safetensors headers
-of a checkpoint, or config x dtype for --dummy), memory to run (weights, KV cache for --context tokens,
-the sampler's per-step working set), FLOPs and bytes per denoising step and per commit, and the
-theoretical floor per step on this device (measured peaks on CPU) and on H100/H200 (datasheet table);
-then the batch memory (dgcli.measure.cost): bytes per slot (the KV cache as allocated: full layers'
-bytes per token, the sliding layers' rings of W-1 positions per slot, and what every-position buffers
-took before the rings), and the largest batch that fits the H100, the H200, this device and --memory,
-with bf16 and FP8 weights.
-Owns: the command's flags and output choice. Must not: load weights (dgcli.measure.cost does the arithmetic).
+Owns: the command's flags, the budgets and the output choice. Must not: load weights or do the arithmetic.
 """
 
 from __future__ import annotations
@@ -65,7 +58,7 @@ def info(
     from dgcli.checkpoint.config import parse_config
     from dgcli.checkpoint.load import DIRECTORY, GGUF, format_of, load_config
     from dgcli.checkpoint.random_weights import dummy_config
-    from dgcli.runtime.session import default_model_path
+    from dgcli.runtime.session import default_model_path, pick_device, set_threads
 
     inventory = None
     if dummy is not None:
@@ -93,11 +86,12 @@ def info(
     run_dtype = dtype if dtype not in (None, "auto") else stored
     if run_dtype not in ("bfloat16", "float32", "float16") or dtype == "float16":  # fp16: a checkpoint's own only
         raise UserError(f"--dtype {run_dtype}: use auto, bfloat16 or float32")
-    dev, n_threads = _threads(cfg, device or "auto", threads)
+    dev = pick_device(device or "auto")
+    n_threads = set_threads(cfg, dev, threads)  # the rule every command follows: the CPU peaks are measured on it
+    import torch
+
     ggml = None
     if gguf:  # GGML weights: int8 activations where the int8 kernel runs
-        import torch
-
         from dgcli.model.ggml import activations_on
 
         ggml = activations_on(getattr(torch, run_dtype), dev)
@@ -111,16 +105,13 @@ def info(
             print(note, file=sys.stderr)
     peaks = peaks_for_card(local, compute)
     card = inf.card(cfg, name=name, source=source, dtype=run_dtype, context=context, prompt_len=prompt_len,
-                    peaks=peaks, inventory=inventory,
-                    threads=n_threads, budgets=_budgets(dev, memory), headroom=headroom / 100)
+                    peaks=peaks, inventory=inventory, threads=n_threads, budgets=_budgets(dev, memory),
+                    headroom=headroom / 100)
     extra = ""
     if gguf:  # weights as loaded (quantized matrices as stored), and whether this machine holds the run
-        import torch
-
-        from dgcli.runtime.session import free_bytes
-
         from dgcli.checkpoint.mapped import read_rate as measured_rate
         from dgcli.runtime.preflight import memory_cap
+        from dgcli.runtime.session import free_bytes
 
         if read_rate is not None and read_rate <= 0:
             raise UserError(f"--read-rate {read_rate:g}: give the disk's read rate in MB/s, more than 0")
@@ -136,9 +127,7 @@ def info(
     if fmt == "json":
         sys.stdout.write(report.to_json(card))
     else:
-        from dgcli.measure.cost import markdown
-
-        sys.stdout.write(report.card_markdown(card) + extra + "\n" + markdown(card["batch_memory"]))
+        sys.stdout.write(report.card_markdown(card) + extra + "\n" + inf.markdown(card["batch_memory"]))
 
 
 def _ram() -> int:
@@ -155,13 +144,12 @@ def _budgets(dev, memory_gib: float | None) -> list[dict]:
     out = [{"name": n, "bytes": b, "cpu": False} for n, b in GPUS]
     cpu = dev.type != "cuda"
     if cpu:
-        local = ("this machine", _ram())
+        out.append({"name": "this machine", "bytes": _ram(), "cpu": cpu})
     else:
         import torch
 
         props = torch.cuda.get_device_properties(dev)
-        local = (props.name, props.total_memory)
-    out.append({"name": local[0], "bytes": local[1], "cpu": cpu})
+        out.append({"name": props.name, "bytes": props.total_memory, "cpu": cpu})
     if memory_gib is not None:
         out.append({"name": f"--memory {memory_gib:g} GiB", "bytes": int(memory_gib * GIB), "cpu": cpu})
     return out
@@ -172,16 +160,5 @@ def _stored_dtype(inventory: dict | None, fallback: str) -> str:
     a run dtype (an FP8 checkpoint runs in the dtype of its unquantized tensors)."""
     stored = {k: v for k, v in (inventory or {}).get("text_bytes_by_dtype", {}).items()
               if not k.startswith(("float8", "uint8"))}  # uint8: NVFP4's packed codes
-    if stored:
-        return max(stored.items(), key=lambda kv: kv[1])[0]
-    return fallback
-
-
-def _threads(cfg, device: str, flag: int | None):
-    """The device, and the thread count a run of this model would use (the one rule every command follows),
-    applied here too: the CPU peaks are measured on it."""
-    from dgcli.runtime.session import pick_device, set_threads
-
-    dev = pick_device(device)
-    return dev, set_threads(cfg, dev, flag)
+    return max(stored.items(), key=lambda kv: kv[1])[0] if stored else fallback
 

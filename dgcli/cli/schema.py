@@ -1,6 +1,6 @@
-"""`--json-schema FILE` and `--json` (generate), and a JSONL row's `json_schema`: the schema an answer must
-follow, read and shape-checked before the model loads. The schema's own checks and its compiling are the
-sampler's (`dgcli.sampling.constrain`, at the request). Must not: import torch or compile anything.
+"""`--json-schema FILE`, `--json` and a JSONL row's `json_schema`: the schema an answer must follow, read and
+shape-checked before the model loads. Must not: import torch, or check or compile the schema itself
+(dgcli.sampling.constrain does, at the request).
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ JsonSchema = Annotated[Optional[str], typer.Option("--json-schema", metavar="FIL
     "pip install 'dgcli[json]'); a generate --input-jsonl row may carry its own \"json_schema\"."))]
 JsonObject = Annotated[bool, typer.Option("--json", help="The answer is a JSON object (as --json-schema).")]
 
-# The any-object schema (`--json`): kept in sampling/constrain.py (ANY_OBJECT); this marker asks for it.
-ANY = "object"
+ANY = "object"  # `--json`: asks for sampling.constrain.ANY_OBJECT
 
 
 def read_schema(path: str | None, any_object: bool) -> dict | str | None:
@@ -33,14 +32,10 @@ def read_schema(path: str | None, any_object: bool) -> dict | str | None:
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"--json-schema {path}: cannot read it ({getattr(e, 'strerror', None) or e}); "
                         "give a JSON Schema file") from None
-    return row_schema(_parse(text, f"--json-schema {path}"), f"--json-schema {path}")
-
-
-def _parse(text: str, what: str) -> Any:
     try:
-        return json.loads(text)
+        return row_schema(json.loads(text), f"--json-schema {path}")
     except json.JSONDecodeError as e:
-        raise UserError(f"{what}: not JSON ({e.msg} at line {e.lineno} column {e.colno}); "
+        raise UserError(f"--json-schema {path}: not JSON ({e.msg} at line {e.lineno} column {e.colno}); "
                         "give a JSON Schema object") from None
 
 

@@ -1,9 +1,8 @@
 """`dgemma serve`: an OpenAI-compatible HTTP server over the batched engine (dgcli.serve).
 
-Owns: the serve flags (the sampler flags set the server's defaults, which each request may change with
-extra body fields), checking the ones that need no model before it loads, loading it, `--open` (the web page
-in a browser, once the server listens), and the exit code of a stop (0 clean; 1 when the engine thread had to
-be left behind). Must not: contain server logic (dgcli.serve does).
+Owns: the serve flags (the sampler flags are the server's defaults), checking them before the model loads,
+`--open`, and the exit code of a stop (1 when the engine thread had to be left behind). Must not: contain
+server logic (dgcli.serve does).
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
-"""`dgemma sweep`: a Cartesian grid over sampler settings, several seeds per cell, speed and quality per
-cell, rows appended to a JSONL file as each cell finishes; then a table of the columns that vary, the
-Pareto frontier of speed against quality, and an optional plot.
+"""`dgemma sweep`: a grid over sampler settings, several seeds per cell, speed and quality per cell, rows
+appended to a JSONL file as each cell finishes; then the varying columns, the Pareto frontier, an optional plot.
 
-Owns: the sweep flags (axis flags take grid specs: `8,16,32`, `a-b+step`), the order of work (plan,
-reference outputs when agreement is the quality, warm-up, cells) and of output. Must not: measure,
-format or decide figures itself (dgcli.measure does); no denoising loop here (requests go through
-dgcli.runtime.request).
-Ctrl-C: the finished cells stay in the file; `-o FILE --resume` continues it. Without -o each run writes a
-new `sweep-YYYYmmdd-HHMMSS.jsonl` here (named on stderr at the start and the end), so one sweep after
-another never collides with an earlier file.
+Owns: the sweep flags (grid specs `8,16,32`, `a-b+step`) and the order of work (plan, reference outputs for
+agreement, warm-up, cells) and of output. Must not: measure or decide figures (dgcli.measure does), or run a
+denoising loop. Ctrl-C keeps the finished cells in the file (`-o FILE --resume` continues it); without -o each
+run writes a new `sweep-YYYYmmdd-HHMMSS.jsonl` here, named on stderr at the start and the end.
 """
 
 from __future__ import annotations
@@ -20,9 +16,7 @@ from typing import Annotated, Optional
 import typer
 
 import dgcli.cli.options as o
-from dgcli.cli.options import (Dummy, IgnoreEos, InputLen, Label, Layers, MeasurePeaks, Metadata, NumPrompts, Prompts,
-                               RandomPrompts, Warmup)
-from dgcli.cli.console import emit, loading, status, warn
+from dgcli.cli.console import check_writable, emit, status, warn
 from dgcli.errors import UserError
 
 
@@ -39,7 +33,7 @@ TABLE_FIGURES = ["output_throughput", "diffusion_committed_throughput", "diffusi
 
 
 def sweep(
-    model: o.Model = None, dummy: Dummy = None, layers: Layers = None, preset: o.Preset = None,
+    model: o.Model = None, dummy: o.Dummy = None, layers: o.Layers = None, preset: o.Preset = None,
     device: o.Device = None, dtype: o.Dtype = None, max_tokens: o.MaxTokens = None,
     steps: _grid("--diffusion-steps", "--max-denoising-steps", what="Most denoising steps per block", eg="8,16,32 or 8-48+8") = None,
     t_min: _grid("--t-min", what="Asymptotic temperature", eg="0.2-0.4+0.1") = None,
@@ -49,8 +43,8 @@ def sweep(
     confidence_threshold: _grid("--confidence-threshold", what="Mean-entropy stop threshold", eg="0,0.005,0.05") = None,
     blocks: _grid("--blocks", "--diffusion-blocks", what="Most blocks per request", eg="1,2,4") = None,
     seeds: Annotated[str, typer.Option("--seeds", metavar="GRID", help="Seeds run in every cell (grid syntax), e.g. 0,1,2.")] = "0",
-    prompts: Prompts = None, random_prompts: RandomPrompts = False, num_prompts: NumPrompts = None,
-    random_input_len: InputLen = 128, ignore_eos: IgnoreEos = False, warmup: Warmup = 1,
+    prompts: o.Prompts = None, random_prompts: o.RandomPrompts = False, num_prompts: o.NumPrompts = None,
+    random_input_len: o.InputLen = 128, ignore_eos: o.IgnoreEos = False, warmup: o.Warmup = 1,
     runs: Annotated[int, typer.Option("--runs", "-r", metavar="N", help="Timed passes over the prompts per seed: each cell's figures get a min-max spread over seeds x runs; cells whose spreads overlap (or measured once) are a tie, never a winner.")] = 3,
     output: Annotated[Optional[str], typer.Option("--output", "-o", metavar="FILE", help="JSONL file the rows are appended to; an existing FILE needs --resume. Default: a new sweep-YYYYmmdd-HHMMSS.jsonl here per run, named on stderr.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue -o FILE: skip the cells it already holds.")] = False,
@@ -59,7 +53,7 @@ def sweep(
     speed: Annotated[str, typer.Option("--speed-metric", metavar="NAME", help="The frontier's speed figure.")] = "output_throughput",
     fmt: Annotated[str, typer.Option("--format", "-f", metavar="FORMAT", help="md | csv | json | jsonl (the final rows)")] = "md",
     batch_size: o.BatchSizes = "1",
-    label: Label = None, metadata: Metadata = None, measure_peaks: MeasurePeaks = True,
+    label: o.Label = None, metadata: o.Metadata = None, measure_peaks: o.MeasurePeaks = True,
     peaks_file: o.PeaksFile = None, save_peaks: o.SavePeaks = None,
     compile: o.Compile = False, cuda_graphs: o.CudaGraphs = None, threads: o.Threads = None,
     no_prefix_caching: o.NoPrefixCaching = False,
@@ -98,21 +92,18 @@ def sweep(
     seed_list = sw.parse_seeds(seeds)
     if plot:
         sw.check_plot_path(plot)
-        _check_writable("--plot", plot, "frontier.svg")
+        check_writable("--plot", plot, "frontier.svg")
     meta = report.parse_metadata(metadata)
-    single = {k: v[0] for k, v in axes.items() if len(v) == 1}
+    single = {k: v[0] for k, v in axes.items() if len(v) == 1 and k != sw.BATCH}  # the values every cell shares
     if len(axes.get("max_blocks", [])) > 1 and min(axes["max_blocks"]) > 0:
         # Swept block counts are flags too: they outrank the checkpoint's token budget (settings.resolve),
         # so a cell of 8 blocks is 8 canvases of answer; each cell sets its own count over this one.
         single["max_blocks"] = max(axes["max_blocks"])
-    flags = o.sampler_flags(steps=single.get("max_denoising_steps"), t_min=single.get("t_min"),
-                            t_max=single.get("t_max"), entropy_bound=single.get("entropy_bound"),
-                            stability=single.get("stability_threshold"), confidence=single.get("confidence_threshold"),
-                            seed=seed_list[0], blocks=single.get("max_blocks"), device=device, dtype=dtype,
-                            max_tokens=max_tokens)
+    flags = o.sampler_flags(seed=seed_list[0], blocks=single.pop("max_blocks", None), device=device, dtype=dtype,
+                            max_tokens=max_tokens) | single
     fresh = output is None  # the file is named per run: a dry run only says so
     output = _row_file(output, resume)
-    _check_writable("--output", output, "sweep.jsonl", appends=True)  # now, not after the first cell
+    check_writable("--output", output, "sweep.jsonl")  # now, not after the first cell
     store = sw.RowStore(output)
     if store.path.exists() and store.path.stat().st_size and not (resume or dry_run):
         raise UserError(f"--output {output} exists: add --resume to continue it, or choose another --output")
@@ -126,30 +117,16 @@ def sweep(
     if any(len(axes.get(k, [])) > 1 for k in ("t_min", "t_max")):  # before loading: see _base_flags
         flags = _base_flags(_resolver(model, dummy, layers, preset)[0], flags, axes)
 
+    from dgcli.cli.bench import open_target, target_card
     from dgcli.measure import bench as b
     from dgcli.measure.workload import build_prompts, prompt_set_hash
-    from dgcli.runtime.session import fits, open_any
 
     baseline = b.PeakMemory.maxrss()  # before the model exists, for the CPU peak-memory figure
-    pool = None
-    if ray is not None:  # each worker loads the model and runs whole cells; the rows come back here, in order
-        from dgcli.cluster import jobs
-
-        pool = jobs.open_pool(ray, ray_workers, ray_gpus, jobs.spec(
-            "any", model=model, dummy=dummy, layers=layers, preset=preset, flags=flags, compile=compile,
-            threads=threads, cuda_graphs=cuda_graphs,
-            prefix_caching=not no_prefix_caching), warn)
-        s, ray_peaks, _ = jobs.driver_session(pool, measure_peaks=measure_peaks, need_tokenizer=False)
-        note = jobs.shared_node_note(pool)
-        if note:
-            warn(note)
-    else:
-        with loading("loading the model…"):
-            slots = lambda r: min(max(sizes), preflight.prompt_count(  # noqa: E731
-                r, prompts_file=prompts, random_ids=random_prompts or dummy is not None, num_prompts=num_prompts))
-            s = open_any(model, dummy, layers, preset, flags, warn=warn, compile=compile, threads=threads,
-                         cuda_graphs=cuda_graphs, check=fits(slots, "--batch-size"))
-    s.prefix_caching = not no_prefix_caching
+    s, pool, ray_peaks, _ = open_target(
+        ray, ray_workers, ray_gpus, sizes, dict(model=model, dummy=dummy, layers=layers, preset=preset, flags=flags,
+                                                compile=compile, threads=threads, cuda_graphs=cuda_graphs),
+        prompts=prompts, random_prompts=random_prompts, num_prompts=num_prompts, measure_peaks=measure_peaks,
+        prefix_caching=not no_prefix_caching)
     plist, source = build_prompts(s, prompts_file=prompts, random_ids=random_prompts or s.dummy,
                                   num_prompts=num_prompts, input_len=random_input_len, seed=seed_list[0], warn=warn)
     ignore = ignore_eos or s.dummy
@@ -180,13 +157,8 @@ def sweep(
             pool.close()
         return
 
-    peaks = b.session_peaks(s, measure_cpu=measure_peaks, pinned=peaks_file) if pool is None else ray_peaks
-    for note in (b.keep_peaks(save_peaks, peaks), None if pool is not None else b.load_note(s)):
-        if note:
-            warn(note)
-    card = b.target_card(s, prompt_len=round(sum(len(p.ids) for p in plist) / len(plist)),
-                         context=max(len(p.ids) for p in plist) + s.num_blocks * s.config.canvas_length,
-                         peaks=b.card_peaks(s, peaks))
+    peaks, card = target_card(s, plist, pool, ray_peaks, measure_peaks=measure_peaks, peaks_file=peaks_file,
+                              save_peaks=save_peaks)
     (sys.stdout if fmt == "md" else sys.stderr).write("# dgemma sweep\n\n" + report.card_markdown(card) + "\n")
     where = f"dgemma: sweep rows in {output} (resume with -o {output} --resume)"
     warn(where)  # once the model loaded: a bad flag or model is still one error line
@@ -196,6 +168,8 @@ def sweep(
     live, progress = status(sys.stderr.isatty() and pool is None, compiling=s.compiled)
     try:
         if pool is not None:
+            from dgcli.cluster import jobs
+
             reference = sw.reference_outputs(rows, store, quality_metric,
                                              lambda: pool.call("reference", plist, ignore, fp))
             cell_rows = jobs.sweep_cells(pool, todo, plist, source, seed_list, runs, ignore, quality_metric, reference,
@@ -253,27 +227,6 @@ def _budget_note(rows: list[dict], cells: list) -> None:
         worst = max(r["finish_length_rate"] for r in cut)
         warn(f"dgemma: note: in {len(cut)} of {len(wanted)} cell(s) answers ended at the token budget (finish_length_rate "
              f"up to {worst:.2f}); raise it with --max-tokens or --blocks")
-
-
-def _check_writable(flag: str, path: str, example: str, *, appends: bool = False) -> None:
-    """Before any work: `path` can be written (its folder exists and takes files; a file appended to takes
-    writes), so a long sweep never ends unsaved. A folder given as the file is refused as such."""
-    import os
-    from pathlib import Path
-
-    p = Path(path)
-    if p.is_dir():
-        raise UserError(f"{flag} {path}: is a directory; give a file name, e.g. {flag} {p / example}")
-    if not p.parent.is_dir():
-        raise UserError(f"{flag} {path}: no folder {p.parent}; create it (mkdir -p {p.parent}) or choose another {flag}")
-    if not os.access(p.parent, os.W_OK | os.X_OK) or (appends and p.exists() and not os.access(p, os.W_OK)):
-        raise UserError(f"{flag} {path}: cannot write there (permission denied); choose a writable {flag}")
-    try:  # permission bits do not tell for root, /proc or a read-only mount: a file must really appear there
-        import tempfile
-
-        tempfile.TemporaryFile(dir=p.parent).close()
-    except OSError as e:
-        raise UserError(f"{flag} {path}: cannot write there ({e.strerror}); choose a writable {flag}") from None
 
 
 def _resolver(model, dummy, layers, preset):

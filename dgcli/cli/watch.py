@@ -1,11 +1,9 @@
 """`dgemma watch [PROMPT|-]` and `dgemma watch --replay TRACE`: the canvas denoising, block by block.
 
-Owns: where the animation goes (a terminal on stdout, else a terminal on stderr, else the last frame of
-each block on stderr with a note, unwrapped), its default pace (DEFAULT_PACE_S a step on a terminal unless
---fps, --step-delay or --speed is given), feeding one request's events (`dgcli.cli.console.run_one`: the
-same request API and the same `--trace` as generate) or a saved trace's records into `dgcli.render.watch`,
-the pictures, and the answer on stdout at the end, once (so the scrollback holds it). Must not: contain a
-denoising loop or draw frames itself (dgcli.render.watch does).
+Owns: where the animation goes (a terminal on stdout, else on stderr, else each block's last frame on stderr,
+unwrapped), its default pace, feeding one request's events (`console.run_one`, as generate) or a trace's
+records into `dgcli.render.watch`, the pictures, and the answer on stdout once at the end (so the scrollback
+holds it). Must not: contain a denoising loop or draw frames itself (dgcli.render.watch does).
 """
 
 from __future__ import annotations
@@ -72,9 +70,8 @@ def _screen():
 
 def _watch(pieces, max_steps: int, *, fps: float | None, step_delay: float | None, speed: float | None,
            replay: bool):
-    """The Watch, its Display on `_screen`'s console (its note said on stderr), paced: a pace the user chose
-    (--fps, --step-delay, --speed) as given; none on a terminal gets DEFAULT_PACE_S a step, so a fast model's
-    run can be followed (--step-delay 0 turns it off)."""
+    """The Watch, its Display on `_screen`'s console, paced as the user chose (--fps, --step-delay, --speed), else
+    DEFAULT_PACE_S a step on a terminal, so a fast model's run can be followed."""
     from dgcli.render.watch import Display, Watch
 
     console, mode, note = _screen()
@@ -140,8 +137,8 @@ def watch(
         return _replay(replay, speed=speed, fps=fps, step_delay=step_delay, save_svg=save_svg, save_html=save_html)
     schema = resolve(read_schema(json_schema, json_object))
 
-    from dgcli.cli.console import THINKING_NOTE, init_canvas_note, loading, note_answers, print_answer, read_prompt, run_one
-    from dgcli.cli.console import show_config as print_config
+    from dgcli.cli.console import (THINKING_NOTE, loading, note_answers, print_answer, prompt_inputs, read_prompt,
+                                   run_one, show_config as print_config)
 
     if show_config:
         print_config(model, preset, flags, "text")
@@ -153,20 +150,10 @@ def watch(
     if show_thinking and not thinking:
         print(THINKING_NOTE, file=sys.stderr)
     with loading("loading the model…"):  # up before torch is imported: that alone takes seconds
-        from dgcli.runtime.request import fill_canvas, read_init_canvas
         from dgcli.runtime.session import open_session
 
         session = open_session(model, preset, flags, threads=threads, chat=not raw)
-    if session.tokenizer is None:
-        raise UserError(f"{session.path}: no tokenizer.json; dgemma watch needs the checkpoint's tokenizer")
-    canvas = None
-    if init_canvas is not None:
-        given, how = read_init_canvas(session, init_canvas)
-        print(init_canvas_note(init_canvas, how, len(given)), file=sys.stderr)
-        canvas = fill_canvas(session, given, session.params.seed)
-    from dgcli.runtime.vision import read_images
-
-    images = read_images(session, image_bytes, [f"--image {f}" for f in image]) if image else None
+    _, canvas, images = prompt_inputs(session, "watch", init_canvas, image, image_bytes)
     pieces = Pieces(fetch=session.tokenizer.token_strings)
     w = _watch(pieces, session.params.max_denoising_steps, fps=fps, step_delay=step_delay, speed=None, replay=False)
     try:
@@ -212,16 +199,15 @@ def _replay(path: str, *, speed: float | None, fps: float | None, step_delay: fl
     sys.stdout.write(answer)  # first: a picture that fails to write must not cost the answer
     sys.stdout.flush()
     try:
-        _summary(next((r for r in reversed(records) if r.get("type") == "done"), None))
+        _summary(records[-1])  # read_trace checked it is the `done` record
         _pictures(w, title, meta, save_svg, save_html)
     except (KeyError, TypeError, IndexError, AttributeError, ValueError):
         raise bad from None
 
 
 def _summary(done: dict | None) -> None:
-    """One line on stderr at the end: the run's blocks and steps, ms per step (denoising time / steps, the
-    display's pace not counted) and tokens per step (tokens_per_forward). A replay prints the recorded run's line,
-    as it reproduces the rest of its output. Nothing for a trace without its end."""
+    """One line on stderr at the end (a replay: the recorded run's): blocks, steps, ms per step (denoising time,
+    the display's pace not counted) and tokens per step."""
     if not done or not done.get("decoder_passes"):
         return
     steps, blocks = done["decoder_passes"], done.get("blocks", 0)
@@ -233,18 +219,15 @@ def _summary(done: dict | None) -> None:
 
 
 def _interrupted(w) -> None:
-    """Ctrl-C: the live view is already stopped (cursor back); the finished blocks' text (it was only in the
-    view) goes to stdout; say where, exit 130 like a shell would. SystemExit, because Typer turns
-    KeyboardInterrupt into a return value the CLI would not see."""
+    """Ctrl-C: the finished blocks' text (it was only in the stopped view) to stdout, where on stderr, exit 130.
+    SystemExit, because Typer turns KeyboardInterrupt into a return value the CLI would not see."""
     from dgcli.render.frames import block_label
 
     done = w.final_text().rstrip("\n")
     if done.strip():
         print(done)
-    where = ""
-    if w.frames:
-        f = w.frames[-1]
-        where = f" at {block_label(f)}, step {f.step}/{f.max_steps}"
+    f = w.frames[-1] if w.frames else None
+    where = f" at {block_label(f)}, step {f.step}/{f.max_steps}" if f else ""
     print(f"dgemma: interrupted{where}", file=sys.stderr)
     raise SystemExit(130)
 

@@ -1,12 +1,9 @@
 """The frames of `dgemma watch`: a run's sampler records folded into what the screen shows, as plain data.
 
-Owns: folding the record dicts of one run (`event.to_record()` live, `read_trace` records in a replay)
-into `Frame`s (one per block start and per step) and `Committed` blocks (`Tracker`, `Watch`), the colour
-classes of a position, the display string of a token (`Pieces`, `display_piece`), the separator drawn
-between positions (`SEPARATOR`) and a frame's status line (`status_line`, `block_label`). Live and replay
-feed the same records through the same `Watch`, so they produce the same frames by construction.
-Must not: import Rich, draw or write anything (dgcli.render.watch does), run the model, tokenize, or read
-or write traces (dgcli.cli.watch, the sampling loop and dgcli.render.trace do).
+Owns: folding one run's records (`event.to_record()` live, `read_trace`'s in a replay: the same frames by
+construction) into `Frame`s and `Committed` blocks, a position's colour class, a token's display string, the
+separator between positions and a frame's status line. Must not: import Rich, draw, write, run the model,
+tokenize, or read or write traces.
 
 Colour classes (terminal styles, SVG and HTML CSS share the names):
   renoised   the position was not accepted this step: its sample is replaced by noise (dim)
@@ -111,69 +108,56 @@ def status_line(f: Frame) -> str:
     return " · ".join(parts)
 
 
-class Tracker:
-    """Folds one run's records (block_start, step, commit, done) into Frames and Committed blocks."""
-
-    def __init__(self, max_steps: int):
-        self.max_steps = max_steps
-        self.prev: list[int] = []
-        self.elapsed = 0.0
-        self.num_blocks = 1
-        self.last: Frame | None = None
-
-    def feed(self, rec: dict) -> Frame | Committed | None:
-        kind = rec["type"]
-        if kind == "block_start":
-            self.num_blocks, self.prev = rec["num_blocks"], list(rec["canvas"])
-            c = len(self.prev)
-            self.last = Frame(rec["block"], self.num_blocks, 0, self.max_steps, tuple(self.prev),
-                              (RENOISED,) * c, (False,) * c, self.elapsed)
-            return self.last
-        if kind == "step":
-            ids = rec["argmax"]
-            self.elapsed += rec["elapsed_s"]
-            self.max_steps = rec["max_steps"]
-            self.last = Frame(
-                rec["block"], self.num_blocks, rec["step"], rec["max_steps"], tuple(ids),
-                tuple(kind_of(a, h) for a, h in zip(rec["accepted"], rec["entropy"])),
-                tuple(a != b for a, b in zip(ids, self.prev)), self.elapsed, rec["temperature"],
-                rec["accepted_count"], rec["mean_entropy"], rec["stop_reason"])
-            self.prev = list(ids)
-            return self.last
-        if kind == "commit":
-            tokens = rec["tokens"] if rec["stop_index"] is None else rec["tokens"][: rec["stop_index"]]
-            return Committed(rec["block"], tuple(tokens), self.last)
-        return None  # done: nothing new to show
-
-
 class Shows(Protocol):
-    """Where a Watch sends each new frame (dgcli.render.watch.Display); a protocol keeps Rich out of here."""
+    """Where a Watch sends each new frame (dgcli.render.watch.Display), Rich kept out of here."""
 
     def show(self, item: Frame | Committed) -> None: ...
 
 
 @dataclass
 class Watch:
-    """Feed it a run's records in order; it keeps every frame and block, and shows them on `display`."""
+    """Feed it one run's records (block_start, step, commit, done) in order: it folds them into Frames and
+    Committed blocks, keeps every one and shows each on `display`."""
 
     pieces: Pieces
     max_steps: int
     display: Shows | None = None
     frames: list[Frame] = field(default_factory=list)
     commits: list[Committed] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.tracker = Tracker(self.max_steps)
+    prev: list[int] = field(default_factory=list)  # the last frame's ids
+    elapsed: float = 0.0
+    num_blocks: int = 1
 
     def feed(self, rec: dict) -> None:
         self.pieces.learn(rec.get("argmax") or rec.get("canvas") or rec.get("tokens") or [])
-        item = self.tracker.feed(rec)
-        if isinstance(item, Frame):
-            self.frames.append(item)
-        elif isinstance(item, Committed):
-            self.commits.append(item)
+        item = self._fold(rec)
         if item is not None and self.display is not None:
             self.display.show(item)
+
+    def _fold(self, rec: dict) -> Frame | Committed | None:
+        kind = rec["type"]
+        if kind == "block_start":
+            self.num_blocks, self.prev = rec["num_blocks"], list(rec["canvas"])
+            c = len(self.prev)
+            self.frames.append(Frame(rec["block"], self.num_blocks, 0, self.max_steps, tuple(self.prev),
+                                     (RENOISED,) * c, (False,) * c, self.elapsed))
+            return self.frames[-1]
+        if kind == "step":
+            ids = rec["argmax"]
+            self.elapsed += rec["elapsed_s"]
+            self.max_steps = rec["max_steps"]
+            self.frames.append(Frame(
+                rec["block"], self.num_blocks, rec["step"], rec["max_steps"], tuple(ids),
+                tuple(kind_of(a, h) for a, h in zip(rec["accepted"], rec["entropy"])),
+                tuple(a != b for a, b in zip(ids, self.prev)), self.elapsed, rec["temperature"],
+                rec["accepted_count"], rec["mean_entropy"], rec["stop_reason"]))
+            self.prev = list(ids)
+            return self.frames[-1]
+        if kind == "commit":
+            tokens = rec["tokens"] if rec["stop_index"] is None else rec["tokens"][: rec["stop_index"]]
+            self.commits.append(Committed(rec["block"], tuple(tokens), self.frames[-1]))
+            return self.commits[-1]
+        return None  # done: nothing new to show
 
     def final_text(self) -> str:
         """The run's text from the display pieces (a replay has no tokenizer to decode with)."""

@@ -95,7 +95,7 @@ def read_trace(path: str | Path) -> tuple[dict, list[dict]]:
     # The header decides what the file is: only a file that starts as a trace can be a truncated one.
     n, first = numbered[0]
     header = _record(first)
-    if header is None or header.get("format") != FORMAT:
+    if not header or header.get("format") != FORMAT:
         if len(numbered) == 1 and f'"{FORMAT}"' in first:  # cut off inside its header line
             raise UserError(f"{p}: the trace is truncated (its header line is cut off); re-run the generation with --trace")
         raise UserError(f"{p}: not a dgemma trace (line {n} is not a '{FORMAT}' header); {HOW_TO}")
@@ -105,9 +105,9 @@ def read_trace(path: str | Path) -> tuple[dict, list[dict]]:
     body: list[dict[str, Any]] = []
     for n, line in numbered[1:]:
         rec = _record(line)
-        if rec is None:
+        if not rec:
             # A line cut off mid-write is never a whole JSON object, so only an unparsable last line is truncation.
-            if n == numbered[-1][0] and not _is_json(line):
+            if n == numbered[-1][0] and rec is None:
                 raise UserError(f"{p}: the last line is cut off: the trace is truncated; re-run the generation with --trace")
             raise UserError(f"{p}: line {n} is not a trace record; re-run the generation with --trace")
         if rec["type"] not in RECORD_TYPES:
@@ -118,18 +118,10 @@ def read_trace(path: str | Path) -> tuple[dict, list[dict]]:
     return header, body
 
 
-def _record(line: str) -> dict | None:
-    """A line's record: a JSON object with a "type", else None."""
+def _record(line: str) -> dict | bool | None:
+    """A line's record: a JSON object with a "type"; False for other JSON, None for a line that is not JSON."""
     try:
         rec = json.loads(line)
     except json.JSONDecodeError:
         return None
-    return rec if isinstance(rec, dict) and "type" in rec else None
-
-
-def _is_json(line: str) -> bool:
-    try:
-        json.loads(line)
-    except json.JSONDecodeError:
-        return False
-    return True
+    return rec if isinstance(rec, dict) and "type" in rec else False

@@ -1,13 +1,9 @@
 """What `dgemma watch` shows: frames of the canvas (dgcli.render.frames) drawn on a terminal or exported.
 
-Owns: rendering a frame with Rich (canvas of current best tokens in its colour classes, status line),
-the terminal display with its pacing (`Display`; on a terminal each finished block leaves its status line
-above the live view, and the answer so far shows in the view, so the one copy of the answer that stays is
-the one dgcli.cli.watch prints at the end), and the two pictures: SVG (Rich's export) and a
-self-contained HTML replay (the page is the template dgcli/data/replay.html; this module fills it).
-Re-exports `Pieces` and `Watch` so cmd_watch needs one import for a whole run.
-Must not: fold records into frames (dgcli.render.frames does), run the model, tokenize, or read or write
-traces (cmd_watch, the sampler and dgcli.render.trace do).
+Owns: a frame drawn with Rich (the canvas in its colour classes, the status line), the terminal display and
+its pacing (`Display`: the answer so far shows in the live view, so the one copy that stays is the one
+dgcli.cli.watch prints at the end), and the pictures: SVG (Rich's export) and the HTML replay (this module
+fills dgcli/data/replay.html). Must not: fold records into frames, run the model, tokenize, or touch traces.
 """
 
 from __future__ import annotations
@@ -30,9 +26,6 @@ from rich.theme import Theme
 from dgcli.errors import UserError
 from dgcli.render.frames import CLASSES, SEPARATOR, Committed, Frame, Pieces, Watch, display_piece, status_line
 
-__all__ = ["NO_WRAP", "Display", "Pieces", "Watch", "canvas_text", "html_data", "html_page",
-           "live_view", "make_console", "plain", "render_frame", "save_html", "save_svg"]
-
 STYLES = {"acc0": "red", "acc1": "yellow", "acc2": "green", "acc3": "bold bright_green",
           "renoised": "dim", "changed": "underline", "status": "bold", "sep": "dim"}
 # Underline (not only a colour) marks changed positions, so they still stand out under NO_COLOR.
@@ -42,9 +35,6 @@ SVG_WIDTH = 120  # columns of the exported pictures, so they look the same whate
 # and Rich's 80-column guess cut canvases in the middle; one line per status line and per canvas instead.
 NO_WRAP = 1_000_000
 ANSWER_LINES = 3  # the live view's answer so far: its last lines, so the canvas under it stays on screen
-
-
-# ---- rendering -----------------------------------------------------------------------------------
 
 
 def canvas_text(f: Frame, pieces: Pieces) -> Text:
@@ -96,21 +86,15 @@ def plain(renderable: RenderableType, width: int = SVG_WIDTH) -> str:
     return console.file.getvalue()
 
 
-# ---- the display ---------------------------------------------------------------------------------
-
 Mode = Literal["live", "blocks"]
 
 
 class Display:
-    """Shows a run's frames on a console as they come.
-
-    live: a Rich Live view redrawn in place (`live_view`; each finished block leaves its status line above
-    it, dim); blocks: the last frame of each block printed once (for a console that is not a terminal).
-    Pacing: by default every frame is drawn as it comes; `fps` caps the redraw rate (a block's first
-    and last frames are always drawn); `step_delay` sleeps after each drawn step; `speed` (replay)
-    waits each step's recorded time divided by `speed` first (0: no wait); `pace` makes each step take
-    at least that many seconds, model time included (dgcli.cli.watch sets its default on a terminal).
-    """
+    """Shows a run's frames on a console as they come. live: a Rich Live view redrawn in place (each finished
+    block leaves its status line above it); blocks: each block's last frame printed once (not a terminal).
+    `fps` caps the redraw rate (a block's first and last frames always drawn); `step_delay` sleeps after each
+    step; `speed` (replay) first waits each step's recorded time / speed (0: none); `pace` makes each step take
+    at least that many seconds, model time included."""
 
     def __init__(self, console: Console | None, mode: Mode, pieces: Pieces, *, fps: float | None = None,
                  step_delay: float = 0.0, speed: float | None = None, pace: float = 0.0):
@@ -166,9 +150,6 @@ class Display:
         self.step_start = time.monotonic()
 
 
-# ---- pictures ------------------------------------------------------------------------------------
-
-
 def save_svg(path: str | Path, w: Watch, title: str) -> None:
     """The last frame of every block, one under the other, as Rich's SVG export."""
     console = make_console(record=True, file=io.StringIO(), width=SVG_WIDTH, force_terminal=True,
@@ -219,8 +200,7 @@ def html_page(w: Watch, title: str, meta: str = "") -> str:
 
 def save_html(path: str | Path, w: Watch, title: str, meta: str = "") -> None:
     """A self-contained page (inline CSS, JS and data; no network) that replays every frame."""
-    page = html_page(w, title, meta)
     try:
-        Path(path).write_text(page, encoding="utf-8")
+        Path(path).write_text(html_page(w, title, meta), encoding="utf-8")
     except OSError as e:
         raise UserError(f"--save-html {path}: cannot write ({e.strerror}); pick a writable path") from None

@@ -1,12 +1,8 @@
-"""Builds a small Gemma-4-style BPE tokenizer and writes it as checkpoint files.
+"""Builds a small Gemma-4-style BPE tokenizer (random checkpoints and training) and writes it as checkpoint files.
 
-Owns: training a byte-fallback BPE with the `tokenizers` library whose special tokens sit at their
-real Gemma-4 ids (spec §8.1) and that never merges across a special token (the rule
-`crosses_special`, and `retire_cross_special` to enforce it on an existing tokenizer), and writing
-`tokenizer.json`, `tokenizer_config.json` (specials listed as in the real Gemma-4 file) and
-`chat_template.jinja` into a checkpoint directory. Used by the random-checkpoint writer and the
-tiny-model training script. Must not: know about models or torch, or be needed at inference time
-(the runtime reads the files through `dgcli.text.tokenizer`).
+Owns: a byte-fallback BPE whose specials sit at their real Gemma-4 ids (spec §8.1) and that never merges across
+a special token (`crosses_special`, enforced by `retire_cross_special`), and its tokenizer.json,
+tokenizer_config.json and chat_template.jinja. Must not: know about models or torch, or be needed at run time.
 """
 
 from __future__ import annotations
@@ -25,24 +21,9 @@ from tokenizers.trainers import BpeTrainer
 # Real Gemma-4 ids (spec §8.1); every other id below RESERVED_END becomes an <unused_N> placeholder
 # so that these line up exactly with the real checkpoint's tokenizer.
 GEMMA4_SPECIAL_IDS: dict[int, str] = {
-    0: "<pad>",
-    1: "<eos>",
-    2: "<bos>",
-    3: "<unk>",
-    4: "<mask>",
-    46: "<|tool>",
-    47: "<tool|>",
-    48: "<|tool_call>",
-    49: "<tool_call|>",
-    50: "<|tool_response>",
-    51: "<tool_response|>",
-    52: '<|"|>',
-    98: "<|think|>",
-    100: "<|channel>",
-    101: "<channel|>",
-    105: "<|turn>",
-    106: "<turn|>",
-}
+    0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 4: "<mask>", 46: "<|tool>", 47: "<tool|>", 48: "<|tool_call>",
+    49: "<tool_call|>", 50: "<|tool_response>", 51: "<tool_response|>", 52: '<|"|>', 98: "<|think|>",
+    100: "<|channel>", 101: "<channel|>", 105: "<|turn>", 106: "<turn|>"}
 # Names the real Gemma-4 tokenizer_config.json gives its control tokens (transformers 5 exposes them
 # as tokenizer attributes and counts them as special).
 GEMMA4_NAMED_TOKENS: dict[str, str] = {
@@ -99,11 +80,8 @@ def retire_cross_special(tok: Tokenizer, first_learned: int = FIRST_LEARNED_ID) 
         return tok, []
     inv = {i: t for t, i in model["vocab"].items()}
     placeholders = {inv[i]: f"<unused_{i}>" for i in retired}
-    model["merges"] = [
-        m for m in model["merges"]
-        if not any(p in placeholders for p in (m[0], m[1], m[0] + m[1]))
-        and not crosses_special(m[0] + m[1], specials)
-    ]
+    model["merges"] = [m for m in model["merges"] if not any(p in placeholders for p in (m[0], m[1], m[0] + m[1]))
+                       and not crosses_special(m[0] + m[1], specials)]
     model["vocab"] = {placeholders.get(t, t): i for t, i in model["vocab"].items()}
     out = Tokenizer.from_str(json.dumps(data))
     out.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in placeholders.values()])
@@ -124,25 +102,15 @@ def _gemma_pipeline(tok: Tokenizer) -> None:
     # Normalisation runs first, so words are split at "▁"; merged_with_next keeps "▁word" pieces
     # (SentencePiece style), so no merge spans a word boundary. Newline runs stand alone so the
     # template's "role\n" always gives the "\n" token, as in the spec's worked example.
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex("\n+"), behavior="isolated"),
-            pre_tokenizers.Split(SPACE, behavior="merged_with_next"),
-        ]
-    )
-    tok.decoder = decoders.Sequence(
-        [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
-    )
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex("\n+"), behavior="isolated"),
+                                                 pre_tokenizers.Split(SPACE, behavior="merged_with_next")])
+    tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
 
 
 def build_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
-    """Train a Gemma-4-style byte-fallback BPE of exactly `vocab_size` tokens on `texts`.
-
-    Layout: ids 0..106 reserved (Gemma-4 specials at their real ids, `<unused_N>` between),
-    107 = "\\n", 108..363 = byte-fallback tokens `<0x00>`..`<0xFF>`, then learned tokens; if the
-    corpus is too small to learn that many, the tail is padded with special `<unused_N>` tokens
-    so that `get_vocab_size() == vocab_size` matches the model's embedding rows.
-    """
+    """Train a Gemma-4-style byte-fallback BPE of exactly `vocab_size` tokens on `texts`: ids 0..106 reserved
+    (specials, `<unused_N>` between), 107 = "\\n", 108..363 = `<0x00>`..`<0xFF>`, then learned tokens, the tail
+    padded with special `<unused_N>` when the corpus is too small (the model's embedding rows must match)."""
     if vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(f"vocab_size must be >= {MIN_VOCAB_SIZE} (specials + bytes), got {vocab_size}")
     reserved = reserved_tokens()
@@ -152,14 +120,9 @@ def build_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     trainer_budget = vocab_size - len(BYTE_TOKENS)
     scratch = Tokenizer(BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     _gemma_pipeline(scratch)
-    trainer = BpeTrainer(
-        vocab_size=trainer_budget,
-        special_tokens=reserved,
-        initial_alphabet=["\n"],
-        # Rare characters beyond this fall back to bytes instead of overflowing the budget.
-        limit_alphabet=trainer_budget - RESERVED_END,
-        show_progress=False,
-    )
+    # Rare characters beyond limit_alphabet fall back to bytes instead of overflowing the budget.
+    trainer = BpeTrainer(vocab_size=trainer_budget, special_tokens=reserved, initial_alphabet=["\n"],
+                         limit_alphabet=trainer_budget - RESERVED_END, show_progress=False)
     scratch.train_from_iterator(_without_specials(texts, reserved), trainer=trainer)
     trained = json.loads(scratch.to_str())["model"]
     learned = [t for t, _ in sorted(trained["vocab"].items(), key=lambda kv: kv[1])]
@@ -177,14 +140,11 @@ def build_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     _gemma_pipeline(tok)
     # Every reserved and padding token is an added special token: matched whole in text, skipped
     # when decoding with skip_special_tokens. All already have vocab ids, so those ids are kept.
-    tok.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t in reserved + pad_tokens]
-    )
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in reserved + pad_tokens])
     bos = GEMMA4_SPECIAL_IDS[2]
     # add_bos_token = true: encode(..., add_special_tokens=True) prepends <bos>, as Gemma does.
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, 2)]
-    )
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+                                                       special_tokens=[(bos, 2)])
     # Specials were cut out of the training text, so this finds nothing unless the corpus itself
     # spells a fragment next to a special's edge (e.g. a literal "|>"); it keeps the guarantee anyway.
     return retire_cross_special(tok)[0]
@@ -196,25 +156,13 @@ def tokenizer_config(tok: Tokenizer) -> dict:
     transformers and converters that read only this file (llama.cpp) see them as special."""
     added = tok.get_added_tokens_decoder()
     control = [t for t in GEMMA4_NAMED_TOKENS.values() if tok.token_to_id(t) is not None]
-    return {
-        "tokenizer_class": "GemmaTokenizer",
-        "backend": "tokenizers",
-        "bos_token": GEMMA4_SPECIAL_IDS[2],
-        "eos_token": GEMMA4_SPECIAL_IDS[1],
-        "pad_token": GEMMA4_SPECIAL_IDS[0],
-        "unk_token": GEMMA4_SPECIAL_IDS[3],
-        "mask_token": GEMMA4_SPECIAL_IDS[4],
-        **{name: t for name, t in GEMMA4_NAMED_TOKENS.items() if t in control},
-        "extra_special_tokens": control,
-        "add_bos_token": True,
-        "add_eos_token": False,
-        "padding_side": "left",
-        "added_tokens_decoder": {
-            str(i): {"content": a.content, "lstrip": a.lstrip, "normalized": a.normalized,
-                     "rstrip": a.rstrip, "single_word": a.single_word, "special": a.special}
-            for i, a in sorted(added.items())
-        },
-    }
+    return {"tokenizer_class": "GemmaTokenizer", "backend": "tokenizers", "bos_token": GEMMA4_SPECIAL_IDS[2],
+            "eos_token": GEMMA4_SPECIAL_IDS[1], "pad_token": GEMMA4_SPECIAL_IDS[0], "unk_token": GEMMA4_SPECIAL_IDS[3],
+            "mask_token": GEMMA4_SPECIAL_IDS[4], **{name: t for name, t in GEMMA4_NAMED_TOKENS.items() if t in control},
+            "extra_special_tokens": control, "add_bos_token": True, "add_eos_token": False, "padding_side": "left",
+            "added_tokens_decoder": {
+                str(i): {"content": a.content, "lstrip": a.lstrip, "normalized": a.normalized, "rstrip": a.rstrip,
+                         "single_word": a.single_word, "special": a.special} for i, a in sorted(added.items())}}
 
 
 def write_tokenizer_files(tok: Tokenizer, out_dir: str | Path) -> None:

@@ -1,11 +1,9 @@
-"""The tokenizer of a GGUF file: `tokenizer.ggml.*` (model `gemma4`) <-> a `tokenizers.Tokenizer` built the way
-the checkpoint's tokenizer.json is (byte-fallback BPE; " " -> "▁"; newline runs and "▁"-words split apart;
-<bos> prepended; decoded back through "▁" -> " ", byte fallback, fuse), plus `tokenizer.chat_template`.
+"""The tokenizer of a GGUF file: `tokenizer.ggml.*` (model `gemma4`) <-> a `tokenizers.Tokenizer` built as the
+checkpoint's tokenizer.json is, plus `tokenizer.chat_template`.
 
-Owns: the GGUF tokenizer keys both ways (`vocab_metadata` for the writer, `tokenizer_from_gguf` for the reader)
-and which GGUF tokens become special added tokens: CONTROL, USER_DEFINED and UNKNOWN ones, and Gemma's
-`<unused_N>` placeholders, which llama.cpp's converter types NORMAL (transformers does not list them as
-special) although tokenizer.json matches them whole. Must not: import torch or read files.
+Owns: the GGUF tokenizer keys both ways (`vocab_metadata` writes, `tokenizer_from_gguf` reads) and which GGUF tokens
+become special added tokens: CONTROL, USER_DEFINED, UNKNOWN, and Gemma's `<unused_N>` placeholders (llama.cpp's
+converter types them NORMAL, yet tokenizer.json matches them whole). Must not: import torch or read files.
 """
 
 from __future__ import annotations
@@ -66,12 +64,9 @@ def vocab_metadata(tok: Any, chat_template: str | None) -> dict[str, Any]:
 
 def _split_merge(m: str, vocab: dict[str, int]) -> list[str]:
     # "a b": the space that splits the pair into two vocabulary tokens whose join is one (a token may hold a space).
-    if m.count(" ") == 1:
-        a, _, b = m.partition(" ")
-        return [a, b]
-    for i in [j for j, c in enumerate(m) if c == " "]:
+    for i in (j for j, c in enumerate(m) if c == " "):
         a, b = m[:i], m[i + 1:]
-        if a in vocab and b in vocab and a + b in vocab:
+        if m.count(" ") == 1 or (a in vocab and b in vocab and a + b in vocab):
             return [a, b]
     a, _, b = m.partition(" ")
     return [a, b]

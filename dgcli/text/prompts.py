@@ -12,8 +12,6 @@ from pathlib import Path
 
 from dgcli.errors import UserError
 
-NOT_UTF8_FIX = "save it as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
-
 
 def not_unicode(text: str, *, read_bytes: bool = True) -> str | None:
     """Why `text` is no Unicode text (None when it is): a lone surrogate, from JSON's \\ud800 escape, or where
@@ -33,7 +31,8 @@ def _decode(data: bytes, where: str) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
-        raise UserError(f"{where}: line {line} is not UTF-8 (byte 0x{data[e.start]:02x}); {NOT_UTF8_FIX}") from None
+        raise UserError(f"{where}: line {line} is not UTF-8 (byte 0x{data[e.start]:02x}); save it as UTF-8 "
+                        "(e.g. iconv -f latin1 -t utf-8)") from None
 
 
 def _read(path: str | Path, flag: str) -> str:

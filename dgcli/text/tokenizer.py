@@ -24,16 +24,9 @@ from dgcli.errors import UserError
 from dgcli.text.prompts import not_unicode
 
 # Attribute name -> token string; ids always come from the checkpoint's vocab (never hard-coded).
-SPECIAL_TOKENS: dict[str, str] = {
-    "pad": "<pad>",
-    "eos": "<eos>",
-    "bos": "<bos>",
-    "turn_start": "<|turn>",
-    "turn_end": "<turn|>",
-    "channel_start": "<|channel>",
-    "channel_end": "<channel|>",
-    "think": "<|think|>",
-}
+SPECIAL_TOKENS: dict[str, str] = {"pad": "<pad>", "eos": "<eos>", "bos": "<bos>", "turn_start": "<|turn>",
+                                   "turn_end": "<turn|>", "channel_start": "<|channel>", "channel_end": "<channel|>",
+                                   "think": "<|think|>"}
 THOUGHT_LABEL = "thought"  # a channel opens with "<|channel>thought\n"
 
 
@@ -68,10 +61,8 @@ class ChatTokenizer:
         for attr, token in SPECIAL_TOKENS.items():
             token_id = tokenizer.token_to_id(token)
             if token_id is None:
-                raise UserError(
-                    f"{source}: special token {token} is missing from the vocabulary; "
-                    "use a Gemma-4 tokenizer.json"
-                )
+                raise UserError(f"{source}: special token {token} is missing from the vocabulary; "
+                                "use a Gemma-4 tokenizer.json")
             setattr(self, f"{attr}_id", token_id)
         self.bos_token = tokenizer.id_to_token(self.bos_id)
         self.eos_token = tokenizer.id_to_token(self.eos_id)
@@ -83,44 +74,30 @@ class ChatTokenizer:
     @cached_property
     def _template(self) -> jinja2.Template:
         if self.chat_template is None:
-            raise UserError(
-                f"{self.source} has no chat template (chat_template.jinja or tokenizer_config.json); "
-                "add one or send the prompt with --raw"
-            )
+            raise UserError(f"{self.source} has no chat template (chat_template.jinja or tokenizer_config.json); "
+                            "add one or send the prompt with --raw")
         env = _StrictSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = _raise_exception
         try:
             return env.from_string(self.chat_template)
         except jinja2.TemplateError as exc:
-            raise UserError(
-                f"chat template of {self.source} does not parse: {exc}; fix the template"
-            ) from None
+            raise UserError(f"chat template of {self.source} does not parse: {exc}; fix the template") from None
 
     def check_template(self) -> None:
         """Raise the `UserError` a prompt would meet when the chat template is missing or does not parse."""
         self._template  # noqa: B018 (the property raises)
 
-    def render_chat(
-        self, messages: list[dict], *, thinking: bool = False, add_generation_prompt: bool = True
-    ) -> str:
+    def render_chat(self, messages: list[dict], *, thinking: bool = False, add_generation_prompt: bool = True) -> str:
         """Render `messages` ([{role, content}]) with the checkpoint's chat template, sandboxed."""
         template = self._template  # outside the try: its own UserError must pass through as is
         try:
-            return template.render(
-                messages=messages,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
-                enable_thinking=thinking,
-                add_generation_prompt=add_generation_prompt,
-            )
+            return template.render(messages=messages, bos_token=self.bos_token, eos_token=self.eos_token,
+                                   enable_thinking=thinking, add_generation_prompt=add_generation_prompt)
         except SecurityError as exc:
-            raise UserError(
-                f"chat template of {self.source} was refused by the sandbox ({exc}); use a trusted template"
-            ) from None
+            raise UserError(f"chat template of {self.source} was refused by the sandbox ({exc}); "
+                            "use a trusted template") from None
         except Exception as exc:  # any template bug (TemplateError, TypeError, ...) is one user-facing line
-            raise UserError(
-                f"chat template of {self.source} failed: {exc}; check the messages or template"
-            ) from None
+            raise UserError(f"chat template of {self.source} failed: {exc}; check the messages or template") from None
 
     def _with_one_bos(self, ids: list[int]) -> list[int]:
         # The template (or the raw text) may already start with <bos>; never add a second one.
@@ -198,27 +175,16 @@ class ChatTokenizer:
         tail = "" if open_tail is None else self._channel_body(open_tail)
         return self.thinking_text(bodies), self.decode(answer) + tail
 
-    def answer_text(
-        self, ids: Iterable[int], *, show_thinking: bool = False, stop_ids: Iterable[int] | None = None
-    ) -> str:
-        """The answer in generated `ids`; `show_thinking` keeps the thought channel, markers included."""
-        if show_thinking:
-            return self._decode_keep_channels(self.cut_at_stop(ids, stop_ids))
-        return self.split_thinking(ids, stop_ids)[1]
-
-    def _decode_keep_channels(self, ids: list[int]) -> str:
-        # Other special tokens are skipped, but the channel markers stay so thinking is delimited.
-        markers = {self.channel_start_id: "<|channel>", self.channel_end_id: "<channel|>"}
-        parts: list[str] = []
-        run: list[int] = []
-        for i in ids:
-            if i in markers:
-                parts += [self.decode(run), self.tokenizer.id_to_token(i)]
-                run = []
-            else:
-                run.append(i)
-        parts.append(self.decode(run))
-        return "".join(parts)
+    def answer_text(self, ids: Iterable[int], *, show_thinking: bool = False,
+                    stop_ids: Iterable[int] | None = None) -> str:
+        """The answer in generated `ids`; `show_thinking` keeps the thought channel, its markers included (the
+        other special tokens are skipped)."""
+        if not show_thinking:
+            return self.split_thinking(ids, stop_ids)[1]
+        markers = (self.channel_start_id, self.channel_end_id)
+        runs = itertools.groupby(self.cut_at_stop(ids, stop_ids), key=lambda i: i in markers)
+        return "".join("".join(map(self.tokenizer.id_to_token, run)) if marker else self.decode(run)
+                       for marker, run in runs)
 
     @cached_property
     def byte_ids(self) -> frozenset[int]:
@@ -312,19 +278,14 @@ def load_tokenizer(checkpoint_dir: str | Path) -> ChatTokenizer:
     root = Path(checkpoint_dir)
     tok_path = root / "tokenizer.json"
     if not tok_path.is_file():
-        raise UserError(
-            f"tokenizer file {tok_path} not found; the checkpoint needs its Hugging Face tokenizer.json"
-        )
+        raise UserError(f"tokenizer file {tok_path} not found; the checkpoint needs its Hugging Face tokenizer.json")
     try:
         tokenizer = Tokenizer.from_file(str(tok_path))
     except Exception as exc:  # tokenizers raises a bare Exception on malformed JSON
         raise UserError(f"cannot load {tok_path}: {exc}; re-download the tokenizer") from None
-    template_path = root / "chat_template.jinja"
-    config_path = root / "tokenizer_config.json"
+    template_path, config_path = root / "chat_template.jinja", root / "tokenizer_config.json"
     if template_path.is_file():
         template = template_path.read_text(encoding="utf-8")
-    elif config_path.is_file():
-        template = _template_from_config(config_path)
     else:
-        template = None
+        template = _template_from_config(config_path) if config_path.is_file() else None
     return ChatTokenizer(tokenizer, template, source=str(root))

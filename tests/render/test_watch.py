@@ -339,7 +339,7 @@ def test_a_picture_place_that_is_not_writable_is_refused_before_the_run(monkeypa
 
     real = os.access  # root writes anywhere: the folder answers as it would for a user
     monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p) == str(tmp_path) else real(p, mode, **kw))
-    with pytest.raises(UserError, match="--save-svg .*x.svg: not writable here"):
+    with pytest.raises(UserError, match="--save-svg .*x.svg: cannot write there"):
         _check_outputs(save_svg=str(tmp_path / "x.svg"))
 
 
@@ -389,7 +389,7 @@ def test_bad_traces_give_one_line_and_exit_2(tmp_path):
     (["--fps", "0", "x"], "--fps"), (["--step-delay", "-1", "x"], "--step-delay"), (["--speed", "2", "x"], "--speed"),
     (["--replay", "t.jsonl", "prompt"], "drop PROMPT"), (["--save-html", "/no/such/dir/x.html", "x"], "--save-html"), (["--replay", "t.jsonl", "--diffusion-steps", "4"], "drop"),
     (["--step-delay", "nan", "x"], "--step-delay nan: give a finite number"), (["--fps", "inf", "x"], "--fps inf"),
-    (["--replay", "t.jsonl", "--speed", "1e-300"], "too slow"), (["--save-svg", "/tmp", "x"], "is a folder")])
+    (["--replay", "t.jsonl", "--speed", "1e-300"], "too slow"), (["--save-svg", "/tmp", "x"], "is a directory")])
 def test_bad_options_are_one_line_errors(args, message):
     from dgcli.cli.watch import watch
     from dgcli.errors import UserError
