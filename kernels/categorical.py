@@ -1,15 +1,10 @@
-"""The categorical draw of the vocabulary passes that never hold a row's full CDF: inverse CDF over
-column groups, then inside one group.
+"""The categorical draw of the vocabulary passes that never hold a row's full CDF: `draw_from_groups`, the
+reference's rule (the first j with Σ_{i≤j} exp(L_i - M) > u·Σ_i exp(L_i - M), sums in float64) over column groups.
 
-Owns: `draw_from_groups`, the twin of the reference's one-line rule (kernels/reference.py: sample = the
-first j with Σ_{i≤j} exp(L_i - M) > u·Σ_i exp(L_i - M), sums in float64). A pass that streams the
-vocabulary keeps, per row and per group of `width` consecutive columns, a reference value m_g ≥ the
-group's logits and w_g = Σ_{j∈g} exp(L_j - m_g) (fp32); this finds the group where the cumulative mass
-crosses u·total, recomputes that group's logits for each row (`group_logits`: a [rows, width, H] gather
-of E, a few rows at a time, or one GEMM per group when few groups are drawn) and finds the column inside it.
-Same draw as the reference's up to float rounding (group sums in fp32, a different summation order) when
-u·total falls within that rounding of a CDF boundary. Must not: know
-about devices beyond the tensors given, or sync with the host (CPU tensors are read as lists: no device there).
+A streaming pass keeps, per row and group of `width` columns, m_g ≥ the group's logits and w_g = Σ exp(L_j - m_g);
+this finds the group where the cumulative mass crosses u·total, recomputes that group's logits (`group_logits`) and
+finds the column inside it: the reference's draw up to rounding at a CDF boundary. Must not: know about devices
+beyond the tensors given, or sync with the host (CPU tensors are read as lists).
 """
 
 from __future__ import annotations

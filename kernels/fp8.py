@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .moe_cpu import _combine, _outside_compiled_graphs, _pairs, segments_fit
+from .moe_cpu import _outside_compiled_graphs, _sorted_pairs, _sum_slots, segments_fit
 from .reference_ops import expert_groups
 
 FP8 = torch.float8_e4m3fn
@@ -140,8 +140,7 @@ def experts_fp8_segments(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gu
     inter = dn_q.shape[2]
     if not segments_fit(h, inter, x.dtype):
         return experts_fp8_reference(x, w, idx, gu_q, gu_s, dn_q, dn_s)
-    flat, w_sorted = _pairs(idx, w)  # [N*k], [N, k]
-    order = torch.argsort(flat, stable=True)  # [N*k] pairs grouped by expert
+    flat, order, ws = _sorted_pairs(idx, w)  # [N*k], [N*k], [N*k, 1]
     ends = torch.bincount(flat, minlength=num_experts).cumsum(0).tolist()  # host: where each expert's rows end
     per = max(1, chunk_bytes // ((two_i * h + h * inter) * x.element_size()))
     xs = x[order // k]  # [N*k, H] rows in expert order
@@ -155,5 +154,4 @@ def experts_fp8_segments(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gu
         gu = F.grouped_mm(xs[r0:r1], dequantize(gu_q[e0:e1], gu_s[e0:e1], x.dtype).transpose(1, 2), offs=offs)
         act = F.gelu(gu[:, :inter], approximate="tanh") * gu[:, inter:]  # [rows, I]
         ys[r0:r1] = F.grouped_mm(act, dequantize(dn_q[e0:e1], dn_s[e0:e1], x.dtype).transpose(1, 2), offs=offs)
-    pairs = torch.empty_like(ys).index_copy_(0, order, ys)  # [N*k, H] back in pair order
-    return _combine(pairs, w_sorted, x.dtype)
+    return _sum_slots(ys.mul_(ws), order, k)  # the fp32 product rounded once to x.dtype, in place

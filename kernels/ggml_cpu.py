@@ -1,31 +1,21 @@
 """GGML-quantized weights computed on CPU, kept quantized in memory: no dequantized copy outlives a call.
 
 Owns: `prepare` (a GGUF block tensor -> the form kept in memory, built once at load), `linear`, `experts`
-(the `experts_reference` semantics over routed experts only) and `dequantize_prepared` (tests).
-Must not: know GGUF files or tensor names (dgcli/checkpoint/gguf.py), or route (the model's router does).
+(`experts_reference`'s semantics) and `dequantize_prepared`. Must not: know GGUF files or tensor names
+(dgcli/checkpoint/), or route.
 
-The forms (built at load; the file's bytes are not kept). Q4_K -> torch's int4 CPU kernel
-(`torch._weight_int4pack_mm_for_cpu`: w = (q − 8)·scale + zero per group of 32 along K, fp32 accumulation): a
-sub-block of 32 is one group, scale = d·sc, zero = 8·d·sc − dmin·m (exact in fp32, stored in the activations'
-dtype: bf16 rounds them, relative error <= 2^-9 each); 0.625 bytes per value (Q4_K: 0.5625). Q4_0: scale d, zero 0.
-Q8_0 -> the same kernel on two nibble planes side by side along K (q + 128 = 16a + b: plane a scale 16d, zero 8d;
-plane b scale d, zero 0; x fed twice); 1.25 bytes per value. Q5_0 (llama.cpp's Q4_K_M type for rows not a
-multiple of 256) the same way. Q6_K -> kept as its bytes (its 16-value sub-blocks do not map onto groups of 32),
-dequantized in ~1 MB tiles for F.linear (~2.5 ns per weight; the dequantizer's bits rounded to x's dtype).
+The forms. Q4_K, Q4_0 -> torch's int4 CPU layout (`torch._weight_int4pack_mm_for_cpu`: w = (q − 8)·scale + zero per
+group of 32 along K): a Q4_K sub-block is one group, scale = d·sc, zero = 8·d·sc − dmin·m (exact in fp32, stored in
+the activations' dtype: bf16 rounds them, <= 2^-9 each). Q8_0 and Q5_0 -> two nibble planes side by side along K
+(q + offset = 16a + b; x fed twice). Q6_K -> kept as its bytes (16-value sub-blocks do not map onto groups of 32).
 Rows are padded to a multiple of 64.
-fp32 activations (or scales not in x's dtype) take the exact fp32 tile path (the kernel's fp32 path is ~70x slower).
-
-The one C fast path: where the CPU has AVX-512 VNNI + VBMI (and a C compiler), bf16 x of Q8_ROWS rows or more takes
-the int8 path (kernels/ggml_q8.py: x rounded to int8 per group of 32, then integer dot products over the nibbles, a
-plane pair's joined into bytes; 0.62-0.93x bf16's GEMM time at 3-256 rows, its own stated bound), and Q6_K at every
-row count. Measured against the torch paths below in benchmarks/RESULTS.md (a GGUF step ~1.8x faster).
-The torch paths (DGEMMA_KERNELS=torch, no compiler, no VNNI), for an int4 form by the rows of x (`gemm_rows`): few
-(< 64; planes 32): torch's int4 kernel (3.5x fewer bytes than bf16, but fp32 FMAs); more: the GEMM path
-(`_gemm_int4`), tiles of ~4 M weights unpacked to bf16 by torch ops in per-thread scratch (`_int4_tile_t`, ~0.55-0.8
-ns per weight), then x @ W.T; nothing unpacked outlives the call; each weight is the kernel's exact weight rounded
-once to bf16 (tests check the bits).
-Output error against the file's exact weights (relative RMS, Q4_K [1408, 2816], 256 rows, zero-mean / mean-1 x):
-kernel 2.5e-3 / 4.0e-3, GEMM path 3.0e-3 / 4.6e-3 (one more bf16 rounding per weight), bf16 checkpoint 2.4e-3 / 2.7e-3.
+The paths, for bf16 x: the int8 C kernel (kernels/ggml_q8.py, its own stated numerics) where the CPU has AVX-512
+VNNI + VBMI, from Q8_ROWS rows (a GGUF step ~1.8x faster, benchmarks/RESULTS.md); otherwise (DGEMMA_KERNELS=torch,
+no compiler) torch's int4 kernel below `gemm_rows` rows (3.5x fewer bytes than bf16, fp32 FMAs) and above it bf16
+tiles of ~4 M weights unpacked by torch ops in per-thread scratch, then x @ W.T (each weight the kernel's exact
+weight rounded once to bf16). fp32 x, and Q6_K without C, take exact fp32 tiles (the int4 kernel's fp32 path is
+~70x slower). Relative RMS error against the file's weights (Q4_K [1408, 2816], 256 rows): kernel 2.5e-3, GEMM
+path 3.0e-3, a bf16 checkpoint 2.4e-3.
 """
 
 from __future__ import annotations

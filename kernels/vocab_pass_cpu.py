@@ -1,32 +1,15 @@
-"""The vocabulary pass for CPU: vocabulary tiles, online statistics, never a [C, V] float32 tensor.
+"""The vocabulary pass for CPU: `vocab_pass_tiled`, the contract of `reference.vocab_pass` computed one vocabulary
+tile at a time for all rows (one head GEMM [N, H]x[H, T] per tile, fp32 online statistics, the streaming draw of
+kernels/categorical.py), never a [C, V] float32 tensor. Must not: know about the denoising loop or models, or run on
+CUDA (it reads row counts back to the host).
 
-Owns: `vocab_pass_tiled`, same contract and outputs as `kernels/reference.py::vocab_pass` (tied head +
-softcap, temperature, one categorical draw, argmax, entropy, self-conditioning soft embedding), computed
-one vocabulary tile at a time for all rows: one bf16 head GEMM [N, H]x[H, T] per tile, fp32 online
-statistics (running max, sum of exp, entropy numerator, argmax) and a streaming categorical draw.
-Must not: know about the denoising loop, devices other than CPU (it reads a few row counts back to the
-host, which is free on CPU and a sync on CUDA: CUDA uses the Triton kernel), or models.
-
-Semantics kept from the reference: argmax of L (first index on ties), entropy of softmax(L) in fp32,
-and soft = bf16(softmax_fp32(bf16(L))) @ E · scale with L rounded to the embedding dtype before the
-softmax. The soft embedding in a low-precision dtype (bf16) is the reference's (transformers') own ops on
-the same values, so its bits are the reference's: each tile writes bf16(L) into one [N, V] buffer in the
-embedding dtype (the tensor transformers keeps between steps; 128 MiB at N = 256, V = 262,144), then
-torch's softmax (fp32, a few rows at a time) overwrites it with the bf16 probabilities, and one bf16
-GEMM [N, V]x[V, H] over the whole vocabulary (oneDNN's result for a row does not depend on the other rows
-when N >= 2, measured; transformers runs it on [B·C, V]). Why not online: a bf16 probability must be
-rounded after normalising by the full row's sum, and torch's fp32 softmax uses its own exp and sum order,
-so probabilities rounded per tile (the earlier design: unnormalised, rescaled in fp32 afterwards) moved
-~40 % of the soft embedding's entries by a bf16 step and step 2's logits by 0.3-1.9 on the parity configs.
-In fp32 the soft embedding stays online (flash-attention style, rescaled when the running max grows),
-equal to the reference up to fp32 summation order. The categorical draw is the reference's inverse CDF at
-the given uniforms, located through per-group sums (kernels/categorical.py): the same draws up to rounding.
-
-Memory: logits exist only for canvas rows, never as a whole [C, V] float32 tensor (268 MB at the real
-V = 262,144, C = 256). In bf16 the pass's extra peak is the one [C, V] bf16 buffer (128 MiB there) plus a
-tile's buffers: 144.1 MiB measured by the allocator at V = 262,144, H = 2816, C = 256, against 169.4 MiB
-for the row-chunked torch reference (benchmarks/bench_cpu_step.py; history in benchmarks/RESULTS.md).
-`dgemma info` prints a checkpoint's whole working set per step.
+The low-precision soft embedding is the reference's own ops on the same values, so its bits are the reference's:
+each tile writes bf16(L) into one [N, V] buffer (the tensor transformers keeps between steps), torch's softmax
+overwrites it with the bf16 probabilities, then one GEMM over the whole vocabulary. Why not online: a bf16
+probability is rounded after normalising by the full row's sum; rounding per tile moved ~40 % of the soft
+embedding's entries by a bf16 step. In fp32 it stays online (rescaled as the running max grows).
+Memory: the [C, V] bf16 buffer plus a tile's buffers (144 MiB at V = 262,144, C = 256, against the row-chunked
+reference's 169 MiB; benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -131,28 +114,13 @@ def soft_from_stored(stored: torch.Tensor, embed: torch.Tensor, scale: torch.Ten
 
 
 @torch.no_grad()
-def vocab_pass_tiled(
-    hidden: torch.Tensor,
-    embed: torch.Tensor,
-    *,
-    softcap: float | None,
-    temperature: float | torch.Tensor,
-    embed_scale: torch.Tensor | float,
-    uniform: torch.Tensor,
-    want_soft: bool = True,
-    tile: int | None = None,
-    compile_tiles: bool = False,
-) -> VocabPassOut:
-    """`kernels.reference.vocab_pass` over vocabulary tiles of `tile` columns (default `auto_tile`).
-
-    Extra memory: a few [N, T] float32 tiles (T = `auto_tile(TILE_ROWS, V)` by default: ~16 MiB of tiles
-    per 256 rows); for the soft embedding, in fp32 an [N, H] float32 accumulator, in a low-precision
-    dtype the [N, V] rounded logits in that dtype plus the softmax's float32 rows (`soft_from_stored`).
-    `compile_tiles` runs each tile's elementwise math through torch.compile (`dgemma --compile`); the
-    GEMMs, the running statistics and the draw stay eager. Batch rows go through in chunks of about
-    TILE_ROWS rows (whole canvases, so each chunk's tiles stay in cache; the head reads E once per chunk, the
-    low-precision soft GEMM once more), and a row's numbers do not depend on its chunk (the tile width does
-    not; the soft GEMM's rows are independent for N >= 2, and a canvas has C >= 2 rows)."""
+def vocab_pass_tiled(hidden: torch.Tensor, embed: torch.Tensor, *, softcap: float | None,
+                     temperature: float | torch.Tensor, embed_scale: torch.Tensor | float, uniform: torch.Tensor,
+                     want_soft: bool = True, tile: int | None = None, compile_tiles: bool = False) -> VocabPassOut:
+    """`reference.vocab_pass` over vocabulary tiles of `tile` columns (default `auto_tile(TILE_ROWS, V)`: ~16 MiB of
+    tiles per 256 rows). `compile_tiles` runs each tile's elementwise math through torch.compile (`--compile`).
+    Batch rows go through in chunks of about TILE_ROWS rows (whole canvases, so a chunk's tiles stay in cache); a
+    row's numbers do not depend on its chunk (nor on the tile width; the soft GEMM's rows are independent for N >= 2)."""
     b, c, h = hidden.shape
     per = max(1, TILE_ROWS // c)  # batch rows (canvases) per chunk
     if b > per and tile is None:
