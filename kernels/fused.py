@@ -1,10 +1,6 @@
-"""Small fused kernels of the CUDA path (Triton), each one launch where torch makes several.
-
-Owns: `qkv_norm_rope` (an attention's q/k/v split out of its fused projection, q and k RMS-normed and rotated,
-v normed: the twin of `kernels/reference_ops.py::qkv_norm_rope_reference`, same roundings) and `gelu_mul_fused`
-(the gated GELU(tanh) of a [.., 2I] gate|up tensor: `reference_ops.gelu_mul` of its halves), the router's two
-(`router_input`, `route`: their `reference_ops` twins, softmax and top-k in fp32). Must not: pick
-devices (kernels/dispatch.py does), or sync with the host.
+"""Small fused kernels of the CUDA path (Triton), each one launch where torch makes several: `qkv_norm_rope`,
+`gelu_mul_fused`, `router_input` and `route`, twins of their `reference_ops` references (same roundings; softmax and
+top-k in fp32). Must not: pick devices (kernels/dispatch.py does), or sync with the host.
 """
 
 from __future__ import annotations
@@ -13,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import round_to
+from .triton_common import gelu_mul_rounded, round_to
 
 
 @triton.jit
@@ -74,10 +70,7 @@ def _gelu_mul_kernel(x_ptr, out_ptr, inner, stride_x, IS_BF16: tl.constexpr, BLO
     m = cols < inner
     gate = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inner + cols, mask=m, other=0.0).to(tl.float32)
-    # gelu_tanh(z) = 0.5·z·(1 + tanh(√(2/π)(z + 0.044715 z³))), tanh(y) = 1 - 2/(exp(2y) + 1) (as kernels/moe.py)
-    inner_ = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-    th = 1.0 - 2.0 / (tl.exp(2.0 * inner_) + 1.0)
-    y = round_to(round_to(0.5 * gate * (1.0 + th), IS_BF16) * up, IS_BF16)
+    y = gelu_mul_rounded(gate, up, IS_BF16)
     tl.store(out_ptr + row * inner + cols, y.to(out_ptr.dtype.element_ty), mask=m)
 
 

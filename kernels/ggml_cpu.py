@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from . import ggml_q8
+from .moe_cpu import _sorted_pairs, _sum_slots
 
 Q4_0, Q5_0, Q8_0, Q4_K, Q6_K = 2, 6, 8, 12, 14
 PLANES = (Q5_0, Q8_0)  # 5- and 8-bit types: two nibble planes side by side along K
@@ -251,32 +252,22 @@ def linear(x: torch.Tensor, p: Prepared) -> torch.Tensor:
 
 def experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: Prepared, down: Prepared,
             inter: int) -> torch.Tensor:
-    """Routed experts x [N, H], w [N, k] fp32, idx [N, k] -> [N, H] in x.dtype, `experts_reference`'s math: one
-    GEMM pair per expert that got tokens (only those experts are read), the gather, GELU gate, weighting and
-    scatter-add over all routed rows at once (per expert they cost ~25 % of a layer's experts at 2 threads); the
-    per-expert loop's bits: elementwise ops, and the adds into a token in ascending expert order."""
+    """Routed experts x [N, H], w [N, k] fp32, idx [N, k] -> [N, H] in x.dtype, `experts_reference`'s math and bits:
+    one GEMM pair per expert that got tokens (only those are read), the gather, GELU gate, weighting and sums over
+    all routed rows at once (per expert they cost ~25 % of a layer's experts at 2 threads)."""
     k = idx.shape[1]
-    flat = idx.reshape(-1)  # [N*k] pair p = token p // k
-    order = torch.argsort(flat, stable=True)  # [N*k] pairs grouped by expert (none for N = 0)
-    tok, ws = order // k, w.reshape(-1, 1).index_select(0, order)  # tokens, fp32 weights in that order
+    flat, order, ws = _sorted_pairs(idx, w)  # pairs grouped by expert, their fp32 weights in that order
     counts = [(e, c) for e, c in enumerate(torch.bincount(flat, minlength=gate_up.packed.shape[0]).tolist()) if c]
     if not counts:  # no tokens
         return torch.zeros_like(x)
-    xs, bounds = x.index_select(0, tok), [0]  # [R, H]: each expert's rows together
+    xs, bounds = x.index_select(0, order // k), [0]  # [R, H]: each expert's rows together
     for _, c in counts:
         bounds.append(bounds[-1] + c)
     gu_e, dn_e = _experts_of(gate_up), _experts_of(down)
     gu = _cat([linear(xs[a:b], gu_e(e)) for (e, _), a, b in zip(counts, bounds, bounds[1:])])  # [R, 2I]
     act = F.gelu(gu[:, :inter], approximate="tanh").mul_(gu[:, inter:])  # [R, I]
     y = _cat([linear(act[a:b], dn_e(e)) for (e, _), a, b in zip(counts, bounds, bounds[1:])])  # [R, H]
-    out, yw = torch.zeros_like(x), y.float().mul_(ws).to(x.dtype)
-    # each pair's place among its token's experts (ascending): the adds go in k rounds of distinct tokens, so a
-    # token's sum is rounded to x.dtype after each expert in ascending order, as the per-expert loop's
-    rank = torch.argsort(torch.argsort(idx, dim=1), dim=1).reshape(-1).index_select(0, order)
-    for j in range(k):
-        sel = (rank == j).nonzero().squeeze(1)
-        out.index_add_(0, tok.index_select(0, sel), yw.index_select(0, sel))
-    return out
+    return _sum_slots(y.mul_(ws), order, k)  # the fp32 product rounded once; ascending experts, one rounding each
 
 
 def _cat(ys: list[torch.Tensor]) -> torch.Tensor:

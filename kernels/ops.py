@@ -1,14 +1,9 @@
-"""The Triton kernels as torch custom ops (`torch.ops.dgemma.*`), each with a fake implementation.
-
-Owns: `rms_norm`, `qkv_norm_rope`, `gelu_mul`, `router_input`, `route`, `experts` (bf16/fp32 and FP8 weights),
-`fp8_linear`, `nvfp4_linear`, `vocab_pass` and `paged_attention`, the
-doors through which kernels/dispatch.py and model/attention.py reach the Triton entry points
-(`rmsnorm.rms_norm`, `moe.experts_triton`, `fp8_linear.linear_w8a16`, `vocab_pass.vocab_pass_triton`,
-`paged_attention.paged_attention`). A real call runs the entry point unchanged
-(same numerics, same interpreter behaviour); a fake call (FakeTensorMode, torch.compile's tracing, CUDA-graph capture checks)
-runs only the fake, which gives the exact output shapes, dtypes and devices without launching anything.
-None of the kernels writes its inputs (each allocates its outputs), so every op has `mutates_args=()`.
-Must not: import Triton at module level (CPU-only installs import dispatch), hold math, pick devices.
+"""The Triton kernels as torch custom ops (`torch.ops.dgemma.*`), each with a fake implementation: the doors through
+which kernels/dispatch.py and model/attention.py reach the kernels. A real call runs the kernel's entry point
+unchanged; a fake call (FakeTensorMode, torch.compile's tracing, CUDA-graph capture checks) gives the exact output
+shapes, dtypes and devices without launching anything. No kernel writes its inputs (`mutates_args=()`), except
+paged_attention's `out`. Must not: import Triton at module level (CPU-only installs import dispatch), hold math,
+pick devices.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""RMSNorm as one Triton kernel, with or without gain.
-
-Owns: `rms_norm(x, weight, eps, residual, pre_add)`, the kernel-backed twin of
-`kernels/reference_ops.py::rms_norm_reference` (Norm_w / Norm_0 in fp32, cast back to x.dtype) and, with a
-residual, a pre-add or a scale, of `kernels/dispatch.py::rms_norm_add` (each add and the scale's product
-rounded to x.dtype, as torch's ops round): one launch where torch makes three. Must not: pick devices (kernels/dispatch.py does),
-allocate more than its output, or sync with the host.
+"""RMSNorm as one Triton kernel: `rms_norm`, the twin of `reference_ops.rms_norm_reference` and, with a residual, a
+pre-add or a scale, of `dispatch.rms_norm_add` (each add and product rounded to x.dtype as torch's ops round): one
+launch where torch makes three. Must not: pick devices, allocate more than its output, or sync with the host.
 """
 
 from __future__ import annotations

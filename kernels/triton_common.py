@@ -42,3 +42,11 @@ def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.c
     first_m = (pid // per_group) * GROUP
     size_m = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP)
     return first_m + (pid % per_group) % size_m, (pid % per_group) // size_m
+
+
+@triton.jit
+def gelu_mul_rounded(gate, up, IS_BF16: tl.constexpr):
+    """gelu_tanh(gate) * up with torch's two roundings to the storage dtype; tanh(y) = 1 - 2/(exp(2y) + 1)."""
+    inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # √(2/π)(z + 0.044715 z³)
+    th = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
+    return round_to(round_to(0.5 * gate * (1.0 + th), IS_BF16) * up, IS_BF16)
