@@ -70,7 +70,7 @@ def experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_proj: t
     """Routed experts x [N, H] -> [N, H] (see `reference_ops.experts_reference`)."""
     impl = implementation("experts", x.device)
     if impl == "triton":
-        return ops.experts(x, w, idx, gate_up_proj, down_proj)
+        return torch.ops.dgemma.experts(x, w, idx, gate_up_proj, down_proj)
     if impl == "cpu":
         from .moe_cpu import experts_segments
 
@@ -82,7 +82,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     """Norm_w / Norm_0 of x (see `reference_ops.rms_norm_reference`)."""
     impl = implementation("rms_norm", x.device)
     if impl == "triton":
-        return ops.rms_norm(x, weight, eps)
+        return torch.ops.dgemma.rms_norm(x, weight, eps)
     if impl == "cpu" and (weight is None or weight.dtype == x.dtype):
         # torch's own op: the reference's fp32 formula bit for bit (tests/kernels/test_kernel_dispatch.py), one call
         # where the reference makes nine (45 norms a step)
@@ -96,7 +96,7 @@ def rms_norm_add(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, re
     op rounded to x.dtype as torch's ops round; one Triton launch on CUDA."""
     if implementation("rms_norm", x.device) == "triton" and (scale is None or scale.numel() == 1) and all(
             t is None or (t.shape, t.dtype) == (x.shape, x.dtype) for t in (residual, pre_add)):
-        return ops.rms_norm(x, weight, eps, residual, pre_add, scale)
+        return torch.ops.dgemma.rms_norm(x, weight, eps, residual, pre_add, scale)
     y = rms_norm(x if pre_add is None else x + pre_add, weight, eps)
     y = y if residual is None else residual + y
     return y if scale is None else y.mul_(scale)
@@ -108,7 +108,7 @@ gelu_mul = reference_ops.gelu_mul  # F.gelu(gate, approximate="tanh") * up: torc
 def gelu_mul_fused(gu: torch.Tensor, inter: int) -> torch.Tensor:
     """gelu_mul of a [..., 2·inter] gate_up tensor's halves (gate first); one Triton launch on CUDA."""
     if _fusing(gu):
-        return ops.gelu_mul(gu, inter)
+        return torch.ops.dgemma.gelu_mul(gu, inter)
     return reference_ops.gelu_mul(gu[..., :inter], gu[..., inter:])
 
 
@@ -116,7 +116,7 @@ def qkv_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Ten
                   sin: torch.Tensor, heads: int, kv_heads: int, has_v: bool, eps: float):
     """q, k, v [B, T, n, d] of a fused projection (`reference_ops.qkv_norm_rope_reference`)."""
     if implementation("rms_norm", qkv.device) == "triton" and q_weight.dtype == k_weight.dtype == qkv.dtype:
-        return ops.qkv_norm_rope(qkv, q_weight, k_weight, cos, sin, heads, kv_heads, has_v, eps)
+        return torch.ops.dgemma.qkv_norm_rope(qkv, q_weight, k_weight, cos, sin, heads, kv_heads, has_v, eps)
     return reference_ops.qkv_norm_rope_reference(qkv, q_weight, k_weight, cos, sin, heads, kv_heads, has_v, eps)
 
 
@@ -128,14 +128,14 @@ def _fusing(x: torch.Tensor) -> bool:
 def router_input(r: torch.Tensor, scale: torch.Tensor, root: float, eps: float) -> torch.Tensor:
     """The router's input Norm_0(r)·scale·root (`reference_ops.router_input_reference`); one launch on CUDA."""
     if _fusing(r) and scale.dtype == r.dtype and r.dim() == 2:
-        return ops.router_input(r, scale, root, eps)
+        return torch.ops.dgemma.router_input(r, scale, root, eps)
     return rms_norm(r, None, eps) * scale * root  # the reference's ops, the norm by this device's kernel
 
 
 def route(logits: torch.Tensor, per_expert_scale: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing weights and expert ids of router logits (`reference_ops.route_reference`); one launch on CUDA."""
     if _fusing(logits) and logits.dim() == 2:
-        return ops.route(logits, per_expert_scale, k)
+        return torch.ops.dgemma.route(logits, per_expert_scale, k)
     return reference_ops.route_reference(logits, per_expert_scale, k)
 
 
@@ -148,7 +148,7 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tenso
     if fp8_semantics() == "dynamic":
         return fp8.linear_dynamic(x, q, s, scaled_mm=impl in ("triton", "cuda") and fp8.scaled_mm_fits(x, q))
     if impl == "triton" and x.dtype in ops.FLOATS and s.dtype in ops.FLOATS:
-        return ops.fp8_linear(x, q, s)
+        return torch.ops.dgemma.fp8_linear(x, q, s)
     return fp8.linear_weight_only(x, q, s, tile_bytes=None if impl == "reference" else fp8.TILE_BYTES)
 
 
@@ -164,8 +164,7 @@ def fp8_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_pro
     # benchmarks/kernel_targets.py checks it), so older GPUs run the reference.
     if impl == "triton" and gate_up_scale.dtype in (torch.bfloat16, torch.float32) and (
             torch.cuda.get_device_capability(x.device) >= (8, 9)):
-        return ops.experts(x, w, idx, gate_up_proj, down_proj, gate_up_scale=gate_up_scale,
-                           down_scale=down_scale, dynamic=dynamic)
+        return torch.ops.dgemma.experts(x, w, idx, gate_up_proj, down_proj, gate_up_scale, down_scale, dynamic)
     if impl == "cpu" and not dynamic:
         return fp8.experts_fp8_segments(x, w, idx, gate_up_proj, gate_up_scale, down_proj, down_scale)
     return fp8.experts_fp8_reference(x, w, idx, gate_up_proj, gate_up_scale, down_proj, down_scale, dynamic=dynamic)
@@ -177,7 +176,7 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glo
     from . import nvfp4
 
     if implementation("nvfp4_linear", x.device) == "triton" and x.dtype in ops.FLOATS:
-        return ops.nvfp4_linear(x, packed, scale, glob, divide)
+        return torch.ops.dgemma.nvfp4_linear(x, packed, scale, glob, divide)
     return nvfp4.linear(x, packed, scale, glob, divide)
 
 
