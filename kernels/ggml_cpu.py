@@ -11,7 +11,7 @@ the activations' dtype: bf16 rounds them, <= 2^-9 each). Q8_0 and Q5_0 -> two ni
 Rows are padded to a multiple of 64.
 The paths, for bf16 x: the int8 C kernel (kernels/ggml_q8.py, its own stated numerics) where the CPU has AVX-512
 VNNI + VBMI, from Q8_ROWS rows (a GGUF step ~1.8x faster, benchmarks/RESULTS.md); otherwise (DGEMMA_KERNELS=torch,
-no compiler) torch's int4 kernel below `gemm_rows` rows (3.5x fewer bytes than bf16, fp32 FMAs) and above it bf16
+no compiler) torch's int4 kernel below GEMM_ROWS rows (3.5x fewer bytes than bf16, fp32 FMAs) and above it bf16
 tiles of ~4 M weights unpacked by torch ops in per-thread scratch, then x @ W.T (each weight the kernel's exact
 weight rounded once to bf16). fp32 x, and Q6_K without C, take exact fp32 tiles (the int4 kernel's fp32 path is
 ~70x slower). Relative RMS error against the file's weights (Q4_K [1408, 2816], 256 rows): kernel 2.5e-3, GEMM
@@ -35,8 +35,8 @@ PLANE_OFFSET = {Q5_0: 16, Q8_0: 128}  # planes' weights d·(16a + b − offset)
 GROUP = 32  # the int4 kernel's group size: one Q4_K sub-block, one Q8_0 block
 ROW_BLOCK = 64  # the int4 packed layout's row block
 TILE_VALUES = 1 << 18  # values dequantized per tile on the tile path (1 MB in fp32)
-# From this many rows of x on, an int4 form takes the GEMM path instead of torch's int4 kernel
-GEMM_ROWS, GEMM_ROWS_PLANES = 64, 32
+# From this many rows of bf16 x (single-plane forms, planes) the torch paths take bf16 tiles, not torch's int4 kernel
+GEMM_ROWS = (64, 32)
 # From this many rows of bf16 x (single-plane forms, planes) the int8 path where the CPU has VNNI (below: torch's
 # int4 kernel reads the nibbles once, 1.5x faster at 1-2 rows; planes' other paths are slower at every count)
 Q8_ROWS = (3, 1)
@@ -206,47 +206,38 @@ def _int4_tile_t(p: Prepared, b0: int, b1: int, dtype: torch.dtype) -> torch.Ten
 
 
 def _gemm_int4(x2: torch.Tensor, p: Prepared) -> torch.Tensor:
-    """x2 [M, k] @ W.T through bf16 tiles of W (about GEMM_TILE_VALUES values each, unpacked by torch ops) -> [M, n]."""
+    """x2 [M, k] @ W.T through bf16 tiles of W (~GEMM_TILE_VALUES values each, unpacked by torch ops) -> [M, Np]."""
     blocks = p.packed.shape[-2] // ROW_BLOCK
     step = max(1, GEMM_TILE_VALUES // (p.k * ROW_BLOCK))
     ys = [x2 @ _int4_tile_t(p, b0, min(b0 + step, blocks), x2.dtype) for b0 in range(0, blocks, step)]
-    y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
-    return y[:, :p.n] if y.shape[1] != p.n else y
+    return ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
 
 
 def _kernel_int4(x2: torch.Tensor, p: Prepared) -> torch.Tensor:
-    """x2 [M, k] @ W.T through torch's int4 kernel -> [M, n] (planes: x fed twice)."""
+    """x2 [M, k] @ W.T through torch's int4 kernel -> [M, Np] (planes: x fed twice)."""
     xin = torch.cat((x2, x2), dim=1) if p.qtype in PLANES else x2.contiguous()
-    y = torch._weight_int4pack_mm_for_cpu(xin, p.packed, GROUP, p.sz)  # [M, Np]
-    return y[:, :p.n] if y.shape[1] != p.n else y
-
-
-def gemm_rows(p: Prepared) -> int:
-    """The fewest rows of bf16 x that take the GEMM path for p (an int4 form) on the torch paths."""
-    return GEMM_ROWS_PLANES if p.qtype in PLANES else GEMM_ROWS
+    return torch._weight_int4pack_mm_for_cpu(xin, p.packed, GROUP, p.sz)
 
 
 def linear(x: torch.Tensor, p: Prepared) -> torch.Tensor:
     """x [..., k] @ W.T -> [..., n] in x.dtype for one prepared matrix W [n, k] (~200 calls a decoder pass)."""
     x2 = x if x.dim() == 2 and x.shape[1] == p.k else x.reshape(-1, p.k)
-    y = None
+    y, planes = None, p.qtype in PLANES
     if x.dtype == torch.bfloat16 and x.is_cpu:  # the thresholds were measured against oneDNN's bf16 GEMM
         if p.kind == "int4" and p.sz.dtype == torch.bfloat16:
-            if x2.shape[0] >= Q8_ROWS[p.qtype in PLANES] and ggml_q8.available():  # int8 (its own numerics)
+            if x2.shape[0] >= Q8_ROWS[planes] and ggml_q8.available():  # int8 (its own numerics)
                 y = ggml_q8.product(x2, p.packed, p.sz, p.k, PLANE_OFFSET.get(p.qtype, 0))
-                y = y if y is None or y.shape[1] == p.n else y[:, :p.n]
             if y is None:
-                y = _gemm_int4(x2, p) if x2.shape[0] >= gemm_rows(p) else _kernel_int4(x2, p)
-        elif p.qtype == Q6_K:
-            y = ggml_q8.q6k_product(x2, p.packed, p.k, p.n) if ggml_q8.available() else None
-            if y is not None and y.shape[1] != p.n:
-                y = y[:, :p.n]
+                y = _gemm_int4(x2, p) if x2.shape[0] >= GEMM_ROWS[planes] else _kernel_int4(x2, p)
+        elif p.qtype == Q6_K and ggml_q8.available():
+            y = ggml_q8.q6k_product(x2, p.packed, p.k, p.n)
     elif p.kind == "int4" and x.dtype == torch.float16 and p.sz.dtype == x.dtype and x.is_cpu:
         y = _kernel_int4(x2, p)  # fp16 keeps torch's int4 kernel
     if y is None:  # tiles of rows dequantized one at a time into x's dtype (the whole matrix never is)
         step = max(ROW_BLOCK, TILE_VALUES // p.k // ROW_BLOCK * ROW_BLOCK)
         y = torch.cat([F.linear(x2, _dequant_rows(p, r0, min(r0 + step, p.n), x.dtype))
                        for r0 in range(0, p.n, step)], dim=1)
+    y = y[:, :p.n]  # rows padded to a multiple of 64 are not the matrix's
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], p.n)
 
 

@@ -24,26 +24,13 @@ import shutil
 import stat
 import subprocess
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 from .switches import mode
 
 CSRC = Path(__file__).with_name("csrc")
-
-
-@dataclass(frozen=True)
-class Library:
-    flags: tuple[str, ...] = ()  # beyond -O3 -march=native -fPIC -shared -fopenmp
-    libs: tuple[str, ...] = ()  # beyond -lm
-    ok: str | None = None  # a function of no arguments: 0 where the CPU lacks the kernel's instructions
-
-
-LIBRARIES = {
-    "gemm_native": Library(ok="gemm_ok"),
-    "ggml_q8": Library(ok="q8_ok"),
-    "nvfp4": Library(),
-}
+# Each library's check function (none of arguments, 0 where the CPU lacks the kernel's instructions), or None
+LIBRARIES = {"gemm_native": "gemm_ok", "ggml_q8": "q8_ok", "nvfp4": None}
 
 
 class NativeBuildError(RuntimeError):
@@ -63,17 +50,15 @@ def cache_dir() -> Path:
 
 def compile_command(cc: str, name: str, out: str, extra: tuple[str, ...] = ()) -> list[str]:
     """The compiler's argument list for kernels/csrc/NAME.c -> out (`extra`: more flags, e.g. -Werror)."""
-    lib = LIBRARIES[name]
-    return [cc, "-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", *lib.flags, *extra, "-I", str(CSRC),
-            str(CSRC / f"{name}.c"), "-o", out, "-lm", *lib.libs]
+    return [cc, "-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", *extra, "-I", str(CSRC),
+            str(CSRC / f"{name}.c"), "-o", out, "-lm"]
 
 
 def _key(cc: str, name: str) -> str:
-    lib = LIBRARIES[name]
     text = b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.h"))) + (CSRC / f"{name}.c").read_bytes()
     info = Path("/proc/cpuinfo")  # -march=native: the CPU's flags are part of the key
     cpu = [ln for ln in (info.read_text() if info.is_file() else "").splitlines() if ln.startswith(("flags", "Fea"))][:1]
-    meta = f"{lib}{cc}{os.path.realpath(cc)}{platform.machine()}{cpu}".encode()
+    meta = f"{compile_command(cc, name, '')}{os.path.realpath(cc)}{platform.machine()}{cpu}".encode()
     return hashlib.sha256(text + meta).hexdigest()[:16]
 
 
@@ -125,7 +110,7 @@ def _load(name: str, signatures: dict[str, list]) -> ctypes.CDLL | None:
             getattr(lib, fn).argtypes = argtypes
     except (OSError, AttributeError) as e:
         raise NativeBuildError(f"loading {so}: {e}. Fix: remove it (it is rebuilt at the next use)") from e
-    ok = LIBRARIES[name].ok
+    ok = LIBRARIES[name]
     return lib if ok is None or getattr(lib, ok)() else None
 
 

@@ -13,10 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-# A chunk's float32 logits stay within this many bytes (32 MiB: 32 rows at V = 262,144). Each chunk
-# holds about three such fp32 buffers at once (logits, log-probs, the float64 CDF), so the extra memory of a
-# pass is ~100 MiB whatever the canvas length. The price: the head and the soft-embedding matmul
-# read E once per chunk (8x per step for C = 256); the fused kernel is meant to remove that.
+# A chunk's float32 logits stay within this many bytes (32 MiB: 32 rows at V = 262,144); with its log-probs and
+# float64 CDF a pass takes ~100 MiB more whatever the canvas length, at the price of reading E once per chunk.
 CHUNK_BYTES = 32 * 2**20
 
 
@@ -116,9 +114,5 @@ def vocab_pass(hidden: torch.Tensor, embed: torch.Tensor, *, softcap: float | No
             del stored, probs
         del logits
 
-    return VocabPassOut(
-        sample=sample.view(b, c),
-        argmax=argmax.view(b, c),
-        entropy=entropy.view(b, c),
-        soft=None if soft is None else soft.view(b, c, h),
-    )
+    return VocabPassOut(sample=sample.view(b, c), argmax=argmax.view(b, c), entropy=entropy.view(b, c),
+                        soft=None if soft is None else soft.view(b, c, h))

@@ -34,6 +34,11 @@ def round_to(x, IS_BF16: tl.constexpr):
 
 
 @triton.jit
+def tanh(y):
+    return 1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)
+
+
+@triton.jit
 def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
     """This program's (row block, column block) of an [M, N] output: GROUP row blocks walk the same column blocks
     back to back, so a weight tile stays in L2."""
@@ -46,7 +51,6 @@ def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.c
 
 @triton.jit
 def gelu_mul_rounded(gate, up, IS_BF16: tl.constexpr):
-    """gelu_tanh(gate) * up with torch's two roundings to the storage dtype; tanh(y) = 1 - 2/(exp(2y) + 1)."""
-    inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # √(2/π)(z + 0.044715 z³)
-    th = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
+    """gelu_tanh(gate) * up with torch's two roundings to the storage dtype."""
+    th = tanh(0.7978845608028654 * (gate + 0.044715 * gate * gate * gate))  # tanh(√(2/π)(z + 0.044715 z³))
     return round_to(round_to(0.5 * gate * (1.0 + th), IS_BF16) * up, IS_BF16)

@@ -24,26 +24,18 @@ import triton.language as tl
 
 from .categorical import draw_from_groups
 from .reference import VocabPassOut, row_temperature
-from .triton_common import interpreting, round_to
+from .triton_common import interpreting, round_to, tanh
 
-# Vocabulary splits of the stats kernel: 64 at V = 262,144 (4,096 columns each); with a 256-row canvas
-# (4 row blocks of 64) 256 programs, ~2 waves on 132 SMs. A constant: the combine order is part of the bits.
+# Constants, not functions of the GPU or the rows: the split orders are part of the bits. 64 vocabulary splits:
+# 4,096 columns each at V = 262,144, ~2 waves on 132 SMs at a 256-row canvas; 8 soft splits: 1,408 programs there.
 VOCAB_SPLITS = 64
-# Split-K of the soft-embedding GEMM: V/8 columns per program; 4 x 44 x 8 = 1,408 programs at a canvas
-# (10+ waves on any current GPU, where K = V serially gave 176 programs, ~1.3 waves on an H100).
 SOFT_SPLITS = 8
 GROUP_BLOCK_K = 128  # the draw's group kernel: [64, 128] embedding tiles
 SCRATCH_BYTES = 512 * 2**20  # the bf16(L) scratch of one row chunk: 1,024 rows at V = 262,144 in bf16
-# The soft kernel's autotuned (BLOCK_M, BLOCK_N, num_warps, num_stages) on CUDA, by model dtype (BLOCK_K
-# fixed: it sets the K order). Each compiles without spills within the block's shared memory
-# (benchmarks/kernel_targets.py); fp32's FMA dots spill at [64, 128] with 4 warps, so that one is bf16's only.
+# The soft kernel's autotuned (BLOCK_M, BLOCK_N, num_warps, num_stages) by model dtype (BLOCK_K fixed: it sets the
+# K order); none spills (benchmarks/kernel_targets.py: fp32's FMA dots do at [64, 128] on 4 warps).
 SOFT_TUNE = {"bf16": ((64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3), (64, 128, 8, 4)),
              "fp32": ((64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 8, 4))}
-
-
-@triton.jit
-def _tanh(y):
-    return 1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)
 
 
 @triton.jit
@@ -65,7 +57,7 @@ def _logits_tile(h_ptr, e_ptr, rows, row_ok, cols, col_ok, H, stride_h, stride_e
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     raw = round_to(acc, IS_BF16)  # the reference's head GEMM output is in the model dtype
     if HAS_SOFTCAP:
-        raw = _tanh(raw / softcap) * softcap
+        raw = tanh(raw / softcap) * softcap
     return raw / temp
 
 
@@ -248,7 +240,7 @@ def _group_logits_kernel(h_ptr, e_ptr, g_ptr, temp_ptr, out_ptr, V, H, stride_h,
         acc += tl.sum(e * h[None, :], axis=1)
     raw = round_to(acc, IS_BF16)
     if HAS_SOFTCAP:
-        raw = _tanh(raw / softcap) * softcap
+        raw = tanh(raw / softcap) * softcap
     L = raw / tl.load(temp_ptr + row)
     tl.store(out_ptr + row * WIDTH + tl.arange(0, WIDTH), tl.where(col_ok, L, float("-inf")))
 

@@ -59,16 +59,12 @@ def _tile_max(x: torch.Tensor, block: int = 64) -> tuple[torch.Tensor, torch.Ten
 def tile_stats(raw: torch.Tensor, softcap: float | None, temperature: torch.Tensor,
                soft_dtype: torch.dtype | None, width: int,
                store: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    """One vocabulary tile's statistics, all relative to the tile's own max (the caller rescales them to
-    the running max with [N]-sized factors, so this function has no state and no branches on it).
-
-    raw [N, T] head GEMM output -> tmax [N] (max of L), targ [N] (its first index), zt = Σ exp(L - tmax),
-    st = Σ exp(L - tmax)·(L - tmax), gz [N, ceil(T/width)] = Σ exp(L - tmax) per group of `width`
-    columns (the draw's statistics), and for the soft embedding (soft_dtype not None) `keep` [N, T]:
-    float32 soft_dtype: exp(L - tmax) (the online soft accumulation's weights, their sum is zt);
-    otherwise round(L) in soft_dtype, the values the reference's softmax reads; with `store` (an [N, T]
-    view in soft_dtype) round(L) is written there (the same rounding as `.to()`, no temporary) and `keep`
-    is `store`. Elementwise only plus row reductions: `--compile` fuses it into a couple of passes."""
+    """One vocabulary tile's statistics relative to its own max (the caller rescales them to the running max: no
+    state here). raw [N, T] head output -> tmax [N] (max of L), targ [N] (its first index), zt = Σ exp(L - tmax),
+    st = Σ exp(L - tmax)·(L - tmax), gz [N, ceil(T/width)] (zt per group of `width` columns: the draw's statistics),
+    and for the soft embedding `keep` [N, T]: in fp32 exp(L - tmax) (the online weights), else round(L) in
+    soft_dtype (what the reference's softmax reads), written into `store` when given. Elementwise plus row
+    reductions: `--compile` fuses it into a couple of passes."""
     logits = processed_logits(raw.float(), softcap, temperature)  # [N, T] L (in place on an fp32 raw: the caller drops it)
     tmax, targ = _tile_max(logits)  # [N]
     shift = tmax.unsqueeze(1)  # [N, 1]
@@ -81,11 +77,8 @@ def tile_stats(raw: torch.Tensor, softcap: float | None, temperature: torch.Tens
     pad = -e.shape[1] % width
     gz = (F.pad(e, (0, pad)) if pad else e).view(e.shape[0], -1, width).sum(dim=2)  # [N, groups]
     st = torch.mul(d, e, out=d).sum(dim=1)  # [N] Σ e·(L - tmax) (linalg.vecdot is slower on CPU)
-    if soft_dtype is None:
-        return tmax, targ, zt, st, gz, None
-    if stored is None:  # fp32 embedding: softmax(round(L)) is softmax(L); reuse e
-        return tmax, targ, zt, st, gz, e
-    return tmax, targ, zt, st, gz, stored
+    keep = None if soft_dtype is None else e if stored is None else stored  # fp32: softmax(round(L)) is softmax(L)
+    return tmax, targ, zt, st, gz, keep
 
 
 @functools.cache
@@ -96,11 +89,9 @@ def compiled_tile_stats():
 
 def soft_from_stored(stored: torch.Tensor, embed: torch.Tensor, scale: torch.Tensor,
                      chunk_bytes: int = SOFTMAX_BYTES) -> torch.Tensor:
-    """The reference's soft embedding from the rounded logits `stored` [N, V] (embedding dtype; overwritten
-    with the probabilities): torch's fp32 softmax a few rows at a time (its float32 [r, V] input copy and
-    output within ~2·chunk_bytes), each rounded back into `stored`, then one GEMM [N, V]x[V, H] and the
-    scale in the embedding dtype: transformers' ops on transformers' values (modeling: softmax(dim=-1,
-    dtype=float32).to(E.dtype) @ E · embed_scale)."""
+    """The reference's soft embedding from the rounded logits `stored` [N, V] (overwritten with the probabilities):
+    torch's fp32 softmax a few rows at a time, each rounded back into `stored`, then one GEMM and the scale in the
+    embedding dtype: transformers' ops on transformers' values."""
     n, v = stored.shape
     step = max(1, chunk_bytes // (4 * v))
     for lo in range(0, n, step):
@@ -192,9 +183,5 @@ def vocab_pass_tiled(hidden: torch.Tensor, embed: torch.Tensor, *, softcap: floa
     if len(gmax) > 1:  # one tile: its statistics as they are (an expanded max: the same values)
         gmax, gsum = [torch.cat(gmax, dim=1)], [torch.cat(gsum, dim=1)]
     pick = draw_from_groups(gmax[0], gsum[0], u, width, rows, embed, softcap, temp)
-    return VocabPassOut(
-        sample=pick.view(b, c),
-        argmax=arg.view(b, c),
-        entropy=entropy.view(b, c),
-        soft=None if soft is None else soft.view(b, c, h),
-    )
+    return VocabPassOut(sample=pick.view(b, c), argmax=arg.view(b, c), entropy=entropy.view(b, c),
+                        soft=None if soft is None else soft.view(b, c, h))
