@@ -41,18 +41,19 @@ def _reorder(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 256)
 
 
-@functools.cache
-def _agrees(n: int, k: int, threads: int) -> bool:
-    """Does the packed product give F.linear's bits for an [n, k] weight at this thread count? (random
-    values; each probe height once)"""
+def probes(n: int, k: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A random bf16 weight [n, k] and bf16 rows of each PROBE_ROWS height, seeded by the shape."""
     g = torch.Generator().manual_seed(n * 7919 + k)
     w = torch.empty(n, k, dtype=torch.bfloat16).uniform_(-(3 / k) ** 0.5, (3 / k) ** 0.5, generator=g)
+    return w, [torch.empty(m, k, dtype=torch.bfloat16).uniform_(-2, 2, generator=g) for m in PROBE_ROWS]
+
+
+@functools.cache
+def _agrees(n: int, k: int, threads: int) -> bool:
+    """Does the packed product give F.linear's bits for an [n, k] weight at this thread count?"""
+    w, xs = probes(n, k)
     p = _reorder(w)
-    for m in PROBE_ROWS:
-        x = torch.empty(m, k, dtype=torch.bfloat16).uniform_(-2, 2, generator=g)
-        if not torch.equal(F.linear(x, w), linear(x, p)):
-            return False
-    return True
+    return all(torch.equal(F.linear(x, w), linear(x, p)) for x in xs)
 
 
 def pack(w: torch.Tensor) -> torch.Tensor | None:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from . import gemm_native
-from .linear_cpu import PROBE_ROWS, linear, pack
+from .linear_cpu import linear, pack, probes
 from .reference_ops import experts_reference, gelu_mul
 
 # experts_packed shares the experts out across one-thread workers up to this many rows per expert that got tokens.
@@ -59,9 +59,8 @@ def _inverse(order: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _sum_rows(ys: torch.Tensor, inverse: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """[T, H] (into out if given): the sum over slots j of ys[inverse[:, j]] (inverse [T, k]), added in slot
-    order, one rounding per addition (0 + y is exact, as the reference's first index_add_); one buffer for
-    the k - 1 gathers."""
+    """[T, H] (into out if given): the sum over slots j of ys[inverse[:, j]] (inverse [T, k]), in slot order, one
+    rounding per addition (0 + y is exact, as the reference's first index_add_)."""
     first = inverse[:, 0]
     out = ys.index_select(0, first) if out is None else torch.index_select(ys, 0, first, out=out)
     if inverse.shape[1] > 1:
@@ -215,10 +214,8 @@ def _split(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: Sequenc
 
 
 def _on_workers(fn, workers: int) -> None:
-    """fn run once on each of `workers` pool threads, under the caller's inference and grad modes (they are
-    thread-local; an inference tensor may be written only in inference mode); returns when all are done.
-    No task waits on another, so callers in several threads at once only queue. One worker: the caller's
-    thread runs fn."""
+    """fn run once on each of `workers` pool threads under the caller's (thread-local) inference and grad modes;
+    returns when all are done. No task waits on another, so callers in several threads at once only queue."""
     if workers == 1:
         fn()
         return
@@ -242,9 +239,6 @@ def _pool(workers: int) -> ThreadPoolExecutor:
     torch.set_num_threads(1) in a worker also sets the count that threads started later begin with, so the
     caller's count is set again once every worker has started."""
     key = (os.getpid(), workers)
-    pool = _POOLS.get(key)
-    if pool is not None:
-        return pool
     with _POOL_LOCK:  # two callers' first calls at once make one pool
         pool = _POOLS.get(key)
         if pool is not None:
@@ -269,15 +263,13 @@ def _one_thread() -> None:
 
 @functools.cache
 def _workers_agree(gate_up: tuple[int, int], down: tuple[int, int], threads: int) -> bool:
-    """Does the packed GEMM in a one-thread worker give `F.linear`'s bits at the caller's thread count, for
-    both weight shapes? (`pack` checked them at the caller's count only; random values, its probe heights.)"""
+    """Does the packed GEMM in a one-thread worker give `F.linear`'s bits for both weight shapes (`pack` checked them
+    at the caller's thread count only)?"""
     for n, k in (gate_up, down):
-        g = torch.Generator().manual_seed(n * 7919 + k)
-        w = torch.empty(n, k, dtype=torch.bfloat16).uniform_(-(3 / k) ** 0.5, (3 / k) ** 0.5, generator=g)
+        w, xs = probes(n, k)
         p = pack(w)
         if p is None:
             return False
-        xs = [torch.empty(m, k, dtype=torch.bfloat16).uniform_(-2, 2, generator=g) for m in PROBE_ROWS]
         got = _pool(threads).submit(lambda: [linear(x, p) for x in xs]).result()
         if not all(torch.equal(F.linear(x, w), y) for x, y in zip(xs, got)):
             return False
