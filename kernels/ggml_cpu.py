@@ -27,9 +27,10 @@ import torch
 import torch.nn.functional as F
 
 from . import ggml_q8
+from .ggml_blocks import (Q4_0, Q4_K, Q5_0, Q6_K, Q8_0, _blocks, _f16, dequantize, q4k_nibbles, q4k_scale_min,
+                          q40_values, q50_high)
 from .moe_cpu import _sorted_pairs, _sum_slots
 
-Q4_0, Q5_0, Q8_0, Q4_K, Q6_K = 2, 6, 8, 12, 14
 PLANES = (Q5_0, Q8_0)  # 5- and 8-bit types: two nibble planes side by side along K
 PLANE_OFFSET = {Q5_0: 16, Q8_0: 128}  # planes' weights d·(16a + b − offset)
 GROUP = 32  # the int4 kernel's group size: one Q4_K sub-block, one Q8_0 block
@@ -70,8 +71,6 @@ def _pad_rows(n: int) -> int:
 def _int4_parts(raw: torch.Tensor, qtype: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One matrix's bytes [n, row_bytes] -> (q uint8 [n, Kp] in 0..15, scale fp32 [n, Kp/32], zero fp32 [n, Kp/32])
     with w = (q − 8)·scale + zero (Q8_0: the two planes summed)."""
-    from .ggml_blocks import _blocks, _f16, q40_values, q4k_nibbles, q4k_scale_min, q50_high
-
     n = raw.shape[0]
     b = _blocks(raw, qtype)  # [n, nb, bytes]
     if qtype == Q4_K:
@@ -144,8 +143,6 @@ def _dequant_rows(p: Prepared, r0: int, r1: int, dtype: torch.dtype = torch.floa
     """Rows r0..r1 of one matrix [r1 - r0, k] in dtype (for int4 forms r0 a multiple of 64). bf16: the
     arithmetic runs in bf16 with one fp32-internal rounding per addcmul (the weights a bf16 GEMM would get)."""
     if p.kind == "raw":
-        from .ggml_blocks import dequantize
-
         return dequantize(p.packed[r0:r1], p.qtype, p.k).to(dtype)
     kp = p.packed.shape[-1] * 2
     hi = min(_pad_rows(r1), p.packed.shape[0])

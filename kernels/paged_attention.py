@@ -21,12 +21,9 @@ import triton.language as tl
 
 from .triton_common import interpreting
 
-# Block shapes by storage dtype and padded head dim: (BLOCK_M query slots = rows x group, BLOCK_N keys,
-# num_warps, num_stages). The fp32 accumulator is [BLOCK_M, BLOCK_D] (64x256, 32x512: 64 registers a thread
-# at 8 warps) beside the q tile held across the key loop. Each compiles for sm_90 and sm_80 without spills and
-# within the block's shared memory (tests/kernels/test_paged_attention.py, ahead of time: no GPU here), bf16
-# on the tensor cores (wgmma on sm_90; mma.sync at d 512, where BLOCK_M 64 for wgmma spills). fp32 (the tests'
-# dtype on a GPU: full-precision FMA dots) needs fewer keys per tile. Not timed: chosen to compile cleanly.
+# (BLOCK_M query slots = rows x group, BLOCK_N keys, num_warps, num_stages) by storage dtype and padded head dim. Not
+# timed: chosen so each compiles for sm_90 and sm_80 without spills (tests/kernels/test_paged_attention.py), bf16 on
+# the tensor cores; fp32's full-precision FMA dots need fewer keys per tile.
 TILES = {"bf16": {128: (64, 64, 8, 3), 256: (64, 32, 8, 2), 512: (32, 32, 8, 2)},
          "fp32": {128: (64, 32, 8, 2), 256: (64, 16, 8, 2), 512: (16, 32, 8, 1)}}
 
@@ -183,14 +180,11 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         tile_row0, tile_rows = row_tiles(counts, rows_per_tile(n_heads, n_kv, d, q.dtype), q.device)
     if n == 0 or tile_row0.numel() == 0:
         return out
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    k_pool = k_pool if k_pool.stride(-1) == 1 else k_pool.contiguous()
-    v_pool = v_pool if v_pool.stride(-1) == 1 else v_pool.contiguous()
+    q, k_pool, v_pool, k_new, v_new = (t if t.stride(-1) == 1 else t.contiguous()
+                                       for t in (q, k_pool, v_pool, k_new, v_new))
     tables = _int32(tables)
     bm, bn, bd, warps, stages = _blocks(d, group, q.dtype)
     grid = (tile_row0.numel(), n_kv)
-    k_new = k_new if k_new.stride(-1) == 1 else k_new.contiguous()
-    v_new = v_new if v_new.stride(-1) == 1 else v_new.contiguous()
     kn_s = (k_new.stride(0), k_new.stride(1)) if fresh else (0, 0)
     vn_s = (v_new.stride(0), v_new.stride(1)) if fresh else (0, 0)
     _paged_attention_kernel[grid](

@@ -65,7 +65,7 @@ def tile_stats(raw: torch.Tensor, softcap: float | None, temperature: torch.Tens
     and for the soft embedding `keep` [N, T]: in fp32 exp(L - tmax) (the online weights), else round(L) in
     soft_dtype (what the reference's softmax reads), written into `store` when given. Elementwise plus row
     reductions: `--compile` fuses it into a couple of passes."""
-    logits = processed_logits(raw.float(), softcap, temperature)  # [N, T] L (in place on an fp32 raw: the caller drops it)
+    logits = processed_logits(raw.float(), softcap, temperature)  # [N, T] L (in place on an fp32 raw: it is dropped)
     tmax, targ = _tile_max(logits)  # [N]
     shift = tmax.unsqueeze(1)  # [N, 1]
     stored = None
@@ -111,7 +111,7 @@ def vocab_pass_tiled(hidden: torch.Tensor, embed: torch.Tensor, *, softcap: floa
     """`reference.vocab_pass` over vocabulary tiles of `tile` columns (default `auto_tile(TILE_ROWS, V)`: ~16 MiB of
     tiles per 256 rows). `compile_tiles` runs each tile's elementwise math through torch.compile (`--compile`).
     Batch rows go through in chunks of about TILE_ROWS rows (whole canvases, so a chunk's tiles stay in cache); a
-    row's numbers do not depend on its chunk (nor on the tile width; the soft GEMM's rows are independent for N >= 2)."""
+    row's numbers depend on neither its chunk nor the tile width (the soft GEMM's rows are independent for N >= 2)."""
     b, c, h = hidden.shape
     per = max(1, TILE_ROWS // c)  # batch rows (canvases) per chunk
     if b > per and tile is None:

@@ -1,6 +1,6 @@
-"""kernels/moe_cpu.py's combines: `experts_segments` sums rows kept in expert order after weighting them in place; `experts_packed` either weights and adds each
-expert's rows as it goes (in turn) or shares the experts out across one-thread workers that weight them into
-a buffer and then sum blocks of tokens (split). All equal `experts_reference` bit for bit at top-8 of many
+"""kernels/moe_cpu.py's combines: `experts_segments` sums rows kept in expert order after weighting them in place;
+`experts_packed` either weights and adds each expert's rows as it goes (in turn) or shares the experts out across
+one-thread workers that weight them into a buffer and then sum blocks of tokens (split). All equal `experts_reference` bit for bit at top-8 of many
 experts (the released routing), with skewed routing and a single token, at 1 and 2 threads, also in inference
 mode; the rounding the in-place weighting relies on (a mixed-dtype product written into a bf16 tensor rounds
 the fp32 product once, as the reference's `.to(x.dtype)`); which way the default picks; that the workers run
