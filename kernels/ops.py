@@ -25,7 +25,7 @@ def _float_only(name: str, dtype: torch.dtype) -> None:
 @torch.library.custom_op("dgemma::rms_norm", mutates_args=())
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None,
               pre_add: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
-    from .rmsnorm import rms_norm
+    from .fused import rms_norm
 
     return rms_norm(x, weight, eps, residual, pre_add, scale)
 

@@ -52,7 +52,7 @@ def same_through_op_and_fake(via_op, direct, *args, **kw):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_weight", [True, False])
 def test_rms_norm_op(dtype, with_weight, triton_device):
-    from dgcli.kernels.rmsnorm import rms_norm
+    from dgcli.kernels.fused import rms_norm
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 40, generator=g).to(dtype)
