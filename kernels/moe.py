@@ -238,10 +238,8 @@ def experts_triton(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_
                    num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """x [N, H], w [N, k] fp32, idx [N, k] (distinct per row), gate_up_proj [E, 2I, H], down_proj [E, H, I]
     -> [N, H] in x.dtype. Block sizes must be >= 16 (tl.dot). None given, or only a block_m of TUNE: the tuned
-    path on CUDA (module docstring); else BLOCK where none is given, and the given warps / stages.
-    FP8 experts (float8_e4m3fn weights with
-    gate_up_scale [E, 2I, 1] and down_scale [E, H, 1], bf16 or fp32): weight-only, each tile dequantized as
-    `kernels/fp8.py::dequantize`, or `dynamic` (FP8 activations, `kernels/fp8.py::experts_fp8_reference`)."""
+    path on CUDA; else BLOCK where none is given, and the given warps / stages. FP8 experts: float8_e4m3fn weights
+    with gate_up_scale [E, 2I, 1] and down_scale [E, H, 1] (bf16 or fp32), weight-only or `dynamic`."""
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"experts_triton supports float32 and bfloat16, got {x.dtype}")
     fp8 = gate_up_scale is not None
