@@ -150,7 +150,7 @@ def cases(dev: torch.device, s: dict):
         return both(lambda: dispatch.rms_norm(x, wt, 1e-6))
 
     def paged():
-        from dgcli.kernels import paged_attention as pa  # the model's attention entry point on CUDA
+        from dgcli.kernels import paged_attention as pa, reference_ops  # the model's attention entry point on CUDA
 
         heads, kv, d, ctx, block = s["heads"], s["kv"], s["d"], s["context"], 64
         nb = -(-ctx // block)
@@ -165,7 +165,7 @@ def cases(dev: torch.device, s: dict):
         if dev.type == "cuda":
             t0, tn = pa.row_tiles([n], pa.rows_per_tile(heads, kv, d), dev)
             fast = lambda: pa.paged_attention(*a, tile_row0=t0, tile_rows=tn)  # noqa: E731
-        return fast, lambda: pa.paged_attention_reference(*a)
+        return fast, lambda: reference_ops.paged_attention_reference(*a)
 
     cuda = dev.type == "cuda"
     return [

@@ -66,7 +66,7 @@ def _rmsnorm(target: str) -> list[dict]:
                 args = dict(x_ptr=e, w_ptr=e, out_ptr=e, pre_ptr=e, res_ptr=e, s_ptr="*fp32", n_cols=h, stride_x=h,
                             stride_o=h, eps=1e-6)
                 block = 1 << (h - 1).bit_length()
-                out.append(spec("rmsnorm._rms_norm_kernel", f"{dt} H={h}{' w' if weight else ''}{' +' if adds else ''}",
+                out.append(spec("fused._rms_norm_kernel", f"{dt} H={h}{' w' if weight else ''}{' +' if adds else ''}",
                                 target, args, dict(HAS_WEIGHT=weight, HAS_PRE=adds, HAS_RES=adds, HAS_SCALE=adds,
                                                    IS_BF16=dt == "bf16", BLOCK=block), False))
         for d, nq, nkv, has_v in ((HEAD_DIMS[0], 16, 8, 1), (HEAD_DIMS[-1], 16, 2, 0)):  # sliding, full layers

@@ -1,15 +1,10 @@
-"""The categorical draw of the vocabulary passes that never hold a row's full CDF: inverse CDF over
-column groups, then inside one group.
+"""The categorical draw of the vocabulary passes that never hold a row's full CDF: `draw_from_groups`, the
+reference's rule (the first j with Σ_{i≤j} exp(L_i - M) > u·Σ_i exp(L_i - M), sums in float64) over column groups.
 
-Owns: `draw_from_groups`, the twin of the reference's one-line rule (kernels/reference.py: sample = the
-first j with Σ_{i≤j} exp(L_i - M) > u·Σ_i exp(L_i - M), sums in float64). A pass that streams the
-vocabulary keeps, per row and per group of `width` consecutive columns, a reference value m_g ≥ the
-group's logits and w_g = Σ_{j∈g} exp(L_j - m_g) (fp32); this finds the group where the cumulative mass
-crosses u·total, recomputes that group's logits for each row (`group_logits`: a [rows, width, H] gather
-of E, a few rows at a time, or one GEMM per group when few groups are drawn) and finds the column inside it.
-Same draw as the reference's up to float rounding (group sums in fp32, a different summation order) when
-u·total falls within that rounding of a CDF boundary. Must not: know
-about devices beyond the tensors given, or sync with the host (CPU tensors are read as lists: no device there).
+A streaming pass keeps, per row and group of `width` columns, m_g ≥ the group's logits and w_g = Σ exp(L_j - m_g);
+this finds the group where the cumulative mass crosses u·total, recomputes that group's logits (`group_logits`) and
+finds the column inside it: the reference's draw up to rounding at a CDF boundary. Must not: know about devices
+beyond the tensors given, or sync with the host (CPU tensors are read as lists).
 """
 
 from __future__ import annotations
@@ -20,17 +15,13 @@ import torch
 
 from .reference import processed_logits
 
-# A row chunk's gathered embedding rows [rows, width, H] stay within this many bytes. 8 MiB, not 32: a
-# buffer of 32 MiB is at glibc's largest mmap threshold, so it is mmapped and page-faulted afresh on every
-# call (21 ms of the 200 M benchmark's ~250 ms CPU vocabulary pass on a 2-core EPYC VM); 8 MiB chunks come
-# from the heap and cost 11 ms in all (the same bits: rows are independent).
+# A row chunk's gathered embedding rows [rows, width, H] stay within this many bytes: under glibc's mmap threshold,
+# so a chunk comes from the heap instead of being page-faulted afresh on every call (21 -> 11 ms on the 200 M config).
 GATHER_BYTES = 8 * 2**20
-# fp32 embedding on CPU: one GEMM call per distinct group, each reading its block in place, when the calls (~12 us
-# each) cost less than the gather's copy, taken at this many bytes a call: rows sharing a group (a canvas's pad or
-# end-of-text columns; nearly every row of the bundled tiny model) read one block. Measured (1 thread, 2-core EPYC):
-# W = 64, H = 160, 16 rows: 71 against 179 us (1 group), break-even near 4 groups; 128 rows, 16 groups: 438
-# against 555 us; H = 1024, 256 rows: 1.4 against 14.5 ms (4 groups), 7.8 against 11.0 ms (all distinct). Not in
-# bf16: torch's bf16 bmm on a broadcast block is slower than the gather (40 against 18 ms at 4 groups there).
+# fp32 embedding on CPU: one GEMM call per distinct group, reading its block in place, where the calls (~12 us each,
+# taken at this many bytes a call) cost less than the gather's copy: rows sharing a group (a canvas's pad columns;
+# nearly every row of the bundled model) read one block (1 thread, W 64, H 160, 16 rows: 71 against 179 us). Not in
+# bf16: torch's bf16 bmm on a broadcast block is slower than the gather.
 RUN_BYTES = 128 * 2**10
 
 
@@ -41,8 +32,7 @@ def group_logits(rows: torch.Tensor, embed: torch.Tensor, group: torch.Tensor, w
     n, h = rows.shape
     v = embed.shape[0]
     out = torch.empty(n, width, dtype=torch.float32, device=rows.device)
-    # Whole groups: each row's group is one contiguous [W, H] block of E, copied as a block (index_select on
-    # a [V/W, W, H] view: 2.7 ms against 4.2 ms per 32 MiB row by row on the 200 M benchmark, same bytes).
+    # Whole groups: each row's group is one contiguous [W, H] block of E, copied as a block (faster than row by row)
     blocks = embed.view(v // width, width, h) if v % width == 0 and embed.is_contiguous() else None
     if blocks is not None and embed.dtype == torch.float32 and group.device.type == "cpu" \
             and _by_group(rows, blocks, group, out):

@@ -1,17 +1,10 @@
-"""Which implementation runs each fused op: Triton kernels on CUDA; on CPU torch's own kernels, or our C kernels
-(kernels/csrc, kernels/native.py) where one is faster; the torch references when asked (`DGEMMA_KERNELS=reference`)
-or when nothing better applies. Per op and device: one reference and at most one fast implementation.
-
-Owns: `vocab_pass`, `experts`, `rms_norm` (same signatures as their references), `rms_norm_add` (with the
-residual add and the add before the norm), `gelu_mul` / `gelu_mul_fused` (the gated GELU(tanh)), the FP8 ops
-`fp8_linear` and `fp8_experts` with `fp8_semantics` (DGEMMA_FP8: weight-only, the default, or dynamic FP8
-activations; see kernels/fp8.py), and `implementation`, which names the choice (benchmarks and traces record
-it), decided once per op, device and DGEMMA_KERNELS value, and `provenance`, which names per op what a session
-ran (bench rows record it). The variable is read at each call, so a test or a benchmark can flip it.
-The two switches (kernels/switches.py): DGEMMA_KERNELS (auto: the default; torch: torch's kernels only, no C;
-reference: the references) and DGEMMA_FP8 (how FP8 weights run). The Triton kernels are reached through their
-torch custom ops (kernels/ops.py), so eager, compiled and fake-tensor runs take the same door. Must not: hold math of its own, or import Triton unless a
-CUDA tensor asks for a kernel (so CPU-only installs without Triton work).
+"""The one table the model imports: which implementation runs each fused op on a device. Triton kernels on CUDA
+(through their custom ops, kernels/ops.py, so eager, compiled and fake-tensor runs take the same door); on CPU
+torch's own kernels, or our C kernels (kernels/native.py) where faster; the references when DGEMMA_KERNELS=reference
+or when nothing better applies. Per op and device: one reference, at most one fast implementation.
+Owns the ops' entry points (same signatures as their references), `implementation` and `provenance` (what ran, for
+bench rows and traces). The switches are read at each call (kernels/switches.py), so a test or benchmark can flip
+them. Must not: hold math of its own, or import Triton unless a CUDA tensor asks for a kernel.
 """
 
 from __future__ import annotations
@@ -20,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from . import ops, reference, reference_ops
-from .switches import FP8_SEMANTICS, MODES, SWITCHES, fp8_semantics, getenv, mode  # noqa: F401 (public names)
+from .switches import fp8_semantics, getenv, mode  # noqa: F401 (fp8_semantics: a public name)
 
 
 def _triton_ok() -> bool:
@@ -35,13 +28,9 @@ _CHOSEN: dict[tuple, str] = {}  # (op, device, DGEMMA_KERNELS as set) -> impleme
 
 
 def implementation(op: str, device: torch.device | str) -> str:
-    """'triton', 'cuda', 'cpu' or 'reference': what `op` ('vocab_pass', 'experts', 'rms_norm', 'gelu_mul', 'nvfp4_linear',
-    'fp8_experts', 'fp8_linear', 'linear') runs on `device`. 'linear' is decided when a session starts: 'cpu'
-    there prepacks bf16 weights for oneDNN (dgcli/model/packed.py). FP8 linears on CUDA: 'triton' (weight-only:
-    the W8A16 kernel, kernels/fp8_linear.py; dynamic: torch._scaled_mm) or, without Triton, 'cuda' (torch's CUDA ops:
-    dequantized tiles or torch._scaled_mm).
-    Decided once per op, device and DGEMMA_KERNELS value (a dict lookup afterwards: this runs ~13 times per
-    layer per step); only the variable itself is read at each call, so a test or a benchmark can flip it."""
+    """'triton', 'cuda' (FP8 linears on CUDA without Triton: torch's CUDA ops), 'cpu' or 'reference': what `op`
+    runs on `device`. 'linear' is decided when a session starts ('cpu': prepacked weights, dgcli/model/packed.py).
+    Cached per op, device and DGEMMA_KERNELS value: this runs ~13 times per layer per step."""
     key = (op, device, getenv("DGEMMA_KERNELS"))
     got = _CHOSEN.get(key)
     if got is None:
@@ -65,8 +54,7 @@ def _choose(op: str, dev: torch.device) -> str:
 
 def vocab_pass(hidden: torch.Tensor, embed: torch.Tensor, compile_tiles: bool = False,
                **kwargs) -> reference.VocabPassOut:
-    """`kernels.reference.vocab_pass` (same keywords), by the implementation for hidden's device.
-    `compile_tiles` (CPU path only) runs the per-tile elementwise math through torch.compile."""
+    """`reference.vocab_pass`; `compile_tiles` (CPU only) runs the per-tile math through torch.compile."""
     impl = implementation("vocab_pass", hidden.device)
     if impl == "triton":
         return ops.vocab_pass(hidden, embed, **kwargs)
@@ -82,7 +70,7 @@ def experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_proj: t
     """Routed experts x [N, H] -> [N, H] (see `reference_ops.experts_reference`)."""
     impl = implementation("experts", x.device)
     if impl == "triton":
-        return ops.experts(x, w, idx, gate_up_proj, down_proj)
+        return torch.ops.dgemma.experts(x, w, idx, gate_up_proj, down_proj)
     if impl == "cpu":
         from .moe_cpu import experts_segments
 
@@ -94,10 +82,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     """Norm_w / Norm_0 of x (see `reference_ops.rms_norm_reference`)."""
     impl = implementation("rms_norm", x.device)
     if impl == "triton":
-        return ops.rms_norm(x, weight, eps)
+        return torch.ops.dgemma.rms_norm(x, weight, eps)
     if impl == "cpu" and (weight is None or weight.dtype == x.dtype):
-        # torch's own CPU op: the reference's formula in fp32 (its pow(-0.5) is the same rsqrt), one call where the reference makes nine (45 norms a step:
-        # ~1/3 of the bundled model's torch calls); bit for bit the reference's (tests/kernels/test_kernel_dispatch.py)
+        # torch's own op: the reference's fp32 formula bit for bit (tests/kernels/test_kernel_dispatch.py), one call
+        # where the reference makes nine (45 norms a step)
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return reference_ops.rms_norm_reference(x, weight, eps)
 
@@ -108,30 +96,27 @@ def rms_norm_add(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, re
     op rounded to x.dtype as torch's ops round; one Triton launch on CUDA."""
     if implementation("rms_norm", x.device) == "triton" and (scale is None or scale.numel() == 1) and all(
             t is None or (t.shape, t.dtype) == (x.shape, x.dtype) for t in (residual, pre_add)):
-        return ops.rms_norm(x, weight, eps, residual, pre_add, scale)
+        return torch.ops.dgemma.rms_norm(x, weight, eps, residual, pre_add, scale)
     y = rms_norm(x if pre_add is None else x + pre_add, weight, eps)
     y = y if residual is None else residual + y
     return y if scale is None else y.mul_(scale)
 
 
-def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """F.gelu(gate, approximate="tanh") * up, the gated MLPs' activation (torch's ops)."""
-    return reference_ops.gelu_mul(gate, up)
+gelu_mul = reference_ops.gelu_mul  # F.gelu(gate, approximate="tanh") * up: torch's ops on every device
 
 
 def gelu_mul_fused(gu: torch.Tensor, inter: int) -> torch.Tensor:
     """gelu_mul of a [..., 2·inter] gate_up tensor's halves (gate first); one Triton launch on CUDA."""
     if _fusing(gu):
-        return ops.gelu_mul(gu, inter)
+        return torch.ops.dgemma.gelu_mul(gu, inter)
     return reference_ops.gelu_mul(gu[..., :inter], gu[..., inter:])
 
 
 def qkv_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor, heads: int, kv_heads: int, has_v: bool, eps: float):
-    """q, k, v [B, T, n, d] of a fused projection (see `reference_ops.qkv_norm_rope_reference`); one Triton
-    launch on CUDA."""
+    """q, k, v [B, T, n, d] of a fused projection (`reference_ops.qkv_norm_rope_reference`)."""
     if implementation("rms_norm", qkv.device) == "triton" and q_weight.dtype == k_weight.dtype == qkv.dtype:
-        return ops.qkv_norm_rope(qkv, q_weight, k_weight, cos, sin, heads, kv_heads, has_v, eps)
+        return torch.ops.dgemma.qkv_norm_rope(qkv, q_weight, k_weight, cos, sin, heads, kv_heads, has_v, eps)
     return reference_ops.qkv_norm_rope_reference(qkv, q_weight, k_weight, cos, sin, heads, kv_heads, has_v, eps)
 
 
@@ -143,29 +128,27 @@ def _fusing(x: torch.Tensor) -> bool:
 def router_input(r: torch.Tensor, scale: torch.Tensor, root: float, eps: float) -> torch.Tensor:
     """The router's input Norm_0(r)·scale·root (`reference_ops.router_input_reference`); one launch on CUDA."""
     if _fusing(r) and scale.dtype == r.dtype and r.dim() == 2:
-        return ops.router_input(r, scale, root, eps)
+        return torch.ops.dgemma.router_input(r, scale, root, eps)
     return rms_norm(r, None, eps) * scale * root  # the reference's ops, the norm by this device's kernel
 
 
 def route(logits: torch.Tensor, per_expert_scale: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing weights and expert ids of router logits (`reference_ops.route_reference`); one launch on CUDA."""
     if _fusing(logits) and logits.dim() == 2:
-        return ops.route(logits, per_expert_scale, k)
+        return torch.ops.dgemma.route(logits, per_expert_scale, k)
     return reference_ops.route_reference(logits, per_expert_scale, k)
 
 
 def fp8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """x [..., K] by FP8 weights q [N, K] with per-channel scales s [N, 1] -> [..., N] in x.dtype, with the
-    DGEMMA_FP8 semantics (kernels/fp8.py). Weight-only on CUDA: the W8A16 Triton GEMM (kernels/fp8_linear.py
-    says why it, not dynamic activations, is the default); dynamic: torch._scaled_mm where it fits.
-    Reference: the whole matrix dequantized at once (weight-only)."""
+    """x [..., K] by FP8 weights q [N, K], per-channel scales s [N, 1] -> [..., N] in x.dtype, with the DGEMMA_FP8
+    semantics (kernels/fp8.py). The reference dequantizes the whole matrix at once."""
     from . import fp8
 
     impl = implementation("fp8_linear", x.device)
     if fp8_semantics() == "dynamic":
         return fp8.linear_dynamic(x, q, s, scaled_mm=impl in ("triton", "cuda") and fp8.scaled_mm_fits(x, q))
     if impl == "triton" and x.dtype in ops.FLOATS and s.dtype in ops.FLOATS:
-        return ops.fp8_linear(x, q, s)
+        return torch.ops.dgemma.fp8_linear(x, q, s)
     return fp8.linear_weight_only(x, q, s, tile_bytes=None if impl == "reference" else fp8.TILE_BYTES)
 
 
@@ -181,8 +164,7 @@ def fp8_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_pro
     # benchmarks/kernel_targets.py checks it), so older GPUs run the reference.
     if impl == "triton" and gate_up_scale.dtype in (torch.bfloat16, torch.float32) and (
             torch.cuda.get_device_capability(x.device) >= (8, 9)):
-        return ops.experts(x, w, idx, gate_up_proj, down_proj, gate_up_scale=gate_up_scale,
-                           down_scale=down_scale, dynamic=dynamic)
+        return torch.ops.dgemma.experts(x, w, idx, gate_up_proj, down_proj, gate_up_scale, down_scale, dynamic)
     if impl == "cpu" and not dynamic:
         return fp8.experts_fp8_segments(x, w, idx, gate_up_proj, gate_up_scale, down_proj, down_scale)
     return fp8.experts_fp8_reference(x, w, idx, gate_up_proj, gate_up_scale, down_proj, down_scale, dynamic=dynamic)
@@ -190,12 +172,11 @@ def fp8_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_pro
 
 def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glob: torch.Tensor,
                  divide: bool) -> torch.Tensor:
-    """x [..., K] by NVFP4 weights (kernels/nvfp4.py's held form) -> [..., N] in x.dtype, weight-only (W4A16):
-    on CUDA the W4A16 Triton GEMM (kernels/nvfp4_triton.py), elsewhere decoded bf16 tiles and torch's GEMM."""
+    """x [..., K] by NVFP4 weights (kernels/nvfp4.py's held form) -> [..., N] in x.dtype, weight-only (W4A16)."""
     from . import nvfp4
 
     if implementation("nvfp4_linear", x.device) == "triton" and x.dtype in ops.FLOATS:
-        return ops.nvfp4_linear(x, packed, scale, glob, divide)
+        return torch.ops.dgemma.nvfp4_linear(x, packed, scale, glob, divide)
     return nvfp4.linear(x, packed, scale, glob, divide)
 
 
@@ -208,11 +189,9 @@ def nvfp4_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: 
 
 
 def provenance(device: torch.device | str, dtype: str | None = None, packed: bool = False) -> dict[str, str]:
-    """Per op, the implementation a session on `device` with weights of `dtype` ('float32', 'bfloat16', ...) runs;
-    `packed`: dgcli/model/packed.py prepacked its linears and experts at load. Names: 'triton', 'reference',
-    torch's own kernels ('torch.linear', 'torch.grouped_mm', 'torch.rms_norm', 'torch-ops', 'onednn-packed':
-    torch's oneDNN GEMM on weights prepacked once) and our C GEMM ('c-panels'). Two bench rows whose numbers
-    differ can say why."""
+    """Per op, the implementation a session on `device` with weights of `dtype` runs (`packed`: dgcli/model/packed.py
+    prepacked its linears and experts): 'triton', 'reference', torch's ('torch.linear', 'torch.grouped_mm', ...,
+    'onednn-packed') or our C GEMM ('c-panels'). Two bench rows whose numbers differ can say why."""
     dev = torch.device(device)
     ops_ = {op: implementation(op, dev) for op in ("vocab_pass", "experts", "rms_norm", "gelu_mul")}
     if dev.type != "cpu":

@@ -1,19 +1,14 @@
-"""FP8 weights (float8_e4m3fn, one scale per output channel): the two ways dgemma runs them, as torch
-references and the CPU paths.
+"""FP8 weights (float8_e4m3fn, one scale per output channel): the two ways dgemma runs them (DGEMMA_FP8), as torch
+references and the CPU paths. Must not: route, pick devices (dispatch does), import the model.
 
-* Weight-only (the default): each weight tile is dequantized inside the matmul to the activation dtype,
-  W = (q.to(s.dtype) * s).to(x.dtype) (compressed-tensors' `dequantize`), so a run equals the unquantized
-  model holding those dequantized weights; only a tile of a matrix, or a chunk of experts, exists in the
-  activation dtype at a time.
-* Dynamic activations (vLLM's W8A8 FP8-dynamic): the input of every FP8 matmul is quantized per token (row)
-  to e4m3 with scale max(absmax / 448, 1 / (448 * 512)) (vLLM's dynamic_per_token_scaled_fp8_quant: x / s,
-  clamped to +-448, rounded to nearest even); FP8 x FP8 products are accumulated in fp32, then multiplied by
-  the token's scale and the channel's scale (in that order, as vLLM's fused-MoE epilogue) and rounded to the
-  activation dtype. The expert intermediate (gelu(gate) * up) is quantized per row again before the down GEMM.
-Owns: `quantize_per_token`, `dequantize` (and `fp8_over_256`), `linear_weight_only`, `linear_dynamic`, `experts_fp8_reference`,
-`experts_fp8_segments`. Shapes: q [N, K] fp8 and s [N, 1] for a linear; experts as `reference_ops`'s, gate_up
-q [E, 2I, H] with s [E, 2I, 1], down q [E, H, I] with s [E, H, 1].
-Must not: route, pick devices (dispatch does), import the model.
+* Weight-only (the default): each weight tile dequantized to the activation dtype inside the matmul, W =
+  (q.to(s.dtype) * s).to(x.dtype) (compressed-tensors' `dequantize`), so a run equals the unquantized model holding
+  those weights; only a tile of a matrix, or a chunk of experts, exists dequantized at a time.
+* Dynamic activations (vLLM's FP8-dynamic): each FP8 matmul's input quantized per token to e4m3 with scale
+  max(absmax / 448, 1 / (448 * 512)); FP8 products summed in fp32, times the token's then the channel's scale (vLLM's
+  fused-MoE epilogue order), rounded to the activation dtype. The experts' intermediate is quantized again.
+Shapes: q [N, K] and s [N, 1] for a linear; experts gate_up q [E, 2I, H] with s [E, 2I, 1], down q [E, H, I] with
+s [E, H, 1].
 """
 
 from __future__ import annotations
@@ -21,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .moe_cpu import _combine, _outside_compiled_graphs, _pairs, segments_fit
-from .reference_ops import expert_groups
+from .moe_cpu import _outside_compiled_graphs, _sorted_pairs, _sum_slots, segments_fit
+from .reference_ops import routed
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -112,18 +107,16 @@ def experts_fp8_reference(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, g
     time; `dynamic` quantizes x per token once (as vLLM quantizes the MoE input) and each expert's
     intermediate per row."""
     xq, xs = quantize_per_token(x) if dynamic else (None, None)
-    out = torch.zeros_like(x)
-    for e, sel, tok in expert_groups(idx, gu_q.shape[0]):
+
+    def mlp(e: int, tok: torch.Tensor) -> torch.Tensor:
         if dynamic:
             gate, up = _scaled(xq[tok], xs[tok], gu_q[e], gu_s[e], x.dtype).chunk(2, dim=-1)
             aq, a_s = quantize_per_token(F.gelu(gate, approximate="tanh") * up)
-            y = _scaled(aq, a_s, dn_q[e], dn_s[e], x.dtype)
-        else:
-            gate, up = F.linear(x[tok], dequantize(gu_q[e], gu_s[e], x.dtype)).chunk(2, dim=-1)
-            y = F.linear(F.gelu(gate, approximate="tanh") * up, dequantize(dn_q[e], dn_s[e], x.dtype))
-        y = y * w.reshape(-1)[sel, None]
-        out.index_add_(0, tok, y.to(out.dtype))
-    return out
+            return _scaled(aq, a_s, dn_q[e], dn_s[e], x.dtype)
+        gate, up = F.linear(x[tok], dequantize(gu_q[e], gu_s[e], x.dtype)).chunk(2, dim=-1)
+        return F.linear(F.gelu(gate, approximate="tanh") * up, dequantize(dn_q[e], dn_s[e], x.dtype))
+
+    return routed(x, w, idx, gu_q.shape[0], mlp)
 
 
 @_outside_compiled_graphs  # reads the per-expert counts back to the host to cut expert chunks
@@ -140,8 +133,7 @@ def experts_fp8_segments(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gu
     inter = dn_q.shape[2]
     if not segments_fit(h, inter, x.dtype):
         return experts_fp8_reference(x, w, idx, gu_q, gu_s, dn_q, dn_s)
-    flat, w_sorted = _pairs(idx, w)  # [N*k], [N, k]
-    order = torch.argsort(flat, stable=True)  # [N*k] pairs grouped by expert
+    flat, order, ws = _sorted_pairs(idx, w)  # [N*k], [N*k], [N*k, 1]
     ends = torch.bincount(flat, minlength=num_experts).cumsum(0).tolist()  # host: where each expert's rows end
     per = max(1, chunk_bytes // ((two_i * h + h * inter) * x.element_size()))
     xs = x[order // k]  # [N*k, H] rows in expert order
@@ -155,5 +147,4 @@ def experts_fp8_segments(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gu
         gu = F.grouped_mm(xs[r0:r1], dequantize(gu_q[e0:e1], gu_s[e0:e1], x.dtype).transpose(1, 2), offs=offs)
         act = F.gelu(gu[:, :inter], approximate="tanh") * gu[:, inter:]  # [rows, I]
         ys[r0:r1] = F.grouped_mm(act, dequantize(dn_q[e0:e1], dn_s[e0:e1], x.dtype).transpose(1, 2), offs=offs)
-    pairs = torch.empty_like(ys).index_copy_(0, order, ys)  # [N*k, H] back in pair order
-    return _combine(pairs, w_sorted, x.dtype)
+    return _sum_slots(ys.mul_(ws), order, k)  # the fp32 product rounded once to x.dtype, in place

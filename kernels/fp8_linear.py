@@ -1,24 +1,12 @@
-"""Weight-only FP8 linears as one Triton GEMM (W8A16, CUDA): e4m3 weights read as bytes and dequantized per
-tile in registers, activations in the model dtype, fp32 accumulation, one rounding at the end.
+"""Weight-only FP8 linears as one Triton GEMM (W8A16, CUDA): e4m3 weight bytes dequantized per tile in registers,
+activations in the model dtype, fp32 accumulation, one rounding at the end.
 
-Owns: `linear_w8a16`, the kernel twin of `kernels/fp8.py::linear_weight_only` (y = x @ dequantize(q, s)ᵀ,
-with the dequantized weight rounded exactly as `dequantize` rounds it), and `e4m3_to_f32`, its byte-to-value
-decode. FP8 experts already work this way (kernels/moe.py dequantizes each weight tile in the kernel).
-Must not: pick devices or semantics (kernels/dispatch.py does), or allocate more than its output.
-
-Why this and not dynamic FP8 activations (torch._scaled_mm) as the CUDA default: weight-only is dgemma's
-default semantics on every device (a run equals the unquantized model holding the dequantized weights, as
-the CPU path and the references compute it), and DGEMMA_FP8=dynamic already reaches _scaled_mm; making
-dynamic the CUDA default would make the same flags give different numbers on CPU and GPU. The cost it
-removes is the per-call dequantization (the whole matrix written in bf16 and read back: ~5 bytes moved per
-weight before the GEMM reads 2 more); here each weight byte is read once. At a 256-row canvas the bf16 GEMM
-is compute-bound on an H100 (~500 flop per weight byte), so this runs at about bf16 speed with half the
-weight memory; FP8 tensor-core throughput needs FP8 activations, i.e. DGEMMA_FP8=dynamic.
-
-The weight bytes are decoded with integer ops (e4m3 s.eeee.mmm placed at float16's s.0eeee.mmm0000000, then
-x 256, as `kernels/fp8.py::fp8_over_256`), not through Triton's fp8 type: exact, the same in the
-interpreter, and it compiles for sm_80, where Triton has no e4m3 type. e4m3 NaN bytes (0x7F, 0xFF) decode to
-finite values; quantized checkpoints never hold them (values are clamped to +-448).
+Owns: `linear_w8a16`, the kernel twin of `kernels/fp8.py::linear_weight_only` (each weight rounded as `dequantize`
+rounds it), and `e4m3_to_f32`. Must not: pick devices or semantics (kernels/dispatch.py does).
+Why weight-only is the CUDA default, not FP8 activations (DGEMMA_FP8=dynamic, torch._scaled_mm): it is the default
+on every device, so the same flags give the same numbers on CPU and GPU; each weight byte is read once (no bf16
+copy of the matrix). The bytes are decoded with integer ops (as `fp8.fp8_over_256`), not Triton's fp8 type: exact,
+the same in the interpreter, and it compiles for sm_80. NaN bytes decode to finite values (checkpoints clamp to 448).
 """
 
 from __future__ import annotations
@@ -27,12 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import interpreting, round_bf16, round_to
+from .triton_common import grouped_tile, interpreting, round_bf16, round_to
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) on CUDA, by activation dtype. bf16: a 256-row canvas
-# gives 4 row blocks, N / 128 column blocks (22+ for the real linears, H 2816), so >= 88 programs; 48 KiB of
-# shared memory over 3 stages. fp32 (full fp32 products, FMA not tensor cores): [64, 128] tiles or more than
-# one stage spill ~11 KB per thread; this one spills nothing (benchmarks/kernel_targets.py checks both).
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) on CUDA, by activation dtype: >= 88 programs at a 256-row canvas
+# in bf16; fp32's FMA dots spill at [64, 128] or more than one stage (benchmarks/kernel_targets.py checks both).
 CONFIGS = {"bf16": (64, 128, 64, 4, 3), "fp32": (64, 64, 32, 4, 1)}
 GROUP_M = 8  # row blocks that walk the same column blocks back to back (the weight tile stays in L2)
 
@@ -49,14 +35,7 @@ def e4m3_to_f32(b):
 def _w8a16_kernel(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_ym,
                   IS_BF16: tl.constexpr, DOT_BF16: tl.constexpr, W_ROUND: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP * num_n
-    first_m = (pid // per_group) * GROUP
-    size_m = tl.minimum(num_m - first_m, GROUP)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
@@ -82,17 +61,10 @@ def _w8a16_kernel(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_qn, str
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-def supports(x: torch.Tensor, s: torch.Tensor) -> bool:
-    """The dtypes the kernel mirrors `dequantize` for: bf16/fp32 activations, bf16/fp32 scales."""
-    floats = (torch.bfloat16, torch.float32)
-    return x.dtype in floats and s.dtype in floats
-
-
 def linear_w8a16(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, *, config: tuple | None = None) -> torch.Tensor:
     """x [..., K] (bf16/fp32) by q [N, K] float8_e4m3fn with scales s [N, 1] (bf16/fp32) -> [..., N] in
-    x.dtype. `config`: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), default CONFIGS' (blocks >= 16).
-    In the interpreter bf16 operands stay out of tl.dot (it computes bf16 dots wrongly)."""
-    if not supports(x, s):
+    x.dtype. `config`: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), default CONFIGS' (blocks >= 16)."""
+    if x.dtype not in (torch.bfloat16, torch.float32) or s.dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"linear_w8a16 supports bf16/fp32 activations and scales, got {x.dtype} and {s.dtype}")
     n, k = q.shape
     shape = x.shape

@@ -1,10 +1,7 @@
-"""Small fused kernels of the CUDA path (Triton), each one launch where torch makes several.
-
-Owns: `qkv_norm_rope` (an attention's q/k/v split out of its fused projection, q and k RMS-normed and rotated,
-v normed: the twin of `kernels/reference_ops.py::qkv_norm_rope_reference`, same roundings) and `gelu_mul_fused`
-(the gated GELU(tanh) of a [.., 2I] gate|up tensor: `reference_ops.gelu_mul` of its halves), the router's two
-(`router_input`, `route`: their `reference_ops` twins, softmax and top-k in fp32). Must not: pick
-devices (kernels/dispatch.py does), or sync with the host.
+"""Small fused kernels of the CUDA path (Triton), each one launch where torch makes several: `rms_norm` (with a
+residual, a pre-add or a scale: `dispatch.rms_norm_add`), `qkv_norm_rope`, `gelu_mul_fused`, `router_input` and
+`route`, twins of their `reference_ops` references (the same roundings to the storage dtype; softmax and top-k in
+fp32). Must not: pick devices (kernels/dispatch.py does), allocate more than their outputs, or sync with the host.
 """
 
 from __future__ import annotations
@@ -13,7 +10,50 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import round_to
+from .triton_common import gelu_mul_rounded, round_to
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, pre_ptr, res_ptr, s_ptr, n_cols, stride_x, stride_o, eps,
+                     HAS_WEIGHT: tl.constexpr, HAS_PRE: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
+                     IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_PRE:  # pre-add and residual: contiguous rows like out's
+        x = round_to(x + tl.load(pre_ptr + row * stride_o + cols, mask=mask, other=0.0).to(tl.float32), IS_BF16)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    y = x * inv
+    if HAS_WEIGHT:
+        y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = round_to(y, IS_BF16)
+    if HAS_RES:
+        y = round_to(tl.load(res_ptr + row * stride_o + cols, mask=mask, other=0.0).to(tl.float32) + y, IS_BF16)
+    if HAS_SCALE:  # the layer scalar, one value
+        y = round_to(y * tl.load(s_ptr).to(tl.float32), IS_BF16)
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None,
+             pre_add: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """(residual + Norm(x + pre_add)) · scale over the last axis of x [..., H] (residual and pre_add: x's shape
+    and dtype; scale: one value; any may be None)."""
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"rms_norm supports float32 and bfloat16, got {x.dtype}")
+    shape = x.shape
+    h = shape[-1]
+    x2 = x.reshape(-1, h)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)  # [R, H]
+    pre, res = (x2 if t is None else t.reshape(-1, h).contiguous() for t in (pre_add, residual))
+    _rms_norm_kernel[(x2.shape[0],)](
+        x2, weight if weight is not None else x2, out, pre, res, x2 if scale is None else scale, h, x2.stride(0),
+        out.stride(0), eps, HAS_WEIGHT=weight is not None, HAS_PRE=pre_add is not None, HAS_RES=residual is not None,
+        HAS_SCALE=scale is not None,
+        IS_BF16=x.dtype == torch.bfloat16, BLOCK=triton.next_power_of_2(h))
+    return out.view(shape)
 
 
 @triton.jit
@@ -74,10 +114,7 @@ def _gelu_mul_kernel(x_ptr, out_ptr, inner, stride_x, IS_BF16: tl.constexpr, BLO
     m = cols < inner
     gate = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inner + cols, mask=m, other=0.0).to(tl.float32)
-    # gelu_tanh(z) = 0.5·z·(1 + tanh(√(2/π)(z + 0.044715 z³))), tanh(y) = 1 - 2/(exp(2y) + 1) (as kernels/moe.py)
-    inner_ = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-    th = 1.0 - 2.0 / (tl.exp(2.0 * inner_) + 1.0)
-    y = round_to(round_to(0.5 * gate * (1.0 + th), IS_BF16) * up, IS_BF16)
+    y = gelu_mul_rounded(gate, up, IS_BF16)
     tl.store(out_ptr + row * inner + cols, y.to(out_ptr.dtype.element_ty), mask=m)
 
 

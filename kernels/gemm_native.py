@@ -1,23 +1,14 @@
-"""fp32 GEMMs with few rows on CPU in C, from weights packed once into column panels.
+"""fp32 GEMMs with few rows on CPU in C (kernels/csrc/gemm_native.c), from weights packed once into column panels.
 
-Owns: `pack(w)` (an fp32 weight [N, K] as panels [ceil(N/16), K, 16], zero past column N; `unpack` back),
-`linear(x, packed, n)` (x [..., K] @ w.T) and `grouped(x, rows, packed, ends, n)` (the routed experts' GEMMs in
-one call: row block e of the result is x[rows[block e]] @ w_e.T), and their C source, built at first use
-(kernels/native.py).
-Must not: run on CUDA, handle other dtypes, know about modules (dgcli/model/packed.py swaps them in), or be needed:
-None means "use torch's GEMM" (no compiler, a CPU without AVX-512: the library built says so and is kept, another
-dtype, DGEMMA_KERNELS=torch).
-
-Why: torch's fp32 GEMM on CPU (MKL) is slow at the bundled model's shapes (16-128 rows, K and N of 160-1024):
-~60-70 GFLOP/s with the weight in cache and ~35 with it cold (each of a step's ~100 GEMMs reads a weight the
-previous layers pushed out of L2), against the core's ~96 (2-core EPYC, avx512, 1 thread). Here a weight panel
-(16 columns) is read as one stream, each row block of up to 12 rows is held in 24 vector registers, and a tiny
+Owns: `pack` / `unpack` (an fp32 weight [N, K] <-> panels [ceil(N/16), K, 16], zero past column N), `linear` and
+`grouped` (the routed experts' GEMMs in one call). Must not: run on CUDA, handle other dtypes, know about modules
+(dgcli/model/packed.py swaps them in), or be needed: None means "use torch's GEMM" (no compiler, no AVX-512,
+another dtype, DGEMMA_KERNELS=torch).
+Why: MKL's fp32 GEMM reaches ~35-70 GFLOP/s at the bundled model's shapes (16-128 rows, K and N 160-1024) against
+the core's ~96 (2-core EPYC); here a 16-column panel is one stream, up to 12 rows sit in registers, and a tiny
 expert's GEMM pays no per-call setup.
-Bits: each output is Σ_k x[r, k]·w[c, k] accumulated in k order by fused multiply-adds from 0, whatever the row
-count, the row's place in its block, the thread count or the segment: batch-invariant, and not MKL's order. The
-products equal torch's within fp32 rounding (tests/kernels/test_gemm_native.py); the model's parity and agreement
-tests bound the effect (fp32 <= 1e-4 against the reference). DGEMMA_KERNELS=torch keeps torch's GEMMs (the
-reference's bits).
+Bits: each output is Σ_k x·w accumulated in k order by FMAs from 0, whatever the rows, threads or segment
+(batch-invariant, not MKL's order); the parity tests bound the effect (fp32 <= 1e-4).
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """GGML block formats (Q8_0, Q4_K, Q6_K; Q4_0, Q5_0) as bytes: their layouts and the decoders (`dequantize` equals the
-`gguf` package's). The lowest layer: the CPU kernels (kernels/ggml_cpu.py) unpack these bytes into their compute
-forms; dgcli/model/ggml.py (the modules) and dgcli/checkpoint/ (the files, the encoders) build on them.
+`gguf` package's); kernels/ggml_cpu.py, dgcli/model/ggml.py and dgcli/checkpoint/ build on them.
 Must not: read or write files, know tensor names, or compute with the weights.
 
-What the GGUF reader and writer rely on:
-- type ids are ggml's `GGMLType` values: F32 0, F16 1, Q4_0 2, Q5_0 6, Q8_0 8, Q4_K 12, Q6_K 14, BF16 30
-  (llama.cpp writes Q5_0 where a Q4_K_M tensor's rows are not a multiple of 256, as this model's down
-  projections' 704 and 2112 values; the `--weights q4_k` dummy uses Q4_0 there: Q5_0's planes would not fit 24 GB).
-- a quantized matrix of logical shape [..., rows, K] is held as a uint8 tensor [..., rows, K // BLOCK * BYTES]:
-  each row is its blocks in order, exactly the bytes of the GGUF file (ggml's row-major layout; GGUF lists the
-  dimensions reversed, [K, rows]).
+Type ids are ggml's `GGMLType` values (llama.cpp writes Q5_0 where a Q4_K_M tensor's rows are not a multiple of
+256, as this model's down projections'; the `--weights q4_k` dummy uses Q4_0 there). A quantized matrix [..., rows,
+K] is held as uint8 [..., rows, K // BLOCK * BYTES]: each row its blocks in order, the GGUF file's bytes.
 
 Block layouts (ggml-common.h), little-endian:
 - Q4_0 (32 values, 18 bytes): fp16 d, 16 bytes of nibbles (value j low, j + 16 high); w = d·(q − 8).

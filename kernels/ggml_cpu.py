@@ -1,31 +1,21 @@
 """GGML-quantized weights computed on CPU, kept quantized in memory: no dequantized copy outlives a call.
 
 Owns: `prepare` (a GGUF block tensor -> the form kept in memory, built once at load), `linear`, `experts`
-(the `experts_reference` semantics over routed experts only) and `dequantize_prepared` (tests).
-Must not: know GGUF files or tensor names (dgcli/checkpoint/gguf.py), or route (the model's router does).
+(`experts_reference`'s semantics) and `dequantize_prepared`. Must not: know GGUF files or tensor names
+(dgcli/checkpoint/), or route.
 
-The forms (built at load; the file's bytes are not kept). Q4_K -> torch's int4 CPU kernel
-(`torch._weight_int4pack_mm_for_cpu`: w = (q − 8)·scale + zero per group of 32 along K, fp32 accumulation): a
-sub-block of 32 is one group, scale = d·sc, zero = 8·d·sc − dmin·m (exact in fp32, stored in the activations'
-dtype: bf16 rounds them, relative error <= 2^-9 each); 0.625 bytes per value (Q4_K: 0.5625). Q4_0: scale d, zero 0.
-Q8_0 -> the same kernel on two nibble planes side by side along K (q + 128 = 16a + b: plane a scale 16d, zero 8d;
-plane b scale d, zero 0; x fed twice); 1.25 bytes per value. Q5_0 (llama.cpp's Q4_K_M type for rows not a
-multiple of 256) the same way. Q6_K -> kept as its bytes (its 16-value sub-blocks do not map onto groups of 32),
-dequantized in ~1 MB tiles for F.linear (~2.5 ns per weight; the dequantizer's bits rounded to x's dtype).
+The forms. Q4_K, Q4_0 -> torch's int4 CPU layout (`torch._weight_int4pack_mm_for_cpu`: w = (q − 8)·scale + zero per
+group of 32 along K): a Q4_K sub-block is one group, scale = d·sc, zero = 8·d·sc − dmin·m (exact in fp32, stored in
+the activations' dtype: bf16 rounds them, <= 2^-9 each). Q8_0 and Q5_0 -> two nibble planes side by side along K
+(q + offset = 16a + b; x fed twice). Q6_K -> kept as its bytes (16-value sub-blocks do not map onto groups of 32).
 Rows are padded to a multiple of 64.
-fp32 activations (or scales not in x's dtype) take the exact fp32 tile path (the kernel's fp32 path is ~70x slower).
-
-The one C fast path: where the CPU has AVX-512 VNNI + VBMI (and a C compiler), bf16 x of Q8_ROWS rows or more takes
-the int8 path (kernels/ggml_q8.py: x rounded to int8 per group of 32, then integer dot products over the nibbles, a
-plane pair's joined into bytes; 0.62-0.93x bf16's GEMM time at 3-256 rows, its own stated bound), and Q6_K at every
-row count. Measured against the torch paths below in benchmarks/RESULTS.md (a GGUF step ~1.8x faster).
-The torch paths (DGEMMA_KERNELS=torch, no compiler, no VNNI), for an int4 form by the rows of x (`gemm_rows`): few
-(< 64; planes 32): torch's int4 kernel (3.5x fewer bytes than bf16, but fp32 FMAs); more: the GEMM path
-(`_gemm_int4`), tiles of ~4 M weights unpacked to bf16 by torch ops in per-thread scratch (`_int4_tile_t`, ~0.55-0.8
-ns per weight), then x @ W.T; nothing unpacked outlives the call; each weight is the kernel's exact weight rounded
-once to bf16 (tests check the bits).
-Output error against the file's exact weights (relative RMS, Q4_K [1408, 2816], 256 rows, zero-mean / mean-1 x):
-kernel 2.5e-3 / 4.0e-3, GEMM path 3.0e-3 / 4.6e-3 (one more bf16 rounding per weight), bf16 checkpoint 2.4e-3 / 2.7e-3.
+The paths, for bf16 x: the int8 C kernel (kernels/ggml_q8.py, its own stated numerics) where the CPU has AVX-512
+VNNI + VBMI, from Q8_ROWS rows (a GGUF step ~1.8x faster, benchmarks/RESULTS.md); otherwise (DGEMMA_KERNELS=torch,
+no compiler) torch's int4 kernel below GEMM_ROWS rows (3.5x fewer bytes than bf16, fp32 FMAs) and above it bf16
+tiles of ~4 M weights unpacked by torch ops in per-thread scratch, then x @ W.T (each weight the kernel's exact
+weight rounded once to bf16). fp32 x, and Q6_K without C, take exact fp32 tiles (the int4 kernel's fp32 path is
+~70x slower). Relative RMS error against the file's weights (Q4_K [1408, 2816], 256 rows): kernel 2.5e-3, GEMM
+path 3.0e-3, a bf16 checkpoint 2.4e-3.
 """
 
 from __future__ import annotations
@@ -37,15 +27,17 @@ import torch
 import torch.nn.functional as F
 
 from . import ggml_q8
+from .ggml_blocks import (Q4_0, Q4_K, Q5_0, Q6_K, Q8_0, _blocks, _f16, dequantize, q4k_nibbles, q4k_scale_min,
+                          q40_values, q50_high)
+from .moe_cpu import _sorted_pairs, _sum_slots
 
-Q4_0, Q5_0, Q8_0, Q4_K, Q6_K = 2, 6, 8, 12, 14
 PLANES = (Q5_0, Q8_0)  # 5- and 8-bit types: two nibble planes side by side along K
 PLANE_OFFSET = {Q5_0: 16, Q8_0: 128}  # planes' weights d·(16a + b − offset)
 GROUP = 32  # the int4 kernel's group size: one Q4_K sub-block, one Q8_0 block
 ROW_BLOCK = 64  # the int4 packed layout's row block
 TILE_VALUES = 1 << 18  # values dequantized per tile on the tile path (1 MB in fp32)
-# From this many rows of x on, an int4 form takes the GEMM path instead of torch's int4 kernel
-GEMM_ROWS, GEMM_ROWS_PLANES = 64, 32
+# From this many rows of bf16 x (single-plane forms, planes) the torch paths take bf16 tiles, not torch's int4 kernel
+GEMM_ROWS = (64, 32)
 # From this many rows of bf16 x (single-plane forms, planes) the int8 path where the CPU has VNNI (below: torch's
 # int4 kernel reads the nibbles once, 1.5x faster at 1-2 rows; planes' other paths are slower at every count)
 Q8_ROWS = (3, 1)
@@ -79,8 +71,6 @@ def _pad_rows(n: int) -> int:
 def _int4_parts(raw: torch.Tensor, qtype: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One matrix's bytes [n, row_bytes] -> (q uint8 [n, Kp] in 0..15, scale fp32 [n, Kp/32], zero fp32 [n, Kp/32])
     with w = (q − 8)·scale + zero (Q8_0: the two planes summed)."""
-    from .ggml_blocks import _blocks, _f16, q40_values, q4k_nibbles, q4k_scale_min, q50_high
-
     n = raw.shape[0]
     b = _blocks(raw, qtype)  # [n, nb, bytes]
     if qtype == Q4_K:
@@ -153,8 +143,6 @@ def _dequant_rows(p: Prepared, r0: int, r1: int, dtype: torch.dtype = torch.floa
     """Rows r0..r1 of one matrix [r1 - r0, k] in dtype (for int4 forms r0 a multiple of 64). bf16: the
     arithmetic runs in bf16 with one fp32-internal rounding per addcmul (the weights a bf16 GEMM would get)."""
     if p.kind == "raw":
-        from .ggml_blocks import dequantize
-
         return dequantize(p.packed[r0:r1], p.qtype, p.k).to(dtype)
     kp = p.packed.shape[-1] * 2
     hi = min(_pad_rows(r1), p.packed.shape[0])
@@ -215,78 +203,59 @@ def _int4_tile_t(p: Prepared, b0: int, b1: int, dtype: torch.dtype) -> torch.Ten
 
 
 def _gemm_int4(x2: torch.Tensor, p: Prepared) -> torch.Tensor:
-    """x2 [M, k] @ W.T through bf16 tiles of W (about GEMM_TILE_VALUES values each, unpacked by torch ops) -> [M, n]."""
+    """x2 [M, k] @ W.T through bf16 tiles of W (~GEMM_TILE_VALUES values each, unpacked by torch ops) -> [M, Np]."""
     blocks = p.packed.shape[-2] // ROW_BLOCK
     step = max(1, GEMM_TILE_VALUES // (p.k * ROW_BLOCK))
     ys = [x2 @ _int4_tile_t(p, b0, min(b0 + step, blocks), x2.dtype) for b0 in range(0, blocks, step)]
-    y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
-    return y[:, :p.n] if y.shape[1] != p.n else y
+    return ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
 
 
 def _kernel_int4(x2: torch.Tensor, p: Prepared) -> torch.Tensor:
-    """x2 [M, k] @ W.T through torch's int4 kernel -> [M, n] (planes: x fed twice)."""
+    """x2 [M, k] @ W.T through torch's int4 kernel -> [M, Np] (planes: x fed twice)."""
     xin = torch.cat((x2, x2), dim=1) if p.qtype in PLANES else x2.contiguous()
-    y = torch._weight_int4pack_mm_for_cpu(xin, p.packed, GROUP, p.sz)  # [M, Np]
-    return y[:, :p.n] if y.shape[1] != p.n else y
-
-
-def gemm_rows(p: Prepared) -> int:
-    """The fewest rows of bf16 x that take the GEMM path for p (an int4 form) on the torch paths."""
-    return GEMM_ROWS_PLANES if p.qtype in PLANES else GEMM_ROWS
+    return torch._weight_int4pack_mm_for_cpu(xin, p.packed, GROUP, p.sz)
 
 
 def linear(x: torch.Tensor, p: Prepared) -> torch.Tensor:
     """x [..., k] @ W.T -> [..., n] in x.dtype for one prepared matrix W [n, k] (~200 calls a decoder pass)."""
     x2 = x if x.dim() == 2 and x.shape[1] == p.k else x.reshape(-1, p.k)
-    y = None
+    y, planes = None, p.qtype in PLANES
     if x.dtype == torch.bfloat16 and x.is_cpu:  # the thresholds were measured against oneDNN's bf16 GEMM
         if p.kind == "int4" and p.sz.dtype == torch.bfloat16:
-            if x2.shape[0] >= Q8_ROWS[p.qtype in PLANES] and ggml_q8.available():  # int8 (its own numerics)
+            if x2.shape[0] >= Q8_ROWS[planes] and ggml_q8.available():  # int8 (its own numerics)
                 y = ggml_q8.product(x2, p.packed, p.sz, p.k, PLANE_OFFSET.get(p.qtype, 0))
-                y = y if y is None or y.shape[1] == p.n else y[:, :p.n]
             if y is None:
-                y = _gemm_int4(x2, p) if x2.shape[0] >= gemm_rows(p) else _kernel_int4(x2, p)
-        elif p.qtype == Q6_K:
-            y = ggml_q8.q6k_product(x2, p.packed, p.k, p.n) if ggml_q8.available() else None
-            if y is not None and y.shape[1] != p.n:
-                y = y[:, :p.n]
+                y = _gemm_int4(x2, p) if x2.shape[0] >= GEMM_ROWS[planes] else _kernel_int4(x2, p)
+        elif p.qtype == Q6_K and ggml_q8.available():
+            y = ggml_q8.q6k_product(x2, p.packed, p.k, p.n)
     elif p.kind == "int4" and x.dtype == torch.float16 and p.sz.dtype == x.dtype and x.is_cpu:
         y = _kernel_int4(x2, p)  # fp16 keeps torch's int4 kernel
     if y is None:  # tiles of rows dequantized one at a time into x's dtype (the whole matrix never is)
         step = max(ROW_BLOCK, TILE_VALUES // p.k // ROW_BLOCK * ROW_BLOCK)
         y = torch.cat([F.linear(x2, _dequant_rows(p, r0, min(r0 + step, p.n), x.dtype))
                        for r0 in range(0, p.n, step)], dim=1)
+    y = y[:, :p.n]  # rows padded to a multiple of 64 are not the matrix's
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], p.n)
 
 
 def experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: Prepared, down: Prepared,
             inter: int) -> torch.Tensor:
-    """Routed experts x [N, H], w [N, k] fp32, idx [N, k] -> [N, H] in x.dtype, `experts_reference`'s math: one
-    GEMM pair per expert that got tokens (only those experts are read), the gather, GELU gate, weighting and
-    scatter-add over all routed rows at once (per expert they cost ~25 % of a layer's experts at 2 threads); the
-    per-expert loop's bits: elementwise ops, and the adds into a token in ascending expert order."""
+    """Routed experts x [N, H], w [N, k] fp32, idx [N, k] -> [N, H] in x.dtype, `experts_reference`'s math and bits:
+    one GEMM pair per expert that got tokens (only those are read), the gather, GELU gate, weighting and sums over
+    all routed rows at once (per expert they cost ~25 % of a layer's experts at 2 threads)."""
     k = idx.shape[1]
-    flat = idx.reshape(-1)  # [N*k] pair p = token p // k
-    order = torch.argsort(flat, stable=True)  # [N*k] pairs grouped by expert (none for N = 0)
-    tok, ws = order // k, w.reshape(-1, 1).index_select(0, order)  # tokens, fp32 weights in that order
+    flat, order, ws = _sorted_pairs(idx, w)  # pairs grouped by expert, their fp32 weights in that order
     counts = [(e, c) for e, c in enumerate(torch.bincount(flat, minlength=gate_up.packed.shape[0]).tolist()) if c]
     if not counts:  # no tokens
         return torch.zeros_like(x)
-    xs, bounds = x.index_select(0, tok), [0]  # [R, H]: each expert's rows together
+    xs, bounds = x.index_select(0, order // k), [0]  # [R, H]: each expert's rows together
     for _, c in counts:
         bounds.append(bounds[-1] + c)
     gu_e, dn_e = _experts_of(gate_up), _experts_of(down)
     gu = _cat([linear(xs[a:b], gu_e(e)) for (e, _), a, b in zip(counts, bounds, bounds[1:])])  # [R, 2I]
     act = F.gelu(gu[:, :inter], approximate="tanh").mul_(gu[:, inter:])  # [R, I]
     y = _cat([linear(act[a:b], dn_e(e)) for (e, _), a, b in zip(counts, bounds, bounds[1:])])  # [R, H]
-    out, yw = torch.zeros_like(x), y.float().mul_(ws).to(x.dtype)
-    # each pair's place among its token's experts (ascending): the adds go in k rounds of distinct tokens, so a
-    # token's sum is rounded to x.dtype after each expert in ascending order, as the per-expert loop's
-    rank = torch.argsort(torch.argsort(idx, dim=1), dim=1).reshape(-1).index_select(0, order)
-    for j in range(k):
-        sel = (rank == j).nonzero().squeeze(1)
-        out.index_add_(0, tok.index_select(0, sel), yw.index_select(0, sel))
-    return out
+    return _sum_slots(y.mul_(ws), order, k)  # the fp32 product rounded once; ascending experts, one rounding each
 
 
 def _cat(ys: list[torch.Tensor]) -> torch.Tensor:

@@ -1,24 +1,14 @@
-"""An int4 form (kernels/ggml_cpu.py: Q4_K, Q4_0; Q8_0 and Q5_0 as two nibble planes) times bf16 x through int8
-dot products (AVX-512 VNNI `vpdpbusd`: 64 multiply-adds an instruction, twice `vdpbf16ps`'s 32), the way
+"""An int4 form (kernels/ggml_cpu.py) times bf16 x through int8 dot products (AVX-512 VNNI `vpdpbusd`), the way
 llama.cpp runs its quants: x quantized per row and group of 32 to int8, the nibbles multiplied as they are (a
-two-plane form's two nibbles joined into its 8-bit weight first: one dot product, not one a plane).
+two-plane form's nibbles joined into its 8-bit weight first).
 
-Owns: `SOURCE` (C, built at first use through kernels/native.py), `available`, `product` (int4 forms) and
-`q6k_product` (Q6_K's GGUF bytes: per 64-row block each row's q decoded to bytes and transposed by 4-value words
-into the same layout, d·sc kept per 16 values; its weights d·sc·(q − 32)).
-Numerics (not the torch paths' bits; DGEMMA_KERNELS=torch keeps those): per row and group of 32 values along K,
-dx = max|x|/127 and xq = round(x·(127/max|x|)) in int8 (nearest even); then the exact product of the form's
-weights (w = (q − 8)·scale + zero; planes d·(16a + b − offset)) with x̂ = dx·xq, integer sums per group, the rest
-in fp32, rounded once to bf16. So |y − x·Wᵀ| ≤ 2⁻⁸|x·Wᵀ| + sum_g ½·dx_g·sum_k |w_k| (+ fp32 sums; tests check
-both). Relative RMS error against x·Wᵀ 5-6e-3 on random x (the bf16 GEMM path 3.0e-3, a bf16 checkpoint 2.4e-3),
-a twelfth of Q4_K weights' own (7e-2); per 32 values, finer than llama.cpp's Q8_K (per 256) for its K-quants.
-Scratch: per calling thread x's int8 copy (M·K bytes + 20 per group), per OpenMP thread one block (64·K bytes,
-Q6_K + 16·K), kept for the next call (grown, never shrunk).
-Layout: per 64-row block the form's [k, 32] bytes (byte j: rows j and j + 32 as low / high nibble) are regrouped
-once per call into [k/4][4 vectors][16 rows][4 k] bytes in per-thread scratch (two `vpermi2b` per 4 k), then
-every chunk of MR rows of x runs over the whole K with its 2 x 16 outputs' sums in registers.
-Must not: know GGUF types (the caller names a two-plane form's offset), or be needed: `product` is None without
-VNNI.
+Owns: `available`, `product` (int4 forms) and `q6k_product` (Q6_K's GGUF bytes, its weights d·sc·(q − 32)); the C
+is kernels/csrc/ggml_q8.c, built through kernels/native.py. Must not: know GGUF types (the caller names a two-plane
+form's offset), or be needed: both return None without VNNI.
+Numerics (not the torch paths' bits; DGEMMA_KERNELS=torch keeps those): per group of 32, dx = max|x|/127 and
+xq = round(x/dx) in int8 (nearest even); then the exact product of the weights with dx·xq, integer sums per group,
+the rest in fp32, rounded once to bf16: |y − x·Wᵀ| ≤ 2⁻⁸|x·Wᵀ| + Σ_g ½·dx_g·Σ_k |w_k| (tests check it). Relative
+RMS error 5-6e-3 on random x, a twelfth of Q4_K weights' own (7e-2).
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Linear layers on CPU with their bf16 weights prepacked for oneDNN once, instead of on every call.
 
-Owns: `packing_available`, `pack(w)` (a bf16 weight [N, K] in oneDNN's blocked layout, or None where that
-would not give `F.linear`'s bits here) and `linear(x, packed)`.
-Must not: know about modules or models (dgcli/model/packed.py swaps them), run on CUDA, or handle fp32
-(torch's fp32 GEMM on CPU is MKL's, a different kernel and different bits).
-
-Why: torch's bf16 `F.linear` on CPU is oneDNN's matmul with the weight in its stored [N, K] layout, and
-oneDNN re-lays that weight out into its blocked layout on every call: a pass over the weight per GEMM,
-paid again per expert and per layer. Packed once at load, a GEMM only reads the blocks. Measured on a
-2-core avx512_bf16 CPU, 2 threads, [M, 1024]x[1024, 1024] over 24 weights not in cache (the decoder's
-case): M = 16 156 -> 246 GFLOP/s, M = 85 307 -> 381, M = 256 375 -> 418 (benchmarks/RESULTS.md).
-Bits: the packed product is oneDNN's inner-product primitive on the same bf16 inputs with fp32
-accumulation. It equalled `F.linear` bit for bit for every shape tried (M 1-1024, K 512-2816, 1 and 2
-threads); the order of a kernel's sums is the machine's and oneDNN's business, so `pack` checks each
-weight shape here, on probe rows of a few heights, and leaves a weight as stored where they differ.
+Owns: `packing_available`, `pack(w)` and `linear(x, packed)`. Must not: know about modules (dgcli/model/packed.py
+swaps them), run on CUDA, or handle fp32 (torch's fp32 CPU GEMM is MKL's: other bits).
+Why: torch's bf16 `F.linear` on CPU re-lays the weight out into oneDNN's blocked layout on every call; packed once,
+a GEMM only reads the blocks (2-core avx512_bf16, [M, 1024]x[1024, 1024] cold: M = 16 156 -> 246 GFLOP/s, M = 256
+375 -> 418; benchmarks/RESULTS.md). Bits: oneDNN's inner product on the same inputs equalled `F.linear` for every
+shape tried, but the order of its sums is oneDNN's business, so `pack` checks each weight shape here on probe rows
+and leaves a weight as stored where they differ.
 """
 
 from __future__ import annotations
@@ -48,18 +41,19 @@ def _reorder(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 256)
 
 
-@functools.cache
-def _agrees(n: int, k: int, threads: int) -> bool:
-    """Does the packed product give F.linear's bits for an [n, k] weight at this thread count? (random
-    values; each probe height once)"""
+def probes(n: int, k: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A random bf16 weight [n, k] and bf16 rows of each PROBE_ROWS height, seeded by the shape."""
     g = torch.Generator().manual_seed(n * 7919 + k)
     w = torch.empty(n, k, dtype=torch.bfloat16).uniform_(-(3 / k) ** 0.5, (3 / k) ** 0.5, generator=g)
+    return w, [torch.empty(m, k, dtype=torch.bfloat16).uniform_(-2, 2, generator=g) for m in PROBE_ROWS]
+
+
+@functools.cache
+def _agrees(n: int, k: int, threads: int) -> bool:
+    """Does the packed product give F.linear's bits for an [n, k] weight at this thread count?"""
+    w, xs = probes(n, k)
     p = _reorder(w)
-    for m in PROBE_ROWS:
-        x = torch.empty(m, k, dtype=torch.bfloat16).uniform_(-2, 2, generator=g)
-        if not torch.equal(F.linear(x, w), linear(x, p)):
-            return False
-    return True
+    return all(torch.equal(F.linear(x, w), linear(x, p)) for x in xs)
 
 
 def pack(w: torch.Tensor) -> torch.Tensor | None:

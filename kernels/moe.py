@@ -1,30 +1,17 @@
-"""Routed experts as two grouped Triton GEMMs (CUDA): group pairs by expert, gate/up + gated GELU, down +
-routing weight, then add each token's k contributions.
+"""Routed experts as two grouped Triton GEMMs (CUDA): `experts_triton`, the twin of
+`reference_ops.experts_reference` (its intermediate roundings to the storage dtype mirrored, a token's contributions
+added in ascending expert order with one rounding each). FP8 experts run through the same kernels: weight-only, each
+tile dequantized as `fp8.dequantize`, or with dynamic FP8 activations (quantized per row in torch, since the
+interpreter rounds fp32 -> e4m3 wrongly; the twin of `fp8.experts_fp8_reference`).
+Must not: route, pick devices, or sync with the host (the launch grid is an upper bound on the row blocks; unused
+blocks exit at once).
 
-Owns: `experts_triton`, the kernel twin of `kernels/reference_ops.py::experts_reference` (same inputs:
-x [N, H], fp32 routing weights w [N, k], expert ids idx [N, k], gate_up_proj [E, 2I, H] with gate rows
-first, down_proj [E, H, I]). The reference's intermediate roundings to the storage dtype are mirrored
-(gate and up GEMM outputs, GELU, product, down output, weighted output), and a token's contributions
-are added in ascending expert order with one rounding per addition, as the reference does. FP8 experts
-(float8_e4m3fn weights, one scale per output channel) run through the same kernels: weight-only, each weight
-tile dequantized in the kernel (`kernels/fp8.py::dequantize`), or with dynamic FP8 activations (tokens and
-the intermediate quantized per row by `kernels/fp8.py::quantize_per_token` in torch, since the Triton
-interpreter rounds fp32 -> e4m3 wrongly; e4m3 x e4m3 dots; the twin of `kernels/fp8.py::experts_fp8_reference`).
-Must not: route, pick devices, or sync with the host: the grouping is built with device ops and the
-launch grid is an upper bound on the number of row blocks (unused blocks exit at once).
-
-Layout: pair p = n·k + j after sorting each row's experts ascending. Pairs are laid out by expert in
-"slots", each expert's run padded to a multiple of BLOCK_M; block b of slots belongs to one expert
-(`block_expert[b]`, -1 past the end). Kernel 1 writes act[slot, I]; kernel 2 writes y[pair, H].
-
-Tiles on CUDA (bf16 experts, dense or FP8 weight-only; no tile asked for): BLOCK_M by the mean pairs per expert
-(`block_rows`: one row block per expert on average, so each weight tile is streamed about once), the rest
-autotuned at the first call of each (H, I, BLOCK_M) over `TUNE` (no table measured on a GPU yet).
-BLOCK_K stays 64 in every configuration: it sets how each output's k chain is cut, so a tile choice (and with it
-the batch) keeps every output's summation order; tests/kernels/test_kernel_moe.py checks that each configuration
-gives the fixed tile's bits (on a GPU with its warps and stages). fp32 activations (full-precision dots) and
-dynamic FP8 keep the fixed 64x64x64 tile. Every configuration compiles for sm_90 and sm_80 within shared memory
-and without spills (benchmarks/kernel_targets.py).
+Layout: pair p = n·k + j after sorting each row's experts ascending, laid out by expert in "slots", each expert's run
+padded to a multiple of BLOCK_M, so a block of slots belongs to one expert (`block_expert[b]`, -1 past the end).
+Tiles on CUDA (bf16 activations, not dynamic, no tile asked for): BLOCK_M by the mean pairs per expert
+(`block_rows`: each weight tile streamed about once), the rest autotuned over TUNE. BLOCK_K stays 64 everywhere:
+it sets how each output's k chain is cut, so no tile choice (nor the batch) changes the bits (tests check it).
+Every configuration compiles for sm_90 and sm_80 without spills (benchmarks/kernel_targets.py).
 """
 
 from __future__ import annotations
@@ -34,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .fp8 import quantize_per_token
-from .triton_common import interpreting, round_bf16, round_to
+from .triton_common import gelu_mul_rounded, interpreting, round_bf16, round_to
 
 BLOCK = 64  # the fixed tile (BLOCK_M, BLOCK_N, BLOCK_K): the interpreter, fp32 experts, explicit tiles
 # BLOCK_M -> the autotuned (BLOCK_N, num_warps, num_stages) on CUDA. 64 rows: memory-bound (a canvas of 256
@@ -109,10 +96,7 @@ def _gate_up_kernel(x_ptr, w_ptr, pair_ptr, block_expert_ptr, act_ptr, xs_ptr, w
         up = up * xs[:, None] * su[None, :]
     gate = round_to(gate, IS_BF16)  # the reference's GEMM output is in the storage dtype
     up = round_to(up, IS_BF16)
-    # gelu_tanh(z) = 0.5·z·(1 + tanh(√(2/π)(z + 0.044715 z³))), tanh(y) = 1 - 2/(exp(2y) + 1)
-    inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-    th = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
-    act = round_to(round_to(0.5 * gate * (1.0 + th), IS_BF16) * up, IS_BF16)
+    act = gelu_mul_rounded(gate, up, IS_BF16)
     tl.store(act_ptr + slots[:, None].to(tl.int64) * stride_an + cols[None, :], act.to(act_ptr.dtype.element_ty),
              mask=valid[:, None] & col_ok[None, :])
 
@@ -207,23 +191,6 @@ def group_by_expert(flat: torch.Tensor, num_experts: int, block_m: int) -> tuple
     return pair_of_slot, block_expert
 
 
-def group_by_expert_reference(flat: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`group_by_expert` in torch ops (the spec: a stable sort of the pairs by expert)."""
-    nk, dev = flat.numel(), flat.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m  # [E]
-    pad_end = torch.cumsum(padded, 0)  # [E]
-    order = torch.argsort(flat, stable=True)  # [N·k] pairs grouped by expert
-    expert = flat[order]
-    rank = torch.arange(nk, device=dev) - (torch.cumsum(counts, 0) - counts)[expert]
-    dest = (pad_end - padded)[expert] + rank  # [N·k] slot of each sorted pair
-    n_blocks = triton.cdiv(nk + num_experts * (block_m - 1), block_m)
-    pair_of_slot = torch.full((n_blocks * block_m,), -1, dtype=torch.int32, device=dev)
-    pair_of_slot[dest] = order.to(torch.int32)
-    block_expert = torch.searchsorted(pad_end, torch.arange(n_blocks, device=dev) * block_m, right=True)
-    return pair_of_slot, torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
-
-
 def block_rows(pairs: int, num_experts: int) -> int:
     """BLOCK_M of the tuned path: 128 once the mean pairs per expert pass 64 (batch 8 of 256-token canvases at
     the released config: 128 an expert), else 64 (the smallest wgmma tile of a warp group)."""
@@ -236,11 +203,9 @@ def _tuning(x: torch.Tensor, dynamic: bool, explicit: bool) -> bool:
 
 
 def _tuned(kernel, block_m: int):
-    """`kernel` autotuned over TUNE[block_m], keyed by (H, I, BLOCK_M); made once per (kernel, BLOCK_M). BLOCK_M
-    stands for the batch (block_rows), so a model tunes twice per kernel, not once per batch: an eager server's
-    first passes pay it, not every new prompt length. The timing runs happen at a key's first call (an engine's
-    warm-up, outside any CUDA-graph capture); the picks are kept in Triton's on-disk cache (keyed by the GPU
-    target, the kernel's source and the configurations), so a later process on that GPU reuses them."""
+    """`kernel` autotuned over TUNE[block_m], keyed by (H, I, BLOCK_M): BLOCK_M stands for the batch, so a model
+    tunes twice per kernel, at an engine's warm-up (outside CUDA-graph capture); Triton's on-disk cache keeps the
+    picks for later processes on that GPU."""
     key = (kernel.__name__, block_m)
     if key not in _TUNED:
         configs = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st) for bn, w, st in TUNE[block_m]]
@@ -249,8 +214,7 @@ def _tuned(kernel, block_m: int):
 
 
 def _device_bench(call, quantiles):
-    """The autotuner's timer: Triton's (CUDA events) over 5 ms of warm-up and 25 ms of repeats a configuration
-    (its default 25 / 100 ms would make each tuning ~4x longer; not measured which gives the better pick)."""
+    """The autotuner's timer: Triton's, 5 ms of warm-up and 25 ms of repeats (its default is ~4x longer)."""
     import triton.testing
 
     return triton.testing.do_bench(call, warmup=5, rep=25, quantiles=quantiles)
@@ -258,13 +222,6 @@ def _device_bench(call, quantiles):
 
 _TUNED: dict = {}  # (kernel name, BLOCK_M) -> the autotuned kernel
 _BENCH = _device_bench  # the autotuner's timer (a test runs the tuned path in the interpreter with a host one)
-
-
-def tuned_picks() -> list[str]:
-    """The autotuner's choices so far, one line per kernel and key (for benchmark reports)."""
-    return [f"{name} BLOCK_M={bm} H={key[0]} I={key[1]}: BLOCK_N={c.kwargs['BLOCK_N']} "
-            f"warps={c.num_warps} stages={c.num_stages}"
-            for (name, bm), tuner in _TUNED.items() for key, c in tuner.cache.items()]
 
 
 def launch_options(fp8: bool, dynamic: bool, is_bf16: bool) -> dict:
@@ -281,10 +238,8 @@ def experts_triton(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_
                    num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """x [N, H], w [N, k] fp32, idx [N, k] (distinct per row), gate_up_proj [E, 2I, H], down_proj [E, H, I]
     -> [N, H] in x.dtype. Block sizes must be >= 16 (tl.dot). None given, or only a block_m of TUNE: the tuned
-    path on CUDA (module docstring); else BLOCK where none is given, and the given warps / stages.
-    FP8 experts (float8_e4m3fn weights with
-    gate_up_scale [E, 2I, 1] and down_scale [E, H, 1], bf16 or fp32): weight-only, each tile dequantized as
-    `kernels/fp8.py::dequantize`, or `dynamic` (FP8 activations, `kernels/fp8.py::experts_fp8_reference`)."""
+    path on CUDA; else BLOCK where none is given, and the given warps / stages. FP8 experts: float8_e4m3fn weights
+    with gate_up_scale [E, 2I, 1] and down_scale [E, H, 1] (bf16 or fp32), weight-only or `dynamic`."""
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"experts_triton supports float32 and bfloat16, got {x.dtype}")
     fp8 = gate_up_scale is not None

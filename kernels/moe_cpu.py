@@ -1,35 +1,18 @@
 """Routed experts for CPU: token-expert pairs grouped by expert.
 
-Owns: `experts_segments` (torch's own grouped GEMM, for a model as loaded: pairs sorted into contiguous per-expert
-segments, two `F.grouped_mm` calls, no padding, no host read, so it compiles into the decoder's graph; the
-reference where grouped_mm's 16-byte stride rule does not hold) and the fast path of a session that packed its
-weights at load (dgcli/model/packed.py): `experts_packed` (bf16 weights prepacked for oneDNN, one GEMM pair per
-expert on its gathered rows, with its pool of one-thread workers (`_pool`) that share out the experts where each
-gets few rows) and `experts_native` (fp32: the same segments through the C GEMM, kernels/gemm_native.py).
-All equal `kernels/reference_ops.py::experts_reference` (and so the model's `Experts.forward`): same
-GEMM inputs and dtypes, same activation, the fp32 routing-weight product rounded to x.dtype, and a
-token's k contributions added in ascending expert order with one rounding per addition. Only the GEMM
-kernel may differ, so fp32 agrees to accumulation order, bf16 to one rounding of a GEMM output.
-Must not: route (the router is the model's), run on CUDA (kernels/moe.py does), import
-torch._dynamo (about 1 s) in a process that never compiles (`_outside_compiled_graphs` touches the compiler only
-once something compiles), or
-change the torch thread count of any thread but its own workers.
+Owns: `experts_segments` (torch's grouped GEMM over contiguous per-expert segments: no padding, no host read, so it
+compiles into the decoder's graph), and for a session that packed its weights at load (dgcli/model/packed.py)
+`experts_packed` (bf16 weights prepacked for oneDNN, one GEMM pair per expert) and `experts_native` (fp32, the C
+GEMM of kernels/gemm_native.py). All equal `reference_ops.experts_reference`: same GEMM inputs, activation, the
+fp32 routing-weight product rounded to x.dtype, a token's k contributions added in ascending expert order with one
+rounding each; only the GEMM kernel may differ.
+Must not: route, run on CUDA (kernels/moe.py does), import torch._dynamo (~1 s) in a process that never compiles,
+or change the torch thread count of any thread but its own workers.
 
-Why grouped: on this CPU a bf16 GEMM with ~20-80 rows runs at a fraction of the AMX rate and a Python
-loop over 128 experts pays that per expert. Measured on the 200 M benchmark config's experts (256
-tokens, 12 experts top-4, H 1024, I 512, bf16, 1 thread, isolated; see benchmarks/RESULTS.md): per-expert loop
-29.6 ms, padded bmm 17.2 ms, segments 16.3 ms eager and 13.8 ms compiled.
-At the released config's shapes (128 experts top-8, H 2816, I 704; benchmarks/bench_experts_cpu.py) a
-layer's 1.5 GB of expert weights are read once per call, ~16 rows per expert at 256 rows. On a 2-core
-avx512_bf16 EPYC (no AMX), 2 threads, one expert at a time on both threads: ~115-130 ms, ~44-48 % of a
-2,048-row GEMM's rate; one read of the weights through 1-row GEMMs takes 60-100 ms, so the GEMMs on ~16
-rows reach neither the memory rate nor the GEMM rate (their loads and math overlap only in part). Shared
-out across two one-thread workers (`_split`): ~98-113 ms, 49-52 % in runs beside another agent's work and
-~57 % in quieter ones, faster in every round of every run (benchmarks/RESULTS.md); its GEMMs alone take
-~90 ms, so what is left is the weight stream. Grouped calls (segments, padded bmm) do worse: they cannot
-use prepacked weights. At 2,048 rows one expert at a time runs at ~75-85 % (1 thread: ~55-59 % at 256
-rows and ~82-85 % at 2,048); split gains nothing there (2 threads: within a few %, with a 92 MB buffer
-page-faulted per call; 1 thread: ~4-6 % slower), so it is used up to SPLIT_MAX_ROWS rows per expert only.
+Why the packed path shares experts out across one-thread workers (`_split`) where each gets few rows: a GEMM on
+~16 rows is poorly threaded by oneDNN (threads wait on one weight stream and on each other); one expert per thread
+keeps each computing while the other's weights arrive. At the released shapes on a 2-core EPYC: ~98-113 ms a
+layer against ~115-130 ms one expert at a time; at 2,048 rows split gains nothing (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -45,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from . import gemm_native
-from .linear_cpu import PROBE_ROWS, linear, pack
+from .linear_cpu import linear, pack, probes
 from .reference_ops import experts_reference, gelu_mul
 
 # experts_packed shares the experts out across one-thread workers up to this many rows per expert that got tokens.
@@ -54,30 +37,18 @@ SPLIT_MAX_ROWS = 64
 SUM_BLOCK = 64
 
 
-def _pairs(idx: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-expert pairs in the reference's addition order: idx [N, k] -> flat [N*k] experts (pair p =
-    token p // k, slot p % k, slots in ascending expert order) and their weights w_sorted [N, k]."""
+def _sorted_pairs(idx: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """idx [N, k] -> (flat [N*k] experts of the pairs, each row's slots in ascending expert order: the reference's
+    addition order; order [N*k] the pairs grouped by expert (a stable sort); ws [N*k, 1] fp32 weights in that order)."""
     idx_sorted, perm = idx.sort(dim=1)  # [N, k]
-    return idx_sorted.reshape(-1), w.gather(1, perm)
-
-
-def _combine(pairs: torch.Tensor, w_sorted: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """pairs [N*k, H] expert outputs in pair order -> [N, H]: each weighted by its fp32 routing weight,
-    rounded to dtype (explicit upcast: faster than a mixed-dtype mul), then a token's k contributions
-    added in ascending expert order with one rounding per addition, like the reference's index_add_."""
-    n, k = w_sorted.shape
-    pairs = (pairs.float() * w_sorted.reshape(-1, 1)).to(dtype).view(n, k, pairs.shape[1])
-    out = pairs[:, 0]  # 0 + y is exact, as the reference's first index_add_
-    for j in range(1, k):
-        out = out + pairs[:, j]
-    return out
+    flat = idx_sorted.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    return flat, order, w.gather(1, perm).reshape(-1).index_select(0, order).unsqueeze(1)
 
 
 def _sum_slots(ys: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
-    """ys [N*k, H] weighted contributions already in the output dtype, in expert order (`order`: the pair
-    index of each row) -> [N, H]: a token's k rows added in ascending expert order (its slots' order), one
-    rounding per addition, like `_combine`. One gather per slot straight from ys: the rows are never put
-    back in pair order first, and nothing is upcast (the weighting happened where the rows were made)."""
+    """ys [N*k, H] weighted contributions in x.dtype, in expert order (`order`: the pair of each row) -> [N, H]:
+    a token's k rows added in ascending expert order, one rounding per addition."""
     return _sum_rows(ys, _inverse(order, k))
 
 
@@ -88,9 +59,8 @@ def _inverse(order: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _sum_rows(ys: torch.Tensor, inverse: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """[T, H] (into out if given): the sum over slots j of ys[inverse[:, j]] (inverse [T, k]), added in slot
-    order, one rounding per addition (0 + y is exact, as the reference's first index_add_); one buffer for
-    the k - 1 gathers."""
+    """[T, H] (into out if given): the sum over slots j of ys[inverse[:, j]] (inverse [T, k]), in slot order, one
+    rounding per addition (0 + y is exact, as the reference's first index_add_)."""
     first = inverse[:, 0]
     out = ys.index_select(0, first) if out is None else torch.index_select(ys, 0, first, out=out)
     if inverse.shape[1] > 1:
@@ -98,11 +68,6 @@ def _sum_rows(ys: torch.Tensor, inverse: torch.Tensor, out: torch.Tensor | None 
         for j in range(1, inverse.shape[1]):
             out.add_(torch.index_select(ys, 0, inverse[:, j], out=tmp))
     return out
-
-
-def _sorted_weights(w_sorted: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """The fp32 routing weight of each row in expert order: [N*k, 1]."""
-    return w_sorted.reshape(-1).index_select(0, order).unsqueeze(1)
 
 
 def _outside_compiled_graphs(fn):
@@ -135,16 +100,13 @@ def segments_fit(hidden: int, inter: int, dtype: torch.dtype) -> bool:
 
 def experts_segments(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_proj: torch.Tensor,
                      down_proj: torch.Tensor) -> torch.Tensor:
-    """Routed experts with no padding and no host read (torch's own grouped GEMM): pairs sorted by expert into contiguous
-    segments, two `F.grouped_mm` calls with the segment ends as offsets. Every shape is static, so it
-    compiles into the decoder's graph (`--compile`) without a break; the GEMM per segment is the same
-    as the reference's per-expert GEMM (bit-equal on this CPU)."""
+    """Two `F.grouped_mm` calls over the pairs sorted into per-expert segments (static shapes: no graph break); each
+    segment's GEMM is the reference's per-expert GEMM (bit-equal on this CPU)."""
     k = idx.shape[1]
     num_experts, h, inter = gate_up_proj.shape[0], x.shape[1], down_proj.shape[2]
     if not segments_fit(h, inter, x.dtype):
         return experts_reference(x, w, idx, gate_up_proj, down_proj)
-    flat, w_sorted = _pairs(idx, w)  # [N*k], [N, k]
-    order = torch.argsort(flat, stable=True)  # [N*k] pairs grouped by expert
+    flat, order, ws = _sorted_pairs(idx, w)  # [N*k], [N*k], [N*k, 1]
     counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device).scatter_add_(
         0, flat, torch.ones_like(flat, dtype=torch.int32))  # [E] (bincount's size depends on the data)
     offs = counts.cumsum(0, dtype=torch.int32)  # [E] end of each expert's segment
@@ -153,36 +115,30 @@ def experts_segments(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_u
     act = gelu_mul(gu[:, :inter], gu[:, inter:])  # [N*k, I]: gelu_tanh(gate) * up
     y = F.grouped_mm(act, down_proj.transpose(1, 2), offs=offs)  # [N*k, H]
     # fp32 product rounded to x.dtype in place: a mixed-dtype in-place mul computes in fp32 and rounds once
-    return _sum_slots(y.mul_(_sorted_weights(w_sorted, order)), order, k)
+    return _sum_slots(y.mul_(ws), order, k)
 
 
 def experts_native(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                    inter: int) -> torch.Tensor | None:
-    """`experts_segments` with the C fp32 GEMM over weights packed as its panels (kernels/gemm_native.py; gate_up
-    [E, ..] packs gate_up_proj, down packs down_proj). Each GEMM pair is one
-    call over every expert's segment, the rows gathered inside it. None where the C GEMM does not apply. Bits: the
-    C GEMM's (k order); the activation, weighting and sums are the reference's."""
-    n, k = idx.shape
-    flat, w_sorted = _pairs(idx, w)  # [N*k], [N, k]
-    order = torch.argsort(flat, stable=True)  # [N*k] pairs grouped by expert
+    """`experts_segments` through the C fp32 GEMM on weights packed as its panels (gate_up, down: packed stacks),
+    the rows gathered inside it; None where it does not apply. Bits: the C GEMM's k order; the rest the reference's."""
+    k = idx.shape[1]
+    flat, order, ws = _sorted_pairs(idx, w)
     ends = torch.bincount(flat, minlength=gate_up.shape[0]).cumsum_(0)  # [E] end of each expert's segment
     gu = gemm_native.grouped(x, order // k, gate_up, ends, 2 * inter)  # [N*k, 2I]
     if gu is None:
         return None
-    ws, act = _sorted_weights(w_sorted, order), gelu_mul(gu[:, :inter], gu[:, inter:])  # [N*k, 1] fp32, [N*k, I]
+    act = gelu_mul(gu[:, :inter], gu[:, inter:])  # [N*k, I]
     y = gemm_native.grouped(act, None, down, ends, x.shape[1])
     return None if y is None else _sum_slots(y.mul_(ws), order, k)
 
 
 def experts_packed(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: Sequence[torch.Tensor],
                    down: Sequence[torch.Tensor], inter: int, split: bool | None = None) -> torch.Tensor:
-    """The reference's loop with each expert's two weights prepacked for oneDNN (`linear_cpu.pack`; gate_up[e]
-    packs gate_up_proj[e] [2I, H], down[e] packs down_proj[e] [H, I]): one GEMM pair per expert that got
-    tokens. Each GEMM is `F.linear` on the same rows (pack checked the bits): the reference's bits.
-    split None (default): experts shared out across one-thread workers (`_split`) where they get few rows
-    each (at most SPLIT_MAX_ROWS on average) and there are several threads; else one expert at a time on
-    all threads (`_in_turn`). True / False force either (benchmarks and tests). Counts are read on the host
-    (free on CPU)."""
+    """The reference's loop with each expert's weights prepacked for oneDNN (`linear_cpu.pack` checked F.linear's
+    bits): one GEMM pair per expert that got tokens. split None: shared out across one-thread workers (`_split`) where
+    experts get at most SPLIT_MAX_ROWS rows on average and there are several threads, else one expert at a time
+    (`_in_turn`); True / False force either."""
     n, k = idx.shape
     if n == 0:
         return torch.zeros_like(x)
@@ -198,12 +154,9 @@ def experts_packed(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up:
 
 def _in_turn(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: Sequence[torch.Tensor],
              down: Sequence[torch.Tensor], inter: int, counts: list[int]) -> torch.Tensor:
-    """One expert after another on all threads, its rows gathered whole, weighted and added into the output
-    while they are still in cache. Experts in ascending order, so `index_add_` sums each token's
-    contributions as the reference does.
-    Why not one [N*k, H] buffer in expert order summed at the end (as `_split`) where experts get many rows:
-    at 2,048 rows that buffer is ~90 MB, freshly mapped and page-faulted on every call; here nothing bigger
-    than one expert's rows is allocated."""
+    """One expert after another on all threads, its rows weighted and added into the output (ascending experts: the
+    reference's sums) while in cache. Why not `_split`'s [N*k, H] buffer where experts get many rows: at 2,048 rows
+    it is ~90 MB, freshly mapped and page-faulted on every call."""
     k = idx.shape[1]
     out = torch.zeros_like(x)  # [N, H]
     flat = idx.reshape(-1)  # [N*k] pair p = token p // k
@@ -225,20 +178,13 @@ def _in_turn(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: Seque
 
 def _split(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: Sequence[torch.Tensor],
            down: Sequence[torch.Tensor], inter: int, counts: list[int], workers: int) -> torch.Tensor:
-    """The experts shared out across `workers` one-thread workers, each taking the next expert (most rows
-    first) as it finishes one and weighting its rows into their own rows of one [N*k, H] buffer in expert order;
-    then, once all are done, the same workers sum the tokens' k contributions in ascending expert order
-    (`_sum_rows`, the reference's additions), a block of tokens at a time.
-    Why: a GEMM on ~16 rows is poorly threaded (oneDNN splits one small product across the threads, and
-    they wait on the same weight stream and on each other at every op); one expert per thread keeps each
-    thread computing while the other's weights arrive, and the elementwise work and Python between the
-    GEMMs run on both threads. Also far less hurt when another process takes a core: nothing waits at a
-    barrier for a thread that is not running."""
+    """The experts shared out across `workers` one-thread workers (each takes the next expert, most rows first, and
+    weights its rows into their own rows of one [N*k, H] buffer in expert order); once all are done, the same
+    workers sum the tokens' k contributions (`_sum_rows`), a block of tokens at a time. Nothing waits at a barrier
+    for a thread that is not running, so another process taking a core hurts less."""
     n, k = idx.shape
-    flat, w_sorted = _pairs(idx, w)  # [N*k] slots in ascending expert order, [N, k]
-    order = torch.argsort(flat, stable=True)  # [N*k] pairs grouped by expert
+    _, order, ws = _sorted_pairs(idx, w)
     tok = order // k  # [N*k] each pair's token, grouped by expert
-    ws = _sorted_weights(w_sorted, order)  # [N*k, 1] fp32
     ys = torch.empty(n * k, x.shape[1], dtype=x.dtype, device=x.device)  # [N*k, H] weighted, expert order
     sizes = [c for c in counts if c]
     # (expert, its tokens, fp32 weights and output rows: views), the biggest first so that the workers finish
@@ -268,10 +214,8 @@ def _split(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: Sequenc
 
 
 def _on_workers(fn, workers: int) -> None:
-    """fn run once on each of `workers` pool threads, under the caller's inference and grad modes (they are
-    thread-local; an inference tensor may be written only in inference mode); returns when all are done.
-    No task waits on another, so callers in several threads at once only queue. One worker: the caller's
-    thread runs fn."""
+    """fn run once on each of `workers` pool threads under the caller's (thread-local) inference and grad modes;
+    returns when all are done. No task waits on another, so callers in several threads at once only queue."""
     if workers == 1:
         fn()
         return
@@ -295,9 +239,6 @@ def _pool(workers: int) -> ThreadPoolExecutor:
     torch.set_num_threads(1) in a worker also sets the count that threads started later begin with, so the
     caller's count is set again once every worker has started."""
     key = (os.getpid(), workers)
-    pool = _POOLS.get(key)
-    if pool is not None:
-        return pool
     with _POOL_LOCK:  # two callers' first calls at once make one pool
         pool = _POOLS.get(key)
         if pool is not None:
@@ -322,15 +263,13 @@ def _one_thread() -> None:
 
 @functools.cache
 def _workers_agree(gate_up: tuple[int, int], down: tuple[int, int], threads: int) -> bool:
-    """Does the packed GEMM in a one-thread worker give `F.linear`'s bits at the caller's thread count, for
-    both weight shapes? (`pack` checked them at the caller's count only; random values, its probe heights.)"""
+    """Does the packed GEMM in a one-thread worker give `F.linear`'s bits for both weight shapes (`pack` checked them
+    at the caller's thread count only)?"""
     for n, k in (gate_up, down):
-        g = torch.Generator().manual_seed(n * 7919 + k)
-        w = torch.empty(n, k, dtype=torch.bfloat16).uniform_(-(3 / k) ** 0.5, (3 / k) ** 0.5, generator=g)
+        w, xs = probes(n, k)
         p = pack(w)
         if p is None:
             return False
-        xs = [torch.empty(m, k, dtype=torch.bfloat16).uniform_(-2, 2, generator=g) for m in PROBE_ROWS]
         got = _pool(threads).submit(lambda: [linear(x, p) for x in xs]).result()
         if not all(torch.equal(F.linear(x, w), y) for x, y in zip(xs, got)):
             return False

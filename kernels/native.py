@@ -1,21 +1,16 @@
 """The C kernels for the CPU: real source files in kernels/csrc/, built once per machine by the system's C compiler
 and loaded with ctypes.
 
-Owns: `library(name, signatures)` (kernels/csrc/NAME.c built and loaded, its functions' argtypes set; None only where
-this install runs without C: no C compiler here, DGEMMA_KERNELS is not 'auto', or the CPU lacks the instructions
-the kernel needs, which its own `*_ok()` function reports), `LIBRARIES` (each library's compiler flags and its
-check function), `NativeBuildError` (a compiler that is here but fails: raised, with the compiler's own message,
-never turned into a silent fallback), `compile_command` (what `library` runs; the tests compile every source
-with warnings as errors through it) and `cache_dir`.
-Must not: know what the kernels compute (kernels/gemm_native.py, ggml_q8.py do), load a library from a folder
-another user can write (the cache is ~/.cache/dgemma/native, or $XDG_CACHE_HOME/dgemma/native, created 0700 and checked to be ours; no shared temp folder), or be needed: every
-caller has a torch path for the machines without a compiler, and bench provenance names which one ran.
+Owns: `library(name, signatures)` (None only where this install runs without C: no compiler, DGEMMA_KERNELS is not
+'auto', or the CPU lacks the kernel's instructions, which its own `*_ok()` reports), `LIBRARIES`, `NativeBuildError`
+(a compiler that is here but fails: raised with its message, never a silent fallback), `compile_command` (the
+tests compile every source with -Werror through it), `cache_dir` and `status`.
+Must not: know what the kernels compute, load a library from a folder another user can write (the cache is
+$XDG_CACHE_HOME or ~/.cache /dgemma/native, 0700 and checked to be ours), or be needed (every caller has a torch path).
 
-Build: `cc -O3 -march=native -fPIC -shared -fopenmp FLAGS NAME.c -lm LIBS` into NAME-KEY.so, KEY a hash of the
-source (and the headers it includes), the flags, the compiler, the machine and the CPU's flags, so a library built
-for one CPU never loads on another; one process builds while the others wait on a lock file beside it; written
-to a temporary name and renamed, so no process loads half a file. Never -ffast-math: its startup code would set
-flush-to-zero for the whole process. A first use per machine pays the compile (0.2-0.8 s a library).
+Build: `cc -O3 -march=native -fPIC -shared -fopenmp NAME.c -lm` into NAME-KEY.so, KEY a hash of the sources, flags,
+compiler and CPU flags; one process builds under a lock file while the others wait; written to a temporary name and
+renamed. Never -ffast-math: its startup code would set flush-to-zero for the whole process.
 """
 
 from __future__ import annotations
@@ -29,26 +24,13 @@ import shutil
 import stat
 import subprocess
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 from .switches import mode
 
 CSRC = Path(__file__).with_name("csrc")
-
-
-@dataclass(frozen=True)
-class Library:
-    flags: tuple[str, ...] = ()  # beyond -O3 -march=native -fPIC -shared -fopenmp
-    libs: tuple[str, ...] = ()  # beyond -lm
-    ok: str | None = None  # a function of no arguments: 0 where the CPU lacks the kernel's instructions
-
-
-LIBRARIES = {
-    "gemm_native": Library(ok="gemm_ok"),
-    "ggml_q8": Library(ok="q8_ok"),
-    "nvfp4": Library(),
-}
+# Each library's check function (none of arguments, 0 where the CPU lacks the kernel's instructions), or None
+LIBRARIES = {"gemm_native": "gemm_ok", "ggml_q8": "q8_ok", "nvfp4": None}
 
 
 class NativeBuildError(RuntimeError):
@@ -68,17 +50,15 @@ def cache_dir() -> Path:
 
 def compile_command(cc: str, name: str, out: str, extra: tuple[str, ...] = ()) -> list[str]:
     """The compiler's argument list for kernels/csrc/NAME.c -> out (`extra`: more flags, e.g. -Werror)."""
-    lib = LIBRARIES[name]
-    return [cc, "-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", *lib.flags, *extra, "-I", str(CSRC),
-            str(CSRC / f"{name}.c"), "-o", out, "-lm", *lib.libs]
+    return [cc, "-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", *extra, "-I", str(CSRC),
+            str(CSRC / f"{name}.c"), "-o", out, "-lm"]
 
 
 def _key(cc: str, name: str) -> str:
-    lib = LIBRARIES[name]
     text = b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.h"))) + (CSRC / f"{name}.c").read_bytes()
     info = Path("/proc/cpuinfo")  # -march=native: the CPU's flags are part of the key
     cpu = [ln for ln in (info.read_text() if info.is_file() else "").splitlines() if ln.startswith(("flags", "Fea"))][:1]
-    meta = f"{lib}{cc}{os.path.realpath(cc)}{platform.machine()}{cpu}".encode()
+    meta = f"{compile_command(cc, name, '')}{os.path.realpath(cc)}{platform.machine()}{cpu}".encode()
     return hashlib.sha256(text + meta).hexdigest()[:16]
 
 
@@ -130,7 +110,7 @@ def _load(name: str, signatures: dict[str, list]) -> ctypes.CDLL | None:
             getattr(lib, fn).argtypes = argtypes
     except (OSError, AttributeError) as e:
         raise NativeBuildError(f"loading {so}: {e}. Fix: remove it (it is rebuilt at the next use)") from e
-    ok = LIBRARIES[name].ok
+    ok = LIBRARIES[name]
     return lib if ok is None or getattr(lib, ok)() else None
 
 

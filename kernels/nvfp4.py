@@ -1,23 +1,13 @@
-"""NVFP4 weights (E2M1 codes in groups of 16 with one E4M3 scale each, and a per-tensor fp32 global scale): the
-decode, the conversion of GGUF's block layout, and the CPU linear and routed experts, kept at 4 bits.
+"""NVFP4 weights (E2M1 codes in groups of 16 with one E4M3 scale each, and a per-row fp32 global scale): the decode,
+GGUF's block layout, and the CPU linear and routed experts, kept at 4 bits. Must not: read files, know tensor names.
 
-The held form (what dgcli/model/nvfp4.py registers), one layout for the three file formats:
-- `packed` uint8 [..., n, k/2]: column 2j in the low nibble, 2j + 1 in the high (compressed-tensors'
-  `nvfp4-pack-quantized` and ModelOpt's layout); a code is sign (bit 3) + index into E2M1 {0, .5, 1, 1.5, 2, 3, 4, 6};
-- `scale` float8_e4m3fn [..., n, k/16];
-- `glob` fp32 [..., n]: each row's global scale (a fused gate_up holds the gate's and the up's);
-- `divide`: the global is a divisor (compressed-tensors' `weight_global_scale`) or a multiplier (ModelOpt's
-  `weight_scale_2`, GGUF's `<name>.scale`).
-The weight (`decode`): w = bf16(e2m1 x fp32(e4m3 / glob)) (or x glob), op for op compressed-tensors' `decompress`
-(unpack to e2m1 values, `scale / global_scale` in fp32, the product in fp32, one rounding to bf16; an fp32 run
-upcasts that), so an NVFP4 run equals the model holding the decompressed bf16 weights. A GGUF block's own value e2m1 x ue4m3 is exact in fp32 (<= 6 significant
-bits): gguf-py's `quants.NVFP4` gives the same numbers.
-Activations stay in the model's dtype (W4A16): a W4A4 checkpoint's input scales are not used.
-CPU matmul (`linear`, `experts`): tiles of rows (~4 M weights) decoded by `decode` (kernels/csrc/nvfp4.c where there
-is a C compiler, else torch ops), then torch's GEMM; nothing decoded outlives a call. Against the Q4_K path
-(kernels/ggml_cpu.py, which multiplies its nibbles without a decoded tile): about even at a 256-row canvas, slower
-at a few rows, where the whole matrix is decoded for a GEMM that reads it once.
-Owns: `decode`, `from_gguf_blocks` / `to_gguf_blocks`, `linear`, `experts`, `check`. Must not: read files, know tensor names.
+The held form (dgcli/model/nvfp4.py), one for the three file formats: `packed` uint8 [..., n, k/2] (column 2j in the
+low nibble; a code is sign bit 3 + an index into E2M1), `scale` float8_e4m3fn [..., n, k/16], `glob` fp32 [..., n]
+(a fused gate_up holds the gate's and the up's), `divide`: the global is a divisor (compressed-tensors) or a
+multiplier (ModelOpt, GGUF). The weight (`decode`): bf16(e2m1 x fp32(e4m3 / glob)), op for op compressed-tensors'
+`decompress`, so an NVFP4 run equals the model holding the decompressed bf16 weights (gguf-py gives the same
+numbers). Activations stay in the model's dtype (W4A16). CPU matmul: tiles of ~4 M weights decoded (kernels/csrc/
+nvfp4.c where there is a compiler, else torch ops), then torch's GEMM; nothing decoded outlives a call.
 """
 
 from __future__ import annotations
@@ -26,6 +16,8 @@ import ctypes
 
 import torch
 import torch.nn.functional as F
+
+from .reference_ops import routed
 
 GROUP = 16
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -101,11 +93,6 @@ def check(packed: torch.Tensor, scale: torch.Tensor, glob: torch.Tensor) -> str 
 
 # ---- GGUF type 40 (llama.cpp ggml-common.h block_nvfp4) --------------------------------------------------------
 
-def _gguf_perm(device=None) -> torch.Tensor:
-    """Within a 16-value sub-block, GGUF byte j holds values j (low) and j + 8 (high): value order of its codes."""
-    return torch.arange(16, device=device).reshape(2, 8).t().reshape(-1)  # codes (lo0, hi0, lo1, ...) -> 0, 8, 1, ...
-
-
 def from_gguf_blocks(raw: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """GGUF NVFP4 bytes [..., n, k/64·36] -> (packed [..., n, k/2], scale e4m3 [..., n, k/16]). The code index k of
     GGUF (kvalues {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, ...} · ue4m3 / 2) is E2M1's code; the unsigned E4M3 scale is
@@ -150,12 +137,10 @@ def experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: tuple,
     """Routed experts x [N, H], w [N, k] fp32, idx [N, k] -> [N, H] (`reference_ops.experts_reference`'s math on
     the decoded weights); gate_up / down = (packed, scale, glob) stacks [E, ...]; only routed experts are decoded,
     each by `linear` (this module's, or the dispatch's: the Triton GEMM on CUDA)."""
-    from .reference_ops import expert_groups
-
-    out = torch.zeros_like(x)
     inter = down[0].shape[-1] * 2
-    for e, sel, tok in expert_groups(idx, gate_up[0].shape[0]):
+
+    def mlp(e: int, tok: torch.Tensor) -> torch.Tensor:
         gu = linear(x[tok], *(t[e] for t in gate_up), divide)
-        y = linear(F.gelu(gu[:, :inter], approximate="tanh") * gu[:, inter:], *(t[e] for t in down), divide)
-        out.index_add_(0, tok, (y * w.reshape(-1)[sel, None]).to(out.dtype))
-    return out
+        return linear(F.gelu(gu[:, :inter], approximate="tanh") * gu[:, inter:], *(t[e] for t in down), divide)
+
+    return routed(x, w, idx, gate_up[0].shape[0], mlp)

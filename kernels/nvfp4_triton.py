@@ -1,11 +1,8 @@
-"""Weight-only NVFP4 linears as one Triton GEMM (W4A16, CUDA): the packed codes and e4m3 scales read as bytes and
-decoded per tile in registers, activations in the model dtype, fp32 accumulation, one rounding at the end.
+"""Weight-only NVFP4 linears as one Triton GEMM (W4A16, CUDA): codes and e4m3 scales decoded per tile in registers
+(integer ops, as the CPU table and fp8_linear's `e4m3_to_f32`: exact, the same in the interpreter), fp32 accumulation.
 
-Owns: `linear_w4a16`, the kernel twin of `kernels/nvfp4.py::linear` (y = x @ decode(...)ᵀ, each weight rounded to
-bf16 exactly as `decode` rounds it: e2m1 x fp32(e4m3 / global), or x global). The routed experts reach it through
-`nvfp4.experts`, one call per expert that got tokens. Must not: pick devices (kernels/dispatch.py does).
-The decode is integer ops: a code s.ee.m placed at float16's s.000ee.m000000000 is e2m1 x 2^-14 (as the CPU table
-holds it), the e4m3 scale by fp8_linear's `e4m3_to_f32`; exact, the same in the interpreter, and no fp4/fp8 type.
+Owns: `linear_w4a16`, the kernel twin of `kernels/nvfp4.py::linear` (each weight rounded to bf16 as `decode` rounds
+it); the routed experts call it once per expert. Must not: pick devices (kernels/dispatch.py does).
 """
 
 from __future__ import annotations
@@ -15,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .fp8_linear import GROUP_M, e4m3_to_f32
-from .triton_common import interpreting, round_bf16, round_to
+from .triton_common import grouped_tile, interpreting, round_bf16, round_to
 
 CONFIG = (64, 128, 64, 4, 3)  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), as fp8_linear's bf16 tiles
 
@@ -24,14 +21,7 @@ CONFIG = (64, 128, 64, 4, 3)  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stage
 def _w4a16_kernel(x_ptr, p_ptr, s_ptr, g_ptr, y_ptr, M, N, K, stride_xm, stride_pn, stride_sn, stride_ym,
                   DIVIDE: tl.constexpr, IS_BF16: tl.constexpr, DOT_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP * num_n
-    first_m = (pid // per_group) * GROUP
-    size_m = tl.minimum(num_m - first_m, GROUP)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M

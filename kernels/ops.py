@@ -1,14 +1,10 @@
-"""The Triton kernels as torch custom ops (`torch.ops.dgemma.*`), each with a fake implementation.
-
-Owns: `rms_norm`, `qkv_norm_rope`, `gelu_mul`, `router_input`, `route`, `experts` (bf16/fp32 and FP8 weights),
-`fp8_linear`, `nvfp4_linear`, `vocab_pass` and `paged_attention`, the
-doors through which kernels/dispatch.py and model/attention.py reach the Triton entry points
-(`rmsnorm.rms_norm`, `moe.experts_triton`, `fp8_linear.linear_w8a16`, `vocab_pass.vocab_pass_triton`,
-`paged_attention.paged_attention`). A real call runs the entry point unchanged
-(same numerics, same interpreter behaviour); a fake call (FakeTensorMode, torch.compile's tracing, CUDA-graph capture checks)
-runs only the fake, which gives the exact output shapes, dtypes and devices without launching anything.
-None of the kernels writes its inputs (each allocates its outputs), so every op has `mutates_args=()`.
-Must not: import Triton at module level (CPU-only installs import dispatch), hold math, pick devices.
+"""The Triton kernels as torch custom ops (`torch.ops.dgemma.*`), each with a fake implementation: the doors through
+which kernels/dispatch.py and model/attention.py reach the kernels. A real call runs the kernel's entry point
+unchanged; a fake call (FakeTensorMode, torch.compile's tracing, CUDA-graph capture checks) gives the exact output
+shapes, dtypes and devices without launching anything. No kernel writes its inputs (`mutates_args=()`), except
+paged_attention's `out`. Must not: import Triton at module level (CPU-only installs import dispatch), hold math,
+pick devices. Callers use `torch.ops.dgemma.NAME` (a test may swap an op there); `vocab_pass` and `paged_attention`
+have wrappers that make their arguments the op's types.
 """
 
 from __future__ import annotations
@@ -29,7 +25,7 @@ def _float_only(name: str, dtype: torch.dtype) -> None:
 @torch.library.custom_op("dgemma::rms_norm", mutates_args=())
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None,
               pre_add: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
-    from .rmsnorm import rms_norm
+    from .fused import rms_norm
 
     return rms_norm(x, weight, eps, residual, pre_add, scale)
 
@@ -42,8 +38,8 @@ def _(x, weight, eps, residual=None, pre_add=None, scale=None):
 
 @torch.library.custom_op("dgemma::experts", mutates_args=())
 def _experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_proj: torch.Tensor,
-             down_proj: torch.Tensor, gate_up_scale: torch.Tensor | None, down_scale: torch.Tensor | None,
-             dynamic: bool) -> torch.Tensor:
+             down_proj: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
+             down_scale: torch.Tensor | None = None, dynamic: bool = False) -> torch.Tensor:
     from .moe import experts_triton
 
     return experts_triton(x, w, idx, gate_up_proj, down_proj, gate_up_scale=gate_up_scale,
@@ -51,7 +47,7 @@ def _experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_proj: 
 
 
 @_experts.register_fake
-def _(x, w, idx, gate_up_proj, down_proj, gate_up_scale, down_scale, dynamic):
+def _(x, w, idx, gate_up_proj, down_proj, gate_up_scale=None, down_scale=None, dynamic=False):
     _float_only("experts_triton", x.dtype)
     if dynamic and gate_up_scale is None:
         raise ValueError("dynamic FP8 activations need FP8 expert weights and their scales")
@@ -126,6 +122,8 @@ def _(logits, per_expert_scale, k):
     _float_only("route", logits.dtype)
     n = logits.shape[0]
     return logits.new_empty(n, k, dtype=torch.float32), logits.new_empty(n, k, dtype=torch.int64)
+
+
 @torch.library.custom_op("dgemma::nvfp4_linear", mutates_args=())
 def _nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glob: torch.Tensor,
                   divide: bool) -> torch.Tensor:
@@ -186,59 +184,10 @@ def _(q, k_pool, v_pool, row_seq, row_lo, row_hi, tables, block_size, ring_block
         raise ValueError(f"paged_attention writes out {tuple(out.shape)} {out.dtype} for q {tuple(q.shape)}")
 
 
-def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, row_seq: torch.Tensor,
-                    row_lo: torch.Tensor, row_hi: torch.Tensor, tables: torch.Tensor, block_size: int,
-                    ring_blocks: int, tile_row0: torch.Tensor, tile_rows: torch.Tensor, k_new: torch.Tensor | None,
-                    v_new: torch.Tensor | None, fresh_pos: torch.Tensor, fresh_row: torch.Tensor,
-                    out: torch.Tensor) -> None:
-    """`paged_attention.paged_attention` (row tiles given: no host read; the tiles' rows written into `out`)
-    through its op."""
-    torch.ops.dgemma.paged_attention(q, k_pool, v_pool, row_seq, row_lo, row_hi, tables, int(block_size),
-                                     int(ring_blocks), tile_row0, tile_rows, k_new, v_new, fresh_pos, fresh_row, out)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None,
-             pre_add: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """`rmsnorm.rms_norm` (with the residual, the pre-add and the scale fused in) through its op."""
-    return torch.ops.dgemma.rms_norm(x, weight, float(eps), residual, pre_add, scale)
-
-
-def experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_proj: torch.Tensor,
-            down_proj: torch.Tensor, *, gate_up_scale: torch.Tensor | None = None,
-            down_scale: torch.Tensor | None = None, dynamic: bool = False) -> torch.Tensor:
-    """`moe.experts_triton` (default block sizes) through its op."""
-    return torch.ops.dgemma.experts(x, w, idx, gate_up_proj, down_proj, gate_up_scale, down_scale, dynamic)
-
-
-def qkv_norm_rope(qkv, q_weight, k_weight, cos, sin, heads: int, kv_heads: int, has_v: bool, eps: float):
-    """`fused.qkv_norm_rope` through its op."""
-    return torch.ops.dgemma.qkv_norm_rope(qkv, q_weight, k_weight, cos, sin, heads, kv_heads, has_v, float(eps))
-
-
-def router_input(r: torch.Tensor, scale: torch.Tensor, root: float, eps: float) -> torch.Tensor:
-    """`fused.router_input` through its op."""
-    return torch.ops.dgemma.router_input(r, scale, float(root), float(eps))
-
-
-def route(logits: torch.Tensor, per_expert_scale: torch.Tensor, k: int):
-    """`fused.route` through its op."""
-    return torch.ops.dgemma.route(logits, per_expert_scale, int(k))
-
-
-def gelu_mul(gu: torch.Tensor, inner: int) -> torch.Tensor:
-    """`fused.gelu_mul_fused` through its op."""
-    return torch.ops.dgemma.gelu_mul(gu, int(inner))
-
-
-def fp8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """`fp8_linear.linear_w8a16` (weight-only FP8, default tiles) through its op."""
-    return torch.ops.dgemma.fp8_linear(x, q, s)
-
-
-def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glob: torch.Tensor,
-                 divide: bool) -> torch.Tensor:
-    """`nvfp4_triton.linear_w4a16` (weight-only NVFP4, default tiles) through its op."""
-    return torch.ops.dgemma.nvfp4_linear(x, packed, scale, glob, divide)
+def paged_attention(*args: torch.Tensor | int | None) -> None:
+    """`paged_attention.paged_attention` with its row tiles given (no host read; the tiles' rows written into
+    `out`) through its op: the op's arguments, in its order."""
+    torch.ops.dgemma.paged_attention(*args)
 
 
 def vocab_pass(hidden: torch.Tensor, embed: torch.Tensor, *, softcap: float | None,

@@ -1,25 +1,16 @@
-"""Attention over a paged KV cache as one Triton kernel (CUDA), and its torch reference.
+"""Attention over a paged KV cache as one Triton kernel (CUDA): `paged_attention` (spec:
+`reference_ops.paged_attention_reference`) and the row-tile helpers `rows_per_tile` / `row_tiles` the engine uses
+to build the tile list once per plan. Must not: write the cache, allocate blocks, know phases (prompt, commit and
+canvas are all "row i attends positions lo..hi-1 of its sequence"), or sync with the host when the tiles are given
+(the engine captures it in a CUDA graph).
 
-Owns: `paged_attention` (the kernel and its launch), `paged_attention_reference` (plain torch: the spec, the
-tests' oracle, usable on CPU), and the row-tile helpers `rows_per_tile` / `row_tiles` the engine uses to
-build the tile list once per plan. Must not: write the cache, allocate blocks, know phases (prompt, commit,
-canvas are all "row i attends positions lo..hi-1 of its sequence"), or sync with the host when the tiles are
-given (the engine captures it in a CUDA graph).
-
-Semantics (both functions): the key/value of sequence s at position p lives at slot
-`tables[s, L] * block_size + p % block_size`, L = p // block_size, or (p // block_size) % ring_blocks on
-sliding layers (ring_blocks > 0). Scale 1.0 (QK-norm absorbs 1/sqrt(d)), no softcap, query head h reads
-kv head h // (n_heads // n_kv), softmax in fp32, output in q's dtype.
-
-Kernel: grid (tiles, kv heads). A program owns one row tile (consecutive rows of one sequence) and one kv
-head, and stacks the tile's rows x the kv head's GROUP query heads into the M dimension of its blocks, so
-each key/value tile is loaded once for all of them (GQA: 2 query heads per kv head on sliding layers, 8 on
-full ones). It walks the key positions min(lo)..max(hi)-1 of its rows in BLOCK_N steps, gathers each key's
-slot through the block table, masks per row (p in lo..hi-1) and keeps an online softmax. A tile with more
-rows than fit the block is done in chunks by the same program (any tile list is correct; `rows_per_tile`
-rows per tile is the fast one); a tile with 0 rows does nothing (padding to a fixed grid for capture).
-With FRESH (sliding layers), a tile's keys at and past its segment's first position come from the pass's own
-k, v (rows of k_new / v_new) instead of the cache, which has not been written there yet (model/attention.py).
+Kernel: grid (tiles, kv heads). A program owns one row tile (consecutive rows of one sequence) and one kv head, and
+stacks the tile's rows x the head's GROUP query heads into the M dimension, so each key/value tile is loaded once
+for all of them (GQA). It walks the key positions min(lo)..max(hi)-1 of its rows in BLOCK_N steps, gathers each
+key's slot through the block table, masks per row and keeps an online softmax. A tile larger than the block is done
+in chunks (any tile list is correct; `rows_per_tile` rows is the fast one); a tile of 0 rows does nothing (padding
+to a fixed grid for capture). With FRESH (sliding layers), a tile's keys at and past its segment's first position
+come from the pass's own k, v (k_new / v_new): the cache has not been written there yet (model/attention.py).
 """
 
 from __future__ import annotations
@@ -30,15 +21,11 @@ import triton.language as tl
 
 from .triton_common import interpreting
 
-# Block shapes by storage dtype and padded head dim: (BLOCK_M query slots = rows x group, BLOCK_N keys,
-# num_warps, num_stages). The fp32 accumulator is [BLOCK_M, BLOCK_D] (64x256, 32x512: 64 registers a thread
-# at 8 warps) beside the q tile held across the key loop. Each compiles for sm_90 and sm_80 without spills and
-# within the block's shared memory (tests/kernels/test_paged_attention.py, ahead of time: no GPU here), bf16
-# on the tensor cores (wgmma on sm_90; mma.sync at d 512, where BLOCK_M 64 for wgmma spills). fp32 (the tests'
-# dtype on a GPU: full-precision FMA dots) needs fewer keys per tile. Not timed: chosen to compile cleanly.
+# (BLOCK_M query slots = rows x group, BLOCK_N keys, num_warps, num_stages) by storage dtype and padded head dim. Not
+# timed: chosen so each compiles for sm_90 and sm_80 without spills (tests/kernels/test_paged_attention.py), bf16 on
+# the tensor cores; fp32's full-precision FMA dots need fewer keys per tile.
 TILES = {"bf16": {128: (64, 64, 8, 3), 256: (64, 32, 8, 2), 512: (32, 32, 8, 2)},
          "fp32": {128: (64, 32, 8, 2), 256: (64, 16, 8, 2), 512: (16, 32, 8, 1)}}
-REFERENCE_BYTES = 256 * 2**20  # the reference's gathered fp32 K+V per chunk of rows
 
 
 @triton.jit
@@ -166,14 +153,10 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     tile_rows: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
                     v_new: torch.Tensor | None = None, fresh_pos: torch.Tensor | None = None,
                     fresh_row: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """q [N, n_heads, d], k_pool/v_pool [n_kv, S_phys, d] (q's dtype, bf16 or fp32), row_seq/row_lo/row_hi [N]
-    int32, tables [num_seqs, max_blocks] int32 -> [N, n_heads, d] in q's dtype: row i attends positions
-    row_lo[i]..row_hi[i]-1 of sequence row_seq[i]. tile_row0/tile_rows [n_tiles] int32 (`row_tiles`): given,
-    nothing is read back to the host (and only the tiles' rows are computed); None, they are built from row_seq
-    (a host read). With k_new/v_new [N, n_kv, d] (this pass's own keys and values) and fresh_pos/fresh_row [N]
-    int32, row i's positions p >= fresh_pos[i] are read from row fresh_row[i] + p - fresh_pos[i] of k_new/v_new
-    instead of the cache (every row of a tile must share them: tiles are cut per segment). `out` [N, n_heads, d]:
-    written in place (the tiles' rows), else a new tensor."""
+    """`reference_ops.paged_attention_reference` (same arguments and semantics) by the kernel. tile_row0/tile_rows
+    [n_tiles] int32 (`row_tiles`): given, nothing is read back to the host and only the tiles' rows are computed;
+    None, they are built from row_seq (a host read). Every row of a tile must share fresh_pos / fresh_row (tiles
+    are cut per segment). `out` [N, n_heads, d]: written in place (the tiles' rows), else a new tensor."""
     if q.dtype not in (torch.float32, torch.bfloat16) or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
         raise TypeError(f"paged_attention needs q, k_pool, v_pool all float32 or all bfloat16, got "
                         f"{q.dtype}, {k_pool.dtype}, {v_pool.dtype}")
@@ -197,14 +180,11 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         tile_row0, tile_rows = row_tiles(counts, rows_per_tile(n_heads, n_kv, d, q.dtype), q.device)
     if n == 0 or tile_row0.numel() == 0:
         return out
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    k_pool = k_pool if k_pool.stride(-1) == 1 else k_pool.contiguous()
-    v_pool = v_pool if v_pool.stride(-1) == 1 else v_pool.contiguous()
+    q, k_pool, v_pool, k_new, v_new = (t if t.stride(-1) == 1 else t.contiguous()
+                                       for t in (q, k_pool, v_pool, k_new, v_new))
     tables = _int32(tables)
     bm, bn, bd, warps, stages = _blocks(d, group, q.dtype)
     grid = (tile_row0.numel(), n_kv)
-    k_new = k_new if k_new.stride(-1) == 1 else k_new.contiguous()
-    v_new = v_new if v_new.stride(-1) == 1 else v_new.contiguous()
     kn_s = (k_new.stride(0), k_new.stride(1)) if fresh else (0, 0)
     vn_s = (v_new.stride(0), v_new.stride(1)) if fresh else (0, 0)
     _paged_attention_kernel[grid](
@@ -215,50 +195,4 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         GROUP=group, ROWS=bm // group, BLOCK_SIZE=block_size, RING=ring_blocks > 0, FRESH=fresh,
         DOT_BF16=q.dtype == torch.bfloat16 and not interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
         num_warps=warps, num_stages=stages)
-    return out
-
-
-def paged_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, row_seq: torch.Tensor,
-                              row_lo: torch.Tensor, row_hi: torch.Tensor, tables: torch.Tensor, block_size: int,
-                              ring_blocks: int = 0, tile_row0: torch.Tensor | None = None,
-                              tile_rows: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
-                              v_new: torch.Tensor | None = None, fresh_pos: torch.Tensor | None = None,
-                              fresh_row: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """`paged_attention` in plain torch (the tiles are ignored: every row is computed): each row's keys gathered
-    through the table (or from k_new/v_new at and past fresh_pos), fp32 scores and softmax, fp32 weighted sum,
-    one rounding to q's dtype. Reads the longest interval on the host and gathers rows in chunks of at most
-    REFERENCE_BYTES."""
-    n, n_heads, d = q.shape
-    n_kv = k_pool.shape[0]
-    group = n_heads // n_kv
-    out = torch.empty(n, n_heads, d, dtype=q.dtype, device=q.device) if out is None else out
-    if n == 0:
-        return out
-    span = int((row_hi - row_lo).max())
-    chunk = max(1, REFERENCE_BYTES // (2 * n_kv * span * d * 4))
-    steps = torch.arange(span, device=q.device)
-    tables = tables.long()
-    for a in range(0, n, chunk):
-        lo, hi, seq = (t[a:a + chunk].long() for t in (row_lo, row_hi, row_seq))
-        c = lo.numel()
-        pos = lo[:, None] + steps  # [c, span]
-        valid = pos < hi[:, None]
-        pos = torch.where(valid, pos, lo[:, None])  # padding reads a position the row does attend
-        logical = pos // block_size
-        if ring_blocks > 0:
-            logical = logical % ring_blocks
-        slot = tables[seq[:, None], logical] * block_size + pos % block_size  # [c, span]
-        k = k_pool[:, slot].float()  # [n_kv, c, span, d]
-        v = v_pool[:, slot].float()
-        if k_new is not None:  # this pass's own keys at and past fresh_pos
-            fp, fr = fresh_pos[a:a + chunk].long()[:, None], fresh_row[a:a + chunk].long()[:, None]
-            new = pos >= fp  # [c, span]
-            nrow = torch.where(new, fr + pos - fp, 0)
-            k = torch.where(new[None, :, :, None], k_new[nrow].permute(2, 0, 1, 3).float(), k)
-            v = torch.where(new[None, :, :, None], v_new[nrow].permute(2, 0, 1, 3).float(), v)
-        qc = q[a:a + c].float().reshape(c, n_kv, group, d)
-        s = torch.einsum("ckgd,kcld->ckgl", qc, k)  # scale 1.0
-        s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
-        o = torch.einsum("ckgl,kcld->ckgd", torch.softmax(s, dim=-1), v)
-        out[a:a + c] = o.reshape(c, n_heads, d).to(q.dtype)
     return out

@@ -1,11 +1,9 @@
-"""Torch references for the fused kernels; each function here is the spec its kernel is tested against.
+"""Torch reference of the vocabulary pass: the spec its kernels are tested against.
 
-Owns: `vocab_pass`, everything the entropy-bound sampler needs from the vocabulary for one denoising
-step (tied head + softcap and temperature, as `processed_logits` that every CPU path shares, one categorical
-draw, argmax, entropy, and the next step's self-conditioning soft embedding), computed in row chunks so the
-[B, C, V] float32 logits never exist.
-Must not: know about the denoising loop, the accept/stop rules, the model or devices beyond the
-tensors it is given. Numerics follow transformers' DiffusionGemma (spec §5.3, §5.8, §7.2).
+Owns: `vocab_pass`, everything the entropy-bound sampler needs from the vocabulary for one denoising step (tied head
++ softcap and temperature as `processed_logits`, one categorical draw, argmax, entropy, the next step's
+self-conditioning soft embedding), in row chunks so the [B, C, V] float32 logits never exist. Must not: know about
+the denoising loop, the model or devices. Numerics follow transformers' DiffusionGemma (spec §5.3, §5.8, §7.2).
 """
 
 from __future__ import annotations
@@ -15,10 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-# A chunk's float32 logits stay within this many bytes (32 MiB: 32 rows at V = 262,144). Each chunk
-# holds about three such fp32 buffers at once (logits, log-probs, the float64 CDF), so the extra memory of a
-# pass is ~100 MiB whatever the canvas length. The price: the head and the soft-embedding matmul
-# read E once per chunk (8x per step for C = 256); the fused kernel is meant to remove that.
+# A chunk's float32 logits stay within this many bytes (32 MiB: 32 rows at V = 262,144); with its log-probs and
+# float64 CDF a pass takes ~100 MiB more whatever the canvas length, at the price of reading E once per chunk.
 CHUNK_BYTES = 32 * 2**20
 
 
@@ -53,34 +49,19 @@ def auto_row_chunk(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     return max(1, chunk_bytes // (4 * vocab_size))
 
 
-def vocab_pass(
-    hidden: torch.Tensor,
-    embed: torch.Tensor,
-    *,
-    softcap: float | None,
-    temperature: float | torch.Tensor,
-    embed_scale: torch.Tensor | float,
-    uniform: torch.Tensor,
-    want_soft: bool = True,
-    row_chunk: int | None = None,
-) -> VocabPassOut:
-    """One denoising step's vocabulary work for canvas hidden states `hidden` [B, C, H] and the tied
-    embedding `embed` [V, H].
+def vocab_pass(hidden: torch.Tensor, embed: torch.Tensor, *, softcap: float | None, temperature: float | torch.Tensor,
+               embed_scale: torch.Tensor | float, uniform: torch.Tensor, want_soft: bool = True,
+               row_chunk: int | None = None) -> VocabPassOut:
+    """One denoising step's vocabulary work for canvas hidden states [B, C, H] and the tied embedding [V, H].
 
-    Per position: raw logits R = softcap·tanh(float32(h·Eᵀ)/softcap) (the matmul in the model dtype,
-    as the reference's lm_head), processed logits L = R / temperature; returns a categorical sample
-    of softmax(L), argmax(L), the entropy of softmax(L) and, if
-    `want_soft`, soft = (bf16(softmax_fp32(bf16(L))) @ E) · embed_scale, where bf16 means "cast to
-    the embedding dtype" (the reference stores L in that dtype between steps).
-
-    The draw is an inverse CDF at `uniform` [B, C] (float64 in [0, 1), one per position, from the
-    sampler's counter-based stream): the first j with Σ_{i≤j} exp(L_i - M) > u·Σ_i exp(L_i - M), M the
-    row max, the sums in float64. Every vocabulary path makes this draw (kernels/categorical.py for the
-    streaming ones), so the same uniforms give the same tokens whichever path runs, up to rounding
-    at a CDF boundary. Rows are processed `row_chunk` at a time (default: `auto_row_chunk(V)`); the
-    chunking changes nothing. `temperature` may be a [B] tensor (one per batch row) or a 0-dim float32
-    tensor on the device: the reference
-    divides by such a tensor, and a tensor keeps the step free of host values (graph capture).
+    Per position: raw logits R = softcap·tanh(float32(h·Eᵀ)/softcap) (the matmul in the model dtype, as the
+    reference's lm_head), L = R / temperature; returns a draw from softmax(L), argmax(L), the entropy of softmax(L)
+    and, if `want_soft`, soft = (bf16(softmax_fp32(bf16(L))) @ E) · embed_scale, bf16 meaning the embedding dtype
+    (the reference stores L in it between steps). The draw is an inverse CDF at `uniform` [B, C] (float64 in [0, 1),
+    from the sampler's counter-based stream): the first j with Σ_{i≤j} exp(L_i - M) > u·Σ_i exp(L_i - M), the sums
+    in float64. Every path makes this draw, so the same uniforms give the same tokens up to rounding at a CDF
+    boundary. `temperature`: one value, a 0-dim tensor (no host value: graph capture) or one per batch row [B].
+    `row_chunk` (default `auto_row_chunk(V)`) changes nothing but memory.
     """
     b, c, h = hidden.shape
     v = embed.shape[0]
@@ -133,9 +114,5 @@ def vocab_pass(
             del stored, probs
         del logits
 
-    return VocabPassOut(
-        sample=sample.view(b, c),
-        argmax=argmax.view(b, c),
-        entropy=entropy.view(b, c),
-        soft=None if soft is None else soft.view(b, c, h),
-    )
+    return VocabPassOut(sample=sample.view(b, c), argmax=argmax.view(b, c), entropy=entropy.view(b, c),
+                        soft=None if soft is None else soft.view(b, c, h))

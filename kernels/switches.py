@@ -1,7 +1,5 @@
-"""The kernel layer's two switches, read at each call (a test or a benchmark can flip them): DGEMMA_KERNELS (auto:
-the default; torch: torch's own kernels only, none of our C; reference: the torch references) and DGEMMA_FP8 (how FP8
-weights run). Owns `mode`, `fp8_semantics` and `getenv`.
-Must not: import anything of the kernel layer (every module of it may ask these).
+"""The kernel layer's two switches, read at each call (a test or a benchmark can flip them): DGEMMA_KERNELS and
+DGEMMA_FP8. Must not: import anything of the kernel layer (every module of it may ask these).
 """
 
 from __future__ import annotations
@@ -9,8 +7,6 @@ from __future__ import annotations
 import os
 
 MODES = ("auto", "torch", "reference")
-SWITCHES = ("DGEMMA_KERNELS", "DGEMMA_FP8")
-
 FP8_SEMANTICS = ("weight-only", "dynamic")
 
 _DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None  # CPython: bytes name -> bytes value

@@ -1,11 +1,8 @@
 """Host values onto the device without waiting for it (for the model, the engines and the server's worker).
 
-Owns: `to_device`. On CUDA a plain `torch.tensor(values, device=cuda)` (or `cpu_tensor.to(cuda)`) copies
-from pageable memory and first waits for the stream to drain: a host sync with whatever pass is in flight.
-A pinned buffer copied with non_blocking does not wait (the caching host allocator keeps the buffer alive
-until the copy is done). The model, the engines and the server's worker send their small per-pass data
-(row lengths, seeds, steps, temperatures, prompt ids) this way; tests/fake_cuda.py's `PageableCopies`
-finds any other. Must not: read device values back.
+Why: on CUDA a copy from pageable memory first waits for the stream to drain (a host sync with the pass in
+flight); a pinned buffer copied with non_blocking does not (the caching host allocator keeps it alive until the
+copy is done). tests/fake_cuda.py's `PageableCopies` finds any other copy. Must not: read device values back.
 """
 
 from __future__ import annotations

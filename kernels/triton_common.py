@@ -1,10 +1,8 @@
-"""Small Triton helpers shared by the kernels in this folder.
+"""Small Triton helpers shared by the kernels in this folder. Must not: hold kernels.
 
-Owns: `interpreting` (TRITON_INTERPRET=1: the CPU interpreter computes bf16 dots wrongly, so the kernels keep
-bf16 operands out of tl.dot there) and `round_bf16` (round-to-nearest-even to bfloat16, returned as float32).
-Why `round_bf16`: the kernels mirror the reference's intermediate roundings to the storage dtype, and the
-Triton interpreter (the CPU test path) breaks ties when casting float32 to bfloat16 differently from the GPU
-and torch (RTNE); doing the rounding on the bits gives the same answer everywhere. Must not: hold kernels.
+`interpreting`: TRITON_INTERPRET=1, whose CPU interpreter computes bf16 dots wrongly (the kernels keep bf16
+operands out of tl.dot there). `round_bf16` rounds on the bits because the interpreter breaks float32 -> bfloat16
+ties differently from the GPU and torch (RTNE); the kernels mirror the reference's roundings to the storage dtype.
 """
 
 from __future__ import annotations
@@ -33,3 +31,26 @@ def round_to(x, IS_BF16: tl.constexpr):
     if IS_BF16:
         return round_bf16(x)
     return x
+
+
+@triton.jit
+def tanh(y):
+    return 1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)
+
+
+@triton.jit
+def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    """This program's (row block, column block) of an [M, N] output: GROUP row blocks walk the same column blocks
+    back to back, so a weight tile stays in L2."""
+    pid = tl.program_id(0)
+    per_group = GROUP * tl.cdiv(N, BLOCK_N)
+    first_m = (pid // per_group) * GROUP
+    size_m = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP)
+    return first_m + (pid % per_group) % size_m, (pid % per_group) // size_m
+
+
+@triton.jit
+def gelu_mul_rounded(gate, up, IS_BF16: tl.constexpr):
+    """gelu_tanh(gate) * up with torch's two roundings to the storage dtype."""
+    th = tanh(0.7978845608028654 * (gate + 0.044715 * gate * gate * gate))  # tanh(√(2/π)(z + 0.044715 z³))
+    return round_to(round_to(0.5 * gate * (1.0 + th), IS_BF16) * up, IS_BF16)

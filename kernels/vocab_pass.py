@@ -1,39 +1,19 @@
-"""The fused vocabulary pass as Triton kernels (CUDA): tied head + softcap + temperature, online argmax,
-entropy, a Gumbel-max draw and the self-conditioning soft embedding, without a [N, V] float32 tensor.
+"""The fused vocabulary pass as Triton kernels (CUDA): `vocab_pass_triton`, the twin of `reference.vocab_pass`
+(same arguments and `VocabPassOut`) without a [N, V] float32 tensor. Must not: know about the denoising loop or
+sync with the host (every launch grid depends on shapes only).
 
-Owns: `vocab_pass_triton`, the kernel twin of `kernels/reference.py::vocab_pass` (same arguments and
-`VocabPassOut`). Must not: know about the denoising loop or sync with the host (the uniforms and the
-temperature stay on the device; every launch grid depends on shapes only).
-
-The head GEMM runs once per tile:
-1. `_stats_kernel`, grid (row blocks, vocabulary splits): head GEMM tile by tile, per split the online
-   max / first argmax / Σexp(L-m) / Σexp(L-m)(L-m) (entropy) / Σexp(bf16(L)-m), and per tile of BLOCK_N
-   columns the running max m and Σexp(L-m) (the draw's statistics); `_combine_kernel` merges the splits
-   row by row, in split order. With the soft embedding the stats kernel also writes bf16(L) (the logits as
-   the reference stores them between steps) to a [rows, V] scratch in the model dtype. Why store rather than
-   recompute (the previous design ran the head GEMM a second time for the probabilities): at a 256-row
-   canvas the scratch moves 4 bytes per logit (~0.27 GB written and read back), a second head GEMM reads all
-   of E again (V·H·2 ≈ 1.5 GB) and does 2·H flops per logit (~0.38 TFLOP): estimated ~0.1 ms against
-   ~0.5 ms on an H100 (data-sheet peaks; not measured here, no GPU). Rows are processed in chunks that keep
-   the scratch under SCRATCH_BYTES (rows are independent: the same bits in any chunking).
-2. `_probs_kernel` turns the scratch into p = bf16(exp(bf16(L) - Mb)/Zb) in place, once per logit (Mb =
-   bf16(max L), the max the reference's softmax subtracts: the reference's normalised, rounded probabilities;
-   computing p inside the GEMM redid it once per H block, 44x at the released H), then `soft_gemm`, grid (row
-   blocks, H blocks, SOFT_SPLITS): p times E, a plain split-K GEMM over the vocabulary into fp32 partials added
-   elementwise in split order. soft = bf16(Σ partials)·scale. Not bit for bit with the reference: its softmax
-   sums exp in its own order (torch's CPU fp32 softmax is off the exact sum by ~1e-5 relative at
-   V = 262,144, which moves ~0.2 % of the bf16 probabilities by one step) and with its own exp.
-Draws: the reference's inverse CDF at the given uniforms, located through the per-tile sums
-(kernels/categorical.py, torch): the same draws as every other path, up to rounding. The chosen tile's
-logits are recomputed per row by `_group_logits_kernel`, one launch for all rows (the torch gather it
-replaces ran in 8 MiB pieces: ~2,800 launches per step at batch 64).
-
-Bits and tuning: a row's numbers depend on BLOCK_N and BLOCK_K (tile statistics, K order), on the stats
-kernel's warp layout (its in-tile row reductions) and on the two split counts, so all of these are fixed
-(VOCAB_SPLITS and SOFT_SPLITS are constants, not functions of the SM count or the row count): the same bits
-for a row alone or in a batch, on any GPU of an architecture. The soft kernel has no cross-thread reduction
-(each output is one tl.dot chain over K in BLOCK_K steps), so its BLOCK_M / BLOCK_N / warps / stages are
-autotuned on CUDA, keyed by (H, V, rows) over SOFT_TUNE; the interpreter runs one fixed configuration.
+1. `_stats_kernel`, grid (row blocks, vocabulary splits): the head GEMM tile by tile, the online max / first argmax
+   / Σexp / entropy sums per split and the draw's per-tile sums; `_combine_kernel` merges the splits row by row,
+   in split order. With the soft embedding it also stores bf16(L) (the logits as the reference keeps them) into a
+   [rows, V] scratch: at a 256-row canvas ~0.27 GB moved against a second head GEMM's 1.5 GB read and 0.38 TFLOP.
+2. `_probs_kernel` turns the scratch into p = bf16(exp(bf16(L) - Mb)/Zb) in place, then `soft_gemm`: p times E,
+   split-K over the vocabulary, the partials added in split order. Not bit for bit with the reference, whose
+   softmax sums exp in its own order (~0.2 % of the bf16 probabilities move by one step at V = 262,144).
+3. The draw: the reference's inverse CDF located through the per-tile sums (kernels/categorical.py), the chosen
+   tile's logits recomputed by `_group_logits_kernel` in one launch.
+Bits: a row's numbers depend on BLOCK_N, BLOCK_K, the stats kernel's warp layout and the two split counts, so these
+are constants (not functions of the SM or row count): the same bits for a row alone or in a batch. The soft kernel
+has no cross-thread reduction, so its other tile sizes are autotuned on CUDA (SOFT_TUNE).
 """
 
 from __future__ import annotations
@@ -44,26 +24,18 @@ import triton.language as tl
 
 from .categorical import draw_from_groups
 from .reference import VocabPassOut, row_temperature
-from .triton_common import interpreting, round_to
+from .triton_common import interpreting, round_to, tanh
 
-# Vocabulary splits of the stats kernel: 64 at V = 262,144 (4,096 columns each); with a 256-row canvas
-# (4 row blocks of 64) 256 programs, ~2 waves on 132 SMs. A constant: the combine order is part of the bits.
+# Constants, not functions of the GPU or the rows: the split orders are part of the bits. 64 vocabulary splits:
+# 4,096 columns each at V = 262,144, ~2 waves on 132 SMs at a 256-row canvas; 8 soft splits: 1,408 programs there.
 VOCAB_SPLITS = 64
-# Split-K of the soft-embedding GEMM: V/8 columns per program; 4 x 44 x 8 = 1,408 programs at a canvas
-# (10+ waves on any current GPU, where K = V serially gave 176 programs, ~1.3 waves on an H100).
 SOFT_SPLITS = 8
 GROUP_BLOCK_K = 128  # the draw's group kernel: [64, 128] embedding tiles
 SCRATCH_BYTES = 512 * 2**20  # the bf16(L) scratch of one row chunk: 1,024 rows at V = 262,144 in bf16
-# The soft kernel's autotuned (BLOCK_M, BLOCK_N, num_warps, num_stages) on CUDA, by model dtype (BLOCK_K
-# fixed: it sets the K order). Each compiles without spills within the block's shared memory
-# (benchmarks/kernel_targets.py); fp32's FMA dots spill at [64, 128] with 4 warps, so that one is bf16's only.
+# The soft kernel's autotuned (BLOCK_M, BLOCK_N, num_warps, num_stages) by model dtype (BLOCK_K fixed: it sets the
+# K order); none spills (benchmarks/kernel_targets.py: fp32's FMA dots do at [64, 128] on 4 warps).
 SOFT_TUNE = {"bf16": ((64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3), (64, 128, 8, 4)),
              "fp32": ((64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 8, 4))}
-
-
-@triton.jit
-def _tanh(y):
-    return 1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)
 
 
 @triton.jit
@@ -85,7 +57,7 @@ def _logits_tile(h_ptr, e_ptr, rows, row_ok, cols, col_ok, H, stride_h, stride_e
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     raw = round_to(acc, IS_BF16)  # the reference's head GEMM output is in the model dtype
     if HAS_SOFTCAP:
-        raw = _tanh(raw / softcap) * softcap
+        raw = tanh(raw / softcap) * softcap
     return raw / temp
 
 
@@ -268,7 +240,7 @@ def _group_logits_kernel(h_ptr, e_ptr, g_ptr, temp_ptr, out_ptr, V, H, stride_h,
         acc += tl.sum(e * h[None, :], axis=1)
     raw = round_to(acc, IS_BF16)
     if HAS_SOFTCAP:
-        raw = _tanh(raw / softcap) * softcap
+        raw = tanh(raw / softcap) * softcap
     L = raw / tl.load(temp_ptr + row)
     tl.store(out_ptr + row * WIDTH + tl.arange(0, WIDTH), tl.where(col_ok, L, float("-inf")))
 
@@ -333,25 +305,14 @@ def _pass_rows(rows, embed, temp, u, softcap, want_soft, splits, bm, bn, bk, sof
     return sample, argmax, entropy, acc
 
 
-def vocab_pass_triton(
-    hidden: torch.Tensor,
-    embed: torch.Tensor,
-    *,
-    softcap: float | None,
-    temperature: float | torch.Tensor,
-    embed_scale: torch.Tensor | float,
-    uniform: torch.Tensor,
-    want_soft: bool = True,
-    row_chunk: int | None = None,
-    splits: int | None = None,
-    block_m: int | None = None,
-    block_n: int | None = None,
-    block_k: int | None = None,
-) -> VocabPassOut:
-    """`kernels.reference.vocab_pass` with Triton kernels. `row_chunk`: rows per pass of the kernels (default:
-    as many as keep the bf16(L) scratch under SCRATCH_BYTES; the chunking changes nothing). Block sizes
-    (>= 16, tl.dot) default to 64; given, they also fix the soft kernel's tile (no autotuning). `splits`:
-    vocabulary splits of the stats kernel (default VOCAB_SPLITS, fewer when V has fewer tiles)."""
+def vocab_pass_triton(hidden: torch.Tensor, embed: torch.Tensor, *, softcap: float | None,
+                      temperature: float | torch.Tensor, embed_scale: torch.Tensor | float, uniform: torch.Tensor,
+                      want_soft: bool = True, row_chunk: int | None = None, splits: int | None = None,
+                      block_m: int | None = None, block_n: int | None = None,
+                      block_k: int | None = None) -> VocabPassOut:
+    """`reference.vocab_pass` by the kernels. `row_chunk`: rows per pass (default: the bf16(L) scratch under
+    SCRATCH_BYTES; changes nothing). Blocks (>= 16) default to 64; given, they also fix the soft kernel's tile.
+    `splits`: the stats kernel's vocabulary splits (default VOCAB_SPLITS, fewer when V has fewer tiles)."""
     if embed.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"vocab_pass_triton supports float32 and bfloat16 embeddings, got {embed.dtype}")
     b, c, h = hidden.shape

@@ -1,32 +1,15 @@
-"""The vocabulary pass for CPU: vocabulary tiles, online statistics, never a [C, V] float32 tensor.
+"""The vocabulary pass for CPU: `vocab_pass_tiled`, the contract of `reference.vocab_pass` computed one vocabulary
+tile at a time for all rows (one head GEMM [N, H]x[H, T] per tile, fp32 online statistics, the streaming draw of
+kernels/categorical.py), never a [C, V] float32 tensor. Must not: know about the denoising loop or models, or run on
+CUDA (it reads row counts back to the host).
 
-Owns: `vocab_pass_tiled`, same contract and outputs as `kernels/reference.py::vocab_pass` (tied head +
-softcap, temperature, one categorical draw, argmax, entropy, self-conditioning soft embedding), computed
-one vocabulary tile at a time for all rows: one bf16 head GEMM [N, H]x[H, T] per tile, fp32 online
-statistics (running max, sum of exp, entropy numerator, argmax) and a streaming categorical draw.
-Must not: know about the denoising loop, devices other than CPU (it reads a few row counts back to the
-host, which is free on CPU and a sync on CUDA: CUDA uses the Triton kernel), or models.
-
-Semantics kept from the reference: argmax of L (first index on ties), entropy of softmax(L) in fp32,
-and soft = bf16(softmax_fp32(bf16(L))) @ E · scale with L rounded to the embedding dtype before the
-softmax. The soft embedding in a low-precision dtype (bf16) is the reference's (transformers') own ops on
-the same values, so its bits are the reference's: each tile writes bf16(L) into one [N, V] buffer in the
-embedding dtype (the tensor transformers keeps between steps; 128 MiB at N = 256, V = 262,144), then
-torch's softmax (fp32, a few rows at a time) overwrites it with the bf16 probabilities, and one bf16
-GEMM [N, V]x[V, H] over the whole vocabulary (oneDNN's result for a row does not depend on the other rows
-when N >= 2, measured; transformers runs it on [B·C, V]). Why not online: a bf16 probability must be
-rounded after normalising by the full row's sum, and torch's fp32 softmax uses its own exp and sum order,
-so probabilities rounded per tile (the earlier design: unnormalised, rescaled in fp32 afterwards) moved
-~40 % of the soft embedding's entries by a bf16 step and step 2's logits by 0.3-1.9 on the parity configs.
-In fp32 the soft embedding stays online (flash-attention style, rescaled when the running max grows),
-equal to the reference up to fp32 summation order. The categorical draw is the reference's inverse CDF at
-the given uniforms, located through per-group sums (kernels/categorical.py): the same draws up to rounding.
-
-Memory: logits exist only for canvas rows, never as a whole [C, V] float32 tensor (268 MB at the real
-V = 262,144, C = 256). In bf16 the pass's extra peak is the one [C, V] bf16 buffer (128 MiB there) plus a
-tile's buffers: 144.1 MiB measured by the allocator at V = 262,144, H = 2816, C = 256, against 169.4 MiB
-for the row-chunked torch reference (benchmarks/bench_cpu_step.py; history in benchmarks/RESULTS.md).
-`dgemma info` prints a checkpoint's whole working set per step.
+The low-precision soft embedding is the reference's own ops on the same values, so its bits are the reference's:
+each tile writes bf16(L) into one [N, V] buffer (the tensor transformers keeps between steps), torch's softmax
+overwrites it with the bf16 probabilities, then one GEMM over the whole vocabulary. Why not online: a bf16
+probability is rounded after normalising by the full row's sum; rounding per tile moved ~40 % of the soft
+embedding's entries by a bf16 step. In fp32 it stays online (rescaled as the running max grows).
+Memory: the [C, V] bf16 buffer plus a tile's buffers (144 MiB at V = 262,144, C = 256, against the row-chunked
+reference's 169 MiB; benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -76,17 +59,13 @@ def _tile_max(x: torch.Tensor, block: int = 64) -> tuple[torch.Tensor, torch.Ten
 def tile_stats(raw: torch.Tensor, softcap: float | None, temperature: torch.Tensor,
                soft_dtype: torch.dtype | None, width: int,
                store: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    """One vocabulary tile's statistics, all relative to the tile's own max (the caller rescales them to
-    the running max with [N]-sized factors, so this function has no state and no branches on it).
-
-    raw [N, T] head GEMM output -> tmax [N] (max of L), targ [N] (its first index), zt = Σ exp(L - tmax),
-    st = Σ exp(L - tmax)·(L - tmax), gz [N, ceil(T/width)] = Σ exp(L - tmax) per group of `width`
-    columns (the draw's statistics), and for the soft embedding (soft_dtype not None) `keep` [N, T]:
-    float32 soft_dtype: exp(L - tmax) (the online soft accumulation's weights, their sum is zt);
-    otherwise round(L) in soft_dtype, the values the reference's softmax reads; with `store` (an [N, T]
-    view in soft_dtype) round(L) is written there (the same rounding as `.to()`, no temporary) and `keep`
-    is `store`. Elementwise only plus row reductions: `--compile` fuses it into a couple of passes."""
-    logits = processed_logits(raw.float(), softcap, temperature)  # [N, T] L (in place on an fp32 raw: the caller drops it)
+    """One vocabulary tile's statistics relative to its own max (the caller rescales them to the running max: no
+    state here). raw [N, T] head output -> tmax [N] (max of L), targ [N] (its first index), zt = Σ exp(L - tmax),
+    st = Σ exp(L - tmax)·(L - tmax), gz [N, ceil(T/width)] (zt per group of `width` columns: the draw's statistics),
+    and for the soft embedding `keep` [N, T]: in fp32 exp(L - tmax) (the online weights), else round(L) in
+    soft_dtype (what the reference's softmax reads), written into `store` when given. Elementwise plus row
+    reductions: `--compile` fuses it into a couple of passes."""
+    logits = processed_logits(raw.float(), softcap, temperature)  # [N, T] L (in place on an fp32 raw: it is dropped)
     tmax, targ = _tile_max(logits)  # [N]
     shift = tmax.unsqueeze(1)  # [N, 1]
     stored = None
@@ -98,11 +77,8 @@ def tile_stats(raw: torch.Tensor, softcap: float | None, temperature: torch.Tens
     pad = -e.shape[1] % width
     gz = (F.pad(e, (0, pad)) if pad else e).view(e.shape[0], -1, width).sum(dim=2)  # [N, groups]
     st = torch.mul(d, e, out=d).sum(dim=1)  # [N] Σ e·(L - tmax) (linalg.vecdot is slower on CPU)
-    if soft_dtype is None:
-        return tmax, targ, zt, st, gz, None
-    if stored is None:  # fp32 embedding: softmax(round(L)) is softmax(L); reuse e
-        return tmax, targ, zt, st, gz, e
-    return tmax, targ, zt, st, gz, stored
+    keep = None if soft_dtype is None else e if stored is None else stored  # fp32: softmax(round(L)) is softmax(L)
+    return tmax, targ, zt, st, gz, keep
 
 
 @functools.cache
@@ -113,11 +89,9 @@ def compiled_tile_stats():
 
 def soft_from_stored(stored: torch.Tensor, embed: torch.Tensor, scale: torch.Tensor,
                      chunk_bytes: int = SOFTMAX_BYTES) -> torch.Tensor:
-    """The reference's soft embedding from the rounded logits `stored` [N, V] (embedding dtype; overwritten
-    with the probabilities): torch's fp32 softmax a few rows at a time (its float32 [r, V] input copy and
-    output within ~2·chunk_bytes), each rounded back into `stored`, then one GEMM [N, V]x[V, H] and the
-    scale in the embedding dtype: transformers' ops on transformers' values (modeling: softmax(dim=-1,
-    dtype=float32).to(E.dtype) @ E · embed_scale)."""
+    """The reference's soft embedding from the rounded logits `stored` [N, V] (overwritten with the probabilities):
+    torch's fp32 softmax a few rows at a time, each rounded back into `stored`, then one GEMM and the scale in the
+    embedding dtype: transformers' ops on transformers' values."""
     n, v = stored.shape
     step = max(1, chunk_bytes // (4 * v))
     for lo in range(0, n, step):
@@ -131,28 +105,13 @@ def soft_from_stored(stored: torch.Tensor, embed: torch.Tensor, scale: torch.Ten
 
 
 @torch.no_grad()
-def vocab_pass_tiled(
-    hidden: torch.Tensor,
-    embed: torch.Tensor,
-    *,
-    softcap: float | None,
-    temperature: float | torch.Tensor,
-    embed_scale: torch.Tensor | float,
-    uniform: torch.Tensor,
-    want_soft: bool = True,
-    tile: int | None = None,
-    compile_tiles: bool = False,
-) -> VocabPassOut:
-    """`kernels.reference.vocab_pass` over vocabulary tiles of `tile` columns (default `auto_tile`).
-
-    Extra memory: a few [N, T] float32 tiles (T = `auto_tile(TILE_ROWS, V)` by default: ~16 MiB of tiles
-    per 256 rows); for the soft embedding, in fp32 an [N, H] float32 accumulator, in a low-precision
-    dtype the [N, V] rounded logits in that dtype plus the softmax's float32 rows (`soft_from_stored`).
-    `compile_tiles` runs each tile's elementwise math through torch.compile (`dgemma --compile`); the
-    GEMMs, the running statistics and the draw stay eager. Batch rows go through in chunks of about
-    TILE_ROWS rows (whole canvases, so each chunk's tiles stay in cache; the head reads E once per chunk, the
-    low-precision soft GEMM once more), and a row's numbers do not depend on its chunk (the tile width does
-    not; the soft GEMM's rows are independent for N >= 2, and a canvas has C >= 2 rows)."""
+def vocab_pass_tiled(hidden: torch.Tensor, embed: torch.Tensor, *, softcap: float | None,
+                     temperature: float | torch.Tensor, embed_scale: torch.Tensor | float, uniform: torch.Tensor,
+                     want_soft: bool = True, tile: int | None = None, compile_tiles: bool = False) -> VocabPassOut:
+    """`reference.vocab_pass` over vocabulary tiles of `tile` columns (default `auto_tile(TILE_ROWS, V)`: ~16 MiB of
+    tiles per 256 rows). `compile_tiles` runs each tile's elementwise math through torch.compile (`--compile`).
+    Batch rows go through in chunks of about TILE_ROWS rows (whole canvases, so a chunk's tiles stay in cache); a
+    row's numbers depend on neither its chunk nor the tile width (the soft GEMM's rows are independent for N >= 2)."""
     b, c, h = hidden.shape
     per = max(1, TILE_ROWS // c)  # batch rows (canvases) per chunk
     if b > per and tile is None:
@@ -224,9 +183,5 @@ def vocab_pass_tiled(
     if len(gmax) > 1:  # one tile: its statistics as they are (an expanded max: the same values)
         gmax, gsum = [torch.cat(gmax, dim=1)], [torch.cat(gsum, dim=1)]
     pick = draw_from_groups(gmax[0], gsum[0], u, width, rows, embed, softcap, temp)
-    return VocabPassOut(
-        sample=pick.view(b, c),
-        argmax=arg.view(b, c),
-        entropy=entropy.view(b, c),
-        soft=None if soft is None else soft.view(b, c, h),
-    )
+    return VocabPassOut(sample=pick.view(b, c), argmax=arg.view(b, c), entropy=entropy.view(b, c),
+                        soft=None if soft is None else soft.view(b, c, h))

@@ -52,13 +52,13 @@ def same_through_op_and_fake(via_op, direct, *args, **kw):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_weight", [True, False])
 def test_rms_norm_op(dtype, with_weight, triton_device):
-    from dgcli.kernels.rmsnorm import rms_norm
+    from dgcli.kernels.fused import rms_norm
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 40, generator=g).to(dtype)
     w = (torch.rand(40, generator=g) + 0.5).to(dtype) if with_weight else None
     args, _ = on(triton_device, [x, w, 1e-6])
-    same_through_op_and_fake(ops.rms_norm, rms_norm, *args)
+    same_through_op_and_fake(torch.ops.dgemma.rms_norm, rms_norm, *args)
 
 
 def expert_inputs(dtype, fp8: bool, n=9, h=40, inter=24, e=4, k=2):
@@ -83,7 +83,7 @@ def test_experts_op(dtype, fp8, triton_device):
     if fp8 == "dynamic":
         kw["dynamic"] = True
     args, kw = on(triton_device, args, kw)
-    out = same_through_op_and_fake(ops.experts, experts_triton, *args, **kw)
+    out = same_through_op_and_fake(torch.ops.dgemma.experts, experts_triton, *args, **kw)
     assert out.shape == args[0].shape and out.dtype == dtype
 
 
@@ -95,7 +95,7 @@ def test_fp8_linear_op(dtype, triton_device):
     w = torch.randn(24, 40, generator=g)
     s = (w.abs().amax(-1, keepdim=True) / FP8_MAX).to(dtype)
     args, _ = on(triton_device, [torch.randn(2, 3, 40, generator=g).to(dtype), (w / s.float()).to(FP8), s])
-    out = same_through_op_and_fake(ops.fp8_linear, linear_w8a16, *args)
+    out = same_through_op_and_fake(torch.ops.dgemma.fp8_linear, linear_w8a16, *args)
     assert out.shape == (2, 3, 24) and out.dtype == dtype
 
 

@@ -1,4 +1,4 @@
-"""kernels/rmsnorm.py (Triton: compiled on a GPU, interpreted on CPU without one) against
+"""kernels/fused.py's rms_norm (Triton: compiled on a GPU, interpreted on CPU without one) against
 kernels/reference_ops.py, which is itself checked against the model's RMSNorm."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def test_reference_equals_the_model_norm():
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("gain", [True, False])
 def test_rms_norm_matches_reference(dtype, atol, rtol, shape, gain, triton_device):
-    from dgcli.kernels.rmsnorm import rms_norm
+    from dgcli.kernels.fused import rms_norm
 
     x, w, _ = _inputs(shape, dtype, triton_device)
     weight = w if gain else None
@@ -56,7 +56,7 @@ def test_rms_norm_matches_reference(dtype, atol, rtol, shape, gain, triton_devic
 def test_rms_norm_with_its_adds_matches_reference(dtype, atol, rtol, shape, pre, triton_device):
     """residual + Norm(x + pre_add) in one launch: the reference's three ops, each add rounded to the dtype (a
     one-ulp difference of the norm can move the sum by one ulp of the sum: within the bf16 tolerance)."""
-    from dgcli.kernels.rmsnorm import rms_norm
+    from dgcli.kernels.fused import rms_norm
 
     x, w, r = _inputs(shape, dtype, triton_device)
     p = _inputs(shape, dtype, triton_device, seed=1)[2] if pre else None
@@ -68,7 +68,7 @@ def test_rms_norm_with_its_adds_matches_reference(dtype, atol, rtol, shape, pre,
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_with_its_adds_and_scale_matches_reference(dtype, atol, rtol, scale_dtype, triton_device):
     """(residual + Norm(x + pre_add)) · layer scalar in one launch: the in-place product rounds once more."""
-    from dgcli.kernels.rmsnorm import rms_norm
+    from dgcli.kernels.fused import rms_norm
 
     x, w, r = _inputs((3, 2816), dtype, triton_device)
     p = _inputs((3, 2816), dtype, triton_device, seed=1)[2]

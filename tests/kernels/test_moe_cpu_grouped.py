@@ -1,7 +1,6 @@
-"""kernels/moe_cpu.py's combines: `experts_segments` sums rows kept in expert order (`_sum_slots`, the same bits
-as the pair-order `_combine`) after weighting them in place; `experts_packed` either weights and adds each
-expert's rows as it goes (in turn) or shares the experts out across one-thread workers that weight them into
-a buffer and then sum blocks of tokens (split). All equal `experts_reference` bit for bit at top-8 of many
+"""kernels/moe_cpu.py's combines: `experts_segments` sums rows kept in expert order after weighting them in place;
+`experts_packed` either weights and adds each expert's rows as it goes (in turn) or shares the experts out across
+one-thread workers that weight them into a buffer and then sum blocks of tokens (split). All equal `experts_reference` bit for bit at top-8 of many
 experts (the released routing), with skewed routing and a single token, at 1 and 2 threads, also in inference
 mode; the rounding the in-place weighting relies on (a mixed-dtype product written into a bf16 tensor rounds
 the fp32 product once, as the reference's `.to(x.dtype)`); which way the default picks; that the workers run
@@ -38,21 +37,6 @@ def test_weighting_into_a_buffer_rounds_the_fp32_product_once(dtype):
     torch.mul(y, w, out=buf[8:72])  # a slice of a bigger buffer, as experts_packed writes its segments
     assert torch.equal(buf[8:72], want)
     assert torch.equal(y.clone().mul_(w), want)  # experts_segments' in-place form
-
-
-@pytest.mark.parametrize("k", [1, 2, 8])
-def test_sum_slots_is_the_pair_order_combine(k):
-    """Rows in expert order summed per token equal `_combine` on the same rows in pair order (bits)."""
-    g = torch.Generator().manual_seed(k)
-    n, e, h = 37, 16, 24
-    idx = torch.rand(n, e, generator=g).argsort(-1)[:, :k]  # distinct experts per token
-    w = torch.rand(n, k, generator=g)
-    flat, w_sorted = moe_cpu._pairs(idx, w)
-    order = torch.argsort(flat, stable=True)
-    pairs = torch.randn(n * k, h, generator=g).bfloat16()  # contributions in pair order
-    ones = torch.ones(n, k)  # weighting already applied: _combine with unit weights only sums
-    want = moe_cpu._combine(pairs, ones, torch.bfloat16)
-    assert torch.equal(moe_cpu._sum_slots(pairs[order], order, k), want)
 
 
 # (N, H, I, E, k, skew): the released routing (top-8 of many experts, ~1-4 rows each), skewed routing (most

@@ -17,7 +17,8 @@ from torch.overrides import TorchFunctionMode
 # The kernel module (reference included) defines its kernel at import: Triton is needed (Linux x86-64 only).
 pytest.importorskip("triton")
 
-from dgcli.kernels.paged_attention import paged_attention_reference, row_tiles, rows_per_tile  # noqa: E402
+from dgcli.kernels.paged_attention import row_tiles, rows_per_tile  # noqa: E402
+from dgcli.kernels.reference_ops import paged_attention_reference  # noqa: E402
 
 # (dtype, atol, rtol): fp32 — only the order of the fp32 sums differs (the kernel's online softmax over key
 # tiles, tl.dot's accumulation): a few ulps of O(1) values. bf16 — the reference rounds its fp32 result once;
