@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from dgcli.errors import UserError
 from dgcli.measure import cost as info
-from dgcli.measure.metrics import Pass
+from dgcli.measure.metrics import SETTINGS, Pass
 from dgcli.measure import peaks as pk
 from dgcli.measure.peaks import table_peaks
 from dgcli.measure.workload import RANDOM_PROMPT_WARNING, Prompt, prompt_set_hash
@@ -220,9 +220,7 @@ def workload_mode(params: Any, dummy: bool) -> str:
 
 
 def settings_columns(params: Any, num_blocks: int) -> dict:
-    return {"max_denoising_steps": params.max_denoising_steps, "t_min": params.t_min, "t_max": params.t_max,
-            "entropy_bound": params.entropy_bound, "stability_threshold": params.stability_threshold,
-            "confidence_threshold": params.confidence_threshold, "seed": params.seed, "blocks": num_blocks}
+    return {**{k: getattr(params, k) for k in SETTINGS if k != "blocks"}, "blocks": num_blocks}
 
 
 

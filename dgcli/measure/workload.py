@@ -51,9 +51,10 @@ def random_prompts(vocab: int, n: int, length: int, seed: int, avoid: set[int] =
     return out
 
 
-def prompt_set_hash(prompts: list[Prompt]) -> str:
-    """sha256 of the token ids (the model sees ids, so two tokenizers of one file hash differently)."""
-    h = hashlib.sha256(json.dumps([p.ids for p in prompts], separators=(",", ":")).encode())
+def prompt_set_hash(prompts: list[Prompt], of: str = "ids") -> str:
+    """sha256 of the prompts' token ids (the model sees ids: two tokenizers of one file hash differently), or of
+    their texts (`of="text"`: what a remote bench sends)."""
+    h = hashlib.sha256(json.dumps([getattr(p, of) for p in prompts], separators=(",", ":")).encode())
     return h.hexdigest()[:16]
 
 
