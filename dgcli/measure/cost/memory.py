@@ -330,9 +330,9 @@ def markdown(sec: dict) -> str:
               f"**{size(ps['total']['cuda'])}** (CUDA), {size(ps['total']['cpu'])} (CPU)"),
              (f"- KV cache: {size(kv['full_per_token'])}/token for full layers ({kv['full_positions']:,} positions: "
               f"the context and a canvas) + {size(kv['rings'])} per slot for the sliding rings: "
-              f"{size(kv['total'])} per slot at {kv['context']:,} tokens (without rings, every layer at {size(kv['was_per_token'])}/token: "
-              f"{size(kv['was'])}); with prefix caching (the default) the sliding layers hold {size(kv['windows'])} "
-              f"per slot (its window and 3 blocks) and one pass's rows beside them"),
+              f"{size(kv['total'])} per slot at {kv['context']:,} tokens (without rings, every layer at "
+              f"{size(kv['was_per_token'])}/token: {size(kv['was'])}); with prefix caching (the default) the sliding "
+              f"layers hold {size(kv['windows'])} per slot (its window and 3 blocks) and one pass's rows beside them"),
              (f"- prefix cache (`serve`'s {SERVE_SLOTS} slots): {pc['full']:,} blocks of {KV_BLOCK} positions on full "
               f"layers, {pc['sliding']:,} on sliding layers; blocks no request holds stay cached until one needs room"),
              "- weights: " + ", ".join(f"{k} {size(v['bytes'])}" for k, v in w.items()), "",
