@@ -1,9 +1,5 @@
-"""The short human output of `dgemma bench` (its default): the card in a screenful, the main figures of each
-row in one table with their units and a short meaning, and where the rest is.
-
-Owns: the wording and layout of that short view (sizes in KiB/MiB/GiB, FLOPs in MFLOP/GFLOP, times in ms or
-µs). The full view (every figure with its definition, the step histogram, provenance) is printers.to_markdown
-behind `bench --verbose`; the machine formats (csv, json, jsonl) are printers' too and carry every field.
+"""The short human output of `dgemma bench` (its default): the card in a screenful, the main figures of each row
+in one table with their units and a short meaning, and where the rest is (--verbose: printers.to_markdown).
 Must not: measure, or decide what a figure means (metrics.py: DEFINITIONS and SUMMARY do).
 """
 

@@ -79,8 +79,7 @@ def provenance(*, device: Any, dtype: str, model: str, model_name: str, paramete
         "model_active_parameters": active, "dummy_weights": dummy, "settings": settings, "seed": seed,
         "prompt_set_hash": prompt_hash, "label": label, "metadata": metadata,
         "kernels": kernel_choices(device, packed_weights, ggml, dtype), "compiled_decoder": compiled,
-        "step_mode": step_mode,
-        "prefix_caching": prefix_caching,
+        "step_mode": step_mode, "prefix_caching": prefix_caching,
         "host": platform.node(), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
@@ -185,10 +184,7 @@ def flatten(row: dict, skip: Iterable[str] = ()) -> dict[str, Any]:
 
 
 def _columns(rows: list[dict]) -> list[str]:
-    cols: dict[str, None] = {}
-    for r in rows:
-        cols.update(dict.fromkeys(r))
-    return list(cols)
+    return list(dict.fromkeys(k for r in rows for k in r))
 
 
 def to_csv(rows: list[dict], skip: Iterable[str] = ()) -> str:
@@ -260,11 +256,10 @@ def to_markdown(rows: list[dict], *, headline: list[str], definitions: dict[str,
             out += ["", f"### Denoising steps per block: {n}", "", "```", histogram_text(r["steps_histogram"]), "```"]
     provs = [flatten(r.get("provenance") or {}) for r in rows]
     if provs and provs[0]:
-        shared = [k for k in _columns(provs) if len({json.dumps(p.get(k), default=str) for p in provs}) == 1]
-        out += ["", "### Provenance", ""] + [f"- {k}: {fmt(provs[0].get(k))}" for k in shared]
-        for k in _columns(provs):
-            if k not in shared:
-                out += [f"- {k}: " + ", ".join(f"{n}={fmt(p.get(k))}" for n, p in zip(names, provs))]
+        cols = _columns(provs)
+        varying = varying_keys(provs, cols)
+        out += ["", "### Provenance", ""] + [f"- {k}: {fmt(provs[0].get(k))}" for k in cols if k not in varying]
+        out += [f"- {k}: " + ", ".join(f"{n}={fmt(p.get(k))}" for n, p in zip(names, provs)) for k in varying]
     return "\n".join(out) + "\n"
 
 
@@ -340,25 +335,24 @@ def check_result_place(result_dir: str | None, filename: str | None) -> None:
     """Before anything is measured: the result's folder exists (made if need be) and takes files, and a named
     file is not a folder, so a long run never ends unsaved."""
     d = Path(result_dir or ".")
+    path = d / filename if filename else None
     if d.exists() and not d.is_dir():
         raise UserError(f"--result-dir {d} is a file; name a folder")
     try:
         d.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"--result-dir {d}: cannot make the folder ({e.strerror}); pick a writable folder") from None
-    path = d / filename if filename else None
-    folder = path.parent if path is not None else d
     if path is not None and path.is_dir():
         raise UserError(f"--result-filename {filename}: {path} is a folder; name a file")
-    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
-        flag = "--result-filename" if path is not None and folder != d else "--result-dir"
-        raise UserError(f"{flag}: cannot write in {folder} (no such folder, or not writable); pick a writable folder")
+    folder = path.parent if path is not None else d
+    flag = "--result-filename" if folder != d else "--result-dir"
     try:  # permission bits do not tell for root, /proc or a read-only mount: a file must really appear there
         import tempfile
 
         tempfile.TemporaryFile(dir=folder).close()
     except OSError as e:
-        raise UserError(f"--result-dir: cannot write in {folder} ({e.strerror}); pick a writable folder") from None
+        why = "no such folder" if not folder.is_dir() else e.strerror
+        raise UserError(f"{flag}: cannot write in {folder} ({why}); pick a writable folder") from None
 
 
 def save_result(doc: dict, result_dir: str | None, filename: str | None, label: str | None) -> Path:

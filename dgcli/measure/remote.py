@@ -27,24 +27,20 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from dgcli.errors import UserError
-from dgcli.measure.workload import Prompt, default_prompt_file
-from dgcli.text.prompts import read_prompt_file
+from dgcli.measure.workload import Prompt, default_prompt_file, read_prompts
 
 SAMPLER_FIELDS = ("max_denoising_steps", "t_min", "t_max", "entropy_bound", "stability_threshold",
                   "confidence_threshold", "max_blocks")
 READ_TIMEOUT_S = 600.0  # the longest wait for the next bytes of a reply (a queued request waits too)
 # bench's flags that mean nothing for a server someone else runs (parameter name -> why).
 NOT_WITH_BASE_URL = {
-    "model": "the server has loaded its own model", "dummy": "the server has loaded its own model",
-    "layers": "the server has loaded its own model", "preset": "send settings with their flags (--diffusion-steps ...)",
-    "device": "the server decides where it runs", "dtype": "the server decides how it runs",
-    "compile": "the server decides how it runs", "cuda_graphs": "the server decides how it runs",
-    "threads": "the server decides how it runs",
+    **dict.fromkeys(("model", "dummy", "layers", "weights"), "the server has loaded its own model"),
+    **dict.fromkeys(("dtype", "compile", "cuda_graphs", "threads"), "the server decides how it runs"),
+    **dict.fromkeys(("measure_peaks", "peaks_file", "save_peaks"), "a remote target has no roofline"),
+    **dict.fromkeys(("random_prompts", "random_input_len"), "text prompts only: use --prompts FILE"),
+    "preset": "send settings with their flags (--diffusion-steps ...)", "device": "the server decides where it runs",
     "no_prefix_caching": "the server decides (dgemma serve --no-prefix-caching)",
-    "batch_size": "use --concurrency (requests in flight)", "random_prompts": "text prompts only: use --prompts FILE",
-    "random_input_len": "text prompts only: use --prompts FILE", "ignore_eos": "the server decides where answers stop",
-    "measure_peaks": "a remote target has no roofline", "peaks_file": "a remote target has no roofline",
-    "save_peaks": "a remote target has no roofline", "weights": "the server has loaded its own model",
+    "batch_size": "use --concurrency (requests in flight)", "ignore_eos": "the server decides where answers stop",
     "fp8_activations": "the server decides how it runs (DGEMMA_FP8 in the server's environment)"}
 
 
@@ -151,8 +147,7 @@ def load_prompts(path: str | None, num_prompts: int | None) -> tuple[list[Prompt
     path = path or default_prompt_file()
     if path is None:
         raise UserError("no prompt set: pass --prompts FILE")
-    rows = read_prompt_file(path)[:num_prompts]
-    return [Prompt([], r["prompt"], r.get("answer")) for r in rows], f"file:{path}"
+    return read_prompts(path, num_prompts), f"file:{path}"
 
 
 def request_fields(*, steps=None, t_min=None, t_max=None, entropy_bound=None, stability=None, confidence=None,

@@ -156,14 +156,11 @@ class RowStore:
                 raise UserError(f"{self.path}: line {n} is not a JSON row; the file is damaged: "
                                 "remove that line or choose another --output") from None
         if torn or (text and not text.endswith("\n")):
+            from dgcli.measure.printers import write_atomic
+
             warn(f"dgemma: note: {self.path}: dropped a partly written last row (the run was killed); that cell reruns")
-            self.rewrite(rows)
+            write_atomic(self.path, "".join(json.dumps(r, default=str) + "\n" for r in rows))
         return rows
-
-    def rewrite(self, rows: list[dict]) -> None:
-        from dgcli.measure.printers import write_atomic
-
-        write_atomic(self.path, "".join(json.dumps(r, default=str) + "\n" for r in rows))
 
     def append(self, row: dict) -> None:
         data = (json.dumps(row, default=str) + "\n").encode("utf-8")
@@ -207,15 +204,11 @@ def frontier_overlaps(front: list[dict], x: str, y: str) -> dict[str, list[dict]
     return out
 
 
-def _passes(row: dict) -> int:
-    return row.get("spread_passes") or 1
-
-
 def _beats(a: dict, b: dict, key: str, timed: bool) -> bool:
     """a is better than b on `key` beyond what the measurements spread: a's whole [min, max] above b's. A timed
     figure of a cell measured in one pass separates nothing (its interval is one point of noise)."""
     ia, ib = interval(a, key), interval(b, key)
-    if ia is None or ib is None or (timed and min(_passes(a), _passes(b)) < 2):
+    if ia is None or ib is None or (timed and min(a.get("spread_passes") or 1, b.get("spread_passes") or 1) < 2):
         return False
     return ia[0] > ib[1]
 
@@ -226,11 +219,11 @@ def separated_frontier(rows: list[dict], x: str, y: str) -> list[dict]:
     measurements cannot tell apart all stay (`frontier_ties` names them); rows lacking x or y are left out."""
     pts = [r for r in rows if isinstance(r.get(x), (int, float)) and isinstance(r.get(y), (int, float))]
 
-    def dominates(o: dict, r: dict) -> bool:
-        bx, by = _beats(o, r, x, True), _beats(o, r, y, False)
-        return (bx or by) and not _beats(r, o, x, True) and not _beats(r, o, y, False)
+    def better(a: dict, b: dict) -> bool:
+        return _beats(a, b, x, True) or _beats(a, b, y, False)
 
-    front = [r for r in pts if not any(o is not r and dominates(o, r) for o in pts)]
+    front = [r for r in pts if not any(o is not r and better(o, r) and not better(r, o) for o in pts)]
+
     return sorted(front, key=lambda r: (r[x], r[y]))
 
 

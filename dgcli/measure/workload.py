@@ -35,6 +35,11 @@ def default_prompt_file() -> Path | None:
     return files[0] if files else None
 
 
+def read_prompts(path: str | Path, num_prompts: int | None) -> list[Prompt]:
+    """The first `num_prompts` rows of a prompt file as text prompts (not yet encoded)."""
+    return [Prompt([], r["prompt"], r.get("answer")) for r in read_prompt_file(path)[:num_prompts]]
+
+
 def random_prompts(vocab: int, n: int, length: int, seed: int, avoid: set[int] = frozenset()) -> list[Prompt]:
     """n prompts of `length` uniform token ids (stop ids avoided), reproducible from `seed`."""
     import torch
@@ -79,9 +84,7 @@ def build_prompts(session: Any, *, prompts_file: str | None, random_ids: bool, n
         if session.tokenizer is None:
             raise UserError(f"--prompts {path}: the model has no tokenizer.json to encode text prompts; "
                             "use --random-prompts (dummy weights and tokenizer-less checkpoints)")
-        rows = read_prompt_file(path)[:num_prompts]
-        out = [Prompt(encode(session, r["prompt"]), r["prompt"], r.get("answer")) for r in rows]
-        return out, f"file:{path}"
+        return [replace(p, ids=encode(session, p.text)) for p in read_prompts(path, num_prompts)], f"file:{path}"
     warn(RANDOM_PROMPT_WARNING)
     out = random_prompts(cfg.vocab_size, num_prompts or 4, input_len, seed, set(session.stop_ids))
     check_context(session, input_len)
