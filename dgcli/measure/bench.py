@@ -263,9 +263,7 @@ def weight_bytes(s: Any) -> int:
 
 
 def card_peaks(s: Any, local: info.Peaks | None) -> list[info.Peaks]:
-    """`peaks_for_card` for session s: the table rows at the local peak's matmul dtype, else at s's own (a
-    --no-measure-peaks run on a CPU has no local peak; a Ray driver's `s` holds no weights, its peak came from a
-    worker that did)."""
+    """`peaks_for_card` for session s: at the local peak's matmul dtype, else (no local peak) at s's own."""
     return peaks_for_card(local, None if local is not None else compute_dtype(s))
 
 

@@ -194,9 +194,8 @@ def _overlap(a: tuple[float, float] | None, b: tuple[float, float] | None) -> bo
 
 
 def frontier_overlaps(front: list[dict], x: str, y: str) -> dict[str, list[dict]]:
-    """For each frontier row (by cell_key), the other frontier rows whose x or y interval overlaps its own:
-    on that figure the passes do not separate the two, so which of them belongs on the frontier may be
-    noise (more --runs or --seeds narrow the intervals)."""
+    """For each frontier row (by cell_key), the other frontier rows whose x or y interval overlaps its own (on that
+    figure the passes do not separate the two)."""
     out: dict[str, list[dict]] = {}
     for r in front:
         out[r["cell_key"]] = [o["cell"] for o in front if o is not r and (

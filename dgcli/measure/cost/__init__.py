@@ -11,12 +11,12 @@ Imports run one way (counts -> vocab -> memory -> gguf, card). Callers use this 
 """
 
 # ruff: noqa: F401  (re-exports: the cost model's public names in one place)
-from dgcli.measure.cost.card import card, layer_pattern
-from dgcli.measure.cost.counts import (DTYPE_BYTES, VISION_PREFIXES, Cost, block_cost, bytes_by_dtype_for,
-                                       distinct_experts, encode_cost, floor_seconds, param_counts, quantized_counts,
+from dgcli.measure.cost.card import card
+from dgcli.measure.cost.counts import (DTYPE_BYTES, Cost, block_cost, bytes_by_dtype_for, distinct_experts,
+                                       encode_cost, floor_seconds, param_counts, quantized_counts,
                                        safetensors_inventory, step_cost, weights_bytes_total)
 from dgcli.measure.cost.gguf import gguf_fit, gguf_inventory, gguf_markdown
-from dgcli.measure.cost.memory import (BUDGET, GIB, GPUS, HEADROOM, KV_BLOCK, MOE_BLOCK, SERVE_SLOTS, batch_memory,
+from dgcli.measure.cost.memory import (BUDGET, GIB, GPUS, KV_BLOCK, MOE_BLOCK, SERVE_SLOTS, batch_memory,
                                        cache_blocks, cache_bytes, cache_positions, kv_bytes, largest_batch,
                                        loop_state_bytes, markdown, moe_block_rows, one_request, pass_bytes,
                                        peak_bytes, prefill_bytes, step_bytes, step_per_row, weights_bytes)

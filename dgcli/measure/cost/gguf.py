@@ -47,12 +47,10 @@ def gguf_inventory(path: Path) -> dict:
 
 def gguf_fit(inventory: dict, cfg: ModelConfig, dtype: str, context: int, ram_bytes: int,
              available_bytes: int | None, caps: list[int] = (), read_rate: float | None = None) -> dict:
-    """Whether a GGUF model runs in this machine's memory: weights as loaded (quantized matrices in their kernels'
-    form, the rest in `dtype`) + the KV cache for `context` tokens + one request's passes (`memory.one_request`),
-    against the memory available now (MemAvailable) and the machine's RAM; what the low-memory mode needs (the
-    rest + the embedding + two layers: the one computing, the next read ahead); and per memory cap in `caps` the
-    weights read from disk each step (the layers beyond those that stay, as session.low_memory_mode keeps them)
-    and, at `read_rate` bytes/s, the least step time that reading takes."""
+    """Whether a GGUF model (weights as loaded + KV for `context` tokens + one request's passes) fits the memory
+    available now and the machine's RAM; what the low-memory mode needs (all but the layers, and two layers: the one
+    computing, the next read ahead); per memory cap in `caps` the weights read from disk each step (the layers
+    beyond those that stay, as session.low_memory_mode keeps them) and at `read_rate` the least step time."""
     wb = DTYPE_BYTES[dtype]
     weights = inventory["quantized_bytes_kept"] + inventory["dense_elements"] * wb
     work = kv_bytes(cfg, context, wb)["total"] + one_request(cfg, context, ab=wb)["cpu"]
