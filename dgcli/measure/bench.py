@@ -18,7 +18,6 @@ from dgcli.errors import UserError
 from dgcli.measure import cost as info
 from dgcli.measure.metrics import SETTINGS, Pass
 from dgcli.measure import peaks as pk
-from dgcli.measure.peaks import table_peaks
 from dgcli.measure.workload import RANDOM_PROMPT_WARNING, Prompt, prompt_set_hash
 from dgcli.runtime import request
 from dgcli.runtime.request import Response
@@ -272,7 +271,7 @@ def peaks_for_card(local: info.Peaks | None, compute: str | None = None) -> list
     dtype (`compute`, else the local peak's; bf16 without either)."""
     compute = compute or (local.compute if local is not None else "bfloat16")
     out = [local] if local is not None else []
-    return out + [table_peaks(p, compute) for p in info.DEVICE_TABLE.values() if local is None or p.name != local.name]
+    return out + [pk.table_peaks(p, compute) for p in info.DEVICE_TABLE.values() if local is None or p.name != local.name]
 
 
 def target_card(s: Any, *, prompt_len: int, context: int, peaks: list[info.Peaks]) -> dict:

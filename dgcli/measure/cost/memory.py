@@ -87,13 +87,11 @@ def weights_bytes(cfg: ModelConfig, fmt: str = "bf16") -> dict:
     `quantized_counts` matrices at 1 byte + a bf16 scale per output channel, the rest bf16."""
     if fmt not in ACT_BYTES:
         raise ValueError(f"weight format {fmt!r}: use one of {tuple(ACT_BYTES)}")
-    n = param_counts(cfg)
-    if fmt == "fp32":  # a float32 run (random checkpoints, the bundled model)
-        return {"format": fmt, "bytes": 4 * n["total"], "fp8_parameters": 0, "bf16_parameters": 0}
+    n, ab = param_counts(cfg), ACT_BYTES[fmt]  # fp32: a float32 run (random checkpoints, the bundled model)
     fp8, scales = quantized_counts(cfg) if fmt == "fp8" else (0, 0)
-    bf16 = n["total"] - n["layer_scalars"] - fp8
-    return {"format": fmt, "bytes": fp8 + 2 * (bf16 + scales) + 4 * n["layer_scalars"], "fp8_parameters": fp8,
-            "bf16_parameters": bf16}
+    rest = n["total"] - n["layer_scalars"] - fp8
+    return {"format": fmt, "bytes": fp8 + ab * (rest + scales) + 4 * n["layer_scalars"], "fp8_parameters": fp8,
+            "bf16_parameters": rest if ab == 2 else 0}
 
 
 def loop_state_bytes(cfg: ModelConfig, ab: int = 2, stability: int = 1, lag: int = 1) -> dict:
