@@ -271,7 +271,8 @@ def peaks_for_card(local: info.Peaks | None, compute: str | None = None) -> list
     dtype (`compute`, else the local peak's; bf16 without either)."""
     compute = compute or (local.compute if local is not None else "bfloat16")
     out = [local] if local is not None else []
-    return out + [pk.table_peaks(p, compute) for p in info.DEVICE_TABLE.values() if local is None or p.name != local.name]
+    table = [p for p in info.DEVICE_TABLE.values() if local is None or p.name != local.name]
+    return out + [pk.table_peaks(p, compute) for p in table]
 
 
 def target_card(s: Any, *, prompt_len: int, context: int, peaks: list[info.Peaks]) -> dict:
