@@ -1,19 +1,11 @@
-"""Benchmark runs: warm-up and timed repeats of requests through the request API (the one loop), peak
-memory, the row record (label, settings, workload, figures, provenance) and the card of the target.
+"""Benchmark runs: warm-up and timed passes of requests through the request API (the one loop), peak memory, the
+row record (label, settings, workload, figures, provenance), the card of the target and the device's peaks.
 
-Owns: `measure` (warm-up, then timed passes that submit every prompt at once to the batched engine:
-`dgcli.runtime.request.run_batch` with --batch-size slots), `PeakMemory`, `make_row`, `target_card`, the
-device's roofline peaks. Must not: print, write files, contain a denoising loop, define figures
-(metrics.py) or format numbers (printers.py).
-
-`--batch-size N` (bench and sweep): every timed pass submits all prompts at once to an engine with N slots
-(continuous batching: a finished request's slot takes the next queued one). Throughput is aggregate (a
-pass's answer tokens / its wall time); latencies are per request, timed from when it takes a slot, as
-`vllm bench serve --max-concurrency N` times a request from when it is sent; the wait before that is
-`mean_queue_ms`. Batch size 1 runs the same path one request at a time. Answers do not depend on the batch
-size, so quality is the same in every row. On CPU `peak_memory_bytes` is the process' high-water mark, so a
-later row shows the largest so far. Random-id prompts (`--random-prompts`, `--dummy`, a checkpoint without a
-tokenizer) hide early stopping, so such rows carry a warning; `--dummy` runs fixed work and says so.
+`--batch-size N`: every timed pass submits all prompts at once to an engine with N slots (continuous batching).
+Throughput is aggregate; latencies are per request from when it takes a slot, as `vllm bench serve
+--max-concurrency N` times a request from when it is sent (the wait before: `mean_queue_ms`). On CPU
+`peak_memory_bytes` is the process' high-water mark, so a later row shows the largest so far. Must not: print,
+write files, contain a denoising loop, define figures (metrics.py) or format numbers (printers.py).
 """
 
 from __future__ import annotations
@@ -24,13 +16,13 @@ from typing import Any, Callable
 
 from dgcli.errors import UserError
 from dgcli.measure import cost as info
-from dgcli.measure.metrics import Pass
+from dgcli.measure.metrics import SETTINGS, Pass
 from dgcli.measure import peaks as pk
-from dgcli.measure.peaks import table_peaks
 from dgcli.measure.workload import RANDOM_PROMPT_WARNING, Prompt, prompt_set_hash
 from dgcli.runtime import request
 from dgcli.runtime.request import Response
 from dgcli.sampling.events import BlockStart, Commit, Done
+
 
 class PeakMemory:
     """CUDA: torch.cuda.max_memory_allocated since `start()`; CPU: growth of the process' ru_maxrss
@@ -64,9 +56,8 @@ class PeakMemory:
 
 def warm_up(session: Any, prompts: list[Prompt], params: Any, n: int, *, batch_size: int, ignore_eos: bool,
             progress: Callable[[str], None] | None = None) -> None:
-    """`n` untimed requests (cycling the prompts) through the batched engine with `batch_size` slots, the
-    path the timed passes take. With CUDA graphs (`--cuda-graphs`) at least every prompt once: the same cache
-    and every batch size of a timed pass, so the timed passes replay graphs and capture none."""
+    """`n` untimed requests (cycling the prompts) on the timed passes' path; with captured steps (CUDA graphs) at
+    least every prompt once, so the timed passes replay graphs and capture none."""
     if n < 1:
         return
     if getattr(session, "step_mode", "dynamic") != "dynamic":  # captured steps: meet every shape a timed pass meets
@@ -87,10 +78,8 @@ def _images(prompts: list[Prompt]) -> list | None:
 
 def timed_pass(session: Any, prompts: list[Prompt], params: Any, *, batch_size: int, ignore_eos: bool,
                progress: Callable[[str], None] | None = None, advance: Callable[[], None] | None = None) -> Pass:
-    """Every prompt submitted at once to the batched engine (`request.run_batch`, `batch_size` slots);
-    returns the responses in prompt order, the pass's wall time, the engine's counts and, per request on
-    the wall clock, its wait for a slot and its latencies from then (its first block's start, less its
-    prefill, is when it took the slot)."""
+    """Every prompt submitted at once to the batched engine with `batch_size` slots, timed (a request took its slot
+    at its first block's start less its prefill)."""
     stats: dict = {}
     began: dict[int, float] = {}
     first: dict[int, float] = {}
@@ -125,10 +114,8 @@ def timed_pass(session: Any, prompts: list[Prompt], params: Any, *, batch_size: 
 def measure(session: Any, prompts: list[Prompt], params: Any, *, runs: int, warmup: int, ignore_eos: bool,
             batch_size: int = 1, memory: PeakMemory | None = None, progress: Callable[[str], None] | None = None,
             out: list | None = None, advance: Callable[[], None] | None = None) -> list[Pass]:
-    """`warmup` untimed requests, then `runs` timed passes, each submitting every prompt at once to the
-    batched engine with `batch_size` slots (batch size 1 runs them one after another, through the same
-    path). Finished passes are appended to `out` as they complete, so a caller interrupted by Ctrl-C
-    still has them. `progress` hears what runs, `advance` once per timed request done."""
+    """`warmup` untimed requests, then `runs` timed passes appended to `out` as they finish (Ctrl-C keeps them);
+    `progress` hears what runs, `advance` once per timed request done."""
     if runs < 1 or warmup < 0:
         raise UserError("--runs must be >= 1 and --warmup >= 0")
     out = [] if out is None else out
@@ -143,8 +130,8 @@ def measure(session: Any, prompts: list[Prompt], params: Any, *, runs: int, warm
 
 
 def device_peaks(device: Any, *, measure_cpu: bool = True, compute: str = "bfloat16") -> info.Peaks | None:
-    """The roofline peaks of the run's device for `compute` matmuls (`compute_dtype`): measured on CPU (bf16
-    there for float8, which a CPU runs in bf16), the table on H100/H200, else None."""
+    """The roofline peaks of the run's device for `compute` matmuls: measured on CPU (bf16 for float8, which a CPU
+    runs in bf16), the table on H100/H200, else None."""
     if device.type == "cuda":
         import torch
 
@@ -153,8 +140,7 @@ def device_peaks(device: Any, *, measure_cpu: bool = True, compute: str = "bfloa
 
 
 def pinned_peaks(path: str, device: Any, compute: str, threads: int | None = None) -> info.Peaks:
-    """`--peaks FILE`: the CPU peaks saved there, checked against this CPU at `threads` (default torch's) and the
-    run's matmul dtype (`compute`; bf16 for float8, as `device_peaks`). A CUDA device keeps its datasheet's."""
+    """`--peaks FILE`: the CPU peaks saved there, checked against this CPU at `threads` and matmul dtype."""
     import torch
 
     if device.type == "cuda":
@@ -191,7 +177,7 @@ def keep_peaks(save: str | None, peaks: info.Peaks | None) -> str | None:
 
 
 def compute_dtype(s: Any) -> str:
-    """`matmul_dtype` of a session: its model dtype, its GGML weights' activation path, FP8 dynamic on CUDA."""
+    """`matmul_dtype` of a session."""
     model = getattr(s, "model", None)
     fp8_dynamic = False
     if s.device.type == "cuda" and hasattr(model, "named_modules"):
@@ -203,9 +189,8 @@ def compute_dtype(s: Any) -> str:
 
 
 def matmul_dtype(run_dtype: str, ggml: str | None = None, fp8_dynamic: bool = False) -> str:
-    """The fastest matmul a run's kernels use, whose peak keeps the roofline floor a lower bound: "int8" for GGML
-    weights on the int8 path (`ggml`: dgcli/model/ggml.py's activation path), "float8" for FP8 weights with
-    dynamic activations on CUDA (e4m3 dots), "float32" for an fp32 model (every matmul fp32), else "bfloat16"."""
+    """The fastest matmul a run's kernels use, whose peak keeps the roofline floor a lower bound: int8 for GGML
+    weights on the int8 path, float8 for dynamic FP8 on CUDA, float32 for an fp32 model, else bfloat16."""
     if ggml == "int8":
         return "int8"
     if fp8_dynamic:
@@ -220,10 +205,7 @@ def workload_mode(params: Any, dummy: bool) -> str:
 
 
 def settings_columns(params: Any, num_blocks: int) -> dict:
-    return {"max_denoising_steps": params.max_denoising_steps, "t_min": params.t_min, "t_max": params.t_max,
-            "entropy_bound": params.entropy_bound, "stability_threshold": params.stability_threshold,
-            "confidence_threshold": params.confidence_threshold, "seed": params.seed, "blocks": num_blocks}
-
+    return {**{k: getattr(params, k) for k in SETTINGS if k != "blocks"}, "blocks": num_blocks}
 
 
 def make_row(s: Any, *, prompts: list[Prompt], prompt_source: str, params: Any, runs_done: int,
@@ -280,9 +262,7 @@ def weight_bytes(s: Any) -> int:
 
 
 def card_peaks(s: Any, local: info.Peaks | None) -> list[info.Peaks]:
-    """`peaks_for_card` for session s: the table rows at the local peak's matmul dtype, else at s's own (a
-    --no-measure-peaks run on a CPU has no local peak; a Ray driver's `s` holds no weights, its peak came from a
-    worker that did)."""
+    """`peaks_for_card` for session s: at the local peak's matmul dtype, else (no local peak) at s's own."""
     return peaks_for_card(local, None if local is not None else compute_dtype(s))
 
 
@@ -291,7 +271,8 @@ def peaks_for_card(local: info.Peaks | None, compute: str | None = None) -> list
     dtype (`compute`, else the local peak's; bf16 without either)."""
     compute = compute or (local.compute if local is not None else "bfloat16")
     out = [local] if local is not None else []
-    return out + [table_peaks(p, compute) for p in info.DEVICE_TABLE.values() if local is None or p.name != local.name]
+    table = [p for p in info.DEVICE_TABLE.values() if local is None or p.name != local.name]
+    return out + [pk.table_peaks(p, compute) for p in table]
 
 
 def target_card(s: Any, *, prompt_len: int, context: int, peaks: list[info.Peaks]) -> dict:

@@ -1,9 +1,5 @@
-"""The short human output of `dgemma bench` (its default): the card in a screenful, the main figures of each
-row in one table with their units and a short meaning, and where the rest is.
-
-Owns: the wording and layout of that short view (sizes in KiB/MiB/GiB, FLOPs in MFLOP/GFLOP, times in ms or
-µs). The full view (every figure with its definition, the step histogram, provenance) is printers.to_markdown
-behind `bench --verbose`; the machine formats (csv, json, jsonl) are printers' too and carry every field.
+"""The short human output of `dgemma bench` (its default): the card in a screenful, the main figures of each row
+in one table with their units and a short meaning, and where the rest is (--verbose: printers.to_markdown).
 Must not: measure, or decide what a figure means (metrics.py: DEFINITIONS and SUMMARY do).
 """
 
@@ -13,7 +9,7 @@ import re
 from typing import Any
 
 from dgcli.measure.peaks import COMPUTE
-from dgcli.measure.printers import cell, count, fmt, human, md_table, peak_text, row_names
+from dgcli.measure.printers import cell, count, fmt, human, md_table, peak_text, row_names, size
 
 MORE = "Every figure with its definition, the step histogram and provenance: add --verbose (or --format json)."
 
@@ -31,7 +27,6 @@ def _measured(name: str, how: str = "measured") -> str:
 def card_text(card: dict) -> str:
     """The card in ~15 lines: architecture, parameters, memory to run, cost of a step, threads, roofline."""
     cfg, p, m, s = card["config"], card["parameters"], card["memory"], card["per_step"]
-    mib = lambda n: human(n, "B", 1024)  # noqa: E731
     kv, hd = cfg["kv_heads"], cfg["head_dim"]
     lines = [f"## {card['model']}", "", f"source: {card['source']}", "",
              f"- architecture: {cfg['layers']}; hidden {cfg['hidden_size']}, {cfg['attention_heads']} heads (KV "
@@ -39,10 +34,10 @@ def card_text(card: dict) -> str:
              f"{cfg['vocab_size']:,}",
              f"- experts: {cfg['experts']}; dense MLP {cfg['dense_mlp']}; canvas {cfg['canvas_length']} tokens",
              f"- parameters: {count(p['total'])} ({count(p['active_per_token'])} active per token); weights "
-             + ", ".join(f"{k} {mib(v)}" for k, v in card["bytes_by_dtype"].items()),
-             f"- memory to run ({card['dtype']}, KV for {m['kv_context']:,} tokens): ~{mib(m['total']['cpu'])} on CPU "
-             f"= weights {mib(m['weights'])} + KV cache {mib(m['kv_cache'])} + one request's passes "
-             f"~{mib(m['one_request']['cpu'])} (CUDA ~{mib(m['total']['cuda'])})",
+             + ", ".join(f"{k} {size(v)}" for k, v in card["bytes_by_dtype"].items()),
+             f"- memory to run ({card['dtype']}, KV for {m['kv_context']:,} tokens): ~{size(m['total']['cpu'])} on CPU "
+             f"= weights {size(m['weights'])} + KV cache {size(m['kv_cache'])} + one request's passes "
+             f"~{size(m['one_request']['cpu'])} (CUDA ~{size(m['total']['cuda'])})",
              f"- per denoising step (prompt {card['prompt_len']} tokens): {human(s['flops'], 'FLOP')}, "
              f"{human(s['bytes'], 'B')} moved at least; per commit {human(card['per_commit']['flops'], 'FLOP')}; "
              f"prefill {human(card['prefill']['flops'], 'FLOP')}"]
@@ -74,7 +69,7 @@ def value(key: str, v: Any, definitions: dict[str, str]) -> str:
     if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
         return cell(key, v)
     if unit == "B":
-        return human(v, "B", 1024)
+        return size(v)
     if key.endswith("_rate") or key in ("slot_occupancy",):
         return f"{v * 100:.3g} %"
     if key == "step_vs_floor":

@@ -1,6 +1,5 @@
-"""Sweep grids: one axis spec (`8,16,32`, `8-48+8`, `0.05-0.2+0.05`, mixes) -> its values.
-
-Owns: the grid syntax and its errors, and `parse_batch_sizes` (bench's and sweep's `--batch-size` list). Must not: know about cells, models or measuring (measure/sweep.py).
+"""Sweep grids: one axis spec (`8,16,32`, `8-48+8`, `0.05-0.2+0.05`, mixes) -> its values, and the lists of
+counts in that syntax (`--batch-size`, `--concurrency`). Must not: know about cells, models or measuring.
 """
 
 from __future__ import annotations
@@ -17,13 +16,8 @@ _MAX_GRID = 10_000  # a typo like 0-1e9+1 should be an error, not a sweep that n
 
 
 def parse_grid_values(spec: str, kind: type) -> list:
-    """Parse a sweep axis: `8,16,32`, `8-48+8` (inclusive), `0.05-0.2+0.05`, or mixes (`4,8-16+4`).
-
-    `kind` is int or float. Ranges are computed in decimal arithmetic so
-    0.05-0.2+0.05 gives exactly [0.05, 0.1, 0.15, 0.2] with no float drift and the end included when
-    the steps land on it. Duplicates are dropped, first occurrence kept. A bad spec is a `UserError`
-    quoting it and showing the syntax.
-    """
+    """A sweep axis's values (`kind` int or float), duplicates dropped. Ranges are inclusive and computed in decimal
+    arithmetic, so 0.05-0.2+0.05 gives exactly [0.05, 0.1, 0.15, 0.2]. A bad spec is a `UserError` quoting it."""
     def bad(why: str) -> UserError:
         return UserError(f"bad grid {spec!r}: {why}; use a {_GRID_SYNTAX}")
 
@@ -63,16 +57,21 @@ def parse_grid_values(spec: str, kind: type) -> list:
     return list(dict.fromkeys(out))
 
 
-def parse_batch_sizes(spec: str) -> list[int]:
-    """`--batch-size 1,2,4,8` (bench and sweep; grid syntax, so 1-8+1 works too) -> whole numbers >= 1, in
-    the order given, duplicates dropped. A bad value is one line naming it (0, -1, x, 1,,2)."""
-    hint = "give whole numbers >= 1 (requests denoised together), e.g. 1,2,4,8"
+def parse_counts(spec: str, flag: str, noun: str, what: str, example: str) -> list[int]:
+    """Whole numbers >= 1 in grid syntax, in the order given, duplicates dropped; a bad value is one line naming
+    `flag` and it (0, -1, x, 1,,2)."""
+    hint = f"give whole numbers >= 1 ({what}), e.g. {example}"
     try:
-        sizes = parse_grid_values(str(spec), int)
+        values = parse_grid_values(str(spec), int)
     except UserError as e:  # "bad grid '1,,2': empty item between commas; use ..." -> the middle part
         why = str(e).split(": ", 1)[-1].split("; use a ")[0]
-        raise UserError(f"--batch-size {spec!r}: {why}; {hint}") from None
-    bad = [n for n in sizes if n < 1]
+        raise UserError(f"{flag} {spec!r}: {why}; {hint}") from None
+    bad = [n for n in values if n < 1]
     if bad:
-        raise UserError(f"--batch-size {spec!r}: {bad[0]} is not a batch size; {hint}")
-    return sizes
+        raise UserError(f"{flag} {spec!r}: {bad[0]} is not {noun}; {hint}")
+    return values
+
+
+def parse_batch_sizes(spec: str) -> list[int]:
+    """`--batch-size 1,2,4,8` (bench and sweep)."""
+    return parse_counts(spec, "--batch-size", "a batch size", "requests denoised together", "1,2,4,8")

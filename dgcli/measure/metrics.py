@@ -1,11 +1,9 @@
-"""The figures of the one bench/sweep record: their definitions and how they come from measured requests.
+"""The figures of the one bench/sweep record: their definitions and how they come from measured passes.
 
-Every figure a row carries has a definition in `DEFINITIONS` (printed next to it) and keys reuse
-`vllm bench serve`'s names where one exists (PRODUCT.md). Owns: `Pass` (one timed pass through the batched
-engine), `summarize` (passes -> figures, incl. the FLOP/byte accounting against the roofline floor: per
-request row, weights once per batched decoder pass), and the statistics remote_row.py's rows share
-(`percentile`, `min_max`, `steps_histogram`). Must not: run anything, print, format numbers (printers.py
-does), or import torch (`bench --base-url` runs without it).
+Every figure a row carries has a definition in `DEFINITIONS` (printed next to it); keys reuse `vllm bench serve`'s
+names where one exists (PRODUCT.md). Owns: `Pass`, `summarize` (passes -> figures, the FLOP/byte accounting against
+the roofline floor included) and the statistics remote.py's rows share. Must not: run anything, print, format
+numbers, or import torch (`bench --base-url` runs without it).
 """
 
 from __future__ import annotations
@@ -24,6 +22,14 @@ from dgcli.model.config import ModelConfig
 if TYPE_CHECKING:  # not at run time: it imports torch, and `bench --base-url` (remote_row.py) uses this module
     from dgcli.runtime.request import Response
 
+
+
+def quantiles(name: str, what: str, qs: tuple[int, ...] = (50, 90, 99)) -> dict[str, str]:
+    """Definitions of the percentiles of a time figure: median_NAME_ms, p90_NAME_ms, ..."""
+    return {(f"median_{name}_ms" if q == 50 else f"p{q}_{name}_ms"):
+            f"[ms] {'median' if q == 50 else f'{q}th percentile of'} {what}" for q in qs}
+
+
 # Every figure a bench or sweep row carries, with its definition (printed next to it). Units in brackets.
 DEFINITIONS: dict[str, str] = {
     "batch_size": "requests denoised together: the engine's slots (--batch-size); every timed pass submits all prompts at once and a finished request's slot takes the next (continuous batching)",
@@ -34,13 +40,9 @@ DEFINITIONS: dict[str, str] = {
     "output_throughput_std": "[tok/s] standard deviation of output_throughput over runs",
     "request_throughput": "[req/s] requests / a pass's wall time (mean over passes)",
     "mean_ttft_ms": "[ms] time to first block: from the request taking a slot to its first block's tokens (prefill + the block's denoising; the wait for a slot is mean_queue_ms)",
-    "median_ttft_ms": "[ms] median time to first block",
-    "p90_ttft_ms": "[ms] 90th percentile of time to first block",
-    "p99_ttft_ms": "[ms] 99th percentile of time to first block",
+    **quantiles("ttft", "time to first block"),
     "mean_e2el_ms": "[ms] end-to-end latency per request: from taking a slot (its prefill) to its last block; the wait for a slot is mean_queue_ms (vllm bench serve --max-concurrency N times a request from when it is sent)",
-    "median_e2el_ms": "[ms] median end-to-end latency",
-    "p90_e2el_ms": "[ms] 90th percentile end-to-end latency",
-    "p99_e2el_ms": "[ms] 99th percentile end-to-end latency",
+    **quantiles("e2el", "end-to-end latency"),
     "std_e2el_ms": "[ms] standard deviation of end-to-end latency",
     "mean_queue_ms": "[ms] wait for a free slot: from submission to the start of the request's prefill. Every timed pass submits all its prompts at once, so with fewer slots than prompts (batch size 1 included) it is the wait behind the pass's earlier prompts: it grows with --num-prompts and is the workload's backlog, not a fault; 0 when every request fits in the batch",
     "mean_prefill_ms": "[ms] per request, the whole time of the passes that carry its prompt (chunks under the pass budget); such a pass also steps the running canvases and, in its last chunk, the request's own first canvas, so it overlaps the denoising time (a step's share is mean_step_ms)",
@@ -127,6 +129,9 @@ SUMMARY: dict[str, str] = {
 }
 
 NOT_IN_CSV = ("runs_detail",)
+# The sampler settings every row carries as columns, in order (a remote row: as sent).
+SETTINGS = ("max_denoising_steps", "t_min", "t_max", "entropy_bound", "stability_threshold", "confidence_threshold",
+            "seed", "blocks")
 IMAGE_FIGURES = ("mean_vision_ms", "images_encoded", "images_per_prompt", "image_tokens_per_prompt")  # --image rows only
 
 # The timing figures whose spread over the timed passes every row carries (`spread`).
@@ -137,11 +142,8 @@ SPREAD_KEYS = ("output_throughput", "request_throughput", "diffusion_committed_t
 
 @dataclass
 class Pass:
-    """One timed pass: every prompt submitted at once to an engine of `batch_size` slots (the responses in
-    prompt order), its wall time, the engine's counts (`dgcli.engine.generate_batch_events`' stats:
-    batched decoder passes, request rows computed over them, the passes' own time), and per request, on
-    one wall clock, the wait for a slot and the latencies from taking it (as `vllm bench serve
-    --max-concurrency N` times a request from when it is sent)."""
+    """One timed pass: every prompt submitted at once to an engine of `batch_size` slots (responses in prompt
+    order), its wall time, the engine's counts and per request the wait for a slot and the latencies from then."""
 
     responses: list[Response]
     wall_s: float
@@ -163,15 +165,31 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if len(values) else float("nan")
 
 
+def stat(values: list[float], how: Any, scale: float = 1e3) -> float | None:
+    """The mean, "std" or percentile `how` of values x scale (s -> ms by default); None for no values."""
+    if not values:
+        return None
+    if how == "mean":
+        return statistics.fmean(values) * scale
+    if how == "std":
+        return (statistics.stdev(values) if len(values) > 1 else 0.0) * scale
+    return percentile(values, how) * scale
+
+
+def latencies(name: str, values: list[float], kinds=("mean", 50, 90, 99)) -> dict:
+    """mean_NAME_ms, median_NAME_ms, p90_NAME_ms ... of latencies in seconds."""
+    label = {"mean": "mean", 50: "median", 90: "p90", 99: "p99", "std": "std"}
+    return {f"{label[k]}_{name}_ms": stat(values, k) for k in kinds}
+
+
 def _ratio(a: float, b: float) -> float | None:
     return a / b if b else None
 
 
 def _cost(passes: list[Pass], cfg: ModelConfig, max_steps: int, weight_bytes: int) -> info.Cost:
-    """FLOPs and bytes of the denoising steps: FLOPs and KV bytes per request row (the card's per-block
-    accounting), weight bytes once per batched decoder pass. A pass's weight bytes are its rows' mean
-    (which steps skip self-conditioning or the soft embedding), with the experts that the pass's mean
-    rows x canvas tokens touch; at batch size 1 this is exactly the per-request sum."""
+    """FLOPs and bytes of the denoising steps: FLOPs and KV bytes per request row, weight bytes once per batched
+    decoder pass (its rows' mean, with the experts that the mean rows x canvas tokens touch; at batch size 1
+    exactly the per-request sum)."""
     rows = sum(p.row_steps for p in passes)
     batched = sum(p.decoder_passes for p in passes)
     wide = dataclasses.replace(cfg, canvas_length=cfg.canvas_length * rows / batched) if batched else cfg
@@ -188,9 +206,8 @@ def _cost(passes: list[Pass], cfg: ModelConfig, max_steps: int, weight_bytes: in
 
 def summarize(passes: list[Pass], cfg: ModelConfig, max_steps: int, *, weight_bytes: int,
               peaks: info.Peaks | None, peak_memory: tuple[int, str] | None = None, spread: bool = True) -> dict:
-    """Every figure of DEFINITIONS (quality aside) from the timed passes (answer ids after the max_tokens
-    cut, as every command counts them). With `spread`, the min and max of each SPREAD_KEYS figure over the
-    passes (each pass summarised alone)."""
+    """Every figure of DEFINITIONS (quality aside) from the timed passes; with `spread`, the min and max of each
+    SPREAD_KEYS figure over the passes (each summarised alone)."""
     reqs = [r for p in passes for r in p.responses]
     c = cfg.canvas_length
     d = [r.done for r in reqs]
@@ -219,15 +236,8 @@ def summarize(passes: list[Pass], cfg: ModelConfig, max_steps: int, *, weight_by
         "output_throughput": statistics.fmean(per_run),
         "output_throughput_std": statistics.stdev(per_run) if len(per_run) > 1 else 0.0,
         "request_throughput": statistics.fmean(per_run_req),
-        "mean_ttft_ms": statistics.fmean(ttft) * 1e3,
-        "median_ttft_ms": percentile(ttft, 50) * 1e3,
-        "p90_ttft_ms": percentile(ttft, 90) * 1e3,
-        "p99_ttft_ms": percentile(ttft, 99) * 1e3,
-        "mean_e2el_ms": statistics.fmean(e2e) * 1e3,
-        "median_e2el_ms": percentile(e2e, 50) * 1e3,
-        "p90_e2el_ms": percentile(e2e, 90) * 1e3,
-        "p99_e2el_ms": percentile(e2e, 99) * 1e3,
-        "std_e2el_ms": (statistics.stdev(e2e) if len(e2e) > 1 else 0.0) * 1e3,
+        **latencies("ttft", ttft),
+        **latencies("e2el", e2e, ("mean", 50, 90, 99, "std")),
         "mean_queue_ms": statistics.fmean(q for p in passes for q in p.queue_s) * 1e3,
         "mean_prefill_ms": statistics.fmean(x.timings["prefill_s"] for x in d) * 1e3,
         **({"mean_vision_ms": sum(p.vision_s for p in passes) / len(reqs) * 1e3,
@@ -247,9 +257,7 @@ def summarize(passes: list[Pass], cfg: ModelConfig, max_steps: int, *, weight_by
         "mean_block_latency_ms": (request_denoise_s + commit_s) / blocks * 1e3,
         "output_blocks_per_second": _ratio(blocks, wall),
         "mean_blocks_per_request": blocks / len(reqs),
-        "p50_steps_per_block": percentile(steps, 50),
-        "p90_steps_per_block": percentile(steps, 90),
-        "p99_steps_per_block": percentile(steps, 99),
+        **{f"p{q}_steps_per_block": stat(steps, q, 1.0) for q in (50, 90, 99)},
         "steps_histogram": steps_histogram(steps),
         "cap_hit_rate": len(capped) / len(steps),
         "cap_hit_rate_first_block": sum(x.steps_per_block[0] >= max_steps for x in d) / len(d),

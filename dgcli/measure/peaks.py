@@ -1,14 +1,10 @@
-"""A device's roofline peaks: the H100/H200 datasheet table, and a brief measurement on this CPU taken
-several times, so the card shows the median and how far the repeats spread (a busy machine moves them 2x).
-
-Owns: `Peaks`, `DEVICE_TABLE`, `measure_cpu_peaks` (cached per process, thread count and matmul dtype), `cpu_name`,
-`gpu_peaks`, pinned peaks (`save_peaks` / `load_peaks`: `--save-peaks FILE` and `--peaks FILE`, so runs compared
-on a busy machine share one measurement) and `load_note` (a busy machine moves every timing). Must not: run the
-model or print; torch is imported only inside `measure_cpu_peaks`.
+"""A device's roofline peaks: the H100/H200 datasheet table, and a brief measurement on this CPU taken several
+times (the card shows the median and the spread: a busy machine moves them 2x), pinned peaks (`--save-peaks FILE`,
+`--peaks FILE`: runs compared on a busy machine share one measurement) and the busy-machine note.
 
 A peak is a matmul rate in one dtype (`Peaks.compute`): a run is held to the fastest matmul its kernels use
-(measure/bench.py::compute_dtype: int8 for GGML weights on the int8 path, float32 for an fp32 model, bf16 else),
-so its floor stays a lower bound (this 2-core EPYC, 1 thread: int8 ~430 GOP/s, bf16 ~210, fp32 ~95 GFLOP/s).
+(bench.py::matmul_dtype), so its floor stays a lower bound. Must not: run the model or print; torch is imported
+only inside `measure_cpu_peaks`.
 """
 
 from __future__ import annotations
@@ -61,11 +57,9 @@ def _best(fn, work: float, seconds: float) -> float:
 
 
 def measure_cpu_peaks(seconds: float = 1.0, repeats: int = 5, compute: str = "bfloat16") -> Peaks:
-    """1024^3 matmul FLOP/s in `compute` (bfloat16, float32 or int8: torch's int8 GEMM, oneDNN's VNNI / AMX
-    kernels) and 128 MiB copy bandwidth (read + write) on this CPU, at the current torch thread count (the run's:
-    see dgcli.runtime.session.thread_rule). `repeats` rounds, each the best of matmuls then of copies over
-    seconds / (2 x repeats); the peaks are the rounds' medians and the ranges their min and max. Cached per
-    process, thread count and dtype. Measured, so it moves with other load."""
+    """1024^3 matmul FLOP/s in `compute` (bfloat16, float32 or int8) and 128 MiB copy bandwidth (read + write) on
+    this CPU at the current thread count: the medians of `repeats` rounds, each the best of matmuls then of copies
+    over seconds / (2 x repeats), and their ranges. Cached per process, thread count and dtype."""
     import torch
 
     if compute not in ("bfloat16", "float32", "int8"):
@@ -117,8 +111,7 @@ def cpu_name() -> str | None:
 
 
 def gpu_peaks(device_name: str, compute: str = "bfloat16") -> Peaks | None:
-    """Table peaks for a CUDA device name (e.g. 'NVIDIA H100 80GB HBM3') and matmul dtype, or None when not
-    tabled."""
+    """Table peaks for a CUDA device name (e.g. 'NVIDIA H100 80GB HBM3') and matmul dtype, or None."""
     for key, peaks in DEVICE_TABLE.items():
         if key in device_name.upper():
             return table_peaks(peaks, compute)
@@ -153,9 +146,8 @@ def save_peaks(path: str | Path, peaks: Peaks) -> None:
 
 
 def load_peaks(path: str | Path, *, name: str, compute: str) -> Peaks:
-    """`--peaks FILE`: the peaks a `--save-peaks` file, or a saved bench/sweep JSON document (its card's measured
-    device), holds for this machine (`name`: the CPU and thread count a measurement here would carry) and matmul
-    dtype. Anything else is one error line naming what differs."""
+    """`--peaks FILE`: the peaks a `--save-peaks` file or a saved bench/sweep JSON (its card's measured device)
+    holds for this machine (`name`: the CPU and thread count) and matmul dtype; else one error line."""
     try:
         doc = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -192,8 +184,7 @@ def load_peaks(path: str | Path, *, name: str, compute: str) -> Peaks:
 
 
 def load_note(threads: int) -> str | None:
-    """One line when the machine is busier than its cores: the 1-minute load average above the cores this process
-    may use. Timings and measured peaks then measure the other work as much as this run."""
+    """One warning line when the 1-minute load average exceeds the cores this process may use."""
     try:
         load = os.getloadavg()[0]
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -1,7 +1,5 @@
-"""The sweep's speed-quality plot: every cell, the Pareto frontier joined, as a self-contained SVG (or a PNG
-with matplotlib). Both axes start at 0 and name their figure with its unit.
-
-Owns: the plot's drawing and its file. Must not: decide the frontier (dgcli.measure.sweep does) or measure.
+"""The sweep's speed-quality plot: every cell, the Pareto frontier joined, as a self-contained SVG (or a PNG with
+matplotlib); both axes start at 0 and name their figure with its unit. Must not: decide the frontier or measure.
 """
 
 from __future__ import annotations
@@ -14,9 +12,7 @@ from dgcli.errors import UserError
 
 
 def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
-    if hi <= lo:
-        return [lo]
-    return [lo + (hi - lo) * i / (n - 1) for i in range(n)]
+    return [lo + (hi - lo) * i / (n - 1) for i in range(n)] if hi > lo else [lo]
 
 
 def axis_label(key: str) -> str:
@@ -31,14 +27,10 @@ def axis_label(key: str) -> str:
     return f"{key} [{m.group(1)}]" if m else key
 
 
-def svg_plot(rows: list[dict], front: list[dict], x: str, y: str, *, title: str,
-             label: Callable[[dict], str]) -> str:
+def _svg(pts: list[dict], front: list[dict], x: str, y: str, title: str, label: Callable[[dict], str]) -> str:
     """A self-contained SVG scatter: every cell grey, the frontier red and joined, frontier points labelled."""
     w, h, ml, mr, mt, mb = 720, 480, 80, 200, 40, 60
-    xs = [r[x] for r in rows if isinstance(r.get(x), (int, float)) and isinstance(r.get(y), (int, float))]
-    ys = [r[y] for r in rows if isinstance(r.get(x), (int, float)) and isinstance(r.get(y), (int, float))]
-    if not xs:
-        raise UserError("nothing to plot: no finished cell has both a speed and a quality figure")
+    xs, ys = [r[x] for r in pts], [r[y] for r in pts]
     # Both axes from 0: a zoomed axis (194.5 to 196.4 tok/s) draws a 1 % difference across the whole plot.
     x0, x1 = min(min(xs), 0.0), max(xs)
     y0, y1 = min(min(ys), 0.0), max(max(ys), 1.0) if max(ys) <= 1 else max(ys)
@@ -66,9 +58,9 @@ def svg_plot(rows: list[dict], front: list[dict], x: str, y: str, *, title: str,
     out.append(f'<text x="{(ml + w - mr) / 2}" y="{h - 15}" text-anchor="middle">{e(axis_label(x))}</text>')
     out.append(f'<text x="18" y="{(mt + h - mb) / 2}" text-anchor="middle" '
                f'transform="rotate(-90 18 {(mt + h - mb) / 2})">{e(axis_label(y))}</text>')
-    for r in rows:
-        if isinstance(r.get(x), (int, float)) and isinstance(r.get(y), (int, float)):
-            out.append(f'<circle cx="{px(r[x]):.1f}" cy="{py(r[y]):.1f}" r="4" fill="#999"><title>{e(label(r))}</title></circle>')
+    for r in pts:
+        out.append(f'<circle cx="{px(r[x]):.1f}" cy="{py(r[y]):.1f}" r="4" fill="#999"><title>{e(label(r))}</title>'
+                   '</circle>')
     if front:
         pts = " ".join(f"{px(r[x]):.1f},{py(r[y]):.1f}" for r in front)
         out.append(f'<polyline points="{pts}" fill="none" stroke="#d62728" stroke-width="2"/>')
@@ -94,19 +86,22 @@ def check_plot_path(path: str | Path) -> None:
 
 def write_plot(path: str | Path, rows: list[dict], front: list[dict], x: str, y: str, *, title: str,
                label: Callable[[dict], str]) -> Path:
+    """Every cell with both figures, the frontier joined: an SVG, or a PNG through matplotlib."""
     check_plot_path(path)
     p = Path(path)
+    pts = [r for r in rows if isinstance(r.get(x), (int, float)) and isinstance(r.get(y), (int, float))]
+    if not pts:
+        raise UserError("nothing to plot: no finished cell has both a speed and a quality figure")
     if p.suffix.lower() == ".svg":
         from dgcli.measure.printers import write_atomic
 
-        write_atomic(p, svg_plot(rows, front, x, y, title=title, label=label))
+        write_atomic(p, _svg(pts, front, x, y, title, label))
         return p
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pts = [r for r in rows if isinstance(r.get(x), (int, float)) and isinstance(r.get(y), (int, float))]
     fig, ax = plt.subplots(figsize=(7.2, 4.8))
     ax.scatter([r[x] for r in pts], [r[y] for r in pts], c="#999", label="every cell")
     ax.plot([r[x] for r in front], [r[y] for r in front], "o-", c="#d62728", label="Pareto frontier")

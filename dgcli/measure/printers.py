@@ -1,10 +1,9 @@
 """Printers of the one bench/sweep record (md, csv, json, jsonl) and of the info card, plus provenance.
 
-One record, many printers (llama-bench): every printer renders the same row dicts, so a figure has the same
-key and value in every format; md adds each figure's definition. Owns: number formatting, flattening
-nested fields for csv, the card's text, provenance (device, dtype, versions, git commit, model, settings,
-seed, prompt-set hash, timestamp), `--metadata k=v` parsing and saving a result file atomically.
-Must not: measure, run models, or decide what a figure means (measure/metrics.py: DEFINITIONS does).
+One record, many printers (llama-bench): every printer renders the same row dicts, so a figure has the same key
+and value in every format; md adds each figure's definition. Owns: number formatting, the card's text, provenance,
+`--metadata k=v` parsing and saving a result file atomically. Must not: measure, run models, or decide what a
+figure means (metrics.py does).
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from typing import Any, Iterable
 
 from dgcli import __version__
 from dgcli.errors import UserError
+from dgcli.measure.cost.memory import size
 from dgcli.measure.peaks import COMPUTE
 
 REPO = Path(__file__).resolve().parents[2]
@@ -79,18 +79,15 @@ def provenance(*, device: Any, dtype: str, model: str, model_name: str, paramete
         "model_active_parameters": active, "dummy_weights": dummy, "settings": settings, "seed": seed,
         "prompt_set_hash": prompt_hash, "label": label, "metadata": metadata,
         "kernels": kernel_choices(device, packed_weights, ggml, dtype), "compiled_decoder": compiled,
-        "step_mode": step_mode,
-        "prefix_caching": prefix_caching,
+        "step_mode": step_mode, "prefix_caching": prefix_caching,
         "host": platform.node(), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
 
 def kernel_choices(device: Any, packed_weights: int = 0, ggml: str | None = None,
                    dtype: str | None = None) -> dict[str, str]:
-    """Which implementation each op ran (kernels/dispatch.py::provenance: per op, 'triton', 'reference', one of
-    torch's kernels or one of our C kernels; `packed_weights`: the matrices the session prepacked at load);
-    `ggml_activations` (GGML weights only: dgcli/model/ggml.py::activation_path): int8 or the activations' dtype;
-    `attention`: the paged attention's backend (triton-paged | torch-sdpa, dgcli/model/attention.py)."""
+    """Which implementation each op ran (kernels/dispatch.py::provenance), the paged attention's backend and, for
+    GGML weights, `ggml_activations` (int8 or the activations' dtype: dgcli/model/ggml.py::activation_path)."""
     import torch
 
     from dgcli.kernels.dispatch import provenance
@@ -121,13 +118,14 @@ def parse_metadata(items: Iterable[str]) -> dict[str, str]:
 # ---- numbers ------------------------------------------------------------------------------------------------
 
 
-def human(n: float | None, unit: str = "", base: int = 1000) -> str:
+def human(n: float | None, unit: str = "") -> str:
+    """SI prefixes, 4 significant digits: 1.5 GFLOP (bytes in binary units: `size`)."""
     if n is None:
         return "-"
-    prefixes = ["", "K", "M", "G", "T", "P"] if base == 1000 else ["", "Ki", "Mi", "Gi", "Ti", "Pi"]
+    prefixes = ["", "K", "M", "G", "T", "P"]
     i, x = 0, float(n)
-    while abs(x) >= base and i < len(prefixes) - 1:
-        x, i = x / base, i + 1
+    while abs(x) >= 1000 and i < len(prefixes) - 1:
+        x, i = x / 1000, i + 1
     return f"{x:.4g} {prefixes[i]}{unit}".rstrip()
 
 
@@ -186,10 +184,7 @@ def flatten(row: dict, skip: Iterable[str] = ()) -> dict[str, Any]:
 
 
 def _columns(rows: list[dict]) -> list[str]:
-    cols: dict[str, None] = {}
-    for r in rows:
-        cols.update(dict.fromkeys(r))
-    return list(cols)
+    return list(dict.fromkeys(k for r in rows for k in r))
 
 
 def to_csv(rows: list[dict], skip: Iterable[str] = ()) -> str:
@@ -261,11 +256,10 @@ def to_markdown(rows: list[dict], *, headline: list[str], definitions: dict[str,
             out += ["", f"### Denoising steps per block: {n}", "", "```", histogram_text(r["steps_histogram"]), "```"]
     provs = [flatten(r.get("provenance") or {}) for r in rows]
     if provs and provs[0]:
-        shared = [k for k in _columns(provs) if len({json.dumps(p.get(k), default=str) for p in provs}) == 1]
-        out += ["", "### Provenance", ""] + [f"- {k}: {fmt(provs[0].get(k))}" for k in shared]
-        for k in _columns(provs):
-            if k not in shared:
-                out += [f"- {k}: " + ", ".join(f"{n}={fmt(p.get(k))}" for n, p in zip(names, provs))]
+        cols = _columns(provs)
+        varying = varying_keys(provs, cols)
+        out += ["", "### Provenance", ""] + [f"- {k}: {fmt(provs[0].get(k))}" for k in cols if k not in varying]
+        out += [f"- {k}: " + ", ".join(f"{n}={fmt(p.get(k))}" for n, p in zip(names, provs)) for k in varying]
     return "\n".join(out) + "\n"
 
 
@@ -281,20 +275,19 @@ def card_markdown(card: dict) -> str:
               f"active per token **{count(p['active_per_token'])}** ({p['active_per_token']:,})",
               f"  by part: {parts}",
               "**bytes by dtype** (" + card["bytes_source"] + "): "
-              + ", ".join(f"{k} {human(v, 'B', 1024)}" for k, v in card["bytes_by_dtype"].items())]
+              + ", ".join(f"{k} {size(v)}" for k, v in card["bytes_by_dtype"].items())]
     if card.get("vision"):
         v = card["vision"]
         lines.append(f"vision tower: {count(v['parameters'])} parameters, {v['note']}")
     lines += ["", f"**memory to run** ({card['dtype']}, KV for {m['kv_context']:,} tokens):",
-              f"- weights {human(m['weights'], 'B', 1024)}",
-              f"- KV cache {human(m['kv_cache'], 'B', 1024)} (sliding layers keep a ring of their window; the "
-              f"context's positions in every layer would be {human(m['kv_cache_every_position'], 'B', 1024)}, "
-              f"{human(m['kv_per_token'], 'B', 1024)}/token)",
+              f"- weights {size(m['weights'])}",
+              f"- KV cache {size(m['kv_cache'])} (sliding layers keep a ring of their window; the "
+              f"context's positions in every layer would be {size(m['kv_cache_every_position'])}, "
+              f"{size(m['kv_per_token'])}/token)",
               f"- one request's sampler state and its largest pass's temporaries (computed as in the batch memory "
-              f"below): {human(m['one_request']['cuda'], 'B', 1024)} on CUDA (CUDA graphs' copy included), "
-              f"{human(m['one_request']['cpu'], 'B', 1024)} on CPU",
-              f"- total ~**{human(m['total']['cuda'], 'B', 1024)}** on CUDA, ~{human(m['total']['cpu'], 'B', 1024)} "
-              f"on CPU", ""]
+              f"below): {size(m['one_request']['cuda'])} on CUDA (CUDA graphs' copy included), "
+              f"{size(m['one_request']['cpu'])} on CPU",
+              f"- total ~**{size(m['total']['cuda'])}** on CUDA, ~{size(m['total']['cpu'])} on CPU", ""]
     s, c, pf = card["per_step"], card["per_commit"], card["prefill"]
     lines += [f"**per denoising step** (prompt {card['prompt_len']} tokens): {human(s['flops'], 'FLOP')}, "
               f"{human(s['bytes'], 'B')} moved at least (first step {human(s['first_step_flops'], 'FLOP')}, "
@@ -304,8 +297,8 @@ def card_markdown(card: dict) -> str:
     if card.get("threads"):
         lines += [f"**threads**: {card['threads']['count']} ({card['threads']['source']})"]
     if card["devices"]:
-        body = [[d["name"], _peak(d, "flops", "FLOP/s " + COMPUTE[d.get("compute", "bfloat16")]), _peak(d, "bytes", "B/s"),
-                 f"{d['floor_step_ms']:.4g} ms ({d['floor_step_bound']})",
+        body = [[d["name"], f"{peak_text(d, 'flops', 'FLOP/s')} {COMPUTE[d.get('compute', 'bfloat16')]}",
+                 peak_text(d, "bytes", "B/s"), f"{d['floor_step_ms']:.4g} ms ({d['floor_step_bound']})",
                  f"{d['floor_commit_ms']:.4g} ms ({d['floor_commit_bound']})",
                  f"{d['ceiling_canvas_tokens_per_s']:.4g}", d["source"]] for d in card["devices"]]
         lines += ["", "**theoretical floor** (roofline: max(FLOPs/peak, bytes/bandwidth)):", "",
@@ -313,15 +306,6 @@ def card_markdown(card: dict) -> str:
                             "canvas tok/s ceiling (1 step/block)", "peaks source"], body)]
     lines += ["", f"_{card['conventions']}_"]
     return "\n".join(lines) + "\n"
-
-
-def _peak(d: dict, what: str, unit: str) -> str:
-    """A peak, with the min-max of its repeats when it was measured (the median is the figure)."""
-    text = human(d[f"{what}_per_s"], unit)
-    rng = d.get(f"{what}_range")
-    if rng:
-        text += f" (median of {d.get('repeats')}: {human(rng[0])}-{human(rng[1])})"
-    return text
 
 
 def peak_text(d: dict, what: str, unit: str) -> str:
@@ -351,25 +335,24 @@ def check_result_place(result_dir: str | None, filename: str | None) -> None:
     """Before anything is measured: the result's folder exists (made if need be) and takes files, and a named
     file is not a folder, so a long run never ends unsaved."""
     d = Path(result_dir or ".")
+    path = d / filename if filename else None
     if d.exists() and not d.is_dir():
         raise UserError(f"--result-dir {d} is a file; name a folder")
     try:
         d.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"--result-dir {d}: cannot make the folder ({e.strerror}); pick a writable folder") from None
-    path = d / filename if filename else None
-    folder = path.parent if path is not None else d
     if path is not None and path.is_dir():
         raise UserError(f"--result-filename {filename}: {path} is a folder; name a file")
-    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
-        flag = "--result-filename" if path is not None and folder != d else "--result-dir"
-        raise UserError(f"{flag}: cannot write in {folder} (no such folder, or not writable); pick a writable folder")
+    folder = path.parent if path is not None else d
+    flag = "--result-filename" if folder != d else "--result-dir"
     try:  # permission bits do not tell for root, /proc or a read-only mount: a file must really appear there
         import tempfile
 
         tempfile.TemporaryFile(dir=folder).close()
     except OSError as e:
-        raise UserError(f"--result-dir: cannot write in {folder} ({e.strerror}); pick a writable folder") from None
+        why = "no such folder" if not folder.is_dir() else e.strerror
+        raise UserError(f"{flag}: cannot write in {folder} ({why}); pick a writable folder") from None
 
 
 def save_result(doc: dict, result_dir: str | None, filename: str | None, label: str | None) -> Path:

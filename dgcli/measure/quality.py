@@ -1,8 +1,6 @@
-"""Quality figures of bench and sweep rows, one definition each: exact match against a prompt file's
-answers (the bundled held-out set has them), else agreement with a reference setting's output.
-
-Owns: `exact_match`, `agreement`, `quality_of`, the per-pass exact-match scores bench and sweep both use
-(`pass_exact_match`), and bench's quality fields. Must not: run the model, time or print anything.
+"""Quality figures of bench and sweep rows, one definition each: exact match against a prompt file's answers
+(the bundled held-out set has them), else agreement with a reference setting's output. Must not: run the model,
+time or print anything.
 """
 
 from __future__ import annotations
@@ -29,15 +27,13 @@ def quality_of(values: list[float]) -> float | None:
 
 
 def pass_exact_match(prompts: list[Any], responses: list[Any]) -> list[float]:
-    """1.0 or 0.0 per answered prompt of one pass (prompts without an answer, or without decoded text, are
-    left out)."""
+    """1.0 or 0.0 per answered prompt of one pass (prompts without an answer or decoded text left out)."""
     return [float(exact_match(r.text, p.answer)) for p, r in zip(prompts, responses)
             if p.answer is not None and r.text is not None]
 
 
 def bench_quality(prompts: list[Any], runs: list[list[Any]]) -> dict:
-    """The `quality` fields of a bench row: exact match over every answered prompt of every pass; all
-    None when the prompt set carries no answers (random ids, a file without `answer`)."""
+    """The `quality` fields of a bench row: exact match over every answered prompt of every pass, else None."""
     scores = [s for run in runs for s in pass_exact_match(prompts, run)]
     if not scores:
         return {"quality_metric": None, "quality": None, "exact_match": None}

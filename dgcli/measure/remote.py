@@ -1,24 +1,17 @@
-"""`dgemma bench --base-url`: any OpenAI-compatible server (dgemma serve, vLLM...) measured from the client
-over HTTP, with the same prompt files and the same printers as in-process bench.
+"""`dgemma bench --base-url`: any OpenAI-compatible server (dgemma serve, vLLM...) measured from the client over
+HTTP, with the same prompt files and printers as in-process bench.
 
-Decisions:
-* The URL: `http://HOST:PORT` and `http://HOST:PORT/v1` are the same target (an empty path gets `/v1`); any
-  other path is the API root as given (as the openai client's `base_url`); a pasted `.../chat/completions`
-  is cut back to its root. The model is the first id of `GET {root}/models`; the card lists them all.
-* One request per prompt: `POST {root}/chat/completions` with one user message, `stream: true` and
-  `stream_options.include_usage`; `max_tokens`, `seed` and the sampler fields (preset key names, extra body
-  fields) only when their flags were given. SSE is parsed here: one JSON object per `data:` line, `[DONE]`
-  ends; chunks without `choices` give only their `usage`; `dgemma_draft` chunks are skipped.
-* Arrivals: at most --concurrency requests in flight; --request-rate R sends them as a Poisson process
-  (exponential gaps from a RNG seeded by --seed), inf (the default) all at once up to the cap.
-* Timed on the client from the moment a request is sent (after the concurrency gate, as `vllm bench serve
-  --max-concurrency` does): TTFT at the first chunk with non-empty `delta.content` (a role-only chunk is not
-  an answer), e2el at the stream's end. Intervals between content chunks are `*_chunk_interval_ms`, not
-  vLLM's `itl`: vLLM takes its ITL between every chunk of a token stream; here a chunk is a block of tokens.
-* A failed request (HTTP error status, an error object in the stream, a broken connection, a timeout) is
-  a `Result` with its message, never an exception.
-Owns: the target (URL, API key, model id), the workload (prompts as text, concurrency, arrivals, the
-request fields) and the timed passes. Must not: define figures (remote_row.py), print, or import torch.
+* The URL: `http://HOST:PORT` and `.../v1` are the same target; any other path is the API root as given (a pasted
+  `.../chat/completions` is cut back to it). The model is the first id of `GET {root}/models`.
+* One request per prompt: `POST {root}/chat/completions`, one user message, streamed with
+  `stream_options.include_usage`; `max_tokens`, `seed` and the sampler fields only when their flags were given.
+* Arrivals: at most --concurrency in flight; --request-rate R sends them as a seeded Poisson process, inf at once.
+* Timed on the client from when a request is sent (after the concurrency gate, as `vllm bench serve
+  --max-concurrency`): TTFT at the first chunk with non-empty `delta.content`, e2el at the stream's end; the
+  intervals between content chunks are not vLLM's `itl` (a chunk here is a block of tokens).
+* A failed request (HTTP error, an error in the stream, a broken connection, a timeout) is a `Result` with its
+  message, never an exception.
+Must not: define figures (remote_row.py), print, or import torch.
 """
 
 from __future__ import annotations
@@ -34,24 +27,20 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from dgcli.errors import UserError
-from dgcli.measure.workload import Prompt, default_prompt_file
-from dgcli.text.prompts import read_prompt_file
+from dgcli.measure.workload import Prompt, default_prompt_file, read_prompts
 
 SAMPLER_FIELDS = ("max_denoising_steps", "t_min", "t_max", "entropy_bound", "stability_threshold",
                   "confidence_threshold", "max_blocks")
 READ_TIMEOUT_S = 600.0  # the longest wait for the next bytes of a reply (a queued request waits too)
 # bench's flags that mean nothing for a server someone else runs (parameter name -> why).
 NOT_WITH_BASE_URL = {
-    "model": "the server has loaded its own model", "dummy": "the server has loaded its own model",
-    "layers": "the server has loaded its own model", "preset": "send settings with their flags (--diffusion-steps ...)",
-    "device": "the server decides where it runs", "dtype": "the server decides how it runs",
-    "compile": "the server decides how it runs", "cuda_graphs": "the server decides how it runs",
-    "threads": "the server decides how it runs",
+    **dict.fromkeys(("model", "dummy", "layers", "weights"), "the server has loaded its own model"),
+    **dict.fromkeys(("dtype", "compile", "cuda_graphs", "threads"), "the server decides how it runs"),
+    **dict.fromkeys(("measure_peaks", "peaks_file", "save_peaks"), "a remote target has no roofline"),
+    **dict.fromkeys(("random_prompts", "random_input_len"), "text prompts only: use --prompts FILE"),
+    "preset": "send settings with their flags (--diffusion-steps ...)", "device": "the server decides where it runs",
     "no_prefix_caching": "the server decides (dgemma serve --no-prefix-caching)",
-    "batch_size": "use --concurrency (requests in flight)", "random_prompts": "text prompts only: use --prompts FILE",
-    "random_input_len": "text prompts only: use --prompts FILE", "ignore_eos": "the server decides where answers stop",
-    "measure_peaks": "a remote target has no roofline", "peaks_file": "a remote target has no roofline",
-    "save_peaks": "a remote target has no roofline", "weights": "the server has loaded its own model",
+    "batch_size": "use --concurrency (requests in flight)", "ignore_eos": "the server decides where answers stop",
     "fp8_activations": "the server decides how it runs (DGEMMA_FP8 in the server's environment)"}
 
 
@@ -128,16 +117,9 @@ def _message(raw: Any) -> str:
 
 
 def parse_concurrency(spec: str) -> list[int]:
-    from dgcli.measure.grid import parse_grid_values
+    from dgcli.measure.grid import parse_counts
 
-    hint = "give whole numbers >= 1 (requests in flight), e.g. 1,4,16"
-    try:
-        levels = parse_grid_values(str(spec), int)
-    except UserError as e:
-        raise UserError(f"--concurrency {spec!r}: {str(e).split(': ', 1)[-1].split('; use a ')[0]}; {hint}") from None
-    if any(n < 1 for n in levels):
-        raise UserError(f"--concurrency {spec!r}: {min(levels)} is not a concurrency; {hint}")
-    return levels
+    return parse_counts(spec, "--concurrency", "a concurrency", "requests in flight", "1,4,16")
 
 
 def check_rate(rate: float | None) -> float:
@@ -150,7 +132,7 @@ def check_rate(rate: float | None) -> float:
 
 def arrivals(n: int, rate: float, seed: int) -> list[float]:
     """When each of n requests is due, in seconds from a pass's start: a Poisson process of `rate` per second
-    (exponential gaps from a seeded RNG, the first at 0); all at 0 for an infinite rate."""
+    (the first at 0); all at 0 for an infinite rate."""
     if math.isinf(rate):
         return [0.0] * n
     rng, t, out = random.Random(seed), 0.0, []
@@ -165,8 +147,7 @@ def load_prompts(path: str | None, num_prompts: int | None) -> tuple[list[Prompt
     path = path or default_prompt_file()
     if path is None:
         raise UserError("no prompt set: pass --prompts FILE")
-    rows = read_prompt_file(path)[:num_prompts]
-    return [Prompt([], r["prompt"], r.get("answer"), r.get("family")) for r in rows], f"file:{path}"
+    return read_prompts(path, num_prompts), f"file:{path}"
 
 
 def request_fields(*, steps=None, t_min=None, t_max=None, entropy_bound=None, stability=None, confidence=None,
@@ -211,8 +192,7 @@ PREFIX_COUNTERS = ("dgemma_prefix_cache_queries_total", "dgemma_prefix_cache_hit
 
 
 async def prefix_cache_counts(client: Any, target: Target) -> tuple[int, int] | None:
-    """The server's prefix-cache counters (`GET /metrics` at the URL's host: dgemma serve's names), None when
-    that path or those counters are not there (another server, or an error)."""
+    """(tokens looked up, found): the server's prefix-cache counters (`GET /metrics`: dgemma serve's), or None."""
     u = urlsplit(target.root)
     try:
         r = await client.get(f"{u.scheme}://{u.netloc}/metrics", headers=target.headers)
@@ -285,8 +265,8 @@ async def _request(client: Any, target: Target, body: dict) -> Result:
 
 async def _timed_pass(client: Any, target: Target, bodies: list[dict], concurrency: int, rate: float, seed: int,
                       progress: Callable[[str], None] | None = None) -> Pass:
-    """Every body sent once, each at its arrival time, at most `concurrency` in flight; the server's prefix-cache
-    counters read before and after (not timed)."""
+    """Every body sent once at its arrival time, at most `concurrency` in flight; the prefix-cache counters read
+    before and after (not timed)."""
     gate, due, done = asyncio.Semaphore(concurrency), arrivals(len(bodies), rate, seed), [0]
 
     async def one(i: int) -> Result:
@@ -312,9 +292,8 @@ async def _timed_pass(client: Any, target: Target, bodies: list[dict], concurren
 def measure(target: Target, prompts: list[Prompt], fields: dict, *, runs: int, warmup: int, concurrency: int,
             rate: float, seed: int, progress: Callable[[str], None] | None = None,
             out: list | None = None) -> tuple[int, str | None]:
-    """`warmup` untimed requests (cycling the prompts, all at once up to the concurrency), then `runs` timed
-    passes appended to `out` as they finish (Ctrl-C keeps them). Returns the warm-up's failures and the
-    first one's message."""
+    """`warmup` untimed requests, then `runs` timed passes appended to `out` as they finish (Ctrl-C keeps them).
+    Returns the warm-up's failures and the first one's message."""
     out = [] if out is None else out
     return asyncio.run(_measure(target, prompts, fields, runs, warmup, concurrency, rate, seed, progress, out))
 

@@ -1,27 +1,23 @@
-"""The row and the card of `dgemma bench --base-url` (dgcli.measure.remote measures): the figures from the
-client's timings and the replies' `usage`, what could not be measured and why, the definitions, the
-provenance of a remote target, and the rows rendered through bench's printers.
+"""The row and the card of `dgemma bench --base-url` (remote.py measures): the figures from the client's timings
+and the replies' `usage`, their definitions, the provenance of a remote target, the rows through bench's printers.
 
-Decisions: a figure that needs something the server did not report (usage.completion_tokens, the diffusion
-usage fields) is null for the whole row and `not_measured` says why; server-side figures (step time,
-canvas throughput, memory, the roofline) are never measured from a client, and the card says so. Failed
-requests are counted and left out of every other figure. Must not: send requests, print, import torch.
+A figure that needs what the server did not report is null for the whole row and `not_measured` says why;
+server-side figures are never measured from a client; failed requests are counted and left out of every other
+figure. Must not: send requests, print, import torch.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import platform
 import statistics
 import time
 from typing import Any
 
-from dgcli.measure.metrics import NOT_IN_CSV, min_max, percentile, steps_histogram
+from dgcli.measure.metrics import NOT_IN_CSV, SETTINGS, latencies, min_max, quantiles, stat, steps_histogram
 from dgcli.measure.quality import bench_quality
 from dgcli.measure.remote import SAMPLER_FIELDS, Pass, Result, Target
-from dgcli.measure.workload import Prompt
+from dgcli.measure.workload import Prompt, prompt_set_hash
 
 HEADLINE = ["concurrency", "request_rate", "quality", "completed", "failed", "output_throughput",
             "request_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_e2el_ms", "p99_e2el_ms",
@@ -44,14 +40,11 @@ DEFINITIONS: dict[str, str] = {
     "output_throughput_std": "[tok/s] standard deviation of output_throughput over runs",
     "request_throughput": "[req/s] completed requests / a pass's wall time (mean over passes)",
     "mean_ttft_ms": "[ms] time to first content: from sending the request to the first chunk with non-empty delta.content (the server's queue, prefill and first block included; a role-only chunk does not count)",
-    "median_ttft_ms": "[ms] median time to first content", "p90_ttft_ms": "[ms] 90th percentile of time to first content",
-    "p99_ttft_ms": "[ms] 99th percentile of time to first content",
+    **quantiles("ttft", "time to first content"),
     "mean_e2el_ms": "[ms] end-to-end latency: from sending the request to the end of its stream ([DONE])",
-    "median_e2el_ms": "[ms] median end-to-end latency", "p90_e2el_ms": "[ms] 90th percentile end-to-end latency",
-    "p99_e2el_ms": "[ms] 99th percentile end-to-end latency", "std_e2el_ms": "[ms] standard deviation of end-to-end latency",
+    **quantiles("e2el", "end-to-end latency"), "std_e2el_ms": "[ms] standard deviation of end-to-end latency",
     "mean_chunk_interval_ms": "[ms] time between consecutive content chunks of a reply (dgemma serve sends one per committed block: the block latency the client sees); vllm bench serve's itl is the interval between any chunks of a token stream",
-    "median_chunk_interval_ms": "[ms] median interval between content chunks",
-    "p99_chunk_interval_ms": "[ms] 99th percentile interval between content chunks",
+    **quantiles("chunk_interval", "interval between content chunks", (50, 99)),
     "mean_chunks_per_request": f"content chunks per request, {_M}",
     "finish_length_rate": "share of completed requests whose finish_reason is length (cut at the token budget)",
     "mean_input_len": f"usage.prompt_tokens per request {_M} (the server's count, chat template included)",
@@ -69,8 +62,7 @@ DEFINITIONS: dict[str, str] = {
     "spread": "{figure: [min, max]} over the timed passes (each pass is every prompt once)",
     "spread_passes": "timed passes the spread is taken over",
     "not_measured": "what this server or any client cannot give, each as 'figures: why'",
-    **dict.fromkeys(("max_denoising_steps", "t_min", "t_max", "entropy_bound", "stability_threshold",
-                     "confidence_threshold", "seed", "blocks", "max_tokens"),
+    **dict.fromkeys((*SETTINGS, "max_tokens"),
                     "sent with every request (blocks as max_blocks); null: not sent, the server's own setting"),
 }
 SPREAD_KEYS = ("output_throughput", "request_throughput", "mean_ttft_ms", "mean_e2el_ms")
@@ -79,27 +71,12 @@ SPREAD_KEYS = ("output_throughput", "request_throughput", "mean_ttft_ms", "mean_
 # ---- the figures, the row, the card --------------------------------------------------------------------
 
 
-def _stat(values: list[float], how: Any, scale: float = 1e3) -> float | None:
-    if not values:
-        return None
-    if how == "mean":
-        return statistics.fmean(values) * scale
-    if how == "std":
-        return (statistics.stdev(values) if len(values) > 1 else 0.0) * scale
-    return percentile(values, how) * scale
-
-
-def _latencies(name: str, values: list[float], kinds=("mean", 50, 90, 99)) -> dict:
-    label = {"mean": "mean", 50: "median", 90: "p90", 99: "p99", "std": "std"}
-    return {f"{label[k]}_{name}_ms": _stat(values, k) for k in kinds}
-
-
 def _pass_figures(p: Pass, tokens: bool) -> dict:
     ok = [r for r in p.results if r.error is None]
     return {"output_throughput": sum(r.use("completion_tokens") for r in ok) / p.wall_s if tokens else None,
             "request_throughput": len(ok) / p.wall_s,
-            "mean_ttft_ms": _stat([r.ttft_s for r in ok if r.ttft_s is not None], "mean"),
-            "mean_e2el_ms": _stat([r.e2el_s for r in ok], "mean")}
+            "mean_ttft_ms": stat([r.ttft_s for r in ok if r.ttft_s is not None], "mean"),
+            "mean_e2el_ms": stat([r.e2el_s for r in ok], "mean")}
 
 
 def summarize(passes: list[Pass], prompts: list[Prompt], fields: dict) -> dict:
@@ -122,19 +99,19 @@ def summarize(passes: list[Pass], prompts: list[Prompt], fields: dict) -> dict:
     per_run = [e["output_throughput"] for e in each] if tokens else []
     row.update({"duration": sum(p.wall_s for p in passes),
                 "total_output_tokens": sum(r.use("completion_tokens") for r in ok) if tokens else None,
-                "output_throughput": _stat(per_run, "mean", 1.0), "output_throughput_std": _stat(per_run, "std", 1.0),
+                "output_throughput": stat(per_run, "mean", 1.0), "output_throughput_std": stat(per_run, "std", 1.0),
                 "request_throughput": statistics.fmean(e["request_throughput"] for e in each)})
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     if len(ttft) < len(ok):
         missing.append(f"ttft: {len(ok) - len(ttft)} of {len(ok)} replies had no content (left out of the TTFT figures)")
-    row.update(_latencies("ttft", ttft))
-    row.update(_latencies("e2el", [r.e2el_s for r in ok], ("mean", 50, 90, 99, "std")))
+    row.update(latencies("ttft", ttft))
+    row.update(latencies("e2el", [r.e2el_s for r in ok], ("mean", 50, 90, 99, "std")))
     gaps = [g for r in ok for g in r.intervals]
     if ok and not gaps:
         missing.append("chunk intervals: every reply came in one content chunk")
     if any(not r.streamed for r in ok):
         missing.append(f"ttft, chunk intervals: {sum(not r.streamed for r in ok)} replies were not streamed (ttft = e2el)")
-    row.update(_latencies("chunk_interval", gaps, ("mean", 50, 99)))
+    row.update(latencies("chunk_interval", gaps, ("mean", 50, 99)))
     row["mean_chunks_per_request"] = statistics.fmean(r.chunks for r in ok) if ok else None
     row["finish_length_rate"] = sum(r.finish == "length" for r in ok) / len(ok) if ok else None
     prompt_tokens = [r.use("prompt_tokens") for r in ok]
@@ -168,23 +145,9 @@ def _diffusion(ok: list[Result], fields: dict, missing: list[str]) -> dict:
         missing.append("cap_hit_rate: the server's max_denoising_steps is not known to the client (give --diffusion-steps)")
     return {"diffusion_denoising_steps": total, "mean_blocks_per_request": blocks / len(ok),
             "diffusion_steps_per_canvas": total / blocks if blocks else None,
-            **{f"p{q}_steps_per_block": _stat(steps, q, 1.0) for q in (50, 90, 99)},
+            **{f"p{q}_steps_per_block": stat(steps, q, 1.0) for q in (50, 90, 99)},
             "steps_histogram": steps_histogram(steps),
             "cap_hit_rate": (sum(s >= cap for s in steps) / len(steps) if steps else None) if cap else None}
-
-
-def prompt_set_hash(prompts: list[Prompt]) -> str:
-    """sha256 of the prompt texts (what a remote bench sends; in-process rows hash token ids)."""
-    return hashlib.sha256(json.dumps([p.text for p in prompts], separators=(",", ":")).encode()).hexdigest()[:16]
-
-
-def settings_columns(fields: dict) -> dict:
-    """In-process bench's settings columns, as sent; null: not sent, the server's own setting."""
-    return {"max_denoising_steps": fields.get("max_denoising_steps"), "t_min": fields.get("t_min"),
-            "t_max": fields.get("t_max"), "entropy_bound": fields.get("entropy_bound"),
-            "stability_threshold": fields.get("stability_threshold"),
-            "confidence_threshold": fields.get("confidence_threshold"), "seed": fields.get("seed"),
-            "blocks": fields.get("max_blocks"), "max_tokens": fields.get("max_tokens")}
 
 
 def make_row(target: Target, *, prompts: list[Prompt], prompt_source: str, fields: dict, concurrency: int,
@@ -197,7 +160,8 @@ def make_row(target: Target, *, prompts: list[Prompt], prompt_source: str, field
     from dgcli.measure.printers import git_commit
 
     row = {"label": label, "kind": "bench", "target": "remote", "base_url": target.root, "model": target.model,
-           **settings_columns(fields), "concurrency": concurrency,
+           **{k: fields.get(k) for k in SETTINGS if k != "blocks"},  # as sent; null: the server's own setting
+           "blocks": fields.get("max_blocks"), "max_tokens": fields.get("max_tokens"), "concurrency": concurrency,
            "request_rate": "inf" if math.isinf(rate) else rate,  # as vllm bench serve writes it
            "prompt_source": prompt_source, "num_prompts": len(prompts), "runs": runs_done, "warmups": warmup}
     if runs_done < runs_asked:
@@ -209,7 +173,7 @@ def make_row(target: Target, *, prompts: list[Prompt], prompt_source: str, field
     row["provenance"] = {
         "device": f"remote: {target.root}", **dict.fromkeys(unknown), "dgemma": __version__,
         "git_commit": git_commit(), "model": target.model, "model_name": target.model, "settings": fields,
-        "seed": fields.get("seed"), "prompt_set_hash": prompt_set_hash(prompts), "label": label,
+        "seed": fields.get("seed"), "prompt_set_hash": prompt_set_hash(prompts, "text"), "label": label,
         "metadata": metadata, "server": target.server, "client": f"httpx {httpx.__version__}",
         "host": platform.node(), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     return row

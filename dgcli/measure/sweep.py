@@ -1,14 +1,10 @@
-"""Sweeps over sampler settings: the grid, the resumable row file, quality, the Pareto frontier, the plot.
+"""Sweeps over sampler settings: the grid of cells, the resumable row file, the speed-quality frontier, running a
+cell through `dgcli.measure.bench.measure` (the request API).
 
-Owns: turning axis specs (`8,16,32`, `a-b+step`) into cells (the Cartesian product of the sampler axes and
---batch-size; a value impossible on its own refused, impossible combinations set aside with the reason),
-each cell's key, the sweep's fingerprint (what must match for --resume to continue a file), the JSONL
-store (one row per finished cell, appended with a single write + fsync; a torn last line from a kill is
-dropped on resume), exact-match and agreement quality, the speed-quality Pareto
-frontier (its plot: dgcli.measure.plot), and running one cell (every seed x run x prompt
-through `dgcli.measure.bench.measure`, the request API) or the reference outputs agreement needs.
-Must not: print (dgcli.cli.sweep does), time requests itself (dgcli.measure.bench does), or contain a
-denoising loop (dgcli.engine.loop's is the one).
+Owns: axis specs -> cells (the Cartesian product of the sampler axes and --batch-size; a value impossible alone
+refused, impossible combinations set aside with the reason), each cell's key, the sweep's fingerprint (what must
+match for --resume), the JSONL store and the frontier. Must not: print (dgcli.cli.sweep does), time requests
+itself, or contain a denoising loop.
 """
 
 from __future__ import annotations
@@ -23,9 +19,7 @@ from typing import Any, Callable
 
 from dgcli.errors import UserError
 from dgcli.measure.grid import parse_grid_values
-# The frontier's plot lives in dgcli.measure.plot; re-exported for callers here.
-from dgcli.measure.plot import axis_label, check_plot_path, svg_plot, write_plot  # noqa: F401
-# Quality has one definition, in dgcli.measure.quality (bench uses the same); re-exported for callers here.
+from dgcli.measure.plot import check_plot_path, write_plot  # noqa: F401  (re-exported: the sweep's plot)
 from dgcli.measure.quality import agreement, exact_match, pass_exact_match, quality_of  # noqa: F401
 from dgcli.sampling.params import CLI_FLAG, DiffusionEbParams, SettingsError
 
@@ -61,8 +55,8 @@ def parse_axes(specs: dict[str, str | None]) -> dict[str, list]:
 
 
 def _check_alone(key: str, value: Any, given: str) -> None:
-    """A value that no other setting makes possible (0 steps, a negative bound, one over its limit) is an
-    error, as when given alone; only combinations (t_min >= t_max) are cells that `plan` skips."""
+    """A value no other setting makes possible (0 steps, a negative bound) is an error, as when given alone; only
+    combinations (t_min >= t_max) are cells that `plan` skips."""
     try:
         DiffusionEbParams().replace(**{key: value})
     except SettingsError as e:
@@ -93,9 +87,8 @@ def swept_keys(axes: dict[str, list]) -> list[str]:
 
 
 def plan(base: DiffusionEbParams, axes: dict[str, list]) -> tuple[list[Cell], list[tuple[dict, str]]]:
-    """Every combination of the multi-valued axes applied to `base` (single values are part of `base`
-    already; a single batch size is the sweep's, in its fingerprint). Returns (cells, skipped): impossible
-    combinations (t_min > t_max, ...) with the reason."""
+    """(cells, skipped): every combination of the multi-valued axes applied to `base`, and the impossible ones
+    (t_min > t_max, ...) with the reason."""
     keys = swept_keys(axes)
     sizes = axes.get(BATCH) or [1]
     cells, skipped = [], []
@@ -120,9 +113,8 @@ def fingerprint(parts: dict) -> str:
 
 
 def fresh_row_file(directory: str | Path = ".", now: float | None = None) -> Path:
-    """The default --output: `sweep-YYYYmmdd-HHMMSS.jsonl` in `directory`, with `-2`, `-3`, ... before the
-    suffix while that name is taken, so each run starts its own file (a fixed name made the second sweep in
-    a directory fail with "exists: add --resume")."""
+    """The default --output: `sweep-YYYYmmdd-HHMMSS.jsonl` in `directory`, with `-2`, `-3`, ... while that name
+    is taken, so each run starts its own file."""
     import time
 
     stem = time.strftime("sweep-%Y%m%d-%H%M%S", time.localtime(now))
@@ -164,14 +156,11 @@ class RowStore:
                 raise UserError(f"{self.path}: line {n} is not a JSON row; the file is damaged: "
                                 "remove that line or choose another --output") from None
         if torn or (text and not text.endswith("\n")):
+            from dgcli.measure.printers import write_atomic
+
             warn(f"dgemma: note: {self.path}: dropped a partly written last row (the run was killed); that cell reruns")
-            self.rewrite(rows)
+            write_atomic(self.path, "".join(json.dumps(r, default=str) + "\n" for r in rows))
         return rows
-
-    def rewrite(self, rows: list[dict]) -> None:
-        from dgcli.measure.printers import write_atomic
-
-        write_atomic(self.path, "".join(json.dumps(r, default=str) + "\n" for r in rows))
 
     def append(self, row: dict) -> None:
         data = (json.dumps(row, default=str) + "\n").encode("utf-8")
@@ -191,16 +180,6 @@ class RowStore:
 # ---- the frontier ----------------------------------------------------------------------------------------------
 
 
-def pareto_frontier(rows: list[dict], x: str, y: str) -> list[dict]:
-    """Rows no other row beats on both x and y (higher is better for both), sorted by x. A row is
-    dominated when another is >= on both and > on one; equal points are all kept. Rows lacking x or y
-    are left out."""
-    pts = [r for r in rows if isinstance(r.get(x), (int, float)) and isinstance(r.get(y), (int, float))]
-    front = [r for r in pts if not any(
-        o[x] >= r[x] and o[y] >= r[y] and (o[x] > r[x] or o[y] > r[y]) for o in pts)]
-    return sorted(front, key=lambda r: (r[x], r[y]))
-
-
 def interval(row: dict, key: str) -> tuple[float, float] | None:
     """A figure's (min, max) over the cell's timed passes (`spread`), else its single value twice."""
     sp = (row.get("spread") or {}).get(key)
@@ -215,9 +194,8 @@ def _overlap(a: tuple[float, float] | None, b: tuple[float, float] | None) -> bo
 
 
 def frontier_overlaps(front: list[dict], x: str, y: str) -> dict[str, list[dict]]:
-    """For each frontier row (by cell_key), the other frontier rows whose x or y interval overlaps its own:
-    on that figure the passes do not separate the two, so which of them belongs on the frontier may be
-    noise (more --runs or --seeds narrow the intervals)."""
+    """For each frontier row (by cell_key), the other frontier rows whose x or y interval overlaps its own (on that
+    figure the passes do not separate the two)."""
     out: dict[str, list[dict]] = {}
     for r in front:
         out[r["cell_key"]] = [o["cell"] for o in front if o is not r and (
@@ -225,30 +203,26 @@ def frontier_overlaps(front: list[dict], x: str, y: str) -> dict[str, list[dict]
     return out
 
 
-def _passes(row: dict) -> int:
-    return row.get("spread_passes") or 1
-
-
 def _beats(a: dict, b: dict, key: str, timed: bool) -> bool:
     """a is better than b on `key` beyond what the measurements spread: a's whole [min, max] above b's. A timed
     figure of a cell measured in one pass separates nothing (its interval is one point of noise)."""
     ia, ib = interval(a, key), interval(b, key)
-    if ia is None or ib is None or (timed and min(_passes(a), _passes(b)) < 2):
+    if ia is None or ib is None or (timed and min(a.get("spread_passes") or 1, b.get("spread_passes") or 1) < 2):
         return False
     return ia[0] > ib[1]
 
 
 def separated_frontier(rows: list[dict], x: str, y: str) -> list[dict]:
-    """`pareto_frontier` where noise decides nothing: a row leaves the frontier only for one that beats it on a
-    figure beyond both intervals (`_beats`; x is timed: one pass separates nothing) and is not beaten back on the
-    other. Rows the measurements cannot tell apart all stay: `frontier_ties` names them."""
+    """The speed (x) - quality (y) Pareto frontier where noise decides nothing: a row leaves it only for one that
+    beats it on a figure beyond both intervals (`_beats`) and is not beaten back on the other. Rows the
+    measurements cannot tell apart all stay (`frontier_ties` names them); rows lacking x or y are left out."""
     pts = [r for r in rows if isinstance(r.get(x), (int, float)) and isinstance(r.get(y), (int, float))]
 
-    def dominates(o: dict, r: dict) -> bool:
-        bx, by = _beats(o, r, x, True), _beats(o, r, y, False)
-        return (bx or by) and not _beats(r, o, x, True) and not _beats(r, o, y, False)
+    def better(a: dict, b: dict) -> bool:
+        return _beats(a, b, x, True) or _beats(a, b, y, False)
 
-    front = [r for r in pts if not any(o is not r and dominates(o, r) for o in pts)]
+    front = [r for r in pts if not any(o is not r and better(o, r) and not better(r, o) for o in pts)]
+
     return sorted(front, key=lambda r: (r[x], r[y]))
 
 
@@ -273,8 +247,8 @@ def cell_label(row: dict, keys: list[str]) -> str:
 
 def reference_outputs(rows: list[dict], store: RowStore, metric: str,
                       make: Callable[[], dict]) -> list[list[int]] | None:
-    """Agreement needs the base setting's output per prompt: taken from the file, or `make` (`reference_row`,
-    here or on a Ray worker) run once and its row saved."""
+    """Agreement's base outputs per prompt: from the file, or `make` (`reference_row`, here or on a Ray worker)
+    run once and its row saved."""
     if metric != "agreement":
         return None
     for r in rows:
@@ -300,8 +274,8 @@ def reference_row(s: Any, plist: list, ignore: bool, fp: str, progress: Callable
 def run_cell(s: Any, cell: Cell, plist: list, source: str, seeds: list[int], runs: int, ignore: bool, metric: str,
              reference: list[list[int]] | None, peaks: Any, memory: Any, label: str | None, meta: dict, fp: str,
              progress: Callable[[str], None]) -> dict:
-    """Every seed x run of one cell, each pass every prompt at once through the batched engine with the
-    cell's batch size; the bench figures plus quality (per pass: the answers do not depend on the batch size)."""
+    """Every seed x run of one cell through the batched engine at the cell's batch size: the bench figures plus
+    quality."""
     import dataclasses
 
     from dgcli.measure import bench as b

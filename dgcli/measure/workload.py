@@ -1,8 +1,6 @@
-"""The bench and sweep workload: a prompt file (the bundled held-out set by default) or random token ids.
-
-Owns: `Prompt`, the prompts with `bench --image`'s images (`with_images`), reading and encoding a prompt set through the request API's encoder, random-id prompts
-(with the loud warning they need), the prompt-set hash every row's provenance carries, and the check of
-the workload's counts (prompts, runs, warm-ups). Must not: run the model or measure.
+"""The bench and sweep workload: a prompt file (the bundled held-out set by default) or random token ids (with the
+loud warning they need), `bench --image`'s images, the prompt-set hash of every row's provenance and the check of
+the workload's counts. Must not: run the model or measure.
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ class Prompt:
     ids: list[int]
     text: str | None = None  # None for random token ids
     answer: str | None = None
-    family: str | None = None
     images: list = field(default_factory=list)  # the engine's (patches, positions, key) per image, in prompt order
 
 
@@ -38,9 +35,13 @@ def default_prompt_file() -> Path | None:
     return files[0] if files else None
 
 
+def read_prompts(path: str | Path, num_prompts: int | None) -> list[Prompt]:
+    """The first `num_prompts` rows of a prompt file as text prompts (not yet encoded)."""
+    return [Prompt([], r["prompt"], r.get("answer")) for r in read_prompt_file(path)[:num_prompts]]
+
+
 def random_prompts(vocab: int, n: int, length: int, seed: int, avoid: set[int] = frozenset()) -> list[Prompt]:
-    """n prompts of `length` uniform token ids (stop ids avoided), reproducible from `seed`; `build_prompts`
-    has checked both counts (`check_counts`)."""
+    """n prompts of `length` uniform token ids (stop ids avoided), reproducible from `seed`."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -51,15 +52,15 @@ def random_prompts(vocab: int, n: int, length: int, seed: int, avoid: set[int] =
     return out
 
 
-def prompt_set_hash(prompts: list[Prompt]) -> str:
-    """sha256 of the token ids (the model sees ids, so two tokenizers of one file hash differently)."""
-    h = hashlib.sha256(json.dumps([p.ids for p in prompts], separators=(",", ":")).encode())
+def prompt_set_hash(prompts: list[Prompt], of: str = "ids") -> str:
+    """sha256 of the prompts' token ids (the model sees ids: two tokenizers of one file hash differently), or of
+    their texts (`of="text"`: what a remote bench sends)."""
+    h = hashlib.sha256(json.dumps([getattr(p, of) for p in prompts], separators=(",", ":")).encode())
     return h.hexdigest()[:16]
 
 
 def check_counts(*, num_prompts: int | None, runs: int, warmup: int, input_len: int) -> None:
-    """Reject impossible counts; the commands call it before the model, the card and the peak measurement
-    (seconds of work). A negative --num-prompts would slice from the end of the file, and 0 take all of it."""
+    """Reject impossible counts before the model, the card and the peak measurement (seconds of work)."""
     if num_prompts is not None and num_prompts < 1:
         raise UserError(f"--num-prompts {num_prompts}: must be >= 1 (leave it out to use every prompt)")
     if runs < 1:
@@ -83,9 +84,7 @@ def build_prompts(session: Any, *, prompts_file: str | None, random_ids: bool, n
         if session.tokenizer is None:
             raise UserError(f"--prompts {path}: the model has no tokenizer.json to encode text prompts; "
                             "use --random-prompts (dummy weights and tokenizer-less checkpoints)")
-        rows = read_prompt_file(path)[:num_prompts]
-        out = [Prompt(encode(session, r["prompt"]), r["prompt"], r.get("answer"), r.get("family")) for r in rows]
-        return out, f"file:{path}"
+        return [replace(p, ids=encode(session, p.text)) for p in read_prompts(path, num_prompts)], f"file:{path}"
     warn(RANDOM_PROMPT_WARNING)
     out = random_prompts(cfg.vocab_size, num_prompts or 4, input_len, seed, set(session.stop_ids))
     check_context(session, input_len)
@@ -93,9 +92,8 @@ def build_prompts(session: Any, *, prompts_file: str | None, random_ids: bool, n
 
 
 def with_images(session: Any, prompts: list[Prompt], images: list) -> list[Prompt]:
-    """Every prompt with `images` (text/images.py's, preprocessed for the session's tower) before its text: a text
-    prompt through the chat template as `generate --image` builds it, random ids after the images' placeholder runs.
-    Each prompt's images are keyed apart, so every request runs them through the tower (none shared by caching)."""
+    """Every prompt with `images` before its text (a text prompt as `generate --image` builds it, random ids after
+    the images' placeholder runs), keyed apart so every request runs them through the tower."""
     from dgcli.runtime.vision import engine_images, image_ids, prompt_ids
 
     marks = image_ids(session)

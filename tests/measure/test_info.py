@@ -60,7 +60,7 @@ def test_real_config_counts_match_the_spec():
     assert n["self_conditioning"] == pytest.approx(17.8e6, rel=3e-3)
     # The released index says 25,823,778,864 with the vision tower: text + ~0.57 B vision.
     assert 0.55e9 < 25_823_778_864 - n["total"] < 0.6e9
-    assert info.kv_cache_bytes(cfg, 1, 2) == 225_280  # spec §5.9: KV per cached token, bf16
+    assert info.kv_bytes(cfg, 1, 2)["was_per_token"] == 225_280  # spec §5.9: KV per cached token, bf16
 
 
 def _layer(cfg, i) -> int:
@@ -139,8 +139,8 @@ def test_distinct_experts_and_kv_trimming():
     cfg = load_config(real_config_path())
     assert info.distinct_experts(cfg, 1) == pytest.approx(8)
     assert info.distinct_experts(cfg, 256) == pytest.approx(128, abs=1e-4)  # a canvas touches every expert
-    full = info.kv_cache_bytes(cfg, 4096)
-    trimmed = info.kv_cache_bytes(cfg, 4096, trimmed=True)
+    full = 4096 * info.kv_bytes(cfg, 4096)["was_per_token"]
+    trimmed = info.kv_bytes(cfg, 4096)["total"]
     # as the engine's paged cache holds a request: full layers 4,096 + a canvas, sliding rings the last 1023
     # positions, in blocks of 16 (1024)
     assert trimmed == 5 * 4352 * 2 * 2 * 512 * 2 + 25 * 1024 * 2 * 8 * 256 * 2 < full
@@ -235,8 +235,9 @@ def test_info_random_checkpoint_reads_headers_only(tmp_path):
     assert inv["text_bytes_by_dtype"] == {"float32": info.param_counts(cfg)["total"] * 4}
     card = json.loads(_info(str(ckpt), "--no-measure-peaks", "--format", "json", "--context", "100"))
     assert card["dtype"] == "float32" and card["memory"]["kv_context"] == 100
-    assert card["memory"]["kv_cache"] == info.kv_cache_bytes(cfg, 100, 4, trimmed=True)
-    assert card["memory"]["kv_cache_every_position"] == info.kv_cache_bytes(cfg, 100, 4)
+    kv = info.kv_bytes(cfg, 100, 4)
+    assert card["memory"]["kv_cache"] == kv["total"]
+    assert card["memory"]["kv_cache_every_position"] == 100 * kv["was_per_token"]
 
 
 def test_info_bad_input_is_one_line(tmp_path):

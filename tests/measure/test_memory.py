@@ -73,13 +73,14 @@ def test_kv_per_slot_is_what_the_engines_cache_allocates(dtype, context):
     cache = Engine(model, slots=3, max_len=context).cache
     held = _storage_bytes(cache.k + cache.v)
     kv = memory.kv_bytes(cfg, context, ab)
-    assert held / 3 == kv["total"] == info.kv_cache_bytes(cfg, context, ab, trimmed=True)
+    card = info.card(cfg, name="x", source="y", dtype=str(dtype)[6:], context=context, budgets=[])
+    assert held / 3 == kv["total"] == card["memory"]["kv_cache"]
     # SMALL: sliding layers 2 kv heads x 8 (window 6), the full layer 1 x 16; C = 8; blocks of 16 positions.
     # Full layers: the context and a canvas. Rings: W-1 = 5 (a pass reads its own keys from the pass): one block.
     full, ring = {300: (320, 16), 37: (48, 16), 4: (16, 16)}[context]
     assert (cache.full_blocks * 16, cache.ring_blocks * 16) == (kv["full_positions"], ring) == (full, ring)
     assert kv["full_per_token"] == 2 * 16 * ab and kv["rings"] == 2 * 2 * 2 * 8 * ab * ring
-    assert kv["was"] == full * kv["was_per_token"] and kv["was_per_token"] == info.kv_cache_bytes(cfg, 1, ab)
+    assert kv["was"] == full * kv["was_per_token"] and kv["was_per_token"] == (2 * 2 * 8 * 2 + 2 * 16) * ab
     sec = memory.batch_memory(cfg, context=context, prompt_len=5, dtype=str(dtype)[6:], budgets=[])
     assert sec["per_slot"]["kv_cache"] == held / 3 and sec["per_slot"]["kv"] == kv
 
@@ -289,7 +290,7 @@ def test_a_whole_batched_run_peaks_where_the_formula_says(blocks, slots, monkeyp
         for _ in generate_batch_events(model, prompts, params=params, num_blocks=blocks, max_batch=slots):
             pass
 
-    context = max(memory.cache_length(32, n, 32) for n in blocks)  # the cache is sized for the longest request
+    context = max(32 + (n - 1) * 32 for n in blocks)  # the longest request: its prompt and every block but the last
     want = memory.peak_bytes(model.config, slots, context=context, prompt_len=32, cpu=True)
     assert want["peak_phase"] == "step"
     # The measured peak sits under the formula by up to the soft inputs (2 x [C, H] bf16 a request: 64 KiB for

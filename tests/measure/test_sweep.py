@@ -83,13 +83,14 @@ def test_interrupted_sweep_resumes_with_each_cell_once(ckpt, tmp_path):
 
 
 def test_pareto_frontier_on_hand_built_rows():
+    """Cells measured apart (points, two passes each): the frontier is the classic Pareto one."""
     rows = [{"id": "a", "s": 10, "q": 0.9}, {"id": "b", "s": 20, "q": 0.8}, {"id": "c", "s": 15, "q": 0.7},
             {"id": "d", "s": 30, "q": 0.5}, {"id": "e", "s": 5, "q": 0.9}, {"id": "f", "s": 30, "q": 0.5},
             {"id": "g", "s": 25, "q": None}, {"id": "h", "s": 1, "q": 1.0}]
-    front = sw.pareto_frontier(rows, "s", "q")
+    front = sw.separated_frontier([dict(r, spread_passes=2) for r in rows], "s", "q")
     # c loses to b; e to a (same quality, slower); g has no quality; d and f tie and are both kept.
     assert [r["id"] for r in front] == ["h", "a", "b", "d", "f"]
-    assert sw.pareto_frontier([], "s", "q") == []
+    assert sw.separated_frontier([], "s", "q") == []
 
 
 def test_bad_grid_spec_is_one_line(ckpt):
@@ -175,9 +176,9 @@ def test_resume_refuses_a_different_sweep(ckpt, tmp_path):
 
 
 def test_svg_frontier_plot(tmp_path):
-    rows = [{"cell": {"max_denoising_steps": s}, "cell_key": str(s), "v": 100 / s, "quality": min(1, s / 32)}
-            for s in (4, 8, 16, 32, 48)]
-    front = sw.pareto_frontier(rows, "v", "quality")
+    rows = [{"cell": {"max_denoising_steps": s}, "cell_key": str(s), "v": 100 / s, "quality": min(1, s / 32),
+             "spread_passes": 2} for s in (4, 8, 16, 32, 48)]
+    front = sw.separated_frontier(rows, "v", "quality")
     p = sw.write_plot(tmp_path / "f.svg", rows, front, "v", "quality", title="t",
                       label=lambda r: sw.cell_label(r, ["max_denoising_steps"]))
     root = ET.parse(p).getroot()
@@ -198,13 +199,11 @@ def _row(key, speed, lo, hi, q, qlo=None, qhi=None):
 def test_frontier_points_whose_intervals_overlap_are_marked():
     rows = [_row(8, 300, 290, 310, 0.80), _row(16, 250, 240, 295, 0.90),  # 16's speed reaches into 8's
             _row(32, 150, 140, 160, 0.95), _row(48, 100, 95, 105, 0.96, 0.95, 0.97)]  # quality ties 32's
-    front = sw.pareto_frontier(rows, "v", "quality")
-    assert [r["cell_key"] for r in front] == ["48", "32", "16", "8"]
-    over = sw.frontier_overlaps(front, "v", "quality")
+    over = sw.frontier_overlaps(rows, "v", "quality")
     assert over["8"] == [{"max_denoising_steps": 16}] and over["16"] == [{"max_denoising_steps": 8}]
     assert over["32"] == [{"max_denoising_steps": 48}] and over["48"] == [{"max_denoising_steps": 32}]
     apart = [_row(8, 300, 290, 310, 0.80), _row(32, 150, 140, 160, 0.95)]
-    assert sw.frontier_overlaps(sw.pareto_frontier(apart, "v", "quality"), "v", "quality") == {"8": [], "32": []}
+    assert sw.frontier_overlaps(apart, "v", "quality") == {"8": [], "32": []}
     # A row without a spread counts as the point it is.
     assert sw.interval({"v": 3.0}, "v") == (3.0, 3.0) and sw.interval({}, "v") is None
 

@@ -1,25 +1,24 @@
 """The cost model: what a DiffusionGemma run costs, from its config alone (no weights read, no torch).
 
-    counts.py  parameters, bytes by dtype, FLOPs and bytes per step / commit / prefill, KV cache, roofline floor
+    counts.py  parameters, bytes by dtype, FLOPs and bytes per step / commit / prefill, roofline floor
     vocab.py   the vocabulary pass's peak memory (CPU and CUDA), restating the kernels' constants
-    memory.py  a batched run's memory: per slot, fixed, the largest batch that fits (builds on counts, vocab)
-    gguf.py    a GGUF file's inventory from its header and whether a run fits (builds on counts, memory)
-    card.py    `card()`: the one dict `dgemma info` prints and `dgemma bench` puts first (builds on all of them)
+    memory.py  a batched run's memory: the paged KV cache, per slot, fixed, the largest batch that fits
+    gguf.py    a GGUF file's inventory from its header and whether a run fits
+    card.py    `card()`: the one dict `dgemma info` prints and `dgemma bench` puts first
 
-Imports run one way (counts -> vocab -> memory -> gguf, card): no cycle. Callers use this package's names
+Imports run one way (counts -> vocab -> memory -> gguf, card). Callers use this package's names
 (`from dgcli.measure import cost`); the device peaks are dgcli.measure.peaks', re-exported here.
 """
 
 # ruff: noqa: F401  (re-exports: the cost model's public names in one place)
-from dgcli.measure.cost.card import card, layer_pattern
-from dgcli.measure.cost.counts import (DTYPE_BYTES, KV_BLOCK, VISION_PREFIXES, Cost, block_cost, bytes_by_dtype_for,
-                                       cache_positions, distinct_experts, encode_cost, floor_seconds, kv_cache_bytes,
-                                       param_counts, quantized_counts, safetensors_inventory, step_cost,
-                                       weights_bytes_total)
+from dgcli.measure.cost.card import card
+from dgcli.measure.cost.counts import (DTYPE_BYTES, Cost, block_cost, bytes_by_dtype_for, distinct_experts,
+                                       encode_cost, floor_seconds, param_counts, quantized_counts,
+                                       safetensors_inventory, step_cost, weights_bytes_total)
 from dgcli.measure.cost.gguf import gguf_fit, gguf_inventory, gguf_markdown
-from dgcli.measure.cost.memory import (BUDGET, GIB, GPUS, HEADROOM, MOE_BLOCK, SERVE_SLOTS, batch_memory, cache_blocks,
-                                       cache_bytes, cache_length, kv_bytes, largest_batch, loop_state_bytes, markdown,
-                                       moe_block_rows, one_request, pass_bytes, peak_bytes, prefill_bytes, step_bytes,
-                                       step_per_row, weights_bytes)
+from dgcli.measure.cost.memory import (BUDGET, GIB, GPUS, KV_BLOCK, MOE_BLOCK, SERVE_SLOTS, batch_memory,
+                                       cache_blocks, cache_bytes, cache_positions, kv_bytes, largest_batch,
+                                       loop_state_bytes, markdown, moe_block_rows, one_request, pass_bytes,
+                                       peak_bytes, prefill_bytes, step_bytes, step_per_row, weights_bytes)
 from dgcli.measure.cost.vocab import vocab_bytes
 from dgcli.measure.peaks import DEVICE_TABLE, Peaks, cpu_name, gpu_peaks, measure_cpu_peaks

@@ -1,6 +1,5 @@
-"""The card: the one dict `dgemma info` prints and `dgemma bench` puts first, assembled from the cost model's
-counts (counts.py), its memory (memory.py: `batch_memory`, bytes per slot and the largest batch that fits) and a
-device's peaks (dgcli.measure.peaks). Must not: run the model, print, load weights, or import torch.
+"""The card: the one dict `dgemma info` prints and `dgemma bench` puts first, from the cost model's counts, its
+memory and a device's peaks. Must not: run the model, print, load weights, or import torch.
 """
 
 from __future__ import annotations
@@ -8,8 +7,8 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from dgcli.measure.cost.counts import (DTYPE_BYTES, bytes_by_dtype_for, distinct_experts, encode_cost, floor_seconds,
-                                       kv_cache_bytes, param_counts, step_cost, weights_bytes_total)
-from dgcli.measure.cost.memory import GPUS, batch_memory, one_request
+                                       param_counts, step_cost, weights_bytes_total)
+from dgcli.measure.cost.memory import GPUS, batch_memory, kv_bytes, one_request
 from dgcli.measure.peaks import Peaks
 from dgcli.model.config import FULL, ModelConfig
 
@@ -32,12 +31,10 @@ def image_cost(cfg: ModelConfig, parameters: int) -> dict:
 def card(cfg: ModelConfig, *, name: str, source: str, dtype: str, context: int = 4096, prompt_len: int = 256,
          peaks: list[Peaks] = (), inventory: dict | None = None, threads: tuple[int, str] | None = None,
          budgets: list[dict] | None = None, headroom: float = 0.10, held: dict | None = None) -> dict:
-    """Everything `dgemma info` shows, as one JSON-ready dict. `dtype` is the run dtype of weights and KV;
-    `inventory` (from `safetensors_inventory`) supplies the stored bytes by dtype of a real checkpoint;
-    `threads` is (count, source) from the thread rule (the CPU peaks are measured on that many);
-    `budgets` (`batch_memory`'s; default the H100 and H200) the memories the largest
-    batch is sized for, with `headroom` of each left free. `held` (bytes by dtype of a loaded model's own
-    tensors: GGML blocks as their kernels hold them) replaces the config's weight bytes."""
+    """Everything `dgemma info` shows, as one JSON-ready dict. `dtype`: the run dtype of weights and KV;
+    `inventory` (`safetensors_inventory`): a real checkpoint's stored bytes; `threads`: (count, source) of the
+    thread rule; `budgets` (`batch_memory`'s; default the H100 and H200) with `headroom` of each left free;
+    `held` (bytes by dtype of a loaded model's own tensors, GGML blocks as held) replaces the config's weights."""
     if budgets is None:
         budgets = [{"name": n, "bytes": b, "cpu": False} for n, b in GPUS]
     wb = DTYPE_BYTES[dtype]
@@ -52,7 +49,7 @@ def card(cfg: ModelConfig, *, name: str, source: str, dtype: str, context: int =
     commit = encode_cost(cfg, prompt_len, cfg.canvas_length, weight_bytes=wb)
     prefill = encode_cost(cfg, 0, prompt_len, weight_bytes=wb)
     extra = one_request(cfg, context, prompt_len, wb)  # sampler state, a pass's temporaries
-    kv = kv_cache_bytes(cfg, context, wb, trimmed=True)  # what dgemma's cache holds (sliding rings)
+    kv = kv_bytes(cfg, context, wb)  # what dgemma's cache holds (sliding rings)
     devices = []
     for p in peaks:
         s, bound = floor_seconds(step, p)
@@ -84,10 +81,10 @@ def card(cfg: ModelConfig, *, name: str, source: str, dtype: str, context: int =
                                       f"{vision['tokens_per_image']} prompt tokens and "
                                       f"~{vision['flops_per_image']:.3g} FLOPs of the tower"},
         "memory": {
-            "weights": weights, "kv_context": context, "kv_cache": kv,
-            "kv_per_token": kv_cache_bytes(cfg, 1, wb),  # every layer's K/V of one position
-            "kv_cache_every_position": kv_cache_bytes(cfg, context, wb),
-            "one_request": extra, "total": {path: weights + kv + x for path, x in extra.items()},
+            "weights": weights, "kv_context": context, "kv_cache": kv["total"],
+            "kv_per_token": kv["was_per_token"],  # every layer's K/V of one position
+            "kv_cache_every_position": context * kv["was_per_token"],
+            "one_request": extra, "total": {path: weights + kv["total"] + x for path, x in extra.items()},
         },
         "batch_memory": batch_memory(cfg, context=context, prompt_len=prompt_len, dtype=dtype,
                                      budgets=budgets, headroom=headroom),

@@ -1,22 +1,15 @@
-"""The cost model's counts: parameters, bytes by dtype, FLOPs and bytes per denoising step, per commit and per
-prefill, the paged KV cache's positions and bytes, and the roofline floor against a device's peaks.
+"""The cost model's counts, from a `ModelConfig` alone: parameters, bytes by dtype, FLOPs and bytes per denoising
+step, commit and prefill, and the roofline floor (a checkpoint's safetensors *headers* may be read for bytes by
+dtype). Must not: run the model, print, load weights, or import torch.
 
-Owns: counting from a `ModelConfig` alone (no weights are read; a checkpoint's safetensors *headers* may be read
-for bytes by dtype). Must not: run the model, print, load weights, or import torch.
-
-Counting conventions (every figure says which it is):
-* FLOPs = 2 x multiply-accumulates of the matmuls the model's math needs, as the reference ops run them
-  (projections, attention QK^T and AV, dense MLP, router, the top-k experts, LM head, self-conditioning);
-  norms, softmax, RoPE and other elementwise work are left out. Attention counts only the (query, key)
-  pairs the mask lets through. These are useful FLOPs: a fast path that pads (grouped experts) executes
-  more, and achieved FLOP/s in a bench counts only these.
-* Bytes = a lower bound on memory traffic: every weight a pass uses is read once per use (the tied
-  embedding twice per step: LM head and soft embedding), plus the KV cache read (and written, for a
-  commit); activations are left out. An FP8 checkpoint (cfg.quantization) reads its e4m3 matrices
-  (attention projections, dense MLP, experts) at 1 byte per weight plus one scale per output channel,
-  everything else at the run dtype; KV and activations stay in the run dtype. Experts: with T tokens each routed to k of E experts, the
-  expected number of distinct experts touched is E(1-(1-k/E)^T) under uniform routing; for a 256-token
-  canvas that is every expert, which is why a denoising step reads almost the whole model.
+Conventions (every figure says which it is):
+* FLOPs = 2 x multiply-accumulates of the matmuls the reference ops run (projections, attention QK^T and AV over
+  the (query, key) pairs the mask lets through, dense MLP, router, top-k experts, LM head, self-conditioning);
+  elementwise work is left out. Useful FLOPs: a fast path that pads (grouped experts) executes more.
+* Bytes = a lower bound on traffic: every weight a pass uses read once per use (the tied embedding twice a step:
+  LM head and soft embedding) plus the KV cache read (and written, for a commit); activations left out. FP8 and
+  NVFP4 configs read their quantized matrices as stored (`_quant_bytes`). Experts: T tokens routed to k of E touch
+  E(1-(1-k/E)^T) distinct experts under uniform routing: a 256-token canvas reads almost the whole model.
 """
 
 from __future__ import annotations
@@ -56,6 +49,12 @@ def _router_params(cfg: ModelConfig) -> int:
     return cfg.num_experts * cfg.hidden_size + cfg.hidden_size + cfg.num_experts  # proj, scale, per_expert_scale
 
 
+def _proj_rows(cfg: ModelConfig, g: LayerGeometry) -> int:
+    """Output channels of one layer's q, k, (v), o projections (one quantization scale each)."""
+    kv = g.num_kv_heads * g.head_dim * (2 if g.has_v_proj else 1)
+    return cfg.num_attention_heads * g.head_dim + kv + cfg.hidden_size
+
+
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
     """Text-model parameters by part, `total`, and `active_per_token` (embedding counted once, as it is
     both the input table and the tied head; top_k of num_experts experts; everything else whole)."""
@@ -77,25 +76,20 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
 
 
 def quantized_counts(cfg: ModelConfig) -> tuple[int, int]:
-    """(parameters, output channels) of the matrices an FP8 checkpoint stores in e4m3 (attention projections,
-    dense MLP, experts: llm-compressor's FP8_DYNAMIC recipe), one scale per output channel."""
-    h, layers = cfg.hidden_size, cfg.layers
-    params = sum(_attn_params(cfg, g) - 2 * g.head_dim for g in layers)
-    rows = sum(cfg.num_attention_heads * g.head_dim + g.num_kv_heads * g.head_dim * (2 if g.has_v_proj else 1) + h
-               for g in layers)
-    params += len(layers) * (3 * h * cfg.intermediate_size + cfg.num_experts * _expert_params(cfg))
-    rows += len(layers) * (2 * cfg.intermediate_size + h + cfg.num_experts * (2 * cfg.moe_intermediate_size + h))
-    q = cfg.quantization
-    if q is not None and q.layout == "modelopt":  # NVIDIA's NVFP4 export quantizes the experts only
-        return (len(layers) * cfg.num_experts * _expert_params(cfg),
-                len(layers) * cfg.num_experts * (2 * cfg.moe_intermediate_size + h))
-    return params, rows
+    """(parameters, output channels) of the matrices a quantized checkpoint stores quantized, one scale per output
+    channel: attention projections, dense MLP and experts (llm-compressor's recipes); experts only (modelopt)."""
+    h, layers, n = cfg.hidden_size, cfg.layers, len(cfg.layers) * cfg.num_experts
+    experts = n * _expert_params(cfg), n * (2 * cfg.moe_intermediate_size + h)
+    if cfg.quantization is not None and cfg.quantization.layout == "modelopt":  # NVIDIA's NVFP4 export
+        return experts
+    params = sum(_attn_params(cfg, g) - 2 * g.head_dim for g in layers) + len(layers) * 3 * h * cfg.intermediate_size
+    rows = sum(_proj_rows(cfg, g) for g in layers) + len(layers) * (2 * cfg.intermediate_size + h)
+    return params + experts[0], rows + experts[1]
 
 
 def _quant_bytes(cfg: ModelConfig, weight_bytes: float) -> tuple[float, float]:
-    """(bytes per quantized weight, bytes per channel scale): an FP8 config (cfg.quantization) keeps its
-    quantized matrices at 1 byte plus one scale per output channel (the checkpoint's dtype); otherwise every
-    weight costs weight_bytes and there are no scales. weight_bytes 0 (weights not counted) counts none."""
+    """(bytes per quantized weight, bytes per channel scale) of cfg's quantized matrices (FP8: 1 byte + a scale in
+    the checkpoint's dtype); unquantized, every weight costs weight_bytes (0: weights not counted)."""
     if cfg.quantization is None or not weight_bytes:
         return weight_bytes, 0
     if cfg.quantization.nvfp4:  # 4 bits + an e4m3 scale per 16; an fp32 global per row (as held: model/nvfp4.py)
@@ -112,8 +106,8 @@ def weights_bytes_total(cfg: ModelConfig, wb: int) -> int:
 
 
 def bytes_by_dtype_for(cfg: ModelConfig, dtype: str) -> dict[str, int]:
-    """Weights' bytes when every tensor is `dtype` except the fp32 layer scalars (dummy and random models), and
-    an FP8 config's quantized matrices (e4m3, their scales in `dtype`)."""
+    """Weights' bytes by dtype when every tensor is `dtype` but the fp32 layer scalars and a quantized config's
+    matrices (dummy and random models)."""
     n = param_counts(cfg)
     scalars = n["layer_scalars"]
     q, rows = quantized_counts(cfg) if cfg.quantization is not None else (0, 0)
@@ -128,9 +122,8 @@ def bytes_by_dtype_for(cfg: ModelConfig, dtype: str) -> dict[str, int]:
 
 
 def safetensors_inventory(path: Path) -> dict:
-    """Bytes and parameters by dtype of a checkpoint directory, from the safetensors headers only (the
-    8-byte length and the JSON header of each file, checked against its size; no tensor data is read).
-    Vision tensors are counted apart: text generation never loads them."""
+    """Bytes and parameters by dtype of a checkpoint directory from its safetensors headers (no tensor data);
+    vision tensors counted apart: text generation never loads them."""
     files = sorted(path.glob("*.safetensors"))
     text: dict[str, int] = {}
     vision: dict[str, int] = {}
@@ -151,7 +144,7 @@ def safetensors_inventory(path: Path) -> dict:
 
 
 def _read_header(f: Path) -> dict:
-    """One file's JSON header, checked against the file's size as the loader checks it (info reads no data)."""
+    """One file's JSON header, checked against the file's size as the loader checks it."""
     size = f.stat().st_size
     with open(f, "rb") as fh:
         try:
@@ -196,7 +189,7 @@ def _causal_keys(start: int, t: int, window: int | None) -> int:
 
 
 def _ffn(cfg: ModelConfig, t: int, wb: int) -> Cost:
-    """Dense MLP + router + top-k experts over t tokens (FP8 configs: dense MLP and experts at 1 byte + scales)."""
+    """Dense MLP + router + top-k experts over t tokens."""
     h = cfg.hidden_size
     qb, sb = _quant_bytes(cfg, wb)
     flops = 2 * t * (3 * h * cfg.intermediate_size + h * cfg.num_experts
@@ -208,13 +201,12 @@ def _ffn(cfg: ModelConfig, t: int, wb: int) -> Cost:
 
 
 def _proj_bytes(cfg: ModelConfig, g: LayerGeometry, wb: int) -> float:
-    """One layer's attention projections and q/k norm gains, in bytes (FP8 configs: projections at 1 byte + scales)."""
+    """One layer's attention projections and q/k norm gains, in bytes."""
     qb, sb = _quant_bytes(cfg, wb)
-    rows = cfg.num_attention_heads * g.head_dim + g.num_kv_heads * g.head_dim * (2 if g.has_v_proj else 1) + cfg.hidden_size
-    return (_attn_params(cfg, g) - 2 * g.head_dim) * qb + rows * sb + 2 * g.head_dim * wb
+    return (_attn_params(cfg, g) - 2 * g.head_dim) * qb + _proj_rows(cfg, g) * sb + 2 * g.head_dim * wb
 
 
-def _kv_row(g: LayerGeometry, kvb: int) -> int:
+def kv_row(g: LayerGeometry, kvb: int) -> int:
     return 2 * g.num_kv_heads * g.head_dim * kvb  # one position's K and V in one layer
 
 
@@ -231,7 +223,7 @@ def step_cost(cfg: ModelConfig, prefix_len: int, *, self_cond: bool = True, soft
         visible = (prefix_len if g.window is None else min(prefix_len, g.window - 1))
         keys = visible + c
         cost += Cost(2 * c * proj + 4 * n * g.head_dim * c * keys,
-                     _proj_bytes(cfg, g, weight_bytes) + visible * _kv_row(g, kvb))
+                     _proj_bytes(cfg, g, weight_bytes) + visible * kv_row(g, kvb))
         cost += _ffn(cfg, c, weight_bytes)
     cost += Cost(2 * c * v * h, (v * h + h) * weight_bytes)  # tied LM head (+ final norm)
     if soft:
@@ -254,7 +246,7 @@ def encode_cost(cfg: ModelConfig, start: int, tokens: int, *, weight_bytes: int 
         pairs = _causal_keys(start, tokens, g.window)
         read = start if g.window is None else min(start, g.window - 1)
         cost += Cost(2 * tokens * proj + 4 * n * g.head_dim * pairs,
-                     _proj_bytes(cfg, g, weight_bytes) + (read + tokens) * _kv_row(g, weight_bytes))
+                     _proj_bytes(cfg, g, weight_bytes) + (read + tokens) * kv_row(g, weight_bytes))
         if i != last:
             cost += _ffn(cfg, tokens, weight_bytes)
     return cost
@@ -267,28 +259,6 @@ def block_cost(cfg: ModelConfig, prefix_len: int, steps: int, max_steps: int, **
     for i in range(steps):
         total += step_cost(cfg, prefix_len, self_cond=i > 0, soft=i < max_steps - 1, **kw)
     return total
-
-
-# ---- memory --------------------------------------------------------------------------------------------
-
-
-KV_BLOCK = 16  # engine/block_manager.py's block_size default (it imports torch)
-
-
-def cache_positions(cfg: ModelConfig, context: int, block_size: int = KV_BLOCK) -> tuple[int, int]:
-    """Positions a slot holds per full and per sliding layer, in whole blocks, as the engine has `model.new_cache`
-    allocate them for requests of `context` positions: full layers those and a canvas (a canvas writes K/V where
-    its block will commit), sliding layers a ring of the last W-1 (a pass reads its own keys from the pass)."""
-    c, windows = cfg.canvas_length, [g.window for g in cfg.layers if g.window is not None]
-    held, ring = context + c, min(max(windows) - 1, context + c) if windows else 0
-    return -(-held // block_size) * block_size, -(-ring // block_size) * block_size
-
-
-def kv_cache_bytes(cfg: ModelConfig, context: int, kv_bytes: int = 2, *, trimmed: bool = False) -> int:
-    """K/V of `context` cached positions in every layer; `trimmed`: as dgemma's paged cache holds a request of
-    `context` positions (`cache_positions`: full layers also its canvas, sliding layers a ring; whole blocks)."""
-    full, ring = cache_positions(cfg, context) if trimmed else (context, context)
-    return sum((full if g.window is None else ring) * _kv_row(g, kv_bytes) for g in cfg.layers)
 
 
 # ---- devices -------------------------------------------------------------------------------------------

@@ -1,10 +1,7 @@
-"""`dgemma info FILE.gguf`: a GGUF file's bytes by ggml type (from its header alone), the weights a load keeps
-(quantized matrices in their kernels' form, the rest in the run dtype), whether a run fits this machine's memory,
-what the low-memory mode needs (the weights are used from mapped files: only two layers and the embedding must
-stay), and the step time a memory cap implies where the weights that do not fit are read from disk every step.
-
-Owns: that arithmetic and its markdown lines. Must not: read tensor data or load the model (counts.py does the
-config-based arithmetic this builds on).
+"""`dgemma info FILE.gguf`: a GGUF file's bytes by ggml type (from its header alone), the weights a load keeps,
+whether a run fits this machine's memory, what the low-memory mode needs, and the step time a memory cap implies
+(the weights that do not fit read from disk every step); its markdown lines. Must not: read tensor data or load
+the model.
 """
 
 from __future__ import annotations
@@ -12,18 +9,17 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from dgcli.measure.cost.counts import DTYPE_BYTES, kv_cache_bytes
-from dgcli.measure.cost.memory import one_request
+from dgcli.measure.cost.counts import DTYPE_BYTES
+from dgcli.measure.cost.memory import kv_bytes, one_request, size
 from dgcli.model.config import ModelConfig
 
 
 def gguf_inventory(path: Path) -> dict:
     """Bytes and parameters by ggml type of a GGUF file, from its header only (the `safetensors_inventory`
     keys, plus per tensor what a load keeps: quantized matrices in the kernels' held form, the rest in the run dtype)."""
-    from dgcli.model import ggml
     from dgcli.checkpoint.gguf import open_gguf
-
     from dgcli.checkpoint.gguf_model import held_bytes
+    from dgcli.model import ggml
 
     f = open_gguf(path)
     by_type: dict[str, int] = {}
@@ -36,16 +32,14 @@ def gguf_inventory(path: Path) -> dict:
         # The embedding (the tied head) and a router are dequantized at load; other quantized matrices stay.
         if t.type in ggml.QUANTIZED and t.name != "token_embd.weight" and ".ffn_gate_inp." not in t.name:
             kept = math.prod(t.shape[:-2]) * held_bytes(t.type, *t.shape[-2:]) if len(t.shape) > 1 else t.nbytes
-            kept_quantized += kept
-            if t.name.startswith("blk.") and int(t.name.split(".")[1]) < len(layers):
-                layers[int(t.name.split(".")[1])] += kept
         elif t.type == 40:  # NVFP4: held at 4 bits + an e4m3 scale per 16 (as stored) + an fp32 global per row
             kept = t.nbytes + 4 * math.prod(t.shape[:-1])
-            kept_quantized += kept
-            if t.name.startswith("blk.") and int(t.name.split(".")[1]) < len(layers):
-                layers[int(t.name.split(".")[1])] += kept
-        elif t.name != "rope_freqs.weight":
-            dense_elements += n
+        else:
+            dense_elements += n if t.name != "rope_freqs.weight" else 0
+            continue
+        kept_quantized += kept
+        if t.name.startswith("blk.") and int(t.name.split(".")[1]) < len(layers):
+            layers[int(t.name.split(".")[1])] += kept
     return {"files": 1, "text_bytes_by_dtype": by_type, "vision_bytes_by_dtype": {}, "text_parameters": params,
             "vision_parameters": 0, "file_bytes": path.stat().st_size, "quantized_bytes_kept": kept_quantized,
             "dense_elements": dense_elements, "layer_bytes": layers}
@@ -53,15 +47,13 @@ def gguf_inventory(path: Path) -> dict:
 
 def gguf_fit(inventory: dict, cfg: ModelConfig, dtype: str, context: int, ram_bytes: int,
              available_bytes: int | None, caps: list[int] = (), read_rate: float | None = None) -> dict:
-    """Whether a GGUF model runs in this machine's memory: weights as loaded (quantized matrices in their kernels'
-    form, the rest in `dtype`) + the KV cache for `context` tokens + one request's passes (`memory.one_request`),
-    against the memory available now (MemAvailable) and the machine's RAM; what the low-memory mode needs (the
-    rest + the embedding + two layers: the one computing, the next read ahead); and per memory cap in `caps` the
-    weights read from disk each step (the layers beyond those that stay, as session.low_memory_mode keeps them)
-    and, at `read_rate` bytes/s, the least step time that reading takes."""
+    """Whether a GGUF model (weights as loaded + KV for `context` tokens + one request's passes) fits the memory
+    available now and the machine's RAM; what the low-memory mode needs (all but the layers, and two layers: the one
+    computing, the next read ahead); per memory cap in `caps` the weights read from disk each step (the layers
+    beyond those that stay, as session.low_memory_mode keeps them) and at `read_rate` the least step time."""
     wb = DTYPE_BYTES[dtype]
     weights = inventory["quantized_bytes_kept"] + inventory["dense_elements"] * wb
-    work = kv_cache_bytes(cfg, context, wb, trimmed=True) + one_request(cfg, context, ab=wb)["cpu"]
+    work = kv_bytes(cfg, context, wb)["total"] + one_request(cfg, context, ab=wb)["cpu"]
     need = weights + work
     layers = inventory.get("layer_bytes") or [0]
     resident = weights - sum(layers)  # the embedding (the head reads it every step), norms, routers
@@ -82,28 +74,22 @@ def gguf_fit(inventory: dict, cfg: ModelConfig, dtype: str, context: int, ram_by
     return out
 
 
-def _size(b: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if b >= scale:
-            return f"{b / scale:.3g} {unit}"
-    return f"{b:.0f} B"
-
-
 def gguf_markdown(inventory: dict, fit: dict) -> str:
     """The GGUF lines of `dgemma info`: bytes by type, and what fits."""
-    types = ", ".join(f"{k} {_size(v)}" for k, v in sorted(inventory["text_bytes_by_dtype"].items(), key=lambda kv: -kv[1]))
+    by_type = sorted(inventory["text_bytes_by_dtype"].items(), key=lambda kv: -kv[1])
+    types = ", ".join(f"{k} {size(v)}" for k, v in by_type)
     avail = fit["available"]
     fits = fit["fits_available"] if avail is not None else fit["fits_ram"]
-    return (f"\n## GGUF file\n\n- file: {_size(inventory['file_bytes'])}; tensors by type: {types}\n"
-            f"- weights as loaded: {_size(fit['weights_loaded'])} (quantized matrices stay quantized; the embedding, "
+    return (f"\n## GGUF file\n\n- file: {size(inventory['file_bytes'])}; tensors by type: {types}\n"
+            f"- weights as loaded: {size(fit['weights_loaded'])} (quantized matrices stay quantized; the embedding, "
             "norms and router in the run dtype)\n"
-            f"- to run (weights + KV cache + step working set): {_size(fit['need'])}; this machine has "
-            f"{_size(fit['ram'])} of memory" + (f", {_size(avail)} available now" if avail is not None else "")
+            f"- to run (weights + KV cache + step working set): {size(fit['need'])}; this machine has "
+            f"{size(fit['ram'])} of memory" + (f", {size(avail)} available now" if avail is not None else "")
             + f": it {'fits' if fits else 'does NOT fit'}\n"
             f"- in low-memory mode (--low-memory: the weights paged from the file, the layers that do not fit read "
-            f"from disk each step): {_size(fit['need_low_memory'])}\n" + "".join(
-                f"- under a {_size(c['cap'])} memory cap: "
+            f"from disk each step): {size(fit['need_low_memory'])}\n" + "".join(
+                f"- under a {size(c['cap'])} memory cap: "
                 + ("too little even in low-memory mode" if not c["fits"] else
-                   f"{_size(c['read_per_step'])} of weights read from disk a step"
+                   f"{size(c['read_per_step'])} of weights read from disk a step"
                    + (f", at least {c['step_s']:.1f} s a step at {fit['read_rate'] / 1e6:.0f} MB/s"
                       if c["step_s"] is not None else "")) + "\n" for c in fit["caps"]))

@@ -1,26 +1,18 @@
-"""Memory of a batched run: what one slot (request) of the engine costs, what is fixed, the largest batch that fits.
+"""Memory of a batched run: what a slot (request) of the engine costs, what is fixed, the largest batch that fits.
 
-Owns: `kv_bytes`, `weights_bytes` (bf16, or FP8 as an FP8 checkpoint stores it), `loop_state_bytes` (what the
-engine holds per request at a step), `pass_bytes` (one forward pass's temporaries), `step_bytes` and
-`prefill_bytes` (the passes a run peaks at; the vocabulary pass's share: `vocab.py`), `peak_bytes`, `one_request`
-(the card's memory to run), `largest_batch`, and `batch_memory` / `markdown` (the
-section `dgemma info` prints). Must not: run the model, allocate tensors, or import torch (the engine's constants
-are restated; tests/measure/test_memory.py keeps them equal and measures every term: the engine's cache, its
-tensors at a step, the CPU allocator's peak of a pass). Notation: b requests, C canvas, N rows of a pass, H
-hidden, V vocabulary, I dense width, Im expert width, k experts per token, S stability threshold, ab the dtype's
-bytes (weights, activations, KV; FP8 checkpoints keep bf16 activations and KV). The peak of b slots = weights +
-b·KV (`kv_bytes`: one paged cache, `model.new_cache(slots, max_len + C)`) + b·(loop state) + the larger of
-* a step (`step_bytes`): one pass of the b canvases beside their commits, then the vocabulary pass;
-* the prefill (`prefill_bytes`): a pass of prompts (cut to the pass budget) with the canvases they complete;
-on CUDA + one more step held by the CUDA graphs' pool and their static buffers (`peak_bytes`).
-Not counted: the CUDA context and the allocator's fragmentation (the headroom, 10 % of the budget by default),
-torch.compile's buffers, the CPU flash-attention kernel's per-thread scratch (a few hundred KiB a thread), the
-prompts' ids (8 bytes a token) and the Triton autotuner's buffers (a warm-up's).
+The peak of b slots = weights + b x KV (one paged cache) + b x loop state + the larger of a step (`step_bytes`: a
+pass of the b canvases beside their commits, then the vocabulary pass, vocab.py) and a prefill (`prefill_bytes`);
+on CUDA + one more step held by the CUDA graphs' pool (`peak_bytes`). Not counted: the CUDA context and allocator
+fragmentation (the headroom), torch.compile's and the Triton autotuner's buffers, the CPU flash-attention
+kernel's per-thread scratch, the prompts' ids. Notation: b requests, C canvas, N rows of a pass, H hidden, ab the
+dtype's bytes (FP8 checkpoints keep bf16 activations and KV). Must not: run the model, allocate tensors, or import
+torch: the engine's constants are restated here and tests/measure/test_memory.py keeps them equal and measures
+every term.
 """
 
 from __future__ import annotations
 
-from dgcli.measure.cost.counts import DTYPE_BYTES, KV_BLOCK, cache_positions, param_counts, quantized_counts
+from dgcli.measure.cost.counts import DTYPE_BYTES, kv_row, param_counts, quantized_counts
 from dgcli.measure.cost.vocab import vocab_bytes
 from dgcli.model.config import ModelConfig
 
@@ -30,29 +22,40 @@ HEADROOM = 0.10  # of the budget: CUDA context (~0.5 GiB) and the caching alloca
 GPUS = (("H100 80 GB", 80 * GIB), ("H200 141 GB", 141 * GIB))
 FORMATS = ("bf16", "fp8")
 ACT_BYTES = {"bf16": 2, "fp8": 2, "fp32": 4}  # activations and KV of a run with these weights
+KV_BLOCK = 16  # engine/block_manager.py's block_size default (it imports torch)
 MOE_BLOCK = 64  # kernels/moe.py::BLOCK: experts_triton's fixed block_m (each expert's rows padded to it)
 BUDGET = 2048  # engine/llm_engine.py: DEFAULT_BUDGET, rows per pass (running canvases first, then prompt chunks)
 SERVE_SLOTS = 8  # cli/serve.py: --max-batch-size's default
 
 
+def size(n: float) -> str:
+    """Bytes in binary units, 4 significant digits: 47.03 GiB (every printer of bytes uses it)."""
+    for unit, scale in (("TiB", 2**40), ("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.4g} {unit}"
+    return f"{n:.0f} B"
+
+
 def moe_block_rows(pairs: int, experts: int, ab: int) -> int:
-    """experts_triton's BLOCK_M on CUDA: kernels/moe.py::block_rows for bf16 activations (the tuned path),
-    else the fixed MOE_BLOCK. (The interpreter runs the fixed tile: there it counts up to ~MOE_BLOCK·E slots over.)"""
+    """experts_triton's BLOCK_M on CUDA: kernels/moe.py::block_rows for bf16 activations, else MOE_BLOCK."""
     return 2 * MOE_BLOCK if ab == 2 and pairs > MOE_BLOCK * experts else MOE_BLOCK
 
 
-def cache_length(prompt_len: int, blocks: int, canvas: int) -> int:
-    """Cached positions of a request: its prompt and every block but the last (never committed)."""
-    return prompt_len + (blocks - 1) * canvas
+def cache_positions(cfg: ModelConfig, context: int) -> tuple[int, int]:
+    """Positions a slot holds per full and per sliding layer, in whole blocks, for requests of `context` positions:
+    full layers those and a canvas (a canvas writes K/V where its block will commit), sliding layers a ring of the
+    last W-1 (a pass reads its own keys from the pass)."""
+    c, windows = cfg.canvas_length, [g.window for g in cfg.layers if g.window is not None]
+    held, ring = context + c, min(max(windows) - 1, context + c) if windows else 0
+    return -(-held // KV_BLOCK) * KV_BLOCK, -(-ring // KV_BLOCK) * KV_BLOCK
 
 
 def kv_bytes(cfg: ModelConfig, context: int, ab: int = 2) -> dict:
-    """One slot's KV cache for requests of `context` positions (card.cache_positions: engine/block_manager.py's layout):
-    `full_per_token` bytes a position on full layers, which hold `full_positions`; `rings` (fixed per slot) on
-    sliding layers; `was_per_token` and `was`: every position on every layer, what the rings replace;
-    `windows`: what a slot holds on sliding layers with prefix caching, its window and 3 blocks (`cache_blocks`)."""
+    """One slot's KV cache for requests of `context` positions (engine/block_manager.py's layout): `full_per_token`
+    on full layers, which hold `full_positions`; `rings` (fixed per slot) on sliding layers; `was_per_token` and
+    `was`: every position on every layer; `windows`: a slot's sliding layers with prefix caching (`cache_blocks`)."""
     full, ring = cache_positions(cfg, context)
-    row = [2 * g.num_kv_heads * g.head_dim * ab for g in cfg.layers]  # K and V of one position
+    row = [kv_row(g, ab) for g in cfg.layers]
     per = sum(r for r, g in zip(row, cfg.layers) if g.window is None)
     sliding = sum(r for r, g in zip(row, cfg.layers) if g.window is not None)
     windows = min(ring + 3 * KV_BLOCK, full) * sliding if ring else 0
@@ -62,9 +65,8 @@ def kv_bytes(cfg: ModelConfig, context: int, ab: int = 2) -> dict:
 
 
 def cache_blocks(cfg: ModelConfig, b: int, context: int, prefix_caching: bool = False) -> tuple[int, int]:
-    """Blocks of KV_BLOCK positions in the engine's cache for b slots, (full layers' pool, sliding layers' pool):
-    engine/block_manager.py's `pool_blocks`, restated. Without prefix caching every slot's context and canvas, and its ring;
-    with it the sliding pool holds every slot's window and 3 blocks and one pass's causal rows (max(BUDGET,
+    """(full, sliding) pools' blocks for b slots: engine/block_manager.py's `pool_blocks`, restated. With prefix
+    caching the sliding pool holds every slot's window and 3 blocks and one pass's causal rows (max(BUDGET,
     (b + 1) C): the commits and the prompt chunks), at most every position."""
     full, ring = (n // KV_BLOCK for n in cache_positions(cfg, context))
     if not ring or not prefix_caching:
@@ -81,24 +83,20 @@ def cache_bytes(cfg: ModelConfig, b: int, context: int, ab: int = 2, prefix_cach
 
 
 def weights_bytes(cfg: ModelConfig, fmt: str = "bf16") -> dict:
-    """Weights in `fmt`. bf16: 2 bytes per parameter (layer scalars fp32); fp32: 4. fp8: an FP8-dynamic checkpoint
-    as dgemma holds it (`dgemma quantize --fp8`): attention q/k/v/o, dense MLP and experts at 1 byte plus a bf16
-    scale per output channel (card.quantized_counts); in bf16 the embedding (also the tied LM head), router,
-    self-conditioning MLP, every norm gain; the layer scalars fp32."""
+    """Weights in `fmt` (layer scalars fp32). fp8: as dgemma holds `dgemma quantize --fp8`'s checkpoint, the
+    `quantized_counts` matrices at 1 byte + a bf16 scale per output channel, the rest bf16."""
     if fmt not in ACT_BYTES:
         raise ValueError(f"weight format {fmt!r}: use one of {tuple(ACT_BYTES)}")
-    n = param_counts(cfg)
-    if fmt == "fp32":  # a float32 run (random checkpoints, the bundled model)
-        return {"format": fmt, "bytes": 4 * n["total"], "fp8_parameters": 0, "bf16_parameters": 0}
+    n, ab = param_counts(cfg), ACT_BYTES[fmt]  # fp32: a float32 run (random checkpoints, the bundled model)
     fp8, scales = quantized_counts(cfg) if fmt == "fp8" else (0, 0)
-    bf16 = n["total"] - n["layer_scalars"] - fp8
-    return {"format": fmt, "bytes": fp8 + 2 * (bf16 + scales) + 4 * n["layer_scalars"], "fp8_parameters": fp8,
-            "bf16_parameters": bf16}
+    rest = n["total"] - n["layer_scalars"] - fp8
+    return {"format": fmt, "bytes": fp8 + ab * (rest + scales) + 4 * n["layer_scalars"], "fp8_parameters": fp8,
+            "bf16_parameters": rest if ab == 2 else 0}
 
 
 def loop_state_bytes(cfg: ModelConfig, ab: int = 2, stability: int = 1, lag: int = 1) -> dict:
-    """Per row, what the engine (`dgcli.engine.LLMEngine`) holds at a step's vocabulary pass (`_launch`,
-    `_sample`), outside the pass's own temporaries; `lag` 1 (CUDA) also holds the previous, unsettled pass:"""
+    """Per row, what the engine holds at a step's vocabulary pass outside the pass's temporaries; `lag` 1 (CUDA)
+    also holds the previous, unsettled pass."""
     c, h = cfg.canvas_length, cfg.hidden_size
     parts = {
         "soft": 2 * c * h * ab,  # Request.soft [C, H] (a view of the last pass's out.soft) and their stack
@@ -207,20 +205,18 @@ def pass_bytes(cfg: ModelConfig, causal: list[tuple[int, int, int]], canvases: i
 
 
 def step_bytes(cfg: ModelConfig, b: int, context: int, ab: int = 2, cpu: bool = False) -> dict:
-    """A step's temporaries for b running requests: the pass of their canvases, each beside the commit of its
-    block that ended (the most a running batch puts in one pass: 2·b·C rows, the last commit ending at `context`;
-    the commits' ids: the pass's and the argmax rows they view), then the vocabulary pass next to its input
-    hidden [b, C, H]; the step holds the larger (accept / renoise / history after them: tens of bytes a row)."""
+    """A step's temporaries for b running requests, the larger of: the pass of their canvases, each beside the commit
+    of its block that ended (2·b·C rows, the last commit ending at `context`; the commits' ids), and the vocabulary
+    pass next to its input hidden [b, C, H]."""
     dec = pass_bytes(cfg, [(cfg.canvas_length, context, b)], b, ab, cpu) + 16 * b * cfg.canvas_length
     voc = b * cfg.canvas_length * cfg.hidden_size * ab + vocab_bytes(cfg, b, ab, cpu)
     return {"decode": dec, "vocab_pass": voc, "total": max(dec, voc)}
 
 
 def prefill_bytes(cfg: ModelConfig, b: int, prompt_len: int, ab: int = 2, cpu: bool = False) -> int:
-    """A prefill pass of b requests admitted at once (the scheduler's first): prompt chunks of at most
-    `prompt_len` ids under the pass budget (BUDGET rows), each masked against `prompt_len` keys (a later
-    chunk's), the canvases of the prompts completing in it (at most one more than its chunks: a pass also ends
-    the previous one's tails), the pass's ids. Beside running canvases a pass holds fewer prompt rows."""
+    """The first prefill pass of b requests admitted at once: prompt chunks of at most `prompt_len` ids under the
+    BUDGET rows, each masked against `prompt_len` keys, the canvases of the prompts completing in it (at most one
+    more than its chunks: a pass also ends the previous one's tails), the pass's ids."""
     c, chunk = cfg.canvas_length, min(prompt_len, BUDGET)
     whole = min(b, BUDGET // chunk)  # whole chunks, then what is left of the budget
     causal = [(chunk, prompt_len, whole)]
@@ -247,8 +243,7 @@ def peak_bytes(cfg: ModelConfig, b: int, *, context: int, prompt_len: int = 256,
 
 
 def one_request(cfg: ModelConfig, context: int, prompt_len: int = 256, ab: int = 2) -> dict[str, int]:
-    """What one request holds beyond its weights and KV at its peak (`peak_bytes` of one slot), by path: its
-    sampler state and the larger of a step's and its prefill's temporaries; on CUDA also the graphs' step."""
+    """By path (cuda, cpu), what one request holds beyond its weights and KV at its peak (`peak_bytes` of one slot)."""
     out = {}
     for path in ("cuda", "cpu"):
         p = peak_bytes(cfg, 1, context=context, prompt_len=prompt_len, ab=ab, cpu=path == "cpu")
@@ -257,8 +252,7 @@ def one_request(cfg: ModelConfig, context: int, prompt_len: int = 256, ab: int =
 
 
 def largest_batch(cfg: ModelConfig, budget: int, *, headroom: float = HEADROOM, limit: int = 1 << 20, **kw) -> int:
-    """The largest b whose `peak_bytes` fits budget·(1 - headroom) (0: not even one row). peak_bytes grows
-    with b, so a bisection finds the boundary: b fits and b + 1 does not."""
+    """The largest b whose `peak_bytes` fits budget·(1 - headroom), 0 for none (a bisection: it grows with b)."""
     usable = budget * (1.0 - headroom)
     if peak_bytes(cfg, 1, **kw)["total"] > usable:
         return 0
@@ -278,9 +272,8 @@ def step_per_row(cfg: ModelConfig, context: int, ab: int = 2, cpu: bool = False)
 
 def batch_memory(cfg: ModelConfig, *, context: int, prompt_len: int, dtype: str, budgets: list[dict],
                  headroom: float = HEADROOM, stability: int = 1) -> dict:
-    """The card's batch-memory section: per-slot bytes at `context` cached tokens (the card's run dtype),
-    and for each budget ({"name", "bytes", "cpu"}) and weight format (bf16 activations and KV) the
-    largest batch that fits."""
+    """The card's batch-memory section: per-slot bytes at `context` cached tokens in `dtype`, and per budget
+    ({"name", "bytes", "cpu"}) and weight format the largest batch that fits."""
     ab = DTYPE_BYTES[dtype]
     kv = kv_bytes(cfg, context, ab)
     state = loop_state_bytes(cfg, ab, stability)  # CUDA's (lag 1); the CPU's holds no unsettled pass
@@ -319,14 +312,6 @@ def batch_memory(cfg: ModelConfig, *, context: int, prompt_len: int, dtype: str,
     }
 
 
-def _b(n: float) -> str:
-    """Bytes in binary units, 3-4 significant digits."""
-    for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.4g} {unit}"
-    return f"{n:.0f} B"
-
-
 _PHASES = {"step": "a step", "prefill": "the prefill", "weights": "weights alone exceed it",
            "one_slot": "one slot does not fit"}
 
@@ -337,22 +322,23 @@ def markdown(sec: dict) -> str:
     st, kv = ps["loop_state_parts"], ps["kv"]
     lines = [(f"**batch memory** ({sec['dtype']} KV, {sec['context']:,} cached tokens per slot = the longest "
               f"request's prompt + every block but the last; --context):"),
-             (f"- per slot: KV cache {_b(ps['kv_cache'])} + sampler state {_b(ps['loop_state'])} (soft embeddings "
-              f"{_b(st['soft'])}, canvas, history, the unsettled pass's outputs) + step temporaries "
-              f"{_b(ps['step_per_row']['cuda'])} on CUDA ({_b(ps['step_per_row']['cpu'])} on CPU) = "
-              f"**{_b(ps['total']['cuda'])}** (CUDA), {_b(ps['total']['cpu'])} (CPU)"),
-             (f"- KV cache: {_b(kv['full_per_token'])}/token for full layers ({kv['full_positions']:,} positions: "
-              f"the context and a canvas) + {_b(kv['rings'])} per slot for the sliding rings: {_b(kv['total'])} per "
-              f"slot at {kv['context']:,} tokens (without rings, every layer at {_b(kv['was_per_token'])}/token: "
-              f"{_b(kv['was'])}); with prefix caching (the default) the sliding layers hold {_b(kv['windows'])} "
-              f"per slot (its window and 3 blocks) and one pass's rows beside them"),
+             (f"- per slot: KV cache {size(ps['kv_cache'])} + sampler state {size(ps['loop_state'])} (soft embeddings "
+              f"{size(st['soft'])}, canvas, history, the unsettled pass's outputs) + step temporaries "
+              f"{size(ps['step_per_row']['cuda'])} on CUDA ({size(ps['step_per_row']['cpu'])} on CPU) = "
+              f"**{size(ps['total']['cuda'])}** (CUDA), {size(ps['total']['cpu'])} (CPU)"),
+             (f"- KV cache: {size(kv['full_per_token'])}/token for full layers ({kv['full_positions']:,} positions: "
+              f"the context and a canvas) + {size(kv['rings'])} per slot for the sliding rings: "
+              f"{size(kv['total'])} per slot at {kv['context']:,} tokens (without rings, every layer at "
+              f"{size(kv['was_per_token'])}/token: {size(kv['was'])}); with prefix caching (the default) the sliding "
+              f"layers hold {size(kv['windows'])} per slot (its window and 3 blocks) and one pass's rows beside them"),
              (f"- prefix cache (`serve`'s {SERVE_SLOTS} slots): {pc['full']:,} blocks of {KV_BLOCK} positions on full "
               f"layers, {pc['sliding']:,} on sliding layers; blocks no request holds stay cached until one needs room"),
-             "- weights: " + ", ".join(f"{k} {_b(v['bytes'])}" for k, v in w.items()), "",
+             "- weights: " + ", ".join(f"{k} {size(v['bytes'])}" for k, v in w.items()), "",
              f"**largest batch that fits** ({1 - sec['headroom']:.0%} of the memory usable):", "",
              "| memory | weights | usable | largest batch | peak at | with prefix caching |", "|---|---|---|---|---|---|"]
     for f in sec["fits"]:
-        lines.append(f"| {f['memory']} ({f['path']}) | {f['weights']} {_b(f['weights_bytes'])} | "
-                     f"{_b(f['usable_bytes'])} | **{f['largest_batch']}** | {_PHASES[f['peak_phase']]} | {f['largest_batch_prefix_caching']} |")
+        lines.append(f"| {f['memory']} ({f['path']}) | {f['weights']} {size(f['weights_bytes'])} | "
+                     f"{size(f['usable_bytes'])} | **{f['largest_batch']}** | {_PHASES[f['peak_phase']]} | "
+                     f"{f['largest_batch_prefix_caching']} |")
     lines += ["", f"_{sec['assumptions']}_"]
     return "\n".join(lines) + "\n"

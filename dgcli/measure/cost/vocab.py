@@ -1,8 +1,7 @@
-"""Memory of the vocabulary pass (the head GEMM, softmax statistics, soft embedding and draw over b canvases): its
-peak on the CPU (kernels/vocab_pass_cpu.py, kernels/categorical.py) and on CUDA (kernels/vocab_pass.py), for
-`memory.step_bytes`. Owns: `vocab_bytes`, `_cuda_vocab` and the kernels' constants they restate (tests/measure/
-test_memory.py keeps them equal to the kernels' and measures both peaks). Must not: import torch or the kernels.
-Notation as in memory.py: N rows, H hidden, V vocabulary, ab the dtype's bytes.
+"""Peak memory of the vocabulary pass (head GEMM, softmax statistics, soft embedding and draw over b canvases) on
+the CPU (kernels/vocab_pass_cpu.py, kernels/categorical.py) and on CUDA (kernels/vocab_pass.py), restating the
+kernels' constants (tests/measure/test_memory.py keeps them equal and measures both peaks). Must not: import torch
+or the kernels. Notation as in memory.py (V: the vocabulary).
 """
 
 from __future__ import annotations
@@ -22,13 +21,10 @@ GROUP = 64  # draw-statistics columns per group: vocab_pass_cpu.GROUP and vocab_
 
 
 def vocab_bytes(cfg: ModelConfig, b: int, ab: int = 2, cpu: bool = False) -> int:
-    """The vocabulary pass's peak over N = b·C rows (its input hidden [N, H] aside), the larger of its two calls:
-    with the soft embedding (every step but a block's last) and without. CUDA (kernels/vocab_pass.py,
-    `_cuda_vocab`): row chunks under the bf16(L) scratch's cap with the soft embedding, all N at once without.
-    CPU (kernels/vocab_pass_cpu.py, with the soft embedding): one tile's buffers, the per-tile group sums kept
-    for the draw, the soft accumulator, then the draw (kernels/categorical.py): float64 gsum, exp(gmax - top) and
-    their product (3 x 8 bytes per group), then the mass and its cumsum while the chosen group's logits are
-    recomputed from gathered embedding rows (chunks of GATHER_BYTES)."""
+    """The vocabulary pass's peak over N = b·C rows (its input hidden aside), the larger of its calls with the soft
+    embedding (every step but a block's last) and without. CPU: one tile's buffers, the per-tile group sums kept
+    for the draw, the soft accumulator, then the draw: float64 gsum, exp(gmax - top) and their product, then the
+    mass and its cumsum while the chosen group's logits are recomputed from gathered embedding rows."""
     c, h, v = cfg.canvas_length, cfg.hidden_size, cfg.vocab_size
     n = b * c
     small = 64 * n  # a dozen [N] vectors: temperature, running max / sums / argmax, entropy, sample
@@ -72,8 +68,8 @@ def vocab_bytes(cfg: ModelConfig, b: int, ab: int = 2, cpu: bool = False) -> int
 
 
 def _cuda_vocab(n: int, h: int, v: int, ab: int, want_soft: bool) -> int:
-    """The Triton pass' peak over n rows (kernels/vocab_pass.py: vocab_pass_triton, _pass_rows; the draw in
-    kernels/categorical.py with `_group_logits`), `ab` the embedding's bytes."""
+    """The Triton pass' peak over n rows: with the soft embedding in row chunks under the bf16(L) scratch's cap,
+    without it all n at once."""
     def cdiv(a: int, b: int) -> int:
         return -(-a // b)
     w = GROUP  # block_n: the draw's group width and the tile of the per-tile statistics
