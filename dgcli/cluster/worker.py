@@ -1,16 +1,9 @@
-"""The Ray actor of `--ray`: one session per worker, loaded once, and the chunk methods the driver calls.
+"""The Ray actor of `--ray`: one session per worker, loaded once; each chunk method is the library call a local
+run makes (`request.run_batch`, `measure.sweep.run_cell`, `measure.bench.measure`), its result the same object.
 
-Each method is the library call a local run makes (`request.run_batch`, `measure.sweep.run_cell` and
-`reference_row`, `measure.bench.measure`) on this worker's session; results go back as the same
-objects (`Response`, rows, `Pass`) the local run hands its writers.
-Owns: opening the session from the driver's spec, the torch thread cap (a worker uses at most the CPUs Ray
-gave it, so workers on one machine do not oversubscribe its cores), and the session's description the driver
-formats output with (everything but the weights), and the tests' pause points. Must not: import ray (it runs
-inside Ray; the driver wraps the class), print, or write files (but a pause point's marker).
-
-Pause points, for tests that kill a worker at a known moment: with DGEMMA_RAY_PAUSE=POINT:DIR in the driver's
-environment, a worker reaching POINT (`load`: before opening its session; `describe`; `chunk`: at the start of
-every chunk) creates DIR/POINT-PID-N (N counts from 0 per process) and waits there until DIR/POINT-PID-N.go exists.
+Owns: opening the session from the driver's spec, the torch thread cap (at most the CPUs Ray gave the worker),
+the session's description for the driver (all but the weights), and the tests' pause points (`driver.Pool.pause`).
+Must not: import ray (the driver wraps the class), print, or write files (but a pause point's marker).
 """
 
 from __future__ import annotations
@@ -21,8 +14,6 @@ import socket
 import time
 from pathlib import Path
 from typing import Any
-
-PAUSE = "DGEMMA_RAY_PAUSE"
 
 
 class _Weights:
@@ -37,8 +28,8 @@ class _Weights:
 
 
 class Worker:
-    def __init__(self, spec: dict, cpus: int):
-        self.spec, self.cpus = spec, cpus
+    def __init__(self, spec: dict, cpus: int, pause: str | None = None):
+        self.spec, self.cpus, self.pause = spec, cpus, pause
         self.session: Any = None
         self.baseline = 0  # ru_maxrss before the model: the CPU peak-memory figure's baseline
         self.warmed: set = set()
@@ -46,8 +37,9 @@ class Worker:
         self.paused: dict[str, int] = {}  # pause point -> times reached
 
     def _pause(self, point: str) -> None:
-        """A test's pause point (see the module's docstring); nothing unless DGEMMA_RAY_PAUSE names `point`."""
-        name, _, folder = self.spec.get("env", {}).get(PAUSE, "").partition(":")
+        """With `pause` "POINT:DIR" naming `point` (`load`, `describe`, or `chunk`: each chunk's start), create
+        DIR/POINT-PID-N (N from 0 per process) and wait until DIR/POINT-PID-N.go exists: a test kills it there."""
+        name, _, folder = (self.pause or "").partition(":")
         if name != point:
             return
         n = self.paused[point] = self.paused.get(point, -1) + 1
