@@ -17,8 +17,7 @@ from typing import Any
 
 
 class _Weights:
-    """What the driver's copy of a session keeps of the model: its dtype and config (for `dtype_name`,
-    settings and cards), not the weights."""
+    """The driver's copy of a session's model: its dtype and config, not the weights."""
 
     def __init__(self, model: Any):
         import torch
@@ -87,8 +86,7 @@ class Worker:
         return os.getpid()
 
     def describe(self, measure_peaks: bool) -> tuple[Any, Any, dict]:
-        """(the session without weights or tokenizer, this device's roofline peaks, what the command's
-        `weights_fields` function says of the weights) for the driver's card, fingerprint and records."""
+        """(the session without weights or tokenizer, this device's peaks, the command's `weights_fields`)."""
         self._pause("describe")
         s = self._open()
         fields = self.spec["weights_fields"](s.model) if self.spec.get("weights_fields") else {}
@@ -103,8 +101,7 @@ class Worker:
         return self.peaks[measure]
 
     def generate(self, items: list[tuple], batch_size: int, show_thinking: bool, events: bool) -> list[tuple]:
-        """A chunk of `--input-jsonl` requests [(index, prompt ids, seed, first canvas)] through the batched loop:
-        [(index, Response, its events or None)] in the chunk's order."""
+        """`--input-jsonl` rows [(index, prompt ids, seed, first canvas)] -> [(index, Response, events or None)]."""
         from dgcli.runtime.request import run_batch
 
         self._pause("chunk")
@@ -116,7 +113,7 @@ class Worker:
         return [(it[0], got[n], _reindex(seen[n], it[0]) if events else None) for n, it in enumerate(items)]
 
     def reference(self, plist: list, ignore: bool, fp: str) -> dict:
-        """The sweep's reference row (agreement): `measure.sweep.reference_row`, handed back for the driver to save."""
+        """The sweep's reference row (agreement), for the driver to save."""
         from dgcli.measure import sweep as sw
 
         return sw.reference_row(self._open(), plist, ignore, fp, lambda t: None)
@@ -124,8 +121,7 @@ class Worker:
     def cell(self, cell: Any, plist: list, source: str, seeds: list[int], runs: int, ignore: bool, metric: str,
              reference: Any, label: str | None, meta: dict, fp: str, warmup: int, warm_batch: int,
              measure_peaks: bool) -> dict:
-        """One sweep cell: this worker's warm-up once (as the local sweep does before its first cell), then
-        `measure.sweep.run_cell`, its row handed back for the driver to append."""
+        """One sweep cell's row, after this worker's warm-up (once, as the local sweep's)."""
         from dgcli.measure import bench as b
         from dgcli.measure import sweep as sw
 
@@ -138,8 +134,7 @@ class Worker:
                            b.PeakMemory(s.device, self.baseline), label, meta, fp, lambda t: None)
 
     def bench(self, plist: list, params: Any, runs: int, warmup: int, ignore: bool, batch_size: int) -> dict:
-        """A shard of bench's prompts: `measure.bench.measure` (warm-up, then `runs` timed passes) and the
-        peak memory over them."""
+        """A shard of bench's prompts: its passes and the peak memory over them."""
         from dgcli.measure import bench as b
 
         self._pause("chunk")

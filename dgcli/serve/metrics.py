@@ -1,8 +1,6 @@
-"""The server's counters and histograms, and their Prometheus text (exposition format 0.0.4).
-
-Owns: `Metrics` (thread-safe: the engine thread observes passes and blocks, the HTTP side counts requests)
-and `render`. Names carry the `dgemma_` prefix; what each measures is in its HELP line.
-Must not: import a metrics library (the format is a few lines of text) or touch the engine.
+"""The server's counters and histograms (`Metrics`, thread-safe) and their Prometheus text (format 0.0.4); what each
+measures is in its HELP line. Must not: import a metrics library (the format is a few lines of text) or touch the
+engine.
 """
 
 from __future__ import annotations
