@@ -62,10 +62,7 @@ def first_difference(a: Record, b: Record) -> str | None:
 
 def entropy_gap(a: Record, b: Record) -> float:
     """The largest |entropy difference| over every step and position (0.0: equal bits)."""
-    gap = 0.0
-    for x, y in zip(a.entropies, b.entropies):
-        gap = max(gap, float((x - y).abs().max()))
-    return gap
+    return max((float((x - y).abs().max()) for x, y in zip(a.entropies, b.entropies)), default=0.0)
 
 
 @dataclass

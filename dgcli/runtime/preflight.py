@@ -73,14 +73,19 @@ def check_threads(flag: int) -> None:
                         f"{thread_limit()}, or leave it out (1 thread for a small CPU model, else one per core)")
 
 
+def meminfo() -> dict[str, int]:
+    """MemAvailable and SwapFree from /proc/meminfo, in bytes ({} where it cannot be read)."""
+    try:
+        return {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines()
+                if ln.startswith(("MemAvailable:", "SwapFree:"))}
+    except (OSError, ValueError, IndexError):
+        return {}
+
+
 def available_ram() -> int | None:
     """What a CPU run can still take: MemAvailable and free swap (the kernel ends a process only when both are
     spent: a refusal must be sure), or less under a memory cap (`memory_cap`); None where unknown."""
-    try:
-        info = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines()
-                if ln.startswith(("MemAvailable:", "SwapFree:"))}
-    except (OSError, ValueError, IndexError):
-        return None
+    info = meminfo()
     free = info["MemAvailable"] + info.get("SwapFree", 0) if "MemAvailable" in info else None
     cap = memory_cap()
     return cap[0] if cap is not None and (free is None or cap[0] < free) else free

@@ -75,12 +75,9 @@ _INT = re.compile(r"-?\d+")
 
 
 def read_init_canvas(session: Any, spec: str | list, *, name: str = "--init-canvas") -> tuple[list[int], str]:
-    """(ids, how) for the start of the first canvas: `--init-canvas` (or a JSONL row's `init_canvas`; `name`
-    is what error lines call it). `how` says how the value was read: "text" or "ids".
-
-    A string is text, tokenised without the chat template ("1 2 3" and "7" too: the sort and count tasks
-    start from digits); token ids only with the prefix `ids:` ("ids:5,6,7"), every item a whole number in
-    [0, vocab) with none empty. A list (JSON) is token ids. Empty values and too many tokens are errors."""
+    """(ids, "text" or "ids") for the start of the first canvas from `--init-canvas` (or a JSONL row's
+    `init_canvas`: `name`). A string is text without the chat template ("1 2 3" too: the sort and count tasks start
+    from digits), token ids only after `ids:` ("ids:5,6,7"); a list (JSON) is token ids."""
     c, v = session.config.canvas_length, session.config.vocab_size
     if isinstance(spec, list):
         if not all(isinstance(x, int) and not isinstance(x, bool) for x in spec):

@@ -277,11 +277,11 @@ def open_dummy_session(spec: str, layers: int | None, preset: str | None, flags:
     resolved = resolve(gen, preset, dict(flags, confidence_threshold=0.0))
     device = pick_device(resolved.run.device)
     check_cuda_graphs(cuda_graphs, device, compile)  # before the weights are drawn
+    cfg = parse_config(raw)
     if check is not None:
-        check(parse_config(raw), resolved, device)
+        check(cfg, resolved, device)
     dt = resolved.run.dtype if resolved.run.dtype != "auto" else str(raw.get("dtype") or "bfloat16")
     dtype = resolve_dtype(dt if dt in ("bfloat16", "float32", "float16") else "bfloat16")
-    cfg = parse_config(raw)
     n_threads = set_threads(cfg, device, threads)
     quantized = weights in GGML_WEIGHTS
     preflight(cfg, torch.tensor([], dtype=dtype).element_size(), device, spec=spec,  # (bf16-sized: FP8 needs less)
@@ -354,10 +354,6 @@ def preflight(cfg: ModelConfig, weight_bytes: int, device: Any, *, spec: str, to
 
 def free_bytes(device: Any) -> int | None:
     """Memory free for new tensors on `device` (CUDA: the driver's count; CPU: MemAvailable), None if unknown."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        meminfo = Path("/proc/meminfo").read_text().splitlines()
-        return next(int(ln.split()[1]) * 1024 for ln in meminfo if ln.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return None
+    from dgcli.runtime.preflight import meminfo
+
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else meminfo().get("MemAvailable")

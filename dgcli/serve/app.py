@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -219,35 +220,19 @@ async def _stream(job: Job, state: State) -> AsyncIterator[bytes]:
             state.worker.cancel(job)
 
 
-async def chat_completions(request: Request) -> Response:
-    return await complete(request, chat=True)
-
-
-async def completions(request: Request) -> Response:
-    return await complete(request, chat=False)
-
-
-def _card(ctx: Context) -> dict:
-    return {"id": ctx.model_name, "object": "model", "created": 0, "owned_by": "dgemma",
-            "max_model_len": ctx.context}
-
-
 async def models(request: Request) -> Response:
+    """`GET /v1/models`, and `/v1/models/{model}`: the list's one entry, or OpenAI's 404 for another name."""
     state: State = request.app.state.dgemma
     if not _authorized(request, state):
         return _error(_denied(), state)
-    return JSONResponse({"object": "list", "data": [_card(state.ctx)]})
-
-
-async def model(request: Request) -> Response:
-    state: State = request.app.state.dgemma
-    if not _authorized(request, state):
-        return _error(_denied(), state)
-    name = request.path_params["model"]
-    if name != state.ctx.model_name:
-        return _error(ApiError(404, f"The model '{name}' does not exist; this server serves "
-                               f"'{state.ctx.model_name}'", param="model", code="model_not_found"), state)
-    return JSONResponse(_card(state.ctx))
+    ctx, name = state.ctx, request.path_params.get("model")
+    card = {"id": ctx.model_name, "object": "model", "created": 0, "owned_by": "dgemma", "max_model_len": ctx.context}
+    if name is None:
+        return JSONResponse({"object": "list", "data": [card]})
+    if name != ctx.model_name:
+        return _error(ApiError(404, f"The model '{name}' does not exist; this server serves '{ctx.model_name}'",
+                               param="model", code="model_not_found"), state)
+    return JSONResponse(card)
 
 
 async def health(request: Request) -> Response:
@@ -320,10 +305,10 @@ def _quiet_when_stopped(app: Starlette, state: State) -> Any:
 
 
 def build_app(state: State) -> Any:
-    routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-              Route("/v1/completions", completions, methods=["POST"]),
+    routes = [Route("/v1/chat/completions", functools.partial(complete, chat=True), methods=["POST"]),
+              Route("/v1/completions", functools.partial(complete, chat=False), methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
-              Route("/v1/models/{model:path}", model, methods=["GET"]),  # a name may hold a slash
+              Route("/v1/models/{model:path}", models, methods=["GET"]),  # a name may hold a slash
               Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"]),
               Route("/", page, methods=["GET"]),

@@ -29,6 +29,12 @@ class Format:
     tool_mode: str | None = None  # "none", "auto", "required", "named"; None without tools
     tool_names: list[str] = field(default_factory=list)
 
+    def constraint(self) -> Any:
+        """A fresh place in the automaton, for one run of the request (None: free text)."""
+        from dgcli.sampling.constrain import Constraint
+
+        return None if self.automaton is None else Constraint(self.automaton, self.room)
+
     @property
     def forced(self) -> bool:
         return self.tool_mode in ("required", "named")

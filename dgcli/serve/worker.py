@@ -118,18 +118,15 @@ class Worker:
         while True:
             idle = self.engine.idle
             self.metrics.engine_progress(waiting=idle)  # a pass (or the start) is done
-            try:
+            try:  # every message waiting (idle: at least one), then a pass
                 message = self.inbox.get(block=idle)
-            except queue.Empty:
-                message = None
-            while message is not None:
-                self.metrics.engine_progress(waiting=False)  # the clock runs from here while it handles it
-                if not self._handle(*message):
-                    return
-                try:
+                while True:
+                    self.metrics.engine_progress(waiting=False)  # the clock runs from here while it handles it
+                    if not self._handle(*message):
+                        return
                     message = self.inbox.get_nowait()
-                except queue.Empty:
-                    message = None
+            except queue.Empty:
+                pass
             if not self.engine.idle:
                 self._pass()
 
@@ -141,7 +138,7 @@ class Worker:
                 self.engine.add_request(spec.prompt_ids, request_id=job.id, params=spec.params,
                                         num_blocks=spec.num_blocks, seed=spec.params.seed,
                                         stop_ids=() if spec.ignore_eos else self.session.stop_ids,
-                                        constraint=_constraint(spec), images=spec.images)
+                                        constraint=spec.fmt.constraint() if spec.fmt else None, images=spec.images)
             except Exception as e:  # the engine refused it (the app's checks should have caught this)
                 log.exception("the engine refused request %s", job.id)
                 status = 400 if isinstance(e, UserError) else 500
@@ -177,7 +174,7 @@ class Worker:
             self.prefix_base = (m.prefix_cache_queries, m.prefix_cache_hits)
             return
         if stats["denoise_s"] > before:
-            self.metrics.decoder_pass(stats["denoise_s"] - before)
+            self.metrics.observe(self.metrics.pass_latency, stats["denoise_s"] - before)
         self.metrics.prefix_cache(self.prefix_base[0] + stats.get("prefix_cache_queries", 0),
                                   self.prefix_base[1] + stats.get("prefix_cache_hits", 0))
 
@@ -206,7 +203,7 @@ class Worker:
             log.warning("dgemma serve: request %s: the answer is empty (%s)", job.id, why)
             note = f"the answer is empty: {why}"
         use = usage(len(spec.prompt_ids), out.completion_tokens, job.steps_per_block)
-        self.metrics.finished(time.monotonic() - job.submitted)
+        self.metrics.observe(self.metrics.e2e, time.monotonic() - job.submitted)
         self._forget(job, cancelled=False, last=("end", out.finish_reason, use, note))
 
     def _dispatch(self, event: Any) -> None:
@@ -229,7 +226,7 @@ class Worker:
             self._flush_drafts(lambda d: d.job is job)  # a block's drafts before its text
             if not job.first_block:
                 job.first_block = True
-                self.metrics.first_token(time.monotonic() - job.submitted)
+                self.metrics.observe(self.metrics.ttft, time.monotonic() - job.submitted)
             self.metrics.block(job.steps_per_block[-1], len(event.tokens) if event.stop_index is None else event.stop_index)
             reasoning, content = job.output.commit(event.tokens, event.stop_index)
             if reasoning or content:
@@ -296,12 +293,3 @@ class _Draft:
         done = torch.cuda.Event()
         done.record()
         return cls(job, event, host, done)
-
-
-def _constraint(spec: Any) -> Any:
-    """The request's place in its response_format automaton (a fresh one per request), or None."""
-    if spec.fmt is None or spec.fmt.automaton is None:
-        return None
-    from dgcli.sampling.constrain import Constraint
-
-    return Constraint(spec.fmt.automaton, spec.fmt.room)
