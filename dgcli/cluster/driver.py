@@ -360,7 +360,7 @@ def _user_error(e: Exception, *, bug_ok: bool = True) -> Exception:
 
 
 class Ordered:
-    """Results in input order: a finished chunk waits (in `waiting`, which Ctrl-C may still save) for those before it."""
+    """Results in input order: a finished chunk waits (in `waiting`: Ctrl-C may still save it) for those before."""
 
     def __init__(self):
         self.next = 0

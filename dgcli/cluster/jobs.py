@@ -138,36 +138,33 @@ def bench_passes(pool: Pool, plist: list, params: Any, *, runs: int, warmup: int
     """`measure.bench.measure` with the prompts in one contiguous shard per worker, all at once; pass r of every
     shard merged into one `Pass` (appended to `out`). Returns the largest worker's peak memory. A death runs the
     whole batch size again: a row never mixes passes that did not run side by side."""
-    while True:
-        try:
+    try:
+        while True:
             pool.settle()  # replacements loaded first: every shard starts at once
-        except WorkersGone as e:
-            raise WorkersGone(f"{e}; batch size {batch_size} was not measured: rerun the bench", e.last) from None
-        n = min(len(pool.actors), len(plist))
-        bounds = [len(plist) * k // n for k in range(n + 1)]
-        chunks = [(plist[a:b], params, runs, warmup, ignore, batch_size) for a, b in zip(bounds, bounds[1:])]
-        progress = ProgressLine(len(chunks), "shards")
-        shards: list[Any] = [None] * len(chunks)
-        deaths = pool.deaths
-        try:
-            for k, got in pool.run("bench", chunks, progress=progress, whole=True):
-                shards[k] = got
-            if pool.deaths == deaths:
-                break
-            progress.note(f"dgemma: ray: a worker died during batch size {batch_size}: all its shards run again, "
-                          "side by side")
-        except WorkersGone as e:
-            raise WorkersGone(f"{e}; batch size {batch_size} was not measured: rerun the bench", e.last) from None
-        finally:
-            progress.close()
+            n = min(len(pool.actors), len(plist))
+            bounds = [len(plist) * k // n for k in range(n + 1)]
+            chunks = [(plist[a:b], params, runs, warmup, ignore, batch_size) for a, b in zip(bounds, bounds[1:])]
+            progress = ProgressLine(len(chunks), "shards")
+            shards: list[Any] = [None] * len(chunks)
+            deaths = pool.deaths
+            try:
+                for k, got in pool.run("bench", chunks, progress=progress, whole=True):
+                    shards[k] = got
+                if pool.deaths == deaths:
+                    break
+                progress.note(f"dgemma: ray: a worker died during batch size {batch_size}: all its shards run "
+                              "again, side by side")
+            finally:
+                progress.close()
+    except WorkersGone as e:
+        raise WorkersGone(f"{e}; batch size {batch_size} was not measured: rerun the bench", e.last) from None
     out.extend(merge_pass([s["passes"][r] for s in shards]) for r in range(runs))
     peak = max(shards, key=lambda s: s["peak_memory"][0])["peak_memory"]
     return peak[0], f"the largest of {len(shards)} Ray workers: {peak[1]}"
 
 
 def merge_pass(parts: list) -> Any:
-    """One timed pass from the shards' simultaneous passes: lists in prompt order, counts summed, the wall time the
-    slowest shard's."""
+    """One timed pass from the shards' simultaneous passes: counts summed, the wall time the slowest shard's."""
     from dgcli.measure.metrics import Pass
 
     cat = lambda name: [x for p in parts for x in getattr(p, name)]  # noqa: E731

@@ -55,15 +55,12 @@ class Worker:
         from dgcli.measure.bench import PeakMemory
         from dgcli.runtime.session import open_any, open_session
 
-        spec = dict(self.spec)
-        kind = spec.pop("kind")
-        spec.pop("weights_fields", None)
-        prefix_caching = spec.pop("prefix_caching", True)
-        os.environ.update(spec.pop("env", {}))  # the driver's DGEMMA_* settings (e.g. --fp8-activations)
+        spec = self.spec
+        os.environ.update(spec.get("env", {}))  # the driver's DGEMMA_* settings (e.g. --fp8-activations)
         if spec.get("threads") is None and os.environ.get("OMP_NUM_THREADS") == str(self.cpus):
             os.environ.pop("OMP_NUM_THREADS")  # Ray's own setting: let dgemma's thread rule decide, then cap it
         self.baseline = PeakMemory.maxrss()
-        if kind == "generate":
+        if spec["kind"] == "generate":
             s = open_session(spec["model"], spec["preset"], spec["flags"], compile=spec["compile"],
                              threads=spec["threads"], cuda_graphs=spec["cuda_graphs"])
         else:
@@ -73,7 +70,7 @@ class Worker:
         if spec["threads"] is None and s.device.type == "cpu" and s.threads > self.cpus:
             torch.set_num_threads(self.cpus)
             s = dataclasses.replace(s, threads=self.cpus, threads_source=f"ray: the worker's {self.cpus} CPU(s)")
-        s.prefix_caching = prefix_caching  # the driver's --no-prefix-caching
+        s.prefix_caching = spec.get("prefix_caching", True)  # the driver's --no-prefix-caching
         self.session = s
         return s
 

@@ -2,8 +2,9 @@
 answered before torch is imported and before a weight is read (a refusal after a 15 GB load costs minutes).
 
 Owns: the settings a run will use from the config files alone (`settings_source`, `resolve_for`), the thread bound
-(`thread_limit`), the memory preflight of slots and context (`check_memory`: the cost model's peak, weights
-aside), and the character bound of a prompt (`check_prompt_chars`). Must not: import torch, read tensors or print.
+(`thread_limit`), the memory preflight (`check_memory`: slots and context, weights aside; `check_low_memory`: a
+GGUF model's floor), and the character bound of a prompt (`check_prompt_chars`). Must not: import torch, read
+tensors or print.
 """
 
 from __future__ import annotations
@@ -141,6 +142,27 @@ def _cgroup_folders() -> list[Path]:
         if folder == base:
             return out
         folder = folder.parent
+
+
+def check_low_memory(path: Path, cfg: ModelConfig, resolved: Resolved) -> None:
+    """Refuse, before the load, a GGUF model that cannot run even in low-memory mode in the memory this process may
+    take: its KV cache and working set, the resident weights and two layers must fit (else it thrashes or meets
+    the OOM killer without a word)."""
+    from dgcli.checkpoint.load import GGUF, format_of
+    from dgcli.measure.cost.gguf import gguf_fit, gguf_inventory
+
+    free = available_ram()
+    if free is None or format_of(path, file_ok=False) != GGUF:
+        return
+    dtype = resolved.run.dtype if resolved.run.dtype != "auto" else cfg.dtype
+    ctx = cfg.canvas_length * blocks_for(resolved.params, resolved.run.max_tokens, cfg.canvas_length)
+    need = gguf_fit(gguf_inventory(path), cfg, dtype, ctx, 0, None)["need_low_memory"]
+    if need > free:
+        cap, gib = memory_cap(), 2**30
+        where = f"under this process's memory cap of {cap[1] / gib:.2f} GiB" if cap and cap[0] <= free else "in RAM"
+        raise UserError(f"{path}: needs at least {need / gib:.2f} GiB even in low-memory mode (KV cache, working "
+                        f"memory, the embedding and two layers' weights; the rest is read from disk each step), more "
+                        f"than the {free / gib:.2f} GiB free {where}; raise the memory cap (or free memory)")
 
 
 def _beyond_weights(cfg: ModelConfig, b: int, context: int, ab: int, cpu: bool, stability: int) -> int:

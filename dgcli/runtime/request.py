@@ -33,8 +33,7 @@ class Response:
     block_prefix: list[int] = field(default_factory=list)  # cache length when each block started
 
     def as_dict(self, settings: dict) -> dict:
-        """The `--format json` result (PRODUCT.md). `settings.run.device` and `dtype` are what ran (e.g. `cpu`,
-        `float32`), not what was asked (`auto`); `settings.sources` says where each value came from."""
+        """The `--format json` result (PRODUCT.md)."""
         d = self.done
         return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
                 "blocks": d.blocks, "steps_per_block": d.steps_per_block, "tokens_per_forward": d.tokens_per_forward,
@@ -150,8 +149,8 @@ def only_padding(token_ids: Sequence[int], pad_id: int) -> bool:
 
 
 def is_empty(token_ids: Sequence[int], text: str | None, pad_id: int) -> bool:
-    """An answer without text (the CLI notes it, the server may log it): a stop id came first, or every
-    position settled on the pad id, which is what a chat-trained checkpoint does with a raw prompt."""
+    """An answer without text: a stop id came first, or every position settled on the pad id (a chat-trained
+    checkpoint's answer to a raw prompt)."""
     if text is not None:
         return not text.strip()
     return not token_ids or only_padding(token_ids, pad_id)
@@ -159,17 +158,14 @@ def is_empty(token_ids: Sequence[int], text: str | None, pad_id: int) -> bool:
 
 def stream(session: Any, prompt_ids: Sequence[int], *, params: Any = None, ignore_eos: bool = False,
            init_canvas: Sequence[int] | None = None, json_schema: dict | None = None) -> Iterator[Event]:
-    """The loop's events for one request. `prompt_ids`: token ids (`encode` makes them from text); `params`
-    (default: the session's) may change per request, its `max_blocks` setting the block count under the session's
-    token budget; `init_canvas`: a whole first canvas of token ids (see `fill_canvas`); `json_schema`: the answer
-    is JSON valid under this schema (`constraint`)."""
+    """The engine's events for one request: token ids (`encode` makes them), `params` (default: the session's),
+    `init_canvas` (a whole first canvas of ids: `fill_canvas`), `json_schema` (the answer is JSON valid under it)."""
     prompt_ids = check_ids(prompt_ids, session.config.vocab_size, "prompt_ids")
     return _one(session, prompt_ids, params, ignore_eos, canvas_ids(session, init_canvas), json_schema)
 
 
 def constraint(session: Any, json_schema: dict | None, num_blocks: int, ignore_eos: bool = False) -> Any:
-    """The Constraint of an answer under `json_schema` (None: none) on the session's tokenizer; `{}`-like any-object
-    requests pass `sampling.constrain.ANY_OBJECT`. One UserError line for a schema refused."""
+    """The Constraint of an answer under `json_schema` (None: none; any object: `sampling.constrain.ANY_OBJECT`)."""
     if json_schema is None:
         return None
     if session.tokenizer is None:
@@ -220,12 +216,9 @@ def run_batch(session: Any, prompts: Iterable[Sequence[int]], *, batch_size: int
               on_event: Callable[[Event], None] | None = None, stats: dict | None = None,
               json_schemas: Iterable[dict | None] | None = None,
               images: list | None = None) -> Iterator[tuple[int, Response]]:
-    """Many requests through the batched loop with continuous batching (`batch_size` slots; the rest queue
-    in input order); yields (index, Response) as each request finishes (events carry `row` = the index).
-    `prompts`: token-id lists, any iterable (read whole at the call); `seeds` (default: the params' seed),
-    `init_canvases` (whole first canvases or None), `json_schemas` and `images` (`runtime.vision.engine_images`):
-    one per prompt, as `run` takes them. Every input is checked at the call, before anything runs. A request's
-    answer does not depend on its batch-mates. `stats` receives the loop's pass counts."""
+    """Many requests with continuous batching (`batch_size` slots; the rest queue in input order); yields (index,
+    Response) as each finishes. `seeds` (default: the params'), `init_canvases`, `json_schemas`, `images`: one per
+    prompt, as `run` takes them. Every input is checked at the call; `stats` receives the engine's pass counts."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise UserError(f"--batch-size {batch_size}: must be a whole number >= 1")
     fix = "pass a list of token-id lists ([request.encode(session, text), ...])"
@@ -288,9 +281,8 @@ def _responses(session: Any, prompts: list[list[int]], events: Iterator[Event], 
 
 
 def _check_finite(session: Any, step: Step) -> bool:
-    """The first step's entropy on a CPU run: NaN where the logits hold NaN or Inf, which only corrupt weights give;
-    the answer would be noise, so the run stops with one line. Not on a GPU: there the value lives on the device and
-    reading it here would be a sync outside the runner (the engine reads device values only through it)."""
+    """Stop with one line when the first step's entropy on a CPU run is NaN (corrupt weights: the answer would be
+    noise). Not on a GPU: reading the value would be a sync outside the runner."""
     import math
 
     if step.mean_entropy.device.type == "cpu" and not math.isfinite(float(step.mean_entropy)):
@@ -309,9 +301,8 @@ def _response(session: Any, prompt_ids: Sequence[int], done: Done, starts: list[
 
 def generate(session: Any, text: str, *, raw: bool = False, thinking: bool | None = None,
              show_thinking: bool = False, init_canvas: str | Sequence[int] | None = None, **kw: Any) -> Response:
-    """Text in, `Response` out: `encode` then `run` (keyword arguments as `run`'s). `init_canvas` as the CLI's
-    --init-canvas: a str is text ("1 2 3" too) or "ids:5,6,7" (`read_init_canvas`), the rest of the canvas
-    seeded noise for the params' seed (`fill_canvas`); token ids are a whole canvas, as `run` takes them."""
+    """Text in, `Response` out: `encode` then `run`. A str `init_canvas` is read as --init-canvas is (the rest of
+    the canvas seeded noise); token ids are a whole canvas, as `run` takes them."""
     ids = encode(session, text, raw=raw, thinking=thinking)
     if isinstance(init_canvas, str):
         seed = (kw.get("params") or session.params).seed

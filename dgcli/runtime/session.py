@@ -20,8 +20,8 @@ import torch
 from dgcli.checkpoint.config import parse_config
 from dgcli.errors import UserError
 from dgcli.model.config import ModelConfig
-from dgcli.runtime.preflight import (BUNDLED, check_threads, default_model_path, resolve_for,  # noqa: F401 (re-exports)
-                                     settings_source, thread_limit)
+from dgcli.runtime.preflight import (BUNDLED, check_low_memory, check_threads, default_model_path,  # noqa: F401
+                                     resolve_for, settings_source, thread_limit)
 from dgcli.runtime.settings import Resolved, blocks_for, resolve, stop_ids_from_generation_config
 
 
@@ -192,7 +192,7 @@ def open_session(model: str | None, preset: str | None, flags: dict, *, need_tok
         check(cfg, resolved, device)
     dtype = resolve_dtype(resolved.run.dtype)  # auto: the checkpoint's own dtype
     if device.type == "cpu" and low_memory is not False:
-        check_low_memory(path, cfg, resolved)
+        check_low_memory(path, cfg, resolved)  # before the load
     n_threads = set_threads(cfg, device, threads)
     tokenizer = load_tokenizer(path, need_tokenizer)
     if chat and tokenizer is not None:
@@ -203,28 +203,6 @@ def open_session(model: str | None, preset: str | None, flags: dict, *, need_tok
     if device.type == "cpu" and not compile:
         low_memory_mode(m, resolved, low_memory)
     return s
-
-
-def check_low_memory(path: Path, cfg: ModelConfig, resolved: Resolved) -> None:
-    """Refuse, before the load, a GGUF model that cannot run even in low-memory mode in the memory this process may
-    take: its KV cache and working set, the resident weights and two layers must fit (else it thrashes or meets
-    the OOM killer without a word)."""
-    from dgcli.checkpoint.load import GGUF, format_of
-    from dgcli.measure.cost.gguf import gguf_fit, gguf_inventory
-    from dgcli.runtime.preflight import available_ram, memory_cap
-
-    free = available_ram()
-    if free is None or format_of(path, file_ok=False) != GGUF:
-        return
-    dtype = resolved.run.dtype if resolved.run.dtype != "auto" else cfg.dtype
-    ctx = cfg.canvas_length * blocks_for(resolved.params, resolved.run.max_tokens, cfg.canvas_length)
-    need = gguf_fit(gguf_inventory(path), cfg, dtype, ctx, 0, None)["need_low_memory"]
-    if need > free:
-        cap, gib = memory_cap(), 2**30
-        where = f"under this process's memory cap of {cap[1] / gib:.2f} GiB" if cap and cap[0] <= free else "in RAM"
-        raise UserError(f"{path}: needs at least {need / gib:.2f} GiB even in low-memory mode (KV cache, working "
-                        f"memory, the embedding and two layers' weights; the rest is read from disk each step), more "
-                        f"than the {free / gib:.2f} GiB free {where}; raise the memory cap (or free memory)")
 
 
 def low_memory_mode(m: Any, resolved: Resolved, force: bool | None) -> tuple[int, int] | None:

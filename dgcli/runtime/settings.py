@@ -188,12 +188,8 @@ class Resolved:
     lifted_budget: tuple[int, Source] | None = None
 
     def as_dict(self) -> dict[str, Any]:
-            return {
-            "params": dataclasses.asdict(self.params),
-            "run": dataclasses.asdict(self.run),
-            "sources": dict(self.sources),
-            "preset": self.preset,
-        }
+        return {"params": dataclasses.asdict(self.params), "run": dataclasses.asdict(self.run),
+                "sources": dict(self.sources), "preset": self.preset}
 
     def blocks(self, canvas_length: int) -> dict[str, Any]:
         """The block count, its source and the rule in words, e.g. {"value": 4, "source": "checkpoint", "rule":

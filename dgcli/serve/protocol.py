@@ -208,9 +208,7 @@ def _messages(body: dict) -> list[dict]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or "role" not in m:
             raise ApiError(400, f"messages[{i}] must be an object with a role and content", param="messages")
-        role = m["role"]
-        if role == "developer":
-            role = "system"
+        role = "system" if m["role"] == "developer" else m["role"]
         if role not in ("system", "user", "assistant"):
             raise ApiError(400, f"messages[{i}].role={role!r} is not supported; use system, user or assistant",
                            param="messages")

@@ -21,8 +21,7 @@ _SCHEMA_KEYS = ("name", "schema", "strict", "description")
 
 @dataclass
 class Format:
-    """The automaton a request is drawn under (None: free text), where it must close (`room`), the tool mode and
-    names."""
+    """The automaton a request is drawn under (None: free text), where it must close, the tool mode and names."""
 
     automaton: Any
     room: int
