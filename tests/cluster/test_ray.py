@@ -111,6 +111,14 @@ def test_ray_is_not_imported_without_the_flag(tmp_path):
     assert out.stdout.splitlines()[0] == "t a c"  # the run itself happened
 
 
+def test_the_pause_points_are_no_environment_switch():
+    """The tests' pause points reach the workers through `Pool.pause`, not the environment: the package reads only
+    its four DGEMMA_* settings, so a DGEMMA_RAY_PAUSE left in a shell is named as unknown."""
+    out = subprocess.run([sys.executable, "-m", "dgcli.cli", "--version"], env={**ENV, "DGEMMA_RAY_PAUSE": "load:/x"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "dgemma: warning: DGEMMA_RAY_PAUSE is not a dgemma setting" in out.stderr
+
+
 def test_without_ray_installed_the_flag_is_one_line(thirty, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # what `import ray` meets in an install without the extra
     code, out, err = run(["generate", "--input-jsonl", str(thirty), "--ray", "local"], capsys)
