@@ -25,10 +25,10 @@ OBJECT_STORE_BYTES = 200 * 2**20  # --ray local: results are small; a big store 
 PROGRESS_EVERY_S = 1.0  # off a terminal, the progress line is written at most this often
 
 
-def _reachable(address: str, flag: str) -> None:
+def _reachable(address: str) -> None:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
-        raise UserError(f"{flag} {address}: give HOST:PORT (e.g. 127.0.0.1:6379), local or auto")
+        raise UserError(f"--ray {address}: give HOST:PORT (e.g. 127.0.0.1:6379), local or auto")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
     except OSError as e:
@@ -39,10 +39,9 @@ def _reachable(address: str, flag: str) -> None:
 def _auth_from_token_file() -> None:
     """`ray start --head` writes a token to ~/.ray/auth_token and enforces it; a connecting driver sends it
     only in token mode, so turn that on when a token is at hand (an explicit RAY_AUTH_MODE wins)."""
-    if "RAY_AUTH_MODE" in os.environ:
-        return
-    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") or \
-            (Path.home() / ".ray" / "auth_token").exists():
+    token = os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") or \
+        (Path.home() / ".ray" / "auth_token").exists()
+    if token and "RAY_AUTH_MODE" not in os.environ:
         os.environ["RAY_AUTH_MODE"] = "token"
 
 
@@ -76,7 +75,7 @@ def connect(address: str) -> tuple[Any, str, bool]:
         address = found
     if address != "local":
         # Before Ray is imported: a wrong address is one line at once, and Ray reads the auth mode once.
-        _reachable(address.removeprefix("ray://"), "--ray")  # ray://: a Ray Client server, joined as given
+        _reachable(address.removeprefix("ray://"))  # ray://: a Ray Client server, joined as given
         _auth_from_token_file()
     ray = import_ray()
     _errors_to_stderr()

@@ -17,6 +17,7 @@ from typing import Any
 
 from dgcli.checkpoint.config import parse_config
 from dgcli.checkpoint.load import load_config, load_generation_config
+from dgcli.engine import over_context
 from dgcli.errors import UserError
 from dgcli.model.config import ModelConfig
 from dgcli.runtime.settings import Resolved, blocks_for, resolve
@@ -231,7 +232,7 @@ def prompt_count(resolved: Resolved, *, prompts_file: str | None, random_ids: bo
 def check_blocks(cfg: ModelConfig, resolved: Resolved) -> int:
     """The block count, refused before the load when even a one-token prompt and its canvases exceed the context."""
     blocks = blocks_for(resolved.params, resolved.run.max_tokens, cfg.canvas_length)
-    if 1 + blocks * cfg.canvas_length > cfg.max_position_embeddings:
+    if over_context(1, blocks, cfg.canvas_length, cfg.max_position_embeddings) is not None:  # the engine's rule
         raise UserError(f"{blocks} block(s) of {cfg.canvas_length} exceed the model's context of "
                         f"{cfg.max_position_embeddings} with any prompt; lower --blocks (or --max-tokens, which sets "
                         "the block count when --blocks is not given)")
