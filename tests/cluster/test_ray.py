@@ -45,7 +45,8 @@ def _procs_under(marker: str) -> list[int]:
     for p in Path("/proc").iterdir():
         if p.name.isdigit():
             try:
-                if marker in (p / "cmdline").read_bytes().decode(errors="replace"):
+                # the folder itself, not a longer name it begins (/tmp/rdg12 must not match /tmp/rdg123)
+                if re.search(re.escape(marker) + r"(?![0-9])", (p / "cmdline").read_bytes().decode(errors="replace")):
                     found.add(int(p.name))
                 parent[int(p.name)] = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
             except (OSError, ValueError, IndexError):
