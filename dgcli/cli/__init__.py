@@ -96,7 +96,6 @@ _WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}
 
 # Every DGEMMA_* variable dgemma reads; any other is a typo or a retired switch, and would change nothing silently.
 KNOWN_VARIABLES = ("DGEMMA_KERNELS", "DGEMMA_FP8", "DGEMMA_API_KEY", "DGEMMA_DEBUG")
-TEST_VARIABLES = ("DGEMMA_RAY_PAUSE",)  # the --ray tests' pause points (dgcli/cluster/worker.py)
 
 
 def _check_variables() -> None:
@@ -120,7 +119,7 @@ def _check_variables() -> None:
                   file=sys.stderr)
             os.environ["OMP_NUM_THREADS"] = str(thread_limit())
     for name in sorted(os.environ):
-        if name.startswith("DGEMMA_") and name not in KNOWN_VARIABLES + TEST_VARIABLES:
+        if name.startswith("DGEMMA_") and name not in KNOWN_VARIABLES:
             print(f"dgemma: warning: {name} is not a dgemma setting and changes nothing (known: "
                   f"{', '.join(KNOWN_VARIABLES)})", file=sys.stderr)
 

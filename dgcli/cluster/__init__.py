@@ -1,16 +1,10 @@
-"""`--ray ADDRESS`: generate --input-jsonl, sweep and bench spread over the actors of a Ray cluster.
-
-`driver` connects (or starts a local cluster) and runs chunks of work over a pool of actors, replacing
-dead ones; `worker` is the actor, one session each, calling the same library functions a local run calls;
-`jobs` turns each command's work into chunks and their results back into what the local run writes.
-Must not: be imported unless `--ray` is given (Ray is an optional extra), or contain a denoising loop.
+"""`--ray ADDRESS`: generate --input-jsonl, sweep and bench spread over the actors of a Ray cluster (`driver`: the
+pool; `worker`: the actor; `jobs`: each command's chunks). Must not: import Ray unless `--ray` is given.
 """
 
 from __future__ import annotations
 
 from dgcli.errors import UserError
-
-INSTALL = "pip install 'dgemma[ray]'"
 
 
 def import_ray():
@@ -18,7 +12,7 @@ def import_ray():
     try:
         import ray
     except ImportError:
-        raise UserError(f"--ray needs Ray, which is not installed: {INSTALL}") from None
+        raise UserError("--ray needs Ray, which is not installed: pip install 'dgemma[ray]'") from None
     return ray
 
 

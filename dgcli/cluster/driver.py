@@ -1,12 +1,8 @@
-"""The driver side of `--ray`: connecting to a cluster (or starting one on this machine), a pool of worker
-actors, and running chunks of work over it with dead workers replaced and their chunks re-run.
+"""The driver side of `--ray`: connecting to a cluster (or starting one here), a pool of worker actors, and
+chunks of work run over it with dead workers replaced and their chunks re-run.
 
-Owns: what `--ray local|auto|HOST:PORT` means, the quick reachability check (Ray's own connect retries for
-minutes), the actors' resources (`--ray-workers`, `--ray-gpus-per-worker`, CPUs split so workers do not
-oversubscribe the cores), the work queue, fault handling (a worker that dies at any point, loading, idle or
-mid-chunk, is replaced after a backoff, a bounded number of times; a chunk whose worker died goes back on the
-queue; a finished chunk is never run again; with no worker left, `WorkersGone` says so with the last worker's
-error), the progress line on stderr, and results in input order (`Ordered`).
+Owns: what `--ray local|auto|HOST:PORT` means, the quick reachability check (Ray's own retries take minutes), the
+actors' resources, the work queue, fault handling (`Pool`), the progress line on stderr, results in input order.
 Must not: know what a chunk computes (dgcli.cluster.jobs does), print to stdout, or load a model here.
 """
 
@@ -29,11 +25,10 @@ OBJECT_STORE_BYTES = 200 * 2**20  # --ray local: results are small; a big store 
 PROGRESS_EVERY_S = 1.0  # off a terminal, the progress line is written at most this often
 
 
-def _reachable(address: str, flag: str) -> None:
-    """One TCP connect with a short timeout: an unreachable head is one line in seconds, not Ray's retries."""
+def _reachable(address: str) -> None:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
-        raise UserError(f"{flag} {address}: give HOST:PORT (e.g. 127.0.0.1:6379), local or auto")
+        raise UserError(f"--ray {address}: give HOST:PORT (e.g. 127.0.0.1:6379), local or auto")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
     except OSError as e:
@@ -44,17 +39,15 @@ def _reachable(address: str, flag: str) -> None:
 def _auth_from_token_file() -> None:
     """`ray start --head` writes a token to ~/.ray/auth_token and enforces it; a connecting driver sends it
     only in token mode, so turn that on when a token is at hand (an explicit RAY_AUTH_MODE wins)."""
-    if "RAY_AUTH_MODE" in os.environ:
-        return
-    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") or \
-            (Path.home() / ".ray" / "auth_token").exists():
+    token = os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") or \
+        (Path.home() / ".ray" / "auth_token").exists()
+    if token and "RAY_AUTH_MODE" not in os.environ:
         os.environ["RAY_AUTH_MODE"] = "token"
 
 
 def _errors_to_stderr() -> None:
-    """Ray's driver prints the cluster's error messages (e.g. "A worker died...") on stdout, which carries only
-    answers here: send them to stderr. Ray 2.60's module function is wrapped (the extra pins that version);
-    without it the messages stay where Ray puts them."""
+    """Ray's driver prints the cluster's errors ("A worker died...") on stdout, which carries only answers here:
+    wrap Ray 2.60's printer (the extra pins it) to send them to stderr."""
     import ray._private.worker as ray_worker
 
     original = getattr(ray_worker, "print_to_stdstream", None)
@@ -81,8 +74,9 @@ def connect(address: str) -> tuple[Any, str, bool]:
                             "start one with `ray start --head`, or use --ray local")
         address = found
     if address != "local":
-        _reachable(address.removeprefix("ray://"), "--ray")  # ray://: a Ray Client server, joined as given  # before Ray is even imported: a wrong address is one line, at once
-        _auth_from_token_file()  # before Ray is imported too: it reads the mode once
+        # Before Ray is imported: a wrong address is one line at once, and Ray reads the auth mode once.
+        _reachable(address.removeprefix("ray://"))  # ray://: a Ray Client server, joined as given
+        _auth_from_token_file()
     ray = import_ray()
     _errors_to_stderr()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -132,8 +126,7 @@ class ProgressLine:
 
 
 class WorkersGone(UserError):
-    """Every worker died and the restarts are spent (or none could load the model): the run cannot go on
-    here. `str()` is the line; the caller adds what is kept and how `--resume` finishes the run."""
+    """Every worker died and the restarts are spent (or none could load the model); the caller adds what is kept."""
 
     def __init__(self, message: str, last: str):
         super().__init__(message)
@@ -149,10 +142,13 @@ def _deaths() -> tuple[type, ...]:
 
 
 class Pool:
-    """`workers` actors of dgcli.cluster.worker.Worker, each opening one session from `spec` (kwargs of the
-    session opener), on `gpus` GPUs and an even share of the CPUs each. A worker that dies at any point (while
-    loading, idle, mid-chunk) is replaced after a backoff, at most `max_replacements` times in all; past that
-    the others go on alone, and with none left `WorkersGone` says so with the last worker's error."""
+    """`workers` actors of dgcli.cluster.worker.Worker, each opening one session from `spec`, on `gpus` GPUs and an
+    even share of the CPUs each. A worker that dies at any point (loading, idle, mid-chunk) is replaced after a
+    backoff, at most `max_replacements` times in all; with none left, `WorkersGone` names the last worker's error."""
+
+    # For tests only: "POINT:DIR" makes each worker wait at POINT (dgcli/cluster/worker.py: `Worker._pause`) so that
+    # a test can kill it there. Set it on the class before the command runs; it reaches the workers in their spec.
+    pause: str | None = None
 
     def __init__(self, address: str, spec: dict, *, workers: int | None, gpus: float | None,
                  warn: Callable[[str], None]):
@@ -200,14 +196,13 @@ class Pool:
         if self.remote_class is None:  # restarts are ours (a replacement, its chunk re-queued), not Ray's
             self.remote_class = self.ray.remote(num_cpus=self.cpus, num_gpus=self.gpus, max_restarts=0,
                                                 max_task_retries=0)(Worker)
-        actor = self.remote_class.remote(self.spec, self.cpus)
+        actor = self.remote_class.remote(self.spec, self.cpus, self.pause)
         self.actors.append(actor)
         self.loading[actor.load.remote()] = actor
 
     def start(self) -> list[dict]:
-        """Start the workers and load a session in each (in parallel). Returns once every first worker has loaded
-        or died (at least one loaded; replacements of the dead load on and join when ready): pid, node, device of
-        each loaded one. A worker that cannot load the model (its own error, not a death) is one line."""
+        """Start the workers, loading in parallel; once each first worker has loaded or died (one at least loaded),
+        the loaded ones' pid, node and device. A worker that cannot load the model (not a death) is one line."""
         for _ in range(self.workers):
             self._spawn()
         first = set(self.actors)
@@ -229,10 +224,9 @@ class Pool:
 
     def run(self, method: str, chunks: list[tuple], *, sizes: list[int] | None = None,
             progress: ProgressLine | None = None, whole: bool = False) -> Iterator[tuple[int, Any]]:
-        """Every chunk's `method(*chunk)` on some worker; yields (chunk index, result) as each finishes. A chunk
-        whose worker died goes back to the front of the queue; a finished chunk is never run again. `whole`: the
-        chunks belong together (bench's shards); after a death none starts, the running ones finish, and the
-        caller (who sees `deaths` grow) runs them all again."""
+        """Every chunk's `method(*chunk)` on some worker; yields (chunk index, result) as each finishes. A dead
+        worker's chunk goes back to the front of the queue. `whole` (bench's shards): after a death none starts,
+        the running ones finish, and the caller (who sees `deaths` grow) runs them all again."""
         queue = deque(range(len(chunks)))
         inflight: dict[Any, tuple[int, Any]] = {}
         done, sizes, deaths = 0, sizes or [1] * len(chunks), self.deaths
@@ -356,8 +350,8 @@ def _first_line(error: Exception) -> str:
 
 
 def _user_error(e: Exception, *, bug_ok: bool = True) -> Exception:
-    """A worker's own UserError (a model it cannot load, a bad setting) as one line. A worker that cannot start
-    (`bug_ok`) is one line too; a failure in a chunk's own code stays the worker's exception, traceback and all."""
+    """A worker's own UserError as one line, and (`bug_ok`) a worker that cannot start; a failure in a chunk's own
+    code stays the worker's exception, traceback and all."""
     cause = getattr(e, "cause", None)
     if isinstance(cause, UserError):
         return UserError(f"ray worker: {cause}")
@@ -365,8 +359,7 @@ def _user_error(e: Exception, *, bug_ok: bool = True) -> Exception:
 
 
 class Ordered:
-    """Results in input order from results in any order: a finished chunk waits (in `waiting`) for the
-    ones before it. On Ctrl-C the caller may still save what waits."""
+    """Results in input order: a finished chunk waits (in `waiting`: Ctrl-C may still save it) for those before."""
 
     def __init__(self):
         self.next = 0

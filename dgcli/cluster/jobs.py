@@ -1,15 +1,10 @@
-"""What generate --input-jsonl, sweep and bench hand to the pool under `--ray`, and how their results come
-back: the same objects the local run produces (Responses in input order, sweep rows in cell order, bench
-`Pass`es), for the command's own writers.
+"""What generate --input-jsonl, sweep and bench hand to the pool under `--ray`, and their results back as the
+objects the local run produces (Responses in input order, sweep rows in cell order, bench `Pass`es).
 
-Owns: the session spec the workers open (paths made absolute: a worker's working folder is not ours), the
-driver's copy of a session (the first worker's description plus the tokenizer the output needs; the model is
-loaded only in the workers), how work is cut into chunks (generate: 2 x --batch-size rows; sweep: one cell;
-bench: one contiguous shard of the prompts per worker), how a bench pass is put back together (from shards
-that ran side by side: a death re-runs the batch size whole), and what the line says when every worker is gone
-(what was written stays, and how to finish).
-Must not: run the model in the driver, contain a denoising loop, or print anything but the progress line
-and notes on stderr.
+Owns: the session spec the workers open, the driver's copy of a session (no weights), how work is cut into chunks
+(generate: 2 x --batch-size rows; sweep: one cell; bench: one shard of the prompts per worker), how a bench pass
+is put back together, and what the line says when every worker is gone.
+Must not: run the model in the driver, contain a denoising loop, or print anything but notes on stderr.
 """
 
 from __future__ import annotations
@@ -28,9 +23,8 @@ GENERATE_CHUNK = 2  # --input-jsonl rows per chunk, in --batch-size units: small
 def spec(kind: str, *, model: str | None, preset: str | None, flags: dict, compile: bool, threads: int | None,
          cuda_graphs: bool | None, dummy: str | None = None, layers: int | None = None, weights: str = "bf16",
          weights_fields: Callable[[Any], dict] | None = None, prefix_caching: bool = True) -> dict:
-    """What each worker opens: `kind` "generate" (a checkpoint with its tokenizer) or "any" (bench, sweep).
-    `weights_fields(model)`: the command's own description of the weights (bench's row fields), run in a worker
-    (Ray ships a module-level function by name)."""
+    """What each worker opens: `kind` "generate" (a checkpoint with its tokenizer) or "any" (bench, sweep); paths
+    made absolute. `weights_fields(model)`: the command's description of the weights, run in a worker."""
     def absolute(p: str | None) -> str | None:
         return str(Path(p).resolve()) if p is not None and Path(p).exists() else p
 
@@ -58,8 +52,8 @@ def open_pool(address: str, workers: int | None, gpus: float | None, worker_spec
 
 
 def driver_session(pool: Pool, *, measure_peaks: bool = False, need_tokenizer: bool = True) -> tuple[Any, Any, dict]:
-    """(session, the workers' device peaks, `weights_fields` of their model) in the driver: the first worker's session
-    without weights, with the tokenizer loaded here (prompts are encoded and answers written here)."""
+    """(session, the workers' device peaks, `weights_fields` of their model): the first worker's session without
+    weights, with the tokenizer loaded here (prompts are encoded and answers written here)."""
     from dgcli.checkpoint.load import load_tokenizer
 
     shadow, peaks, fp8 = pool.call("describe", measure_peaks)
@@ -68,9 +62,7 @@ def driver_session(pool: Pool, *, measure_peaks: bool = False, need_tokenizer: b
 
 
 def shared_node_note(pool: Pool) -> str | None:
-    """bench and sweep: one line when two CPU workers sit on one node. Their timed work runs at the same time
-    and competes for the node's cores and memory bandwidth, so a cell's speed (a shard's) depends on what runs
-    beside it; None when each node holds one CPU worker (GPU workers have a device each)."""
+    """bench and sweep: one line when two CPU workers share a node (their timed work competes for its cores)."""
     from collections import Counter
 
     nodes = Counter(i["node"] for i in pool.infos.values() if i and str(i.get("device", "")).startswith("cpu"))
@@ -88,8 +80,7 @@ def shared_node_note(pool: Pool) -> str | None:
 
 def run_rows(pool: Pool, requests: list, *, batch_size: int, show_thinking: bool, on_event: Callable | None,
              write: Callable[[int, Any], None], resume: str = "") -> list[Any]:
-    """`dgcli.cli.batch.run_rows` over the workers: chunks of rows to whichever worker is free, `write(index,
-    response)` in input order (a finished chunk waits for the ones before it). Returns the responses. With no
+    """`dgcli.cli.batch.run_rows` over the workers: `write(index, response)` in input order; the responses. With no
     worker left: one line, with `resume` (how to finish the run)."""
     size = GENERATE_CHUNK * batch_size
     chunks = [([(i, r.prompt_ids, r.seed, r.init_canvas) for i, r in enumerate(requests[at:at + size], at)],
@@ -120,9 +111,8 @@ def run_rows(pool: Pool, requests: list, *, batch_size: int, show_thinking: bool
 def sweep_cells(pool: Pool, todo: list, plist: list, source: str, seeds: list[int], runs: int, ignore: bool,
                 metric: str, reference: Any, label: str | None, meta: dict, fp: str, *, warmup: int,
                 warm_batch: int, measure_peaks: bool, keep: Callable[[dict], None], resume: str = "") -> Iterator[dict]:
-    """One cell per chunk; rows yielded in cell order, as the local sweep yields them. On Ctrl-C, or with no
-    worker left, the cells that finished out of order are handed to `keep` (the row file) first; then the
-    interrupt goes on, or one line says the workers are gone and how to finish (`resume`)."""
+    """One cell per chunk; rows yielded in cell order. On Ctrl-C, or with no worker left, the cells that finished
+    out of order go to `keep` (the row file) first; then the interrupt goes on, or one line says how to finish."""
     chunks = [(cell, plist, source, seeds, runs, ignore, metric, reference, label, meta, fp, warmup, warm_batch,
                measure_peaks) for cell in todo]
     order, progress = Ordered(), ProgressLine(len(todo), "cells")
@@ -145,41 +135,36 @@ def sweep_cells(pool: Pool, todo: list, plist: list, source: str, seeds: list[in
 
 def bench_passes(pool: Pool, plist: list, params: Any, *, runs: int, warmup: int, ignore: bool, batch_size: int,
                  out: list) -> tuple[int, str]:
-    """`measure.bench.measure` with the prompts split into one contiguous shard per worker, all running at
-    once; pass r of every shard put together into one `Pass` (appended to `out`). Returns the largest
-    worker's peak memory. A worker that dies during it makes the whole batch size run again (its shards timed
-    together on the workers left), never a row from passes that did not run side by side."""
-    while True:
-        try:
+    """`measure.bench.measure` with the prompts in one contiguous shard per worker, all at once; pass r of every
+    shard merged into one `Pass` (appended to `out`). Returns the largest worker's peak memory. A death runs the
+    whole batch size again: a row never mixes passes that did not run side by side."""
+    try:
+        while True:
             pool.settle()  # replacements loaded first: every shard starts at once
-        except WorkersGone as e:
-            raise WorkersGone(f"{e}; batch size {batch_size} was not measured: rerun the bench", e.last) from None
-        n = min(len(pool.actors), len(plist))
-        bounds = [len(plist) * k // n for k in range(n + 1)]
-        chunks = [(plist[a:b], params, runs, warmup, ignore, batch_size) for a, b in zip(bounds, bounds[1:])]
-        progress = ProgressLine(len(chunks), "shards")
-        shards: list[Any] = [None] * len(chunks)
-        deaths = pool.deaths
-        try:
-            for k, got in pool.run("bench", chunks, progress=progress, whole=True):
-                shards[k] = got
-            if pool.deaths == deaths:
-                break
-            progress.note(f"dgemma: ray: a worker died during batch size {batch_size}: all its shards run again, "
-                          "side by side")
-        except WorkersGone as e:
-            raise WorkersGone(f"{e}; batch size {batch_size} was not measured: rerun the bench", e.last) from None
-        finally:
-            progress.close()
+            n = min(len(pool.actors), len(plist))
+            bounds = [len(plist) * k // n for k in range(n + 1)]
+            chunks = [(plist[a:b], params, runs, warmup, ignore, batch_size) for a, b in zip(bounds, bounds[1:])]
+            progress = ProgressLine(len(chunks), "shards")
+            shards: list[Any] = [None] * len(chunks)
+            deaths = pool.deaths
+            try:
+                for k, got in pool.run("bench", chunks, progress=progress, whole=True):
+                    shards[k] = got
+                if pool.deaths == deaths:
+                    break
+                progress.note(f"dgemma: ray: a worker died during batch size {batch_size}: all its shards run "
+                              "again, side by side")
+            finally:
+                progress.close()
+    except WorkersGone as e:
+        raise WorkersGone(f"{e}; batch size {batch_size} was not measured: rerun the bench", e.last) from None
     out.extend(merge_pass([s["passes"][r] for s in shards]) for r in range(runs))
     peak = max(shards, key=lambda s: s["peak_memory"][0])["peak_memory"]
     return peak[0], f"the largest of {len(shards)} Ray workers: {peak[1]}"
 
 
 def merge_pass(parts: list) -> Any:
-    """One timed pass from the shards' passes, which ran at the same time on different workers: responses
-    and per-request latencies in prompt order, engine and prefix-cache counts summed, the wall time the slowest shard's
-    (the pass is done when its last request is)."""
+    """One timed pass from the shards' simultaneous passes: counts summed, the wall time the slowest shard's."""
     from dgcli.measure.metrics import Pass
 
     cat = lambda name: [x for p in parts for x in getattr(p, name)]  # noqa: E731

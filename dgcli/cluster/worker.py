@@ -1,16 +1,9 @@
-"""The Ray actor of `--ray`: one session per worker, loaded once, and the chunk methods the driver calls.
+"""The Ray actor of `--ray`: one session per worker, loaded once; each chunk method is the library call a local
+run makes (`request.run_batch`, `measure.sweep.run_cell`, `measure.bench.measure`), its result the same object.
 
-Each method is the library call a local run makes (`request.run_batch`, `measure.sweep.run_cell` and
-`reference_row`, `measure.bench.measure`) on this worker's session; results go back as the same
-objects (`Response`, rows, `Pass`) the local run hands its writers.
-Owns: opening the session from the driver's spec, the torch thread cap (a worker uses at most the CPUs Ray
-gave it, so workers on one machine do not oversubscribe its cores), and the session's description the driver
-formats output with (everything but the weights), and the tests' pause points. Must not: import ray (it runs
-inside Ray; the driver wraps the class), print, or write files (but a pause point's marker).
-
-Pause points, for tests that kill a worker at a known moment: with DGEMMA_RAY_PAUSE=POINT:DIR in the driver's
-environment, a worker reaching POINT (`load`: before opening its session; `describe`; `chunk`: at the start of
-every chunk) creates DIR/POINT-PID-N (N counts from 0 per process) and waits there until DIR/POINT-PID-N.go exists.
+Owns: opening the session from the driver's spec, the torch thread cap (at most the CPUs Ray gave the worker),
+the session's description for the driver (all but the weights), and the tests' pause points (`driver.Pool.pause`).
+Must not: import ray (the driver wraps the class), print, or write files (but a pause point's marker).
 """
 
 from __future__ import annotations
@@ -22,12 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-PAUSE = "DGEMMA_RAY_PAUSE"
-
 
 class _Weights:
-    """What the driver's copy of a session keeps of the model: its dtype and config (for `dtype_name`,
-    settings and cards), not the weights."""
+    """The driver's copy of a session's model: its dtype and config, not the weights."""
 
     def __init__(self, model: Any):
         import torch
@@ -37,8 +27,8 @@ class _Weights:
 
 
 class Worker:
-    def __init__(self, spec: dict, cpus: int):
-        self.spec, self.cpus = spec, cpus
+    def __init__(self, spec: dict, cpus: int, pause: str | None = None):
+        self.spec, self.cpus, self.pause = spec, cpus, pause
         self.session: Any = None
         self.baseline = 0  # ru_maxrss before the model: the CPU peak-memory figure's baseline
         self.warmed: set = set()
@@ -46,8 +36,9 @@ class Worker:
         self.paused: dict[str, int] = {}  # pause point -> times reached
 
     def _pause(self, point: str) -> None:
-        """A test's pause point (see the module's docstring); nothing unless DGEMMA_RAY_PAUSE names `point`."""
-        name, _, folder = self.spec.get("env", {}).get(PAUSE, "").partition(":")
+        """With `pause` "POINT:DIR" naming `point` (`load`, `describe`, or `chunk`: each chunk's start), create
+        DIR/POINT-PID-N (N from 0 per process) and wait until DIR/POINT-PID-N.go exists: a test kills it there."""
+        name, _, folder = (self.pause or "").partition(":")
         if name != point:
             return
         n = self.paused[point] = self.paused.get(point, -1) + 1
@@ -64,15 +55,12 @@ class Worker:
         from dgcli.measure.bench import PeakMemory
         from dgcli.runtime.session import open_any, open_session
 
-        spec = dict(self.spec)
-        kind = spec.pop("kind")
-        spec.pop("weights_fields", None)
-        prefix_caching = spec.pop("prefix_caching", True)
-        os.environ.update(spec.pop("env", {}))  # the driver's DGEMMA_* settings (e.g. --fp8-activations)
+        spec = self.spec
+        os.environ.update(spec.get("env", {}))  # the driver's DGEMMA_* settings (e.g. --fp8-activations)
         if spec.get("threads") is None and os.environ.get("OMP_NUM_THREADS") == str(self.cpus):
             os.environ.pop("OMP_NUM_THREADS")  # Ray's own setting: let dgemma's thread rule decide, then cap it
         self.baseline = PeakMemory.maxrss()
-        if kind == "generate":
+        if spec["kind"] == "generate":
             s = open_session(spec["model"], spec["preset"], spec["flags"], compile=spec["compile"],
                              threads=spec["threads"], cuda_graphs=spec["cuda_graphs"])
         else:
@@ -82,7 +70,7 @@ class Worker:
         if spec["threads"] is None and s.device.type == "cpu" and s.threads > self.cpus:
             torch.set_num_threads(self.cpus)
             s = dataclasses.replace(s, threads=self.cpus, threads_source=f"ray: the worker's {self.cpus} CPU(s)")
-        s.prefix_caching = prefix_caching  # the driver's --no-prefix-caching
+        s.prefix_caching = spec.get("prefix_caching", True)  # the driver's --no-prefix-caching
         self.session = s
         return s
 
@@ -95,8 +83,7 @@ class Worker:
         return os.getpid()
 
     def describe(self, measure_peaks: bool) -> tuple[Any, Any, dict]:
-        """(the session without weights or tokenizer, this device's roofline peaks, what the command's
-        `weights_fields` function says of the weights) for the driver's card, fingerprint and records."""
+        """(the session without weights or tokenizer, this device's peaks, the command's `weights_fields`)."""
         self._pause("describe")
         s = self._open()
         fields = self.spec["weights_fields"](s.model) if self.spec.get("weights_fields") else {}
@@ -111,8 +98,7 @@ class Worker:
         return self.peaks[measure]
 
     def generate(self, items: list[tuple], batch_size: int, show_thinking: bool, events: bool) -> list[tuple]:
-        """A chunk of `--input-jsonl` requests [(index, prompt ids, seed, first canvas)] through the batched loop:
-        [(index, Response, its events or None)] in the chunk's order."""
+        """`--input-jsonl` rows [(index, prompt ids, seed, first canvas)] -> [(index, Response, events or None)]."""
         from dgcli.runtime.request import run_batch
 
         self._pause("chunk")
@@ -124,7 +110,7 @@ class Worker:
         return [(it[0], got[n], _reindex(seen[n], it[0]) if events else None) for n, it in enumerate(items)]
 
     def reference(self, plist: list, ignore: bool, fp: str) -> dict:
-        """The sweep's reference row (agreement): `measure.sweep.reference_row`, handed back for the driver to save."""
+        """The sweep's reference row (agreement), for the driver to save."""
         from dgcli.measure import sweep as sw
 
         return sw.reference_row(self._open(), plist, ignore, fp, lambda t: None)
@@ -132,8 +118,7 @@ class Worker:
     def cell(self, cell: Any, plist: list, source: str, seeds: list[int], runs: int, ignore: bool, metric: str,
              reference: Any, label: str | None, meta: dict, fp: str, warmup: int, warm_batch: int,
              measure_peaks: bool) -> dict:
-        """One sweep cell: this worker's warm-up once (as the local sweep does before its first cell), then
-        `measure.sweep.run_cell`, its row handed back for the driver to append."""
+        """One sweep cell's row, after this worker's warm-up (once, as the local sweep's)."""
         from dgcli.measure import bench as b
         from dgcli.measure import sweep as sw
 
@@ -146,8 +131,7 @@ class Worker:
                            b.PeakMemory(s.device, self.baseline), label, meta, fp, lambda t: None)
 
     def bench(self, plist: list, params: Any, runs: int, warmup: int, ignore: bool, batch_size: int) -> dict:
-        """A shard of bench's prompts: `measure.bench.measure` (warm-up, then `runs` timed passes) and the
-        peak memory over them."""
+        """A shard of bench's prompts: its passes and the peak memory over them."""
         from dgcli.measure import bench as b
 
         self._pause("chunk")

@@ -1,13 +1,9 @@
 """`generate --check-determinism`: the same requests run again, alone and batched, and whether they decide the same.
 
-Owns: `Recorder` (an event consumer that keeps what each request decided: per step its block, step, the canvas
-the decoder saw, argmax, sample, accepted mask, next canvas and stop reason, and its entropies; the answer's ids
-and finish reason) and `check` (the requests run twice more: once as the user's run ran them, once batched the
-other way: each alone when they ran batched, beside a batch-mate when one ran alone; the first difference).
-Decisions must be equal bit for bit (the engine's promise: a request's draws are addressed by its own seed,
-block, step and position, and its answer does not depend on its batch-mates); entropies are compared apart:
-equal bits on CPU in bf16, within ~1e-4 in fp32 batched (MKL's fp32 GEMM blocks by the batch's rows:
-tests/sampling/test_batch.py), so their largest difference is reported, not failed on.
+Owns: `Recorder` (an event consumer keeping each request's decisions per step, its entropies and its answer) and
+`check` (the requests run again as the user's run ran them, then batched the other way: alone, or beside a
+batch-mate; the first difference). Decisions must be equal bit for bit (the engine's promise); entropies only
+within ~1e-4 in fp32 batched (MKL's fp32 GEMM blocks by the batch's rows), so their largest gap is reported.
 Must not: print, exit or read the user's files (the CLI says the outcome).
 """
 
@@ -66,10 +62,7 @@ def first_difference(a: Record, b: Record) -> str | None:
 
 def entropy_gap(a: Record, b: Record) -> float:
     """The largest |entropy difference| over every step and position (0.0: equal bits)."""
-    gap = 0.0
-    for x, y in zip(a.entropies, b.entropies):
-        gap = max(gap, float((x - y).abs().max()))
-    return gap
+    return max((float((x - y).abs().max()) for x, y in zip(a.entropies, b.entropies)), default=0.0)
 
 
 @dataclass

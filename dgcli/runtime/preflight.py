@@ -2,21 +2,25 @@
 answered before torch is imported and before a weight is read (a refusal after a 15 GB load costs minutes).
 
 Owns: the settings a run will use from the config files alone (`settings_source`, `resolve_for`), the thread bound
-(`thread_limit`), the memory preflight of slots and context (`check_memory`: the cost model's peak, weights
-aside), and the character bound of a prompt (`check_prompt_chars`). Must not: import torch, read tensors or print.
+(`thread_limit`), the memory preflight (`check_memory`: slots and context, weights aside; `check_low_memory`: a
+GGUF model's floor), and the character bound of a prompt (`check_prompt_chars`). Must not: import torch, read
+tensors or print.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from dgcli.checkpoint.config import parse_config
 from dgcli.checkpoint.load import load_config, load_generation_config
+from dgcli.engine import over_context
 from dgcli.errors import UserError
 from dgcli.model.config import ModelConfig
-from dgcli.runtime.settings import Resolved, resolve
+from dgcli.runtime.settings import Resolved, blocks_for, resolve
 
 BUNDLED = Path(__file__).resolve().parents[1] / "data" / "tiny"
 # More torch threads than this many per core only slow a run (they wait on each other at every op); far more (1e5)
@@ -33,7 +37,7 @@ def default_model_path() -> Path:
 def settings_source(model: str | None, dummy: str | None = None,
                     layers: int | None = None) -> tuple[Path | str, ModelConfig, dict | None, dict]:
     """Without loading weights: the checkpoint's path (or a `--dummy` config's name), its config, its generation
-    config and the flags a run of it forces (dummy weights: fixed work, as `open_dummy_session` runs them)."""
+    config and the flags a run of it forces (dummy weights: fixed work)."""
     if dummy is not None:
         from dgcli.checkpoint.random_weights import dummy_config
 
@@ -71,24 +75,28 @@ def check_threads(flag: int) -> None:
                         f"{thread_limit()}, or leave it out (1 thread for a small CPU model, else one per core)")
 
 
-def available_ram() -> int | None:
-    """What a CPU run can still take: MemAvailable and free swap (/proc/meminfo), or less where a memory cap (a
-    cgroup's limit, `memory_cap`) leaves less; None where unknown. Swap counts: the kernel ends a process only when
-    it is spent too, and a refusal must be sure."""
+def meminfo() -> dict[str, int]:
+    """MemAvailable and SwapFree from /proc/meminfo, in bytes ({} where it cannot be read)."""
     try:
-        info = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines()
+        return {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines()
                 if ln.startswith(("MemAvailable:", "SwapFree:"))}
     except (OSError, ValueError, IndexError):
-        return None
+        return {}
+
+
+def available_ram() -> int | None:
+    """What a CPU run can still take: MemAvailable and free swap (the kernel ends a process only when both are
+    spent: a refusal must be sure), or less under a memory cap (`memory_cap`); None where unknown."""
+    info = meminfo()
     free = info["MemAvailable"] + info.get("SwapFree", 0) if "MemAvailable" in info else None
     cap = memory_cap()
     return cap[0] if cap is not None and (free is None or cap[0] < free) else free
 
 
 def memory_cap() -> tuple[int, int] | None:
-    """(bytes left, limit) under the tightest memory limit of this process's cgroups (v2 `memory.max`, v1
-    `memory.limit_in_bytes`, each ancestor's too: a container's or a `systemd-run -p MemoryMax=` cap), where one
-    is set; None where none is. Left = limit - usage + the file cache in it (the kernel reclaims that first)."""
+    """(bytes left, limit) under the tightest memory limit of this process's cgroups and their ancestors (v2
+    `memory.max`, v1 `memory.limit_in_bytes`), None where none is set. Left = limit - usage + file cache (the kernel
+    reclaims that first)."""
     best = None
     for folder in _cgroup_folders():
         v2 = (folder / "memory.max").exists()
@@ -109,15 +117,15 @@ def memory_cap() -> tuple[int, int] | None:
 
 
 def _cgroup_folders() -> list[Path]:
-    """This process's memory cgroup and its ancestors, as folders under /sys/fs/cgroup (v2, or v1's memory
-    controller), leaf first; [] where they cannot be found."""
+    """This process's memory cgroup and its ancestors under /sys/fs/cgroup (v2, or v1's memory controller), leaf
+    first; [] where they cannot be found."""
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
         return []
     root = Path("/sys/fs/cgroup")
     for line in lines:
-        hid, controllers, path = line.split(":", 2)
+        _, controllers, path = line.split(":", 2)
         if "memory" in controllers.split(","):
             base = root / "memory"
             break
@@ -137,6 +145,27 @@ def _cgroup_folders() -> list[Path]:
         folder = folder.parent
 
 
+def check_low_memory(path: Path, cfg: ModelConfig, resolved: Resolved) -> None:
+    """Refuse, before the load, a GGUF model that cannot run even in low-memory mode in the memory this process may
+    take: its KV cache and working set, the resident weights and two layers must fit (else it thrashes or meets
+    the OOM killer without a word)."""
+    from dgcli.checkpoint.load import GGUF, format_of
+    from dgcli.measure.cost.gguf import gguf_fit, gguf_inventory
+
+    free = available_ram()
+    if free is None or format_of(path, file_ok=False) != GGUF:
+        return
+    dtype = resolved.run.dtype if resolved.run.dtype != "auto" else cfg.dtype
+    ctx = cfg.canvas_length * blocks_for(resolved.params, resolved.run.max_tokens, cfg.canvas_length)
+    need = gguf_fit(gguf_inventory(path), cfg, dtype, ctx, 0, None)["need_low_memory"]
+    if need > free:
+        cap, gib = memory_cap(), 2**30
+        where = f"under this process's memory cap of {cap[1] / gib:.2f} GiB" if cap and cap[0] <= free else "in RAM"
+        raise UserError(f"{path}: needs at least {need / gib:.2f} GiB even in low-memory mode (KV cache, working "
+                        f"memory, the embedding and two layers' weights; the rest is read from disk each step), more "
+                        f"than the {free / gib:.2f} GiB free {where}; raise the memory cap (or free memory)")
+
+
 def _beyond_weights(cfg: ModelConfig, b: int, context: int, ab: int, cpu: bool, stability: int) -> int:
     """The cost model's peak of b slots at `context` positions, less the weights: KV cache, sampler state, a step's
     or a prompt pass's temporaries (prompts of one token, the least a request has; no prefix cache)."""
@@ -147,22 +176,17 @@ def _beyond_weights(cfg: ModelConfig, b: int, context: int, ab: int, cpu: bool, 
     return peak["total"] - peak["weights"]
 
 
-def _largest(fits, hi: int) -> int:
-    """The largest n in [0, hi] with fits(n) (fits grows false with n)."""
-    lo = 0
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-    return lo
+def _largest(fits: Callable[[int], bool], hi: int) -> int:
+    """The largest n in [0, hi] with fits(n) (fits grows false with n), 0 when none."""
+    return max(0, bisect.bisect_left(range(hi + 1), True, key=lambda n: not fits(n)) - 1)
 
 
 def check_memory(cfg: ModelConfig, resolved: Resolved, *, slots: int, context: int, free: int | None, cpu: bool,
                  flag: str, context_flag: str | None = None, idle_slots: bool = False) -> None:
-    """Refuse `slots` slots of `context` cached positions that cannot fit the `free` bytes of the device, before the
-    model loads. Sure refusals only: the weights are left out (a GGUF or an mmap'd checkpoint may stream them from
-    disk), prompts counted at one token, and with `idle_slots` (a server: its slots fill only under load) only the
-    KV cache allocated at start counts; the figure suggested is the full load's, with 10 % headroom. `flag` names
-    the slot count, `context_flag` (if any) the context, so the line says which to lower and to what."""
+    """Refuse, before the load, `slots` slots of `context` cached positions that cannot fit the device's `free`
+    bytes. Sure refusals only: weights left out (they may stream from disk), prompts of one token, and with
+    `idle_slots` (a server) only the KV cache allocated at start; the figure suggested is the full load's with 10 %
+    headroom. `flag` and `context_flag` name what the line says to lower."""
     if free is None or slots < 1:
         return
     dtype = resolved.run.dtype if resolved.run.dtype != "auto" else cfg.dtype
@@ -192,9 +216,8 @@ def check_memory(cfg: ModelConfig, resolved: Resolved, *, slots: int, context: i
 
 
 def prompt_count(resolved: Resolved, *, prompts_file: str | None, random_ids: bool, num_prompts: int | None) -> int:
-    """At most how many prompts bench and sweep will run (their engine has no more slots than prompts), from the
-    prompt file's rows; 4 random ones by default, and at most 4 from the bundled set (a checkpoint without a
-    tokenizer runs random ids instead): never more than the run has, so a refusal stays sure."""
+    """At most how many prompts bench and sweep will run (their engine has no more slots than prompts): never more
+    than the run has, so a refusal stays sure."""
     if random_ids:
         return num_prompts or 4
     path = prompts_file or resolved.run.prompt_set
@@ -207,12 +230,9 @@ def prompt_count(resolved: Resolved, *, prompts_file: str | None, random_ids: bo
 
 
 def check_blocks(cfg: ModelConfig, resolved: Resolved) -> int:
-    """The block count, refused before the load when even a one-token prompt and its canvases exceed the context
-    (the same rule, and the same line, as a prompt's check after encoding)."""
-    from dgcli.runtime.settings import blocks_for
-
+    """The block count, refused before the load when even a one-token prompt and its canvases exceed the context."""
     blocks = blocks_for(resolved.params, resolved.run.max_tokens, cfg.canvas_length)
-    if 1 + blocks * cfg.canvas_length > cfg.max_position_embeddings:
+    if over_context(1, blocks, cfg.canvas_length, cfg.max_position_embeddings) is not None:  # the engine's rule
         raise UserError(f"{blocks} block(s) of {cfg.canvas_length} exceed the model's context of "
                         f"{cfg.max_position_embeddings} with any prompt; lower --blocks (or --max-tokens, which sets "
                         "the block count when --blocks is not given)")
@@ -226,8 +246,7 @@ def prompt_room(cfg: ModelConfig, blocks: int) -> int:
 
 def check_prompt_chars(text: str, tokenizer: Any, room: int, context: int) -> None:
     """Refuse a prompt that cannot fit before it is tokenized: no token covers more than the tokenizer's
-    `max_token_chars` (L) characters, so n characters need at least n / L tokens, templated or not (the template
-    only adds text). A prompt that fits is never refused; one of more characters than `room` may still fit."""
+    `max_token_chars` (L) characters, so n characters need at least n / L tokens (a template only adds text)."""
     most = getattr(tokenizer, "max_token_chars", None)
     if most is None or len(text) <= room * most:
         return

@@ -1,16 +1,10 @@
-"""One request through the one denoising loop: the library's generate API, layered as mlx-lm's is
-(`engine.generate_events` -> `stream` -> `run` -> `generate`).
+"""One request through the engine: the library's generate API, layered as mlx-lm's is (`stream` -> `run` ->
+`generate`; `run_batch` for many). generate, watch, bench, sweep and the --ray workers all call these, on the
+session's kept engine; the id and context rules and the max_tokens cut are the engine's (`dgcli.engine`).
 
-`stream` yields one request's events; `run` drains them into a `Response` (the answer ids cut at the
-first stop id and at `max_tokens`, the finish reason, the loop's `Done`, the decoded text); `generate`
-is text in, `Response` out. generate, watch, bench, sweep and the --ray workers all call these; they run on the
-session's own engine (`Session.engines`, kept between calls), and the ids and context checks and the
-`--max-tokens` cut are the engine's (`engine/request.py`, `engine/output.py`), which the server uses too.
-
-Owns: prompt encoding within the context limit, the library's input checks (each a one-line UserError naming
-the argument, once per call: never per step; the rules are the engine's), reading `--init-canvas` (text, or
-`ids:` token ids) into the first canvas, what counts as an empty answer, the response record. Must not: print,
-write files (a trace writer is just an `on_event` consumer), or contain a denoising loop.
+Owns: prompt encoding within the context, the library's input checks (one UserError line naming the argument,
+once per call), reading `--init-canvas`, what counts as an empty answer, the `Response` record.
+Must not: print, write files (a trace writer is an `on_event` consumer), or contain a denoising loop.
 """
 
 from __future__ import annotations
@@ -21,8 +15,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dgcli.engine import check_ids, out_of_vocab, over_context
-from dgcli.engine import cut as cut_answer
+from dgcli.engine import check_ids, cut, out_of_vocab, over_context
 from dgcli.engine import kind as _kind
 from dgcli.errors import UserError
 from dgcli.runtime.preflight import check_prompt_chars, prompt_room
@@ -40,8 +33,7 @@ class Response:
     block_prefix: list[int] = field(default_factory=list)  # cache length when each block started
 
     def as_dict(self, settings: dict) -> dict:
-        """The `--format json` result (PRODUCT.md). `settings.run.device` and `dtype` are what ran (e.g. `cpu`,
-        `float32`), not what was asked (`auto`); `settings.sources` says where each value came from."""
+        """The `--format json` result (PRODUCT.md)."""
         d = self.done
         return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
                 "blocks": d.blocks, "steps_per_block": d.steps_per_block, "tokens_per_forward": d.tokens_per_forward,
@@ -82,12 +74,9 @@ _INT = re.compile(r"-?\d+")
 
 
 def read_init_canvas(session: Any, spec: str | list, *, name: str = "--init-canvas") -> tuple[list[int], str]:
-    """(ids, how) for the start of the first canvas: `--init-canvas` (or a JSONL row's `init_canvas`; `name`
-    is what error lines call it). `how` says how the value was read: "text" or "ids".
-
-    A string is text, tokenised without the chat template ("1 2 3" and "7" too: the sort and count tasks
-    start from digits); token ids only with the prefix `ids:` ("ids:5,6,7"), every item a whole number in
-    [0, vocab) with none empty. A list (JSON) is token ids. Empty values and too many tokens are errors."""
+    """(ids, "text" or "ids") for the start of the first canvas from `--init-canvas` (or a JSONL row's
+    `init_canvas`: `name`). A string is text without the chat template ("1 2 3" too: the sort and count tasks start
+    from digits), token ids only after `ids:` ("ids:5,6,7"); a list (JSON) is token ids."""
     c, v = session.config.canvas_length, session.config.vocab_size
     if isinstance(spec, list):
         if not all(isinstance(x, int) and not isinstance(x, bool) for x in spec):
@@ -160,32 +149,23 @@ def only_padding(token_ids: Sequence[int], pad_id: int) -> bool:
 
 
 def is_empty(token_ids: Sequence[int], text: str | None, pad_id: int) -> bool:
-    """An answer without text (the CLI notes it, the server may log it): a stop id came first, or every
-    position settled on the pad id, which is what a chat-trained checkpoint does with a raw prompt."""
+    """An answer without text: a stop id came first, or every position settled on the pad id (a chat-trained
+    checkpoint's answer to a raw prompt)."""
     if text is not None:
         return not text.strip()
     return not token_ids or only_padding(token_ids, pad_id)
 
 
-def cut(done: Done, max_tokens: int | None) -> tuple[list[int], str]:
-    """The answer ids and finish reason after the token budget: the loop works in whole blocks, so an
-    answer longer than `max_tokens` is cut here and finishes by length."""
-    return cut_answer(done.token_ids, done.finish_reason, max_tokens)
-
-
 def stream(session: Any, prompt_ids: Sequence[int], *, params: Any = None, ignore_eos: bool = False,
            init_canvas: Sequence[int] | None = None, json_schema: dict | None = None) -> Iterator[Event]:
-    """The loop's events for one request. `prompt_ids`: token ids (`encode` makes them from text); `params`
-    (default: the session's) may change per request, its `max_blocks` setting the block count under the session's
-    token budget; `init_canvas`: a whole first canvas of token ids (see `fill_canvas`); `json_schema`: the answer
-    is JSON valid under this schema (`constraint`)."""
+    """The engine's events for one request: token ids (`encode` makes them), `params` (default: the session's),
+    `init_canvas` (a whole first canvas of ids: `fill_canvas`), `json_schema` (the answer is JSON valid under it)."""
     prompt_ids = check_ids(prompt_ids, session.config.vocab_size, "prompt_ids")
-    return _stream(session, prompt_ids, params, ignore_eos, canvas_ids(session, init_canvas), json_schema)
+    return _one(session, prompt_ids, params, ignore_eos, canvas_ids(session, init_canvas), json_schema)
 
 
 def constraint(session: Any, json_schema: dict | None, num_blocks: int, ignore_eos: bool = False) -> Any:
-    """The Constraint of an answer under `json_schema` (None: none) on the session's tokenizer; `{}`-like any-object
-    requests pass `sampling.constrain.ANY_OBJECT`. One UserError line for a schema refused."""
+    """The Constraint of an answer under `json_schema` (None: none; any object: `sampling.constrain.ANY_OBJECT`)."""
     if json_schema is None:
         return None
     if session.tokenizer is None:
@@ -197,18 +177,26 @@ def constraint(session: Any, json_schema: dict | None, num_blocks: int, ignore_e
     return Constraint(compile_schema(session.tokenizer, json_schema, stops), room if budget is None else min(room, budget))
 
 
-def _stream(session: Any, prompt_ids: list[int], params: Any, ignore_eos: bool,
-            init_canvas: list[int] | None, json_schema: dict | None = None, images: list = ()) -> Iterator[Event]:
-    from dgcli.engine import generate_events
-
+def _one(session: Any, prompt_ids: list[int], params: Any, ignore_eos: bool, init_canvas: list[int] | None,
+         json_schema: dict | None, images: list = ()) -> Iterator[Event]:
     params = session.params if params is None else params
     num_blocks = blocks_for(params, session.resolved.run.max_tokens, session.config.canvas_length)
     check_context(session, len(prompt_ids), num_blocks)  # positions past the context would run, as noise
-    return generate_events(session.model, prompt_ids, params=params, num_blocks=num_blocks,
-                           stop_ids=() if ignore_eos else session.stop_ids, pad_id=session.pad_id,
-                           init_canvas=init_canvas, compile_tiles=session.compiled,
-                           step_mode=session.step_mode, engines=getattr(session, "engines", None),
-                           constraint=constraint(session, json_schema, num_blocks, ignore_eos), images=images)
+    cons = [constraint(session, json_schema, num_blocks, ignore_eos)]
+    return _events(session, [prompt_ids], params, num_blocks, ignore_eos, cons, inits=[init_canvas],
+                   images=[list(images)])
+
+
+def _events(session: Any, prompts: list[list[int]], params: Any, num_blocks: int, ignore_eos: bool, cons: list, *,
+            seeds: list | None = None, inits: list | None = None, images: list | None = None,
+            batch_size: int | None = None, stats: dict | None = None, prefix_caching: bool = False) -> Iterator[Event]:
+    from dgcli.engine import generate_batch_events
+
+    return generate_batch_events(
+        session.model, prompts, params=params, num_blocks=num_blocks, seeds=seeds,
+        stop_ids=() if ignore_eos else session.stop_ids, pad_id=session.pad_id, init_canvases=inits,
+        compile_tiles=session.compiled, max_batch=batch_size, stats=stats, step_mode=session.step_mode,
+        prefix_caching=prefix_caching, engines=getattr(session, "engines", None), constraints=cons, images=images)
 
 
 def run(session: Any, prompt_ids: Sequence[int], *, params: Any = None, ignore_eos: bool = False,
@@ -217,20 +205,9 @@ def run(session: Any, prompt_ids: Sequence[int], *, params: Any = None, ignore_e
     """One request to its `Response` (arguments as `stream`'s); `on_event` sees every event as it happens
     (progress, watch, trace); `images`: `runtime.vision.engine_images` of the prompt's images, in order."""
     prompt_ids = check_ids(prompt_ids, session.config.vocab_size, "prompt_ids")
-    starts: list[int] = []
-    done = None
-    checked = False
-    for event in _stream(session, prompt_ids, params, ignore_eos, canvas_ids(session, init_canvas), json_schema,
-                         images):
-        if not checked and isinstance(event, Step):
-            checked = _check_finite(session, event)
-        if on_event is not None:
-            on_event(event)
-        if isinstance(event, BlockStart):
-            starts.append(event.prefix_len)
-        done = event
-    assert isinstance(done, Done), "the loop always ends with Done"
-    return _response(session, prompt_ids, done, starts, show_thinking)
+    events = _one(session, prompt_ids, params, ignore_eos, canvas_ids(session, init_canvas), json_schema, images)
+    [(_, response)] = _responses(session, [prompt_ids], events, show_thinking, on_event)
+    return response
 
 
 def run_batch(session: Any, prompts: Iterable[Sequence[int]], *, batch_size: int, seeds: Iterable[int] | None = None,
@@ -239,14 +216,9 @@ def run_batch(session: Any, prompts: Iterable[Sequence[int]], *, batch_size: int
               on_event: Callable[[Event], None] | None = None, stats: dict | None = None,
               json_schemas: Iterable[dict | None] | None = None,
               images: list | None = None) -> Iterator[tuple[int, Response]]:
-    """Many requests through the batched loop with continuous batching (`batch_size` slots; the rest queue
-    in input order); yields (index, Response) as each request finishes (events carry `row` = the index).
-    `prompts`: token-id lists (`encode` makes them), any iterable (read whole at the call); `seeds` (default:
-    the params' seed) and `init_canvases` (whole first canvases or None, see `fill_canvas`): one per prompt.
-    Every input is checked at the call, before anything runs. A request's answer does not depend on its
-    batch-mates (see `generate_batch_events`). `stats` receives the loop's pass counts. `json_schemas`: one JSON
-    schema or None per prompt (`stream`'s `json_schema`); `images`: per prompt, its images
-    (`runtime.vision.engine_images`)."""
+    """Many requests with continuous batching (`batch_size` slots; the rest queue in input order); yields (index,
+    Response) as each finishes. `seeds` (default: the params'), `init_canvases`, `json_schemas`, `images`: one per
+    prompt, as `run` takes them. Every input is checked at the call; `stats` receives the engine's pass counts."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise UserError(f"--batch-size {batch_size}: must be a whole number >= 1")
     fix = "pass a list of token-id lists ([request.encode(session, text), ...])"
@@ -276,8 +248,10 @@ def run_batch(session: Any, prompts: Iterable[Sequence[int]], *, batch_size: int
             raise UserError(f"prompts[{i}]: {e}") from None
     if not prompts:
         return iter(())
-    return _run_batch(session, prompts, batch_size, seeds, inits, params, num_blocks, ignore_eos, show_thinking,
-                      on_event, stats, cons, _per_prompt(images, "images", len(prompts)))
+    events = _events(session, prompts, params, num_blocks, ignore_eos, cons, seeds=seeds, inits=inits,
+                     images=_per_prompt(images, "images", len(prompts)), batch_size=batch_size, stats=stats,
+                     prefix_caching=getattr(session, "prefix_caching", True))
+    return _responses(session, prompts, events, show_thinking, on_event)
 
 
 def _per_prompt(values: Iterable | None, name: str, n: int) -> list | None:
@@ -291,19 +265,9 @@ def _per_prompt(values: Iterable | None, name: str, n: int) -> list | None:
     return values
 
 
-def _run_batch(session: Any, prompts: list[list[int]], batch_size: int, seeds: list | None, init_canvases: list | None,
-               params: Any, num_blocks: int, ignore_eos: bool, show_thinking: bool,
-               on_event: Callable[[Event], None] | None, stats: dict | None,
-               constraints: list | None = None, images: list | None = None) -> Iterator[tuple[int, Response]]:
-    from dgcli.engine import generate_batch_events
-
+def _responses(session: Any, prompts: list[list[int]], events: Iterator[Event], show_thinking: bool,
+               on_event: Callable[[Event], None] | None) -> Iterator[tuple[int, Response]]:
     starts: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    events = generate_batch_events(
-        session.model, prompts, params=params, num_blocks=num_blocks, seeds=seeds,
-        stop_ids=() if ignore_eos else session.stop_ids, pad_id=session.pad_id, init_canvases=init_canvases,
-        compile_tiles=session.compiled, max_batch=batch_size, stats=stats, step_mode=session.step_mode,
-        prefix_caching=getattr(session, "prefix_caching", True), engines=getattr(session, "engines", None),
-        constraints=constraints, images=images)
     checked = False
     for event in events:
         if not checked and isinstance(event, Step):
@@ -317,9 +281,8 @@ def _run_batch(session: Any, prompts: list[list[int]], batch_size: int, seeds: l
 
 
 def _check_finite(session: Any, step: Step) -> bool:
-    """The first step's entropy on a CPU run: NaN where the logits hold NaN or Inf, which only corrupt weights give;
-    the answer would be noise, so the run stops with one line. Not on a GPU: there the value lives on the device and
-    reading it here would be a sync outside the runner (the engine reads device values only through it)."""
+    """Stop with one line when the first step's entropy on a CPU run is NaN (corrupt weights: the answer would be
+    noise). Not on a GPU: reading the value would be a sync outside the runner."""
     import math
 
     if step.mean_entropy.device.type == "cpu" and not math.isfinite(float(step.mean_entropy)):
@@ -329,7 +292,7 @@ def _check_finite(session: Any, step: Step) -> bool:
 
 
 def _response(session: Any, prompt_ids: Sequence[int], done: Done, starts: list[int], show_thinking: bool) -> Response:
-    token_ids, finish = cut(done, session.resolved.run.max_tokens)
+    token_ids, finish = cut(done.token_ids, done.finish_reason, session.resolved.run.max_tokens)
     text = None
     if session.tokenizer is not None:
         text = session.tokenizer.answer_text(token_ids, show_thinking=show_thinking, stop_ids=session.stop_ids)
@@ -338,9 +301,8 @@ def _response(session: Any, prompt_ids: Sequence[int], done: Done, starts: list[
 
 def generate(session: Any, text: str, *, raw: bool = False, thinking: bool | None = None,
              show_thinking: bool = False, init_canvas: str | Sequence[int] | None = None, **kw: Any) -> Response:
-    """Text in, `Response` out: `encode` then `run` (keyword arguments as `run`'s). `init_canvas` as the CLI's
-    --init-canvas: a str is text ("1 2 3" too) or "ids:5,6,7" (`read_init_canvas`), the rest of the canvas
-    seeded noise for the params' seed (`fill_canvas`); token ids are a whole canvas, as `run` takes them."""
+    """Text in, `Response` out: `encode` then `run`. A str `init_canvas` is read as --init-canvas is (the rest of
+    the canvas seeded noise); token ids are a whole canvas, as `run` takes them."""
     ids = encode(session, text, raw=raw, thinking=thinking)
     if isinstance(init_canvas, str):
         seed = (kw.get("params") or session.params).seed

@@ -1,12 +1,10 @@
-"""What every model-running command does first: resolve settings, pick device and dtype, and load the
-model and its tokenizer — from a checkpoint, or as random weights from a config (`--dummy`).
+"""What every model-running command does first: resolve settings, pick device and dtype, and load the model and
+its tokenizer, from a checkpoint or as random weights from a config (`--dummy`).
 
-Owns: `Session` and `open_session` / `open_dummy_session`, device/dtype choice (and the settings saying
-which ran), the one thread rule every command uses (`thread_rule`), `--compile`,
-`--cuda-graphs` (the step mode), the session's engine (kept between calls), prepacking an eager CPU session's bf16 weights, the memory preflight of
-dummy models, and the checks a session runs before the weights (`fits`: slots against the device's memory; the chat
-template). The settings from config files alone, the bundled-model default and the thread bound are
-runtime/preflight.py's (torch-free). Must not: run the sampler, tokenise prompts (runtime/request.py does) or print.
+Owns: `Session` and its openers, device/dtype choice, the one thread rule (`thread_rule`), `--compile`,
+`--cuda-graphs`, `--low-memory`, the session's kept engine, the memory checks before the weights (`fits`, dummy
+models). Torch-free checks are runtime/preflight.py's. Must not: run the sampler, tokenise prompts or print
+(but the low-memory note).
 """
 
 from __future__ import annotations
@@ -22,14 +20,13 @@ import torch
 from dgcli.checkpoint.config import parse_config
 from dgcli.errors import UserError
 from dgcli.model.config import ModelConfig
-from dgcli.runtime.preflight import (BUNDLED, check_threads, default_model_path, resolve_for,  # noqa: F401 (re-exports)
-                                     settings_source, thread_limit)
+from dgcli.runtime.preflight import (BUNDLED, check_low_memory, check_threads, default_model_path,  # noqa: F401
+                                     resolve_for, settings_source, thread_limit)
 from dgcli.runtime.settings import Resolved, blocks_for, resolve, stop_ids_from_generation_config
 
 
 def pick_device(name: str, flag: str = "--device ") -> torch.device:
-    """`name` (auto | cpu | cuda[:N]) as a device here; `flag`: how errors name the setting ("device=" for the
-    library's argument)."""
+    """`name` (auto | cpu | cuda[:N]) as a device here; `flag`: how errors name the setting."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cpu":
@@ -60,8 +57,7 @@ class Session:
     packed_weights: int = 0  # weight matrices prepacked (eager CPU: bf16 for oneDNN, fp32 for the C GEMM; model.packed)
     threads: int = 0  # torch intra-op threads the run uses (`thread_rule`)
     threads_source: str = ""  # why: the --threads flag, OMP_NUM_THREADS, or the rule
-    # The session's engine (dgcli.engine.KeptEngine): every generate, watch, bench and sweep call of this session
-    # runs on it, kept (its KV cache and CUDA graphs) for the next call of the same shape.
+    # The session's engine (dgcli.engine.KeptEngine), kept with its KV cache and CUDA graphs between calls
     engines: Any = field(default_factory=lambda: _kept_engine(), repr=False, compare=False)
 
     @property
@@ -89,15 +85,10 @@ TORCH_DEFAULT_THREADS = torch.get_num_threads()  # torch's own choice at start-u
 
 
 def thread_rule(parameters: int, device_type: str, flag: int | None = None) -> tuple[int, str]:
-    """(threads, source): the one rule generate, watch, bench, sweep and info follow.
-
-    `--threads N` wins; else an explicit OMP_NUM_THREADS; else a CPU model under 50 M parameters runs on
-    one thread and everything else on torch's default (one per core). Why one thread for small models:
-    their ops are too small to split, so a second thread gains nothing on an idle machine, and when another
-    process holds a core the threads wait on each other at every op (measured on this 2-core machine with
-    the bundled 3.7 M-parameter model: 8.9-9.7 ms per denoising step on 1 thread, 8.4-10 ms on 2 when idle
-    but one pass at 425 ms; with one core busy 14-20 ms on 1 thread, 19-70 ms on 2). info uses the
-    same rule for the model it describes, so its measured peaks are those a run of that model gets."""
+    """(threads, source), the rule every command follows: `--threads N`, else OMP_NUM_THREADS, else one thread for
+    a CPU model under 50 M parameters and torch's default (one per core) otherwise. A small model's ops are too
+    small to split: a second thread gains nothing idle, and when another process holds a core the threads wait on
+    each other at every op (the bundled model on 2 cores, one busy: 14-20 ms a step on 1 thread, 19-70 on 2)."""
     if flag is not None:
         if flag < 1:
             raise UserError(f"--threads {flag}: must be >= 1 (leave it out for the rule: 1 thread for a small CPU model, else one per core)")
@@ -122,20 +113,17 @@ def set_threads(cfg: ModelConfig, device: torch.device, flag: int | None) -> tup
 
 
 def compile_decoder(model: Any) -> None:
-    """torch.compile each layer's row-wise work (q/k/v projections with their norms and RoPE; the feed-forward:
-    dense MLP, router, experts, norms), shapes dynamic: the pass's attention walks its segments on the host and
-    stays eager. The session's `compiled` flag also sends the CPU vocabulary pass's per-tile elementwise math
-    through torch.compile (its GEMMs, running statistics and random draws stay eager). The first compile takes
-    tens of seconds (a C++ toolchain is needed on CPU) and inductor caches it between runs."""
+    """torch.compile each layer's row-wise work (q/k/v projections, the feed-forward), shapes dynamic; attention
+    stays eager (it walks its segments on the host). The session's `compiled` flag also compiles the CPU vocabulary
+    pass's per-tile math."""
     for layer in model.layers:
         layer.feed_forward = torch.compile(layer.feed_forward, dynamic=True)
         layer.self_attn.project = torch.compile(layer.self_attn.project, dynamic=True)
 
 
 def check_cuda_graphs(cuda_graphs: bool | None, device: torch.device, compile: bool = False) -> str:
-    """The step mode: "graphs" (decode-only passes replay CUDA graphs: model/graphs.py) or "dynamic". None (the
-    CLI's default): graphs where they run (CUDA with Triton, no --compile); True (`--cuda-graphs`): graphs, or a
-    one-line error before anything loads where they cannot run; False: dynamic."""
+    """The step mode, "graphs" (CUDA graphs of decode-only passes) or "dynamic". None: graphs where they run (CUDA
+    with Triton, no --compile); True: graphs, or one line where they cannot run; False: dynamic."""
     from dgcli.model.attention import backend
 
     if cuda_graphs is None:
@@ -156,9 +144,8 @@ def check_cuda_graphs(cuda_graphs: bool | None, device: torch.device, compile: b
 def _session(path: Path, m: Any, tokenizer: Any, resolved: Resolved, gen: dict | None, device: torch.device, *,
              compile: bool, name: str, threads: tuple[int, str], dummy: bool = False,
              cuda_graphs: bool | None = False) -> Session:
-    """The part both kinds of session share: --compile, --cuda-graphs, packed CPU weights, stop ids
-    (generation_config.json, else the config's, else the tokenizer's), the block count, and the settings as
-    they ran."""
+    """What both kinds of session share: --compile, --cuda-graphs, packed CPU weights, stop ids
+    (generation_config.json, else the config's, else the tokenizer's), the block count, the settings as they ran."""
     from dgcli.model.fuse import fuse_projections
     from dgcli.model.packed import pack_for_cpu
 
@@ -181,9 +168,7 @@ def _session(path: Path, m: Any, tokenizer: Any, resolved: Resolved, gen: dict |
 
 
 def ran_with(resolved: Resolved, model: Any) -> Resolved:
-    """The settings with run.device and run.dtype as the loaded model has them ("cpu", "cuda:0", "float32"),
-    not as asked ("auto"): results and traces say what ran. `sources` still says where the request came from;
-    `--show-config` (no model loaded) shows the request itself."""
+    """The settings with run.device and run.dtype as the loaded model has them, not as asked ("auto")."""
     w = model.embed_weight
     run = dataclasses.replace(resolved.run, device=str(w.device), dtype=str(w.dtype).removeprefix("torch."))
     return dataclasses.replace(resolved, run=run)
@@ -195,10 +180,8 @@ Check = Callable[[ModelConfig, Resolved, torch.device], None]  # a check of the 
 def open_session(model: str | None, preset: str | None, flags: dict, *, need_tokenizer: bool = True,
                  compile: bool = False, threads: int | None = None, cuda_graphs: bool | None = None,
                  chat: bool = False, check: Check | None = None, low_memory: bool | None = None) -> Session:
-    """A checkpoint (directory or GGUF file) with its tokenizer and resolved settings; `threads` is `--threads`
-    (None: the rule); `cuda_graphs` as `check_cuda_graphs` takes it (None, as the CLI: where they run). Before the
-    weights: `chat` refuses a checkpoint without a usable chat template, `check` (e.g. `fits`) sees the config.
-    `low_memory`: `--low-memory` (None: `low_memory_mode`'s rule)."""
+    """A checkpoint (directory or GGUF file) with its tokenizer and resolved settings. Before the weights: `chat`
+    refuses a checkpoint without a usable chat template, `check` (e.g. `fits`) sees the config."""
     from dgcli.checkpoint.directory import resolve_dtype
     from dgcli.checkpoint.load import load_model, load_tokenizer
 
@@ -209,7 +192,7 @@ def open_session(model: str | None, preset: str | None, flags: dict, *, need_tok
         check(cfg, resolved, device)
     dtype = resolve_dtype(resolved.run.dtype)  # auto: the checkpoint's own dtype
     if device.type == "cpu" and low_memory is not False:
-        check_low_memory(path, cfg, resolved)
+        check_low_memory(path, cfg, resolved)  # before the load
     n_threads = set_threads(cfg, device, threads)
     tokenizer = load_tokenizer(path, need_tokenizer)
     if chat and tokenizer is not None:
@@ -222,35 +205,10 @@ def open_session(model: str | None, preset: str | None, flags: dict, *, need_tok
     return s
 
 
-def check_low_memory(path: Path, cfg: ModelConfig, resolved: Resolved) -> None:
-    """Refuse a GGUF model that cannot run even in low-memory mode in the memory this process may take (a cgroup's
-    cap, else MemAvailable), before the load: its KV cache and working set, the weights that stay (embedding,
-    norms) and two layers (the one computing, the next read ahead) must fit; the other layers are read from disk
-    each step. Without this a cap too small thrashes or ends in the OOM killer, without a word."""
-    from dgcli.checkpoint.load import GGUF, format_of
-    from dgcli.measure.cost.gguf import gguf_fit, gguf_inventory
-    from dgcli.runtime.preflight import available_ram, memory_cap
-
-    free = available_ram()
-    if free is None or format_of(path, file_ok=False) != GGUF:
-        return
-    dtype = resolved.run.dtype if resolved.run.dtype != "auto" else cfg.dtype
-    ctx = cfg.canvas_length * blocks_for(resolved.params, resolved.run.max_tokens, cfg.canvas_length)
-    need = gguf_fit(gguf_inventory(path), cfg, dtype, ctx, 0, None)["need_low_memory"]
-    if need > free:
-        cap, gib = memory_cap(), 2**30
-        where = f"under this process's memory cap of {cap[1] / gib:.2f} GiB" if cap and cap[0] <= free else "in RAM"
-        raise UserError(f"{path}: needs at least {need / gib:.2f} GiB even in low-memory mode (KV cache, working "
-                        f"memory, the embedding and two layers' weights; the rest is read from disk each step), more "
-                        f"than the {free / gib:.2f} GiB free {where}; raise the memory cap (or free memory)")
-
-
 def low_memory_mode(m: Any, resolved: Resolved, force: bool | None) -> tuple[int, int] | None:
-    """The low-memory mode (checkpoint/mapped.py's `stream_layers`) over a model whose weights are used from files'
-    maps (a GGUF file's): forced or refused by `force` (--low-memory / --no-low-memory), else on by itself where
-    those weights do not fit beside one request's working set in the memory this process may take (a cgroup's
-    cap, else MemAvailable). The layers that fit stay resident, the rest are read from disk each step; a note
-    on stderr says how many. Returns (layers streamed, layers) where on."""
+    """The low-memory mode (checkpoint/mapped.py's `stream_layers`) over weights used from a file's map (GGUF):
+    forced or refused by `force`, else on where they do not fit beside one request's working set. The layers that
+    fit stay resident, the rest are read from disk each step (a note on stderr). (layers streamed, layers) where on."""
     import sys
 
     from dgcli.checkpoint.mapped import mapped_spans, stream_layers
@@ -283,10 +241,8 @@ def low_memory_mode(m: Any, resolved: Resolved, force: bool | None) -> tuple[int
 def open_dummy_session(spec: str, layers: int | None, preset: str | None, flags: dict, *,
                        warn: Callable[[str], None], compile: bool = False, threads: int | None = None,
                        weights: str = "bf16", cuda_graphs: bool | None = False, check: Check | None = None) -> Session:
-    """Random weights for a config (`--dummy`), built directly on the device (nothing read but the config).
-    Random weights never converge, so fixed-work mode is forced (confidence_threshold 0), and said.
-    `weights="fp8"`: the config as an FP8-dynamic checkpoint would have it, its matrices drawn in e4m3;
-    `"q4_k"` / `"q8_0"`: GGML blocks kept quantized as a GGUF load keeps them (random_weights.random_ggml_model)."""
+    """Random weights for a config (`--dummy`), built on the device; fixed work is forced (they never converge).
+    `weights`: "bf16", "fp8"/"nvfp4" (as such a checkpoint has them), or GGML blocks ("q4_k", "q8_0")."""
     from dgcli.checkpoint.config import real_config_path
     from dgcli.checkpoint.directory import resolve_dtype
     from dgcli.checkpoint.random_weights import GGML_WEIGHTS, dummy_config, ggml_dummy_bytes, random_ggml_model, random_model, with_fp8
@@ -299,11 +255,11 @@ def open_dummy_session(spec: str, layers: int | None, preset: str | None, flags:
     resolved = resolve(gen, preset, dict(flags, confidence_threshold=0.0))
     device = pick_device(resolved.run.device)
     check_cuda_graphs(cuda_graphs, device, compile)  # before the weights are drawn
+    cfg = parse_config(raw)
     if check is not None:
-        check(parse_config(raw), resolved, device)
+        check(cfg, resolved, device)
     dt = resolved.run.dtype if resolved.run.dtype != "auto" else str(raw.get("dtype") or "bfloat16")
     dtype = resolve_dtype(dt if dt in ("bfloat16", "float32", "float16") else "bfloat16")
-    cfg = parse_config(raw)
     n_threads = set_threads(cfg, device, threads)
     quantized = weights in GGML_WEIGHTS
     preflight(cfg, torch.tensor([], dtype=dtype).element_size(), device, spec=spec,  # (bf16-sized: FP8 needs less)
@@ -337,9 +293,8 @@ def open_any(model: str | None, dummy: str | None, layers: int | None, preset: s
 
 def fits(slots: int | Callable[[Resolved], int], flag: str, *, context: int | None = None,
          context_flag: str | None = None, idle_slots: bool = False) -> Check:
-    """A `check` refusing `slots` slots (or those the settings give) that cannot fit the device
-    (preflight.check_memory): of `context` cached positions, else the least a request of the run's blocks caches
-    (a one-token prompt and every block but the last); `idle_slots` as check_memory takes it."""
+    """A `check` refusing `slots` slots (or those the settings give) that cannot fit the device (`check_memory`), of
+    `context` cached positions, else the least a request of the run's blocks caches."""
     from dgcli.runtime.preflight import available_ram, check_memory
 
     def check(cfg: ModelConfig, resolved: Resolved, device: torch.device) -> None:
@@ -355,8 +310,8 @@ def fits(slots: int | Callable[[Resolved], int], flag: str, *, context: int | No
 
 
 def preflight(cfg: ModelConfig, weight_bytes: int, device: Any, *, spec: str, total_bytes: int | None = None) -> None:
-    """Refuse a dummy model that cannot fit, before allocating it (an OOM half-way is worse), and say
-    how many layers would. `total_bytes`: the weights' bytes when not params x weight_bytes (GGML blocks)."""
+    """Refuse a dummy model that cannot fit before allocating it, saying how many layers would. `total_bytes`: the
+    weights' bytes when not params x weight_bytes (GGML blocks)."""
     from dgcli.measure import cost
 
     free = free_bytes(device)
@@ -377,10 +332,6 @@ def preflight(cfg: ModelConfig, weight_bytes: int, device: Any, *, spec: str, to
 
 def free_bytes(device: Any) -> int | None:
     """Memory free for new tensors on `device` (CUDA: the driver's count; CPU: MemAvailable), None if unknown."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        meminfo = Path("/proc/meminfo").read_text().splitlines()
-        return next(int(ln.split()[1]) * 1024 for ln in meminfo if ln.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return None
+    from dgcli.runtime.preflight import meminfo
+
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else meminfo().get("MemAvailable")

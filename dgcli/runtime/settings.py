@@ -1,22 +1,11 @@
-"""Run settings and the precedence that fills them: built-in defaults < the checkpoint's
-generation_config.json < preset < flags (or a request's fields).
+"""Run settings and the precedence that fills them: built-in defaults < the checkpoint's generation_config.json <
+preset < flags (or a request's fields), with the source of every value, and the block count rule.
 
-Owns: `RunSettings` (device, dtype, token budget, prompt set, thinking), reading presets
-(`presets/*.yaml`), mapping a checkpoint's `generation_config.json`, `resolve` with the source of every
-value, and the block count rule. The sampler's own knobs and their validator are
-`dgcli.sampling.params.DiffusionEbParams`; this module only says where each value came from.
-
-Must not: import torch, touch a device, read checkpoints (callers pass the parsed generation_config.json),
-or print. Unknown keys in presets and flags are errors (a typo must not silently change a benchmark);
-unknown keys in generation_config.json are ignored (the checkpoint is not ours).
-
-The block count (`--blocks`) follows the same precedence. By default it is ceil(token budget / canvas), the
-budget being the checkpoint's `max_new_tokens` (the bundled model: 64 on a 16-token canvas, so 4 blocks; the
-released 26B-A4B: 256 on 256, 1 block), a preset's `max_tokens` or `--max-tokens`; with no budget anywhere,
-1 block. A `max_blocks` from a preset or `--blocks N` wins, whole: it outranks a lower layer's budget, which
-then no longer cuts the answer (`--blocks 8 --max-tokens 50` still cuts at 50; `--blocks 0` means "from the
-budget"). `--show-config` ends with the count, its source and the rule, e.g.
-`blocks  4  checkpoint: ceil(max_tokens 64 / canvas 16)`.
+Owns: `RunSettings` (device, dtype, token budget, prompt set, thinking), presets (`presets/*.yaml`), mapping a
+checkpoint's generation_config.json, `resolve`. The sampler's knobs and their validator are `DiffusionEbParams`'s.
+Unknown keys in presets and flags are errors (a typo must not silently change a benchmark); unknown keys in
+generation_config.json are ignored (the checkpoint is not ours).
+Must not: import torch, touch a device, read checkpoints (callers pass the parsed JSON), or print.
 """
 
 from __future__ import annotations
@@ -42,12 +31,11 @@ _DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 
 @dataclass(frozen=True)
 class RunSettings:
-    """Run settings a preset may also carry (PRODUCT.md: device, dtype, prompt set)."""
+    """Run settings a preset may also carry."""
 
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | bfloat16 | float32
-    # The token budget: answers are cut there and, while max_blocks is 0, it sets the block count. Resolved
-    # from the checkpoint's max_new_tokens < preset < --max-tokens; None = no budget (one block, no cut).
+    # The token budget: answers are cut there and, while max_blocks is 0, it sets the block count; None: no budget.
     # `example` is what a hint suggests instead.
     max_tokens: int | None = field(default=None, metadata={"example": 256})
     # Path of a prompt file (relative paths in a preset: to the preset's folder).
@@ -75,22 +63,16 @@ RUN_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RunSettings
 ALL_KEYS: tuple[str, ...] = PARAM_KEYS + RUN_KEYS
 
 
-# ---------------------------------------------------------------------------------------------
-# generation_config.json (spec §2)
-# ---------------------------------------------------------------------------------------------
+# ---- generation_config.json (spec §2) ----
 
 _GEN_DIRECT = ("max_denoising_steps", "t_min", "t_max", "stability_threshold", "confidence_threshold")
 _EB_SAMPLER = "EntropyBoundSamplerConfig"
 
 
 def from_generation_config(raw: dict[str, Any]) -> dict[str, Any]:
-    """Map a checkpoint's generation_config.json to our keys (values as found; `resolve` checks them).
-
-    Returns DiffusionEbParams keys present in the file, plus `max_tokens` from `max_new_tokens` so
-    "blocks derived from max tokens" can use the checkpoint's budget. `entropy_bound` is taken from
-    `sampler_config` only when it is the entropy-bound sampler (or names no class): a bound of another
-    sampler would mean something else. Keys we do not use (eos/pad ids, transformers_version) are ignored.
-    """
+    """A checkpoint's generation_config.json in our keys, values as found (`resolve` checks them): the sampler's,
+    and `max_tokens` from `max_new_tokens`. `entropy_bound` only from the entropy-bound sampler's `sampler_config`
+    (another sampler's bound would mean something else)."""
     if not isinstance(raw, dict):
         raise UserError(f"generation_config.json must hold a JSON object, got {type(raw).__name__}; fix or remove the file")
     out: dict[str, Any] = {k: raw[k] for k in _GEN_DIRECT if raw.get(k) is not None}
@@ -114,14 +96,11 @@ def stop_ids_from_generation_config(raw: dict[str, Any]) -> list[int]:
     return list(dict.fromkeys(items))
 
 
-# ---------------------------------------------------------------------------------------------
-# Presets
-# ---------------------------------------------------------------------------------------------
+# ---- presets ----
 
 
 def preset_dirs() -> list[Path]:
-    """Where named presets live: the repository's top-level presets/ (a source checkout or editable
-    install), then dgcli/presets/ (where pyproject's package-data puts them in a wheel)."""
+    """Where named presets live: the checkout's presets/, then dgcli/presets/ (a wheel's package data)."""
     here = Path(__file__).resolve().parents[1]  # dgcli/
     return [here.parent / "presets", here / "presets"]
 
@@ -154,10 +133,8 @@ def _preset_path(name_or_path: str) -> Path:
 
 
 def load_preset(name_or_path: str) -> dict[str, Any]:
-    """Read a preset by name (presets/NAME.yaml) or path: a flat mapping of DiffusionEbParams and
-    RunSettings keys. Unknown keys, malformed YAML, an empty file or a non-mapping are `UserError`s naming the file.
-    Values are returned as written (`resolve` coerces and validates them), except that a relative
-    `prompt_set` is made relative to the preset's folder, so a preset works from any directory."""
+    """A preset by name (presets/NAME.yaml) or path: flat settings keys, values as written (`resolve` checks them),
+    but a relative `prompt_set` read from the preset's folder. A bad file is one `UserError` naming it."""
     import yaml  # here, not at import: most runs read no preset (start-up time)
 
     path = _preset_path(name_or_path)
@@ -196,9 +173,7 @@ def load_preset(name_or_path: str) -> dict[str, Any]:
     return data
 
 
-# ---------------------------------------------------------------------------------------------
-# Resolution
-# ---------------------------------------------------------------------------------------------
+# ---- resolution ----
 
 
 @dataclass(frozen=True)
@@ -213,17 +188,12 @@ class Resolved:
     lifted_budget: tuple[int, Source] | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-ready: {"params": {...}, "run": {...}, "sources": {...}, "preset": path|None}."""
-        return {
-            "params": dataclasses.asdict(self.params),
-            "run": dataclasses.asdict(self.run),
-            "sources": dict(self.sources),
-            "preset": self.preset,
-        }
+        return {"params": dataclasses.asdict(self.params), "run": dataclasses.asdict(self.run),
+                "sources": dict(self.sources), "preset": self.preset}
 
     def blocks(self, canvas_length: int) -> dict[str, Any]:
-        """The block count a run of these settings uses on a canvas of `canvas_length`, where it came from
-        and the rule in words: {"value": 4, "source": "checkpoint", "rule": "ceil(max_tokens 64 / canvas 16)"}."""
+        """The block count, its source and the rule in words, e.g. {"value": 4, "source": "checkpoint", "rule":
+        "ceil(max_tokens 64 / canvas 16)"}."""
         n = blocks_for(self.params, self.run.max_tokens, canvas_length)
         if self.params.max_blocks > 0:
             rule = f"max_blocks {n}"
@@ -236,8 +206,7 @@ class Resolved:
         return {"value": n, "source": self.sources["max_tokens"], "rule": rule}
 
     def describe(self, canvas_length: int | None = None) -> str:
-        """A plain-text table (key, value, source) for `--show-config`; with the canvas length, a last row
-        gives the block count the run will use and why."""
+        """The `--show-config` table (key, value, source); with the canvas length, a last row for the block count."""
         values = {**dataclasses.asdict(self.params), **dataclasses.asdict(self.run)}
         shown = {k: "(none)" if v is None else str(v).lower() if isinstance(v, bool) else str(v) for k, v in values.items()}
         srcs = dict(self.sources)
@@ -256,14 +225,9 @@ class Resolved:
 
 
 def resolve(generation_config: dict[str, Any] | None, preset: str | None, flags: dict[str, Any]) -> Resolved:
-    """Resolve built-in defaults < checkpoint generation_config.json < preset < flags.
-
-    `flags` maps preset keys to values; None means "not given". Unknown flag keys are an error (a
-    misspelt key from a caller must not silently leave a default in place). Every value is coerced
-    at its source, so a type error names where it came from (it is raised once every layer is in, so its
-    fix fits the other settings); the final settings are validated and a range error also names the
-    source of each value its rule involves.
-    """
+    """Resolve built-in defaults < checkpoint generation_config.json < preset < flags (preset keys; None: not
+    given; an unknown key is an error). Every value is coerced at its source and every error names the sources of
+    the values its rule involves."""
     owner = {**{k: DiffusionEbParams for k in PARAM_KEYS}, **{k: RunSettings for k in RUN_KEYS}}
     values: dict[str, Any] = {
         **dataclasses.asdict(DiffusionEbParams()),
@@ -323,14 +287,9 @@ def resolve(generation_config: dict[str, Any] | None, preset: str | None, flags:
 
 
 def blocks_for(params: DiffusionEbParams, max_tokens: int | None, canvas_length: int) -> int:
-    """How many blocks (canvases) to generate, following the settings' precedence.
-
-    `params.max_blocks` when it is > 0 (only a preset, a flag or a request sets it: the built-in default is
-    0); when it is 0, `ceil(max_tokens / canvas_length)`: HF's rule (spec §7.1: 256 new tokens on a 256
-    canvas = 1 block). `max_tokens` is the resolved `RunSettings.max_tokens`, the checkpoint's
-    `max_new_tokens` unless a preset or `--max-tokens` says otherwise; None (no budget anywhere) means
-    one canvas, i.e. 1 block. `Resolved.blocks` says which of these applied.
-    """
+    """How many blocks (canvases) to generate: `params.max_blocks` when > 0, else ceil(max_tokens / canvas_length)
+    (HF's rule, spec §7.1), else (no budget anywhere) 1. A `max_blocks` from a higher layer than the budget lifts
+    the budget whole (`resolve`); `Resolved.blocks` says which applied."""
     if canvas_length < 1:
         raise ValueError(f"canvas_length must be >= 1, got {canvas_length}")
     if params.max_blocks > 0:

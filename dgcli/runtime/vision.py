@@ -1,8 +1,7 @@
 """Prompts with images, for every front end: image bytes -> the tower's inputs (text/images.py), and the prompt's ids
-with each image's placeholder run, as the reference's processor builds them: the checkpoint's own chat template
-places an image marker (`<|image|>`) per image part, and each marker becomes <|image> + one <|image|> per soft token
-+ <image|>. Owns: the refusals of images a session cannot take (no vision tower, too many, a template that places
-none). Must not: run the model (the engine runs the tower in the prompt pass).
+as the reference's processor builds them: each image marker the chat template places (`<|image|>`) becomes <|image>
++ one <|image|> per soft token + <image|>. Owns: refusing images a session cannot take.
+Must not: run the model (the engine runs the tower in the prompt pass).
 """
 
 from __future__ import annotations
@@ -13,19 +12,14 @@ from dgcli.errors import UserError
 from dgcli.text import images as img
 
 
-def check_vision(session: Any) -> Any:
-    """The session's vision tower, or one line naming why it takes no images."""
+def read_images(session: Any, datas: list[bytes], names: list[str] | None = None) -> list[img.Image]:
+    """Each image's bytes preprocessed for this session's tower (one line naming the first bad one)."""
     vision = getattr(session.model, "vision", None)
     if vision is None:
         raise UserError(f"{session.name or session.path} has no vision tower, so it cannot take images; use a "
                         "multimodal DiffusionGemma checkpoint (config.json's vision_config and its "
                         "model.encoder.vision_tower.* tensors), or drop the image")
-    return vision
-
-
-def read_images(session: Any, datas: list[bytes], names: list[str] | None = None) -> list[img.Image]:
-    """Each image's bytes preprocessed for this session's tower (one line naming the first bad one)."""
-    vc = check_vision(session).config
+    vc = vision.config
     if len(datas) > img.LIMITS["images"]:
         raise UserError(f"{len(datas)} images; at most {img.LIMITS['images']} per request")
     names = names or [f"image {i + 1}" for i in range(len(datas))]
@@ -41,8 +35,8 @@ def image_ids(session: Any) -> tuple[int, int, int]:
 
 def prompt_ids(session: Any, content: str, images: list[img.Image], *, raw: bool = False,
                thinking: bool = False) -> list[int]:
-    """Prompt ids with one placeholder run per image: the user's text after the images (one user turn's content
-    parts, through the chat template), or `raw` text holding one image marker per image."""
+    """Prompt ids with one placeholder run per image: one user turn (images, then `content`) through the chat
+    template, or `raw` text holding one image marker per image."""
     chat = None if raw else [{"role": "user", "content": [{"type": "image"}] * len(images)
                                                             + [{"type": "text", "text": content}]}]
     return expand(session.tokenizer, image_ids(session), chat, images, text=content,
@@ -51,8 +45,8 @@ def prompt_ids(session: Any, content: str, images: list[img.Image], *, raw: bool
 
 def expand(tok: Any, ids3: tuple[int, int, int], messages: list[dict] | None, images: list[img.Image], *,
            text: str = "", thinking: bool = False, where: str = "the checkpoint") -> list[int]:
-    """`messages` (content parts naming images as {"type": "image"}) through the chat template, or raw `text`,
-    tokenized; each image marker the template (or text) placed becomes <|image> + its soft tokens + <image|>."""
+    """`messages` (images as {"type": "image"} parts) through the chat template, or raw `text`, tokenized, each
+    image marker expanded."""
     boi, image, eoi = ids3
     marker = tok.tokenizer.id_to_token(image)
     if marker is None:

@@ -1,21 +1,17 @@
-"""The ASGI app: OpenAI-compatible routes over one `Worker`, and the web page at `/`.
+"""The ASGI app: OpenAI-compatible routes over one `Worker`, and the web page at `/` (dgcli/data/web, no key: the
+page's own API calls send it).
 
-Owns: the routes (`/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/v1/models/{model}`, `/health`,
-`/metrics`; `/` and `/web/*`, the static files of dgcli/data/web, which need no key: the page's own API calls
-send it), the API key check, admission (a body over 8 MiB answers 413 unread, a full queue 429 at once, a
-server shutting down 503), SSE streaming (a comment line keeps a quiet stream alive), and cancelling a request
-whose client went away (streaming: Starlette cancels the response when the client disconnects;
-non-streaming: the handler watches the connection while it waits; a client gone before its body was read
-counts as 499 too, quietly).
-The event loop never does a request's CPU work: JSON, the chat template and the tokenizer run in a small
-thread pool under a time limit. Every error is OpenAI's error object. Must not: touch the engine (the
-worker's thread owns it) or parse request fields (protocol.py does).
+Owns: the routes, the API key check, admission (a body over 8 MiB is 413 unread, a full queue 429, shutting down
+503), SSE streaming, and cancelling a request whose client went away (499). The event loop never does a request's
+CPU work: JSON, the chat template and the tokenizer run in a thread pool under a time limit.
+Must not: touch the engine (the worker's thread owns it) or parse request fields (protocol.py does).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -67,7 +63,6 @@ def _error(e: ApiError, state: State) -> JSONResponse:
 
 
 def _gone(state: State) -> Response:
-    """The answer to a client that went away (never read)."""
     state.metrics.count(499)  # nginx's "client closed request"
     return Response(status_code=499)
 
@@ -85,8 +80,7 @@ def _denied() -> ApiError:
 
 
 async def _body(request: Request) -> bytes:
-    """The raw body. Too big is refused from its Content-Length before a byte is read, or (chunked) as soon as
-    it passes the limit: it is never held whole (uvicorn discards the rest, so the client still reads the 413)."""
+    """The raw body; too big is refused from its Content-Length, or (chunked) as soon as it passes the limit."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY:
         raise ApiError(413, f"the request body has {int(declared)} bytes; the limit is {MAX_BODY}")
@@ -111,9 +105,8 @@ def _parse(raw: bytes, chat: bool, ctx: Context) -> Spec:
 
 
 async def _prepare(raw: bytes, chat: bool, state: State) -> Spec:
-    """`_parse` in the pool, so that a big prompt never holds the event loop (before this, a 4 MB prompt took
-    /health down for seconds); past `parse_timeout` the request gets 503 (the work is bounded by the
-    character limit, so only a busy server gets there) and a parse not yet started is dropped."""
+    """`_parse` in the pool, so that a big prompt never holds the event loop; past `parse_timeout` (only a busy
+    server gets there: the character bound limits the work) 503."""
     future = asyncio.get_running_loop().run_in_executor(state.pool, _parse, raw, chat, state.ctx)
     try:
         return await asyncio.wait_for(future, state.parse_timeout)
@@ -182,16 +175,13 @@ async def _whole(request: Request, job: Job, state: State) -> Response:
 
 
 def _noted(body: dict, end: tuple) -> dict:
-    """The answer's last body, with the worker's note on why it is empty as `dgemma_note` (OpenAI's clients keep an
-    unknown field and ignore it): the client learns it, not only the server log."""
+    """The last body, with the worker's note on why the answer is empty as `dgemma_note` (clients ignore it)."""
     return {**body, "dgemma_note": end[3]} if len(end) > 3 and end[3] else body
 
 
 async def _stream(job: Job, state: State) -> AsyncIterator[bytes]:
-    """SSE: the role first, then one chunk per committed block's new text (drafts between, when asked), the
-    finish reason, the usage chunk when asked, [DONE]; `: keep-alive` after `state.keepalive` s with nothing
-    to send (SSE clients skip comment lines). A client that goes away cancels the generator here (Starlette),
-    and the `finally` withdraws the request."""
+    """SSE chunks as protocol.py says, and `: keep-alive` after `state.keepalive` s of silence. A client that goes
+    away cancels the generator (Starlette), and the `finally` withdraws the request."""
     spec, name = job.spec, state.ctx.model_name
     finished, held = False, []  # held: a forced tool call's text, sent as tool_calls at the end
     try:
@@ -230,41 +220,23 @@ async def _stream(job: Job, state: State) -> AsyncIterator[bytes]:
             state.worker.cancel(job)
 
 
-async def chat_completions(request: Request) -> Response:
-    return await complete(request, chat=True)
-
-
-async def completions(request: Request) -> Response:
-    return await complete(request, chat=False)
-
-
-def _card(ctx: Context) -> dict:
-    return {"id": ctx.model_name, "object": "model", "created": 0, "owned_by": "dgemma",
-            "max_model_len": ctx.context}
-
-
 async def models(request: Request) -> Response:
+    """`GET /v1/models`, and `/v1/models/{model}`: the list's one entry, or OpenAI's 404 for another name."""
     state: State = request.app.state.dgemma
     if not _authorized(request, state):
         return _error(_denied(), state)
-    return JSONResponse({"object": "list", "data": [_card(state.ctx)]})
-
-
-async def model(request: Request) -> Response:
-    """`GET /v1/models/{model}`: the list's one entry, or OpenAI's 404 for any other name."""
-    state: State = request.app.state.dgemma
-    if not _authorized(request, state):
-        return _error(_denied(), state)
-    name = request.path_params["model"]
-    if name != state.ctx.model_name:
-        return _error(ApiError(404, f"The model '{name}' does not exist; this server serves "
-                               f"'{state.ctx.model_name}'", param="model", code="model_not_found"), state)
-    return JSONResponse(_card(state.ctx))
+    ctx, name = state.ctx, request.path_params.get("model")
+    card = {"id": ctx.model_name, "object": "model", "created": 0, "owned_by": "dgemma", "max_model_len": ctx.context}
+    if name is None:
+        return JSONResponse({"object": "list", "data": [card]})
+    if name != ctx.model_name:
+        return _error(ApiError(404, f"The model '{name}' does not exist; this server serves '{ctx.model_name}'",
+                               param="model", code="model_not_found"), state)
+    return JSONResponse(card)
 
 
 async def health(request: Request) -> Response:
-    """200 {"status": "ok"}; 503 while shutting down, when the engine thread has died, or when it has been busy
-    past --stall-timeout without finishing a pass or handling a message (a slow pass, a hung device)."""
+    """200; 503 while shutting down, when the engine thread has died, or busy past --stall-timeout."""
     state: State = request.app.state.dgemma
     if state.closing:
         return JSONResponse({"status": "shutting down"}, status_code=503)
@@ -303,9 +275,8 @@ async def _crash(request: Request, exc: Exception) -> Response:
 
 
 def _quiet_when_stopped(app: Starlette, state: State) -> Any:
-    """`app` as uvicorn runs it. A request still running when the server is stopped hard (a second Ctrl-C, a
-    client that stops reading past the shutdown timeout) is cancelled; uvicorn would log a traceback and send
-    text/plain 500. Here it gets the 503 error object (a stream: the error object and [DONE]), quietly."""
+    """`app` as uvicorn runs it: a request cancelled by a hard stop gets the 503 error object (a stream: and
+    [DONE]) quietly, not uvicorn's traceback and text/plain 500."""
 
     async def guarded(scope: dict, receive: Any, send: Any) -> None:
         sent: dict = {}  # the response's start message, once sent
@@ -334,10 +305,10 @@ def _quiet_when_stopped(app: Starlette, state: State) -> Any:
 
 
 def build_app(state: State) -> Any:
-    routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-              Route("/v1/completions", completions, methods=["POST"]),
+    routes = [Route("/v1/chat/completions", functools.partial(complete, chat=True), methods=["POST"]),
+              Route("/v1/completions", functools.partial(complete, chat=False), methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
-              Route("/v1/models/{model:path}", model, methods=["GET"]),  # a name may hold a slash
+              Route("/v1/models/{model:path}", models, methods=["GET"]),  # a name may hold a slash
               Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"]),
               Route("/", page, methods=["GET"]),

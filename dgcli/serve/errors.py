@@ -1,9 +1,6 @@
-"""OpenAI's error object as this server sends it.
-
-Owns: `ApiError` (HTTP status, message, type, param, code) and how its text is made safe to send: a request's
-field names and values reach the message as sent, so a lone surrogate (legal in JSON, not in UTF-8) is
-spelled out as \\udXXX and anything over `MAX_ERROR_CHARS` has its middle cut (a 4 MB field name gets a short
-reply). Must not: parse requests (serve/protocol.py does).
+"""OpenAI's error object as this server sends it: `ApiError`, its text made safe to send (a request's field names
+and values reach it as sent: a lone surrogate is spelled \\udXXX, and the middle of anything over `MAX_ERROR_CHARS`
+is cut). Must not: parse requests (serve/protocol.py does).
 """
 
 from __future__ import annotations
@@ -32,8 +29,7 @@ def _utf8(text: str | None) -> str | None:
 
 
 def _clip(text: str | None, limit: int = MAX_ERROR_CHARS) -> str | None:
-    """`text` with its middle cut out when longer than `limit` characters (both ends kept: the problem and
-    the fix are said around the echoed value)."""
+    """`text` with its middle cut out past `limit` characters (the problem and the fix are said around the value)."""
     if text is None or len(text) <= limit:
         return text
     cut = f" …[{len(text) - limit + 40:,} characters cut]… "

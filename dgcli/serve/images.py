@@ -1,6 +1,5 @@
-"""OpenAI `image_url` content parts: data URLs decoded and preprocessed for the checkpoint's vision tower, under the
-per-request limits (text/images.py: LIMITS); http(s) URLs are not fetched. Every refusal is a 400 naming the part.
-Must not: touch the engine (the parsed request carries the images to it).
+"""OpenAI `image_url` content parts: data URLs (never fetched http(s) URLs) decoded and preprocessed for the vision
+tower, under text/images.py's LIMITS; every refusal a 400 naming the part. Must not: touch the engine.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""The server's counters and histograms, and their Prometheus text (exposition format 0.0.4).
-
-Owns: `Metrics` (thread-safe: the engine thread observes passes and blocks, the HTTP side counts requests)
-and `render`. Names carry the `dgemma_` prefix; what each measures is in its HELP line.
-Must not: import a metrics library (the format is a few lines of text) or touch the engine.
+"""The server's counters and histograms (`Metrics`, thread-safe) and their Prometheus text (format 0.0.4); what each
+measures is in its HELP line. Must not: import a metrics library (the format is a few lines of text) or touch the
+engine.
 """
 
 from __future__ import annotations
@@ -85,17 +83,9 @@ class Metrics:
         with self.lock:
             self.prefix_cache_queries, self.prefix_cache_hits = queries, hits
 
-    def first_token(self, seconds: float) -> None:
+    def observe(self, histogram: Histogram, value: float) -> None:
         with self.lock:
-            self.ttft.observe(seconds)
-
-    def finished(self, seconds: float) -> None:
-        with self.lock:
-            self.e2e.observe(seconds)
-
-    def decoder_pass(self, seconds: float) -> None:
-        with self.lock:
-            self.pass_latency.observe(seconds)
+            histogram.observe(value)
 
     def render(self) -> str:
         age = self.engine_age()
@@ -120,13 +110,10 @@ class Metrics:
                  "waits for work. Past --stall-timeout, /health answers 503."),
             ):
                 lines += [f"# HELP dgemma_{name} {what}", f"# TYPE dgemma_{name} {kind}", f"dgemma_{name} {value}"]
-            lines += ["# HELP dgemma_denoising_steps_per_block Denoising steps each committed block took.",
-                      "# TYPE dgemma_denoising_steps_per_block histogram"]
-            lines += self.steps_per_block.lines("dgemma_denoising_steps_per_block")
-            lines += ["# HELP dgemma_step_latency_seconds One decoder pass (a denoising step of every running request).",
-                      "# TYPE dgemma_step_latency_seconds histogram"]
-            lines += self.pass_latency.lines("dgemma_step_latency_seconds")
             for name, hist, what in (
+                ("denoising_steps_per_block", self.steps_per_block, "Denoising steps each committed block took."),
+                ("step_latency_seconds", self.pass_latency,
+                 "One decoder pass (a denoising step of every running request)."),
                 ("time_to_first_token_seconds", self.ttft,
                  "From accepting a request to its first block's tokens (vLLM's time_to_first_token_seconds; a "
                  "block commits whole, so its first token comes with the block)."),

@@ -1,43 +1,27 @@
 """The OpenAI wire format as this server speaks it: request bodies in (checked, turned into a `Spec`), reply
-objects and stream chunks out (OpenAI's error object: serve/errors.py).
+objects and stream chunks out. Must not: touch the engine, the network or torch.
 
-Decisions:
-* Fields that do not apply to the entropy-bound sampler (`temperature`, `top_p`, penalties, logprobs...) are
-  a 400 naming the field and what to use instead, unless null or false (`temperature: 0` is refused).
-* The sampler's settings are extra body fields with the preset key names, checked by the one validator
-  (`DiffusionEbParams`): the server's settings (checkpoint < preset < `serve` flags) are the base a request
-  changes. OpenAI's `seed` is the sampler's seed.
-* Other unknown fields are ignored as vLLM does (clients send vendor fields), except a near-miss of a
-  field we know (`max_denoising_step`), which is an error with the fix: a typo must not pass silently.
-* `chat_template_kwargs: {"enable_thinking": true}` (vLLM's convention) turns thinking on; `ignore_eos: true`
-  (vLLM's name) runs every block whatever the model says, for fixed-length benchmarks.
-* Draft events (`stream_options.include_drafts`) are chunks with an empty `choices` list (as the usage
-  chunk has) and a `dgemma_draft` object, so a standard client reads no text from them.
-* Types are strict (`stream: 0` is no boolean, `"8"` no number, 8.0 no step count), and text is checked
-  before it is tokenized: a lone surrogate is refused, as is a prompt too long for the context (`max_chars`).
-* Every field that sizes work has an upper bound (`sampling/params.py: LIMITS`: steps, stability history,
-  blocks, max_tokens, messages, stop strings), and a token-id prompt's length is checked against the
-  context before its ids are: no one request can wedge the server.
-Must not: touch the engine, the network or torch.
-
-OpenAI fields read: `model` (optional; another name is 404), `messages` (text and image_url parts: serve/images.py;
-roles system, developer, user, assistant) or `prompt` (completions: a string or token ids, no chat template),
-`max_tokens` / `max_completion_tokens` (the answer's cut, either or both if equal; with `max_blocks` unset it
-also sets the block count), `seed`, `stream`, `stream_options.include_usage`, `stop` (strings, matched in the
-content), `n` (1); `response_format`, `tools` and `tool_choice` (serve/structured.py).
-The thought channel comes back as `reasoning_content` (in `message`, or in `delta` when streaming).
-A stream (SSE, OpenAI's chunk shape): a first chunk with the role, one chunk per committed block with its new
-text in `delta.content` (append-only; engine/output.py says what waits for the next block), a last chunk with
-`finish_reason` (`stop`: a stop id or string; `length`: blocks or `max_tokens` ran out), the usage chunk when
-asked (`choices: []`, `usage` with `blocks`, `denoising_steps`, `steps_per_block`), then `data: [DONE]`.
-A draft chunk's `dgemma_draft` is {block, step, max_steps, token_ids, text, accepted, mean_entropy, final,
-time, tokens, entropy}: the current block's argmax canvas, the positions this step accepted, and `final: true`
-on a block's last step (its `token_ids` are the block as committed; `committed` counts them as tokens_per_forward
-does: to a stop id included, no padding); `tokens` and `entropy` give each position's display string and entropy
-in nats (the web page at `/` draws the canvas from them).
-Errors (OpenAI's object {"error": {message, type, param, code}}): 400 bad request (a prompt beyond the
-context: code `context_length_exceeded`), 401 wrong or missing key, 404 unknown model or route, 429
-(`queue_full`) when --max-queue requests already wait, 503 while shutting down.
+Fields read: `model` (another name is 404), `messages` (text and image_url parts: serve/images.py; roles system,
+developer, user, assistant) or `prompt` (completions: a string or token ids, no chat template), `max_tokens` /
+`max_completion_tokens` (the answer's cut, both only if equal; with `max_blocks` unset it sets the block count),
+`seed` (the sampler's), `stream`, `stream_options` (`include_usage`, `include_drafts`), `stop` (strings matched in
+the content), `n` (1), `response_format` / `tools` / `tool_choice` (serve/structured.py), vLLM's
+`chat_template_kwargs.enable_thinking` and `ignore_eos` (every block runs), and the sampler's settings as extra
+fields with the preset key names, checked by `DiffusionEbParams` over the server's settings.
+Decisions: fields that do not apply to the entropy-bound sampler (`temperature`, `top_p`, penalties, logprobs...)
+are a 400 naming the field and what to use instead, unless null or false; other unknown fields are ignored as
+vLLM does, but a near-miss of a known one is an error (a typo must not pass silently). Types are strict (`stream:
+0` is no boolean, `"8"` no number, 8.0 no step count); a lone surrogate is refused; every field that sizes work
+has an upper bound (`sampling/params.py: LIMITS`), and a prompt's length is checked against the context before
+it is tokenized (`max_chars`) or its ids are checked: no one request can wedge the server.
+Replies: the thought channel is `reasoning_content`. A stream: the role chunk, one chunk per committed block's
+new text (append-only: engine/output.py), the `finish_reason` chunk (`stop` or `length`), the usage chunk when
+asked (`choices: []`; usage adds `blocks`, `denoising_steps`, `steps_per_block`), `data: [DONE]`. A draft chunk
+(`include_drafts`) has empty `choices` and `dgemma_draft` {block, step, max_steps, token_ids, text, accepted,
+mean_entropy, final, time, tokens, entropy, and on a block's last step `committed`}: the block's argmax canvas,
+the positions this step accepted, each position's display string and entropy (nats) for the page at `/`.
+Errors are OpenAI's object (serve/errors.py): 400 (a prompt beyond the context: `context_length_exceeded`), 401,
+404 (model or route), 413, 429 (`queue_full`), 503 (shutting down).
 """
 
 from __future__ import annotations
@@ -101,10 +85,8 @@ class Context:
 
     @cached_property
     def max_chars(self) -> int | None:
-        """The most characters a prompt's text (rendered through the chat template) can have and still fit the
-        context, so that a longer one is refused before it is tokenized (a 6 MB prompt took 9 s and 1.4 GB
-        at its peak): no token covers more than `max_token_chars` characters. None where the tokenizer has
-        no such bound: such a prompt is tokenized, in the parsing pool under its time limit."""
+        """The most characters a (templated) prompt can have and still fit the context: no token covers more than
+        `max_token_chars`, so a longer one is refused untokenized (a 6 MB prompt took 9 s, 1.4 GB). None: no bound."""
         most = getattr(self.tokenizer, "max_token_chars", None)
         return None if most is None else self.context * most
 
@@ -148,8 +130,7 @@ def _int(body: dict, key: str, low: int, limit: str | None = None) -> int | None
 
 
 def _max_tokens(body: dict) -> int | None:
-    """`max_completion_tokens` (OpenAI's newer name) or `max_tokens`: both checked when both are sent, and
-    refused when they differ (which one wins would be a guess)."""
+    """`max_completion_tokens` (OpenAI's newer name) or `max_tokens`; both sent must be equal."""
     new, old = (_int(body, k, 1, "max_tokens") for k in ("max_completion_tokens", "max_tokens"))
     if new is not None and old is not None and new != old:
         raise ApiError(400, f"max_completion_tokens={new} and max_tokens={old} differ: send one of them",
@@ -158,8 +139,8 @@ def _max_tokens(body: dict) -> int | None:
 
 
 def _strict(params: Any, key: str, value: Any) -> Any:
-    """A sampler field as sent, refused unless it has the field's type: JSON has numbers, so "8" is no
-    step count and 8.0 no whole number (the settings' validator is lax, for YAML and flags)."""
+    """A sampler field, refused unless of the field's type ("8" and 8.0 are no step count: the settings' own
+    validator is lax, for YAML and flags)."""
     try:
         return coerce(type(params), key, value, "", strict=True, current=dataclasses.asdict(params))
     except SettingsError as e:
@@ -167,8 +148,7 @@ def _strict(params: Any, key: str, value: Any) -> Any:
 
 
 def _flag(obj: dict, key: str, default: bool = False, *, inside: str | None = None) -> bool:
-    """A boolean field (of the object field `inside`): absent or null is `default`; anything but true or
-    false (0, "", [] too) is refused."""
+    """A boolean field (of the object field `inside`): absent or null is `default`; only true or false else."""
     v = obj.get(key)
     if v is None:
         return default
@@ -188,8 +168,7 @@ def _object(body: dict, key: str, keys: tuple[str, ...], takes: str) -> dict:
 
 
 def _unicode(text: str, where: str, param: str) -> str:
-    """`text`, refused when it holds a lone surrogate: JSON's \\ud800 escape allows one, but it is no
-    character (not UTF-8) and the tokenizer cannot take it."""
+    """`text`, refused when it holds a lone surrogate (JSON's \\ud800 allows one; the tokenizer cannot take it)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -200,7 +179,6 @@ def _unicode(text: str, where: str, param: str) -> str:
 
 
 def _context_error(prompt_len: int, blocks: int, ctx: Context, chat: bool) -> ApiError | None:
-    """The refusal of a prompt of `prompt_len` ids with `blocks` canvases after it beyond the context, else None."""
     need = over_context(prompt_len, blocks, ctx.canvas_length, ctx.context)  # the engine's rule, the CLI's too
     if need is None:
         return None
@@ -210,7 +188,6 @@ def _context_error(prompt_len: int, blocks: int, ctx: Context, chat: bool) -> Ap
 
 
 def _check_chars(chars: int, ctx: Context, chat: bool) -> None:
-    """Refuse a prompt of `chars` characters that cannot fit the context, before it is tokenized."""
     if ctx.max_chars is not None and chars > ctx.max_chars:
         what = "the messages have" if chat else "the prompt has"  # (chat: as the template renders them)
         raise ApiError(400, f"{what} {chars} characters, more than this server's context of {ctx.context} tokens "
@@ -231,9 +208,7 @@ def _messages(body: dict) -> list[dict]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or "role" not in m:
             raise ApiError(400, f"messages[{i}] must be an object with a role and content", param="messages")
-        role = m["role"]
-        if role == "developer":
-            role = "system"
+        role = "system" if m["role"] == "developer" else m["role"]
         if role not in ("system", "user", "assistant"):
             raise ApiError(400, f"messages[{i}].role={role!r} is not supported; use system, user or assistant",
                            param="messages")
@@ -349,41 +324,34 @@ def usage(prompt_tokens: int, completion_tokens: int, steps_per_block: list[int]
             "denoising_steps": sum(steps_per_block), "steps_per_block": list(steps_per_block)}
 
 
-def reply(spec: Spec, model: str, reasoning: str, content: str, finish: str, use: dict) -> dict:
+def _head(spec: Spec, model: str, chat_kind: str) -> dict:
+    return {"id": spec.id, "object": chat_kind if spec.chat else "text_completion", "created": spec.created,
+            "model": model}
+
+
+def _choice(spec: Spec, key: str, fields: dict, reasoning: str, finish: str | None) -> dict:
+    """One choice: chat's text fields inside `key` ("message" or "delta"), a completion's content as `text`."""
+    extra = {"reasoning_content": reasoning} if reasoning else {}
     if spec.chat:
-        message = {"role": "assistant", "content": content}
-        if reasoning:
-            message["reasoning_content"] = reasoning
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
-        kind = "chat.completion"
-    else:
-        choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish}
-        if reasoning:
-            choice["reasoning_content"] = reasoning
-        kind = "text_completion"
-    return {"id": spec.id, "object": kind, "created": spec.created, "model": model, "choices": [choice], "usage": use}
+        return {"index": 0, key: {**fields, **extra}, "logprobs": None, "finish_reason": finish}
+    return {"index": 0, "text": fields.get("content") or "", "logprobs": None, "finish_reason": finish, **extra}
+
+
+def reply(spec: Spec, model: str, reasoning: str, content: str, finish: str, use: dict) -> dict:
+    choice = _choice(spec, "message", {"role": "assistant", "content": content}, reasoning, finish)
+    return {**_head(spec, model, "chat.completion"), "choices": [choice], "usage": use}
 
 
 def chunk(spec: Spec, model: str, *, reasoning: str = "", content: str | None = None, role: bool = False,
           finish: str | None = None) -> dict:
     """A stream chunk carrying text (or the first chunk's role, or the last chunk's finish reason)."""
-    if spec.chat:
-        delta: dict = {"role": "assistant"} if role else {}
-        if content is not None:
-            delta["content"] = content
-        if reasoning:
-            delta["reasoning_content"] = reasoning
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        kind = "chat.completion.chunk"
-    else:
-        choice = {"index": 0, "text": content or "", "logprobs": None, "finish_reason": finish}
-        if reasoning:
-            choice["reasoning_content"] = reasoning
-        kind = "text_completion"
-    return {"id": spec.id, "object": kind, "created": spec.created, "model": model, "choices": [choice]}
+    fields: dict = {"role": "assistant"} if role else {}
+    if content is not None:
+        fields["content"] = content
+    choice = _choice(spec, "delta", fields, reasoning, finish)
+    return {**_head(spec, model, "chat.completion.chunk"), "choices": [choice]}
 
 
 def side_chunk(spec: Spec, model: str, **extra: Any) -> dict:
     """A chunk without choices: the usage chunk, or a draft (`dgemma_draft`)."""
-    return {"id": spec.id, "object": "chat.completion.chunk" if spec.chat else "text_completion",
-            "created": spec.created, "model": model, "choices": [], **extra}
+    return {**_head(spec, model, "chat.completion.chunk"), "choices": [], **extra}

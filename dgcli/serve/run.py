@@ -1,28 +1,20 @@
 """Running the server: the worker thread, the app, uvicorn, and a clean stop.
 
-Owns: `serve(session, ...)`: the engine's context (the KV cache is allocated once for `slots` requests of
-`context` positions each), the listening socket (port 0: a free one, named in the startup line), and the
-shutdown. SIGINT/SIGTERM: the server stops admitting (503), stops listening, lets in-flight requests finish
-for up to `shutdown_timeout` seconds, then withdraws what is left (a stream ends with an error object, a
-waiting request gets 503: the HTTP side answers them, so a long decoder pass cannot hold them), stops the
-engine thread and returns True (the command exits 0). An engine thread still in a pass by then (and at
-least ENGINE_GRACE s after the stop began) is left behind: `serve` returns False and the command exits 1
-at once. uvicorn re-raises a caught signal after its shutdown, which would turn that clean stop into a
-death by signal; `_Server` keeps the signal handling and drops the re-raise. A second Ctrl-C stops at once
-(uvicorn's force exit: what is still in flight is cancelled, and answered 503 quietly by app.py; the engine
-gets ENGINE_GRACE s). A host other than the loopback without an API key is served, with a note at the start.
+Owns: `serve(session, ...)`: the engine's context (a KV cache for `slots` requests of `context` positions, allocated
+once), the listening socket, and the shutdown. SIGINT/SIGTERM: stop admitting (503) and listening, let in-flight
+requests finish for up to `shutdown_timeout` s, withdraw what is left (answered by the HTTP side, so a long pass
+cannot hold them), stop the engine thread: True (exit 0); an engine thread still in a pass ENGINE_GRACE s later is
+left behind: False (exit 1). A second Ctrl-C stops at once (uvicorn's force exit; app.py answers 503 quietly).
 Must not: parse requests or touch the engine directly.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
-import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,25 +39,14 @@ class _Server(uvicorn.Server):
         self.shutdown_timeout = shutdown_timeout
         self.stop_by: float | None = None  # monotonic time by which the engine thread must be done
 
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        handled = (signal.SIGINT, signal.SIGTERM)
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
     def handle_exit(self, sig: int, frame: Any) -> None:
         if not self.dgemma.closing:
             self.dgemma.closing = True
             self.stop_by = time.monotonic() + self.shutdown_timeout
             self.deadline.start()
         super().handle_exit(sig, frame)
+        # uvicorn re-raises a caught signal after its shutdown, which would turn a clean stop into a death by signal
+        self._captured_signals.clear()
 
 
 DEFAULT_CONTEXT = 8192
@@ -73,9 +54,8 @@ ENGINE_GRACE = 1.0  # s the engine thread gets to end its pass after the request
 
 
 def context_for(cfg: Any, max_model_len: int | None) -> int:
-    """The positions a request may use (prompt + its canvases): --max-model-len, at most the model's;
-    by default the model's context up to 8192 (the cache is allocated up front for every slot: the real
-    model's 262144 positions would take tens of GB per slot)."""
+    """The positions a request may use (prompt + its canvases): --max-model-len, at most the model's; by default
+    the model's context up to 8192 (the cache is allocated up front per slot: 262144 positions take tens of GB)."""
     limit = cfg.max_position_embeddings
     if max_model_len is None:
         return min(limit, DEFAULT_CONTEXT)
@@ -140,8 +120,8 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def serve(session: Any, *, say: Callable[[str], None], **kw: Any) -> bool:
-    """Serve until SIGINT/SIGTERM (keywords as `build`'s); True after a clean stop, False when the engine
-    thread was left behind in a pass (the caller should exit at once: the thread still runs)."""
+    """Serve until SIGINT/SIGTERM (keywords as `build`'s); True after a clean stop, False when the engine thread
+    was left behind in a pass (exit at once)."""
     server, worker = build(session, **kw)
     sock = listen(kw["host"], kw["port"])
     worker.start()

@@ -1,8 +1,6 @@
-"""Structured answers of a request: `response_format` (`text`: none, `json_object`: any JSON object, `json_schema`:
-{"name", "schema", "strict", "description"}) and `tools` + `tool_choice` (a forced call, `required` or one named
-function, is drawn under the schema {"name": const, "arguments": its parameters}; `auto` leaves the answer free and
-reads a whole-answer call back), checked and compiled to the sampler's automaton (`sampling.constrain`) while the
-request is parsed, off the engine's thread; and the OpenAI `tool_calls` of an answer.
+"""Structured answers: `response_format` (`text`, `json_object`, `json_schema`) and `tools` + `tool_choice` (a forced
+call, `required` or a named function, is drawn under {"name": const, "arguments": its parameters}; `auto` reads a
+whole-answer call back), compiled to the sampler's automaton while the request is parsed; an answer's `tool_calls`.
 Must not: run anything, or know how the draw uses the automaton.
 """
 
@@ -23,13 +21,18 @@ _SCHEMA_KEYS = ("name", "schema", "strict", "description")
 
 @dataclass
 class Format:
-    """A request's structured answer: the automaton it is drawn under (None: free text) and where it must close
-    (`room`: its canvases, or its max_tokens cut when fewer); with tools, the tool_choice mode and the names."""
+    """The automaton a request is drawn under (None: free text), where it must close, the tool mode and names."""
 
     automaton: Any
     room: int
     tool_mode: str | None = None  # "none", "auto", "required", "named"; None without tools
     tool_names: list[str] = field(default_factory=list)
+
+    def constraint(self) -> Any:
+        """A fresh place in the automaton, for one run of the request (None: free text)."""
+        from dgcli.sampling.constrain import Constraint
+
+        return None if self.automaton is None else Constraint(self.automaton, self.room)
 
     @property
     def forced(self) -> bool:
@@ -72,8 +75,8 @@ def answer_format(body: dict, chat: bool, ctx: Any, canvases: int, budget: int |
 
 
 def response_automaton(body: dict, tokenizer: Any, stop_ids: Any, room: int, forced: dict | None = None) -> Any:
-    """The Automaton `response_format` (or `forced`: a forced tool call's schema) asks for, None for none;
-    ApiError(400) naming the problem (one whose shortest document does not fit in the answer's `room` tokens too)."""
+    """The Automaton `response_format` (or `forced`: a forced tool call's schema) asks for, None for none; a 400
+    naming the problem (one whose shortest document does not fit in `room` tokens too)."""
     rf = body.get("response_format")
     if forced is not None:
         if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
@@ -113,7 +116,7 @@ _FIX = 'tools is a list of {"type": "function", "function": {"name", "descriptio
 
 def tool_plan(body: dict) -> tuple[dict | None, list[dict], str | None]:
     """(the schema a forced call follows or None, the tools' functions, the mode: None without tools, "none",
-    "auto", "required" or "named"); ApiError(400) naming the problem."""
+    "auto", "required" or "named")."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools is None:
         if choice is not None:
@@ -154,8 +157,7 @@ def tools_message(functions: list[dict]) -> dict:
 
 
 def tool_calls(content: str, mode: str | None, names: list[str]) -> list[dict] | None:
-    """The OpenAI tool_calls of an answer: a forced call always (it was drawn under the call's schema); under
-    "auto", an answer that is such a call as a whole. None: the answer is text."""
+    """The OpenAI tool_calls of an answer (forced, or under "auto" an answer that is a call as a whole); None: text."""
     if mode not in ("auto", "required", "named"):
         return None
     try:

@@ -1,17 +1,13 @@
-"""The engine thread: one `LLMEngine` (continuous batching over fixed KV-cache slots) owned by one thread, fed
-through an inbox, its events turned into each request's messages on the HTTP side's event loop.
+"""The engine thread: one `LLMEngine` owned by one thread, fed through an inbox, its events turned into each
+request's messages on the HTTP side's event loop.
 
-Owns: `Job` (one HTTP request as the engine thread sees it: its `Spec`, its `Output`, the asyncio queue
-its handler reads) and `Worker`: submit / cancel / close from any thread; the thread runs a decoder pass
-whenever the engine has work and otherwise sleeps on the inbox. Messages to a handler: ("text", reasoning,
-content) per committed block, ("draft", dict) per step when asked, then ("end", finish_reason, usage, note: why an answer is empty, else None) or
-("error", ApiError). A request whose answer ends early (stop string, max_tokens) or whose client went
-away is withdrawn from the engine (`LLMEngine.cancel`): its slot is free before the next pass.
-`abort` answers every request still waiting from the calling thread (503), whatever the engine thread is
-doing: a shutdown never waits on a decoder pass. The thread records its progress in `Metrics` (each pass,
-each message) so that /health can tell a stalled engine from a busy one.
-Must not: parse HTTP or touch sockets, or reach into the engine's parts (only `dgcli.engine`'s public names);
-only this thread touches the engine (it has no lock).
+Owns: `Job` (a request as the thread sees it: `Spec`, `Output`, the handler's asyncio queue) and `Worker`
+(submit / cancel / abort from any thread). Messages to a handler: ("text", reasoning, content) per committed
+block, ("draft", dict) per step when asked, then ("end", finish_reason, usage, note on an empty answer or None)
+or ("error", ApiError). An answer ended early (stop string, max_tokens) or a client gone frees its slot at once;
+`abort` answers every waiting request (503) from the calling thread: a shutdown never waits on a pass. Progress
+goes to `Metrics` so that /health tells a stalled engine from a busy one.
+Must not: parse HTTP, touch sockets, or reach into the engine's parts; only this thread touches the engine.
 """
 
 from __future__ import annotations
@@ -99,8 +95,8 @@ class Worker:
         self.inbox.put(("cancel", job))
 
     def abort(self) -> None:
-        """Withdraw every request and stop the thread: each handler gets its 503 from here at once (the engine
-        thread may be deep in a long pass); the thread stops when it next reads its inbox."""
+        """Answer every request 503 from here at once (the engine thread may be in a long pass) and stop the thread
+        when it next reads its inbox."""
         with self.lock:
             self.closed = True
             jobs, self.live = list(self.live.values()), {}
@@ -109,8 +105,7 @@ class Worker:
         self.inbox.put(("close", None))
 
     def close(self, timeout: float) -> bool:
-        """`abort`, then wait up to `timeout` s for the thread; False when it is still running (a pass that
-        outlasts the wait: it is left behind)."""
+        """`abort`, then wait up to `timeout` s for the thread; False when it is still in a pass (left behind)."""
         self.abort()
         if self.thread.is_alive():
             self.thread.join(timeout)
@@ -123,18 +118,15 @@ class Worker:
         while True:
             idle = self.engine.idle
             self.metrics.engine_progress(waiting=idle)  # a pass (or the start) is done
-            try:
+            try:  # every message waiting (idle: at least one), then a pass
                 message = self.inbox.get(block=idle)
-            except queue.Empty:
-                message = None
-            while message is not None:
-                self.metrics.engine_progress(waiting=False)  # the clock runs from here while it handles it
-                if not self._handle(*message):
-                    return
-                try:
+                while True:
+                    self.metrics.engine_progress(waiting=False)  # the clock runs from here while it handles it
+                    if not self._handle(*message):
+                        return
                     message = self.inbox.get_nowait()
-                except queue.Empty:
-                    message = None
+            except queue.Empty:
+                pass
             if not self.engine.idle:
                 self._pass()
 
@@ -146,7 +138,7 @@ class Worker:
                 self.engine.add_request(spec.prompt_ids, request_id=job.id, params=spec.params,
                                         num_blocks=spec.num_blocks, seed=spec.params.seed,
                                         stop_ids=() if spec.ignore_eos else self.session.stop_ids,
-                                        constraint=_constraint(spec), images=spec.images)
+                                        constraint=spec.fmt.constraint() if spec.fmt else None, images=spec.images)
             except Exception as e:  # the engine refused it (the app's checks should have caught this)
                 log.exception("the engine refused request %s", job.id)
                 status = 400 if isinstance(e, UserError) else 500
@@ -182,7 +174,7 @@ class Worker:
             self.prefix_base = (m.prefix_cache_queries, m.prefix_cache_hits)
             return
         if stats["denoise_s"] > before:
-            self.metrics.decoder_pass(stats["denoise_s"] - before)
+            self.metrics.observe(self.metrics.pass_latency, stats["denoise_s"] - before)
         self.metrics.prefix_cache(self.prefix_base[0] + stats.get("prefix_cache_queries", 0),
                                   self.prefix_base[1] + stats.get("prefix_cache_hits", 0))
 
@@ -211,7 +203,7 @@ class Worker:
             log.warning("dgemma serve: request %s: the answer is empty (%s)", job.id, why)
             note = f"the answer is empty: {why}"
         use = usage(len(spec.prompt_ids), out.completion_tokens, job.steps_per_block)
-        self.metrics.finished(time.monotonic() - job.submitted)
+        self.metrics.observe(self.metrics.e2e, time.monotonic() - job.submitted)
         self._forget(job, cancelled=False, last=("end", out.finish_reason, use, note))
 
     def _dispatch(self, event: Any) -> None:
@@ -234,7 +226,7 @@ class Worker:
             self._flush_drafts(lambda d: d.job is job)  # a block's drafts before its text
             if not job.first_block:
                 job.first_block = True
-                self.metrics.first_token(time.monotonic() - job.submitted)
+                self.metrics.observe(self.metrics.ttft, time.monotonic() - job.submitted)
             self.metrics.block(job.steps_per_block[-1], len(event.tokens) if event.stop_index is None else event.stop_index)
             reasoning, content = job.output.commit(event.tokens, event.stop_index)
             if reasoning or content:
@@ -281,10 +273,9 @@ class Worker:
 
 @dataclass
 class _Draft:
-    """One step's draft for a client: its values in one host tensor (ids, accepted mask, entropies and their
-    mean as float64, which holds every id and fp32 entropy exactly). On CUDA the copy is made without waiting
-    (pinned, non_blocking, an event behind it) and the draft is sent after the next pass is launched, or
-    before its request's next text, so a client watching the canvas never makes the device wait."""
+    """One step's draft: ids, accepted mask, entropies and their mean in one float64 host tensor (exact for each).
+    On CUDA the copy does not wait (pinned, an event behind it): the draft is sent after the next pass is launched,
+    or before its request's next text, so a client watching the canvas never makes the device wait."""
 
     job: Job
     event: Step
@@ -302,12 +293,3 @@ class _Draft:
         done = torch.cuda.Event()
         done.record()
         return cls(job, event, host, done)
-
-
-def _constraint(spec: Any) -> Any:
-    """The request's place in its response_format automaton (a fresh one per request), or None."""
-    if spec.fmt is None or spec.fmt.automaton is None:
-        return None
-    from dgcli.sampling.constrain import Constraint
-
-    return Constraint(spec.fmt.automaton, spec.fmt.room)

@@ -45,7 +45,8 @@ def _procs_under(marker: str) -> list[int]:
     for p in Path("/proc").iterdir():
         if p.name.isdigit():
             try:
-                if marker in (p / "cmdline").read_bytes().decode(errors="replace"):
+                # the folder itself, not a longer name it begins (/tmp/rdg12 must not match /tmp/rdg123)
+                if re.search(re.escape(marker) + r"(?![0-9])", (p / "cmdline").read_bytes().decode(errors="replace")):
                     found.add(int(p.name))
                 parent[int(p.name)] = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
             except (OSError, ValueError, IndexError):
@@ -109,6 +110,14 @@ def test_ray_is_not_imported_without_the_flag(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=120)
     assert out.stdout.splitlines()[-1] == "False False", out.stderr
     assert out.stdout.splitlines()[0] == "t a c"  # the run itself happened
+
+
+def test_the_pause_points_are_no_environment_switch():
+    """The tests' pause points reach the workers through `Pool.pause`, not the environment: the package reads only
+    its four DGEMMA_* settings, so a DGEMMA_RAY_PAUSE left in a shell is named as unknown."""
+    out = subprocess.run([sys.executable, "-m", "dgcli.cli", "--version"], env={**ENV, "DGEMMA_RAY_PAUSE": "load:/x"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "dgemma: warning: DGEMMA_RAY_PAUSE is not a dgemma setting" in out.stderr
 
 
 def test_without_ray_installed_the_flag_is_one_line(thirty, capsys, monkeypatch):
@@ -310,7 +319,7 @@ def test_a_workers_reference_row_is_the_local_one():
 
 
 # ---- a worker dying at a known moment --------------------------------------------------------------------
-# The workers' pause points (DGEMMA_RAY_PAUSE=POINT:DIR, dgcli/cluster/worker.py) make each kill land where
+# The workers' pause points (`Pool.pause = "POINT:DIR"`, dgcli/cluster/worker.py) make each kill land where
 # the test says: a worker reaching POINT waits, as the file DIR/POINT-PID-N, until the test kills that PID or
 # lets it on (DIR/POINT-PID-N.go).
 
@@ -349,8 +358,17 @@ class Referee(threading.Thread):
         self.join()
 
 
-def paused(point: str, folder: Path) -> dict:
-    return {**ENV, "DGEMMA_RAY_PAUSE": f"{point}:{folder}"}
+PAUSED = """import sys
+from dgcli.cluster.driver import Pool
+Pool.pause = sys.argv.pop(1)
+from dgcli.cli import main
+main()
+"""
+
+
+def paused(point: str, folder: Path) -> list[str]:
+    """The start of a `dgemma` command line whose Ray workers pause at `point` (the driver's test-only door)."""
+    return [sys.executable, "-c", PAUSED, f"{point}:{folder}"]
 
 
 @pytest.fixture(scope="module")
@@ -361,16 +379,16 @@ def local_b2(thirty, tmp_path_factory) -> list[dict]:
     return records(out.stdout)
 
 
-def ray_generate(thirty: Path, head: str, *extra: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dgcli.cli", "generate", "--input-jsonl", str(thirty), "--format",
-                           "json", "--batch-size", "2", "--ray", head, "--ray-workers", "2", *extra], env=env,
-                          capture_output=True, text=True, timeout=300)
+def ray_generate(thirty: Path, head: str, *extra: str, pause: list[str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*(pause or [sys.executable, "-m", "dgcli.cli"]), "generate", "--input-jsonl", str(thirty),
+                           "--format", "json", "--batch-size", "2", "--ray", head, "--ray-workers", "2", *extra],
+                          env=ENV, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.slow
 def test_a_worker_killed_while_loading_loses_nothing(head, thirty, local_b2, tmp_path):
     with Referee(tmp_path, lambda n, pid: "kill" if n == 0 else "go") as ref:  # the first worker to load dies
-        out = ray_generate(thirty, head, env=paused("load", tmp_path))
+        out = ray_generate(thirty, head, pause=paused("load", tmp_path))
     assert out.returncode == 0, out.stderr
     assert len(ref.killed) == 1 and "died while loading the model" in out.stderr
     assert len(ref.seen) == 3  # the two workers and the dead one's replacement each reached the load
@@ -391,9 +409,9 @@ def test_a_worker_killed_between_tasks_loses_nothing(head, thirty, local_b2, tmp
         os.kill(other[0], signal.SIGKILL)
         return "go"
 
-    proc = subprocess.Popen([sys.executable, "-m", "dgcli.cli", "generate", "--input-jsonl", str(thirty), "--format",
+    proc = subprocess.Popen([*paused("describe", tmp_path), "generate", "--input-jsonl", str(thirty), "--format",
                              "json", "--batch-size", "2", "--ray", head, "--ray-workers", "2"],
-                            env=paused("describe", tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     err = []
     with Referee(tmp_path, decide):
         try:
@@ -418,7 +436,7 @@ def test_a_worker_killed_between_tasks_loses_nothing(head, thirty, local_b2, tmp
 @pytest.mark.slow
 def test_a_worker_killed_mid_chunk_loses_nothing(head, thirty, local_b2, tmp_path):
     with Referee(tmp_path, lambda n, pid: "kill" if n == 2 else "go") as ref:  # at the start of the third chunk
-        out = ray_generate(thirty, head, env=paused("chunk", tmp_path))
+        out = ray_generate(thirty, head, pause=paused("chunk", tmp_path))
     assert out.returncode == 0, out.stderr
     assert len(ref.killed) == 1 and f"worker pid {ref.killed[0]} died with a chunk in flight" in out.stderr
     assert len(ref.seen) == 9  # 8 chunks, the killed one twice
@@ -432,14 +450,14 @@ def test_when_every_worker_dies_the_records_stay_and_resume_finishes(head, thirt
     marks.mkdir()
     # The first two chunks (rows 0-7) finish; every later chunk kills its worker, replacements included.
     with Referee(marks, lambda n, pid: "go" if n < 2 else "kill") as ref:
-        out = ray_generate(thirty, head, "-o", str(kept), env=paused("chunk", marks))
+        out = ray_generate(thirty, head, "-o", str(kept), pause=paused("chunk", marks))
     assert out.returncode == 2 and out.stdout == ""
     errors = [line for line in out.stderr.splitlines() if line.startswith("dgemma: error:")]
     assert len(errors) == 1 and out.stderr.strip().splitlines()[-1] == errors[0]
     assert "every worker is gone" in errors[0] and "The actor died" in errors[0] and "--resume" in errors[0]
     assert "8 of the 30 record(s)" in errors[0] and len(ref.killed) >= 3
     assert records(kept.read_text()) == local_b2[:8]  # written in order, each whole
-    again = ray_generate(thirty, head, "-o", str(kept), "--resume", env=ENV)
+    again = ray_generate(thirty, head, "-o", str(kept), "--resume")
     assert again.returncode == 0, again.stderr
     assert "8 of 30 record(s) already in" in again.stderr and "22 to run" in again.stderr
     assert records(kept.read_text()) == local_b2  # every record once, in order
@@ -453,14 +471,14 @@ def test_sweep_whose_workers_all_die_keeps_its_cells_and_resumes(head, tmp_path)
     assert local.returncode == 0, local.stderr
     marks, rows = tmp_path / "marks", tmp_path / "ray.jsonl"
     marks.mkdir()
-    argv = [sys.executable, "-m", "dgcli.cli", "sweep", *grid, "-o", str(rows), "--ray", head, "--ray-workers", "2"]
+    argv = ["sweep", *grid, "-o", str(rows), "--ray", head, "--ray-workers", "2"]
     with Referee(marks, lambda n, pid: "go" if n == 0 else "kill"):  # one cell finishes, then every worker dies
-        out = subprocess.run(argv, env=paused("chunk", marks), capture_output=True, text=True, timeout=300)
+        out = subprocess.run(paused("chunk", marks) + argv, env=ENV, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stderr
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("dgemma: error: --ray: every worker is gone") and f"-o {rows} --resume" in last
     assert len(rows.read_text().splitlines()) == 1  # the finished cell, whichever of the first two it was
-    again = subprocess.run(argv + ["--resume"], env=ENV, capture_output=True, text=True, timeout=300)
+    again = dgemma(*argv, "--resume", timeout=300)
     assert again.returncode == 0, again.stderr
     mine = {r["cell_key"]: r for r in records(rows.read_text())}
     theirs = {r["cell_key"]: r for r in records((tmp_path / "local.jsonl").read_text())}
@@ -473,8 +491,8 @@ def test_bench_reruns_a_batch_size_whole_when_a_worker_dies(head, tmp_path, caps
     code, local, _ = run(argv, capsys)
     assert code == 0
     with Referee(tmp_path, lambda n, pid: "kill" if n == 0 else "go") as ref:  # one of the two shards dies
-        out = subprocess.run([sys.executable, "-m", "dgcli.cli", *argv, "--ray", head, "--ray-workers", "2"],
-                             env=paused("chunk", tmp_path), capture_output=True, text=True, timeout=300)
+        out = subprocess.run([*paused("chunk", tmp_path), *argv, "--ray", head, "--ray-workers", "2"],
+                             env=ENV, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert len(ref.killed) == 1 and "all its shards run again" in out.stderr
     # the shard beside the dead one finished; then both shards ran again, on the survivor and the replacement
@@ -489,10 +507,10 @@ def test_bench_reruns_a_batch_size_whole_when_a_worker_dies(head, tmp_path, caps
 def test_bench_whose_workers_all_die_reports_the_batch_sizes_it_measured(head, tmp_path):
     """Batch size 1 is measured (both shards let on), then every shard of batch size 2 kills its worker, replacements
     included: the row of batch size 1 is still printed, and one line says what was not measured and why."""
-    argv = [sys.executable, "-m", "dgcli.cli", "bench", "--num-prompts", "4", "--runs", "1", "--warmup", "0",
-            "--no-measure-peaks", "--format", "json", "--batch-size", "1,2", "--ray", head, "--ray-workers", "2"]
+    argv = ["bench", "--num-prompts", "4", "--runs", "1", "--warmup", "0", "--no-measure-peaks", "--format", "json",
+            "--batch-size", "1,2", "--ray", head, "--ray-workers", "2"]
     with Referee(tmp_path, lambda n, pid: "go" if n < 2 else "kill") as ref:
-        out = subprocess.run(argv, env=paused("chunk", tmp_path), capture_output=True, text=True, timeout=300)
+        out = subprocess.run(paused("chunk", tmp_path) + argv, env=ENV, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and len(ref.killed) >= 3, out.stderr
     assert [r["batch_size"] for r in json.loads(out.stdout)["rows"]] == [1]
     errors = [line for line in out.stderr.splitlines() if line.startswith("dgemma: error:")]
