@@ -1,5 +1,5 @@
-"""The CPU pass's draw (kernels/categorical.py): in fp32, a row's logits are its own whatever its batch-mates (one
-GEMM per distinct group or the gather of every row's block: the same bits); in bf16, the logits against the fp32 block
+"""The CPU pass's draw (kernels/categorical.py): in fp32, a row's logits are its own whatever its batch-mates (the
+gather of every row's block, one bmm); in bf16, the logits against the fp32 block
 product (one bf16 step), each row's own."""
 
 from __future__ import annotations
