@@ -46,7 +46,7 @@ class _Server(uvicorn.Server):
             self.deadline.start()
         super().handle_exit(sig, frame)
         # uvicorn re-raises a caught signal after its shutdown, which would turn a clean stop into a death by signal
-        self._captured_signals.clear()
+        getattr(self, "_captured_signals", []).clear()
 
 
 DEFAULT_CONTEXT = 8192
