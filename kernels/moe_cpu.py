@@ -123,17 +123,10 @@ def experts_native(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up:
 def experts_packed(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: Sequence[torch.Tensor],
                    down: Sequence[torch.Tensor], inter: int) -> torch.Tensor:
     """The reference's loop with each expert's weights prepacked for oneDNN (`linear_cpu.pack` checked F.linear's
-    bits): one GEMM pair per expert that got tokens, one expert after another on all threads."""
-    if idx.shape[0] == 0:
-        return torch.zeros_like(x)
+    bits): one GEMM pair per expert that got tokens, one expert after another on all threads, its rows weighted and
+    added into the output (ascending experts: the reference's sums) while in cache (no [N*k, H] buffer: at 2,048 rows
+    it would be ~90 MB, page-faulted each call)."""
     counts = torch.bincount(idx.reshape(-1), minlength=len(gate_up)).tolist()
-    return _in_turn(x, w, idx, gate_up, down, inter, counts)
-
-
-def _in_turn(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: Sequence[torch.Tensor],
-             down: Sequence[torch.Tensor], inter: int, counts: list[int]) -> torch.Tensor:
-    """One expert after another on all threads, its rows weighted and added into the output (ascending experts: the
-    reference's sums) while in cache (no [N*k, H] buffer: at 2,048 rows it would be ~90 MB, page-faulted each call)."""
     k = idx.shape[1]
     out = torch.zeros_like(x)  # [N, H]
     flat = idx.reshape(-1)  # [N*k] pair p = token p // k
