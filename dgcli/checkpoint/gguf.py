@@ -1,9 +1,10 @@
-"""The GGUF file format (version 2 and 3, little-endian): read a file's metadata and tensor table and hand out its
-tensors memory-mapped (copy-on-write); write a file from metadata and tensors produced one at a time. Not gguf-py's
-GGUFReader: it takes ~30x as long over a real model's ~780k vocabulary strings (49 s against 1.6 s measured).
+"""The GGUF file format (version 2 and 3, little-endian) on the `gguf` package (llama.cpp's gguf-py): its type
+tables and its `GGUFWriter` write a file from metadata and tensors produced one at a time. Reading stays ours, a
+memory-mapped (copy-on-write) parse that hands out tensors in place: `GGUFReader` makes a numpy view per metadata
+array item, ~60x as long over a real model's vocabulary (262,144 tokens and 514,906 merges: 30 s against 0.5 s).
 
-Owns: the byte layout, every error a broken file causes (one line naming the file), and ggml's type table for
-every type a file may hold. Must not: know DiffusionGemma (checkpoint/gguf_model.py) or compute with blocks.
+Owns: the byte layout, every error a broken file causes (one line naming the file). Must not: know DiffusionGemma
+(checkpoint/gguf_model.py) or compute with blocks.
 `TensorInfo.shape` is the logical shape, ggml's dimensions reversed ([rows, K] for a matrix).
 """
 
@@ -18,41 +19,24 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType as V, GGUFWriter
 
 from dgcli.errors import UserError
 
 MAGIC = b"GGUF"
-VERSION = 3
-ALIGNMENT = 32  # `general.alignment` when a file does not say
-
-# Metadata value types (gguf's GGUFValueType).
-U8, I8, U16, I16, U32, I32, F32V, BOOL, STRING, ARRAY, U64, I64, F64V = range(13)
-_SCALAR = {U8: "<B", I8: "<b", U16: "<H", I16: "<h", U32: "<I", I32: "<i", F32V: "<f", BOOL: "<?",
-           U64: "<Q", I64: "<q", F64V: "<d"}
-_NUMPY = {U8: "<u1", I8: "<i1", U16: "<u2", I16: "<i2", U32: "<u4", I32: "<i4", F32V: "<f4", BOOL: "<u1",
-          U64: "<u8", I64: "<i8", F64V: "<f8"}
-
-# ggml tensor types: id -> (name, elements per block, bytes per block); as ggml.h / gguf-py number them.
-GGML_TYPES: dict[int, tuple[str, int, int]] = {
-    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
-    7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 36), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110),
-    12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
-    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98), 19: ("IQ1_S", 256, 50),
-    20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110), 22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136),
-    24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8),
-    29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
-    39: ("MXFP4", 32, 17), 40: ("NVFP4", 64, 36),
-}
+_SCALAR = {V.UINT8: "<B", V.INT8: "<b", V.UINT16: "<H", V.INT16: "<h", V.UINT32: "<I", V.INT32: "<i",
+           V.FLOAT32: "<f", V.BOOL: "<?", V.UINT64: "<Q", V.INT64: "<q", V.FLOAT64: "<d"}
+_NUMPY = {t: np.dtype(f) for t, f in _SCALAR.items() if t != V.BOOL} | {V.BOOL: np.dtype("<u1")}
 
 
 def type_name(t: int) -> str:
-    return GGML_TYPES[t][0] if t in GGML_TYPES else f"ggml type {t}"
+    return GGMLQuantizationType(t).name if t in GGML_QUANT_SIZES else f"ggml type {t}"
 
 
 def tensor_bytes(t: int, shape: Iterable[int]) -> int:
     """Bytes of a tensor of logical `shape` (the last dimension is the row) in type `t`."""
     shape = list(shape)
-    _, elems, nbytes = GGML_TYPES[t]
+    elems, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(t)]
     n = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
     return n * (shape[-1] // elems) * nbytes
 
@@ -125,15 +109,14 @@ class GGUFFile:
     def _value(self, vtype: int, key: str) -> Any:
         if vtype in _SCALAR:
             return self._unpack(_SCALAR[vtype], f"value of {key}")
-        if vtype == STRING:
+        if vtype == V.STRING:
             return self._string(f"value of {key}")
-        if vtype == ARRAY:
+        if vtype == V.ARRAY:
             etype, n = self._unpack("<I", key), self._unpack("<Q", key)
             if etype in _NUMPY:
-                size = np.dtype(_NUMPY[etype]).itemsize
-                arr = self._take(n * size, f"array {key}").view(_NUMPY[etype])
-                return arr.astype(bool) if etype == BOOL else np.array(arr)
-            if etype == STRING:
+                arr = self._take(n * _NUMPY[etype].itemsize, f"array {key}").view(_NUMPY[etype])
+                return arr.astype(bool) if etype == V.BOOL else np.array(arr)
+            if etype == V.STRING:
                 return self._strings(n, key)
             return [self._value(etype, key) for _ in range(n)]
         raise UserError(f"{self.path}: metadata {key!r} has unknown value type {vtype}; the file is corrupt "
@@ -158,10 +141,10 @@ class GGUFFile:
             ndim = self._unpack("<I", name)
             dims = [self._unpack("<Q", name) for _ in range(ndim)]
             infos.append((name, tuple(reversed(dims)), self._unpack("<I", name), self._unpack("<Q", name)))
-        align = int(self.metadata.get("general.alignment", ALIGNMENT))
+        align = int(self.metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT))
         start = -(-self._pos // align) * align
         for name, shape, t, off in infos:
-            nbytes = tensor_bytes(t, shape) if t in GGML_TYPES else 0
+            nbytes = tensor_bytes(t, shape) if t in GGML_QUANT_SIZES else 0
             info = TensorInfo(name, shape, t, start + off, nbytes)
             if info.offset + nbytes > len(self._map):
                 raise self._cut(f"tensor {name!r}")
@@ -194,7 +177,7 @@ class GGUFFile:
         dt = {0: "<f4", 1: "<f2", 30: "<u2", 24: "<i1", 25: "<i2", 26: "<i4", 27: "<i8", 28: "<f8"}.get(info.type)
         if dt is not None:
             return raw.view(dt).reshape(info.shape)
-        _, elems, nbytes = GGML_TYPES[info.type]
+        elems, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(info.type)]
         return raw.reshape(*info.shape[:-1], info.shape[-1] // elems * nbytes)
 
 
@@ -226,37 +209,24 @@ class Typed:
 
 
 def _infer(value: Any) -> Typed:
+    """A plain value's GGUF type: bool, u32 (i64 past it), f32, string; a numpy array its dtype's (as this module
+    reads them), a list its first item's."""
     if isinstance(value, Typed):
         return value
     if isinstance(value, bool):
-        return Typed(BOOL, value)
+        return Typed(V.BOOL, value)
     if isinstance(value, int):
-        return Typed(U32 if 0 <= value < 2**32 else I64, value)
+        return Typed(V.UINT32 if 0 <= value < 2**32 else V.INT64, value)
     if isinstance(value, float):
-        return Typed(F32V, value)
+        return Typed(V.FLOAT32, value)
     if isinstance(value, str):
-        return Typed(STRING, value)
-    if isinstance(value, np.ndarray):  # numeric arrays keep their dtype (as this module reads them)
-        kinds = {np.dtype(v): k for k, v in _NUMPY.items() if k != BOOL}
-        vtype = BOOL if value.dtype == bool else kinds[value.dtype.newbyteorder("<")]
-        return Typed(vtype, value.tolist())
+        return Typed(V.STRING, value)
+    if isinstance(value, np.ndarray):
+        kinds = {d: k for k, d in _NUMPY.items() if k != V.BOOL}
+        return Typed(V.BOOL if value.dtype == bool else kinds[value.dtype.newbyteorder("<")], value.tolist())
     if isinstance(value, (list, tuple)):
-        first = _infer(value[0] if len(value) else "")
-        return Typed(first.vtype, list(value))
+        return Typed(_infer(value[0] if len(value) else "").vtype, list(value))
     raise TypeError(f"GGUF metadata value {value!r} has no GGUF type")
-
-
-def _encode_value(vtype: int, value: Any, array: bool) -> bytes:
-    if array:
-        items = list(value)
-        head = struct.pack("<IQ", vtype, len(items))
-        if vtype in _NUMPY:
-            return head + np.asarray(items).astype(_NUMPY[vtype]).tobytes()
-        return head + b"".join(_encode_value(vtype, v, False) for v in items)
-    if vtype == STRING:
-        b = value.encode("utf-8") if isinstance(value, str) else bytes(value)
-        return struct.pack("<Q", len(b)) + b
-    return struct.pack(_SCALAR[vtype], value)
 
 
 @dataclass
@@ -273,40 +243,41 @@ class TensorOut:
 
 def write_gguf(path: str | Path, metadata: dict[str, Any], tensors: list[TensorOut], *,
                progress: Callable[[str], None] | None = None) -> int:
-    """Write a GGUF v3 file (alignment 32) and return its size in bytes; a partial file is removed on error."""
+    """Write a GGUF v3 file with gguf-py's `GGUFWriter` and return its size in bytes; a partial file is removed on
+    error. An empty metadata array is left out (the writer refuses one; llama.cpp's converter leaves them out)."""
     path = Path(path)
-    header = [MAGIC, struct.pack("<IQQ", VERSION, len(tensors), len(metadata))]
+    w = GGUFWriter(path, metadata.get("general.architecture", ""))  # the writer puts it first
     for key, value in metadata.items():
         t = _infer(value)
-        is_array = isinstance(t.value, (list, tuple, np.ndarray))
-        header += [_encode_value(STRING, key, False), struct.pack("<I", ARRAY if is_array else t.vtype),
-                   _encode_value(t.vtype, t.value, is_array)]
-    offset = 0
-    for t in tensors:
-        header += [_encode_value(STRING, t.name, False), struct.pack("<I", len(t.shape)),
-                   struct.pack(f"<{len(t.shape)}Q", *reversed(t.shape)), struct.pack("<IQ", t.type, offset)]
-        offset += -(-tensor_bytes(t.type, t.shape) // ALIGNMENT) * ALIGNMENT
-    head = b"".join(header)
+        if key == "general.alignment":  # the data's alignment too, not only the key
+            w.add_custom_alignment(int(t.value))
+        elif isinstance(t.value, list) and t.value:
+            w.add_key_value(key, t.value, V.ARRAY, sub_type=t.vtype)
+        elif not isinstance(t.value, list) and key != "general.architecture":
+            w.add_key_value(key, t.value, t.vtype)
+    for t in tensors:  # the logical shape, ggml's order reversed by the writer (None: not a uint8 byte shape)
+        w.add_tensor_info(t.name, t.shape, None, tensor_bytes(t.type, t.shape), raw_dtype=GGMLQuantizationType(t.type))
     try:
-        with open(path, "wb") as f:
-            f.write(head + b"\0" * (-len(head) % ALIGNMENT))
-            for i, t in enumerate(tensors):
-                raw = t.data()
-                if type(raw).__module__.startswith("torch"):  # (not imported at module level: `dgemma info`)
-                    import torch
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for i, t in enumerate(tensors):
+            raw = t.data()
+            if type(raw).__module__.startswith("torch"):  # (not imported at module level: `dgemma info`)
+                import torch
 
-                    raw = raw.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy()
-                buf = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
-                want = tensor_bytes(t.type, t.shape)
-                if buf.nbytes != want:
-                    raise ValueError(f"tensor {t.name!r}: {buf.nbytes} bytes given, {type_name(t.type)} {list(t.shape)} needs {want}")
-                f.write(buf.tobytes())
-                f.write(b"\0" * (-want % ALIGNMENT))
-                if progress and (i + 1) % 50 == 0:
-                    progress(f"wrote {i + 1}/{len(tensors)} tensors")
-            size = f.tell()
+                raw = raw.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy()
+            buf = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+            want = tensor_bytes(t.type, t.shape)
+            if buf.nbytes != want:
+                raise ValueError(f"tensor {t.name!r}: {buf.nbytes} bytes given, {type_name(t.type)} {list(t.shape)} "
+                                 f"needs {want}")
+            w.write_tensor_data(buf)
+            if progress and (i + 1) % 50 == 0:
+                progress(f"wrote {i + 1}/{len(tensors)} tensors")
+        w.close()
     except BaseException:
+        w.close()
         path.unlink(missing_ok=True)
         raise
-    return size
-
+    return path.stat().st_size

@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gguf import GGUFValueType as V
 
 from dgcli.errors import UserError
 from dgcli.checkpoint import nvfp4
 from dgcli.checkpoint.config import layer_types_for, parse_config
-from dgcli.checkpoint.gguf import F32V, I32, GGUFFile, Typed, open_gguf
+from dgcli.checkpoint.gguf import GGUFFile, Typed, open_gguf
 from dgcli.model.config import FULL, SLIDING, ModelConfig
 
 ARCH = "diffusion-gemma"
@@ -75,12 +76,13 @@ def model_metadata(cfg: ModelConfig, gen: dict | None, *, name: str, file_type: 
         A + "block_count": cfg.num_hidden_layers, A + "context_length": cfg.max_position_embeddings,
         A + "embedding_length": cfg.hidden_size, A + "feed_forward_length": cfg.intermediate_size,
         A + "attention.head_count": cfg.num_attention_heads,
-        A + "attention.head_count_kv": Typed(I32, [cfg.layer(i).num_kv_heads for i in range(cfg.num_hidden_layers)]),
-        A + "rope.freq_base": Typed(F32V, cfg.rope_full.theta), A + "rope.freq_base_swa": Typed(F32V, cfg.rope_sliding.theta),
-        A + "attention.layer_norm_rms_epsilon": Typed(F32V, cfg.rms_norm_eps),
+        A + "attention.head_count_kv": Typed(V.INT32, [g.num_kv_heads for g in cfg.layers]),
+        A + "rope.freq_base": Typed(V.FLOAT32, cfg.rope_full.theta),
+        A + "rope.freq_base_swa": Typed(V.FLOAT32, cfg.rope_sliding.theta),
+        A + "attention.layer_norm_rms_epsilon": Typed(V.FLOAT32, cfg.rms_norm_eps),
         A + "expert_count": cfg.num_experts, A + "expert_used_count": cfg.top_k_experts,
         A + "attention.key_length": cfg.global_head_dim, A + "attention.value_length": cfg.global_head_dim,
-        A + "final_logit_softcapping": Typed(F32V, cfg.final_logit_softcapping or 0.0),
+        A + "final_logit_softcapping": Typed(V.FLOAT32, cfg.final_logit_softcapping or 0.0),
         A + "attention.sliding_window": cfg.sliding_window, A + "attention.shared_kv_layers": 0,
         A + "embedding_length_per_layer_input": 0, A + "attention.sliding_window_pattern": swa,
         A + "attention.key_length_swa": cfg.head_dim, A + "attention.value_length_swa": cfg.head_dim,
@@ -100,10 +102,10 @@ def model_metadata(cfg: ModelConfig, gen: dict | None, *, name: str, file_type: 
                             ("eb_confidence_threshold", g.get("confidence_threshold"), float),
                             ("max_new_tokens", g.get("max_new_tokens"), int)):
         if value is not None:
-            md["diffusion." + key] = Typed(F32V, float(value)) if typ is float else int(value)
+            md["diffusion." + key] = Typed(V.FLOAT32, float(value)) if typ is float else int(value)
     eos = g.get("eos_token_id")
     if eos is not None:
-        md["diffusion.eos_token_ids"] = Typed(I32, eos if isinstance(eos, list) else [eos])
+        md["diffusion.eos_token_ids"] = Typed(V.INT32, eos if isinstance(eos, list) else [eos])
     return md
 
 
