@@ -1,11 +1,13 @@
 """A checkpoint's `config.json` parsed into `ModelConfig` (spec §1) and its `quantization_config` (a scheme dgemma
 does not run is one error naming it); unknown keys ignored (the checkpoint is not ours). Also reading a checkpoint's
-JSON files and the shipped 26B-A4B config. Must not: read weights, touch torch, or decide a path's format.
+JSON files, its safetensors headers and the shipped 26B-A4B config. Must not: read weights, touch torch, or decide a
+path's format.
 """
 
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -234,6 +236,26 @@ def read_json(path: Path) -> dict:
     if not isinstance(data, dict):
         raise UserError(f"{path}: expected a JSON object, found a {type(data).__name__}; re-download or fix the file")
     return data
+
+
+def safetensors_header(f: Path) -> tuple[dict, int]:
+    """A safetensors file's JSON header and the offset its data starts at, checked against the file's size as
+    safetensors' loader checks it: one error line for a file that is not one."""
+    size = f.stat().st_size
+    with open(f, "rb") as fh:
+        try:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            if 8 + n > size:  # checked before reading: a garbage length would be read whole
+                raise ValueError(f"header length {n} exceeds the file")
+            header = json.loads(fh.read(n))
+            end = 8 + n + max((m["data_offsets"][1] for k, m in header.items() if k != "__metadata__"), default=0)
+        except (struct.error, ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+            raise UserError(f"{f}: not a readable safetensors file ({e}); it may be truncated or corrupt: download it "
+                            "again") from None
+    if end != size:
+        raise UserError(f"{f}: {'truncated' if size < end else 'corrupt'} safetensors file: its header describes "
+                        f"{end} bytes, the file has {size}; download it again (or re-copy it)")
+    return header, 8 + n
 
 
 PACKAGED = Path(__file__).resolve().parents[1] / "data"

@@ -7,9 +7,7 @@ loading error of a directory. Must not: do math, or decide a path's format (chec
 
 from __future__ import annotations
 
-import json
 import re
-import struct
 from pathlib import Path
 
 import torch
@@ -18,7 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from dgcli.checkpoint import compressed_tensors as ct
 from dgcli.checkpoint import nvfp4
-from dgcli.checkpoint.config import directory_config, parse_config, read_json
+from dgcli.checkpoint.config import directory_config, parse_config, read_json, safetensors_header
 from dgcli.checkpoint.meta import meta_model
 from dgcli.checkpoint.vision import VISION, new_vision
 from dgcli.errors import UserError
@@ -152,10 +150,9 @@ def _read_experts(f: Path, names: list[str], wanted: dict[str, str], cfg: ModelC
     """Per-expert tensors of one file read with plain file reads into their fused tensors (allocated at the
     first piece, in its stored dtype): copying out of the memory map instead would leave the mapped pages
     resident next to the copy, twice the experts' bytes."""
+    header, start = safetensors_header(f)
     try:
         with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
             for name in names:
                 key = wanted[name]
                 meta = header[key]
@@ -171,12 +168,12 @@ def _read_experts(f: Path, names: list[str], wanted: dict[str, str], cfg: ModelC
                     raise UserError(f"{f.name}: tensor {key!r} has dtype {dt}, other experts' {dst.dtype}")
                 begin, end = meta["data_offsets"]
                 host = dst if dst.device.type == "cpu" else torch.empty(dst.shape, dtype=dt)
-                fh.seek(8 + n + begin)
+                fh.seek(start + begin)
                 if fh.readinto(host.view(torch.uint8).numpy().reshape(-1)) != end - begin:
                     raise UserError(f"{f}: tensor {key!r} is cut short; the file may be truncated")
                 if host is not dst:
                     dst.copy_(host)
-    except (OSError, ValueError, KeyError, struct.error) as e:
+    except (OSError, ValueError, KeyError) as e:
         raise UserError(f"{f}: not a readable safetensors file ({e}); it may be truncated or corrupt") from None
 
 

@@ -356,10 +356,10 @@ def _remote(ctx: typer.Context, base_url: str, api_key: str | None, concurrency:
         if live is not None:
             live.stop()
     _unmeasured(rows, interrupted, levels, "concurrency")
-    sys.stdout.write(rr.render(rows, card, fmt))
-    sys.stdout.flush()
+    emit(rows, card=card, fmt=fmt, title="Results", definitions=rr.DEFINITIONS,
+         markdown=rr.markdown(rows) if fmt == "md" else None)
     if save[0]:
-        warn(f"dgemma: saved {report.save_result(rr.document(card, rows), save[1], save[2], label)}")
+        warn(f"dgemma: saved {report.save_result(document(card, rows, rr.DEFINITIONS), save[1], save[2], label)}")
     if interrupted:
         raise SystemExit(130)
     if not any(r["completed"] for r in rows):

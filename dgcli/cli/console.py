@@ -168,18 +168,22 @@ class Progress:
             self.live.stop()
 
 
-def document(card: dict, rows: list[dict]) -> dict:
+def document(card: dict, rows: list[dict], definitions: dict | None = None) -> dict:
     from dgcli.measure.metrics import DEFINITIONS
 
-    return {"card": card, "definitions": DEFINITIONS, "rows": rows}
+    return {"card": card, "definitions": definitions or DEFINITIONS, "rows": rows}
 
 
-def emit(rows: list[dict], *, card: dict, fmt: str, title: str, headline: list[str] = HEADLINE) -> None:
-    """Print rows in the chosen format on stdout (the card was printed first)."""
+def emit(rows: list[dict], *, card: dict, fmt: str, title: str, headline: list[str] = HEADLINE,
+         definitions: dict | None = None, markdown: str | None = None) -> None:
+    """Print rows in the chosen format on stdout (the card was printed first); `markdown`: the md text, where the
+    rows' own (`bench --base-url`'s) replaces the table of in-process rows."""
     from dgcli.measure import printers as report
     from dgcli.measure.metrics import DEFINITIONS, NOT_IN_CSV
 
-    if fmt == "md":
+    if fmt == "md" and markdown is not None:
+        sys.stdout.write(markdown)
+    elif fmt == "md":
         sys.stdout.write(report.to_markdown(rows, headline=headline, definitions=DEFINITIONS, title=title,
                                             skip=NOT_IN_CSV) + "\n")
         sys.stdout.write(report.headline_json(rows, ["label"] + headline) + "\n")
@@ -188,7 +192,7 @@ def emit(rows: list[dict], *, card: dict, fmt: str, title: str, headline: list[s
     elif fmt == "jsonl":
         sys.stdout.write(report.to_jsonl(rows))
     else:
-        sys.stdout.write(report.to_json(document(card, rows)))
+        sys.stdout.write(report.to_json(document(card, rows, definitions)))
     sys.stdout.flush()
 
 

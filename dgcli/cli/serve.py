@@ -53,13 +53,13 @@ def serve(
     """
     if not 0 <= port <= 65535:  # before the model loads (uvicorn would fail after, with a traceback)
         raise UserError(f"--port {port}: a TCP port is 0..65535 (0: any free port)")
-    if max_batch_size < 1:
-        raise UserError(f"--max-batch-size {max_batch_size}: must be >= 1")
     if api_key is not None and not api_key.strip():  # `--api-key "$UNSET"` would otherwise start an open server
         raise UserError("--api-key is empty: give the key clients must send, or leave --api-key out for a server "
                         "without one")
     from dgcli.runtime.session import fits, open_session
-    from dgcli.serve.run import context_for, serve as run_server
+    from dgcli.serve.run import check_limits, context_for, serve as run_server
+
+    check_limits(max_batch_size, max_queue, shutdown_timeout, stall_timeout)
 
     def check(cfg, resolved, device) -> None:  # every slot's KV cache is allocated at start: refuse what cannot fit
         fits(max_batch_size, "--max-batch-size", context=context_for(cfg, max_model_len),

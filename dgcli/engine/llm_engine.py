@@ -168,7 +168,7 @@ class LLMEngine:
             self.cancelled.clear()
         plan = None
         if not self.sched.idle:
-            plan = self.sched.plan(lambda r: not r.waiting)
+            plan = self.sched.plan()
             if plan.started:
                 yield from self._start(plan.started)
         done = self.runner.run(plan)

@@ -120,16 +120,15 @@ class Scheduler:
         self.free.sort()
         r.slot = -1
 
-    def plan(self, ready: Any) -> Plan:
-        """The next pass. `ready(r)`: whether running request r has a step to run now (not waiting for its
-        block's end to be read)."""
+    def plan(self) -> Plan:
+        """The next pass: the running requests' canvases but those waiting for their block's end to be read."""
         if self.prefix_caching:
             for seq, start in self.front.items():
                 self.cache.trim(seq, start)
         self.admit()
         p, c = Plan(), self.c
         keyed = []  # (request, positions written so far): whole blocks to key once their sliding blocks are held
-        canvases = [r for r in self.running if ready(r)]
+        canvases = [r for r in self.running if not r.waiting]
         for r in canvases:
             if r.commit is not None:
                 p.segments.append(Seg(r.slot, r.prefix - c, c, False))

@@ -172,7 +172,14 @@ def keep_peaks(save: str | None, peaks: info.Peaks | None) -> str | None:
         return None
     if peaks is None or not peaks.flops_range:
         raise UserError(f"--save-peaks {save}: this device's peaks are a datasheet's, not measured: nothing to pin")
-    pk.save_peaks(save, peaks)
+    from pathlib import Path
+
+    from dgcli.measure.printers import write_atomic
+
+    try:
+        write_atomic(Path(save), pk.peaks_json(peaks))
+    except OSError as e:
+        raise UserError(f"--save-peaks {save}: cannot write ({e.strerror}); pick a writable path") from None
     return f"dgemma: peaks saved to {save}; pin them in later runs with --peaks {save}"
 
 

@@ -132,17 +132,11 @@ def table_peaks(peaks: Peaks, compute: str) -> Peaks:
 PEAKS_FILE_KIND = "dgemma-peaks"
 
 
-def save_peaks(path: str | Path, peaks: Peaks) -> None:
-    """`--save-peaks FILE`: the measured peaks as JSON (what `load_peaks` reads back), written atomically."""
+def peaks_json(peaks: Peaks) -> str:
+    """What a `--save-peaks FILE` holds: the measured peaks as JSON (what `load_peaks` reads back)."""
     doc = {"kind": PEAKS_FILE_KIND, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "peaks": dataclasses.asdict(peaks)}
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError as e:
-        raise UserError(f"--save-peaks {path}: cannot write ({e.strerror}); pick a writable path") from None
+    return json.dumps(doc, indent=2) + "\n"
 
 
 def load_peaks(path: str | Path, *, name: str, compute: str) -> Peaks:

@@ -199,21 +199,11 @@ def card_markdown(c: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def document(c: dict, rows: list[dict]) -> dict:
-    return {"card": c, "definitions": DEFINITIONS, "rows": rows}
-
-
-def render(rows: list[dict], c: dict, fmt: str) -> str:
-    """The rows in a format, through bench's printers (md: columns named by concurrency, then what was not
-    measured)."""
+def markdown(rows: list[dict]) -> str:
+    """The rows' md, through bench's printers: columns named by concurrency, then what was not measured (the other
+    formats are every bench's: `cli.console.emit`)."""
     from dgcli.measure import printers as report
 
-    if fmt == "csv":
-        return report.to_csv(rows, skip=NOT_IN_CSV)
-    if fmt == "jsonl":
-        return report.to_jsonl(rows)
-    if fmt == "json":
-        return report.to_json(document(c, rows))
     shown = [dict(r, label=f"{r.get('label') or ''} concurrency {r['concurrency']}".strip()) for r in rows]
     md = report.to_markdown(shown, headline=HEADLINE, definitions=DEFINITIONS, title="Results", skip=NOT_IN_CSV)
     where: dict[str, list[str]] = {}

@@ -67,10 +67,8 @@ def context_for(cfg: Any, max_model_len: int | None) -> int:
     return max_model_len
 
 
-def build(session: Any, *, host: str, port: int, slots: int, max_queue: int, api_key: str | None,
-          model_name: str, context: int, shutdown_timeout: float,
-          stall_timeout: float = 60.0) -> tuple[_Server, Worker]:
-    """The uvicorn server (not started) and the engine's worker (not started) for `session`."""
+def check_limits(slots: int, max_queue: int, shutdown_timeout: float, stall_timeout: float) -> None:
+    """The serving limits, checked by `build` and by `dgemma serve` before the model loads."""
     if slots < 1:
         raise UserError(f"--max-batch-size {slots}: must be >= 1")
     if max_queue < 0:
@@ -78,6 +76,13 @@ def build(session: Any, *, host: str, port: int, slots: int, max_queue: int, api
     for flag, value in (("--shutdown-timeout", shutdown_timeout), ("--stall-timeout", stall_timeout)):
         if not value >= 0:  # NaN too
             raise UserError(f"{flag} {value}: must be >= 0 seconds")
+
+
+def build(session: Any, *, host: str, port: int, slots: int, max_queue: int, api_key: str | None,
+          model_name: str, context: int, shutdown_timeout: float,
+          stall_timeout: float = 60.0) -> tuple[_Server, Worker]:
+    """The uvicorn server (not started) and the engine's worker (not started) for `session`."""
+    check_limits(slots, max_queue, shutdown_timeout, stall_timeout)
     if session.tokenizer is None:
         raise UserError(f"{session.path}: no tokenizer.json; dgemma serve needs the checkpoint's tokenizer")
     metrics = Metrics(slots)

@@ -166,7 +166,7 @@ def test_pass_step_and_prefill_temporaries_are_the_cpu_allocators_peak(text, mon
         for i in range(b):
             eng.submit(Request(id=i, prompt=torch.randint(0, v, (p,)), params=DiffusionEbParams(), num_blocks=2,
                                seed=i))
-        plan = eng.sched.plan(lambda r: True)
+        plan = eng.sched.plan()
         assert [(s.length, s.canvas) for s in plan.segments] == [(p, False)] * b + [(c, True)] * b
         canvas = torch.randint(0, v, (b * c,))
         pre = _peak_allocated(lambda: model.forward_pass(torch.cat([*plan.causal_ids, canvas]), plan.segments,

@@ -164,6 +164,10 @@ def test_bad_serve_flags_are_one_line_errors(capsys):
                         (["--max-queue", "-1"], "--max-queue -1: must be >= 0")):
         code, _, err = run(["serve", "--port", "1", *argv], capsys)
         assert code == 2 and words in err and "Traceback" not in err, err
+    for argv, words in ((["--max-queue", "-1"], "--max-queue -1: must be >= 0"),  # before the model is looked for
+                        (["--stall-timeout", "nan"], "--stall-timeout nan: must be >= 0 seconds")):
+        code, _, err = run(["serve", "--model", "no-such-dir", *argv], capsys)
+        assert code == 2 and err.count("\n") == 1 and words in err, err
 
 
 NOTE = "dgemma serve: note: listening on 0.0.0.0 without --api-key: anyone who can reach the port can use it"

@@ -1,6 +1,6 @@
 """The cost model's counts, from a `ModelConfig` alone: parameters, bytes by dtype, FLOPs and bytes per denoising
-step, commit and prefill, and the roofline floor (a checkpoint's safetensors *headers* may be read for bytes by
-dtype). Must not: run the model, print, load weights, or import torch.
+step, commit and prefill, and the roofline floor (a checkpoint's safetensors *headers*, read by checkpoint/, may give
+bytes by dtype). Must not: run the model, print, load weights, or import torch.
 
 Conventions (every figure says which it is):
 * FLOPs = 2 x multiply-accumulates of the matmuls the reference ops run (projections, attention QK^T and AV over
@@ -14,13 +14,11 @@ Conventions (every figure says which it is):
 
 from __future__ import annotations
 
-import json
 import math
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from dgcli.errors import UserError
+from dgcli.checkpoint.config import safetensors_header
 from dgcli.measure.peaks import Peaks
 from dgcli.model.config import LayerGeometry, ModelConfig
 
@@ -129,7 +127,7 @@ def safetensors_inventory(path: Path) -> dict:
     vision: dict[str, int] = {}
     params = {"text": 0, "vision": 0}
     for f in files:
-        header = _read_header(f)
+        header = safetensors_header(f)[0]
         for name, meta in header.items():
             if name == "__metadata__":
                 continue
@@ -141,24 +139,6 @@ def safetensors_inventory(path: Path) -> dict:
             params[kind] += math.prod(meta["shape"])
     return {"files": len(files), "text_bytes_by_dtype": text, "vision_bytes_by_dtype": vision,
             "text_parameters": params["text"], "vision_parameters": params["vision"]}
-
-
-def _read_header(f: Path) -> dict:
-    """One file's JSON header, checked against the file's size as the loader checks it."""
-    size = f.stat().st_size
-    with open(f, "rb") as fh:
-        try:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            if 8 + n > size:  # checked before reading: a garbage length would be read whole
-                raise ValueError(f"header length {n} exceeds the file")
-            header = json.loads(fh.read(n))
-            end = 8 + n + max((m["data_offsets"][1] for k, m in header.items() if k != "__metadata__"), default=0)
-        except (struct.error, ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
-            raise UserError(f"{f}: not a readable safetensors file ({e}); it may be truncated or corrupt: download it again") from None
-    if end != size:
-        raise UserError(f"{f}: {'truncated' if size < end else 'corrupt'} safetensors file: its header describes "
-                        f"{end} bytes, the file has {size}; download it again (or re-copy it)")
-    return header
 
 
 # ---- costs -----------------------------------------------------------------------------------------------
