@@ -196,6 +196,19 @@ def test_reader_matches_the_gguf_package(bundled_gguf, small_ckpt, tmp_path):
     same_as_package(tmp_path / "ref.gguf")
 
 
+def test_a_given_alignment_is_the_datas(tmp_path):
+    """`general.alignment` in the metadata written is where the data lies too, as the package's reader finds it."""
+    from dgcli.checkpoint.gguf import TensorOut, write_gguf
+
+    arrs = {"a": np.arange(5, dtype=np.float32), "b": np.arange(7, dtype=np.float32) * 2}
+    write_gguf(tmp_path / "x.gguf", {"general.alignment": 64},
+               [TensorOut(n, a.shape, 0, lambda a=a: a) for n, a in arrs.items()])
+    ours = GGUFFile(tmp_path / "x.gguf")
+    for t in G.GGUFReader(str(tmp_path / "x.gguf")).tensors:
+        assert t.data_offset % 64 == 0 and np.array_equal(t.data, arrs[t.name]), t.name
+        assert np.array_equal(ours.array(t.name), arrs[t.name])
+
+
 @pytest.mark.parametrize("quantize", [False, True], ids=["f32", "q8_0"])
 def test_quantize_and_reference_layout_load_the_same(small_ckpt, tmp_path, quantize):
     ref, ours = tmp_path / "ref.gguf", tmp_path / "ours.gguf"
