@@ -9,7 +9,6 @@ run writes a new `sweep-YYYYmmdd-HHMMSS.jsonl` here, named on stderr at the star
 
 from __future__ import annotations
 
-import itertools
 import sys
 from typing import Annotated, Optional
 
@@ -111,11 +110,12 @@ def sweep(
     if dry_run:
         where = "a new sweep-YYYYmmdd-HHMMSS.jsonl (named when the sweep starts)" if fresh else str(store.path)
         resolve, name, canvas = _resolver(model, dummy, layers, preset)
-        flags = _base_flags(resolve, flags, axes)
-        _print_plan(resolve(flags), name, canvas, axes, seed_list, store, resume, where)
+        flags = sw.base_flags(resolve, flags, axes)
+        done = {r.get("cell_key") for r in store.load()} if resume else set()
+        print("\n".join(sw.plan_lines(resolve(flags), name, canvas, axes, seed_list, done, where)))
         return
-    if any(len(axes.get(k, [])) > 1 for k in ("t_min", "t_max")):  # before loading: see _base_flags
-        flags = _base_flags(_resolver(model, dummy, layers, preset)[0], flags, axes)
+    if any(len(axes.get(k, [])) > 1 for k in ("t_min", "t_max")):  # before loading: see sw.base_flags
+        flags = sw.base_flags(_resolver(model, dummy, layers, preset)[0], flags, axes)
 
     from dgcli.cli.bench import open_target, target_card
     from dgcli.measure import bench as b
@@ -238,55 +238,6 @@ def _resolver(model, dummy, layers, preset):
     return lambda flags: resolve(gen, preset, {**flags, **forced}), getattr(path, "name", path), cfg.canvas_length
 
 
-def _base_flags(resolve, flags: dict, axes: dict) -> dict:
-    """The flags the session opens with, once some cell is possible. A single --t-min (or --t-max) beside a
-    swept --t-max (--t-min) need not fit the checkpoint's value of the swept one, which no cell uses: then
-    the first possible pair of swept values joins the flags (each cell sets its own). No possible pair, or a
-    value no pair fixes: one error line."""
-    from dgcli.sampling.params import SettingsError
-
-    pair = [k for k in ("t_min", "t_max") if len(axes.get(k, [])) > 1]
-    try:
-        resolve(flags)
-        if not pair:
-            return flags
-        base = flags  # the checkpoint's values of the swept axes stay the base (agreement's reference)
-    except SettingsError as e:
-        if not pair or set(e.keys) != {"t_min", "t_max"}:  # not the pair's rule: no cell fixes it
-            raise
-        base = None
-    first = None
-    for combo in itertools.product(*(axes[k] for k in pair)):
-        tried = dict(flags, **dict(zip(pair, combo)))
-        try:
-            resolve(tried)
-            return tried if base is None else base
-        except SettingsError as e:
-            if set(e.keys) != {"t_min", "t_max"}:
-                raise
-            first = first or e
-    raise UserError(f"no cell of the grid is possible: {first}") from None
-
-
-def _print_plan(resolved, name, canvas, axes, seeds, store, resume, where) -> None:
-    from dgcli.measure import sweep as sw
-    from dgcli.runtime.settings import blocks_for
-
-    cells, skipped = sw.plan(resolved.params, axes)
-    done = {r.get("cell_key") for r in store.load()} if resume else set()
-    print(f"plan: {len(cells)} cell(s) x {len(seeds)} seed(s) {seeds} on {name}; rows go to {where}")
-    keys = sw.swept_keys(axes)
-    for c in cells:
-        nb = blocks_for(c.params, resolved.run.max_tokens, canvas)
-        state = "done" if c.key in done else "to run"
-        size = "" if sw.BATCH in keys else f"  batch_size={c.batch_size}"
-        print(f"  {sw.cell_label({'cell': c.values}, keys)}  blocks={nb}{size}  [{state}]")
-    for values, why in skipped:
-        print(f"  skipped {values}: {why}")
-    base = {k: v for k, v in resolved.as_dict()["params"].items() if k not in keys}
-    print(f"fixed settings: {base}")
-
-
 def _finish(rows, cells, axes, speed, plot, fmt, card, output) -> None:
     from dgcli.measure import printers as report
     from dgcli.measure import sweep as sw
@@ -294,13 +245,7 @@ def _finish(rows, cells, axes, speed, plot, fmt, card, output) -> None:
     wanted = {c.key for c in cells}
     done = [r for r in rows if r.get("kind") == "cell" and r.get("cell_key") in wanted]
     keys = sw.swept_keys(axes)
-    front = sw.separated_frontier(done, speed, "quality")  # a difference inside the spread crowns nobody
-    overlaps = sw.frontier_overlaps(front, speed, "quality")
-    ties = sw.frontier_ties(front, speed, "quality")
-    for r in done:
-        r["pareto"] = r["cell_key"] in overlaps
-        r["pareto_overlaps"] = overlaps.get(r["cell_key"], [])
-        r["pareto_ties"] = ties.get(r["cell_key"], [])
+    front = sw.mark_frontier(done, speed)
     if plot:
         path = sw.write_plot(plot, done, front, speed, "quality", title=f"speed vs quality ({len(done)} cells)",
                              label=lambda r: sw.cell_label(r, keys))

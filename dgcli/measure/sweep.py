@@ -2,9 +2,9 @@
 cell through `dgcli.measure.bench.measure` (the request API).
 
 Owns: axis specs -> cells (the Cartesian product of the sampler axes and --batch-size; a value impossible alone
-refused, impossible combinations set aside with the reason), each cell's key, the sweep's fingerprint (what must
-match for --resume), the JSONL store and the frontier. Must not: print (dgcli.cli.sweep does), time requests
-itself, or contain a denoising loop.
+refused, impossible combinations set aside with the reason), the flags a sweep opens with and its --dry-run plan,
+each cell's key, the sweep's fingerprint (what must match for --resume), the JSONL store and the frontier. Must not:
+print (dgcli.cli.sweep does), time requests itself, or contain a denoising loop.
 """
 
 from __future__ import annotations
@@ -102,6 +102,53 @@ def plan(base: DiffusionEbParams, axes: dict[str, list]) -> tuple[list[Cell], li
             continue
         cells.append(Cell(values, params, cell_key(values), values.get(BATCH, sizes[0])))
     return cells, skipped
+
+
+def base_flags(resolve: Callable[[dict], Any], flags: dict, axes: dict) -> dict:
+    """The flags the session opens with, once some cell is possible. A single --t-min (or --t-max) beside a
+    swept --t-max (--t-min) need not fit the checkpoint's value of the swept one, which no cell uses: then
+    the first possible pair of swept values joins the flags (each cell sets its own). No possible pair, or a
+    value no pair fixes: one error line."""
+    pair = [k for k in ("t_min", "t_max") if len(axes.get(k, [])) > 1]
+    try:
+        resolve(flags)
+        if not pair:
+            return flags
+        base = flags  # the checkpoint's values of the swept axes stay the base (agreement's reference)
+    except SettingsError as e:
+        if not pair or set(e.keys) != {"t_min", "t_max"}:  # not the pair's rule: no cell fixes it
+            raise
+        base = None
+    first = None
+    for combo in itertools.product(*(axes[k] for k in pair)):
+        tried = dict(flags, **dict(zip(pair, combo)))
+        try:
+            resolve(tried)
+            return tried if base is None else base
+        except SettingsError as e:
+            if set(e.keys) != {"t_min", "t_max"}:
+                raise
+            first = first or e
+    raise UserError(f"no cell of the grid is possible: {first}") from None
+
+
+def plan_lines(resolved: Any, name: str, canvas: int, axes: dict, seeds: list[int], done: set[str],
+               where: str) -> list[str]:
+    """`sweep --dry-run`'s plan: each cell with its block count and whether it is `done`, the cells set aside,
+    the fixed settings."""
+    from dgcli.runtime.settings import blocks_for
+
+    cells, skipped = plan(resolved.params, axes)
+    out = [f"plan: {len(cells)} cell(s) x {len(seeds)} seed(s) {seeds} on {name}; rows go to {where}"]
+    keys = swept_keys(axes)
+    for c in cells:
+        nb = blocks_for(c.params, resolved.run.max_tokens, canvas)
+        state = "done" if c.key in done else "to run"
+        size = "" if BATCH in keys else f"  batch_size={c.batch_size}"
+        out.append(f"  {cell_label({'cell': c.values}, keys)}  blocks={nb}{size}  [{state}]")
+    out += [f"  skipped {values}: {why}" for values, why in skipped]
+    base = {k: v for k, v in resolved.as_dict()["params"].items() if k not in keys}
+    return out + [f"fixed settings: {base}"]
 
 
 def fingerprint(parts: dict) -> str:
@@ -234,6 +281,18 @@ def frontier_ties(front: list[dict], x: str, y: str) -> dict[str, list[dict]]:
         out[r["cell_key"]] = [o["cell"] for o in front if o is not r and not any(
             _beats(a, b, k, k == x) for a, b in ((r, o), (o, r)) for k in (x, y))]
     return out
+
+
+def mark_frontier(rows: list[dict], speed: str) -> list[dict]:
+    """The separated frontier of `rows` (`speed` vs quality), each row marked: `pareto` (on it: no interval
+    separates a better row), `pareto_overlaps`, `pareto_ties`."""
+    front = separated_frontier(rows, speed, "quality")  # a difference inside the spread crowns nobody
+    overlaps, ties = frontier_overlaps(front, speed, "quality"), frontier_ties(front, speed, "quality")
+    for r in rows:
+        r["pareto"] = r["cell_key"] in overlaps
+        r["pareto_overlaps"] = overlaps.get(r["cell_key"], [])
+        r["pareto_ties"] = ties.get(r["cell_key"], [])
+    return front
 
 
 def cell_label(row: dict, keys: list[str]) -> str:
