@@ -1,7 +1,7 @@
-"""The GGUF file format (version 2 and 3, little-endian) on the `gguf` package (llama.cpp's gguf-py): its type
-tables and its `GGUFWriter` write a file from metadata and tensors produced one at a time. Reading stays ours, a
-memory-mapped (copy-on-write) parse that hands out tensors in place: `GGUFReader` makes a numpy view per metadata
-array item, ~60x as long over a real model's vocabulary (262,144 tokens and 514,906 merges: 30 s against 0.5 s).
+"""The GGUF file format (version 2 and 3, little-endian) on the `gguf` package (llama.cpp's gguf-py): ggml's type
+table from it, and files written by its `GGUFWriter` from metadata and tensors produced one at a time. Reading stays
+ours, a memory-mapped (copy-on-write) parse that hands out tensors in place: `GGUFReader` makes a numpy view per
+metadata array item, ~50x as long over a real model's vocabulary (262,144 tokens, 514,906 merges: 30 s against 0.5 s).
 
 Owns: the byte layout, every error a broken file causes (one line naming the file). Must not: know DiffusionGemma
 (checkpoint/gguf_model.py) or compute with blocks.

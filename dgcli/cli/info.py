@@ -116,14 +116,9 @@ def info(
         if read_rate is not None and read_rate <= 0:
             raise UserError(f"--read-rate {read_rate:g}: give the disk's read rate in MB/s, more than 0")
         cap = memory_cap()
-        caps = [int(memory * 2**30)] if memory else [cap[1]] if cap else [16 << 30, 8 << 30]
-        rate = read_rate * 1e6 if read_rate is not None else measured_rate(path)
-        fit = inf.gguf_fit(inventory, cfg, run_dtype, context, _ram(), free_bytes(torch.device("cpu")), caps, rate)
-        mem = card["memory"]
-        mem["total"] = {path: t - mem["weights"] + fit["weights_loaded"] for path, t in mem["total"].items()}
-        mem["weights"] = fit["weights_loaded"]
-        card["gguf"], card["bytes_source"] = fit, "GGUF header (by ggml type)"
-        extra = inf.gguf_markdown(inventory, fit)
+        extra = inf.gguf_section(card, inventory, cfg, run_dtype, context, ram=_ram(), memory_gib=memory,
+                                 available=free_bytes(torch.device("cpu")), cap=cap[1] if cap else None,
+                                 read_rate=read_rate * 1e6 if read_rate is not None else measured_rate(path))
     if fmt == "json":
         sys.stdout.write(report.to_json(card))
     else:

@@ -74,8 +74,16 @@ def gguf_fit(inventory: dict, cfg: ModelConfig, dtype: str, context: int, ram_by
     return out
 
 
-def gguf_markdown(inventory: dict, fit: dict) -> str:
-    """The GGUF lines of `dgemma info`: bytes by type, and what fits."""
+def gguf_section(card: dict, inventory: dict, cfg: ModelConfig, dtype: str, context: int, *, ram: int,
+                 available: int | None, memory_gib: float | None, cap: int | None, read_rate: float | None) -> str:
+    """`dgemma info FILE.gguf`: the card's weights as a load holds them, `card["gguf"]` what fits (`gguf_fit`, under
+    --memory, else this process's memory `cap`, else 16 and 8 GiB); returns its markdown: bytes by type, what fits."""
+    caps = [int(memory_gib * 2**30)] if memory_gib else [cap] if cap else [16 << 30, 8 << 30]
+    fit = gguf_fit(inventory, cfg, dtype, context, ram, available, caps, read_rate)
+    mem = card["memory"]
+    mem["total"] = {path: t - mem["weights"] + fit["weights_loaded"] for path, t in mem["total"].items()}
+    mem["weights"] = fit["weights_loaded"]
+    card["gguf"], card["bytes_source"] = fit, "GGUF header (by ggml type)"
     by_type = sorted(inventory["text_bytes_by_dtype"].items(), key=lambda kv: -kv[1])
     types = ", ".join(f"{k} {size(v)}" for k, v in by_type)
     avail = fit["available"]
