@@ -141,7 +141,10 @@ class GGUFFile:
             ndim = self._unpack("<I", name)
             dims = [self._unpack("<Q", name) for _ in range(ndim)]
             infos.append((name, tuple(reversed(dims)), self._unpack("<I", name), self._unpack("<Q", name)))
-        align = int(self.metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT))
+        align = self.metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
+        if not isinstance(align, int) or align <= 0 or align & (align - 1):
+            raise UserError(f"{self.path}: general.alignment {align!r} is not a power of two: the file is damaged; "
+                            "write it again")
         start = -(-self._pos // align) * align
         for name, shape, t, off in infos:
             nbytes = tensor_bytes(t, shape) if t in GGML_QUANT_SIZES else 0

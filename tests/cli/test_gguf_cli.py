@@ -52,7 +52,7 @@ def test_quantize_gguf_flag_errors_are_one_line(cli_ckpt, tmp_path, capsys):
         assert err.startswith("dgemma: error:") and err.count("\n") == 1 and needle in err, err
 
 
-@pytest.mark.parametrize("case", ["truncated", "header", "arch", "q4_1", "missing", "output"])
+@pytest.mark.parametrize("case", ["truncated", "header", "arch", "alignment", "q4_1", "missing", "output"])
 def test_broken_files_are_one_line(bundled_gguf, tmp_path, capsys, case):
     path = tmp_path / "bad.gguf"
     good = bundled_gguf["f32"].read_bytes()
@@ -65,6 +65,12 @@ def test_broken_files_are_one_line(bundled_gguf, tmp_path, capsys, case):
         w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
         w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
         needle = "architecture is 'llama'"
+    elif case == "alignment":  # the data lies at 32, the key says 0
+        w = G.GGUFWriter(str(path), "diffusion-gemma")
+        w.add_uint32("general.alignment", 0)
+        w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+        w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+        needle = "general.alignment 0 is not a power of two"
     else:  # the bundled F32 file, rewritten with one tensor changed (our writer: the case is the reader's)
         from dgcli.checkpoint.gguf import TensorOut, write_gguf
 
