@@ -225,11 +225,10 @@ def test_bench_dummy_nvfp4_rows_say_w4a16(cli_ckpt, capsys):
     assert "nvfp4" in row["provenance"]["kernels"]["linear"] and "nvfp4" in row["provenance"]["kernels"]["experts"]
 
 
-def test_gguf_nvfp4_file_loads_as_gguf_py_reads_it(tmp_path, capsys):
+def _quantized_gguf(tmp_path, capsys) -> Path:
+    """`dgemma quantize --type nvfp4` of a random two-layer config (experts, dense MLPs, both attention kinds)."""
     from cli_run import run
-    from gguf import GGMLQuantizationType, GGUFReader, quants
 
-    from dgcli.checkpoint.gguf_model import to_gguf_name
     from dgcli.checkpoint.random_weights import write_random_checkpoint
 
     tc = dict(vocab_size=300, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
@@ -241,6 +240,16 @@ def test_gguf_nvfp4_file_loads_as_gguf_py_reads_it(tmp_path, capsys):
     code, out, err = run(["quantize", str(src), str(dst), "--type", "nvfp4"], capsys)
     assert code == 0, err
     assert "NVFP4" in out
+    return dst
+
+
+def test_gguf_nvfp4_file_loads_as_gguf_py_reads_it(tmp_path, capsys):
+    from cli_run import run
+    from gguf import GGMLQuantizationType, GGUFReader, quants
+
+    from dgcli.checkpoint.gguf_model import to_gguf_name
+
+    dst = _quantized_gguf(tmp_path, capsys)
     model, reader = dgcli.load_model(dst), GGUFReader(dst)
     held = {n: m for n, m in model.named_modules() if isinstance(m, (nvfp4.NVFP4Linear, nvfp4.NVFP4Experts))}
     # experts, q/k/v/o and the dense MLP of the sliding layer; the full layer's without v; the self-conditioning MLP
@@ -263,3 +272,42 @@ def test_gguf_nvfp4_file_loads_as_gguf_py_reads_it(tmp_path, capsys):
                           "--no-measure-peaks"], capsys)
     assert code == 0, err
     assert json.loads(out.strip().splitlines()[-1])["weights"] == "nvfp4 (W4A16)"
+
+
+
+def test_gguf_nvfp4_in_llama_cpps_converter_layout_runs_as_its_values(tmp_path, capsys):
+    """llama.cpp's converter (conversion/base.py `_repack_nvfp4`, `_flush_nvfp4_experts`; conversion/gemma.py folds
+    router.per_expert_scale into the down's scale_2) splits the experts' gate and up and writes each type-40 tensor's
+    scale_2 as an F32 `<base>.scale` multiplier ([1] a matrix, [E] per expert; the down's `ffn_down_exps.scale` is
+    per_expert_scale x scale_2) and an `<base>.input_scale`. dgemma's own file so laid out (its e4m3 scales times 2
+    or 4 per expert and half, exactly; scale_2 the inverse) gives the same logits."""
+    from dgcli.checkpoint.gguf import GGUFFile, TensorOut, write_gguf
+
+    fused = _quantized_gguf(tmp_path, capsys)
+    f, tensors = GGUFFile(fused), []
+    for name, info in f.tensors.items():
+        base = name.removesuffix(".weight")
+        if info.type != k.GGUF_NVFP4:
+            if not (base.endswith("ffn_down_exps.scale") and f.tensors[base[:-6] + ".weight"].type == k.GGUF_NVFP4):
+                tensors.append(TensorOut(name, info.shape, info.type, lambda name=name: f.array(name)))
+            continue
+        raw, rows = torch.from_numpy(np.array(f.array(name))).reshape(*info.shape[:-1], -1, 36).clone(), info.shape[-2]
+        parts = [(base, raw)] if "gate_up" not in base else [
+            (base.replace("gate_up", "gate"), raw[:, :rows // 2]), (base.replace("gate_up", "up"), raw[:, rows // 2:])]
+        for i, (b, r) in enumerate(parts):
+            factor = torch.tensor([2.0 ** (1 + (e + i) % 2) for e in range(r.shape[0] if r.dim() == 4 else 1)])
+            d = r[..., :4].contiguous().view(torch.float8_e4m3fn).float() * factor.reshape(-1, *[1] * (r.dim() - 1))
+            assert torch.equal(d.to(torch.float8_e4m3fn).float(), d)
+            r[..., :4] = d.to(torch.float8_e4m3fn).view(torch.uint8)
+            scale2 = 1 / factor
+            if b.endswith("ffn_down_exps"):
+                scale2 = scale2 * torch.from_numpy(np.array(f.array(b + ".scale")))
+            tensors += [TensorOut(b + ".weight", (*r.shape[:-2], info.shape[-1]), k.GGUF_NVFP4,
+                                  lambda r=r: r.flatten(-2).contiguous()),
+                        TensorOut(b + ".scale", tuple(scale2.shape), 0, lambda s=scale2: s.float().numpy()),
+                        TensorOut(b + ".input_scale", tuple(scale2.shape), 0, lambda n=scale2.numel(): np.full(n, 3.0, np.float32))]
+    write_gguf(tmp_path / "llama.gguf", dict(f.metadata), tensors)
+    names = {t.name for t in tensors}
+    assert {"blk.0.ffn_gate_exps.scale", "blk.0.ffn_up_exps.input_scale", "blk.1.attn_q.scale"} <= names
+    assert not any("gate_up" in n for n in names)
+    assert torch.equal(logits(dgcli.load_model(tmp_path / "llama.gguf")), logits(dgcli.load_model(fused)))
