@@ -104,10 +104,8 @@ def bundled_nvfp4(tmp_path_factory):
             for layout in ("compressed-tensors", "modelopt")}
 
 
-@pytest.mark.parametrize("layout, kernels", [("compressed-tensors", "auto"), ("modelopt", "auto"),
-                                             ("compressed-tensors", "torch")])  # torch: the decode without C
-def test_loaded_weights_equal_compressed_tensors_decompress(bundled_nvfp4, layout, kernels, monkeypatch):
-    monkeypatch.setenv("DGEMMA_KERNELS", kernels)
+@pytest.mark.parametrize("layout", ["compressed-tensors", "modelopt"])
+def test_loaded_weights_equal_compressed_tensors_decompress(bundled_nvfp4, layout):
     path, ref = bundled_nvfp4[layout]
     model = dgcli.load_model(path)
     assert nvfp4.is_nvfp4(model)
@@ -118,7 +116,9 @@ def test_loaded_weights_equal_compressed_tensors_decompress(bundled_nvfp4, layou
         assert torch.equal(held_weight(model, name), w), name
 
 
-def test_nvfp4_logits_match_the_dequantized_bf16_model(bundled_nvfp4, tmp_path):
+@pytest.mark.parametrize("kernels", ["torch", "auto"])  # auto: the int8 product where the CPU has VNNI
+def test_nvfp4_logits_match_the_dequantized_bf16_model(bundled_nvfp4, kernels, monkeypatch):
+    monkeypatch.setenv("DGEMMA_KERNELS", kernels)
     path, ref = bundled_nvfp4["compressed-tensors"]
     model = dgcli.load_model(path, dtype="bfloat16")
     plain = dgcli.load_model(BUNDLED, dtype="bfloat16")
@@ -131,10 +131,13 @@ def test_nvfp4_logits_match_the_dequantized_bf16_model(bundled_nvfp4, tmp_path):
             (t if part == "down" else t.chunk(2)[part == "up"]).copy_(w)
         else:
             state[name + ".weight"].copy_(w)
-    a, b = logits(model), logits(plain)
-    # the same weights; the expert GEMMs are grouped differently (per expert here, grouped in the bf16 model's CPU
-    # path), so a bf16 rounding step or two may differ: a logit below 32 is allowed 2 bf16 steps (measured: 0.0)
-    assert (a.float() - b.float()).abs().max() <= 0.25
+    a, b = logits(model).float(), logits(plain).float()
+    if kernels == "torch":
+        # the same weights; the expert GEMMs are grouped differently (per expert here, grouped in the bf16 model's
+        # CPU path), so a bf16 rounding step or two may differ: a logit below 32 is allowed 2 bf16 steps (measured: 0.0)
+        assert (a - b).abs().max() <= 0.25
+    else:  # x rounded to int8 per 16 at every NVFP4 matmul: measured 1.8e-2 relative, 0.46 at most (logits to 14)
+        assert (a - b).norm() / b.norm() <= 3e-2 and (a - b).abs().max() <= 1.0
 
 
 def test_w4a4_checkpoint_runs_as_w4a16(tmp_path, capsys):
@@ -156,16 +159,6 @@ def test_gguf_blocks_decode_as_gguf_py():
     ours = k.decode(packed, scale, torch.ones(6), False, torch.float32)
     assert np.array_equal(ours.numpy(), quants.dequantize(raw, GGMLQuantizationType.NVFP4))
     assert torch.equal(k.to_gguf_blocks(packed, scale), torch.from_numpy(raw))
-
-
-def test_cpu_linear_and_experts_equal_the_decoded_weights():
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(3, 96, 64, generator=g)
-    packed, scale, glob = nvfp4.quantize_rows(w)
-    x = torch.randn(5, 64, generator=g).bfloat16()
-    dec = k.decode(packed, scale, glob, True)
-    for e in range(3):
-        assert torch.equal(k.linear(x, packed[e], scale[e], glob[e], True), torch.nn.functional.linear(x, dec[e]))
 
 
 def _bad(src, dst, edit):
