@@ -204,7 +204,11 @@ def provenance(device: torch.device | str, dtype: str | None = None, packed: boo
 
 
 def nvfp4_provenance(device: torch.device | str) -> str:
-    """What NVFP4 linears and experts run on `device` (activations are never FP4: W4A16)."""
+    """What NVFP4 linears and experts run on `device` (activations are never FP4: W4A16, or int8 on the CPU's C)."""
     if implementation("nvfp4_linear", torch.device(device)) == "triton":
         return "nvfp4: W4A16 triton (codes decoded in registers, bf16 tensor cores)"
-    return "nvfp4: W4A16, e2m1 tiles decoded to bf16, torch.linear"
+    from . import nvfp4
+
+    if torch.device(device).type == "cpu" and nvfp4.available():
+        return "nvfp4: c-vnni (e2m1 codes x activations rounded to int8 per 16, never FP4; kernels/csrc/nvfp4.c)"
+    return "nvfp4: W4A16, e2m1 tiles decoded to bf16 by torch ops, torch.linear"

@@ -30,7 +30,7 @@ from .switches import mode
 
 CSRC = Path(__file__).with_name("csrc")
 # Each library's check function (none of arguments, 0 where the CPU lacks the kernel's instructions), or None
-LIBRARIES = {"gemm_native": "gemm_ok", "ggml_q8": "q8_ok", "nvfp4": None}
+LIBRARIES = {"gemm_native": "gemm_ok", "ggml_q8": "q8_ok", "nvfp4": "nvfp4_ok"}
 
 
 class NativeBuildError(RuntimeError):

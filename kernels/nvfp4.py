@@ -5,9 +5,13 @@ The held form (dgcli/model/nvfp4.py), one for the three file formats: `packed` u
 low nibble; a code is sign bit 3 + an index into E2M1), `scale` float8_e4m3fn [..., n, k/16], `glob` fp32 [..., n]
 (a fused gate_up holds the gate's and the up's), `divide`: the global is a divisor (compressed-tensors) or a
 multiplier (ModelOpt, GGUF). The weight (`decode`): bf16(e2m1 x fp32(e4m3 / glob)), op for op compressed-tensors'
-`decompress`, so an NVFP4 run equals the model holding the decompressed bf16 weights (gguf-py gives the same
-numbers). Activations stay in the model's dtype (W4A16). CPU matmul: tiles of ~4 M weights decoded (kernels/csrc/
-nvfp4.c where there is a compiler, else torch ops), then torch's GEMM; nothing decoded outlives a call.
+`decompress`, so a reference run equals the model holding the decompressed bf16 weights (gguf-py gives the same
+numbers). Activations are never FP4 (W4A16). CPU matmul, bf16 x where the CPU has AVX-512 VNNI + VBMI: `product`
+(kernels/csrc/nvfp4.c), e2m1 x 2 as integers times x rounded to int8 per row and group of 16 (dx = max|x|/127,
+nearest even), each group's integer sum times its factor / 2 and dx in fp32, summed in fp32, rounded once to bf16:
+|y - x.W^T| <= 2^-8 |x.W^T| + sum_g dx_g/2 . sum_k|w_k| (W the decoded weights before their bf16 rounding; tests
+check it), relative RMS error ~5e-3 on random x. Else (DGEMMA_KERNELS=torch, no compiler, fp32 x) the reference:
+tiles of ~4 M weights decoded by torch ops, then torch's GEMM. Nothing decoded outlives a call.
 """
 
 from __future__ import annotations
@@ -48,29 +52,41 @@ def factors(scale: torch.Tensor, glob: torch.Tensor, divide: bool) -> torch.Tens
     return s / g if divide else s * g
 
 
-def _c_decode(packed: torch.Tensor, scale: torch.Tensor, glob: torch.Tensor, divide: bool) -> torch.Tensor | None:
-    """kernels/csrc/nvfp4.c's decode of a CPU matrix [n, k/2] (the same bits); None where there is no C here."""
+def _library():
+    """kernels/csrc/nvfp4.c loaded, or None (no compiler, no VNNI here, DGEMMA_KERNELS=torch|reference)."""
     from . import native
 
-    lib = native.library("nvfp4", {"nvfp4_decode": [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_long,
-                                                                            ctypes.c_long, ctypes.c_void_p]})
-    if lib is None or not packed.is_cpu or packed.dim() != 2:
+    return native.library("nvfp4", {"nvfp4_ok": [], "nvfp4_gemm": [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p]
+                                    + [ctypes.c_long] * 3 + [ctypes.c_int]})
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def product(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glob: torch.Tensor,
+            divide: bool) -> torch.Tensor | None:
+    """x2 [M, k] bf16 @ W.T -> [M, n] bf16 through kernels/csrc/nvfp4.c's int8 product (the numerics in the module
+    docstring); None where it does not apply (no library or no VNNI here, not bf16 on the CPU, not one matrix)."""
+    if x2.dtype != torch.bfloat16 or not x2.is_cpu or x2.dim() != 2 or packed.dim() != 2 \
+            or x2.shape[1] != packed.shape[1] * 2:
         return None
-    p, s, g = packed.contiguous(), scale.contiguous(), glob.float().contiguous()
-    out = torch.empty(p.shape[0], p.shape[1] * 2, dtype=torch.bfloat16)
-    lib.nvfp4_decode(p.data_ptr(), s.data_ptr(), g.data_ptr(), int(divide), p.shape[0], out.shape[1], out.data_ptr())
+    lib = _library()
+    if lib is None:
+        return None
+    x2, p, s, g = x2.contiguous(), packed.contiguous(), scale.contiguous(), glob.float().contiguous()
+    out = torch.empty(x2.shape[0], p.shape[0], dtype=torch.bfloat16)
+    if x2.shape[0] and not lib.nvfp4_gemm(x2.data_ptr(), p.data_ptr(), s.data_ptr(), g.data_ptr(), int(divide),
+                                          out.data_ptr(), x2.shape[0], x2.shape[1], p.shape[0], torch.get_num_threads()):
+        return None
     return out
 
 
 def decode(packed: torch.Tensor, scale: torch.Tensor, glob: torch.Tensor, divide: bool,
            dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The weights [..., n, k] in dtype (see the module docstring). On CPU the C decoder where there is one;
-    else each byte becomes its two values x 2^-14 as float16 by one table lookup, and the multiply by factor x
-    2^14 runs in fp32 (float16 x fp32 promotes), rounded once into bf16: the same bits as e2m1 x factor in fp32
-    (a power of two apart)."""
-    w = _c_decode(packed, scale, glob, divide)
-    if w is not None:
-        return w if dtype == torch.bfloat16 else w.to(dtype)
+    """The weights [..., n, k] in dtype (see the module docstring): each byte becomes its two values x 2^-14 as
+    float16 by one table lookup, and the multiply by factor x 2^14 runs in fp32 (float16 x fp32 promotes), rounded
+    once into bf16: the same bits as e2m1 x factor in fp32 (a power of two apart)."""
     pairs = _PAIRS.to(packed.device).index_select(0, packed.reshape(-1).to(torch.int32))
     half = pairs.view(torch.float16).view(*packed.shape[:-1], -1, GROUP)  # [..., n, k/16, 16]
     w = torch.empty(half.shape, dtype=torch.bfloat16, device=packed.device)
@@ -124,9 +140,10 @@ def linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glob: tor
     n, k = packed.shape[0], packed.shape[1] * 2
     x2 = x.reshape(-1, k)
     step = max(1, TILE_VALUES // k)
-    if step >= n:
+    y = product(x2, packed, scale, glob, divide)  # the int8 product where there is one, else decoded tiles
+    if y is None and step >= n:
         y = F.linear(x2, decode(packed, scale, glob, divide, x.dtype))
-    else:
+    elif y is None:
         y = torch.cat([F.linear(x2, decode(packed[r:r + step], scale[r:r + step], glob[r:r + step], divide, x.dtype))
                        for r in range(0, n, step)], dim=1)
     return y.reshape(*x.shape[:-1], n)

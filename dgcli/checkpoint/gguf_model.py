@@ -311,7 +311,10 @@ def load_gguf_model(path: str | Path, device: Any = "cpu", dtype: Any = None):
     model = meta_model(cfg)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     names = {k: to_gguf_name(k) for k in expected}
-    known = set(names.values()) | {ROPE_FREQS} | nvfp4.gguf_scale_names(f, names)
+    split = nvfp4.gguf_split(f, names, expected, str(path))  # llama.cpp's split NVFP4 gate and up: nvfp4.py reads them
+    gnames = set(names.values()).union(*split.values())
+    known = gnames | {ROPE_FREQS} | nvfp4.gguf_scale_names(f, gnames)
+    names = {n: g for n, g in names.items() if n not in split}
     for gname, info in f.tensors.items():
         if gname not in known:
             what = ("an untied output head; dgemma runs DiffusionGemma's tied head" if gname == "output.weight"
@@ -331,7 +334,7 @@ def load_gguf_model(path: str | Path, device: Any = "cpu", dtype: Any = None):
                             f"{list(reversed(info.shape))}); the file's metadata implies {list(expected[name])}")
     embd = f.tensors[names["embed_tokens.weight"]]
     run = dtype or {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}.get(embd.type, torch.bfloat16)
-    nvfp4.gguf_modules_(f, model, names, str(path))  # type 40: NVFP4 modules, kept at 4 bits
+    nvfp4.gguf_modules_(f, model, names, str(path), split)  # type 40: NVFP4 modules, kept at 4 bits
     quant = {n for n, g in names.items() if f.tensors[g].type in ggml.QUANTIZED}
     experts = [i for i in range(cfg.num_hidden_layers)
                if {f"layers.{i}.experts.gate_up_proj", f"layers.{i}.experts.down_proj"} <= quant]

@@ -117,68 +117,99 @@ def read(modules: dict[str, str], files: dict[str, Path], layout: str, model, op
 
 
 # ---- GGUF type 40 ----------------------------------------------------------------------------------------------
+# llama.cpp's layout (conversion/base.py `_repack_nvfp4`, `_flush_nvfp4_experts`; src/llama-model.cpp's generic pass
+# over ".scale" tensors): a type-40 `<base>.weight` may bring an F32 `<base>.scale`, a multiplier applied after the
+# matmul (ModelOpt's weight_scale_2; 1 / compressed-tensors' global), [1] for a matrix and [E] per expert, absent
+# where 1 (as ggml's own quantizer writes: `quantize --type nvfp4`), and `<base>.input_scale` (read past: W4A16).
+# Experts come fused (`ffn_gate_up_exps`, no scale: llama.cpp loads none for it) or as the converter splits them,
+# `ffn_gate_exps` + `ffn_up_exps`. `ffn_down_exps.scale` is Gemma 4's router.per_expert_scale with each expert's
+# scale_2 folded in (conversion/gemma.py `Gemma4Model._generate_nvfp4_tensors`): one per-expert multiplier of the
+# down output either way, so it stays the router's and the down's global is 1.
 
 GGUF_TYPE = 40  # GGML_TYPE_NVFP4 (kernels/nvfp4.py's blocks)
 
 
-def _gguf_scale(f, gname: str, names: dict[str, str]) -> str | None:
-    """The name of a type-40 tensor's global-scale tensor (`<base>.scale`, llama.cpp's scale naming), unless the
-    model already names a tensor so (`ffn_down_exps.scale` is Gemma 4's per-expert router scale)."""
+def _gguf_scale(f, gname: str, gnames) -> str | None:
+    """The name of type-40 tensor `gname`'s global-scale tensor, unless the model itself names a tensor so."""
     s = gname.removesuffix(".weight") + ".scale"
-    return s if s in f.tensors and s not in names.values() else None
+    return s if s in f.tensors and s not in gnames else None
 
 
-def gguf_scale_names(f, names: dict[str, str]) -> set[str]:
-    """The extra tensors type-40 weights bring (global and input scales)."""
-    out = set()
-    for g in names.values():
-        if g in f.tensors and f.tensors[g].type == GGUF_TYPE:
-            s = _gguf_scale(f, g, names)
-            out |= {s} if s else set()
-            out |= {g.removesuffix(".weight") + ".input_scale"} & f.tensors.keys()
+def gguf_split(f, names: dict[str, str], expected: dict, path: str) -> dict[str, tuple[str, str]]:
+    """Our fused `experts.gate_up_proj` names whose file holds the converter's split type-40 gate and up instead,
+    each checked ([E, I, H], type 40)."""
+    out = {}
+    for name, g in names.items():
+        pair = (g.replace("gate_up", "gate"), g.replace("gate_up", "up"))
+        if g.endswith("ffn_gate_up_exps.weight") and g not in f.tensors and pair[0] in f.tensors:
+            e, two_i, h = expected[name]
+            for p in pair:
+                info = f.tensors.get(p)
+                if info is None or info.type != GGUF_TYPE or info.shape != (e, two_i // 2, h):
+                    raise UserError(f"{path}: tensor {p!r} must be NVFP4 of shape {[e, two_i // 2, h]} beside "
+                                    f"{pair[0]!r} (llama.cpp's split experts)")
+            out[name] = pair
     return out
 
 
-def gguf_modules_(f, model, names: dict[str, str], path: str) -> None:
-    """Swap NVFP4 modules in for the type-40 tensors of GGUF file `f` (model: on meta; names: our state-dict name ->
-    GGUF name), their blocks converted to the held layout; the global scale (a multiplier) from `<base>.scale`,
-    1 where the file has none (ggml's own quantizer writes none)."""
+def gguf_scale_names(f, gnames: set[str]) -> set[str]:
+    """The extra tensors type-40 weights among `gnames` bring (global and input scales)."""
+    out = set()
+    for g in gnames:
+        if g in f.tensors and f.tensors[g].type == GGUF_TYPE:
+            out |= {_gguf_scale(f, g, gnames), g.removesuffix(".weight") + ".input_scale"} & f.tensors.keys()
+    return out
+
+
+def _gguf_read(f, gname: str, gnames, path: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed, scale, global per row) of type-40 tensor `gname`, its global from `<base>.scale` (1 without)."""
     import numpy as np
 
     from dgcli.kernels import nvfp4 as k
+
+    info, s = f.tensors[gname], _gguf_scale(f, gname, gnames)
+    lead = info.shape[0] if len(info.shape) == 3 else 1
+    glob = torch.from_numpy(np.array(f.array(s), dtype=np.float32)).reshape(-1) if s else torch.ones(lead)
+    if glob.numel() != lead or not bool(torch.isfinite(glob).all() and (glob > 0).all()):
+        raise UserError(f"{path}: tensor {s!r} must hold {lead} finite positive global scale(s) (llama.cpp's "
+                        f"scale_2: one per {'expert' if lead > 1 else 'matrix'})")
+    packed, scale = k.from_gguf_blocks(torch.from_numpy(np.array(f.array(gname))).reshape(*info.shape[:-1], -1),
+                                       info.shape[-1])
+    return packed, scale, glob.reshape(-1, *[1] * (len(info.shape) - 2)).expand(*info.shape[:-1]).contiguous()
+
+
+def gguf_modules_(f, model, names: dict[str, str], path: str, split: dict[str, tuple[str, str]]) -> None:
+    """Swap NVFP4 modules in for the type-40 tensors of GGUF file `f` (model: on meta; names: our state-dict name ->
+    GGUF name; split: `gguf_split`'s), their blocks converted to the held layout, the globals multipliers."""
     from dgcli.model.fp8 import _set
     from dgcli.model.nvfp4 import NVFP4Experts, NVFP4Linear
 
+    gnames = set(names.values())
     halves: dict[int, list[str]] = {}  # layer -> its experts' type-40 tensors (both halves, or neither)
-    for name, gname in names.items():
-        info = f.tensors[gname]
-        if info.type != GGUF_TYPE:
+    for name, gname in [*names.items(), *split.items()]:
+        if isinstance(gname, tuple):  # the converter's gate and up: one fused stack, each half its own globals
+            got = [_gguf_read(f, g, gnames, path) for g in gname]
+            held, gname = [torch.cat(t, dim=1) for t in zip(*got)], gname[0]
+        elif f.tensors[gname].type == GGUF_TYPE:
+            held = _gguf_read(f, gname, gnames, path)
+        else:
             continue
-        s = _gguf_scale(f, gname, names)
-        glob = torch.from_numpy(np.array(f.array(s), dtype=np.float32)).reshape(-1) if s else torch.ones(1)
-        packed, scale = k.from_gguf_blocks(torch.from_numpy(np.array(f.array(gname))).reshape(*info.shape[:-1], -1),
-                                           info.shape[-1])
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             layer, part = int(name.split(".")[1]), name.rsplit(".", 1)[1]
             mod = model.layers[layer].experts
             if not isinstance(mod, NVFP4Experts):
                 e, two_i, h = mod.gate_up_proj.shape
                 mod = model.layers[layer].experts = NVFP4Experts(e, h, two_i // 2, divide=False)
-            want = getattr(mod, part).shape[:2]
             halves.setdefault(layer, []).append(gname)
         else:
             module = name.removesuffix(".weight")
             old = model.get_submodule(module)
             if not isinstance(old, torch.nn.Linear):
                 raise UserError(f"{path}: tensor {gname!r} is NVFP4; dgemma runs NVFP4 linears and experts only")
-            mod, part, want = NVFP4Linear(old.in_features, old.out_features, divide=False), "weight", info.shape[:1]
+            mod, part = NVFP4Linear(old.in_features, old.out_features, divide=False), "weight"
             _set(model, module, mod)
-        if glob.numel() not in (1, want[0]) or not bool(torch.isfinite(glob).all() and (glob > 0).all()):
-            raise UserError(f"{path}: tensor {s!r} must hold one finite positive global scale (or one per expert)")
-        held = "weight_packed" if part == "weight" else part
-        setattr(mod, held, packed)
-        setattr(mod, f"{part}_scale", scale)
-        setattr(mod, f"{part}_global", glob.reshape(-1, *[1] * (len(want) - 1)).expand(*want).contiguous())
+        for attr, t in zip(("weight_packed" if part == "weight" else part, f"{part}_scale", f"{part}_global"), held):
+            setattr(mod, attr, t)
     for layer, got in halves.items():
         if len(got) != 2:
             raise UserError(f"{path}: tensor {got[0]!r} is NVFP4 but the other half of layer {layer}'s experts is not; "

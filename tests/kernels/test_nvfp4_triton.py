@@ -1,5 +1,5 @@
 """kernels/nvfp4_triton.py (NVFP4 codes and e4m3 scales decoded per tile in registers, fp32 accumulation, one
-rounding) against kernels/nvfp4.py's CPU linear: F.linear on the weights `decode` gives, compressed-tensors' values."""
+rounding) against kernels/nvfp4.py's CPU reference: F.linear on the weights `decode` gives, compressed-tensors' values."""
 
 import pytest
 import torch
@@ -21,7 +21,7 @@ def test_triton_w4a16_linear_is_the_decoded_reference(dtype, xshape, n, divide, 
     x = torch.randn(xshape, generator=g).to(dtype)
     packed, scale, glob = quantize_rows(torch.randn(n, xshape[-1], generator=g) / 4)
     glob = glob * torch.linspace(0.5, 2, n)  # a different global per row (fused gate/up halves have two)
-    want = k.linear(x, packed, scale, glob, divide)
+    want = torch.nn.functional.linear(x, k.decode(packed, scale, glob, divide, dtype))  # the CPU reference
     got = linear_w4a16(*(t.to(triton_device) for t in (x, packed, scale, glob)), divide, config=(16, 16, 16, 4, 1)).cpu()
     assert got.dtype == dtype and got.shape == want.shape
     if dtype == torch.bfloat16 and triton_device == "cpu":

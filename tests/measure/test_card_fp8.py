@@ -57,3 +57,28 @@ def test_info_on_an_fp8_checkpoint(cli_ckpt, tmp_path, capsys):
     assert card["bytes_by_dtype"]["float8_e4m3"] > 0
     m = dgcli.load_model(tmp_path / "fp8")
     assert card["memory"]["weights"] == sum(t.numel() * t.element_size() for t in m.state_dict().values())
+
+
+def test_info_fit_table_has_an_nvfp4_row_sized_as_an_nvfp4_model_holds_it(tmp_path, capsys):
+    """`dgemma info`'s largest-batch table: per memory, an nvfp4 row beside bf16 and fp8, its weights the bytes a
+    model of the config holds with `dgemma quantize --nvfp4`'s matrices, so it fits at least fp8's batch."""
+    import json
+
+    import torch
+    from cli_run import run
+
+    tc, canvas = text_config("gqa4_moe8")
+    raw = make_config(tc, canvas_length=canvas)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    code, out, err = run(["info", "--dummy", str(tmp_path / "config.json"), "--format", "json", "--no-measure-peaks"],
+                         capsys)
+    assert code == 0, err
+    sec = json.loads(out)["batch_memory"]
+    m = random_model(with_fp8(raw, nvfp4=True), dtype=torch.bfloat16)
+    held = sum(t.numel() * t.element_size() for t in m.state_dict().values())
+    assert sec["weights"]["nvfp4"]["bytes"] == held + 2 * info.param_counts(parse_config(raw))["layer_scalars"]
+    fits = {(f["memory"], f["weights"]): f for f in sec["fits"]}
+    for memory in {f["memory"] for f in sec["fits"]}:
+        b = [fits[memory, w]["largest_batch"] for w in ("bf16", "fp8", "nvfp4")]
+        assert b == sorted(b), memory
+        assert fits[memory, "nvfp4"]["weights_bytes"] == sec["weights"]["nvfp4"]["bytes"]

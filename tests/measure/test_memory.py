@@ -441,7 +441,7 @@ def test_info_memory_and_headroom_options():
     card = json.loads(_info("--dummy", "26B-A4B", "--no-measure-peaks", "--format", "json", "--memory", "100",
                             "--headroom", "0", "--context", "1024"))
     rows = [f for f in card["batch_memory"]["fits"] if f["memory"] == "--memory 100 GiB"]
-    assert [f["weights"] for f in rows] == ["bf16", "fp8"] and rows[0]["usable_bytes"] == 100 * 2**30
+    assert [f["weights"] for f in rows] == ["bf16", "fp8", "nvfp4"] and rows[0]["usable_bytes"] == 100 * 2**30
     assert rows[0]["path"] == "cpu" and rows[0]["largest_batch"] > 0
     from dgcli.cli import app
     from dgcli.errors import UserError

@@ -20,8 +20,8 @@ GIB = 2**30
 HEADROOM = 0.10  # of the budget: CUDA context (~0.5 GiB) and the caching allocator's fragmentation
 # (name, bytes): nominal memory (NVIDIA's "80 GB", "141 GB" are ~GiB: nvidia-smi shows 81,559 and 143,771 MiB)
 GPUS = (("H100 80 GB", 80 * GIB), ("H200 141 GB", 141 * GIB))
-FORMATS = ("bf16", "fp8")
-ACT_BYTES = {"bf16": 2, "fp8": 2, "fp32": 4}  # activations and KV of a run with these weights
+FORMATS = ("bf16", "fp8", "nvfp4")
+ACT_BYTES = {"bf16": 2, "fp8": 2, "nvfp4": 2, "fp32": 4}  # activations and KV of a run with these weights
 KV_BLOCK = 16  # engine/block_manager.py's block_size default (it imports torch)
 MOE_BLOCK = 64  # kernels/moe.py::BLOCK: experts_triton's fixed block_m (each expert's rows padded to it)
 BUDGET = 2048  # engine/llm_engine.py: DEFAULT_BUDGET, rows per pass (running canvases first, then prompt chunks)
@@ -83,15 +83,17 @@ def cache_bytes(cfg: ModelConfig, b: int, context: int, ab: int = 2, prefix_cach
 
 
 def weights_bytes(cfg: ModelConfig, fmt: str = "bf16") -> dict:
-    """Weights in `fmt` (layer scalars fp32). fp8: as dgemma holds `dgemma quantize --fp8`'s checkpoint, the
-    `quantized_counts` matrices at 1 byte + a bf16 scale per output channel, the rest bf16."""
+    """Weights in `fmt` (layer scalars fp32), as dgemma holds `dgemma quantize --fp8` / `--nvfp4`'s checkpoint: the
+    `quantized_counts` matrices at 1 byte + a bf16 scale per output channel (fp8), or at 4 bits + an e4m3 scale per
+    16 + an fp32 global per output channel (nvfp4, model/nvfp4.py); the rest bf16."""
     if fmt not in ACT_BYTES:
         raise ValueError(f"weight format {fmt!r}: use one of {tuple(ACT_BYTES)}")
     n, ab = param_counts(cfg), ACT_BYTES[fmt]  # fp32: a float32 run (random checkpoints, the bundled model)
-    fp8, scales = quantized_counts(cfg) if fmt == "fp8" else (0, 0)
-    rest = n["total"] - n["layer_scalars"] - fp8
-    return {"format": fmt, "bytes": fp8 + ab * (rest + scales) + 4 * n["layer_scalars"], "fp8_parameters": fp8,
-            "bf16_parameters": rest if ab == 2 else 0}
+    q, rows = quantized_counts(cfg) if fmt in ("fp8", "nvfp4") else (0, 0)
+    rest = n["total"] - n["layer_scalars"] - q
+    held = q + ab * rows if fmt == "fp8" else q // 2 + q // 16 + 4 * rows
+    return {"format": fmt, "bytes": held + ab * rest + 4 * n["layer_scalars"], "fp8_parameters": q * (fmt == "fp8"),
+            "nvfp4_parameters": q * (fmt == "nvfp4"), "bf16_parameters": rest if ab == 2 else 0}
 
 
 def loop_state_bytes(cfg: ModelConfig, ab: int = 2, stability: int = 1, lag: int = 1) -> dict:
@@ -308,7 +310,9 @@ def batch_memory(cfg: ModelConfig, *, context: int, prompt_len: int, dtype: str,
             f"of the CUDA graphs (the default there); usable = memory less {headroom:.0%} headroom "
             f"(CUDA context, allocator fragmentation); bf16 activations and KV (fp32 for fp32); FP8 = attention, MLP, "
             f"expert matrices at 1 byte/param + a bf16 scale per output channel, embedding/LM head, router, "
-            f"self-conditioning MLP and norms bf16 (as dgemma holds an FP8-dynamic checkpoint: `dgemma quantize --fp8`)."),
+            f"self-conditioning MLP and norms bf16 (as dgemma holds an FP8-dynamic checkpoint: `dgemma quantize --fp8`); "
+            f"NVFP4 = the same matrices at 4 bits + an e4m3 scale per 16 + an fp32 global per output channel "
+            f"(`dgemma quantize --nvfp4`)."),
     }
 
 
