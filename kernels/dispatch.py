@@ -145,8 +145,10 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tenso
     from . import fp8
 
     impl = implementation("fp8_linear", x.device)
-    if fp8_semantics() == "dynamic":
-        return fp8.linear_dynamic(x, q, s, scaled_mm=impl in ("triton", "cuda") and fp8.scaled_mm_fits(x, q))
+    if fp8_semantics() == "dynamic":  # torch._scaled_mm where it takes the shapes; the quantizer one launch
+        fast = impl in ("triton", "cuda") and fp8.scaled_mm_fits(x, q)
+        quantize = torch.ops.dgemma.fp8_quantize if fast and impl == "triton" else fp8.quantize_per_token
+        return fp8.linear_dynamic(x, q, s, scaled_mm=fast, quantize=quantize)
     if impl == "triton" and x.dtype in ops.FLOATS and s.dtype in ops.FLOATS:
         return torch.ops.dgemma.fp8_linear(x, q, s)
     return fp8.linear_weight_only(x, q, s, tile_bytes=None if impl == "reference" else fp8.TILE_BYTES)
