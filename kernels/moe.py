@@ -77,13 +77,16 @@ def _gate_up_kernel(x_ptr, w_ptr, pair_ptr, block_expert_ptr, act_ptr, xs_ptr, w
         if A_FP8:  # dynamic FP8: e4m3 x e4m3 products, fp32 accumulation; the scales come after the loop
             gate = tl.dot(a, wg, gate)
             up = tl.dot(a, wu, up)
-        elif DOT_BF16:  # exact operands (bf16 activations and weights); full-rate tensor cores
-            gate = tl.dot(a, _weights(wg, W_FP8, DOT_BF16), gate)
-            up = tl.dot(a, _weights(wu, W_FP8, DOT_BF16), up)
-        else:  # fp32 storage (or the interpreter): full fp32 products, not TF32
-            a = a.to(tl.float32)
-            gate = tl.dot(a, _weights(wg, W_FP8, DOT_BF16), gate, input_precision="ieee")
-            up = tl.dot(a, _weights(wu, W_FP8, DOT_BF16), up, input_precision="ieee")
+        else:  # both tiles decoded before either dot (interleaved, ptxas spills ~7 KB a thread for fp32)
+            wg = _weights(wg, W_FP8, DOT_BF16)
+            wu = _weights(wu, W_FP8, DOT_BF16)
+            if DOT_BF16:  # exact operands (bf16 activations and weights); full-rate tensor cores
+                gate = tl.dot(a, wg, gate)
+                up = tl.dot(a, wu, up)
+            else:  # fp32 storage (or the interpreter): full fp32 products, not TF32
+                a = a.to(tl.float32)
+                gate = tl.dot(a, wg, gate, input_precision="ieee")
+                up = tl.dot(a, wu, up, input_precision="ieee")
     if A_FP8:  # (acc x token scale) x channel scale, as vLLM's fused-MoE epilogue
         xs = tl.load(xs_ptr + tok, mask=valid, other=0.0)
         gate = gate * xs[:, None] * sg[None, :]

@@ -332,6 +332,7 @@ def real_wrappers(monkeypatch, counter: Launches) -> None:
         return lambda *args, **kwargs: counter.names.append(name) if counter.on else None
 
     monkeypatch.setattr(jit.KernelInterface, "__getitem__", launcher)
-    for name in ("rms_norm", "experts", "fp8_linear", "vocab_pass", "paged_attention", "qkv_norm_rope", "gelu_mul"):
+    for name in ("rms_norm", "experts", "fp8_linear", "fp8_quantize", "vocab_pass", "paged_attention", "qkv_norm_rope",
+                 "gelu_mul"):
         op = getattr(ops, "_" + name)
         monkeypatch.setattr(torch.ops.dgemma, name, op._init_fn)
