@@ -291,7 +291,7 @@ def problems(c: dict) -> list[str]:
     has = mark == "wgmma" and "wgmma" in r["tc"] or mark == "mma.sync" and r["mma_sync"]
     if c["tensor_core"] and not has:
         out.append(f"no {mark} in the PTX: the dot misses the tensor cores")
-    elif c["tensor_core"] and mark == "wgmma" and r["mma_sync"]:  # every dot, not only one of them
+    if c["tensor_core"] and mark == "wgmma" and r["mma_sync"]:  # every dot, not only one of them
         out.append("mma.sync in the PTX: a dot misses wgmma")
     if not c["tensor_core"] and r["tc"]:
         out.append(f"unexpected tensor-core instruction {r['tc']} (this configuration means full fp32 products)")
