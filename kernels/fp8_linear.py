@@ -1,16 +1,13 @@
-"""FP8 Triton kernels for CUDA: the weight-only linear (W8A16) and the per-token activation quantizer of dynamic FP8.
+"""FP8 Triton kernels for CUDA: the weight-only linear (W8A16) and dynamic FP8's per-token activation quantizer.
 
-Owns: `linear_w8a16` (bf16 tensor-core GEMM on e4m3 weights; torch twin `kernels/fp8.py::linear_weight_only`, within
-the tolerance below), `quantize_rows` (one launch; bit for bit `kernels/fp8.py::quantize_per_token`), and the e4m3
-codecs `e4m3_over_256` / `e4m3_to_f32` / `f32_to_e4m3`. Must not: pick devices or semantics (kernels/dispatch.py does).
-The codecs are integer ops on the bits, not Triton's fp8 type: exact, the same in the interpreter (which rounds
-fp32 -> e4m3 wrongly), and they compile for sm_80. NaN bytes decode to finite values (checkpoints clamp to 448).
-
-W8A16: each e4m3 byte becomes its value / 256 in bf16 (exact: 4 significant bits), the dot runs on bf16 tensor cores
-with fp32 accumulation, and the channel scale x 256 multiplies the accumulator once (the epilogue). What changes
-against the reference, which rounds each weight q·s to bf16 before the product (compressed-tensors' `dequantize`):
-the weights here are exact, so an output differs by at most 2^-9 of sum |x·w| plus one rounding of the output
-(tests/kernels/test_fp8_kernels.py checks that bound); no fp32 weight tile exists.
+Owns: `linear_w8a16` (torch twin `kernels/fp8.py::linear_weight_only`, within the bound below), `quantize_rows` (one
+launch, bit for bit `kernels/fp8.py::quantize_per_token`) and the e4m3 codecs. Must not: pick devices or semantics
+(kernels/dispatch.py does). The codecs are integer ops on the bits, not Triton's fp8 type: exact, the same in the
+interpreter (which rounds fp32 -> e4m3 wrongly), and they compile for sm_80. NaN bytes decode to finite values.
+W8A16: each e4m3 byte becomes its value / 256 in bf16 (exact), bf16 tensor-core dots accumulate in fp32, and the
+channel scale x 256 multiplies the accumulator (the epilogue): no fp32 weight tile. What changes against the
+reference, which rounds each weight q·s to bf16 first (compressed-tensors' `dequantize`): an output moves by at most
+2^-8 of sum |x·w| plus one rounding (tests/kernels/test_fp8_kernels.py holds the bound).
 """
 
 from __future__ import annotations
@@ -31,8 +28,7 @@ _MAX, _MIN_SCALE = tl.constexpr(FP8_MAX), tl.constexpr(MIN_SCALE)  # the quantiz
 
 @triton.jit
 def e4m3_over_256(b):
-    """float8_e4m3fn values held as uint8 -> value / 256 as float16, exactly (s.eeee.mmm at float16's s.0eeee.mmm0000000:
-    the exponent bias is 8 more; e4m3 subnormals land on float16 subnormals), as `fp8.fp8_over_256`."""
+    """float8_e4m3fn values held as uint8 -> value / 256 as float16, exactly, as `fp8.fp8_over_256`."""
     x = b.to(tl.int32)
     return (((x & 0x7F) << 7) | ((x & 0x80) << 8)).to(tl.uint16).to(tl.float16, bitcast=True)
 
@@ -76,7 +72,7 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexp
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., K] (bf16/fp32) -> (q [..., K] float8_e4m3fn, scale [..., 1] fp32): `fp8.quantize_per_token`, one launch."""
+    """x [..., K] (bf16/fp32) -> (q [..., K] float8_e4m3fn, scale [..., 1] fp32), as `fp8.quantize_per_token`."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -84,7 +80,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(x2.shape, dtype=torch.uint8, device=x.device)  # [M, K] the e4m3 bytes
     s = torch.empty(x2.shape[0], 1, dtype=torch.float32, device=x.device)  # [M, 1]
     if x2.shape[0]:
-        _quant_kernel[(x2.shape[0],)](x2, q, s, k, x2.stride(0), q.stride(0), BLOCK=min(4096, triton.next_power_of_2(k)))
+        block = min(4096, triton.next_power_of_2(k))
+        _quant_kernel[(x2.shape[0],)](x2, q, s, k, x2.stride(0), q.stride(0), BLOCK=block)
     return q.view(torch.float8_e4m3fn).view(x.shape), s.view(*x.shape[:-1], 1)
 
 

@@ -154,7 +154,8 @@ def within_the_weight_rounding(got, want, x, q, s, bf16_weights):
     w64 = q.double() * s.double()  # [N, K] exact
     big = (x.reshape(-1, k).double().abs() @ w64.abs().t()).reshape(*x.shape[:-1], -1)
     rel = 2**-8 if got.dtype == torch.bfloat16 else 2**-24
-    bound = ((2**-8 if bf16_weights else 2**-24) + 2 * k * 2**-24) * big + rel * (got.double().abs() + want.double().abs())
+    u_w = 2**-8 if bf16_weights else 2**-24
+    bound = (u_w + 2 * k * 2**-24) * big + rel * (got.double().abs() + want.double().abs())
     assert ((got.double() - want.double()).abs() <= bound).all(), ((got.double() - want.double()).abs() - bound).max()
 
 
