@@ -121,6 +121,7 @@ def _moe(target: str) -> list[dict]:
         fp8 = sdt is not None
         tc = dt == "bf16" or dyn  # fp32 storage runs full-precision (ieee) dots: no tensor cores, by design
         scale = "*" + (sdt or dt)
+        wdt = "u8" if fp8 and not dyn else wdt  # weight-only: the e4m3 bytes, decoded in the kernel
         gu = dict(x_ptr="*" + (FP8 if dyn else dt), w_ptr="*" + wdt, pair_ptr="*i32", block_expert_ptr="*i32",
                   act_ptr="*" + dt, xs_ptr="*" + ("fp32" if dyn else dt), ws_ptr=scale, H=H, I=I, TOPK=TOPK,
                   stride_xn=H, stride_we=2 * I * H, stride_wr=H, stride_an=I, stride_se=2 * I if fp8 else H)
@@ -128,8 +129,8 @@ def _moe(target: str) -> list[dict]:
                   rw_ptr="*fp32", y_ptr="*" + dt, as_ptr="*" + ("fp32" if dyn else dt), ws_ptr=scale, H=H, I=I,
                   stride_an=I, stride_we=H * I, stride_wr=I, stride_yn=H, stride_se=H)
         for suffix, bm, bn, opts in _moe_tiles(dt, dyn):
-            flags = dict(IS_BF16=dt == "bf16", DOT_BF16=dt == "bf16", W_FP8=fp8, A_FP8=dyn,
-                         W_ROUND=fp8 and (dt == "bf16" or sdt == "bf16"), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK)
+            flags = dict(IS_BF16=dt == "bf16", DOT_BF16=dt == "bf16", W_FP8=fp8, A_FP8=dyn, BLOCK_M=bm, BLOCK_N=bn,
+                         BLOCK_K=BLOCK)
             opts = launch_options(fp8, dyn, dt == "bf16") if opts is None else opts
             out.append(spec("moe._gate_up_kernel", label + suffix, target, gu, flags, tc, opts))
             out.append(spec("moe._down_kernel", label + suffix, target, dn, flags, tc, opts))
@@ -147,10 +148,14 @@ def _fp8_linear(target: str) -> list[dict]:
             for n, k in ((4096, H), (H, 4096)):  # e.g. q (16 heads x 256) and o projections
                 args = dict(x_ptr="*" + dt, q_ptr="*u8", s_ptr="*" + sdt, y_ptr="*" + dt, M=CANVAS, N=n, K=k,
                             stride_xm=k, stride_qn=k, stride_ym=n)
-                flags = dict(IS_BF16=dt == "bf16", DOT_BF16=dt == "bf16", W_ROUND=dt == "bf16" or sdt == "bf16",
-                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP=GROUP_M)
+                flags = dict(IS_BF16=dt == "bf16", DOT_BF16=dt == "bf16", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                             GROUP=GROUP_M)
                 out.append(spec("fp8_linear._w8a16_kernel", f"{dt} s={sdt} {n}x{k}", target, args, flags,
                                 dt == "bf16", dict(num_warps=warps, num_stages=stages)))
+        for k in (H, I):  # dynamic FP8's per-token quantizer: the layers' input and the experts' intermediate
+            out.append(spec("fp8_linear._quant_kernel", f"{dt} K={k}", target, dict(
+                x_ptr="*" + dt, q_ptr="*u8", s_ptr="*fp32", K=k, stride_x=k, stride_q=k),
+                dict(BLOCK=min(4096, 1 << (k - 1).bit_length())), False))
     return out
 
 
@@ -286,6 +291,8 @@ def problems(c: dict) -> list[str]:
     has = mark == "wgmma" and "wgmma" in r["tc"] or mark == "mma.sync" and r["mma_sync"]
     if c["tensor_core"] and not has:
         out.append(f"no {mark} in the PTX: the dot misses the tensor cores")
+    if c["tensor_core"] and mark == "wgmma" and r["mma_sync"]:  # every dot, not only one of them
+        out.append("mma.sync in the PTX: a dot misses wgmma")
     if not c["tensor_core"] and r["tc"]:
         out.append(f"unexpected tensor-core instruction {r['tc']} (this configuration means full fp32 products)")
     if r.get("stack", 0) > c["spill_ok"] or r.get("local", 0) or r["ptx_local"]:

@@ -145,8 +145,10 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tenso
     from . import fp8
 
     impl = implementation("fp8_linear", x.device)
-    if fp8_semantics() == "dynamic":
-        return fp8.linear_dynamic(x, q, s, scaled_mm=impl in ("triton", "cuda") and fp8.scaled_mm_fits(x, q))
+    if fp8_semantics() == "dynamic":  # torch._scaled_mm where it takes the shapes; the quantizer one launch
+        fast = impl in ("triton", "cuda") and fp8.scaled_mm_fits(x, q)
+        quantize = torch.ops.dgemma.fp8_quantize if fast and impl == "triton" else fp8.quantize_per_token
+        return fp8.linear_dynamic(x, q, s, scaled_mm=fast, quantize=quantize)
     if impl == "triton" and x.dtype in ops.FLOATS and s.dtype in ops.FLOATS:
         return torch.ops.dgemma.fp8_linear(x, q, s)
     return fp8.linear_weight_only(x, q, s, tile_bytes=None if impl == "reference" else fp8.TILE_BYTES)
@@ -160,8 +162,9 @@ def fp8_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_pro
 
     dynamic = fp8_semantics() == "dynamic"
     impl = implementation("fp8_experts", x.device)
-    # SM 8.9+: Triton has no e4m3 type below (an A100 fails to compile even the weight-only kernel's FP8 loads;
-    # benchmarks/kernel_targets.py checks it), so older GPUs run the reference.
+    # SM 8.9+: Triton has no e4m3 type below (dynamic's e4m3 dots fail to compile for an A100; benchmarks/
+    # kernel_targets.py checks it; weight-only decodes bytes, but its sm_80 build is not in that table), so older
+    # GPUs run the reference.
     if impl == "triton" and gate_up_scale.dtype in (torch.bfloat16, torch.float32) and (
             torch.cuda.get_device_capability(x.device) >= (8, 9)):
         return torch.ops.dgemma.experts(x, w, idx, gate_up_proj, down_proj, gate_up_scale, down_scale, dynamic)

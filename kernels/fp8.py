@@ -6,7 +6,9 @@ references and the CPU paths. Must not: route, pick devices (dispatch does), imp
   those weights; only a tile of a matrix, or a chunk of experts, exists dequantized at a time.
 * Dynamic activations (vLLM's FP8-dynamic): each FP8 matmul's input quantized per token to e4m3 with scale
   max(absmax / 448, 1 / (448 * 512)); FP8 products summed in fp32, times the token's then the channel's scale (vLLM's
-  fused-MoE epilogue order), rounded to the activation dtype. The experts' intermediate is quantized again.
+  fused-MoE epilogue order), rounded to the activation dtype. The experts' intermediate is quantized again. Against
+  weight-only, each activation is rounded to e4m3 (3 mantissa bits: within 2^-4 of itself, or 2^-10 x its token's
+  scale below 2^-6 x scale) besides the weight: outputs move by up to ~2^-4 of sum |x·w| (a test holds the bound).
 Shapes: q [N, K] and s [N, 1] for a linear; experts gate_up q [E, 2I, H] with s [E, 2I, 1], down q [E, H, I] with
 s [E, H, 1].
 """
@@ -78,11 +80,12 @@ def scaled_mm_fits(x: torch.Tensor, q: torch.Tensor) -> bool:
 
 
 def linear_dynamic(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, *, scaled_mm: bool = False,
-                   tile_bytes: int = TILE_BYTES) -> torch.Tensor:
+                   tile_bytes: int = TILE_BYTES, quantize=quantize_per_token) -> torch.Tensor:
     """y = ((x_q @ q^T) * s_x) * s_w^T, fp32 accumulation, rounded to x.dtype. `scaled_mm`: torch._scaled_mm
-    (CUDA); else the torch reference (fp32 GEMM on the upcast FP8 values, whose products are exact)."""
+    (CUDA); else the torch reference (fp32 GEMM on the upcast FP8 values, whose products are exact). `quantize`:
+    the per-token quantizer (CUDA: the one-launch kernel, bit for bit this module's)."""
     shape = x.shape
-    xq, xs = quantize_per_token(x.reshape(-1, shape[-1]))  # [M, K] fp8, [M, 1] fp32
+    xq, xs = quantize(x.reshape(-1, shape[-1]))  # [M, K] fp8, [M, 1] fp32
     if scaled_mm:
         y = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=s.float().reshape(1, -1), out_dtype=x.dtype)  # [1, N]
     else:

@@ -1,8 +1,9 @@
 """Routed experts as two grouped Triton GEMMs (CUDA): `experts_triton`, the twin of
 `reference_ops.experts_reference` (its intermediate roundings to the storage dtype mirrored, a token's contributions
-added in ascending expert order with one rounding each). FP8 experts run through the same kernels: weight-only, each
-tile dequantized as `fp8.dequantize`, or with dynamic FP8 activations (quantized per row in torch, since the
-interpreter rounds fp32 -> e4m3 wrongly; the twin of `fp8.experts_fp8_reference`).
+added in ascending expert order with one rounding each). FP8 experts run through the same kernels (twins of
+`fp8.experts_fp8_reference`): weight-only, the e4m3 bytes decoded to bf16 and each channel's scale applied to the
+accumulator (as `fp8_linear.linear_w8a16`: the reference's bf16 rounding of q·s is not made, so within its bound), or
+with dynamic FP8 activations (each row quantized by one launch of `fp8_linear.quantize_rows`; e4m3 x e4m3 dots).
 Must not: route, pick devices, or sync with the host (the launch grid is an upper bound on the row blocks; unused
 blocks exit at once).
 
@@ -20,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8 import quantize_per_token
-from .triton_common import gelu_mul_rounded, interpreting, round_bf16, round_to
+from .fp8_linear import e4m3_over_256, quantize_rows
+from .triton_common import gelu_mul_rounded, interpreting, round_to
 
 BLOCK = 64  # the fixed tile (BLOCK_M, BLOCK_N, BLOCK_K): the interpreter, fp32 experts, explicit tiles
 # BLOCK_M -> the autotuned (BLOCK_N, num_warps, num_stages) on CUDA. 64 rows: memory-bound (a canvas of 256
@@ -33,22 +34,19 @@ TUNE = {64: ((64, 4, 3), (32, 4, 4), (64, 4, 4), (128, 8, 3)),
 
 
 @triton.jit
-def _dequant(w, scale, W_FP8: tl.constexpr, W_ROUND: tl.constexpr):
-    """A weight tile [BK, BN] as fp32; FP8 times its columns' scales, rounded to bf16 when the reference's
-    dequantized weight is bf16 (`kernels/fp8.py::dequantize`: bf16 scale or bf16 activations)."""
-    w = w.to(tl.float32)
+def _weights(w, W_FP8: tl.constexpr, DOT_BF16: tl.constexpr):
+    """A weight tile [BK, BN] as the dot takes it: FP8 bytes as their values / 256 (exact in bf16; the channel scale
+    x 256 multiplies the accumulator after the loop), in bf16 for the tensor cores or fp32 for full-precision dots."""
     if W_FP8:
-        w = w * scale[None, :]
-        if W_ROUND:
-            w = round_bf16(w)
-    return w
+        w = e4m3_over_256(w)
+    return w.to(tl.bfloat16) if DOT_BF16 else w.to(tl.float32)
 
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, pair_ptr, block_expert_ptr, act_ptr, xs_ptr, ws_ptr, H, I, TOPK,
                     stride_xn, stride_we, stride_wr, stride_an, stride_se,
                     IS_BF16: tl.constexpr, DOT_BF16: tl.constexpr, W_FP8: tl.constexpr, A_FP8: tl.constexpr,
-                    W_ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -79,21 +77,23 @@ def _gate_up_kernel(x_ptr, w_ptr, pair_ptr, block_expert_ptr, act_ptr, xs_ptr, w
         if A_FP8:  # dynamic FP8: e4m3 x e4m3 products, fp32 accumulation; the scales come after the loop
             gate = tl.dot(a, wg, gate)
             up = tl.dot(a, wu, up)
-        else:
-            a = a.to(tl.float32)
-            wg = _dequant(wg, sg, W_FP8, W_ROUND)
-            wu = _dequant(wu, su, W_FP8, W_ROUND)
-            if DOT_BF16:  # exact: the values are bf16 already; bf16 operands use the tensor cores at full rate
-                a, wg, wu = a.to(tl.bfloat16), wg.to(tl.bfloat16), wu.to(tl.bfloat16)
+        else:  # both tiles decoded before either dot (interleaved, ptxas spills ~7 KB a thread for fp32)
+            wg = _weights(wg, W_FP8, DOT_BF16)
+            wu = _weights(wu, W_FP8, DOT_BF16)
+            if DOT_BF16:  # exact operands (bf16 activations and weights); full-rate tensor cores
                 gate = tl.dot(a, wg, gate)
                 up = tl.dot(a, wu, up)
             else:  # fp32 storage (or the interpreter): full fp32 products, not TF32
+                a = a.to(tl.float32)
                 gate = tl.dot(a, wg, gate, input_precision="ieee")
                 up = tl.dot(a, wu, up, input_precision="ieee")
     if A_FP8:  # (acc x token scale) x channel scale, as vLLM's fused-MoE epilogue
         xs = tl.load(xs_ptr + tok, mask=valid, other=0.0)
         gate = gate * xs[:, None] * sg[None, :]
         up = up * xs[:, None] * su[None, :]
+    elif W_FP8:  # weight-only: the tiles held q / 256
+        gate = gate * (sg * 256.0)[None, :]
+        up = up * (su * 256.0)[None, :]
     gate = round_to(gate, IS_BF16)  # the reference's GEMM output is in the storage dtype
     up = round_to(up, IS_BF16)
     act = gelu_mul_rounded(gate, up, IS_BF16)
@@ -105,7 +105,7 @@ def _gate_up_kernel(x_ptr, w_ptr, pair_ptr, block_expert_ptr, act_ptr, xs_ptr, w
 def _down_kernel(act_ptr, w_ptr, pair_ptr, block_expert_ptr, rw_ptr, y_ptr, as_ptr, ws_ptr, H, I,
                  stride_an, stride_we, stride_wr, stride_yn, stride_se,
                  IS_BF16: tl.constexpr, DOT_BF16: tl.constexpr, W_FP8: tl.constexpr, A_FP8: tl.constexpr,
-                 W_ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -130,16 +130,15 @@ def _down_kernel(act_ptr, w_ptr, pair_ptr, block_expert_ptr, rw_ptr, y_ptr, as_p
                      other=0.0)  # [BK, BN]
         if A_FP8:
             acc = tl.dot(a, wd, acc)
+        elif DOT_BF16:
+            acc = tl.dot(a, _weights(wd, W_FP8, DOT_BF16), acc)
         else:
-            a = a.to(tl.float32)
-            wd = _dequant(wd, sd, W_FP8, W_ROUND)
-            if DOT_BF16:
-                acc = tl.dot(a.to(tl.bfloat16), wd.to(tl.bfloat16), acc)
-            else:
-                acc = tl.dot(a, wd, acc, input_precision="ieee")
+            acc = tl.dot(a.to(tl.float32), _weights(wd, W_FP8, DOT_BF16), acc, input_precision="ieee")
     if A_FP8:
         a_s = tl.load(as_ptr + slots, mask=valid, other=0.0)  # the intermediate's per-row scale
         acc = acc * a_s[:, None] * sd[None, :]
+    elif W_FP8:
+        acc = acc * (sd * 256.0)[None, :]
     rw = tl.load(rw_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0)  # fp32 routing weight
     y = round_to(round_to(acc, IS_BF16) * rw[:, None], IS_BF16)
     safe = tl.where(valid, pair, 0).to(tl.int64)
@@ -250,6 +249,8 @@ def experts_triton(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_
     inter = down_proj.shape[2]
     x = x.contiguous()
     gate_up_proj, down_proj = gate_up_proj.contiguous(), down_proj.contiguous()
+    if fp8 and not dynamic:  # weight-only: the e4m3 bytes, decoded in the kernel
+        gate_up_proj, down_proj = gate_up_proj.view(torch.uint8), down_proj.view(torch.uint8)
     idx_sorted, perm = idx.sort(dim=1)  # ascending experts per row: the reference's addition order
     rw = w.gather(1, perm).to(torch.float32).reshape(-1).contiguous()  # [N·k]
     is_bf16 = x.dtype == torch.bfloat16
@@ -260,9 +261,8 @@ def experts_triton(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_
     dot_bf16 = is_bf16 and not interpreting()
     gus = gate_up_scale.reshape(num_experts, -1).contiguous() if fp8 else x  # [E, 2I] (else unused)
     dns = down_scale.reshape(num_experts, -1).contiguous() if fp8 else x  # [E, H]
-    w_round = fp8 and (is_bf16 or gus.dtype == torch.bfloat16)
-    xin, xs = quantize_per_token(x) if dynamic else (x, x)  # [N, H] e4m3 and [N, 1] fp32 scales
-    flags = dict(IS_BF16=is_bf16, DOT_BF16=dot_bf16, W_FP8=fp8, A_FP8=dynamic, W_ROUND=w_round, BLOCK_M=bm,
+    xin, xs = quantize_rows(x) if dynamic else (x, x)  # [N, H] e4m3 and [N, 1] fp32 scales
+    flags = dict(IS_BF16=is_bf16, DOT_BF16=dot_bf16, W_FP8=fp8, A_FP8=dynamic, BLOCK_M=bm,
                  BLOCK_K=block_k or BLOCK)
     if tuned:  # BLOCK_N, warps and stages from the autotuner
         gate_up, down = _tuned(_gate_up_kernel, bm), _tuned(_down_kernel, bm)
@@ -275,7 +275,7 @@ def experts_triton(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_
     gate_up[grid](xin, gate_up_proj, pair_of_slot, block_expert, act, xs, gus, h, inter, k,
                   xin.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), act.stride(0), gus.stride(0), **flags)
     # Dynamic: the intermediate quantized per row (padding slots too: rows are independent, never read)
-    act, a_s = quantize_per_token(act) if dynamic else (act, act)
+    act, a_s = quantize_rows(act) if dynamic else (act, act)
     y = torch.empty(n * k, h, dtype=x.dtype, device=x.device)  # [N·k, H]
     grid = lambda meta: (block_expert.numel(), triton.cdiv(h, meta["BLOCK_N"]))  # noqa: E731
     down[grid](act, down_proj, pair_of_slot, block_expert, rw, y, a_s, dns, h, inter,

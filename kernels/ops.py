@@ -68,6 +68,19 @@ def _(x, q, s):
     return x.new_empty(*x.shape[:-1], q.shape[0])  # [..., N] in x.dtype
 
 
+@torch.library.custom_op("dgemma::fp8_quantize", mutates_args=())
+def _fp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from .fp8_linear import quantize_rows
+
+    return quantize_rows(x)
+
+
+@_fp8_quantize.register_fake
+def _(x):
+    _float_only("quantize_rows", x.dtype)
+    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty(*x.shape[:-1], 1, dtype=torch.float32)
+
+
 @torch.library.custom_op("dgemma::qkv_norm_rope", mutates_args=())
 def _qkv_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, heads: int, kv_heads: int, has_v: bool,

@@ -228,8 +228,9 @@ def check_dtypes(log: OpLog, weights: str) -> None:
         floats = {torch.bfloat16, torch.float32, torch.float8_e4m3fn} | ({torch.float64} if vocab else set())
         assert {dt for dt, _ in ins + outs if dt.is_floating_point} <= floats, (name, ins)
         fp32_out = vocab or name.startswith("dgemma.route.")  # fp32 entropies, fp32 routing weights (as the reference)
-        assert {dt for dt, _ in outs} <= {torch.bfloat16, torch.int64} | ({torch.float32} if fp32_out else set()), \
-            (name, outs)
+        quant = name.startswith("dgemma.fp8_quantize.")  # e4m3 activations and their fp32 scales
+        assert {dt for dt, _ in outs} <= {torch.bfloat16, torch.int64} | ({torch.float32} if fp32_out else set()) | (
+            {torch.float8_e4m3fn, torch.float32} if quant else set()), (name, outs)
         if name.startswith("dgemma.paged_attention"):  # queries, pools, new keys and the output bf16; metadata int32
             assert {dt for dt, _ in ins} == {torch.bfloat16, torch.int32}, ins
     for name, _, outs, _ in log.ops:
@@ -332,6 +333,7 @@ def real_wrappers(monkeypatch, counter: Launches) -> None:
         return lambda *args, **kwargs: counter.names.append(name) if counter.on else None
 
     monkeypatch.setattr(jit.KernelInterface, "__getitem__", launcher)
-    for name in ("rms_norm", "experts", "fp8_linear", "vocab_pass", "paged_attention", "qkv_norm_rope", "gelu_mul"):
+    for name in ("rms_norm", "experts", "fp8_linear", "fp8_quantize", "vocab_pass", "paged_attention", "qkv_norm_rope",
+                 "gelu_mul"):
         op = getattr(ops, "_" + name)
         monkeypatch.setattr(torch.ops.dgemma, name, op._init_fn)

@@ -100,6 +100,15 @@ def test_fp8_linear_op(dtype, triton_device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_quantize_op(dtype, triton_device):
+    from dgcli.kernels.fp8_linear import quantize_rows
+
+    x = torch.randn(2, 3, 40, generator=torch.Generator().manual_seed(6)).to(dtype)
+    q, s = same_through_op_and_fake(torch.ops.dgemma.fp8_quantize, quantize_rows, x.to(triton_device))
+    assert q.dtype == FP8 and q.shape == x.shape and s.dtype == torch.float32 and s.shape == (2, 3, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("want_soft", [True, False])
 def test_vocab_pass_op(dtype, want_soft, triton_device):
     from dgcli.kernels.vocab_pass import vocab_pass_triton

@@ -29,13 +29,15 @@ def _bad_configs() -> dict[str, dict]:
                 and c["target"] == "sm_90")
     big = dict(soft["constexprs"], BLOCK_N=256, BLOCK_K=256)  # 3 stages of [64, 256] + [256, 256] bf16 tiles
     fp32_dot = dict(soft["constexprs"], DOT_BF16=False)  # bf16 data, but full-precision fp32 products
-    fp8_a100 = next(c for c in CONFIGS if c["kernel"] == "moe._gate_up_kernel" and c["label"] == "bf16 fp8-w s=bf16")
+    fp8_a100 = next(c for c in CONFIGS if c["kernel"] == "moe._gate_up_kernel" and c["label"] == "bf16 fp8-dyn s=bf16")
+    small = dict(soft["constexprs"], BLOCK_M=16)  # below a warp group's 64 rows: Triton falls back to mma.sync
     return {
         "overflow-sm_90": dict(soft, constexprs=big, label="bad: 64x256x256"),
         "overflow-sm_80": dict(soft, constexprs=big, target="sm_80", label="bad: 64x256x256"),
         "no-tensor-core-sm_90": dict(soft, constexprs=fp32_dot, label="bad: fp32 dot"),
         "no-tensor-core-sm_80": dict(soft, constexprs=fp32_dot, target="sm_80", label="bad: fp32 dot"),
         "fp8-on-sm_80": dict(fp8_a100, target="sm_80"),
+        "mma-sync-on-sm_90": dict(soft, constexprs=small, label="bad: BLOCK_M 16"),
     }
 
 
@@ -61,7 +63,7 @@ def test_the_matrix_covers_every_kernel_on_both_targets():
                "vocab_pass._soft_kernel", "vocab_pass._combine_kernel", "vocab_pass._group_logits_kernel",
                "fp8_linear._w8a16_kernel", "fused._qkv_norm_rope_kernel", "fused._gelu_mul_kernel",
                "fused._router_input_kernel", "fused._route_kernel", "moe._combine_kernel", "moe._align_kernel",
-               "vocab_pass._probs_kernel"}
+               "vocab_pass._probs_kernel", "fp8_linear._quant_kernel"}
     assert {(c["kernel"], c["target"]) for c in CONFIGS} == {(k, t) for k in kernels for t in kt.TARGETS}
     # The dtypes and paths the wrappers launch: bf16 / fp32 everywhere, FP8 experts (both semantics) on sm_90;
     # the W8A16 linear (e4m3 bytes decoded in the kernel) on both targets.
@@ -87,8 +89,14 @@ def test_a_dot_that_loses_its_tensor_cores_fails(compiled):
         assert kt.problems(c) == [f"no {mark} in the PTX: the dot misses the tensor cores"], kt.problems(c)
 
 
+def test_a_dot_below_wgmma_fails_on_sm_90(compiled):
+    c = compiled[1]["mma-sync-on-sm_90"]
+    assert "mma.sync in the PTX: a dot misses wgmma" in kt.problems(c), (kt.problems(c), c["result"])
+
+
 def test_fp8_experts_cannot_compile_for_an_a100(compiled):
-    """Why kernels/dispatch.py keeps FP8 experts off Triton below SM 8.9 (and the matrix leaves them out)."""
+    """Why kernels/dispatch.py keeps FP8 experts off Triton below SM 8.9 (and the matrix leaves them out): the
+    e4m3 x e4m3 dots of dynamic FP8 (weight-only decodes the bytes with integer ops)."""
     c = compiled[1]["fp8-on-sm_80"]
     assert "fp8e4nv not supported" in c["result"].get("error", ""), c["result"]
 

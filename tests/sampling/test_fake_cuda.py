@@ -72,7 +72,8 @@ def test_cuda_engine_runs_on_fake_cuda(fake_cuda, monkeypatch, weights, fp8_mode
     if dispatch._triton_ok():  # the Triton kernels' ops ran (Triton ships with torch on Linux x86-64)
         assert {op[0].split(".")[1] for op in log.ops if op[0].startswith("dgemma.")} == {
             "vocab_pass", "experts", "rms_norm", "paged_attention", "router_input", "route", "gelu_mul"} | (
-            {"fp8_linear"} if fp8_mode == "weight-only" else set()) | ({"qkv_norm_rope"} if not fp8_mode else set())
+            {"fp8_linear"} if fp8_mode == "weight-only" else {"fp8_quantize"} if fp8_mode else set()) | (
+            {"qkv_norm_rope"} if not fp8_mode else set())
     assert any(op[0].startswith("aten._scaled_mm") for op in log.ops) == (fp8_mode == "dynamic")
     check_dtypes(log, weights)
 
