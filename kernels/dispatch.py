@@ -206,12 +206,13 @@ def provenance(device: torch.device | str, dtype: str | None = None, packed: boo
     return {**ops_, **{op: name for op, name in cpu.items() if op == "linear" or ops_[op] == "cpu"}}
 
 
-def nvfp4_provenance(device: torch.device | str) -> str:
-    """What NVFP4 linears and experts run on `device` (activations are never FP4: W4A16, or int8 on the CPU's C)."""
+def nvfp4_provenance(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> str:
+    """What NVFP4 linears and experts run on `device` for `dtype` activations (never FP4: W4A16, or W4A8 in the CPU's
+    C, which takes bf16 activations only)."""
     if implementation("nvfp4_linear", torch.device(device)) == "triton":
         return "nvfp4: W4A16 triton (codes decoded in registers, bf16 tensor cores)"
     from . import nvfp4
 
-    if torch.device(device).type == "cpu" and nvfp4.available():
-        return "nvfp4: c-vnni (e2m1 codes x activations rounded to int8 per 16, never FP4; kernels/csrc/nvfp4.c)"
+    if torch.device(device).type == "cpu" and dtype == torch.bfloat16 and nvfp4.available():
+        return "nvfp4: W4A8 c-vnni (e2m1 codes x activations rounded to int8 per 16, never FP4; kernels/csrc/nvfp4.c)"
     return "nvfp4: W4A16, e2m1 tiles decoded to bf16 by torch ops, torch.linear"

@@ -204,7 +204,7 @@ def parse_quantization(raw: dict[str, Any], source: str = "config.json") -> Quan
         raise UserError(f"{source}: quantization_status {status!r}: dgemma reads compressed checkpoints "
                         "(e4m3 weights stored as such), not weights saved before compression")
     ignore = q.get("ignore") or []
-    if nvfp4:  # W4A4 (input_global_scale) runs as W4A16: activations stay in the model dtype, as vLLM on Hopper
+    if nvfp4:  # W4A4 (input_global_scale): activations are never FP4 (W4A16 as vLLM on Hopper; W4A8 in a VNNI CPU's C)
         return Quantization(scheme="NVFP4" if "NVFP4" in names else "NVFP4A16", ignore=tuple(map(str, ignore)))
     return Quantization(scheme="FP8_DYNAMIC" if "FP8_DYNAMIC" in names else "FP8 weight-only",
                         ignore=tuple(map(str, ignore)))

@@ -60,7 +60,7 @@ def bench(
     api_key: Annotated[Optional[str], typer.Option("--api-key", metavar="KEY", help="With --base-url: sent as 'Authorization: Bearer KEY'.")] = None,
     concurrency: Annotated[Optional[str], typer.Option("--concurrency", "--max-concurrency", metavar="N[,N...]", help=o.dflt("With --base-url: most requests in flight, e.g. 1,4,16; one row per value.", "1"))] = None,
     request_rate: Annotated[Optional[float], typer.Option("--request-rate", metavar="R", help=o.dflt("With --base-url: requests/s as Poisson arrivals (seeded by --seed); inf sends every prompt at once, up to --concurrency.", "inf"))] = None,
-    weights: Annotated[str, typer.Option("--weights", metavar="FORMAT", help="With --dummy: bf16 | fp8 (e4m3 attention, MLP and expert matrices with per-channel scales, as an FP8-dynamic checkpoint) | nvfp4 (the same matrices in e2m1 groups of 16, kept at 4 bits; run W4A16) | q4_k | q8_0 (GGML blocks as a Q4_K_M / Q8_0 GGUF holds them, kept quantized; CPU). A checkpoint runs in its own format.")] = "bf16",
+    weights: Annotated[str, typer.Option("--weights", metavar="FORMAT", help="With --dummy: bf16 | fp8 (e4m3 attention, MLP and expert matrices with per-channel scales, as an FP8-dynamic checkpoint) | nvfp4 (the same matrices in e2m1 groups of 16, kept at 4 bits; run W4A16, or W4A8 in a VNNI CPU's C) | q4_k | q8_0 (GGML blocks as a Q4_K_M / Q8_0 GGUF holds them, kept quantized; CPU). A checkpoint runs in its own format.")] = "bf16",
     fp8_activations: Annotated[bool, typer.Option("--fp8-activations", help="FP8 weights: quantize activations per token to e4m3 (vLLM's FP8-dynamic semantics) instead of dequantizing the weights (weight-only, the default); the row's fp8_semantics says which ran.")] = False,
     ray: o.Ray = None, ray_workers: o.RayWorkers = None, ray_gpus: o.RayGpus = None,
     show_config: o.ShowConfig = False,
@@ -287,8 +287,9 @@ def _fp8_fields(model) -> dict:
                    for t in getattr(m, "types", (getattr(m, "qtype", None),))})
     if ggml:  # GGML blocks: their types (the rest of the model in the embedding's dtype)
         return {"weights": "+".join(ggml), "fp8_semantics": None}
-    if is_nvfp4(model):
-        return {"weights": "nvfp4 (W4A16)", "fp8_semantics": None}
+    if is_nvfp4(model):  # what the activations are: int8 (W4A8) in the CPU's C, else the model's dtype
+        w4a8 = "W4A8" in dispatch.nvfp4_provenance(model.embed_weight.device, model.embed_weight.dtype)
+        return {"weights": f"nvfp4 ({'W4A8' if w4a8 else 'W4A16'})", "fp8_semantics": None}
     if is_fp8(model):
         return {"weights": "fp8", "fp8_semantics": dispatch.fp8_semantics()}
     return {"weights": str(model.embed_weight.dtype).removeprefix("torch."), "fp8_semantics": None}

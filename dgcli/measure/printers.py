@@ -96,10 +96,11 @@ def kernel_choices(device: Any, packed_weights: int = 0, ggml: str | None = None
     out = {**provenance(device, dtype, packed=bool(packed_weights)), "attention": backend(torch.device(device))}
     if ggml is None:
         return out
-    if ggml == "nvfp4":  # NVFP4 weights: W4A16 tiles (kernels/nvfp4.py), activations never quantized
+    if ggml == "nvfp4":  # NVFP4 weights (kernels/nvfp4.py): activations never FP4; int8 in the CPU's C, else bf16
         from dgcli.kernels.dispatch import nvfp4_provenance
 
-        return {**out, "linear": nvfp4_provenance(device), "experts": nvfp4_provenance(device)}
+        impl = nvfp4_provenance(device, torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+        return {**out, "linear": impl, "experts": impl}
     # GGML weights: their linears and experts run kernels/ggml_cpu.py (int8: the C int8 kernel; else torch's)
     ggml_impl = "ggml, c-int8" if ggml == "int8" else "ggml, torch-ops"
     return {**out, "linear": ggml_impl, "experts": ggml_impl, "ggml_activations": ggml}

@@ -206,7 +206,7 @@ def test_quantize_nvfp4_writes_what_compressed_tensors_reads(tmp_path, capsys):
     assert code == 0, err
 
 
-def test_bench_dummy_nvfp4_rows_say_w4a16(cli_ckpt, capsys):
+def test_bench_dummy_nvfp4_rows_say_what_the_activations_are(cli_ckpt, capsys):
     from cli_run import run
 
     fast = ["--runs", "1", "--warmup", "0", "--num-prompts", "1", "--random-input-len", "8", "--diffusion-steps", "2",
@@ -214,8 +214,12 @@ def test_bench_dummy_nvfp4_rows_say_w4a16(cli_ckpt, capsys):
     code, out, err = run(["bench", "--dummy", str(cli_ckpt), "--weights", "nvfp4", *fast], capsys)
     assert code == 0, err
     row = json.loads(out.strip().splitlines()[-1])
-    assert row["weights"] == "nvfp4 (W4A16)"
-    assert "nvfp4" in row["provenance"]["kernels"]["linear"] and "nvfp4" in row["provenance"]["kernels"]["experts"]
+    kernels = row["provenance"]["kernels"]
+    assert "nvfp4" in kernels["linear"] and kernels["experts"] == kernels["linear"]
+    # int8 activations (W4A8) exactly where the CPU's C product ran: bf16 activations on a VNNI CPU
+    w4a8 = row["provenance"]["dtype"] == "bfloat16" and k.available()
+    assert ("W4A8" in kernels["linear"]) == w4a8
+    assert row["weights"] == ("nvfp4 (W4A8)" if w4a8 else "nvfp4 (W4A16)")
 
 
 def _quantized_gguf(tmp_path, capsys) -> Path:
@@ -264,7 +268,8 @@ def test_gguf_nvfp4_file_loads_as_gguf_py_reads_it(tmp_path, capsys):
                           "--random-input-len", "8", "--diffusion-steps", "2", "--format", "jsonl",
                           "--no-measure-peaks"], capsys)
     assert code == 0, err
-    assert json.loads(out.strip().splitlines()[-1])["weights"] == "nvfp4 (W4A16)"
+    row = json.loads(out.strip().splitlines()[-1])
+    assert row["weights"] == ("nvfp4 (W4A8)" if "W4A8" in row["provenance"]["kernels"]["linear"] else "nvfp4 (W4A16)")
 
 
 

@@ -109,6 +109,6 @@ def weights_line(cfg: ModelConfig, dtype: str) -> str:
         return dtype
     if q.nvfp4:
         what = "expert" if q.layout == "modelopt" else "attention, MLP and expert"
-        return (f"nvfp4 ({q.scheme}, {q.layout}: e2m1 {what} matrices + e4m3 scales per 16, kept at 4 bits; runs as "
-                f"W4A16, activations in {dtype}; the rest {dtype})")
+        return (f"nvfp4 ({q.scheme}, {q.layout}: e2m1 {what} matrices + e4m3 scales per 16, kept at 4 bits; activations "
+                f"never FP4: in {dtype} (W4A16), int8 on a CPU with AVX-512 VNNI (W4A8); the rest {dtype})")
     return f"fp8 ({q.scheme}: e4m3 attention, MLP and expert matrices + per-channel scales; the rest {dtype})"
