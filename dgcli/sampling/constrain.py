@@ -19,8 +19,10 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
+import numpy as np
 import torch
 
 from dgcli.errors import UserError
@@ -205,13 +207,13 @@ def _compile(tokenizer: Any, text: str, stops: tuple[int, ...]) -> Automaton:
                       tokenizer.vocab_size)
 
 
-def _mix(x: int) -> int:
-    """splitmix64 of x, as a signed 64-bit int: the random value a token's class sums for one of its moves."""
-    x = (x + 0x9E3779B97F4A7C15) & (2**64 - 1)
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
-    x ^= x >> 31
-    return x - 2**64 if x >= 2**63 else x
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 of each entry of x (int64 arithmetic wraps: the bits of the unsigned original)."""
+    srl = lambda x, k: (x >> k) & ((1 << (64 - k)) - 1)  # noqa: E731: a logical shift
+    x = x + -7046029254386353131
+    for k, mul in ((30, -4658895280553007687), (27, -7723592293110705685)):
+        x = (x ^ srl(x, k)) * mul
+    return x ^ srl(x, 31)
 
 
 def _automaton(index: Any, eos: int, stops: tuple[int, ...], start: int, vocab: int) -> Automaton:
@@ -220,27 +222,27 @@ def _automaton(index: Any, eos: int, stops: tuple[int, ...], start: int, vocab: 
     n = len(ids)
     names = torch.full((max(ids) + 1,), -1, dtype=torch.long)
     names[ids] = torch.arange(n)  # outlines-core's state ids -> 0..n-1
-    rows = []  # (state, tokens, next states)
-    for s, row in trans.items():
-        t, d = torch.tensor(list(row), dtype=torch.long), torch.tensor(list(row.values()), dtype=torch.long)
-        d = names[d.clamp(max=len(names) - 1)].where(d < len(names), -1)
-        keep = (t != eos) & (t < vocab) & (d >= 0)
-        rows.append((int(names[s]), t[keep], d[keep]))
-    stop = torch.tensor([t for t in stops if t < vocab], dtype=torch.long)
-    rows += [(int(names[s]), stop, torch.full_like(stop, n)) for s in index.get_final_states() if s in ids]
-    # A token's class: the sum over its moves (state s -> d) of a random 64-bit value per (s, d). Tokens with the same
-    # moves share a sum; two different move sets collide with probability 2^-64. The extra id is a token with none.
-    sig = torch.zeros(vocab + 1, dtype=torch.long)
-    for s, t, d in rows:
-        u, inv = torch.unique(d, return_inverse=True)
-        sig[t] += torch.tensor([_mix(s * (n + 1) + x) for x in u.tolist()], dtype=torch.long)[inv]
+    count = sum(map(len, trans.values()))
+    flat = lambda it: torch.from_numpy(np.fromiter(it, dtype=np.int64, count=count))  # noqa: E731
+    t, d = flat(chain.from_iterable(trans.values())), flat(chain.from_iterable(r.values() for r in trans.values()))
+    s = names[torch.tensor(list(trans)).repeat_interleave(torch.tensor(list(map(len, trans.values()))))]
+    d = torch.where(d < len(names), names[d.clamp(max=len(names) - 1)], -1)
+    keep = (t != eos) & (t < vocab) & (d >= 0)
+    final = names[[f for f in index.get_final_states() if f in trans or f == start]]
+    stop = torch.tensor([x for x in stops if x < vocab], dtype=torch.long)
+    s = torch.cat((s[keep], final.repeat_interleave(len(stop))))  # the stop ids' moves: final -> done
+    t = torch.cat((t[keep], stop.repeat(len(final))))
+    d = torch.cat((d[keep], torch.full((len(final) * len(stop),), n)))
+    # A token's class: the sum over its moves (s -> d) of a random 64-bit value per (s, d). Tokens with the same moves
+    # share a sum; two different move sets collide with probability 2^-64. The extra id: a token with no move.
+    sig = torch.zeros(vocab + 1, dtype=torch.long).index_add_(0, t, _mix(s * (n + 1) + d))
     _, cls = torch.unique(sig, return_inverse=True)
     k = int(cls.max()) + 1
     rep = torch.full((k,), vocab + 1).scatter_reduce(0, cls, torch.arange(vocab + 1), "amin")  # [k] a token each
     is_rep = torch.zeros(vocab + 1, dtype=torch.bool)
     is_rep[rep] = True
-    edges = torch.cat([torch.stack((torch.full_like(t, s), cls[t], d))[:, is_rep[t]] for s, t, d in rows]
-                      + [torch.stack((torch.full((k,), n), torch.arange(k), torch.full((k,), n)))], dim=1)  # [3, E]
+    edges = torch.cat((torch.stack((s, cls[t], d))[:, is_rep[t]],  # [3, E], done's own moves last
+                       torch.stack((torch.full((k,), n), torch.arange(k), torch.full((k,), n)))), dim=1)
     msg = over_limit("automaton_edges", edges.shape[1], "give a smaller schema",
                      shown=f"json_schema's {edges.shape[1]} moves (state x token class)")
     if msg:
