@@ -24,7 +24,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-TILE = 4096  # vocabulary columns per tile of the chunk masses: [C, TILE] float32 is 4 MiB at C = 256
+TILE = 16384  # vocabulary columns per tile of the chunk masses: [C, TILE] float32 is 16 MiB at C = 256
+_FLOOR = -1e30  # below any logit
 
 
 def constrain(out: Any, logits: Any, vocab: int, rows: list[tuple[int, Any, int]], uniform: torch.Tensor,
@@ -55,18 +56,16 @@ def constrain(out: Any, logits: Any, vocab: int, rows: list[tuple[int, Any, int]
 
 def _chunk_masses(logits: Any, chunk: torch.Tensor, n_chunks: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position, each chunk's log-sum-exp and max of the logits, [C, K'] each (-inf for none), online over
-    vocabulary tiles."""
+    vocabulary tiles (a finite floor for "none yet", so that no -inf - -inf turns up)."""
     m = s = None
     for lo in range(0, vocab, TILE):
         x = logits(slice(lo, lo + TILE))  # [C, T]
         idx = chunk[lo:lo + TILE].expand_as(x)  # [C, T]
-        tm = x.new_full((x.shape[0], n_chunks), -math.inf).scatter_reduce(1, idx, x, "amax")  # [C, K']
-        new = tm if m is None else torch.maximum(m, tm)
-        safe = torch.where(torch.isfinite(new), new, 0.0)
-        add = torch.zeros_like(new).scatter_add_(1, idx, torch.exp(x - safe.gather(1, idx)))
-        s = add if s is None else s * torch.exp(m - safe) + add
-        m = new
-    return torch.where(torch.isfinite(m), m, 0.0) + s.log(), m
+        new = x.new_full((x.shape[0], n_chunks), _FLOOR).scatter_reduce(1, idx, x, "amax")  # [C, K']
+        new = new if m is None else torch.maximum(m, new)
+        add = torch.zeros_like(new).scatter_add_(1, idx, torch.exp(x - new.gather(1, idx)))
+        s, m = (add if s is None else s.mul_(torch.exp(m - new)).add_(add)), new
+    return m + s.log(), torch.where(s > 0, m, -math.inf)
 
 
 def _only(a: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
