@@ -108,3 +108,13 @@ def vision_ckpt(tmp_path_factory):
     from hf_oracle import write_vision_checkpoint
 
     return write_vision_checkpoint(tmp_path_factory.mktemp("vision") / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def tokenizer_262k(tmp_path_factory):
+    """A ChatTokenizer of the real vocabulary's size, 262,144 tokens (tests/vocab262k.py)."""
+    from vocab262k import write_tokenizer_262k
+
+    from dgcli.text.tokenizer import load_tokenizer
+
+    return load_tokenizer(write_tokenizer_262k(tmp_path_factory.mktemp("vocab262k")))

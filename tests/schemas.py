@@ -39,6 +39,22 @@ def schemas(n: int, seed: int = 0) -> list[dict]:
     return [obj(rng) for _ in range(n)]
 
 
+def string_schemas(n: int, seed: int = 0) -> list[dict]:
+    """Objects as `schemas` makes them, each with a string of maxLength 8 to 24 and some with an array of strings:
+    on a 262,144-token vocabulary a string state allows most tokens."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        s = obj(rng)
+        s["properties"]["text"] = {"type": "string", "minLength": rng.randint(0, 3), "maxLength": rng.randint(8, 24)}
+        if rng.random() < 0.5:
+            s["properties"]["notes"] = {"type": "array", "items": {"type": "string", "maxLength": 6},
+                                        "maxItems": rng.randint(1, 3)}
+        s["required"] = [*s["required"], "text"]
+        out.append(s)
+    return out
+
+
 def _nested(depth):
     s = {"type": "string"}
     for _ in range(depth):

@@ -183,12 +183,13 @@ class ModelRunner:
         rows = [(k, r.constraint, p.blocks[k]) for k, r in enumerate(p.plan.canvases) if r.constraint is not None]
         if not rows:
             return None
-        from dgcli.sampling.constrain import constrain, processed_logits
+        from dgcli.sampling.joint import constrain, processed_logits
 
         ends = draws.uniform_at(draws.rows([(r.seed, draws.END, b, i + 1) for r, b, i in zip(p.plan.canvases, p.blocks,
                                                                                          p.steps)], self.device),
                                 self.mixed_positions[:1])[:, 0]  # [b]: the state each canvas ends in
-        return lambda out: constrain(out, lambda k: processed_logits(self.model, hidden[k], temp[k]), rows, uniform, ends)
+        return lambda out: constrain(out, lambda k, ids: processed_logits(self.model, hidden[k], temp[k], ids),
+                                     self.vocab, rows, uniform, ends)
 
     # ---- settle: what the host reads ----------------------------------------------------------------------------
 

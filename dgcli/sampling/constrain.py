@@ -1,17 +1,14 @@
 """Structured output on the canvas: a JSON schema compiled to a token-level automaton over the checkpoint's own
-tokenizer, and the joint draw of a canvas under it.
+tokenizer, and one request's place in it.
 
 Owns: `compile_schema` (schema -> `Automaton`: outlines-core builds the DFA, imported here only, when a request asks
-for structure; the schema's limits and one-line errors), `Constraint` (one request's automaton state across its
-blocks) and `constrain` (a step's joint draw for the constrained rows). Must not: decide which positions are accepted
-or when a block stops (rules.py), or touch other rows.
+for structure; the schema's limits and one-line errors) and `Constraint` (one request's automaton state across its
+blocks). Must not: draw (joint.py draws a canvas under the automaton), decide which positions are accepted or when a
+block stops (rules.py).
 
-The draw, per constrained row and step: a dynamic program over canvas positions x automaton states, from the state
-the committed blocks reached, ending in a state from which the document can still close in the blocks left (in the
-last block: closed). Forward by log-sum-exp (the sample) or max (the argmax); backward, each position's token is
-picked among the edges into the state chosen after it, by the row's own uniform (an exact joint draw from the
-model's per-position distributions restricted to valid canvases) or by the max. The block's output is its last
-argmax, so every committed block is a valid prefix and the last one closes the document.
+The automaton is held over token classes: tokens with the same move from every state share a class (on a 262,144-token
+vocabulary a string state allows nearly every token, yet a schema's tokens fall in a few hundred classes), so what is
+held, and what the edge limit counts, is (state, class) pairs, and the draw reads a class's mass, never a token's edge.
 """
 
 from __future__ import annotations
@@ -22,10 +19,11 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 
 from dgcli.errors import UserError
 from dgcli.sampling.params import over_limit
@@ -36,27 +34,46 @@ _SCALAR = {"anyOf": [{"type": "string"}, {"type": "integer"}, {"type": "boolean"
 ANY_OBJECT = {"type": "object", "additionalProperties": {"anyOf": [
     *_SCALAR["anyOf"], {"type": "array", "items": _SCALAR}, {"type": "object", "additionalProperties": _SCALAR}]}}
 _BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+GROUP = 64  # a class's tokens in chunks of this many: the draw picks a chunk by its mass, then a token in it
 
 
 @dataclass(eq=False)
 class Automaton:
-    """A DFA over token ids: states 0..n-1, plus `done` = n (reached from a final state by a stop id; it then takes
-    any token). Edges as tensors (src, tok, dst) [E]; `dist` [n+1]: fewest tokens to `done`."""
+    """A DFA over token classes: states 0..n-1, plus `done` = n (reached from a final state by a stop id; it then
+    takes any token). `cls` [V] each token's class (0..k-1; class `idle`: tokens only `done` takes); edges (src,
+    kls, dst) [E] over classes, done's own included; `dist` [n+1]: fewest tokens to `done`."""
 
     n: int
     start: int
+    k: int
+    idle: int
+    cls: torch.Tensor
     src: torch.Tensor
-    tok: torch.Tensor
+    kls: torch.Tensor
     dst: torch.Tensor
     dist: torch.Tensor
-    moves: dict  # host: {state: {token: next state}} (stop edges included)
+    moves: list  # host: moves[state] = {class: next state} (stop ids' moves included)
     _on: dict = field(default_factory=dict)
 
-    def on(self, device: torch.device) -> Automaton:
-        """This automaton's edge tensors on `device` (copied once per device)."""
-        if device not in self._on:
-            self._on[device] = [t.to(device) for t in (self.src, self.tok, self.dst, self.dist)]
-        return self._on[device]
+    def on(self, device: torch.device, vocab: int) -> dict:
+        """The tensors the draw reads, on `device`, for a head of `vocab` rows (ids past the tokenizer's: idle):
+        the edges, `dist`, `chunk` [vocab] each token's chunk, `chunk_cls` [K'] each chunk's class, `members`
+        [K', GROUP] each chunk's tokens (-1: none). Built once per (device, vocab)."""
+        if (device, vocab) not in self._on:
+            cls = torch.cat((self.cls[:vocab], self.cls.new_full((max(0, vocab - len(self.cls)),), self.idle)))
+            order = torch.argsort(cls, stable=True)  # [vocab]: by class, in id order within one
+            size = torch.bincount(cls, minlength=self.k)  # [k]
+            first = torch.cumsum(size, 0) - size  # [k]: the class's first place in `order`
+            rank = torch.arange(vocab) - first[cls[order]]  # [vocab]: place within its class
+            per = (size + GROUP - 1) // GROUP  # [k] chunks per class
+            chunk = torch.empty(vocab, dtype=torch.long)
+            chunk[order] = (torch.cumsum(per, 0) - per)[cls[order]] + rank // GROUP
+            members = torch.full((int(per.sum()), GROUP), -1, dtype=torch.long)
+            members[chunk[order], rank % GROUP] = order
+            t = dict(src=self.src, kls=self.kls, dst=self.dst, dist=self.dist, chunk=chunk, members=members,
+                     chunk_cls=torch.repeat_interleave(torch.arange(self.k), per))
+            self._on[(device, vocab)] = {name: x.to(device) for name, x in t.items()}
+        return self._on[(device, vocab)]
 
 
 @dataclass(eq=False)
@@ -81,79 +98,7 @@ class Constraint:
         for t in tokens:
             if self.state == a.n:
                 return
-            self.state = a.moves[self.state].get(t, self.state)
-
-
-# ---- the joint draw ---------------------------------------------------------------------------------------------
-
-
-def constrain(out: Any, logits: Any, rows: list[tuple[int, Constraint, int]], uniform: torch.Tensor,
-              end_uniform: torch.Tensor) -> None:
-    """Replace rows k of `out.sample` and `out.argmax`, for each (k, constraint, block) in `rows`, by the joint draw
-    and the most probable valid canvas. `logits(k)`: row k's processed logits [C, V]; `uniform` [b, C] the rows'
-    draws, `end_uniform` [b] one more per row (the state the canvas ends in)."""
-    for k, con, block in rows:
-        logp = torch.log_softmax(logits(k), dim=-1)  # [C, V]
-        c = logp.shape[0]
-        room = con.room - block * c  # positions of this canvas and the ones after it that the answer keeps
-        src, tok, dst, dist = con.automaton.on(logp.device)
-        ends = dist <= max(room - c, 0)  # [n+1]: can still close in the canvases left
-        for dst_out, u, u_end in ((out.sample, uniform[k], end_uniform[k]), (out.argmax, None, None)):
-            dst_out[k] = _path(con.automaton.n, src, tok, dst, logp, con.state, ends, room, u, u_end)
-
-
-def _only(a: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """`a` [n+1] kept where `keep`, unless that leaves nothing (then any live state: the answer is cut by length)."""
-    kept = torch.where(keep, a, -math.inf)
-    return torch.where(torch.isfinite(kept).any(), kept, a)
-
-
-def _path(n: int, src: torch.Tensor, tok: torch.Tensor, dst: torch.Tensor, logp: torch.Tensor, start: int,
-          ends: torch.Tensor, room: int, u: torch.Tensor | None, u_end: torch.Tensor | None) -> torch.Tensor:
-    """One canvas [C] on the automaton, closed by position `room` when that is inside it: drawn at uniforms `u` [C]
-    and `u_end`, or (u None) the max path."""
-    c, v = logp.shape
-    alpha = [logp.new_full((n + 1,), -math.inf)]
-    alpha[0][start] = 0.0
-    for i in range(c):  # forward: alpha[i+1][s'] = reduce over edges s -t-> s' of alpha[i][s] + logp[i][t]
-        w = alpha[i][src] + logp[i][tok]  # [E]
-        stay = alpha[i][n] + (torch.logsumexp(logp[i], 0) if u is not None else logp[i].max())  # done takes any
-        a = _reduce(torch.cat((w, stay[None])), torch.cat((dst, dst.new_full((1,), n))), n + 1, u is None)
-        alpha.append(_only(a, torch.arange(n + 1, device=a.device) == n) if i + 1 == room else a)  # closed
-    s = _pick(_only(alpha[c], ends), u_end)
-    ids, froms, every = [], torch.cat((src, src.new_full((v,), n))), torch.cat((tok, torch.arange(v, device=tok.device)))
-    for i in reversed(range(c)):  # backward: the edge into s at position i
-        w = torch.where(dst == s, alpha[i][src] + logp[i][tok], -math.inf)  # [E]
-        wd = torch.where(s == n, alpha[i][n] + logp[i], -math.inf)  # [V]: done's own moves
-        j = _pick(torch.cat((w, wd)), None if u is None else u[i])
-        ids.append(every[j])
-        s = froms[j]
-    return torch.stack(ids[::-1])
-
-
-def _reduce(w: torch.Tensor, dst: torch.Tensor, size: int, use_max: bool) -> torch.Tensor:
-    """Per destination state: the max of `w` or its log-sum-exp."""
-    m = w.new_full((size,), -math.inf).scatter_reduce(0, dst, w, "amax")
-    if use_max:
-        return m
-    safe = torch.where(torch.isfinite(m), m, 0.0)
-    total = w.new_zeros(size).scatter_add(0, dst, torch.exp(w - safe[dst]))
-    return safe + torch.log(total)
-
-
-def _pick(w: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
-    """argmax of `w` (u None) or an inverse-CDF draw from softmax(w) at uniform u (float64, as the vocab pass)."""
-    if u is None:
-        return torch.argmax(w)
-    cdf = torch.cumsum(torch.exp((w - w.max()).double()), 0)
-    return torch.searchsorted(cdf, (u * cdf[-1])[None], right=True)[0].clamp(max=w.shape[0] - 1)
-
-
-def processed_logits(model: Any, hidden: torch.Tensor, temp: torch.Tensor) -> torch.Tensor:
-    """Row's processed logits [C, V] from its canvas hidden states [C, H], as the vocabulary pass makes them."""
-    raw = F.linear(hidden, model.embed_weight).float()
-    cap = model.config.final_logit_softcapping
-    return (torch.tanh(raw / cap) * cap if cap else raw) / temp
+            self.state = a.moves[self.state].get(int(a.cls[t]) if t < len(a.cls) else a.idle, self.state)
 
 
 # ---- schema -> automaton ------------------------------------------------------------------------------------------
@@ -258,26 +203,54 @@ def _compile(tokenizer: Any, text: str, stops: tuple[int, ...]) -> Automaton:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"json_schema cannot be compiled ({first[:200]}); use the supported JSON Schema subset") from None
     start = index.get_initial_state()
-    return _automaton(index, eos, stops, start if lead is None else index.get_next_state(start, lead))
+    return _automaton(index, eos, stops, start if lead is None else index.get_next_state(start, lead),
+                      tokenizer.vocab_size)
 
 
-def _automaton(index: Any, eos: int, stops: tuple[int, ...], start: int) -> Automaton:
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 of each entry of x (int64 arithmetic wraps: the bits of the unsigned original)."""
+    srl = lambda x, k: (x >> k) & ((1 << (64 - k)) - 1)  # noqa: E731: a logical shift
+    x = x + -7046029254386353131
+    for k, mul in ((30, -4658895280553007687), (27, -7723592293110705685)):
+        x = (x ^ srl(x, k)) * mul
+    return x ^ srl(x, 31)
+
+
+def _automaton(index: Any, eos: int, stops: tuple[int, ...], start: int, vocab: int) -> Automaton:
     trans = index.get_transitions()
-    names = {s: i for i, s in enumerate(sorted(trans.keys() | {start}))}
-    n = len(names)
-    moves: dict[int, dict[int, int]] = {i: {} for i in range(n)}
-    for s, row in trans.items():
-        moves[names[s]] = {t: names[d] for t, d in row.items() if t != eos and d in names}
-    for s in index.get_final_states():
-        if s in names:
-            moves[names[s]].update({t: n for t in stops})
-    edges = [(s, t, d) for s, row in moves.items() for t, d in row.items()]
-    msg = over_limit("automaton_edges", len(edges), "give a smaller schema", shown=f"json_schema's {len(edges)} token moves")
+    ids = sorted(trans.keys() | {start})  # no others are reached
+    n = len(ids)
+    names = torch.full((max(ids) + 1,), -1, dtype=torch.long)
+    names[ids] = torch.arange(n)  # outlines-core's state ids -> 0..n-1
+    count = sum(map(len, trans.values()))
+    flat = lambda it: torch.from_numpy(np.fromiter(it, dtype=np.int64, count=count))  # noqa: E731
+    t, d = flat(chain.from_iterable(trans.values())), flat(chain.from_iterable(r.values() for r in trans.values()))
+    s = names[torch.tensor(list(trans)).repeat_interleave(torch.tensor(list(map(len, trans.values()))))]
+    d = torch.where(d < len(names), names[d.clamp(max=len(names) - 1)], -1)
+    keep = (t != eos) & (t < vocab) & (d >= 0)
+    final = names[[f for f in index.get_final_states() if f in trans or f == start]]
+    stop = torch.tensor([x for x in stops if x < vocab], dtype=torch.long)
+    s = torch.cat((s[keep], final.repeat_interleave(len(stop))))  # the stop ids' moves: final -> done
+    t = torch.cat((t[keep], stop.repeat(len(final))))
+    d = torch.cat((d[keep], torch.full((len(final) * len(stop),), n)))
+    # A token's class: the sum over its moves (s -> d) of a random 64-bit value per (s, d). Tokens with the same moves
+    # share a sum; two different move sets collide with probability 2^-64. The extra id: a token with no move.
+    sig = torch.zeros(vocab + 1, dtype=torch.long).index_add_(0, t, _mix(s * (n + 1) + d))
+    _, cls = torch.unique(sig, return_inverse=True)
+    k = int(cls.max()) + 1
+    rep = torch.full((k,), vocab + 1).scatter_reduce(0, cls, torch.arange(vocab + 1), "amin")  # [k] a token each
+    is_rep = torch.zeros(vocab + 1, dtype=torch.bool)
+    is_rep[rep] = True
+    edges = torch.cat((torch.stack((s, cls[t], d))[:, is_rep[t]],  # [3, E], done's own moves last
+                       torch.stack((torch.full((k,), n), torch.arange(k), torch.full((k,), n)))), dim=1)
+    msg = over_limit("automaton_edges", edges.shape[1], "give a smaller schema",
+                     shown=f"json_schema's {edges.shape[1]} moves (state x token class)")
     if msg:
         raise UserError(msg)
+    src, kls, dst = edges.tolist()
     dist = [math.inf] * n + [0]
     back: dict[int, list[int]] = {}
-    for s, _, d in edges:
+    for s, d in zip(src, dst):
         back.setdefault(d, []).append(s)
     queue = collections.deque([n])
     while queue:  # breadth-first from done along reversed edges
@@ -286,15 +259,18 @@ def _automaton(index: Any, eos: int, stops: tuple[int, ...], start: int) -> Auto
             if dist[s] == math.inf:
                 dist[s] = dist[d] + 1
                 queue.append(s)
-    edges = [e for e in edges if dist[e[2]] < math.inf]  # moves into states that can never close: never taken
-    src, tok, dst = (torch.tensor([e[i] for e in edges], dtype=torch.long) for i in range(3))
-    if dist[names[start]] == math.inf:
+    if dist[int(names[start])] == math.inf:
         raise UserError("json_schema admits no document (e.g. minLength above maxLength, or no allowed value); fix it")
+    live = torch.tensor([dist[d] < math.inf for d in dst])  # moves into states that can never close: never taken
+    moves: list[dict[int, int]] = [{} for _ in range(n + 1)]
+    for s, c, d in zip(src, kls, dst):
+        moves[s][c] = d
     big = 1 << 40
-    return Automaton(n, names[start], src, tok, dst,
+    return Automaton(n, int(names[start]), k, int(cls[vocab]), cls[:vocab].clone(), *edges[:, live],
                      torch.tensor([d if d < math.inf else big for d in dist], dtype=torch.long), moves)
 
 
+@functools.lru_cache(maxsize=2)  # 262,144 tokens take seconds to hand over: once per tokenizer
 def _vocabulary(tokenizer: Any, stops: tuple[int, ...]) -> tuple[Any, int, int | None]:
     """outlines-core's Vocabulary of the tokenizer's ordinary tokens as the bytes each stands for (specials and stop
     ids left out: they never occur inside the document), the eos id it is given, and the \x01 token (or None)."""
