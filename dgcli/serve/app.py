@@ -36,7 +36,9 @@ from dgcli.serve.worker import SHUTTING_DOWN, Job, Worker
 
 log = logging.getLogger("dgemma.serve")
 MAX_BODY = 8 * 1024 * 1024
-PARSE_TIMEOUT = 10.0  # s for JSON + template + tokenizer: the character bound keeps a prompt well under this
+# s for JSON + template + tokenizer (the character bound keeps a prompt well under a second) and a schema's compile,
+# which on a 262,144-token vocabulary takes seconds (outlines-core's index walks the vocabulary once per state)
+PARSE_TIMEOUT = 30.0
 # Seconds a stream may stay silent before it sends an SSE comment: a block on a slow device (the 26B model on a
 # CPU) takes minutes, and clients with a read timeout (httpx's, the openai client's) would give up on it
 KEEPALIVE_S = 15.0
