@@ -103,3 +103,25 @@ def in_process(session, *, slots: int, prepare=None):
         server.should_exit = True
         thread.join(20)
         worker.close(10)
+
+
+class Scripted:
+    """The real model, except that a pass returns hidden states whose logits peak at `script[prefix_len]` for
+    each canvas (its segment's start): a decoder that writes chosen text, for `in_process` servers."""
+
+    def __init__(self, real, script, sharp=30.0):
+        self.real, self.script, self.sharp = real, script, sharp
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def forward_pass(self, ids, segments, cache, soft=None):
+        import torch
+
+        self.real.forward_pass(ids, segments, cache, soft)  # the cache as the real pass leaves it
+        starts = [s.start for s in segments if s.canvas]
+        if not starts:
+            return None
+        w = self.real.embed_weight
+        target = w[torch.stack([self.script[p] for p in starts])]  # [B, C, H]
+        return (self.sharp * target / (target * target).sum(-1, keepdim=True)).to(w.dtype)

@@ -14,6 +14,7 @@ import typer
 
 import dgcli.cli.options as o
 from dgcli.cli.console import HEADLINE, counting, document, emit, loading, note_answers, status, warn
+from dgcli.cli.schema import JsonObject, JsonSchema, provenance, read_schema, resolve
 from dgcli.errors import UserError
 
 FORMATS = ("md", "csv", "json", "jsonl")
@@ -65,6 +66,7 @@ def bench(
     ray: o.Ray = None, ray_workers: o.RayWorkers = None, ray_gpus: o.RayGpus = None,
     show_config: o.ShowConfig = False,
     image: Annotated[Optional[list[str]], typer.Option("--image", metavar="FILE", help="Every timed prompt carries this image before its text (repeatable; a checkpoint with a vision tower): the row's mean_vision_ms is the tower's time per request, image_tokens_per_prompt its prompt tokens.")] = None,
+    json_schema: JsonSchema = None, json_object: JsonObject = False,
 ) -> None:
     """Benchmark one sampler setting: labelled figures, roofline.
 
@@ -81,6 +83,10 @@ def bench(
         if image and given is not None:
             raise UserError(f"--image times this machine's vision tower on a checkpoint; {why}: drop --image, "
                             "or give --model CHECKPOINT with a vision tower")
+    schema = read_schema(json_schema, json_object)  # before the model loads
+    if schema is not None and (base_url is not None or ray is not None or ignore_eos):
+        raise UserError("--json-schema and --json draw this machine's answers under a schema, closed by a stop id: "
+                        "drop them with --base-url (a server: send response_format), --ray or --ignore-eos")
     if base_url is not None and show_config:
         raise UserError("--show-config prints a local run's settings; with --base-url the server's apply: drop one")
     sampler = dict(steps=steps, t_min=t_min, t_max=t_max, entropy_bound=entropy_bound, stability=stability_threshold,
@@ -126,7 +132,7 @@ def bench(
     from dgcli.measure import bench as b
     from dgcli.measure import brief, metrics
     from dgcli.measure import printers as report
-    from dgcli.measure.quality import bench_quality
+    from dgcli.measure.quality import bench_quality, json_valid_rate
     from dgcli.measure.workload import build_prompts
 
     meta = report.parse_metadata(metadata)
@@ -180,7 +186,7 @@ def bench(
                                                    batch_size=size, out=done)
                 else:
                     b.measure(s, plist, params, runs=runs, warmup=warmup, ignore_eos=ignore, batch_size=size,
-                              memory=memory, progress=progress, out=done, advance=advance)
+                              memory=memory, progress=progress, out=done, advance=advance, json_schema=resolve(schema))
             except KeyboardInterrupt:
                 interrupted = True
                 if done:
@@ -192,10 +198,12 @@ def bench(
             if done:
                 summary = metrics.summarize(done, s.config, params.max_denoising_steps, weight_bytes=b.weight_bytes(s),
                                             peaks=peaks, peak_memory=memory.read() if pool is None else ray_memory)
-                summary.update(bench_quality(plist, [p.responses for p in done]))
+                summary.update(bench_quality(plist, [p.responses for p in done]),
+                               json_valid_rate=json_valid_rate([p.responses for p in done]) if schema else None)
                 rows.append({**b.make_row(s, prompts=plist, prompt_source=source, params=params, runs_done=len(done),
                                           runs_asked=runs, warmup=warmup, ignore_eos=ignore, summary=summary,
-                                          label=label, metadata=meta, images=images), **fp8_row,
+                                          label=label, metadata=meta, images=images,
+                                          schema=provenance(json_schema, schema)), **fp8_row,
                              **(jobs.ray_fields(pool, min(len(pool.actors), len(plist))) if pool is not None else {})})
                 last = done[-1].responses
             if interrupted or gone is not None:

@@ -5,6 +5,7 @@ shape-checked before the model loads. Must not: import torch, or check or compil
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -53,3 +54,12 @@ def resolve(schema: dict | str | None) -> dict | None:
 
         return ANY_OBJECT
     return schema
+
+
+def provenance(path: str | None, schema: dict | str | None) -> dict | None:
+    """A bench row's record of the schema its answers followed: {"name": the file's (or "any object"), "sha256"
+    of its canonical JSON}; None without one."""
+    if schema is None:
+        return None
+    text = json.dumps(resolve(schema), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return {"name": Path(path).name if path else "any object", "sha256": hashlib.sha256(text.encode()).hexdigest()}

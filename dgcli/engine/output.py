@@ -35,8 +35,10 @@ def cut(token_ids: list[int], finish_reason: str, max_tokens: int | None) -> tup
 
 
 class Output:
-    def __init__(self, tokenizer: Any, *, stop_strings: Sequence[str] = (), max_tokens: int | None = None):
+    def __init__(self, tokenizer: Any, *, stop_strings: Sequence[str] = (), max_tokens: int | None = None,
+                 keep: frozenset[int] = frozenset()):
         self.tok = tokenizer
+        self.keep = keep  # special ids the content writes out (ChatTokenizer.decode)
         self.stop_strings = [s for s in stop_strings if s]
         self.max_tokens = max_tokens
         self.ids: list[int] = []  # answer ids so far (before the first stop id)
@@ -79,12 +81,12 @@ class Output:
     def _split(self, final: bool) -> tuple[str, str]:
         ids = self._cut()
         if final:
-            return self.tok.split_thinking(ids, stop_ids=())
+            return self.tok.split_thinking(ids, stop_ids=(), keep=self.keep)
         bodies, answer, _ = self.tok.split_channels(ids)  # an open channel may still close: held back
         end = len(answer)
         while end and answer[end - 1] in self.pending:  # a byte run that may go on
             end -= 1
-        return self.tok.thinking_text(bodies), self.tok.decode(answer[:end])
+        return self.tok.thinking_text(bodies), self.tok.decode(answer[:end], keep=self.keep)
 
     def _advance(self, final: bool) -> tuple[str, str]:
         reasoning, content = self._split(final)
@@ -104,7 +106,7 @@ class Output:
         ids = self._cut()
 
         def holds(n: int) -> bool:
-            r, c = self.tok.split_thinking(ids[:n], stop_ids=())
+            r, c = self.tok.split_thinking(ids[:n], stop_ids=(), keep=self.keep)
             return r == reasoning and c.startswith(content)
 
         return bisect.bisect_left(range(len(ids)), True, key=holds)  # (all of them hold)

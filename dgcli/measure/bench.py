@@ -55,7 +55,7 @@ class PeakMemory:
 
 
 def warm_up(session: Any, prompts: list[Prompt], params: Any, n: int, *, batch_size: int, ignore_eos: bool,
-            progress: Callable[[str], None] | None = None) -> None:
+            progress: Callable[[str], None] | None = None, json_schema: dict | None = None) -> None:
     """`n` untimed requests (cycling the prompts) on the timed passes' path; with captured steps (CUDA graphs) at
     least every prompt once, so the timed passes replay graphs and capture none."""
     if n < 1:
@@ -66,7 +66,7 @@ def warm_up(session: Any, prompts: list[Prompt], params: Any, n: int, *, batch_s
         progress(f"warm-up: {n} request(s), batch size {batch_size} (untimed; the first run is cold)")
     chosen = [prompts[i % len(prompts)] for i in range(n)]
     for _ in request.run_batch(session, [p.ids for p in chosen], batch_size=batch_size, params=params,
-                               ignore_eos=ignore_eos, images=_images(chosen)):
+                               ignore_eos=ignore_eos, images=_images(chosen), json_schemas=_schemas(json_schema, n)):
         pass
 
 
@@ -76,8 +76,14 @@ def _images(prompts: list[Prompt]) -> list | None:
     return got if any(got) else None
 
 
+def _schemas(json_schema: dict | None, n: int) -> list | None:
+    """run_batch's `json_schemas`: every prompt's answer under `json_schema` (None: free text)."""
+    return None if json_schema is None else [json_schema] * n
+
+
 def timed_pass(session: Any, prompts: list[Prompt], params: Any, *, batch_size: int, ignore_eos: bool,
-               progress: Callable[[str], None] | None = None, advance: Callable[[], None] | None = None) -> Pass:
+               progress: Callable[[str], None] | None = None, advance: Callable[[], None] | None = None,
+               json_schema: dict | None = None) -> Pass:
     """Every prompt submitted at once to the batched engine with `batch_size` slots, timed (a request took its slot
     at its first block's start less its prefill)."""
     stats: dict = {}
@@ -95,7 +101,8 @@ def timed_pass(session: Any, prompts: list[Prompt], params: Any, *, batch_size: 
 
     for n, (i, resp) in enumerate(request.run_batch(session, [p.ids for p in prompts], batch_size=batch_size,
                                                     params=params, ignore_eos=ignore_eos, stats=stats,
-                                                    on_event=seen, images=_images(prompts)), 1):
+                                                    on_event=seen, images=_images(prompts),
+                                                    json_schemas=_schemas(json_schema, len(prompts))), 1):
         out[i] = resp
         if progress:
             progress(f"{n}/{len(prompts)} requests done")
@@ -113,19 +120,21 @@ def timed_pass(session: Any, prompts: list[Prompt], params: Any, *, batch_size: 
 
 def measure(session: Any, prompts: list[Prompt], params: Any, *, runs: int, warmup: int, ignore_eos: bool,
             batch_size: int = 1, memory: PeakMemory | None = None, progress: Callable[[str], None] | None = None,
-            out: list | None = None, advance: Callable[[], None] | None = None) -> list[Pass]:
+            out: list | None = None, advance: Callable[[], None] | None = None,
+            json_schema: dict | None = None) -> list[Pass]:
     """`warmup` untimed requests, then `runs` timed passes appended to `out` as they finish (Ctrl-C keeps them);
-    `progress` hears what runs, `advance` once per timed request done."""
+    `progress` hears what runs, `advance` once per timed request done; `json_schema`: every answer drawn under it."""
     if runs < 1 or warmup < 0:
         raise UserError("--runs must be >= 1 and --warmup >= 0")
     out = [] if out is None else out
-    warm_up(session, prompts, params, warmup, batch_size=batch_size, ignore_eos=ignore_eos, progress=progress)
+    warm_up(session, prompts, params, warmup, batch_size=batch_size, ignore_eos=ignore_eos, progress=progress,
+            json_schema=json_schema)
     if memory is not None:
         memory.start()
     for r in range(runs):
         tell = (lambda t, r=r: progress(f"batch size {batch_size}  run {r + 1}/{runs}: {t}")) if progress else None
         out.append(timed_pass(session, prompts, params, batch_size=batch_size, ignore_eos=ignore_eos, progress=tell,
-                              advance=advance))
+                              advance=advance, json_schema=json_schema))
     return out
 
 
@@ -217,9 +226,10 @@ def settings_columns(params: Any, num_blocks: int) -> dict:
 
 def make_row(s: Any, *, prompts: list[Prompt], prompt_source: str, params: Any, runs_done: int,
              runs_asked: int, warmup: int, ignore_eos: bool, summary: dict, label: str | None,
-             metadata: dict, kind: str = "bench", images: list | None = None) -> dict:
+             metadata: dict, kind: str = "bench", images: list | None = None, schema: dict | None = None) -> dict:
     """The record: label, settings, workload, figures, provenance (in that order). `images`: `bench --image`'s
-    (text/images.py's Image, with the names given), in every prompt."""
+    (text/images.py's Image, with the names given), in every prompt; `schema`: the answers' (`--json-schema`:
+    {"name", "sha256"} of the schema)."""
     from dgcli.measure.printers import provenance
 
     counts = info.param_counts(s.config)
@@ -244,6 +254,8 @@ def make_row(s: Any, *, prompts: list[Prompt], prompt_source: str, params: Any, 
         threads=getattr(s, "threads", 0) or None, threads_source=getattr(s, "threads_source", None),
         packed_weights=getattr(s, "packed_weights", 0),
         prefix_caching=getattr(s, "prefix_caching", True), ggml=ggml_activations(s))
+    if schema:
+        row["provenance"]["json_schema"] = schema
     if images:  # what the tower saw: each image's file, soft tokens and pixels' hash
         row["provenance"]["images"] = [{"file": name, "soft_tokens": x.soft_tokens, "sha256": x.digest}
                                        for x, name in images]

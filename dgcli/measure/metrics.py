@@ -91,6 +91,7 @@ DEFINITIONS: dict[str, str] = {
     "quality_metric": "which figure quality is: exact_match or agreement (null when there is none)",
     "exact_match": "share of answered prompts whose answer text equals the reference after stripping whitespace (over every timed pass)",
     "answered_prompts": "prompts of the set that carry a reference answer",
+    "json_valid_rate": "--json-schema / --json: share of answers (every timed pass) that parse as JSON, the schema's name and sha256 in provenance.json_schema (null without one)",
     "spread": "{figure: [min, max]} over the timed passes (runs x seeds; each pass is every prompt once) of the timing figures and quality: how far one pass lands from another",
     "spread_passes": "timed passes the spread is taken over",
     "peak_flops_range": "[FLOP/s] [min, max] of the repeated CPU matmul peak measurement (peak_flops_per_s is their median); null for a datasheet peak",

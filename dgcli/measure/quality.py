@@ -5,6 +5,7 @@ time or print anything.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 
@@ -30,6 +31,18 @@ def pass_exact_match(prompts: list[Any], responses: list[Any]) -> list[float]:
     """1.0 or 0.0 per answered prompt of one pass (prompts without an answer or decoded text left out)."""
     return [float(exact_match(r.text, p.answer)) for p, r in zip(prompts, responses)
             if p.answer is not None and r.text is not None]
+
+
+def json_valid_rate(runs: list[list[Any]]) -> float | None:
+    """Share of the decoded answers of every pass that parse as JSON."""
+    def parses(text: str) -> bool:
+        try:
+            json.loads(text)
+        except ValueError:
+            return False
+        return True
+
+    return quality_of([float(parses(r.text)) for run in runs for r in run if r.text is not None])
 
 
 def bench_quality(prompts: list[Any], runs: list[list[Any]]) -> dict:

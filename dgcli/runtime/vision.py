@@ -44,14 +44,16 @@ def prompt_ids(session: Any, content: str, images: list[img.Image], *, raw: bool
 
 
 def expand(tok: Any, ids3: tuple[int, int, int], messages: list[dict] | None, images: list[img.Image], *,
-           text: str = "", thinking: bool = False, where: str = "the checkpoint") -> list[int]:
+           text: str = "", thinking: bool = False, where: str = "the checkpoint",
+           tools: list | None = None) -> list[int]:
     """`messages` (images as {"type": "image"} parts) through the chat template, or raw `text`, tokenized, each
     image marker expanded."""
     boi, image, eoi = ids3
     marker = tok.tokenizer.id_to_token(image)
     if marker is None:
         raise UserError(f"{where}: the tokenizer has no image token (id {image}); is this a vision checkpoint?")
-    ids = tok.encode_prompt(text if messages is None else tok.render_chat(messages, thinking=thinking), raw=True)
+    chat = None if messages is None else tok.render_chat(messages, thinking=thinking, tools=tools)
+    ids = tok.encode_prompt(text if chat is None else chat, raw=True)
     found = ids.count(image)
     if found != len(images):
         who = "the prompt" if messages is None else f"the chat template of {where}"

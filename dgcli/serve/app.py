@@ -139,7 +139,8 @@ async def complete(request: Request, chat: bool) -> Response:
     except ClientDisconnect:  # gone while sending its body (a slow or dropped client): nobody to answer
         return _gone(state)
     loop = asyncio.get_running_loop()
-    output = Output(state.ctx.tokenizer, stop_strings=spec.stop, max_tokens=spec.max_tokens)
+    output = Output(state.ctx.tokenizer, stop_strings=spec.stop, max_tokens=spec.max_tokens,
+                    keep=spec.fmt.keep if spec.fmt else frozenset())
     job = Job(spec, output, loop, asyncio.Queue())
     state.worker.submit(job)
     if spec.stream:
@@ -185,7 +186,7 @@ async def _stream(job: Job, state: State) -> AsyncIterator[bytes]:
     """SSE chunks as protocol.py says, and `: keep-alive` after `state.keepalive` s of silence. A client that goes
     away cancels the generator (Starlette), and the `finally` withdraws the request."""
     spec, name = job.spec, state.ctx.model_name
-    finished, held = False, []  # held: a forced tool call's text, sent as tool_calls at the end
+    finished, held = False, []  # held: a tool call's text, sent as tool_calls at the end
     try:
         yield _sse(protocol.chunk(spec, name, content="", role=True))
         while True:
@@ -195,10 +196,10 @@ async def _stream(job: Job, state: State) -> AsyncIterator[bytes]:
                 yield b": keep-alive\n\n"
                 continue
             kind = message[0]
-            if kind == "text" and spec.fmt is not None and spec.fmt.forced:
-                held.append(message[2])
-            elif kind == "text":
-                yield _sse(protocol.chunk(spec, name, reasoning=message[1], content=message[2]))
+            if kind == "text":
+                now = spec.fmt.hold(held, message[2]) if spec.fmt is not None else message[2]
+                if now or message[1] or not held:
+                    yield _sse(protocol.chunk(spec, name, reasoning=message[1], content=now))
             elif kind == "draft":
                 yield _sse(protocol.side_chunk(spec, name, dgemma_draft=message[1]))
             elif kind == "end":

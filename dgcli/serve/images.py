@@ -41,7 +41,8 @@ def text_of(content: Any, where: str) -> str:
 
 
 
-def chat(body: dict, ctx: Any, thinking: bool, messages: Any, out: list) -> list[int] | None:
+def chat(body: dict, ctx: Any, thinking: bool, messages: Any, out: list,
+         tools: list | None = None) -> list[int] | None:
     """A chat with `image_url` parts: its prompt ids (the images' markers from the chat template, expanded), the
     engine's images into `out`; None when no message holds an image. `messages`: protocol's checker of messages."""
     from dgcli.runtime.vision import engine_images, expand
@@ -71,7 +72,7 @@ def chat(body: dict, ctx: Any, thinking: bool, messages: Any, out: list) -> list
     try:
         images = [preprocess(_data(p.get("image_url"), n), vc.patch_size, vc.pooling_kernel_size, vc.soft_tokens,
                              f"image {n + 1}") for n, p in enumerate(urls)]
-        ids = expand(ctx.tokenizer, ids3, checked, images, thinking=thinking, where=ctx.model_name)
+        ids = expand(ctx.tokenizer, ids3, checked, images, thinking=thinking, where=ctx.model_name, tools=tools)
     except UserError as e:
         raise ApiError(400, str(e), param="messages") from None
     out[:] = engine_images(images)

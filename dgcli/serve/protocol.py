@@ -2,8 +2,9 @@
 objects and stream chunks out. Must not: touch the engine, the network or torch.
 
 Fields read: `model` (another name is 404), `messages` (text and image_url parts: serve/images.py; roles system,
-developer, user, assistant) or `prompt` (completions: a string or token ids, no chat template), `max_tokens` /
-`max_completion_tokens` (the answer's cut, both only if equal; with `max_blocks` unset it sets the block count),
+developer, user, assistant with its `tool_calls`, tool with its `tool_call_id`) or `prompt` (completions: a string
+or token ids, no chat template), `max_tokens` / `max_completion_tokens` (the answer's cut, both only if equal; with
+`max_blocks` unset it sets the block count),
 `seed` (the sampler's), `stream`, `stream_options` (`include_usage`, `include_drafts`), `stop` (strings matched in
 the content), `n` (1), `response_format` / `tools` / `tool_choice` (serve/structured.py), vLLM's
 `chat_template_kwargs.enable_thinking` and `ignore_eos` (every block runs), and the sampler's settings as extra
@@ -209,20 +210,25 @@ def _messages(body: dict) -> list[dict]:
         if not isinstance(m, dict) or "role" not in m:
             raise ApiError(400, f"messages[{i}] must be an object with a role and content", param="messages")
         role = "system" if m["role"] == "developer" else m["role"]
-        if role not in ("system", "user", "assistant"):
-            raise ApiError(400, f"messages[{i}].role={role!r} is not supported; use system, user or assistant",
+        if role not in ("system", "user", "assistant", "tool"):
+            raise ApiError(400, f"messages[{i}].role={role!r} is not supported; use system, user, assistant or tool",
                            param="messages")
-        content = _unicode(images.text_of(m.get("content"), f"messages[{i}]"), f"messages[{i}].content", "messages")
-        out.append({"role": role, "content": content})
+        calls = structured.past_calls(m.get("tool_calls"), f"messages[{i}]") if role == "assistant" else []
+        text = "" if calls and m.get("content") is None else m.get("content")
+        content = _unicode(images.text_of(text, f"messages[{i}]"), f"messages[{i}].content", "messages")
+        ids = {k: m[k] for k in ("tool_call_id", "name") if isinstance(m.get(k), str) and role == "tool"}
+        out.append({"role": role, "content": content, **({"tool_calls": calls} if calls else {}), **ids})
     return out
 
 
-def _prompt_ids(body: dict, ctx: Context, thinking: bool, chat: bool, blocks: int, out: list) -> list[int]:
+def _prompt_ids(body: dict, ctx: Context, thinking: bool, chat: bool, blocks: int, out: list,
+                tools: list[dict] | None) -> list[int]:
     tok = ctx.tokenizer
-    if chat and (ids := images.chat(body, ctx, thinking, _messages, out)) is not None:  # image_url parts
+    if chat and (ids := images.chat(body, ctx, thinking, _messages, out, tools)) is not None:  # image_url parts
         return ids
     if chat:
-        text = tok.chat_text(_messages(body), thinking=thinking)  # the template may trim, or drop old thoughts
+        # the template may trim, or drop old thoughts
+        text = tok.chat_text(_messages(body), thinking=thinking, tools=tools)
         _check_chars(len(text), ctx, chat)
         ids = tok.encode_prompt(text, raw=True)  # already templated: raw, with one <bos>
     else:
@@ -302,9 +308,9 @@ def parse(body: Any, *, chat: bool, ctx: Context) -> Spec:
         raise ApiError(400, _flagless(str(e)), param=e.key) from None
     budget = max_tokens if max_tokens is not None else ctx.max_tokens
     blocks = blocks_for(params, budget, ctx.canvas_length)
-    body, fmt = structured.answer_format(body, chat, ctx, blocks * ctx.canvas_length, budget, ignore_eos)
+    fmt = structured.answer_format(body, chat, ctx, blocks * ctx.canvas_length, budget, ignore_eos)
     try:
-        ids = _prompt_ids(body, ctx, thinking, chat, blocks, pictures := [])
+        ids = _prompt_ids(body, ctx, thinking, chat, blocks, pictures := [], fmt.tools if fmt else None)
     except UserError as e:
         raise ApiError(400, str(e), param="messages" if chat else "prompt") from None
     too_long = _context_error(len(ids), blocks, ctx, chat)

@@ -87,12 +87,14 @@ class ChatTokenizer:
         """Raise the `UserError` a prompt would meet when the chat template is missing or does not parse."""
         self._template  # noqa: B018 (the property raises)
 
-    def render_chat(self, messages: list[dict], *, thinking: bool = False, add_generation_prompt: bool = True) -> str:
-        """Render `messages` ([{role, content}]) with the checkpoint's chat template, sandboxed."""
+    def render_chat(self, messages: list[dict], *, thinking: bool = False, add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """Render `messages` ([{role, content}], an assistant's `tool_calls` with arguments as objects, `tool`
+        results) and OpenAI's `tools` with the checkpoint's chat template, sandboxed."""
         template = self._template  # outside the try: its own UserError must pass through as is
         try:
             return template.render(messages=messages, bos_token=self.bos_token, eos_token=self.eos_token,
-                                   enable_thinking=thinking, add_generation_prompt=add_generation_prompt)
+                                   enable_thinking=thinking, add_generation_prompt=add_generation_prompt, tools=tools)
         except SecurityError as exc:
             raise UserError(f"chat template of {self.source} was refused by the sandbox ({exc}); "
                             "use a trusted template") from None
@@ -117,18 +119,20 @@ class ChatTokenizer:
             prompt = self.render_chat([{"role": "user", "content": prompt}], thinking=thinking)
         return self._with_one_bos(self.encode_text(prompt))
 
-    def chat_text(self, messages: list[dict], *, thinking: bool = False) -> str:
+    def chat_text(self, messages: list[dict], *, thinking: bool = False, tools: list[dict] | None = None) -> str:
         """A conversation ([{role, content}]) rendered through the chat template, for `encode_prompt(text,
         raw=True)` (a server measures it against `max_token_chars` first)."""
-        if not any(m.get("content", "").strip() for m in messages):
+        if not any((m.get("content") or "").strip() or m.get("tool_calls") for m in messages):
             raise UserError("the messages are empty; send some text")
-        return self.render_chat(messages, thinking=thinking)
+        return self.render_chat(messages, thinking=thinking, tools=tools)
 
     # ---------------------------------------------------------------- answer side
-    def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str:
-        """Text of `ids`; ids outside the vocabulary are dropped."""
+    def decode(self, ids: Iterable[int], *, skip_special: bool = True, keep: frozenset[int] = frozenset()) -> str:
+        """Text of `ids`, the special tokens in `keep` written out; ids outside the vocabulary are dropped."""
         ids = [int(i) for i in ids if 0 <= int(i) < self.vocab_size]
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
+        return "".join("".join(map(self.tokenizer.id_to_token, run)) if kept
+                       else self.tokenizer.decode(list(run), skip_special_tokens=skip_special)
+                       for kept, run in itertools.groupby(ids, key=keep.__contains__))
 
     def cut_at_stop(self, ids: Iterable[int], stop_ids: Iterable[int] | None = None) -> list[int]:
         """`ids` up to (not including) the first stop id (default: <eos> and <turn|>)."""
@@ -165,15 +169,17 @@ class ChatTokenizer:
         """The closed channels' text, one per line (empty ones, like the template's, left out)."""
         return "\n".join(t for t in (self._channel_body(b) for b in bodies) if t)
 
-    def split_thinking(self, ids: Iterable[int], stop_ids: Iterable[int] | None = None) -> tuple[str, str]:
+    def split_thinking(self, ids: Iterable[int], stop_ids: Iterable[int] | None = None,
+                       keep: frozenset[int] = frozenset()) -> tuple[str, str]:
         """(thinking, answer) of generated ids, cut at the first stop id.
 
         Closed `<|channel>…<channel|>` blocks are thinking. A channel the model opens and never
-        closes holds the answer (spec §8.2 observed behaviour), so it is returned as the answer.
+        closes holds the answer (spec §8.2 observed behaviour), so it is returned as the answer. The answer's
+        special tokens in `keep` are written out (a tool call's syntax).
         """
         bodies, answer, open_tail = self.split_channels(self.cut_at_stop(ids, stop_ids))
         tail = "" if open_tail is None else self._channel_body(open_tail)
-        return self.thinking_text(bodies), self.decode(answer) + tail
+        return self.thinking_text(bodies), self.decode(answer, keep=keep) + tail
 
     def answer_text(self, ids: Iterable[int], *, show_thinking: bool = False,
                     stop_ids: Iterable[int] | None = None) -> str:
@@ -181,10 +187,8 @@ class ChatTokenizer:
         other special tokens are skipped)."""
         if not show_thinking:
             return self.split_thinking(ids, stop_ids)[1]
-        markers = (self.channel_start_id, self.channel_end_id)
-        runs = itertools.groupby(self.cut_at_stop(ids, stop_ids), key=lambda i: i in markers)
-        return "".join("".join(map(self.tokenizer.id_to_token, run)) if marker else self.decode(run)
-                       for marker, run in runs)
+        markers = frozenset((self.channel_start_id, self.channel_end_id))
+        return self.decode(self.cut_at_stop(ids, stop_ids), keep=markers)
 
     @cached_property
     def byte_ids(self) -> frozenset[int]:

@@ -5,6 +5,7 @@ hand-made requests (bimodal step counts)."""
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import re
@@ -216,7 +217,8 @@ def test_bad_input_is_one_line(ckpt, tmp_path):
 
     cases = [["--format", "xml"], ["--model", str(ckpt), "--prompts", str(tmp_path / "none.jsonl")],
              ["--model", str(ckpt), "--layers", "2"], ["--model", str(ckpt), "--dummy", "26B-A4B"],
-             ["--dummy", "26B-A4B", "--layers", "0"]]
+             ["--dummy", "26B-A4B", "--layers", "0"], ["--json", "--json-schema", str(ckpt / "config.json")],
+             ["--json", "--base-url", "http://127.0.0.1:9"], ["--json", "--ignore-eos"]]
     for args in cases:
         r = CliRunner().invoke(app, ["bench", *args])
         assert isinstance(r.exception, UserError) and "\n" not in str(r.exception), (args, r.exception)
@@ -240,6 +242,20 @@ def test_prompt_file_encodes_with_the_chat_template(ckpt, tmp_path):
                          "--warmup", "0", "--no-measure-peaks", "--format", "jsonl").stdout)
     assert row["prompt_source"] == f"file:{f}" and row["num_prompts"] == 2 and "workload_warning" not in row
     assert row["mode"] == "adaptive" and row["mean_input_len"] > 4
+
+
+def test_a_schema_draws_every_answer_and_the_row_says_which(tmp_path):
+    schema = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 4}}, "required": ["word"]}
+    (tmp_path / "word.json").write_text(json.dumps(schema))
+    (tmp_path / "p.jsonl").write_text('{"prompt": "Reverse: c a t", "answer": "t a c"}\n{"prompt": "Sort: 3 1"}\n')
+    base = ["--prompts", str(tmp_path / "p.jsonl"), "--runs", "1", "--warmup", "0", "--no-measure-peaks", "-f", "jsonl"]
+    free, shaped, whole = (json.loads(run(*base, *more).stdout) for more in (
+        [], ["--json-schema", str(tmp_path / "word.json")], ["--json"]))  # the bundled model
+    assert free["exact_match"] == 1 and free["json_valid_rate"] is None and "json_schema" not in free["provenance"]
+    assert shaped["json_valid_rate"] == whole["json_valid_rate"] == 1 and shaped["exact_match"] == 0
+    digest = hashlib.sha256(json.dumps(schema, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    assert shaped["provenance"]["json_schema"] == {"name": "word.json", "sha256": digest}
+    assert whole["provenance"]["json_schema"]["name"] == "any object"
 
 
 # ---- the figures' arithmetic on hand-made requests -------------------------------------------------------

@@ -12,30 +12,10 @@ import torch
 
 from dgcli.runtime.session import open_session
 from dgcli.engine import generate
-from server_proc import in_process
+from server_proc import Scripted, in_process
 
 PROMPT = "Reverse: c a t"
 THOUGHT = "the letters backwards"
-
-
-class Scripted:
-    """The real model, except that a pass returns hidden states whose logits peak at `script[prefix_len]` for
-    each canvas (its segment's start)."""
-
-    def __init__(self, real, script, sharp=30.0):
-        self.real, self.script, self.sharp = real, script, sharp
-
-    def __getattr__(self, name):
-        return getattr(self.real, name)
-
-    def forward_pass(self, ids, segments, cache, soft=None):
-        self.real.forward_pass(ids, segments, cache, soft)  # the cache as the real pass leaves it
-        starts = [s.start for s in segments if s.canvas]
-        if not starts:
-            return None
-        w = self.real.embed_weight
-        target = w[torch.stack([self.script[p] for p in starts])]  # [B, C, H]
-        return (self.sharp * target / (target * target).sum(-1, keepdim=True)).to(w.dtype)
 
 
 @pytest.fixture(scope="module")
