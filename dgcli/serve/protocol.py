@@ -16,7 +16,7 @@ vLLM does, but a near-miss of a known one is an error (a typo must not pass sile
 has an upper bound (`sampling/params.py: LIMITS`), and a prompt's length is checked against the context before
 it is tokenized (`max_chars`) or its ids are checked: no one request can wedge the server.
 Replies: the thought channel is `reasoning_content`. A stream: the role chunk, one chunk per committed block's
-new text (append-only: engine/output.py), the `finish_reason` chunk (`stop` or `length`), the usage chunk when
+new text (append-only: engine/output.py), the `finish_reason` chunk (`stop`, `length` or `tool_calls`), the usage chunk when
 asked (`choices: []`; usage adds `blocks`, `denoising_steps`, `steps_per_block`), `data: [DONE]`. A draft chunk
 (`include_drafts`) has empty `choices` and `dgemma_draft` {block, step, max_steps, token_ids, text, accepted,
 mean_entropy, final, time, tokens, entropy, and on a block's last step `committed`}: the block's argmax canvas,
@@ -57,7 +57,6 @@ NOT_APPLICABLE = {
     "top_logprobs": "log-probabilities are not returned by this server: leave it out",
     "functions": "function calls are not supported by dgemma serve: leave it out",
     "function_call": "function calls are not supported by dgemma serve: leave it out",
-    "parallel_tool_calls": "one tool call per answer here: leave it out",
     "best_of": "best_of is not supported: send one request per answer",
     "echo": "echo is not supported: leave it out",
     "suffix": "suffix (insertion) is not supported: leave it out",
@@ -67,7 +66,7 @@ NOT_APPLICABLE = {
 }
 COMMON = ("model", "max_tokens", "max_completion_tokens", "seed", "stream", "stream_options", "stop", "n", "user",
           "metadata", "store", "service_tier", "chat_template_kwargs", "ignore_eos", "response_format")
-KNOWN = {True: ("messages", "tools", "tool_choice") + COMMON, False: ("prompt",) + COMMON}
+KNOWN = {True: ("messages", "tools", "tool_choice", "parallel_tool_calls") + COMMON, False: ("prompt",) + COMMON}
 
 
 @dataclass

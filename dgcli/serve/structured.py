@@ -33,6 +33,7 @@ class Format:
     tool_names: list[str] = field(default_factory=list)
     tools: list[dict] | None = None  # what the chat template declares (None: no tools)
     keep: frozenset[int] = frozenset()  # the tool-call tokens an `auto` answer keeps in its text
+    single: bool = False  # parallel_tool_calls false: an answer's first call only
 
     def constraint(self) -> Any:
         """A fresh place in the automaton, for one run of the request (None: free text)."""
@@ -46,7 +47,8 @@ class Format:
 
     def answer(self, content: str, finish: str) -> tuple[str | None, list[dict]] | None:
         """(the content outside the calls or None, the OpenAI tool_calls) of an answer that calls; None: text."""
-        return tool_calls(content, self.tool_mode, self.tool_names) if finish == "stop" else None
+        got = tool_calls(content, self.tool_mode, self.tool_names) if finish == "stop" else None
+        return (got[0], got[1][:1]) if got and self.single else got
 
     def reply(self, body: dict) -> dict:
         """A chat reply `body` (protocol.reply's) as a tool call's, when its answer is one."""
@@ -89,7 +91,8 @@ def answer_format(body: dict, chat: bool, ctx: Any, canvases: int, budget: int |
     declared = [{"type": "function", "function": f} for f in functions] if mode not in (None, "none") else None
     vocab = ctx.tokenizer.tokenizer
     keep = frozenset(vocab.token_to_id(t) for t in (CALL, CALL_END, QUOTE)) - {None} if mode == "auto" else frozenset()
-    return Format(automaton, room, mode, [f["name"] for f in functions], declared, keep)
+    return Format(automaton, room, mode, [f["name"] for f in functions], declared, keep,
+                  body.get("parallel_tool_calls") is False)
 
 
 def response_automaton(body: dict, tokenizer: Any, stop_ids: Any, room: int, forced: dict | None = None) -> Any:
@@ -136,6 +139,8 @@ def tool_plan(body: dict) -> tuple[dict | None, list[dict], str | None]:
     """(the schema a forced call follows or None, the tools' functions, the mode: None without tools, "none",
     "auto", "required" or "named")."""
     tools, choice = body.get("tools"), body.get("tool_choice")
+    if body.get("parallel_tool_calls") not in (None, True, False):
+        raise ApiError(400, "parallel_tool_calls must be true or false", param="parallel_tool_calls")
     if tools is None:
         if choice is not None:
             raise ApiError(400, "tool_choice needs tools: give tools, or leave tool_choice out", param="tool_choice")

@@ -132,6 +132,12 @@ def test_an_auto_answers_calls_come_back_as_tool_calls_whole_and_streamed(base_u
         (0, *want[0]), (1, *want[1])]
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices[0].finish_reason] == ["tool_calls"]
 
+    one = client.chat.completions.create(parallel_tool_calls=False, **kw).choices[0]  # at most one call
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in one.message.tool_calls] == want[:1]
+    assert client.chat.completions.create(parallel_tool_calls=True, **kw).choices[0].message.tool_calls
+    with pytest.raises(openai.BadRequestError, match="parallel_tool_calls must be true or false"):
+        client.chat.completions.create(extra_body={"parallel_tool_calls": "yes"}, **kw)
+
 
 def test_a_malformed_call_is_plain_content_and_a_tool_conversation_goes_on(base_url, tok):
     client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0)
