@@ -16,8 +16,8 @@ vLLM does, but a near-miss of a known one is an error (a typo must not pass sile
 has an upper bound (`sampling/params.py: LIMITS`), and a prompt's length is checked against the context before
 it is tokenized (`max_chars`) or its ids are checked: no one request can wedge the server.
 Replies: the thought channel is `reasoning_content`. A stream: the role chunk, one chunk per committed block's
-new text (append-only: engine/output.py), the `finish_reason` chunk (`stop`, `length` or `tool_calls`), the usage chunk when
-asked (`choices: []`; usage adds `blocks`, `denoising_steps`, `steps_per_block`), `data: [DONE]`. A draft chunk
+new text (append-only: engine/output.py), the `finish_reason` chunk (`stop`, `length` or `tool_calls`), the usage
+chunk when asked (`choices: []`; usage adds `blocks`, `denoising_steps`, `steps_per_block`), `data: [DONE]`. A draft chunk
 (`include_drafts`) has empty `choices` and `dgemma_draft` {block, step, max_steps, token_ids, text, accepted,
 mean_entropy, final, time, tokens, entropy, and on a block's last step `committed`}: the block's argmax canvas,
 the positions this step accepted, each position's display string and entropy (nats) for the page at `/`.
