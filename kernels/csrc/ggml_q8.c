@@ -5,6 +5,8 @@
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #include <immintrin.h>
 #define VNNI 1
+#else
+#pragma GCC diagnostic ignored "-Wunused-parameter"  /* the entry points' stubs: they only return 0 */
 #endif
 #define MR 4
 int q8_ok(void) {
@@ -15,16 +17,7 @@ int q8_ok(void) {
 #endif
 }
 #ifdef VNNI
-static __thread void *buf[2];
-static __thread size_t cap[2];
-static void *scratch(int i, size_t n) {  /* this thread's buffer i, grown (never shrunk): no allocation a call */
-    if (cap[i] < n) {
-        free(buf[i]);
-        buf[i] = aligned_alloc(64, (n + 63) / 64 * 64);
-        cap[i] = buf[i] ? n : 0;
-    }
-    return buf[i];
-}
+#include "scratch.h"
 static inline __m512 bf16x16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }

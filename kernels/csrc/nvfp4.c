@@ -10,6 +10,8 @@
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #include <immintrin.h>
 #define VNNI 1
+#else
+#pragma GCC diagnostic ignored "-Wunused-parameter"  /* the entry points' stubs: they only return 0 */
 #endif
 #define MR 4
 int nvfp4_ok(void) {
@@ -20,16 +22,7 @@ int nvfp4_ok(void) {
 #endif
 }
 #ifdef VNNI
-static __thread void *buf[2];
-static __thread size_t cap[2];
-static void *scratch(int i, size_t n) {  /* this thread's buffer i, grown (never shrunk): no allocation a call */
-    if (cap[i] < n) {
-        free(buf[i]);
-        buf[i] = aligned_alloc(64, (n + 63) / 64 * 64);
-        cap[i] = buf[i] ? n : 0;
-    }
-    return buf[i];
-}
+#include "scratch.h"
 static float e4m3(uint8_t b) {  /* float8_e4m3fn value (0x7F/0xFF never appear in a checkpoint) */
     int e = (b >> 3) & 15, m = b & 7;
     float v = e ? (float)(8 + m) * (float)(1 << e) / 1024.f : (float)m / 512.f;  /* exact: a power of two apart */
