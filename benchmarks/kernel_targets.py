@@ -92,13 +92,15 @@ def _rmsnorm(target: str) -> list[dict]:
 
 def _moe_variants(target: str):
     """(label, activation dtype, weight dtype, scale dtype or None, dynamic) as experts_triton can be called:
-    dense experts in the model dtype; FP8 weight-only or dynamic, with bf16 or fp32 scales, only on sm_89+
-    (Triton has no e4m3 type below: kernels/dispatch.py::fp8_experts runs the reference there)."""
+    dense experts in the model dtype; FP8 weight-only (the bytes decoded with integer ops) on both targets, with
+    bf16 or fp32 scales; dynamic FP8 only on sm_89+ (Triton has no e4m3 type below: kernels/dispatch.py::fp8_experts
+    runs the reference there)."""
     for dt in DT:
         yield dt, dt, dt, None, False
-        for sdt in DT if TARGETS[target][0] >= 89 else ():
+        for sdt in DT:
             yield f"{dt} fp8-w s={sdt}", dt, FP8, sdt, False
-            yield f"{dt} fp8-dyn s={sdt}", dt, FP8, sdt, True
+            if TARGETS[target][0] >= 89:
+                yield f"{dt} fp8-dyn s={sdt}", dt, FP8, sdt, True
 
 
 def _moe_tiles(dt: str, dyn: bool):

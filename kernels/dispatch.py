@@ -162,11 +162,11 @@ def fp8_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_pro
 
     dynamic = fp8_semantics() == "dynamic"
     impl = implementation("fp8_experts", x.device)
-    # SM 8.9+: Triton has no e4m3 type below (dynamic's e4m3 dots fail to compile for an A100; benchmarks/
-    # kernel_targets.py checks it; weight-only decodes bytes, but its sm_80 build is not in that table), so older
-    # GPUs run the reference.
+    # Dynamic on SM 8.9+ only: Triton has no e4m3 type below (its e4m3 dots fail to compile for an A100), so older
+    # GPUs run the reference; weight-only decodes the bytes with integer ops, built for sm_80 too (benchmarks/
+    # kernel_targets.py checks both).
     if impl == "triton" and gate_up_scale.dtype in (torch.bfloat16, torch.float32) and (
-            torch.cuda.get_device_capability(x.device) >= (8, 9)):
+            torch.cuda.get_device_capability(x.device) >= ((8, 9) if dynamic else (8, 0))):
         return torch.ops.dgemma.experts(x, w, idx, gate_up_proj, down_proj, gate_up_scale, down_scale, dynamic)
     if impl == "cpu" and not dynamic:
         return fp8.experts_fp8_segments(x, w, idx, gate_up_proj, gate_up_scale, down_proj, down_scale)

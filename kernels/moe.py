@@ -59,11 +59,6 @@ def _gate_up_kernel(x_ptr, w_ptr, pair_ptr, block_expert_ptr, act_ptr, xs_ptr, w
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # intermediate channels
     col_ok = cols < I
     w_base = w_ptr + e.to(tl.int64) * stride_we
-    sg = tl.full((BLOCK_N,), 1.0, tl.float32)  # FP8 weights: this expert's gate and up channel scales
-    su = sg
-    if W_FP8:
-        sg = tl.load(ws_ptr + e.to(tl.int64) * stride_se + cols, mask=col_ok, other=0.0).to(tl.float32)
-        su = tl.load(ws_ptr + e.to(tl.int64) * stride_se + I + cols, mask=col_ok, other=0.0).to(tl.float32)
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -87,6 +82,9 @@ def _gate_up_kernel(x_ptr, w_ptr, pair_ptr, block_expert_ptr, act_ptr, xs_ptr, w
                 a = a.to(tl.float32)
                 gate = tl.dot(a, wg, gate, input_precision="ieee")
                 up = tl.dot(a, wu, up, input_precision="ieee")
+    if W_FP8:  # this expert's gate and up channel scales, loaded after the loop (held across it, sm_80 spills)
+        sg = tl.load(ws_ptr + e.to(tl.int64) * stride_se + cols, mask=col_ok, other=0.0).to(tl.float32)
+        su = tl.load(ws_ptr + e.to(tl.int64) * stride_se + I + cols, mask=col_ok, other=0.0).to(tl.float32)
     if A_FP8:  # (acc x token scale) x channel scale, as vLLM's fused-MoE epilogue
         xs = tl.load(xs_ptr + tok, mask=valid, other=0.0)
         gate = gate * xs[:, None] * sg[None, :]

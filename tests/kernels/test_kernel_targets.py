@@ -65,10 +65,13 @@ def test_the_matrix_covers_every_kernel_on_both_targets():
                "fused._router_input_kernel", "fused._route_kernel", "moe._combine_kernel", "moe._align_kernel",
                "vocab_pass._probs_kernel", "fp8_linear._quant_kernel"}
     assert {(c["kernel"], c["target"]) for c in CONFIGS} == {(k, t) for k in kernels for t in kt.TARGETS}
-    # The dtypes and paths the wrappers launch: bf16 / fp32 everywhere, FP8 experts (both semantics) on sm_90;
-    # the W8A16 linear (e4m3 bytes decoded in the kernel) on both targets.
-    moe90 = {c["label"] for c in CONFIGS if c["kernel"] == "moe._gate_up_kernel" and c["target"] == "sm_90"}
-    assert {"bf16", "fp32", "bf16 fp8-w s=bf16", "fp32 fp8-w s=fp32", "bf16 fp8-dyn s=fp32"} <= moe90
+    # The dtypes and paths the wrappers launch: bf16 / fp32 everywhere, FP8 experts (both semantics) on sm_90,
+    # weight-only on sm_80 too; the W8A16 linear (e4m3 bytes decoded in the kernel) on both targets.
+    moe = {t: {c["label"] for c in CONFIGS if c["kernel"] == "moe._gate_up_kernel" and c["target"] == t}
+           for t in kt.TARGETS}
+    assert {"bf16", "fp32", "bf16 fp8-w s=bf16", "fp32 fp8-w s=fp32", "bf16 fp8-dyn s=fp32"} <= moe["sm_90"]
+    assert {"bf16 fp8-w s=bf16", "bf16 fp8-w s=fp32", "fp32 fp8-w s=fp32"} <= moe["sm_80"]
+    assert not any("fp8-dyn" in label for label in moe["sm_80"])
     w8 = {(c["target"], c["label"].split()[0]) for c in CONFIGS if c["kernel"] == "fp8_linear._w8a16_kernel"}
     assert w8 == {(t, dt) for t in kt.TARGETS for dt in ("bf16", "fp32")}
     # CUDA's constexprs, not the interpreter's: bf16 dots on the tensor cores.
@@ -95,15 +98,17 @@ def test_a_dot_below_wgmma_fails_on_sm_90(compiled):
 
 
 def test_fp8_experts_cannot_compile_for_an_a100(compiled):
-    """Why kernels/dispatch.py keeps FP8 experts off Triton below SM 8.9 (and the matrix leaves them out): the
-    e4m3 x e4m3 dots of dynamic FP8 (weight-only decodes the bytes with integer ops)."""
+    """Why kernels/dispatch.py keeps dynamic FP8 experts off Triton below SM 8.9 (and the matrix leaves them out):
+    their e4m3 x e4m3 dots (weight-only decodes the bytes with integer ops: built for sm_80 above)."""
     c = compiled[1]["fp8-on-sm_80"]
     assert "fp8e4nv not supported" in c["result"].get("error", ""), c["result"]
 
 
-@pytest.mark.parametrize("cap,triton_runs", [((8, 0), False), ((8, 9), True), ((9, 0), True)])
+@pytest.mark.parametrize("cap", [(7, 5), (8, 0), (8, 9), (9, 0)])
 @pytest.mark.parametrize("semantics", ["weight-only", "dynamic"])
-def test_fp8_experts_run_triton_only_where_it_compiles(monkeypatch, cap, triton_runs, semantics):
+def test_fp8_experts_run_triton_only_where_it_compiles(monkeypatch, cap, semantics):
+    """Weight-only from SM 8.0 (the A100: its sm_80 builds above), dynamic from SM 8.9; the reference below."""
+    triton_runs = cap >= ((8, 9) if semantics == "dynamic" else (8, 0))
     from dgcli.kernels import dispatch, fp8, moe
 
     calls = []

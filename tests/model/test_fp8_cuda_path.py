@@ -68,3 +68,13 @@ def test_an_fp8_pass_dequantizes_no_weight_and_quantizes_activations_in_one_laun
     else:  # every dense FP8 linear: one quantizer launch and torch._scaled_mm; each experts layer: two launches
         assert scaled >= 2 * 6 and quant == scaled + 2 * 2, (quant, scaled)
         assert not any(n.startswith(("aten.amax", "aten.abs")) for n in names)  # no torch quantizer ops
+
+
+def test_an_a100_runs_weight_only_fp8_experts_on_triton(fake_cuda, monkeypatch):
+    """SM 8.0 (fake CUDA reporting an A100's capability): weight-only FP8 experts launch the Triton expert kernels
+    (they decode e4m3 bytes with integer ops; their sm_80 builds: tests/kernels/test_kernel_targets.py), not the
+    reference, and still dequantize no weight."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    smallest, seen, names = fp8_pass(fake_cuda, monkeypatch, "weight-only")
+    assert {"triton._gate_up_kernel", "triton._down_kernel"} <= set(names), names
+    assert not [(op, dt, n) for op, dt, n in seen if dt in (torch.float32, torch.float16) and n >= smallest]
