@@ -32,6 +32,13 @@ eager and with CUDA graphs; graphs against eager, bit for bit (benchmarks/graphs
 graphs. Its dry run prints the total. A step that cannot run here (CUDA only, no budget left, or a script that
 printed {"skipped": ...}) is "not run" in the section and never a pass: the suite exits 1 unless every step passed.
 
+The lease's wheelhouse (the device image has its own CUDA torch and Triton, maybe not the rest): build it here with
+`python benchmarks/gpu_suite.py --wheelhouse .whl` (wheels of dgemma's runtime and the lease's test requirements, not
+torch or triton, for the image's Python 3.12: `--python-version` for another; about 25 MiB), carry `.whl`, and run
+`python3 benchmarks/gpu_suite.py --lease --wheels .whl`: its first step, install, puts them in offline (`pip install
+--no-index --find-links .whl`, dgemma itself editable without its dependencies), torch untouched, and prints the env.
+A CUDA run on a CPU-only torch stops at once with one line.
+
 Also for a short lease: `--budget S` shares S seconds among the steps in order (a step's limit is
 its own or what is left; steps past the budget are listed as not run; `--cap kernels=120,...` caps single steps),
 `--workers N` runs the pytest steps on N
@@ -43,8 +50,9 @@ On this CPU-only machine: `--device cpu` runs the same steps at CPU sizes (kerne
 interpreter, `--small` kernel shapes, a 2-layer slice of the medium dummy config instead of 26B-A4B), and
 `--dry-run` prints the plan (every command) without running anything. `--only a,b` picks steps.
 
-    python benchmarks/gpu_suite.py [--device cuda|cpu] [--lease] [--dry-run] [--only env,tests,...] [--out FILE]
-        [--budget S] [--cap STEP=S,...] [--workers N] [-k EXPR] [--log-dir DIR]
+    python benchmarks/gpu_suite.py [--device cuda|cpu] [--lease [--wheels DIR]] [--dry-run] [--only env,tests,...]
+        [--out FILE] [--budget S] [--cap STEP=S,...] [--workers N] [-k EXPR] [--log-dir DIR]
+    python benchmarks/gpu_suite.py --wheelhouse DIR [--python-version 3.12]
 """
 
 from __future__ import annotations
@@ -55,7 +63,9 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -72,19 +82,25 @@ STEPS = ("env", "tests", "kernels", "sync_check", "engine_passes", "profile", "b
 
 
 LEASE_S = 480  # the lease plan's limits in all: 8 of a lease's 15 minutes
+WHEEL_PYTHON = "3.12"  # the device image's python3 (/work/.library/device/KINDS.md)
+KEEP = ("torch", "triton")  # the image's CUDA builds: never in the wheelhouse, never touched by the install
+LEASE_TEST_DEPS = ("pytest", "hypothesis")  # what the lease's kernel tests import, of the test extra's pins
 LEASE_KERNEL_TESTS = ("test_kernel_fused.py", "test_kernel_rmsnorm.py", "test_kernel_moe.py", "test_paged_attention.py",
                       "test_kernel_vocab_pass.py", "test_fp8_kernels.py", "test_custom_ops.py")
 
 
-def lease_plan(device: str, workers: int = 1) -> dict[str, tuple[list[str], int, dict]]:
-    """The lease plan (module docstring), as `plan`'s steps; CUDA-only steps are absent on CPU."""
+def lease_plan(device: str, workers: int = 1, wheels: str | None = None) -> dict[str, tuple[list[str], int, dict]]:
+    """The lease plan (module docstring), as `plan`'s steps; CUDA-only steps are absent on CPU. `wheels`: the first
+    step installs that wheelhouse (and prints the env)."""
     py, cuda = sys.executable, device.startswith("cuda")
     dummy = ["--dummy", "26B-A4B"] if cuda else ["--dummy", str(ROOT / "benchmarks/dummy-medium.json"), "--layers", "2"]
     bench = [py, "-m", "dgcli.cli", "bench", "--device", device, "--format", "json", "--no-measure-peaks", *dummy,
              "--dtype", "bfloat16", "--batch-size", "1,8", "--diffusion-steps", "8", "--runs", "1", "--warmup", "1",
              "--num-prompts", "8"]
-    steps = {"env": ([py, "benchmarks/gpu_suite.py", "--print-env"], 15, {}),
-             "kernels": (_pytest(workers) + [f"tests/kernels/{f}" for f in LEASE_KERNEL_TESTS], 135,
+    first = ("install", [py, "benchmarks/gpu_suite.py", "--install", wheels], 40) if wheels else (
+        "env", [py, "benchmarks/gpu_suite.py", "--print-env"], 15)
+    steps = {first[0]: (first[1], first[2], {}),
+             "kernels": (_pytest(workers) + [f"tests/kernels/{f}" for f in LEASE_KERNEL_TESTS], 120,
                          {} if cuda else {"TRITON_INTERPRET": "1"})}
     for weights in ("bf16", "fp8"):
         for n in (128, 1000):
@@ -92,8 +108,58 @@ def lease_plan(device: str, workers: int = 1) -> dict[str, tuple[list[str], int,
                 steps[f"bench_{weights}_p{n}_{'graphs' if graphs else 'eager'}"] = (
                     bench + ["--weights", weights, "--random-input-len", str(n)] + ["--cuda-graphs"] * graphs, 30, {})
     steps["graphs_equal"] = ([py, "benchmarks/graphs_equal.py"], 40, {})
-    steps["sync_check"] = ([py, "benchmarks/sync_check.py"] + ["--graphs"] * cuda, 45, {})
+    steps["sync_check"] = ([py, "benchmarks/sync_check.py"] + ["--graphs"] * cuda, 40, {})
     return steps
+
+
+def requirements() -> list[str]:
+    """dgemma's runtime requirements but torch and triton, and the test extra's pins the lease's tests import."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    name = lambda req: re.split(r"[\s<>=!~;\[]", req, maxsplit=1)[0].lower()  # noqa: E731
+    return [r for r in project["dependencies"] if name(r) not in KEEP] + [
+        r for r in project["optional-dependencies"]["test"] if name(r) in LEASE_TEST_DEPS]
+
+
+def build_wheelhouse(dest: Path, python: str) -> None:
+    """Wheels of `requirements()` and everything they need, for CPython `python` on manylinux x86-64, into `dest`
+    (its old wheels removed: one version of each), with requirements.txt; setuptools too, the build backend of the
+    offline editable install. Needs the package index (this machine's); the device never does."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for old in dest.glob("*.whl"):
+        old.unlink()
+    (dest / "requirements.txt").write_text("\n".join(requirements()) + "\n")
+    tags = [f"--platform=manylinux_2_{n}_x86_64" for n in range(17, 40)] + ["--platform=manylinux2014_x86_64"]
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", "--implementation=cp",
+                    f"--python-version={python}", *tags, "-d", str(dest), "-r", str(dest / "requirements.txt"),
+                    "setuptools>=64"], check=True)
+    wheels = sorted(dest.glob("*.whl"))
+    kept = [w.name for w in wheels if w.name.split("-")[0].lower() in KEEP or w.name.startswith("nvidia")]
+    if kept:
+        sys.exit(f"gpu_suite: error: the wheelhouse pulled in {', '.join(kept)}: the image's own must stay")
+    emit({"wheelhouse": str(dest), "python": python, "wheels": len(wheels),
+          "MiB": round(sum(w.stat().st_size for w in wheels) / 2**20, 1)})
+
+
+def install_wheels(dest: Path) -> None:
+    """The lease's first step: the wheelhouse installed offline (dgemma editable, without its dependencies: the
+    image's torch stays whatever its version), then the env line. Fails if torch changed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def torch_version():
+        try:
+            return version("torch")
+        except PackageNotFoundError:
+            return None
+
+    before = torch_version()
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(dest), "--no-cache-dir"]
+    subprocess.run(pip + ["-r", str(dest / "requirements.txt")], check=True)
+    subprocess.run(pip + ["--no-deps", "-e", str(ROOT)], check=True)
+    if torch_version() != before:
+        sys.exit(f"gpu_suite: error: installing the wheelhouse changed torch {before} -> {torch_version()}")
+    print_env()
 
 
 def _pytest(workers: int) -> list[str]:
@@ -157,14 +223,16 @@ def print_env() -> None:
 
 
 def run_step(name: str, argv: list[str], limit: int, env: dict) -> dict:
-    def run():
+    def run():  # in its own process group: a step cut at its limit takes its children (pip, pytest workers) along
+        p = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, **env}, start_new_session=True)
         try:
-            p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=limit,
-                               env={**os.environ, **env})
-            return p.returncode, p.stdout, p.stdout + p.stderr
-        except subprocess.TimeoutExpired as e:
-            stdout = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-            return "timeout", stdout, stdout
+            out, err = p.communicate(timeout=limit)
+            return p.returncode, out, out + err
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, err = p.communicate()
+            return "timeout", out, out + err
     seconds, (code, stdout, out) = wall(run)
     return {"step": name, "command": shlex.join(argv), "exit": code, "seconds": round(seconds, 1),
             "stdout": stdout, "output": out}
@@ -260,6 +328,9 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="cuda (default when visible) or cpu")
     ap.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
     ap.add_argument("--lease", action="store_true", help=f"the lease plan: limits within {LEASE_S} s")
+    ap.add_argument("--wheels", default=None, help="--lease: first install this wheelhouse (built by --wheelhouse)")
+    ap.add_argument("--wheelhouse", default=None, help="build the lease's wheelhouse in this folder, run nothing")
+    ap.add_argument("--python-version", default=WHEEL_PYTHON, help="--wheelhouse: the device's Python")
     ap.add_argument("--only", default=None, help=f"steps to run, of {','.join(STEPS)} (--lease: its own)")
     ap.add_argument("--out", default=None, help="also write the section to this file")
     ap.add_argument("--budget", type=float, default=None, help="seconds for all steps together (a short lease)")
@@ -268,21 +339,34 @@ def main() -> None:
     ap.add_argument("-k", dest="k", default=None, help="pytest -k expression for the tests step")
     ap.add_argument("--log-dir", default=None, help="write each step's output and the section so far here")
     ap.add_argument("--print-env", action="store_true", help=argparse.SUPPRESS)  # the env step itself
+    ap.add_argument("--install", default=None, help=argparse.SUPPRESS)  # the install step itself
     args = ap.parse_args()
     if args.print_env:
         print_env()
         return
+    if args.wheelhouse or args.install:
+        build_wheelhouse(Path(args.wheelhouse), args.python_version) if args.wheelhouse else install_wheels(
+            Path(args.install))
+        return
     device = args.device
-    if device is None:
+    if device is None or device.startswith("cuda") and not args.dry_run:
         import torch
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    names = list(lease_plan("cuda")) if args.lease else list(STEPS)
+        device = device or ("cuda" if torch.cuda.is_available() or args.wheels else "cpu")
+        if device.startswith("cuda") and not args.dry_run:  # which torch, in one line; a CPU-only one stops here
+            if torch.version.cuda is None:
+                print(f"gpu_suite: error: torch {torch.__version__} at {torch.__file__} is a CPU-only build: run "
+                      "the suite with the device image's python3 (its CUDA torch; the wheelhouse never installs one), "
+                      "or pass --device cpu", file=sys.stderr)
+                sys.exit(2)
+            print(f"gpu_suite: torch {torch.__version__} (CUDA {torch.version.cuda}) at {torch.__file__}",
+                  file=sys.stderr)
+    names = list(lease_plan("cuda", wheels=args.wheels)) if args.lease else list(STEPS)
     only = [s.strip() for s in (args.only or ",".join(names)).split(",") if s.strip()]
     bad = [s for s in only if s not in names]
     if bad:
         sys.exit(f"gpu_suite: unknown step(s) {', '.join(bad)}; choose from {', '.join(names)}")
-    steps = lease_plan(device, args.workers) if args.lease else plan(device, args.workers, args.k)
+    steps = lease_plan(device, args.workers, args.wheels) if args.lease else plan(device, args.workers, args.k)
     try:
         caps = {name: float(sec) for name, sec in (c.split("=") for c in args.cap.split(",") if c.strip())}
     except ValueError:

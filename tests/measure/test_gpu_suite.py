@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+import time
+import tomllib
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_suite.py"
@@ -114,14 +119,18 @@ def test_a_short_lease_budget_caps_and_logs(tmp_path):
     assert bad.returncode != 0 and "--cap 'env': give STEP=SECONDS" in bad.stderr
 
 
-def test_the_lease_plan_fits_eight_minutes():
+@pytest.mark.parametrize("wheels", [[], ["--wheels", ".whl"]])
+def test_the_lease_plan_fits_eight_minutes(wheels):
     """--lease: the compiled kernel tests first, then bf16 and FP8 at batch 1 and 8 with prompts of 128 and 1,000
-    tokens, eager and graphed, the graphs-vs-eager check and the sync check; its limits within 480 s."""
-    out = subprocess.run([sys.executable, str(SCRIPT), "--device", "cuda", "--lease", "--dry-run"],
+    tokens, eager and graphed, the graphs-vs-eager check and the sync check; its limits within 480 s. With
+    --wheels, the wheelhouse's install comes first (it prints the env) and counts in the 480 s."""
+    out = subprocess.run([sys.executable, str(SCRIPT), "--device", "cuda", "--lease", "--dry-run", *wheels],
                          capture_output=True, text=True, check=True, cwd=ROOT).stdout.splitlines()
     plans = dict(line.split(": ", 1) for line in out[:-1])
     benches = [f"bench_{w}_p{n}_{g}" for w in ("bf16", "fp8") for n in (128, 1000) for g in ("eager", "graphs")]
-    assert list(plans) == ["env", "kernels", *benches, "graphs_equal", "sync_check"]
+    assert list(plans) == ["install" if wheels else "env", "kernels", *benches, "graphs_equal", "sync_check"]
+    if wheels:
+        assert plans["install"].split("  (limit")[0].endswith("benchmarks/gpu_suite.py --install .whl")
     assert "TRITON_INTERPRET" not in plans["kernels"] and "tests/kernels/test_kernel_fused.py" in plans["kernels"]
     for name in benches:
         cmd = plans[name]
@@ -147,3 +156,43 @@ def test_a_check_that_cannot_run_is_not_run_never_passed(tmp_path):
         assert p.returncode == 1, p.stderr
         row = next(line for line in p.stdout.splitlines() if line.startswith(f"| {name} |"))
         assert row.endswith("| not run |") and f"not run: 1 ({name})" in p.stdout and "passed: 0" in p.stdout
+
+
+def test_a_cuda_run_on_a_cpu_only_torch_stops_with_one_line():
+    import torch
+
+    if torch.version.cuda is not None:
+        pytest.skip("this torch is a CUDA build")
+    p = subprocess.run([sys.executable, str(SCRIPT), "--lease", "--device", "cuda", "--only", "env"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 2 and p.stdout == "", (p.returncode, p.stdout[-500:])
+    assert p.stderr.startswith(f"gpu_suite: error: torch {torch.__version__} at ") and len(p.stderr.splitlines()) == 1
+    assert "CPU-only build" in p.stderr and "--device cpu" in p.stderr
+
+
+def test_the_wheelhouse_holds_the_runtime_and_lease_test_requirements_but_never_torch():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = _module().requirements()
+    assert not any(r.lower().startswith(("torch", "triton")) for r in reqs)
+    assert [r for r in project["dependencies"] if not r.startswith(("torch", "triton"))] == reqs[:-2]
+    assert reqs[-2:] == [r for r in project["optional-dependencies"]["test"] if r.startswith(("pytest", "hypothesis"))]
+
+
+def test_a_step_cut_at_its_limit_takes_its_children_along():
+    """A step past its limit is killed with what it started (pip, pytest workers): nothing of it keeps the device."""
+    child = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+             " print(c.pid, flush=True); time.sleep(60)")
+    r = _module().run_step("x", [sys.executable, "-c", child], 3, {})
+    assert r["exit"] == "timeout" and r["seconds"] < 30
+    pid = int(r["stdout"].split()[0])
+    try:
+        for _ in range(50):  # reaped by init, or a zombie for a moment
+            stat = Path(f"/proc/{pid}/stat")
+            if not stat.exists() or stat.read_text().split(") ")[1].startswith("Z"):
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"the step's child {pid} outlived it")
+    finally:
+        if Path(f"/proc/{pid}").exists():
+            os.kill(pid, 9)
