@@ -161,6 +161,26 @@ def _fp8_linear(target: str) -> list[dict]:
     return out
 
 
+def _nvfp4_linear(target: str) -> list[dict]:
+    """The W4A16 GEMM (kernels/nvfp4_triton.py) at its launch config, for the real linears' widths; both scale rules
+    (DIVIDE: the global scale divides or multiplies)."""
+    from dgcli.kernels.fp8_linear import GROUP_M
+    from dgcli.kernels.nvfp4_triton import CONFIGS
+
+    out = []
+    for dt in DT:
+        bm, bn, bk, warps, stages = CONFIGS[dt]
+        for divide in (True, False):
+            for n, k in ((4096, H), (H, 4096)):
+                args = dict(x_ptr="*" + dt, p_ptr="*u8", s_ptr="*u8", g_ptr="*fp32", y_ptr="*" + dt, M=CANVAS, N=n,
+                            K=k, stride_xm=k, stride_pn=k // 2, stride_sn=k // 16, stride_ym=n)
+                flags = dict(DIVIDE=divide, IS_BF16=dt == "bf16", DOT_BF16=dt == "bf16", BLOCK_M=bm, BLOCK_N=bn,
+                             BLOCK_K=bk, GROUP=GROUP_M)
+                out.append(spec("nvfp4_triton._w4a16_kernel", f"{dt} {'divide' if divide else 'multiply'} {n}x{k}",
+                                target, args, flags, dt == "bf16", dict(num_warps=warps, num_stages=stages)))
+    return out
+
+
 def _vocab(target: str) -> list[dict]:
     from dgcli.kernels.vocab_pass import GROUP_BLOCK_K, SOFT_SPLITS, SOFT_TUNE, VOCAB_SPLITS
 
@@ -204,7 +224,7 @@ def _vocab(target: str) -> list[dict]:
 
 def configs(targets=tuple(TARGETS)) -> list[dict]:
     """Every configuration the CUDA launch wrappers can launch, for each target."""
-    return [c for t in targets for make in (_rmsnorm, _moe, _fp8_linear, _vocab) for c in make(t)]
+    return [c for t in targets for make in (_rmsnorm, _moe, _fp8_linear, _nvfp4_linear, _vocab) for c in make(t)]
 
 
 # --- computed, not measured: each kernel's time on an H100 against its floor ------------------------------------
@@ -219,7 +239,8 @@ def computed(batch: int, fp8: bool = False) -> list[tuple]:
     share for the FLOPs of its tiles and the bytes it loads and stores (re-reads and padding included: what the
     wrapper's grid and tiles make it do); the floor is the kernel's useful FLOPs and least bytes (inputs read once,
     outputs written once) at the device's peaks. Latency and overlap are left out and every load goes to memory
-    (no L2 reuse): an estimate of the launch as chosen, not a prediction. Dynamic FP8 is not modelled. Experts: uniform routing, the fixed 64-wide tile (autotuned picks may
+    (no L2 reuse): an estimate of the launch as chosen, not a prediction. Dynamic FP8 and NVFP4 are not
+    modelled. Experts: uniform routing, the fixed 64-wide tile (autotuned picks may
     differ); the vocabulary pass's soft GEMM: its first tuned tile."""
     from dgcli.kernels.fp8_linear import CONFIGS
     from dgcli.kernels.moe import BLOCK, block_rows

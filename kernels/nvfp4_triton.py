@@ -14,7 +14,9 @@ import triton.language as tl
 from .fp8_linear import GROUP_M, e4m3_to_f32
 from .triton_common import grouped_tile, interpreting, round_bf16, round_to
 
-CONFIG = (64, 128, 64, 4, 3)  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), as fp8_linear's bf16 tiles
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by activation dtype: none spills on sm_90 or sm_80
+# (benchmarks/kernel_targets.py; fp8_linear's [64, 128] bf16 tile spills on sm_80 here, its fp32 one ~13 KB a thread)
+CONFIGS = {"bf16": (64, 64, 64, 4, 3), "fp32": (64, 64, 32, 4, 1)}
 
 
 @triton.jit
@@ -52,7 +54,7 @@ def _w4a16_kernel(x_ptr, p_ptr, s_ptr, g_ptr, y_ptr, M, N, K, stride_xm, stride_
 def linear_w4a16(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glob: torch.Tensor, divide: bool, *,
                  config: tuple | None = None) -> torch.Tensor:
     """x [..., K] (bf16/fp32) by NVFP4 weights (packed uint8 [N, K/2], scale e4m3 [N, K/16], glob fp32 [N]) ->
-    [..., N] in x.dtype. `config`: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), default CONFIG."""
+    [..., N] in x.dtype. `config`: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), default CONFIGS'."""
     n, k = packed.shape[0], packed.shape[1] * 2
     shape = x.shape
     x2 = x.reshape(-1, k)
@@ -63,7 +65,7 @@ def linear_w4a16(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glo
     m = x2.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     is_bf16 = x.dtype == torch.bfloat16
-    bm, bn, bk, warps, stages = config or CONFIG
+    bm, bn, bk, warps, stages = config or CONFIGS["bf16" if is_bf16 else "fp32"]
     if m:
         _w4a16_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
             x2, p, s, g, y, m, n, k, x2.stride(0), p.stride(0), s.stride(0), y.stride(0), DIVIDE=divide,
