@@ -33,11 +33,9 @@ graphs. Its dry run prints the total. A step that cannot run here (CUDA only, no
 printed {"skipped": ...}) is "not run" in the section and never a pass: the suite exits 1 unless every step passed.
 
 The lease's wheelhouse (the device image has its own CUDA torch and Triton, maybe not the rest): build it here with
-`python benchmarks/gpu_suite.py --wheelhouse .whl` (wheels of dgemma's runtime and the lease's test requirements, not
-torch or triton, for the image's Python 3.12: `--python-version` for another; about 25 MiB), carry `.whl`, and run
-`python3 benchmarks/gpu_suite.py --lease --wheels .whl`: its first step, install, puts them in offline (`pip install
---no-index --find-links .whl`, dgemma itself editable without its dependencies), torch untouched, and prints the env.
-A CUDA run on a CPU-only torch stops at once with one line.
+`python benchmarks/wheelhouse.py .whl` (benchmarks/wheelhouse.py says what goes in), carry `.whl`, and run
+`python3 benchmarks/gpu_suite.py --lease --wheels .whl`: its first step, install, puts the wheels in offline, torch
+untouched, and prints the env. A CUDA run on a CPU-only torch stops at once with one line.
 
 Also for a short lease: `--budget S` shares S seconds among the steps in order (a step's limit is
 its own or what is left; steps past the budget are listed as not run; `--cap kernels=120,...` caps single steps),
@@ -52,7 +50,6 @@ interpreter, `--small` kernel shapes, a 2-layer slice of the medium dummy config
 
     python benchmarks/gpu_suite.py [--device cuda|cpu] [--lease [--wheels DIR]] [--dry-run] [--only env,tests,...]
         [--out FILE] [--budget S] [--cap STEP=S,...] [--workers N] [-k EXPR] [--log-dir DIR]
-    python benchmarks/gpu_suite.py --wheelhouse DIR [--python-version 3.12]
 """
 
 from __future__ import annotations
@@ -63,7 +60,6 @@ import importlib.util
 import json
 import os
 import platform
-import re
 import shlex
 import signal
 import subprocess
@@ -82,9 +78,6 @@ STEPS = ("env", "tests", "kernels", "sync_check", "engine_passes", "profile", "b
 
 
 LEASE_S = 480  # the lease plan's limits in all: 8 of a lease's 15 minutes
-WHEEL_PYTHON = "3.12"  # the device image's python3 (/work/.library/device/KINDS.md)
-KEEP = ("torch", "triton")  # the image's CUDA builds: never in the wheelhouse, never touched by the install
-LEASE_TEST_DEPS = ("pytest", "hypothesis")  # what the lease's kernel tests import, of the test extra's pins
 LEASE_KERNEL_TESTS = ("test_kernel_fused.py", "test_kernel_rmsnorm.py", "test_kernel_moe.py", "test_paged_attention.py",
                       "test_kernel_vocab_pass.py", "test_fp8_kernels.py", "test_custom_ops.py")
 
@@ -97,7 +90,7 @@ def lease_plan(device: str, workers: int = 1, wheels: str | None = None) -> dict
     bench = [py, "-m", "dgcli.cli", "bench", "--device", device, "--format", "json", "--no-measure-peaks", *dummy,
              "--dtype", "bfloat16", "--batch-size", "1,8", "--diffusion-steps", "8", "--runs", "1", "--warmup", "1",
              "--num-prompts", "8"]
-    first = ("install", [py, "benchmarks/gpu_suite.py", "--install", wheels], 40) if wheels else (
+    first = ("install", [py, "benchmarks/wheelhouse.py", "--install", wheels], 40) if wheels else (
         "env", [py, "benchmarks/gpu_suite.py", "--print-env"], 15)
     steps = {first[0]: (first[1], first[2], {}),
              "kernels": (_pytest(workers) + [f"tests/kernels/{f}" for f in LEASE_KERNEL_TESTS], 120,
@@ -110,56 +103,6 @@ def lease_plan(device: str, workers: int = 1, wheels: str | None = None) -> dict
     steps["graphs_equal"] = ([py, "benchmarks/graphs_equal.py"], 40, {})
     steps["sync_check"] = ([py, "benchmarks/sync_check.py"] + ["--graphs"] * cuda, 40, {})
     return steps
-
-
-def requirements() -> list[str]:
-    """dgemma's runtime requirements but torch and triton, and the test extra's pins the lease's tests import."""
-    import tomllib
-
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    name = lambda req: re.split(r"[\s<>=!~;\[]", req, maxsplit=1)[0].lower()  # noqa: E731
-    return [r for r in project["dependencies"] if name(r) not in KEEP] + [
-        r for r in project["optional-dependencies"]["test"] if name(r) in LEASE_TEST_DEPS]
-
-
-def build_wheelhouse(dest: Path, python: str) -> None:
-    """Wheels of `requirements()` and everything they need, for CPython `python` on manylinux x86-64, into `dest`
-    (its old wheels removed: one version of each), with requirements.txt; setuptools too, the build backend of the
-    offline editable install. Needs the package index (this machine's); the device never does."""
-    dest.mkdir(parents=True, exist_ok=True)
-    for old in dest.glob("*.whl"):
-        old.unlink()
-    (dest / "requirements.txt").write_text("\n".join(requirements()) + "\n")
-    tags = [f"--platform=manylinux_2_{n}_x86_64" for n in range(17, 40)] + ["--platform=manylinux2014_x86_64"]
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", "--implementation=cp",
-                    f"--python-version={python}", *tags, "-d", str(dest), "-r", str(dest / "requirements.txt"),
-                    "setuptools>=64"], check=True)
-    wheels = sorted(dest.glob("*.whl"))
-    kept = [w.name for w in wheels if w.name.split("-")[0].lower() in KEEP or w.name.startswith("nvidia")]
-    if kept:
-        sys.exit(f"gpu_suite: error: the wheelhouse pulled in {', '.join(kept)}: the image's own must stay")
-    emit({"wheelhouse": str(dest), "python": python, "wheels": len(wheels),
-          "MiB": round(sum(w.stat().st_size for w in wheels) / 2**20, 1)})
-
-
-def install_wheels(dest: Path) -> None:
-    """The lease's first step: the wheelhouse installed offline (dgemma editable, without its dependencies: the
-    image's torch stays whatever its version), then the env line. Fails if torch changed."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    def torch_version():
-        try:
-            return version("torch")
-        except PackageNotFoundError:
-            return None
-
-    before = torch_version()
-    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(dest), "--no-cache-dir"]
-    subprocess.run(pip + ["-r", str(dest / "requirements.txt")], check=True)
-    subprocess.run(pip + ["--no-deps", "-e", str(ROOT)], check=True)
-    if torch_version() != before:
-        sys.exit(f"gpu_suite: error: installing the wheelhouse changed torch {before} -> {torch_version()}")
-    print_env()
 
 
 def _pytest(workers: int) -> list[str]:
@@ -328,9 +271,7 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="cuda (default when visible) or cpu")
     ap.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
     ap.add_argument("--lease", action="store_true", help=f"the lease plan: limits within {LEASE_S} s")
-    ap.add_argument("--wheels", default=None, help="--lease: first install this wheelhouse (built by --wheelhouse)")
-    ap.add_argument("--wheelhouse", default=None, help="build the lease's wheelhouse in this folder, run nothing")
-    ap.add_argument("--python-version", default=WHEEL_PYTHON, help="--wheelhouse: the device's Python")
+    ap.add_argument("--wheels", default=None, help="--lease: first install this wheelhouse (benchmarks/wheelhouse.py)")
     ap.add_argument("--only", default=None, help=f"steps to run, of {','.join(STEPS)} (--lease: its own)")
     ap.add_argument("--out", default=None, help="also write the section to this file")
     ap.add_argument("--budget", type=float, default=None, help="seconds for all steps together (a short lease)")
@@ -339,14 +280,9 @@ def main() -> None:
     ap.add_argument("-k", dest="k", default=None, help="pytest -k expression for the tests step")
     ap.add_argument("--log-dir", default=None, help="write each step's output and the section so far here")
     ap.add_argument("--print-env", action="store_true", help=argparse.SUPPRESS)  # the env step itself
-    ap.add_argument("--install", default=None, help=argparse.SUPPRESS)  # the install step itself
     args = ap.parse_args()
     if args.print_env:
         print_env()
-        return
-    if args.wheelhouse or args.install:
-        build_wheelhouse(Path(args.wheelhouse), args.python_version) if args.wheelhouse else install_wheels(
-            Path(args.install))
         return
     device = args.device
     if device is None or device.startswith("cuda") and not args.dry_run:

@@ -140,44 +140,30 @@ def _moe(target: str) -> list[dict]:
 
 
 def _fp8_linear(target: str) -> list[dict]:
-    """The W8A16 GEMM (kernels/fp8_linear.py) at its CUDA launch config, for the real linears' widths."""
-    from dgcli.kernels.fp8_linear import CONFIGS, GROUP_M
+    """The weight-only GEMMs at their CUDA launch configs, for the real linears' widths (e.g. q, 16 heads x 256, and
+    o): W8A16 (kernels/fp8_linear.py) with bf16 or fp32 scales, W4A16 (kernels/nvfp4_triton.py) with its global
+    scale divided or multiplied; and dynamic FP8's quantizer."""
+    from dgcli.kernels import fp8_linear, nvfp4_triton
 
     out = []
-    for dt in DT:
-        bm, bn, bk, warps, stages = CONFIGS[dt]
-        for sdt in DT:
-            for n, k in ((4096, H), (H, 4096)):  # e.g. q (16 heads x 256) and o projections
-                args = dict(x_ptr="*" + dt, q_ptr="*u8", s_ptr="*" + sdt, y_ptr="*" + dt, M=CANVAS, N=n, K=k,
-                            stride_xm=k, stride_qn=k, stride_ym=n)
-                flags = dict(IS_BF16=dt == "bf16", DOT_BF16=dt == "bf16", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                             GROUP=GROUP_M)
-                out.append(spec("fp8_linear._w8a16_kernel", f"{dt} s={sdt} {n}x{k}", target, args, flags,
-                                dt == "bf16", dict(num_warps=warps, num_stages=stages)))
-        for k in (H, I):  # dynamic FP8's per-token quantizer: the layers' input and the experts' intermediate
-            out.append(spec("fp8_linear._quant_kernel", f"{dt} K={k}", target, dict(
-                x_ptr="*" + dt, q_ptr="*u8", s_ptr="*fp32", K=k, stride_x=k, stride_q=k),
-                dict(BLOCK=min(4096, 1 << (k - 1).bit_length())), False))
-    return out
-
-
-def _nvfp4_linear(target: str) -> list[dict]:
-    """The W4A16 GEMM (kernels/nvfp4_triton.py) at its launch config, for the real linears' widths; both scale rules
-    (DIVIDE: the global scale divides or multiplies)."""
-    from dgcli.kernels.fp8_linear import GROUP_M
-    from dgcli.kernels.nvfp4_triton import CONFIGS
-
-    out = []
-    for dt in DT:
-        bm, bn, bk, warps, stages = CONFIGS[dt]
-        for divide in (True, False):
-            for n, k in ((4096, H), (H, 4096)):
-                args = dict(x_ptr="*" + dt, p_ptr="*u8", s_ptr="*u8", g_ptr="*fp32", y_ptr="*" + dt, M=CANVAS, N=n,
-                            K=k, stride_xm=k, stride_pn=k // 2, stride_sn=k // 16, stride_ym=n)
-                flags = dict(DIVIDE=divide, IS_BF16=dt == "bf16", DOT_BF16=dt == "bf16", BLOCK_M=bm, BLOCK_N=bn,
-                             BLOCK_K=bk, GROUP=GROUP_M)
-                out.append(spec("nvfp4_triton._w4a16_kernel", f"{dt} {'divide' if divide else 'multiply'} {n}x{k}",
-                                target, args, flags, dt == "bf16", dict(num_warps=warps, num_stages=stages)))
+    for dt, (n, k) in ((dt, nk) for dt in DT for nk in ((4096, H), (H, 4096))):
+        for mod, kernel, variants in ((fp8_linear, "fp8_linear._w8a16_kernel", DT), (nvfp4_triton,
+                                      "nvfp4_triton._w4a16_kernel", ("divide", "multiply"))):
+            bm, bn, bk, warps, stages = mod.CONFIGS[dt]
+            flags = dict(IS_BF16=dt == "bf16", DOT_BF16=dt == "bf16", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                         GROUP=fp8_linear.GROUP_M)
+            for v in variants:
+                args = dict(x_ptr="*" + dt, y_ptr="*" + dt, M=CANVAS, N=n, K=k, stride_xm=k, stride_ym=n) | (dict(
+                    q_ptr="*u8", s_ptr="*" + v, stride_qn=k) if mod is fp8_linear else dict(
+                    p_ptr="*u8", s_ptr="*u8", g_ptr="*fp32", stride_pn=k // 2, stride_sn=k // 16))
+                label = f"{dt} s={v} {n}x{k}" if mod is fp8_linear else f"{dt} {v} {n}x{k}"
+                out.append(spec(kernel, label, target, args, flags | (
+                    {} if mod is fp8_linear else dict(DIVIDE=v == "divide")), dt == "bf16",
+                    dict(num_warps=warps, num_stages=stages)))
+    for dt, k in ((dt, k) for dt in DT for k in (H, I)):  # the quantizer: the layers' input, the experts' middle
+        out.append(spec("fp8_linear._quant_kernel", f"{dt} K={k}", target, dict(
+            x_ptr="*" + dt, q_ptr="*u8", s_ptr="*fp32", K=k, stride_x=k, stride_q=k),
+            dict(BLOCK=min(4096, 1 << (k - 1).bit_length())), False))
     return out
 
 
@@ -224,88 +210,7 @@ def _vocab(target: str) -> list[dict]:
 
 def configs(targets=tuple(TARGETS)) -> list[dict]:
     """Every configuration the CUDA launch wrappers can launch, for each target."""
-    return [c for t in targets for make in (_rmsnorm, _moe, _fp8_linear, _nvfp4_linear, _vocab) for c in make(t)]
-
-
-# --- computed, not measured: each kernel's time on an H100 against its floor ------------------------------------
-
-SMS = 132  # an H100 SXM's multiprocessors
-
-
-def computed(batch: int, fp8: bool = False) -> list[tuple]:
-    """(kernel, CTAs, floor s, computed s) of each non-attention kernel a canvas pass at `batch` launches at the
-    released shapes (bf16 activations; `fp8`: weight-only FP8 experts and linears). Computed, not measured: H100 SXM
-    peaks (dgcli.measure.peaks), each SM 1/132 of both; a launch's CTAs run in waves of 132, each CTA at its SM's
-    share for the FLOPs of its tiles and the bytes it loads and stores (re-reads and padding included: what the
-    wrapper's grid and tiles make it do); the floor is the kernel's useful FLOPs and least bytes (inputs read once,
-    outputs written once) at the device's peaks. Latency and overlap are left out and every load goes to memory
-    (no L2 reuse): an estimate of the launch as chosen, not a prediction. Dynamic FP8 and NVFP4 are not
-    modelled. Experts: uniform routing, the fixed 64-wide tile (autotuned picks may
-    differ); the vocabulary pass's soft GEMM: its first tuned tile."""
-    from dgcli.kernels.fp8_linear import CONFIGS
-    from dgcli.kernels.moe import BLOCK, block_rows
-    from dgcli.kernels.vocab_pass import SOFT_SPLITS, SOFT_TUNE, VOCAB_SPLITS
-    from dgcli.measure.peaks import DEVICE_TABLE
-
-    peak = DEVICE_TABLE["H100"]
-    n, a, wb = CANVAS * batch, 2, 1 if fp8 else 2  # rows; activation and weight bytes per element
-    pairs, inter = n * TOPK, 2112  # routed (token, expert) pairs; the dense MLP's width
-    bm = block_rows(pairs, E)
-    blocks = E * _cdiv(pairs // E, bm)  # the align kernel's non-empty row blocks, uniform routing
-    touched = E * (1 - (1 - TOPK / E) ** n)  # distinct experts a pass reads
-    bm8, bn8, bk8 = CONFIGS["bf16"][:3]
-    per_split = _cdiv(_cdiv(V, VOCAB_SPLITS), 64) * 64
-    sbm, sbn = SOFT_TUNE["bf16"][0][:2]
-    per_soft = _cdiv(V, SOFT_SPLITS)
-    rows = []  # (kernel, CTAs, FLOPs per CTA, bytes per CTA, useful FLOPs, least bytes)
-    rows.append(("fused._rms_norm_kernel (+res, +pre)", n, 0, 5 * H * a, 0, 4 * n * H * a + H * a))
-    heads = 16 + 2 * 8  # a sliding layer's q, k and v heads of 256
-    rows.append(("fused._qkv_norm_rope_kernel d=256", n * heads, 0, 4 * 256 * a, 0, n * heads * 256 * 2 * a))
-    rows.append(("fused._gelu_mul_kernel", n * _cdiv(inter, 1024), 0, 3 * 1024 * a, 0, 3 * n * inter * a))
-    rows.append(("fused._router_input_kernel", n, 0, 3 * H * a, 0, 2 * n * H * a + H * a))
-    rows.append(("fused._route_kernel", n, 0, E * (a + a) + TOPK * 12, 0, n * (E * a + TOPK * 12) + E * a))
-    rows.append(("moe._align_kernel", 1, 0, pairs * 16 + blocks * 4, 0, pairs * 16 + blocks * 4))
-    rows.append(("moe._gate_up_kernel", blocks * _cdiv(I, BLOCK), 2 * bm * H * 2 * BLOCK,
-                 bm * H * a + 2 * BLOCK * H * wb + bm * BLOCK * a, 2 * pairs * H * 2 * I,
-                 touched * 2 * I * H * wb + n * H * a + pairs * I * a))
-    rows.append(("moe._down_kernel", blocks * _cdiv(H, BLOCK), 2 * bm * I * BLOCK,
-                 bm * I * a + BLOCK * I * wb + bm * BLOCK * a, 2 * pairs * I * H,
-                 touched * H * I * wb + pairs * (I + H) * a))
-    rows.append(("moe._combine_kernel", n * _cdiv(H, 1024), 0, (TOPK + 1) * 1024 * a, 0, n * (TOPK + 1) * H * a))
-    if fp8:
-        for name, nn, k in (("q", 4096, H), ("o", H, 4096), ("mlp gate_up", 2 * inter, H), ("mlp down", H, inter)):
-            rows.append((f"fp8_linear._w8a16_kernel {name}", _cdiv(n, bm8) * _cdiv(nn, bn8), 2 * bm8 * bn8 * k,
-                         bm8 * k * a + bn8 * k + bm8 * bn8 * a, 2 * n * nn * k, nn * k + n * (k + nn) * a))
-    rows.append(("vocab_pass._stats_kernel", _cdiv(n, 64) * VOCAB_SPLITS, 2 * 64 * per_split * H,
-                 64 * H * a + per_split * H * a + 64 * per_split * a, 2 * n * V * H, V * H * a + n * H * a + n * V * a))
-    stats = 5 * 4 * VOCAB_SPLITS  # bytes of a row's split statistics (m, z, s, zb, argmax)
-    rows.append(("vocab_pass._combine_kernel", _cdiv(n, 128), 0, 128 * (stats + 24), 0, n * (stats + 24)))
-    rows.append(("vocab_pass._group_logits_kernel", n, 2 * 64 * H, 65 * H * a + 64 * 4, 2 * n * 64 * H,
-                 n * (65 * H * a + 64 * 4)))
-    rows.append(("vocab_pass._probs_kernel", n * _cdiv(V, 1024), 0, 2 * 1024 * a, 0, 2 * n * V * a))
-    rows.append(("vocab_pass._soft_kernel", _cdiv(n, sbm) * _cdiv(H, sbn) * SOFT_SPLITS, 2 * sbm * sbn * per_soft,
-                 (sbm + sbn) * per_soft * a + sbm * sbn * 4, 2 * n * V * H, (V * H + n * V) * a + n * H * 4))
-    out = []
-    for name, ctas, f, b, flops, least in rows:
-        floor = max(flops / peak.flops_per_s, least / peak.bytes_per_s)
-        one = max(f * SMS / peak.flops_per_s, b * SMS / peak.bytes_per_s)
-        out.append((name, ctas, floor, _cdiv(ctas, SMS) * one))
-    return out
-
-
-def computed_table(batches=(1, 8)) -> str:
-    lines = ["Computed, not measured (H100 SXM: 989 TFLOP/s bf16, 3.35 TB/s, 132 SMs; `computed` docstring): each "
-             "kernel's time as launched against its floor.", "",
-             "| kernel | weights | " + " | ".join(f"batch {b}: CTAs, floor us, computed us, x" for b in batches) + " |",
-             "|---|---|" + "---|" * len(batches)]
-    for fp8 in (False, True):
-        per = [computed(b, fp8) for b in batches]
-        for i, (name, *_) in enumerate(per[0]):
-            if fp8 and "moe." not in name and "fp8" not in name:
-                continue  # the same launches as bf16
-            cells = [f"{r[i][1]}, {r[i][2] * 1e6:.3g}, {r[i][3] * 1e6:.3g}, {r[i][3] / r[i][2]:.2f}" for r in per]
-            lines.append(f"| {name} | {'fp8-w' if fp8 else 'bf16'} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return [c for t in targets for make in (_rmsnorm, _moe, _fp8_linear, _vocab) for c in make(t)]
 
 
 # --- the child process: compile and measure --------------------------------------------------------------
@@ -434,8 +339,9 @@ def main(argv: list[str]) -> int:
         cfgs = list({(c["kernel"], c["target"]): c for c in reversed(cfgs)}.values())[::-1]
     seconds, done = wall(lambda: compile_configs(cfgs))
     print(table(done))
-    print()
-    print(computed_table())
+    from kernel_floor import computed_table  # each kernel's computed H100 time against its floor
+
+    print("\n" + computed_table())
     bad = [(c, p) for c in done for p in problems(c)]
     for c, p in bad:
         print(f"FAIL {c['kernel']} {c['target']} [{c['label']}]: {p}")

@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_suite.py"
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("gpu_suite", SCRIPT)
+def _module(script: Path = SCRIPT):
+    spec = importlib.util.spec_from_file_location(script.stem, script)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -130,7 +130,7 @@ def test_the_lease_plan_fits_eight_minutes(wheels):
     benches = [f"bench_{w}_p{n}_{g}" for w in ("bf16", "fp8") for n in (128, 1000) for g in ("eager", "graphs")]
     assert list(plans) == ["install" if wheels else "env", "kernels", *benches, "graphs_equal", "sync_check"]
     if wheels:
-        assert plans["install"].split("  (limit")[0].endswith("benchmarks/gpu_suite.py --install .whl")
+        assert plans["install"].split("  (limit")[0].endswith("benchmarks/wheelhouse.py --install .whl")
     assert "TRITON_INTERPRET" not in plans["kernels"] and "tests/kernels/test_kernel_fused.py" in plans["kernels"]
     for name in benches:
         cmd = plans[name]
@@ -172,7 +172,7 @@ def test_a_cuda_run_on_a_cpu_only_torch_stops_with_one_line():
 
 def test_the_wheelhouse_holds_the_runtime_and_lease_test_requirements_but_never_torch():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    reqs = _module().requirements()
+    reqs = _module(SCRIPT.with_name("wheelhouse.py")).requirements()
     assert not any(r.lower().startswith(("torch", "triton")) for r in reqs)
     assert [r for r in project["dependencies"] if not r.startswith(("torch", "triton"))] == reqs[:-2]
     assert reqs[-2:] == [r for r in project["optional-dependencies"]["test"] if r.startswith(("pytest", "hypothesis"))]
