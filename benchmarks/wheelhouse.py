@@ -68,7 +68,8 @@ def install_wheels(dest: Path) -> None:
             return None
 
     before = torch_version()
-    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(dest), "--no-cache-dir"]
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(dest), "--no-cache-dir",
+           "--no-compile"]  # .pyc files as imports need them: seconds off the lease
     subprocess.run(pip + ["-r", str(dest / "requirements.txt")], check=True)
     subprocess.run(pip + ["--no-deps", "-e", str(ROOT)], check=True)
     if torch_version() != before:
