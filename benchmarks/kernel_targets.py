@@ -200,9 +200,39 @@ def _vocab(target: str) -> list[dict]:
     return out
 
 
+def _attention(target: str) -> list[dict]:
+    """paged_attention's kernels as its wrapper launches them on CUDA (kernels/paged_attention.py::launches, which
+    the wrapper calls) at the real layers' shapes: sliding (16 heads on 8 kv, d 256, a ring, the pass's own keys
+    fresh), full (16 on 2, d 512) and d 128, over a table reaching 4,096 positions (the split and its combine)."""
+    import torch
+
+    from dgcli.kernels.paged_attention import launches
+
+    out = []
+    for dt, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        e = "*" + dt
+        for n_heads, n_kv, d, ring in ((16, 8, HEAD_DIMS[0], True), (16, 2, HEAD_DIMS[1], False), (8, 4, 128, False)):
+            pool, part = 4096 * 64 * d, CANVAS * n_heads * d  # one kv head of the pool (4,096 blocks of 64); a piece
+            for kernel, flags, opts in launches(d, n_heads // n_kv, dtype, 4096):
+                if kernel == "_paged_attention_kernel":
+                    flags = dict(flags, BLOCK_SIZE=64, RING=ring, FRESH=ring)
+                    args = dict(q_ptr=e, k_ptr=e, v_ptr=e, o_ptr=e, seq_ptr="*i32", lo_ptr="*i32", hi_ptr="*i32",
+                                tab_ptr="*i32", t0_ptr="*i32", tn_ptr="*i32", kn_ptr=e, vn_ptr=e, fp_ptr="*i32",
+                                fr_ptr="*i32", part_ptr="*fp32", ml_ptr="*fp32", ring_blocks=20, D=d,
+                                stride_qn=n_heads * d, stride_qh=d, stride_kh=pool, stride_ks=d, stride_vh=pool,
+                                stride_vs=d, stride_on=n_heads * d, stride_oh=d, stride_t=64, stride_kn=n_kv * d,
+                                stride_knh=d, stride_vn=n_kv * d, stride_vnh=d, stride_ps=part)
+                else:
+                    args = dict(o_ptr=e, lo_ptr="*i32", hi_ptr="*i32", t0_ptr="*i32", tn_ptr="*i32", part_ptr="*fp32",
+                                ml_ptr="*fp32", D=d, stride_on=n_heads * d, stride_oh=d, stride_ps=part)
+                out.append(spec(f"paged_attention.{kernel}", f"{dt} d={d} g={n_heads // n_kv}", target, args, flags,
+                                dt == "bf16" and kernel == "_paged_attention_kernel", opts))
+    return out
+
+
 def configs(targets=tuple(TARGETS)) -> list[dict]:
     """Every configuration the CUDA launch wrappers can launch, for each target."""
-    return [c for t in targets for make in (_rmsnorm, _moe, _fp8_linear, _vocab) for c in make(t)]
+    return [c for t in targets for make in (_rmsnorm, _moe, _fp8_linear, _vocab, _attention) for c in make(t)]
 
 
 # --- the child process: compile and measure --------------------------------------------------------------
