@@ -1,11 +1,11 @@
-"""Attention over a paged KV cache as a Triton kernel (CUDA), plus a combine kernel for long intervals: `paged_attention` (spec:
-`reference_ops.paged_attention_reference`) and the row-tile helpers `rows_per_tile` / `row_tiles` the engine uses
+"""Attention over a paged KV cache as a Triton kernel (CUDA), plus a combine kernel for long intervals:
+`paged_attention` (spec: `reference_ops.paged_attention_reference`) and the row-tile helpers `rows_per_tile` / `row_tiles` the engine uses
 to build the tile list once per plan. Must not: write the cache, allocate blocks, know phases (prompt, commit and
 canvas are all "row i attends positions lo..hi-1 of its sequence"), or sync with the host when the tiles are given
 (the engine captures it in a CUDA graph).
 
-Kernel: grid (tiles, kv heads, key pieces x V_PARTS). A program owns one row tile (consecutive rows of one sequence) and one kv head, and
-stacks the tile's rows x the head's GROUP query heads into the M dimension, so each key/value tile is loaded once
+Kernel: grid (tiles, kv heads, key pieces x V_PARTS). A program owns one row tile (consecutive rows of one sequence)
+and one kv head, and stacks the tile's rows x the head's GROUP query heads into the M dimension, so each key/value tile is loaded once
 for all of them (GQA). It walks the key positions min(lo)..max(hi)-1 of its rows in BLOCK_N steps, gathers each
 key's slot through the block table, masks per row and keeps an online softmax. A tile larger than the block is done
 in chunks (any tile list is correct; `rows_per_tile` rows is the fast one); a tile of 0 rows does nothing (padding
@@ -35,7 +35,7 @@ TILES = {"bf16": {128: (64, 64, 8, 3, 1), 256: (64, 16, 8, 2, 1), 512: (64, 16, 
 # Split over keys (flash-decoding): a row chunk whose interval spans >= 2·MIN_CHUNK keys is cut into up to SPLITS
 # pieces, one program each, and _combine_kernel sums them. A function of the chunk's own interval only: the same
 # rows give the same bits whatever else is in the pass.
-SPLITS, MIN_CHUNK = 4, 512
+SPLITS, MIN_CHUNK = 4, 1024
 
 
 @triton.jit
@@ -271,7 +271,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     tables = _int32(tables)
     reach = (ring_blocks if ring_blocks > 0 else tables.shape[1]) * block_size + (n if fresh else 0)  # interval bound
     (_, flags, opts), *combine = launches(d, group, q.dtype, reach)
-    flags.update(RING=ring_blocks > 0, FRESH=fresh, BLOCK_SIZE=block_size, DOT_BF16=flags["DOT_BF16"] and not interpreting())
+    flags.update(RING=ring_blocks > 0, FRESH=fresh, BLOCK_SIZE=block_size)
+    flags["DOT_BF16"] &= not interpreting()  # the interpreter computes bf16 dots wrongly
     splits = flags["SPLITS"]
     slab = (n - 1) * out.stride(0) + (n_heads - 1) * out.stride(1) + d  # a piece: laid out as `out`
     part = out.new_empty(splits * slab if splits > 1 else 0, dtype=torch.float32)  # [splits, slab]

@@ -1,6 +1,6 @@
-"""Paged attention over long prompts (kernels/paged_attention.py): an interval of 1,000 or 4,000 keys is cut into
-pieces run by separate programs and summed by a second kernel; the result equals the reference, a row's bits do not
-depend on its batch-mates (nor on whether the pass could split at all), and the bf16 tensor-core branch (DOT_BF16)
+"""Paged attention over long prompts (kernels/paged_attention.py): 1,000 keys walked by one program; 2,000 or
+4,000 cut into pieces run by separate programs and summed by a second kernel; the result equals the reference, a
+row's bits do not depend on its batch-mates (nor on whether the pass could split at all), and the bf16 tensor-core branch (DOT_BF16)
 runs in the interpreter with exact bf16 products. Data and tolerances: test_paged_attention.py's."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def _check(case, dtype, atol, rtol, device):
 
 @pytest.mark.parametrize("dtype,atol,rtol", TOLS)
 def test_a_1000_token_prompt_matches_the_reference(dtype, atol, rtol, triton_device):
-    """Its canvas reads 1,032 keys (two pieces), its prompt rows up to 1,000, a short sequence beside it one."""
+    """Its canvas reads 1,032 keys (one piece: a long walk), its prompt rows up to 1,000, a short sequence 300."""
     _check(prompt(1000), dtype, atol, rtol, triton_device)
 
 
@@ -73,10 +73,10 @@ def test_a_4000_token_prompt_matches_the_reference(window, ring, dtype, atol, rt
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_rows_bits_do_not_depend_on_its_batch_mates(dtype, triton_device):
     """Each sequence alone (its own table, as narrow as it needs: a pass that cannot split) and in a pass with a
-    1,000-token and a 300-token sequence (a pass that splits): the same bits."""
+    2,100-token and a 300-token sequence (a pass that splits the first): the same bits."""
     from dgcli.kernels.paged_attention import paged_attention
 
-    args, _ = make_case(*prompt(1000), dtype)
+    args, _ = make_case(*prompt(2100), dtype)
     q, k_pool, v_pool, row_seq, row_lo, row_hi, tables, bs, ring = args
     together = paged_attention(*_on(triton_device, args)).cpu()
     for s in (0, 1):
@@ -94,4 +94,5 @@ def test_the_tensor_core_branch_matches_the_reference(name, bf16_dots, triton_de
 
 
 def test_the_tensor_core_branch_over_a_long_prompt(bf16_dots, triton_device):
-    _check(prompt(1000), torch.bfloat16, *TOLS[1][1:], triton_device)
+    """2,132 keys: two pieces and their combine."""
+    _check(prompt(2100), torch.bfloat16, *TOLS[1][1:], triton_device)
