@@ -22,7 +22,7 @@ def prompt(length: int, window: int = 0, ring: int = 0, canvas_rows: int = 32) -
     end = length + canvas_rows
     lo = max(0, length - window + 1) if window else 0
     return (4, 2, 32, 64, ring, [(end, causal(length - 4, length, window) + canvas(canvas_rows, lo, end)),
-                                 (300, canvas(3, 0, 300))])
+                                 (700, canvas(3, 0, 700))])
 
 
 @pytest.fixture
@@ -57,7 +57,7 @@ def _check(case, dtype, atol, rtol, device):
 
 @pytest.mark.parametrize("dtype,atol,rtol", TOLS)
 def test_a_1000_token_prompt_matches_the_reference(dtype, atol, rtol, triton_device):
-    """Its canvas reads 1,032 keys (one piece: a long walk), its prompt rows up to 1,000, a short sequence 300."""
+    """Its canvas reads 1,032 keys (one piece: a long walk), its prompt rows up to 1,000, a sequence beside it 700."""
     _check(prompt(1000), dtype, atol, rtol, triton_device)
 
 
@@ -73,7 +73,7 @@ def test_a_4000_token_prompt_matches_the_reference(window, ring, dtype, atol, rt
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_rows_bits_do_not_depend_on_its_batch_mates(dtype, triton_device):
     """Each sequence alone (its own table, as narrow as it needs: a pass that cannot split) and in a pass with a
-    2,100-token and a 300-token sequence (a pass that splits the first): the same bits."""
+    2,100-token and a 700-token sequence (a pass that splits the first): the same bits."""
     from dgcli.kernels.paged_attention import paged_attention
 
     args, _ = make_case(*prompt(2100), dtype)
