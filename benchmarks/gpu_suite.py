@@ -79,7 +79,8 @@ STEPS = ("env", "tests", "kernels", "sync_check", "engine_passes", "profile", "b
 
 LEASE_S = 480  # the lease plan's limits in all: 8 of a lease's 15 minutes
 LEASE_KERNEL_TESTS = ("test_kernel_fused.py", "test_kernel_rmsnorm.py", "test_kernel_moe.py", "test_paged_attention.py",
-                      "test_kernel_vocab_pass.py", "test_fp8_kernels.py", "test_custom_ops.py")
+                      "test_paged_attention_split.py", "test_kernel_vocab_pass.py", "test_fp8_kernels.py",
+                      "test_custom_ops.py")
 
 
 def lease_plan(device: str, workers: int = 1, wheels: str | None = None) -> dict[str, tuple[list[str], int, dict]]:

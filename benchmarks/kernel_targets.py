@@ -18,6 +18,7 @@ where ptxas puts spilled registers; the Triton kernels here hold no local arrays
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -208,9 +209,36 @@ def _vocab(target: str) -> list[dict]:
     return out
 
 
+def _attention(target: str) -> list[dict]:
+    """paged_attention's kernels as its wrapper launches them on CUDA (kernels/paged_attention.py::launches, which
+    the wrapper calls) at the real layers' shapes: sliding (16 heads on 8 kv, d 256, a ring, the pass's own keys
+    fresh), full (16 on 2, d 512) and d 128, with a table too short to split and one reaching 4,096 positions."""
+    import torch
+
+    from dgcli.kernels.paged_attention import launches
+
+    out = []
+    for (dt, dtype), (n_heads, n_kv, d, ring), reach in itertools.product(
+            (("bf16", torch.bfloat16), ("fp32", torch.float32)),
+            ((16, 8, HEAD_DIMS[0], True), (16, 2, HEAD_DIMS[1], False), (8, 4, 128, False)), (512, 4096)):
+        e, pool, part = "*" + dt, 4096 * 64 * d, CANVAS * n_heads * d  # a kv head of the pool (4,096 x 64); a piece
+        for kernel, flags, opts in launches(d, n_heads // n_kv, dtype, reach):
+            args = dict(o_ptr=e, lo_ptr="*i32", hi_ptr="*i32", t0_ptr="*i32", tn_ptr="*i32", part_ptr="*fp32",
+                        ml_ptr="*fp32", D=d, stride_on=n_heads * d, stride_oh=d, stride_ps=part)
+            if kernel == "_paged_attention_kernel":
+                flags = dict(flags, BLOCK_SIZE=64, RING=ring, FRESH=ring)
+                args.update(q_ptr=e, k_ptr=e, v_ptr=e, seq_ptr="*i32", tab_ptr="*i32", kn_ptr=e, vn_ptr=e,
+                            fp_ptr="*i32", fr_ptr="*i32", ring_blocks=20, stride_qn=n_heads * d, stride_qh=d,
+                            stride_kh=pool, stride_ks=d, stride_vh=pool, stride_vs=d, stride_t=64, stride_kn=n_kv * d,
+                            stride_knh=d, stride_vn=n_kv * d, stride_vnh=d)
+            out.append(spec(f"paged_attention.{kernel}", f"{dt} d={d} g={n_heads // n_kv} splits={flags['SPLITS']}",
+                            target, args, flags, dt == "bf16" and kernel == "_paged_attention_kernel", opts))
+    return out
+
+
 def configs(targets=tuple(TARGETS)) -> list[dict]:
     """Every configuration the CUDA launch wrappers can launch, for each target."""
-    return [c for t in targets for make in (_rmsnorm, _moe, _fp8_linear, _vocab) for c in make(t)]
+    return [c for t in targets for make in (_rmsnorm, _moe, _fp8_linear, _vocab, _attention) for c in make(t)]
 
 
 # --- the child process: compile and measure --------------------------------------------------------------
@@ -328,12 +356,42 @@ def table(done: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def attention_times(sms: int = 132, flops: float = 989e12, bw: float = 3.35e12) -> str:
+    """Computed, not measured: paged attention's time per layer call on an H100 SXM (peak bf16 rate and bandwidth,
+    one program per SM), a 256-row canvas per sequence over a prompt, from the wrapper's `launches`, against the
+    floor max(4·rows·heads·keys·d / rate, K+V+q+out bytes / bw). Ours: those bytes plus the pieces' fp32 scratch
+    (written, read), (V_PARTS+1)/2 x the flops (each part recomputes the scores), at the rate x the last wave's fill."""
+    import torch
+
+    from dgcli.kernels.paged_attention import MIN_CHUNK, launches
+
+    lines = ["| layer | prompt | batch | keys | programs | pieces | floor us | ours us (computed) | ratio |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, n_kv, d, window in (("sliding", 8, HEAD_DIMS[0], 1024), ("full", 2, HEAD_DIMS[1], None)):
+        for prompt in (1000, 4000):
+            for batch in (1, 8):
+                keys = (prompt if window is None else min(prompt, window - 1)) + CANVAS
+                (_, f, _), *_ = launches(d, 16 // n_kv, torch.bfloat16, keys)
+                pieces = min(max(keys // MIN_CHUNK, 1), f["SPLITS"])
+                rows = batch * CANVAS * 16  # (row, query head) pairs
+                programs = batch * CANVAS // f["ROWS"] * n_kv * pieces * f["V_PARTS"]
+                bytes_ = batch * keys * n_kv * d * 4 + rows * d * 4
+                floor = max(4 * rows * keys * d / flops, bytes_ / bw)
+                fill = programs / (sms * -(-programs // sms))
+                scratch = rows * pieces * (d + 2) * 8 if pieces > 1 else 0
+                ours = max(2 * rows * keys * d * (f["V_PARTS"] + 1) / (flops * fill), (bytes_ + scratch) / bw)
+                lines.append(f"| {name} d={d} | {prompt} | {batch} | {keys} | {programs} | {pieces} | "
+                             f"{floor * 1e6:.1f} | {ours * 1e6:.1f} | {ours / floor:.2f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--compile-json"]:
         sys.path.insert(0, str(ROOT))
         json.dump([compile_one(c) for c in json.load(sys.stdin)], sys.stdout)
         return 0
     args = parser(__doc__).parse_args(argv)
+    print("paged attention per layer call, H100 SXM, computed (not measured):\n" + attention_times() + "\n")
     cfgs = configs()
     if args.dry_run:  # one configuration per kernel and target
         cfgs = list({(c["kernel"], c["target"]): c for c in reversed(cfgs)}.values())[::-1]

@@ -66,7 +66,8 @@ def test_the_matrix_covers_every_kernel_on_both_targets():
                "vocab_pass._soft_kernel", "vocab_pass._combine_kernel", "vocab_pass._group_logits_kernel",
                "fp8_linear._w8a16_kernel", "fused._qkv_norm_rope_kernel", "fused._gelu_mul_kernel",
                "fused._router_input_kernel", "fused._route_kernel", "moe._combine_kernel", "moe._align_kernel",
-               "vocab_pass._probs_kernel", "fp8_linear._quant_kernel", "nvfp4_triton._w4a16_kernel"}
+                "vocab_pass._probs_kernel", "fp8_linear._quant_kernel", "nvfp4_triton._w4a16_kernel",
+               "paged_attention._paged_attention_kernel", "paged_attention._combine_kernel"}
     assert {(c["kernel"], c["target"]) for c in CONFIGS} == {(k, t) for k in kernels for t in kt.TARGETS}
     # The dtypes and paths the wrappers launch: bf16 / fp32 everywhere, FP8 experts (both semantics) on sm_90,
     # weight-only on sm_80 too; the W8A16 linear (e4m3 bytes decoded in the kernel) on both targets.
