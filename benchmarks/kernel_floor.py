@@ -9,7 +9,7 @@ benchmarks/bench_kernels.py measures. Must not: launch anything or need a GPU.
 from __future__ import annotations
 
 from harness import emit, parser
-from kernel_targets import CANVAS, E, H, I, TOPK, V, _cdiv
+from kernel_targets import CANVAS, E, H, HEAD_DIMS, I, TOPK, V, _cdiv
 
 
 def computed(batch: int, fp8: bool = False) -> list[tuple]:
@@ -74,9 +74,39 @@ def computed_table(batches=(1, 8)) -> str:
     return "\n".join(out)
 
 
+def attention_times(sms: int = 132, flops: float = 989e12, bw: float = 3.35e12) -> str:
+    """Computed, not measured: paged attention's time per layer call on an H100 SXM (peak bf16 rate and bandwidth,
+    one program per SM), a 256-row canvas per sequence over a prompt, from the wrapper's `launches`, against the
+    floor max(4·rows·heads·keys·d / rate, K+V+q+out bytes / bw). Ours: those bytes plus the pieces' fp32 scratch
+    (written, read), (V_PARTS+1)/2 x the flops (each part recomputes the scores), at the rate x the last wave's fill."""
+    import torch
+
+    from dgcli.kernels.paged_attention import MIN_CHUNK, launches
+
+    lines = ["| layer | prompt | batch | keys | programs | pieces | floor us | ours us (computed) | ratio |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, n_kv, d, window in (("sliding", 8, HEAD_DIMS[0], 1024), ("full", 2, HEAD_DIMS[1], None)):
+        for prompt in (1000, 4000):
+            for batch in (1, 8):
+                keys = (prompt if window is None else min(prompt, window - 1)) + CANVAS
+                (_, f, _), *_ = launches(d, 16 // n_kv, torch.bfloat16, keys)
+                pieces = min(max(keys // MIN_CHUNK, 1), f["SPLITS"])
+                rows = batch * CANVAS * 16  # (row, query head) pairs
+                programs = batch * CANVAS // f["ROWS"] * n_kv * pieces * f["V_PARTS"]
+                bytes_ = batch * keys * n_kv * d * 4 + rows * d * 4
+                floor = max(4 * rows * keys * d / flops, bytes_ / bw)
+                fill = programs / (sms * -(-programs // sms))
+                scratch = rows * pieces * (d + 2) * 8 if pieces > 1 else 0
+                ours = max(2 * rows * keys * d * (f["V_PARTS"] + 1) / (flops * fill), (bytes_ + scratch) / bw)
+                lines.append(f"| {name} d={d} | {prompt} | {batch} | {keys} | {programs} | {pieces} | "
+                             f"{floor * 1e6:.1f} | {ours * 1e6:.1f} | {ours / floor:.2f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser(__doc__).parse_args()  # --dry-run: the same arithmetic (it takes milliseconds)
     print(computed_table())
+    print("\npaged attention per layer call, H100 SXM, computed (not measured):\n" + attention_times())
     emit({"bench": "kernel_floor", "rows": [dict(batch=b, fp8=f, kernel=k, ctas=c, floor_us=fl * 1e6, computed_us=t * 1e6)
                                            for b in (1, 8) for f in (False, True) for k, c, fl, t in computed(b, f)]})
 

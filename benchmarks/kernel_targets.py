@@ -356,50 +356,21 @@ def table(done: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def attention_times(sms: int = 132, flops: float = 989e12, bw: float = 3.35e12) -> str:
-    """Computed, not measured: paged attention's time per layer call on an H100 SXM (peak bf16 rate and bandwidth,
-    one program per SM), a 256-row canvas per sequence over a prompt, from the wrapper's `launches`, against the
-    floor max(4·rows·heads·keys·d / rate, K+V+q+out bytes / bw). Ours: those bytes plus the pieces' fp32 scratch
-    (written, read), (V_PARTS+1)/2 x the flops (each part recomputes the scores), at the rate x the last wave's fill."""
-    import torch
-
-    from dgcli.kernels.paged_attention import MIN_CHUNK, launches
-
-    lines = ["| layer | prompt | batch | keys | programs | pieces | floor us | ours us (computed) | ratio |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for name, n_kv, d, window in (("sliding", 8, HEAD_DIMS[0], 1024), ("full", 2, HEAD_DIMS[1], None)):
-        for prompt in (1000, 4000):
-            for batch in (1, 8):
-                keys = (prompt if window is None else min(prompt, window - 1)) + CANVAS
-                (_, f, _), *_ = launches(d, 16 // n_kv, torch.bfloat16, keys)
-                pieces = min(max(keys // MIN_CHUNK, 1), f["SPLITS"])
-                rows = batch * CANVAS * 16  # (row, query head) pairs
-                programs = batch * CANVAS // f["ROWS"] * n_kv * pieces * f["V_PARTS"]
-                bytes_ = batch * keys * n_kv * d * 4 + rows * d * 4
-                floor = max(4 * rows * keys * d / flops, bytes_ / bw)
-                fill = programs / (sms * -(-programs // sms))
-                scratch = rows * pieces * (d + 2) * 8 if pieces > 1 else 0
-                ours = max(2 * rows * keys * d * (f["V_PARTS"] + 1) / (flops * fill), (bytes_ + scratch) / bw)
-                lines.append(f"| {name} d={d} | {prompt} | {batch} | {keys} | {programs} | {pieces} | "
-                             f"{floor * 1e6:.1f} | {ours * 1e6:.1f} | {ours / floor:.2f} |")
-    return "\n".join(lines)
-
-
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--compile-json"]:
         sys.path.insert(0, str(ROOT))
         json.dump([compile_one(c) for c in json.load(sys.stdin)], sys.stdout)
         return 0
     args = parser(__doc__).parse_args(argv)
-    print("paged attention per layer call, H100 SXM, computed (not measured):\n" + attention_times() + "\n")
     cfgs = configs()
     if args.dry_run:  # one configuration per kernel and target
         cfgs = list({(c["kernel"], c["target"]): c for c in reversed(cfgs)}.values())[::-1]
     seconds, done = wall(lambda: compile_configs(cfgs))
     print(table(done))
-    from kernel_floor import computed_table  # each kernel's computed H100 time against its floor
+    from kernel_floor import attention_times, computed_table  # each kernel's computed H100 time against its floor
 
     print("\n" + computed_table())
+    print("\npaged attention per layer call, H100 SXM, computed (not measured):\n" + attention_times())
     bad = [(c, p) for c in done for p in problems(c)]
     for c, p in bad:
         print(f"FAIL {c['kernel']} {c['target']} [{c['label']}]: {p}")
