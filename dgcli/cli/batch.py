@@ -33,7 +33,8 @@ def parse_row(session: Any, row: dict, *, raw: bool, thinking: bool, init_flag: 
               schema: dict | None = None, folder: str = ".") -> Request:
     """One JSONL row as a request (`init_flag`: the ids --init-canvas gave, for rows without their own
     `init_canvas`); UserError on a bad value."""
-    from dgcli.runtime.request import check_context, encode, fill_canvas, read_init_canvas
+    from dgcli.runtime import vision
+    from dgcli.runtime.request import encode, fill_canvas, read_init_canvas
     from dgcli.sampling.params import DiffusionEbParams
 
     unknown = [k for k in row if k not in REQUEST_KEYS + PASS_THROUGH]
@@ -48,16 +49,12 @@ def parse_row(session: Any, row: dict, *, raw: bool, thinking: bool, init_flag: 
     if not isinstance(images, list) or not all(isinstance(f, str) for f in images):
         raise UserError(f"images {images!r} is not a list of image files; give e.g. \"images\": [\"cat.png\"]")
     if images:
-        from dgcli.runtime import vision
         from dgcli.text.images import read_files
 
         paths = [os.path.join(folder, f) for f in images]
-        pictures = vision.read_images(session, read_files(paths, "image"), [f"image {p}" for p in paths])
-        ids = vision.prompt_ids(session, row["prompt"], pictures, raw=raw, thinking=bool(thinking))
-        check_context(session, len(ids))
-        images = vision.engine_images(pictures)
-    else:
-        ids = encode(session, row["prompt"], raw=raw, thinking=True if thinking else None)
+        images = vision.read_images(session, read_files(paths, "image"), [f"image {p}" for p in paths])
+    ids = encode(session, row["prompt"], raw=raw, thinking=True if thinking else None, images=images)
+    images = vision.engine_images(images)
     init = read_init_canvas(session, row["init_canvas"], name="init_canvas")[0] if "init_canvas" in row else init_flag
     if "json_schema" in row:  # compiled (and so checked) now, with the other rows, before any runs
         from dgcli.cli.schema import row_schema
@@ -85,19 +82,18 @@ def run_rows(session: Any, requests: list[Request], *, batch_size: int, show_thi
              on_event: Callable | None, write: Callable[[int, Any], None]) -> list[Any]:
     """The requests through `request.run_batch`; `write(index, response)` is called in input order (a
     finished request waits for the ones before it). Returns the responses."""
+    from dgcli.cluster.driver import Ordered
     from dgcli.runtime.request import run_batch
 
-    ready: dict[int, Any] = {}
-    done: list[Any] = []
+    order, done = Ordered(), []
     for index, response in run_batch(session, [r.prompt_ids for r in requests], batch_size=batch_size,
                                      seeds=[r.seed for r in requests], init_canvases=[r.init_canvas for r in requests],
                                      show_thinking=show_thinking, on_event=on_event,
                                      json_schemas=[r.json_schema for r in requests],
                                      images=[r.images for r in requests] if any(r.images for r in requests) else None):
-        ready[index] = response
-        while len(done) in ready:  # input order
-            done.append(ready.pop(len(done)))
-            write(len(done) - 1, done[-1])
+        for n, ready in order.add(index, response):
+            done.append(ready)
+            write(n, ready)
     return done
 
 

@@ -25,18 +25,6 @@ EXAMPLES = ["dgemma bench --runs 3 --verbose   # every figure with its definitio
 REMOTE_ONLY = {"base_url", "api_key", "concurrency", "request_rate"}
 
 
-def _given(ctx: typer.Context, names) -> list[tuple[str, str]]:
-    """(flag, parameter name) of the parameters among `names` that the command line set (typer's vendored
-    click has its own ParameterSource: compared by name)."""
-    out = []
-    for p in ctx.command.params:
-        source = ctx.get_parameter_source(p.name) if p.name in names else None
-        if source is not None and source.name != "DEFAULT":
-            off = getattr(p, "secondary_opts", None) and ctx.params.get(p.name) is False
-            out.append(((p.secondary_opts if off else p.opts)[0], p.name))
-    return out
-
-
 def bench(
     ctx: typer.Context, model: o.Model = None, dummy: o.Dummy = None, layers: o.Layers = None, preset: o.Preset = None,
     device: o.Device = None, dtype: o.Dtype = None, seed: o.Seed = None, steps: o.Steps = None,
@@ -102,7 +90,7 @@ def bench(
     from dgcli.text.images import read_files
 
     image_bytes = read_files(image or [], "--image")  # before the model loads
-    stray = _given(ctx, REMOTE_ONLY)
+    stray = o.given(ctx, REMOTE_ONLY)
     if stray:
         raise UserError(f"{stray[0][0]} applies only with --base-url (a server); in-process bench measures --batch-size")
     if weights not in ("bf16", "fp8", "nvfp4", "q4_k", "q8_0"):
@@ -321,7 +309,7 @@ def _remote(ctx: typer.Context, base_url: str, api_key: str | None, concurrency:
     from dgcli.measure import remote_row as rr
     from dgcli.measure.workload import check_counts
 
-    stray = _given(ctx, rm.NOT_WITH_BASE_URL)
+    stray = o.given(ctx, rm.NOT_WITH_BASE_URL)
     if stray:
         flag, name = stray[0]
         raise UserError(f"{flag} does not apply with --base-url: {rm.NOT_WITH_BASE_URL[name]}")

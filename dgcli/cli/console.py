@@ -196,15 +196,13 @@ def emit(rows: list[dict], *, card: dict, fmt: str, title: str, headline: list[s
     sys.stdout.flush()
 
 
-def prompt_inputs(session: Any, command: str, init_canvas: str | None, image: list[str] | None,
+def prompt_inputs(session: Any, init_canvas: str | None, image: list[str] | None,
                   image_bytes: list[bytes]) -> tuple[list[int] | None, list[int] | None, list | None]:
-    """generate and watch, once the model loaded: (the --init-canvas ids, read once with a note on stderr; the first
-    canvas they fill; the --image pictures preprocessed for the tower); the tokenizer both need."""
+    """generate and watch, once the model and its tokenizer loaded: (the --init-canvas ids, read once with a note on
+    stderr; the first canvas they fill; the --image pictures preprocessed for the tower)."""
     from dgcli.runtime.request import fill_canvas, read_init_canvas
     from dgcli.runtime.vision import read_images
 
-    if session.tokenizer is None:
-        raise UserError(f"{session.path}: no tokenizer.json; dgemma {command} needs the checkpoint's tokenizer")
     given = canvas = None
     if init_canvas is not None:
         given, how = read_init_canvas(session, init_canvas)
@@ -222,12 +220,7 @@ def run_one(session: Any, text: str, *, raw: bool, thinking: bool, show_thinking
     from dgcli.render.trace import TraceWriter, make_header
     from dgcli.runtime import request, vision
 
-    if images:
-        think = bool(thinking) or session.resolved.run.thinking
-        ids = vision.prompt_ids(session, text, images, raw=raw, thinking=think)
-        request.check_context(session, len(ids))
-    else:
-        ids = request.encode(session, text, raw=raw, thinking=True if thinking else None)
+    ids = request.encode(session, text, raw=raw, thinking=True if thinking else None, images=images or ())
     writer = None
     if trace:
         header = make_header(model=str(session.path), settings=session.resolved.as_dict(), prompt_ids=ids,

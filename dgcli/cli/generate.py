@@ -142,7 +142,7 @@ def generate(
                                    chat=not raw, check=fits(min(batch_size, len(rows or [1])), "--batch-size"),
                                    low_memory=low_memory)
     session.prefix_caching = not no_prefix_caching
-    given, canvas, images = prompt_inputs(session, "generate", init_canvas, image, image_bytes)
+    given, canvas, images = prompt_inputs(session, init_canvas, image, image_bytes)
     if rows is not None:  # rows with their own init_canvas read theirs
         requests = batch.parse_rows(session, rows, input_jsonl, raw=raw, thinking=thinking, init_flag=given,
                                     schema=resolve(schema))

@@ -58,18 +58,16 @@ def info(
     from dgcli.checkpoint.config import parse_config
     from dgcli.checkpoint.load import DIRECTORY, GGUF, format_of, load_config
     from dgcli.checkpoint.random_weights import dummy_config
+    from dgcli.runtime.preflight import check_target
     from dgcli.runtime.session import default_model_path, pick_device, set_threads
 
     inventory = None
+    check_target(model, dummy, layers)
     if dummy is not None:
-        if model is not None:
-            raise UserError("give either a checkpoint (MODEL or --model) or --dummy CONFIG, not both")
         raw, _, name = dummy_config(dummy, layers)
         cfg = parse_config(raw)
         name, source = f"dummy {name}", f"config {dummy} (random weights; nothing read but the config)"
     else:
-        if layers is not None:
-            raise UserError("--layers shrinks a --dummy config; it does not apply to a checkpoint")
         path = Path(model) if model else default_model_path()
         cfg = load_config(path)
         kind = format_of(path)

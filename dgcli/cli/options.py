@@ -103,6 +103,19 @@ RayGpus = Annotated[Optional[float], typer.Option("--ray-gpus-per-worker", metav
     "With --ray: GPUs each worker reserves (0 on CPU).", "1 where the cluster has GPUs, else 0"))]
 
 
+def given(ctx: typer.Context, names) -> list[tuple[str, str]]:
+    """(flag, parameter name) of the parameters among `names` that the command line set (typer's vendored
+    click has its own ParameterSource: compared by name); an argument's flag is its name in capitals."""
+    out = []
+    for p in ctx.command.params:
+        source = ctx.get_parameter_source(p.name) if p.name in names else None
+        if source is not None and source.name != "DEFAULT":
+            off = getattr(p, "secondary_opts", None) and ctx.params.get(p.name) is False
+            out.append(((p.secondary_opts if off else p.opts)[0] if p.param_type_name == "option"
+                        else p.name.upper(), p.name))
+    return out
+
+
 def sampler_flags(*, steps=None, t_min=None, t_max=None, entropy_bound=None, stability=None, confidence=None,
                   seed=None, blocks=None, device=None, dtype=None, max_tokens=None) -> dict:
     """The flags given on the command line, keyed as in presets (None = not given)."""

@@ -19,7 +19,6 @@ EXAMPLES = ["dgemma quantize ~/diffusiongemma-26B-A4B-it ~/diffusiongemma-26B-A4
             "dgemma quantize dgcli/data/tiny /tmp/tiny-fp8 --fp8 && dgemma generate -m /tmp/tiny-fp8 \"Sort: 7 2 9 2\"",
             "dgemma quantize ~/diffusiongemma-26B-A4B-it ~/diffusiongemma-Q4_K_M.gguf --type q4_k_m",
             "dgemma quantize dgcli/data/tiny /tmp/tiny-q8_0.gguf --type q8_0 && dgemma generate -m /tmp/tiny-q8_0.gguf \"Sort: 7 2 9 2\""]
-GGUF_TYPES = ("f32", "bf16", "q8_0", "q4_k_m", "nvfp4")
 
 
 def quantize(
@@ -45,9 +44,7 @@ def quantize(
 
     gb = 1e9
     if gguf_type is not None:
-        kind = gguf_type.lower()
-        if kind not in GGUF_TYPES:
-            raise UserError(f"--type {gguf_type}: use one of {', '.join(GGUF_TYPES)}")
+        kind = gguf_type.lower()  # checkpoint_to_gguf refuses a type it does not write
         if not dst.lower().endswith(".gguf"):
             raise UserError(f"{dst}: a GGUF file name ends in .gguf; name the new file DST.gguf")
         from dgcli.cli.console import check_writable

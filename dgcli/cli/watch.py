@@ -27,6 +27,7 @@ EXAMPLES = ['dgemma watch "Count from 7 to 31." --blocks 3',
 # The least time a step stays on screen on a terminal when no pace is chosen: the bundled model's steps take
 # a few ms, so an unpaced run (2 steps, 0.02 s for the README's prompts) is over before anything is seen.
 DEFAULT_PACE_S = 0.15
+REPLAY_OPTIONS = ("replay", "speed", "fps", "step_delay", "save_svg", "save_html")  # the rest run the model
 NOT_A_TERMINAL_NOTE = ("dgemma: note: not a terminal, so no animation: the last frame of each block goes to "
                        "stderr and the answer to stdout")
 
@@ -94,6 +95,7 @@ def _describe(model: str, settings: dict, prompt: str | None) -> tuple[str, str]
 
 
 def watch(
+    ctx: typer.Context,
     prompt: Annotated[Optional[str], typer.Argument(metavar="PROMPT|-", help="Prompt text; - or nothing reads stdin.")] = None,
     model: o.Model = None, preset: o.Preset = None, device: o.Device = None, dtype: o.Dtype = None,
     seed: o.Seed = None, steps: o.Steps = None, t_min: o.TMin = None, t_max: o.TMax = None,
@@ -127,13 +129,10 @@ def watch(
                             stability=stability_threshold, confidence=confidence_threshold, seed=seed,
                             blocks=blocks, device=device, dtype=dtype, max_tokens=max_tokens)
     if replay is not None:
-        given = [name for name, v in (("PROMPT", prompt), ("--model", model), ("--preset", preset), ("--trace", trace),
-                                      ("--init-canvas", init_canvas), ("--threads", threads),
-                                      ("--json-schema", json_schema), ("--json", json_object or None),
-                                      ("--image", image)) if v is not None]
-        if given or any(v is not None for v in flags.values()) or show_config:
-            what = ", ".join(given) or "sampler options"
-            raise UserError(f"--replay animates a saved trace as recorded; drop {what} (or drop --replay to run the model)")
+        stray = [flag for flag, _ in o.given(ctx, set(ctx.params) - set(REPLAY_OPTIONS))]
+        if stray:
+            raise UserError(f"--replay animates a saved trace as recorded; drop {', '.join(stray)} (or drop --replay "
+                            "to run the model)")
         return _replay(replay, speed=speed, fps=fps, step_delay=step_delay, save_svg=save_svg, save_html=save_html)
     schema = resolve(read_schema(json_schema, json_object))
 
@@ -153,7 +152,7 @@ def watch(
         from dgcli.runtime.session import open_session
 
         session = open_session(model, preset, flags, threads=threads, chat=not raw)
-    _, canvas, images = prompt_inputs(session, "watch", init_canvas, image, image_bytes)
+    _, canvas, images = prompt_inputs(session, init_canvas, image, image_bytes)
     pieces = Pieces(fetch=session.tokenizer.token_strings)
     w = _watch(pieces, session.params.max_denoising_steps, fps=fps, step_delay=step_delay, speed=None, replay=False)
     try:

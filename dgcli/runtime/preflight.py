@@ -34,10 +34,19 @@ def default_model_path() -> Path:
     return BUNDLED
 
 
+def check_target(model: str | None, dummy: str | None, layers: int | None) -> None:
+    """A checkpoint or `--dummy` weights, never both; --layers only with --dummy."""
+    if dummy is not None and model is not None:
+        raise UserError("give either --model (a checkpoint) or --dummy CONFIG (random weights), not both")
+    if dummy is None and layers is not None:
+        raise UserError("--layers shrinks a --dummy config; it does not apply to a checkpoint")
+
+
 def settings_source(model: str | None, dummy: str | None = None,
                     layers: int | None = None) -> tuple[Path | str, ModelConfig, dict | None, dict]:
     """Without loading weights: the checkpoint's path (or a `--dummy` config's name), its config, its generation
     config and the flags a run of it forces (dummy weights: fixed work)."""
+    check_target(model, dummy, layers)
     if dummy is not None:
         from dgcli.checkpoint.random_weights import dummy_config
 

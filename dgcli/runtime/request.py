@@ -19,7 +19,7 @@ from dgcli.engine import check_ids, cut, out_of_vocab, over_context
 from dgcli.engine import kind as _kind
 from dgcli.errors import UserError
 from dgcli.runtime.preflight import check_prompt_chars, prompt_room
-from dgcli.runtime.settings import blocks_for
+from dgcli.runtime.settings import blocks_for, token_budget
 from dgcli.sampling.events import BlockStart, Done, Event, Step
 
 
@@ -49,9 +49,11 @@ def check_context(session: Any, prompt_len: int, num_blocks: int | None = None) 
                         "(or --max-tokens, which sets the block count when --blocks is not given)")
 
 
-def encode(session: Any, text: str, *, raw: bool = False, thinking: bool | None = None) -> list[int]:
-    """Prompt text -> ids through the checkpoint's chat template (`raw`: without it); thinking None = the
-    session's setting. Checked against the context for the session's block count."""
+def encode(session: Any, text: str, *, raw: bool = False, thinking: bool | None = None,
+           images: Sequence[Any] = ()) -> list[int]:
+    """Prompt text (after `images`: `runtime.vision.read_images`' pictures) -> ids through the checkpoint's chat
+    template (`raw`: without it); thinking None = the session's setting. Checked against the context for the
+    session's block count."""
     if not isinstance(text, str):
         fix = ("decode it first (prompt.decode())" if isinstance(text, (bytes, bytearray)) else "pass a str"
                if text is None or isinstance(text, numbers.Number) else
@@ -59,12 +61,17 @@ def encode(session: Any, text: str, *, raw: bool = False, thinking: bool | None 
         raise UserError(f"the prompt is {_kind(text)}, not text; {fix}")
     if session.tokenizer is None:
         raise UserError(f"{session.path}: no tokenizer.json; text prompts need the checkpoint's tokenizer")
-    if not text.strip():
+    if not text.strip() and not images:
         raise UserError("the prompt is empty; pass text as an argument or on stdin")
     think = session.resolved.run.thinking if thinking is None else thinking
     cfg = session.config  # a prompt far too long is refused from its length, before it is tokenized
     check_prompt_chars(text, session.tokenizer, prompt_room(cfg, session.num_blocks), cfg.max_position_embeddings)
-    ids = session.tokenizer.encode_prompt(text, raw=raw, thinking=think)
+    if images:
+        from dgcli.runtime.vision import prompt_ids
+
+        ids = prompt_ids(session, text, list(images), raw=raw, thinking=think)
+    else:
+        ids = session.tokenizer.encode_prompt(text, raw=raw, thinking=think)
     check_context(session, len(ids))
     return ids
 
@@ -173,8 +180,8 @@ def constraint(session: Any, json_schema: dict | None, num_blocks: int, ignore_e
     from dgcli.sampling.constrain import Constraint, compile_schema
 
     stops = () if ignore_eos else session.stop_ids
-    room, budget = num_blocks * session.config.canvas_length, session.resolved.run.max_tokens
-    return Constraint(compile_schema(session.tokenizer, json_schema, stops), room if budget is None else min(room, budget))
+    room = token_budget(session.resolved.run.max_tokens, num_blocks, session.config.canvas_length)
+    return Constraint(compile_schema(session.tokenizer, json_schema, stops), room)
 
 
 def _one(session: Any, prompt_ids: list[int], params: Any, ignore_eos: bool, init_canvas: list[int] | None,
@@ -234,15 +241,11 @@ def run_batch(session: Any, prompts: Iterable[Sequence[int]], *, batch_size: int
     inits = None if inits is None else [canvas_ids(session, x, f"init_canvases[{i}]") for i, x in enumerate(inits)]
     params = session.params if params is None else params
     num_blocks = blocks_for(params, session.resolved.run.max_tokens, session.config.canvas_length)
-    for i, ids in enumerate(prompts):  # every prompt before the first runs
-        try:
-            check_context(session, len(ids), num_blocks)
-        except UserError as e:
-            raise UserError(f"prompts[{i}]: {e}") from None
     schemas = _per_prompt(json_schemas, "json_schemas", len(prompts)) or [None] * len(prompts)
     cons = []
-    for i, x in enumerate(schemas):
+    for i, (ids, x) in enumerate(zip(prompts, schemas)):  # every prompt before the first runs
         try:
+            check_context(session, len(ids), num_blocks)
             cons.append(constraint(session, x, num_blocks, ignore_eos))
         except UserError as e:
             raise UserError(f"prompts[{i}]: {e}") from None

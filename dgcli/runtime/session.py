@@ -20,8 +20,8 @@ import torch
 from dgcli.checkpoint.config import parse_config
 from dgcli.errors import UserError
 from dgcli.model.config import ModelConfig
-from dgcli.runtime.preflight import (BUNDLED, check_low_memory, check_threads, default_model_path,  # noqa: F401
-                                     resolve_for, settings_source, thread_limit)
+from dgcli.runtime.preflight import (BUNDLED, check_low_memory, check_target, check_threads,  # noqa: F401
+                                     default_model_path, resolve_for, settings_source, thread_limit)
 from dgcli.runtime.settings import Resolved, blocks_for, resolve, stop_ids_from_generation_config
 
 
@@ -280,13 +280,10 @@ def open_any(model: str | None, dummy: str | None, layers: int | None, preset: s
              weights: str = "bf16", cuda_graphs: bool | None = False, check: Check | None = None,
              low_memory: bool | None = None) -> Session:
     """bench and sweep: a checkpoint (tokenizer optional) or `--dummy` weights, never both."""
+    check_target(model, dummy, layers)
     if dummy is None:
-        if layers is not None:
-            raise UserError("--layers shrinks a --dummy config; it does not apply to a checkpoint")
         return open_session(model, preset, flags, need_tokenizer=False, compile=compile, threads=threads,
                             cuda_graphs=cuda_graphs, check=check, low_memory=low_memory)
-    if model is not None:
-        raise UserError("give either --model (a checkpoint) or --dummy CONFIG (random weights), not both")
     return open_dummy_session(dummy, layers, preset, flags, warn=warn, compile=compile, threads=threads, weights=weights,
                               cuda_graphs=cuda_graphs, check=check)
 

@@ -137,6 +137,9 @@ def test_bench_show_config_resolves_without_loading(cli_ckpt, monkeypatch):
     doc = json.loads(r.stdout)
     assert doc["model"].startswith("dummy diffusiongemma-26B-A4B") and doc["params"]["confidence_threshold"] == 0.0
     one_line_error(invoke("bench", "--show-config", "--base-url", "http://127.0.0.1:9/v1"), "--show-config", "drop one")
+    # a flag the plan would leave out is refused, as a run refuses it
+    one_line_error(invoke("bench", "--dummy", "26B-A4B", "-m", str(cli_ckpt), "--show-config"), "--dummy", "not both")
+    one_line_error(invoke("bench", "-m", str(cli_ckpt), "--layers", "2", "--show-config"), "--layers")
 
 
 def test_info_takes_the_dtypes_the_other_commands_take(cli_ckpt):

@@ -56,6 +56,21 @@ def test_jsonl_rows_carry_their_images(vision_ckpt, tmp_path, capsys):
     assert code == 2 and "row 1" in err and "missing.png" in err and err.count("\n") == 1
 
 
+def test_an_image_row_follows_the_presets_thinking_as_image_does(vision_ckpt, tmp_path, capsys):
+    a = picture(tmp_path / "a.png", 0)
+    preset, rows = tmp_path / "think.yaml", tmp_path / "rows.jsonl"
+    preset.write_text("thinking: true\n")
+    rows.write_text(json.dumps({"prompt": "describe", "images": ["a.png"]}) + "\n")
+    args = ["generate", "--model", str(vision_ckpt), "--preset", str(preset), "--format", "json", "--diffusion-steps",
+            "4", "--blocks", "1", "--seed", "3"]
+    got = []
+    for more in (["--input-jsonl", str(rows)], ["--image", a, "describe"]):
+        code, out, err = run([*args, *more], capsys)
+        assert code == 0, err
+        got.append({k: json.loads(out)[k] for k in ("prompt_tokens", "token_ids")})
+    assert got[0] == got[1]
+
+
 def test_info_counts_the_tower_in_the_weights_and_an_images_tokens(vision_ckpt, capsys):
     code, out, err = run(["info", "--model", str(vision_ckpt), "-f", "json"], capsys)
     assert code == 0, err

@@ -389,7 +389,8 @@ def test_bad_traces_give_one_line_and_exit_2(tmp_path):
     (["--fps", "0", "x"], "--fps"), (["--step-delay", "-1", "x"], "--step-delay"), (["--speed", "2", "x"], "--speed"),
     (["--replay", "t.jsonl", "prompt"], "drop PROMPT"), (["--save-html", "/no/such/dir/x.html", "x"], "--save-html"), (["--replay", "t.jsonl", "--diffusion-steps", "4"], "drop"),
     (["--step-delay", "nan", "x"], "--step-delay nan: give a finite number"), (["--fps", "inf", "x"], "--fps inf"),
-    (["--replay", "t.jsonl", "--speed", "1e-300"], "too slow"), (["--save-svg", "/tmp", "x"], "is a directory")])
+    (["--replay", "t.jsonl", "--speed", "1e-300"], "too slow"), (["--save-svg", "/tmp", "x"], "is a directory"),
+    (["--replay", "t.jsonl", "--raw", "--thinking"], "drop --thinking, --raw")])  # a replay reads no prompt
 def test_bad_options_are_one_line_errors(args, message):
     from dgcli.cli.watch import watch
     from dgcli.errors import UserError
