@@ -98,6 +98,7 @@ def build_cache(gguf: Path, tag: str, items: Iterable[tuple[str, Callable[[], It
 
 def read_rate(path: Path, most: int = 256 << 20) -> float | None:
     """The disk's read rate (bytes/s) for `path`: its last `most` bytes (tensor data) read in 8 MiB chunks after
+    writing back any dirty pages (a file just written is still in the cache, dirty pages cannot be dropped) and
     asking the kernel to drop them from the page cache (pages another process maps stay: the rate is then the
     cache's, an overestimate); None where it cannot be read."""
     try:
@@ -107,6 +108,7 @@ def read_rate(path: Path, most: int = 256 << 20) -> float | None:
     try:
         size = os.fstat(fd).st_size
         start = max(0, size - most)
+        os.fdatasync(fd)
         os.posix_fadvise(fd, start, size - start, os.POSIX_FADV_DONTNEED)
         t0, n = time.perf_counter(), 0
         while chunk := os.pread(fd, 8 << 20, start + n):
