@@ -148,22 +148,25 @@ def device_peaks(device: Any, *, measure_cpu: bool = True, compute: str = "bfloa
     return info.measure_cpu_peaks(compute="bfloat16" if compute == "float8" else compute) if measure_cpu else None
 
 
-def pinned_peaks(path: str, device: Any, compute: str, threads: int | None = None) -> info.Peaks:
-    """`--peaks FILE`: the CPU peaks saved there, checked against this CPU at `threads` and matmul dtype."""
+def local_peaks(device: Any, compute: str, threads: int | None, *, measure_cpu: bool,
+                pinned: str | None) -> info.Peaks | None:
+    """The peaks of a local run: the CPU peaks saved in `--peaks FILE`, checked against this CPU at `threads` and
+    matmul dtype, else `device_peaks`."""
+    if pinned is None:
+        return device_peaks(device, measure_cpu=measure_cpu, compute=compute)
     import torch
 
     if device.type == "cuda":
-        raise UserError(f"--peaks {path}: pins a CPU's measured peaks; {torch.cuda.get_device_name(device)} uses its "
+        raise UserError(f"--peaks {pinned}: pins a CPU's measured peaks; {torch.cuda.get_device_name(device)} uses its "
                         "datasheet's: drop --peaks")
-    return pk.load_peaks(path, name=pk.cpu_label(threads or torch.get_num_threads()),
+    return pk.load_peaks(pinned, name=pk.cpu_label(threads or torch.get_num_threads()),
                          compute="bfloat16" if compute == "float8" else compute)
 
 
 def session_peaks(s: Any, *, measure_cpu: bool, pinned: str | None) -> info.Peaks | None:
-    """The peaks of a local session's run: pinned from `--peaks FILE`, else `device_peaks`."""
-    if pinned is not None:
-        return pinned_peaks(pinned, s.device, compute_dtype(s), getattr(s, "threads", 0) or None)
-    return device_peaks(s.device, measure_cpu=measure_cpu, compute=compute_dtype(s))
+    """`local_peaks` at a session's device, matmul dtype and threads."""
+    return local_peaks(s.device, compute_dtype(s), getattr(s, "threads", 0) or None, measure_cpu=measure_cpu,
+                       pinned=pinned)
 
 
 def load_note(s: Any) -> str | None:

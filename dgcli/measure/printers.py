@@ -57,9 +57,9 @@ def device_name(device: Any) -> str:
         import torch
 
         return torch.cuda.get_device_name(device)
-    from dgcli.measure.peaks import cpu_name
+    from dgcli.measure.peaks import cpu_label
 
-    return cpu_name() or platform.processor() or "CPU"
+    return cpu_label()
 
 
 def provenance(*, device: Any, dtype: str, model: str, model_name: str, parameters: int, active: int,
@@ -119,15 +119,20 @@ def parse_metadata(items: Iterable[str]) -> dict[str, str]:
 # ---- numbers ------------------------------------------------------------------------------------------------
 
 
+def _si(n: float) -> tuple[float, str]:
+    """The SI scale of n (1, 1e3 ... 1e15) and its prefix."""
+    i = 0
+    while abs(n) >= 1000 ** (i + 1) and i < 5:
+        i += 1
+    return 1000.0**i, " KMGTP"[i].strip()
+
+
 def human(n: float | None, unit: str = "") -> str:
     """SI prefixes, 4 significant digits: 1.5 GFLOP (bytes in binary units: `size`)."""
     if n is None:
         return "-"
-    prefixes = ["", "K", "M", "G", "T", "P"]
-    i, x = 0, float(n)
-    while abs(x) >= 1000 and i < len(prefixes) - 1:
-        x, i = x / 1000, i + 1
-    return f"{x:.4g} {prefixes[i]}{unit}".rstrip()
+    scale, prefix = _si(float(n))
+    return f"{n / scale:.4g} {prefix}{unit}".rstrip()
 
 
 def count(n: float) -> str:
@@ -312,15 +317,10 @@ def card_markdown(card: dict) -> str:
 def peak_text(d: dict, what: str, unit: str) -> str:
     """A peak (`what`: flops or bytes of a card's device or a Peaks as a dict) with, when it was measured, the
     min-max of its probes in the median's unit: "95.2 GFLOP/s (88.1-97.3 over 5 probes)"."""
-    value = d[f"{what}_per_s"]
-    text = human(value, unit)
-    rng = d.get(f"{what}_range")
-    if rng:
-        scale = 1.0
-        while abs(value) >= 1000 * scale and scale < 1e15:
-            scale *= 1000
-        text += f" ({rng[0] / scale:.3g}-{rng[1] / scale:.3g} over {d.get('repeats')} probes)"
-    return text
+    value, rng = d[f"{what}_per_s"], d.get(f"{what}_range")
+    scale = _si(value)[0]
+    return human(value, unit) + (f" ({rng[0] / scale:.3g}-{rng[1] / scale:.3g} over {d.get('repeats')} probes)"
+                                 if rng else "")
 
 
 # ---- files ---------------------------------------------------------------------------------------------------
