@@ -1,9 +1,9 @@
-"""Printers of the one bench/sweep record (md, csv, json, jsonl) and of the info card, plus provenance.
+"""Printers of the one bench/sweep record (md, csv, json, jsonl) and of the info card, plus provenance's parts.
 
 One record, many printers (llama-bench): every printer renders the same row dicts, so a figure has the same key
-and value in every format; md adds each figure's definition. Owns: number formatting, the card's text, provenance,
-`--metadata k=v` parsing and saving a result file atomically. Must not: measure, run models, or decide what a
-figure means (metrics.py does).
+and value in every format; md adds each figure's definition. Owns: number formatting, the card's text, the git
+commit, device name and kernel choices of a row's provenance, `--metadata k=v` parsing and saving a result file
+atomically. Must not: measure, run models, or decide what a figure means (metrics.py does).
 """
 
 from __future__ import annotations
@@ -12,13 +12,11 @@ import csv
 import io
 import json
 import os
-import platform
 import subprocess
 import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from dgcli import __version__
 from dgcli.errors import UserError
 from dgcli.measure.cost.memory import size
 from dgcli.measure.peaks import COMPUTE
@@ -43,7 +41,7 @@ def git_commit() -> str:
         return "unknown"
 
 
-def _version(package: str) -> str | None:
+def package_version(package: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -60,28 +58,6 @@ def device_name(device: Any) -> str:
     from dgcli.measure.peaks import cpu_label
 
     return cpu_label()
-
-
-def provenance(*, device: Any, dtype: str, model: str, model_name: str, parameters: int, active: int,
-               settings: dict, seed: int, prompt_hash: str, label: str | None, metadata: dict,
-               dummy: bool, compiled: bool = False, step_mode: str = "dynamic",
-               threads_source: str | None = None, packed_weights: int = 0, prefix_caching: bool | None = None,
-               ggml: str | None = None, threads: int | None = None) -> dict:
-    """A row's record of what ran; `threads`: the session's (a Ray worker's, not this driver's)."""
-    import torch
-
-    return {
-        "device": str(device), "device_name": device_name(device), "dtype": dtype,
-        "torch": torch.__version__, "triton": _version("triton"), "cuda": torch.version.cuda,
-        "torch_threads": threads or torch.get_num_threads(), "threads_source": threads_source,
-        "dgemma": __version__, "git_commit": git_commit(),
-        "model": model, "model_name": model_name, "model_parameters": parameters,
-        "model_active_parameters": active, "dummy_weights": dummy, "settings": settings, "seed": seed,
-        "prompt_set_hash": prompt_hash, "label": label, "metadata": metadata,
-        "kernels": kernel_choices(device, packed_weights, ggml, dtype), "compiled_decoder": compiled,
-        "step_mode": step_mode, "prefix_caching": prefix_caching,
-        "host": platform.node(), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
 
 
 def kernel_choices(device: Any, packed_weights: int = 0, ggml: str | None = None,
