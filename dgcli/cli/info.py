@@ -51,7 +51,7 @@ def info(
     model = model_opt if model_opt is not None else model_arg
     from dgcli.measure import cost as inf
     from dgcli.measure import printers as report
-    from dgcli.measure.bench import device_peaks, keep_peaks, matmul_dtype, peaks_for_card, pinned_peaks
+    from dgcli.measure.bench import keep_peaks, local_peaks, matmul_dtype, peaks_for_card
     from dgcli.measure.peaks import check_peak_flags, load_note
 
     check_peak_flags(peaks_file, save_peaks, measure_peaks)
@@ -95,8 +95,7 @@ def info(
         ggml = activations_on(getattr(torch, run_dtype), dev)
     compute = matmul_dtype(run_dtype, ggml)
     count = n_threads[0] if n_threads else None
-    local = pinned_peaks(peaks_file, dev, compute, count) if peaks_file is not None else \
-        device_peaks(dev, measure_cpu=measure_peaks, compute=compute)
+    local = local_peaks(dev, compute, count, measure_cpu=measure_peaks, pinned=peaks_file)
     for note in (keep_peaks(save_peaks, local), load_note(count or 1) if local is not None and local.flops_range
                  and peaks_file is None else None):
         if note:

@@ -123,9 +123,8 @@ def measure(session: Any, prompts: list[Prompt], params: Any, *, runs: int, warm
             out: list | None = None, advance: Callable[[], None] | None = None,
             json_schema: dict | None = None) -> list[Pass]:
     """`warmup` untimed requests, then `runs` timed passes appended to `out` as they finish (Ctrl-C keeps them);
-    `progress` hears what runs, `advance` once per timed request done; `json_schema`: every answer drawn under it."""
-    if runs < 1 or warmup < 0:
-        raise UserError("--runs must be >= 1 and --warmup >= 0")
+    `progress` hears what runs, `advance` once per timed request done; `json_schema`: every answer drawn under it.
+    The counts are the commands' (checked before the model: workload.check_counts)."""
     out = [] if out is None else out
     warm_up(session, prompts, params, warmup, batch_size=batch_size, ignore_eos=ignore_eos, progress=progress,
             json_schema=json_schema)
@@ -148,22 +147,25 @@ def device_peaks(device: Any, *, measure_cpu: bool = True, compute: str = "bfloa
     return info.measure_cpu_peaks(compute="bfloat16" if compute == "float8" else compute) if measure_cpu else None
 
 
-def pinned_peaks(path: str, device: Any, compute: str, threads: int | None = None) -> info.Peaks:
-    """`--peaks FILE`: the CPU peaks saved there, checked against this CPU at `threads` and matmul dtype."""
+def local_peaks(device: Any, compute: str, threads: int | None, *, measure_cpu: bool,
+                pinned: str | None) -> info.Peaks | None:
+    """The peaks of a local run: the CPU peaks saved in `--peaks FILE`, checked against this CPU at `threads` and
+    matmul dtype, else `device_peaks`."""
+    if pinned is None:
+        return device_peaks(device, measure_cpu=measure_cpu, compute=compute)
     import torch
 
     if device.type == "cuda":
-        raise UserError(f"--peaks {path}: pins a CPU's measured peaks; {torch.cuda.get_device_name(device)} uses its "
+        raise UserError(f"--peaks {pinned}: pins a CPU's measured peaks; {torch.cuda.get_device_name(device)} uses its "
                         "datasheet's: drop --peaks")
-    return pk.load_peaks(path, name=pk.cpu_label(threads or torch.get_num_threads()),
+    return pk.load_peaks(pinned, name=pk.cpu_label(threads or torch.get_num_threads()),
                          compute="bfloat16" if compute == "float8" else compute)
 
 
 def session_peaks(s: Any, *, measure_cpu: bool, pinned: str | None) -> info.Peaks | None:
-    """The peaks of a local session's run: pinned from `--peaks FILE`, else `device_peaks`."""
-    if pinned is not None:
-        return pinned_peaks(pinned, s.device, compute_dtype(s), getattr(s, "threads", 0) or None)
-    return device_peaks(s.device, measure_cpu=measure_cpu, compute=compute_dtype(s))
+    """`local_peaks` at a session's device, matmul dtype and threads."""
+    return local_peaks(s.device, compute_dtype(s), getattr(s, "threads", 0) or None, measure_cpu=measure_cpu,
+                       pinned=pinned)
 
 
 def load_note(s: Any) -> str | None:
@@ -220,20 +222,21 @@ def workload_mode(params: Any, dummy: bool) -> str:
     return "fixed-work (confidence_threshold 0)" if params.confidence_threshold == 0 else "adaptive"
 
 
-def settings_columns(params: Any, num_blocks: int) -> dict:
-    return {**{k: getattr(params, k) for k in SETTINGS if k != "blocks"}, "blocks": num_blocks}
-
-
 def make_row(s: Any, *, prompts: list[Prompt], prompt_source: str, params: Any, runs_done: int,
              runs_asked: int, warmup: int, ignore_eos: bool, summary: dict, label: str | None,
              metadata: dict, kind: str = "bench", images: list | None = None, schema: dict | None = None) -> dict:
     """The record: label, settings, workload, figures, provenance (in that order). `images`: `bench --image`'s
     (text/images.py's Image, with the names given), in every prompt; `schema`: the answers' (`--json-schema`:
     {"name", "sha256"} of the schema)."""
-    from dgcli.measure.printers import provenance
+    import platform
+
+    import torch
+
+    from dgcli import __version__
+    from dgcli.measure.printers import device_name, git_commit, kernel_choices, package_version
 
     counts = info.param_counts(s.config)
-    settings = settings_columns(params, s.num_blocks)
+    settings = {**{k: getattr(params, k) for k in SETTINGS if k != "blocks"}, "blocks": s.num_blocks}
     row = {"label": label, "kind": kind, **settings, "batch_size": summary.get("batch_size", 1),
            "mode": workload_mode(params, s.dummy),
            "dummy_weights": s.dummy, "prompt_source": prompt_source, "num_prompts": len(prompts),
@@ -246,14 +249,18 @@ def make_row(s: Any, *, prompts: list[Prompt], prompt_source: str, params: Any, 
     if runs_done < runs_asked:
         row["interrupted"] = f"Ctrl-C after {runs_done} of {runs_asked} runs"
     row.update(summary)
-    row["provenance"] = provenance(
-        device=s.device, dtype=s.dtype_name, model=str(s.path), model_name=s.name,
-        parameters=counts["total"], active=counts["active_per_token"], settings=settings, seed=params.seed,
-        prompt_hash=prompt_set_hash(prompts), label=label, metadata=metadata, dummy=s.dummy,
-        compiled=s.compiled, step_mode=getattr(s, "step_mode", "dynamic"),
-        threads=getattr(s, "threads", 0) or None, threads_source=getattr(s, "threads_source", None),
-        packed_weights=getattr(s, "packed_weights", 0),
-        prefix_caching=getattr(s, "prefix_caching", True), ggml=ggml_activations(s))
+    row["provenance"] = {  # what ran; `torch_threads`: the session's (a Ray worker's, not this driver's)
+        "device": str(s.device), "device_name": device_name(s.device), "dtype": s.dtype_name,
+        "torch": torch.__version__, "triton": package_version("triton"), "cuda": torch.version.cuda,
+        "torch_threads": getattr(s, "threads", 0) or torch.get_num_threads(),
+        "threads_source": getattr(s, "threads_source", None), "dgemma": __version__, "git_commit": git_commit(),
+        "model": str(s.path), "model_name": s.name, "model_parameters": counts["total"],
+        "model_active_parameters": counts["active_per_token"], "dummy_weights": s.dummy, "settings": settings,
+        "seed": params.seed, "prompt_set_hash": prompt_set_hash(prompts), "label": label, "metadata": metadata,
+        "kernels": kernel_choices(s.device, getattr(s, "packed_weights", 0), ggml_activations(s), s.dtype_name),
+        "compiled_decoder": s.compiled, "step_mode": getattr(s, "step_mode", "dynamic"),
+        "prefix_caching": getattr(s, "prefix_caching", True),
+        "host": platform.node(), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if schema:
         row["provenance"]["json_schema"] = schema
     if images:  # what the tower saw: each image's file, soft tokens and pixels' hash

@@ -5,9 +5,9 @@ Must not: measure, or decide what a figure means (metrics.py: DEFINITIONS and SU
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
+from dgcli.measure.metrics import unit
 from dgcli.measure.peaks import COMPUTE
 from dgcli.measure.printers import cell, count, fmt, human, md_table, peak_text, row_names, size
 
@@ -57,24 +57,18 @@ def card_text(card: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _unit(definition: str) -> str:
-    """The unit a definition starts with ("[ms] ..." -> "ms"), else ""."""
-    m = re.match(r"\[([^\]]+)\]", definition)
-    return m.group(1) if m else ""
-
-
 def value(key: str, v: Any, definitions: dict[str, str]) -> str:
     """One figure with its unit: bytes in KiB/MiB/GiB, shares as %, the rest as printers.fmt with the unit."""
-    unit = _unit(definitions.get(key, ""))
+    u = unit(key, definitions)
     if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
         return cell(key, v)
-    if unit == "B":
+    if u == "B":
         return size(v)
     if key.endswith("_rate") or key in ("slot_occupancy",):
         return f"{v * 100:.3g} %"
     if key == "step_vs_floor":
         return f"{fmt(float(v))}x"
-    return f"{fmt(v)} {unit}".strip()
+    return f"{fmt(v)} {u}".strip()
 
 
 def settings_line(rows: list[dict]) -> str:

@@ -9,6 +9,7 @@ numbers, or import torch (`bench --base-url` runs without it).
 from __future__ import annotations
 
 import dataclasses
+import re
 import statistics
 from collections import Counter
 from dataclasses import dataclass
@@ -22,6 +23,12 @@ from dgcli.model.config import ModelConfig
 if TYPE_CHECKING:  # not at run time: it imports torch, and `bench --base-url` (remote_row.py) uses this module
     from dgcli.runtime.request import Response
 
+
+
+def unit(key: str, definitions: dict[str, str] | None = None) -> str:
+    """The unit a figure's definition starts with ("[ms] ..." -> "ms"), else ""."""
+    m = re.match(r"\[([^\]]+)\]", (DEFINITIONS if definitions is None else definitions).get(key, ""))
+    return m.group(1) if m else ""
 
 
 def quantiles(name: str, what: str, qs: tuple[int, ...] = (50, 90, 99)) -> dict[str, str]:
@@ -161,20 +168,16 @@ class Pass:
     images_encoded: int = 0  # images the tower ran on in the pass
 
 
-def percentile(values: list[float], q: float) -> float:
-    """numpy's linear interpolation between closest ranks; nan for no values."""
-    return float(np.percentile(values, q)) if len(values) else float("nan")
-
-
 def stat(values: list[float], how: Any, scale: float = 1e3) -> float | None:
-    """The mean, "std" or percentile `how` of values x scale (s -> ms by default); None for no values."""
+    """The mean, "std" or percentile `how` (numpy's linear interpolation between closest ranks) of values x scale
+    (s -> ms by default); None for no values."""
     if not values:
         return None
     if how == "mean":
         return statistics.fmean(values) * scale
     if how == "std":
         return (statistics.stdev(values) if len(values) > 1 else 0.0) * scale
-    return percentile(values, how) * scale
+    return float(np.percentile(values, how)) * scale
 
 
 def latencies(name: str, values: list[float], kinds=("mean", 50, 90, 99)) -> dict:
@@ -234,8 +237,7 @@ def summarize(passes: list[Pass], cfg: ModelConfig, max_steps: int, *, weight_by
         "completed": len(reqs),
         "duration": wall,
         "total_output_tokens": tokens,
-        "output_throughput": statistics.fmean(per_run),
-        "output_throughput_std": statistics.stdev(per_run) if len(per_run) > 1 else 0.0,
+        "output_throughput": stat(per_run, "mean", 1.0), "output_throughput_std": stat(per_run, "std", 1.0),
         "request_throughput": statistics.fmean(per_run_req),
         **latencies("ttft", ttft),
         **latencies("e2el", e2e, ("mean", 50, 90, 99, "std")),
@@ -258,9 +260,7 @@ def summarize(passes: list[Pass], cfg: ModelConfig, max_steps: int, *, weight_by
         "mean_block_latency_ms": (request_denoise_s + commit_s) / blocks * 1e3,
         "output_blocks_per_second": _ratio(blocks, wall),
         "mean_blocks_per_request": blocks / len(reqs),
-        **{f"p{q}_steps_per_block": stat(steps, q, 1.0) for q in (50, 90, 99)},
-        "steps_histogram": steps_histogram(steps),
-        "cap_hit_rate": len(capped) / len(steps),
+        **steps_figures(steps, max_steps),
         "cap_hit_rate_first_block": sum(x.steps_per_block[0] >= max_steps for x in d) / len(d),
         "cap_steps_share": sum(capped) / row_steps,
         "finish_length_rate": sum(r.finish_reason == "length" for r in reqs) / len(reqs),
@@ -294,9 +294,12 @@ def summarize(passes: list[Pass], cfg: ModelConfig, max_steps: int, *, weight_by
     return row
 
 
-def steps_histogram(steps: list[int]) -> dict[str, int]:
-    """{step count: blocks}, ascending."""
-    return {str(s): n for s, n in sorted(Counter(steps).items())}
+def steps_figures(steps: list[int], cap: int | None) -> dict:
+    """The figures of the denoising steps per block: percentiles, {step count: blocks} ascending, and the share of
+    blocks that ran every step of `cap` (None: the cap is not known)."""
+    return {**{f"p{q}_steps_per_block": stat(steps, q, 1.0) for q in (50, 90, 99)},
+            "steps_histogram": {str(s): n for s, n in sorted(Counter(steps).items())},
+            "cap_hit_rate": (sum(s >= cap for s in steps) / len(steps) if steps else None) if cap else None}
 
 
 def min_max(values: list[float | None]) -> list[float] | None:

@@ -93,11 +93,13 @@ def measure_cpu_peaks(seconds: float = 1.0, repeats: int = 5, compute: str = "bf
     return peaks
 
 
-def cpu_label(threads: int) -> str:
-    """This CPU as its measured peaks name it: the model and the thread count they were measured with."""
+def cpu_label(threads: int | None = None) -> str:
+    """This CPU as a row's provenance names it (its model), and as its measured peaks do: with the thread count
+    they were measured with."""
     import platform
 
-    return f"{cpu_name() or platform.processor() or 'CPU'} ({threads} thread{'s' if threads != 1 else ''})"
+    name = cpu_name() or platform.processor() or "CPU"
+    return name if threads is None else f"{name} ({threads} thread{'s' if threads != 1 else ''})"
 
 
 def cpu_name() -> str | None:

@@ -17,14 +17,11 @@ def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
 
 def axis_label(key: str) -> str:
     """A figure's name with its unit: "output_throughput [tok/s]" (the definition's bracket); quality is a share."""
-    import re
-
-    from dgcli.measure.metrics import DEFINITIONS
+    from dgcli.measure.metrics import unit
 
     if key in ("quality", "exact_match", "agreement"):
         return f"{key} [share, 0-1]"
-    m = re.match(r"\[([^\]]+)\]", DEFINITIONS.get(key, ""))
-    return f"{key} [{m.group(1)}]" if m else key
+    return f"{key} [{unit(key)}]" if unit(key) else key
 
 
 def _svg(pts: list[dict], front: list[dict], x: str, y: str, title: str, label: Callable[[dict], str]) -> str:

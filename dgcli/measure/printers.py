@@ -1,9 +1,9 @@
-"""Printers of the one bench/sweep record (md, csv, json, jsonl) and of the info card, plus provenance.
+"""Printers of the one bench/sweep record (md, csv, json, jsonl) and of the info card, plus provenance's parts.
 
 One record, many printers (llama-bench): every printer renders the same row dicts, so a figure has the same key
-and value in every format; md adds each figure's definition. Owns: number formatting, the card's text, provenance,
-`--metadata k=v` parsing and saving a result file atomically. Must not: measure, run models, or decide what a
-figure means (metrics.py does).
+and value in every format; md adds each figure's definition. Owns: number formatting, the card's text, the git
+commit, device name and kernel choices of a row's provenance, `--metadata k=v` parsing and saving a result file
+atomically. Must not: measure, run models, or decide what a figure means (metrics.py does).
 """
 
 from __future__ import annotations
@@ -12,13 +12,11 @@ import csv
 import io
 import json
 import os
-import platform
 import subprocess
 import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from dgcli import __version__
 from dgcli.errors import UserError
 from dgcli.measure.cost.memory import size
 from dgcli.measure.peaks import COMPUTE
@@ -43,7 +41,7 @@ def git_commit() -> str:
         return "unknown"
 
 
-def _version(package: str) -> str | None:
+def package_version(package: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -57,31 +55,9 @@ def device_name(device: Any) -> str:
         import torch
 
         return torch.cuda.get_device_name(device)
-    from dgcli.measure.peaks import cpu_name
+    from dgcli.measure.peaks import cpu_label
 
-    return cpu_name() or platform.processor() or "CPU"
-
-
-def provenance(*, device: Any, dtype: str, model: str, model_name: str, parameters: int, active: int,
-               settings: dict, seed: int, prompt_hash: str, label: str | None, metadata: dict,
-               dummy: bool, compiled: bool = False, step_mode: str = "dynamic",
-               threads_source: str | None = None, packed_weights: int = 0, prefix_caching: bool | None = None,
-               ggml: str | None = None, threads: int | None = None) -> dict:
-    """A row's record of what ran; `threads`: the session's (a Ray worker's, not this driver's)."""
-    import torch
-
-    return {
-        "device": str(device), "device_name": device_name(device), "dtype": dtype,
-        "torch": torch.__version__, "triton": _version("triton"), "cuda": torch.version.cuda,
-        "torch_threads": threads or torch.get_num_threads(), "threads_source": threads_source,
-        "dgemma": __version__, "git_commit": git_commit(),
-        "model": model, "model_name": model_name, "model_parameters": parameters,
-        "model_active_parameters": active, "dummy_weights": dummy, "settings": settings, "seed": seed,
-        "prompt_set_hash": prompt_hash, "label": label, "metadata": metadata,
-        "kernels": kernel_choices(device, packed_weights, ggml, dtype), "compiled_decoder": compiled,
-        "step_mode": step_mode, "prefix_caching": prefix_caching,
-        "host": platform.node(), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
+    return cpu_label()
 
 
 def kernel_choices(device: Any, packed_weights: int = 0, ggml: str | None = None,
@@ -119,15 +95,20 @@ def parse_metadata(items: Iterable[str]) -> dict[str, str]:
 # ---- numbers ------------------------------------------------------------------------------------------------
 
 
+def _si(n: float) -> tuple[float, str]:
+    """The SI scale of n (1, 1e3 ... 1e15) and its prefix."""
+    i = 0
+    while abs(n) >= 1000 ** (i + 1) and i < 5:
+        i += 1
+    return 1000.0**i, " KMGTP"[i].strip()
+
+
 def human(n: float | None, unit: str = "") -> str:
     """SI prefixes, 4 significant digits: 1.5 GFLOP (bytes in binary units: `size`)."""
     if n is None:
         return "-"
-    prefixes = ["", "K", "M", "G", "T", "P"]
-    i, x = 0, float(n)
-    while abs(x) >= 1000 and i < len(prefixes) - 1:
-        x, i = x / 1000, i + 1
-    return f"{x:.4g} {prefixes[i]}{unit}".rstrip()
+    scale, prefix = _si(float(n))
+    return f"{n / scale:.4g} {prefix}{unit}".rstrip()
 
 
 def count(n: float) -> str:
@@ -312,15 +293,10 @@ def card_markdown(card: dict) -> str:
 def peak_text(d: dict, what: str, unit: str) -> str:
     """A peak (`what`: flops or bytes of a card's device or a Peaks as a dict) with, when it was measured, the
     min-max of its probes in the median's unit: "95.2 GFLOP/s (88.1-97.3 over 5 probes)"."""
-    value = d[f"{what}_per_s"]
-    text = human(value, unit)
-    rng = d.get(f"{what}_range")
-    if rng:
-        scale = 1.0
-        while abs(value) >= 1000 * scale and scale < 1e15:
-            scale *= 1000
-        text += f" ({rng[0] / scale:.3g}-{rng[1] / scale:.3g} over {d.get('repeats')} probes)"
-    return text
+    value, rng = d[f"{what}_per_s"], d.get(f"{what}_range")
+    scale = _si(value)[0]
+    return human(value, unit) + (f" ({rng[0] / scale:.3g}-{rng[1] / scale:.3g} over {d.get('repeats')} probes)"
+                                 if rng else "")
 
 
 # ---- files ---------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import statistics
 import time
 from typing import Any
 
-from dgcli.measure.metrics import NOT_IN_CSV, SETTINGS, latencies, min_max, quantiles, stat, steps_histogram
+from dgcli.measure.metrics import NOT_IN_CSV, SETTINGS, latencies, min_max, quantiles, stat, steps_figures
 from dgcli.measure.quality import bench_quality
 from dgcli.measure.remote import SAMPLER_FIELDS, Pass, Result, Target
 from dgcli.measure.workload import Prompt, prompt_set_hash
@@ -145,9 +145,7 @@ def _diffusion(ok: list[Result], fields: dict, missing: list[str]) -> dict:
         missing.append("cap_hit_rate: the server's max_denoising_steps is not known to the client (give --diffusion-steps)")
     return {"diffusion_denoising_steps": total, "mean_blocks_per_request": blocks / len(ok),
             "diffusion_steps_per_canvas": total / blocks if blocks else None,
-            **{f"p{q}_steps_per_block": stat(steps, q, 1.0) for q in (50, 90, 99)},
-            "steps_histogram": steps_histogram(steps),
-            "cap_hit_rate": (sum(s >= cap for s in steps) / len(steps) if steps else None) if cap else None}
+            **steps_figures(steps, cap)}
 
 
 def make_row(target: Target, *, prompts: list[Prompt], prompt_source: str, fields: dict, concurrency: int,

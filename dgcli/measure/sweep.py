@@ -240,14 +240,15 @@ def _overlap(a: tuple[float, float] | None, b: tuple[float, float] | None) -> bo
     return a is not None and b is not None and a[0] <= b[1] and b[0] <= a[1]
 
 
+def _others(front: list[dict], pair: Callable[[dict, dict], bool]) -> dict[str, list[dict]]:
+    """For each frontier row (by cell_key), the cells of the other frontier rows o with pair(row, o)."""
+    return {r["cell_key"]: [o["cell"] for o in front if o is not r and pair(r, o)] for r in front}
+
+
 def frontier_overlaps(front: list[dict], x: str, y: str) -> dict[str, list[dict]]:
     """For each frontier row (by cell_key), the other frontier rows whose x or y interval overlaps its own (on that
     figure the passes do not separate the two)."""
-    out: dict[str, list[dict]] = {}
-    for r in front:
-        out[r["cell_key"]] = [o["cell"] for o in front if o is not r and (
-            _overlap(interval(r, x), interval(o, x)) or _overlap(interval(r, y), interval(o, y)))]
-    return out
+    return _others(front, lambda r, o: any(_overlap(interval(r, k), interval(o, k)) for k in (x, y)))
 
 
 def _beats(a: dict, b: dict, key: str, timed: bool) -> bool:
@@ -276,11 +277,7 @@ def separated_frontier(rows: list[dict], x: str, y: str) -> list[dict]:
 def frontier_ties(front: list[dict], x: str, y: str) -> dict[str, list[dict]]:
     """For each frontier row (by cell_key), the other frontier rows it cannot be told from: neither beats the
     other on either figure (`_beats`), so the measurements name no winner between them (a tie)."""
-    out: dict[str, list[dict]] = {}
-    for r in front:
-        out[r["cell_key"]] = [o["cell"] for o in front if o is not r and not any(
-            _beats(a, b, k, k == x) for a, b in ((r, o), (o, r)) for k in (x, y))]
-    return out
+    return _others(front, lambda r, o: not any(_beats(a, b, k, k == x) for a, b in ((r, o), (o, r)) for k in (x, y)))
 
 
 def mark_frontier(rows: list[dict], speed: str) -> list[dict]:

@@ -302,7 +302,7 @@ def test_summary_of_a_bimodal_step_distribution():
     t1 = 10 / (0.011 * 2 + 0.001 * 69 + 0.002)
     t2 = 45 / (0.011 * 2 + 0.001 * 117 + 0.004)
     assert row["output_throughput"] == pytest.approx((t1 + t2) / 2)
-    assert metrics.percentile([1, 2, 3, 4], 50) == 2.5 and metrics.percentile([5], 99) == 5
+    assert metrics.stat([1, 2, 3, 4], 50, 1.0) == 2.5 and metrics.stat([5], 99, 1.0) == 5
 
 
 def test_warm_up_meets_every_shape_of_a_timed_pass_when_steps_are_captured(monkeypatch):

@@ -15,10 +15,7 @@ from dgcli.measure.cost.card import card
 from dgcli.measure.cost.counts import (DTYPE_BYTES, Cost, block_cost, bytes_by_dtype_for, distinct_experts,
                                        encode_cost, floor_seconds, param_counts, quantized_counts,
                                        safetensors_inventory, step_cost, weights_bytes_total)
-from dgcli.measure.cost.gguf import gguf_fit, gguf_inventory, gguf_section
-from dgcli.measure.cost.memory import (BUDGET, GIB, GPUS, KV_BLOCK, MOE_BLOCK, SERVE_SLOTS, batch_memory,
-                                       cache_blocks, cache_bytes, cache_positions, kv_bytes, largest_batch,
-                                       loop_state_bytes, markdown, moe_block_rows, one_request, pass_bytes,
-                                       peak_bytes, prefill_bytes, step_bytes, step_per_row, weights_bytes)
-from dgcli.measure.cost.vocab import vocab_bytes
-from dgcli.measure.peaks import DEVICE_TABLE, Peaks, cpu_name, gpu_peaks, measure_cpu_peaks
+from dgcli.measure.cost.gguf import gguf_inventory, gguf_section
+from dgcli.measure.cost.memory import (GIB, GPUS, KV_BLOCK, cache_blocks, cache_bytes, kv_bytes, markdown, one_request,
+                                       peak_bytes)
+from dgcli.measure.peaks import DEVICE_TABLE, Peaks, gpu_peaks, measure_cpu_peaks
