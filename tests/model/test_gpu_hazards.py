@@ -97,7 +97,8 @@ def run_graphs_engine(mode, monkeypatch, weights: str = "bf16") -> dict:
                 graph_passes=engine.stats["graph_passes"])
 
 
-@pytest.mark.parametrize("weights,fp8_mode", [("bf16", None), ("fp8", "weight-only"), ("fp8", "dynamic")])
+@pytest.mark.parametrize("weights,fp8_mode", [("bf16", None), pytest.param("fp8", "weight-only", marks=pytest.mark.slow),
+                                              pytest.param("fp8", "dynamic", marks=pytest.mark.slow)])
 def test_passes_read_nothing_back_wait_for_nothing_and_copy_no_weight(fake_cuda, monkeypatch, weights, fp8_mode):
     if fp8_mode:
         monkeypatch.setenv("DGEMMA_FP8", fp8_mode)
