@@ -35,7 +35,6 @@ TC_ANY = re.compile(r"\b(wgmma|mma)\.")  # any tensor-core instruction in PTX
 H, V, I, E, TOPK = 2816, 262_144, 704, 128, 8  # hidden, vocabulary, expert width, experts, experts per token
 HEAD_DIMS = (256, 512)  # sliding and full attention heads (q/k/v norms)
 CANVAS = 256
-TILE = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64)  # experts_triton's and vocab_pass_triton's defaults
 FP8 = "fp8e4nv"  # torch.float8_e4m3fn
 DT = {"bf16": "bf16", "fp32": "fp32"}
 # Accepted spills (bytes of stack frame per thread) and why. The stats kernel keeps five per-row running
@@ -169,7 +168,7 @@ def _fp8_linear(target: str) -> list[dict]:
 
 
 def _vocab(target: str) -> list[dict]:
-    from dgcli.kernels.vocab_pass import GROUP_BLOCK_K, SOFT_SPLITS, SOFT_TUNE, VOCAB_SPLITS
+    from dgcli.kernels.vocab_pass import GROUP_BLOCK_K, SOFT_SPLITS, SOFT_TUNE, TILE, VOCAB_SPLITS
 
     out = []
     bn, bk = TILE["BLOCK_N"], TILE["BLOCK_K"]
@@ -189,7 +188,7 @@ def _vocab(target: str) -> list[dict]:
                 out.append(spec("vocab_pass._stats_kernel", f"{dt} cap={int(cap)} soft={int(soft)}", target, args,
                                 dict(base, WANT_SOFT=soft), tc, spill_ok=SPILL_EXCEPTIONS["vocab_pass._stats_kernel"]))
         # The soft kernel: every autotuned configuration (kernels/vocab_pass.py::SOFT_TUNE) and the fixed one.
-        for bm, bn_soft, warps, stages in sorted({(64, 64, 4, 3), *SOFT_TUNE[dt]}):
+        for bm, bn_soft, warps, stages in sorted({(TILE["BLOCK_M"], TILE["BLOCK_N"], 4, 3), *SOFT_TUNE[dt]}):
             args = dict(p_ptr=e, e_ptr=e, part_ptr="*fp32", N=CANVAS, V=V, H=H, cols_per_split=per_soft, stride_p=V,
                         stride_e=H, stride_ps=CANVAS * H, stride_pn=H)
             flags = dict(DOT_BF16=dt == "bf16", BLOCK_M=bm, BLOCK_N=bn_soft, BLOCK_K=bk)

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .fp8 import FP8_MAX, MIN_SCALE
-from .triton_common import grouped_tile, interpreting, round_to
+from .triton_common import grouped_tile, round_to
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) on CUDA, by activation dtype: >= 88 programs at a 256-row canvas
 # in bf16; fp32's FMA dots spill at [64, 128] or more than one stage (benchmarks/kernel_targets.py checks both).
@@ -104,7 +104,7 @@ def _w8a16_kernel(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_qn, str
                                   mask=col_ok[None, :] & k_ok[:, None], other=0))  # [BK, BN] the weights / 256
         if DOT_BF16:  # exact operands (bf16 activations, e4m3 / 256 in bf16); full-rate tensor cores
             acc = tl.dot(a, w.to(tl.bfloat16), acc)
-        else:  # fp32 activations (or the interpreter): full fp32 products, not TF32
+        else:  # fp32 activations: full fp32 products, not TF32
             acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
     s = tl.load(s_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) * 256.0  # [BN] channel scales, x 256 exact
     y = round_to(acc * s[None, :], IS_BF16)  # one rounding, on the bits (the interpreter's own cast breaks ties)
@@ -131,6 +131,6 @@ def linear_w8a16(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, *, config: t
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     if m:
         _w8a16_kernel[grid](x2, qb, s1, y, m, n, k, x2.stride(0), qb.stride(0), y.stride(0), IS_BF16=is_bf16,
-                            DOT_BF16=is_bf16 and not interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                            DOT_BF16=is_bf16, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                             GROUP=GROUP_M, num_warps=warps, num_stages=stages)
     return y.view(*shape[:-1], n)

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .fp8_linear import e4m3_over_256, quantize_rows
-from .triton_common import gelu_mul_rounded, interpreting, round_to
+from .triton_common import gelu_mul_rounded, round_to
 
 BLOCK = 64  # the fixed tile (BLOCK_M, BLOCK_N, BLOCK_K): the interpreter, fp32 experts, explicit tiles
 # BLOCK_M -> the autotuned (BLOCK_N, num_warps, num_stages) on CUDA. 64 rows: memory-bound (a canvas of 256
@@ -78,7 +78,7 @@ def _gate_up_kernel(x_ptr, w_ptr, pair_ptr, block_expert_ptr, act_ptr, xs_ptr, w
             if DOT_BF16:  # exact operands (bf16 activations and weights); full-rate tensor cores
                 gate = tl.dot(a, wg, gate)
                 up = tl.dot(a, wu, up)
-            else:  # fp32 storage (or the interpreter): full fp32 products, not TF32
+            else:  # fp32 storage: full fp32 products, not TF32
                 a = a.to(tl.float32)
                 gate = tl.dot(a, wg, gate, input_precision="ieee")
                 up = tl.dot(a, wu, up, input_precision="ieee")
@@ -256,11 +256,10 @@ def experts_triton(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up_
     tuned = _tuning(x, dynamic, explicit)
     bm = block_m or (block_rows(n * k, num_experts) if tuned else BLOCK)
     pair_of_slot, block_expert = group_by_expert(idx_sorted.reshape(-1), num_experts, bm)
-    dot_bf16 = is_bf16 and not interpreting()
     gus = gate_up_scale.reshape(num_experts, -1).contiguous() if fp8 else x  # [E, 2I] (else unused)
     dns = down_scale.reshape(num_experts, -1).contiguous() if fp8 else x  # [E, H]
     xin, xs = quantize_rows(x) if dynamic else (x, x)  # [N, H] e4m3 and [N, 1] fp32 scales
-    flags = dict(IS_BF16=is_bf16, DOT_BF16=dot_bf16, W_FP8=fp8, A_FP8=dynamic, BLOCK_M=bm,
+    flags = dict(IS_BF16=is_bf16, DOT_BF16=is_bf16, W_FP8=fp8, A_FP8=dynamic, BLOCK_M=bm,
                  BLOCK_K=block_k or BLOCK)
     if tuned:  # BLOCK_N, warps and stages from the autotuner
         gate_up, down = _tuned(_gate_up_kernel, bm), _tuned(_down_kernel, bm)

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .fp8_linear import GROUP_M, e4m3_to_f32
-from .triton_common import grouped_tile, interpreting, round_bf16, round_to
+from .triton_common import grouped_tile, round_bf16, round_to
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by activation dtype: none spills on sm_90 or sm_80
 # (benchmarks/kernel_targets.py; fp8_linear's [64, 128] bf16 tile spills on sm_80 here, its fp32 one ~13 KB a thread)
@@ -44,7 +44,7 @@ def _w4a16_kernel(x_ptr, p_ptr, s_ptr, g_ptr, y_ptr, M, N, K, stride_xm, stride_
         w = round_bf16(half.to(tl.float32) * (f * 16384.0))  # [BK, BN] the bf16 weights, exactly as `decode`
         if DOT_BF16:  # exact: both operands hold bf16 values; full-rate tensor cores
             acc = tl.dot(a.to(tl.bfloat16), w.to(tl.bfloat16), acc)
-        else:  # fp32 activations (or the interpreter): full fp32 products, not TF32
+        else:  # fp32 activations: full fp32 products, not TF32
             acc = tl.dot(a, w, acc, input_precision="ieee")
     y = round_to(acc, IS_BF16)
     tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty),
@@ -69,6 +69,6 @@ def linear_w4a16(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glo
     if m:
         _w4a16_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
             x2, p, s, g, y, m, n, k, x2.stride(0), p.stride(0), s.stride(0), y.stride(0), DIVIDE=divide,
-            IS_BF16=is_bf16, DOT_BF16=is_bf16 and not interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            IS_BF16=is_bf16, DOT_BF16=is_bf16, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             GROUP=GROUP_M, num_warps=warps, num_stages=stages)
     return y.view(*shape[:-1], n)

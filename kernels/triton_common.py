@@ -1,7 +1,8 @@
 """Small Triton helpers shared by the kernels in this folder. Must not: hold kernels.
 
-`interpreting`: TRITON_INTERPRET=1, whose CPU interpreter computes bf16 dots wrongly (the kernels keep bf16
-operands out of tl.dot there). `round_bf16` rounds on the bits because the interpreter breaks float32 -> bfloat16
+`interpreting`: TRITON_INTERPRET=1. Its CPU interpreter keeps bf16 as uint16 bits and multiplies those in tl.dot:
+importing this module under it makes bf16 dot operands their fp32 values (exact), so the kernels' bf16
+tensor-core branches run there as on a GPU (fp32 accumulation). `round_bf16` rounds on the bits because the interpreter breaks float32 -> bfloat16
 ties differently from the GPU and torch (RTNE); the kernels mirror the reference's roundings to the storage dtype.
 """
 
@@ -15,6 +16,23 @@ import triton.language as tl
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _bf16_dots() -> None:
+    from triton.runtime import interpreter as ti
+
+    dot = ti.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, *args):
+        a, b = (ti.TensorHandle(self.cast_impl(x, tl.float32).data, tl.float32) if x.dtype.scalar == tl.bfloat16
+                else x for x in (a, b))
+        return dot(self, a, b, d, *args)
+
+    ti.InterpreterBuilder.create_dot = create_dot
+
+
+if interpreting():
+    _bf16_dots()
 
 
 @triton.jit

@@ -32,6 +32,9 @@ VOCAB_SPLITS = 64
 SOFT_SPLITS = 8
 GROUP_BLOCK_K = 128  # the draw's group kernel: [64, 128] embedding tiles
 SCRATCH_BYTES = 512 * 2**20  # the bf16(L) scratch of one row chunk: 1,024 rows at V = 262,144 in bf16
+# The tile the wrapper launches when none is given (the stats kernel always; the soft kernel off the autotuner);
+# benchmarks/kernel_targets.py compiles what this says.
+TILE = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64)
 # The soft kernel's autotuned (BLOCK_M, BLOCK_N, num_warps, num_stages) by model dtype (BLOCK_K fixed: it sets the
 # K order); none spills (benchmarks/kernel_targets.py: fp32's FMA dots do at [64, 128] on 4 warps).
 SOFT_TUNE = {"bf16": ((64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3), (64, 128, 8, 4)),
@@ -53,7 +56,7 @@ def _logits_tile(h_ptr, e_ptr, rows, row_ok, cols, col_ok, H, stride_h, stride_e
                     other=0.0)  # [BK, BN]
         if DOT_BF16:  # the bf16 operands as loaded: the tensor cores at full rate, fp32 accumulation
             acc = tl.dot(a, b, acc)
-        else:  # fp32 storage, or the interpreter (bf16 upcast: it computes bf16 dots wrongly): full fp32
+        else:  # fp32 storage: full fp32
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     raw = round_to(acc, IS_BF16)  # the reference's head GEMM output is in the model dtype
     if HAS_SOFTCAP:
@@ -169,7 +172,7 @@ def soft_gemm(p: torch.Tensor, embed: torch.Tensor, block_k: int = 64, soft_tile
     part = torch.empty(soft_splits, n, h, dtype=torch.float32, device=p.device)  # [S, n, H] split-K partials
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), triton.cdiv(h, meta["BLOCK_N"]), soft_splits)  # noqa: E731
     kernel[grid](p, embed, part, n, v, h, per_soft, p.stride(0), embed.stride(0), part.stride(0), part.stride(1),
-                 DOT_BF16=embed.dtype == torch.bfloat16 and not interpreting(), BLOCK_K=block_k, **tile)
+                 DOT_BF16=embed.dtype == torch.bfloat16, BLOCK_K=block_k, **tile)
     acc = part[0].clone()
     for k in range(1, soft_splits):  # elementwise, splits in order (a torch .sum(0) picks its order by shape)
         acc += part[k]
@@ -263,7 +266,7 @@ def _soft_launcher(interpreting: bool, block_m: int | None, block_n: int | None,
     static step's warm-up runs (outside any CUDA-graph capture) make that call; its picks stay in Triton's on-disk
     cache for later processes on the same GPU."""
     if block_m is not None or interpreting:
-        return _soft_kernel, dict(BLOCK_M=block_m or 64, BLOCK_N=block_n or 64)
+        return _soft_kernel, dict(BLOCK_M=block_m or TILE["BLOCK_M"], BLOCK_N=block_n or TILE["BLOCK_N"])
     name = "bf16" if dtype == torch.bfloat16 else "fp32"
     if name not in _SOFT_TUNED:
         configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
@@ -281,7 +284,6 @@ def _pass_rows(rows, embed, temp, u, softcap, want_soft, splits, bm, bn, bk, sof
     v = embed.shape[0]
     dev = rows.device
     is_bf16 = embed.dtype == torch.bfloat16
-    dot_bf16 = is_bf16 and not interpreting()
     row_blocks = triton.cdiv(n, bm)
     cols_per_split = triton.cdiv(triton.cdiv(v, splits), bn) * bn
     splits = triton.cdiv(v, cols_per_split)
@@ -294,7 +296,7 @@ def _pass_rows(rows, embed, temp, u, softcap, want_soft, splits, bm, bn, bk, sof
     _stats_kernel[(row_blocks, splits)](rows, embed, temp, m, z, s, amax, zb, tile_m, tile_z, scratch, n, v, h,
                                         n_tiles, cols_per_split, rows.stride(0), embed.stride(0),
                                         scratch.stride(0) if want_soft else 0, cap, HAS_SOFTCAP=bool(softcap),
-                                        IS_BF16=is_bf16, DOT_BF16=dot_bf16, WANT_SOFT=want_soft, BLOCK_M=bm,
+                                        IS_BF16=is_bf16, DOT_BF16=is_bf16, WANT_SOFT=want_soft, BLOCK_M=bm,
                                         BLOCK_N=bn, BLOCK_K=bk)
     mb, entropy, argmax, zbt = _combine(m, z, s, amax, zb, embed.dtype)
     sample = draw_from_groups(tile_m, tile_z, u, bn, rows, embed, softcap, temp[:, None], logits_fn=_group_logits)
@@ -311,7 +313,7 @@ def vocab_pass_triton(hidden: torch.Tensor, embed: torch.Tensor, *, softcap: flo
                       block_m: int | None = None, block_n: int | None = None,
                       block_k: int | None = None) -> VocabPassOut:
     """`reference.vocab_pass` by the kernels. `row_chunk`: rows per pass (default: the bf16(L) scratch under
-    SCRATCH_BYTES; changes nothing). Blocks (>= 16) default to 64; given, they also fix the soft kernel's tile.
+    SCRATCH_BYTES; changes nothing). Blocks (>= 16) default to TILE; given, they also fix the soft kernel's tile.
     `splits`: the stats kernel's vocabulary splits (default VOCAB_SPLITS, fewer when V has fewer tiles)."""
     if embed.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"vocab_pass_triton supports float32 and bfloat16 embeddings, got {embed.dtype}")
@@ -321,7 +323,7 @@ def vocab_pass_triton(hidden: torch.Tensor, embed: torch.Tensor, *, softcap: flo
     rows = hidden.reshape(b * c, h).to(embed.dtype).contiguous()  # [N, H]
     embed = embed.contiguous()
     n = rows.shape[0]
-    bm, bn, bk = block_m or 64, block_n or 64, block_k or 64
+    bm, bn, bk = block_m or TILE["BLOCK_M"], block_n or TILE["BLOCK_N"], block_k or TILE["BLOCK_K"]
     splits = splits or max(1, min(triton.cdiv(v, bn), VOCAB_SPLITS))
     soft_tile = _soft_launcher(interpreting(), block_m, block_n, embed.dtype)
     temp = row_temperature(temperature, b, c, dev).expand(n, 1).reshape(n).contiguous()  # [N]: one per row

@@ -49,7 +49,7 @@ class FakeCuda:
     capture on): each call does nothing. A "captured" step would run eagerly on fake tensors, so a host read
     inside it (which would break a real capture) fails the run as anywhere else."""
 
-    def __init__(self, **kw):
+    def __init__(self, *a, **kw):
         pass
 
     def record(self, stream=None):
@@ -66,6 +66,9 @@ class FakeCuda:
 
     def replay(self):
         pass
+
+    def pool(self):
+        return None
 
 
 def _meta_twin(x):

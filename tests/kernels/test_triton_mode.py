@@ -1,7 +1,7 @@
 """How the suite runs the Triton kernels, decided once in tests/conftest.py: compiled where CUDA exists
 (TRITON_INTERPRET not set, whatever the environment held), in the interpreter where it does not; and the
-kernels' own reading of that state (`triton_common.interpreting`, which keeps bf16 operands out of tl.dot only in the
-interpreter)."""
+kernels' own reading of that state (`triton_common.interpreting`), and bf16 dots computed in the interpreter as on a
+GPU (so the kernels' bf16 tensor-core branches run in CPU tests)."""
 
 from __future__ import annotations
 
@@ -48,12 +48,36 @@ def test_a_subprocess_inherits_the_decision():
 
 
 def test_kernels_read_the_mode():
-    """moe.py, vocab_pass.py and fp8_linear.py keep DOT_BF16 off only in the interpreter (it computes bf16 dots
-    wrongly)."""
     pytest.importorskip("triton")
     from dgcli.kernels import triton_common
 
     assert triton_common.interpreting() is (not torch.cuda.is_available())
+
+
+def test_bf16_dots_compute_as_on_a_gpu():
+    """The kernels' bf16 tensor-core branches (DOT_BF16) run in the interpreter too: a bf16 x bf16 tl.dot chain with
+    fp32 accumulation gives the fp32 product of the bf16 values (Triton's interpreter alone multiplies their bits)."""
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+
+    from dgcli.kernels import triton_common  # noqa: F401  (the interpreter's fix, made at import)
+
+    @triton.jit
+    def dot_chain(a_ptr, b_ptr, c_ptr, K: tl.constexpr):
+        r = tl.arange(0, 16)
+        acc = tl.zeros((16, 16), dtype=tl.float32)
+        for k0 in range(0, K, 16):
+            ks = k0 + tl.arange(0, 16)
+            acc = tl.dot(tl.load(a_ptr + r[:, None] * K + ks[None, :]), tl.load(b_ptr + ks[:, None] * 16 + r[None, :]),
+                         acc)
+        tl.store(c_ptr + r[:, None] * 16 + r[None, :], acc)
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(*s, generator=g).to(torch.bfloat16).to(dev) for s in ((16, 64), (64, 16)))
+    c = torch.empty(16, 16, device=dev)
+    dot_chain[(1,)](a, b, c, K=64)
+    torch.testing.assert_close(c, a.float() @ b.float(), rtol=1e-5, atol=1e-4)  # exact products, fp32 sums
 
 
 def test_no_test_module_sets_the_variable_itself():

@@ -384,8 +384,8 @@ def test_memory_constants_follow_the_kernels():
     assert (const("SCRATCH_BYTES"), const("VOCAB_SPLITS"), const("SOFT_SPLITS")) == (
         memory_vocab.SCRATCH_BYTES, memory_vocab.VOCAB_SPLITS, memory_vocab.SOFT_SPLITS)
     # vocab_pass_triton's default blocks: block_n is the draw's group width, block_k rounds the soft splits
-    assert re.search(rf"bm, bn, bk = block_m or \d+, block_n or {memory_vocab.GROUP}, block_k or {memory_vocab.SOFT_BLOCK_K}\n",
-                     triton_src)
+    assert re.search(rf"^TILE = dict\(BLOCK_M=\d+, BLOCK_N={memory_vocab.GROUP}, BLOCK_K={memory_vocab.SOFT_BLOCK_K}\)\n",
+                     triton_src, re.M)
     # the row chunk the formula takes (`_cuda_vocab`'s r) and the split counts as _pass_rows rounds them
     for line in ("min(n, row_chunk or SCRATCH_BYTES // (v * embed.element_size()))",
                  "splits = splits or max(1, min(triton.cdiv(v, bn), VOCAB_SPLITS))",
