@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import interpreting
+from . import triton_common  # noqa: F401  (the interpreter's bf16 dots made exact)
 
 # (BLOCK_M query slots = rows x group, BLOCK_N keys, num_warps, num_stages, V_PARTS: programs sharing a tile's
 # output dims) by storage dtype and padded head dim. Not timed: chosen so each compiles for sm_90 and sm_80 without
@@ -88,7 +88,7 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_ptr, lo_ptr, hi_ptr,
         if split < n_split:  # this program's piece of the keys: start + split·length ..
             q = tl.load(q_ptr + rows[:, None].to(tl.int64) * stride_qn + head[:, None] * stride_qh + dd[None, :],
                         mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # [BM, BD]
-            if not DOT_BF16:  # fp32, or the interpreter (it computes bf16 arithmetic wrongly)
+            if not DOT_BF16:  # fp32: full-precision products
                 q = q.to(tl.float32)
             m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
             l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -272,7 +272,6 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     reach = (ring_blocks if ring_blocks > 0 else tables.shape[1]) * block_size + (n if fresh else 0)  # interval bound
     (_, flags, opts), *combine = launches(d, group, q.dtype, reach)
     flags.update(RING=ring_blocks > 0, FRESH=fresh, BLOCK_SIZE=block_size)
-    flags["DOT_BF16"] &= not interpreting()  # the interpreter computes bf16 dots wrongly
     splits = flags["SPLITS"]
     slab = (n - 1) * out.stride(0) + (n_heads - 1) * out.stride(1) + d  # a piece: laid out as `out`
     part = out.new_empty(splits * slab if splits > 1 else 0, dtype=torch.float32)  # [splits, slab]

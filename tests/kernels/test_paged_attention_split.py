@@ -5,7 +5,6 @@ runs in the interpreter with exact bf16 products. Data and tolerances: test_page
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -23,27 +22,6 @@ def prompt(length: int, window: int = 0, ring: int = 0, canvas_rows: int = 32) -
     lo = max(0, length - window + 1) if window else 0
     return (4, 2, 32, 64, ring, [(end, causal(length - 4, length, window) + canvas(canvas_rows, lo, end)),
                                  (700, canvas(3, 0, 700))])
-
-
-@pytest.fixture
-def bf16_dots(monkeypatch):
-    """DOT_BF16 on in the interpreter: its dot is given bf16 operands as their exact fp32 values (a tensor core's
-    products are exact, summed in fp32), not their raw 16-bit patterns. Compiled on a GPU it is on already."""
-    from triton.runtime import interpreter
-
-    from dgcli.kernels import paged_attention as mod
-
-    if mod.interpreting():
-        def exact(x):
-            if x.dtype != interpreter.tl.bfloat16:
-                return x
-            data = interpreter._convert_float(x.data, x.dtype, interpreter.tl.float32, None).view(np.float32)
-            return interpreter.TensorHandle(data, interpreter.tl.float32)
-
-        dot = interpreter.InterpreterBuilder.create_dot
-        monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot",
-                            lambda self, a, b, *rest: dot(self, exact(a), exact(b), *rest))
-        monkeypatch.setattr(mod, "interpreting", lambda: False)
 
 
 def _check(case, dtype, atol, rtol, device):
@@ -88,11 +66,11 @@ def test_a_rows_bits_do_not_depend_on_its_batch_mates(dtype, triton_device):
 
 
 @pytest.mark.parametrize("name", ["causal", "canvas", "ring", "gqa3"])
-def test_the_tensor_core_branch_matches_the_reference(name, bf16_dots, triton_device):
+def test_the_tensor_core_branch_matches_the_reference(name, triton_device):
     """bf16 operands straight into tl.dot (the branch a GPU runs), probabilities rounded to bf16 for P·V."""
     _check(CASES[name], torch.bfloat16, *TOLS[1][1:], triton_device)
 
 
-def test_the_tensor_core_branch_over_a_long_prompt(bf16_dots, triton_device):
+def test_the_tensor_core_branch_over_a_long_prompt(triton_device):
     """2,132 keys: two pieces and their combine."""
     _check(prompt(2100), torch.bfloat16, *TOLS[1][1:], triton_device)
