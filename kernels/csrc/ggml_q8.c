@@ -2,7 +2,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #include <immintrin.h>
 #define VNNI 1
 #else
@@ -52,12 +52,12 @@ static int quantize(const uint16_t *x, long mrows, long k, int off, int q6, int 
         }
     return 1;
 }
-/* Rows m0..m0 + mr of x (int8 xq [m, k]; per (row, group): dx, xs = dx·sum xq, nb = -off·sum xq) times the 32
-   outputs of block scratch w (u8 weights u: w = (u - off)·scale [+ zero]), vector pair p (outputs 32p..32p + 31
-   of the block), all K; `zero`: the form has zeros (single-plane forms; planes' combined weights have none). */
+/* Rows m0..m0 + mr of x (int8 xq [m, k]; per (row, group): dx, xs = dx·sum xq, nb = -8·sum xq) times the 32
+   outputs of block scratch w (u8 weights q: w = (q - 8)·scale + zero), vector pair p (outputs 32p..32p + 31 of the
+   block), all K. */
 static inline __attribute__((always_inline)) void rows(const uint8_t *w, int p, const int8_t *xq, const float *dx,
         const float *xs, const int32_t *nb, const uint16_t *sz, long k, long np, long col, const int mr,
-        const int zero, const char *pf, long pfg, uint16_t *out) {
+        const char *pf, long pfg, uint16_t *out) {
     long gs = k / 32;
     __m512 f[MR][2];
     for (int m = 0; m < mr; m++) f[m][0] = f[m][1] = _mm512_setzero_ps();
@@ -84,42 +84,40 @@ static inline __attribute__((always_inline)) void rows(const uint8_t *w, int p, 
             }
         }
         for (int m = 0; m < mr; m++) {
-            __m512 d = _mm512_set1_ps(dx[m * gs + g]);
+            __m512 d = _mm512_set1_ps(dx[m * gs + g]), x = _mm512_set1_ps(xs[m * gs + g]);
             f[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][0]), _mm512_mul_ps(s0, d), f[m][0]);
             f[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][1]), _mm512_mul_ps(s1, d), f[m][1]);
-            if (zero) {
-                __m512 x = _mm512_set1_ps(xs[m * gs + g]);
-                f[m][0] = _mm512_fmadd_ps(z0, x, f[m][0]), f[m][1] = _mm512_fmadd_ps(z1, x, f[m][1]);
-            }
+            f[m][0] = _mm512_fmadd_ps(z0, x, f[m][0]), f[m][1] = _mm512_fmadd_ps(z1, x, f[m][1]);
         }
     }
     for (int m = 0; m < mr; m++)  /* to bf16, nearest even (no NaN payloads to keep: the sums are finite or inf) */
         _mm512_storeu_si512(out + m * np + col, (__m512i)_mm512_cvtne2ps_pbh(f[m][1], f[m][0]));
 }
-/* Q6_K (GGUF bytes [n, k/256 * 210]): weights d·sc·(q - 32), sc one int8 a 16 values. Rows m0..m0 + mr times the
-   32 outputs of pair p of block scratch w (q bytes in the layout above), scales scl fp32 [k/16][64]; n16 per 16. */
-static inline __attribute__((always_inline)) void rows6(const uint8_t *w, const float *scl, int p, const int8_t *xq,
-        const float *dx, const int32_t *n16, long k, long np, long col, const int mr, uint16_t *out) {
-    long gs = k / 32;
+/* GGUF blocks decoded into the scratch layout: weights scale·(u - off), u a byte, one fp32 scale a gv values (Q6_K:
+   16, Q5_0 / Q8_0: 32). Rows m0..m0 + mr times the 32 outputs of pair p of block scratch w, scales scl fp32
+   [k/gv][64]; ns: -off·sum xq per gv values. */
+static inline __attribute__((always_inline)) void rowsg(const uint8_t *w, const float *scl, int p, const int8_t *xq,
+        const float *dx, const int32_t *ns, long k, long np, long col, const int mr, const int gv, uint16_t *out) {
+    long gs = k / 32, ng = k / gv;
     __m512 f[MR][2];
     for (int m = 0; m < mr; m++) f[m][0] = f[m][1] = _mm512_setzero_ps();
-    for (long h = 0; h < 2 * gs; h++) {
+    for (long h = 0; h < ng; h++) {
         __m512 s0 = _mm512_load_ps(scl + h * 64 + 32 * p), s1 = _mm512_load_ps(scl + h * 64 + 32 * p + 16);
         __m512i a[MR][2];
-        for (int m = 0; m < mr; m++) a[m][0] = a[m][1] = _mm512_set1_epi32(n16[m * 2 * gs + h]);
-        const uint8_t *wh = w + (16 * h + 2 * p) * 64;
-        for (int t = 0; t < 4; t++) {
+        for (int m = 0; m < mr; m++) a[m][0] = a[m][1] = _mm512_set1_epi32(ns[m * ng + h]);
+        const uint8_t *wh = w + (gv * h + 2 * p) * 64;
+        for (int t = 0; t < gv / 4; t++) {
             __m512i w0 = _mm512_load_si512(wh + t * 256), w1 = _mm512_load_si512(wh + t * 256 + 64);
             for (int m = 0; m < mr; m++) {
                 int32_t xv;
-                memcpy(&xv, xq + m * k + 16 * h + 4 * t, 4);
+                memcpy(&xv, xq + m * k + gv * h + 4 * t, 4);
                 __m512i xb = _mm512_set1_epi32(xv);
                 a[m][0] = _mm512_dpbusd_epi32(a[m][0], w0, xb);
                 a[m][1] = _mm512_dpbusd_epi32(a[m][1], w1, xb);
             }
         }
         for (int m = 0; m < mr; m++) {
-            __m512 d = _mm512_set1_ps(dx[m * gs + h / 2]);
+            __m512 d = _mm512_set1_ps(dx[m * gs + h * gv / 32]);
             f[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][0]), _mm512_mul_ps(s0, d), f[m][0]);
             f[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][1]), _mm512_mul_ps(s1, d), f[m][1]);
         }
@@ -127,29 +125,85 @@ static inline __attribute__((always_inline)) void rows6(const uint8_t *w, const 
     for (int m = 0; m < mr; m++)
         _mm512_storeu_si512(out + m * np + col, (__m512i)_mm512_cvtne2ps_pbh(f[m][1], f[m][0]));
 }
+/* Q6_K rows 64b.. of raw [n, k/256 * 210] -> scratch w (q bytes) and scl (d·sc per 16 values); rows from n on
+   weigh 0: each 16 rows' 256-value blocks decoded to q bytes, transposed by 4-value words into the layout. */
+static void decode_q6k(const uint8_t *raw, long b, long k, long n, uint8_t *w, float *scl) {
+    long nbk = k / 256;
+    for (int v = 0; v < 4; v++)
+        for (long bi = 0; bi < nbk; bi++) {
+            uint32_t tmp[16 * 64];  /* 16 rows' 256 q bytes */
+            for (int rr = 0; rr < 16; rr++) {
+                long r = 64 * b + 16 * v + rr;
+                uint8_t *t = (uint8_t *)(tmp + 64 * rr);
+                float *sr = scl + bi * 16 * 64 + 16 * v + rr;
+                if (r >= n) {
+                    memset(t, 32, 256);
+                    for (int j = 0; j < 16; j++) sr[j * 64] = 0.f;
+                    continue;
+                }
+                const uint8_t *bl = raw + (r * nbk + bi) * 210;
+                for (int c = 0; c < 256; c += 64)  /* the row's next block (rows sit nbk·210 bytes apart) */
+                    __builtin_prefetch(bl + 210 + c);
+                float d = f16(bl + 208);
+                for (int j = 0; j < 16; j++) sr[j * 64] = d * (float)((const int8_t *)bl)[192 + j];
+                for (int h = 0; h < 2; h++)
+                    for (int j = 0; j < 4; j++)
+                        _mm256_storeu_si256((__m256i *)(t + 128 * h + 32 * j), q6k_quarter(bl, h, j));
+            }
+            for (int c = 0; c < 4; c++)  /* words (4 values) of 16 rows -> 16 quads of the layout */
+                tr16(tmp + 16 * c, 64, (uint32_t *)(w + (bi * 64 + 16 * c) * 256 + 64 * v), 64);
+        }
+}
+/* Q5_0 (q8 0) / Q8_0 (q8 1) rows 64b.. of raw [n, k/32 * (22 | 34)] -> scratch w (u = q + 16 | q + 128: Q5_0's
+   nibble and 5th bit, Q8_0's int8 with its sign bit flipped) and scl (d per 32 values); rows from n on weigh 0.
+   Two blocks (16 words) of 16 rows at a time, transposed as Q6_K's; w holds k rounded up to 64 (the last chunk). */
+static void decode_q58(const uint8_t *raw, long b, long k, long n, int q8, uint8_t *w, float *scl) {
+    long nb = k / 32, bb = q8 ? 34 : 22;
+    uint32_t tmp[16 * 16] = {0};
+    const __m128i m4 = _mm_set1_epi8(15);
+    for (int v = 0; v < 4; v++)
+        for (long c = 0; c < nb; c += 2) {
+            for (int rr = 0; rr < 16; rr++) {
+                long r = 64 * b + 16 * v + rr;
+                for (long j = c; j < c + 2 && j < nb; j++) {
+                    __m256i u = _mm256_setzero_si256();
+                    float d = 0.f;
+                    if (r < n) {
+                        const uint8_t *bl = raw + (r * nb + j) * bb;
+                        d = f16(bl);
+                        if (q8) {
+                            u = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(bl + 2)), _mm256_set1_epi8(-128));
+                        } else {
+                            uint32_t qh;
+                            memcpy(&qh, bl + 2, 4);
+                            __m128i qs = _mm_loadu_si128((const __m128i *)(bl + 6));
+                            u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
+                            u = _mm256_or_si256(u, _mm256_maskz_set1_epi8(qh, 16));
+                        }
+                    }
+                    scl[j * 64 + 16 * v + rr] = d;
+                    _mm256_storeu_si256((__m256i *)(tmp + 16 * rr + 8 * (j - c)), u);
+                }
+            }
+            tr16(tmp, 16, (uint32_t *)(w + 8 * c * 256 + 64 * v), 64);
+        }
+}
 #endif
-/* out bf16 [m, np] = x bf16 [m, k] @ W.T for the int4 form (packed uint8 [np/64, k, 32], sz bf16 [k/32, np, 2]),
-   off 0; or for a two-plane form (packed [np/64, 2k, 32], sz [2k/32, np, 2]: plane a's k rows, then plane b's)
-   whose weights are d·(16a + b - off) with d plane b's scale, off > 0: each weight's two nibbles are joined into
-   one byte, so the planes cost one dot product, not two. 1, or 0 where scratch could not be had (out unwritten). */
+/* out bf16 [m, np] = x bf16 [m, k] @ W.T for the int4 form (packed uint8 [np/64, k, 32], sz bf16 [k/32, np, 2]).
+   1, or 0 where scratch could not be had (out unwritten). */
 int q8_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint16_t *out, long mrows, long k,
-             long np, int threads, int off) {
+             long np, int threads) {
 #ifdef VNNI
     long gs = k / 32;
     struct xint q;
-    if (!quantize(x, mrows, k, off ? off : 8, 0, threads, &q)) return 0;
-    int8_t *xq = q.xq;
-    float *dx = q.dx, *xs = q.xs;
-    int32_t *nb = q.nb;
+    if (!quantize(x, mrows, k, 8, 0, threads, &q)) return 0;
     int ok = 1;
     /* byte 4l + i of a regrouped vector: k row i of the 4, byte l (+16 for the second) of the form's 32 */
     uint8_t ib[64];
     for (int l = 0; l < 16; l++)
         for (int i = 0; i < 4; i++) ib[4 * l + i] = (uint8_t)(32 * i + l);
     const __m512i i0 = _mm512_loadu_si512(ib), i1 = _mm512_add_epi8(i0, _mm512_set1_epi8(16)),
-        nib = _mm512_set1_epi8(15), top = _mm512_set1_epi8((char)0xF0);
-    const long kr = off ? 2 * k : k;  /* the form's rows of K per block */
-    const uint16_t *sc = off ? sz + gs * np * 2 : sz;  /* the scales: plane b's */
+        nib = _mm512_set1_epi8(15);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (long b = 0; b < np / 64; b++) {
         uint8_t *w = scratch(1, (size_t)(k * 64));
@@ -158,20 +212,11 @@ int q8_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint16
             ok = 0;
             continue;
         }
-        const uint8_t *pb = packed + b * kr * 32;
+        const uint8_t *pb = packed + b * k * 32;
         for (long t = 0; t < k / 4; t++) {  /* 4 k rows of 64 outputs -> rows 0-15, 16-31, 32-47, 48-63 */
             __m512i l0 = _mm512_loadu_si512(pb + t * 128), l1 = _mm512_loadu_si512(pb + t * 128 + 64);
             __m512i p0 = _mm512_permutex2var_epi8(l0, i0, l1), p1 = _mm512_permutex2var_epi8(l0, i1, l1);
             uint8_t *d = w + t * 256;
-            if (off) {  /* plane b's nibbles (k rows on) under plane a's: byte 16a + b (bitwise select, 0xCA) */
-                __m512i m0 = _mm512_loadu_si512(pb + (k + 4 * t) * 32), m1 = _mm512_loadu_si512(pb + (k + 4 * t) * 32 + 64);
-                __m512i q0 = _mm512_permutex2var_epi8(m0, i0, m1), q1 = _mm512_permutex2var_epi8(m0, i1, m1);
-                _mm512_store_si512(d, _mm512_ternarylogic_epi32(top, _mm512_slli_epi16(p0, 4), q0, 0xCA));
-                _mm512_store_si512(d + 64, _mm512_ternarylogic_epi32(top, _mm512_slli_epi16(p1, 4), q1, 0xCA));
-                _mm512_store_si512(d + 128, _mm512_ternarylogic_epi32(top, p0, _mm512_srli_epi16(q0, 4), 0xCA));
-                _mm512_store_si512(d + 192, _mm512_ternarylogic_epi32(top, p1, _mm512_srli_epi16(q1, 4), 0xCA));
-                continue;
-            }
             _mm512_store_si512(d, _mm512_and_si512(p0, nib));
             _mm512_store_si512(d + 64, _mm512_and_si512(p1, nib));
             _mm512_store_si512(d + 128, _mm512_and_si512(_mm512_srli_epi16(p0, 4), nib));
@@ -179,17 +224,17 @@ int q8_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint16
         }
         for (long m0 = 0, mr; m0 < mrows; m0 += mr)
             for (int p = 0; p < 2; p++) {
-                const char *pf = m0 == 0 && p == 0 && b + 1 < np / 64 ? (const char *)(pb + kr * 32) : NULL;
-                const long pfg = kr * 32 / gs;  /* bytes of the next block a group */
-                const int8_t *xm = xq + m0 * k;
-                const float *dm = dx + m0 * gs, *sm = xs + m0 * gs;
-                const int32_t *nm = nb + m0 * gs;
+                const char *pf = m0 == 0 && p == 0 && b + 1 < np / 64 ? (const char *)(pb + k * 32) : NULL;
+                const long pfg = k * 32 / gs;  /* bytes of the next block a group */
+                const int8_t *xm = q.xq + m0 * k;
+                const float *dm = q.dx + m0 * gs, *sm = q.xs + m0 * gs;
+                const int32_t *nm = q.nb + m0 * gs;
                 uint16_t *om = out + m0 * np;
                 switch (mr = mrows - m0 < MR ? mrows - m0 : MR) {
-                case 1: rows(w, p, xm, dm, sm, nm, sc, k, np, 64 * b + 32 * p, 1, !off, pf, pfg, om); break;
-                case 2: rows(w, p, xm, dm, sm, nm, sc, k, np, 64 * b + 32 * p, 2, !off, pf, pfg, om); break;
-                case 3: rows(w, p, xm, dm, sm, nm, sc, k, np, 64 * b + 32 * p, 3, !off, pf, pfg, om); break;
-                default: rows(w, p, xm, dm, sm, nm, sc, k, np, 64 * b + 32 * p, MR, !off, pf, pfg, om); break;
+                case 1: rows(w, p, xm, dm, sm, nm, sz, k, np, 64 * b + 32 * p, 1, pf, pfg, om); break;
+                case 2: rows(w, p, xm, dm, sm, nm, sz, k, np, 64 * b + 32 * p, 2, pf, pfg, om); break;
+                case 3: rows(w, p, xm, dm, sm, nm, sz, k, np, 64 * b + 32 * p, 3, pf, pfg, om); break;
+                default: rows(w, p, xm, dm, sm, nm, sz, k, np, 64 * b + 32 * p, MR, pf, pfg, om); break;
                 }
             }
     }
@@ -198,60 +243,44 @@ int q8_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint16
     return 0;
 #endif
 }
-/* out bf16 [m, np] = x bf16 [m, k] @ W.T for Q6_K rows (np: n rounded up to 64; rows from n on weigh 0). Per 64-row
-   block: each 16 rows' 256-value blocks decoded to q bytes, transposed by 4-value words into the scratch layout,
-   d·sc kept per 16 values; 1, or 0 where scratch could not be had. */
-int q6k_gemm(const uint16_t *x, const uint8_t *raw, uint16_t *out, long mrows, long k, long n, long np, int threads) {
+/* out bf16 [m, np] = x bf16 [m, k] @ W.T for GGUF rows raw [n, row bytes] of ggml type qtype (6 Q5_0, 8 Q8_0,
+   14 Q6_K), used as stored: per 64-row block (np: n rounded up to 64; rows from n on weigh 0) the blocks decoded
+   into this thread's scratch, then int8 dot products. 1, or 0 where scratch could not be had or qtype is another. */
+int blocks_gemm(const uint16_t *x, const uint8_t *raw, uint16_t *out, long mrows, long k, long n, long np,
+                int threads, int qtype) {
 #ifdef VNNI
+    if (qtype != 6 && qtype != 8 && qtype != 14) return 0;
+    const int gv = qtype == 14 ? 16 : 32, off = qtype == 14 ? 32 : qtype == 8 ? 128 : 16;
     struct xint q;
-    if (!quantize(x, mrows, k, 8, 1, threads, &q)) return 0;
-    long nbk = k / 256, gs = k / 32;
+    if (!quantize(x, mrows, k, off, qtype == 14, threads, &q)) return 0;
+    long gs = k / 32, kw = (k + 63) / 64 * 64;  /* kw: Q5_0 / Q8_0 decode 64 values at a time */
+    const int32_t *ns = qtype == 14 ? q.n16 : q.nb;
     int ok = 1;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (long b = 0; b < np / 64; b++) {
-        uint8_t *w = scratch(1, (size_t)(k * 64 + k / 16 * 64 * 4));
+        uint8_t *w = scratch(1, (size_t)(kw * 64 + k / gv * 64 * 4));
         if (!w) {
 #pragma omp atomic write
             ok = 0;
             continue;
         }
-        float *scl = (float *)(w + k * 64);
-        for (int v = 0; v < 4; v++)
-            for (long bi = 0; bi < nbk; bi++) {
-                uint32_t tmp[16 * 64];  /* 16 rows' 256 q bytes */
-                for (int rr = 0; rr < 16; rr++) {
-                    long r = 64 * b + 16 * v + rr;
-                    uint8_t *t = (uint8_t *)(tmp + 64 * rr);
-                    float *sr = scl + bi * 16 * 64 + 16 * v + rr;
-                    if (r >= n) {
-                        memset(t, 32, 256);
-                        for (int j = 0; j < 16; j++) sr[j * 64] = 0.f;
-                        continue;
-                    }
-                    const uint8_t *bl = raw + (r * nbk + bi) * 210;
-                    for (int c = 0; c < 256; c += 64)  /* the row's next block (rows sit nbk·210 bytes apart) */
-                        __builtin_prefetch(bl + 210 + c);
-                    float d = f16(bl + 208);
-                    for (int j = 0; j < 16; j++) sr[j * 64] = d * (float)((const int8_t *)bl)[192 + j];
-                    for (int h = 0; h < 2; h++)
-                        for (int j = 0; j < 4; j++)
-                            _mm256_storeu_si256((__m256i *)(t + 128 * h + 32 * j), q6k_quarter(bl, h, j));
-                }
-                for (int c = 0; c < 4; c++)  /* words (4 values) of 16 rows -> 16 quads of the layout */
-                    tr16(tmp + 16 * c, 64, (uint32_t *)(w + (bi * 64 + 16 * c) * 256 + 64 * v), 64);
-            }
+        float *scl = (float *)(w + kw * 64);
+        if (qtype == 14) decode_q6k(raw, b, k, n, w, scl);
+        else decode_q58(raw, b, k, n, qtype == 8, w, scl);
         for (long m0 = 0, mr; m0 < mrows; m0 += mr)
             for (int p = 0; p < 2; p++) {
                 const int8_t *xm = q.xq + m0 * k;
                 const float *dm = q.dx + m0 * gs;
-                const int32_t *nm = q.n16 + m0 * 2 * gs;
+                const int32_t *nm = ns + m0 * (k / gv);
                 uint16_t *om = out + m0 * np;
-                switch (mr = mrows - m0 < MR ? mrows - m0 : MR) {
-                case 1: rows6(w, scl, p, xm, dm, nm, k, np, 64 * b + 32 * p, 1, om); break;
-                case 2: rows6(w, scl, p, xm, dm, nm, k, np, 64 * b + 32 * p, 2, om); break;
-                case 3: rows6(w, scl, p, xm, dm, nm, k, np, 64 * b + 32 * p, 3, om); break;
-                default: rows6(w, scl, p, xm, dm, nm, k, np, 64 * b + 32 * p, MR, om); break;
-                }
+                long col = 64 * b + 32 * p;
+                mr = mrows - m0 < MR ? mrows - m0 : MR;
+#define RG(R, G) rowsg(w, scl, p, xm, dm, nm, k, np, col, R, G, om)
+                if (gv == 16) switch (mr) { case 1: RG(1, 16); break; case 2: RG(2, 16); break;
+                                            case 3: RG(3, 16); break; default: RG(MR, 16); }
+                else switch (mr) { case 1: RG(1, 32); break; case 2: RG(2, 32); break;
+                                   case 3: RG(3, 32); break; default: RG(MR, 32); }
+#undef RG
             }
     }
     return ok;
