@@ -107,8 +107,8 @@ def prepare(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype = torch.bf
             q = torch.cat((q, q.new_full((np_ - n, q.shape[1]), 8)))
             scale = torch.cat((scale, scale.new_zeros(np_ - n, scale.shape[1])))
             zero = torch.cat((zero, zero.new_zeros(np_ - n, zero.shape[1])))
-        packed[i] = _pack_int4(q)  # [Np, Kp/2]
-        sz[i] = torch.stack((scale, zero), dim=-1).transpose(0, 1)  # [Kp/32, Np, 2]
+        packed[i] = _pack_int4(q)  # [Np, k/2]
+        sz[i] = torch.stack((scale, zero), dim=-1).transpose(0, 1)  # [k/32, Np, 2]
     packed, sz = packed.reshape(*lead, np_, k // 2), sz.reshape(*lead, k // GROUP, np_, 2)
     return Prepared("int4", qtype, n, k, packed, sz)
 

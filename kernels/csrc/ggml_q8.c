@@ -170,7 +170,9 @@ static void decode_q58(const uint8_t *raw, long b, long k, long n, int q8, uint8
                     float d = 0.f;
                     if (r < n) {
                         const uint8_t *bl = raw + (r * nb + j) * bb;
-                        d = f16(bl);
+                        uint16_t h;
+                        memcpy(&h, bl, 2);
+                        d = _cvtsh_ss(h);
                         if (q8) {
                             u = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(bl + 2)), _mm256_set1_epi8(-128));
                         } else {
