@@ -154,41 +154,67 @@ static void decode_q6k(const uint8_t *raw, long b, long k, long n, uint8_t *w, f
                 tr16(tmp + 16 * c, 64, (uint32_t *)(w + (bi * 64 + 16 * c) * 256 + 64 * v), 64);
         }
 }
-/* Q5_0 (q8 0) / Q8_0 (q8 1) rows 64b.. of raw [n, k/32 * (22 | 34)] -> scratch w (u = q + 16 | q + 128: Q5_0's
-   nibble and 5th bit, Q8_0's int8 with its sign bit flipped) and scl (d per 32 values); rows from n on weigh 0.
-   Two blocks (16 words) of 16 rows at a time, transposed as Q6_K's; w holds k rounded up to 64 (the last chunk). */
-static void decode_q58(const uint8_t *raw, long b, long k, long n, int q8, uint8_t *w, float *scl) {
-    long nb = k / 32, bb = q8 ? 34 : 22;
-    uint32_t tmp[16 * 16] = {0};
-    const __m128i m4 = _mm_set1_epi8(15);
-    for (int v = 0; v < 4; v++)
-        for (long c = 0; c < nb; c += 2) {
+/* One row's blocks c, c + 1 (bl: block c; two: whether c + 1 exists) as 64 bytes u (Q5_0: q + 16, Q8_0: q + 128)
+   and their fp16 scales d0, d1 (0 where absent). */
+static inline __attribute__((always_inline)) __m512i pair58(const uint8_t *bl, const int q8, const int two,
+        __m512i idx, uint16_t *d0, uint16_t *d1) {
+    memcpy(d0, bl, 2);
+    *d1 = 0;
+    if (two) memcpy(d1, bl + (q8 ? 34 : 22), 2);
+    if (q8) {
+        __m256i lo = _mm256_loadu_si256((const __m256i *)(bl + 2));
+        __m256i hi = two ? _mm256_loadu_si256((const __m256i *)(bl + 36)) : _mm256_set1_epi8(-128);
+        return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), _mm512_set1_epi8(-128));
+    }
+    __m512i q = _mm512_permutexvar_epi8(idx, _mm512_maskz_loadu_epi8(~0ULL >> (two ? 20 : 42), bl));
+    q = _mm512_and_si512(_mm512_mask_blend_epi8(0xFFFF0000FFFF0000ULL, q, _mm512_srli_epi16(q, 4)), _mm512_set1_epi8(15));
+    uint32_t h0, h1 = 0;
+    memcpy(&h0, bl + 2, 4);
+    if (two) memcpy(&h1, bl + 24, 4);
+    return _mm512_mask_add_epi8(q, (uint64_t)h1 << 32 | h0, q, _mm512_set1_epi8(16));
+}
+/* Q5_0 (q8 0) / Q8_0 (q8 1) rows 64b.. of raw [n, k/32 * (22 | 34)] -> scratch w (u as pair58 makes them) and scl
+   (d per 32 values); rows from n on weigh 0. 16 rows' two blocks (64 values) decoded into 16 registers and
+   transposed there by 4-value words into the layout; w holds k rounded up to 64 (an odd last block: zeros). */
+static inline __attribute__((always_inline)) void decode16(const uint8_t *raw, long r0, long live, long nb,
+        const int q8, __m512i idx, const char *pf, long share, long nxb, uint8_t *w, uint16_t *dh) {
+    const long bb = q8 ? 34 : 22;
+    for (long c = 0; c < nb; c += 2) {
+        __m512i u[16];
+        uint16_t *d0 = dh + c * 64, *d1 = d0 + 64;
+        for (long o = c / 2 * share, e = o + share; o < e && o < nxb; o += 64)  /* the next rows' share */
+            _mm_prefetch(pf + o, _MM_HINT_T1);
+        const uint8_t *bl = raw + (r0 * nb + c) * bb;
+        if (live == 16 && c + 1 < nb) {
+#pragma GCC unroll 16
             for (int rr = 0; rr < 16; rr++) {
-                long r = 64 * b + 16 * v + rr;
-                for (long j = c; j < c + 2 && j < nb; j++) {
-                    __m256i u = _mm256_setzero_si256();
-                    float d = 0.f;
-                    if (r < n) {
-                        const uint8_t *bl = raw + (r * nb + j) * bb;
-                        uint16_t h;
-                        memcpy(&h, bl, 2);
-                        d = _cvtsh_ss(h);
-                        if (q8) {
-                            u = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(bl + 2)), _mm256_set1_epi8(-128));
-                        } else {
-                            uint32_t qh;
-                            memcpy(&qh, bl + 2, 4);
-                            __m128i qs = _mm_loadu_si128((const __m128i *)(bl + 6));
-                            u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
-                            u = _mm256_or_si256(u, _mm256_maskz_set1_epi8(qh, 16));
-                        }
-                    }
-                    scl[j * 64 + 16 * v + rr] = d;
-                    _mm256_storeu_si256((__m256i *)(tmp + 16 * rr + 8 * (j - c)), u);
-                }
+                _mm_prefetch((const char *)bl + rr * nb * bb + 6 * bb, _MM_HINT_T0);  /* this row, three steps on */
+                u[rr] = pair58(bl + rr * nb * bb, q8, 1, idx, d0 + rr, d1 + rr);
             }
-            tr16(tmp, 16, (uint32_t *)(w + 8 * c * 256 + 64 * v), 64);
+        } else {
+            for (int rr = 0; rr < 16; rr++)
+                if (rr < live) u[rr] = pair58(bl + rr * nb * bb, q8, c + 1 < nb, idx, d0 + rr, d1 + rr);
+                else u[rr] = _mm512_setzero_si512(), d0[rr] = d1[rr] = 0;
         }
+        tr16r(u);
+        for (int j = 0; j < 16; j++) _mm512_store_si512(w + (8 * c + j) * 256, u[j]);
+    }
+}
+static void decode_q58(const uint8_t *raw, long b, long k, long n, int q8, uint8_t *w, float *scl, uint16_t *dh) {
+    long nb = k / 32, rb = nb * (q8 ? 34 : 22);
+    uint8_t ix[64];  /* Q5_0: a pair's 44 bytes -> block 0's qs twice, block 1's twice (then nibbles: low, high) */
+    for (int i = 0; i < 64; i++) ix[i] = (uint8_t)((i < 32 ? 6 : 28) + i % 16);
+    const __m512i idx = _mm512_loadu_si512(ix);
+    /* the next 64 rows' bytes (contiguous), a share each step: in cache when their turn comes */
+    long nx = n - 64 * (b + 1), nxb = (nx < 0 ? 0 : nx > 64 ? 64 : nx) * rb, share = (nxb / 2 / nb + 64) & ~63L;
+    for (int v = 0; v < 4; v++) {
+        long r0 = 64 * b + 16 * v, live = n - r0 < 0 ? 0 : n - r0 > 16 ? 16 : n - r0;
+        const char *pf = (const char *)raw + 64 * (b + 1) * rb + v * ((nb + 1) / 2) * share;
+        if (q8) decode16(raw, r0, live, nb, 1, idx, pf, share, nxb - v * ((nb + 1) / 2) * share, w + 64 * v, dh + 16 * v);
+        else decode16(raw, r0, live, nb, 0, idx, pf, share, nxb - v * ((nb + 1) / 2) * share, w + 64 * v, dh + 16 * v);
+    }
+    for (long j = 0; j < nb * 4; j++)  /* the scales, read back once all are written (no store-forwarding stall) */
+        _mm512_storeu_ps(scl + 16 * j, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dh + 16 * j))));
 }
 #endif
 /* out bf16 [m, np] = x bf16 [m, k] @ W.T for the int4 form (packed uint8 [np/64, k, 32], sz bf16 [k/32, np, 2]).
@@ -260,7 +286,7 @@ int blocks_gemm(const uint16_t *x, const uint8_t *raw, uint16_t *out, long mrows
     int ok = 1;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (long b = 0; b < np / 64; b++) {
-        uint8_t *w = scratch(1, (size_t)(kw * 64 + k / gv * 64 * 4));
+        uint8_t *w = scratch(1, (size_t)(kw * 64 + k / gv * 64 * 4 + (k / 32 + 1) * 64 * 2));
         if (!w) {
 #pragma omp atomic write
             ok = 0;
@@ -268,7 +294,7 @@ int blocks_gemm(const uint16_t *x, const uint8_t *raw, uint16_t *out, long mrows
         }
         float *scl = (float *)(w + kw * 64);
         if (qtype == 14) decode_q6k(raw, b, k, n, w, scl);
-        else decode_q58(raw, b, k, n, qtype == 8, w, scl);
+        else decode_q58(raw, b, k, n, qtype == 8, w, scl, (uint16_t *)(scl + k / gv * 64));
         for (long m0 = 0, mr; m0 < mrows; m0 += mr)
             for (int p = 0; p < 2; p++) {
                 const int8_t *xm = q.xq + m0 * k;
