@@ -154,66 +154,128 @@ static void decode_q6k(const uint8_t *raw, long b, long k, long n, uint8_t *w, f
                 tr16(tmp + 16 * c, 64, (uint32_t *)(w + (bi * 64 + 16 * c) * 256 + 64 * v), 64);
         }
 }
-/* One row's blocks c, c + 1 (bl: block c; two: whether c + 1 exists) as 64 bytes u (Q5_0: q + 16, Q8_0: q + 128)
-   and their fp16 scales d0, d1 (0 where absent). */
-static inline __attribute__((always_inline)) __m512i pair58(const uint8_t *bl, const int q8, const int two,
-        __m512i idx, uint16_t *d0, uint16_t *d1) {
-    memcpy(d0, bl, 2);
-    *d1 = 0;
-    if (two) memcpy(d1, bl + (q8 ? 34 : 22), 2);
-    if (q8) {
-        __m256i lo = _mm256_loadu_si256((const __m256i *)(bl + 2));
-        __m256i hi = two ? _mm256_loadu_si256((const __m256i *)(bl + 36)) : _mm256_set1_epi8(-128);
-        return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), _mm512_set1_epi8(-128));
-    }
-    __m512i q = _mm512_permutexvar_epi8(idx, _mm512_maskz_loadu_epi8(~0ULL >> (two ? 20 : 42), bl));
-    q = _mm512_and_si512(_mm512_mask_blend_epi8(0xFFFF0000FFFF0000ULL, q, _mm512_srli_epi16(q, 4)), _mm512_set1_epi8(15));
-    uint32_t h0, h1 = 0;
-    memcpy(&h0, bl + 2, 4);
-    if (two) memcpy(&h1, bl + 24, 4);
-    return _mm512_mask_add_epi8(q, (uint64_t)h1 << 32 | h0, q, _mm512_set1_epi8(16));
-}
-/* Q5_0 (q8 0) / Q8_0 (q8 1) rows 64b.. of raw [n, k/32 * (22 | 34)] -> scratch w (u as pair58 makes them) and scl
-   (d per 32 values); rows from n on weigh 0. 16 rows' two blocks (64 values) decoded into 16 registers and
-   transposed there by 4-value words into the layout; w holds k rounded up to 64 (an odd last block: zeros). */
-static inline __attribute__((always_inline)) void decode16(const uint8_t *raw, long r0, long live, long nb,
-        const int q8, __m512i idx, const char *pf, long share, long nxb, uint8_t *w, uint16_t *dh) {
-    const long bb = q8 ? 34 : 22;
-    for (long c = 0; c < nb; c += 2) {
-        __m512i u[16];
-        uint16_t *d0 = dh + c * 64, *d1 = d0 + 64;
-        for (long o = c / 2 * share, e = o + share; o < e && o < nxb; o += 64)  /* the next rows' share */
-            _mm_prefetch(pf + o, _MM_HINT_T1);
-        const uint8_t *bl = raw + (r0 * nb + c) * bb;
-        if (live == 16 && c + 1 < nb) {
-#pragma GCC unroll 16
-            for (int rr = 0; rr < 16; rr++) {
-                _mm_prefetch((const char *)bl + rr * nb * bb + 6 * bb, _MM_HINT_T0);  /* this row, three steps on */
-                u[rr] = pair58(bl + rr * nb * bb, q8, 1, idx, d0 + rr, d1 + rr);
-            }
-        } else {
-            for (int rr = 0; rr < 16; rr++)
-                if (rr < live) u[rr] = pair58(bl + rr * nb * bb, q8, c + 1 < nb, idx, d0 + rr, d1 + rr);
-                else u[rr] = _mm512_setzero_si512(), d0[rr] = d1[rr] = 0;
+/* Q5_0 / Q8_0 decoded 16 rows and two blocks (64 values) at a time straight into the layout, transposed by 4-value
+   words: 16 bytes of 4 rows a register as loaded, then two rounds of two-source permutes (tr16x8); the scales and
+   Q5_0's 5th bits gathered 16 rows at a time. `struct q58` holds the constants, built once a call. */
+struct q58 { __m512i t[4], ctl[8], vi; long rb; };
+static void q58_init(struct q58 *C, long rb) {
+    int32_t t[4][16];
+    for (int s = 1; s < 3; s++)  /* lanes row-major: 2 << s rows x 8 >> s words -> twice the rows, half the words */
+        for (int l = 0; l < 16; l++) {
+            int rin = 2 << s, cin = 8 >> s, cout = cin / 2, r = l / cout, col = l % cout;
+            t[2 * s - 2][l] = (r < rin ? 0 : 16) + r % rin * cin + col;  /* the low output: the first half */
+            t[2 * s - 1][l] = t[2 * s - 2][l] + cout;
         }
-        tr16r(u);
-        for (int j = 0; j < 16; j++) _mm512_store_si512(w + (8 * c + j) * 256, u[j]);
+    for (int s = 0; s < 4; s++) C->t[s] = _mm512_loadu_si512(t[s]);
+    uint8_t ix[64];
+    for (int j = 0; j < 8; j++) {  /* bit 4j + b (+ 32 for an odd row) of a qword of two rows' qh: byte b of word j */
+        for (int i = 0; i < 64; i++) ix[i] = (uint8_t)(i / 4 % 2 * 32 + 4 * j + i % 4);
+        C->ctl[j] = _mm512_loadu_si512(ix);
+    }
+    int32_t vi[16];
+    for (int i = 0; i < 16; i++) vi[i] = (int32_t)(i * rb);
+    C->vi = _mm512_loadu_si512(vi), C->rb = rb;
+}
+/* z[2p + h]: 16 bytes at ph (words 4h .. 4h + 3) of rows 4p .. 4p + 3 (rows rb apart) -> after tr16x8, word j
+   of the 16 rows in z[j bit-reversed] */
+static inline __attribute__((always_inline)) void tr16x8(const uint8_t *p0, const uint8_t *p1, long rb,
+        const struct q58 *C, __m512i z[8]) {
+    __m512i a[8];
+    for (int i = 0; i < 8; i++) {
+        const uint8_t *r = (i % 2 ? p1 : p0) + 4 * (i / 2) * rb;
+        __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)r));
+        v = _mm512_mask_broadcast_i32x4(v, 0x00F0, _mm_loadu_si128((const __m128i *)(r + rb)));
+        v = _mm512_mask_broadcast_i32x4(v, 0x0F00, _mm_loadu_si128((const __m128i *)(r + 2 * rb)));
+        z[i] = _mm512_mask_broadcast_i32x4(v, 0xF000, _mm_loadu_si128((const __m128i *)(r + 3 * rb)));
+    }
+    for (int s = 1, h = 2; s < 3; s++, h *= 2) {
+        for (int i = 0; i < 8; i++) {  /* the pair (g, g + h) makes a[g] (low) and a[g + h] (high) */
+            int g = i / (2 * h) * (2 * h) + i % h;
+            a[i] = _mm512_permutex2var_epi32(z[g], C->t[2 * (s - 1) + (i % (2 * h) >= h)], z[g + h]);
+        }
+        for (int i = 0; i < 8; i++) z[i] = a[i];
     }
 }
-static void decode_q58(const uint8_t *raw, long b, long k, long n, int q8, uint8_t *w, float *scl, uint16_t *dh) {
-    long nb = k / 32, rb = nb * (q8 ? 34 : 22);
-    uint8_t ix[64];  /* Q5_0: a pair's 44 bytes -> block 0's qs twice, block 1's twice (then nibbles: low, high) */
-    for (int i = 0; i < 64; i++) ix[i] = (uint8_t)((i < 32 ? 6 : 28) + i % 16);
-    const __m512i idx = _mm512_loadu_si512(ix);
+#define REV3(j) (((j) & 1) << 2 | ((j) & 2) | (j) >> 2)
+/* 16 whole rows' blocks c, c + 1 (bl: row 0's block c) -> w (words 0..15 of the pair, 256 bytes apart: u = q + 16
+   | q + 128, Q5_0's nibble and 5th bit, Q8_0's int8 with its sign bit flipped) and d0, d1 (fp16 scales) */
+static inline __attribute__((always_inline)) void q58_16(const uint8_t *bl, const int q8, const struct q58 *C,
+        uint8_t *w, uint16_t *d0, uint16_t *d1) {
+    const long rb = C->rb, bb = q8 ? 34 : 22;
+    __m512i z[8];
+    if (q8) {
+        for (int b = 0; b < 2; b++) {
+            tr16x8(bl + b * bb + 2, bl + b * bb + 18, rb, C, z);
+            for (int j = 0; j < 8; j++)
+                _mm512_store_si512(w + (8 * b + j) * 256, _mm512_xor_si512(z[REV3(j)], _mm512_set1_epi8(-128)));
+        }
+    } else {
+        tr16x8(bl + 6, bl + 28, rb, C, z);  /* words 0..3: block c's qs, 4..7: block c + 1's */
+        const __m512i m4 = _mm512_set1_epi8(15), s16 = _mm512_set1_epi8(16);
+        __m512i qh[2] = {_mm512_i32gather_epi32(C->vi, bl + 2, 1), _mm512_i32gather_epi32(C->vi, bl + 24, 1)};
+        for (int j = 0; j < 8; j++) {  /* qs word j % 4 of block c + j / 4: values 4j.. low nibbles, 16 + 4j.. high */
+            __m512i q = z[REV3(j)];
+            for (int hn = 0; hn < 2; hn++) {
+                __m512i u = _mm512_and_si512(hn ? _mm512_srli_epi16(q, 4) : q, m4);
+                u = _mm512_mask_add_epi8(u, _mm512_bitshuffle_epi64_mask(qh[j / 4], C->ctl[4 * hn + j % 4]), u, s16);
+                _mm512_store_si512(w + (8 * (j / 4) + 4 * hn + j % 4) * 256, u);
+            }
+        }
+    }
+    _mm256_storeu_si256((__m256i *)d0, _mm512_cvtepi32_epi16(_mm512_i32gather_epi32(C->vi, bl, 1)));
+    _mm256_storeu_si256((__m256i *)d1, _mm512_cvtepi32_epi16(_mm512_i32gather_epi32(C->vi, bl + bb, 1)));
+}
+/* One row's blocks c, c + 1 as q58_16 makes them (two: whether c + 1 exists; its scale 0 where not): the rows and
+   blocks at the edges */
+static inline __m512i pair58(const uint8_t *bl, int q8, int two, uint16_t *d0, uint16_t *d1) {
+    uint8_t b[68] = {0};
+    memcpy(b, bl, two ? 2 * (q8 ? 34 : 22) : q8 ? 34 : 22);
+    memcpy(d0, b, 2), memcpy(d1, b + (q8 ? 34 : 22), 2);
+    __m512i u;
+    if (q8) {
+        u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 2))),
+                               _mm256_loadu_si256((const __m256i *)(b + 36)), 1);
+        return _mm512_mask_xor_epi32(u, two ? 0xFFFF : 0x00FF, u, _mm512_set1_epi8(-128));
+    }
+    uint8_t v[64];
+    uint32_t h0, h1;
+    memcpy(&h0, b + 2, 4), memcpy(&h1, b + 24, 4);
+    for (int i = 0; i < 64; i++) {
+        const uint8_t *qs = b + (i < 32 ? 6 : 28);
+        int j = i % 32, q = j < 16 ? qs[j] & 15 : qs[j - 16] >> 4;
+        v[i] = (uint8_t)(q | ((i < 32 ? h0 : h1) >> j & 1) << 4);
+    }
+    return _mm512_loadu_si512(v);
+}
+/* Q5_0 (q8 0) / Q8_0 (q8 1) rows 64b.. of raw [n, k/32 * (22 | 34)] -> scratch w and scl (d per 32 values; dh:
+   their fp16 first, read back once all are written); rows from n on weigh 0; w holds k rounded up to 64. */
+static void decode_q58(const uint8_t *raw, long b, long k, long n, int q8, const struct q58 *C, uint8_t *w,
+        float *scl, uint16_t *dh) {
+    long nb = k / 32, bb = q8 ? 34 : 22, rb = C->rb;
     /* the next 64 rows' bytes (contiguous), a share each step: in cache when their turn comes */
     long nx = n - 64 * (b + 1), nxb = (nx < 0 ? 0 : nx > 64 ? 64 : nx) * rb, share = (nxb / 2 / nb + 64) & ~63L;
-    for (int v = 0; v < 4; v++) {
+    const char *pf = (const char *)raw + 64 * (b + 1) * rb;
+    for (int v = 0, st = 0; v < 4; v++) {
         long r0 = 64 * b + 16 * v, live = n - r0 < 0 ? 0 : n - r0 > 16 ? 16 : n - r0;
-        const char *pf = (const char *)raw + 64 * (b + 1) * rb + v * ((nb + 1) / 2) * share;
-        if (q8) decode16(raw, r0, live, nb, 1, idx, pf, share, nxb - v * ((nb + 1) / 2) * share, w + 64 * v, dh + 16 * v);
-        else decode16(raw, r0, live, nb, 0, idx, pf, share, nxb - v * ((nb + 1) / 2) * share, w + 64 * v, dh + 16 * v);
+        for (long c = 0; c < nb; c += 2, st++) {
+            for (long o = st * share, e = o + share; o < e && o < nxb; o += 64) _mm_prefetch(pf + o, _MM_HINT_T1);
+            const uint8_t *bl = raw + (r0 * nb + c) * bb;
+            uint8_t *wc = w + 8 * c * 256 + 64 * v;
+            uint16_t *d0 = dh + c * 64 + 16 * v, *d1 = d0 + 64;
+            if (live == 16 && c + 1 < nb) {
+                if (q8) q58_16(bl, 1, C, wc, d0, d1);
+                else q58_16(bl, 0, C, wc, d0, d1);
+                continue;
+            }
+            __m512i u[16];
+            for (int rr = 0; rr < 16; rr++)
+                if (rr < live) u[rr] = pair58(bl + rr * rb, q8, c + 1 < nb, d0 + rr, d1 + rr);
+                else u[rr] = _mm512_setzero_si512(), d0[rr] = d1[rr] = 0;
+            tr16r(u);
+            for (int j = 0; j < 16; j++) _mm512_store_si512(wc + j * 256, u[j]);
+        }
     }
-    for (long j = 0; j < nb * 4; j++)  /* the scales, read back once all are written (no store-forwarding stall) */
+    for (long j = 0; j < nb * 4; j++)
         _mm512_storeu_ps(scl + 16 * j, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dh + 16 * j))));
 }
 #endif
@@ -283,6 +345,8 @@ int blocks_gemm(const uint16_t *x, const uint8_t *raw, uint16_t *out, long mrows
     if (!quantize(x, mrows, k, off, qtype == 14, threads, &q)) return 0;
     long gs = k / 32, kw = (k + 63) / 64 * 64;  /* kw: Q5_0 / Q8_0 decode 64 values at a time */
     const int32_t *ns = qtype == 14 ? q.n16 : q.nb;
+    struct q58 C;
+    q58_init(&C, k / 32 * (qtype == 8 ? 34 : 22));
     int ok = 1;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (long b = 0; b < np / 64; b++) {
@@ -294,7 +358,7 @@ int blocks_gemm(const uint16_t *x, const uint8_t *raw, uint16_t *out, long mrows
         }
         float *scl = (float *)(w + kw * 64);
         if (qtype == 14) decode_q6k(raw, b, k, n, w, scl);
-        else decode_q58(raw, b, k, n, qtype == 8, w, scl, (uint16_t *)(scl + k / gv * 64));
+        else decode_q58(raw, b, k, n, qtype == 8, &C, w, scl, (uint16_t *)(scl + k / gv * 64));
         for (long m0 = 0, mr; m0 < mrows; m0 += mr)
             for (int p = 0; p < 2; p++) {
                 const int8_t *xm = q.xq + m0 * k;
