@@ -176,7 +176,7 @@ static void q58_init(struct q58 *C, long rb) {
     for (int i = 0; i < 16; i++) vi[i] = (int32_t)(i * rb);
     C->vi = _mm512_loadu_si512(vi), C->rb = rb;
 }
-/* z[2p + h]: 16 bytes at ph (words 4h .. 4h + 3) of rows 4p .. 4p + 3 (rows rb apart) -> after tr16x8, word j
+/* z[2p + h]: 16 bytes at p0 (h 0) or p1 (h 1) of rows 4p .. 4p + 3 (rows rb apart), words 4h .. 4h + 3 -> word j
    of the 16 rows in z[j bit-reversed] */
 static inline __attribute__((always_inline)) void tr16x8(const uint8_t *p0, const uint8_t *p1, long rb,
         const struct q58 *C, __m512i z[8]) {

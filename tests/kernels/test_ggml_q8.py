@@ -36,7 +36,7 @@ def _run(x, p):
 
 
 @pytest.mark.parametrize("qtype", TYPES + [ggml.Q6_K])
-@pytest.mark.parametrize("n", [128, 80])  # 80: the last 64-row block is padding
+@pytest.mark.parametrize("n", [128, 80, 70])  # 80: the last 64-row block is padding; 70: a part of 16 rows
 def test_product_is_the_exact_product_of_int8_rounded_x(qtype, n):
     k = 512 if qtype in (ggml.Q4_K, ggml.Q6_K) else 352  # 352: blocks of 32, an odd count of them
     p, w = _form(qtype, n, k)
