@@ -157,7 +157,7 @@ static void decode_q6k(const uint8_t *raw, long b, long k, long n, uint8_t *w, f
 /* Q5_0 / Q8_0 decoded 16 rows and two blocks (64 values) at a time straight into the layout, transposed by 4-value
    words: 16 bytes of 4 rows a register as loaded, then two rounds of two-source permutes (tr16x8); the scales and
    Q5_0's 5th bits gathered 16 rows at a time. `struct q58` holds the constants, built once a call. */
-struct q58 { __m512i t[4], ctl[8], vi; long rb; };
+struct q58 { __m512i t[4], ctl[8], vi, iq; long rb; };
 static void q58_init(struct q58 *C, long rb) {
     int32_t t[4][16];
     for (int s = 1; s < 3; s++)  /* lanes row-major: 2 << s rows x 8 >> s words -> twice the rows, half the words */
@@ -172,6 +172,8 @@ static void q58_init(struct q58 *C, long rb) {
         for (int i = 0; i < 64; i++) ix[i] = (uint8_t)(i / 4 % 2 * 32 + 4 * j + i % 4);
         C->ctl[j] = _mm512_loadu_si512(ix);
     }
+    for (int i = 0; i < 64; i++) ix[i] = (uint8_t)((i < 32 ? 6 : 28) + i % 16);  /* pair58: a pair's qs, twice */
+    C->iq = _mm512_loadu_si512(ix);
     int32_t vi[16];
     for (int i = 0; i < 16; i++) vi[i] = (int32_t)(i * rb);
     C->vi = _mm512_loadu_si512(vi), C->rb = rb;
@@ -227,25 +229,21 @@ static inline __attribute__((always_inline)) void q58_16(const uint8_t *bl, cons
 }
 /* One row's blocks c, c + 1 as q58_16 makes them (two: whether c + 1 exists; its scale 0 where not): the rows and
    blocks at the edges */
-static inline __m512i pair58(const uint8_t *bl, int q8, int two, uint16_t *d0, uint16_t *d1) {
-    uint8_t b[68] = {0};
-    memcpy(b, bl, two ? 2 * (q8 ? 34 : 22) : q8 ? 34 : 22);
-    memcpy(d0, b, 2), memcpy(d1, b + (q8 ? 34 : 22), 2);
-    __m512i u;
+static inline __m512i pair58(const uint8_t *bl, int q8, int two, __m512i iq, uint16_t *d0, uint16_t *d1) {
+    memcpy(d0, bl, 2);
+    *d1 = 0;
+    if (two) memcpy(d1, bl + (q8 ? 34 : 22), 2);
     if (q8) {
-        u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 2))),
-                               _mm256_loadu_si256((const __m256i *)(b + 36)), 1);
-        return _mm512_mask_xor_epi32(u, two ? 0xFFFF : 0x00FF, u, _mm512_set1_epi8(-128));
+        __m256i lo = _mm256_loadu_si256((const __m256i *)(bl + 2));
+        __m256i hi = two ? _mm256_loadu_si256((const __m256i *)(bl + 36)) : _mm256_set1_epi8(-128);
+        return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), _mm512_set1_epi8(-128));
     }
-    uint8_t v[64];
-    uint32_t h0, h1;
-    memcpy(&h0, b + 2, 4), memcpy(&h1, b + 24, 4);
-    for (int i = 0; i < 64; i++) {
-        const uint8_t *qs = b + (i < 32 ? 6 : 28);
-        int j = i % 32, q = j < 16 ? qs[j] & 15 : qs[j - 16] >> 4;
-        v[i] = (uint8_t)(q | ((i < 32 ? h0 : h1) >> j & 1) << 4);
-    }
-    return _mm512_loadu_si512(v);
+    __m512i q = _mm512_permutexvar_epi8(iq, _mm512_maskz_loadu_epi8(~0ULL >> (two ? 20 : 42), bl));
+    q = _mm512_and_si512(_mm512_mask_blend_epi8(0xFFFF0000FFFF0000ULL, q, _mm512_srli_epi16(q, 4)), _mm512_set1_epi8(15));
+    uint32_t h0, h1 = 0;
+    memcpy(&h0, bl + 2, 4);
+    if (two) memcpy(&h1, bl + 24, 4);
+    return _mm512_mask_add_epi8(q, (uint64_t)h1 << 32 | h0, q, _mm512_set1_epi8(16));
 }
 /* Q5_0 (q8 0) / Q8_0 (q8 1) rows 64b.. of raw [n, k/32 * (22 | 34)] -> scratch w and scl (d per 32 values; dh:
    their fp16 first, read back once all are written); rows from n on weigh 0; w holds k rounded up to 64. */
@@ -269,7 +267,7 @@ static void decode_q58(const uint8_t *raw, long b, long k, long n, int q8, const
             }
             __m512i u[16];
             for (int rr = 0; rr < 16; rr++)
-                if (rr < live) u[rr] = pair58(bl + rr * rb, q8, c + 1 < nb, d0 + rr, d1 + rr);
+                if (rr < live) u[rr] = pair58(bl + rr * rb, q8, c + 1 < nb, C->iq, d0 + rr, d1 + rr);
                 else u[rr] = _mm512_setzero_si512(), d0[rr] = d1[rr] = 0;
             tr16r(u);
             for (int j = 0; j < 16; j++) _mm512_store_si512(wc + j * 256, u[j]);
