@@ -6,15 +6,15 @@ Owns: `prepare` (a GGUF block tensor -> the form kept in memory, built once at l
 
 The forms. Q4_K, Q4_0 -> torch's int4 CPU layout (`torch._weight_int4pack_mm_for_cpu`: w = (q − 8)·scale + zero per
 group of 32 along K): a Q4_K sub-block is one group, scale = d·sc, zero = 8·d·sc − dmin·m (exact in fp32, stored in
-the activations' dtype: bf16 rounds them, <= 2^-9 each). Q8_0 and Q5_0 -> two nibble planes side by side along K
-(q + offset = 16a + b; x fed twice). Q6_K -> kept as its bytes (16-value sub-blocks do not map onto groups of 32).
-Rows are padded to a multiple of 64.
+the activations' dtype: bf16 rounds them, <= 2^-9 each); rows padded to a multiple of 64. Q5_0, Q8_0, Q6_K -> kept
+as their bytes ('raw': a GGUF file's own map, no copy; the C kernel decodes them per 64-row block).
 The paths, for bf16 x: the int8 C kernel (kernels/ggml_q8.py, its own stated numerics) where the CPU has AVX-512
-VNNI + VBMI, from Q8_ROWS rows (a GGUF step ~1.8x faster, benchmarks/RESULTS.md); otherwise (DGEMMA_KERNELS=torch,
-no compiler) torch's int4 kernel below GEMM_ROWS rows (3.5x fewer bytes than bf16, fp32 FMAs) and above it bf16
-tiles of ~4 M weights unpacked by torch ops in per-thread scratch, then x @ W.T (each weight the kernel's exact
-weight rounded once to bf16). fp32 x, and Q6_K without C, take exact fp32 tiles (the int4 kernel's fp32 path is
-~70x slower). Relative RMS error against the file's weights (Q4_K [1408, 2816], 256 rows): kernel 2.5e-3, GEMM
+VNNI + VBMI, for int4 forms from Q8_ROWS rows (a GGUF step ~1.8x faster, benchmarks/RESULTS.md), for raw ones at
+every row count; otherwise (DGEMMA_KERNELS=torch, no compiler) int4 forms take torch's int4 kernel below GEMM_ROWS
+rows (3.5x fewer bytes than bf16, fp32 FMAs) and above it bf16 tiles of ~4 M weights unpacked by torch ops in
+per-thread scratch, then x @ W.T (each weight the kernel's exact weight rounded once to bf16). fp32 x, and raw
+forms without C, take tiles of the file's weights dequantized into x's dtype (the int4 kernel's fp32 path is ~70x
+slower). Relative RMS error against the file's weights (Q4_K [1408, 2816], 256 rows): kernel 2.5e-3, GEMM
 path 3.0e-3, a bf16 checkpoint 2.4e-3.
 """
 
@@ -27,20 +27,17 @@ import torch
 import torch.nn.functional as F
 
 from . import ggml_q8
-from .ggml_blocks import (Q4_0, Q4_K, Q5_0, Q6_K, Q8_0, _blocks, _f16, dequantize, q4k_nibbles, q4k_scale_min,
-                          q40_values, q50_high)
+from .ggml_blocks import Q4_0, Q4_K, _blocks, _f16, dequantize, q4k_nibbles, q4k_scale_min, q40_values, row_bytes
 from .moe_cpu import _sorted_pairs, _sum_slots
 
-PLANES = (Q5_0, Q8_0)  # 5- and 8-bit types: two nibble planes side by side along K
-PLANE_OFFSET = {Q5_0: 16, Q8_0: 128}  # planes' weights d·(16a + b − offset)
-GROUP = 32  # the int4 kernel's group size: one Q4_K sub-block, one Q8_0 block
+RAW = ggml_q8.BLOCK_TYPES  # Q5_0, Q8_0, Q6_K: used as stored
+GROUP = 32  # the int4 kernel's group size: one Q4_K sub-block, one Q4_0 block
 ROW_BLOCK = 64  # the int4 packed layout's row block
 TILE_VALUES = 1 << 18  # values dequantized per tile on the tile path (1 MB in fp32)
-# From this many rows of bf16 x (single-plane forms, planes) the torch paths take bf16 tiles, not torch's int4 kernel
-GEMM_ROWS = (64, 32)
-# From this many rows of bf16 x (single-plane forms, planes) the int8 path where the CPU has VNNI (below: torch's
-# int4 kernel reads the nibbles once, 1.5x faster at 1-2 rows; planes' other paths are slower at every count)
-Q8_ROWS = (3, 1)
+GEMM_ROWS = 64  # from this many rows of bf16 x the torch paths take bf16 tiles, not torch's int4 kernel
+# From this many rows of bf16 x the int8 path where the CPU has VNNI (below: torch's int4 kernel reads the nibbles
+# once, 1.5x faster at 1-2 rows)
+Q8_ROWS = 3
 GEMM_TILE_VALUES = 1 << 22  # weight values per bf16 tile (8 MB + 4 MB int8 scratch): fewer, larger ops
 _NIB = 0x0F0F0F0F0F0F0F0F  # low nibble of each byte of an int64 word
 _scratch = threading.local()  # per thread: the GEMM path's reused (int8, bf16) tile buffers
@@ -69,8 +66,8 @@ def _pad_rows(n: int) -> int:
 
 
 def _int4_parts(raw: torch.Tensor, qtype: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One matrix's bytes [n, row_bytes] -> (q uint8 [n, Kp] in 0..15, scale fp32 [n, Kp/32], zero fp32 [n, Kp/32])
-    with w = (q − 8)·scale + zero (Q8_0: the two planes summed)."""
+    """One matrix's bytes [n, row_bytes] -> (q uint8 [n, k] in 0..15, scale fp32 [n, k/32], zero fp32 [n, k/32])
+    with w = (q − 8)·scale + zero."""
     n = raw.shape[0]
     b = _blocks(raw, qtype)  # [n, nb, bytes]
     if qtype == Q4_K:
@@ -78,17 +75,8 @@ def _int4_parts(raw: torch.Tensor, qtype: int, k: int) -> tuple[torch.Tensor, to
         scale = _f16(b[..., 0:2]) * sc.float()  # [n, nb, 8], exact
         zero = 8 * scale - _f16(b[..., 2:4]) * mn.float()
         return q4k_nibbles(b[..., 16:]).reshape(n, k), scale.reshape(n, -1), zero.reshape(n, -1)
-    d = _f16(b[..., 0:2])[..., 0]  # [n, nb]
-    if qtype == Q4_0:  # (q − 8)·d: scale d, zero 0
-        return q40_values(b[..., 2:]).reshape(n, k), d, torch.zeros_like(d)
-    if qtype == Q5_0:  # q = 16a + b: d·(q − 16) = (a − 8)·16d + 128d + (b − 8)·d − 8d
-        u = q40_values(b[..., 6:]) | (q50_high(b[..., 2:6]) << 4)  # [n, nb, 32] in 0..31
-        zeros = (128 * d, -8 * d)
-    else:  # Q8_0, q + 128 = 16a + b: d·q = (a − 8)·16d + 8d + (b − 8)·d
-        u = (b[..., 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)  # [n, nb, 32]
-        zeros = (8 * d, torch.zeros_like(d))
-    q = torch.cat(((u >> 4).reshape(n, k), (u & 15).reshape(n, k)), dim=1)  # [n, 2k]
-    return q, torch.cat((16 * d, d), dim=1), torch.cat(zeros, dim=1)
+    d = _f16(b[..., 0:2])[..., 0]  # Q4_0, (q − 8)·d: scale d, zero 0 [n, nb]
+    return q40_values(b[..., 2:]).reshape(n, k), d, torch.zeros_like(d)
 
 
 def _pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -104,39 +92,37 @@ def prepare(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype = torch.bf
     """GGUF block bytes [..., n, row_bytes] -> the compute form (see the module docstring); scales and zeros in
     `dtype` (the activations' dtype: bf16 for the kernel, fp32 keeps them exact for the tile path)."""
     n = raw.shape[-2]
-    if qtype == Q6_K:
+    if qtype in RAW:
         return Prepared("raw", qtype, n, k, raw.contiguous(), None)
-    if qtype not in (Q4_0, Q5_0, Q8_0, Q4_K):
+    if qtype not in (Q4_0, Q4_K):
         raise ValueError(f"ggml type {qtype}: no CPU compute form (Q4_0, Q5_0, Q8_0, Q4_K, Q6_K)")
     lead = raw.shape[:-2]
-    np_, kp = _pad_rows(n), k * (2 if qtype in PLANES else 1)
+    np_ = _pad_rows(n)
     mats = raw.reshape(-1, *raw.shape[-2:])
-    packed = torch.empty(len(mats), np_, kp // 2, dtype=torch.uint8)
-    sz = torch.empty(len(mats), kp // GROUP, np_, 2, dtype=dtype)
+    packed = torch.empty(len(mats), np_, k // 2, dtype=torch.uint8)
+    sz = torch.empty(len(mats), k // GROUP, np_, 2, dtype=dtype)
     for i, m in enumerate(mats):  # one matrix at a time: the working copies stay small
         q, scale, zero = _int4_parts(m, qtype, k)
         if np_ != n:  # padding rows: q = 8, scale = zero = 0 -> weight 0
             q = torch.cat((q, q.new_full((np_ - n, q.shape[1]), 8)))
             scale = torch.cat((scale, scale.new_zeros(np_ - n, scale.shape[1])))
             zero = torch.cat((zero, zero.new_zeros(np_ - n, zero.shape[1])))
-        packed[i] = _pack_int4(q)  # [Np, Kp/2]
-        sz[i] = torch.stack((scale, zero), dim=-1).transpose(0, 1)  # [Kp/32, Np, 2]
-    packed, sz = packed.reshape(*lead, np_, kp // 2), sz.reshape(*lead, kp // GROUP, np_, 2)
+        packed[i] = _pack_int4(q)  # [Np, k/2]
+        sz[i] = torch.stack((scale, zero), dim=-1).transpose(0, 1)  # [k/32, Np, 2]
+    packed, sz = packed.reshape(*lead, np_, k // 2), sz.reshape(*lead, k // GROUP, np_, 2)
     return Prepared("int4", qtype, n, k, packed, sz)
 
 
 def prepared_bytes(qtype: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> int:
     """Bytes `prepare` holds for one [n, k] matrix of qtype (memory preflight without building anything)."""
-    if qtype == Q6_K:
-        return n * k // 256 * 210
-    kp = k * (2 if qtype in PLANES else 1)
-    return _pad_rows(n) * (kp // 2 + kp // GROUP * 2 * dtype.itemsize)
+    if qtype in RAW:
+        return n * row_bytes(qtype, k)
+    return _pad_rows(n) * (k // 2 + k // GROUP * 2 * dtype.itemsize)
 
 
 def prepared_shapes(qtype: int, n: int, k: int, lead: tuple = ()) -> tuple[tuple, tuple]:
     """The shapes of an int4 form's `packed` and `sz` for a stack `lead` of [n, k] matrices (as `prepare` makes)."""
-    np_, kp = _pad_rows(n), k * (2 if qtype in PLANES else 1)
-    return (*lead, np_, kp // 2), (*lead, kp // GROUP, np_, 2)
+    return (*lead, _pad_rows(n), k // 2), (*lead, k // GROUP, _pad_rows(n), 2)
 
 
 def _dequant_rows(p: Prepared, r0: int, r1: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -150,8 +136,6 @@ def _dequant_rows(p: Prepared, r0: int, r1: int, dtype: torch.dtype = torch.floa
     q = torch.stack((v & 15, v >> 4), dim=1).transpose(2, 3).reshape(hi - r0, kp // GROUP, GROUP)  # [rows, g, 32]
     sz = p.sz[:, r0:hi].to(dtype)  # [Kp/32, rows, 2]
     w = torch.addcmul(sz[..., 1].t().unsqueeze(-1), q.to(dtype) - 8, sz[..., 0].t().unsqueeze(-1)).reshape(hi - r0, kp)
-    if p.qtype in PLANES:
-        w = w[:, :p.k] + w[:, p.k:]
     return w[:r1 - r0]
 
 
@@ -175,7 +159,7 @@ def _buf(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 def _int4_tile_t(p: Prepared, b0: int, b1: int, dtype: torch.dtype) -> torch.Tensor:
     """Row blocks b0..b1 of an int4 form as W.T [k, (b1 - b0)·64] in dtype, in this thread's reused buffer (valid
-    until the next call): `_dequant_rows(...)` in fp32 rounded once to dtype (planes: d·(u − off), u = 16a + b)."""
+    until the next call): `_dequant_rows(...)` in fp32 rounded once to dtype."""
     kp, nb, k, tn = p.packed.shape[-1] * 2, b1 - b0, p.k, (b1 - b0) * ROW_BLOCK
     u8, wbuf = _buf("u8", nb * kp * ROW_BLOCK, torch.uint8), _buf("w", nb * kp * ROW_BLOCK, dtype)
     v = p.packed.reshape(-1, kp * ROW_BLOCK // 2)[b0:b1].view(torch.int64)  # [nb, Kp·4]: words of [Kp, 32] bytes
@@ -183,22 +167,13 @@ def _int4_tile_t(p: Prepared, b0: int, b1: int, dtype: torch.dtype) -> torch.Ten
     lo, hi = (u[:, h].reshape(nb, -1).view(torch.int64) for h in (0, 1))
     torch.bitwise_and(v, _NIB, out=lo)
     torch.bitwise_right_shift(v, 4, out=hi).bitwise_and_(_NIB)
-    if p.qtype in PLANES:  # u = 16a + b into the a half (no carries: each byte < 16)
-        u = u[:, :, :k].bitwise_left_shift_(4).bitwise_or_(u[:, :, k:])
-    q = u.view(torch.int8)
-    if p.qtype == Q8_0:  # u − 128 = u XOR 0x80 read as int8
-        q.bitwise_xor_(-128)
-    else:
-        q.sub_(16 if p.qtype == Q5_0 else 8)  # Q4_0 / Q4_K: q − 8, Q5_0: u − 16
+    q = u.view(torch.int8).sub_(8)
     w = wbuf[:k * tn].view(k, nb, 2, ROW_BLOCK // 2)
     w.copy_(q.permute(2, 0, 1, 3))  # [k, nb, 2, 32] = W.T [k, tn], exact (|value| <= 128)
     w3 = w.view(k // GROUP, GROUP, tn)
     sz = p.sz[:, b0 * ROW_BLOCK:b1 * ROW_BLOCK]  # contiguous copies below: a strided operand costs ~7x here
-    if p.qtype in PLANES:  # times plane b's scale d
-        w3.mul_(sz[k // GROUP:, :, 0].to(dtype).contiguous().unsqueeze(1))
-    else:
-        scale, zero = (sz[..., i].to(dtype).contiguous().unsqueeze(1) for i in (0, 1))
-        torch.addcmul(zero, w3, scale, out=w3)
+    scale, zero = (sz[..., i].to(dtype).contiguous().unsqueeze(1) for i in (0, 1))
+    torch.addcmul(zero, w3, scale, out=w3)
     return w.view(k, tn)
 
 
@@ -211,23 +186,22 @@ def _gemm_int4(x2: torch.Tensor, p: Prepared) -> torch.Tensor:
 
 
 def _kernel_int4(x2: torch.Tensor, p: Prepared) -> torch.Tensor:
-    """x2 [M, k] @ W.T through torch's int4 kernel -> [M, Np] (planes: x fed twice)."""
-    xin = torch.cat((x2, x2), dim=1) if p.qtype in PLANES else x2.contiguous()
-    return torch._weight_int4pack_mm_for_cpu(xin, p.packed, GROUP, p.sz)
+    """x2 [M, k] @ W.T through torch's int4 kernel -> [M, Np]."""
+    return torch._weight_int4pack_mm_for_cpu(x2.contiguous(), p.packed, GROUP, p.sz)
 
 
 def linear(x: torch.Tensor, p: Prepared) -> torch.Tensor:
     """x [..., k] @ W.T -> [..., n] in x.dtype for one prepared matrix W [n, k] (~200 calls a decoder pass)."""
     x2 = x if x.dim() == 2 and x.shape[1] == p.k else x.reshape(-1, p.k)
-    y, planes = None, p.qtype in PLANES
+    y = None
     if x.dtype == torch.bfloat16 and x.is_cpu:  # the thresholds were measured against oneDNN's bf16 GEMM
         if p.kind == "int4" and p.sz.dtype == torch.bfloat16:
-            if x2.shape[0] >= Q8_ROWS[planes] and ggml_q8.available():  # int8 (its own numerics)
-                y = ggml_q8.product(x2, p.packed, p.sz, p.k, PLANE_OFFSET.get(p.qtype, 0))
+            if x2.shape[0] >= Q8_ROWS and ggml_q8.available():  # int8 (its own numerics)
+                y = ggml_q8.product(x2, p.packed, p.sz, p.k)
             if y is None:
-                y = _gemm_int4(x2, p) if x2.shape[0] >= GEMM_ROWS[planes] else _kernel_int4(x2, p)
-        elif p.qtype == Q6_K and ggml_q8.available():
-            y = ggml_q8.q6k_product(x2, p.packed, p.k, p.n)
+                y = _gemm_int4(x2, p) if x2.shape[0] >= GEMM_ROWS else _kernel_int4(x2, p)
+        elif p.kind == "raw" and ggml_q8.available():
+            y = ggml_q8.blocks_product(x2, p.packed, p.qtype, p.k, p.n)
     elif p.kind == "int4" and x.dtype == torch.float16 and p.sz.dtype == x.dtype and x.is_cpu:
         y = _kernel_int4(x2, p)  # fp16 keeps torch's int4 kernel
     if y is None:  # tiles of rows dequantized one at a time into x's dtype (the whole matrix never is)

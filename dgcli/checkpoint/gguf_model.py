@@ -245,15 +245,15 @@ def _dequantized(f: GGUFFile, gname: str, dtype):
 
 def _mapped_forms(f: GGUFFile, dense: list[str], kept: list[str], dtype) -> dict:
     """The tensors quantized GGUF weights are used as, none in anonymous memory: `dense` ones dequantized to
-    `dtype`, `kept` ones as `ggml_cpu.Prepared` forms: Q6_K over the file's own map, the int4 forms over the
-    mapped cache file (checkpoint/mapped.py; built at the first load: one matrix in memory at a time)."""
+    `dtype`, `kept` ones as `ggml_cpu.Prepared` forms: Q5_0, Q8_0 and Q6_K over the file's own map, the int4 forms
+    (Q4_K, Q4_0) over the mapped cache file (checkpoint/mapped.py; built at the first load: one matrix at a time)."""
     import torch
 
     from dgcli.checkpoint import mapped
     from dgcli.kernels import ggml_cpu
 
     out: dict = {}
-    cached = [g for g in kept if f.tensors[g].type != ggml_cpu.Q6_K]
+    cached = [g for g in kept if f.tensors[g].type not in ggml_cpu.RAW]
     for g in kept:
         if g not in cached:
             out[g] = ggml_cpu.prepare(torch.from_numpy(f.array(g)), f.tensors[g].type, f.tensors[g].shape[-1], dtype)

@@ -1,10 +1,11 @@
 """Weights used in place from mapped files, and the low-memory mode that streams them layer by layer.
 
-The forms the CPU kernels need built from a GGUF file (torch's int4 layout, a quantized embedding dequantized) are
-written once to a cache file beside it (or under $XDG_CACHE_HOME/dgemma/gguf) and mapped, like the blocks used as
-stored: no weight lives in anonymous memory, so under a memory cap the kernel may drop pages and read them again
-instead of killing the process. Owns: the cache file (key, layout, atomic build) and `stream_layers` (madvise /
-posix_fadvise per layer). Must not: know tensor names or GGUF types (checkpoint/gguf_model.py decides) or compute.
+The forms the CPU kernels need built from a GGUF file (torch's int4 layout of Q4_K / Q4_0, a quantized embedding
+dequantized) are written once to a cache file beside it (or under $XDG_CACHE_HOME/dgemma/gguf) and mapped, like the
+blocks used as stored (Q5_0, Q8_0, Q6_K): no weight lives in anonymous memory, so under a memory cap the kernel
+may drop pages and read them again instead of killing the process. Owns: the cache file (key, layout, atomic build)
+and `stream_layers` (madvise / posix_fadvise per layer). Must not: know tensor names or GGUF types
+(checkpoint/gguf_model.py decides) or compute.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-MAGIC, VERSION = b"DGMAPPED", 1
+MAGIC, VERSION = b"DGMAPPED", 2
 PAGE = mmap.PAGESIZE
 
 

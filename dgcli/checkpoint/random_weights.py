@@ -186,11 +186,9 @@ GGML_WEIGHTS = ("q4_k", "q8_0")
 
 
 def ggml_dummy_type(weights: str, k: int) -> int | None:
-    """The block type a dummy matrix with rows of k values gets. q4_k: Q4_K, or Q4_0 where k is not a
-    multiple of 256 (this model's down projections, 704 and 2112: llama.cpp would write Q5_0 there, which
-    runs as two int4 planes at 1.25 bytes per value and would not fit 24 GB; Q4_0 is a 4.5-bit type that
-    maps onto the int4 kernel directly). q8_0: Q8_0."""
-    order = {"q4_k": (ggml.Q4_K, ggml.Q4_0), "q8_0": (ggml.Q8_0,)}[weights]
+    """The block type a dummy matrix with rows of k values gets, as llama.cpp's mix falls back: q4_k: Q4_K, or
+    Q5_0 where k is not a multiple of 256 (this model's down projections, 704 and 2112). q8_0: Q8_0."""
+    order = {"q4_k": (ggml.Q4_K, ggml.Q5_0), "q8_0": (ggml.Q8_0,)}[weights]
     return next((t for t in order if ggml.fits(t, k)), None)
 
 

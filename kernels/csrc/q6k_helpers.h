@@ -14,9 +14,8 @@ static inline float f16(const uint8_t *p) {
     return f;
 }
 #ifdef __AVX512F__
-static inline void tr16(const uint32_t *src, long ls, uint32_t *dst, long ld) {  /* 16 x 16 transpose, 32-bit */
-    __m512i r[16], t[16];
-    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(src + i * ls);
+static inline void tr16r(__m512i r[16]) {  /* 16 x 16 transpose of 32-bit words, in registers */
+    __m512i t[16];
     for (int i = 0; i < 16; i += 2)
         t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
     for (int i = 0; i < 16; i += 4)
@@ -28,6 +27,11 @@ static inline void tr16(const uint32_t *src, long ls, uint32_t *dst, long ld) { 
             t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
     for (int j = 0; j < 8; j++)
         r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88), r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+}
+static inline void tr16(const uint32_t *src, long ls, uint32_t *dst, long ld) {  /* the same, memory to memory */
+    __m512i r[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(src + i * ls);
+    tr16r(r);
     for (int i = 0; i < 16; i++) _mm512_storeu_si512(dst + i * ld, r[i]);
 }
 #endif

@@ -1,5 +1,6 @@
-"""The int8 path for int4 forms (kernels/ggml_q8.py): its stated numerics (x rounded to int8 per row and group of 32,
-then the exact product, rounded once to bf16), its bound against the exact x, threads, and where linear takes it."""
+"""The int8 path (kernels/ggml_q8.py) for int4 forms and for GGUF blocks used as stored (Q5_0, Q8_0, Q6_K): its
+stated numerics (x rounded to int8 per row and group of 32, then the exact product, rounded once to bf16), its bound
+against the exact x, threads, and where linear takes it."""
 
 import pytest
 import torch
@@ -29,16 +30,15 @@ def _x_int8(x):
 
 
 def _run(x, p):
-    if p.qtype == ggml.Q6_K:  # GGUF bytes, decoded per call
-        return ggml_q8.q6k_product(x, p.packed, p.k, p.n)[:, :p.n].double()
-    y = ggml_q8.product(x, p.packed, p.sz, p.k, ggml_cpu.PLANE_OFFSET.get(p.qtype, 0))
-    return y[:, :p.n].double()
+    if p.kind == "raw":  # GGUF bytes, decoded per call
+        return ggml_q8.blocks_product(x, p.packed, p.qtype, p.k, p.n)[:, :p.n].double()
+    return ggml_q8.product(x, p.packed, p.sz, p.k)[:, :p.n].double()
 
 
 @pytest.mark.parametrize("qtype", TYPES + [ggml.Q6_K])
-@pytest.mark.parametrize("n", [128, 80])  # 80: the last 64-row block is padding
+@pytest.mark.parametrize("n", [128, 80, 70])  # 80: the last 64-row block is padding; 70: a part of 16 rows
 def test_product_is_the_exact_product_of_int8_rounded_x(qtype, n):
-    k = 512
+    k = 512 if qtype in (ggml.Q4_K, ggml.Q6_K) else 352  # 352: blocks of 32, an odd count of them
     p, w = _form(qtype, n, k)
     for m in (1, 3, 4, 5, 9, 37):  # whole and partial chunks of MR rows
         x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 2).bfloat16()
@@ -70,10 +70,10 @@ def test_threads_do_not_change_bits(qtype):
     assert torch.equal(one, two)
 
 
-@pytest.mark.parametrize("qtype", [ggml.Q4_K, ggml.Q8_0])
+@pytest.mark.parametrize("qtype", [ggml.Q4_K, ggml.Q4_0])
 def test_linear_takes_it_from_its_rows_unless_switched_off(qtype, monkeypatch):
     p, _ = _form(qtype, 128, 256)
-    first = ggml_cpu.Q8_ROWS[qtype in ggml_cpu.PLANES]
+    first = ggml_cpu.Q8_ROWS
     called = []
     real = ggml_q8.product
     monkeypatch.setattr(ggml_q8, "product", lambda *a: called.append(a[0].shape[0]) or real(*a))
@@ -82,7 +82,7 @@ def test_linear_takes_it_from_its_rows_unless_switched_off(qtype, monkeypatch):
         y = ggml_cpu.linear(x, p)
         assert y.shape == (m, 128)
         if m >= first:
-            assert torch.equal(y, real(x, p.packed, p.sz, 256, ggml_cpu.PLANE_OFFSET.get(qtype, 0)))
+            assert torch.equal(y, real(x, p.packed, p.sz, 256))
     assert called == [first, 70]  # below: torch's int4 kernel as before
     monkeypatch.setenv("DGEMMA_KERNELS", "torch")
     ggml_cpu.linear(torch.randn(70, 256).bfloat16(), p)
@@ -91,11 +91,13 @@ def test_linear_takes_it_from_its_rows_unless_switched_off(qtype, monkeypatch):
     assert called == [first, 70]
 
 
-def test_linear_runs_q6k_through_it_at_every_row_count(monkeypatch):
-    p, _ = _form(ggml.Q6_K, 80, 256)
+@pytest.mark.parametrize("qtype", [ggml.Q5_0, ggml.Q8_0, ggml.Q6_K])
+def test_linear_runs_stored_blocks_through_it_at_every_row_count(qtype, monkeypatch):
+    p, _ = _form(qtype, 80, 256)
+    assert p.kind == "raw" and p.nbytes() == 80 * ggml.row_bytes(qtype, 256)  # the file's bytes, no other form
     for m in (1, 5):
         x = torch.randn(m, 256).bfloat16()
-        assert torch.equal(ggml_cpu.linear(x, p), ggml_q8.q6k_product(x, p.packed, 256, 80)[:, :80])
+        assert torch.equal(ggml_cpu.linear(x, p), ggml_q8.blocks_product(x, p.packed, qtype, 256, 80)[:, :80])
     monkeypatch.setenv("DGEMMA_KERNELS", "torch")  # the torch path: the dequantizer's weights in row tiles
     x = torch.randn(5, 256).bfloat16()
     got = ggml_cpu.linear(x, p)
@@ -104,13 +106,14 @@ def test_linear_runs_q6k_through_it_at_every_row_count(monkeypatch):
     assert got.dtype == torch.bfloat16 and (got.double() - exact).abs().max() <= 2.0**-7 * exact.abs().max()
 
 
-def test_experts_through_it_match_the_reference():
-    h, inter, e, n_tok = 256, 96, 8, 40  # 96: Q4_0 rows (not a multiple of 256), the down projection
+@pytest.mark.parametrize("down_type", [ggml.Q4_0, ggml.Q5_0])
+def test_experts_through_it_match_the_reference(down_type):
+    h, inter, e, n_tok = 256, 96, 8, 40  # 96: rows not a multiple of 256 (Q4_0 / Q5_0), the down projection
     g = torch.Generator().manual_seed(5)
     gate_up = ggml_quants.quantize(torch.randn(e * 2 * inter, h, generator=g) * h ** -0.5, ggml.Q4_K)
-    down = ggml_quants.quantize(torch.randn(e * h, inter, generator=g) * inter ** -0.5, ggml.Q4_0)
+    down = ggml_quants.quantize(torch.randn(e * h, inter, generator=g) * inter ** -0.5, down_type)
     pg = ggml_cpu.prepare(gate_up.view(e, 2 * inter, -1), ggml.Q4_K, h)
-    pd = ggml_cpu.prepare(down.view(e, h, -1), ggml.Q4_0, inter)
+    pd = ggml_cpu.prepare(down.view(e, h, -1), down_type, inter)
     x = torch.randn(n_tok, h, generator=g).bfloat16()
     w = torch.rand(n_tok, 2, generator=g)
     idx = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(n_tok)])  # ~10 rows an expert
@@ -150,4 +153,6 @@ def test_forms_of_another_shape_are_refused():
     assert ggml_q8.product(x, p.packed, p.sz[:4], 256) is None  # scales cut short
     assert ggml_q8.product(x, p.packed[:100], p.sz, 256) is None  # rows not whole 64-row blocks
     q6, _ = _form(ggml.Q6_K, 64, 256)
-    assert ggml_q8.q6k_product(x, q6.packed, 256, 80) is None  # more rows asked than the bytes hold
+    assert ggml_q8.blocks_product(x, q6.packed, ggml.Q6_K, 256, 80) is None  # more rows asked than the bytes hold
+    assert ggml_q8.blocks_product(x, q6.packed, ggml.Q5_0, 256, 64) is None  # bytes not the type's
+    assert ggml_q8.blocks_product(x, q6.packed, ggml.Q4_K, 256, 64) is None  # not a type it runs as stored

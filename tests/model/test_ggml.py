@@ -296,12 +296,12 @@ def test_activation_path_names_what_the_linears_multiply_by(plain, x_path, monke
 
 @pytest.mark.parametrize("weights", ["q4_k", "q8_0"])
 def test_dummy_ggml_model(weights, x_path):
-    cfg = make_config(dict(TEXT, moe_intermediate_size=96), canvas_length=8)  # 96: no Q4_K rows -> Q4_0
+    cfg = make_config(dict(TEXT, moe_intermediate_size=96), canvas_length=8)  # 96: no Q4_K rows -> Q5_0
     model = random_ggml_model(cfg, weights, seed=1)
     held = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
     assert held == ggml_dummy_bytes(cfg, weights, torch.bfloat16)
     types = model.layers[0].experts.types
-    assert types == ((ggml.Q4_K, ggml.Q4_0) if weights == "q4_k" else (ggml.Q8_0, ggml.Q8_0))
+    assert types == ((ggml.Q4_K, ggml.Q5_0) if weights == "q4_k" else (ggml.Q8_0, ggml.Q8_0))
     logits = model.forward_canvas(*_inputs()[:2])
     assert torch.isfinite(logits).all() and logits.std() > 0
     deq = dequantize_model(model)
