@@ -1,8 +1,8 @@
 /* NVFP4 weights times bf16 x through int8 dot products (AVX-512 VNNI `vpdpbusd`), kernels/nvfp4.py's `product`.
    An E2M1 code times 2 is an integer in {0, ±1, ±2, ±3, ±4, ±6, ±8, ±12}: stored + 12 as an unsigned byte, and
    x quantized per row and group of 16 to int8 (dx = max|x|/127), a group's 16 products are an exact integer sum
-   (less 12·sum xq); times the group's factor e4m3/global (or x global) / 2 and dx in fp32, summed over K in fp32,
-   rounded once to bf16. A dot product's 4 bytes need not be adjacent columns, only the same 4 in x and w: a
+   (less 12·sum xq); times the group's factor e4m3 x (1/global or global) / 2 and dx in fp32, summed over K in
+   fp32, rounded once to bf16. A dot product's 4 bytes need not be adjacent columns, only the same 4 in x and w: a
    group's x is stored in the order its bytes' nibbles give (columns 0 2 4 6, 1 3 5 7, 8 10 12 14, 9 11 13 15), so
    the codes are looked up (`vpshufb`) where they lie. Per block of 64 weight rows, per-thread scratch holds for
    each group, quad and 16 rows one vector (row l's 4 values at bytes 4l..4l+3), and the factors [k/16][64]. */
@@ -122,12 +122,10 @@ int nvfp4_gemm(const uint16_t *x, const uint8_t *packed, const uint8_t *scale, c
             for (long g0 = 0; g0 < gs; g0 += 16) {  /* factors: 16 groups of each row, then rows into lanes */
                 __mmask16 in = gs - g0 >= 16 ? 0xFFFF : (__mmask16)((1u << (gs - g0)) - 1);
                 for (int l = 0; l < 16; l++) {
-                    __m512i s = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(in, sr[l] + g0));
-                    /* e4m3 as float16 bits (s.eeee.mmm at s.0eeee.mmm0000000) is its value / 256, exactly */
-                    __m512i h = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(s, _mm512_set1_epi32(0x80)), 8),
-                                                _mm512_slli_epi32(_mm512_and_si512(s, _mm512_set1_epi32(0x7F)), 7));
-                    t[l] = _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)),
-                                                             _mm512_set1_ps(256.f * gr[l])));
+                    /* e4m3 s.eeee.mmm, sign-extended, at float16's s.0eeee.mmm0000000: its value / 256, exactly */
+                    __m256i h = _mm256_cvtepi8_epi16(_mm512_castsi512_si128(_mm512_maskz_loadu_epi8(in, sr[l] + g0)));
+                    h = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16((short)0xBF80));
+                    t[l] = _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f * gr[l])));
                 }
                 transpose(t);
                 for (long j = 0; j < 16 && g0 + j < gs; j++) _mm512_store_si512(fs + (g0 + j) * 64 + 16 * v, t[j]);
