@@ -8,7 +8,8 @@ multiplier (ModelOpt, GGUF). The weight (`decode`): bf16(e2m1 x fp32(e4m3 / glob
 `decompress`, so a reference run equals the model holding the decompressed bf16 weights (gguf-py gives the same
 numbers). Activations are never FP4 (W4A16). CPU matmul, bf16 x where the CPU has AVX-512 VNNI + VBMI: `product`
 (kernels/csrc/nvfp4.c), e2m1 x 2 as integers times x rounded to int8 per row and group of 16 (dx = max|x|/127,
-nearest even), each group's integer sum times its factor / 2 and dx in fp32, summed in fp32, rounded once to bf16:
+nearest even), each group's integer sum times e4m3 x (1/glob or glob) / 2 (within 2^-23 of `factors`) and dx in
+fp32, summed in fp32, rounded once to bf16:
 |y - x.W^T| <= 2^-8 |x.W^T| + sum_g dx_g/2 . sum_k|w_k| (W the decoded weights before their bf16 rounding; tests
 check it), relative RMS error ~5e-3 on random x. Else (DGEMMA_KERNELS=torch, no compiler, fp32 x) the reference:
 tiles of ~4 M weights decoded by torch ops, then torch's GEMM. Nothing decoded outlives a call.

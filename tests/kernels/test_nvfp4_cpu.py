@@ -32,8 +32,8 @@ def _x_int8(x):
 
 @pytest.mark.parametrize("divide", [True, False])
 @pytest.mark.parametrize("n", [128, 80])  # 80: the last 64-row block is part padding
-def test_product_is_the_exact_product_of_int8_rounded_x(n, divide):
-    kk = 512
+@pytest.mark.parametrize("kk", [512, 208])  # 208: 13 groups, not a whole number of 8 or 16 (the kernel's chunks)
+def test_product_is_the_exact_product_of_int8_rounded_x(n, divide, kk):
     held, w = _matrix(n, kk, divide=divide)
     for m in (1, 3, 4, 5, 9, 37):  # whole and partial chunks of rows
         x = (torch.randn(m, kk, generator=torch.Generator().manual_seed(m)) * 2).bfloat16()
