@@ -24,8 +24,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dgcli.kernels import reference
-
 TILE = 16384  # vocabulary columns per tile of the chunk masses: [C, TILE] float32 is 16 MiB at C = 256
 _FLOOR = -1e30  # below any logit
 
@@ -126,4 +124,5 @@ def processed_logits(model: Any, hidden: torch.Tensor, temp: torch.Tensor, ids: 
     vocabulary rows `ids`: a slice ([C, T]) or each position's own [C, m] (-> [C, m])."""
     e = model.embed_weight
     raw = (F.linear(hidden, e[ids]) if isinstance(ids, slice) else torch.einsum("ch,cmh->cm", hidden, e[ids])).float()
-    return reference.processed_logits(raw, model.config.final_logit_softcapping, temp)
+    cap = model.config.final_logit_softcapping
+    return (torch.tanh(raw / cap) * cap if cap else raw) / temp
