@@ -2,21 +2,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
-#include <immintrin.h>
-#define VNNI 1
-#else
-#pragma GCC diagnostic ignored "-Wunused-parameter"  /* the entry points' stubs: they only return 0 */
-#endif
+#include "vnni.h"
 #define MR 4
-int q8_ok(void) {
-#ifdef VNNI
-    return 1;
-#else
-    return 0;
-#endif
-}
-#ifdef VNNI
+int q8_ok(void) { return VNNI; }
+#if VNNI
 #include "scratch.h"
 static inline __m512 bf16x16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
@@ -281,7 +270,7 @@ static void decode_q58(const uint8_t *raw, long b, long k, long n, int q8, const
    1, or 0 where scratch could not be had (out unwritten). */
 int q8_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint16_t *out, long mrows, long k,
              long np, int threads) {
-#ifdef VNNI
+#if VNNI
     long gs = k / 32;
     struct xint q;
     if (!quantize(x, mrows, k, 8, 0, threads, &q)) return 0;
@@ -336,7 +325,7 @@ int q8_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint16
    into this thread's scratch, then int8 dot products. 1, or 0 where scratch could not be had or qtype is another. */
 int blocks_gemm(const uint16_t *x, const uint8_t *raw, uint16_t *out, long mrows, long k, long n, long np,
                 int threads, int qtype) {
-#ifdef VNNI
+#if VNNI
     if (qtype != 6 && qtype != 8 && qtype != 14) return 0;
     const int gv = qtype == 14 ? 16 : 32, off = qtype == 14 ? 32 : qtype == 8 ? 128 : 16;
     struct xint q;

@@ -9,21 +9,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
-#include <immintrin.h>
-#define VNNI 1
-#else
-#pragma GCC diagnostic ignored "-Wunused-parameter"  /* the entry points' stubs: they only return 0 */
-#endif
+#include "vnni.h"
 #define MR 4
-int nvfp4_ok(void) {
-#ifdef VNNI
-    return 1;
-#else
-    return 0;
-#endif
-}
-#ifdef VNNI
+int nvfp4_ok(void) { return VNNI; }
+#if VNNI
 #include "scratch.h"
 static inline void transpose(__m512i r[16]) {  /* 16 x 16 dwords in place: r[j] lane l = r[l] lane j */
     __m512i t[16];
@@ -78,7 +67,7 @@ static inline __attribute__((always_inline)) void rows(const uint8_t *w, const f
    no VNNI or scratch could not be had (out unwritten). */
 int nvfp4_gemm(const uint16_t *x, const uint8_t *packed, const uint8_t *scale, const float *glob, int divide,
                uint16_t *out, long mrows, long k, long n, int threads) {
-#ifdef VNNI
+#if VNNI
     long gs = k / 16;
     int8_t *xq = scratch(0, (size_t)(mrows * k + 2 * mrows * gs * 4));
     if (!xq) return 0;

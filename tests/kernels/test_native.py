@@ -26,7 +26,8 @@ def test_c_lives_in_real_files_only():
 
 
 @needs_cc
-@pytest.mark.parametrize("isa", [(), ("-mno-avx512vnni",)], ids=["native", "no-vnni"])  # a CPU without the kernels'
+@pytest.mark.parametrize("isa", [(), ("-mno-avx512vnni",), ("-mno-avx512bf16",), ("-march=x86-64-v3",)],
+                         ids=["native", "no-vnni", "vnni-no-bf16", "avx2"])  # a CPU without the kernels'
 @pytest.mark.parametrize("name", sorted(native.LIBRARIES))  # instructions builds their stubs, warning-free too
 def test_every_source_compiles_with_warnings_as_errors(name, isa, tmp_path):
     cmd = native.compile_command(native.compiler(), name, str(tmp_path / "k.so"), ("-Wall", "-Wextra", "-Werror", *isa))
