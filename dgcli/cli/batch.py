@@ -82,18 +82,19 @@ def run_rows(session: Any, requests: list[Request], *, batch_size: int, show_thi
              on_event: Callable | None, write: Callable[[int, Any], None]) -> list[Any]:
     """The requests through `request.run_batch`; `write(index, response)` is called in input order (a
     finished request waits for the ones before it). Returns the responses."""
-    from dgcli.cluster.driver import Ordered
     from dgcli.runtime.request import run_batch
 
-    order, done = Ordered(), []
+    ready: dict[int, Any] = {}
+    done: list[Any] = []
     for index, response in run_batch(session, [r.prompt_ids for r in requests], batch_size=batch_size,
                                      seeds=[r.seed for r in requests], init_canvases=[r.init_canvas for r in requests],
                                      show_thinking=show_thinking, on_event=on_event,
                                      json_schemas=[r.json_schema for r in requests],
                                      images=[r.images for r in requests] if any(r.images for r in requests) else None):
-        for n, ready in order.add(index, response):
-            done.append(ready)
-            write(n, ready)
+        ready[index] = response
+        while len(done) in ready:  # input order
+            done.append(ready.pop(len(done)))
+            write(len(done) - 1, done[-1])
     return done
 
 
