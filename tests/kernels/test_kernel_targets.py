@@ -141,7 +141,11 @@ def test_every_kernel_but_attention_has_a_computed_h100_time_against_its_floor()
     text = kf.computed_table()
     assert text.startswith("Computed, not measured (H100 SXM")
     named = {line.split(" | ")[0].lstrip("| ").split(" ")[0] for line in text.splitlines()[4:]}
-    assert named == {c["kernel"] for c in CONFIGS} - {"fp8_linear._quant_kernel", "nvfp4_triton._w4a16_kernel"}
+    attention = {"paged_attention._paged_attention_kernel", "paged_attention._combine_kernel"}  # a table of its own
+    assert named == {c["kernel"] for c in CONFIGS} - {"fp8_linear._quant_kernel", "nvfp4_triton._w4a16_kernel"} - attention
+    rows = [line.split(" | ") for line in kf.attention_times().splitlines()[2:]]
+    assert {r[0].lstrip("| ") for r in rows} == {"sliding d=256", "full d=512"} and len(rows) == 8
+    assert all(float(r[-1].rstrip(" |")) >= 1 for r in rows)  # never below the floor
     for batch in (1, 8):
         for fp8 in (False, True):
             for name, ctas, floor, est in kf.computed(batch, fp8):
