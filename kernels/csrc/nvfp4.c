@@ -10,24 +10,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include "vnni.h"
+#include "q6k_helpers.h"
 #define MR 4
 int nvfp4_ok(void) { return VNNI; }
 #if VNNI
 #include "scratch.h"
-static inline void transpose(__m512i r[16]) {  /* 16 x 16 dwords in place: r[j] lane l = r[l] lane j */
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2)
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    for (int i = 0; i < 16; i += 4)
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]), r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]),
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]), r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    for (int i = 0; i < 16; i += 8)
-        for (int j = 0; j < 4; j++)
-            t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88),
-            t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
-    for (int j = 0; j < 8; j++)
-        r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88), r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
-}
 /* Rows m0..m0 + mr of x (xq int8 [m, k]; per (row, group): dx, nb = -12·sum xq) times outputs 32p..32p + 31 of
    block scratch w (groups, then quads, then 4 vectors of 16 rows), factors fs [k/16][64]; to out column col. */
 static inline __attribute__((always_inline)) void rows(const uint8_t *w, const float *fs, int p, const int8_t *xq,
@@ -116,13 +103,13 @@ int nvfp4_gemm(const uint16_t *x, const uint8_t *packed, const uint8_t *scale, c
                     h = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16((short)0xBF80));
                     t[l] = _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f * gr[l])));
                 }
-                transpose(t);
+                tr16r(t);
                 for (long j = 0; j < 16 && g0 + j < gs; j++) _mm512_store_si512(fs + (g0 + j) * 64 + 16 * v, t[j]);
             }
             for (long g0 = 0; g0 < gs; g0 += 8) {  /* codes: 8 groups (16 dwords) of each row, then rows into lanes */
                 __mmask16 in = gs - g0 >= 8 ? 0xFFFF : (__mmask16)((1u << (2 * (gs - g0))) - 1);
                 for (int l = 0; l < 16; l++) t[l] = _mm512_maskz_loadu_epi32(in, pr[l] + 8 * g0);
-                transpose(t);
+                tr16r(t);
                 for (long j = 0; j < 8 && g0 + j < gs; j++) {
                     uint8_t *d = w + (g0 + j) * 1024 + v * 64;
                     __m512i c0 = t[2 * j], c1 = t[2 * j + 1];
