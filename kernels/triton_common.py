@@ -2,8 +2,9 @@
 
 `interpreting`: TRITON_INTERPRET=1. Its CPU interpreter keeps bf16 as uint16 bits and multiplies those in tl.dot:
 importing this module under it makes bf16 dot operands their fp32 values (exact), so the kernels' bf16
-tensor-core branches run there as on a GPU (fp32 accumulation). `round_bf16` rounds on the bits because the interpreter breaks float32 -> bfloat16
-ties differently from the GPU and torch (RTNE); the kernels mirror the reference's roundings to the storage dtype.
+tensor-core branches run there as on a GPU (fp32 accumulation). `round_bf16` rounds on the bits because the
+interpreter breaks float32 -> bfloat16 ties differently from the GPU and torch (RTNE); the kernels mirror the
+reference's roundings to the storage dtype.
 """
 
 from __future__ import annotations
